@@ -1,0 +1,137 @@
+"""Resolve what the user typed (a pid, host:port, a socket path, --rank N) to a Target."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from probe._errors import EndpointError
+from probe._runtime import pid_alive, read_entries, runtime_dir
+
+__all__ = ["Target", "resolve", "targets_for_ranks", "parse_rank_spec"]
+
+
+@dataclass
+class Target:
+    """One probed process to talk to."""
+
+    label: str
+    socket: str | None = None
+    host: str | None = None
+    port: int | None = None
+    token: str | None = None
+    pid: int | None = None
+    rank: int | None = None
+    entry: dict = field(default_factory=dict)
+
+    @property
+    def local_pid(self) -> int | None:
+        """The pid when the process runs on this host (py-spy can read it), else None."""
+        if self.pid is None:
+            return None
+        import socket as _s
+
+        host = self.entry.get("host")
+        return self.pid if host in (None, _s.gethostname()) else None
+
+
+def _python_cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _from_entry(entry: dict, token: str | None) -> Target:
+    label = f"rank {entry['rank']}" if entry.get("rank") is not None else f"pid {entry['pid']}"
+    import socket as _s
+
+    if entry.get("host") in (None, _s.gethostname()) and entry.get("socket") and os.path.exists(entry["socket"]):
+        return Target(label, socket=entry["socket"], pid=entry["pid"], rank=entry.get("rank"), entry=entry)
+    if entry.get("tcp_port"):
+        host = entry.get("tcp_host") or entry.get("host")
+        if host in ("0.0.0.0", "::"):
+            host = entry.get("host")
+        return Target(label, host=host, port=int(entry["tcp_port"]), token=token or entry.get("token"),
+                      pid=entry["pid"], rank=entry.get("rank"), entry=entry)
+    raise EndpointError(f"{label} on {entry.get('host')} has no reachable endpoint; start it with PROBE_PORT set so other hosts can reach it.")
+
+
+def resolve(endpoint: str, token: str | None = None) -> Target:
+    """A pid, ``host:port``, ``[v6]:port`` or a unix-socket path."""
+    endpoint = endpoint.strip()
+    if endpoint.isdigit():
+        pid = int(endpoint)
+        path = os.path.join(runtime_dir(), f"{pid}.json")
+        entries = {e["pid"]: e for e in read_entries() if not e.get("shared")}
+        if pid in entries:
+            return _from_entry(entries[pid], token)
+        if not pid_alive(pid):
+            raise EndpointError(f"no process with pid {pid} is running; `probe list` shows the probed processes.")
+        hint = "run `probe inject %d` to start one, or start the job with `import probe.auto` or PROBE=1" % pid
+        if not _python_cmdline(pid):
+            hint = "its command line cannot be read; " + hint
+        del path
+        target = Target(f"pid {pid}", pid=pid)
+        target.entry = {"pid": pid, "missing": True, "hint": f"process {pid} has no probe server; {hint}."}
+        return target
+    m = re.match(r"^\[?([A-Za-z0-9_.:\-]+?)\]?:(\d+)$", endpoint)
+    if m and "/" not in endpoint:
+        host, port = m.group(1), int(m.group(2))
+        if token is None:
+            for e in read_entries():
+                if e.get("tcp_port") == port and e.get("token"):
+                    token = e["token"]
+                    break
+        return Target(endpoint, host=host, port=port, token=token)
+    if "/" in endpoint or endpoint.endswith(".sock"):
+        if not os.path.exists(endpoint):
+            raise EndpointError(f"no socket at {endpoint}; `probe list` shows the probed processes and their sockets.")
+        return Target(endpoint, socket=endpoint)
+    raise EndpointError(f"'{endpoint}' is not an endpoint; give a pid, host:port, or a socket path (see `probe list`).")
+
+
+def parse_rank_spec(spec: str) -> list[int] | None:
+    """``all`` -> None (every rank); ``0-3,7`` -> [0, 1, 2, 3, 7]."""
+    spec = spec.strip().lower()
+    if spec == "all":
+        return None
+    ranks: list[int] = []
+    try:
+        for part in spec.split(","):
+            if "-" in part:
+                lo, hi = part.split("-", 1)
+                if int(hi) < int(lo):
+                    raise ValueError
+                ranks.extend(range(int(lo), int(hi) + 1))
+            elif part:
+                ranks.append(int(part))
+    except ValueError:
+        raise EndpointError(f"'{spec}' is not a rank list; use all, a rank (3), a range (0-3) or a list (0-3,7).") from None
+    if not ranks:
+        raise EndpointError("the rank list is empty; use all, a rank (3), a range (0-3) or a list (0-3,7).")
+    return sorted(set(ranks))
+
+
+def targets_for_ranks(ranks: list[int] | None, token: str | None = None) -> list[Target]:
+    """Targets of the given ranks (None: every rank) from the local and shared registries."""
+    entries = [e for e in read_entries(clean=True) if e.get("rank") is not None]
+    if not entries:
+        raise EndpointError("no probed ranks were found in the registry; start the job with PROBE=1 (set PROBE_REGISTRY for several nodes) or check `probe list`.")
+    by_rank: dict[int, dict] = {}
+    for e in entries:
+        by_rank.setdefault(int(e["rank"]), e)
+    wanted = sorted(by_rank) if ranks is None else ranks
+    missing = [r for r in wanted if r not in by_rank]
+    if missing and ranks is not None and len(missing) == len(wanted):
+        known = ", ".join(str(r) for r in sorted(by_rank))
+        raise EndpointError(f"no probed process has rank {', '.join(map(str, missing))}; known ranks: {known}.")
+    out = []
+    for r in wanted:
+        if r in by_rank:
+            out.append(_from_entry(by_rank[r], token))
+        else:
+            out.append(Target(f"rank {r}", rank=r, entry={"missing": True, "hint": f"rank {r} is not in the registry."}))
+    return out

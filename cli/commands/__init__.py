@@ -1,0 +1,46 @@
+"""The command registry. A command is a class registered with ``@command``; its name,
+help and arguments come from the registration, and ``probe --help`` is generated from
+it. Modules listed in ``MODULES`` are imported on demand to fill the registry."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+__all__ = ["Command", "command", "COMMANDS", "load_all"]
+
+COMMANDS: dict[str, type] = {}
+MODULES = ("core",)
+
+
+class Command:
+    """Base class. ``needs_target``: the command talks to a probed process."""
+
+    name = ""
+    help = ""
+    needs_target = True
+    aliases: tuple[str, ...] = ()
+
+    @staticmethod
+    def add_arguments(parser) -> None:
+        pass
+
+    def run(self, session, args) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def command(name: str, help: str, *, needs_target: bool = True, aliases: tuple[str, ...] = ()) -> Callable:
+    def register(cls):
+        cls.name, cls.help, cls.needs_target, cls.aliases = name, help, needs_target, aliases
+        COMMANDS[name] = cls
+        for a in aliases:
+            COMMANDS[a] = cls
+        return cls
+
+    return register
+
+
+def load_all() -> dict[str, type]:
+    for mod in MODULES:
+        importlib.import_module(f"{__name__}.{mod}")
+    return COMMANDS

@@ -1,0 +1,206 @@
+"""Read-tier commands: list, query, tables, describe, backtrace."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from probe._errors import ProbeError
+
+from . import Command, command
+
+
+def _read_sql(text: str) -> str:
+    if text == "-":
+        return sys.stdin.read()
+    return text
+
+
+@command("list", "List probed processes on this host (and in PROBE_REGISTRY): pid, rank, step, endpoint.", needs_target=False)
+class List(Command):
+    @staticmethod
+    def add_arguments(p):
+        p.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+
+    def run(self, session, args):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from probe._runtime import read_entries
+
+        from .._client import Client
+        from .._endpoint import _from_entry
+
+        entries = read_entries(clean=True)
+
+        def health(entry):
+            try:
+                return Client(_from_entry(entry, session.token), timeout=min(session.timeout, 2.0)).get("/health")
+            except ProbeError as exc:
+                return {"unreachable": exc.message}
+
+        with ThreadPoolExecutor(max_workers=min(32, max(1, len(entries)))) as pool:
+            states = list(pool.map(health, entries))
+        rows = []
+        for e, h in zip(entries, states):
+            endpoint = e.get("socket") if not e.get("shared") else f"{e.get('host')}:{e.get('tcp_port')}"
+            if e.get("tcp_port") and not e.get("shared"):
+                endpoint += f" tcp:{e.get('tcp_host')}:{e['tcp_port']}"
+            state = "unreachable" if "unreachable" in h else h.get("state") or "running"
+            rows.append({
+                "pid": e["pid"], "rank": e.get("rank"), "world_size": e.get("world_size"), "host": e.get("host"),
+                "step": h.get("step"), "state": state, "hung_since": h.get("hung_since"),
+                "endpoint": endpoint, "command": " ".join(e.get("argv", []))[:80],
+            })
+        if args.json or session.format == "json":
+            session.print(json.dumps(rows, indent=2))
+            return 0
+        if not rows:
+            session.note("No probed processes found. Start one with `import probe.auto`, PROBE=1, or `probe inject PID`.")
+            return 0
+        from probe.sql.engine import Result
+
+        from .._render import render_result
+
+        cols = ["pid", "rank", "world_size", "host", "step", "state", "endpoint", "command"]
+        types = ["BIGINT", "INTEGER", "INTEGER", "VARCHAR", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR"]
+        result = Result(cols, types, [[r[c] for c in cols] for r in rows])
+        session.print(render_result(result, session.format))
+        return 0
+
+
+@command("query", "Run one read-only SQL query on the live tables.", aliases=("sql",))
+class Query(Command):
+    @staticmethod
+    def add_arguments(p):
+        p.add_argument("sql", help="The SQL query, or - to read it from standard input.")
+        p.add_argument("-f", dest="format", choices=("table", "json", "csv"), default=argparse_suppress(),
+                       help="Output format (same as --format).")
+        p.add_argument("--max-rows", type=int, default=None, help="Row cap of the result (default 10000 on the server).")
+        p.add_argument("--expanded", "-x", action="store_true", help="One column per line, like psql's \\x.")
+        p.add_argument("--timing", action="store_true", help="Print the server-side time of the query.")
+
+    def run(self, session, args):
+        sql = _read_sql(args.sql)
+        if session.multi:
+            from .._fanout import federated_query  # added by the ranks feature
+
+            result = federated_query(session, sql, max_rows=args.max_rows)
+        else:
+            body = {"sql": sql}
+            if args.max_rows:
+                body["max_rows"] = args.max_rows
+            body["timeout"] = session.timeout
+            from probe.sql.engine import Result
+
+            doc = session.client().post("/query", body, timeout=session.timeout + 5)
+            result = Result.from_dict(doc)
+        from .._render import render_result
+
+        session.print(render_result(result, session.format, expanded=args.expanded, timing=args.timing))
+        return 0
+
+
+def argparse_suppress():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+@command("tables", "List the tables of a probed process with their descriptions.")
+class Tables(Command):
+    def run(self, session, args):
+        doc = session.client().get("/tables")
+        if session.format == "json":
+            session.print(json.dumps(doc["tables"], indent=2))
+            return 0
+        from probe.sql.engine import Result
+
+        from .._render import render_result
+
+        rows = [[t["name"], t["kind"], len(t["columns"]), t["description"]] for t in doc["tables"]]
+        session.print(render_result(Result(["name", "kind", "columns", "description"],
+                                           ["VARCHAR", "VARCHAR", "INTEGER", "VARCHAR"], rows), session.format))
+        return 0
+
+
+@command("describe", "Show the columns of one table, with types and descriptions.")
+class Describe(Command):
+    @staticmethod
+    def add_arguments(p):
+        p.add_argument("table", help="Table name, e.g. python.backtrace.")
+
+    def run(self, session, args):
+        doc = session.client().get("/tables")
+        by_name = {t["name"]: t for t in doc["tables"]}
+        t = by_name.get(args.table.lower())
+        if t is None:
+            raise ProbeError(f"unknown table {args.table}; known tables: {', '.join(sorted(by_name))}.")
+        if session.format == "json":
+            session.print(json.dumps(t, indent=2))
+            return 0
+        from probe.sql.engine import Result
+
+        from .._render import render_result
+
+        session.print(f"{t['name']}: {t['description']}")
+        rows = [[c["name"], c["type"], c["description"]] for c in t["columns"]]
+        session.print(render_result(Result(["column", "type", "description"], ["VARCHAR"] * 3, rows), session.format))
+        if t.get("examples"):
+            session.print("Examples:\n" + "\n".join(f"  {e}" for e in t["examples"]))
+        return 0
+
+
+@command("backtrace", "Stacks of every thread, innermost frame first; falls back to py-spy for a hung or unprobed local process.", aliases=("bt",))
+class Backtrace(Command):
+    @staticmethod
+    def add_arguments(p):
+        p.add_argument("--thread", help="Only this thread (name, ident or native id).")
+        p.add_argument("--locals", action="store_true", help="Show each frame's local variables (short reprs).")
+        p.add_argument("--native", action="store_true", help="Include native (C/C++) frames; reads the process with py-spy.")
+        p.add_argument("--subprocesses", action="store_true", help="Include child processes (DataLoader workers); uses py-spy.")
+        p.add_argument("--group", action="store_true", help="With --ranks: merge identical stacks across ranks.")
+
+    def run(self, session, args):
+        if session.multi:
+            from .._fanout import fanout_backtrace  # added by the ranks feature
+
+            return fanout_backtrace(session, args)
+        target = session.target()
+        doc = backtrace_doc(session, target, args)
+        if session.format == "json":
+            session.print(json.dumps(doc, indent=2, default=str))
+        else:
+            session.print(render_backtrace_doc(doc))
+        return 0
+
+
+def render_backtrace_doc(doc):
+    from .._render import render_backtrace
+
+    return render_backtrace(doc)
+
+
+def backtrace_doc(session, target, args) -> dict:
+    """The server's backtrace; for a local pid whose server is missing or silent, py-spy's."""
+    wants_pyspy = args.native or args.subprocesses
+    if not wants_pyspy:
+        try:
+            return session.client(target).get("/backtrace", timeout=min(session.timeout, 3.0) if target.local_pid else session.timeout,
+                                              thread=args.thread, locals=1 if args.locals else None)
+        except ProbeError as exc:
+            if target.local_pid is None or isinstance(exc, (__import__("probe")._errors.AuthError, __import__("probe")._errors.QueryError)):
+                raise
+            reason = exc.message
+    else:
+        reason = "native frames were asked for" if args.native else "child processes were asked for"
+    if target.local_pid is None:
+        raise ProbeError("--native and --subprocesses read the process with py-spy, which works only on this host; run the command on the process's node.")
+    try:
+        from probe.injector import pyspy_backtrace
+    except ImportError:
+        raise ProbeError(f"{reason}, and the py-spy fallback is not available in this installation.") from None
+    started = time.perf_counter()
+    doc = pyspy_backtrace(target.local_pid, native=args.native, subprocesses=args.subprocesses, thread=args.thread)
+    doc["note"] = f"[from py-spy in {time.perf_counter() - started:.2f} s: {reason}]"
+    return doc

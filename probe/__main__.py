@@ -1,0 +1,5 @@
+import sys
+
+from probe.cli import main
+
+sys.exit(main())

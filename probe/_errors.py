@@ -1,0 +1,94 @@
+"""The one error tree of probe.
+
+::
+
+    ProbeError                 anything probe reports to a user (exit code 1)
+    ├── QueryError             bad or refused SQL; keeps sqlglot's line/column
+    ├── EndpointError          no such pid, no probe there, connection refused (exit 3)
+    ├── AuthError              missing or wrong token, tier not enabled (exit 4)
+    ├── ActionError            a guarded action failed or was refused (exit 1)
+    └── AttachError            the attach ladder could not attach (exit_code set per cause)
+
+Every message is one plain sentence that says what was wrong and how to fix it.
+``probe.cli.main`` catches ``ProbeError``, prints the message and returns
+``exit_code``: users never see our tracebacks.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ProbeError", "QueryError", "EndpointError", "AuthError", "ActionError", "AttachError"]
+
+
+class ProbeError(Exception):
+    """Base class: a message for the user and the exit code the CLI returns."""
+
+    exit_code = 1
+    kind = "error"
+
+    def __init__(self, message: str, *, exit_code: int | None = None):
+        super().__init__(message)
+        self.message = message
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+    def to_dict(self) -> dict:
+        return {"error": self.message, "kind": self.kind, "exit_code": self.exit_code}
+
+
+class QueryError(ProbeError):
+    """Refused or failed SQL. ``line``/``col`` come from sqlglot when it could not parse."""
+
+    exit_code = 2
+    kind = "query"
+
+    def __init__(self, message: str, *, line: int | None = None, col: int | None = None):
+        super().__init__(message)
+        self.line = line
+        self.col = col
+
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        d.update(line=self.line, col=self.col)
+        return d
+
+
+class EndpointError(ProbeError):
+    """The endpoint could not be reached or does not run a probe."""
+
+    exit_code = 3
+    kind = "endpoint"
+
+
+class AuthError(ProbeError):
+    """A missing or wrong token, or a tier (actions, eval) not enabled for this client."""
+
+    exit_code = 4
+    kind = "auth"
+
+
+class ActionError(ProbeError):
+    """A guarded action was refused, failed or timed out."""
+
+    exit_code = 5
+    kind = "action"
+
+
+class AttachError(ProbeError):
+    """A rung of the attach ladder failed; the message says why and what to change."""
+
+    exit_code = 6
+    kind = "attach"
+
+
+_KINDS = {cls.kind: cls for cls in (ProbeError, QueryError, EndpointError, AuthError, ActionError, AttachError)}
+
+
+def error_from_dict(d: dict) -> ProbeError:
+    """Rebuild an error sent by the server (``to_dict``) on the client side."""
+    cls = _KINDS.get(d.get("kind", "error"), ProbeError)
+    if cls is QueryError:
+        return QueryError(d.get("error", "query failed"), line=d.get("line"), col=d.get("col"))
+    err = cls(d.get("error", "the probe reported an error"))
+    if d.get("exit_code") is not None:
+        err.exit_code = int(d["exit_code"])
+    return err

@@ -1,0 +1,174 @@
+"""The per-user runtime directory and the registry of probed processes.
+
+Layout of the directory (mode 0700, owned by the user)::
+
+    <pid>.sock     the unix socket of the probe in process <pid>
+    <pid>.json     its registry entry (mode 0600): identity, endpoints, token
+    audit.jsonl    every action and eval, one JSON object a line
+    hang-<pid>-<time>.txt   stacks written by the hang watchdog
+
+With ``PROBE_REGISTRY`` set, entries are also written to that shared directory so
+ranks on other nodes can be found.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import sys
+import time
+
+from ._config import setting
+from ._errors import EndpointError
+
+__all__ = ["runtime_dir", "rank_identity", "write_entry", "read_entries", "remove_entry", "pid_alive"]
+
+
+def runtime_dir(create: bool = True) -> str:
+    """The directory for sockets and registry entries of this user, created 0700."""
+    path = setting("PROBE_RUNTIME_DIR")
+    if not path:
+        xdg = os.environ.get("XDG_RUNTIME_DIR")
+        path = os.path.join(xdg, "probe") if xdg and os.path.isdir(xdg) else f"/tmp/probe-{os.getuid()}"
+    if create:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.stat(path)
+        if st.st_uid != os.getuid():
+            raise EndpointError(
+                f"The runtime directory {path} belongs to another user; set PROBE_RUNTIME_DIR to a directory of your own."
+            )
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.chmod(path, 0o700)
+    return path
+
+
+def _int_env(*names: str) -> int | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                continue
+    return None
+
+
+def rank_identity() -> dict:
+    """Rank, local rank, world size and node rank from torchrun's environment, else SLURM's."""
+    return {
+        "rank": _int_env("RANK", "SLURM_PROCID"),
+        "local_rank": _int_env("LOCAL_RANK", "SLURM_LOCALID"),
+        "world_size": _int_env("WORLD_SIZE", "SLURM_NTASKS"),
+        "node_rank": _int_env("GROUP_RANK", "NODE_RANK", "SLURM_NODEID"),
+        "host": socket.gethostname(),
+    }
+
+
+def _atomic_write(path: str, data: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def _entry_dirs() -> list[str]:
+    dirs = [runtime_dir()]
+    shared = setting("PROBE_REGISTRY")
+    if shared:
+        os.makedirs(shared, exist_ok=True)
+        dirs.append(shared)
+    return dirs
+
+
+def entry_name(entry: dict) -> str:
+    """File name of an entry: unique per host and pid, so a shared registry holds every node."""
+    return f"{entry['host']}-{entry['pid']}.json" if entry.get("shared") else f"{entry['pid']}.json"
+
+
+def write_entry(entry: dict) -> None:
+    """Write (or rewrite) the registry entry of this process, locally and in the shared registry."""
+    local, *shared = _entry_dirs()
+    _atomic_write(os.path.join(local, f"{entry['pid']}.json"), entry)
+    for d in shared:
+        _atomic_write(os.path.join(d, f"{entry['host']}-{entry['pid']}.json"), dict(entry, shared=True))
+
+
+def remove_entry(pid: int, host: str | None = None) -> None:
+    host = host or socket.gethostname()
+    try:
+        dirs = _entry_dirs()
+    except Exception:
+        return
+    for i, d in enumerate(dirs):
+        name = f"{pid}.json" if i == 0 else f"{host}-{pid}.json"
+        for path in (os.path.join(d, name), os.path.join(d, f"{pid}.sock") if i == 0 else None):
+            if path:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_entries(clean: bool = False) -> list[dict]:
+    """Live registry entries of this host (and of the shared registry), sorted by rank then pid.
+
+    Entries whose pid is gone are skipped, and deleted when ``clean`` is true.
+    """
+    entries: dict[tuple, dict] = {}
+    here = socket.gethostname()
+    for d in _entry_dirs():
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for name in names:
+            if not name.endswith(".json"):
+                continue
+            path = os.path.join(d, name)
+            try:
+                with open(path) as f:
+                    entry = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if not isinstance(entry, dict) or "pid" not in entry:
+                continue
+            if entry.get("host", here) == here and not pid_alive(int(entry["pid"])):
+                if clean:
+                    for stale in (path, entry.get("socket")):
+                        try:
+                            if stale:
+                                os.unlink(stale)
+                        except OSError:
+                            pass
+                continue
+            key = (entry.get("host"), entry["pid"])
+            if key not in entries or not entry.get("shared"):
+                entries[key] = entry
+    return sorted(entries.values(), key=lambda e: (e.get("rank") is None, e.get("rank") or 0, e["pid"]))
+
+
+def process_argv() -> list[str]:
+    """This process's argv from /proc (usable before ``sys.argv`` is set), else sys.argv."""
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            parts = f.read().split(b"\0")
+        return [p.decode(errors="replace") for p in parts if p]
+    except OSError:
+        return list(getattr(sys, "argv", []) or [])
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,98 @@
+"""process.info and process.env: who this process is."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+
+from .. import _agent
+from .._runtime import process_argv, rank_identity
+from .._tables import Column, table
+
+SECRET = re.compile(r"TOKEN|SECRET|KEY|PASSWORD|PASSWD|CREDENTIAL|AUTH|COOKIE", re.IGNORECASE)
+
+
+def rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _info_row(ctx) -> dict:
+    entry = _agent.info()
+    started = entry.get("started_at")
+    ident = rank_identity()
+    row = {
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "argv": " ".join(process_argv()),
+        "cwd": os.getcwd(),
+        "python": sys.version.split()[0],
+        "torch": getattr(sys.modules.get("torch"), "__version__", None),
+        "host": ident["host"],
+        "rank": ident["rank"],
+        "local_rank": ident["local_rank"],
+        "world_size": ident["world_size"],
+        "node_rank": ident["node_rank"],
+        "rss_bytes": rss_bytes(),
+        "threads": len(sys._current_frames()),
+        "probe_started_at": started,
+        "uptime_s": (ctx.time - started) if started else None,
+        "socket": entry.get("socket"),
+        "tcp_port": entry.get("tcp_port"),
+    }
+    for fn in _INFO_EXTRAS:
+        row.update(fn())
+    return row
+
+
+_INFO_EXTRAS: list = []
+
+
+@table(
+    "process.info",
+    "One row describing this process: identity, rank, resources and probe endpoints.",
+    columns=[
+        Column("pid", "BIGINT", "Process id."),
+        Column("ppid", "BIGINT", "Parent process id (torchrun's agent under torchrun)."),
+        Column("argv", "VARCHAR", "Command line, space separated."),
+        Column("cwd", "VARCHAR", "Working directory."),
+        Column("python", "VARCHAR", "Python version."),
+        Column("torch", "VARCHAR", "torch version if torch is imported, else NULL."),
+        Column("host", "VARCHAR", "Host name."),
+        Column("rank", "INTEGER", "Global rank from RANK (or SLURM_PROCID), NULL outside a distributed job."),
+        Column("local_rank", "INTEGER", "Rank on this node from LOCAL_RANK (or SLURM_LOCALID)."),
+        Column("world_size", "INTEGER", "Number of ranks from WORLD_SIZE (or SLURM_NTASKS)."),
+        Column("node_rank", "INTEGER", "Node index from GROUP_RANK/NODE_RANK (or SLURM_NODEID)."),
+        Column("rss_bytes", "BIGINT", "Resident memory of the process in bytes."),
+        Column("threads", "INTEGER", "Number of Python threads."),
+        Column("probe_started_at", "TIMESTAMP", "When the probe server started in this process."),
+        Column("uptime_s", "DOUBLE", "Seconds since the probe started."),
+        Column("socket", "VARCHAR", "Path of the probe's unix socket."),
+        Column("tcp_port", "INTEGER", "TCP port of the probe, NULL when it listens on the unix socket only."),
+    ],
+    examples=["SELECT pid, rank, world_size, rss_bytes / 1e6 AS rss_mb FROM process.info"],
+)
+def info(ctx):
+    return [_info_row(ctx)]
+
+
+@table(
+    "process.env",
+    "Environment variables of this process; values of names that look secret are redacted.",
+    columns=[
+        Column("name", "VARCHAR", "Variable name."),
+        Column("value", "VARCHAR", "Its value, or '<redacted>' when the name looks like a token, key, password or credential."),
+    ],
+    examples=["SELECT name, value FROM process.env WHERE name LIKE 'PROBE%' OR name LIKE 'NCCL%' ORDER BY name"],
+)
+def env(ctx):
+    return sorted((k, "<redacted>" if SECRET.search(k) else v) for k, v in os.environ.items())
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,150 @@
+"""Run a guarded query on DuckDB over snapshots of the tables it reads.
+
+Each query gets a fresh in-memory DuckDB connection: one thread, a memory limit,
+external access and Python replacement scans off, extensions neither installed nor
+loaded automatically. The snapshots are registered (numpy columns, read without a
+copy), exposed as ``schema.table`` views that cast to the declared types, and then
+the configuration is locked before the user's SQL runs. A timer interrupts DuckDB
+when the query runs past its timeout; at most ``max_rows`` rows come back.
+DuckDB is imported on the first query, not before.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+from probe._errors import QueryError
+
+__all__ = ["Result", "execute", "connect"]
+
+
+@dataclass
+class Result:
+    columns: list[str]
+    types: list[str]
+    rows: list[list]
+    elapsed: float = 0.0
+    truncated: bool = False
+    meta: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Result":
+        return cls(d["columns"], d["types"], d["rows"], d.get("elapsed", 0.0), d.get("truncated", False), d.get("meta", {}))
+
+
+def connect(memory_limit: str = "256MB"):
+    """A locked-down in-memory DuckDB connection (configuration not yet locked)."""
+    import duckdb
+
+    return duckdb.connect(":memory:", config={
+        "threads": 1,
+        "memory_limit": memory_limit,
+        "enable_external_access": False,
+        "python_enable_replacements": False,
+        "autoinstall_known_extensions": False,
+        "autoload_known_extensions": False,
+    })
+
+
+def _column_expr(name: str, typ: str) -> str:
+    q = '"' + name.replace('"', '""') + '"'
+    if typ == "TIMESTAMP":
+        return f"make_timestamp(CAST(round({q} * 1000000) AS BIGINT)) AS {q}"
+    return f"CAST({q} AS {typ}) AS {q}"
+
+
+def register_tables(con, tables: dict) -> None:
+    """``tables`` maps ``schema.table`` to ``(columns, data)``: columns ``[(name, type)]``, data ``{name: array}``."""
+    import numpy as np
+
+    schemas = set()
+    for i, (full, (columns, data)) in enumerate(tables.items()):
+        schema, short = full.split(".", 1)
+        if schema not in schemas:
+            con.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+            schemas.add(schema)
+        arrays = {}
+        for name, typ in columns:
+            values = data[name]
+            if not isinstance(values, np.ndarray):
+                values = np.array(values, dtype=object) if len(values) else np.array([], dtype=object)
+            if values.dtype == object and typ in ("BIGINT", "INTEGER", "DOUBLE", "BOOLEAN", "TIMESTAMP"):
+                values = values.astype(object)
+            arrays[name] = values
+        raw = f"__probe_raw_{i}"
+        con.register(raw, arrays)
+        cols = ", ".join(_column_expr(n, t) for n, t in columns)
+        con.execute(f'CREATE VIEW "{schema}"."{short}" AS SELECT {cols} FROM {raw}')
+
+
+def execute(sql: str, tables: dict, *, max_rows: int = 10000, timeout: float = 10.0,
+            memory_limit: str = "256MB") -> Result:
+    """Run ``sql`` (already guarded) over ``tables`` and return at most ``max_rows`` rows."""
+    import duckdb
+
+    t0 = time.perf_counter()
+    con = connect(memory_limit)
+    timer = None
+    interrupted = threading.Event()
+    try:
+        register_tables(con, tables)
+        con.execute("SET lock_configuration = true")
+
+        def _interrupt():
+            interrupted.set()
+            con.interrupt()
+
+        timer = threading.Timer(timeout, _interrupt)
+        timer.daemon = True
+        timer.start()
+        try:
+            cur = con.execute(sql)
+            rows = cur.fetchmany(max_rows + 1)
+        except duckdb.InterruptException:
+            raise QueryError(f"the query ran past its {timeout:g} s timeout and was stopped; narrow it or raise --timeout.") from None
+        except duckdb.Error as e:
+            if interrupted.is_set():
+                raise QueryError(f"the query ran past its {timeout:g} s timeout and was stopped; narrow it or raise --timeout.") from None
+            msg = str(e).strip().splitlines()[0]
+            raise QueryError(f"DuckDB refused the query: {msg}") from None
+        desc = cur.description or []
+        truncated = len(rows) > max_rows
+        return Result(
+            columns=[d[0] for d in desc],
+            types=[str(d[1]) for d in desc],
+            rows=[list(r) for r in rows[:max_rows]],
+            elapsed=time.perf_counter() - t0,
+            truncated=truncated,
+        )
+    finally:
+        if timer is not None:
+            timer.cancel()
+        con.close()
+
+
+def register_result(con, name: str, result: Result, extra: dict | None = None) -> None:
+    """Load a Result received over the wire into ``con`` as view ``name``, with its types.
+
+    ``extra`` adds constant-per-row columns first (e.g. ``{"rank": [0, 0, 1]}``).
+    """
+    import numpy as np
+
+    arrays = {}
+    for col, values in (extra or {}).items():
+        arrays[col] = np.array(values, dtype=object)
+    for i, col in enumerate(result.columns):
+        arrays[col] = np.array([r[i] for r in result.rows], dtype=object) if result.rows else np.array([], dtype=object)
+    raw = f"__raw_{abs(hash(name))}"
+    con.register(raw, arrays)
+    exprs = [f'"{c}"' for c in (extra or {})]
+    for col, typ in zip(result.columns, result.types):
+        q = '"' + col.replace('"', '""') + '"'
+        simple = typ.split("(")[0] in ("BIGINT", "INTEGER", "DOUBLE", "VARCHAR", "BOOLEAN", "TIMESTAMP", "FLOAT",
+                                       "SMALLINT", "TINYINT", "HUGEINT", "UBIGINT", "UINTEGER", "DATE", "DECIMAL", "TIMESTAMP WITH TIME ZONE")
+        exprs.append(f"TRY_CAST({q} AS {typ}) AS {q}" if simple else f"CAST({q} AS VARCHAR) AS {q}")
+    con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT {", ".join(exprs) or "*"} FROM {raw}')

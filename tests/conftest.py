@@ -1,0 +1,133 @@
+"""Shared fixtures: real target processes and the real `probe` command.
+
+``probe_env`` gives each test its own runtime directory (short, so unix-socket
+paths stay under the 108-byte limit). ``spawn`` starts a target script and waits
+for its ready line with a deadline (no fixed sleeps); ``cli`` runs the installed
+``probe`` console script against it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = ROOT / "tests" / "targets"
+EXAMPLES = ROOT / "examples"
+PROBE_BIN = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
+
+
+def has_torch() -> bool:
+    try:
+        import importlib.util
+
+        return importlib.util.find_spec("torch") is not None
+    except Exception:
+        return False
+
+
+@pytest.fixture
+def probe_env(tmp_path):
+    """Environment for targets and CLI: a private runtime dir, no inherited PROBE settings."""
+    rt = tempfile.mkdtemp(prefix="pr-", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
+    env["PROBE_RUNTIME_DIR"] = rt
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    yield env
+    shutil.rmtree(rt, ignore_errors=True)
+
+
+class Proc:
+    def __init__(self, popen: subprocess.Popen, lines: list[str]):
+        self.popen = popen
+        self.lines = lines
+        self.pid = popen.pid
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float = 60.0) -> str:
+        """Wait until a line containing ``text`` has been printed; return that line."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while time.monotonic() < deadline:
+            for line in self.lines[seen:]:
+                if text in line:
+                    return line
+            seen = max(0, len(self.lines) - 1)
+            if self.popen.poll() is not None and not any(text in l for l in self.lines):
+                raise AssertionError(f"target exited ({self.popen.returncode}) before printing {text!r}:\n{self.output()}")
+            time.sleep(0.02)  # ok-sleep: polling with a deadline
+        raise AssertionError(f"target did not print {text!r} within {timeout} s:\n{self.output()}")
+
+
+@pytest.fixture
+def spawn(probe_env):
+    procs: list[Proc] = []
+
+    def _spawn(args, *, env=None, ready: str | None = "ready", timeout: float = 90.0, cwd=None) -> Proc:
+        if isinstance(args, (str, Path)):
+            args = [str(args)]
+        args = [str(a) for a in args]
+        if args[0].endswith(".py"):
+            args = [sys.executable] + args
+        e = dict(probe_env)
+        e.update(env or {})
+        p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
+                             cwd=cwd or probe_env["PROBE_RUNTIME_DIR"], start_new_session=True)
+        lines: list[str] = []
+
+        def pump():
+            for line in p.stdout:
+                lines.append(line.rstrip("\n"))
+
+        threading.Thread(target=pump, daemon=True).start()
+        proc = Proc(p, lines)
+        procs.append(proc)
+        if ready:
+            proc.wait_for(ready, timeout)
+        return proc
+
+    yield _spawn
+    for proc in procs:
+        p = proc.popen
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGCONT)
+            except OSError:
+                pass
+            p.terminate()
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                p.wait(5)
+
+
+@pytest.fixture
+def cli(probe_env):
+    """Run the real `probe` command; returns CompletedProcess (text)."""
+
+    def _cli(*args, env=None, timeout: float = 60.0, input: str | None = None):
+        e = dict(probe_env)
+        e.update(env or {})
+        return subprocess.run([PROBE_BIN, *map(str, args)], capture_output=True, text=True, env=e,
+                              timeout=timeout, input=input)
+
+    return _cli
+
+
+requires_torch = pytest.mark.skipif(not has_torch(), reason="torch is not installed")

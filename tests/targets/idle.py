@@ -1,0 +1,25 @@
+"""A plain Python process with the probe and no torch: a worker thread and a busy-ish main loop."""
+import os
+import sys
+import threading
+import time
+
+if os.environ.get("TARGET_NO_PROBE") != "1":
+    import probe.auto  # noqa: F401
+
+
+def data_worker():
+    while True:
+        time.sleep(0.2)
+
+
+def main_loop():
+    n = 0
+    while True:
+        n += 1
+        time.sleep(0.05)
+
+
+threading.Thread(target=data_worker, name="data-worker", daemon=True).start()
+print(f"ready {os.getpid()} torch={'torch' in sys.modules}", flush=True)
+main_loop()
