@@ -45,12 +45,10 @@ def _info_row(ctx) -> dict:
         "socket": entry.get("socket"),
         "tcp_port": entry.get("tcp_port"),
     }
-    for fn in _INFO_EXTRAS:
-        row.update(fn())
+    status = _agent.status()  # status providers: step counter (torch), hang watchdog
+    for key in ("step", "last_step_at", "state", "hung_since"):
+        row[key] = status.get(key)
     return row
-
-
-_INFO_EXTRAS: list = []
 
 
 @table(
@@ -74,6 +72,10 @@ _INFO_EXTRAS: list = []
         Column("uptime_s", "DOUBLE", "Seconds since the probe started."),
         Column("socket", "VARCHAR", "Path of the probe's unix socket."),
         Column("tcp_port", "INTEGER", "TCP port of the probe, NULL when it listens on the unix socket only."),
+        Column("step", "BIGINT", "Last completed training step, NULL before the first one."),
+        Column("last_step_at", "TIMESTAMP", "When the last step completed."),
+        Column("state", "VARCHAR", "training, idle (no step seen yet), or hung (the hang watchdog fired)."),
+        Column("hung_since", "TIMESTAMP", "When the hang watchdog saw the last step, if it fired; else NULL."),
     ],
     examples=["SELECT pid, rank, world_size, rss_bytes / 1e6 AS rss_mb FROM process.info"],
 )

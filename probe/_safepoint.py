@@ -1,0 +1,56 @@
+"""The step boundary: the one place where the training thread hands control to the probe.
+
+Whatever detects a completed optimizer step (torch's global optimizer step post-hook,
+or an explicit ``probe.step()``) calls ``fire``; subscribers registered with
+``on_step`` then run on the training thread, between two steps: queued actions,
+the hang watchdog's re-arm, step bookkeeping. A subscriber that raises is recorded in
+``probe.errors`` and the others still run; nothing propagates into training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ._health import record_error
+
+__all__ = ["StepEvent", "on_step", "remove", "fire", "subscribers"]
+
+
+@dataclass
+class StepEvent:
+    """One step boundary as seen by subscribers."""
+
+    step: int
+    frame: Any = None  # the training loop's frame (for the locals of `loss`, `batch`, ...), if known
+    optimizer: Any = None  # the optimizer whose step just finished, if any
+    info: dict = field(default_factory=dict)
+
+
+_subscribers: list[Callable[[StepEvent], None]] = []
+
+
+def on_step(fn: Callable[[StepEvent], None]) -> Callable[[StepEvent], None]:
+    """Run ``fn(event)`` at every step boundary, on the training thread. Idempotent."""
+    if fn not in _subscribers:
+        _subscribers.append(fn)
+    return fn
+
+
+def remove(fn: Callable[[StepEvent], None]) -> None:
+    try:
+        _subscribers.remove(fn)
+    except ValueError:
+        pass
+
+
+def subscribers() -> list:
+    return list(_subscribers)
+
+
+def fire(event: StepEvent) -> None:
+    for fn in list(_subscribers):
+        try:
+            fn(event)
+        except Exception as exc:
+            record_error(f"step subscriber {getattr(fn, '__qualname__', fn)}", exc)
