@@ -38,7 +38,8 @@ def snapshot(names, ctx: Context) -> dict:
     return out
 
 
-def run_query(sql: str, *, max_rows: int | None = None, timeout: float | None = None, ctx: Context | None = None):
+def run_query(sql: str, *, max_rows: int | None = None, timeout: float | None = None, ctx: Context | None = None,
+              query_id: str | None = None):
     from probe.sql import execute, guard
 
     if not isinstance(sql, str) or not sql.strip():
@@ -54,6 +55,7 @@ def run_query(sql: str, *, max_rows: int | None = None, timeout: float | None = 
         max_rows=int(max_rows or setting("PROBE_MAX_ROWS")),
         timeout=float(timeout or setting("PROBE_QUERY_TIMEOUT")),
         memory_limit=setting("PROBE_QUERY_MEMORY"),
+        query_id=query_id,
     )
     entry = _agent.info()
     result.meta = {"pid": entry.get("pid"), "rank": entry.get("rank"), "host": entry.get("host"),
@@ -70,7 +72,20 @@ def query(req: Request) -> dict:
         timeout = float(timeout) if timeout is not None else None
     except (TypeError, ValueError):
         raise QueryError("max_rows must be an integer and timeout a number of seconds.") from None
-    return run_query(req.param("sql"), max_rows=max_rows, timeout=timeout).to_dict()
+    query_id = req.param("query_id")
+    query_id = str(query_id) if query_id not in (None, "") else None
+    return run_query(req.param("sql"), max_rows=max_rows, timeout=timeout, query_id=query_id).to_dict()
+
+
+@route("POST", "/query/cancel")
+def query_cancel(req: Request) -> dict:
+    """Interrupt the running query that the client started with this ``query_id``."""
+    from probe.sql.engine import cancel
+
+    query_id = req.param("query_id")
+    if query_id in (None, ""):
+        raise QueryError("no query_id given; pass the query_id the query was sent with.")
+    return {"query_id": str(query_id), "cancelled": cancel(str(query_id))}
 
 
 @route("GET", "/tables")

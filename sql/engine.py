@@ -17,7 +17,29 @@ from dataclasses import asdict, dataclass, field
 
 from probe._errors import QueryError
 
-__all__ = ["Result", "execute", "connect"]
+__all__ = ["Result", "execute", "connect", "cancel"]
+
+# Connections of running queries that a client named with a ``query_id``, so that
+# ``cancel`` can interrupt one from another thread (the REPL's Ctrl-C).
+_running: dict[str, object] = {}
+_cancelled: dict[str, bool] = {}
+_running_lock = threading.Lock()
+
+
+def cancel(query_id: str) -> bool:
+    """Interrupt the running query ``query_id``; True when it was running.
+
+    A cancel that arrives before the query reached DuckDB is remembered (a few dozen
+    ids at most) and stops the query as soon as it starts.
+    """
+    with _running_lock:
+        con = _running.get(query_id)
+        _cancelled[query_id] = True
+        while len(_cancelled) > 64:
+            _cancelled.pop(next(iter(_cancelled)))
+    if con is not None:
+        con.interrupt()
+    return con is not None
 
 
 @dataclass
@@ -83,8 +105,11 @@ def register_tables(con, tables: dict) -> None:
 
 
 def execute(sql: str, tables: dict, *, max_rows: int = 10000, timeout: float = 10.0,
-            memory_limit: str = "256MB") -> Result:
-    """Run ``sql`` (already guarded) over ``tables`` and return at most ``max_rows`` rows."""
+            memory_limit: str = "256MB", query_id: str | None = None) -> Result:
+    """Run ``sql`` (already guarded) over ``tables`` and return at most ``max_rows`` rows.
+
+    With a ``query_id``, ``cancel(query_id)`` from another thread stops the query.
+    """
     import duckdb
 
     t0 = time.perf_counter()
@@ -102,12 +127,22 @@ def execute(sql: str, tables: dict, *, max_rows: int = 10000, timeout: float = 1
         timer = threading.Timer(timeout, _interrupt)
         timer.daemon = True
         timer.start()
+        if query_id is not None:
+            with _running_lock:
+                _running[query_id] = con
+                early = _cancelled.pop(query_id, False)
+            if early:
+                raise QueryError("the query was cancelled by the client.")
         try:
             cur = con.execute(sql)
             rows = cur.fetchmany(max_rows + 1)
         except duckdb.InterruptException:
+            if query_id is not None and _cancelled.get(query_id):
+                raise QueryError("the query was cancelled by the client.") from None
             raise QueryError(f"the query ran past its {timeout:g} s timeout and was stopped; narrow it or raise --timeout.") from None
         except duckdb.Error as e:
+            if query_id is not None and _cancelled.get(query_id):
+                raise QueryError("the query was cancelled by the client.") from None
             if interrupted.is_set():
                 raise QueryError(f"the query ran past its {timeout:g} s timeout and was stopped; narrow it or raise --timeout.") from None
             msg = str(e).strip().splitlines()[0]
@@ -124,6 +159,10 @@ def execute(sql: str, tables: dict, *, max_rows: int = 10000, timeout: float = 1
     finally:
         if timer is not None:
             timer.cancel()
+        if query_id is not None:
+            with _running_lock:
+                _running.pop(query_id, None)
+                _cancelled.pop(query_id, None)
         con.close()
 
 
