@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         _stop_inherited_probe()
         load_all()
         endpoint, cmd, rest = _split(argv)
+        if endpoint is not None and not _looks_like_endpoint(endpoint):
+            raise ProbeError(f"unknown command '{endpoint}'; run `probe --help` for the commands, or give an ENDPOINT (pid, host:port or socket path) first.")
         if endpoint is not None and cmd is None:
             if "-h" in rest or "--help" in rest:
                 cmd = None
@@ -175,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+
+
+def _looks_like_endpoint(word: str) -> bool:
+    return word.isdigit() or ":" in word or "/" in word or word.endswith(".sock")
 
 
 def _stop_inherited_probe() -> None:

@@ -1,0 +1,73 @@
+"""The SQL guard alone (no process): what it accepts, what it refuses, and its messages."""
+
+import pytest
+
+from probe._errors import QueryError
+from probe.sql import guard
+
+KNOWN = ["python.backtrace", "python.threads", "probe.tables", "probe.columns"]
+
+REFUSED = {
+    "drop": ("DROP TABLE python.threads", "only read queries"),
+    "create": ("CREATE TABLE t AS SELECT 1", "only read queries"),
+    "insert": ("INSERT INTO python.threads VALUES (1)", "only read queries"),
+    "update": ("UPDATE python.threads SET name = 'x'", "only read queries"),
+    "delete": ("DELETE FROM python.threads", "only read queries"),
+    "copy": ("COPY python.threads TO '/tmp/x.csv'", "only read queries"),
+    "attach": ("ATTACH '/tmp/x.db' AS x", "only read queries"),
+    "install": ("INSTALL httpfs", "only read queries"),
+    "load": ("LOAD httpfs", "only read queries"),
+    "pragma": ("PRAGMA threads=4", "only read queries"),
+    "set": ("SET threads = 4", "only read queries"),
+    "read_csv": ("SELECT * FROM read_csv('/etc/passwd')", "not allowed"),
+    "read_parquet": ("SELECT * FROM read_parquet('/tmp/x.parquet')", "not allowed"),
+    "read_text": ("SELECT * FROM read_text('/etc/passwd')", "not allowed"),
+    "glob": ("SELECT * FROM glob('/etc/*')", "not allowed"),
+    "read_json_scalar": ("SELECT (SELECT COUNT(*) FROM read_json('/x.json'))", "not allowed"),
+    "query_fn": ("SELECT * FROM query('SELECT 1')", "not allowed"),
+    "file_as_table": ("SELECT * FROM '/etc/passwd'", "unknown table"),
+    "multi": ("SELECT 1; SELECT 2", "one statement"),
+    "unknown": ("SELECT * FROM nope.nothing", "unknown table"),
+    "catalog": ("SELECT * FROM memory.python.threads", "catalog"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused(name):
+    sql, fragment = REFUSED[name]
+    with pytest.raises(QueryError) as err:
+        guard(sql, KNOWN)
+    assert fragment in err.value.message
+    assert err.value.message.endswith(".")
+
+
+def test_unknown_table_lists_the_known_ones():
+    with pytest.raises(QueryError) as err:
+        guard("SELECT * FROM python.nothing", KNOWN)
+    for name in KNOWN:
+        assert name in err.value.message
+
+
+def test_syntax_error_keeps_line_and_column():
+    with pytest.raises(QueryError) as err:
+        guard("SELECT func\nFROM python.backtrace\nWHERE (", KNOWN)
+    assert err.value.line == 3
+    assert err.value.col is not None
+    assert "line 3" in err.value.message
+
+
+def test_accepts_ctes_unions_and_table_functions():
+    g = guard("WITH t AS (SELECT name FROM python.threads) SELECT * FROM t UNION ALL SELECT 'x' "
+              "UNION ALL SELECT CAST(range AS VARCHAR) FROM range(3)", KNOWN)
+    assert g.tables == ("python.threads",)
+
+
+def test_unqualified_unique_name_resolves():
+    g = guard("SELECT func FROM backtrace", KNOWN)
+    assert g.tables == ("python.backtrace",)
+    assert "python.backtrace" in g.sql
+
+
+def test_describe_and_show_become_registry_queries():
+    assert guard("DESCRIBE python.threads", KNOWN).tables == ("probe.columns",)
+    assert guard("SHOW TABLES", KNOWN).tables == ("probe.tables",)
