@@ -10,7 +10,7 @@ from typing import Callable
 __all__ = ["Command", "command", "COMMANDS", "load_all"]
 
 COMMANDS: dict[str, type] = {}
-MODULES = ("core",)
+MODULES = ("core", "repl")
 
 
 class Command:

@@ -1,0 +1,16 @@
+"""The ``repl`` command: an interactive SQL session on one process or several ranks."""
+
+from __future__ import annotations
+
+from . import Command, command
+
+
+@command("repl", "Interactive SQL session with live-schema completion and backslash commands (\\? lists them); `probe ENDPOINT` alone opens it.")
+class Repl(Command):
+    def run(self, session, args):
+        from .._repl import Repl as ReplLoop
+        from .._repl_state import ReplSession
+
+        repl_session = ReplSession(args)
+        repl_session.connect()
+        return ReplLoop(repl_session).run()
