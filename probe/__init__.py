@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 from ._errors import ActionError, AttachError, AuthError, EndpointError, ProbeError, QueryError  # noqa: E402
 from ._tables import Column, table  # noqa: E402
 from ._agent import start, stop, is_running, info  # noqa: E402
+from ._torch_hooks import step, watch  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -18,6 +19,8 @@ __all__ = [
     "stop",
     "is_running",
     "info",
+    "step",
+    "watch",
     "table",
     "Column",
     "ProbeError",

@@ -120,6 +120,9 @@ def start(*, port: int | None = None, host: str | None = None, token: str | None
             entry["token"] = token
         write_entry(entry)
         _state.update(entry=entry, servers=servers, threads=threads)
+        from ._torch_hooks import arm as _arm_torch
+
+        _arm_torch()  # torch's step and module hooks: now, or when torch gets imported
         return info()
 
 

@@ -1,0 +1,300 @@
+"""Step bookkeeping: one ``torch.steps`` row per training step, and the step boundary.
+
+What counts as a step:
+
+* The *lead* optimizer's ``step()`` ends a training step. The lead is the optimizer
+  given to ``probe.watch(optimizer=...)``, else the first optimizer seen stepping.
+  Other optimizers' steps (a GAN's second optimizer, a separate embedding optimizer)
+  are counted in ``torch.optimizer`` but do not advance the step.
+* Gradient accumulation needs nothing: the optimizer steps once per N micro-batches,
+  so a step is N micro-batches; ``micro_batches``, samples and tokens add up over them.
+* Once ``probe.step()`` is called, the explicit calls own the count and optimizer steps
+  no longer end steps (no double counting).
+
+The hot path never synchronises with a device: the loss (a scalar tensor named
+``loss``, see PROBE_LOSS_NAMES, in the training loop's frames) and the gradient norm
+(a foreach norm launched on the device) are kept as tensors and read a few steps
+later or when a query asks, once they are ready.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+from . import _discovery, _safepoint
+from ._config import setting
+from ._health import record_error
+from ._ring import Ring
+from ._runtime import rank_identity
+
+__all__ = ["StepTracker", "STEP_COLUMNS", "training_frame_of"]
+
+STEP_COLUMNS = {"step": "i8", "started_at": "f8", "ended_at": "f8", "duration": "f8", "loss": "f8",
+                "grad_norm": "f8", "lr": "f8", "samples_per_s": "f8", "tokens_per_s": "f8",
+                "peak_allocated": "f8", "rank": "f8", "traced": "b1", "samples": "f8", "tokens": "f8",
+                "micro_batches": "i8", "optimizer": "O"}
+_LAG = 2  # steps after which a pending value is read on the training thread
+_PROBE_DIR = os.path.dirname(os.path.abspath(__file__))
+_internal_cache: dict = {}
+
+
+def _is_internal(code, torch_dir: str) -> bool:
+    hit = _internal_cache.get(code)
+    if hit is None:
+        f = code.co_filename
+        hit = f.startswith(torch_dir) or f.startswith(_PROBE_DIR) or f.startswith("<frozen")
+        _internal_cache[code] = hit
+    return hit
+
+
+def training_frame_of(frame, torch_dir: str):
+    """The first frame from ``frame`` outwards that belongs neither to torch nor to probe."""
+    while frame is not None and _is_internal(frame.f_code, torch_dir):
+        frame = frame.f_back
+    return frame
+
+
+class StepTracker:
+    def __init__(self, torch, tracer):
+        self.torch = torch
+        self.tracer = tracer
+        self.torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+        self.ring = Ring(STEP_COLUMNS, int(setting("PROBE_STEPS_CAPACITY")))
+        self.rank = rank_identity()["rank"]
+        self.loss_names = [n.strip() for n in (setting("PROBE_LOSS_NAMES") or "loss").split(",") if n.strip()]
+        self.step = 0
+        self.explicit = False
+        self.lead = None  # weakref to the lead optimizer
+        self.last_end_perf: float | None = None
+        self.last_end_wall: float | None = None
+        self.started_perf = time.perf_counter()
+        self.started_wall = time.time()
+        self.samples = 0.0
+        self.tokens = 0.0
+        self.micro_batches = 0
+        self.pending: list = []  # (ring row, column, value holder)
+        self._lock = threading.Lock()
+        self._root_hooks: dict = {}
+        self._scanned_at = 0
+        self._norm_failed: set = set()
+        self.wall_offset = time.time() - time.perf_counter()
+
+    # -- the lead optimizer --------------------------------------------------------------------
+    def set_lead(self, optimizer) -> None:
+        import weakref
+
+        self.lead = weakref.ref(optimizer)
+        _discovery.add_optimizer(optimizer)
+
+    def lead_optimizer(self):
+        return self.lead() if self.lead is not None else None
+
+    def on_optimizer_step(self, optimizer) -> None:
+        """torch's global optimizer step post-hook lands here."""
+        _discovery.add_optimizer(optimizer)
+        lead = self.lead_optimizer()
+        if lead is None:
+            self.set_lead(optimizer)
+        elif lead is not optimizer:
+            return
+        if self.explicit:
+            return
+        frame = training_frame_of(sys._getframe(1), self.torch_dir)
+        self.boundary(optimizer, frame)
+
+    # -- inputs: samples and tokens per step -------------------------------------------------
+    def _root_pre_hook(self, module, args, kwargs):
+        torch = self.torch
+        if not torch.is_grad_enabled():
+            return None  # an evaluation pass is not a training micro-batch
+        x = args[0] if args else next(iter(kwargs.values()), None) if kwargs else None
+        if isinstance(x, dict):
+            x = next((v for v in x.values() if isinstance(v, torch.Tensor)), None)
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            self.micro_batches += 1
+            self.samples += x.shape[0]
+            if x.dim() >= 2 and not x.is_floating_point() and not x.is_complex():
+                self.tokens += x.numel()
+        return None
+
+    def _watch_roots(self) -> None:
+        for name, model in _discovery.models():
+            key = id(model)
+            if key in self._root_hooks:
+                continue
+            try:
+                self._root_hooks[key] = model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True)
+            except Exception as exc:
+                record_error("torch steps: root model hook", exc)
+
+    # -- lazily read values ---------------------------------------------------------------------
+    def _hold(self, value):
+        """A float now when that costs no sync, else a holder to read later."""
+        torch = self.torch
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                return float("nan")
+            value = value.detach()
+            if value.device.type == "cpu":
+                return ("cpu", value)
+            try:
+                host = torch.empty((), dtype=value.dtype, device="cpu", pin_memory=value.device.type == "cuda")
+                host.copy_(value.reshape(()), non_blocking=True)
+                ev = torch.cuda.Event() if value.device.type == "cuda" else None
+                if ev is not None:
+                    ev.record()
+                return ("dev", host, ev)
+            except Exception as exc:
+                record_error("torch steps: copying a device scalar", exc)
+                return float("nan")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return float("nan")
+
+    def _read(self, holder, wait: bool):
+        if holder[0] == "cpu":
+            return float(holder[1].item())
+        ev = holder[2]
+        if ev is not None and not ev.query():
+            return None
+        return float(holder[1].item())
+
+    def resolve(self, up_to_row: int | None = None) -> None:
+        """Read pending loss and grad-norm values (those ready; up to a ring row if given)."""
+        with self._lock:
+            keep = []
+            for row, col, holder in self.pending:
+                if self.ring.count - row > self.ring.capacity:
+                    continue
+                if up_to_row is not None and row > up_to_row:
+                    keep.append((row, col, holder))
+                    continue
+                try:
+                    v = self._read(holder, wait=False)
+                except Exception as exc:
+                    record_error(f"torch steps: reading {col}", exc)
+                    continue
+                if v is None:
+                    keep.append((row, col, holder))
+                else:
+                    self.ring.arrays[col][row % self.ring.capacity] = v
+            self.pending = keep
+
+    # -- the boundary -----------------------------------------------------------------------------
+    def _find_loss(self, frame):
+        f, n = frame, 0
+        while f is not None and n < 3:
+            loc = f.f_locals
+            for name in self.loss_names:
+                v = loc.get(name)
+                if v is not None and (isinstance(v, (float, int)) or getattr(v, "numel", lambda: 0)() == 1):
+                    return v
+            f, n = f.f_back, n + 1
+        return None
+
+    def _grad_norm(self, optimizer):
+        if optimizer is None or id(optimizer) in self._norm_failed:
+            return float("nan")
+        torch = self.torch
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return float("nan")
+        try:
+            with torch.no_grad():
+                norms = torch._foreach_norm(grads)
+                return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+        except Exception as exc:  # sparse gradients, mixed devices: stop trying for this optimizer
+            self._norm_failed.add(id(optimizer))
+            record_error("torch steps: grad norm", exc)
+            return float("nan")
+
+    def _peak(self) -> float:
+        torch = self.torch
+        try:
+            if self.tracer.cuda:
+                return float(torch.cuda.max_memory_allocated())
+            import resource
+
+            return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        except Exception:
+            return float("nan")
+
+    def boundary(self, optimizer, frame, *, loss=None, samples=None, tokens=None) -> None:
+        end_perf = time.perf_counter()
+        end_wall = end_perf + self.wall_offset
+        self.step += 1
+        step = self.step
+        _discovery.set_training_frame(frame)
+        if optimizer is None:
+            optimizer = self.lead_optimizer()
+        if step >= 2 * self._scanned_at or step == 1:  # steps 1, 2, 4, 8, ...: cheap enough, catches late models
+            self._scanned_at = step
+            try:
+                _discovery.scan(frame)
+                self._watch_roots()
+            except Exception as exc:
+                record_error("torch steps: discovery", exc)
+        if self.last_end_perf is None:
+            start_perf = self.tracer.first_call_perf() or self.started_perf
+        else:
+            start_perf = self.last_end_perf
+        duration = max(end_perf - start_perf, 0.0)
+        if loss is None:
+            loss = self._find_loss(frame)
+        loss_v = self._hold(loss) if loss is not None else float("nan")
+        norm_v = self._hold(self._grad_norm(optimizer))
+        lr = float("nan")
+        if optimizer is not None and optimizer.param_groups:
+            lr_raw = optimizer.param_groups[0].get("lr")
+            lr = self._hold(lr_raw) if lr_raw is not None else float("nan")
+        s = float(samples) if samples is not None else (self.samples or float("nan"))
+        t = float(tokens) if tokens is not None else (self.tokens or float("nan"))
+        traced = self.tracer.active_step == step
+        row = self.ring.count
+        values = {"loss": loss_v, "grad_norm": norm_v, "lr": lr}
+        direct = {k: (v if isinstance(v, float) else float("nan")) for k, v in values.items()}
+        self.ring.append(step, start_perf + self.wall_offset, end_wall, duration, direct["loss"], direct["grad_norm"],
+                         direct["lr"], s / duration if duration > 0 else float("nan"),
+                         t / duration if duration > 0 else float("nan"), self._peak(),
+                         float("nan") if self.rank is None else self.rank, traced, s, t, self.micro_batches,
+                         type(optimizer).__name__ if optimizer is not None else None)
+        with self._lock:
+            for col, v in values.items():
+                if not isinstance(v, float):
+                    self.pending.append((row, col, v))
+        self.last_end_perf, self.last_end_wall = end_perf, end_wall
+        self.samples = self.tokens = 0.0
+        self.micro_batches = 0
+        if self.pending:
+            self.resolve(up_to_row=row - _LAG)
+        try:
+            if traced:
+                self.tracer.finish(step, self.wall_offset)
+            self.tracer.resolve()
+            self.tracer.prepare(step + 1)
+        except Exception as exc:
+            record_error("torch trace: step boundary", exc)
+        _safepoint.fire(_safepoint.StepEvent(step=step, frame=frame, optimizer=optimizer))
+
+    # -- status -------------------------------------------------------------------------------------
+    def status(self) -> dict:
+        if self.step == 0:
+            return {"state": "idle"}
+        import numpy as np
+
+        n = min(len(self.ring), 20)
+        recent = self.ring.snapshot()["duration"][-n:] if n else []
+        return {"step": self.step, "last_step_at": self.last_end_wall,
+                "step_time": float(np.median(recent)) if n else None, "state": "training"}
+
+    def close(self) -> None:
+        for h in self._root_hooks.values():
+            try:
+                h.remove()
+            except Exception:
+                pass
+        self._root_hooks.clear()

@@ -1,0 +1,262 @@
+"""torch tables: steps, module traces, memory, optimizer param groups, parameters.
+
+Ring tables (``torch.steps``, ``python.torch_trace``) are filled by the hooks in
+``probe._torch_hooks``; the others are built at query time from the objects that
+``probe._discovery`` found. None of them imports torch: without torch they are empty.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .. import _discovery, _torch_hooks
+from .._health import record_error
+from .._tables import Column, table
+from .._torch_steps import STEP_COLUMNS
+from .._torch_trace import TRACE_COLUMNS
+from .process import rss_bytes
+
+
+def _empty(columns: dict) -> dict:
+    return {name: [] for name in columns}
+
+
+@table(
+    "torch.steps",
+    "One row per training step (an optimizer step of the lead optimizer, or a probe.step() call).",
+    columns=[
+        Column("step", "BIGINT", "Step number, counted from 1 since the probe started."),
+        Column("started_at", "TIMESTAMP", "When the step started (the end of the previous step)."),
+        Column("ended_at", "TIMESTAMP", "When the step ended (its optimizer step returned)."),
+        Column("duration", "DOUBLE", "Wall-clock seconds from the previous step boundary to this one, data loading included."),
+        Column("loss", "DOUBLE", "Value of the loss tensor found in the training loop (PROBE_LOSS_NAMES), read lazily; NULL until ready or when none was found."),
+        Column("grad_norm", "DOUBLE", "L2 norm of the lead optimizer's gradients at its step (after any clipping), read lazily."),
+        Column("lr", "DOUBLE", "Learning rate of the lead optimizer's first param group used by this step."),
+        Column("samples_per_s", "DOUBLE", "Samples per second: batch dimension of the root model's training inputs (or probe.step(samples=)) over duration."),
+        Column("tokens_per_s", "DOUBLE", "Tokens per second: elements of integer inputs of rank 2 or more (or probe.step(tokens=)) over duration."),
+        Column("peak_allocated", "BIGINT", "Peak memory so far in bytes: the CUDA allocator's max_memory_allocated on GPU runs, else the process's peak RSS."),
+        Column("rank", "INTEGER", "Global rank, NULL outside a distributed job."),
+        Column("traced", "BOOLEAN", "Whether module tracing (python.torch_trace) was on during this step."),
+        Column("samples", "DOUBLE", "Samples processed in this step, NULL when unknown."),
+        Column("tokens", "DOUBLE", "Tokens processed in this step, NULL when unknown."),
+        Column("micro_batches", "BIGINT", "Training forward passes of the root model in this step (more than 1 under gradient accumulation)."),
+        Column("optimizer", "VARCHAR", "Class of the lead optimizer."),
+    ],
+    examples=[
+        "SELECT step, duration, loss, grad_norm, lr, tokens_per_s FROM torch.steps ORDER BY step DESC LIMIT 10",
+        "SELECT COUNT(*) AS steps, AVG(duration) AS avg_step_s, MIN(loss) AS best_loss, MAX(grad_norm) AS max_grad_norm "
+        "FROM torch.steps WHERE step > (SELECT MAX(step) - 100 FROM torch.steps)",
+    ],
+    kind="ring",
+)
+def steps(ctx):
+    tk = _torch_hooks.tracker()
+    if tk is None:
+        return _empty(STEP_COLUMNS)
+    tk.resolve()
+    return tk.ring.snapshot()
+
+
+@table(
+    "python.torch_trace",
+    "One row per traced module call of the sampled steps (PROBE_TRACE), with its time and memory.",
+    columns=[
+        Column("step", "BIGINT", "Step the call belongs to (the step in progress)."),
+        Column("seq", "BIGINT", "Order of the call's start within its step, from 0."),
+        Column("module", "VARCHAR", "Dotted path of the module from its root model (e.g. blocks.3.attn); the root's own name for the root; the class name for modules outside any known model."),
+        Column("stage", "VARCHAR", "forward, or backward (traced for each root model as a whole)."),
+        Column("duration", "DOUBLE", "Seconds the call took: CUDA event time on GPU runs (NULL until the events complete), else wall-clock time."),
+        Column("allocated", "BIGINT", "Bytes in use when the call ended: CUDA allocated memory on GPU runs, else the process RSS (read at most every 0.5 ms)."),
+        Column("max_allocated", "BIGINT", "Largest allocated value seen so far in this step."),
+        Column("time", "TIMESTAMP", "When the call started."),
+        Column("rank", "INTEGER", "Global rank, NULL outside a distributed job."),
+        Column("depth", "INTEGER", "Nesting depth: 0 for a root model call, 1 for its children, and so on."),
+        Column("model", "VARCHAR", "Name of the root model the module belongs to, empty when unknown."),
+        Column("module_type", "VARCHAR", "Class name of the module."),
+    ],
+    examples=[
+        "SELECT module, stage, COUNT(*) as count, AVG(duration) as avg_time, SUM(duration) as total_time "
+        "FROM python.torch_trace WHERE step > (SELECT MAX(step) - 5 FROM python.torch_trace) "
+        "GROUP BY module, stage ORDER BY total_time DESC LIMIT 10",
+        "SELECT step, MAX(allocated) as peak_memory, MAX(allocated) - MIN(allocated) as memory_range "
+        "FROM python.torch_trace WHERE step > (SELECT MAX(step) - 20 FROM python.torch_trace) GROUP BY step ORDER BY step",
+        "SELECT module_type, COUNT(*) AS calls, SUM(duration) AS total_s FROM python.torch_trace "
+        "WHERE stage = 'forward' AND depth > 0 GROUP BY module_type ORDER BY total_s DESC",
+    ],
+    kind="ring",
+)
+def torch_trace(ctx):
+    tr = _torch_hooks.tracer()
+    if tr is None:
+        return _empty(TRACE_COLUMNS)
+    tr.resolve()
+    return tr.ring.snapshot()
+
+
+_MEMORY_KEYS = (("allocated", "allocated_bytes.all.current"), ("max_allocated", "allocated_bytes.all.peak"),
+                ("reserved", "reserved_bytes.all.current"), ("max_reserved", "reserved_bytes.all.peak"),
+                ("alloc_retries", "num_alloc_retries"), ("ooms", "num_ooms"))
+
+
+@table(
+    "torch.memory",
+    "Memory per device: the CUDA caching allocator's figures for each GPU, and the process RSS on the cpu row.",
+    columns=[
+        Column("device", "VARCHAR", "cpu, or cuda:N."),
+        Column("allocated", "BIGINT", "Bytes held by tensors now (CUDA), NULL on the cpu row."),
+        Column("max_allocated", "BIGINT", "Peak of allocated since start or the last reset_peak_memory_stats (CUDA)."),
+        Column("reserved", "BIGINT", "Bytes reserved by the caching allocator (CUDA)."),
+        Column("max_reserved", "BIGINT", "Peak of reserved (CUDA)."),
+        Column("alloc_retries", "BIGINT", "Allocations that failed once and succeeded after freeing cached blocks (CUDA)."),
+        Column("ooms", "BIGINT", "Out-of-memory errors raised by the allocator (CUDA)."),
+        Column("total", "BIGINT", "Device memory in bytes (CUDA), NULL on the cpu row."),
+        Column("rss", "BIGINT", "Resident memory of the process in bytes (cpu row only)."),
+    ],
+    examples=["SELECT device, allocated / 1e6 AS allocated_mb, reserved / 1e6 AS reserved_mb, ooms, rss / 1e6 AS rss_mb FROM torch.memory"],
+)
+def memory(ctx):
+    rows = [{"device": "cpu", "rss": rss_bytes()}]
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return rows
+    for i in range(torch.cuda.device_count()):
+        stats = torch.cuda.memory_stats(i)
+        row = {"device": f"cuda:{i}", "total": torch.cuda.get_device_properties(i).total_memory}
+        row.update({col: stats.get(key) for col, key in _MEMORY_KEYS})
+        rows.append(row)
+    return rows
+
+
+def _tensor_bytes(value) -> int:
+    torch = sys.modules["torch"]
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return 0
+
+
+def _step_count(state: dict):
+    for st in state:
+        v = st.get("step")
+        if v is not None:
+            try:
+                return int(v)
+            except (TypeError, ValueError, RuntimeError):
+                return None
+    return None
+
+
+@table(
+    "torch.optimizer",
+    "One row per param group of each optimizer found: hyperparameters, size and state memory.",
+    columns=[
+        Column("optimizer", "VARCHAR", "Optimizer class."),
+        Column("optimizer_id", "BIGINT", "Python id of the optimizer, to tell several apart."),
+        Column("param_group", "INTEGER", "Index of the param group."),
+        Column("lr", "DOUBLE", "Current learning rate of the group."),
+        Column("initial_lr", "DOUBLE", "Learning rate the scheduler started from, NULL without a scheduler."),
+        Column("weight_decay", "DOUBLE", "Weight decay of the group."),
+        Column("momentum", "DOUBLE", "Momentum (SGD, RMSprop), NULL when the optimizer has none."),
+        Column("beta1", "DOUBLE", "First beta (Adam-like optimizers)."),
+        Column("beta2", "DOUBLE", "Second beta (Adam-like optimizers)."),
+        Column("eps", "DOUBLE", "Epsilon of the group."),
+        Column("params", "INTEGER", "Number of parameter tensors in the group."),
+        Column("elements", "BIGINT", "Number of parameter elements in the group."),
+        Column("state_bytes", "BIGINT", "Bytes of optimizer state (e.g. Adam's exp_avg and exp_avg_sq) held for the group's parameters."),
+        Column("step_count", "BIGINT", "The optimizer's own step counter for the group (from its state), NULL before the first step."),
+        Column("scheduler", "VARCHAR", "Class of the LR scheduler attached to the optimizer, NULL if none was found."),
+        Column("is_lead", "BOOLEAN", "Whether this optimizer's steps are the ones counted in torch.steps."),
+    ],
+    examples=["SELECT optimizer, param_group, lr, initial_lr, weight_decay, beta1, beta2, params, elements, "
+              "state_bytes / 1e6 AS state_mb, step_count, scheduler FROM torch.optimizer"],
+)
+def optimizer(ctx):
+    tk = _torch_hooks.tracker()
+    lead = tk.lead_optimizer() if tk is not None else None
+    rows = []
+    for opt in _discovery.optimizers():
+        sched = _discovery.scheduler_for(opt)
+        state = opt.state
+        for i, group in enumerate(list(opt.param_groups)):
+            params = list(group.get("params", ()))
+            states = [state.get(p) or {} for p in params]
+            betas = group.get("betas") or (None, None)
+            rows.append({
+                "optimizer": type(opt).__name__, "optimizer_id": id(opt), "param_group": i,
+                "lr": _num(group.get("lr")), "initial_lr": _num(group.get("initial_lr")),
+                "weight_decay": _num(group.get("weight_decay")), "momentum": _num(group.get("momentum")),
+                "beta1": _num(betas[0]), "beta2": _num(betas[1]), "eps": _num(group.get("eps")),
+                "params": len(params), "elements": sum(p.numel() for p in params),
+                "state_bytes": sum(_tensor_bytes(v) for st in states for v in list(st.values())),
+                "step_count": _step_count(states), "scheduler": type(sched).__name__ if sched is not None else None,
+                "is_lead": opt is lead,
+            })
+    return rows
+
+
+def _num(v):
+    if v is None:
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+@table(
+    "torch.parameters",
+    "One row per named parameter of each model found, with gradient and NaN/Inf health computed at query time.",
+    columns=[
+        Column("model", "VARCHAR", "Name of the root model."),
+        Column("name", "VARCHAR", "Dotted parameter name within the model."),
+        Column("shape", "VARCHAR", "Shape, e.g. [64, 256]."),
+        Column("dtype", "VARCHAR", "Element type, e.g. float32."),
+        Column("device", "VARCHAR", "Device, e.g. cpu or cuda:0."),
+        Column("numel", "BIGINT", "Number of elements."),
+        Column("requires_grad", "BOOLEAN", "Whether the parameter is trainable."),
+        Column("in_optimizer", "BOOLEAN", "Whether a discovered optimizer holds the parameter."),
+        Column("grad_norm", "DOUBLE", "L2 norm of the current .grad, NULL when there is none (e.g. after zero_grad(set_to_none=True))."),
+        Column("nan_count", "BIGINT", "NaN elements in the parameter's values."),
+        Column("inf_count", "BIGINT", "Infinite elements in the parameter's values."),
+        Column("grad_nan", "BIGINT", "NaN elements in the gradient, NULL without a gradient."),
+        Column("grad_inf", "BIGINT", "Infinite elements in the gradient, NULL without a gradient."),
+    ],
+    examples=[
+        "SELECT name, shape, numel, requires_grad, in_optimizer FROM torch.parameters ORDER BY numel DESC LIMIT 10",
+        "SELECT model, name, nan_count, inf_count, grad_nan, grad_inf FROM torch.parameters "
+        "WHERE nan_count + inf_count > 0 OR grad_nan + grad_inf > 0",
+        "SELECT model, COUNT(*) AS tensors, SUM(numel) AS elements, SUM(numel) FILTER (WHERE NOT in_optimizer) AS not_optimized "
+        "FROM torch.parameters GROUP BY model",
+    ],
+)
+def parameters(ctx):
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    in_opt = {id(p) for opt in _discovery.optimizers() for g in list(opt.param_groups) for p in g.get("params", ())}
+    rows = []
+    with torch.no_grad():
+        for model_name, model in _discovery.models():
+            for name, p in list(model.named_parameters()):
+                try:
+                    rows.append(_param_row(torch, model_name, name, p, id(p) in in_opt))
+                except Exception as exc:
+                    record_error(f"torch.parameters: {name}", exc)
+    return rows
+
+
+def _param_row(torch, model_name, name, p, in_opt) -> dict:
+    data = p.detach()
+    floating = data.is_floating_point() or data.is_complex()
+    stats = [torch.isnan(data).sum(), torch.isinf(data).sum()] if floating else []
+    g = p.grad
+    if g is not None and not g.is_sparse:
+        g = g.detach()
+        stats += [torch.linalg.vector_norm(g.float()), torch.isnan(g).sum(), torch.isinf(g).sum()]
+    values = torch.stack([s.float() for s in stats]).tolist() if stats else []  # one device sync per tensor
+    row = {"model": model_name, "name": name, "shape": str(list(p.shape)), "dtype": str(p.dtype).replace("torch.", ""),
+           "device": str(p.device), "numel": p.numel(), "requires_grad": p.requires_grad, "in_optimizer": in_opt,
+           "nan_count": int(values[0]) if floating else 0, "inf_count": int(values[1]) if floating else 0}
+    if len(values) > (2 if floating else 0):
+        k = 2 if floating else 0
+        row.update(grad_norm=values[k], grad_nan=int(values[k + 1]), grad_inf=int(values[k + 2]))
+    return row
