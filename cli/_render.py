@@ -64,12 +64,12 @@ def render_result(result: Result, fmt: str = "table", *, expanded: bool = False,
 
 
 def _frame_line(f: dict, show_line: bool = True) -> str:
-    where = f"{f.get('file')}:{f.get('lineno')}"
+    where = f"{f.get('file')}:{f.get('lineno')}" if f.get("lineno") else f"{f.get('file')}"
     text = f"    #{f.get('depth', 0):<3} {f.get('func')} ({where})"
     if show_line and f.get("line"):
         text += f"\n          {f['line']}"
     if f.get("native"):
-        text = text.replace("    #", "    #", 1) + "  [native]"
+        text += "  [native]"
     for k, v in (f.get("locals") or {}).items():
         text += f"\n          {k} = {v}"
     return text
@@ -86,6 +86,8 @@ def render_backtrace(doc: dict) -> str:
         flags = ", ".join(x for x in ("main" if t.get("is_main") else "", "daemon" if t.get("daemon") else "",
                                       t.get("state") or "") if x)
         lines.append("")
+        if t.get("pid") not in (None, doc.get("pid")):  # a child process (--subprocesses)
+            flags = ", ".join(x for x in (f"pid {t['pid']}", flags) if x)
         lines.append(f"Thread {t.get('native_id') or t.get('thread_id')} \"{t.get('name') or '?'}\"" + (f" ({flags})" if flags else ""))
         frames = t.get("frames") or []
         if not frames:

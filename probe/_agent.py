@@ -123,6 +123,9 @@ def start(*, port: int | None = None, host: str | None = None, token: str | None
         from ._torch_hooks import arm as _arm_torch
 
         _arm_torch()  # torch's step and module hooks: now, or when torch gets imported
+        from ._watchdog import install as _install_watchdog
+
+        _install_watchdog()  # PROBE_HANG_TIMEOUT: all-thread stacks on disk when steps stop
         return info()
 
 

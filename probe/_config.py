@@ -41,6 +41,8 @@ _declare("PROBE_TRACE_CAPACITY", "100000", "Rows kept in the python.torch_trace 
 _declare("PROBE_STEPS_CAPACITY", "10000", "Rows kept in the torch.steps ring buffer.")
 _declare("PROBE_LOSS_NAMES", "loss", "Comma-separated names of the scalar loss tensor looked up in the training loop's frames at each step.")
 _declare("PROBE_HANG_TIMEOUT", None, "Seconds without a completed step after which every thread's stack is written to the runtime directory.")
+_declare("PROBE_INJECT_VIA", "remote_exec,gdb", "Injection methods `probe inject` may use, in order: remote_exec (Python 3.14+), gdb.")
+_declare("PROBE_GDB", "gdb", "The gdb executable `probe inject` runs (a name on PATH or an absolute path).")
 
 
 def setting(name: str, environ: dict | None = None) -> str | None:

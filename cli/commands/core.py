@@ -181,26 +181,40 @@ def render_backtrace_doc(doc):
     return render_backtrace(doc)
 
 
+SERVER_BACKTRACE_TIMEOUT = 3.0  # a local server that stays silent this long is presumed stuck; py-spy takes over
+
+
 def backtrace_doc(session, target, args) -> dict:
-    """The server's backtrace; for a local pid whose server is missing or silent, py-spy's."""
-    wants_pyspy = args.native or args.subprocesses
-    if not wants_pyspy:
-        try:
-            return session.client(target).get("/backtrace", timeout=min(session.timeout, 3.0) if target.local_pid else session.timeout,
-                                              thread=args.thread, locals=1 if args.locals else None)
-        except ProbeError as exc:
-            if target.local_pid is None or isinstance(exc, (__import__("probe")._errors.AuthError, __import__("probe")._errors.QueryError)):
-                raise
-            reason = exc.message
-    else:
+    """The server's backtrace; for a local pid whose server is missing or silent, py-spy's (with a note saying why)."""
+    from probe._errors import AuthError, QueryError
+
+    local = target.local_pid
+    if args.native or args.subprocesses:
         reason = "native frames were asked for" if args.native else "child processes were asked for"
-    if target.local_pid is None:
-        raise ProbeError("--native and --subprocesses read the process with py-spy, which works only on this host; run the command on the process's node.")
-    try:
-        from probe.injector import pyspy_backtrace
-    except ImportError:
-        raise ProbeError(f"{reason}, and the py-spy fallback is not available in this installation.") from None
+    else:
+        wait = min(session.timeout, SERVER_BACKTRACE_TIMEOUT) if local else session.timeout
+        try:
+            return session.client(target).get("/backtrace", timeout=wait, thread=args.thread,
+                                              locals=1 if args.locals else None)
+        except ProbeError as exc:
+            if local is None or isinstance(exc, (AuthError, QueryError)):
+                raise
+            if target.entry.get("missing"):
+                reason = f"process {local} has no probe server"
+            elif "did not answer" in exc.message:
+                reason = f"its probe server did not answer within {wait:g} s (a thread may hold the GIL in a C call)"
+            else:
+                reason = f"its probe server could not be reached ({exc.message.rstrip('.')})"
+    if local is None:
+        raise ProbeError("--native and --subprocesses read the process with py-spy, which works only on its host; "
+                         "run the command on the process's node.")
+    from probe.injector import pyspy_backtrace
+
     started = time.perf_counter()
-    doc = pyspy_backtrace(target.local_pid, native=args.native, subprocesses=args.subprocesses, thread=args.thread)
-    doc["note"] = f"[from py-spy in {time.perf_counter() - started:.2f} s: {reason}]"
+    doc = pyspy_backtrace(local, native=args.native, subprocesses=args.subprocesses, thread=args.thread,
+                          timeout=max(session.timeout, 5.0))
+    if doc.get("rank") is None:
+        doc["rank"] = target.rank if target.rank is not None else target.entry.get("rank")
+    extra = "; locals are not available from py-spy" if args.locals else ""
+    doc["note"] = f"[stacks read by py-spy in {time.perf_counter() - started:.2f} s because {reason}{extra}]"
     return doc

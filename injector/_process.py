@@ -1,0 +1,170 @@
+"""What we can learn about a target pid before touching it, and the plain diagnoses.
+
+Every check reads ``/proc`` only (no ptrace), so it is safe on any process. The
+exit codes are distinct per cause so scripts can tell them apart; ``docs/attach.md``
+lists them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from probe._errors import AttachError
+
+__all__ = ["ProcessInfo", "inspect_process", "ptrace_problem", "EXIT_CODES"]
+
+EXIT_CODES = {
+    "no_such_pid": 10,
+    "not_python": 11,
+    "other_user": 12,
+    "ptrace_blocked": 13,
+    "no_rung": 14,
+    "version_mismatch": 15,
+    "bootstrap_failed": 16,
+    "no_answer": 17,
+    "tool_failed": 18,
+}
+
+_CAP_SYS_PTRACE = 19
+_VERSION_RE = re.compile(r"(?:python|libpython)(\d)\.(\d+)")
+
+
+@dataclass
+class ProcessInfo:
+    """A live process and the Python it runs, as far as /proc tells."""
+
+    pid: int
+    uid: int
+    exe: str
+    cmdline: list
+    version: tuple | None  # (major, minor) of its Python, None when it does not run one
+
+    @property
+    def version_text(self) -> str:
+        return "%d.%d" % self.version if self.version else "unknown"
+
+
+def _read(path: str, mode: str = "r"):
+    with open(path, mode) as f:
+        return f.read()
+
+
+def _uid_of(pid: int) -> int:
+    for line in _read(f"/proc/{pid}/status").splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    raise OSError("no Uid line")
+
+
+def _python_version(pid: int, exe: str) -> tuple | None:
+    """(major, minor) from the executable's name or a mapped libpython; asking the binary last."""
+    m = _VERSION_RE.search(os.path.basename(exe))
+    if m:
+        return int(m.group(1)), int(m.group(2))
+    try:
+        maps = _read(f"/proc/{pid}/maps")
+    except OSError:
+        maps = ""
+    for line in maps.splitlines():
+        m = re.search(r"/libpython(\d)\.(\d+)[^/]*\.so", line)
+        if m:
+            return int(m.group(1)), int(m.group(2))
+    if re.match(r"python\d?$", os.path.basename(exe)) and os.access(exe, os.X_OK):
+        try:
+            out = subprocess.run([exe, "-S", "-c", "import sys; print(*sys.version_info[:2])"],
+                                 capture_output=True, text=True, timeout=10).stdout.split()
+            return int(out[0]), int(out[1])
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            return None
+    return None
+
+
+def inspect_process(pid: int, *, need_python: bool = True) -> ProcessInfo:
+    """Check that ``pid`` exists, belongs to us (or we may trace it) and runs Python."""
+    if pid <= 0:
+        raise AttachError(f"{pid} is not a process id; pass the pid shown by ps or top.", exit_code=EXIT_CODES["no_such_pid"])
+    if not os.path.exists(f"/proc/{pid}"):
+        raise AttachError(f"no process with pid {pid} is running; check the pid with `ps -p {pid}` or `probe list`.",
+                          exit_code=EXIT_CODES["no_such_pid"])
+    try:
+        uid = _uid_of(pid)
+        cmdline = [p.decode(errors="replace") for p in _read(f"/proc/{pid}/cmdline", "rb").split(b"\0") if p]
+    except (OSError, ValueError):
+        raise AttachError(f"process {pid} exited or cannot be read; check it with `ps -p {pid}`.",
+                          exit_code=EXIT_CODES["no_such_pid"]) from None
+    me = os.geteuid()
+    if uid != me and me != 0 and not _has_cap_sys_ptrace():
+        raise AttachError(f"process {pid} belongs to uid {uid}, not to you (uid {me}); run probe as that user "
+                          f"(e.g. `sudo -u '#{uid}' probe ...`).", exit_code=EXIT_CODES["other_user"])
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        exe = cmdline[0] if cmdline else ""
+    exe = exe.removesuffix(" (deleted)")
+    version = _python_version(pid, exe)
+    if need_python and version is None:
+        what = os.path.basename(exe) or (cmdline[0] if cmdline else "?")
+        raise AttachError(f"process {pid} ({what}) is not a Python process; pass the pid of the python interpreter "
+                          "(for torchrun, a worker's pid from `ps --ppid`).", exit_code=EXIT_CODES["not_python"])
+    return ProcessInfo(pid, uid, exe, cmdline, version)
+
+
+def _has_cap_sys_ptrace() -> bool:
+    try:
+        for line in _read("/proc/self/status").splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> _CAP_SYS_PTRACE & 1)
+    except (OSError, ValueError):
+        pass
+    return os.geteuid() == 0
+
+
+def _is_ancestor_of(pid: int) -> bool:
+    """Whether this process is an ancestor of ``pid`` (Yama scope 1 allows tracing descendants)."""
+    me = os.getpid()
+    while pid > 1:
+        try:
+            stat = _read(f"/proc/{pid}/stat")
+            pid = int(stat[stat.rindex(")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        if pid == me:
+            return True
+    return False
+
+
+def ptrace_problem(pid: int) -> str | None:
+    """Why ptrace (gdb, py-spy) will be refused for ``pid``, with the setting to change; None if it should work."""
+    try:
+        scope = int(_read("/proc/sys/kernel/yama/ptrace_scope").strip())
+    except (OSError, ValueError):
+        return None
+    cap = _has_cap_sys_ptrace()
+    if scope == 3:
+        return ("ptrace is disabled on this host (kernel.yama.ptrace_scope=3, which only a reboot resets); "
+                "set it to 0 or 1 at boot to attach")
+    if scope == 2 and not cap:
+        return ("ptrace is limited to administrators (kernel.yama.ptrace_scope=2); run probe with sudo "
+                "or grant CAP_SYS_PTRACE")
+    if scope == 1 and not cap and not _is_ancestor_of(pid):
+        return ("ptrace is limited to child processes (kernel.yama.ptrace_scope=1); run "
+                "`sudo sysctl kernel.yama.ptrace_scope=0`, or run probe with sudo / CAP_SYS_PTRACE")
+    return None
+
+
+def explain_ptrace_failure(pid: int, text: str) -> str | None:
+    """A diagnosis for a tool's 'Operation not permitted' that /proc did not predict (containers, seccomp)."""
+    low = text.lower()
+    if "operation not permitted" in low or "permission denied" in low or "eperm" in low:
+        return ptrace_problem(pid) or (
+            "ptrace was refused by the system although Yama allows it; in a container, start it with "
+            "`--cap-add=SYS_PTRACE` (docker) or allow ptrace in its seccomp profile")
+    return None
+
+
+def cli_version() -> tuple:
+    return sys.version_info[:2]
