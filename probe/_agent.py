@@ -21,7 +21,7 @@ from typing import Callable
 from . import __version__
 from ._config import setting
 from ._errors import ProbeError
-from ._runtime import process_argv, rank_identity, remove_entry, runtime_dir, write_entry
+from ._runtime import process_argv, rank_identity, registry_listen, remove_entry, runtime_dir, write_entry
 
 __all__ = ["start", "stop", "is_running", "info", "add_status_provider", "status"]
 
@@ -85,6 +85,8 @@ def start(*, port: int | None = None, host: str | None = None, token: str | None
         port_setting = port if port is not None else setting("PROBE_PORT")
         tcp_port = tcp_host = None
         token = token or setting("PROBE_TOKEN")
+        if port_setting in (None, "") and setting("PROBE_REGISTRY"):  # other nodes find this rank there
+            port_setting, host, token = registry_listen(host, token)
         if port_setting not in (None, ""):
             tcp_host = host or setting("PROBE_HOST")
             token = token or secrets.token_urlsafe(24)

@@ -23,7 +23,8 @@ import time
 from ._config import setting
 from ._errors import EndpointError
 
-__all__ = ["runtime_dir", "rank_identity", "write_entry", "read_entries", "remove_entry", "pid_alive"]
+__all__ = ["runtime_dir", "rank_identity", "write_entry", "read_entries", "remove_entry", "pid_alive",
+           "shared_registry", "job_token", "registry_listen"]
 
 
 def runtime_dir(create: bool = True) -> str:
@@ -56,14 +57,62 @@ def _int_env(*names: str) -> int | None:
 
 
 def rank_identity() -> dict:
-    """Rank, local rank, world size and node rank from torchrun's environment, else SLURM's."""
+    """Rank, local rank, world size and node rank: torchrun's variables, else SLURM's, else Open MPI's."""
     return {
-        "rank": _int_env("RANK", "SLURM_PROCID"),
-        "local_rank": _int_env("LOCAL_RANK", "SLURM_LOCALID"),
-        "world_size": _int_env("WORLD_SIZE", "SLURM_NTASKS"),
+        "rank": _int_env("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"),
+        "local_rank": _int_env("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        "world_size": _int_env("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"),
         "node_rank": _int_env("GROUP_RANK", "NODE_RANK", "SLURM_NODEID"),
         "host": socket.gethostname(),
     }
+
+
+def shared_registry() -> str | None:
+    """The shared registry directory (PROBE_REGISTRY), created 0700 when missing; None when unset."""
+    path = setting("PROBE_REGISTRY")
+    if not path:
+        return None
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def job_token() -> str:
+    """The token every rank of the job listens with: PROBE_TOKEN, else one shared through the registry.
+
+    The first rank to get here creates ``<PROBE_REGISTRY>/token`` (mode 0600, written
+    to a temporary file and linked into place, so no rank ever reads half a token);
+    the others, on any node that mounts the directory, read the same one.
+    """
+    import secrets
+
+    token = setting("PROBE_TOKEN")
+    if token:
+        return token
+    shared = shared_registry()
+    if shared is None:
+        return secrets.token_urlsafe(24)
+    path = os.path.join(shared, "token")
+    tmp = f"{path}.{socket.gethostname()}-{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(24))
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    with open(path) as f:
+        return f.read().strip()
+
+
+def registry_listen(host: str | None, token: str | None) -> tuple[str, str, str]:
+    """(port, bind address, token) for a rank that must be reachable through PROBE_REGISTRY.
+
+    A free port, every interface unless PROBE_HOST is set, and the job's token.
+    """
+    bind = host or (os.environ.get("PROBE_HOST") or "0.0.0.0")
+    return "0", bind, token or job_token()
 
 
 def _atomic_write(path: str, data: dict) -> None:
@@ -76,9 +125,8 @@ def _atomic_write(path: str, data: dict) -> None:
 
 def _entry_dirs() -> list[str]:
     dirs = [runtime_dir()]
-    shared = setting("PROBE_REGISTRY")
+    shared = shared_registry()
     if shared:
-        os.makedirs(shared, exist_ok=True)
         dirs.append(shared)
     return dirs
 
