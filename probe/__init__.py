@@ -2,16 +2,30 @@
 
 ``import probe`` has no side effects; ``import probe.auto`` (or ``PROBE=1``) starts
 the in-process server. See the README for the CLI and the table reference.
+
+Public names are resolved lazily (PEP 562), so the CLI, which needs only the error
+classes, does not pay for the server, table or torch-hook modules at start-up.
 """
 
 from __future__ import annotations
 
+import importlib
+
 __version__ = "0.1.0"
 
 from ._errors import ActionError, AttachError, AuthError, EndpointError, ProbeError, QueryError  # noqa: E402
-from ._tables import Column, table  # noqa: E402
-from ._agent import start, stop, is_running, info  # noqa: E402
-from ._torch_hooks import step, watch  # noqa: E402
+
+_LAZY = {
+    "start": "_agent",
+    "stop": "_agent",
+    "is_running": "_agent",
+    "info": "_agent",
+    "step": "_torch_hooks",
+    "watch": "_torch_hooks",
+    "load_checkpoint": "_checkpoint",
+    "table": "_tables",
+    "Column": "_tables",
+}
 
 __all__ = [
     "__version__",
@@ -21,6 +35,7 @@ __all__ = [
     "info",
     "step",
     "watch",
+    "load_checkpoint",
     "table",
     "Column",
     "ProbeError",
@@ -30,3 +45,16 @@ __all__ = [
     "ActionError",
     "AttachError",
 ]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'probe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -75,6 +75,7 @@ def start(*, port: int | None = None, host: str | None = None, token: str | None
         if runtime:
             os.environ["PROBE_RUNTIME_DIR"] = runtime
         from . import _routes  # noqa: F401  (registers the HTTP routes)
+        from . import _actions_routes  # noqa: F401  (guarded actions and eval)
         from ._server import TCPServer, UnixServer, serve_in_thread
 
         rdir = runtime_dir()

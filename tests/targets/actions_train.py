@@ -1,0 +1,87 @@
+"""A small seeded training loop for the guarded-action tests.
+
+``--sched NAME`` picks the LR scheduler (none, StepLR, CosineAnnealingLR, LambdaLR, LinearLR,
+OneCycleLR, ReduceLROnPlateau, SequentialLR); ``--step-sleep`` slows steps down;
+``--hang-after N`` makes the main thread sleep forever in time.sleep after N steps.
+Steps end at the probe's step boundary: torch's optimizer-step hook when this probe has it,
+else an explicit safepoint fire. Prints ``ready`` after the first step, then ``step N lr X``.
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+import probe.auto  # noqa: F401
+import probe
+from probe import _safepoint
+
+
+def make_scheduler(name, optimizer):
+    s = torch.optim.lr_scheduler
+    if name == "none":
+        return None
+    if name == "StepLR":
+        return s.StepLR(optimizer, step_size=3, gamma=0.5)
+    if name == "CosineAnnealingLR":
+        return s.CosineAnnealingLR(optimizer, T_max=50, eta_min=0.0)
+    if name == "LambdaLR":
+        return s.LambdaLR(optimizer, lambda e: 1.0 / (1 + e))
+    if name == "LinearLR":
+        return s.LinearLR(optimizer, start_factor=0.2, total_iters=40)
+    if name == "OneCycleLR":
+        return s.OneCycleLR(optimizer, max_lr=0.1, total_steps=100000)
+    if name == "ReduceLROnPlateau":
+        return s.ReduceLROnPlateau(optimizer, patience=1000)
+    if name == "SequentialLR":
+        return s.SequentialLR(optimizer, [s.ConstantLR(optimizer, factor=0.5, total_iters=2),
+                                          s.ExponentialLR(optimizer, gamma=0.9)], milestones=[2])
+    raise SystemExit(f"unknown scheduler {name}")
+
+
+def boundary(i):
+    """Only needed while this probe has no automatic optimizer-step hook."""
+    if not hasattr(probe, "step"):
+        _safepoint.fire(_safepoint.StepEvent(step=i, frame=sys._getframe(1)))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--sched", default="StepLR")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--step-sleep", type=float, default=0.02)
+    p.add_argument("--hang-after", type=int, default=0)
+    args = p.parse_args()
+    global model, optimizer, scheduler, trainer_state
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    scheduler = make_scheduler(args.sched, optimizer)
+    trainer_state = {"step": 0}
+    step = 0
+    while True:
+        batch = torch.randn(4, 8)
+        loss = model(batch).pow(2).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        step += 1
+        trainer_state["step"] = step
+        boundary(step)
+        if scheduler is not None:
+            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                scheduler.step(1.0 / step)
+            else:
+                scheduler.step()
+        if step == 1:
+            print(f"ready pid={os.getpid()}", flush=True)
+        print(f"step {step} lr {optimizer.param_groups[0]['lr']:.8g}", flush=True)
+        if args.hang_after and step >= args.hang_after:
+            print("hanging", flush=True)
+            time.sleep(3600)  # ok-sleep: the stuck training thread the --now test needs
+        time.sleep(args.step_sleep)  # ok-sleep: pacing of the target's steps
+
+
+if __name__ == "__main__":
+    main()
