@@ -1,0 +1,116 @@
+"""Hung processes: py-spy fallback of `probe PID backtrace`, and the in-process hang watchdog."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TARGETS
+
+pytestmark = pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy is not installed")
+
+
+def test_gil_held_in_c_without_probe(spawn, cli):
+    # given a main thread inside libc sleep with the GIL held, and no probe
+    target = spawn(TARGETS / "hang_gil.py")
+    # when
+    t0 = time.monotonic()
+    r = cli(target.pid, "backtrace")
+    elapsed = time.monotonic() - t0
+    # then py-spy answers within seconds, says so first, and shows the stuck frame innermost
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("[stacks read by py-spy") and f"process {target.pid} has no probe server" in lines[0]
+    assert "holds the GIL" in r.stdout
+    frame0 = next(l for l in lines if "#0 " in l)
+    assert "stuck_in_c" in frame0 and "hang_gil.py:10" in frame0
+    assert elapsed < 10
+
+
+def test_gil_held_with_a_silent_server_falls_back_and_native_shows_the_c_frame(spawn, cli):
+    target = spawn(TARGETS / "hang_gil.py", env={"TARGET_WITH_PROBE": "1"})
+    r = cli(target.pid, "backtrace", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["source"] == "py-spy" and "did not answer within 3 s" in doc["note"]
+    main = next(t for t in doc["threads"] if t["is_main"])
+    assert main["frames"][0]["func"] == "stuck_in_c" and main["frames"][0]["depth"] == 0
+    native = cli(target.pid, "backtrace", "--native", "--format", "json")
+    assert native.returncode == 0, native.stderr
+    frames = next(t for t in json.loads(native.stdout)["threads"] if t["is_main"])["frames"]
+    funcs = [f["func"] for f in frames]
+    assert frames[0]["native"] is True
+    assert "sleep" in funcs[:5]  # libc's sleep, innermost, above the Python frame
+    assert funcs.index("stuck_in_c") > funcs.index("sleep")
+    assert not frames[funcs.index("stuck_in_c")].get("native")
+    text = cli(target.pid, "backtrace", "--native").stdout
+    assert "[native]" in text and "because native frames were asked for" in text.splitlines()[0]
+
+
+def test_blocked_on_queue_and_lock_names_the_lines(spawn, cli):
+    target = spawn(TARGETS / "hang_queue.py")
+    r = cli(target.pid, "backtrace", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    threads = json.loads(r.stdout)["threads"]
+    main = next(t for t in threads if t["is_main"])
+    ours = [f for f in main["frames"] if f["file"].endswith("hang_queue.py")]
+    assert ours[0]["func"] == "wait_for_job" and "jobs.get()" in ours[0]["line"]
+    files = [f["file"] for f in main["frames"]]
+    assert files[0].endswith("threading.py") and main["frames"][0]["func"].endswith("wait")  # innermost: Condition.wait
+    assert any(f.endswith("queue.py") for f in files[:files.index(ours[0]["file"])])  # inside Queue.get
+    waiter = next(t for t in threads if t["name"] == "lock-waiter")
+    assert [f for f in waiter["frames"] if f["file"].endswith("hang_queue.py")][0]["line"].startswith("with lock:")
+    one = cli(target.pid, "backtrace", "--thread", "lock-waiter", "--format", "json")
+    assert [t["name"] for t in json.loads(one.stdout)["threads"]] == ["lock-waiter"]
+
+
+def _wait_file(path: Path, text: str, deadline_s: float) -> str:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text():
+            return path.read_text()
+        time.sleep(0.05)  # ok-sleep: polling for the dump with a deadline
+    raise AssertionError(f"{path} did not get {text!r} within {deadline_s} s")
+
+
+@pytest.mark.parametrize("mode", ["gil", "sleep"])
+def test_watchdog_writes_stacks_and_reports_hung(spawn, cli, probe_env, mode):
+    timeout_s = 1.0
+    target = spawn([TARGETS / "hang_steps.py", mode], env={"PROBE_HANG_TIMEOUT": str(timeout_s)})
+    ready_at = time.time()
+    dump = Path(probe_env["PROBE_RUNTIME_DIR"]) / f"hang-{target.pid}.txt"
+    text = _wait_file(dump, "stuck_after_steps", timeout_s + 5)
+    assert time.time() - ready_at < timeout_s + 5
+    assert "hang_steps.py" in text and ("line 17" if mode == "gil" else "line 19") in text
+    assert stat_mode(dump) == 0o600
+    if mode == "sleep":  # the server can answer: probe list and process.info say hung since the last step
+        listed = json.loads(cli("list", "--json").stdout)[0]
+        assert listed["state"] == "hung" and listed["hung_since"] <= ready_at + 0.5
+        q = cli(target.pid, "query", "SELECT state, hung_since FROM process.info", "--format", "json")
+        row = json.loads(q.stdout)[0]
+        assert row["state"] == "hung" and row["hung_since"] is not None
+
+
+def stat_mode(path: Path) -> int:
+    return os.stat(path).st_mode & 0o777
+
+
+def test_watchdog_stays_quiet_while_steps_complete(spawn, cli, probe_env):
+    # a target that keeps stepping faster than the timeout never gets a dump
+    script = (
+        "import os, time\nimport probe.auto\nfrom probe._safepoint import StepEvent, fire\n"
+        "print('ready', os.getpid(), flush=True)\n"
+        "for i in range(60):\n    fire(StepEvent(i)); time.sleep(0.05)\n"
+        "print('done', flush=True)\ntime.sleep(60)\n")
+    path = Path(probe_env["PROBE_RUNTIME_DIR"]) / "stepping.py"
+    path.write_text(script)
+    target = spawn(path, env={"PROBE_HANG_TIMEOUT": "1"})
+    target.wait_for("done", 30)
+    dump = Path(probe_env["PROBE_RUNTIME_DIR"]) / f"hang-{target.pid}.txt"
+    assert dump.exists() and dump.stat().st_size == 0
+    assert json.loads(cli("list", "--json").stdout)[0]["state"] != "hung"
