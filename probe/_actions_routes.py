@@ -13,7 +13,8 @@ Every route takes the same scheduling fields in its JSON body:
 from __future__ import annotations
 
 from . import _actions, _agent
-from ._actions import Context, refuse, submit
+from ._actions import refuse, submit
+from ._config import setting
 from ._errors import ActionError, ProbeError
 from ._server import Request, route
 
@@ -41,7 +42,7 @@ def _schedule(req: Request, default_now: bool = False) -> dict:
     at_step = _number(req, "at_step", int)
     if now and at_step is not None:
         raise ActionError("give either now or at_step, not both.")
-    timeout = _number(req, "timeout", float, 60.0)
+    timeout = _number(req, "timeout", float, float(setting("PROBE_ACTION_TIMEOUT")))
     if timeout is not None and timeout <= 0:
         raise ActionError("timeout must be a positive number of seconds.")
     return {"now": now, "at_step": at_step, "timeout": None if now else timeout}

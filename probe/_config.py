@@ -7,16 +7,20 @@ so a setting cannot exist undocumented.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 __all__ = ["Setting", "SETTINGS", "setting", "env_flag"]
 
 
-@dataclass(frozen=True)
 class Setting:
-    name: str
-    default: str | None
-    help: str
+    """A declared environment setting (a plain class: the CLI imports this at start-up)."""
+
+    __slots__ = ("name", "default", "help")
+
+    def __init__(self, name: str, default: str | None, help: str):
+        self.name, self.default, self.help = name, default, help
+
+    def __repr__(self) -> str:
+        return f"Setting({self.name!r}, {self.default!r})"
 
 
 SETTINGS: dict[str, Setting] = {}
@@ -32,6 +36,7 @@ _declare("PROBE_PORT", None, "Also listen on this TCP port (0 picks a free one);
 _declare("PROBE_HOST", "127.0.0.1", "Address the TCP listener binds; a non-loopback address is logged loudly at start.")
 _declare("PROBE_TOKEN", None, "Token TCP clients must send; generated and stored in the 0600 registry entry when unset.")
 _declare("PROBE_ALLOW_EVAL", None, "1 allows eval over TCP (with the token); 0 disables eval everywhere; unset allows it on the unix socket only.")
+_declare("PROBE_ACTION_TIMEOUT", "60", "Seconds a queued action (checkpoint, lr, cleanup, eval --at-step) waits for a step boundary before it is dropped as timed_out, when the client gives no --timeout.")
 _declare("PROBE_QUERY_TIMEOUT", "10", "Seconds a query may run before DuckDB is interrupted.")
 _declare("PROBE_QUERY_MEMORY", "256MB", "DuckDB memory limit for one query.")
 _declare("PROBE_MAX_ROWS", "10000", "Default row cap of a query result; a client can ask for more.")

@@ -109,6 +109,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             client = self.server.client_info(self)
         except AuthError as exc:
+            _audit_refusal(self, method, {"transport": "tcp", "address": "%s:%s" % self.client_address[:2]}, exc)
             self._send(401 if "token" in exc.message else 403, exc.to_dict())
             return
         url = urlparse(self.path)
@@ -125,7 +126,11 @@ class _Handler(BaseHTTPRequestHandler):
                 body = json.loads(self.rfile.read(length) or b"{}")
                 if not isinstance(body, dict):
                     raise ProbeError("request body must be a JSON object")
-            check_tier(client, entry.tier)
+            try:
+                check_tier(client, entry.tier)
+            except AuthError as exc:
+                _audit_refusal(self, method, client, exc)
+                raise
             req = Request(method, url.path, parse_qs(url.query), body, client)
             payload = entry.fn(req)
             self._send(200, payload)
@@ -142,6 +147,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         self._handle("POST")
+
+
+def _audit_refusal(handler, method: str, client: dict, exc: AuthError) -> None:
+    """Refusals of the action and eval tiers go to the audit log like the actions themselves."""
+    entry = ROUTES.get((method, urlparse(handler.path).path))
+    if entry is not None and entry.tier != "read":
+        from ._audit import audit
+
+        audit(client, urlparse(handler.path).path.rsplit("/", 1)[-1], {}, "refused", reason=exc.message, tier=entry.tier)
 
 
 def _json_default(value):

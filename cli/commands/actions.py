@@ -19,7 +19,6 @@ from probe._errors import ActionError, ProbeError
 from . import Command, command
 
 STEP_MARGIN = 2
-DEFAULT_QUEUE_TIMEOUT = 60.0
 PARTIAL_EXIT = 7  # some ranks succeeded and some did not (the same code as the fan-out of queries)
 POLL = 2.0
 
@@ -55,7 +54,6 @@ class _Action(Command):
 
     def run(self, session, args) -> int:
         targets = session.targets()
-        queue_timeout = args.timeout or DEFAULT_QUEUE_TIMEOUT
         if getattr(args, "now", False) and _NOW_RISK.get(self.name):
             session.note(f"probe: warning: {_NOW_RISK[self.name]}")
         at_step = None
@@ -69,7 +67,8 @@ class _Action(Command):
         for t in targets:
             b = self.body(session, args, t)
             if self.queued(args):
-                b["timeout"] = queue_timeout
+                if args.timeout:
+                    b["timeout"] = args.timeout  # else the process's PROBE_ACTION_TIMEOUT
                 if at_step is not None:
                     b["at_step"] = at_step
             bodies.append(b)

@@ -2,7 +2,8 @@
 
 ``--sched NAME`` picks the LR scheduler (none, StepLR, CosineAnnealingLR, LambdaLR, LinearLR,
 OneCycleLR, ReduceLROnPlateau, SequentialLR); ``--step-sleep`` slows steps down;
-``--hang-after N`` makes the main thread sleep forever in time.sleep after N steps.
+``--hang-after N`` makes the main thread sleep forever in time.sleep after N steps;
+``--stall-file F`` pauses between steps while F exists (prints ``stalled`` once per pause).
 Steps end at the probe's step boundary: torch's optimizer-step hook when this probe has it,
 else an explicit safepoint fire. Prints ``ready`` after the first step, then ``step N lr X``.
 """
@@ -52,6 +53,7 @@ def main():
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--step-sleep", type=float, default=0.02)
     p.add_argument("--hang-after", type=int, default=0)
+    p.add_argument("--stall-file")
     args = p.parse_args()
     global model, optimizer, scheduler, trainer_state
     torch.manual_seed(0)
@@ -80,6 +82,11 @@ def main():
         if args.hang_after and step >= args.hang_after:
             print("hanging", flush=True)
             time.sleep(3600)  # ok-sleep: the stuck training thread the --now test needs
+        if args.stall_file and os.path.exists(args.stall_file):
+            print(f"stalled at step {step}", flush=True)
+            while os.path.exists(args.stall_file):
+                time.sleep(0.02)  # ok-sleep: a stalled training thread, released by the test
+            print(f"resumed at step {step}", flush=True)
         time.sleep(args.step_sleep)  # ok-sleep: pacing of the target's steps
 
 
