@@ -1,8 +1,13 @@
-"""A small HTTP/1.1 JSON client for probe servers over a unix socket or TCP (stdlib only)."""
+"""A small HTTP/1.1 JSON client for probe servers over a unix socket or TCP.
+
+It speaks just enough HTTP for our own server, which always answers with
+``Connection: close``: send one request, read to end of stream, split head from body.
+(``http.client`` would cost the CLI ~12 ms of imports, mostly the ``email`` package,
+on every ``probe PID backtrace``.)
+"""
 
 from __future__ import annotations
 
-import http.client
 import json
 import socket
 
@@ -13,16 +18,28 @@ from ._endpoint import Target
 __all__ = ["Client"]
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float):
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
+class _BadResponse(Exception):
+    pass
 
-    def connect(self):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        s.connect(self._path)
-        self.sock = s
+
+def _exchange(sock: socket.socket, method: str, path: str, headers: dict, body: bytes | None) -> tuple[int, bytes]:
+    """Send one request on a connected socket; return (status, body)."""
+    lines = [f"{method} {path} HTTP/1.1", "Host: probe"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    lines.append(f"Content-Length: {len(body or b'')}")
+    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b""))
+    chunks = []
+    while True:
+        chunk = sock.recv(262144)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    data = b"".join(chunks)
+    head, sep, payload = data.partition(b"\r\n\r\n")
+    status_line = head.split(b"\r\n", 1)[0].split()
+    if not sep or len(status_line) < 2 or not status_line[0].startswith(b"HTTP/") or not status_line[1].isdigit():
+        raise _BadResponse()
+    return int(status_line[1]), payload
 
 
 class Client:
@@ -30,13 +47,20 @@ class Client:
         self.target = target
         self.timeout = timeout
 
-    def _connection(self, timeout: float):
+    def _connect(self, timeout: float) -> socket.socket:
         t = self.target
         if t.entry.get("missing"):
             raise EndpointError(t.entry.get("hint", f"{t.label} has no probe server."))
         if t.socket:
-            return _UnixConnection(t.socket, timeout)
-        return http.client.HTTPConnection(t.host, t.port, timeout=timeout)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
+            try:
+                sock.connect(t.socket)
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+        return socket.create_connection((t.host, t.port), timeout=timeout)
 
     def request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
         timeout = self.timeout if timeout is None else timeout
@@ -47,11 +71,10 @@ class Client:
                 raise AuthError(f"{t.label} listens on TCP and needs a token; pass --token or set PROBE_TOKEN.")
             headers["Authorization"] = f"Bearer {t.token}"
         payload = json.dumps(body).encode() if body is not None else None
-        conn = self._connection(timeout)
+        sock = None
         try:
-            conn.request(method, path, body=payload, headers=headers)
-            resp = conn.getresponse()
-            data = resp.read()
+            sock = self._connect(timeout)
+            status, data = _exchange(sock, method, path, headers, payload)
         except FileNotFoundError:
             raise EndpointError(f"the socket of {t.label} is gone; the process probably exited (`probe list` shows live ones).") from None
         except ConnectionRefusedError:
@@ -59,17 +82,20 @@ class Client:
             raise EndpointError(f"connection refused by {where}; the probe is not listening there (check the port, or `probe list`).") from None
         except socket.timeout:
             raise EndpointError(f"{t.label} did not answer within {timeout:g} s; it may be hung with the GIL held (try `probe {t.pid or 'PID'} backtrace`, which falls back to py-spy, or raise --timeout).") from None
-        except (OSError, http.client.HTTPException) as exc:
+        except _BadResponse:
+            raise EndpointError(f"{t.label} did not answer like a probe (not HTTP); check the endpoint.") from None
+        except OSError as exc:
             raise EndpointError(f"could not talk to {t.label} ({exc}); check the endpoint with `probe list`.") from None
         finally:
-            conn.close()
+            if sock is not None:
+                sock.close()
         try:
             doc = json.loads(data or b"{}")
         except ValueError:
-            raise EndpointError(f"{t.label} did not answer like a probe (HTTP {resp.status}); check the endpoint.") from None
-        if resp.status == 401:
+            raise EndpointError(f"{t.label} did not answer like a probe (HTTP {status}); check the endpoint.") from None
+        if status == 401:
             raise AuthError(doc.get("error") or "missing or wrong token; pass --token or set PROBE_TOKEN.")
-        if resp.status >= 400 or (isinstance(doc, dict) and "error" in doc and "kind" in doc):
+        if status >= 400 or (isinstance(doc, dict) and "error" in doc and "kind" in doc):
             raise error_from_dict(doc if isinstance(doc, dict) else {"error": str(doc)})
         if not isinstance(doc, dict):
             raise ProbeError(f"{t.label} sent an unexpected answer.")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
 
 from probe._errors import EndpointError
 from probe._runtime import pid_alive, read_entries, runtime_dir
@@ -12,18 +11,17 @@ from probe._runtime import pid_alive, read_entries, runtime_dir
 __all__ = ["Target", "resolve", "targets_for_ranks", "parse_rank_spec"]
 
 
-@dataclass
 class Target:
-    """One probed process to talk to."""
+    """One probed process to talk to (a plain class: dataclasses cost start-up time)."""
 
-    label: str
-    socket: str | None = None
-    host: str | None = None
-    port: int | None = None
-    token: str | None = None
-    pid: int | None = None
-    rank: int | None = None
-    entry: dict = field(default_factory=dict)
+    def __init__(self, label: str, socket: str | None = None, host: str | None = None, port: int | None = None,
+                 token: str | None = None, pid: int | None = None, rank: int | None = None, entry: dict | None = None):
+        self.label, self.socket, self.host, self.port = label, socket, host, port
+        self.token, self.pid, self.rank = token, pid, rank
+        self.entry = entry if entry is not None else {}
+
+    def __repr__(self) -> str:
+        return f"Target({self.label!r}, socket={self.socket!r}, host={self.host!r}, port={self.port!r})"
 
     @property
     def local_pid(self) -> int | None:
@@ -123,7 +121,9 @@ def targets_for_ranks(ranks: list[int] | None, token: str | None = None) -> list
     by_rank: dict[int, dict] = {}
     for e in entries:
         by_rank.setdefault(int(e["rank"]), e)
-    wanted = sorted(by_rank) if ranks is None else ranks
+    # "all" means every rank of the job: a rank whose process exited still gets a row saying so
+    world = max((int(e["world_size"]) for e in entries if e.get("world_size")), default=0)
+    wanted = sorted(set(by_rank) | set(range(world))) if ranks is None else ranks
     missing = [r for r in wanted if r not in by_rank]
     if missing and ranks is not None and len(missing) == len(wanted):
         known = ", ".join(str(r) for r in sorted(by_rank))
@@ -133,5 +133,6 @@ def targets_for_ranks(ranks: list[int] | None, token: str | None = None) -> list
         if r in by_rank:
             out.append(_from_entry(by_rank[r], token))
         else:
-            out.append(Target(f"rank {r}", rank=r, entry={"missing": True, "hint": f"rank {r} is not in the registry."}))
+            out.append(Target(f"rank {r}", rank=r, entry={
+                "missing": True, "hint": f"rank {r} is not in the registry: its process exited or never started a probe"}))
     return out

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import csv
 import io
 import json
 import shutil
+from typing import TYPE_CHECKING
 
-from probe.sql.engine import Result
+if TYPE_CHECKING:  # the renderer is on the start-up path of every command: import only what runs
+    from probe.sql.engine import Result
 
 __all__ = ["render_result", "render_backtrace", "FORMATS"]
 
 FORMATS = ("table", "json", "csv")
 
 
-def _table(result: Result, max_rows: int) -> str:
+def _table(result: "Result", max_rows: int) -> str:
     from probe.sql.engine import connect, register_result
 
     con = connect()
@@ -36,11 +37,13 @@ def _jsonable(v):
     return v
 
 
-def render_result(result: Result, fmt: str = "table", *, expanded: bool = False, timing: bool = False) -> str:
+def render_result(result: "Result", fmt: str = "table", *, expanded: bool = False, timing: bool = False) -> str:
     if fmt == "json":
         rows = [dict(zip(result.columns, r)) for r in result.rows]
         return json.dumps(rows, indent=2, default=str)
     if fmt == "csv":
+        import csv
+
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
         w.writerow(result.columns)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PROBE = shutil.which("probe") or str(Path(sys.executable).with_name("probe"))
+PROBE = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
 
 
 def banner(text: str) -> None:
