@@ -75,7 +75,7 @@ def main() -> int:
                         "python.torch_trace) GROUP BY module, stage ORDER BY total_time DESC LIMIT 10") != 0
         banner("calm it down: halve the learning rate at the next step boundary (survives the scheduler)")
         failures += run(env, pid, "lr", "--scale", "0.5") != 0
-        failures += run(env, pid, "query", "SELECT optimizer, group_index, lr, initial_lr FROM torch.optimizer") != 0
+        failures += run(env, pid, "query", "SELECT optimizer, param_group, lr, initial_lr, scheduler FROM torch.optimizer") != 0
         banner("save it: an emergency checkpoint, atomically, without stopping training")
         ckpt = os.path.join(work, "emergency.pt")
         failures += run(env, pid, "checkpoint", ckpt) != 0
