@@ -114,3 +114,24 @@ def test_watchdog_stays_quiet_while_steps_complete(spawn, cli, probe_env):
     dump = Path(probe_env["PROBE_RUNTIME_DIR"]) / f"hang-{target.pid}.txt"
     assert dump.exists() and dump.stat().st_size == 0
     assert json.loads(cli("list", "--json").stdout)[0]["state"] != "hung"
+
+
+def _main_liveness(cli, pid) -> dict:
+    q = cli(pid, "query", "SELECT executing, unchanged_s, state, func FROM python.threads WHERE is_main", "--format", "json")
+    assert q.returncode == 0, q.stderr
+    return json.loads(q.stdout)[0]
+
+
+def test_liveness_tells_python_from_a_c_call(spawn, cli):
+    # a main thread spinning in Python moves between the two samples of one query
+    spinning = spawn(TARGETS / "plain_spin.py")
+    row = _main_liveness(cli, spinning.pid)
+    assert row["executing"] is True and row["unchanged_s"] == 0 and row["func"] == "spin"
+    # a main thread waiting in one C call (time.sleep, GIL released) does not, and the wait accumulates
+    waiting = spawn([TARGETS / "hang_steps.py", "sleep"])
+    first = _main_liveness(cli, waiting.pid)
+    t0 = time.monotonic()
+    second = _main_liveness(cli, waiting.pid)
+    assert first["executing"] is False and second["executing"] is False
+    assert first["func"] == second["func"] == "stuck_after_steps"
+    assert second["unchanged_s"] >= first["unchanged_s"] + (time.monotonic() - t0) * 0.5

@@ -6,6 +6,7 @@ import linecache
 import os
 import sys
 import threading
+import time
 
 from .._tables import Column, table
 
@@ -98,14 +99,22 @@ _STATES = {"R": "running", "S": "sleeping", "D": "disk-wait", "Z": "zombie", "T"
         Column("func", "VARCHAR", "Function the thread is executing now."),
         Column("file", "VARCHAR", "Source file of that function."),
         Column("lineno", "INTEGER", "Line being executed."),
+        Column("executing", "BOOLEAN", "Whether the thread ran Python bytecode during a 50 ms window of this query (its instruction moved, or it used CPU while the GIL was busy); false means it sits in one C call, sleep, lock or I/O."),
+        Column("unchanged_s", "DOUBLE", "Seconds the thread has shown no progress (same Python instruction, no wake-up from a wait) in probe's samples, which are taken only when this table is queried; 0 while executing."),
     ],
     examples=[
         "SELECT name FROM python.threads WHERE NOT daemon",
         "SELECT name, state, cpu_user_s, func, lineno FROM python.threads ORDER BY cpu_user_s DESC",
+        "SELECT name, executing, unchanged_s, state, func, lineno FROM python.threads WHERE is_main",
     ],
 )
 def threads(ctx):
+    live = [t for t in threading.enumerate() if t.ident not in ctx.exclude_threads]
+    before = _positions(ctx.exclude_threads)
+    cpu_before = {t.ident: _cpu_ns(getattr(t, "native_id", None)) for t in live}
+    gil_busy = _gil_busy(_LIVENESS_WINDOW_S)
     frames = sys._current_frames()
+    now = time.time()
     main = threading.main_thread()
     rows = []
     for t in threading.enumerate():
@@ -115,6 +124,97 @@ def threads(ctx):
         state, utime, stime = _task_stat(native)
         frame = frames.get(t.ident)
         func, file, lineno, _ = frame_row(frame) if frame is not None else (None, None, None, None)
+        cpu_share = _share(cpu_before.get(t.ident), _cpu_ns(native))
+        moved = before.get(t.ident) != _position(frame) or (gil_busy and cpu_share > 0.2)
+        executing, unchanged = _liveness(t.ident, moved, _position(frame), _wakeups(native), now)
         rows.append((t.ident, native, t.name, t.daemon, t.is_alive(), t is main, _STATES.get(state, state),
-                     utime, stime, func, file, lineno))
+                     utime, stime, func, file, lineno, executing, unchanged))
+    for ident in set(_last_change) - set(frames):
+        del _last_change[ident]  # threads that ended
     return rows
+
+
+# Liveness without a hot-path cost: two samples of each thread's position (innermost frame,
+# its instruction offset, stack depth) taken by the query itself, plus, across queries, the
+# time each thread was first seen at its current position with its current count of
+# wake-ups (voluntary context switches), so a loop around a short sleep counts as progress.
+_LIVENESS_WINDOW_S = 0.05
+_last_change: dict = {}  # thread ident -> (position, time it was first seen there)
+
+
+def _position(frame) -> tuple | None:
+    if frame is None:
+        return None
+    depth, f = 0, frame
+    while f is not None:
+        depth, f = depth + 1, f.f_back
+    return id(frame), id(frame.f_code), frame.f_lasti, depth
+
+
+def _positions(exclude) -> dict:
+    return {ident: _position(f) for ident, f in sys._current_frames().items() if ident not in exclude}
+
+
+def _wakeups(native_id) -> int | None:
+    """Voluntary context switches of a thread: it grows each time the thread blocks and wakes up."""
+    if native_id is None:
+        return None
+    try:
+        with open(f"/proc/self/task/{native_id}/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _cpu_ns(native_id) -> int | None:
+    """Nanoseconds a thread has run on a CPU (/proc schedstat), finer than the clock ticks of stat."""
+    if native_id is None:
+        return None
+    try:
+        with open(f"/proc/self/task/{native_id}/schedstat") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _share(before, after) -> float:
+    if before is None or after is None:
+        return 0.0
+    return (after - before) / (_LIVENESS_WINDOW_S * 1e9)
+
+
+def _gil_busy(window: float) -> bool:
+    """Whether some thread keeps the GIL busy running bytecode during ``window`` seconds.
+
+    Each short sleep releases the GIL; getting it back waits for the holder's next
+    switch point (up to sys.getswitchinterval()) only while another thread is running
+    bytecode. A loop can spin at the same instruction offset (where it yields the GIL),
+    so this, with the thread's CPU time, catches what position sampling cannot.
+    """
+    late = []
+    end = time.perf_counter() + window
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        time.sleep(0.002)  # ok-sleep: releases the GIL on purpose
+        late.append(time.perf_counter() - t0 - 0.002)
+    late.sort()
+    return bool(late) and late[len(late) // 2] > min(0.001, sys.getswitchinterval() / 4)
+
+
+def _liveness(ident, executing, after, wakeups, now: float) -> tuple:
+    """(executing, unchanged_s) of one thread, given whether it executed bytecode during the window."""
+    if after is None:
+        return None, None
+    key = (after, wakeups)
+    seen = _last_change.get(ident)
+    if executing:
+        since = now
+    elif seen is not None and seen[0] == key:
+        since = seen[1]
+    else:
+        since = now - _LIVENESS_WINDOW_S
+    _last_change[ident] = (key, since)
+    return executing, now - since
