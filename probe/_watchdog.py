@@ -131,3 +131,32 @@ def _after_fork_in_child() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
                         after_in_child=_after_fork_in_child)
+
+
+def offline_status(entry: dict) -> dict:
+    """What the dump file says about a process whose server does not answer (the GIL held in C).
+
+    Read by the CLI from the runtime directory: a dump written after the process
+    started means the watchdog fired; ``hung_since`` is the firing time minus the
+    timeout from faulthandler's ``Timeout (H:MM:SS)!`` header, i.e. the last step.
+    """
+    import re
+
+    from ._runtime import runtime_dir
+
+    try:
+        path = os.path.join(runtime_dir(create=False), f"hang-{int(entry['pid'])}.txt")
+        st = os.stat(path)
+        if st.st_size == 0 or st.st_mtime < float(entry.get("started_at") or 0):
+            return {}
+        with open(path, "rb") as f:
+            f.seek(max(0, st.st_size - 65536))
+            tail = f.read().decode(errors="replace")
+    except (OSError, KeyError, ValueError, TypeError):
+        return {}
+    stamps = re.findall(r"Timeout \((\d+):(\d\d):(\d\d)(?:\.\d+)?\)!", tail)
+    timeout = 0.0
+    if stamps:
+        h, m, s = stamps[-1]
+        timeout = int(h) * 3600 + int(m) * 60 + int(s)
+    return {"state": "hung", "hung_since": st.st_mtime - timeout, "hang_dump": path}

@@ -135,3 +135,13 @@ def test_liveness_tells_python_from_a_c_call(spawn, cli):
     assert first["executing"] is False and second["executing"] is False
     assert first["func"] == second["func"] == "stuck_after_steps"
     assert second["unchanged_s"] >= first["unchanged_s"] + (time.monotonic() - t0) * 0.5
+
+
+def test_list_shows_a_gil_held_rank_as_hung_from_its_dump(spawn, cli, probe_env):
+    # the server cannot answer (GIL held in C), so `probe list` reads the watchdog's dump instead
+    target = spawn([TARGETS / "hang_steps.py", "gil"], env={"PROBE_HANG_TIMEOUT": "1"})
+    ready_at = time.time()
+    _wait_file(Path(probe_env["PROBE_RUNTIME_DIR"]) / f"hang-{target.pid}.txt", "stuck_after_steps", 6)
+    row = json.loads(cli("list", "--json").stdout)[0]
+    assert row["pid"] == target.pid and row["state"] == "hung"
+    assert ready_at - 2 <= row["hung_since"] <= ready_at + 1

@@ -37,7 +37,9 @@ class List(Command):
             try:
                 return Client(_from_entry(entry, session.token), timeout=min(session.timeout, 2.0)).get("/health")
             except ProbeError as exc:
-                return {"unreachable": exc.message}
+                from probe._watchdog import offline_status  # a hang dump explains a silent server
+
+                return {"unreachable": exc.message, **offline_status(entry)}
 
         with ThreadPoolExecutor(max_workers=min(32, max(1, len(entries)))) as pool:
             states = list(pool.map(health, entries))
@@ -46,7 +48,7 @@ class List(Command):
             endpoint = e.get("socket") if not e.get("shared") else f"{e.get('host')}:{e.get('tcp_port')}"
             if e.get("tcp_port") and not e.get("shared"):
                 endpoint += f" tcp:{e.get('tcp_host')}:{e['tcp_port']}"
-            state = "unreachable" if "unreachable" in h else h.get("state") or "running"
+            state = h.get("state") or ("unreachable" if "unreachable" in h else "running")
             rows.append({
                 "pid": e["pid"], "rank": e.get("rank"), "world_size": e.get("world_size"), "host": e.get("host"),
                 "step": h.get("step"), "state": state, "hung_since": h.get("hung_since"),
