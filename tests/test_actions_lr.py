@@ -1,0 +1,72 @@
+"""`probe lr`: the change survives the scheduler, checked several steps later against a replayed schedule."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+from conftest import TARGETS, requires_torch
+
+pytestmark = requires_torch
+TRAIN = TARGETS / "actions_train.py"
+SCHEDULERS = ["StepLR", "CosineAnnealingLR", "LambdaLR", "LinearLR", "OneCycleLR", "ReduceLROnPlateau"]
+
+
+def reference_lr(name: str, epoch: int) -> float:
+    """What the unchanged schedule gives at ``epoch``, replayed in this process from the target's own code."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("actions_train_ref", TRAIN)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # its `import probe.auto` starts a harmless probe in the test process
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.05, momentum=0.9)
+    sched = mod.make_scheduler(name, opt)
+    for i in range(epoch):
+        opt.step()
+        if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            sched.step(1.0 / (i + 1))
+        else:
+            sched.step()
+    return opt.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_scaled_lr_survives_the_scheduler(name, spawn, cli, probe_env):
+    stall = os.path.join(probe_env["PROBE_RUNTIME_DIR"], "stall")
+    p = spawn([TRAIN, "--sched", name, "--step-sleep", "0.01", "--stall-file", stall])
+    # when
+    r = cli(p.pid, "lr", "--scale", "0.5")
+    assert r.returncode == 0, r.stderr
+    before, after = map(float, re.search(r"group 0: (\S+) -> (\S+)", r.stdout).groups())
+    assert after == pytest.approx(before * 0.5, rel=1e-5)  # printed with 6 significant digits
+    applied = int(re.search(r"at step (\d+)", r.stdout).group(1))
+    p.wait_for(f"step {applied + 6} ")
+    open(stall, "w").close()
+    p.wait_for("stalled")
+    # then: read through torch.optimizer while the loop is paused; compare with the replayed schedule
+    q = cli(p.pid, "query", "SELECT lr, scheduler FROM torch.optimizer WHERE param_group = 0", "--format", "json")
+    assert q.returncode == 0, q.stderr
+    row = json.loads(q.stdout)[0]
+    assert row["scheduler"] == name
+    e = cli(p.pid, "eval", "scheduler.last_epoch")
+    epoch = int(e.stdout)
+    assert epoch >= applied + 5
+    assert row["lr"] == pytest.approx(0.5 * reference_lr(name, epoch), rel=1e-6)
+    os.unlink(stall)
+
+
+def test_set_group_and_unsupported_scheduler(spawn, cli):
+    p = spawn([TRAIN, "--sched", "SequentialLR"])
+    r = cli(p.pid, "lr", "--set", "0.1")
+    assert r.returncode == 5
+    assert "SequentialLR" in r.stderr and "--ignore-scheduler" in r.stderr and "Traceback" not in r.stderr
+    r = cli(p.pid, "lr", "--set", "0.1", "--group", "3")
+    assert r.returncode == 5 and "param group" in r.stderr
+    r = cli(p.pid, "lr", "--set", "0.1", "--ignore-scheduler", "--group", "0")
+    assert r.returncode == 0 and re.search(r"group 0: \S+ -> 0\.1$", r.stdout, re.M), r.stdout
+    p.wait_for("step 1")  # training goes on after the refusals
