@@ -57,6 +57,15 @@ def training_frame_of(frame, torch_dir: str):
     return frame
 
 
+def _attempt(source: str, fn, *args):
+    """``fn(*args)``, or NaN with the error recorded: one failing measurement never costs the step."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        record_error(source, exc)
+        return float("nan")
+
+
 class StepTracker:
     def __init__(self, torch, tracer):
         self.torch = torch
@@ -120,15 +129,27 @@ class StepTracker:
                 self.tokens += x.numel()
         return None
 
+    def _primary_model(self):
+        """The root model holding the lead optimizer's parameters, else the first model found."""
+        found = _discovery.models()
+        lead = self.lead_optimizer()
+        if lead is not None and lead.param_groups and lead.param_groups[0]["params"]:
+            first = lead.param_groups[0]["params"][0]
+            for _, model in found:
+                if any(p is first for p in model.parameters()):
+                    return model
+        return found[0][1] if found else None
+
     def _watch_roots(self) -> None:
-        for name, model in _discovery.models():
-            key = id(model)
-            if key in self._root_hooks:
-                continue
-            try:
-                self._root_hooks[key] = model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True)
-            except Exception as exc:
-                record_error("torch steps: root model hook", exc)
+        """Count samples and tokens at the primary model's forward (one hook on one module, not global)."""
+        model = self._primary_model()
+        if model is None or id(model) in self._root_hooks:
+            return
+        self.close()
+        try:
+            self._root_hooks[id(model)] = model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True)
+        except Exception as exc:
+            record_error("torch steps: root model hook", exc)
 
     # -- lazily read values ---------------------------------------------------------------------
     def _hold(self, value):
@@ -244,9 +265,9 @@ class StepTracker:
             start_perf = self.last_end_perf
         duration = max(end_perf - start_perf, 0.0)
         if loss is None:
-            loss = self._find_loss(frame)
-        loss_v = self._hold(loss) if loss is not None else float("nan")
-        norm_v = self._hold(self._grad_norm(optimizer))
+            loss = _attempt("torch steps: loss look-up", self._find_loss, frame)
+        loss_v = _attempt("torch steps: loss", self._hold, loss) if loss is not None else float("nan")
+        norm_v = _attempt("torch steps: grad norm", lambda: self._hold(self._grad_norm(optimizer)))
         lr = float("nan")
         if optimizer is not None and optimizer.param_groups:
             lr_raw = optimizer.param_groups[0].get("lr")

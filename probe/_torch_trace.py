@@ -95,7 +95,7 @@ class Tracer:
         self.handles: list = []
         self.active_step: int | None = None
         self.rows: list = []  # (module, t0, t1, mem, depth, ev0, ev1) per call
-        self.backward: list = []  # (root, t0, t1, ev0, ev1)
+        self.backward: list = []  # (root, t0, t1, mem, ev0, ev1)
         self.pending_events: list = []  # (ring row, ev0, ev1) awaiting completion (CUDA)
         self._names: dict = {}
         self._rss = _RssReader()
@@ -208,6 +208,7 @@ class Tracer:
             record = self.backward
             cuda = self.cuda
             new_event = self._new_event
+            read_mem = self._read_mem
 
             def started(grad_outputs):
                 try:
@@ -220,7 +221,7 @@ class Tracer:
                         ev1 = new_event() if cuda else None
                         if ev1 is not None:
                             ev1.record()
-                        record.append((root, t0, time.perf_counter(), ev0, ev1))
+                        record.append((root, t0, time.perf_counter(), read_mem(), ev0, ev1))
 
                     torch.autograd.Variable._execution_engine.queue_callback(finished)
                 except Exception as exc:
@@ -276,9 +277,9 @@ class Tracer:
         for m, t0, t1, memv, depth, ev0, ev1 in rows:
             name, model = self._name_of(m)
             records.append((t0, name, model, type(m).__name__, "forward", t1, memv, depth, ev0, ev1))
-        for m, t0, t1, ev0, ev1 in back:
+        for m, t0, t1, memv, ev0, ev1 in back:
             name, model = self._name_of(m)
-            records.append((t0, name, model, type(m).__name__, "backward", t1, float("nan"), 0, ev0, ev1))
+            records.append((t0, name, model, type(m).__name__, "backward", t1, memv, 0, ev0, ev1))
         records.sort(key=lambda r: r[0])
         n = len(records)
         t0 = np.fromiter((r[0] for r in records), "f8", n)

@@ -1,0 +1,72 @@
+"""Training loops that stress the probe's torch hooks; prints ``ready`` when done, then waits.
+
+--kind inplace: an MLP with nn.ReLU(inplace=True), two models and two optimizers, gradient
+accumulation over 2 micro-batches and a torch.no_grad evaluation pass every step.
+--kind broken: the same loop, with the probe's grad-norm and loss look-up made to raise.
+--kind explicit: no optimizer at all; the loop calls probe.step(loss=..., samples=...).
+Prints ``losses`` (the per-step losses, for comparing runs with and without the probe) and
+``hooks step=N forward=K`` (global forward hooks seen inside each step).
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+if os.environ.get("TARGET_NO_PROBE") != "1":
+    import probe.auto  # noqa: F401
+
+p = argparse.ArgumentParser()
+p.add_argument("--kind", default="inplace")
+p.add_argument("--steps", type=int, default=12)
+args = p.parse_args()
+
+if args.kind == "broken":
+    import probe._torch_steps as ts
+
+    def broken(*a, **k):
+        raise RuntimeError("injected failure in a probe hook")
+
+    ts.StepTracker._grad_norm = broken
+    ts.StepTracker._find_loss = broken
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+encoder = nn.Sequential(nn.Linear(8, 32), nn.ReLU(inplace=True), nn.Linear(32, 32), nn.ReLU(inplace=True))
+head = nn.Sequential(nn.Linear(32, 1))
+opt_enc = torch.optim.SGD(encoder.parameters(), lr=0.05, momentum=0.9)
+opt_head = torch.optim.Adam(head.parameters(), lr=0.01)
+x_all = torch.randn(256, 8)
+y_all = x_all.sum(dim=1, keepdim=True)
+mm = torch.nn.modules.module
+losses = []
+for step in range(1, args.steps + 1):
+    idx = torch.arange(step * 16, step * 16 + 32) % 256
+    for micro in range(2):
+        xb, yb = x_all[idx[micro * 16:(micro + 1) * 16]], y_all[idx[micro * 16:(micro + 1) * 16]]
+        loss = nn.functional.mse_loss(head(encoder(xb)), yb)
+        (loss / 2).backward()
+    print(f"hooks step={step} forward={len(mm._global_forward_hooks)}", flush=True)
+    with torch.no_grad():
+        head(encoder(x_all[:8]))  # an evaluation pass
+    if args.kind == "explicit":
+        with torch.no_grad():
+            for prm in list(encoder.parameters()) + list(head.parameters()):
+                prm -= 0.05 * prm.grad
+                prm.grad = None
+        import probe
+
+        probe.step(loss=loss, samples=32)
+    else:
+        opt_head.step()  # the first optimizer to step leads the step count
+        opt_enc.step()
+        opt_enc.zero_grad(set_to_none=True)
+        opt_head.zero_grad(set_to_none=True)
+    losses.append(loss.item())
+print("losses " + " ".join(f"{v:.6f}" for v in losses), flush=True)
+print(f"ready pid={os.getpid()}", flush=True)
+while os.environ.get("TARGET_NO_PROBE") != "1":
+    time.sleep(0.2)  # ok-sleep: the target idles until the test ends it

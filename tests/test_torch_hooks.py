@@ -1,0 +1,106 @@
+"""The torch hooks never change training: in-place ReLU, several models and optimizers,
+gradient accumulation, no_grad evaluation passes, sampling, a broken hook, probe.step()."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import TARGETS, requires_torch
+
+pytestmark = requires_torch
+LOOPS = TARGETS / "torch_loops.py"
+
+
+def query(cli, pid, sql):
+    r = cli(pid, "query", sql, "-f", "json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def losses_of(lines) -> list[str]:
+    return next(l for l in lines if l.startswith("losses ")).split()[1:]
+
+
+def hooks_by_step(lines) -> dict[int, int]:
+    return {int(m.group(1)): int(m.group(2)) for m in (re.match(r"hooks step=(\d+) forward=(\d+)", l) for l in lines) if m}
+
+
+def run_without_probe(probe_env, kind: str) -> list[str]:
+    env = dict(probe_env, TARGET_NO_PROBE="1")
+    out = subprocess.run([sys.executable, str(LOOPS), "--kind", kind, "--steps", "12"], env=env, capture_output=True,
+                         text=True, timeout=120, input="")
+    lines = out.stdout.splitlines()
+    assert any(l.startswith("losses ") for l in lines), out.stderr
+    return losses_of(lines)
+
+
+@pytest.fixture
+def reference(probe_env):
+    return run_without_probe(probe_env, "inplace")
+
+
+def test_inplace_relu_two_optimizers_accumulation_trains_unchanged(spawn, cli, reference):
+    # given: the loop traced at every step
+    proc = spawn([LOOPS, "--kind", "inplace", "--steps", "12"], env={"PROBE_TRACE": "all"})
+    # then: the same losses as without the probe, and no error inside the probe
+    assert losses_of(proc.lines) == reference
+    assert query(cli, proc.pid, "SELECT source, message FROM probe.errors") == []
+    steps = query(cli, proc.pid, "SELECT step, loss, lr, samples, micro_batches, optimizer, traced FROM torch.steps ORDER BY step")
+    # the first optimizer to step (Adam, the head's) leads: one row per loop iteration, not per optimizer
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    assert all(r["optimizer"] == "Adam" and r["lr"] == pytest.approx(0.01) and r["traced"] for r in steps)
+    # two micro-batches of 16 per step; the no_grad evaluation pass is not counted
+    assert all(r["micro_batches"] == 2 and r["samples"] == 32 for r in steps[1:])
+    assert [f"{r['loss']:.6f}" for r in steps] == reference
+    opts = query(cli, proc.pid, "SELECT optimizer, momentum, is_lead, step_count, state_bytes, elements FROM torch.optimizer ORDER BY optimizer")
+    assert [(o["optimizer"], o["is_lead"]) for o in opts] == [("Adam", True), ("SGD", False)]
+    adam, sgd = opts
+    assert adam["state_bytes"] == adam["elements"] * 8 + 2 * 4 and adam["step_count"] == 12
+    assert sgd["momentum"] == pytest.approx(0.9) and sgd["state_bytes"] == sgd["elements"] * 4  # momentum buffers
+    trace = query(cli, proc.pid, "SELECT DISTINCT model, module, depth FROM python.torch_trace WHERE stage = 'forward'")
+    assert {("encoder", "1", 1), ("head", "0", 1), ("encoder", "encoder", 0)} <= {(r["model"], r["module"], r["depth"]) for r in trace}
+
+
+def test_sampled_steps_remove_every_hook_between_samples(spawn, cli):
+    proc = spawn([LOOPS, "--kind", "inplace", "--steps", "12"], env={"PROBE_TRACE": "5"})
+    sampled = {1, 2, 3, 5, 10}
+    # the loop saw torch's global forward hooks only inside sampled steps
+    assert {s for s, n in hooks_by_step(proc.lines).items() if n} == sampled
+    assert all(n in (0, 1) for n in hooks_by_step(proc.lines).values())
+    traced = query(cli, proc.pid, "SELECT DISTINCT step FROM python.torch_trace ORDER BY step")
+    assert [r["step"] for r in traced] == sorted(sampled)
+    flags = query(cli, proc.pid, "SELECT step FROM torch.steps WHERE traced ORDER BY step")
+    assert [r["step"] for r in flags] == sorted(sampled)
+
+
+def test_trace_off_installs_no_module_hook(spawn, cli):
+    proc = spawn([LOOPS, "--kind", "inplace", "--steps", "6"], env={"PROBE_TRACE": "off"})
+    assert set(hooks_by_step(proc.lines).values()) == {0}
+    assert query(cli, proc.pid, "SELECT COUNT(*) AS n FROM python.torch_trace") == [{"n": 0}]
+    assert query(cli, proc.pid, "SELECT COUNT(*) AS n FROM torch.steps") == [{"n": 6}]
+
+
+def test_a_broken_hook_is_recorded_and_training_goes_on(spawn, cli, reference):
+    proc = spawn([LOOPS, "--kind", "broken", "--steps", "12"])
+    assert losses_of(proc.lines) == reference
+    errors = query(cli, proc.pid, "SELECT source, message FROM probe.errors")
+    assert errors and all("injected failure" in e["message"] for e in errors)
+    assert {e["source"] for e in errors} == {"torch steps: loss look-up", "torch steps: grad norm"}
+    steps = query(cli, proc.pid, "SELECT step, loss, grad_norm, lr FROM torch.steps ORDER BY step")
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    assert all(r["loss"] is None and r["grad_norm"] is None and r["lr"] == pytest.approx(0.01) for r in steps)
+
+
+def test_explicit_probe_step_without_an_optimizer(spawn, cli, probe_env):
+    proc = spawn([LOOPS, "--kind", "explicit", "--steps", "8"])
+    steps = query(cli, proc.pid, "SELECT step, loss, samples, samples_per_s, lr FROM torch.steps ORDER BY step")
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert [f"{r['loss']:.6f}" for r in steps] == losses_of(proc.lines)
+    assert all(r["samples"] == 32 and r["samples_per_s"] > 0 and r["lr"] is None for r in steps)
+    r = cli(proc.pid, "query", "SELECT step, state FROM process.info", "-f", "json")
+    assert json.loads(r.stdout)[0] == {"step": 8, "state": "training"}
