@@ -140,6 +140,8 @@ def stop() -> None:
         servers = _state.get("servers", [])
         entry = _state.get("entry", {})
         _state.clear()
+    if "probe._watchdog" in sys.modules:
+        sys.modules["probe._watchdog"].uninstall()  # no hang dumps for a process we stopped probing
     for srv in servers:
         _shutdown(srv)
     remove_entry(entry.get("pid", os.getpid()), entry.get("host"))
