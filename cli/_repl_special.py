@@ -150,7 +150,7 @@ def _eval(repl, arg):
     repl.session.run_command("eval", [arg])
 
 
-@special_command("\\lr", "[OPTIONS]", "Show or change the learning rate at the next step (same options as `probe lr`).")
+@special_command("\\lr", "OPTIONS", "Change the learning rate at the next step, e.g. \\lr --scale 0.1 (same options as `probe lr`).")
 def _lr(repl, arg):
     repl.session.run_command("lr", _split(arg))
 
