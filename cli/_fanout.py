@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from probe._errors import EndpointError, ProbeError
 
-__all__ = ["Answer", "fan_out", "federated_query", "fanout_backtrace", "format_ranks", "PartialError",
+__all__ = ["Answer", "fan_out", "federated_query", "fanout_backtrace", "fanout_tables", "format_ranks", "PartialError",
            "PARTIAL_EXIT", "proc_state", "rank_error"]
 
 PARTIAL_EXIT = 7
@@ -81,28 +81,36 @@ def rank_error(target, exc: ProbeError) -> str:
     pid = target.local_pid
     if pid is not None:
         state = proc_state(pid)
-        if state == "T":
+        if state in ("T", "t"):
             return f"process {pid} is stopped (SIGSTOP or a debugger); `kill -CONT {pid}` resumes it"
         if state is None or state == "Z":
             return f"process {pid} has exited; the rank is gone"
     return exc.message.rstrip(".")
 
 
-def fan_out(targets: list, fn: Callable, workers: int = MAX_WORKERS) -> list[Answer]:
-    """Call ``fn(target)`` for every target concurrently; errors become Answer.error, in target order."""
+def fan_out(items: list, fn: Callable, workers: int = MAX_WORKERS, target_of: Callable | None = None) -> list[Answer]:
+    """Call ``fn(item)`` for every item concurrently; errors become Answer.error, in item order.
 
-    def one(target):
+    ``target_of(item)`` names the Target of an item (default: the item is the Target).
+    A local rank stopped by a signal fails at once instead of running into the timeout.
+    """
+    target_of = target_of or (lambda item: item)
+
+    def one(item):
+        target = target_of(item)
+        if target.local_pid is not None and proc_state(target.local_pid) in ("T", "t"):
+            return Answer(target, error=rank_error(target, ProbeError("stopped")))
         try:
-            return Answer(target, fn(target))
+            return Answer(target, fn(item))
         except ProbeError as exc:
             return Answer(target, error=rank_error(target, exc))
         except Exception as exc:  # a bug or an odd answer from one rank must not sink the others
             return Answer(target, error=f"{type(exc).__name__}: {exc}")
 
-    if not targets:
+    if not items:
         return []
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(targets)))) as pool:
-        return list(pool.map(one, targets))
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(items)))) as pool:
+        return list(pool.map(one, items))
 
 
 def _errors_text(failed: list[Answer]) -> str:
@@ -160,20 +168,26 @@ def federated_query(session, sql: str, max_rows: int | None = None):
     schema = _schema(session, targets)
     p = plan(sql, schema, _params())
     jobs = [(t, name, part) for t in targets for name, part in p.parts.items()]
+    if not jobs:  # e.g. only ranks.errors: still find out which ranks answer
+        jobs = [(t, None, None) for t in targets]
 
     def ask(job):
         target, _, part = job
+        if part is None:
+            return _client(session, target).get("/health")
         doc = _client(session, target).post("/query", {"sql": part, "max_rows": 1_000_000, "timeout": session.timeout},
                                            timeout=session.timeout)
         return Result.from_dict(doc)
 
-    answers = fan_out(jobs, ask)
+    answers = fan_out(jobs, ask, target_of=lambda job: job[0])
     failed: dict = {}
     tables: dict = {name: ([], None) for name in p.parts}
     truncated = []
     for (target, name, _), a in zip(jobs, answers):
         if not a.ok:
             failed.setdefault(target.rank, (target, a.error))
+            continue
+        if name is None:
             continue
         ranks, res = tables[name]
         if res is None:
@@ -190,10 +204,14 @@ def federated_query(session, sql: str, max_rows: int | None = None):
                 cols = VIEW_COLUMNS.get(name) or [(c, t, "") for c, t in schema[name].items()]
                 cols = [(c, t) for c, t, _ in cols if c != "rank"]
                 res = Result([c for c, _ in cols], [t for _, t in cols], [])
-            _create_view(con, name, res, ranks, f"__part_{i}", register_result)
+            if name == "ranks.latest":
+                _add_silent_ranks(res, ranks, failed.values())
+            declared = [c for c, _, _ in VIEW_COLUMNS[name]] if name in VIEW_COLUMNS else list(schema[name])
+            _create_view(con, name, res, ranks, f"__part_{i}", register_result, declared)
         errors = Result(["host", "error"], ["VARCHAR", "VARCHAR"],
                         [[t.entry.get("host"), err] for t, err in failed.values()])
-        _create_view(con, "ranks.errors", errors, [t.rank for t, _ in failed.values()], "__errors", register_result)
+        _create_view(con, "ranks.errors", errors, [t.rank for t, _ in failed.values()], "__errors", register_result,
+                     ["rank", "host", "error"])
         for name, text in p.views.items():
             schema_name, short = name.split(".", 1)
             con.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema_name}"')
@@ -219,11 +237,25 @@ def federated_query(session, sql: str, max_rows: int | None = None):
     return result
 
 
-def _create_view(con, name, res, ranks, raw, register_result) -> None:
+def _add_silent_ranks(res, ranks: list, failed) -> None:
+    """ranks.latest keeps a row for every rank: one that did not answer is stopped or unreachable."""
+    for target, error in failed:
+        stopped = target.local_pid is not None and proc_state(target.local_pid) in ("T", "t")
+        known = {"pid": target.pid, "host": target.entry.get("host"), "state": "stopped" if stopped else "unreachable",
+                 "top_frame": error}
+        res.rows.append([known.get(c) for c in res.columns])
+        ranks.append(target.rank)
+
+
+def _create_view(con, name, res, ranks, raw, register_result, declared) -> None:
+    from probe.sql.federate import union_columns
+
     schema_name, short = name.split(".", 1)
-    register_result(con, raw, res, extra={"rank": ranks})
+    register_result(con, raw, res, extra={"__rank": ranks})
+    cols = ", ".join('CAST("__rank" AS INTEGER) AS "rank"' if c == "rank" else '"' + c.replace('"', '""') + '"'
+                     for c in union_columns(res.columns, declared))
     con.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema_name}"')
-    con.execute(f'CREATE VIEW "{schema_name}"."{short}" AS SELECT CAST("rank" AS INTEGER) AS "rank", * EXCLUDE ("rank") FROM "{raw}"')
+    con.execute(f'CREATE VIEW "{schema_name}"."{short}" AS SELECT {cols} FROM "{raw}"')
 
 
 def _run_outer(con, sql: str, max_rows: int):
@@ -269,6 +301,36 @@ def fanout_backtrace(session, args) -> int:
         session.print("\n\n".join(parts))
     try:
         check_partial(answers, "backtrace")
+    except PartialError as exc:
+        session.note(f"probe: {exc.message}")
+        return PARTIAL_EXIT
+    return 0
+
+
+def fanout_tables(session) -> int:
+    """``probe --ranks SPEC tables``: every table once, with the ranks that have it; silent ranks as rows."""
+    import json
+
+    from probe.sql.engine import Result
+
+    from ._render import render_result
+
+    answers = fan_out(session.targets(), lambda t: _client(session, t).get("/tables"))
+    seen: dict = {}
+    for a in answers:
+        for t in a.value["tables"] if a.ok else ():
+            seen.setdefault(t["name"], (t, []))[1].append(a.rank)
+    answered = [a.rank for a in answers if a.ok]
+    rows = [[name, t["kind"], len(t["columns"]), "all" if ranks == answered else format_ranks(ranks), t["description"]]
+            for name, (t, ranks) in sorted(seen.items())]
+    rows += [[None, "error", None, a.target.label, a.error] for a in answers if not a.ok]
+    if session.format == "json":
+        session.print(json.dumps([dict(zip(["name", "kind", "columns", "ranks", "description"], r)) for r in rows], indent=2))
+    else:
+        session.print(render_result(Result(["name", "kind", "columns", "ranks", "description"],
+                                           ["VARCHAR", "VARCHAR", "INTEGER", "VARCHAR", "VARCHAR"], rows), session.format))
+    try:
+        check_partial(answers, "table listing")
     except PartialError as exc:
         session.note(f"probe: {exc.message}")
         return PARTIAL_EXIT

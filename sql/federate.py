@@ -29,7 +29,7 @@ from probe._errors import QueryError
 from .guard import guard
 
 __all__ = ["Plan", "plan", "qualify_query", "table_scans", "per_rank_query", "REWRITES",
-           "FEDERATED_VIEWS", "CLIENT_VIEWS", "VIEW_COLUMNS", "DEFAULT_PARAMS"]
+           "FEDERATED_VIEWS", "CLIENT_VIEWS", "VIEW_COLUMNS", "DEFAULT_PARAMS", "union_columns"]
 
 RANK = "rank"
 
@@ -37,7 +37,7 @@ RANK = "rank"
 FEDERATED_VIEWS = {
     "ranks.latest": """
 SELECT i.pid, i.host, s.step, s.last_step_at, s.age_s, s.step_time, s.steps_seen, i.state, i.hung_since,
-       (SELECT func || ' (' || file || ':' || lineno || ')' FROM python.backtrace
+       (SELECT func || ' (' || regexp_replace(file, '.*/', '') || ':' || lineno || ')' FROM python.backtrace
         WHERE is_main AND depth = 0 LIMIT 1) AS top_frame,
        (SELECT count(*) > 0 FROM python.backtrace
         WHERE is_main AND file LIKE '%torch/distributed/%') AS in_collective
@@ -65,8 +65,8 @@ ORDER BY behind DESC, rank""",
     "ranks.hung": """
 SELECT rank, step, age_s, state, in_collective, top_frame
 FROM ranks.latest
-WHERE age_s > {hung_after} OR state = 'hung'
-ORDER BY in_collective, rank""",
+WHERE age_s > {hung_after} OR state IN ('hung', 'stopped')
+ORDER BY in_collective NULLS FIRST, rank""",
 }
 
 VIEW_COLUMNS = {
@@ -79,7 +79,7 @@ VIEW_COLUMNS = {
         ("age_s", "DOUBLE", "Seconds since the last step ended, on the rank's own clock."),
         ("step_time", "DOUBLE", "Median duration of the last 20 steps in seconds."),
         ("steps_seen", "BIGINT", "Rows in the rank's torch.steps ring."),
-        ("state", "VARCHAR", "State from process.info: training, idle or hung."),
+        ("state", "VARCHAR", "training, idle or hung (from process.info); stopped or unreachable for a rank that did not answer."),
         ("hung_since", "TIMESTAMP", "When the hang watchdog saw the last step, if it fired."),
         ("top_frame", "VARCHAR", "Innermost frame of the main thread: func (file:line)."),
         ("in_collective", "BOOLEAN", "Whether the main thread is inside a torch.distributed call."),
@@ -101,7 +101,7 @@ VIEW_COLUMNS = {
         ("rank", "INTEGER", "Rank without a step for longer than PROBE_HUNG_AFTER (or flagged by the watchdog)."),
         ("step", "BIGINT", "Its last step."),
         ("age_s", "DOUBLE", "Seconds since its last step."),
-        ("state", "VARCHAR", "State from process.info."),
+        ("state", "VARCHAR", "State from process.info, or stopped (SIGSTOP) for a rank that did not answer."),
         ("in_collective", "BOOLEAN", "True: waiting inside a collective for another rank; False: the likely culprit."),
         ("top_frame", "VARCHAR", "Innermost frame of its main thread."),
     ],
@@ -244,7 +244,20 @@ def view_sql(name: str, params: dict | None = None) -> str:
     return CLIENT_VIEWS[name].strip().format(**clean)
 
 
-REWRITES = (qualify_query, table_scans, per_rank_query, view_sql)
+def union_columns(fetched: list, declared: list) -> list:
+    """Column order of a federated view: the table's own order, ``rank`` in its place (first when absent).
+
+    >>> union_columns(["step", "loss"], ["step", "rank", "loss", "lr"])
+    ['step', 'rank', 'loss']
+    >>> union_columns(["pid"], ["pid", "host"])
+    ['rank', 'pid']
+    """
+    order = [c for c in declared if c in fetched or c == RANK]
+    order += [c for c in fetched if c not in order]
+    return order if RANK in order else [RANK] + order
+
+
+REWRITES = (qualify_query, table_scans, per_rank_query, view_sql, union_columns)
 
 
 def _tables_of(sql: str, known: set) -> list:

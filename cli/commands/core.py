@@ -112,6 +112,10 @@ def argparse_suppress():
 @command("tables", "List the tables of a probed process with their descriptions.")
 class Tables(Command):
     def run(self, session, args):
+        if session.multi:
+            from .._fanout import fanout_tables  # added by the ranks feature
+
+            return fanout_tables(session)
         doc = session.client().get("/tables")
         if session.format == "json":
             session.print(json.dumps(doc["tables"], indent=2))
