@@ -55,6 +55,8 @@ def test_checkpoint_contents_force_and_plain_torch_load(spawn, cli, tmp_path):
     import torch
 
     p = spawn([GPT, "--steps", "0", "--step-sleep", "0.02", *SMALL])
+    r = cli(p.pid, "eval", "print(train_loader.num_workers, trainer.grad_clip, type(scheduler).__name__)")
+    assert r.stdout.strip() == "0 1.0 LambdaLR", r.stderr
     target = tmp_path / "c.pt"
     assert cli(p.pid, "checkpoint", target).returncode == 0
     state = torch.load(target)  # plain torch.load, weights_only by default
