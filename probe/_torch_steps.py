@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import resource
 import sys
 import threading
 import time
@@ -40,6 +41,8 @@ STEP_COLUMNS = {"step": "i8", "started_at": "f8", "ended_at": "f8", "duration": 
                 "micro_batches": "i8", "optimizer": "O"}
 _NORM_BUDGET = 0.003  # share of the step time our own grad-norm computation may take
 _LAG = 2  # steps after which a pending value is read on the training thread
+_RESOLVE_EVERY = 8  # pending device values read at the boundary once this many are waiting
+_PEAK_PERIOD = 0.05  # seconds between peak-memory readings at the boundary
 _PROBE_DIR = os.path.dirname(os.path.abspath(__file__))
 _internal_cache: dict = {}
 
@@ -95,6 +98,9 @@ class StepTracker:
         self.wall_offset = time.time() - time.perf_counter()
         self._clip_norm = None
         self._norm_every = 1
+        self._peak_at = -1.0
+        self._peak_v = float("nan")
+        self._frame = None
         _attempt("torch steps: wrapping clip_grad_norm_", self._wrap_clip)
 
     # -- the lead optimizer --------------------------------------------------------------------
@@ -109,11 +115,11 @@ class StepTracker:
 
     def on_optimizer_step(self, optimizer) -> None:
         """torch's global optimizer step post-hook lands here."""
-        _discovery.add_optimizer(optimizer)
-        lead = self.lead_optimizer()
+        lead = self.lead() if self.lead is not None else None
         if lead is None:
             self.set_lead(optimizer)
         elif lead is not optimizer:
+            _discovery.add_optimizer(optimizer)
             return
         if self.explicit:
             return
@@ -164,9 +170,9 @@ class StepTracker:
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 return float("nan")
-            value = value.detach()
             if value.device.type == "cpu":
-                return ("cpu", value)
+                return float(value.item())  # no device to wait for: reading now is cheaper than later
+            value = value.detach()
             try:
                 host = torch.empty((), dtype=value.dtype, device="cpu", pin_memory=value.device.type == "cuda")
                 host.copy_(value.reshape(()), non_blocking=True)
@@ -279,23 +285,28 @@ class StepTracker:
             record_error("torch steps: grad norm", exc)
             return float("nan")
 
-    def _peak(self) -> float:
-        torch = self.torch
+    def _peak(self, now: float) -> float:
+        """The peak so far, read at most every ``_PEAK_PERIOD`` seconds (a peak only grows)."""
+        if now - self._peak_at < _PEAK_PERIOD:
+            return self._peak_v
+        self._peak_at = now
         try:
             if self.tracer.cuda:
-                return float(torch.cuda.max_memory_allocated())
-            import resource
-
-            return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+                self._peak_v = float(self.torch.cuda.max_memory_allocated())
+            else:
+                self._peak_v = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         except Exception:
-            return float("nan")
+            self._peak_v = float("nan")
+        return self._peak_v
 
     def boundary(self, optimizer, frame, *, loss=None, samples=None, tokens=None) -> None:
         end_perf = time.perf_counter()
         end_wall = end_perf + self.wall_offset
         self.step += 1
         step = self.step
-        _discovery.set_training_frame(frame)
+        if frame is not self._frame:
+            self._frame = frame
+            _discovery.set_training_frame(frame)
         if optimizer is None:
             optimizer = self.lead_optimizer()
         if step >= 2 * self._scanned_at or step == 1:  # steps 1, 2, 4, 8, ...: cheap enough, catches late models
@@ -326,23 +337,29 @@ class StepTracker:
         direct = {k: (v if isinstance(v, float) else float("nan")) for k, v in values.items()}
         self.ring.append(step, start_perf + self.wall_offset, end_wall, duration, direct["loss"], direct["grad_norm"],
                          direct["lr"], s / duration if duration > 0 else float("nan"),
-                         t / duration if duration > 0 else float("nan"), self._peak(),
+                         t / duration if duration > 0 else float("nan"), self._peak(end_perf),
                          float("nan") if self.rank is None else self.rank, traced, s, t, self.micro_batches,
                          type(optimizer).__name__ if optimizer is not None else None)
-        with self._lock:
-            for col, v in values.items():
-                if not isinstance(v, float):
-                    self.pending.append((row, col, v))
+        if not (type(loss_v) is float and type(norm_v) is float and type(lr) is float):
+            with self._lock:
+                for col, v in values.items():
+                    if not isinstance(v, float):
+                        self.pending.append((row, col, v))
         self.last_end_perf, self.last_end_wall = end_perf, end_wall
         self.samples = self.tokens = 0.0
         self.micro_batches = 0
-        if self.pending:
+        if len(self.pending) >= _RESOLVE_EVERY:
             self.resolve(up_to_row=row - _LAG)
+        tracer = self.tracer
         try:
             if traced:
-                self.tracer.finish(step, self.wall_offset)
-            self.tracer.resolve()
-            self.tracer.prepare(step + 1)
+                tracer.finish(step, self.wall_offset)
+            if tracer.pending_events:
+                tracer.resolve()
+            if tracer.handles or tracer.sampled(step + 1):
+                tracer.prepare(step + 1)
+            else:
+                tracer.active_step = None
         except Exception as exc:
             record_error("torch trace: step boundary", exc)
         _safepoint.fire(_safepoint.StepEvent(step=step, frame=frame, optimizer=optimizer))
