@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -77,6 +78,12 @@ def train_step(model, optimizer, x, y):
     return mean_loss.item() / dist.get_world_size()
 
 
+
+def say(line: str) -> None:
+    """One write per line: ranks share torchrun's stdout, and print() writes the newline separately."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
 def main():
     args = parse_args()
     dist.init_process_group("gloo")
@@ -89,15 +96,15 @@ def main():
     try:
         while args.steps == 0 or step < args.steps:
             if rank == args.stall_rank and step == args.stall_at_step:
-                print(f"stalling rank={rank} step={step}", flush=True)
+                say(f"stalling rank={rank} step={step}")
                 wait_for_data_forever()
             x, y = load_batch(gen, rank, args)
             loss = train_step(model, optimizer, x, y)
             step += 1
             if step == 1:
-                print(f"ready rank={rank} pid={os.getpid()} world={world}", flush=True)
+                say(f"ready rank={rank} pid={os.getpid()} world={world}")
             if rank == 0 and step % 20 == 0:
-                print(f"step {step} loss {loss:.4f}", flush=True)
+                say(f"step {step} loss {loss:.4f}")
     finally:
         dist.destroy_process_group()
 
