@@ -40,7 +40,8 @@ def snapshot(names, ctx: Context) -> dict:
 
 def run_query(sql: str, *, max_rows: int | None = None, timeout: float | None = None, ctx: Context | None = None,
               query_id: str | None = None):
-    from probe.sql import execute, guard
+    from probe.sql.engine import execute
+    from probe.sql.guard import guard
 
     if not isinstance(sql, str) or not sql.strip():
         raise QueryError("no SQL given; pass a query such as \"SELECT * FROM probe.tables\".")

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["Guarded", "Result", "execute", "guard"]
+__all__ = ["Guarded", "Result", "execute"]
 
-_LAZY = {"Guarded": "guard", "guard": "guard", "Result": "engine", "execute": "engine"}
+# ``guard`` (the function) is imported from ``probe.sql.guard``: re-exporting it here would
+# be shadowed by the submodule of the same name as soon as that is imported.
+_LAZY = {"Guarded": "guard", "Result": "engine", "execute": "engine"}
 
 
 def __getattr__(name: str):

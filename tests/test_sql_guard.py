@@ -3,7 +3,7 @@
 import pytest
 
 from probe._errors import QueryError
-from probe.sql import guard
+from probe.sql.guard import guard
 
 KNOWN = ["python.backtrace", "python.threads", "probe.tables", "probe.columns"]
 

@@ -284,8 +284,8 @@ class Lr(_Action):
     def render(self, session, target, action, prefix):
         r = action.get("result") or {}
         for opt in r.get("optimizers", []):
-            scheds = ", ".join(f"{s['scheduler']} ({s['type']}: {', '.join(s['changed']) or 'lr only'})" for s in opt["schedulers"])
-            session.print(f"{prefix}{opt['optimizer']}" + (f", scheduler {scheds}" if scheds else ", no scheduler")
+            scheds = ", ".join(f"'{s['scheduler']}' ({s['type']}; updated {', '.join(s['changed']) or 'lr only'})" for s in opt["schedulers"])
+            session.print(f"{prefix}optimizer '{opt['optimizer']}'" + (f" with scheduler {scheds}" if scheds else ", no scheduler")
                           + ("" if r.get("step") is None else f", at step {r['step']}") + ":")
             for g in opt["groups"]:
                 session.print(f"{prefix}  group {g['group']}: {g['before']:.6g} -> {g['after']:.6g}")
