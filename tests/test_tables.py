@@ -120,3 +120,19 @@ def test_rooms_respect_their_import_boundaries():
                     for b in banned:
                         if folder != "probe" or b != "torch":
                             assert not (n == b or n.startswith(b + ".")), f"{path.relative_to(ROOT)} imports {n}"
+
+
+def _readme_playbook_queries():
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Playbook", 1)[1].split("\n## ", 1)[0]
+    return [q for q in re.findall(r"`(SELECT [^`]+)`", section) if "ranks." not in q]
+
+
+@requires_torch
+@pytest.mark.parametrize("sql", _readme_playbook_queries())
+def test_readme_playbook_queries_run(training, sql):
+    pid, env = training
+    r = subprocess.run([PROBE_BIN, str(pid), "query", sql, "-f", "json"], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, f"{sql}\n{r.stderr}"
