@@ -105,8 +105,8 @@ def test_watchdog_stays_quiet_while_steps_complete(spawn, cli, probe_env):
     script = (
         "import os, time\nimport probe.auto\nfrom probe._safepoint import StepEvent, fire\n"
         "print('ready', os.getpid(), flush=True)\n"
-        "for i in range(60):\n    fire(StepEvent(i)); time.sleep(0.05)\n"
-        "print('done', flush=True)\ntime.sleep(60)\n")
+        "for i in range(60):\n    fire(StepEvent(i)); time.sleep(0.05)\n"  # ok-sleep: target code
+        "print('done', flush=True)\ntime.sleep(60)\n")  # ok-sleep: target code
     path = Path(probe_env["PROBE_RUNTIME_DIR"]) / "stepping.py"
     path.write_text(script)
     target = spawn(path, env={"PROBE_HANG_TIMEOUT": "1"})

@@ -16,7 +16,7 @@ def stuck_after_steps():
     if mode == "gil":
         libc.sleep(120)  # stuck in C, GIL held
     else:
-        time.sleep(120)  # stuck, GIL released
+        time.sleep(120)  # ok-sleep: stuck, GIL released
 
 
 for step in range(3):

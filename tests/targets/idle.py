@@ -10,14 +10,14 @@ if os.environ.get("TARGET_NO_PROBE") != "1":
 
 def data_worker():
     while True:
-        time.sleep(0.2)
+        time.sleep(0.2)  # ok-sleep: the target simulates work
 
 
 def main_loop():
     n = 0
     while True:
         n += 1
-        time.sleep(0.05)
+        time.sleep(0.05)  # ok-sleep: the target simulates work
 
 
 threading.Thread(target=data_worker, name="data-worker", daemon=True).start()

@@ -7,12 +7,12 @@ import time
 
 def worker():
     while True:
-        time.sleep(0.2)
+        time.sleep(0.2)  # ok-sleep: the target simulates work
 
 
 def main_loop():
     while True:
-        time.sleep(0.05)
+        time.sleep(0.05)  # ok-sleep: the target simulates work
 
 
 threading.Thread(target=worker, name="plain-worker", daemon=True).start()

@@ -5,4 +5,4 @@ import time
 
 print(f"ready {os.getpid()} probe_loaded={'probe' in sys.modules}", flush=True)
 while True:
-    time.sleep(0.1)
+    time.sleep(0.1)  # ok-sleep: the target idles
