@@ -52,14 +52,26 @@ class Client:
         if t.entry.get("missing"):
             raise EndpointError(t.entry.get("hint", f"{t.label} has no probe server."))
         if t.socket:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(timeout)
-            try:
-                sock.connect(t.socket)
-            except BaseException:
-                sock.close()
-                raise
-            return sock
+            import errno
+            import time
+
+            deadline = time.monotonic() + min(timeout, 2.0)
+            delay = 0.005
+            while True:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(timeout)
+                try:
+                    sock.connect(t.socket)
+                    return sock
+                except BlockingIOError as exc:  # the listen backlog is full: a burst of clients
+                    sock.close()
+                    if exc.errno != errno.EAGAIN or time.monotonic() > deadline:
+                        raise
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.1)
+                except BaseException:
+                    sock.close()
+                    raise
         return socket.create_connection((t.host, t.port), timeout=timeout)
 
     def request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> dict:

@@ -173,6 +173,10 @@ def _json_default(value):
 class _Base(socketserver.ThreadingMixIn):
     daemon_threads = True
     block_on_close = False
+    # socketserver's default backlog is 5; a unix socket refuses with EAGAIN (instead of
+    # queueing) once it is full, so a burst of clients (`--ranks all` fan-outs, watch loops)
+    # would see spurious failures.
+    request_queue_size = 128
 
     def handle_error(self, request, client_address):
         record_error("server connection")
