@@ -169,9 +169,13 @@ def scan(frame=None, max_frames: int = 4) -> None:
         return
     seen: set = set()
     f, n = frame, 0
+    from ._frames import release
+
     while f is not None and n < max_frames:
-        for name, value in list(f.f_locals.items()):
+        loc = f.f_locals
+        for name, value in list(loc.items()):
             _classify(torch, value, name, seen, 0)
+        release(f, loc)  # 3.11/3.12: the snapshot would keep these objects alive until the next read
         f, n = f.f_back, n + 1
     main = sys.modules.get("__main__")
     if main is not None:

@@ -29,6 +29,7 @@ import time
 
 from . import _discovery, _safepoint
 from ._config import setting
+from ._frames import release
 from ._health import record_error
 from ._ring import Ring
 from ._runtime import rank_identity
@@ -222,10 +223,13 @@ class StepTracker:
         f, n = frame, 0
         while f is not None and n < 3:
             loc = f.f_locals
-            for name in self.loss_names:
-                v = loc.get(name)
-                if v is not None and (isinstance(v, (float, int)) or getattr(v, "numel", lambda: 0)() == 1):
-                    return v
+            try:
+                for name in self.loss_names:
+                    v = loc.get(name)
+                    if v is not None and (isinstance(v, (float, int)) or getattr(v, "numel", lambda: 0)() == 1):
+                        return v
+            finally:
+                release(f, loc)  # else 3.11/3.12's cached snapshot keeps last step's tensors alive
             f, n = f.f_back, n + 1
         return None
 

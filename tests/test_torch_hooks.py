@@ -104,3 +104,25 @@ def test_explicit_probe_step_without_an_optimizer(spawn, cli, probe_env):
     assert all(r["samples"] == 32 and r["samples_per_s"] > 0 and r["lr"] is None for r in steps)
     r = cli(proc.pid, "query", "SELECT step, state FROM process.info", "-f", "json")
     assert json.loads(r.stdout)[0] == {"step": 8, "state": "training"}
+
+
+@requires_torch
+def test_reading_the_loop_locals_keeps_nothing_alive_and_changes_nothing(probe_env):
+    """The loss look-up reads the loop frame's locals each step; on 3.11/3.12 that snapshot must
+    not keep the previous step's tensors alive, and the loop's variables must stay intact,
+    also under a trace function (a debugger)."""
+    import subprocess
+
+    def run(**env):
+        e = dict(probe_env, **env)
+        out = subprocess.run([sys.executable, str(TARGETS / "torch_locals.py")], capture_output=True, text=True,
+                             env=e, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return dict(kv.split("=") for kv in out.stdout.split())
+
+    plain = run(NO_PROBE="1")
+    probed = run()
+    traced = run(TRACE="1")
+    assert plain["alive"] == "0" and probed["alive"] == "0"
+    assert probed["total"] == plain["total"] == traced["total"]
+    assert probed["checksum"] == plain["checksum"] == traced["checksum"] == "190"
