@@ -5,7 +5,6 @@ it. Modules listed in ``MODULES`` are imported on demand to fill the registry.""
 from __future__ import annotations
 
 import importlib
-from typing import Callable
 
 __all__ = ["Command", "command", "COMMANDS", "load_all"]
 
@@ -29,7 +28,7 @@ class Command:
         raise NotImplementedError
 
 
-def command(name: str, help: str, *, needs_target: bool = True, aliases: tuple[str, ...] = ()) -> Callable:
+def command(name: str, help: str, *, needs_target: bool = True, aliases: tuple[str, ...] = ()):
     def register(cls):
         cls.name, cls.help, cls.needs_target, cls.aliases = name, help, needs_target, aliases
         COMMANDS[name] = cls

@@ -12,7 +12,6 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from probe._errors import ActionError, ProbeError
 
@@ -73,6 +72,8 @@ class _Action(Command):
                     b["at_step"] = at_step
             bodies.append(b)
         single = len(targets) == 1
+        from concurrent.futures import ThreadPoolExecutor  # not on the CLI's start-up path
+
         with ThreadPoolExecutor(max_workers=min(64, len(targets))) as pool:
             outcomes = list(pool.map(lambda tb: _drive(session, self.name, tb[0], tb[1], single),
                                      zip(targets, bodies)))
@@ -131,6 +132,8 @@ def _common_step(session, targets) -> int | None:
             return None
         s = h.get("step")
         return s if isinstance(s, int) else h.get("safepoint_step")
+
+    from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=min(64, len(targets))) as pool:
         steps = [s for s in pool.map(step, targets) if isinstance(s, int)]

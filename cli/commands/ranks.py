@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
-import statistics
 import time
 
 from probe._errors import ProbeError
 
 from . import Command, command
+
+
+def _median(values):
+    import statistics  # not on the CLI's start-up path
+
+    return statistics.median(values)
 
 STATES = ("training", "slow", "waiting", "hung", "idle", "unreachable")
 
@@ -25,9 +30,9 @@ def _classify(rows: list[dict], factor: float, hung_after: float) -> None:
             continue
         others = [t for k, t in times.items() if k != r["rank"]]
         others_wait = [o["wait"] for o in rows if o is not r and o.get("wait") is not None]
-        waits_for_it = (r.get("wait") is not None and others_wait and statistics.median(others_wait) >= 0.5
-                        and r["wait"] <= statistics.median(others_wait) / 3)
-        if (r.get("step_time") and others and r["step_time"] > factor * statistics.median(others)) or waits_for_it:
+        waits_for_it = (r.get("wait") is not None and others_wait and _median(others_wait) >= 0.5
+                        and r["wait"] <= _median(others_wait) / 3)
+        if (r.get("step_time") and others and r["step_time"] > factor * _median(others)) or waits_for_it:
             r["state"] = "slow"
         elif r["step"] is None:
             r["state"] = r["health_state"] or "idle"
