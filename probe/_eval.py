@@ -69,7 +69,11 @@ def namespace(frame=None) -> dict:
     ns = dict(named())
     ns.update(main_globals())
     if frame is not None:
-        ns.update(frame.f_locals)
+        from ._frames import release
+
+        loc = frame.f_locals
+        ns.update(loc)
+        release(frame, loc)  # the namespace holds what eval needs; the frame's cached copy need not
     ns["__name__"] = "__probe_eval__"
     ns.pop("__builtins__", None)
     return ns
