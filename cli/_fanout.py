@@ -13,20 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from probe._errors import EndpointError, ProbeError
+from probe._errors import EndpointError, PartialError, ProbeError
 
 __all__ = ["Answer", "fan_out", "federated_query", "fanout_backtrace", "fanout_tables", "format_ranks", "PartialError",
            "PARTIAL_EXIT", "proc_state", "rank_error"]
 
-PARTIAL_EXIT = 7
+PARTIAL_EXIT = PartialError.exit_code
 MAX_WORKERS = 64
-
-
-class PartialError(ProbeError):
-    """Some ranks answered, some did not; the answer shown is partial."""
-
-    exit_code = PARTIAL_EXIT
-    kind = "partial"
 
 
 @dataclass

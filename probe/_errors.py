@@ -6,8 +6,9 @@
     ├── QueryError             bad or refused SQL; keeps sqlglot's line/column
     ├── EndpointError          no such pid, no probe there, connection refused (exit 3)
     ├── AuthError              missing or wrong token, tier not enabled (exit 4)
-    ├── ActionError            a guarded action failed or was refused (exit 1)
-    └── AttachError            the attach ladder could not attach (exit_code set per cause)
+    ├── ActionError            a guarded action failed or was refused (exit 5)
+    ├── AttachError            the attach ladder could not attach (exit_code set per cause)
+    └── PartialError           some ranks answered and some did not (exit 7)
 
 Every message is one plain sentence that says what was wrong and how to fix it.
 ``probe.cli.main`` catches ``ProbeError``, prints the message and returns
@@ -16,7 +17,7 @@ Every message is one plain sentence that says what was wrong and how to fix it.
 
 from __future__ import annotations
 
-__all__ = ["ProbeError", "QueryError", "EndpointError", "AuthError", "ActionError", "AttachError"]
+__all__ = ["ProbeError", "QueryError", "EndpointError", "AuthError", "ActionError", "AttachError", "PartialError"]
 
 
 class ProbeError(Exception):
@@ -80,7 +81,15 @@ class AttachError(ProbeError):
     kind = "attach"
 
 
-_KINDS = {cls.kind: cls for cls in (ProbeError, QueryError, EndpointError, AuthError, ActionError, AttachError)}
+class PartialError(ProbeError):
+    """Some ranks answered and some did not: what was shown is a partial answer."""
+
+    exit_code = 7
+    kind = "partial"
+
+
+_KINDS = {cls.kind: cls for cls in (ProbeError, QueryError, EndpointError, AuthError, ActionError, AttachError,
+                                    PartialError)}
 
 
 def error_from_dict(d: dict) -> ProbeError:

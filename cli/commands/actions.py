@@ -13,12 +13,12 @@ import os
 import sys
 import time
 
-from probe._errors import ActionError, ProbeError
+from probe._errors import ActionError, PartialError, ProbeError
 
 from . import Command, command
 
 STEP_MARGIN = 2
-PARTIAL_EXIT = 7  # some ranks succeeded and some did not (the same code as the fan-out of queries)
+PARTIAL_EXIT = PartialError.exit_code  # some ranks succeeded and some did not
 POLL = 2.0
 
 _NOW_RISK = {
