@@ -120,15 +120,11 @@ def check_partial(answers: list[Answer], what: str) -> None:
     raise PartialError(f"{len(failed)} of {len(answers)} ranks did not answer the {what}, the output above is partial: {_errors_text(failed)}.")
 
 
-def _client(session, target):
-    return session.client(target)
-
-
 def _schema(session, targets) -> dict:
     """``{table: {column: type}}`` from the first ranks that answer GET /tables."""
     last = None
     for i in range(0, len(targets), 4):
-        for a in fan_out(targets[i:i + 4], lambda t: _client(session, t).get("/tables")):
+        for a in fan_out(targets[i:i + 4], lambda t: session.client(t).get("/tables")):
             if a.ok:
                 return {t["name"]: {c["name"]: c["type"] for c in t["columns"]} for t in a.value["tables"]}
             last = a
@@ -167,8 +163,8 @@ def federated_query(session, sql: str, max_rows: int | None = None):
     def ask(job):
         target, _, part = job
         if part is None:
-            return _client(session, target).get("/health")
-        doc = _client(session, target).post("/query", {"sql": part, "max_rows": 1_000_000, "timeout": session.timeout},
+            return session.client(target).get("/health")
+        doc = session.client(target).post("/query", {"sql": part, "max_rows": 1_000_000, "timeout": session.timeout},
                                            timeout=session.timeout)
         return Result.from_dict(doc)
 
@@ -292,11 +288,7 @@ def fanout_backtrace(session, args) -> int:
             head = f"=== {a.target.label}" + (f" · pid {a.target.pid}" if a.target.pid else "") + (f" · {host}" if host else "") + " ==="
             parts.append(head + "\n" + (render_backtrace(a.value) if a.ok else f"unreachable: {a.error}"))
         session.print("\n\n".join(parts))
-    try:
-        check_partial(answers, "backtrace")
-    except PartialError as exc:
-        session.note(f"probe: {exc.message}")
-        return PARTIAL_EXIT
+    check_partial(answers, "backtrace")  # cli.main reports it and exits 7 (partial) or 3 (none answered)
     return 0
 
 
@@ -308,7 +300,7 @@ def fanout_tables(session) -> int:
 
     from ._render import render_result
 
-    answers = fan_out(session.targets(), lambda t: _client(session, t).get("/tables"))
+    answers = fan_out(session.targets(), lambda t: session.client(t).get("/tables"))
     seen: dict = {}
     for a in answers:
         for t in a.value["tables"] if a.ok else ():
@@ -322,9 +314,5 @@ def fanout_tables(session) -> int:
     else:
         session.print(render_result(Result(["name", "kind", "columns", "ranks", "description"],
                                            ["VARCHAR", "VARCHAR", "INTEGER", "VARCHAR", "VARCHAR"], rows), session.format))
-    try:
-        check_partial(answers, "table listing")
-    except PartialError as exc:
-        session.note(f"probe: {exc.message}")
-        return PARTIAL_EXIT
+    check_partial(answers, "table listing")  # cli.main reports it and exits 7 (partial) or 3 (none answered)
     return 0

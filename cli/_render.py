@@ -33,10 +33,6 @@ def _table(result: "Result", max_rows: int) -> str:
         con.close()
 
 
-def _jsonable(v):
-    return v
-
-
 def render_result(result: "Result", fmt: str = "table", *, expanded: bool = False, timing: bool = False) -> str:
     if fmt == "json":
         rows = [dict(zip(result.columns, r)) for r in result.rows]

@@ -18,7 +18,6 @@ import os
 import socket
 import stat
 import sys
-import time
 
 from ._config import setting
 from ._errors import EndpointError
@@ -131,11 +130,6 @@ def _entry_dirs() -> list[str]:
     return dirs
 
 
-def entry_name(entry: dict) -> str:
-    """File name of an entry: unique per host and pid, so a shared registry holds every node."""
-    return f"{entry['host']}-{entry['pid']}.json" if entry.get("shared") else f"{entry['pid']}.json"
-
-
 def write_entry(entry: dict) -> None:
     """Write (or rewrite) the registry entry of this process, locally and in the shared registry."""
     local, *shared = _entry_dirs()
@@ -216,7 +210,3 @@ def process_argv() -> list[str]:
         return [p.decode(errors="replace") for p in parts if p]
     except OSError:
         return list(getattr(sys, "argv", []) or [])
-
-
-def now() -> float:
-    return time.time()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -76,7 +77,7 @@ class Query(Command):
     @staticmethod
     def add_arguments(p):
         p.add_argument("sql", help="The SQL query, or - to read it from standard input.")
-        p.add_argument("-f", dest="format", choices=("table", "json", "csv"), default=argparse_suppress(),
+        p.add_argument("-f", dest="format", choices=("table", "json", "csv"), default=argparse.SUPPRESS,
                        help="Output format (same as --format).")
         p.add_argument("--max-rows", type=int, default=None, help="Row cap of the result (default 10000 on the server).")
         p.add_argument("--expanded", "-x", action="store_true", help="One column per line, like psql's \\x.")
@@ -85,7 +86,7 @@ class Query(Command):
     def run(self, session, args):
         sql = _read_sql(args.sql)
         if session.multi:
-            from .._fanout import federated_query  # added by the ranks feature
+            from .._fanout import federated_query
 
             result = federated_query(session, sql, max_rows=args.max_rows)
         else:
@@ -103,17 +104,11 @@ class Query(Command):
         return 0
 
 
-def argparse_suppress():
-    import argparse
-
-    return argparse.SUPPRESS
-
-
 @command("tables", "List the tables of a probed process with their descriptions.")
 class Tables(Command):
     def run(self, session, args):
         if session.multi:
-            from .._fanout import fanout_tables  # added by the ranks feature
+            from .._fanout import fanout_tables
 
             return fanout_tables(session)
         doc = session.client().get("/tables")
@@ -169,7 +164,7 @@ class Backtrace(Command):
 
     def run(self, session, args):
         if session.multi:
-            from .._fanout import fanout_backtrace  # added by the ranks feature
+            from .._fanout import fanout_backtrace
 
             return fanout_backtrace(session, args)
         target = session.target()
@@ -177,14 +172,10 @@ class Backtrace(Command):
         if session.format == "json":
             session.print(json.dumps(doc, indent=2, default=str))
         else:
-            session.print(render_backtrace_doc(doc))
+            from .._render import render_backtrace
+
+            session.print(render_backtrace(doc))
         return 0
-
-
-def render_backtrace_doc(doc):
-    from .._render import render_backtrace
-
-    return render_backtrace(doc)
 
 
 SERVER_BACKTRACE_TIMEOUT = 3.0  # a local server that stays silent this long is presumed stuck; py-spy takes over

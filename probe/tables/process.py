@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-import time
 
 from .. import _agent
 from .._runtime import process_argv, rank_identity
@@ -94,7 +93,3 @@ def info(ctx):
 )
 def env(ctx):
     return sorted((k, "<redacted>" if SECRET.search(k) else v) for k, v in os.environ.items())
-
-
-def now() -> float:
-    return time.time()
