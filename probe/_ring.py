@@ -1,15 +1,25 @@
 """A preallocated, fixed-capacity, columnar ring buffer.
 
-Hooks append a few numbers (no Python row objects, no allocation once full); a
-query takes ``snapshot()``, which copies the live region of each column with
-numpy in oldest-to-newest order and hands the arrays to DuckDB without building
-rows. The writer bumps ``count`` only after every column of a row is written, so
-a reader never sees a half-written row (the GIL orders the stores).
+Writers on the training thread pay as little as possible: ``append`` adds one tuple
+to a Python list (the *tail*), and every ``FLUSH_ROWS`` rows the tail is
+written into the preallocated numpy columns in one vectorised assignment per
+column. Sixteen numpy scalar stores per row cost more than the whole rest of a step
+boundary; one list append does not. ``extend`` writes many rows given as arrays.
+
+Readers (a query on the server thread) call ``snapshot()``, which first flushes the
+tail, then copies the live region of each column oldest first and hands the arrays
+to DuckDB without building rows. Flushes take a lock, so a reader and the writer
+never interleave a flush; ``append`` itself takes no lock (a list append is atomic
+under the GIL, and a flush removes only the rows it copied).
 """
 
 from __future__ import annotations
 
-__all__ = ["Ring"]
+import threading
+
+__all__ = ["Ring", "FLUSH_ROWS"]
+
+FLUSH_ROWS = 1024  # numpy's per-call cost is paid per column per flush: batch generously
 
 
 class Ring:
@@ -22,17 +32,71 @@ class Ring:
         self.capacity = int(capacity)
         self.names = tuple(columns)
         self.arrays = {name: np.zeros(self.capacity, dtype=dt) for name, dt in columns.items()}
-        self._cols = tuple(self.arrays[n] for n in self.names)
-        self.count = 0  # rows ever appended
+        self._dtypes = {name: np.dtype(dt) for name, dt in columns.items()}
+        self.count = 0  # rows ever appended: the next row's number
+        self._stored = 0  # rows written into the arrays
+        self._tail: list = []  # rows appended since, as tuples in column order
+        self._lock = threading.Lock()
+        self._flush_at = min(FLUSH_ROWS, self.capacity)
 
     def append(self, *values) -> None:
-        i = self.count % self.capacity
-        for arr, v in zip(self._cols, values):
-            arr[i] = v
+        tail = self._tail
+        tail.append(values)
         self.count += 1
+        if len(tail) >= self._flush_at:
+            self.flush()
 
     def append_row(self, row: dict) -> None:
         self.append(*(row.get(n) for n in self.names))
+
+    def flush(self) -> None:
+        """Write the tail into the columns."""
+        import numpy as np
+
+        with self._lock:
+            tail = self._tail
+            n = len(tail)
+            if not n:
+                return
+            rows = tail[:n]
+            del tail[:n]
+            cap = self.capacity
+            skip = max(0, n - cap)
+            idx = (self._stored + skip + np.arange(n - skip)) % cap
+            for name, values in zip(self.names, zip(*rows[skip:])):
+                if self._dtypes[name].kind == "O":  # assigned element-wise: a tuple value stays one value
+                    col = np.empty(n - skip, dtype=object)
+                    col[:] = values
+                else:
+                    col = np.array(values, dtype=self._dtypes[name])  # None becomes NaN in float columns
+                self.arrays[name][idx] = col
+            self._stored += n
+
+    def extend(self, columns: dict, n: int) -> None:
+        """Append ``n`` rows given as equal-length arrays, one vectorised write per column."""
+        import numpy as np
+
+        if n <= 0:
+            return
+        self.flush()
+        with self._lock:
+            cap = self.capacity
+            skip = max(0, n - cap)
+            idx = (self._stored + skip + np.arange(n - skip)) % cap
+            for name, values in columns.items():
+                self.arrays[name][idx] = values[skip:] if skip else values
+            self._stored += n
+            self.count += n
+
+    def set(self, name: str, row: int, value) -> bool:
+        """Overwrite one cell of row number ``row``; False if that row has left the ring."""
+        if self.count - row > self.capacity or row < 0:
+            return False
+        if row >= self._stored:
+            self.flush()
+        with self._lock:
+            self.arrays[name][row % self.capacity] = value
+        return True
 
     def __len__(self) -> int:
         return min(self.count, self.capacity)
@@ -41,11 +105,15 @@ class Ring:
         """Columns oldest first; a copy, so writers may go on while DuckDB reads."""
         import numpy as np
 
-        n = self.count
-        if n <= self.capacity:
-            return {name: arr[:n].copy() for name, arr in self.arrays.items()}
-        start = n % self.capacity
-        return {name: np.concatenate((arr[start:], arr[:start])) for name, arr in self.arrays.items()}
+        self.flush()
+        with self._lock:
+            n = self._stored
+            if n <= self.capacity:
+                return {name: arr[:n].copy() for name, arr in self.arrays.items()}
+            start = n % self.capacity
+            return {name: np.concatenate((arr[start:], arr[:start])) for name, arr in self.arrays.items()}
 
     def clear(self) -> None:
-        self.count = 0
+        with self._lock:
+            self._tail.clear()
+            self._stored = self.count = 0
