@@ -15,7 +15,7 @@ import sys
 import threading
 import weakref
 
-__all__ = ["models", "optimizers", "scheduler_for", "schedulers", "grad_scalers", "training_frame",
+__all__ = ["models", "optimizers", "scheduler_for", "schedulers", "grad_scalers", "training_frame", "module_path",
            "add_model", "add_optimizer", "add_scheduler", "add_grad_scaler", "set_training_frame", "scan"]
 
 _lock = threading.Lock()
@@ -81,6 +81,14 @@ def add_scheduler(sched) -> None:
 
 def add_grad_scaler(scaler) -> None:
     _add(_scalers, scaler)
+
+
+def module_path(name: str) -> str:
+    """A submodule's dotted path as the user wrote the model: torch.compile's wrapper adds
+    an ``_orig_mod`` level (``_orig_mod.blocks.3``), which is dropped (``blocks.3``)."""
+    if "_orig_mod" not in name:
+        return name
+    return ".".join(p for p in name.split(".") if p != "_orig_mod")
 
 
 def set_training_frame(frame) -> None:

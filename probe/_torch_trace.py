@@ -29,7 +29,7 @@ from ._health import record_error
 from ._ring import Ring
 from ._runtime import rank_identity
 
-__all__ = ["Tracer", "parse_mode", "DEFAULT_EVERY", "TRACE_COLUMNS", "extend"]
+__all__ = ["Tracer", "parse_mode", "DEFAULT_EVERY", "TRACE_COLUMNS"]
 
 DEFAULT_EVERY = 100
 MEM_PERIOD = 0.0005
@@ -54,18 +54,16 @@ def parse_mode(value: str | None):
     return max(n, 0)
 
 
-def extend(ring: Ring, columns: dict, n: int) -> None:
-    """Append ``n`` rows given as equal-length arrays to ``ring`` in one vectorised write."""
-    import numpy as np
+def _quiet_compile_warning() -> None:
+    """Silence torch's per-call warning that global hooks also fire for a compiled module's wrapper.
 
-    if n <= 0:
-        return
-    cap = ring.capacity
-    skip = max(0, n - cap)
-    idx = (ring.count + skip + np.arange(n - skip)) % cap
-    for name, values in columns.items():
-        ring.arrays[name][idx] = values[skip:] if skip else values
-    ring.count += n
+    The probe's sampled-step hooks are what trigger it, not the user's code, and the
+    trace accounts for the wrapper (the compiled module is one traced call).
+    """
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks",
+                            category=UserWarning)
 
 
 class _RssReader:
@@ -94,7 +92,7 @@ class Tracer:
         self.cuda = bool(torch.cuda.is_available() and torch.cuda.is_initialized()) if hasattr(torch, "cuda") else False
         self.handles: list = []
         self.active_step: int | None = None
-        self.rows: list = []  # (module, t0, t1, mem, depth, ev0, ev1) per call
+        self.rows: list = []  # (module, t0, t1, mem, depth[, ev0, ev1]) per call
         self.backward: list = []  # (root, t0, t1, mem, ev0, ev1)
         self.pending_events: list = []  # (ring row, ev0, ev1) awaiting completion (CUDA)
         self._names: dict = {}
@@ -102,6 +100,7 @@ class Tracer:
         self._mem = [0.0, float("nan")]  # time of last reading, value
         self._event_pool: list = []
         self._failed = False
+        self._stack: list = []  # the hooks' open calls; emptied at each boundary (a raise can strand one)
         self._lock = threading.Lock()
 
     # -- sampling ---------------------------------------------------------------------------
@@ -113,6 +112,7 @@ class Tracer:
     def prepare(self, step: int) -> None:
         """Called at the boundary before ``step``: install hooks if it is sampled, else make sure none are."""
         want = self.sampled(step)
+        self._stack.clear()
         if not self.cuda and want and self.torch.cuda.is_initialized():
             self.cuda = True  # CUDA came up after the probe: time device work from now on
             self._remove()
@@ -129,54 +129,90 @@ class Tracer:
         return self._rss()
 
     def _install(self) -> None:
+        """Install the global forward pre/post hook pair for one sampled step.
+
+        Every module call of the step runs these two functions, so they do the least
+        that keeps a call's record: a perf_counter reading each side, a stack push and
+        pop, one tuple appended; names, sequence numbers and the ring write wait for the
+        boundary. Two variants (CPU, CUDA) keep a device test out of the hot path. While
+        dynamo traces a compiled module the hooks do nothing (``is_dynamo_compiling`` is
+        False in eager code and constant-folded to True by dynamo), so a ``fullgraph``
+        compile sees no side effect to break on. No ``always_call``: a post hook that a
+        raising module skips leaves its entry on the stack, and the next post hook pops
+        past it.
+        """
         torch = self.torch
         mm = torch.nn.modules.module
-        stack: list = []
-        rows = self.rows
+        stack = self._stack
+        push, pop = stack.append, stack.pop
+        add = self.rows.append
         perf = time.perf_counter
         mem = self._mem
         read_mem = self._read_mem
-        cuda = self.cuda
         new_event = self._new_event
-        compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
-        tracer = self
+        tc = getattr(torch, "compiler", None)
+        compiling = getattr(tc, "is_dynamo_compiling", None) or getattr(tc, "is_compiling", None) or (lambda: False)
+        grad_enabled = torch.is_grad_enabled
+        watch_backward = self._watch_backward
+        period = MEM_PERIOD
 
         def pre(module, args):
             if compiling():
-                return None
-            if cuda:
-                ev = new_event()
-                ev.record()
-                stack.append((module, perf(), ev))
-            else:
-                stack.append((module, perf(), None))
-            return None
+                return
+            push((module, perf()))
 
         def post(module, args, output):
             if compiling() or not stack:
-                return None
-            m, t0, ev0 = stack.pop()
-            while m is not module and stack:  # a call that raised past its own post hook
-                m, t0, ev0 = stack.pop()
-            if m is not module:
-                return None
-            ev1 = None
-            if cuda:
-                ev1 = new_event()
-                ev1.record()
+                return
             t1 = perf()
-            if t1 - mem[0] > MEM_PERIOD:
+            m, t0 = pop()
+            while m is not module and stack:  # a call that raised past its own post hook
+                m, t0 = pop()
+            if m is not module:
+                return
+            if t1 - mem[0] > period:
+                mem[0] = t1
+                mem[1] = read_mem()
+            if stack:
+                add((module, t0, t1, mem[1], len(stack)))
+            else:
+                add((module, t0, t1, mem[1], 0))
+                if grad_enabled():
+                    watch_backward(module, output)
+
+        def pre_cuda(module, args):
+            if compiling():
+                return
+            ev = new_event()
+            ev.record()
+            push((module, perf(), ev))
+
+        def post_cuda(module, args, output):
+            if compiling() or not stack:
+                return
+            ev1 = new_event()
+            ev1.record()
+            t1 = perf()
+            m, t0, ev0 = pop()
+            while m is not module and stack:
+                m, t0, ev0 = pop()
+            if m is not module:
+                return
+            if t1 - mem[0] > period:
                 mem[0] = t1
                 mem[1] = read_mem()
             depth = len(stack)
-            rows.append((module, t0, t1, mem[1], depth, ev0, ev1))
-            if depth == 0 and torch.is_grad_enabled():
-                tracer._watch_backward(module, output)
-            return None
+            add((module, t0, t1, mem[1], depth, ev0, ev1))
+            if not depth and grad_enabled():
+                watch_backward(module, output)
 
+        _quiet_compile_warning()
         try:
-            self.handles = [mm.register_module_forward_pre_hook(pre),
-                            mm.register_module_forward_hook(post, always_call=True)]
+            if self.cuda:
+                self.handles = [mm.register_module_forward_pre_hook(pre_cuda),
+                                mm.register_module_forward_hook(post_cuda)]
+            else:
+                self.handles = [mm.register_module_forward_pre_hook(pre), mm.register_module_forward_hook(post)]
         except Exception as exc:
             self._failed = True
             record_error("torch trace: installing hooks", exc)
@@ -251,7 +287,7 @@ class Tracer:
                 return root_name, root_name
             for name, sub in root.named_modules():
                 try:
-                    self._names[id(sub)] = (weakref.ref(sub), name or root_name, root_name)
+                    self._names[id(sub)] = (weakref.ref(sub), _discovery.module_path(name) or root_name, root_name)
                 except TypeError:
                     pass
             hit = self._names.get(key)
@@ -274,9 +310,11 @@ class Tracer:
         if not rows and not back:
             return
         records = []  # (t0, module, model, cls, stage, t1, mem, depth, ev0, ev1)
-        for m, t0, t1, memv, depth, ev0, ev1 in rows:
+        for r in rows:  # (module, t0, t1, mem, depth) on CPU, plus (ev0, ev1) on CUDA
+            m = r[0]
             name, model = self._name_of(m)
-            records.append((t0, name, model, type(m).__name__, "forward", t1, memv, depth, ev0, ev1))
+            evs = r[5:] if len(r) > 5 else (None, None)
+            records.append((r[1], name, model, type(m).__name__, "forward", r[2], r[3], r[4], *evs))
         for m, t0, t1, memv, ev0, ev1 in back:
             name, model = self._name_of(m)
             records.append((t0, name, model, type(m).__name__, "backward", t1, memv, 0, ev0, ev1))
@@ -303,7 +341,7 @@ class Tracer:
                 for i, r in enumerate(records[max(0, n - self.ring.capacity):]):
                     if r[8] is not None and r[9] is not None:
                         self.pending_events.append((base + i, r[8], r[9]))
-        extend(self.ring, cols, n)
+        self.ring.extend(cols, n)
 
     def resolve(self) -> None:
         """Fill in CUDA durations whose events have completed; never waits."""

@@ -30,7 +30,7 @@ def _empty(columns: dict) -> dict:
         Column("ended_at", "TIMESTAMP", "When the step ended (its optimizer step returned)."),
         Column("duration", "DOUBLE", "Wall-clock seconds from the previous step boundary to this one, data loading included."),
         Column("loss", "DOUBLE", "Value of the loss tensor found in the training loop (PROBE_LOSS_NAMES), read lazily; NULL until ready or when none was found."),
-        Column("grad_norm", "DOUBLE", "Total gradient L2 norm, read lazily: clip_grad_norm_'s result (before clipping) when the loop clips, else the lead optimizer's gradients at its step, computed on enough steps to cost at most 0.3 % of the step time (NULL on the others)."),
+        Column("grad_norm", "DOUBLE", "Total gradient L2 norm, read lazily: clip_grad_norm_'s result (before clipping) when the loop clips, else the lead optimizer's gradients at its step, computed on enough steps to cost at most PROBE_GRAD_NORM (default 0.1 %) of the step time (NULL on the others)."),
         Column("lr", "DOUBLE", "Learning rate of the lead optimizer's first param group used by this step."),
         Column("samples_per_s", "DOUBLE", "Samples per second: batch dimension of the root model's training inputs (or probe.step(samples=)) over duration."),
         Column("tokens_per_s", "DOUBLE", "Tokens per second: elements of integer inputs of rank 2 or more (or probe.step(tokens=)) over duration."),
@@ -238,7 +238,7 @@ def parameters(ctx):
         for model_name, model in _discovery.models():
             for name, p in list(model.named_parameters()):
                 try:
-                    rows.append(_param_row(torch, model_name, name, p, id(p) in in_opt))
+                    rows.append(_param_row(torch, model_name, _discovery.module_path(name), p, id(p) in in_opt))
                 except Exception as exc:
                     record_error(f"torch.parameters: {name}", exc)
     return rows

@@ -4,6 +4,8 @@
 accumulation over 2 micro-batches and a torch.no_grad evaluation pass every step.
 --kind broken: the same loop, with the probe's grad-norm and loss look-up made to raise.
 --kind explicit: no optimizer at all; the loop calls probe.step(loss=..., samples=...).
+--kind compiled: the inplace loop with the encoder under torch.compile(fullgraph=True) (eager
+backend: dynamo traces the probe's hooks, no C++ compiler needed); prints ``graph_breaks N``.
 Prints ``losses`` (the per-step losses, for comparing runs with and without the probe) and
 ``hooks step=N forward=K`` (global forward hooks seen inside each step).
 """
@@ -41,13 +43,16 @@ opt_enc = torch.optim.SGD(encoder.parameters(), lr=0.05, momentum=0.9)
 opt_head = torch.optim.Adam(head.parameters(), lr=0.01)
 x_all = torch.randn(256, 8)
 y_all = x_all.sum(dim=1, keepdim=True)
+encoder_fwd = encoder
+if args.kind == "compiled":
+    encoder_fwd = torch.compile(encoder, backend="eager", fullgraph=True)
 mm = torch.nn.modules.module
 losses = []
 for step in range(1, args.steps + 1):
     idx = torch.arange(step * 16, step * 16 + 32) % 256
     for micro in range(2):
         xb, yb = x_all[idx[micro * 16:(micro + 1) * 16]], y_all[idx[micro * 16:(micro + 1) * 16]]
-        loss = nn.functional.mse_loss(head(encoder(xb)), yb)
+        loss = nn.functional.mse_loss(head(encoder_fwd(xb)), yb)
         (loss / 2).backward()
     print(f"hooks step={step} forward={len(mm._global_forward_hooks)}", flush=True)
     with torch.no_grad():
@@ -67,6 +72,10 @@ for step in range(1, args.steps + 1):
         opt_head.zero_grad(set_to_none=True)
     losses.append(loss.item())
 print("losses " + " ".join(f"{v:.6f}" for v in losses), flush=True)
+if args.kind == "compiled":
+    from torch._dynamo.utils import counters
+
+    print(f"graph_breaks {sum(counters['graph_break'].values())}", flush=True)
 print(f"ready pid={os.getpid()}", flush=True)
 while os.environ.get("TARGET_NO_PROBE") != "1":
     time.sleep(0.2)  # ok-sleep: the target idles until the test ends it
