@@ -32,12 +32,16 @@ def _on_this_thread(frame) -> bool:
     return False
 
 
-def release(frame, loc: dict) -> None:
-    """Drop the references held by ``frame``'s cached locals snapshot ``loc`` (3.11/3.12)."""
-    if not _SNAPSHOTS or loc is frame.f_globals or not isinstance(loc, dict):
+def release(frame, loc: dict, *, own: bool = False) -> None:
+    """Drop the references held by ``frame``'s cached locals snapshot ``loc`` (3.11/3.12).
+
+    ``own=True`` says the caller knows ``frame`` is on the current thread's stack (the
+    step boundary, which found it by walking that stack), which skips the check.
+    """
+    if not _SNAPSHOTS or type(loc) is not dict or loc is frame.f_globals:
         return
     if sys.gettrace() is not None or sys.getprofile() is not None:
         return  # a debugger or profiler owns the snapshot's write-back: leave it alone
-    if not _on_this_thread(frame):
+    if not own and not _on_this_thread(frame):
         return  # another thread's frame: its tracer state is not ours to judge
     loc.clear()

@@ -9,22 +9,29 @@ the hang watchdog's re-arm, step bookkeeping. A subscriber that raises is record
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from ._health import record_error
 
-__all__ = ["StepEvent", "on_step", "remove", "fire", "subscribers"]
+__all__ = ["StepEvent", "on_step", "remove", "fire", "subscribers", "has_subscribers"]
 
 
-@dataclass
 class StepEvent:
-    """One step boundary as seen by subscribers."""
+    """One step boundary as seen by subscribers (a plain slotted class: one is made per step).
 
-    step: int
-    frame: Any = None  # the training loop's frame (for the locals of `loss`, `batch`, ...), if known
-    optimizer: Any = None  # the optimizer whose step just finished, if any
-    info: dict = field(default_factory=dict)
+    ``frame`` is the training loop's frame (for the locals ``loss``, ``batch``, ...) and
+    ``optimizer`` the optimizer whose step just finished, when known.
+    """
+
+    __slots__ = ("step", "frame", "optimizer")
+
+    def __init__(self, step: int, frame=None, optimizer=None):
+        self.step = step
+        self.frame = frame
+        self.optimizer = optimizer
+
+    def __repr__(self) -> str:
+        return f"StepEvent(step={self.step})"
 
 
 _subscribers: list[Callable[[StepEvent], None]] = []
@@ -48,8 +55,12 @@ def subscribers() -> list:
     return list(_subscribers)
 
 
+def has_subscribers() -> bool:
+    return bool(_subscribers)
+
+
 def fire(event: StepEvent) -> None:
-    for fn in list(_subscribers):
+    for fn in tuple(_subscribers):
         try:
             fn(event)
         except Exception as exc:

@@ -16,7 +16,7 @@ import threading
 
 from ._health import record_error
 
-__all__ = ["arm", "disarm", "tracker", "tracer", "step", "watch"]
+__all__ = ["arm", "disarm", "pause", "resume", "tracker", "tracer", "step", "watch"]
 
 _lock = threading.RLock()
 _state: dict = {}
@@ -91,19 +91,52 @@ def _install(torch) -> None:
 
             tr = Tracer(torch)
             tk = StepTracker(torch, tr)
-
-            def post_hook(optimizer, args, kwargs):
-                try:
-                    tk.on_optimizer_step(optimizer)
-                except Exception as exc:
-                    record_error("torch optimizer step hook", exc)
-
-            handle = topt.register_optimizer_step_post_hook(post_hook)
-            _state.update(installed=True, tracker=tk, tracer=tr, handle=handle)
+            _state.update(tracker=tk, tracer=tr)
+            handle = topt.register_optimizer_step_post_hook(_post_hook)
+            _state.update(installed=True, handle=handle)
             _agent.add_status_provider(status)
             tr.prepare(1)  # step 1 is sampled: trace it from the first module call
         except Exception as exc:
             record_error("installing torch hooks", exc)
+
+
+def _post_hook(optimizer, args, kwargs):
+    """torch's global optimizer step post-hook: the step boundary."""
+    tk = _state.get("tracker")
+    if tk is not None:
+        try:
+            tk.on_optimizer_step(optimizer)
+        except Exception as exc:
+            record_error("torch optimizer step hook", exc)
+
+
+def pause() -> None:
+    """Take every torch hook out but keep the tracker, tracer and their rows (``resume`` puts them back).
+
+    The benchmarks alternate paused and running blocks on one model to measure the
+    hooks' cost in a long run's steady state.
+    """
+    with _lock:
+        handle = _state.pop("handle", None)
+        if handle is not None:
+            handle.remove()
+        tk, tr = _state.get("tracker"), _state.get("tracer")
+        if tr is not None:
+            tr.close()
+        if tk is not None:
+            tk.close()
+
+
+def resume() -> None:
+    with _lock:
+        tk, tr = _state.get("tracker"), _state.get("tracer")
+        if tk is None or _state.get("handle") is not None:
+            return
+        import torch.optim.optimizer as topt
+
+        _state["handle"] = topt.register_optimizer_step_post_hook(_post_hook)
+        tk.reopen()
+        tr.prepare(tk.step + 1)
 
 
 def disarm() -> None:

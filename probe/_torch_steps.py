@@ -40,10 +40,10 @@ STEP_COLUMNS = {"step": "i8", "started_at": "f8", "ended_at": "f8", "duration": 
                 "grad_norm": "f8", "lr": "f8", "samples_per_s": "f8", "tokens_per_s": "f8",
                 "peak_allocated": "f8", "rank": "f8", "traced": "b1", "samples": "f8", "tokens": "f8",
                 "micro_batches": "i8", "optimizer": "O"}
-_NORM_BUDGET = 0.003  # share of the step time our own grad-norm computation may take
 _LAG = 2  # steps after which a pending value is read on the training thread
 _RESOLVE_EVERY = 8  # pending device values read at the boundary once this many are waiting
-_PEAK_PERIOD = 0.05  # seconds between peak-memory readings at the boundary
+_PEAK_PERIOD = 0.25  # seconds between peak-memory readings at the boundary (a running peak: staleness is fine)
+_NAN = float("nan")  # made once: float("nan") parses a string, which is slow with cold caches
 _PROBE_DIR = os.path.dirname(os.path.abspath(__file__))
 _internal_cache: dict = {}
 
@@ -64,6 +64,22 @@ def training_frame_of(frame, torch_dir: str):
     return frame
 
 
+def _norm_budget(value: str | None) -> float:
+    """PROBE_GRAD_NORM as a share of step time: 'all' -> inf (every step), 'off' -> 0."""
+    v = (value or "").strip().lower()
+    if v in ("all", "on", "every"):
+        return float("inf")
+    if v in ("off", "0", "no", "none", "false"):
+        return 0.0
+    try:
+        budget = float(v)
+    except ValueError:
+        record_error("PROBE_GRAD_NORM", ValueError(f"PROBE_GRAD_NORM={value!r} is not all, off or a share of step "
+                                                   "time such as 0.001; using 0.001."))
+        return 0.001
+    return budget if budget > 0 else 0.0
+
+
 def _attempt(source: str, fn, *args):
     """``fn(*args)``, or NaN with the error recorded: one failing measurement never costs the step."""
     try:
@@ -80,6 +96,10 @@ class StepTracker:
         self.torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
         self.ring = Ring(STEP_COLUMNS, int(setting("PROBE_STEPS_CAPACITY")))
         self.rank = rank_identity()["rank"]
+        self._rank_v = float("nan") if self.rank is None else float(self.rank)
+        # An integer batch of two or more dimensions is token ids (features are floating point).
+        self._token_dtypes = {getattr(torch, n) for n in ("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32",
+                                                             "uint64") if hasattr(torch, n)}
         self.loss_names = [n.strip() for n in (setting("PROBE_LOSS_NAMES") or "loss").split(",") if n.strip()]
         self.step = 0
         self.explicit = False
@@ -98,10 +118,12 @@ class StepTracker:
         self._norm_failed: set = set()
         self.wall_offset = time.time() - time.perf_counter()
         self._clip_norm = None
-        self._norm_every = 1
+        self._norm_next = 1  # the next step that computes its own grad norm
+        self._norm_budget = _norm_budget(setting("PROBE_GRAD_NORM"))
         self._peak_at = -1.0
         self._peak_v = float("nan")
         self._frame = None
+        self._frame_depth = 0
         _attempt("torch steps: wrapping clip_grad_norm_", self._wrap_clip)
 
     # -- the lead optimizer --------------------------------------------------------------------
@@ -124,8 +146,28 @@ class StepTracker:
             return
         if self.explicit:
             return
-        frame = training_frame_of(sys._getframe(1), self.torch_dir)
-        self.boundary(optimizer, frame)
+        self.boundary(optimizer, self._loop_frame())
+
+    def _loop_frame(self):
+        """The training loop's frame: the first one outside torch and probe above the step hook.
+
+        The loop calls ``optimizer.step()`` from the same frame at the same depth every
+        step, so the last answer is checked with one ``sys._getframe`` before walking.
+        """
+        depth = self._frame_depth
+        if depth:
+            try:
+                f = sys._getframe(depth)
+            except ValueError:
+                f = None
+            if f is not None and f is self._frame:
+                return f
+        f, depth = sys._getframe(1), 1
+        torch_dir = self.torch_dir
+        while f is not None and _is_internal(f.f_code, torch_dir):
+            f, depth = f.f_back, depth + 1
+        self._frame_depth = depth if f is not None else 0
+        return f
 
     # -- inputs: samples and tokens per step -------------------------------------------------
     def _root_pre_hook(self, module, args, kwargs):
@@ -133,13 +175,15 @@ class StepTracker:
         if not torch.is_grad_enabled():
             return None  # an evaluation pass is not a training micro-batch
         x = args[0] if args else next(iter(kwargs.values()), None) if kwargs else None
-        if isinstance(x, dict):
+        if type(x) is dict:
             x = next((v for v in x.values() if isinstance(v, torch.Tensor)), None)
-        if isinstance(x, torch.Tensor) and x.dim() > 0:
-            self.micro_batches += 1
-            self.samples += x.shape[0]
-            if x.dim() >= 2 and not x.is_floating_point() and not x.is_complex():
-                self.tokens += x.numel()
+        if isinstance(x, torch.Tensor):
+            shape = x.shape
+            if shape:
+                self.micro_batches += 1
+                self.samples += shape[0]
+                if len(shape) >= 2 and x.dtype in self._token_dtypes:
+                    self.tokens += x.numel()
         return None
 
     def _primary_model(self):
@@ -166,21 +210,22 @@ class StepTracker:
 
     # -- lazily read values ---------------------------------------------------------------------
     def _hold(self, value):
-        """A float now when that costs no sync, else a holder to read later."""
+        """A float now when that costs no device sync, else a holder to read later."""
+        if type(value) is float:
+            return value
         torch = self.torch
         if isinstance(value, torch.Tensor):
+            if not value.is_cuda:
+                return float(value.item())  # CPU: nothing to wait for (a non-scalar raises: recorded, NaN)
             if value.numel() != 1:
                 return float("nan")
-            if value.device.type == "cpu":
-                return float(value.item())  # no device to wait for: reading now is cheaper than later
             value = value.detach()
             try:
-                host = torch.empty((), dtype=value.dtype, device="cpu", pin_memory=value.device.type == "cuda")
+                host = torch.empty((), dtype=value.dtype, device="cpu", pin_memory=True)
                 host.copy_(value.reshape(()), non_blocking=True)
-                ev = torch.cuda.Event() if value.device.type == "cuda" else None
-                if ev is not None:
-                    ev.record()
-                return ("dev", host, ev)
+                ev = torch.cuda.Event()
+                ev.record()
+                return (host, ev)
             except Exception as exc:
                 record_error("torch steps: copying a device scalar", exc)
                 return float("nan")
@@ -189,13 +234,13 @@ class StepTracker:
         except (TypeError, ValueError):
             return float("nan")
 
-    def _read(self, holder, wait: bool):
-        if holder[0] == "cpu":
-            return float(holder[1].item())
-        ev = holder[2]
-        if ev is not None and not ev.query():
+    @staticmethod
+    def _read(holder):
+        """The value behind a holder, or None while its device copy has not landed."""
+        host, ev = holder
+        if not ev.query():
             return None
-        return float(holder[1].item())
+        return float(host.item())
 
     def resolve(self, up_to_row: int | None = None) -> None:
         """Read pending loss and grad-norm values (those ready; up to a ring row if given)."""
@@ -208,14 +253,14 @@ class StepTracker:
                     keep.append((row, col, holder))
                     continue
                 try:
-                    v = self._read(holder, wait=False)
+                    v = self._read(holder)
                 except Exception as exc:
                     record_error(f"torch steps: reading {col}", exc)
                     continue
                 if v is None:
                     keep.append((row, col, holder))
                 else:
-                    self.ring.arrays[col][row % self.ring.capacity] = v
+                    self.ring.set(col, row, v)
             self.pending = keep
 
     # -- the boundary -----------------------------------------------------------------------------
@@ -226,25 +271,37 @@ class StepTracker:
             try:
                 for name in self.loss_names:
                     v = loc.get(name)
-                    if v is not None and (isinstance(v, (float, int)) or getattr(v, "numel", lambda: 0)() == 1):
+                    if v is None:
+                        continue
+                    if isinstance(v, self.torch.Tensor):
+                        if v.numel() == 1:  # not a per-sample loss vector: look further out for the scalar
+                            return v
+                    elif isinstance(v, (float, int)):
                         return v
             finally:
-                release(f, loc)  # else 3.11/3.12's cached snapshot keeps last step's tensors alive
+                release(f, loc, own=True)  # else 3.11/3.12's cached snapshot keeps last step's tensors alive
             f, n = f.f_back, n + 1
         return None
 
     def _step_grad_norm(self, optimizer, step: int, duration: float):
-        """clip_grad_norm_'s result when the loop clipped, else our own norm on enough steps to cost <= 0.3 %."""
+        """clip_grad_norm_'s result when the loop clipped, else our own norm.
+
+        The boundary calls this from step ``_norm_next`` on. After computing a norm that cost
+        ``c`` on a step of ``d`` seconds, the next one is ``c / (budget * d)`` steps later, so
+        our computation stays within PROBE_GRAD_NORM's share of the step time (0.1 % by
+        default); steps 1-3 always get one (start-up divergence shows there).
+        """
         clipped, self._clip_norm = self._clip_norm, None
         if clipped is not None:
             return clipped
-        if step % self._norm_every and step > 3:
-            return float("nan")
+        budget = self._norm_budget
         t0 = time.perf_counter()
         norm = self._grad_norm(optimizer)
         cost = time.perf_counter() - t0
-        if duration > 0:
-            self._norm_every = max(1, math.ceil(cost / (_NORM_BUDGET * duration)))
+        gap = 1
+        if duration > 0 and budget != float("inf"):
+            gap = max(1, math.ceil(cost / (budget * duration)))
+        self._norm_next = step + 1 if step < 3 else step + gap
         return norm
 
     def _wrap_clip(self) -> None:
@@ -304,10 +361,14 @@ class StepTracker:
         return self._peak_v
 
     def boundary(self, optimizer, frame, *, loss=None, samples=None, tokens=None) -> None:
+        """Close step ``self.step + 1``: one ring row, then the tracer's and the subscribers' turn.
+
+        This runs between two steps on the training thread, with the step's work just
+        evicted from the CPU caches, so it touches as little as it can: one tuple into the
+        ring's tail, no device syncs, and torch calls only for values it must keep.
+        """
         end_perf = time.perf_counter()
-        end_wall = end_perf + self.wall_offset
-        self.step += 1
-        step = self.step
+        self.step = step = self.step + 1
         if frame is not self._frame:
             self._frame = frame
             _discovery.set_training_frame(frame)
@@ -320,41 +381,55 @@ class StepTracker:
                 self._watch_roots()
             except Exception as exc:
                 record_error("torch steps: discovery", exc)
-        if self.last_end_perf is None:
+        start_perf = self.last_end_perf
+        if start_perf is None:
             start_perf = self.tracer.first_call_perf() or self.started_perf
-        else:
-            start_perf = self.last_end_perf
-        duration = max(end_perf - start_perf, 0.0)
-        if loss is None:
-            loss = _attempt("torch steps: loss look-up", self._find_loss, frame)
-        loss_v = _attempt("torch steps: loss", self._hold, loss) if loss is not None else float("nan")
-        norm_v = _attempt("torch steps: grad norm", lambda: self._hold(self._step_grad_norm(optimizer, step, duration)))
-        lr = float("nan")
-        if optimizer is not None and optimizer.param_groups:
-            lr_raw = optimizer.param_groups[0].get("lr")
-            lr = self._hold(lr_raw) if lr_raw is not None else float("nan")
-        s = float(samples) if samples is not None else (self.samples or float("nan"))
-        t = float(tokens) if tokens is not None else (self.tokens or float("nan"))
-        traced = self.tracer.active_step == step
-        row = self.ring.count
-        values = {"loss": loss_v, "grad_norm": norm_v, "lr": lr}
-        direct = {k: (v if isinstance(v, float) else float("nan")) for k, v in values.items()}
-        self.ring.append(step, start_perf + self.wall_offset, end_wall, duration, direct["loss"], direct["grad_norm"],
-                         direct["lr"], s / duration if duration > 0 else float("nan"),
-                         t / duration if duration > 0 else float("nan"), self._peak(end_perf),
-                         float("nan") if self.rank is None else self.rank, traced, s, t, self.micro_batches,
-                         type(optimizer).__name__ if optimizer is not None else None)
-        if not (type(loss_v) is float and type(norm_v) is float and type(lr) is float):
+        duration = end_perf - start_perf if end_perf > start_perf else 0.0
+        nan = _NAN
+        loss_v = norm_v = lr = nan
+        try:
+            if loss is None:
+                loss = self._find_loss(frame)
+            if loss is not None:
+                loss_v = self._hold(loss)
+        except Exception as exc:
+            record_error("torch steps: loss", exc)
+        if self._clip_norm is not None or (self._norm_budget and step >= self._norm_next):
+            try:
+                norm_v = self._hold(self._step_grad_norm(optimizer, step, duration))
+            except Exception as exc:
+                record_error("torch steps: grad norm", exc)
+        if optimizer is not None:
+            try:
+                lr = optimizer.param_groups[0]["lr"]
+                if type(lr) is not float:
+                    lr = self._hold(lr)  # a tensor lr (capturable optimizers), or an int
+            except Exception as exc:
+                record_error("torch steps: lr", exc)
+        s = float(samples) if samples is not None else (self.samples or nan)
+        t = float(tokens) if tokens is not None else (self.tokens or nan)
+        tracer = self.tracer
+        traced = tracer.active_step == step
+        ring = self.ring
+        row = ring.count
+        ring.append(step, start_perf + self.wall_offset, end_perf + self.wall_offset, duration,
+                    loss_v if type(loss_v) is float else nan, norm_v if type(norm_v) is float else nan,
+                    lr if type(lr) is float else nan, s / duration if duration > 0 else nan,
+                    t / duration if duration > 0 else nan,
+                    self._peak_v if end_perf - self._peak_at < _PEAK_PERIOD else self._peak(end_perf), self._rank_v,
+                    traced, s, t,
+                    self.micro_batches, type(optimizer).__name__ if optimizer is not None else None)
+        if type(loss_v) is not float or type(norm_v) is not float or type(lr) is not float:
             with self._lock:
-                for col, v in values.items():
-                    if not isinstance(v, float):
+                for col, v in (("loss", loss_v), ("grad_norm", norm_v), ("lr", lr)):
+                    if type(v) is not float:
                         self.pending.append((row, col, v))
-        self.last_end_perf, self.last_end_wall = end_perf, end_wall
+            if len(self.pending) >= _RESOLVE_EVERY:
+                self.resolve(up_to_row=row - _LAG)
+        self.last_end_perf = end_perf
+        self.last_end_wall = end_perf + self.wall_offset
         self.samples = self.tokens = 0.0
         self.micro_batches = 0
-        if len(self.pending) >= _RESOLVE_EVERY:
-            self.resolve(up_to_row=row - _LAG)
-        tracer = self.tracer
         try:
             if traced:
                 tracer.finish(step, self.wall_offset)
@@ -366,7 +441,8 @@ class StepTracker:
                 tracer.active_step = None
         except Exception as exc:
             record_error("torch trace: step boundary", exc)
-        _safepoint.fire(_safepoint.StepEvent(step=step, frame=frame, optimizer=optimizer))
+        if _safepoint._subscribers:
+            _safepoint.fire(_safepoint.StepEvent(step, frame, optimizer))
 
     # -- status -------------------------------------------------------------------------------------
     def status(self) -> dict:
@@ -382,6 +458,13 @@ class StepTracker:
     def close(self) -> None:
         self._unwrap_clip()
         self.close_root_hooks()
+
+    def reopen(self) -> None:
+        """Undo ``close``: the clip wrapper and the root model's hook go back; the next step's clock restarts."""
+        _attempt("torch steps: wrapping clip_grad_norm_", self._wrap_clip)
+        self._watch_roots()
+        self.last_end_perf = None
+        self.started_perf = time.perf_counter()
 
     def close_root_hooks(self) -> None:
         for h in self._root_hooks.values():
