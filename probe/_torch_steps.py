@@ -216,7 +216,9 @@ class StepTracker:
         torch = self.torch
         if isinstance(value, torch.Tensor):
             if not value.is_cuda:
-                return float(value.item())  # CPU: nothing to wait for (a non-scalar raises: recorded, NaN)
+                if value.is_cpu:
+                    return float(value.item())  # nothing to wait for (a non-scalar raises: recorded, NaN)
+                return (value.detach(), None)  # another accelerator (MPS, XLA): read later, not in this step
             if value.numel() != 1:
                 return float("nan")
             value = value.detach()
@@ -238,7 +240,7 @@ class StepTracker:
     def _read(holder):
         """The value behind a holder, or None while its device copy has not landed."""
         host, ev = holder
-        if not ev.query():
+        if ev is not None and not ev.query():
             return None
         return float(host.item())
 
