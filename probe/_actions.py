@@ -22,10 +22,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from . import _safepoint
 from ._audit import audit
 from ._errors import ActionError, ProbeError
 from ._health import record_error
-from ._safepoint import StepEvent, on_step
+from ._safepoint import StepEvent, on_step, remove
 
 __all__ = ["Action", "Context", "submit", "get", "wait", "actions", "last_step", "refuse", "TERMINAL"]
 
@@ -68,19 +69,18 @@ class Action:
                 "requested_at": self.requested_at, "started_at": self.started_at,
                 "finished_at": self.finished_at, "step": self.step, "result": self.result,
                 "error": self.error, "queued_for": (self.started_at or time.time()) - self.requested_at,
-                "last_step": _last["step"]}
+                "last_step": _safepoint.last_step}
 
 
 _ids = itertools.count(1)
 _lock = threading.Condition(threading.RLock())
 _history: deque[Action] = deque(maxlen=CAPACITY)
-_pending: list[Action] = []
-_last: dict = {"step": None, "at": None}
+_pending: list[Action] = []  # while non-empty, _at_step is subscribed to the step boundary
 
 
 def last_step() -> int | None:
     """The step of the last safe point this process passed, or None before the first one."""
-    return _last["step"]
+    return _safepoint.last_step
 
 
 def actions() -> list[Action]:
@@ -111,9 +111,10 @@ def submit(command: str, fn: Callable[[Context], dict], *, args: dict, client: d
         _history.append(action)
         if not now:
             _pending.append(action)
+            on_step(_at_step)  # subscribed only while something waits: an idle boundary costs nothing
     audit(client, command, args, "queued" if not now else "running", id=action.id, now=now, at_step=at_step)
     if now:
-        _run(action, Context(step=_last["step"], now=True, action_id=action.id))
+        _run(action, Context(step=_safepoint.last_step, now=True, action_id=action.id))
     elif timeout is not None:
         t = threading.Timer(timeout, expire)
         t.daemon = True
@@ -145,7 +146,7 @@ def expire() -> None:
                 _pending.remove(a)
                 a.state, a.finished_at = "timed_out", now
                 a.error = (f"no step boundary was reached within {a.timeout:g} s"
-                           + (f" (waiting for step {a.at_step}, last step {_last['step']})" if a.at_step is not None else "")
+                           + (f" (waiting for step {a.at_step}, last step {_safepoint.last_step})" if a.at_step is not None else "")
                            + "; the action was dropped and will not run.")
                 expired.append(a)
         if expired:
@@ -184,12 +185,8 @@ def _short(result: dict | None) -> Any:
     return result if len(text) <= 2000 else text[:2000] + "..."
 
 
-@on_step
 def _at_step(event: StepEvent) -> None:
     """The training thread's side: start every due action, in submission order."""
-    _last["step"], _last["at"] = event.step, time.time()
-    if not _pending:
-        return
     now = time.time()
     due = []
     with _lock:
@@ -202,6 +199,8 @@ def _at_step(event: StepEvent) -> None:
                 continue
             a.state = "running"
             due.append(a)
+        if not _pending:
+            remove(_at_step)  # under the lock, so a submit cannot slip in between the test and the removal
     expire()
     for a in due:
         _run(a, Context(step=event.step, frame=event.frame, optimizer=event.optimizer, action_id=a.id))

@@ -5,6 +5,10 @@ or an explicit ``probe.step()``) calls ``fire``; subscribers registered with
 ``on_step`` then run on the training thread, between two steps: queued actions,
 the hang watchdog's re-arm, step bookkeeping. A subscriber that raises is recorded in
 ``probe.errors`` and the others still run; nothing propagates into training.
+
+Subscribers come and go: the action queue subscribes only while an action waits, so
+a boundary with nobody subscribed only records ``last_step`` (the torch step tracker
+skips building the event then).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Callable
 
 from ._health import record_error
 
-__all__ = ["StepEvent", "on_step", "remove", "fire", "subscribers", "has_subscribers"]
+__all__ = ["StepEvent", "on_step", "remove", "fire", "subscribers", "last_step"]
 
 
 class StepEvent:
@@ -35,6 +39,7 @@ class StepEvent:
 
 
 _subscribers: list[Callable[[StepEvent], None]] = []
+last_step: int | None = None  # the step of the last boundary passed (set even when nobody subscribes)
 
 
 def on_step(fn: Callable[[StepEvent], None]) -> Callable[[StepEvent], None]:
@@ -55,11 +60,9 @@ def subscribers() -> list:
     return list(_subscribers)
 
 
-def has_subscribers() -> bool:
-    return bool(_subscribers)
-
-
 def fire(event: StepEvent) -> None:
+    global last_step
+    last_step = event.step
     for fn in tuple(_subscribers):
         try:
             fn(event)

@@ -445,6 +445,8 @@ class StepTracker:
             record_error("torch trace: step boundary", exc)
         if _safepoint._subscribers:
             _safepoint.fire(_safepoint.StepEvent(step, frame, optimizer))
+        else:
+            _safepoint.last_step = step
 
     # -- status -------------------------------------------------------------------------------------
     def status(self) -> dict:
