@@ -155,23 +155,29 @@ def tracing_per_call(rounds: int) -> None:
         return [mm.register_module_forward_pre_hook(lambda m, a: None),
                 mm.register_module_forward_hook(lambda m, a, o: None)]
 
-    times: dict = {"none": [], "empty": [], "probe": []}
-    for _ in range(4 * rounds):  # the three settings alternate, so drift hits them alike
-        times["none"].append(per_call(model, x, 50))
-        handles = empty_pair()
-        times["empty"].append(per_call(model, x, 50))
-        for h in handles:
-            h.remove()
-        tracer.prepare(1)
-        times["probe"].append(per_call(model, x, 50))
-        tracer.close()
-        tracer.rows.clear()
-    for label, stat in (("best", min), ("median", statistics.median)):  # best: the least disturbed runs
-        base = stat(times["none"])
-        floor = (stat(times["empty"]) - base) / calls
-        traced = (stat(times["probe"]) - base) / calls
-        print(f"   {label:6s} empty hook pair floor {floor * 1e6:5.2f} us/call   probe tracing {traced * 1e6:5.2f} us/call"
-              f"   ratio {traced / floor:4.2f}x  goal <= 1.5x")
+    # Rounds of three adjacent measurements (no hooks, empty pair, probe), rotated; each round
+    # gives paired differences, so drift between rounds cancels. Ratio of the median differences.
+    d_empty, d_probe = [], []
+    for r in range(40 * rounds):
+        got = {}
+        for arm in ("none", "empty", "probe")[r % 3:] + ("none", "empty", "probe")[:r % 3]:
+            if arm == "empty":
+                handles = empty_pair()
+                got[arm] = per_call(model, x, 10)
+                for h in handles:
+                    h.remove()
+            elif arm == "probe":
+                tracer.prepare(1)
+                got[arm] = per_call(model, x, 10)
+                tracer.close()
+                tracer.rows.clear()
+            else:
+                got[arm] = per_call(model, x, 10)
+        d_empty.append((got["empty"] - got["none"]) / calls)
+        d_probe.append((got["probe"] - got["none"]) / calls)
+    floor, traced = statistics.median(d_empty), statistics.median(d_probe)
+    print(f"   empty hook pair floor {floor * 1e6:5.2f} us/call   probe tracing {traced * 1e6:5.2f} us/call"
+          f"   ratio {traced / floor:4.2f}x  goal <= 1.5x  ({len(d_probe)} paired rounds)")
     print("   (the flush at the step's end is not counted: it runs once per traced step, not per call)")
 
 

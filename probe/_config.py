@@ -38,7 +38,7 @@ _declare("PROBE_TOKEN", None, "Token TCP clients must send; generated and stored
 _declare("PROBE_ALLOW_EVAL", None, "1 allows eval over TCP (with the token); 0 disables eval everywhere; unset allows it on the unix socket only.")
 _declare("PROBE_ACTION_TIMEOUT", "60", "Seconds a queued action (checkpoint, lr, cleanup, eval --at-step) waits for a step boundary before it is dropped as timed_out, when the client gives no --timeout.")
 _declare("PROBE_QUERY_TIMEOUT", "10", "Seconds a query may run before DuckDB is interrupted.")
-_declare("PROBE_QUERY_MEMORY", "256MB", "DuckDB memory limit for one query.")
+_declare("PROBE_QUERY_MEMORY", "256MB", "DuckDB memory limit for queries (one database serves them all: queries running at the same time share it).")
 _declare("PROBE_MAX_ROWS", "10000", "Default row cap of a query result; a client can ask for more.")
 _declare("PROBE_REGISTRY", None, "Shared directory (e.g. on a network file system) where every rank also writes its registry entry, for discovery across nodes.")
 _declare("PROBE_TRACE", None, "Module tracing: 'all' traces every step, 'off' disables it, a number N traces one step in N (default chosen to keep overhead under 1%).")

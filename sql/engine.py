@@ -1,12 +1,18 @@
 """Run a guarded query on DuckDB over snapshots of the tables it reads.
 
-Each query gets a fresh in-memory DuckDB connection: one thread, a memory limit,
-external access and Python replacement scans off, extensions neither installed nor
-loaded automatically. The snapshots are registered (numpy columns, read without a
-copy), exposed as ``schema.table`` views that cast to the declared types, and then
-the configuration is locked before the user's SQL runs. A timer interrupts DuckDB
-when the query runs past its timeout; at most ``max_rows`` rows come back.
-DuckDB is imported on the first query, not before.
+One in-memory DuckDB database serves every query of the process, set up once: one
+thread, a memory limit, external access and Python replacement scans off,
+extensions neither installed nor loaded automatically, and then the configuration
+locked. Opening a database costs about 12 ms; opening a connection to it, 0.1 ms.
+
+Each query gets its own connection. The snapshots of the tables it reads are
+registered on that connection only (numpy columns, read without a copy) under a
+fixed internal name per table; the ``schema.table`` views that cast to the declared
+types are created once in the database and re-bind, in each connection, to that
+connection's own registration. Concurrent queries therefore never see each other's
+snapshots, and closing the connection drops them. A timer interrupts DuckDB when
+the query runs past its timeout; at most ``max_rows`` rows come back. DuckDB is
+imported on the first query, not before.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ __all__ = ["Result", "execute", "connect", "cancel"]
 _running: dict[str, object] = {}
 _cancelled: dict[str, bool] = {}
 _running_lock = threading.Lock()
+
+_db_lock = threading.Lock()
+_db: dict = {}  # "con": the shared database's own connection, "memory_limit", "views": {table: view SQL}
 
 
 def cancel(query_id: str) -> bool:
@@ -80,16 +89,33 @@ def _column_expr(name: str, typ: str) -> str:
     return f"CAST({q} AS {typ}) AS {q}"
 
 
+def _raw_name(full: str) -> str:
+    """The per-connection registration a table's view reads (registry names are identifiers)."""
+    return "__probe_raw__" + full.replace(".", "__").replace('"', "")
+
+
+def _shared(memory_limit: str):
+    """The process's query database, made (or remade for a new memory limit) on first use."""
+    with _db_lock:
+        if _db.get("memory_limit") != memory_limit:
+            old = _db.get("con")
+            con = connect(memory_limit)
+            con.execute("SET lock_configuration = true")
+            _db.update(con=con, memory_limit=memory_limit, views={})
+            if old is not None:
+                old.close()
+        return _db["con"]
+
+
 def register_tables(con, tables: dict) -> None:
-    """``tables`` maps ``schema.table`` to ``(columns, data)``: columns ``[(name, type)]``, data ``{name: array}``."""
+    """``tables`` maps ``schema.table`` to ``(columns, data)``: columns ``[(name, type)]``, data ``{name: array}``.
+
+    The data is registered on ``con`` only; the typed view over it is created in the
+    database the first time a table is seen (again if its columns change).
+    """
     import numpy as np
 
-    schemas = set()
-    for i, (full, (columns, data)) in enumerate(tables.items()):
-        schema, short = full.split(".", 1)
-        if schema not in schemas:
-            con.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
-            schemas.add(schema)
+    for full, (columns, data) in tables.items():
         arrays = {}
         for name, typ in columns:
             values = data[name]
@@ -98,10 +124,18 @@ def register_tables(con, tables: dict) -> None:
             if values.dtype == object and typ in ("BIGINT", "INTEGER", "DOUBLE", "BOOLEAN", "TIMESTAMP"):
                 values = values.astype(object)
             arrays[name] = values
-        raw = f"__probe_raw_{i}"
+        raw = _raw_name(full)
         con.register(raw, arrays)
+        schema, short = full.split(".", 1)
         cols = ", ".join(_column_expr(n, t) for n, t in columns)
-        con.execute(f'CREATE VIEW "{schema}"."{short}" AS SELECT {cols} FROM {raw}')
+        view = f'CREATE OR REPLACE VIEW "{schema}"."{short}" AS SELECT {cols} FROM "{raw}"'
+        views = _db.get("views")
+        if views is None or views.get(full) != view:
+            with _db_lock:
+                con.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+                con.execute(view)
+                if views is not None:
+                    views[full] = view
 
 
 def execute(sql: str, tables: dict, *, max_rows: int = 10000, timeout: float = 10.0,
@@ -113,12 +147,11 @@ def execute(sql: str, tables: dict, *, max_rows: int = 10000, timeout: float = 1
     import duckdb
 
     t0 = time.perf_counter()
-    con = connect(memory_limit)
+    con = _shared(memory_limit).cursor()
     timer = None
     interrupted = threading.Event()
     try:
         register_tables(con, tables)
-        con.execute("SET lock_configuration = true")
 
         def _interrupt():
             interrupted.set()
