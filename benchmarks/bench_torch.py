@@ -128,7 +128,7 @@ def step_overhead(rounds: int) -> None:
     print("1. step time at the defaults: hooks running (on) vs paused (off); off2 is a second paused arm")
     print("   (an A/A control: its difference from off is this machine's noise in this run)")
     for name, make, block, n in (("launch-bound 48x16", launch_bound, 6, 12 * rounds),
-                                 ("compute-bound 1024x2048", compute_bound, 3, 4 * rounds)):
+                                 ("compute-bound 1024x2048", compute_bound, 3, 8 * rounds)):
         arms = interleaved(make, block, n)
         med = {k: statistics.median(arms[k]) for k in ("on", "off", "off2")}
         avg = {k: statistics.fmean(arms[k]) for k in ("on", "off", "off2")}
