@@ -45,23 +45,42 @@ _RESOLVE_EVERY = 8  # pending device values read at the boundary once this many 
 _PEAK_PERIOD = 0.25  # seconds between peak-memory readings at the boundary (a running peak: staleness is fine)
 _NAN = float("nan")  # made once: float("nan") parses a string, which is slow with cold caches
 _PROBE_DIR = os.path.dirname(os.path.abspath(__file__))
-_internal_cache: dict = {}
+_internal_cache: dict = {}  # co_filename -> inside torch or probe
 
 
 def _is_internal(code, torch_dir: str) -> bool:
-    hit = _internal_cache.get(code)
+    """Whether ``code`` belongs to torch or to probe (decided once per file name).
+
+    The cache is keyed by file name, not by code object: code objects compare equal
+    across files when their name, lines and bytecode match. The file name is made
+    absolute and normalised first: a module imported through a path such as
+    ``bench/../probe`` carries that spelling in ``co_filename``. The separator keeps
+    ``torchvision`` or ``probe_utils`` from passing for torch or probe.
+    """
+    f = code.co_filename
+    hit = _internal_cache.get(f)
     if hit is None:
-        f = code.co_filename
-        hit = f.startswith(torch_dir) or f.startswith(_PROBE_DIR) or f.startswith("<frozen")
-        _internal_cache[code] = hit
+        if f.startswith("<"):
+            hit = f.startswith("<frozen")
+        else:
+            p = os.path.abspath(f)
+            hit = p.startswith(torch_dir + os.sep) or p.startswith(_PROBE_DIR + os.sep)
+        _internal_cache[f] = hit
     return hit
+
+
+def _outside(frame, torch_dir: str):
+    """``(f, hops)``: the first frame from ``frame`` outwards that belongs neither to torch nor
+    to probe, and how many frames out it is."""
+    hops = 0
+    while frame is not None and _is_internal(frame.f_code, torch_dir):
+        frame, hops = frame.f_back, hops + 1
+    return frame, hops
 
 
 def training_frame_of(frame, torch_dir: str):
     """The first frame from ``frame`` outwards that belongs neither to torch nor to probe."""
-    while frame is not None and _is_internal(frame.f_code, torch_dir):
-        frame = frame.f_back
-    return frame
+    return _outside(frame, torch_dir)[0]
 
 
 def _norm_budget(value: str | None) -> float:
@@ -162,11 +181,8 @@ class StepTracker:
                 f = None
             if f is not None and f is self._frame:
                 return f
-        f, depth = sys._getframe(1), 1
-        torch_dir = self.torch_dir
-        while f is not None and _is_internal(f.f_code, torch_dir):
-            f, depth = f.f_back, depth + 1
-        self._frame_depth = depth if f is not None else 0
+        f, hops = _outside(sys._getframe(1), self.torch_dir)
+        self._frame_depth = 1 + hops if f is not None else 0
         return f
 
     # -- inputs: samples and tokens per step -------------------------------------------------

@@ -149,3 +149,29 @@ def test_reading_the_loop_locals_keeps_nothing_alive_and_changes_nothing(probe_e
     assert plain["alive"] == "0" and probed["alive"] == "0"
     assert probed["total"] == plain["total"] == traced["total"]
     assert probed["checksum"] == plain["checksum"] == traced["checksum"] == "190"
+
+
+@requires_torch
+def test_torch_and_probe_frames_are_told_apart_by_normalised_path():
+    """The training loop's frame is the first one outside torch and probe; a module imported
+    through a path like ``bench/../probe`` must still count as probe, and torchvision as not torch."""
+    import os
+
+    import torch
+
+    from probe import _torch_steps as ts
+
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    probe_dir = os.path.dirname(os.path.abspath(ts.__file__))
+    other = os.path.join(os.path.dirname(probe_dir), "benchmarks")
+
+    def code(path):
+        return compile("pass", path, "exec")
+
+    assert ts._is_internal(code(os.path.join(other, "..", "probe", "_torch_hooks.py")), torch_dir)
+    assert ts._is_internal(code(os.path.join(torch_dir, "optim", "optimizer.py")), torch_dir)
+    assert ts._is_internal(code("<frozen importlib._bootstrap>"), torch_dir)
+    assert not ts._is_internal(code(torch_dir + "vision" + os.sep + "models.py"), torch_dir)
+    assert not ts._is_internal(code(probe_dir + "_utils" + os.sep + "train.py"), torch_dir)
+    assert not ts._is_internal(code(os.path.join(other, "bench_torch.py")), torch_dir)
+    assert not ts._is_internal(code("<stdin>"), torch_dir)
