@@ -54,16 +54,24 @@ def parse_mode(value: str | None):
     return max(n, 0)
 
 
+_quieted = False
+
+
 def _quiet_compile_warning() -> None:
     """Silence torch's per-call warning that global hooks also fire for a compiled module's wrapper.
 
     The probe's sampled-step hooks are what trigger it, not the user's code, and the
-    trace accounts for the wrapper (the compiled module is one traced call).
+    trace accounts for the wrapper (the compiled module is one traced call). Added once:
+    every change to the filters resets Python's "shown once" memory of other warnings.
     """
+    global _quieted
+    if _quieted:
+        return
     import warnings
 
     warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks",
                             category=UserWarning)
+    _quieted = True
 
 
 class _RssReader:

@@ -73,6 +73,8 @@ def test_a_compiled_module_trains_unchanged_without_graph_breaks(spawn, cli, ref
     # then: training matches the uncompiled run and dynamo saw nothing to break on
     assert [float(v) for v in losses_of(proc.lines)] == pytest.approx([float(v) for v in reference], abs=1e-5)
     assert "graph_breaks 0" in proc.lines
+    # the probe's warning filter is added once: the loop's own once-per-location warning stays once
+    assert sum("UserWarning: the loop's own warning" in line for line in proc.lines) == 1
     assert query(cli, proc.pid, "SELECT source, message FROM probe.errors") == []
     steps = query(cli, proc.pid, "SELECT step, loss FROM torch.steps ORDER BY step")
     assert [r["step"] for r in steps] == list(range(1, 13))

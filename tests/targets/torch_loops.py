@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn as nn
@@ -55,6 +56,8 @@ for step in range(1, args.steps + 1):
         loss = nn.functional.mse_loss(head(encoder_fwd(xb)), yb)
         (loss / 2).backward()
     print(f"hooks step={step} forward={len(mm._global_forward_hooks)}", flush=True)
+    if args.kind == "compiled":
+        warnings.warn("the loop's own warning, shown once by Python's default filter")
     with torch.no_grad():
         head(encoder(x_all[:8]))  # an evaluation pass
     if args.kind == "explicit":
