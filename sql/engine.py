@@ -17,6 +17,7 @@ imported on the first query, not before.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,7 +33,17 @@ _cancelled: dict[str, bool] = {}
 _running_lock = threading.Lock()
 
 _db_lock = threading.Lock()
-_db: dict = {}  # "con": the shared database's own connection, "memory_limit", "views": {table: view SQL}
+_db: dict = {}  # "con": the shared database's own connection, "memory_limit", "pid", "views": {table: view SQL}
+_inherited: list = []  # databases a forked child inherited from its parent: never closed
+
+
+def _after_fork_in_child() -> None:
+    global _db_lock, _running_lock
+    _db_lock, _running_lock = threading.Lock(), threading.Lock()  # a parent's query may have held them
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def cancel(query_id: str) -> bool:
@@ -95,13 +106,19 @@ def _raw_name(full: str) -> str:
 
 
 def _shared(memory_limit: str):
-    """The process's query database, made (or remade for a new memory limit) on first use."""
+    """The process's query database, made on first use; remade for a new memory limit, and in a
+    forked child (DuckDB's threads do not survive a fork)."""
     with _db_lock:
-        if _db.get("memory_limit") != memory_limit:
+        if _db.get("memory_limit") != memory_limit or _db.get("pid") != os.getpid():
             old = _db.get("con")
+            if old is not None and _db.get("pid") != os.getpid():
+                # A forked parent's database: destroying it here would wait on the parent's
+                # DuckDB threads, which do not exist in this process. Keep it, unused.
+                _inherited.append(old)
+                old = None
             con = connect(memory_limit)
             con.execute("SET lock_configuration = true")
-            _db.update(con=con, memory_limit=memory_limit, views={})
+            _db.update(con=con, memory_limit=memory_limit, views={}, pid=os.getpid())
             if old is not None:
                 old.close()
         return _db["con"]

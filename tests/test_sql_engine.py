@@ -62,3 +62,19 @@ def test_a_table_not_given_to_this_query_is_not_readable_from_an_earlier_one():
 def test_the_configuration_stays_locked():
     with pytest.raises(QueryError, match="configuration"):
         execute("SET threads = 4", {})
+
+
+def test_a_forked_child_opens_its_own_database():
+    import os
+
+    assert execute("SELECT count(*) FROM t.x", table([1, 2])).rows == [[2]]  # the parent's database is open
+    pid = os.fork()
+    if pid == 0:  # the child: a query must work on a database of its own
+        code = 1
+        try:
+            code = 0 if execute("SELECT sum(a) FROM t.x", table([4, 5])).rows == [[9]] else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert execute("SELECT count(*) FROM t.x", table([7])).rows == [[1]]  # the parent's still works
