@@ -46,9 +46,6 @@ class Ring:
         if len(tail) >= self._flush_at:
             self.flush()
 
-    def append_row(self, row: dict) -> None:
-        self.append(*(row.get(n) for n in self.names))
-
     def flush(self) -> None:
         """Write the tail into the columns."""
         import numpy as np
@@ -112,8 +109,3 @@ class Ring:
                 return {name: arr[:n].copy() for name, arr in self.arrays.items()}
             start = n % self.capacity
             return {name: np.concatenate((arr[start:], arr[:start])) for name, arr in self.arrays.items()}
-
-    def clear(self) -> None:
-        with self._lock:
-            self._tail.clear()
-            self._stored = self.count = 0

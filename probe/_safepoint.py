@@ -17,7 +17,7 @@ from typing import Callable
 
 from ._health import record_error
 
-__all__ = ["StepEvent", "on_step", "remove", "fire", "subscribers", "last_step"]
+__all__ = ["StepEvent", "on_step", "remove", "fire", "last_step"]
 
 
 class StepEvent:
@@ -54,10 +54,6 @@ def remove(fn: Callable[[StepEvent], None]) -> None:
         _subscribers.remove(fn)
     except ValueError:
         pass
-
-
-def subscribers() -> list:
-    return list(_subscribers)
 
 
 def fire(event: StepEvent) -> None:
