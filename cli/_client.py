@@ -74,7 +74,9 @@ class Client:
                     raise
         return socket.create_connection((t.host, t.port), timeout=timeout)
 
-    def request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
+    def request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None,
+                raw: bool = False):
+        """The answer as a dict; with ``raw``, a successful answer's body as bytes (binary routes)."""
         timeout = self.timeout if timeout is None else timeout
         t = self.target
         headers = {"Content-Type": "application/json", "Connection": "close"}
@@ -101,6 +103,8 @@ class Client:
         finally:
             if sock is not None:
                 sock.close()
+        if raw and status == 200:
+            return data
         try:
             doc = json.loads(data or b"{}")
         except ValueError:
@@ -121,3 +125,15 @@ class Client:
 
     def post(self, path: str, body: dict, timeout: float | None = None) -> dict:
         return self.request("POST", path, body, timeout=timeout)
+
+    def snapshot(self, tables: dict, timeout: float) -> dict:
+        """The decoded snapshot of ``tables`` (``{name: {"columns": [...], "filter": ...}}``); see ``probe._wire``."""
+        from probe._wire import WireError, decode
+
+        data = self.request("POST", "/snapshot", {"tables": tables, "timeout": timeout}, timeout=timeout, raw=True)
+        try:
+            return decode(data)
+        except WireError as exc:
+            if data[:1] == b"{":
+                raise EndpointError(f"{self.target.label} answers an older protocol; restart it with this version of probe.") from None
+            raise EndpointError(f"{self.target.label} sent a damaged snapshot ({exc}); retry.") from None

@@ -57,6 +57,28 @@ def _from_entry(entry: dict, token: str | None) -> Target:
     raise EndpointError(f"{label} on {entry.get('host')} has no reachable endpoint; start it with PROBE_PORT set so other hosts can reach it.")
 
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _addresses_of(entry: dict) -> set:
+    """Names under which a registry entry's TCP listener is reached: a token goes only to these (host AND port).
+
+    >>> sorted(_addresses_of({"tcp_host": "127.0.0.1", "host": "node1"}))
+    ['127.0.0.1', 'localhost']
+    >>> "10.0.0.5" in _addresses_of({"tcp_host": "127.0.0.1", "host": "node1"})
+    False
+    """
+    bound = entry.get("tcp_host") or ""
+    names = {bound}
+    if bound in ("127.0.0.1", "::1"):
+        names.add("localhost")
+    if bound in ("0.0.0.0", "::"):
+        names.update(_LOOPBACK)
+        names.add(entry.get("host") or "")
+    names.discard("")
+    return names
+
+
 def resolve(endpoint: str, token: str | None = None) -> Target:
     """A pid, ``host:port``, ``[v6]:port`` or a unix-socket path."""
     endpoint = endpoint.strip()
@@ -78,12 +100,14 @@ def resolve(endpoint: str, token: str | None = None) -> Target:
     m = re.match(r"^\[?([A-Za-z0-9_.:\-]+?)\]?:(\d+)$", endpoint)
     if m and "/" not in endpoint:
         host, port = m.group(1), int(m.group(2))
+        entry: dict = {}
         if token is None:
             for e in read_entries():
-                if e.get("tcp_port") == port and e.get("token"):
-                    token = e["token"]
+                if e.get("tcp_port") == port and e.get("token") and host in _addresses_of(e):
+                    token, entry = e["token"], e
                     break
-        return Target(endpoint, host=host, port=port, token=token)
+        return Target(endpoint, host=host, port=port, token=token, pid=entry.get("pid"), rank=entry.get("rank"),
+                      entry=entry or None)
     if "/" in endpoint or endpoint.endswith(".sock"):
         if not os.path.exists(endpoint):
             raise EndpointError(f"no socket at {endpoint}; `probe list` shows the probed processes and their sockets.")

@@ -121,7 +121,10 @@ def check_partial(answers: list[Answer], what: str) -> None:
 
 
 def _schema(session, targets) -> dict:
-    """``{table: {column: type}}`` from the first ranks that answer GET /tables."""
+    """``{table: {column: type}}`` from the first ranks that answer GET /tables (one target: its own error)."""
+    if len(targets) == 1:
+        doc = session.client(targets[0]).get("/tables")
+        return {t["name"]: {c["name"]: c["type"] for c in t["columns"]} for t in doc["tables"]}
     last = None
     for i in range(0, len(targets), 4):
         for a in fan_out(targets[i:i + 4], lambda t: session.client(t).get("/tables")):
@@ -144,77 +147,73 @@ def _params() -> dict:
     return out
 
 
-def federated_query(session, sql: str, max_rows: int | None = None):
-    """Run ``sql`` across the ranks of ``--ranks``; return the combined Result.
+def federated_query(session, sql: str, max_rows: int | None = None, *, targets: list | None = None,
+                    on_workspace: Callable | None = None):
+    """Run ``sql`` over one rank or many; return the combined Result.
 
-    When some ranks fail, the result is printed here and PartialError is raised
-    (exit code 7) naming them.
+    One path for both: every rank hands over snapshots of the columns the query needs
+    (``POST /snapshot``), and DuckDB runs here, over views that union the ranks with a
+    ``rank`` column. With one target, its error is raised as is; with several, silent
+    ranks become rows of ``ranks.errors``, the result is printed here and PartialError
+    is raised (exit code 7) naming them. ``on_workspace(ws)`` receives the DuckDB
+    workspace before the query runs (the REPL's Ctrl-C interrupts it).
     """
-    from probe.sql.engine import Result, connect, register_result
-    from probe.sql.federate import VIEW_COLUMNS, plan
+    from probe._config import setting
+    from probe.sql.engine import Result, Workspace, register_result
+    from probe.sql.federate import VIEW_COLUMNS, plan, rename_tables_sql, snapshot_requests
 
-    targets = session.targets()
+    single = targets is not None and len(targets) == 1
+    targets = targets if targets is not None else session.targets()
     schema = _schema(session, targets)
     p = plan(sql, schema, _params())
-    jobs = [(t, name, part) for t in targets for name, part in p.parts.items()]
-    if not jobs:  # e.g. only ranks.errors: still find out which ranks answer
-        jobs = [(t, None, None) for t in targets]
+    requests = snapshot_requests(p.parts, schema)
+    timeout = session.timeout
 
-    def ask(job):
-        target, _, part = job
-        if part is None:
+    def ask(target):
+        if not requests:
             return session.client(target).get("/health")
-        doc = session.client(target).post("/query", {"sql": part, "max_rows": 1_000_000, "timeout": session.timeout},
-                                           timeout=session.timeout)
-        return Result.from_dict(doc)
+        return session.client(target).snapshot(requests, timeout)
 
-    answers = fan_out(jobs, ask, target_of=lambda job: job[0])
-    failed: dict = {}
-    tables: dict = {name: ([], None) for name in p.parts}
-    truncated = []
-    for (target, name, _), a in zip(jobs, answers):
-        if not a.ok:
-            failed.setdefault(target.rank, (target, a.error))
-            continue
-        if name is None:
-            continue
-        ranks, res = tables[name]
-        if res is None:
-            res = Result(a.value.columns, a.value.types, [])
-            tables[name] = (ranks, res)
-        res.rows.extend(a.value.rows)
-        ranks.extend([target.rank] * len(a.value.rows))
-        if a.value.truncated:
-            truncated.append(f"{target.label} {name}")
-    con = connect()
+    if single:
+        answers = [Answer(targets[0], ask(targets[0]))]  # its own error, with its own exit code
+    else:
+        answers = fan_out(targets, ask)
+    failed = {id(a.target): (a.target, a.error) for a in answers if not a.ok}
+    answered = [a for a in answers if a.ok]
+    if len(failed) == len(targets) and not single:
+        raise EndpointError("no rank answered the query: " + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + ".")
+    ws = Workspace()
     try:
-        for i, (name, (ranks, res)) in enumerate(tables.items()):
-            if res is None:
-                cols = VIEW_COLUMNS.get(name) or [(c, t, "") for c, t in schema[name].items()]
-                cols = [(c, t) for c, t, _ in cols if c != "rank"]
-                res = Result([c for c, _ in cols], [t for _, t in cols], [])
-            if name == "ranks.latest":
-                _add_silent_ranks(res, ranks, failed.values())
-            declared = [c for c, _, _ in VIEW_COLUMNS[name]] if name in VIEW_COLUMNS else list(schema[name])
-            _create_view(con, name, res, ranks, f"__part_{i}", register_result, declared)
-        errors = Result(["host", "error"], ["VARCHAR", "VARCHAR"],
-                        [[t.entry.get("host"), err] for t, err in failed.values()])
-        _create_view(con, "ranks.errors", errors, [t.rank for t, _ in failed.values()], "__errors", register_result,
-                     ["rank", "host", "error"])
+        if on_workspace is not None:
+            on_workspace(ws)
+        slots = []  # (slot, rank)
+        for i, a in enumerate(answered):
+            meta = a.value.get("meta", {}) if requests else {}
+            rank = a.target.rank if a.target.rank is not None else meta.get("rank")
+            if requests:
+                ws.load_snapshot(i, a.value)
+            slots.append((i, rank))
+        for j, (name, part) in enumerate(p.parts.items()):
+            selects = []
+            for i, rank in slots:
+                ws.create_view(f"__p{j}_{i}", rename_tables_sql(part, ws.tables.get(i, {})))
+                selects.append((f"__p{j}_{i}", rank))
+            _union_view(ws, name, selects, schema, failed.values() if name == "ranks.latest" else (), j, register_result)
+        errors = Result(["host", "error"], ["VARCHAR", "VARCHAR"], [[t.entry.get("host"), err] for t, err in failed.values()])
+        register_result(ws.con, "__errors", errors, extra={"__rank": [t.rank for t, _ in failed.values()]})
+        ws.create_view("ranks.errors", 'SELECT CAST("__rank" AS INTEGER) AS "rank", "host", "error" FROM "__errors"')
         for name, text in p.views.items():
-            schema_name, short = name.split(".", 1)
-            con.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema_name}"')
-            con.execute(f'CREATE VIEW "{schema_name}"."{short}" AS {text}')
-        con.execute("SET lock_configuration = true")
-        result = _run_outer(con, p.outer, max_rows or 10000)
+            ws.create_view(name, text)
+        result = ws.execute(p.outer, max_rows=max_rows or int(setting("PROBE_MAX_ROWS")), timeout=timeout)
     finally:
-        con.close()
-    result.meta = {"ranks": [t.rank for t in targets], "parts": p.parts, "failed": sorted(r for r in failed if r is not None)}
-    if truncated:
-        session.note(f"probe: some per-rank answers hit the row cap and were cut: {', '.join(truncated)}.")
+        ws.close()
+    if single:
+        meta = answered[0].value.get("meta", {}) if requests else {}
+        result.meta = {**meta, "tables": list(requests)}
+    else:
+        result.meta = {"ranks": [t.rank for t in targets], "tables": requests,
+                       "failed": sorted(t.rank for t, _ in failed.values() if t.rank is not None)}
     if failed:
-        if len(failed) == len(targets):
-            raise EndpointError("no rank answered the query: " + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + ".")
         from ._render import render_result
 
         args = session.args
@@ -226,44 +225,43 @@ def federated_query(session, sql: str, max_rows: int | None = None):
     return result
 
 
-def _add_silent_ranks(res, ranks: list, failed) -> None:
+def _silent_rows(columns: list, failed) -> tuple[list, list]:
     """ranks.latest keeps a row for every rank: one that did not answer is stopped or unreachable."""
+    rows, ranks = [], []
     for target, error in failed:
         stopped = target.local_pid is not None and proc_state(target.local_pid) in ("T", "t")
         known = {"pid": target.pid, "host": target.entry.get("host"), "state": "stopped" if stopped else "unreachable",
                  "top_frame": error}
-        res.rows.append([known.get(c) for c in res.columns])
+        rows.append([known.get(c) for c in columns])
         ranks.append(target.rank)
+    return rows, ranks
 
 
-def _create_view(con, name, res, ranks, raw, register_result, declared) -> None:
-    from probe.sql.federate import union_columns
-
-    schema_name, short = name.split(".", 1)
-    register_result(con, raw, res, extra={"__rank": ranks})
-    cols = ", ".join('CAST("__rank" AS INTEGER) AS "rank"' if c == "rank" else '"' + c.replace('"', '""') + '"'
-                     for c in union_columns(res.columns, declared))
-    con.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema_name}"')
-    con.execute(f'CREATE VIEW "{schema_name}"."{short}" AS SELECT {cols} FROM "{raw}"')
-
-
-def _run_outer(con, sql: str, max_rows: int):
-    import time
-
-    import duckdb
-
-    from probe._errors import QueryError
+def _union_view(ws, name: str, selects: list, schema: dict, failed, j: int, register_result) -> None:
+    """View ``name``: the per-rank relations ``selects`` ([(relation, rank)]) with a ``rank`` column, plus silent ranks."""
     from probe.sql.engine import Result
+    from probe.sql.federate import VIEW_COLUMNS, union_columns
 
-    t0 = time.perf_counter()
-    try:
-        cur = con.execute(sql)
-        rows = cur.fetchmany(max_rows + 1)
-    except duckdb.Error as exc:
-        raise QueryError(f"DuckDB refused the query across ranks: {str(exc).strip().splitlines()[0]}") from None
-    desc = cur.description or []
-    return Result([d[0] for d in desc], [str(d[1]) for d in desc], [list(r) for r in rows[:max_rows]],
-                  elapsed=time.perf_counter() - t0, truncated=len(rows) > max_rows)
+    declared = [c for c, _, _ in VIEW_COLUMNS[name]] if name in VIEW_COLUMNS else list(schema[name])
+    types = {c: t for c, t, _ in VIEW_COLUMNS[name]} if name in VIEW_COLUMNS else dict(schema[name])
+    fetched = [c for c, _ in ws.columns_of(f'"{selects[0][0]}"')] if selects else [c for c in declared if c != "rank"]
+    order = union_columns(fetched, declared)
+
+    def q(c):
+        return '"' + c.replace('"', '""') + '"'
+
+    parts = []
+    for rel, rank in selects:
+        rank_sql = "NULL" if rank is None else str(int(rank))
+        cols = ", ".join(f"CAST({rank_sql} AS INTEGER) AS {q('rank')}" if c == "rank" else q(c) for c in order)
+        parts.append(f"SELECT {cols} FROM {q(rel)}")
+    rows, ranks = _silent_rows([c for c in order if c != "rank"], failed)
+    if rows or not parts:
+        silent = Result([c for c in order if c != "rank"], [types.get(c, "VARCHAR") for c in order if c != "rank"], rows)
+        register_result(ws.con, f"__silent{j}", silent, extra={"__rank": ranks})
+        cols = ", ".join(f'CAST("__rank" AS INTEGER) AS {q("rank")}' if c == "rank" else q(c) for c in order)
+        parts.append(f"SELECT {cols} FROM {q(f'__silent{j}')}")
+    ws.create_view(name, " UNION ALL ".join(parts))
 
 
 def fanout_backtrace(session, args) -> int:

@@ -1,4 +1,4 @@
-"""Rendering of results: tables through DuckDB's box renderer, JSON, CSV, and backtraces."""
+"""Rendering of results: box-drawn tables, JSON, CSV, and backtraces (no DuckDB: the CLI starts fast)."""
 
 from __future__ import annotations
 
@@ -15,22 +15,59 @@ __all__ = ["render_result", "render_backtrace", "FORMATS"]
 FORMATS = ("table", "json", "csv")
 
 
-def _table(result: "Result", max_rows: int) -> str:
-    from probe.sql.engine import connect, register_result
+_TYPE_NAMES = {"BIGINT": "int64", "INTEGER": "int32", "DOUBLE": "double", "VARCHAR": "varchar", "BOOLEAN": "boolean",
+               "TIMESTAMP": "timestamp", "FLOAT": "float", "SMALLINT": "int16", "TINYINT": "int8", "HUGEINT": "int128"}
+_NUMERIC = ("BIGINT", "INTEGER", "DOUBLE", "FLOAT", "SMALLINT", "TINYINT", "HUGEINT", "UBIGINT", "UINTEGER", "DECIMAL")
 
-    con = connect()
-    try:
-        register_result(con, "result", result)
-        rel = con.sql("SELECT * FROM result")
-        width = shutil.get_terminal_size((160, 24)).columns
-        buf = io.StringIO()
-        import contextlib
 
-        with contextlib.redirect_stdout(buf):
-            rel.show(max_width=width, max_rows=max_rows, null_value="NULL")
-        return buf.getvalue().rstrip("\n")
-    finally:
-        con.close()
+def _cell(value, typ: str) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, float):
+        return repr(value)  # shortest round-trip form; nan and inf as Python spells them
+    if hasattr(value, "isoformat") and not isinstance(value, str):
+        return str(value)
+    text = str(value)
+    return text.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+
+
+def _fit(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:max(width - 1, 0)] + "…"
+
+
+def _table(result: "Result", max_width: int | None = None) -> str:
+    """A box-drawn table (names, types, rows), numbers right-aligned; wide columns are cut with '…' to fit."""
+    width = max_width or shutil.get_terminal_size((160, 24)).columns
+    cols = list(result.columns)
+    types = [str(t).split("(")[0].upper() for t in result.types] + ["VARCHAR"] * (len(cols) - len(result.types))
+    cells = [[_cell(v, t) for v, t in zip(row, types)] for row in result.rows]
+    tnames = [_TYPE_NAMES.get(t, t.lower()) for t in types]
+    widths = [max([len(c), len(tn)] + [len(r[i]) for r in cells]) for i, (c, tn) in enumerate(zip(cols, tnames))]
+    budget = width - (3 * len(cols) + 1)
+    while sum(widths) > budget and max(widths, default=0) > 8:  # shrink the widest column until the table fits
+        i = widths.index(max(widths))
+        widths[i] = max(8, widths[i] - max(1, sum(widths) - budget))
+    right = [t in _NUMERIC for t in types]
+
+    def line(left, mid, end):
+        return left + mid.join("─" * (w + 2) for w in widths) + end
+
+    def row(values, align_right=None, center=False):
+        parts = []
+        for i, (v, w) in enumerate(zip(values, widths)):
+            v = _fit(v, w)
+            parts.append(v.center(w) if center else v.rjust(w) if align_right and align_right[i] else v.ljust(w))
+        return "│ " + " │ ".join(parts) + " │"
+
+    if not cols:
+        return "(no columns)"
+    out = [line("┌", "┬", "┐"), row(cols, center=True), row(tnames, center=True), line("├", "┼", "┤")]
+    out += [row(r, right) for r in cells]
+    if not cells:
+        empty = "0 rows"
+        out.append("│ " + empty.center(sum(widths) + 3 * (len(widths) - 1)) + " │")
+    out.append(line("└", "┴", "┘"))
+    return "\n".join(out)
 
 
 def render_result(result: "Result", fmt: str = "table", *, expanded: bool = False, timing: bool = False) -> str:
@@ -53,7 +90,7 @@ def render_result(result: "Result", fmt: str = "table", *, expanded: bool = Fals
             parts.extend(f"{c.ljust(width)} | {'NULL' if v is None else v}" for c, v in zip(result.columns, r))
         text = "\n".join(parts) or "(0 rows)"
     else:
-        text = _table(result, max_rows=max(len(result.rows), 1))
+        text = _table(result)
     notes = []
     if result.truncated:
         notes.append(f"only the first {len(result.rows)} rows are shown; raise --max-rows for more")

@@ -1,8 +1,9 @@
 """Running the REPL's SQL: one statement at a time, cancellable with Ctrl-C.
 
-A query is sent from a worker thread with a fresh ``query_id`` while the main thread
-waits; Ctrl-C there posts ``/query/cancel`` with that id, which interrupts DuckDB in
-the target, and the session goes on. ``split_statements`` cuts the input at the
+A query runs on a worker thread (snapshots from the target, then DuckDB here in the
+REPL) while the main thread waits; Ctrl-C there interrupts this process's own DuckDB
+(or abandons the snapshot request), and the session goes on. The target never runs
+the query, so there is nothing to cancel there. ``split_statements`` cuts the input at the
 semicolons sqlglot's tokenizer sees (a ';' inside a string does not count).
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 
 from probe._errors import EndpointError, ProbeError
@@ -76,23 +76,19 @@ class Executor:
 
     def query(self, sql: str):
         """The Result of ``sql``; raises ProbeError, or Cancelled on Ctrl-C."""
+        from ._fanout import federated_query
+
         s = self.session
-        if s.multi:
-            return self._wait(lambda: self._federated(sql), None)
-        from probe.sql.engine import Result
+        targets = None if s.multi else [s.target()]
+        holder: list = []
 
-        target = s.target()
-        query_id = uuid.uuid4().hex
-        body = {"sql": sql, "timeout": s.timeout, "query_id": query_id}
-        return self._wait(lambda: Result.from_dict(s.client(target).post("/query", body, timeout=s.timeout + 5)),
-                          lambda: s.client(target).post("/query/cancel", {"query_id": query_id}, timeout=2.0))
+        def cancel() -> bool:
+            """Interrupt DuckDB when the query reached it (True); else the snapshot request is abandoned."""
+            if holder:
+                holder[0].interrupt()
+            return bool(holder)
 
-    def _federated(self, sql: str):
-        try:
-            from ._fanout import federated_query
-        except ImportError:
-            raise ProbeError("querying several ranks needs the ranks feature (cli/_fanout.py), which this installation does not have yet; pick one rank with \\rank N.") from None
-        return federated_query(self.session, sql)
+        return self._wait(lambda: federated_query(s, sql, targets=targets, on_workspace=holder.append), cancel)
 
     def _wait(self, work, cancel):
         outcome = _Outcome()
@@ -119,12 +115,9 @@ class Executor:
 
     def _cancel(self, worker, cancel, started):
         waited = time.monotonic() - started
-        if cancel is None:
-            raise Cancelled(f"cancelled after {waited:.1f} s; the ranks stop their part at their query timeout.")
-        try:
-            doc = cancel()
-        except ProbeError as exc:
-            raise Cancelled(f"cancelled here after {waited:.1f} s, but the target did not confirm ({exc.message}); it stops the query at its timeout.") from None
-        worker.join(2.0)
-        where = "stopped in the target" if doc.get("cancelled") else "stopped before it reached DuckDB"
+        in_duckdb = cancel()
+        if in_duckdb:
+            worker.join(2.0)
+        where = ("stopped in this session's DuckDB" if in_duckdb
+                 else "abandoned while the snapshot was on its way (the process answers it and moves on)")
         raise Cancelled(f"cancelled after {waited:.1f} s; the query was {where}.")

@@ -12,7 +12,7 @@ Every route takes the same scheduling fields in its JSON body:
 
 from __future__ import annotations
 
-from . import _actions, _agent
+from . import _actions, _agent, _validate
 from ._actions import refuse, submit
 from ._config import setting
 from ._errors import ActionError, ProbeError
@@ -23,14 +23,27 @@ __all__ = []
 MAX_WAIT = 30.0
 
 
-def _number(req: Request, name: str, kind=float, default=None):
+def _number(req: Request, name: str, kind=float, default=None, minimum=None, maximum=None):
+    """A finite number (``kind`` float) or a whole number (``kind`` int) within bounds; one sentence otherwise.
+
+    Every number of every action goes through ``probe._validate``: NaN and infinities never
+    reach an optimizer or a timer.
+    """
     value = req.param(name, default)
-    if value is None:
-        return None
     try:
-        return kind(value)
-    except (TypeError, ValueError):
-        raise ActionError(f"{name} must be a {'whole ' if kind is int else ''}number, not {value!r}.") from None
+        if kind is int:
+            return _validate.count(value, name, minimum=0 if minimum is None else minimum,
+                                   maximum=10**12 if maximum is None else maximum)
+        return _validate.number(value, name, minimum=minimum, maximum=maximum)
+    except _validate.BadRequest as exc:
+        raise ActionError(exc.message) from None
+
+
+def _seconds(req: Request, name: str, default=None):
+    try:
+        return _validate.seconds(req.param(name), name, default=default)
+    except _validate.BadRequest as exc:
+        raise ActionError(exc.message) from None
 
 
 def _flag(req: Request, name: str) -> bool:
@@ -42,14 +55,12 @@ def _schedule(req: Request, default_now: bool = False) -> dict:
     at_step = _number(req, "at_step", int)
     if now and at_step is not None:
         raise ActionError("give either now or at_step, not both.")
-    timeout = _number(req, "timeout", float, float(setting("PROBE_ACTION_TIMEOUT")))
-    if timeout is not None and timeout <= 0:
-        raise ActionError("timeout must be a positive number of seconds.")
+    timeout = _seconds(req, "timeout", float(setting("PROBE_ACTION_TIMEOUT")))
     return {"now": now, "at_step": at_step, "timeout": None if now else timeout}
 
 
 def _answer(req: Request, action) -> dict:
-    wait = min(max(_number(req, "wait", float, 0.0) or 0.0, 0.0), MAX_WAIT)
+    wait = min(_number(req, "wait", float, 0.0, minimum=0.0) or 0.0, MAX_WAIT)
     if wait:
         _actions.wait(action, wait)
     return {"action": action.to_dict(), "pid": _agent.info().get("pid"), "rank": _agent.info().get("rank")}
@@ -101,12 +112,11 @@ def lr_route(req: Request) -> dict:
 
     args = {k: req.param(k) for k in ("set", "scale", "group", "optimizer", "ignore_scheduler") if req.param(k) is not None}
     try:
-        set_to, scale = _number(req, "set"), _number(req, "scale")
-        group, opt_index = _number(req, "group", int), _number(req, "optimizer", int)
-        if (set_to is None) == (scale is None):
+        if (req.param("set") is None) == (req.param("scale") is None):
             raise ActionError("give exactly one of --set LR or --scale FACTOR.")
-        if (set_to is not None and set_to < 0) or (scale is not None and scale < 0):
-            raise ActionError("a learning rate and a scale factor must not be negative.")
+        # finite and not negative (NaN or inf would ruin the run for good): checked here, before any queueing
+        set_to, scale = _number(req, "set", minimum=0.0), _number(req, "scale", minimum=0.0)
+        group, opt_index = _number(req, "group", int), _number(req, "optimizer", int)
     except ProbeError as exc:
         refuse(req.client, "lr", args, exc.message)
     ignore = _flag(req, "ignore_scheduler")
@@ -122,15 +132,13 @@ def cleanup_route(req: Request) -> dict:
     return _submit(req, "cleanup", {"zero_grad": zero}, lambda ctx: cleanup(ctx, zero))
 
 
-@route("POST", "/actions/debug", tier="action")
+@route("POST", "/actions/debug", tier="eval")  # debugpy has no authentication: it is code execution
 def debug_route(req: Request) -> dict:
     from ._maintenance import debug
 
     args = {"port": req.param("port", 5678)}
     try:
-        port = _number(req, "port", int, 5678)
-        if not 0 <= port <= 65535:
-            raise ActionError(f"--port must be between 0 and 65535, not {port}.")
+        port = _number(req, "port", int, 5678, maximum=65535)
     except ProbeError as exc:
         refuse(req.client, "debug", args, exc.message)
     # debugpy.listen does not touch training state: it runs at once unless a safe point is asked for.
@@ -139,7 +147,7 @@ def debug_route(req: Request) -> dict:
 
 @route("GET", "/actions/wait")
 def wait_route(req: Request) -> dict:
-    action_id = _number(req, "id", int)
+    action_id = _number(req, "id", int, minimum=1)
     if action_id is None:
         raise ActionError("pass the action id to wait for.")
     return _answer(req, _actions.get(action_id))

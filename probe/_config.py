@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["Setting", "SETTINGS", "setting", "env_flag"]
+__all__ = ["Setting", "SETTINGS", "setting", "env_flag", "int_setting", "size_setting"]
 
 
 class Setting:
@@ -37,9 +37,13 @@ _declare("PROBE_HOST", "127.0.0.1", "Address the TCP listener binds; a non-loopb
 _declare("PROBE_TOKEN", None, "Token TCP clients must send; generated and stored in the 0600 registry entry when unset.")
 _declare("PROBE_ALLOW_EVAL", None, "1 allows eval over TCP (with the token); 0 disables eval everywhere; unset allows it on the unix socket only.")
 _declare("PROBE_ACTION_TIMEOUT", "60", "Seconds a queued action (checkpoint, lr, cleanup, eval --at-step) waits for a step boundary before it is dropped as timed_out, when the client gives no --timeout.")
-_declare("PROBE_QUERY_TIMEOUT", "10", "Seconds a query may run before DuckDB is interrupted.")
-_declare("PROBE_QUERY_MEMORY", "256MB", "DuckDB memory limit for queries (one database serves them all: queries running at the same time share it).")
+_declare("PROBE_QUERY_TIMEOUT", "10", "Seconds a query may run (snapshot, then DuckDB in the client) before it is stopped; clients pass --timeout.")
+_declare("PROBE_QUERY_MEMORY", "256MB", "DuckDB memory limit of the client's query engine (DuckDB never runs in the training process).")
 _declare("PROBE_MAX_ROWS", "10000", "Default row cap of a query result; a client can ask for more.")
+_declare("PROBE_SNAPSHOT_BYTES", "64MB", "Training process: largest table snapshot (the columns one query needs, after its pushed-down filters) it hands to a client; larger ones are refused with a hint.")
+_declare("PROBE_MAX_SNAPSHOTS", "2", "Training process: snapshots taken at the same time; further queries wait in line up to their timeout.")
+_declare("PROBE_MAX_CONNECTIONS", "32", "Training process: open client connections served at once, unix socket and TCP each; more are closed at once with a 503.")
+_declare("PROBE_READ_TIMEOUT", "5", "Training process: seconds a client may take to send its request (headers and body) before the connection is closed.")
 _declare("PROBE_REGISTRY", None, "Shared directory (e.g. on a network file system) where every rank also writes its registry entry, for discovery across nodes.")
 _declare("PROBE_TRACE", None, "Module tracing: 'all' traces every step, 'off' disables it, a number N traces one step in N (default chosen to keep overhead under 1%).")
 _declare("PROBE_TRACE_CAPACITY", "100000", "Rows kept in the python.torch_trace ring buffer.")
@@ -60,6 +64,36 @@ def setting(name: str, environ: dict | None = None) -> str | None:
     env = os.environ if environ is None else environ
     value = env.get(name)
     return decl.default if value in (None, "") else value
+
+
+def int_setting(name: str, minimum: int = 0) -> int:
+    """A whole-number setting; a malformed value falls back to the default (a setting must never break the job)."""
+    raw = setting(name)
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        value = int(SETTINGS[name].default)
+    return max(minimum, value)
+
+
+_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
+
+
+def size_setting(name: str) -> int:
+    """A size setting in bytes (``64MB``, ``512KiB``, ``1000000``); a malformed value falls back to the default.
+
+    >>> import os; os.environ["PROBE_SNAPSHOT_BYTES"] = "2MiB"; size_setting("PROBE_SNAPSHOT_BYTES")
+    2097152
+    >>> os.environ["PROBE_SNAPSHOT_BYTES"] = "lots"; size_setting("PROBE_SNAPSHOT_BYTES"); del os.environ["PROBE_SNAPSHOT_BYTES"]
+    64000000
+    """
+    import re
+
+    for raw in (setting(name), SETTINGS[name].default):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(raw), re.IGNORECASE)
+        if m:
+            return max(1, int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()]))
+    raise ValueError(name)
 
 
 def env_flag(name: str) -> bool | None:

@@ -88,6 +88,9 @@ def debug(ctx: Context, port: int) -> dict:
             raise ActionError(f"debugpy could not listen on 127.0.0.1:{port} ({exc}); choose another --port.") from None
         _debug.update(host=host, port=int(bound), pid=os.getpid(), debugpy=getattr(debugpy, "__version__", None),
                       vscode=launch_config(host, int(bound), os.getpid(), os.getcwd()))
+        # the job's owner should know, even if someone else started it: one line on its stderr
+        print(f"probe: debugpy listens on {host}:{bound} without authentication; any local user who reaches it "
+              "can run code in this process until it exits.", file=sys.stderr, flush=True)
         return {**_debug, "already": False}
 
 

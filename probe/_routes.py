@@ -1,4 +1,4 @@
-"""HTTP routes of the read tier: health, query, backtrace, tables.
+"""HTTP routes of the read tier: health, snapshot (the server side of a query), backtrace, tables.
 
 Other rooms add their own routes (actions, eval) with ``@route`` the same way.
 """
@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import reprlib
 import threading
-import time
 
 from . import _agent
-from ._config import setting
 from ._errors import QueryError
-from ._health import record_error
-from ._server import Request, route
-from ._tables import Context, all_tables, get_table, to_columns
+from ._server import Binary, Request, route
+from ._tables import all_tables
 
-__all__ = ["run_query", "snapshot"]
+__all__ = ["snapshot", "safe_repr"]
 
 
 @route("GET", "/health")
@@ -24,69 +21,17 @@ def health(req: Request) -> dict:
     return _agent.status()
 
 
-def snapshot(names, ctx: Context) -> dict:
-    """One snapshot per table: ``{name: ([(column, type)], {column: values})}``."""
-    out = {}
-    for name in names:
-        tbl = get_table(name)
-        try:
-            data = to_columns(tbl, tbl.generator(ctx))
-        except Exception as exc:
-            record_error(f"table {name}", exc)
-            raise QueryError(f"table {name} could not be read ({type(exc).__name__}: {exc}); see probe.errors.") from None
-        out[name] = ([(c.name, c.type) for c in tbl.columns], data)
-    return out
+@route("POST", "/snapshot")
+def snapshot(req: Request) -> Binary:
+    """The columns a client's query needs, in the binary form of ``probe._wire``; see ``probe._snapshot``.
 
+    The query itself (SQL, DuckDB) runs in the client: nothing here parses SQL.
+    """
+    from ._snapshot import take
 
-def run_query(sql: str, *, max_rows: int | None = None, timeout: float | None = None, ctx: Context | None = None,
-              query_id: str | None = None):
-    from probe.sql.engine import execute
-    from probe.sql.guard import guard
-
-    if not isinstance(sql, str) or not sql.strip():
-        raise QueryError("no SQL given; pass a query such as \"SELECT * FROM probe.tables\".")
-    guarded = guard(sql, [t.name for t in all_tables()])
-    ctx = ctx or Context(exclude_threads=frozenset({threading.get_ident()}))
-    t0 = time.perf_counter()
-    tables = snapshot(guarded.tables, ctx)
-    snap = time.perf_counter() - t0
-    result = execute(
-        guarded.sql,
-        tables,
-        max_rows=int(max_rows or setting("PROBE_MAX_ROWS")),
-        timeout=float(timeout or setting("PROBE_QUERY_TIMEOUT")),
-        memory_limit=setting("PROBE_QUERY_MEMORY"),
-        query_id=query_id,
-    )
     entry = _agent.info()
-    result.meta = {"pid": entry.get("pid"), "rank": entry.get("rank"), "host": entry.get("host"),
-                   "snapshot_time": ctx.time, "snapshot_s": snap, "tables": list(guarded.tables)}
-    return result
-
-
-@route("POST", "/query")
-def query(req: Request) -> dict:
-    max_rows = req.param("max_rows")
-    timeout = req.param("timeout")
-    try:
-        max_rows = int(max_rows) if max_rows is not None else None
-        timeout = float(timeout) if timeout is not None else None
-    except (TypeError, ValueError):
-        raise QueryError("max_rows must be an integer and timeout a number of seconds.") from None
-    query_id = req.param("query_id")
-    query_id = str(query_id) if query_id not in (None, "") else None
-    return run_query(req.param("sql"), max_rows=max_rows, timeout=timeout, query_id=query_id).to_dict()
-
-
-@route("POST", "/query/cancel")
-def query_cancel(req: Request) -> dict:
-    """Interrupt the running query that the client started with this ``query_id``."""
-    from probe.sql.engine import cancel
-
-    query_id = req.param("query_id")
-    if query_id in (None, ""):
-        raise QueryError("no query_id given; pass the query_id the query was sent with.")
-    return {"query_id": str(query_id), "cancelled": cancel(str(query_id))}
+    meta = {"pid": entry.get("pid"), "rank": entry.get("rank"), "host": entry.get("host")}
+    return Binary(take(req.body, meta), "application/x-probe-columns")
 
 
 @route("GET", "/tables")

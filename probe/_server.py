@@ -1,10 +1,17 @@
 """The in-process HTTP/1.1 server: a unix socket by default, TCP when asked.
 
 Requests are served on short-lived daemon threads; a handler holds the GIL only for
-the snapshots it takes (DuckDB itself runs without it). Routes are registered with
+the snapshots it takes (queries run in the client). Routes are registered with
 ``@route`` and carry a tier (read < action < eval) that is checked before the
 handler runs. Nothing a client does, a disconnect included, raises into the
 training thread: handler errors are answered as JSON and kept in ``probe.errors``.
+
+Limits (each server, unix socket and TCP, has its own, so TCP clients can never use up
+the owner's socket): at most ``PROBE_MAX_CONNECTIONS`` connections are served at once
+(one more is answered 503 and closed at once, without a thread); a client has
+``PROBE_READ_TIMEOUT`` seconds per read to send its request; the TCP token is checked
+right after the headers, before the body is read; bodies are JSON objects of at most
+``MAX_BODY`` bytes and ``MAX_JSON_DEPTH`` levels.
 """
 
 from __future__ import annotations
@@ -21,14 +28,23 @@ from http.server import BaseHTTPRequestHandler
 from typing import Callable
 from urllib.parse import parse_qs, urlparse
 
-from ._config import env_flag
+from ._config import env_flag, int_setting
 from ._errors import AuthError, ProbeError
 from ._health import record_error
+from ._validate import BadRequest, json_body
 
-__all__ = ["Request", "route", "ROUTES", "UnixServer", "TCPServer", "check_tier"]
+__all__ = ["Request", "Binary", "route", "ROUTES", "UnixServer", "TCPServer", "check_tier"]
 
 TIERS = ("read", "action", "eval")
-MAX_BODY = 16 * 1024 * 1024
+MAX_BODY = 1024 * 1024
+
+
+@dataclass
+class Binary:
+    """A non-JSON answer: buffers sent one after the other (no concatenated copy)."""
+
+    parts: list
+    content_type: str = "application/octet-stream"
 
 
 @dataclass
@@ -88,11 +104,41 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format, *args):  # quiet: the training job's stderr is not ours
         pass
 
+    def setup(self):
+        self.timeout = self.server.read_timeout
+        super().setup()
+
+    def send_error(self, code, message=None, explain=None):
+        """The stdlib's errors (bad request line, HTTP/0.9, long headers) as one JSON sentence, then close."""
+        if self.request_version == "HTTP/0.9" or not getattr(self, "requestline", ""):
+            self.request_version = "HTTP/1.1"  # answer with a status line the client can read
+        text = {400: "malformed HTTP request; probe speaks HTTP/1.1 (use the probe CLI)",
+                414: "request line too long", 431: "request headers too large",
+                501: "unsupported method; probe answers GET and POST",
+                505: "unsupported HTTP version; probe speaks HTTP/1.1"}.get(code, message or "bad request")
+        self._send(code, {"error": text + ".", "kind": "request", "exit_code": 2})
+
+    def _send_raw(self, status: int, parts: list, content_type: str) -> None:
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(sum(p.nbytes if hasattr(p, "nbytes") else len(p) for p in parts)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.flush()
+            for p in parts:
+                self.connection.sendall(p)  # releases the GIL while the client reads
+        except (BrokenPipeError, ConnectionResetError, socket.timeout, OSError):
+            pass
+        self.close_connection = True
+
     def address_string(self):
         return self.server.describe_client(self)
 
     def _send(self, status: int, payload: dict) -> None:
         body = json.dumps(payload, default=_json_default).encode()
+        if self.request_version == "HTTP/0.9":
+            self.request_version = "HTTP/1.1"
         try:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -118,29 +164,50 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(404, {"error": f"no such endpoint {url.path}; this probe may be older than your CLI.", "kind": "endpoint", "exit_code": 3})
             return
         try:
-            body = {}
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_BODY:
-                raise ProbeError("request body too large")
-            if length:
-                body = json.loads(self.rfile.read(length) or b"{}")
-                if not isinstance(body, dict):
-                    raise ProbeError("request body must be a JSON object")
             try:
                 check_tier(client, entry.tier)
             except AuthError as exc:
                 _audit_refusal(self, method, client, exc)
                 raise
+            body = self._read_body()
             req = Request(method, url.path, parse_qs(url.query), body, client)
             payload = entry.fn(req)
-            self._send(200, payload)
+            if isinstance(payload, Binary):
+                self._send_raw(200, payload.parts, payload.content_type)
+            else:
+                self._send(200, payload)
         except ProbeError as exc:
-            self._send(403 if isinstance(exc, AuthError) else 400, exc.to_dict())
-        except (BrokenPipeError, ConnectionResetError):
+            status = 403 if isinstance(exc, AuthError) else 503 if exc.kind == "busy" else 413 if exc.kind == "too_large" else 400
+            self._send(status, exc.to_dict())
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):
             pass
-        except Exception as exc:  # a bug of ours: keep it, answer, never propagate
+        except RecursionError as exc:
+            record_error(f"server {method} {url.path}", exc)
+            self._send(400, {"error": "the request nests too deeply to handle; send a simpler request.", "kind": "request", "exit_code": 2})
+        except BaseException as exc:  # a bug of ours, or KeyboardInterrupt/SystemExit from eval'd code: answer, never propagate
             record_error(f"server {method} {url.path}", exc)
             self._send(500, {"error": f"the probe failed internally ({type(exc).__name__}: {exc}); see probe.errors.", "kind": "error", "exit_code": 1})
+
+    def _read_body(self) -> dict:
+        raw_length = self.headers.get("Content-Length")
+        if raw_length in (None, ""):
+            return {}
+        try:
+            length = int(raw_length)
+        except ValueError:
+            length = -1
+        if length < 0:
+            raise BadRequest(f"Content-Length must be a whole number of bytes, not {raw_length[:20]!r}.")
+        if length > MAX_BODY:
+            exc = BadRequest(f"the request body is {length} bytes; the limit is {MAX_BODY} bytes.")
+            exc.kind = "too_large"
+            raise exc
+        if not length:
+            return {}
+        raw = self.rfile.read(length)
+        if len(raw) < length:
+            raise BadRequest("the request body ended before its Content-Length; resend the request.")
+        return json_body(raw)
 
     def do_GET(self):
         self._handle("GET")
@@ -170,6 +237,10 @@ def _json_default(value):
     return str(value)
 
 
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+         b"Content-Length: %d\r\n\r\n%s")
+
+
 class _Base(socketserver.ThreadingMixIn):
     daemon_threads = True
     block_on_close = False
@@ -177,6 +248,36 @@ class _Base(socketserver.ThreadingMixIn):
     # queueing) once it is full, so a burst of clients (`--ranks all` fan-outs, watch loops)
     # would see spurious failures.
     request_queue_size = 128
+
+    def _limits(self) -> None:
+        self.read_timeout = float(int_setting("PROBE_READ_TIMEOUT", minimum=1))
+        self.max_connections = int_setting("PROBE_MAX_CONNECTIONS", minimum=2)
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+
+    def process_request(self, request, client_address):
+        """A thread per connection, up to ``max_connections``; beyond, a 503 and close, no thread."""
+        if not self._slots.acquire(blocking=False):
+            body = json.dumps({"error": f"the probe serves {self.max_connections} connections at once and all are busy; "
+                                        "retry in a moment (PROBE_MAX_CONNECTIONS raises the limit).",
+                               "kind": "busy", "exit_code": 3}).encode()
+            try:
+                request.settimeout(0.5)
+                request.sendall(_BUSY % (len(body), body))
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def handle_error(self, request, client_address):
         record_error("server connection")
@@ -190,6 +291,7 @@ class UnixServer(_Base, socketserver.UnixStreamServer):
             os.unlink(path)
         except FileNotFoundError:
             pass
+        self._limits()
         old = os.umask(0o177)
         try:
             super().__init__(path, _Handler)
@@ -219,6 +321,7 @@ class TCPServer(_Base, socketserver.TCPServer):
     def __init__(self, host: str, port: int, token: str):
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.token = token.encode()
+        self._limits()
         super().__init__((host, port), _Handler)
 
     def client_info(self, handler) -> dict:

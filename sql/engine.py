@@ -1,65 +1,29 @@
-"""Run a guarded query on DuckDB over snapshots of the tables it reads.
+"""The client's query engine: DuckDB over snapshots that training processes handed over.
 
-One in-memory DuckDB database serves every query of the process, set up once: one
-thread, a memory limit, external access and Python replacement scans off,
-extensions neither installed nor loaded automatically, and then the configuration
-locked. Opening a database costs about 12 ms; opening a connection to it, 0.1 ms.
-
-Each query gets its own connection. The snapshots of the tables it reads are
-registered on that connection only (numpy columns, read without a copy) under a
-fixed internal name per table; the ``schema.table`` views that cast to the declared
-types are created once in the database and re-bind, in each connection, to that
-connection's own registration. Concurrent queries therefore never see each other's
-snapshots, and closing the connection drops them. A timer interrupts DuckDB when
-the query runs past its timeout; at most ``max_rows`` rows come back. DuckDB is
-imported on the first query, not before.
+DuckDB runs here, in the CLI/REPL process, never in the training process (which only
+takes the snapshots, see ``probe._snapshot``). A :class:`Workspace` is one locked-down
+in-memory DuckDB connection for one query: one thread, a memory limit, external access,
+Python replacement scans and extension auto-loading off, then the configuration locked.
+Each rank's snapshot is registered under private names (``__t<i>__schema__table``, typed
+views casting to the declared column types); ``federate.rename_tables`` points a
+per-rank query at them. ``execute`` runs the final query with a timeout (DuckDB is
+interrupted; a query that ignores the interrupt is abandoned on its thread) and a row
+cap, and ``interrupt`` stops it from another thread (the REPL's Ctrl-C).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 
 from probe._errors import QueryError
 
-__all__ = ["Result", "execute", "connect", "cancel"]
+__all__ = ["Result", "Workspace", "execute", "connect", "register_result", "typed_select"]
 
-# Connections of running queries that a client named with a ``query_id``, so that
-# ``cancel`` can interrupt one from another thread (the REPL's Ctrl-C).
-_running: dict[str, object] = {}
-_cancelled: dict[str, bool] = {}
-_running_lock = threading.Lock()
-
-_db_lock = threading.Lock()
-_db: dict = {}  # "con": the shared database's own connection, "memory_limit", "pid", "views": {table: view SQL}
-_inherited: list = []  # databases a forked child inherited from its parent: never closed
-
-
-def _after_fork_in_child() -> None:
-    global _db_lock, _running_lock
-    _db_lock, _running_lock = threading.Lock(), threading.Lock()  # a parent's query may have held them
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def cancel(query_id: str) -> bool:
-    """Interrupt the running query ``query_id``; True when it was running.
-
-    A cancel that arrives before the query reached DuckDB is remembered (a few dozen
-    ids at most) and stops the query as soon as it starts.
-    """
-    with _running_lock:
-        con = _running.get(query_id)
-        _cancelled[query_id] = True
-        while len(_cancelled) > 64:
-            _cancelled.pop(next(iter(_cancelled)))
-    if con is not None:
-        con.interrupt()
-    return con is not None
+_SIMPLE_TYPES = ("BIGINT", "INTEGER", "DOUBLE", "VARCHAR", "BOOLEAN", "TIMESTAMP", "FLOAT", "SMALLINT", "TINYINT",
+                 "HUGEINT", "UBIGINT", "UINTEGER", "DATE", "DECIMAL", "TIMESTAMP WITH TIME ZONE")
+GRACE_S = 2.0  # after the timeout interrupts DuckDB, how long it may take to notice before the query is abandoned
 
 
 @dataclass
@@ -79,10 +43,14 @@ class Result:
         return cls(d["columns"], d["types"], d["rows"], d.get("elapsed", 0.0), d.get("truncated", False), d.get("meta", {}))
 
 
-def connect(memory_limit: str = "256MB"):
+def connect(memory_limit: str | None = None):
     """A locked-down in-memory DuckDB connection (configuration not yet locked)."""
     import duckdb
 
+    if memory_limit is None:
+        from probe._config import setting
+
+        memory_limit = setting("PROBE_QUERY_MEMORY")
     return duckdb.connect(":memory:", config={
         "threads": 1,
         "memory_limit": memory_limit,
@@ -93,131 +61,195 @@ def connect(memory_limit: str = "256MB"):
     })
 
 
-def _column_expr(name: str, typ: str) -> str:
-    q = '"' + name.replace('"', '""') + '"'
-    if typ == "TIMESTAMP":
-        return f"make_timestamp(CAST(round({q} * 1000000) AS BIGINT)) AS {q}"
-    return f"CAST({q} AS {typ}) AS {q}"
+def _quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
 
 
-def _raw_name(full: str) -> str:
-    """The per-connection registration a table's view reads (registry names are identifiers)."""
-    return "__probe_raw__" + full.replace(".", "__").replace('"', "")
+def typed_select(columns, source: str) -> str:
+    """SELECT casting the raw columns of ``source`` to their declared types.
 
+    ``columns`` is ``[(name, type, kind, has_nulls)]``; a numeric column with NULLs reads its
+    ``__valid__<name>`` companion. TIMESTAMP columns arrive as epoch seconds.
 
-def _shared(memory_limit: str):
-    """The process's query database, made on first use; remade for a new memory limit, and in a
-    forked child (DuckDB's threads do not survive a fork)."""
-    with _db_lock:
-        if _db.get("memory_limit") != memory_limit or _db.get("pid") != os.getpid():
-            old = _db.get("con")
-            if old is not None and _db.get("pid") != os.getpid():
-                # A forked parent's database: destroying it here would wait on the parent's
-                # DuckDB threads, which do not exist in this process. Keep it, unused.
-                _inherited.append(old)
-                old = None
-            con = connect(memory_limit)
-            con.execute("SET lock_configuration = true")
-            _db.update(con=con, memory_limit=memory_limit, views={}, pid=os.getpid())
-            if old is not None:
-                old.close()
-        return _db["con"]
-
-
-def register_tables(con, tables: dict) -> None:
-    """``tables`` maps ``schema.table`` to ``(columns, data)``: columns ``[(name, type)]``, data ``{name: array}``.
-
-    The data is registered on ``con`` only; the typed view over it is created in the
-    database the first time a table is seen (again if its columns change).
+    >>> typed_select([("t", "TIMESTAMP", "f8", False), ("s", "VARCHAR", "str", True)], "raw")
+    'SELECT make_timestamp(CAST(round("t" * 1000000) AS BIGINT)) AS "t", CAST("s" AS VARCHAR) AS "s" FROM "raw"'
     """
+    exprs = []
+    for name, typ, kind, has_nulls in columns:
+        q = _quote(name)
+        if kind == "str" and typ not in ("VARCHAR",):
+            expr = f"TRY_CAST({q} AS {typ})"
+        elif typ == "TIMESTAMP":
+            expr = f"make_timestamp(CAST(round({q} * 1000000) AS BIGINT))"
+        else:
+            expr = f"CAST({q} AS {typ})"
+        if has_nulls and kind != "str":
+            expr = f"CASE WHEN {_quote('__valid__' + name)} THEN {expr} END"
+        exprs.append(f"{expr} AS {q}")
+    return f"SELECT {', '.join(exprs) or '1 AS _empty'} FROM {_quote(source)}"
+
+
+def _raw_columns(columns: list, data: dict) -> tuple[dict, list]:
+    """From ``[(name, type)]`` and ``{name: values}`` (a table generator's output): numpy arrays and typed_select's spec."""
     import numpy as np
 
-    for full, (columns, data) in tables.items():
-        arrays = {}
-        for name, typ in columns:
-            values = data[name]
-            if not isinstance(values, np.ndarray):
-                values = np.array(values, dtype=object) if len(values) else np.array([], dtype=object)
-            if values.dtype == object and typ in ("BIGINT", "INTEGER", "DOUBLE", "BOOLEAN", "TIMESTAMP"):
-                values = values.astype(object)
+    arrays, spec = {}, []
+    for name, typ in columns:
+        values = data[name]
+        if isinstance(values, np.ndarray) and values.dtype.kind in "fiub":
             arrays[name] = values
-        raw = _raw_name(full)
-        con.register(raw, arrays)
-        schema, short = full.split(".", 1)
-        cols = ", ".join(_column_expr(n, t) for n, t in columns)
-        view = f'CREATE OR REPLACE VIEW "{schema}"."{short}" AS SELECT {cols} FROM "{raw}"'
-        views = _db.get("views")
-        if views is None or views.get(full) != view:
-            with _db_lock:
-                con.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
-                con.execute(view)
-                if views is not None:
-                    views[full] = view
+            spec.append((name, typ, "f8" if values.dtype.kind == "f" else "i8", False))
+            continue
+        arr = np.empty(len(values), dtype=object)
+        arr[:] = list(values)
+        arrays[name] = arr
+        spec.append((name, typ, "obj", False))
+    return arrays, spec
+
+
+class Workspace:
+    """One query's DuckDB connection holding the snapshots of one or more ranks."""
+
+    def __init__(self, memory_limit: str | None = None):
+        self.con = connect(memory_limit)
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._running = None
+        self.tables: dict[int, dict[str, str]] = {}  # rank slot -> {schema.table: typed view name}
+
+    def close(self) -> None:
+        try:
+            self.con.close()
+        except Exception:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _register(self, slot: int, full: str, arrays: dict, spec: list) -> str:
+        base = full.replace(".", "__")
+        raw, typed = f"__r{slot}__{base}", f"__t{slot}__{base}"
+        self.con.register(raw, arrays)
+        self.con.execute(f"CREATE VIEW {_quote(typed)} AS {typed_select(spec, raw)}")
+        self.tables.setdefault(slot, {})[full] = typed
+        return typed
+
+    def load_snapshot(self, slot: int, decoded: dict) -> None:
+        """Register a decoded ``probe._wire`` message's tables for rank slot ``slot``."""
+        for full, t in decoded["tables"].items():
+            arrays, spec = {}, []
+            for name, c in t["columns"].items():
+                arrays[name] = c["data"]
+                has_nulls = c["valid"] is not None and c["kind"] != "str"
+                if has_nulls:
+                    arrays["__valid__" + name] = c["valid"]
+                spec.append((name, c["type"], c["kind"], has_nulls))
+            self._register(slot, full, arrays, spec)
+
+    def load_tables(self, slot: int, tables: dict) -> None:
+        """Register in-memory tables ``{schema.table: ([(column, type)], {column: values})}``."""
+        for full, (columns, data) in tables.items():
+            arrays, spec = _raw_columns(columns, data)
+            self._register(slot, full, arrays, spec)
+
+    def create_view(self, name: str, sql: str) -> None:
+        """``schema.table`` (or a bare name) as a view over ``sql``."""
+        if "." in name:
+            schema, short = name.split(".", 1)
+            self.con.execute(f"CREATE SCHEMA IF NOT EXISTS {_quote(schema)}")
+            self.con.execute(f"CREATE OR REPLACE VIEW {_quote(schema)}.{_quote(short)} AS {sql}")
+        else:
+            self.con.execute(f"CREATE OR REPLACE VIEW {_quote(name)} AS {sql}")
+
+    def columns_of(self, relation: str) -> list[tuple[str, str]]:
+        cur = self.con.execute(f"SELECT * FROM {relation} LIMIT 0")
+        return [(d[0], str(d[1])) for d in cur.description or []]
+
+    def interrupt(self) -> None:
+        """Stop the running query (or the next one) from another thread."""
+        with self._lock:
+            self._cancelled = True
+        try:
+            self.con.interrupt()
+        except Exception:
+            pass
+
+    def execute(self, sql: str, *, max_rows: int = 10000, timeout: float = 10.0) -> Result:
+        """Run ``sql`` (already guarded) and return at most ``max_rows`` rows; the configuration is locked first."""
+        import duckdb
+
+        self.con.execute("SET lock_configuration = true")
+        t0 = time.perf_counter()
+        timed_out = threading.Event()
+        box: dict = {}
+
+        def run():
+            try:
+                cur = self.con.execute(sql)
+                rows = cur.fetchmany(max_rows + 1)
+                box["value"] = (cur.description or [], rows)
+            except BaseException as exc:  # handed to the waiting thread
+                box["error"] = exc
+
+        def on_timeout():
+            timed_out.set()
+            try:
+                self.con.interrupt()
+            except Exception:
+                pass
+
+        if self._cancelled:
+            raise QueryError("the query was cancelled.")
+        worker = threading.Thread(target=run, name="probe-duckdb", daemon=True)
+        timer = threading.Timer(timeout, on_timeout)
+        timer.daemon = True
+        worker.start()
+        timer.start()
+        try:
+            worker.join(timeout + GRACE_S)
+        finally:
+            timer.cancel()
+        stopped = f"the query ran past its {timeout:g} s timeout and was stopped; narrow it or raise --timeout."
+        if worker.is_alive():  # DuckDB did not notice the interrupt (e.g. building one huge list value)
+            self.interrupt()
+            raise QueryError(stopped)
+        error = box.get("error")
+        if error is not None:
+            if self._cancelled:
+                raise QueryError("the query was cancelled.") from None
+            if timed_out.is_set() or isinstance(error, duckdb.InterruptException):
+                raise QueryError(stopped) from None
+            if isinstance(error, duckdb.Error):
+                msg = str(error).strip().splitlines()[0]
+                raise QueryError(f"DuckDB refused the query: {msg}") from None
+            if isinstance(error, MemoryError):
+                raise QueryError("the query ran out of memory; narrow it (PROBE_QUERY_MEMORY sets DuckDB's limit).") from None
+            raise error
+        desc, rows = box["value"]
+        return Result(columns=[d[0] for d in desc], types=[str(d[1]) for d in desc],
+                      rows=[list(r) for r in rows[:max_rows]], elapsed=time.perf_counter() - t0,
+                      truncated=len(rows) > max_rows)
 
 
 def execute(sql: str, tables: dict, *, max_rows: int = 10000, timeout: float = 10.0,
-            memory_limit: str = "256MB", query_id: str | None = None) -> Result:
-    """Run ``sql`` (already guarded) over ``tables`` and return at most ``max_rows`` rows.
+            memory_limit: str | None = None) -> Result:
+    """Run ``sql`` (already guarded) over in-memory ``tables`` (``{schema.table: ([(column, type)], {column: values})}``).
 
-    With a ``query_id``, ``cancel(query_id)`` from another thread stops the query.
+    The tables are visible under their own names. Used by tests and benchmarks; the CLI
+    goes through ``federate`` with snapshots received from the ranks.
     """
-    import duckdb
+    from .federate import rename_tables_sql
 
-    t0 = time.perf_counter()
-    con = _shared(memory_limit).cursor()
-    timer = None
-    interrupted = threading.Event()
-    try:
-        register_tables(con, tables)
-
-        def _interrupt():
-            interrupted.set()
-            con.interrupt()
-
-        timer = threading.Timer(timeout, _interrupt)
-        timer.daemon = True
-        timer.start()
-        if query_id is not None:
-            with _running_lock:
-                _running[query_id] = con
-                early = _cancelled.pop(query_id, False)
-            if early:
-                raise QueryError("the query was cancelled by the client.")
-        try:
-            cur = con.execute(sql)
-            rows = cur.fetchmany(max_rows + 1)
-        except duckdb.InterruptException:
-            if query_id is not None and _cancelled.get(query_id):
-                raise QueryError("the query was cancelled by the client.") from None
-            raise QueryError(f"the query ran past its {timeout:g} s timeout and was stopped; narrow it or raise --timeout.") from None
-        except duckdb.Error as e:
-            if query_id is not None and _cancelled.get(query_id):
-                raise QueryError("the query was cancelled by the client.") from None
-            if interrupted.is_set():
-                raise QueryError(f"the query ran past its {timeout:g} s timeout and was stopped; narrow it or raise --timeout.") from None
-            msg = str(e).strip().splitlines()[0]
-            raise QueryError(f"DuckDB refused the query: {msg}") from None
-        desc = cur.description or []
-        truncated = len(rows) > max_rows
-        return Result(
-            columns=[d[0] for d in desc],
-            types=[str(d[1]) for d in desc],
-            rows=[list(r) for r in rows[:max_rows]],
-            elapsed=time.perf_counter() - t0,
-            truncated=truncated,
-        )
-    finally:
-        if timer is not None:
-            timer.cancel()
-        if query_id is not None:
-            with _running_lock:
-                _running.pop(query_id, None)
-                _cancelled.pop(query_id, None)
-        con.close()
+    with Workspace(memory_limit) as ws:
+        ws.load_tables(0, tables)
+        return ws.execute(rename_tables_sql(sql, ws.tables.get(0, {})), max_rows=max_rows, timeout=timeout)
 
 
 def register_result(con, name: str, result: Result, extra: dict | None = None) -> None:
-    """Load a Result received over the wire into ``con`` as view ``name``, with its types.
+    """Load a Result into ``con`` as view ``name``, with its types.
 
     ``extra`` adds constant-per-row columns first (e.g. ``{"rank": [0, 0, 1]}``).
     """
@@ -230,10 +262,8 @@ def register_result(con, name: str, result: Result, extra: dict | None = None) -
         arrays[col] = np.array([r[i] for r in result.rows], dtype=object) if result.rows else np.array([], dtype=object)
     raw = f"__raw_{abs(hash(name))}"
     con.register(raw, arrays)
-    exprs = [f'"{c}"' for c in (extra or {})]
+    exprs = [_quote(c) for c in (extra or {})]
     for col, typ in zip(result.columns, result.types):
-        q = '"' + col.replace('"', '""') + '"'
-        simple = typ.split("(")[0] in ("BIGINT", "INTEGER", "DOUBLE", "VARCHAR", "BOOLEAN", "TIMESTAMP", "FLOAT",
-                                       "SMALLINT", "TINYINT", "HUGEINT", "UBIGINT", "UINTEGER", "DATE", "DECIMAL", "TIMESTAMP WITH TIME ZONE")
-        exprs.append(f"TRY_CAST({q} AS {typ}) AS {q}" if simple else f"CAST({q} AS VARCHAR) AS {q}")
-    con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT {", ".join(exprs) or "*"} FROM {raw}')
+        simple = typ.split("(")[0] in _SIMPLE_TYPES
+        exprs.append(f"TRY_CAST({_quote(col)} AS {typ}) AS {_quote(col)}" if simple else f"CAST({_quote(col)} AS VARCHAR) AS {_quote(col)}")
+    con.execute(f'CREATE OR REPLACE VIEW {_quote(name)} AS SELECT {", ".join(exprs) or "*"} FROM {raw}')

@@ -5,12 +5,15 @@ Validation is done on sqlglot's syntax tree, never with regular expressions:
 * exactly one statement, and it must be a query (SELECT, WITH ... SELECT, UNION ...),
   or ``DESCRIBE t`` / ``SHOW TABLES``, which are rewritten to queries on the registry;
 * no node anywhere that writes, attaches, loads, sets or copies;
-* every table referenced is a registered table or a CTE of the query; table functions
-  are limited to ``range``/``generate_series``/``unnest``; functions that read files or
-  run SQL strings are refused by name.
+* every table referenced is a registered table or a CTE *visible in its scope* (names are
+  resolved with sqlglot's scope tools, so a CTE named like a DuckDB catalog view cannot
+  be used outside the subquery that defines it); table functions are limited to
+  ``range``/``generate_series``/``unnest``;
+* every function called is on the allow-list of ``_functions`` (pure functions only).
 
 DuckDB is then configured with external access disabled and its configuration
-locked (see ``engine``), so the guard is one of two independent walls.
+locked (see ``engine``), so the guard is one of two independent walls; and DuckDB runs
+in the client, never in the training process.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from sqlglot.errors import ParseError, TokenError
 
 from probe._errors import QueryError
 
-__all__ = ["Guarded", "guard", "READ_ONLY_ROOTS", "FORBIDDEN_FUNCTIONS"]
+from ._functions import ALLOWED_FUNCTIONS, ALLOWED_TABLE_FUNCTIONS
+
+__all__ = ["Guarded", "guard", "READ_ONLY_ROOTS", "MAX_SQL_CHARS"]
 
 logging.getLogger("sqlglot").setLevel(logging.ERROR)
 
@@ -39,15 +44,9 @@ _FORBIDDEN_NODES = tuple(
     if hasattr(exp, name)
 )
 
-# Table functions or scalar functions that reach files, the network, settings or run SQL strings.
-FORBIDDEN_FUNCTIONS = frozenset(
-    """read_csv read_csv_auto csv_scan sniff_csv read_parquet parquet_scan parquet_metadata parquet_schema
-    parquet_file_metadata parquet_kv_metadata read_json read_json_auto read_json_objects read_ndjson
-    read_ndjson_auto read_ndjson_objects json_scan read_text read_blob glob iceberg_scan delta_scan
-    sqlite_scan sqlite_attach postgres_scan postgres_attach mysql_scan query query_table getenv
-    read_xlsx st_read httpfs_scan load_extension install_extension""".split()
-)
-
+MAX_SQL_CHARS = 100_000
+_TOO_DEEP = "the query nests too deeply to read (brackets or subqueries hundreds of levels deep); simplify it."
+_CALL = __import__("re").compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\(")
 _ALLOWED_TABLE_FUNCTIONS = (exp.GenerateSeries, exp.Unnest, exp.Explode) if hasattr(exp, "Explode") else (exp.GenerateSeries, exp.Unnest)
 
 
@@ -61,6 +60,8 @@ class Guarded:
 
 
 def _parse(sql: str) -> list[exp.Expression]:
+    if len(sql) > MAX_SQL_CHARS:
+        raise QueryError(f"the query is {len(sql)} characters long; the limit is {MAX_SQL_CHARS}.")
     try:
         statements = [s for s in sqlglot.parse(sql, read="duckdb") if s is not None]
     except ParseError as e:
@@ -73,6 +74,8 @@ def _parse(sql: str) -> list[exp.Expression]:
         raise QueryError(f"SQL syntax error{where}{near_txt}: {desc}; fix the query and retry.", line=line, col=col) from None
     except TokenError as e:
         raise QueryError(f"SQL could not be read ({e}); check quotes and brackets.") from None
+    except RecursionError:
+        raise QueryError(_TOO_DEEP) from None
     if not statements:
         raise QueryError("the query is empty; pass a SELECT statement.")
     if len(statements) > 1:
@@ -81,11 +84,71 @@ def _parse(sql: str) -> list[exp.Expression]:
 
 
 def _function_name(node: exp.Expression) -> str:
+    """The name DuckDB would see for a function call node ("" for syntax such as CURRENT_DATE)."""
     if isinstance(node, exp.Anonymous):
         return str(node.this).lower()
     if isinstance(node, exp.Func):
-        return node.sql_name().lower()
+        m = _CALL.match(node.sql(dialect="duckdb"))
+        return m.group(1).lower() if m else ""
     return ""
+
+
+def _check_functions(stmt: exp.Expression) -> None:
+    for node in stmt.walk():
+        if isinstance(node, _FORBIDDEN_NODES):
+            raise QueryError(f"{node.key.upper()} is not allowed inside a query; probe runs read-only SQL.")
+        if isinstance(node, exp.Table) and not isinstance(node.this, exp.Identifier):
+            continue  # a table function: checked with the tables
+        if isinstance(node, (exp.Func, exp.Anonymous)) and not isinstance(node.parent, exp.Table):
+            name = _function_name(node)
+            if name and name not in ALLOWED_FUNCTIONS:
+                raise QueryError(f"function {name}() is not allowed: queries may call only DuckDB's pure functions "
+                                 "(no files, settings, catalog or SQL strings); query probe's tables instead.")
+
+
+def _check_tables(stmt: exp.Expression, known: set) -> list[str]:
+    """Resolve every table by scope; return the registered tables read, in order of appearance."""
+    from sqlglot.optimizer.scope import traverse_scope
+
+    by_short: dict[str, list[str]] = {}
+    for full in known:
+        by_short.setdefault(full.split(".", 1)[1], []).append(full)
+    try:
+        scopes = traverse_scope(stmt)
+    except RecursionError:
+        raise QueryError(_TOO_DEEP) from None
+    except Exception as exc:  # sqlglot could not resolve the names: refuse rather than guess
+        raise QueryError(f"the query's table names could not be resolved ({exc}); simplify it.") from None
+    cte_refs: set = set()
+    in_scope: set = set()
+    for scope in scopes:
+        for tbl in scope.tables:
+            in_scope.add(id(tbl))
+            if not tbl.db and tbl.name in scope.cte_sources:
+                cte_refs.add(id(tbl))
+    used: list[str] = []
+    for tbl in list(stmt.find_all(exp.Table)):
+        if not isinstance(tbl.this, exp.Identifier):
+            fn = _function_name(tbl.this) or type(tbl.this).__name__.lower()
+            if isinstance(tbl.this, _ALLOWED_TABLE_FUNCTIONS) or fn in ALLOWED_TABLE_FUNCTIONS:
+                continue
+            raise QueryError(f"table function {fn}() is not allowed; query probe's tables (see `probe ENDPOINT tables`).")
+        if id(tbl) in cte_refs:
+            continue
+        db, name = tbl.db.lower(), tbl.name.lower()
+        if tbl.catalog:
+            raise QueryError(f"catalog-qualified table {tbl.sql()} is not allowed; use schema.table.")
+        full = f"{db}.{name}" if db else None
+        if full is None and len(by_short.get(name, ())) == 1:
+            full = by_short[name][0]
+            tbl.set("db", exp.to_identifier(full.split(".")[0]))
+        if full not in known or id(tbl) not in in_scope:
+            listing = ", ".join(sorted(known))
+            shown = tbl.sql(dialect="duckdb")
+            raise QueryError(f"unknown table {shown}; known tables: {listing}.")
+        if full not in used:
+            used.append(full)
+    return used
 
 
 def _rewrite_meta(stmt: exp.Expression) -> exp.Expression:
@@ -113,39 +176,10 @@ def guard(sql: str, known_tables: Iterable[str] | Callable[[], Iterable[str]]) -
     if not isinstance(stmt, READ_ONLY_ROOTS):
         kind = stmt.key.upper() if hasattr(stmt, "key") else type(stmt).__name__
         raise QueryError(f"only read queries are allowed (SELECT or WITH ... SELECT), not {kind}; probe's tables are read-only.")
-    for node in stmt.walk():
-        if isinstance(node, _FORBIDDEN_NODES):
-            raise QueryError(f"{node.key.upper()} is not allowed inside a query; probe runs read-only SQL.")
-        name = _function_name(node)
-        if name in FORBIDDEN_FUNCTIONS or isinstance(node, (exp.ReadCSV,) if hasattr(exp, "ReadCSV") else ()):
-            raise QueryError(f"{name or 'read_csv'}() is not allowed: queries cannot read files, settings or other SQL; query probe's tables instead.")
-
-    known = set(known_tables() if callable(known_tables) else known_tables)
-    by_short: dict[str, list[str]] = {}
-    for full in known:
-        by_short.setdefault(full.split(".", 1)[1], []).append(full)
-    ctes = {cte.alias_or_name.lower() for cte in stmt.find_all(exp.CTE)}
-
-    used: list[str] = []
-    for tbl in list(stmt.find_all(exp.Table)):
-        if not isinstance(tbl.this, exp.Identifier):
-            if isinstance(tbl.this, _ALLOWED_TABLE_FUNCTIONS):
-                continue
-            fn = _function_name(tbl.this) or type(tbl.this).__name__.lower()
-            raise QueryError(f"table function {fn}() is not allowed; query probe's tables (see `probe ENDPOINT tables`).")
-        db, name = tbl.db.lower(), tbl.name.lower()
-        if tbl.catalog:
-            raise QueryError(f"catalog-qualified table {tbl.sql()} is not allowed; use schema.table.")
-        if not db and name in ctes:
-            continue
-        full = f"{db}.{name}" if db else None
-        if full is None and len(by_short.get(name, ())) == 1:
-            full = by_short[name][0]
-            tbl.set("db", exp.to_identifier(full.split(".")[0]))
-        if full not in known:
-            listing = ", ".join(sorted(known))
-            shown = tbl.sql(dialect="duckdb")
-            raise QueryError(f"unknown table {shown}; known tables: {listing}.")
-        if full not in used:
-            used.append(full)
-    return Guarded(stmt.sql(dialect="duckdb"), tuple(used), stmt)
+    try:
+        _check_functions(stmt)
+        used = _check_tables(stmt, set(known_tables() if callable(known_tables) else known_tables))
+        text = stmt.sql(dialect="duckdb")
+    except RecursionError:
+        raise QueryError(_TOO_DEEP) from None
+    return Guarded(text, tuple(used), stmt)

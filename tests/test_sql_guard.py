@@ -29,6 +29,19 @@ REFUSED = {
     "multi": ("SELECT 1; SELECT 2", "one statement"),
     "unknown": ("SELECT * FROM nope.nothing", "unknown table"),
     "catalog": ("SELECT * FROM memory.python.threads", "catalog"),
+    # a CTE named like a DuckDB catalog view is visible only inside its own subquery (issue 14, item 2)
+    "cte_out_of_scope": ("SELECT * FROM (WITH pg_settings AS (SELECT 1 a) SELECT a FROM pg_settings) s, pg_settings",
+                         "unknown table pg_settings"),
+    "cte_in_union_branch": ("(WITH duckdb_settings AS (SELECT 1 a) SELECT a FROM duckdb_settings) UNION ALL "
+                            "SELECT 1 FROM duckdb_settings", "unknown table duckdb_settings"),
+    # functions run on an allow-list: settings, environment, catalog and SQL strings are not on it
+    "getenv": ("SELECT getenv('HOME')", "getenv() is not allowed"),
+    "current_setting": ("SELECT current_setting('temp_directory')", "current_setting() is not allowed"),
+    "catalog_fn": ("SELECT * FROM duckdb_settings()", "not allowed"),
+    "sql_string": ("SELECT json_execute_serialized_sql('{}')", "not allowed"),
+    "nested_fn": ("SELECT upper(getenv('HOME')) FROM python.threads", "getenv() is not allowed"),
+    "deep": ("SELECT " + "(" * 5000 + "1" + ")" * 5000, "nests too deeply"),
+    "huge": ("SELECT '" + "x" * 200_000 + "'", "the limit is"),
 }
 
 
@@ -71,3 +84,17 @@ def test_unqualified_unique_name_resolves():
 def test_describe_and_show_become_registry_queries():
     assert guard("DESCRIBE python.threads", KNOWN).tables == ("probe.columns",)
     assert guard("SHOW TABLES", KNOWN).tables == ("probe.tables",)
+
+
+def test_a_cte_still_shadows_a_table_inside_its_scope():
+    g = guard("WITH threads AS (SELECT 1 AS name) SELECT name FROM threads", KNOWN)
+    assert g.tables == ()
+
+
+@pytest.mark.parametrize("expr", [
+    "coalesce(NULL, 1)", "count(*)", "median(1)", "row_number() OVER ()", "lag(1) OVER ()", "regexp_replace('a', 'a', 'b')",
+    "epoch(current_timestamp)", "strftime(now(), '%Y')", "list_sum([1, 2])", "CASE WHEN true THEN 1 END",
+    "CAST(1 AS VARCHAR)", "extract(year FROM current_date)", "quantile_cont(1, 0.5)", "string_agg('a', ',')",
+])
+def test_common_functions_are_on_the_allow_list(expr):
+    assert guard(f"SELECT {expr}", KNOWN).sql

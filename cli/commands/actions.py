@@ -340,6 +340,8 @@ class Debug(_Action):
             return
         state = "already listening" if r.get("already") else "listening"
         session.print(f"{prefix}debugpy {state} on {r['host']}:{r['port']} in pid {r['pid']}.")
+        session.print(f"{prefix}Exposure: debugpy has no authentication; until pid {r['pid']} exits, any local user who "
+                      f"can reach {r['host']}:{r['port']} can run code as this process's user (the eval tier).")
         if not _local(target):
             session.print(f"{prefix}It listens on the training host's loopback: tunnel first, "
                           f"e.g. ssh -L {r['port']}:127.0.0.1:{r['port']} {target.host}.")

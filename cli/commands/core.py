@@ -79,25 +79,23 @@ class Query(Command):
         p.add_argument("sql", help="The SQL query, or - to read it from standard input.")
         p.add_argument("-f", dest="format", choices=("table", "json", "csv"), default=argparse.SUPPRESS,
                        help="Output format (same as --format).")
-        p.add_argument("--max-rows", type=int, default=None, help="Row cap of the result (default 10000 on the server).")
+        p.add_argument("--max-rows", type=int, default=None, help="Row cap of the result (default PROBE_MAX_ROWS, 10000).")
         p.add_argument("--expanded", "-x", action="store_true", help="One column per line, like psql's \\x.")
-        p.add_argument("--timing", action="store_true", help="Print the server-side time of the query.")
+        p.add_argument("--timing", action="store_true", help="Print the time DuckDB took (here, in the client) and the snapshot's time in the process.")
 
     def run(self, session, args):
+        from probe._validate import BadRequest, count
+
+        from .._fanout import federated_query
+
         sql = _read_sql(args.sql)
-        if session.multi:
-            from .._fanout import federated_query
-
-            result = federated_query(session, sql, max_rows=args.max_rows)
-        else:
-            body = {"sql": sql}
-            if args.max_rows:
-                body["max_rows"] = args.max_rows
-            body["timeout"] = session.timeout
-            from probe.sql.engine import Result
-
-            doc = session.client().post("/query", body, timeout=session.timeout + 5)
-            result = Result.from_dict(doc)
+        try:
+            max_rows = count(args.max_rows, "--max-rows", minimum=1)
+        except BadRequest as exc:
+            raise ProbeError(exc.message, exit_code=2) from None
+        # one rank is federation with one rank: the same snapshots, DuckDB here in the CLI
+        targets = None if session.multi else [session.target()]
+        result = federated_query(session, sql, max_rows=max_rows, targets=targets)
         from .._render import render_result
 
         session.print(render_result(result, session.format, expanded=args.expanded, timing=args.timing))

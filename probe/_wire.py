@@ -1,0 +1,162 @@
+"""The binary columnar form in which a training process hands table snapshots to a client.
+
+One message is::
+
+    b"PRBC" | header length (u32, little endian) | header (JSON) | buffers
+
+The header names every table, its row count and its columns; each column says its
+declared SQL type, its physical ``kind`` and where its buffers lie in the message
+(offset from the start of the buffers, length in bytes):
+
+* ``f8`` / ``i8`` / ``b1``: one little-endian array (float64, int64, bool);
+* ``str``: int64 end offsets (one per row) and the UTF-8 bytes of every value;
+* ``valid`` (optional, any kind): one byte per row, 0 where the value is NULL.
+
+Encoding works on numpy arrays, never on Python rows: a ring buffer's columns go out
+as one copy each. Only object columns (values a table generator built in Python) are
+walked value by value. The module needs numpy and nothing else, so the training side
+(encode) and the client (decode) share it without pulling the query engine in.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+__all__ = ["MAGIC", "encode", "decode", "WireError"]
+
+MAGIC = b"PRBC"
+_FIXED = {"f8": "<f8", "i8": "<i8", "b1": "|b1"}
+
+
+class WireError(ValueError):
+    """The message is not a probe snapshot (or is cut short)."""
+
+
+def _object_column(values, typ: str):
+    """(kind, data, valid) for a column of Python values, by its declared type."""
+    import numpy as np
+
+    n = len(values)
+    valid = np.fromiter((v is not None and not (isinstance(v, float) and math.isnan(v)) for v in values), bool, n)
+    if typ in ("BIGINT", "INTEGER", "BOOLEAN"):
+        try:
+            data = np.fromiter((0 if v is None else v for v in values), "<i8", n)
+            if np.array_equal(np.fromiter((0 if v is None else v for v in values), "<f8", n), data, equal_nan=False):
+                return ("b1" if typ == "BOOLEAN" else "i8"), (data != 0 if typ == "BOOLEAN" else data), valid
+        except (TypeError, ValueError, OverflowError):
+            pass
+    if typ in ("BIGINT", "INTEGER", "DOUBLE", "TIMESTAMP"):
+        try:
+            conv = (lambda v: v.timestamp()) if typ == "TIMESTAMP" else float
+            data = np.fromiter((math.nan if v is None else (conv(v) if hasattr(v, "timestamp") else float(v)) for v in values), "<f8", n)
+            return "f8", data, valid
+        except (TypeError, ValueError, OverflowError, AttributeError):
+            pass
+    return "str", [v if isinstance(v, str) else ("" if v is None else str(v)) for v in values], valid
+
+
+def _column_buffers(values, typ: str) -> tuple[str, list]:
+    """The column's kind and its buffers (bytes-like), valid mask last when there are NULLs."""
+    import numpy as np
+
+    if isinstance(values, np.ndarray) and values.dtype.kind in "fiub":
+        kind = {"f": "f8", "i": "i8", "u": "i8", "b": "b1"}[values.dtype.kind]
+        data = np.ascontiguousarray(values, dtype=_FIXED[kind])
+        return kind, [data, None]
+    seq = values.tolist() if isinstance(values, np.ndarray) else list(values)
+    kind, data, valid = _object_column(seq, typ)
+    mask = None if valid.all() else valid.view(np.uint8)
+    if kind != "str":
+        return kind, [np.ascontiguousarray(data, dtype=_FIXED[kind]), mask]
+    encoded = [s.encode("utf-8", "surrogatepass") for s in data]
+    ends = np.cumsum(np.fromiter(map(len, encoded), "<i8", len(encoded)), dtype="<i8")
+    return kind, [ends, b"".join(encoded), mask]
+
+
+def encode(tables: dict, meta: dict, max_bytes: int | None = None) -> list:
+    """The message for ``tables`` (``{name: ([(column, type)], {column: values})}``) as a list of buffers.
+
+    Raises ``OverflowError`` naming the table when the buffers would pass ``max_bytes``.
+
+    >>> import numpy as np
+    >>> msg = b"".join(bytes(b) for b in encode({"t.x": ([("a", "BIGINT"), ("b", "VARCHAR")], {"a": np.arange(2), "b": ["x", None]})}, {}))
+    >>> t = decode(msg)["tables"]["t.x"]
+    >>> t["rows"], t["columns"]["a"]["data"].tolist(), t["columns"]["b"]["data"].tolist()
+    (2, [0, 1], ['x', None])
+    """
+    header_tables: dict = {}
+    buffers: list = []
+    offset = 0
+    for name, (columns, data) in tables.items():
+        cols = []
+        rows = None
+        for col, typ in columns:
+            values = data[col]
+            kind, bufs = _column_buffers(values, typ)
+            n = len(values)
+            rows = n if rows is None else rows
+            spans = []
+            for b in bufs:
+                if b is None:
+                    spans.append(None)
+                    continue
+                size = b.nbytes if hasattr(b, "nbytes") else len(b)
+                spans.append([offset, size])
+                buffers.append(b)
+                offset += size
+                if max_bytes is not None and offset > max_bytes:
+                    raise OverflowError(name)
+            cols.append({"name": col, "type": typ, "kind": kind, "buffers": spans})
+        header_tables[name] = {"rows": rows or 0, "columns": cols}
+    header = json.dumps({"meta": meta, "tables": header_tables}, default=str).encode()
+    return [MAGIC + struct.pack("<I", len(header)) + header, *buffers]
+
+
+def decode(message: bytes) -> dict:
+    """``{"meta": {...}, "tables": {name: {"rows": n, "columns": {col: {"type", "data", "valid"}}}}}``.
+
+    ``data`` is a numpy array (an object array of str for text, None where NULL); ``valid``
+    is a bool array or None when the column has no NULLs.
+    """
+    import numpy as np
+
+    if len(message) < 8 or message[:4] != MAGIC:
+        raise WireError("not a probe snapshot")
+    (hlen,) = struct.unpack_from("<I", message, 4)
+    try:
+        header = json.loads(message[8:8 + hlen])
+    except ValueError:
+        raise WireError("the snapshot header is damaged") from None
+    base = 8 + hlen
+    view = memoryview(message)
+    out: dict = {}
+    for name, t in header["tables"].items():
+        n = int(t["rows"])
+        cols: dict = {}
+        for c in t["columns"]:
+            spans = c["buffers"]
+
+            def buf(span):
+                start, size = span
+                if base + start + size > len(message):
+                    raise WireError("the snapshot is cut short")
+                return view[base + start: base + start + size]
+
+            valid = None
+            if spans[-1] is not None:
+                valid = np.frombuffer(buf(spans[-1]), np.uint8, n).astype(bool)
+            if c["kind"] == "str":
+                ends = np.frombuffer(buf(spans[0]), "<i8", n)
+                blob = bytes(buf(spans[1]))
+                starts = np.concatenate(([0], ends[:-1])) if n else ends
+                data = np.empty(n, dtype=object)
+                data[:] = [blob[s:e].decode("utf-8", "surrogatepass") for s, e in zip(starts.tolist(), ends.tolist())]
+                if valid is not None:
+                    data[~valid] = None
+            else:
+                data = np.frombuffer(buf(spans[0]), _FIXED[c["kind"]], n)
+            cols[c["name"]] = {"type": c["type"], "kind": c["kind"], "data": data, "valid": valid}
+        out[name] = {"rows": n, "columns": cols}
+    return {"meta": header.get("meta", {}), "tables": out}
