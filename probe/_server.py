@@ -108,6 +108,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.timeout = self.server.read_timeout
         super().setup()
 
+    def parse_request(self):
+        # An HTTP/0.9 request line ("GET /path") has no headers, but the stdlib would wait for
+        # them until the client gives up: answer at once instead.
+        words = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n").split()
+        if len(words) == 2:
+            self.command, self.request_version = None, "HTTP/1.1"
+            self.requestline = " ".join(words)
+            self.close_connection = True
+            self.send_error(400)
+            return False
+        return super().parse_request()
+
     def send_error(self, code, message=None, explain=None):
         """The stdlib's errors (bad request line, HTTP/0.9, long headers) as one JSON sentence, then close."""
         if self.request_version == "HTTP/0.9" or not getattr(self, "requestline", ""):

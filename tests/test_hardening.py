@@ -1,0 +1,211 @@
+"""Issue 14: no query, request or action can hurt the training process or let anyone in.
+
+Each test reproduces one class of the red-team findings against a real target process
+and the real CLI (or a raw socket, for what the CLI would never send).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+from conftest import PROBE_BIN, TARGETS, requires_torch
+
+
+def _socket_of(pid: int, env: dict) -> str:
+    with open(f"{env['PROBE_RUNTIME_DIR']}/{pid}.json") as f:
+        return json.load(f)["socket"]
+
+
+def _entry(pid: int, env: dict) -> dict:
+    with open(f"{env['PROBE_RUNTIME_DIR']}/{pid}.json") as f:
+        return json.load(f)
+
+
+def _raw(path_or_addr, payload: bytes, timeout: float = 10.0) -> bytes:
+    """Send bytes on a fresh connection and read the answer to the end."""
+    if isinstance(path_or_addr, str):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    else:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(path_or_addr)
+    try:
+        s.sendall(payload)
+        chunks = []
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        s.close()
+
+
+def _post(path: str, route: str, body: bytes, extra: str = "") -> tuple[int, dict]:
+    head = f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode()
+    data = _raw(path, head + body)
+    status = int(data.split(b" ", 2)[1])
+    return status, json.loads(data.partition(b"\r\n\r\n")[2] or b"{}")
+
+
+def _eval(cli, pid, code: str) -> str:
+    r = cli(pid, "eval", code)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_the_training_process_never_imports_duckdb(spawn, cli):
+    # given a probed process that answered several queries, a join and an aggregate among them
+    target = spawn(TARGETS / "idle.py")
+    for sql in ("SELECT count(*) FROM python.threads",
+                "SELECT t.name, count(*) FROM python.threads t JOIN python.backtrace b ON b.thread_id = t.thread_id GROUP BY ALL",
+                "SELECT name FROM probe.tables WHERE name LIKE 'python.%'"):
+        r = cli(target.pid, "query", sql, "-f", "json")
+        assert r.returncode == 0, r.stderr
+    # then neither DuckDB nor the SQL parser was ever loaded there
+    out = _eval(cli, target.pid, "import sys; print(sorted(m for m in ('duckdb', 'sqlglot') if m in sys.modules))")
+    assert "[]" in out, out
+
+
+def test_bad_values_and_bodies_get_one_sentence_and_a_4xx(spawn, cli, probe_env):
+    target = spawn(TARGETS / "idle.py", env={"PROBE_SNAPSHOT_BYTES": "300"})
+    sock = _socket_of(target.pid, probe_env)
+    cases = [
+        (b"not json", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nests deeper"),
+        (b'{"a": ' + b"[" * 40 + b"]" * 40 + b"}", "nests deeper"),
+        (json.dumps({"tables": {"python.threads": {}}, "timeout": "inf"}).encode(), "finite"),
+        (json.dumps({"tables": {"python.threads": {}}, "timeout": 1e300}).encode(), "at most"),
+        (json.dumps({"tables": {"python.threads": {"columns": ["nope"]}}}).encode(), "no column 'nope'"),
+        (json.dumps({"tables": {"python.threads": {"filter": {"op": "exec", "col": "name"}}}}).encode(), "unknown snapshot filter"),
+        (b"\xff\xfe", "not valid JSON"),
+    ]
+    for body, fragment in cases:
+        status, doc = _post(sock, "/snapshot", body)
+        assert 400 <= status < 500, (body[:40], status, doc)
+        assert fragment in doc["error"] and doc["error"].endswith("."), doc
+    # a negative or absurd Content-Length, and a body over the limit, are refused before reading
+    for length in ("-5", "abc", "99999999999"):
+        data = _raw(sock, f"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode())
+        assert data.startswith(b"HTTP/1.1 4"), data[:80]
+    # HTTP/0.9 is answered (and closed), not left hanging
+    data = _raw(sock, b"GET /health\r\n", timeout=5.0)
+    assert b"HTTP/1.1 400" in data and b"HTTP/1.1" in data, data[:120]
+    # the CLI's own checks: negative row cap, 5000 nested parentheses, a snapshot over the byte cap
+    r = cli(target.pid, "query", "SELECT 1", "--max-rows", "-1")
+    assert r.returncode == 2 and "--max-rows must be a whole number" in r.stderr, r.stderr
+    r = cli(target.pid, "query", "SELECT " + "(" * 5000 + "1" + ")" * 5000)
+    assert r.returncode == 2 and "nests too deeply" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = cli(target.pid, "query", "SELECT * FROM python.backtrace")
+    assert r.returncode == 2 and "PROBE_SNAPSHOT_BYTES" in r.stderr, r.stderr
+    # and the training process printed no traceback and still answers
+    assert cli(target.pid, "query", "SELECT 1 AS ok", "-f", "csv").stdout.split() == ["ok", "1"]
+    assert "Traceback" not in target.output(), target.output()
+
+
+def test_connections_are_bounded_and_the_owner_is_always_answered(spawn, cli, probe_env):
+    # given a process listening on TCP too, with small connection limits
+    target = spawn(TARGETS / "idle.py", env={"PROBE_PORT": "0", "PROBE_TOKEN": "tok-en", "PROBE_MAX_CONNECTIONS": "4",
+                                             "PROBE_READ_TIMEOUT": "1"})
+    entry = _entry(target.pid, probe_env)
+    port = entry["tcp_port"]
+    # when 60 TCP clients open connections and never finish their headers
+    held = []
+    for _ in range(60):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(b"POST /snapshot HTTP/1.1\r\nContent-Le")
+        held.append(s)
+    try:
+        # then the owner's unix socket still answers at once
+        r = cli(target.pid, "query", "SELECT count(*) AS n FROM python.threads", "-f", "csv")
+        assert r.returncode == 0, r.stderr
+        # the server did not grow a thread per connection
+        threads = int(cli(target.pid, "query", "SELECT count(*) AS n FROM python.threads", "-f", "csv").stdout.split()[1])
+        assert threads < 20, threads
+        # and every slow client is cut off: answered 503 at once (over the limit) or closed after the read timeout
+        closed = 0
+        deadline = time.monotonic() + 30
+        for s in held:
+            s.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                data = s.recv(4096)
+                while data and not data.endswith(b"}"):
+                    more = s.recv(4096)
+                    if not more:
+                        break
+                    data += more
+                closed += 1
+            except OSError:
+                pass
+        assert closed == len(held), f"{len(held) - closed} slow connections were left open"
+    finally:
+        for s in held:
+            s.close()
+    assert cli(target.pid, "query", "SELECT 1 AS ok", "-f", "csv").returncode == 0
+
+
+def test_a_token_goes_only_to_the_address_it_was_issued_for(spawn, cli, probe_env):
+    # given a local job on 127.0.0.1:PORT and a stranger listening on 127.0.0.2 with the same port
+    target = spawn(TARGETS / "idle.py", env={"PROBE_PORT": "0"})
+    entry = _entry(target.pid, probe_env)
+    port = entry["tcp_port"]
+    stranger = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        stranger.bind(("127.0.0.2", port))
+    except OSError:
+        stranger.close()
+        pytest.skip("127.0.0.2 cannot be bound here")
+    stranger.listen(4)
+    got: list = []
+
+    def serve():
+        stranger.settimeout(20)
+        try:
+            conn, _ = stranger.accept()
+            conn.settimeout(5)
+            got.append(conn.recv(65536))
+            conn.close()
+        except OSError:
+            pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        # when the CLI is pointed at the stranger
+        r = cli(f"127.0.0.2:{port}", "query", "SELECT 1")
+        # then it refuses for want of a token, and the stranger never saw the job's token
+        assert r.returncode == 4 and "needs a token" in r.stderr, r.stderr
+        assert not any(entry["token"].encode() in g for g in got)
+        # while the real address still gets it from the registry
+        ok = cli(f"127.0.0.1:{port}", "query", "SELECT 1 AS one", "-f", "csv")
+        assert ok.returncode == 0, ok.stderr
+    finally:
+        stranger.close()
+
+
+@requires_torch
+def test_lr_refuses_nan_and_inf(spawn, cli):
+    target = spawn(TARGETS / "actions_train.py")
+    for value in ("nan", "inf", "-inf", "1e400"):
+        r = cli(target.pid, "--yes", "lr", f"--set={value}")
+        assert r.returncode != 0 and "finite" in (r.stdout + r.stderr), (value, r.stdout, r.stderr)
+        assert "Traceback" not in r.stderr
+    r = cli(target.pid, "--yes", "lr", "--scale=nan")
+    assert r.returncode != 0 and "finite" in (r.stdout + r.stderr)
+    # the run is untouched: the LR is still a finite number
+    lr = json.loads(cli(target.pid, "query", "SELECT lr FROM torch.optimizer", "-f", "json").stdout)
+    assert lr and all(row["lr"] is not None and row["lr"] == row["lr"] for row in lr), lr
+
+
+def test_debug_needs_the_eval_tier(spawn, cli):
+    target = spawn(TARGETS / "idle.py", env={"PROBE_ALLOW_EVAL": "0"})
+    r = cli(target.pid, "debug", "--port", "0")
+    assert r.returncode == 4 and "PROBE_ALLOW_EVAL=0" in r.stderr, r.stdout + r.stderr
