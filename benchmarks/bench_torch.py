@@ -181,13 +181,29 @@ def tracing_per_call(rounds: int) -> None:
     print("   (the flush at the step's end is not counted: it runs once per traced step, not per call)")
 
 
+def run_query(sql: str):
+    """The whole query path in one process: plan, snapshot (what the training process does), wire, client DuckDB."""
+    from probe._snapshot import take
+    from probe._tables import all_tables
+    from probe._wire import decode
+    from probe.sql.engine import Workspace
+    from probe.sql.federate import plan, rename_tables_sql, snapshot_requests
+
+    schema = {t.name: {c.name: c.type for c in t.columns} for t in all_tables()}
+    p = plan(sql, schema)
+    decoded = decode(b"".join(bytes(b) for b in take({"tables": snapshot_requests(p.parts, schema)}, {})))
+    with Workspace() as ws:
+        ws.load_snapshot(0, decoded)
+        for name, part in p.parts.items():
+            ws.create_view(name, rename_tables_sql(part, ws.tables[0]))
+        return ws.execute(p.outer)
+
+
 def seed_query() -> None:
     from probe import _torch_hooks
 
     print("3. seed slow-training query over a full 100k-row python.torch_trace")
     import numpy as np
-
-    from probe._routes import run_query
 
     _torch_hooks.arm()
     tr = _torch_hooks.tracer()

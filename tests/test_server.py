@@ -220,7 +220,8 @@ def test_tcp_requires_the_token(tcp_target, cli, probe_env):
 def test_tcp_401_reveals_nothing(tcp_target, cli):
     port = _tcp_port(cli, tcp_target.pid)
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
-    s.sendall(b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Length: 40\r\n\r\n{\"sql\": \"SELECT * FROM process.env\"}    ")
+    body = json.dumps({"tables": {"process.env": {}}}).encode()
+    s.sendall(b"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     data = b""
     while chunk := s.recv(65536):
         data += chunk
@@ -248,16 +249,16 @@ def test_generated_token_lives_in_a_private_registry_entry(spawn, cli, probe_env
 
 def test_client_that_disconnects_mid_response(idle, cli, probe_env):
     sock_path = str(Path(probe_env["PROBE_RUNTIME_DIR"]) / f"{idle.pid}.sock")
-    body = json.dumps({"sql": "SELECT * FROM range(200000)", "max_rows": 200000}).encode()
+    body = json.dumps({"tables": {"python.backtrace": {}, "process.env": {}, "probe.columns": {}}}).encode()
     for _ in range(5):
         s = socket.socket(socket.AF_UNIX)
         s.connect(sock_path)
-        s.sendall(b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        s.sendall(b"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         s.recv(100)  # the response has started
         s.close()  # and we leave
     half = socket.socket(socket.AF_UNIX)
     half.connect(sock_path)
-    half.sendall(b"POST /query HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"sql\"")  # never finishes
+    half.sendall(b"POST /snapshot HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"tables\"")  # never finishes
     half.close()
     assert idle.popen.poll() is None
     r = cli(idle.pid, "query", "SELECT COUNT(*) AS n FROM python.threads", "-f", "csv")
