@@ -21,7 +21,8 @@ from typing import Callable
 from . import __version__
 from ._config import setting
 from ._errors import ProbeError
-from ._runtime import process_argv, rank_identity, registry_listen, remove_entry, runtime_dir, write_entry
+from ._runtime import (process_argv, rank_identity, registry_listen, remove_entry, runtime_dir, sweep_stale,
+                       use_private_dir, write_entry)
 
 __all__ = ["start", "stop", "is_running", "info", "add_status_provider", "status"]
 
@@ -78,7 +79,11 @@ def start(*, port: int | None = None, host: str | None = None, token: str | None
         from . import _actions_routes  # noqa: F401  (guarded actions and eval)
         from ._server import TCPServer, UnixServer, serve_in_thread
 
-        rdir = runtime_dir()
+        try:
+            rdir = runtime_dir()
+        except (ProbeError, OSError) as exc:  # someone else's, a symlink, unwritable: never fatal, never repaired
+            rdir = use_private_dir(getattr(exc, "message", None) or f"the runtime directory is unusable ({exc})")
+        sweep_stale(rdir)
         sock_path = os.path.join(rdir, f"{os.getpid()}.sock")
         servers = [UnixServer(sock_path)]
         threads = [serve_in_thread(servers[0], "probe-server")]
@@ -129,6 +134,7 @@ def start(*, port: int | None = None, host: str | None = None, token: str | None
         from ._watchdog import install as _install_watchdog
 
         _install_watchdog()  # PROBE_HANG_TIMEOUT: all-thread stacks on disk when steps stop
+        _install_sigterm()
         return info()
 
 
@@ -168,6 +174,32 @@ def _shutdown(srv) -> None:
     try:
         srv.server_close()
     except OSError:
+        pass
+
+
+def _install_sigterm() -> None:
+    """On SIGTERM (torchrun and schedulers stop jobs with it), remove the socket and registry entry, then die as before.
+
+    Only when SIGTERM still has its default action and we are on the main thread: a
+    handler the program installed itself is left alone (atexit covers a clean exit).
+    """
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+
+        def on_term(signum, frame):
+            try:
+                stop()
+            finally:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_term)
+    except (ValueError, OSError):
         pass
 
 

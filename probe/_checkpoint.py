@@ -44,10 +44,39 @@ def expand_path(path: str, rank: int | None, step: int | None) -> str:
 
 
 def check_target(path: str, force: bool) -> None:
-    if os.path.isdir(path):
+    """Refuse a directory, a symbolic link or a special file (/dev/null, a FIFO) even with --force; an existing file without it."""
+    import stat
+
+    if os.path.isdir(path) and not os.path.islink(path):
         raise ActionError(f"{path} is a directory; give a file name such as {os.path.join(path, 'emergency.pt')}.")
-    if os.path.exists(path) and not force:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise ActionError(f"{path} is a symbolic link; probe writes checkpoints only to regular files, give the real path.")
+    if not stat.S_ISREG(st.st_mode):
+        raise ActionError(f"{path} is not a regular file (a device, FIFO or socket); give a file path for the checkpoint.")
+    if not force:
         raise ActionError(f"{path} already exists; pass --force to overwrite it, or choose another path.")
+
+
+def sweep_stale_temps(path: str) -> None:
+    """Remove ``.<name>.tmp-<pid>`` files that a killed writer of ``path`` left behind (its pid is gone)."""
+    from ._runtime import pid_alive
+
+    directory, prefix = os.path.dirname(path), f".{os.path.basename(path)}.tmp-"
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix):]
+        if name.startswith(prefix) and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
 
 
 def _unwrap(model):
@@ -137,6 +166,7 @@ def save(ctx: "Context", path: str, force: bool) -> dict:
     check_target(path, force)
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
+    sweep_stale_temps(path)
     state = build_state(ctx)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
     try:
@@ -145,6 +175,7 @@ def save(ctx: "Context", path: str, force: bool) -> dict:
             f.flush()
             os.fsync(f.fileno())
         digest = sha256(tmp)
+        check_target(path, force)  # again: a link or device may have appeared while the state was written
         if force:
             os.replace(tmp, path)
         else:
@@ -153,12 +184,25 @@ def save(ctx: "Context", path: str, force: bool) -> dict:
             except FileExistsError:
                 raise ActionError(f"{path} already exists; pass --force to overwrite it, or choose another path.") from None
             os.unlink(tmp)
-        with open(path + ".sha256.tmp", "w") as f:
-            f.write(f"{digest}  {os.path.basename(path)}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".sha256.tmp", path + ".sha256")
+        try:
+            with open(path + ".sha256.tmp", "w") as f:
+                f.write(f"{digest}  {os.path.basename(path)}\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(path + ".sha256.tmp", path + ".sha256")
+        except OSError as exc:
+            # a checkpoint without its checksum is reported as failed: do not leave it looking complete
+            os.unlink(path)
+            raise ActionError(f"the checksum file {path}.sha256 could not be written ({exc}); the checkpoint was removed, "
+                              "free space or choose another directory.") from None
         _fsync_dir(directory)
+    except BaseException:
+        for leftover in (path + ".sha256.tmp",):
+            try:
+                os.unlink(leftover)
+            except OSError:
+                pass
+        raise
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

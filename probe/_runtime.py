@@ -22,26 +22,98 @@ import sys
 from ._config import setting
 from ._errors import EndpointError
 
-__all__ = ["runtime_dir", "rank_identity", "write_entry", "read_entries", "remove_entry", "pid_alive",
+__all__ = ["runtime_dir", "default_runtime_dir", "check_private_dir", "use_private_dir", "sweep_stale", "rank_identity", "write_entry", "read_entries", "remove_entry", "pid_alive",
            "shared_registry", "job_token", "registry_listen"]
 
 
-def runtime_dir(create: bool = True) -> str:
-    """The directory for sockets and registry entries of this user, created 0700."""
+_private: dict = {}  # "path": the private directory a process fell back to when the usual one was unsafe
+
+
+def default_runtime_dir() -> str:
+    """PROBE_RUNTIME_DIR, else $XDG_RUNTIME_DIR/probe, else /tmp/probe-<uid> (not created)."""
     path = setting("PROBE_RUNTIME_DIR")
     if not path:
         xdg = os.environ.get("XDG_RUNTIME_DIR")
         path = os.path.join(xdg, "probe") if xdg and os.path.isdir(xdg) else f"/tmp/probe-{os.getuid()}"
-    if create:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        st = os.stat(path)
-        if st.st_uid != os.getuid():
-            raise EndpointError(
-                f"The runtime directory {path} belongs to another user; set PROBE_RUNTIME_DIR to a directory of your own."
-            )
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            os.chmod(path, 0o700)
     return path
+
+
+def check_private_dir(path: str) -> None:
+    """Raise EndpointError unless ``path`` is a real directory (not a symlink) of this user, mode 0700 or stricter.
+
+    Never follows a symlink and never changes what it finds: a directory someone else
+    prepared (another user, a symlink to a directory of ours, a group-writable one) is
+    refused, not repaired.
+    """
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise EndpointError(f"the runtime directory {path} is a symbolic link; probe does not follow it "
+                            "(remove it, or set PROBE_RUNTIME_DIR to a directory of your own).")
+    if not stat.S_ISDIR(st.st_mode):
+        raise EndpointError(f"the runtime directory {path} is not a directory; remove it or set PROBE_RUNTIME_DIR.")
+    if st.st_uid != os.getuid():
+        raise EndpointError(f"the runtime directory {path} belongs to another user (uid {st.st_uid}); "
+                            "set PROBE_RUNTIME_DIR to a directory of your own.")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise EndpointError(f"the runtime directory {path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}); "
+                            f"`chmod 700 {path}` it, or set PROBE_RUNTIME_DIR to a private directory.")
+
+
+def runtime_dir(create: bool = True) -> str:
+    """The directory for sockets and registry entries of this user, created 0700 and checked (see check_private_dir)."""
+    if _private.get("path"):
+        return _private["path"]
+    path = default_runtime_dir()
+    if create:
+        try:
+            os.mkdir(path, 0o700)  # created by us: mode 0700 whatever the umask adds, never chmodded later
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+            try:
+                os.mkdir(path, 0o700)
+            except FileExistsError:
+                pass
+        check_private_dir(path)
+    return path
+
+
+def use_private_dir(reason: str) -> str:
+    """Fall back to a fresh private directory (mkdtemp: 0700, a name no one could prepare) and say so once."""
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix=f"probe-{os.getuid()}-")
+    _private["path"] = path
+    print(f"[probe] {reason.rstrip('.')}; this process uses the private directory {path} instead "
+          f"(run the CLI with PROBE_RUNTIME_DIR={path} to reach it).", file=sys.stderr, flush=True)
+    return path
+
+
+def sweep_stale(path: str) -> int:
+    """Remove temporary files (``*.<pid>.tmp``) and sockets left in ``path`` by processes that died; how many."""
+    removed = 0
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return 0
+    for name in names:
+        pid = None
+        parts = name.split(".")
+        if name.endswith(".tmp") and len(parts) >= 3 and parts[-2].isdigit():
+            pid = int(parts[-2])
+        elif name.endswith(".sock") and parts[0].isdigit():
+            pid = int(parts[0])
+        if pid is None or pid == os.getpid() or pid_alive(pid):
+            continue
+        if name.endswith(".sock") and os.path.exists(os.path.join(path, f"{pid}.json")):
+            continue  # read_entries(clean=True) removes the pair together
+        try:
+            os.unlink(os.path.join(path, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed
 
 
 def _int_env(*names: str) -> int | None:

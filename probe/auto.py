@@ -1,5 +1,20 @@
-"""``import probe.auto`` starts the probe server in this process (idempotent)."""
+"""``import probe.auto`` starts the probe server in this process (idempotent).
 
-from ._agent import start as _start
+It never raises into the training script: if the probe cannot start, one line on
+stderr says why and the script goes on without it.
+"""
 
-_start()
+
+def _start_quietly() -> None:
+    try:
+        from ._agent import start
+
+        start()
+    except Exception as exc:
+        import sys
+
+        message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+        print(f"[probe] the probe did not start ({message.rstrip('.')}); training goes on without it.", file=sys.stderr, flush=True)
+
+
+_start_quietly()

@@ -58,6 +58,7 @@ def connect(memory_limit: str | None = None):
         "python_enable_replacements": False,
         "autoinstall_known_extensions": False,
         "autoload_known_extensions": False,
+        "temp_directory": "",  # never spill into the working directory (.tmp/duckdb_temp_*): stay in memory
     })
 
 
@@ -222,6 +223,9 @@ class Workspace:
                 raise QueryError("the query was cancelled.") from None
             if timed_out.is_set() or isinstance(error, duckdb.InterruptException):
                 raise QueryError(stopped) from None
+            if isinstance(error, duckdb.OutOfMemoryException):
+                raise QueryError("the query needs more memory than PROBE_QUERY_MEMORY allows (DuckDB runs in this client); "
+                                 "narrow it, or raise PROBE_QUERY_MEMORY.") from None
             if isinstance(error, duckdb.Error):
                 msg = str(error).strip().splitlines()[0]
                 raise QueryError(f"DuckDB refused the query: {msg}") from None

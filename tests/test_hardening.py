@@ -209,3 +209,73 @@ def test_debug_needs_the_eval_tier(spawn, cli):
     target = spawn(TARGETS / "idle.py", env={"PROBE_ALLOW_EVAL": "0"})
     r = cli(target.pid, "debug", "--port", "0")
     assert r.returncode == 4 and "PROBE_ALLOW_EVAL=0" in r.stderr, r.stdout + r.stderr
+
+
+@requires_torch
+def test_checkpoint_refuses_special_files_and_links_and_sweeps_dead_temps(spawn, cli, tmp_path):
+    import os
+
+    target = spawn(TARGETS / "actions_train.py")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (tmp_path / "link.pt").symlink_to(victim)
+    for path, fragment in (("/dev/null", "not a regular file"), (str(tmp_path / "link.pt"), "symbolic link")):
+        r = cli(target.pid, "--yes", "checkpoint", path, "--force")
+        assert r.returncode != 0 and fragment in (r.stdout + r.stderr), r.stdout + r.stderr
+    assert os.path.isfile(victim) and victim.read_text() == "keep me"
+    assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
+    # a temp file left by a writer that was killed (its pid is gone) is swept by the next checkpoint there
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f".ck.pt.tmp-{dead.pid}"
+    stale.write_bytes(b"half a checkpoint")
+    r = cli(target.pid, "--yes", "checkpoint", str(tmp_path / "ck.pt"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not stale.exists() and (tmp_path / "ck.pt").is_file()
+
+
+def test_sigterm_removes_the_socket_and_registry_entry(spawn, probe_env):
+    import os
+    import signal
+
+    target = spawn(TARGETS / "idle.py")
+    entry = _entry(target.pid, probe_env)
+    assert os.path.exists(entry["socket"])
+    os.kill(target.pid, signal.SIGTERM)
+    target.popen.wait(30)
+    assert target.popen.returncode == -signal.SIGTERM  # it still dies of SIGTERM, as without the probe
+    assert not os.path.exists(entry["socket"])
+    assert not os.path.exists(f"{probe_env['PROBE_RUNTIME_DIR']}/{target.pid}.json")
+
+
+@pytest.mark.parametrize("kind", ["symlink", "open_to_all", "not_a_dir"])
+def test_a_prepared_runtime_dir_never_breaks_the_training_script(spawn, cli, tmp_path, kind):
+    import os
+    import stat
+
+    # given a runtime directory prepared by someone else: a symlink to a directory of ours,
+    # a directory anyone can write to, or a plain file in its place
+    owned = tmp_path / "victims-own-dir"
+    owned.mkdir(mode=0o755)
+    os.chmod(owned, 0o755)
+    rt = tmp_path / "rt"
+    if kind == "symlink":
+        rt.symlink_to(owned)
+    elif kind == "open_to_all":
+        rt.mkdir()
+        os.chmod(rt, 0o777)
+    else:
+        rt.write_text("")
+    before = os.lstat(owned).st_mode
+    # when the training script starts with the probe
+    target = spawn(TARGETS / "idle.py", env={"PROBE_RUNTIME_DIR": str(rt)})
+    # then it runs, says once why it used a private directory, and changed nothing it found
+    warning = target.wait_for("uses the private directory")
+    assert os.lstat(owned).st_mode == before and stat.S_IMODE(before) == 0o755
+    if kind == "open_to_all":
+        assert stat.S_IMODE(os.lstat(rt).st_mode) == 0o777 and not os.listdir(rt)
+    private = warning.split("private directory ", 1)[1].split(" ")[0]
+    assert stat.S_IMODE(os.lstat(private).st_mode) == 0o700
+    r = cli(target.pid, "query", "SELECT 1 AS ok", "-f", "csv", env={"PROBE_RUNTIME_DIR": private})
+    assert r.returncode == 0 and r.stdout.split() == ["ok", "1"], r.stderr
+    assert target.popen.poll() is None
