@@ -3,10 +3,14 @@
 Mutating commands (checkpoint, lr, cleanup, eval with ``--at-step``) are queued and
 run by the training thread at the next safe point (after ``optimizer.step()``), so
 they never see a half-applied update. Each action moves through
-``queued -> running -> done | failed | timed_out``. A queued action that has not
+``queued -> running -> done | failed | timed_out | cancelled``. A queued action that has not
 started by its deadline becomes ``timed_out`` under the same lock the training
 thread takes to start it, so a timed-out action can never run late. ``now=True``
-runs the action on the calling (server) thread at once, for a hung process.
+runs the action at once on a thread of its own (``probe-action-ID``), for a hung
+process; the request that submitted it waits for it like for a queued one, so the
+client always learns the id and can cancel it (``cancel``): a queued action is
+dropped, a running ``now`` action gets an exception raised in its thread at its next
+Python instruction. An action running on the training thread is never interrupted.
 
 Every submission, refusal and outcome is written to the audit log; the last
 ``CAPACITY`` actions are kept for the ``probe.actions`` table.
@@ -28,10 +32,16 @@ from ._errors import ActionError, ProbeError
 from ._health import record_error
 from ._safepoint import StepEvent, on_step, remove
 
-__all__ = ["Action", "Context", "submit", "get", "wait", "actions", "last_step", "refuse", "TERMINAL"]
+__all__ = ["Action", "Context", "submit", "get", "wait", "actions", "last_step", "refuse", "cancel", "TERMINAL",
+           "ActionCancelled"]
 
 CAPACITY = 1000
-TERMINAL = ("done", "failed", "timed_out")
+TERMINAL = ("done", "failed", "timed_out", "cancelled")
+
+
+class ActionCancelled(BaseException):
+    """Raised inside a running ``now`` action (eval'd code) by ``cancel``; a BaseException so that the
+    eval'd code's own ``except Exception`` does not swallow it."""
 
 
 @dataclass
@@ -62,6 +72,7 @@ class Action:
     step: int | None = None
     result: dict | None = None
     error: str | None = None
+    thread: int | None = field(default=None, repr=False)  # ident of the thread running a ``now`` action
 
     def to_dict(self) -> dict:
         return {"id": self.id, "command": self.command, "args": self.args, "state": self.state,
@@ -114,7 +125,10 @@ def submit(command: str, fn: Callable[[Context], dict], *, args: dict, client: d
             on_step(_at_step)  # subscribed only while something waits: an idle boundary costs nothing
     audit(client, command, args, "queued" if not now else "running", id=action.id, now=now, at_step=at_step)
     if now:
-        _run(action, Context(step=_safepoint.last_step, now=True, action_id=action.id))
+        t = threading.Thread(target=_run, args=(action, Context(step=_safepoint.last_step, now=True, action_id=action.id)),
+                             name=f"probe-action-{action.id}", daemon=True)
+        action.state = "running"
+        t.start()
     elif timeout is not None:
         t = threading.Timer(timeout, expire)
         t.daemon = True
@@ -155,26 +169,63 @@ def expire() -> None:
         audit(a.client, a.command, a.args, "timed_out", id=a.id, error=a.error)
 
 
+def cancel(action_id: int, client: dict) -> Action:
+    """Cancel a queued action, or interrupt a running ``now`` one; raise ActionError when it cannot be."""
+    import ctypes
+
+    with _lock:
+        action = get(action_id)
+        if action.state in TERMINAL:
+            raise ActionError(f"action {action_id} has already ended ({action.state}); nothing to cancel.")
+        if action.state == "queued" or action in _pending:
+            if action in _pending:
+                _pending.remove(action)
+            action.state, action.finished_at, action.error = "cancelled", time.time(), "cancelled before it started."
+            _lock.notify_all()
+        elif not action.now or action.thread is None:
+            raise ActionError(f"action {action_id} is running on the training thread at a step boundary; it cannot be "
+                              "interrupted there without hurting training, and ends when its code returns.")
+        else:
+            # raised at the thread's next Python instruction (a blocking C call, e.g. sleep, finishes first)
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(action.thread), ctypes.py_object(ActionCancelled))
+    audit(client, "cancel", {"id": action_id, "command": action.command}, "done", state=action.state)
+    return action
+
+
 def _run(action: Action, ctx: Context) -> None:
     action.state, action.started_at, action.step = "running", time.time(), ctx.step
     try:
-        action.result = action.fn(ctx) or {}
-        action.state = "done"
-    except ProbeError as exc:
-        action.state, action.error = "failed", exc.message
-        action.result = getattr(exc, "result", None)
-    except Exception as exc:
-        record_error(f"action {action.command}", exc)
-        action.state, action.error = "failed", f"{type(exc).__name__}: {exc}"
-        action.result = getattr(exc, "result", None)
-    finally:
-        if action.state == "running":  # a BaseException (SystemExit from eval'd code)
-            action.state, action.error = "failed", "the action was interrupted."
-        action.finished_at = time.time()
-        with _lock:
-            _lock.notify_all()
-    audit(action.client, action.command, action.args, action.state, id=action.id, step=action.step,
-          error=action.error, result=_short(action.result))
+        try:
+            if ctx.now:
+                with _lock:
+                    action.thread = threading.get_ident()
+            try:
+                action.result = action.fn(ctx) or {}
+                action.state = "done"
+            finally:
+                with _lock:  # cancel() injects only while this is set, under the same lock
+                    action.thread = None
+        except ActionCancelled:
+            action.state, action.error = "cancelled", "cancelled while it ran."
+        except ProbeError as exc:
+            action.state, action.error = "failed", exc.message
+            action.result = getattr(exc, "result", None)
+        except Exception as exc:
+            record_error(f"action {action.command}", exc)
+            action.state, action.error = "failed", f"{type(exc).__name__}: {exc}"
+            action.result = getattr(exc, "result", None)
+        except BaseException as exc:  # SystemExit or KeyboardInterrupt raised by eval'd code
+            action.state, action.error = "failed", f"the code raised {type(exc).__name__}; the action was interrupted."
+            if not ctx.now:
+                raise  # on the training thread, as if the loop itself had raised it (a real Ctrl-C must stop training)
+        finally:
+            action.finished_at = time.time()
+            with _lock:
+                _lock.notify_all()
+            audit(action.client, action.command, action.args, action.state, id=action.id, step=action.step,
+                  error=action.error, result=_short(action.result))
+    except ActionCancelled:  # a cancel that landed just as the action ended: it had finished anyway
+        pass
 
 
 def _short(result: dict | None) -> Any:

@@ -145,6 +145,21 @@ def debug_route(req: Request) -> dict:
     return _submit(req, "debug", args, lambda ctx: debug(ctx, port), default_now=req.param("at_step") is None)
 
 
+@route("POST", "/actions/cancel", tier="action")
+def cancel_route(req: Request) -> dict:
+    """Cancel a queued action or interrupt a running ``now`` one (an eval needs the eval tier to cancel too)."""
+    from ._server import check_tier
+
+    action_id = _number(req, "id", int, minimum=1)
+    if action_id is None:
+        raise ActionError("pass the id of the action to cancel (`SELECT id, command, state FROM probe.actions`).")
+    action = _actions.get(action_id)
+    if action.command in ("eval", "debug"):
+        check_tier(req.client, "eval")
+    _actions.cancel(action_id, req.client)
+    return _answer(req, action)
+
+
 @route("GET", "/actions/wait")
 def wait_route(req: Request) -> dict:
     action_id = _number(req, "id", int, minimum=1)

@@ -77,6 +77,10 @@ def start(*, port: int | None = None, host: str | None = None, token: str | None
             os.environ["PROBE_RUNTIME_DIR"] = runtime
         from . import _routes  # noqa: F401  (registers the HTTP routes)
         from . import _actions_routes  # noqa: F401  (guarded actions and eval)
+        from . import _snapshot  # noqa: F401  (the query path, loaded now: never in a training step later)
+        from ._tables import all_tables
+
+        all_tables()  # registers the built-in tables now, before the loop runs, not at the first query
         from ._server import TCPServer, UnixServer, serve_in_thread
 
         try:

@@ -34,13 +34,25 @@ def snapshot(req: Request) -> Binary:
     return Binary(take(req.body, meta), "application/x-probe-columns")
 
 
+_tables_cache: dict = {}
+
+
 @route("GET", "/tables")
-def tables(req: Request) -> dict:
-    return {"tables": [
-        {"name": t.name, "description": t.description, "kind": t.kind, "examples": list(t.examples),
-         "columns": [{"name": c.name, "type": c.type, "description": c.description} for c in t.columns]}
-        for t in all_tables()
-    ]}
+def tables(req: Request) -> Binary:
+    """The table declarations, encoded once per registry state (every query's plan asks for them)."""
+    import json
+
+    current = tuple(all_tables())
+    cached = _tables_cache.get("body")
+    if cached is None or _tables_cache.get("key") != current:
+        doc = {"tables": [
+            {"name": t.name, "description": t.description, "kind": t.kind, "examples": list(t.examples),
+             "columns": [{"name": c.name, "type": c.type, "description": c.description} for c in t.columns]}
+            for t in current
+        ]}
+        cached = json.dumps(doc).encode()
+        _tables_cache.update(key=current, body=cached)
+    return Binary([cached], "application/json")
 
 
 _repr = reprlib.Repr()

@@ -48,6 +48,8 @@ def number(value, name: str, *, default=None, minimum: float | None = None, maxi
     if not math.isfinite(out):
         raise BadRequest(f"{name} must be a finite number, not {_show(value)}.")
     if minimum is not None and (out <= minimum if exclusive_minimum else out < minimum):
+        if minimum == 0:
+            raise BadRequest(f"{name} must {'be positive' if exclusive_minimum else 'not be negative'}, not {_show(value)}.")
         raise BadRequest(f"{name} must be {'above' if exclusive_minimum else 'at least'} {minimum:g}, not {_show(value)}.")
     if maximum is not None and out > maximum:
         raise BadRequest(f"{name} must be at most {maximum:g}, not {_show(value)}.")

@@ -279,3 +279,44 @@ def test_a_prepared_runtime_dir_never_breaks_the_training_script(spawn, cli, tmp
     r = cli(target.pid, "query", "SELECT 1 AS ok", "-f", "csv", env={"PROBE_RUNTIME_DIR": private})
     assert r.returncode == 0 and r.stdout.split() == ["ok", "1"], r.stderr
     assert target.popen.poll() is None
+
+
+def _action_id(cli, pid, code_fragment: str) -> int:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        rows = json.loads(cli(pid, "query", "SELECT id, state, args FROM probe.actions WHERE command = 'eval'", "-f", "json").stdout)
+        for row in rows:
+            if row["state"] == "running" and code_fragment in row["args"]:
+                return row["id"]
+        time.sleep(0.05)  # ok-sleep: polling with a deadline
+    raise AssertionError("the eval never showed up as running")
+
+
+def test_evals_are_answered_and_can_be_cancelled(spawn, cli, probe_env):
+    import signal
+
+    target = spawn(TARGETS / "idle.py")
+    # KeyboardInterrupt raised by the code is an answer, not a silent connection and a traceback
+    r = cli(target.pid, "eval", "raise KeyboardInterrupt")
+    assert r.returncode != 0 and "KeyboardInterrupt" in r.stdout + r.stderr, r.stdout + r.stderr
+    # an eval that never returns is cancelled by id ...
+    looping = subprocess.Popen([PROBE_BIN, str(target.pid), "eval", "n = 0\nwhile True: n += 1  # first"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=probe_env)
+    action = _action_id(cli, target.pid, "# first")
+    r = cli(target.pid, "cancel", action)
+    assert r.returncode == 0, r.stderr
+    out, err = looping.communicate(timeout=30)
+    assert looping.returncode != 0 and "cancelled" in out + err, out + err
+    # ... or by Ctrl-C in the CLI that started it
+    looping = subprocess.Popen([PROBE_BIN, str(target.pid), "eval", "n = 0\nwhile True: n += 1  # second"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=probe_env)
+    second = _action_id(cli, target.pid, "# second")
+    looping.send_signal(signal.SIGINT)
+    out, err = looping.communicate(timeout=30)
+    assert looping.returncode == 130 and "interrupted" in err, out + err
+    states = dict((row["id"], row["state"]) for row in json.loads(
+        cli(target.pid, "query", "SELECT id, state FROM probe.actions", "-f", "json").stdout))
+    assert states[action] == "cancelled" and states[second] == "cancelled", states
+    # and the process is healthy, with no traceback on its stderr
+    assert cli(target.pid, "query", "SELECT 1 AS ok", "-f", "csv").returncode == 0
+    assert "Traceback" not in target.output(), target.output()

@@ -74,9 +74,18 @@ class _Action(Command):
         single = len(targets) == 1
         from concurrent.futures import ThreadPoolExecutor  # not on the CLI's start-up path
 
-        with ThreadPoolExecutor(max_workers=min(64, len(targets))) as pool:
-            outcomes = list(pool.map(lambda tb: _drive(session, self.name, tb[0], tb[1], single),
-                                     zip(targets, bodies)))
+        if single:  # on the main thread, where Ctrl-C lands: it cancels the action (see _drive)
+            outcomes = [_drive(session, self.name, targets[0], bodies[0], True)]
+        else:
+            pool = ThreadPoolExecutor(max_workers=min(64, len(targets)))
+            try:
+                outcomes = list(pool.map(lambda tb: _drive(session, self.name, tb[0], tb[1], single),
+                                         zip(targets, bodies)))
+            except KeyboardInterrupt:
+                raise ProbeError("interrupted; the actions go on in the training processes (see probe.actions; "
+                                 "`probe --rank N cancel ID` cancels one).", exit_code=130) from None
+            finally:
+                pool.shutdown(wait=False, cancel_futures=True)
         if session.format == "json":
             session.print(json.dumps([{"target": t.label, "rank": t.rank, "pid": t.pid,
                                        **({"action": o} if isinstance(o, dict) else {"error": o.message})}
@@ -151,6 +160,7 @@ def _failure_text(action: dict) -> str:
 def _drive(session, name: str, target, body: dict, single: bool):
     """Submit and wait; return the final action dict, or the ProbeError that stopped it."""
     client = session.client(target)
+    action = None
     try:
         doc = client.post(f"/actions/{name}", {**body, "wait": POLL}, timeout=POLL + session.timeout)
         action = doc["action"]
@@ -162,7 +172,16 @@ def _drive(session, name: str, target, body: dict, single: bool):
             action = client.get("/actions/wait", timeout=POLL + session.timeout, id=action["id"], wait=POLL)["action"]
         return action
     except KeyboardInterrupt:
-        raise ProbeError("interrupted; the action goes on in the training process (see probe.actions).", exit_code=130) from None
+        if action is None:
+            raise ProbeError("interrupted before the process confirmed the action; see probe.actions.", exit_code=130) from None
+        try:  # Ctrl-C cancels what we started: a queued action is dropped, a running --now eval interrupted
+            done = client.post("/actions/cancel", {"id": action["id"], "wait": 2.0}, timeout=5.0 + session.timeout)["action"]
+        except ProbeError as exc:
+            raise ProbeError(f"interrupted; action {action['id']} could not be cancelled ({exc.message.rstrip('.')}) "
+                             "and goes on in the training process (see probe.actions).", exit_code=130) from None
+        raise ProbeError(f"interrupted; action {action['id']} is {done['state']}"
+                         + (" (it stops at its next Python instruction)." if done["state"] == "running" else "."),
+                         exit_code=130) from None
     except ProbeError as exc:
         return exc
 
@@ -180,6 +199,24 @@ def _progress(session, action: dict, waited: float) -> None:
 
 def _local(target) -> bool:
     return bool(target.socket)
+
+
+@command("cancel", "Cancel an action by id: a queued one is dropped, a running --now eval is interrupted.")
+class Cancel(Command):
+    @staticmethod
+    def add_arguments(p):
+        p.add_argument("id", type=int, help="The action id (printed when it was sent; also in probe.actions).")
+
+    def run(self, session, args):
+        doc = session.client().post("/actions/cancel", {"id": args.id, "wait": 2.0}, timeout=5.0 + session.timeout)
+        action = doc["action"]
+        if session.format == "json":
+            session.print(json.dumps(action, indent=2, default=str))
+        else:
+            state = action["state"]
+            session.print(f"action {action['id']} ({action['command']}) is {state}"
+                          + (": it stops at its next Python instruction." if state == "running" else "."))
+        return 0
 
 
 @command("eval", "Run Python code in the training process (the eval tier); prints its output, final value or traceback.")

@@ -23,7 +23,7 @@ def _json(value) -> str | None:
     columns=[
         Column("id", "BIGINT", "Action id, unique within the process."),
         Column("command", "VARCHAR", "eval, checkpoint, lr, cleanup or debug."),
-        Column("state", "VARCHAR", "queued, running, done, failed or timed_out."),
+        Column("state", "VARCHAR", "queued, running, done, failed, timed_out or cancelled."),
         Column("args", "VARCHAR", "The arguments as JSON."),
         Column("client", "VARCHAR", "Who asked: unix uid or TCP address, as JSON."),
         Column("now", "BOOLEAN", "True when it ran at once on the server thread instead of at a step boundary."),

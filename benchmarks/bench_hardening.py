@@ -1,0 +1,258 @@
+"""What queries cost a training process, now that DuckDB runs in the client (issue 14).
+
+    python benchmarks/bench_hardening.py [--seconds 6] [--clients 20] [--repeat 11]
+
+Starts a small probed torch training loop (a few hundred steps/s on a CPU) that prints its
+step rate, median and worst step time every half second, and a second probed process that
+only idles (the control). Then, side by side in one run:
+
+1. step-rate ratio of the training loop while N client threads issue small queries over the
+   unix socket (snapshot + DuckDB in the client, as the CLI does), against the same load
+   aimed at the idle control process (goal >= 0.9 with 20 clients);
+2. the training process's RSS during hostile queries (huge lists and strings, a large
+   snapshot) against its RSS before (goal: bounded by PROBE_SNAPSHOT_BYTES);
+3. the first-query stall: the worst step while the first query of the process runs, against
+   the median step (goal <= 2x);
+4. CLI latencies (process start included): `probe PID query` as a table and as JSON, `probe PID
+   backtrace`, and `py-spy dump` for the same process (goal: query <= 0.45 s median).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
+
+TRAIN = r"""
+import os, sys, time, statistics
+import torch
+import probe.auto  # noqa: F401
+torch.set_num_threads(1)
+model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(16, 32), torch.randn(16, 1)
+print(f"ready {os.getpid()}", flush=True)
+window, last, n = [], time.perf_counter(), 0
+while True:
+    t0 = time.perf_counter()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    t1 = time.perf_counter()
+    window.append(t1 - t0)
+    n += 1
+    if t1 - last >= 0.5:
+        print(f"stats {n / (t1 - last):.1f} {statistics.median(window) * 1e3:.3f} {max(window) * 1e3:.3f}", flush=True)
+        window, last, n = [], t1, 0
+"""
+
+IDLE = r"""
+import os, time
+import torch  # noqa: F401  (the same tables as the training process)
+import probe.auto  # noqa: F401
+print(f"ready {os.getpid()}", flush=True)
+while True:
+    time.sleep(1)  # ok-sleep: the control process only idles
+"""
+
+
+class Proc:
+    def __init__(self, code: str, env: dict):
+        self.p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, env=env, start_new_session=True)
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+        if not self.ready.wait(120):
+            raise SystemExit("a benchmark process did not start:\n" + "\n".join(self.lines))
+        self.pid = self.p.pid
+
+    def _pump(self):
+        for line in self.p.stdout:
+            self.lines.append(line.rstrip())
+            if line.startswith("ready"):
+                self.ready.set()
+
+    def stats_since(self, index: int) -> list[tuple[float, float, float]]:
+        out = []
+        for line in self.lines[index:]:
+            if line.startswith("stats "):
+                rate, med, worst = map(float, line.split()[1:4])
+                out.append((rate, med, worst))
+        return out
+
+    def rss(self) -> int:
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def stop(self):
+        self.p.terminate()
+        try:
+            self.p.wait(5)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+
+
+def wait_stats(proc: Proc, seconds: float) -> list:
+    start = len(proc.lines)
+    time.sleep(seconds)  # ok-sleep: the measurement window
+    return proc.stats_since(start)
+
+
+def small_query_load(pid: int, clients: int, stop: threading.Event, counts: list, errors: list) -> list:
+    """``clients`` threads each running small queries the way the CLI does: snapshot, then DuckDB here."""
+    from probe.cli._endpoint import resolve
+    from probe.cli._fanout import federated_query
+
+    class Session:
+        timeout = 10.0
+        multi = False
+        format = "json"
+        args = None
+
+        def __init__(self):
+            self._target = resolve(str(pid))
+
+        def client(self, target=None):
+            from probe.cli._client import Client
+
+            return Client(target or self._target, timeout=self.timeout)
+
+        def target(self):
+            return self._target
+
+        def targets(self):
+            return [self._target]
+
+        def print(self, text=""):
+            pass
+
+        def note(self, text):
+            pass
+
+    def worker(i):
+        s = Session()
+        while not stop.is_set():
+            try:
+                federated_query(s, f"SELECT {i} AS i, count(*) AS n, max(step) AS last FROM torch.steps", targets=[s.target()])
+                counts[i] += 1
+            except Exception as exc:  # counted, shown at the end
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def cli_median(env, args, repeat) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        r = subprocess.run(args, capture_output=True, text=True, env=env)
+        times.append(time.perf_counter() - t0)
+        if r.returncode != 0:
+            raise SystemExit(f"{' '.join(args)} failed ({r.returncode}): {r.stderr}")
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--clients", type=int, default=20)
+    ap.add_argument("--repeat", type=int, default=11)
+    args = ap.parse_args()
+    rt = tempfile.mkdtemp(prefix="pbh-", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
+    env.update(PROBE_RUNTIME_DIR=rt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    os.environ.update(PROBE_RUNTIME_DIR=rt)
+    train = Proc(TRAIN, env)
+    idle = Proc(IDLE, env)
+    try:
+        wait_stats(train, 2.0)  # warm up
+        # 3. first-query stall (before any other query touches the process)
+        base = wait_stats(train, 2.0)
+        median_step = statistics.median(s[1] for s in base)
+        start = len(train.lines)
+        r = subprocess.run([PROBE, str(train.pid), "query", "SELECT count(*) FROM torch.steps", "-f", "json"],
+                           capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr
+        time.sleep(1.0)  # ok-sleep: let the stats line covering the query come out
+        worst = max(s[2] for s in train.stats_since(start))
+        print(f"3. first query: worst step {worst:.2f} ms vs median step {median_step:.2f} ms   "
+              f"ratio {worst / median_step:.2f}x  (goal <= 2x)")
+
+        # 1. step rate under small-query load, aimed at the training process vs at the control
+        alone = statistics.median(s[0] for s in wait_stats(train, args.seconds))
+        for label, pid in (("control (load on another process)", idle.pid), ("training process", train.pid)):
+            stop, counts, errors = threading.Event(), [0] * args.clients, []
+            threads = small_query_load(pid, args.clients, stop, counts, errors)
+            loaded = statistics.median(s[0] for s in wait_stats(train, args.seconds))
+            stop.set()
+            for t in threads:
+                t.join(30)
+            print(f"1. {args.clients} clients, small queries aimed at the {label}: step rate {loaded:.0f}/s vs "
+                  f"{alone:.0f}/s alone   ratio {loaded / alone:.2f}  ({sum(counts)} queries, {len(errors)} failed"
+                  + (f": {errors[0]}" if errors else "") + ")")
+        print("   (goal >= 0.9 for the training process; the control shows what the clients' own CPU costs on this machine)")
+
+        # 2. RSS during hostile queries
+        before = train.rss()
+        peak = [before]
+        done = threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], train.rss())
+                time.sleep(0.01)  # ok-sleep: sampling RSS
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        hostile = ["SELECT max(len(x)) FROM (SELECT range(100000000) AS x)",
+                   "SELECT max(length(s)) FROM (SELECT repeat('x', 1000000) AS s FROM range(500))",
+                   "SELECT count(*) FROM torch.steps a, torch.steps b, torch.steps c",
+                   "SELECT * FROM python.torch_trace"]
+        outcomes = []
+        for sql in hostile:
+            t0 = time.perf_counter()
+            r = subprocess.run([PROBE, "--timeout", "3", str(train.pid), "query", sql, "-f", "json"],
+                               capture_output=True, text=True, env=dict(env, PROBE_QUERY_MEMORY="512MB"))
+            outcomes.append(f"{time.perf_counter() - t0:.1f}s rc={r.returncode}")
+        done.set()
+        sampler.join()
+        print(f"2. hostile queries ({'; '.join(outcomes)}): training RSS {before / 2**20:.0f} MiB before, "
+              f"peak {peak[0] / 2**20:.0f} MiB (+{(peak[0] - before) / 2**20:.1f} MiB; "
+              f"goal: bounded by PROBE_SNAPSHOT_BYTES, 64 MB by default)")
+
+        # 4. CLI latencies side by side
+        q = "SELECT func, file, lineno, depth FROM python.backtrace WHERE depth < 3"
+        table = cli_median(env, [PROBE, str(train.pid), "query", q], args.repeat)
+        js = cli_median(env, [PROBE, str(train.pid), "query", q, "-f", "json"], args.repeat)
+        bt = cli_median(env, [PROBE, str(train.pid), "backtrace"], args.repeat)
+        pyspy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        spy = cli_median(env, [pyspy, "dump", "--pid", str(train.pid)], args.repeat) if Path(pyspy).exists() else float("nan")
+        print(f"4. CLI medians of {args.repeat}: query (table) {table:.3f} s (goal <= 0.45 s), query -f json {js:.3f} s, "
+              f"backtrace {bt:.3f} s, py-spy dump {spy:.3f} s")
+    finally:
+        train.stop()
+        idle.stop()
+        shutil.rmtree(rt, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
