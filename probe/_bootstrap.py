@@ -25,7 +25,7 @@ import os
 import sys
 import time
 
-REQUIRED = ("numpy", "duckdb", "sqlglot")
+REQUIRED = ("numpy",)  # the query engine (duckdb, sqlglot) runs in the client, never in the target
 
 
 class _PackageDirs(importlib.abc.MetaPathFinder):
