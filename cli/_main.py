@@ -171,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(cls().run(session, args) or 0)
     except ProbeError as exc:
         print(f"probe: {exc.message}", file=sys.stderr)
+        if getattr(exc, "abandoned", False):  # a DuckDB query that ignored its interrupt still runs: do not wait for it
+            import os
+
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exc.exit_code)
         return exc.exit_code
     except KeyboardInterrupt:
         print("probe: interrupted.", file=sys.stderr)

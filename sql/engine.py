@@ -115,10 +115,12 @@ class Workspace:
         self.con = connect(memory_limit)
         self._lock = threading.Lock()
         self._cancelled = False
-        self._running = None
+        self._abandoned = False
         self.tables: dict[int, dict[str, str]] = {}  # rank slot -> {schema.table: typed view name}
 
     def close(self) -> None:
+        if self._abandoned:
+            return
         try:
             self.con.close()
         except Exception:
@@ -216,7 +218,10 @@ class Workspace:
         stopped = f"the query ran past its {timeout:g} s timeout and was stopped; narrow it or raise --timeout."
         if worker.is_alive():  # DuckDB did not notice the interrupt (e.g. building one huge list value)
             self.interrupt()
-            raise QueryError(stopped)
+            self._abandoned = True  # closing the connection would wait for the query: leave it to process exit
+            err = QueryError(stopped)
+            err.abandoned = True  # the CLI exits at once instead of waiting for DuckDB (see cli._main)
+            raise err
         error = box.get("error")
         if error is not None:
             if self._cancelled:
