@@ -15,6 +15,8 @@ import sys
 import threading
 import weakref
 
+from ..util.frames import release
+
 __all__ = ["models", "optimizers", "scheduler_for", "schedulers", "grad_scalers", "training_frame", "module_path",
            "add_model", "add_optimizer", "add_scheduler", "add_grad_scaler", "set_training_frame", "scan"]
 
@@ -177,7 +179,6 @@ def scan(frame=None, max_frames: int = 4) -> None:
         return
     seen: set = set()
     f, n = frame, 0
-    from ._frames import release
 
     while f is not None and n < max_frames:
         loc = f.f_locals

@@ -12,11 +12,16 @@ Every route takes the same scheduling fields in its JSON body:
 
 from __future__ import annotations
 
-from . import _actions, _agent
-from ._actions import refuse, submit
-from ._config import setting
-from ._errors import ActionError, ProbeError
-from ._server import Request, route
+from .._config import setting
+from .._errors import ActionError, ProbeError
+from ..actions import queue
+from ..actions.checkpoint import check_target, expand_path, save
+from ..actions.evaluate import run_code
+from ..actions.lr import change_lr
+from ..actions.maintenance import cleanup, debug
+from ..actions.queue import refuse, submit
+from . import state
+from .server import Request, route
 
 __all__ = []
 
@@ -42,7 +47,7 @@ def _schedule(req: Request, default_now: bool = False) -> dict:
     at_step = _number(req, "at_step", int)
     if now and at_step is not None:
         raise ActionError("give either now or at_step, not both.")
-    timeout = _number(req, "timeout", float, float(setting("PROBE_ACTION_TIMEOUT")))
+    timeout = _number(req, "timeout", float, setting("PROBE_ACTION_TIMEOUT"))
     if timeout is not None and timeout <= 0:
         raise ActionError("timeout must be a positive number of seconds.")
     return {"now": now, "at_step": at_step, "timeout": None if now else timeout}
@@ -51,8 +56,8 @@ def _schedule(req: Request, default_now: bool = False) -> dict:
 def _answer(req: Request, action) -> dict:
     wait = min(max(_number(req, "wait", float, 0.0) or 0.0, 0.0), MAX_WAIT)
     if wait:
-        _actions.wait(action, wait)
-    return {"action": action.to_dict(), "pid": _agent.info().get("pid"), "rank": _agent.info().get("rank")}
+        queue.wait(action, wait)
+    return {"action": action.to_dict(), "pid": state.info().get("pid"), "rank": state.info().get("rank")}
 
 
 def _submit(req: Request, command: str, args: dict, fn, default_now: bool = False) -> dict:
@@ -66,8 +71,6 @@ def _submit(req: Request, command: str, args: dict, fn, default_now: bool = Fals
 
 @route("POST", "/actions/eval", tier="eval")
 def eval_route(req: Request) -> dict:
-    from ._eval import run_code
-
     code = req.param("code")
     args = {"code": code if isinstance(code, str) else repr(code)}
     if not isinstance(code, str) or not code.strip():
@@ -78,14 +81,12 @@ def eval_route(req: Request) -> dict:
 
 @route("POST", "/actions/checkpoint", tier="action")
 def checkpoint_route(req: Request) -> dict:
-    from ._checkpoint import check_target, expand_path, save
-
     path, force = req.param("path"), _flag(req, "force")
     args = {"path": path, "force": force}
     if not isinstance(path, str) or not path.strip():
         refuse(req.client, "checkpoint", args, "no path given; pass the checkpoint file, e.g. /ckpt/emergency-{rank}.pt.")
-    rank = _agent.info().get("rank")
-    expanded = expand_path(path, rank, _actions.last_step())
+    rank = state.info().get("rank")
+    expanded = expand_path(path, rank, queue.last_step())
     try:
         if "{step}" not in path:
             check_target(expanded, force)
@@ -97,8 +98,6 @@ def checkpoint_route(req: Request) -> dict:
 
 @route("POST", "/actions/lr", tier="action")
 def lr_route(req: Request) -> dict:
-    from ._lr import change_lr
-
     args = {k: req.param(k) for k in ("set", "scale", "group", "optimizer", "ignore_scheduler") if req.param(k) is not None}
     try:
         set_to, scale = _number(req, "set"), _number(req, "scale")
@@ -116,16 +115,12 @@ def lr_route(req: Request) -> dict:
 
 @route("POST", "/actions/cleanup", tier="action")
 def cleanup_route(req: Request) -> dict:
-    from ._maintenance import cleanup
-
     zero = _flag(req, "zero_grad")
     return _submit(req, "cleanup", {"zero_grad": zero}, lambda ctx: cleanup(ctx, zero))
 
 
 @route("POST", "/actions/debug", tier="action")
 def debug_route(req: Request) -> dict:
-    from ._maintenance import debug
-
     args = {"port": req.param("port", 5678)}
     try:
         port = _number(req, "port", int, 5678)
@@ -142,12 +137,12 @@ def wait_route(req: Request) -> dict:
     action_id = _number(req, "id", int)
     if action_id is None:
         raise ActionError("pass the action id to wait for.")
-    return _answer(req, _actions.get(action_id))
+    return _answer(req, queue.get(action_id))
 
 
 def _status() -> dict:
-    pending = sum(1 for a in _actions.actions() if a.state in ("queued", "running"))
-    return {"safepoint_step": _actions.last_step(), "actions_pending": pending}
+    pending = sum(1 for a in queue.actions() if a.state in ("queued", "running"))
+    return {"safepoint_step": queue.last_step(), "actions_pending": pending}
 
 
-_agent.add_status_provider(_status)
+state.add_status_provider(_status)

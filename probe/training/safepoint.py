@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ._health import record_error
+from ..util.errorlog import record_error
 
 __all__ = ["StepEvent", "on_step", "remove", "fire", "last_step"]
 

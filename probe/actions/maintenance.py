@@ -7,19 +7,12 @@ import os
 import sys
 import threading
 
-from ._actions import Context
-from ._errors import ActionError
-from ._objects import optimizers
+from .queue import Context
+from .._errors import ActionError
+from ..training.objects import optimizers
+from ..util.procfs import rss_bytes
 
 __all__ = ["cleanup", "debug"]
-
-
-def _rss() -> int | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _cuda_in_use():
@@ -30,7 +23,7 @@ def _cuda_in_use():
 
 
 def _memory() -> dict:
-    out = {"rss": _rss()}
+    out = {"rss": rss_bytes()}
     torch = _cuda_in_use()
     if torch is not None:
         out["cuda_allocated"] = int(torch.cuda.memory_allocated())

@@ -15,9 +15,11 @@ _SKIP_MODULES = ("torch.distributed.run", "torch.distributed.launch", "torch.dis
 
 
 def _wanted() -> bool:
-    if os.environ.get("PROBE", "").strip().lower() not in ("1", "true", "yes", "on"):
+    from .._config import setting
+    from .._runtime import process_argv
+
+    if not setting("PROBE"):
         return False
-    from ._runtime import process_argv
 
     argv = process_argv()[1:]  # drop the interpreter
     while argv and argv[0].startswith("-") and argv[0] not in ("-m", "-c"):
@@ -34,7 +36,7 @@ def _wanted() -> bool:
 
 try:
     if _wanted():
-        from ._agent import start
+        from .lifecycle import start
 
         start()
 except Exception as _exc:  # pragma: no cover - reported, never raised

@@ -24,11 +24,12 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from ._errors import ActionError
-from ._objects import grad_scalers, models, optimizers, scheduler_for, schedulers
+from .._errors import ActionError
+from ..agent import state as agent_state
+from ..training.objects import grad_scalers, models, optimizers, scheduler_for, schedulers
 
 if TYPE_CHECKING:
-    from ._actions import Context
+    from .queue import Context
 
 __all__ = ["save", "load_checkpoint", "expand_path", "sha256"]
 
@@ -98,9 +99,7 @@ def build_state(ctx: "Context") -> dict:
     if scalers:
         state["scaler"] = scalers[0][1].state_dict()
     state["rng"] = _rng_state()
-    from . import _agent
-
-    entry = _agent.info()
+    entry = agent_state.info()
     state["probe"] = {"pid": os.getpid(), "rank": entry.get("rank"), "world_size": entry.get("world_size"),
                       "host": socket.gethostname(), "argv": list(entry.get("argv") or sys.argv),
                       "at_safe_point": not ctx.now,

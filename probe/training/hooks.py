@@ -14,7 +14,11 @@ from __future__ import annotations
 import sys
 import threading
 
-from ._health import record_error
+from ..agent import state as agent_state
+from ..util.errorlog import record_error
+from . import finder
+from .steps import StepTracker, training_frame_of
+from .trace import Tracer
 
 __all__ = ["arm", "disarm", "pause", "resume", "tracker", "tracer", "step", "watch"]
 
@@ -84,9 +88,6 @@ def _install(torch) -> None:
         if _state.get("installed"):
             return
         try:
-            from . import _agent
-            from ._torch_steps import StepTracker
-            from ._torch_trace import Tracer
             import torch.optim.optimizer as topt
 
             tr = Tracer(torch)
@@ -94,7 +95,7 @@ def _install(torch) -> None:
             _state.update(tracker=tk, tracer=tr)
             handle = topt.register_optimizer_step_post_hook(_post_hook)
             _state.update(installed=True, handle=handle)
-            _agent.add_status_provider(status)
+            agent_state.add_status_provider(status)
             tr.prepare(1)  # step 1 is sampled: trace it from the first module call
         except Exception as exc:
             record_error("installing torch hooks", exc)
@@ -186,8 +187,6 @@ def step(loss=None, samples=None, tokens=None) -> int | None:
         tk = _ready_tracker()
         if tk is None:
             return None
-        from ._torch_steps import training_frame_of
-
         tk.explicit = True
         tk.boundary(None, training_frame_of(sys._getframe(1), tk.torch_dir), loss=loss, samples=samples, tokens=tokens)
         return tk.step
@@ -198,24 +197,22 @@ def step(loss=None, samples=None, tokens=None) -> int | None:
 
 def watch(model=None, optimizer=None, scheduler=None, scaler=None) -> None:
     """Name the training objects explicitly; ``optimizer`` becomes the one whose steps are counted."""
-    from . import _discovery
-
     try:
         caller = sys._getframe(1).f_locals
         tk = _ready_tracker()
         for m in (model if isinstance(model, (list, tuple)) else [model]):
             if m is not None:
                 name = next((k for k, v in caller.items() if v is m), None)
-                _discovery.add_model(m, name)
+                finder.add_model(m, name)
         if optimizer is not None:
             if tk is not None:
                 tk.set_lead(optimizer)
             else:
-                _discovery.add_optimizer(optimizer)
+                finder.add_optimizer(optimizer)
         if scheduler is not None:
-            _discovery.add_scheduler(scheduler)
+            finder.add_scheduler(scheduler)
         if scaler is not None:
-            _discovery.add_grad_scaler(scaler)
+            finder.add_grad_scaler(scaler)
         if tk is not None:
             tk._watch_roots()
     except Exception as exc:

@@ -27,12 +27,13 @@ import sys
 import threading
 import time
 
-from . import _discovery, _safepoint
-from ._config import setting
-from ._frames import release
-from ._health import record_error
-from ._ring import Ring
-from ._runtime import rank_identity
+from . import finder
+from . import safepoint
+from .._config import setting
+from ..util.frames import release
+from ..util.errorlog import record_error
+from ..util.ring import Ring
+from .._runtime import rank_identity
 
 __all__ = ["StepTracker", "STEP_COLUMNS", "training_frame_of"]
 
@@ -44,7 +45,7 @@ _LAG = 2  # steps after which a pending value is read on the training thread
 _RESOLVE_EVERY = 8  # pending device values read at the boundary once this many are waiting
 _PEAK_PERIOD = 0.25  # seconds between peak-memory readings at the boundary (a running peak: staleness is fine)
 _NAN = float("nan")  # made once: float("nan") parses a string, which is slow with cold caches
-_PROBE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PROBE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # probe/ (this file is in probe/training)
 _internal_cache: dict = {}  # co_filename -> inside torch or probe
 
 
@@ -83,22 +84,6 @@ def training_frame_of(frame, torch_dir: str):
     return _outside(frame, torch_dir)[0]
 
 
-def _norm_budget(value: str | None) -> float:
-    """PROBE_GRAD_NORM as a share of step time: 'all' -> inf (every step), 'off' -> 0."""
-    v = (value or "").strip().lower()
-    if v in ("all", "on", "every"):
-        return float("inf")
-    if v in ("off", "0", "no", "none", "false"):
-        return 0.0
-    try:
-        budget = float(v)
-    except ValueError:
-        record_error("PROBE_GRAD_NORM", ValueError(f"PROBE_GRAD_NORM={value!r} is not all, off or a share of step "
-                                                   "time such as 0.001; using 0.001."))
-        return 0.001
-    return budget if budget > 0 else 0.0
-
-
 def _attempt(source: str, fn, *args):
     """``fn(*args)``, or NaN with the error recorded: one failing measurement never costs the step."""
     try:
@@ -113,13 +98,13 @@ class StepTracker:
         self.torch = torch
         self.tracer = tracer
         self.torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
-        self.ring = Ring(STEP_COLUMNS, int(setting("PROBE_STEPS_CAPACITY")))
+        self.ring = Ring(STEP_COLUMNS, setting("PROBE_STEPS_CAPACITY"))
         self.rank = rank_identity()["rank"]
         self._rank_v = float("nan") if self.rank is None else float(self.rank)
         # An integer batch of two or more dimensions is token ids (features are floating point).
         self._token_dtypes = {getattr(torch, n) for n in ("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32",
                                                              "uint64") if hasattr(torch, n)}
-        self.loss_names = [n.strip() for n in (setting("PROBE_LOSS_NAMES") or "loss").split(",") if n.strip()]
+        self.loss_names = setting("PROBE_LOSS_NAMES") or ["loss"]
         self.step = 0
         self.explicit = False
         self.lead = None  # weakref to the lead optimizer
@@ -138,7 +123,7 @@ class StepTracker:
         self.wall_offset = time.time() - time.perf_counter()
         self._clip_norm = None
         self._norm_next = 1  # the next step that computes its own grad norm
-        self._norm_budget = _norm_budget(setting("PROBE_GRAD_NORM"))
+        self._norm_budget = setting("PROBE_GRAD_NORM")
         self._peak_at = -1.0
         self._peak_v = float("nan")
         self._frame = None
@@ -150,7 +135,7 @@ class StepTracker:
         import weakref
 
         self.lead = weakref.ref(optimizer)
-        _discovery.add_optimizer(optimizer)
+        finder.add_optimizer(optimizer)
 
     def lead_optimizer(self):
         return self.lead() if self.lead is not None else None
@@ -161,7 +146,7 @@ class StepTracker:
         if lead is None:
             self.set_lead(optimizer)
         elif lead is not optimizer:
-            _discovery.add_optimizer(optimizer)
+            finder.add_optimizer(optimizer)
             return
         if self.explicit:
             return
@@ -204,7 +189,7 @@ class StepTracker:
 
     def _primary_model(self):
         """The root model holding the lead optimizer's parameters, else the first model found."""
-        found = _discovery.models()
+        found = finder.models()
         lead = self.lead_optimizer()
         if lead is not None and lead.param_groups and lead.param_groups[0]["params"]:
             first = lead.param_groups[0]["params"][0]
@@ -389,13 +374,13 @@ class StepTracker:
         self.step = step = self.step + 1
         if frame is not self._frame:
             self._frame = frame
-            _discovery.set_training_frame(frame)
+            finder.set_training_frame(frame)
         if optimizer is None:
             optimizer = self.lead_optimizer()
         if step >= 2 * self._scanned_at or step == 1:  # steps 1, 2, 4, 8, ...: cheap enough, catches late models
             self._scanned_at = step
             try:
-                _discovery.scan(frame)
+                finder.scan(frame)
                 self._watch_roots()
             except Exception as exc:
                 record_error("torch steps: discovery", exc)
@@ -459,10 +444,10 @@ class StepTracker:
                 tracer.active_step = None
         except Exception as exc:
             record_error("torch trace: step boundary", exc)
-        if _safepoint._subscribers:
-            _safepoint.fire(_safepoint.StepEvent(step, frame, optimizer))
+        if safepoint._subscribers:
+            safepoint.fire(safepoint.StepEvent(step, frame, optimizer))
         else:
-            _safepoint.last_step = step
+            safepoint.last_step = step
 
     # -- status -------------------------------------------------------------------------------------
     def status(self) -> dict:

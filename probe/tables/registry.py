@@ -53,7 +53,7 @@ class Table:
     columns: tuple[Column, ...]
     generator: Callable[["Context"], Any]
     examples: tuple[str, ...] = ()
-    kind: str = "snapshot"  # "snapshot": built at query time; "ring": read from a ring buffer
+    kind: str = "snapshot"  # "snapshot": built at query time; "ring": a bounded history appended as events happen
 
     @property
     def schema(self) -> str:
@@ -106,17 +106,11 @@ def unregister(name: str) -> None:
         _REGISTRY.pop(name, None)
 
 
-def _ensure_builtins() -> None:
-    from . import tables  # noqa: F401  (registers the built-in tables on first use)
-
-
 def get_table(name: str) -> Table | None:
-    _ensure_builtins()
     return _REGISTRY.get(name.lower())
 
 
 def all_tables() -> list[Table]:
-    _ensure_builtins()
     with _LOCK:
         return sorted(_REGISTRY.values(), key=lambda t: t.name)
 

@@ -21,9 +21,11 @@ import sys
 import threading
 import traceback
 
-from ._actions import Context
-from ._errors import ActionError
-from ._objects import main_globals, named, training_frame
+from .queue import Context
+from .._errors import ActionError
+from ..training import finder
+from ..training.objects import main_globals, named, training_frame
+from ..util.frames import release
 
 __all__ = ["run_code", "namespace"]
 
@@ -69,8 +71,6 @@ def namespace(frame=None) -> dict:
     ns = dict(named())
     ns.update(main_globals())
     if frame is not None:
-        from ._frames import release
-
         loc = frame.f_locals
         ns.update(loc)
         release(frame, loc)  # the namespace holds what eval needs; the frame's cached copy need not
@@ -85,9 +85,7 @@ def _frame(ctx: Context):
     if ctx.frame is not None:
         return ctx.frame
     try:
-        from ._discovery import training_frame as discovered
-
-        f = discovered()
+        f = finder.training_frame()
         if f is not None:
             return f
     except Exception:

@@ -13,8 +13,8 @@ import os
 import threading
 import time
 
-from ._health import record_error
-from ._runtime import runtime_dir
+from ..util.errorlog import record_error
+from .._runtime import runtime_dir
 
 __all__ = ["audit", "audit_path"]
 

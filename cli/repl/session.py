@@ -16,8 +16,8 @@ import time
 
 from probe._errors import ProbeError
 
-from ._main import Session
-from ._repl_completer import Schema, SqlCompleter, duckdb_function_names
+from .._session import Session
+from .completer import Schema, SqlCompleter, duckdb_function_names
 
 __all__ = ["ReplSession", "Background"]
 
@@ -41,7 +41,7 @@ class ReplSession(Session):
     # -- targets -------------------------------------------------------------------
     def connect(self, spec=None) -> None:
         """Resolve ``spec`` (kind, value) to targets; raises ProbeError with the reason."""
-        from ._endpoint import parse_rank_spec, resolve, targets_for_ranks
+        from .._endpoint import parse_rank_spec, resolve, targets_for_ranks
 
         kind, value = spec or self.spec
         if kind == "ranks":
@@ -92,7 +92,7 @@ class ReplSession(Session):
     # -- running the CLI's own commands -------------------------------------------------
     def run_command(self, name: str, argv: list[str]) -> int:
         """Run the registered CLI command ``name`` with ``argv`` against the current target."""
-        from .commands import COMMANDS, load_all
+        from ..commands import COMMANDS, load_all
 
         load_all()
         cls = COMMANDS.get(name)

@@ -88,10 +88,8 @@ class Executor:
                           lambda: s.client(target).post("/query/cancel", {"query_id": query_id}, timeout=2.0))
 
     def _federated(self, sql: str):
-        try:
-            from ._fanout import federated_query
-        except ImportError:
-            raise ProbeError("querying several ranks needs the ranks feature (cli/_fanout.py), which this installation does not have yet; pick one rank with \\rank N.") from None
+        from .._federation import federated_query
+
         return federated_query(self.session, sql)
 
     def _wait(self, work, cancel):

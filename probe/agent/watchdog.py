@@ -19,8 +19,11 @@ import os
 import threading
 import time
 
-from ._config import setting
-from ._health import record_error
+from .._config import setting
+from .._runtime import runtime_dir
+from ..training import safepoint
+from ..util.errorlog import record_error
+from . import state
 
 __all__ = ["install", "uninstall", "status", "dump_path"]
 
@@ -31,17 +34,6 @@ _state: dict = {}
 def dump_path() -> str | None:
     """The file the stacks go to (``hang-<pid>.txt`` in the runtime directory), once installed."""
     return _state.get("path")
-
-
-def _timeout() -> float | None:
-    value = setting("PROBE_HANG_TIMEOUT")
-    if value in (None, ""):
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"PROBE_HANG_TIMEOUT={value!r} is not a number of seconds") from None
-    return seconds if seconds > 0 else None
 
 
 def _arm() -> None:
@@ -57,23 +49,20 @@ def _on_step(event) -> None:
 
 def install() -> bool:
     """Arm the watchdog when PROBE_HANG_TIMEOUT is set; idempotent; never raises into the caller."""
-    from . import _agent, _safepoint
-    from ._runtime import runtime_dir
-
     try:
         with _lock:
             if _state and _state.get("pid") == os.getpid():
                 return True
             _state.clear()
-            seconds = _timeout()
+            seconds = setting("PROBE_HANG_TIMEOUT")
             if seconds is None:
                 return False
             path = os.path.join(runtime_dir(), f"hang-{os.getpid()}.txt")
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             _state.update(pid=os.getpid(), timeout=seconds, path=path, file=os.fdopen(fd, "a"))
             _arm()
-        _safepoint.on_step(_on_step)
-        _agent.add_status_provider(status)
+        safepoint.on_step(_on_step)
+        state.add_status_provider(status)
         return True
     except Exception as exc:
         record_error("hang watchdog", exc)
@@ -82,12 +71,10 @@ def install() -> bool:
 
 def uninstall() -> None:
     """Disarm the timer and close the dump file (the file itself stays for the user)."""
-    from . import _safepoint
-
     with _lock:
         if not _state:
             return
-        _safepoint.remove(_on_step)
+        safepoint.remove(_on_step)
         if _state.get("pid") == os.getpid():
             faulthandler.cancel_dump_traceback_later()
         try:
@@ -131,32 +118,3 @@ def _after_fork_in_child() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
                         after_in_child=_after_fork_in_child)
-
-
-def offline_status(entry: dict) -> dict:
-    """What the dump file says about a process whose server does not answer (the GIL held in C).
-
-    Read by the CLI from the runtime directory: a dump written after the process
-    started means the watchdog fired; ``hung_since`` is the firing time minus the
-    timeout from faulthandler's ``Timeout (H:MM:SS)!`` header, i.e. the last step.
-    """
-    import re
-
-    from ._runtime import runtime_dir
-
-    try:
-        path = os.path.join(runtime_dir(create=False), f"hang-{int(entry['pid'])}.txt")
-        st = os.stat(path)
-        if st.st_size == 0 or st.st_mtime < float(entry.get("started_at") or 0):
-            return {}
-        with open(path, "rb") as f:
-            f.seek(max(0, st.st_size - 65536))
-            tail = f.read().decode(errors="replace")
-    except (OSError, KeyError, ValueError, TypeError):
-        return {}
-    stamps = re.findall(r"Timeout \((\d+):(\d\d):(\d\d)(?:\.\d+)?\)!", tail)
-    timeout = 0.0
-    if stamps:
-        h, m, s = stamps[-1]
-        timeout = int(h) * 3600 + int(m) * 60 + int(s)
-    return {"state": "hung", "hung_since": st.st_mtime - timeout, "hang_dump": path}

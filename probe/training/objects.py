@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import sys
+
+from . import finder
 from typing import Any
 
 __all__ = ["main_globals", "models", "optimizers", "schedulers", "scheduler_for", "grad_scalers", "training_frame", "named"]
@@ -21,11 +23,7 @@ def main_globals() -> dict:
 
 
 def _discovery(name: str):
-    try:
-        from . import _discovery
-    except ImportError:
-        return None
-    fn = getattr(_discovery, name, None)
+    fn = getattr(finder, name, None)
     if fn is None:
         return None
     try:
@@ -103,7 +101,7 @@ def grad_scalers() -> list[tuple[str, Any]]:
     return _merge(_discovery("grad_scalers"), _scan(kinds) if kinds else [])
 
 
-_SKIP = (os.path.dirname(os.path.abspath(__file__)),)
+_SKIP = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),)  # probe/ (this file is in probe/training)
 
 
 def training_frame(start=None):

@@ -21,9 +21,10 @@ from http.server import BaseHTTPRequestHandler
 from typing import Callable
 from urllib.parse import parse_qs, urlparse
 
-from ._config import env_flag
-from ._errors import AuthError, ProbeError
-from ._health import record_error
+from .._config import setting
+from .._errors import AuthError, ProbeError
+from ..util.errorlog import record_error
+from .audit import audit
 
 __all__ = ["Request", "route", "ROUTES", "UnixServer", "TCPServer", "check_tier"]
 
@@ -71,7 +72,7 @@ def check_tier(client: dict, tier: str) -> None:
     """Refuse with one sentence naming the setting that would allow it."""
     if tier == "read":
         return
-    allow_eval = env_flag("PROBE_ALLOW_EVAL")
+    allow_eval = setting("PROBE_ALLOW_EVAL")
     if tier == "eval":
         if allow_eval is False:
             raise AuthError("eval is disabled in this process (PROBE_ALLOW_EVAL=0); restart it without that setting to allow eval.")
@@ -153,8 +154,6 @@ def _audit_refusal(handler, method: str, client: dict, exc: AuthError) -> None:
     """Refusals of the action and eval tiers go to the audit log like the actions themselves."""
     entry = ROUTES.get((method, urlparse(handler.path).path))
     if entry is not None and entry.tier != "read":
-        from ._audit import audit
-
         audit(client, urlparse(handler.path).path.rsplit("/", 1)[-1], {}, "refused", reason=exc.message, tier=entry.tier)
 
 

@@ -16,47 +16,26 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable
 
-from . import __version__
-from ._config import setting
-from ._errors import ProbeError
-from ._runtime import process_argv, rank_identity, registry_listen, remove_entry, runtime_dir, write_entry
+from .. import __version__
+from .._config import setting
+from .._errors import ProbeError
+from .._runtime import process_argv, rank_identity, registry_listen, remove_entry, runtime_dir, write_entry
+from ..training import hooks
+from . import action_routes  # noqa: F401  (registers the action and eval routes)
+from . import routes  # noqa: F401  (registers the read routes)
+from . import state, watchdog
+from .server import TCPServer, UnixServer, serve_in_thread
+from .state import info
 
-__all__ = ["start", "stop", "is_running", "info", "add_status_provider", "status"]
+__all__ = ["start", "stop", "is_running", "info"]
 
 _lock = threading.RLock()
-_state: dict = {}
-_status_providers: list[Callable[[], dict]] = []
+_running: dict = {}  # servers and threads of the running probe; the entry itself lives in state
 
 
 def is_running() -> bool:
-    return bool(_state)
-
-
-def info() -> dict:
-    """The registry entry of this process (a copy), or {} when the probe is not running."""
-    return dict(_state.get("entry", {}))
-
-
-def add_status_provider(fn: Callable[[], dict]) -> None:
-    """Add fields to ``/health`` and ``probe list`` (e.g. the step counter); never raises into callers."""
-    if fn not in _status_providers:
-        _status_providers.append(fn)
-
-
-def status() -> dict:
-    from ._health import record_error
-
-    out = info()
-    out.pop("token", None)
-    out["uptime_s"] = time.time() - out.get("started_at", time.time())
-    for fn in list(_status_providers):
-        try:
-            out.update(fn() or {})
-        except Exception as exc:
-            record_error("status provider", exc)
-    return out
+    return bool(_running)
 
 
 def _loopback(host: str) -> bool:
@@ -70,14 +49,10 @@ def start(*, port: int | None = None, host: str | None = None, token: str | None
           runtime: str | None = None) -> dict:
     """Start the probe server in this process; return its registry entry. Starting twice is harmless."""
     with _lock:
-        if _state:
+        if _running:
             return info()
         if runtime:
             os.environ["PROBE_RUNTIME_DIR"] = runtime
-        from . import _routes  # noqa: F401  (registers the HTTP routes)
-        from . import _actions_routes  # noqa: F401  (guarded actions and eval)
-        from ._server import TCPServer, UnixServer, serve_in_thread
-
         rdir = runtime_dir()
         sock_path = os.path.join(rdir, f"{os.getpid()}.sock")
         servers = [UnixServer(sock_path)]
@@ -122,26 +97,23 @@ def start(*, port: int | None = None, host: str | None = None, token: str | None
         if tcp_port is not None:
             entry["token"] = token
         write_entry(entry)
-        _state.update(entry=entry, servers=servers, threads=threads)
-        from ._torch_hooks import arm as _arm_torch
-
-        _arm_torch()  # torch's step and module hooks: now, or when torch gets imported
-        from ._watchdog import install as _install_watchdog
-
-        _install_watchdog()  # PROBE_HANG_TIMEOUT: all-thread stacks on disk when steps stop
+        state.set_entry(entry)
+        _running.update(servers=servers, threads=threads)
+        hooks.arm()  # torch's step and module hooks: now, or when torch gets imported
+        watchdog.install()  # PROBE_HANG_TIMEOUT: all-thread stacks on disk when steps stop
         return info()
 
 
 def stop() -> None:
     """Stop serving and remove this process's registry entry and socket."""
     with _lock:
-        if not _state:
+        if not _running:
             return
-        servers = _state.get("servers", [])
-        entry = _state.get("entry", {})
-        _state.clear()
-    if "probe._watchdog" in sys.modules:
-        sys.modules["probe._watchdog"].uninstall()  # no hang dumps for a process we stopped probing
+        servers = _running.get("servers", [])
+        entry = state.info()
+        _running.clear()
+        state.clear()
+    watchdog.uninstall()  # no hang dumps for a process we stopped probing
     for srv in servers:
         _shutdown(srv)
     remove_entry(entry.get("pid", os.getpid()), entry.get("host"))
@@ -172,7 +144,8 @@ def _shutdown(srv) -> None:
 
 
 def _after_fork_in_child() -> None:
-    _state.clear()
+    _running.clear()
+    state.clear()
 
 
 atexit.register(stop)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from probe._errors import EndpointError, ProbeError
 
-from ._repl_executor import Cancelled, Executor, describe_error, is_complete, split_statements
-from ._repl_special import SPECIALS, Quit, dispatch
-from ._repl_state import Background, ReplSession
+from .executor import Cancelled, Executor, describe_error, is_complete, split_statements
+from .special import SPECIALS, Quit, dispatch
+from .session import Background, ReplSession
 
 __all__ = ["Repl", "history_path"]
 
@@ -64,7 +64,7 @@ class Repl:
 
     def run_sql(self, sql: str) -> bool:
         """Run one statement and print its result; False when it failed or was cancelled."""
-        from ._render import render_result
+        from .._render import render_result
 
         try:
             result = self.executor.query(sql)

@@ -22,11 +22,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import _safepoint
-from ._audit import audit
-from ._errors import ActionError, ProbeError
-from ._health import record_error
-from ._safepoint import StepEvent, on_step, remove
+from ..training import safepoint
+from ..agent.audit import audit
+from .._errors import ActionError, ProbeError
+from ..util.errorlog import record_error
+from ..training.safepoint import StepEvent, on_step, remove
 
 __all__ = ["Action", "Context", "submit", "get", "wait", "actions", "last_step", "refuse", "TERMINAL"]
 
@@ -69,7 +69,7 @@ class Action:
                 "requested_at": self.requested_at, "started_at": self.started_at,
                 "finished_at": self.finished_at, "step": self.step, "result": self.result,
                 "error": self.error, "queued_for": (self.started_at or time.time()) - self.requested_at,
-                "last_step": _safepoint.last_step}
+                "last_step": safepoint.last_step}
 
 
 _ids = itertools.count(1)
@@ -80,7 +80,7 @@ _pending: list[Action] = []  # while non-empty, _at_step is subscribed to the st
 
 def last_step() -> int | None:
     """The step of the last safe point this process passed, or None before the first one."""
-    return _safepoint.last_step
+    return safepoint.last_step
 
 
 def actions() -> list[Action]:
@@ -114,7 +114,7 @@ def submit(command: str, fn: Callable[[Context], dict], *, args: dict, client: d
             on_step(_at_step)  # subscribed only while something waits: an idle boundary costs nothing
     audit(client, command, args, "queued" if not now else "running", id=action.id, now=now, at_step=at_step)
     if now:
-        _run(action, Context(step=_safepoint.last_step, now=True, action_id=action.id))
+        _run(action, Context(step=safepoint.last_step, now=True, action_id=action.id))
     elif timeout is not None:
         t = threading.Timer(timeout, expire)
         t.daemon = True
@@ -146,7 +146,7 @@ def expire() -> None:
                 _pending.remove(a)
                 a.state, a.finished_at = "timed_out", now
                 a.error = (f"no step boundary was reached within {a.timeout:g} s"
-                           + (f" (waiting for step {a.at_step}, last step {_safepoint.last_step})" if a.at_step is not None else "")
+                           + (f" (waiting for step {a.at_step}, last step {safepoint.last_step})" if a.at_step is not None else "")
                            + "; the action was dropped and will not run.")
                 expired.append(a)
         if expired:

@@ -23,35 +23,19 @@ import os
 import threading
 import time
 
-from . import _discovery
-from ._config import setting
-from ._health import record_error
-from ._ring import Ring
-from ._runtime import rank_identity
+from . import finder
+from .._config import setting
+from ..util.errorlog import record_error
+from ..util.procfs import RssReader
+from ..util.ring import Ring
+from .._runtime import rank_identity
 
-__all__ = ["Tracer", "parse_mode", "DEFAULT_EVERY", "TRACE_COLUMNS"]
+__all__ = ["Tracer", "DEFAULT_EVERY", "TRACE_COLUMNS"]
 
 DEFAULT_EVERY = 100
 MEM_PERIOD = 0.0005
 TRACE_COLUMNS = {"step": "i8", "seq": "i8", "module": "O", "stage": "O", "duration": "f8", "allocated": "f8",
                  "max_allocated": "f8", "time": "f8", "rank": "f8", "depth": "i8", "model": "O", "module_type": "O"}
-
-
-def parse_mode(value: str | None):
-    """'all' -> 1 (every step), 'off' -> 0, a number N -> N, unset -> DEFAULT_EVERY."""
-    if value is None or not str(value).strip():
-        return DEFAULT_EVERY
-    v = str(value).strip().lower()
-    if v in ("all", "on", "1"):
-        return 1
-    if v in ("off", "0", "no", "false", "none"):
-        return 0
-    try:
-        n = int(v)
-    except ValueError:
-        record_error("PROBE_TRACE", ValueError(f"PROBE_TRACE={value!r} is not all, off or a number; using {DEFAULT_EVERY}."))
-        return DEFAULT_EVERY
-    return max(n, 0)
 
 
 _quieted = False
@@ -74,27 +58,12 @@ def _quiet_compile_warning() -> None:
     _quieted = True
 
 
-class _RssReader:
-    def __init__(self):
-        self.page = os.sysconf("SC_PAGE_SIZE")
-        try:
-            self.fd = os.open("/proc/self/statm", os.O_RDONLY)
-        except OSError:
-            self.fd = None
-
-    def __call__(self) -> float:
-        if self.fd is None:
-            return float("nan")
-        try:
-            return float(int(os.pread(self.fd, 128, 0).split()[1]) * self.page)
-        except (OSError, ValueError, IndexError):
-            return float("nan")
-
-
 class Tracer:
     def __init__(self, torch, every: int | None = None, capacity: int | None = None):
         self.torch = torch
-        self.every = parse_mode(setting("PROBE_TRACE")) if every is None else every
+        if every is None:
+            every = setting("PROBE_TRACE")
+        self.every = DEFAULT_EVERY if every is None else every
         self.ring = Ring(TRACE_COLUMNS, int(capacity or setting("PROBE_TRACE_CAPACITY")))
         self.rank = rank_identity()["rank"]
         self.cuda = bool(torch.cuda.is_available() and torch.cuda.is_initialized()) if hasattr(torch, "cuda") else False
@@ -104,7 +73,7 @@ class Tracer:
         self.backward: list = []  # (root, t0, t1, mem, ev0, ev1)
         self.pending_events: list = []  # (ring row, ev0, ev1) awaiting completion (CUDA)
         self._names: dict = {}
-        self._rss = _RssReader()
+        self._rss = RssReader()
         self._mem = [0.0, float("nan")]  # time of last reading, value
         self._event_pool: list = []
         self._failed = False
@@ -289,13 +258,13 @@ class Tracer:
             return hit[1], hit[2]
         import weakref
 
-        for root_name, root in _discovery.models():
+        for root_name, root in finder.models():
             if root is module:
                 self._names[key] = (weakref.ref(module), root_name, root_name)
                 return root_name, root_name
             for name, sub in root.named_modules():
                 try:
-                    self._names[id(sub)] = (weakref.ref(sub), _discovery.module_path(name) or root_name, root_name)
+                    self._names[id(sub)] = (weakref.ref(sub), finder.module_path(name) or root_name, root_name)
                 except TypeError:
                     pass
             hit = self._names.get(key)

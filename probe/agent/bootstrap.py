@@ -84,10 +84,10 @@ def main(settings_path: str) -> None:
         for key, value in (settings.get("env") or {}).items():
             if key.startswith("PROBE_") and isinstance(value, str):
                 os.environ[key] = value
-        from probe import _agent
+        from probe.agent import lifecycle  # absolute: this file runs by path (runpy), outside its package
 
-        already = _agent.is_running()
-        entry = _agent.start(runtime=None if already else settings.get("runtime_dir"))
+        already = lifecycle.is_running()
+        entry = lifecycle.start(runtime=None if already else settings.get("runtime_dir"))
         entry.pop("token", None)
         _write_status(status, {"ok": True, "already_running": already, "probe_from": origin, "entry": entry,
                                "at": time.time()})

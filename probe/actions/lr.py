@@ -12,9 +12,9 @@ refused, because its next step might silently revert the change.
 
 from __future__ import annotations
 
-from ._actions import Context
-from ._errors import ActionError
-from ._objects import optimizers, scheduler_for
+from .queue import Context
+from .._errors import ActionError
+from ..training.objects import optimizers, scheduler_for
 
 __all__ = ["change_lr", "SUPPORTED"]
 

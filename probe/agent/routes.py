@@ -9,19 +9,21 @@ import reprlib
 import threading
 import time
 
-from . import _agent
-from ._config import setting
-from ._errors import QueryError
-from ._health import record_error
-from ._server import Request, route
-from ._tables import Context, all_tables, get_table, to_columns
+from . import state
+from .._config import setting
+from .._errors import QueryError
+from ..util.errorlog import record_error
+from .server import Request, route
+from ..tables import builtin  # noqa: F401  (registers the built-in tables)
+from ..tables.python import frame_row, walk_stacks
+from ..tables.registry import Context, all_tables, get_table, to_columns
 
 __all__ = ["run_query", "snapshot"]
 
 
 @route("GET", "/health")
 def health(req: Request) -> dict:
-    return _agent.status()
+    return state.status()
 
 
 def snapshot(names, ctx: Context) -> dict:
@@ -58,7 +60,7 @@ def run_query(sql: str, *, max_rows: int | None = None, timeout: float | None = 
         memory_limit=setting("PROBE_QUERY_MEMORY"),
         query_id=query_id,
     )
-    entry = _agent.info()
+    entry = state.info()
     result.meta = {"pid": entry.get("pid"), "rank": entry.get("rank"), "host": entry.get("host"),
                    "snapshot_time": ctx.time, "snapshot_s": snap, "tables": list(guarded.tables)}
     return result
@@ -119,8 +121,6 @@ def safe_repr(value) -> str:
 
 @route("GET", "/backtrace")
 def backtrace(req: Request) -> dict:
-    from .tables.python import frame_row, walk_stacks
-
     want = req.param("thread")
     with_locals = str(req.param("locals", "")).lower() in ("1", "true", "yes")
     threads = []
@@ -141,4 +141,4 @@ def backtrace(req: Request) -> dict:
     if want not in (None, "") and not threads:
         names = ", ".join(sorted({t.name for t in threading.enumerate()}))
         raise QueryError(f"no thread named or numbered {want!r}; threads: {names}.")
-    return {"source": "probe", "pid": _agent.info().get("pid"), "rank": _agent.info().get("rank"), "threads": threads}
+    return {"source": "probe", "pid": state.info().get("pid"), "rank": state.info().get("rank"), "threads": threads}
