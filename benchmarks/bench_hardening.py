@@ -117,7 +117,7 @@ def wait_stats(proc: Proc, seconds: float) -> list:
 def small_query_load(pid: int, clients: int, stop: threading.Event, counts: list, errors: list) -> list:
     """``clients`` threads each running small queries the way the CLI does: snapshot, then DuckDB here."""
     from probe.cli._endpoint import resolve
-    from probe.cli._fanout import federated_query
+    from probe.cli._federation import federated_query
 
     class Session:
         timeout = 10.0

@@ -127,8 +127,8 @@ class Client:
         return self.request("POST", path, body, timeout=timeout)
 
     def snapshot(self, tables: dict, timeout: float) -> dict:
-        """The decoded snapshot of ``tables`` (``{name: {"columns": [...], "filter": ...}}``); see ``probe._wire``."""
-        from probe._wire import WireError, decode
+        """The decoded snapshot of ``tables`` (``{name: {"columns": [...], "filter": ...}}``); see ``probe.util.wire``."""
+        from probe.util.wire import WireError, decode
 
         data = self.request("POST", "/snapshot", {"tables": tables, "timeout": timeout}, timeout=timeout, raw=True)
         try:

@@ -41,7 +41,8 @@ def settings_md() -> str:
 
 
 def tables_md() -> str:
-    from probe._tables import all_tables
+    from probe.tables import builtin  # noqa: F401  (registers the built-in tables)
+    from probe.tables.registry import all_tables
 
     out = ["### Tables", ""]
     for t in all_tables():

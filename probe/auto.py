@@ -7,7 +7,7 @@ stderr says why and the script goes on without it.
 
 def _start_quietly() -> None:
     try:
-        from ._agent import start
+        from .agent.lifecycle import start
 
         start()
     except Exception as exc:

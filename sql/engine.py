@@ -1,7 +1,7 @@
 """The client's query engine: DuckDB over snapshots that training processes handed over.
 
 DuckDB runs here, in the CLI/REPL process, never in the training process (which only
-takes the snapshots, see ``probe._snapshot``). A :class:`Workspace` is one locked-down
+takes the snapshots, see ``probe.agent.snapshot``). A :class:`Workspace` is one locked-down
 in-memory DuckDB connection for one query: one thread, a memory limit, external access,
 Python replacement scans and extension auto-loading off, then the configuration locked.
 Each rank's snapshot is registered under private names (``__t<i>__schema__table``, typed
@@ -141,7 +141,7 @@ class Workspace:
         return typed
 
     def load_snapshot(self, slot: int, decoded: dict) -> None:
-        """Register a decoded ``probe._wire`` message's tables for rank slot ``slot``."""
+        """Register a decoded ``probe.util.wire`` message's tables for rank slot ``slot``."""
         for full, t in decoded["tables"].items():
             arrays, spec = {}, []
             for name, c in t["columns"].items():

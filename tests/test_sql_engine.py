@@ -1,6 +1,6 @@
 """The client's query engine and the snapshot form: DuckDB over columns a process handed over.
 
-The snapshot side (``probe._snapshot``, ``probe._wire``) is exercised here without a
+The snapshot side (``probe.agent.snapshot``, ``probe.util.wire``) is exercised here without a
 process: encode, filter, decode, then DuckDB; every pushed-down filter must leave the
 query's answer unchanged (fixture pairs: with and without the filter).
 """
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from probe._errors import QueryError
-from probe._snapshot import apply_filter
-from probe._wire import decode, encode
+from probe.agent.snapshot import apply_filter
+from probe.util.wire import decode, encode
 from probe.sql.engine import Workspace, execute
 from probe.sql.federate import filter_tree, rename_tables_sql
 

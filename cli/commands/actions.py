@@ -18,7 +18,6 @@ from probe._errors import ActionError, PartialError, ProbeError
 from . import Command, command
 
 STEP_MARGIN = 2
-PARTIAL_EXIT = PartialError.exit_code  # some ranks succeeded and some did not
 POLL = 2.0
 
 _NOW_RISK = {
@@ -72,11 +71,11 @@ class _Action(Command):
                     b["at_step"] = at_step
             bodies.append(b)
         single = len(targets) == 1
-        from concurrent.futures import ThreadPoolExecutor  # not on the CLI's start-up path
-
         if single:  # on the main thread, where Ctrl-C lands: it cancels the action (see _drive)
             outcomes = [_drive(session, self.name, targets[0], bodies[0], True)]
         else:
+            from concurrent.futures import ThreadPoolExecutor  # not on the CLI's start-up path
+
             pool = ThreadPoolExecutor(max_workers=min(64, len(targets)))
             try:
                 outcomes = list(pool.map(lambda tb: _drive(session, self.name, tb[0], tb[1], single),
@@ -108,7 +107,7 @@ class _Action(Command):
         if not failures:
             return 0
         if len(failures) < len(targets):
-            return PARTIAL_EXIT
+            return PartialError.exit_code  # some ranks succeeded and some did not
         return failures[0].exit_code
 
     def check_many(self, session, args, targets) -> None:
@@ -142,10 +141,9 @@ def _common_step(session, targets) -> int | None:
         s = h.get("step")
         return s if isinstance(s, int) else h.get("safepoint_step")
 
-    from concurrent.futures import ThreadPoolExecutor
+    from .._fanout import parallel
 
-    with ThreadPoolExecutor(max_workers=min(64, len(targets))) as pool:
-        steps = [s for s in pool.map(step, targets) if isinstance(s, int)]
+    steps = [s for s in parallel(targets, step) if isinstance(s, int)]
     return max(steps) + STEP_MARGIN if steps else None
 
 

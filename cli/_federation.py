@@ -1,0 +1,152 @@
+"""A query over one rank or many: plan it, take each rank's snapshots, run DuckDB here.
+
+``sql.federate.plan`` splits the query into one part per table (with the filters that can
+be pushed down) and ``snapshot_requests`` turns the parts into what each rank must
+snapshot: only those columns, cheap filters applied by the rank itself. Every rank hands
+its snapshots over through the fan-out (``POST /snapshot``, numpy buffers); each rank's
+parts run over its own snapshots in a private DuckDB database here, are unioned into views
+with a ``rank`` column, the client-side ``ranks.*`` views go on top, and the outer query
+runs there. No rank ever runs SQL; a single rank is this same path with one rank.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from probe._errors import EndpointError, PartialError
+from probe.util.procfs import proc_state
+
+from ._fanout import Answer, fan_out
+
+__all__ = ["federated_query"]
+
+
+def _schema(session, targets) -> dict:
+    """``{table: {column: type}}`` from the first ranks that answer GET /tables (one target: its own error)."""
+    if len(targets) == 1:
+        doc = session.client(targets[0]).get("/tables")
+        return {t["name"]: {c["name"]: c["type"] for c in t["columns"]} for t in doc["tables"]}
+    last = None
+    for i in range(0, len(targets), 4):
+        for a in fan_out(targets[i:i + 4], lambda t: session.client(t).get("/tables")):
+            if a.ok:
+                return {t["name"]: {c["name"]: c["type"] for c in t["columns"]} for t in a.value["tables"]}
+            last = a
+    raise EndpointError(f"no rank answered to list its tables: {last.target.label}: {last.error}.")
+
+
+def federated_query(session, sql: str, max_rows: int | None = None, *, targets: list | None = None,
+                    on_workspace: Callable | None = None):
+    """Run ``sql`` over one rank or many; return the combined Result.
+
+    One path for both: every rank hands over snapshots of the columns the query needs
+    (``POST /snapshot``), and DuckDB runs here, over views that union the ranks with a
+    ``rank`` column. With one target, its error is raised as is; with several, silent
+    ranks become rows of ``ranks.errors``, the result is printed here and PartialError
+    is raised (exit code 7) naming them. ``on_workspace(ws)`` receives the DuckDB
+    workspace before the query runs (the REPL's Ctrl-C interrupts it).
+    """
+    from probe._config import setting
+    from probe.sql.engine import Result, Workspace, register_result
+    from probe.sql.federate import plan, rename_tables_sql, snapshot_requests, view_params
+
+    single = targets is not None and len(targets) == 1
+    targets = targets if targets is not None else session.targets()
+    schema = _schema(session, targets)
+    p = plan(sql, schema, view_params(strict=True))
+    requests = snapshot_requests(p.parts, schema)
+    timeout = session.timeout
+
+    def ask(target):
+        if not requests:
+            return session.client(target).get("/health")
+        return session.client(target).snapshot(requests, timeout)
+
+    if single:
+        answers = [Answer(targets[0], ask(targets[0]))]  # its own error, with its own exit code
+    else:
+        answers = fan_out(targets, ask)
+    failed = {id(a.target): (a.target, a.error) for a in answers if not a.ok}
+    answered = [a for a in answers if a.ok]
+    if len(failed) == len(targets) and not single:
+        raise EndpointError("no rank answered the query: " + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + ".")
+    ws = Workspace()
+    try:
+        if on_workspace is not None:
+            on_workspace(ws)
+        slots = []  # (slot, rank)
+        for i, a in enumerate(answered):
+            meta = a.value.get("meta", {}) if requests else {}
+            rank = a.target.rank if a.target.rank is not None else meta.get("rank")
+            if requests:
+                ws.load_snapshot(i, a.value)
+            slots.append((i, rank))
+        for j, (name, part) in enumerate(p.parts.items()):
+            selects = []
+            for i, rank in slots:
+                ws.create_view(f"__p{j}_{i}", rename_tables_sql(part, ws.tables.get(i, {})))
+                selects.append((f"__p{j}_{i}", rank))
+            _union_view(ws, name, selects, schema, failed.values() if name == "ranks.latest" else (), j, register_result)
+        errors = Result(["host", "error"], ["VARCHAR", "VARCHAR"], [[t.entry.get("host"), err] for t, err in failed.values()])
+        register_result(ws.con, "__errors", errors, extra={"__rank": [t.rank for t, _ in failed.values()]})
+        ws.create_view("ranks.errors", 'SELECT CAST("__rank" AS INTEGER) AS "rank", "host", "error" FROM "__errors"')
+        for name, text in p.views.items():
+            ws.create_view(name, text)
+        result = ws.execute(p.outer, max_rows=max_rows or int(setting("PROBE_MAX_ROWS")), timeout=timeout)
+    finally:
+        ws.close()
+    if single:
+        meta = answered[0].value.get("meta", {}) if requests else {}
+        result.meta = {**meta, "tables": list(requests)}
+    else:
+        result.meta = {"ranks": [t.rank for t in targets], "tables": requests,
+                       "failed": sorted(t.rank for t, _ in failed.values() if t.rank is not None)}
+    if failed:
+        from ._render import render_result
+
+        args = session.args
+        session.print(render_result(result, session.format, expanded=getattr(args, "expanded", False),
+                                    timing=getattr(args, "timing", False)))
+        raise PartialError(f"{len(failed)} of {len(targets)} ranks did not answer, the result above lacks them "
+                           "(SELECT * FROM ranks.errors lists them): "
+                           + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + ".")
+    return result
+
+
+def _silent_rows(columns: list, failed) -> tuple[list, list]:
+    """ranks.latest keeps a row for every rank: one that did not answer is stopped or unreachable."""
+    rows, ranks = [], []
+    for target, error in failed:
+        stopped = target.local_pid is not None and proc_state(target.local_pid) in ("T", "t")
+        known = {"pid": target.pid, "host": target.entry.get("host"), "state": "stopped" if stopped else "unreachable",
+                 "top_frame": error}
+        rows.append([known.get(c) for c in columns])
+        ranks.append(target.rank)
+    return rows, ranks
+
+
+def _union_view(ws, name: str, selects: list, schema: dict, failed, j: int, register_result) -> None:
+    """View ``name``: the per-rank relations ``selects`` ([(relation, rank)]) with a ``rank`` column, plus silent ranks."""
+    from probe.sql.engine import Result
+    from probe.sql.federate import VIEW_COLUMNS, union_columns
+
+    declared = [c for c, _, _ in VIEW_COLUMNS[name]] if name in VIEW_COLUMNS else list(schema[name])
+    types = {c: t for c, t, _ in VIEW_COLUMNS[name]} if name in VIEW_COLUMNS else dict(schema[name])
+    fetched = [c for c, _ in ws.columns_of(f'"{selects[0][0]}"')] if selects else [c for c in declared if c != "rank"]
+    order = union_columns(fetched, declared)
+
+    def q(c):
+        return '"' + c.replace('"', '""') + '"'
+
+    parts = []
+    for rel, rank in selects:
+        rank_sql = "NULL" if rank is None else str(int(rank))
+        cols = ", ".join(f"CAST({rank_sql} AS INTEGER) AS {q('rank')}" if c == "rank" else q(c) for c in order)
+        parts.append(f"SELECT {cols} FROM {q(rel)}")
+    rows, ranks = _silent_rows([c for c in order if c != "rank"], failed)
+    if rows or not parts:
+        silent = Result([c for c in order if c != "rank"], [types.get(c, "VARCHAR") for c in order if c != "rank"], rows)
+        register_result(ws.con, f"__silent{j}", silent, extra={"__rank": ranks})
+        cols = ", ".join(f'CAST("__rank" AS INTEGER) AS {q("rank")}' if c == "rank" else q(c) for c in order)
+        parts.append(f"SELECT {cols} FROM {q(f'__silent{j}')}")
+    ws.create_view(name, " UNION ALL ".join(parts))

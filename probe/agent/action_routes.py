@@ -1,0 +1,170 @@
+"""HTTP routes of the action and eval tiers, and the wait route the CLI polls.
+
+Every route takes the same scheduling fields in its JSON body:
+
+- ``now`` (bool): run on the server thread at once instead of at the next safe point;
+- ``at_step`` (int): run at the first safe point whose step is at least this (several
+  ranks then act at the same step);
+- ``timeout`` (seconds): a queued action not started by then is dropped (timed_out);
+- ``wait`` (seconds): how long this request waits for the outcome before answering
+  with the current state (the CLI then polls ``/actions/wait``).
+"""
+
+from __future__ import annotations
+
+from .._config import setting
+from .._errors import ActionError, ProbeError
+from ..actions import queue
+from ..actions.checkpoint import check_target, expand_path, save
+from ..actions.evaluate import run_code
+from ..actions.lr import change_lr
+from ..actions.maintenance import cleanup, debug
+from ..actions.queue import refuse, submit
+from ..util import validate as _validate
+from . import state
+from .server import Request, check_tier, route
+
+__all__ = []
+
+MAX_WAIT = 30.0
+
+
+def _number(req: Request, name: str, kind=float, default=None, minimum=None, maximum=None):
+    """A finite number (``kind`` float) or a whole number (``kind`` int) within bounds; one sentence otherwise.
+
+    Every number of every action goes through ``probe.util.validate``: NaN and infinities never
+    reach an optimizer or a timer.
+    """
+    value = req.param(name, default)
+    try:
+        if kind is int:
+            return _validate.count(value, name, minimum=0 if minimum is None else minimum,
+                                   maximum=10**12 if maximum is None else maximum)
+        return _validate.number(value, name, minimum=minimum, maximum=maximum)
+    except _validate.BadRequest as exc:
+        raise ActionError(exc.message) from None
+
+
+def _seconds(req: Request, name: str, default=None):
+    try:
+        return _validate.seconds(req.param(name), name, default=default)
+    except _validate.BadRequest as exc:
+        raise ActionError(exc.message) from None
+
+
+def _flag(req: Request, name: str) -> bool:
+    return str(req.param(name, "")).lower() in ("1", "true", "yes")
+
+
+def _schedule(req: Request, default_now: bool = False) -> dict:
+    now = _flag(req, "now") if req.param("now") is not None else default_now
+    at_step = _number(req, "at_step", int)
+    if now and at_step is not None:
+        raise ActionError("give either now or at_step, not both.")
+    timeout = _seconds(req, "timeout", setting("PROBE_ACTION_TIMEOUT"))
+    return {"now": now, "at_step": at_step, "timeout": None if now else timeout}
+
+
+def _answer(req: Request, action) -> dict:
+    wait = min(_number(req, "wait", float, 0.0, minimum=0.0) or 0.0, MAX_WAIT)
+    if wait:
+        queue.wait(action, wait)
+    return {"action": action.to_dict(), "pid": state.info().get("pid"), "rank": state.info().get("rank")}
+
+
+def _submit(req: Request, command: str, args: dict, fn, default_now: bool = False) -> dict:
+    try:
+        sched = _schedule(req, default_now)
+    except ProbeError as exc:
+        refuse(req.client, command, args, exc.message)
+    action = submit(command, fn, args=args, client=req.client, **sched)
+    return _answer(req, action)
+
+
+@route("POST", "/actions/eval", tier="eval")
+def eval_route(req: Request) -> dict:
+    code = req.param("code")
+    args = {"code": code if isinstance(code, str) else repr(code)}
+    if not isinstance(code, str) or not code.strip():
+        refuse(req.client, "eval", args, "no code given; pass the code as an argument or with -f FILE.")
+    # Immediate unless a safe point is asked for (reading state is the common case).
+    return _submit(req, "eval", args, lambda ctx: run_code(code, ctx), default_now=req.param("at_step") is None)
+
+
+@route("POST", "/actions/checkpoint", tier="action")
+def checkpoint_route(req: Request) -> dict:
+    path, force = req.param("path"), _flag(req, "force")
+    args = {"path": path, "force": force}
+    if not isinstance(path, str) or not path.strip():
+        refuse(req.client, "checkpoint", args, "no path given; pass the checkpoint file, e.g. /ckpt/emergency-{rank}.pt.")
+    rank = state.info().get("rank")
+    expanded = expand_path(path, rank, queue.last_step())
+    try:
+        if "{step}" not in path:
+            check_target(expanded, force)
+    except ProbeError as exc:
+        refuse(req.client, "checkpoint", {**args, "expanded": expanded}, exc.message)
+    return _submit(req, "checkpoint", {**args, "expanded": expanded},
+                   lambda ctx: save(ctx, expand_path(path, rank, ctx.step), force))
+
+
+@route("POST", "/actions/lr", tier="action")
+def lr_route(req: Request) -> dict:
+    args = {k: req.param(k) for k in ("set", "scale", "group", "optimizer", "ignore_scheduler") if req.param(k) is not None}
+    try:
+        if (req.param("set") is None) == (req.param("scale") is None):
+            raise ActionError("give exactly one of --set LR or --scale FACTOR.")
+        # finite and not negative (NaN or inf would ruin the run for good): checked here, before any queueing
+        set_to, scale = _number(req, "set", minimum=0.0), _number(req, "scale", minimum=0.0)
+        group, opt_index = _number(req, "group", int), _number(req, "optimizer", int)
+    except ProbeError as exc:
+        refuse(req.client, "lr", args, exc.message)
+    ignore = _flag(req, "ignore_scheduler")
+    return _submit(req, "lr", args, lambda ctx: change_lr(ctx, set_to=set_to, scale=scale, group=group,
+                                                          optimizer_index=opt_index, ignore_scheduler=ignore))
+
+
+@route("POST", "/actions/cleanup", tier="action")
+def cleanup_route(req: Request) -> dict:
+    zero = _flag(req, "zero_grad")
+    return _submit(req, "cleanup", {"zero_grad": zero}, lambda ctx: cleanup(ctx, zero))
+
+
+@route("POST", "/actions/debug", tier="eval")  # debugpy has no authentication: it is code execution
+def debug_route(req: Request) -> dict:
+    args = {"port": req.param("port", 5678)}
+    try:
+        port = _number(req, "port", int, 5678, maximum=65535)
+    except ProbeError as exc:
+        refuse(req.client, "debug", args, exc.message)
+    # debugpy.listen does not touch training state: it runs at once unless a safe point is asked for.
+    return _submit(req, "debug", args, lambda ctx: debug(ctx, port), default_now=req.param("at_step") is None)
+
+
+@route("POST", "/actions/cancel", tier="action")
+def cancel_route(req: Request) -> dict:
+    """Cancel a queued action or interrupt a running ``now`` one (an eval needs the eval tier to cancel too)."""
+    action_id = _number(req, "id", int, minimum=1)
+    if action_id is None:
+        raise ActionError("pass the id of the action to cancel (`SELECT id, command, state FROM probe.actions`).")
+    action = queue.get(action_id)
+    if action.command in ("eval", "debug"):
+        check_tier(req.client, "eval")
+    queue.cancel(action_id, req.client)
+    return _answer(req, action)
+
+
+@route("GET", "/actions/wait")
+def wait_route(req: Request) -> dict:
+    action_id = _number(req, "id", int, minimum=1)
+    if action_id is None:
+        raise ActionError("pass the action id to wait for.")
+    return _answer(req, queue.get(action_id))
+
+
+def _status() -> dict:
+    pending = sum(1 for a in queue.actions() if a.state in ("queued", "running"))
+    return {"safepoint_step": queue.last_step(), "actions_pending": pending}
+
+
+state.add_status_provider(_status)

@@ -1,0 +1,101 @@
+"""HTTP routes of the read tier: health, snapshot (the server side of a query), backtrace, tables.
+
+Other rooms add their own routes (actions, eval) with ``@route`` the same way.
+"""
+
+from __future__ import annotations
+
+import reprlib
+import threading
+
+from . import state
+from .server import Binary, Request, route
+from .._errors import QueryError
+from ..tables import builtin  # noqa: F401  (registers the built-in tables)
+from ..tables.python import frame_row, walk_stacks
+from ..tables.registry import all_tables
+
+__all__ = ["snapshot", "safe_repr"]
+
+
+@route("GET", "/health")
+def health(req: Request) -> dict:
+    return state.status()
+
+
+@route("POST", "/snapshot")
+def snapshot(req: Request) -> Binary:
+    """The columns a client's query needs, in the binary form of ``probe.util.wire``; see ``probe.agent.snapshot``.
+
+    The query itself (SQL, DuckDB) runs in the client: nothing here parses SQL.
+    """
+    from .snapshot import take
+
+    entry = state.info()
+    meta = {"pid": entry.get("pid"), "rank": entry.get("rank"), "host": entry.get("host")}
+    return Binary(take(req.body, meta), "application/x-probe-columns")
+
+
+_tables_cache: dict = {}
+
+
+@route("GET", "/tables")
+def tables(req: Request) -> Binary:
+    """The table declarations, encoded once per registry state (every query's plan asks for them)."""
+    import json
+
+    current = tuple(all_tables())
+    cached = _tables_cache.get("body")
+    if cached is None or _tables_cache.get("key") != current:
+        doc = {"tables": [
+            {"name": t.name, "description": t.description, "kind": t.kind, "examples": list(t.examples),
+             "columns": [{"name": c.name, "type": c.type, "description": c.description} for c in t.columns]}
+            for t in current
+        ]}
+        cached = json.dumps(doc).encode()
+        _tables_cache.update(key=current, body=cached)
+    return Binary([cached], "application/json")
+
+
+_repr = reprlib.Repr()
+_repr.maxstring = 80
+_repr.maxother = 80
+_repr.maxlist = _repr.maxtuple = _repr.maxdict = _repr.maxset = 6
+
+
+def safe_repr(value) -> str:
+    """A short repr that never touches tensor data (no device sync) and never raises."""
+    try:
+        mod = type(value).__module__ or ""
+        if mod.startswith("torch") and hasattr(value, "shape") and hasattr(value, "dtype"):
+            return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
+        if mod.startswith("numpy") and hasattr(value, "shape"):
+            return f"ndarray(shape={value.shape}, dtype={value.dtype})"
+        return _repr.repr(value)
+    except Exception as exc:
+        return f"<repr failed: {type(exc).__name__}>"
+
+
+@route("GET", "/backtrace")
+def backtrace(req: Request) -> dict:
+    want = req.param("thread")
+    with_locals = str(req.param("locals", "")).lower() in ("1", "true", "yes")
+    threads = []
+    for ident, thread, is_main, frames in walk_stacks(frozenset({threading.get_ident()})):
+        name = thread.name if thread else None
+        if want not in (None, "") and want not in (name, str(ident), str(getattr(thread, "native_id", ""))):
+            continue
+        rows = []
+        for depth, frame in enumerate(frames):
+            func, file, lineno, line = frame_row(frame)
+            row = {"depth": depth, "func": func, "file": file, "lineno": lineno, "line": line}
+            if with_locals:
+                row["locals"] = {k: safe_repr(v) for k, v in list(frame.f_locals.items())[:40]}
+            rows.append(row)
+        threads.append({"thread_id": ident, "native_id": getattr(thread, "native_id", None), "name": name,
+                        "is_main": is_main, "daemon": getattr(thread, "daemon", None), "frames": rows})
+    threads.sort(key=lambda t: (not t["is_main"], (t["name"] or "").startswith("probe-"), t["name"] or ""))
+    if want not in (None, "") and not threads:
+        names = ", ".join(sorted({t.name for t in threading.enumerate()}))
+        raise QueryError(f"no thread named or numbered {want!r}; threads: {names}.")
+    return {"source": "probe", "pid": state.info().get("pid"), "rank": state.info().get("rank"), "threads": threads}

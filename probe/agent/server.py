@@ -1,0 +1,353 @@
+"""The in-process HTTP/1.1 server: a unix socket by default, TCP when asked.
+
+Requests are served on short-lived daemon threads; a handler holds the GIL only for
+the snapshots it takes (queries run in the client). Routes are registered with
+``@route`` and carry a tier (read < action < eval) that is checked before the
+handler runs. Nothing a client does, a disconnect included, raises into the
+training thread: handler errors are answered as JSON and kept in ``probe.errors``.
+
+Limits (each server, unix socket and TCP, has its own, so TCP clients can never use up
+the owner's socket): at most ``PROBE_MAX_CONNECTIONS`` connections are served at once
+(one more is answered 503 and closed at once, without a thread); a client has
+``PROBE_READ_TIMEOUT`` seconds per read to send its request; the TCP token is checked
+right after the headers, before the body is read; bodies are JSON objects of at most
+``MAX_BODY`` bytes and ``MAX_JSON_DEPTH`` levels.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import socket
+import socketserver
+import struct
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler
+from typing import Callable
+from urllib.parse import parse_qs, urlparse
+
+from .._config import setting
+from .._errors import AuthError, ProbeError
+from ..util.errorlog import record_error
+from ..util.validate import BadRequest, json_body
+from .audit import audit
+
+__all__ = ["Request", "Binary", "route", "ROUTES", "UnixServer", "TCPServer", "check_tier"]
+
+TIERS = ("read", "action", "eval")
+MAX_BODY = 1024 * 1024
+
+
+@dataclass
+class Binary:
+    """A non-JSON answer: buffers sent one after the other (no concatenated copy)."""
+
+    parts: list
+    content_type: str = "application/octet-stream"
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    params: dict
+    body: dict
+    client: dict = field(default_factory=dict)
+
+    def param(self, name: str, default=None):
+        if name in self.body:
+            return self.body[name]
+        values = self.params.get(name)
+        return values[-1] if values else default
+
+
+@dataclass(frozen=True)
+class Route:
+    fn: Callable[[Request], dict]
+    tier: str
+
+
+ROUTES: dict[tuple[str, str], Route] = {}
+
+
+def route(method: str, path: str, tier: str = "read"):
+    """Register ``fn(request) -> dict`` as the handler of ``method path``."""
+    if tier not in TIERS:
+        raise ValueError(f"tier must be one of {TIERS}")
+
+    def register(fn):
+        ROUTES[(method.upper(), path)] = Route(fn, tier)
+        return fn
+
+    return register
+
+
+def check_tier(client: dict, tier: str) -> None:
+    """Refuse with one sentence naming the setting that would allow it."""
+    if tier == "read":
+        return
+    allow_eval = setting("PROBE_ALLOW_EVAL")
+    if tier == "eval":
+        if allow_eval is False:
+            raise AuthError("eval is disabled in this process (PROBE_ALLOW_EVAL=0); restart it without that setting to allow eval.")
+        if client.get("transport") == "tcp" and allow_eval is not True:
+            raise AuthError("eval over TCP is off; start the training process with PROBE_ALLOW_EVAL=1 to allow it (the token is still required), or use the local unix socket.")
+    # actions: the unix socket is same-user only, and TCP clients have already shown the token.
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "probe"
+    sys_version = ""
+
+    def log_message(self, format, *args):  # quiet: the training job's stderr is not ours
+        pass
+
+    def setup(self):
+        self.timeout = self.server.read_timeout
+        super().setup()
+
+    def parse_request(self):
+        # An HTTP/0.9 request line ("GET /path") has no headers, but the stdlib would wait for
+        # them until the client gives up: answer at once instead.
+        words = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n").split()
+        if len(words) == 2:
+            self.command, self.request_version = None, "HTTP/1.1"
+            self.requestline = " ".join(words)
+            self.close_connection = True
+            self.send_error(400)
+            return False
+        return super().parse_request()
+
+    def send_error(self, code, message=None, explain=None):
+        """The stdlib's errors (bad request line, HTTP/0.9, long headers) as one JSON sentence, then close."""
+        if self.request_version == "HTTP/0.9" or not getattr(self, "requestline", ""):
+            self.request_version = "HTTP/1.1"  # answer with a status line the client can read
+        text = {400: "malformed HTTP request; probe speaks HTTP/1.1 (use the probe CLI)",
+                414: "request line too long", 431: "request headers too large",
+                501: "unsupported method; probe answers GET and POST",
+                505: "unsupported HTTP version; probe speaks HTTP/1.1"}.get(code, message or "bad request")
+        self._send(code, {"error": text + ".", "kind": "request", "exit_code": 2})
+
+    def _send_raw(self, status: int, parts: list, content_type: str) -> None:
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(sum(p.nbytes if hasattr(p, "nbytes") else len(p) for p in parts)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.flush()
+            for p in parts:
+                self.connection.sendall(p)  # releases the GIL while the client reads
+        except (BrokenPipeError, ConnectionResetError, socket.timeout, OSError):
+            pass
+        self.close_connection = True
+
+    def address_string(self):
+        return self.server.describe_client(self)
+
+    def _send(self, status: int, payload: dict) -> None:
+        body = json.dumps(payload, default=_json_default).encode()
+        if self.request_version == "HTTP/0.9":
+            self.request_version = "HTTP/1.1"
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError, socket.timeout, OSError):
+            pass  # the client went away; nothing to do
+        self.close_connection = True
+
+    def _handle(self, method: str) -> None:
+        try:
+            client = self.server.client_info(self)
+        except AuthError as exc:
+            _audit_refusal(self, method, {"transport": "tcp", "address": "%s:%s" % self.client_address[:2]}, exc)
+            self._send(401 if "token" in exc.message else 403, exc.to_dict())
+            return
+        url = urlparse(self.path)
+        entry = ROUTES.get((method, url.path))
+        if entry is None:
+            self._send(404, {"error": f"no such endpoint {url.path}; this probe may be older than your CLI.", "kind": "endpoint", "exit_code": 3})
+            return
+        try:
+            try:
+                check_tier(client, entry.tier)
+            except AuthError as exc:
+                _audit_refusal(self, method, client, exc)
+                raise
+            body = self._read_body()
+            req = Request(method, url.path, parse_qs(url.query), body, client)
+            payload = entry.fn(req)
+            if isinstance(payload, Binary):
+                self._send_raw(200, payload.parts, payload.content_type)
+            else:
+                self._send(200, payload)
+        except ProbeError as exc:
+            status = 403 if isinstance(exc, AuthError) else 503 if exc.kind == "busy" else 413 if exc.kind == "too_large" else 400
+            self._send(status, exc.to_dict())
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):
+            pass
+        except RecursionError as exc:
+            record_error(f"server {method} {url.path}", exc)
+            self._send(400, {"error": "the request nests too deeply to handle; send a simpler request.", "kind": "request", "exit_code": 2})
+        except BaseException as exc:  # a bug of ours, or KeyboardInterrupt/SystemExit from eval'd code: answer, never propagate
+            record_error(f"server {method} {url.path}", exc)
+            self._send(500, {"error": f"the probe failed internally ({type(exc).__name__}: {exc}); see probe.errors.", "kind": "error", "exit_code": 1})
+
+    def _read_body(self) -> dict:
+        raw_length = self.headers.get("Content-Length")
+        if raw_length in (None, ""):
+            return {}
+        try:
+            length = int(raw_length)
+        except ValueError:
+            length = -1
+        if length < 0:
+            raise BadRequest(f"Content-Length must be a whole number of bytes, not {raw_length[:20]!r}.")
+        if length > MAX_BODY:
+            exc = BadRequest(f"the request body is {length} bytes; the limit is {MAX_BODY} bytes.")
+            exc.kind = "too_large"
+            raise exc
+        if not length:
+            return {}
+        raw = self.rfile.read(length)
+        if len(raw) < length:
+            raise BadRequest("the request body ended before its Content-Length; resend the request.")
+        return json_body(raw)
+
+    def do_GET(self):
+        self._handle("GET")
+
+    def do_POST(self):
+        self._handle("POST")
+
+
+def _audit_refusal(handler, method: str, client: dict, exc: AuthError) -> None:
+    """Refusals of the action and eval tiers go to the audit log like the actions themselves."""
+    entry = ROUTES.get((method, urlparse(handler.path).path))
+    if entry is not None and entry.tier != "read":
+        audit(client, urlparse(handler.path).path.rsplit("/", 1)[-1], {}, "refused", reason=exc.message, tier=entry.tier)
+
+
+def _json_default(value):
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, (bytes, bytearray)):
+        return value.hex()
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    return str(value)
+
+
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+         b"Content-Length: %d\r\n\r\n%s")
+
+
+class _Base(socketserver.ThreadingMixIn):
+    daemon_threads = True
+    block_on_close = False
+    # socketserver's default backlog is 5; a unix socket refuses with EAGAIN (instead of
+    # queueing) once it is full, so a burst of clients (`--ranks all` fan-outs, watch loops)
+    # would see spurious failures.
+    request_queue_size = 128
+
+    def _limits(self) -> None:
+        self.read_timeout = setting("PROBE_READ_TIMEOUT")
+        self.max_connections = setting("PROBE_MAX_CONNECTIONS")
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+
+    def process_request(self, request, client_address):
+        """A thread per connection, up to ``max_connections``; beyond, a 503 and close, no thread."""
+        if not self._slots.acquire(blocking=False):
+            body = json.dumps({"error": f"the probe serves {self.max_connections} connections at once and all are busy; "
+                                        "retry in a moment (PROBE_MAX_CONNECTIONS raises the limit).",
+                               "kind": "busy", "exit_code": 3}).encode()
+            try:
+                request.settimeout(0.5)
+                request.sendall(_BUSY % (len(body), body))
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address):
+        record_error("server connection")
+
+
+class UnixServer(_Base, socketserver.UnixStreamServer):
+    """Same-user clients only: the directory is 0700 and the peer uid is checked."""
+
+    def __init__(self, path: str):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        self._limits()
+        old = os.umask(0o177)
+        try:
+            super().__init__(path, _Handler)
+        finally:
+            os.umask(old)
+
+    def client_info(self, handler) -> dict:
+        pid = uid = None
+        try:
+            creds = handler.request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid, uid, _gid = struct.unpack("3i", creds)
+        except (OSError, AttributeError):
+            pass
+        if uid is not None and uid not in (os.getuid(), 0):
+            raise AuthError("only the user who runs the training process (or root) may use its probe socket.")
+        return {"transport": "unix", "uid": uid, "pid": pid}
+
+    def describe_client(self, handler) -> str:
+        return "unix"
+
+
+class TCPServer(_Base, socketserver.TCPServer):
+    """Every request must carry ``Authorization: Bearer <token>``."""
+
+    allow_reuse_address = True
+
+    def __init__(self, host: str, port: int, token: str):
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.token = token.encode()
+        self._limits()
+        super().__init__((host, port), _Handler)
+
+    def client_info(self, handler) -> dict:
+        header = handler.headers.get("Authorization", "")
+        given = header[7:].strip().encode() if header.startswith("Bearer ") else b""
+        if not hmac.compare_digest(given, self.token):
+            raise AuthError("missing or wrong token; pass --token or set PROBE_TOKEN to the training process's token.")
+        host, port = handler.client_address[:2]
+        return {"transport": "tcp", "address": f"{host}:{port}"}
+
+    def describe_client(self, handler) -> str:
+        return str(handler.client_address[0])
+
+
+def serve_in_thread(server, name: str) -> threading.Thread:
+    t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 3600}, name=name, daemon=True)
+    t.start()
+    return t

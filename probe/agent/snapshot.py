@@ -1,0 +1,253 @@
+"""Snapshots of the tables a client's query needs: only its columns, cheap filters applied.
+
+This is all the query work the training process does. A client (the CLI, the REPL)
+guards and plans its SQL, then asks for::
+
+    {"tables": {"torch.steps": {"columns": ["step", "loss"],
+                                "filter": {"op": ">", "col": "step", "value": 100}}}}
+
+and gets the columns in the binary form of ``probe.util.wire``; DuckDB runs in the
+client. A filter is a tree of ``{"and": [...]}``, ``{"or": [...]}`` and comparisons
+``{"op": "=|!=|<|<=|>|>=|in|null|notnull", "col": c, "value": v}``. It only ever
+narrows what is sent, and conservatively: a row is dropped only when the filter
+surely rejects it (the client runs the full query again over what it receives), so
+a value it cannot compare cheaply is kept. No SQL is parsed here.
+
+Limits: at most ``PROBE_MAX_SNAPSHOTS`` snapshots are taken at once (the rest wait
+in line, up to their timeout), and a snapshot larger than ``PROBE_SNAPSHOT_BYTES``
+is refused before it is sent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from .._config import setting
+from .._errors import ProbeError, QueryError
+from ..tables.registry import Context, get_table, to_columns
+from ..util import validate as v
+from ..util.errorlog import record_error
+
+__all__ = ["take", "apply_filter", "parse_request", "BusyError"]
+
+_OPS = ("=", "!=", "<", "<=", ">", ">=", "in", "null", "notnull")
+MAX_FILTER_NODES = 256
+MAX_IN_VALUES = 1000
+
+_slots_lock = threading.Lock()
+_slots: threading.BoundedSemaphore | None = None
+_waiting = 0
+
+
+class BusyError(ProbeError):
+    """Too many snapshots waited in line (HTTP 503)."""
+
+    kind = "busy"
+    exit_code = 3
+
+
+def _semaphore() -> threading.BoundedSemaphore:
+    global _slots
+    with _slots_lock:
+        if _slots is None:
+            _slots = threading.BoundedSemaphore(setting("PROBE_MAX_SNAPSHOTS"))
+        return _slots
+
+
+def _check_filter(node, columns: set, depth: int = 0, count: list | None = None) -> dict:
+    count = count if count is not None else [0]
+    count[0] += 1
+    if depth > 32 or count[0] > MAX_FILTER_NODES:
+        raise QueryError(f"the snapshot filter is too large (over {MAX_FILTER_NODES} nodes or 32 levels); send a simpler WHERE.")
+    if not isinstance(node, dict):
+        raise QueryError("a snapshot filter must be a JSON object; see the client's plan.")
+    for key in ("and", "or"):
+        if key in node:
+            kids = node[key]
+            if not isinstance(kids, list) or not kids:
+                raise QueryError(f"a snapshot filter's {key!r} needs a non-empty list.")
+            return {key: [_check_filter(k, columns, depth + 1, count) for k in kids]}
+    op, col = node.get("op"), node.get("col")
+    if op not in _OPS:
+        raise QueryError(f"unknown snapshot filter operator {op!r}; use one of {', '.join(_OPS)}.")
+    if col not in columns:
+        raise QueryError(f"the snapshot filter names column {col!r}, which the table does not have.")
+    value = node.get("value")
+    if op == "in":
+        if not isinstance(value, list) or len(value) > MAX_IN_VALUES:
+            raise QueryError(f"a snapshot filter's 'in' needs a list of at most {MAX_IN_VALUES} values.")
+        if not all(isinstance(x, (int, float, str, bool)) for x in value):
+            raise QueryError("a snapshot filter compares with numbers, strings or booleans only.")
+    elif op not in ("null", "notnull") and not isinstance(value, (int, float, str, bool)):
+        raise QueryError("a snapshot filter compares with numbers, strings or booleans only.")
+    return {"op": op, "col": col, "value": value}
+
+
+def parse_request(body: dict) -> tuple[dict, float]:
+    """``({table: (columns, filter)}, timeout)`` from a request body, validated; QueryError otherwise."""
+    tables = body.get("tables")
+    if not isinstance(tables, dict) or not tables:
+        raise QueryError("no tables asked for; send {\"tables\": {\"schema.table\": {\"columns\": [...]}}}.")
+    if len(tables) > 64:
+        raise QueryError("a snapshot may name at most 64 tables.")
+    out = {}
+    for name, spec in tables.items():
+        tbl = get_table(str(name))
+        if tbl is None:
+            raise QueryError(f"unknown table {name}; `probe PID tables` lists them.")
+        spec = spec if isinstance(spec, dict) else {}
+        known = tbl.column_names
+        cols = spec.get("columns")
+        if cols is None:
+            cols = list(known)
+        if not isinstance(cols, list) or not all(isinstance(c, str) for c in cols):
+            raise QueryError(f"the columns of {name} must be a list of names.")
+        bad = [c for c in cols if c not in known]
+        if bad:
+            raise QueryError(f"table {name} has no column {bad[0]!r}; its columns: {', '.join(known)}.")
+        flt = spec.get("filter")
+        out[tbl.name] = ([c for c in known if c in cols], None if flt is None else _check_filter(flt, set(known)))
+    timeout = v.seconds(body.get("timeout"), "timeout", default=setting("PROBE_QUERY_TIMEOUT"))
+    return out, timeout
+
+
+def _compare(col, op: str, value, typ: str):
+    """Keep-mask of one comparison; conservative (True where unsure)."""
+    import numpy as np
+
+    n = len(col)
+    if op in ("null", "notnull"):
+        if isinstance(col, np.ndarray) and col.dtype.kind in "iub":
+            return np.full(n, op == "notnull")
+        if isinstance(col, np.ndarray) and col.dtype.kind == "f":
+            return np.ones(n, bool)  # NaN is a value in SQL, a NULL only in some tables: keep
+        isnull = np.fromiter((x is None for x in col), bool, n)
+        return isnull if op == "null" else ~isnull
+    values = value if op == "in" else [value]
+    if typ == "TIMESTAMP" or isinstance(value, bool) and typ != "BOOLEAN":
+        return np.ones(n, bool)
+    numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) or typ == "BOOLEAN" and isinstance(x, bool) for x in values)
+    if isinstance(col, np.ndarray) and col.dtype.kind in "fiub":
+        if not numeric:
+            return np.ones(n, bool)
+        arr = col
+        if col.dtype.kind == "f" and typ in ("BIGINT", "INTEGER"):
+            arr = np.rint(col)  # the client casts to an integer the same way
+        with np.errstate(invalid="ignore"):
+            if op == "in":
+                keep = np.isin(arr, np.asarray(values, dtype=float))
+            else:
+                keep = {"=": np.equal, "!=": np.not_equal, "<": np.less, "<=": np.less_equal,
+                        ">": np.greater, ">=": np.greater_equal}[op](arr, value)
+        if col.dtype.kind == "f":
+            keep |= np.isnan(col)  # DuckDB orders NaN above every number: never drop one here
+        return keep
+    if typ != "VARCHAR" or not all(isinstance(x, str) for x in values) or op not in ("=", "!=", "in"):
+        return np.ones(n, bool)
+    wanted = set(values)
+    if op == "!=":
+        return np.fromiter((x is not None and (not isinstance(x, str) or x != value) for x in col), bool, n)
+    return np.fromiter((x is not None and (not isinstance(x, str) or x in wanted) for x in col), bool, n)
+
+
+def apply_filter(columns: dict, types: dict, node: dict | None, n: int):
+    """The keep-mask of ``node`` over ``columns`` (``{name: values}``), or None for no filter.
+
+    >>> import numpy as np
+    >>> apply_filter({"a": np.array([1, 2, 3])}, {"a": "BIGINT"}, {"op": ">", "col": "a", "value": 1}, 3).tolist()
+    [False, True, True]
+    >>> apply_filter({"s": ["x", None, "y"]}, {"s": "VARCHAR"}, {"or": [{"op": "=", "col": "s", "value": "y"}, {"op": "null", "col": "s"}]}, 3).tolist()
+    [False, True, True]
+    """
+    import numpy as np
+
+    if node is None:
+        return None
+    if "and" in node or "or" in node:
+        masks = [apply_filter(columns, types, k, n) for k in node.get("and") or node.get("or")]
+        out = masks[0]
+        for m in masks[1:]:
+            out = (out & m) if "and" in node else (out | m)
+        return out
+    col = columns[node["col"]]
+    try:
+        keep = _compare(col, node["op"], node.get("value"), types[node["col"]])
+    except Exception:  # a value numpy cannot compare: keep every row, the client filters
+        return np.ones(n, bool)
+    return keep
+
+
+def _select(data: dict, mask) -> dict:
+    import numpy as np
+
+    if mask is None:
+        return data
+    idx = np.flatnonzero(mask)
+    out = {}
+    for name, values in data.items():
+        if isinstance(values, np.ndarray):
+            out[name] = values[idx]
+        else:
+            out[name] = [values[i] for i in idx.tolist()]
+    return out
+
+
+def _one(name: str, columns: list, flt, ctx: Context) -> tuple:
+    tbl = get_table(name)
+    ctx.hints["columns"] = frozenset(columns)
+    try:
+        data = to_columns(tbl, tbl.generator(ctx))
+    except Exception as exc:
+        record_error(f"table {name}", exc)
+        raise QueryError(f"table {name} could not be read ({type(exc).__name__}: {exc}); see probe.errors.") from None
+    types = {c.name: c.type for c in tbl.columns}
+    needed = set(columns) | (_filter_columns(flt) if flt else set())
+    data = {c: data[c] for c in data if c in needed}
+    n = len(next(iter(data.values()))) if data else 0
+    if flt is not None and n:
+        data = _select(data, apply_filter(data, types, flt, n))
+    return [(c, types[c]) for c in columns], {c: data[c] for c in columns}, (len(next(iter(data.values()))) if data else n)
+
+
+def _filter_columns(node: dict) -> set:
+    if "and" in node or "or" in node:
+        return set().union(*(_filter_columns(k) for k in node.get("and") or node.get("or")))
+    return {node["col"]}
+
+
+def take(body: dict, meta: dict) -> list:
+    """The encoded snapshot the request asks for (buffers for ``probe.util.wire``)."""
+    from ..util.wire import encode
+
+    global _waiting
+    wanted, timeout = parse_request(body)
+    max_bytes = setting("PROBE_SNAPSHOT_BYTES")
+    slots = _semaphore()
+    if not slots.acquire(blocking=False):
+        with _slots_lock:
+            _waiting += 1
+        try:
+            if not slots.acquire(timeout=timeout):
+                raise BusyError(f"the probe is busy: {setting('PROBE_MAX_SNAPSHOTS')} snapshots were running "
+                                f"and this one waited {timeout:g} s in line; retry, or raise PROBE_MAX_SNAPSHOTS in the training process.")
+        finally:
+            with _slots_lock:
+                _waiting -= 1
+    try:
+        ctx = Context(exclude_threads=frozenset({threading.get_ident()}))
+        t0 = time.perf_counter()
+        tables = {}
+        rows = {}
+        for name, (columns, flt) in wanted.items():
+            cols, data, n = _one(name, columns, flt, ctx)
+            tables[name] = (cols, data)
+            rows[name] = n
+        meta = dict(meta, snapshot_time=ctx.time, snapshot_s=time.perf_counter() - t0)
+        try:
+            return encode(tables, meta, max_bytes=max_bytes)
+        except OverflowError as exc:
+            raise QueryError(f"the snapshot of {exc} is larger than PROBE_SNAPSHOT_BYTES ({max_bytes // 1048576} MiB); "
+                             "select fewer columns or add a WHERE on its columns (LIMIT is applied after the snapshot).") from None
+    finally:
+        slots.release()

@@ -1,0 +1,146 @@
+"""Validation of every number and body a client sends: one place, one clear sentence.
+
+Each function takes the raw value (from JSON or a query string) and the name the user
+knows it by, and returns a clean Python value or raises ``QueryError`` (HTTP 400) with a
+sentence saying what was wrong and what to send instead. NaN, infinities, booleans posing
+as numbers, negative counts and absurd magnitudes never get past here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from .._errors import ProbeError
+
+__all__ = ["BadRequest", "number", "seconds", "count", "text", "json_body", "MAX_SECONDS", "MAX_JSON_DEPTH"]
+
+MAX_SECONDS = 7 * 24 * 3600.0  # a week: anything longer is a typo, and timers overflow past ~1e9 s
+MAX_JSON_DEPTH = 32
+
+
+class BadRequest(ProbeError):
+    """A malformed or out-of-range request value (HTTP 400)."""
+
+    kind = "request"
+    exit_code = 2
+
+
+def number(value, name: str, *, default=None, minimum: float | None = None, maximum: float | None = None,
+           exclusive_minimum: bool = False) -> float | None:
+    """A finite float within bounds.
+
+    >>> number("0.5", "lr")
+    0.5
+    >>> number("nan", "lr")
+    Traceback (most recent call last):
+    ...
+    probe.util.validate.BadRequest: lr must be a finite number, not 'nan'.
+    """
+    if value is None or value == "":
+        return default
+    if isinstance(value, bool):
+        raise BadRequest(f"{name} must be a number, not {str(value).lower()}.")
+    try:
+        out = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise BadRequest(f"{name} must be a number, not {_show(value)}.") from None
+    if not math.isfinite(out):
+        raise BadRequest(f"{name} must be a finite number, not {_show(value)}.")
+    if minimum is not None and (out <= minimum if exclusive_minimum else out < minimum):
+        if minimum == 0:
+            raise BadRequest(f"{name} must {'be positive' if exclusive_minimum else 'not be negative'}, not {_show(value)}.")
+        raise BadRequest(f"{name} must be {'above' if exclusive_minimum else 'at least'} {minimum:g}, not {_show(value)}.")
+    if maximum is not None and out > maximum:
+        raise BadRequest(f"{name} must be at most {maximum:g}, not {_show(value)}.")
+    return out
+
+
+def seconds(value, name: str = "timeout", *, default: float | None = None, maximum: float = MAX_SECONDS) -> float | None:
+    """A positive, finite duration of at most a week (by default).
+
+    >>> seconds("1e300", "timeout")
+    Traceback (most recent call last):
+    ...
+    probe.util.validate.BadRequest: timeout must be at most 604800 seconds, not '1e300'.
+    """
+    out = number(value, name, default=None, minimum=0.0, exclusive_minimum=True) if value not in (None, "") else default
+    if out is not None and out > maximum:
+        raise BadRequest(f"{name} must be at most {maximum:g} seconds, not {_show(value)}.")
+    return out
+
+
+def count(value, name: str, *, default: int | None = None, minimum: int = 0, maximum: int = 10**9) -> int | None:
+    """A whole number within bounds (``10`` and ``"10"`` pass, ``10.5``, ``-1`` and ``true`` do not).
+
+    >>> count("-1", "max_rows", minimum=1)
+    Traceback (most recent call last):
+    ...
+    probe.util.validate.BadRequest: max_rows must be a whole number from 1 to 1000000000, not '-1'.
+    """
+    if value is None or value == "":
+        return default
+    ok = not isinstance(value, bool)
+    out = None
+    if ok:
+        try:
+            out = int(value) if not isinstance(value, float) or value.is_integer() else None
+        except (TypeError, ValueError, OverflowError):
+            out = None
+    if out is None or not minimum <= out <= maximum:
+        raise BadRequest(f"{name} must be a whole number from {minimum} to {maximum}, not {_show(value)}.")
+    return out
+
+
+def text(value, name: str, *, default: str | None = None, max_len: int = 1 << 20) -> str | None:
+    """A string of at most ``max_len`` characters."""
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise BadRequest(f"{name} must be a string, not {type(value).__name__}.")
+    if len(value) > max_len:
+        raise BadRequest(f"{name} is {len(value)} characters long; the limit is {max_len}.")
+    return value
+
+
+def _too_deep(value, limit: int) -> bool:
+    """Whether a parsed JSON value nests deeper than ``limit`` (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return False
+
+
+def json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
+    """A request body: a JSON object nesting at most ``max_depth`` deep.
+
+    >>> json_body(b'{"a": 1}')
+    {'a': 1}
+    >>> json_body(b'[' * 5000)
+    Traceback (most recent call last):
+    ...
+    probe.util.validate.BadRequest: the request body nests deeper than 32 levels; send a flat JSON object.
+    """
+    if not raw.strip():
+        return {}
+    deep = BadRequest(f"the request body nests deeper than {max_depth} levels; send a flat JSON object.")
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise deep from None
+    except ValueError:
+        raise BadRequest("the request body is not valid JSON (UTF-8); send a JSON object such as {\"tables\": {...}}.") from None
+    if _too_deep(body, max_depth):
+        raise deep
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, not a {type(body).__name__}.")
+    return body
+
+
+def _show(value) -> str:
+    text = repr(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
