@@ -320,3 +320,21 @@ def test_evals_are_answered_and_can_be_cancelled(spawn, cli, probe_env):
     # and the process is healthy, with no traceback on its stderr
     assert cli(target.pid, "query", "SELECT 1 AS ok", "-f", "csv").returncode == 0
     assert "Traceback" not in target.output(), target.output()
+
+
+def test_snapshots_wait_in_line_and_say_so(spawn, probe_env):
+    from concurrent.futures import ThreadPoolExecutor
+
+    # given one snapshot slot, and python.threads holding it for its 50 ms sampling window
+    target = spawn(TARGETS / "idle.py", env={"PROBE_MAX_SNAPSHOTS": "1"})
+    sock = _socket_of(target.pid, probe_env)
+    body = json.dumps({"tables": {"python.threads": {"columns": ["name", "executing"]}}, "timeout": 0.01}).encode()
+    head = f"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    # when ten clients ask at once, each willing to wait 10 ms in line
+    with ThreadPoolExecutor(10) as pool:
+        answers = list(pool.map(lambda _: _raw(sock, head + body), range(10)))
+    statuses = [int(a.split(b" ", 2)[1]) for a in answers]
+    # then the ones that could not get the slot in time got a 503 with one sentence; the rest their snapshot
+    busy = [json.loads(a.partition(b"\r\n\r\n")[2]) for a, s in zip(answers, statuses) if s == 503]
+    assert busy and 200 in statuses, statuses
+    assert all("PROBE_MAX_SNAPSHOTS" in b["error"] and b["error"].endswith(".") for b in busy), busy
