@@ -84,11 +84,12 @@ def test_no_gdb(spawn, cli, tmp_path):
 
 @needs_gdb
 def test_target_without_the_dependencies(spawn, cli):
-    # python -S: no site-packages, so neither probe nor duckdb/numpy/sqlglot are importable in the target
+    # python -S: no site-packages, so neither probe nor numpy are importable in the target (it needs
+    # nothing else: DuckDB and sqlglot run in the CLI)
     target = spawn([sys.executable, "-S", str(PLAIN)])
     r = cli("inject", target.pid)
     assert r.returncode == 16, r.stderr
-    assert "cannot import numpy, duckdb, sqlglot" in r.stderr
+    assert "cannot import numpy," in r.stderr and "duckdb" not in r.stderr
     assert f"{sys.executable} -m pip install" in r.stderr
     assert target.popen.poll() is None  # the target lives on
 
