@@ -73,6 +73,7 @@ class Action:
     result: dict | None = None
     error: str | None = None
     thread: int | None = field(default=None, repr=False)  # ident of the thread running a ``now`` action
+    cancel_requested: bool = field(default=False, repr=False)  # a cancel that came before that thread started
 
     def to_dict(self) -> dict:
         return {"id": self.id, "command": self.command, "args": self.args, "state": self.state,
@@ -182,7 +183,9 @@ def cancel(action_id: int, client: dict) -> Action:
                 _pending.remove(action)
             action.state, action.finished_at, action.error = "cancelled", time.time(), "cancelled before it started."
             _lock.notify_all()
-        elif not action.now or action.thread is None:
+        elif action.now and action.thread is None:  # its thread has not started the code yet: it stops there
+            action.cancel_requested = True
+        elif not action.now:
             raise ActionError(f"action {action_id} is running on the training thread at a step boundary; it cannot be "
                               "interrupted there without hurting training, and ends when its code returns.")
         else:
@@ -199,6 +202,9 @@ def _run(action: Action, ctx: Context) -> None:
             if ctx.now:
                 with _lock:
                     action.thread = threading.get_ident()
+                    if action.cancel_requested:
+                        action.thread = None
+                        raise ActionCancelled()
             try:
                 action.result = action.fn(ctx) or {}
                 action.state = "done"
