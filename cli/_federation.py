@@ -18,10 +18,10 @@ from probe.util.procfs import proc_state
 
 from ._fanout import Answer, fan_out
 
-__all__ = ["federated_query"]
+__all__ = ["federated_query", "fetch_schema", "open_database", "add_views", "run_outer"]
 
 
-def _schema(session, targets) -> dict:
+def fetch_schema(session, targets) -> dict:
     """``{table: {column: type}}`` from the first ranks that answer GET /tables (one target: its own error)."""
     if len(targets) == 1:
         doc = session.client(targets[0]).get("/tables")
@@ -41,35 +41,68 @@ def federated_query(session, sql: str, max_rows: int | None = None, *, targets: 
 
     One path for both: every rank hands over snapshots of the columns the query needs
     (``POST /snapshot``), and DuckDB runs here, over views that union the ranks with a
-    ``rank`` column. With one target, its error is raised as is; with several, silent
-    ranks become rows of ``ranks.errors``, the result is printed here and PartialError
-    is raised (exit code 7) naming them. ``on_workspace(ws)`` receives the DuckDB
-    workspace before the query runs (the REPL's Ctrl-C interrupts it).
+    ``rank`` column. With one target (``targets=[t]``), its error is raised as is; with
+    several, silent ranks become rows of ``ranks.errors``, the result is printed here and
+    PartialError is raised (exit code 7) naming them. ``on_workspace(ws)`` receives the
+    DuckDB workspace before the query runs (the REPL's Ctrl-C interrupts it).
     """
     from probe._config import setting
-    from probe.sql.engine import Result, Workspace, register_result
-    from probe.sql.federate import plan, rename_tables_sql, snapshot_requests, view_params
+    from probe.sql.federate import plan, view_params
 
     single = targets is not None and len(targets) == 1
     targets = targets if targets is not None else session.targets()
-    schema = _schema(session, targets)
+    schema = fetch_schema(session, targets)
     p = plan(sql, schema, view_params(strict=True))
-    requests = snapshot_requests(p.parts, schema)
+    ws, failed = open_database(session, targets, schema, p.parts, single=single, on_workspace=on_workspace)
+    if targets and len(failed) == len(targets):
+        ws.close()
+        raise EndpointError("no rank answered the query: " + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + ".")
+    try:
+        add_views(ws, p.views)
+        result = run_outer(ws, p.outer, max_rows or setting("PROBE_MAX_ROWS"), timeout=session.timeout)
+    finally:
+        ws.close()
+    result.meta = {**ws.meta, "ranks": [t.rank for t in targets],
+                   "failed": sorted(t.rank for t, _ in failed.values() if t.rank is not None)}
+    if failed:
+        from ._render import render_result
+
+        args = session.args
+        session.print(render_result(result, session.format, expanded=getattr(args, "expanded", False),
+                                    timing=getattr(args, "timing", False)))
+        raise PartialError(f"{len(failed)} of {len(targets)} ranks did not answer, the result above lacks them "
+                           "(SELECT * FROM ranks.errors lists them): "
+                           + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + ".")
+    return result
+
+
+def open_database(session, targets, schema: dict, parts: dict, *, single: bool = False,
+                  on_workspace: Callable | None = None):
+    """A private DuckDB workspace here with one view per part (``{table: per-rank SQL}``) over every
+    target's snapshots, a ``rank`` column added, and ``ranks.errors`` for the silent ones.
+
+    Each target is asked once for the columns all the parts need (``snapshot_requests``);
+    its parts then run here over its own snapshots. Returns ``(workspace, failed)``;
+    ``failed`` maps a key to ``(target, reason)``. With ``single``, the one target's error
+    is raised as is (with its own exit code) instead.
+    """
+    from probe.sql.engine import Result, Workspace, register_result
+    from probe.sql.federate import rename_tables_sql, snapshot_requests
+
+    requests = snapshot_requests(parts, schema)
     timeout = session.timeout
 
     def ask(target):
-        if not requests:
+        if not requests:  # e.g. only ranks.errors: still find out which ranks answer
             return session.client(target).get("/health")
         return session.client(target).snapshot(requests, timeout)
 
     if single:
-        answers = [Answer(targets[0], ask(targets[0]))]  # its own error, with its own exit code
+        answers = [Answer(targets[0], ask(targets[0]))]
     else:
         answers = fan_out(targets, ask)
     failed = {id(a.target): (a.target, a.error) for a in answers if not a.ok}
     answered = [a for a in answers if a.ok]
-    if len(failed) == len(targets) and not single:
-        raise EndpointError("no rank answered the query: " + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + ".")
     ws = Workspace()
     try:
         if on_workspace is not None:
@@ -81,7 +114,7 @@ def federated_query(session, sql: str, max_rows: int | None = None, *, targets: 
             if requests:
                 ws.load_snapshot(i, a.value)
             slots.append((i, rank))
-        for j, (name, part) in enumerate(p.parts.items()):
+        for j, (name, part) in enumerate(parts.items()):
             selects = []
             for i, rank in slots:
                 ws.create_view(f"__p{j}_{i}", rename_tables_sql(part, ws.tables.get(i, {})))
@@ -90,27 +123,24 @@ def federated_query(session, sql: str, max_rows: int | None = None, *, targets: 
         errors = Result(["host", "error"], ["VARCHAR", "VARCHAR"], [[t.entry.get("host"), err] for t, err in failed.values()])
         register_result(ws.con, "__errors", errors, extra={"__rank": [t.rank for t, _ in failed.values()]})
         ws.create_view("ranks.errors", 'SELECT CAST("__rank" AS INTEGER) AS "rank", "host", "error" FROM "__errors"')
-        for name, text in p.views.items():
-            ws.create_view(name, text)
-        result = ws.execute(p.outer, max_rows=max_rows or int(setting("PROBE_MAX_ROWS")), timeout=timeout)
-    finally:
+    except BaseException:
         ws.close()
-    if single:
-        meta = answered[0].value.get("meta", {}) if requests else {}
-        result.meta = {**meta, "tables": list(requests)}
-    else:
-        result.meta = {"ranks": [t.rank for t in targets], "tables": requests,
-                       "failed": sorted(t.rank for t, _ in failed.values() if t.rank is not None)}
-    if failed:
-        from ._render import render_result
+        raise
+    ws.meta = dict(answered[0].value.get("meta", {}), tables=list(requests)) if single and requests else {"tables": requests}
+    return ws, failed
 
-        args = session.args
-        session.print(render_result(result, session.format, expanded=getattr(args, "expanded", False),
-                                    timing=getattr(args, "timing", False)))
-        raise PartialError(f"{len(failed)} of {len(targets)} ranks did not answer, the result above lacks them "
-                           "(SELECT * FROM ranks.errors lists them): "
-                           + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + ".")
-    return result
+
+def add_views(ws, views: dict) -> None:
+    """The client-side views (``ranks.stragglers`` ...) a query needs, over the parts' views."""
+    for name, text in views.items():
+        ws.create_view(name, text)
+
+
+def run_outer(ws, sql: str, max_rows: int, timeout: float | None = None):
+    """The outer query on the workspace: row cap, timeout (PROBE_QUERY_TIMEOUT by default), interruptible."""
+    from probe._config import setting
+
+    return ws.execute(sql, max_rows=int(max_rows), timeout=timeout or setting("PROBE_QUERY_TIMEOUT"))
 
 
 def _silent_rows(columns: list, failed) -> tuple[list, list]:

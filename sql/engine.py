@@ -116,6 +116,8 @@ class Workspace:
         self._lock = threading.Lock()
         self._cancelled = False
         self._abandoned = False
+        self._locked = False
+        self.meta: dict = {}  # what the caller wants to remember about the snapshots (see cli._federation)
         self.tables: dict[int, dict[str, str]] = {}  # rank slot -> {schema.table: typed view name}
 
     def close(self) -> None:
@@ -184,7 +186,9 @@ class Workspace:
         """Run ``sql`` (already guarded) and return at most ``max_rows`` rows; the configuration is locked first."""
         import duckdb
 
-        self.con.execute("SET lock_configuration = true")
+        if not self._locked:  # several queries may run on one workspace (probe doctor's rules)
+            self.con.execute("SET lock_configuration = true")
+            self._locked = True
         t0 = time.perf_counter()
         timed_out = threading.Event()
         box: dict = {}
