@@ -311,6 +311,7 @@ def test_evals_are_answered_and_can_be_cancelled(spawn, cli, probe_env):
     looping = subprocess.Popen([PROBE_BIN, str(target.pid), "eval", "n = 0\nwhile True: n += 1  # second"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=probe_env)
     second = _action_id(cli, target.pid, "# second")
+    time.sleep(1.0)  # ok-sleep: the CLI's submit is answered at once with the id; give it time to read it
     looping.send_signal(signal.SIGINT)
     out, err = looping.communicate(timeout=30)
     assert looping.returncode == 130 and "interrupted" in err, out + err

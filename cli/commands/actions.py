@@ -160,7 +160,8 @@ def _drive(session, name: str, target, body: dict, single: bool):
     client = session.client(target)
     action = None
     try:
-        doc = client.post(f"/actions/{name}", {**body, "wait": POLL}, timeout=POLL + session.timeout)
+        # answered at once with the action's id (so Ctrl-C can cancel it from then on), then waited for below
+        doc = client.post(f"/actions/{name}", {**body, "wait": 0}, timeout=session.timeout)
         action = doc["action"]
         started, last_note = time.monotonic(), time.monotonic()
         while action["state"] in ("queued", "running"):
