@@ -16,7 +16,7 @@ from typing import Any, Callable
 from probe._errors import EndpointError, PartialError, ProbeError
 
 __all__ = ["Answer", "fan_out", "federated_query", "fanout_backtrace", "fanout_tables", "format_ranks", "PartialError",
-           "PARTIAL_EXIT", "proc_state", "rank_error"]
+           "PARTIAL_EXIT", "proc_state", "rank_error", "view_params"]
 
 PARTIAL_EXIT = PartialError.exit_code
 MAX_WORKERS = 64
@@ -131,7 +131,8 @@ def _schema(session, targets) -> dict:
     raise EndpointError(f"no rank answered to list its tables: {last.target.label}: {last.error}.")
 
 
-def _params() -> dict:
+def view_params(**overrides) -> dict:
+    """Parameters of the ranks.* views from the settings, with explicit values (not None) on top."""
     from probe._config import setting
 
     out = {}
@@ -141,21 +142,23 @@ def _params() -> dict:
             out[key] = float(setting(name))
         except (TypeError, ValueError):
             raise ProbeError(f"{name} must be a number, not {os.environ.get(name)!r}.") from None
+    out.update({k: float(v) for k, v in overrides.items() if v is not None})
     return out
 
 
-def federated_query(session, sql: str, max_rows: int | None = None):
-    """Run ``sql`` across the ranks of ``--ranks``; return the combined Result.
+def federated_query(session, sql: str, max_rows: int | None = None, targets=None, params: dict | None = None):
+    """Run ``sql`` across the ranks of ``--ranks`` (or ``targets``); return the combined Result.
 
+    ``params`` are the ranks.* views' parameters (default: from the settings).
     When some ranks fail, the result is printed here and PartialError is raised
     (exit code 7) naming them.
     """
     from probe.sql.engine import Result, connect, register_result
     from probe.sql.federate import VIEW_COLUMNS, plan
 
-    targets = session.targets()
+    targets = targets if targets is not None else session.targets()
     schema = _schema(session, targets)
-    p = plan(sql, schema, _params())
+    p = plan(sql, schema, params if params is not None else view_params())
     jobs = [(t, name, part) for t in targets for name, part in p.parts.items()]
     if not jobs:  # e.g. only ranks.errors: still find out which ranks answer
         jobs = [(t, None, None) for t in targets]

@@ -123,6 +123,9 @@ def start(*, port: int | None = None, host: str | None = None, token: str | None
             entry["token"] = token
         write_entry(entry)
         _state.update(entry=entry, servers=servers, threads=threads)
+        from ._collectives import enable as _enable_recorder
+
+        _enable_recorder()  # torch.collectives: the flight recorder must be on before the first process group
         from ._torch_hooks import arm as _arm_torch
 
         _arm_torch()  # torch's step and module hooks: now, or when torch gets imported
