@@ -17,7 +17,7 @@ from .commands import COMMANDS, load_all
 
 __all__ = ["main", "Session"]
 
-_VALUE_OPTIONS = {"-t", "--target", "--rank", "--ranks", "--timeout", "--token", "--format"}
+_VALUE_OPTIONS = {"-t", "--target", "--rank", "--ranks", "--job", "--timeout", "--token", "--format"}
 
 
 def _global_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
@@ -27,6 +27,8 @@ def _global_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
                    help="pid, host:port or unix-socket path of the probed process.")
     g.add_argument("--rank", type=int, metavar="N", default=d, help="Talk to rank N (found in the registry).")
     g.add_argument("--ranks", metavar="SPEC", default=d, help="Talk to several ranks: all, 3, 0-3, 0-3,7.")
+    g.add_argument("--job", metavar="ID", default=d,
+                   help="With --rank/--ranks when several jobs run here: the job (its id or a prefix, see `probe list`).")
     g.add_argument("--timeout", type=float, metavar="S", default=d, help="Seconds to wait for an answer (default 10).")
     g.add_argument("--token", default=d, help="Token for TCP endpoints (default: $PROBE_TOKEN, or the local registry).")
     g.add_argument("--format", choices=("table", "json", "csv"), default=d, help="Output format (default table).")
@@ -93,7 +95,7 @@ class Session:
         if a.endpoint and a.rank is not None:
             raise ProbeError("give either an ENDPOINT or --rank N, not both.")
         if a.rank is not None:
-            return targets_for_ranks([a.rank], self.token)[0]
+            return targets_for_ranks([a.rank], self.token, a.job)[0]
         if not a.endpoint:
             raise ProbeError(f"`probe {a.command}` needs a process: `probe ENDPOINT {a.command}` with a pid, host:port or socket (see `probe list`), or --rank N.")
         return resolve(a.endpoint, self.token)
@@ -105,7 +107,7 @@ class Session:
         if getattr(self.args, "ranks", None):
             if self.args.endpoint or self.args.rank is not None:
                 raise ProbeError("give --ranks alone, without an ENDPOINT or --rank.")
-            return targets_for_ranks(parse_rank_spec(self.args.ranks), self.token)
+            return targets_for_ranks(parse_rank_spec(self.args.ranks), self.token, self.args.job)
         return [self.target()]
 
     def client(self, target=None):

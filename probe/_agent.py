@@ -21,7 +21,7 @@ from typing import Callable
 from . import __version__
 from ._config import setting
 from ._errors import ProbeError
-from ._runtime import process_argv, rank_identity, registry_listen, remove_entry, runtime_dir, write_entry
+from ._runtime import job_identity, process_argv, rank_identity, registry_listen, remove_entry, runtime_dir, write_entry
 
 __all__ = ["start", "stop", "is_running", "info", "add_status_provider", "status"]
 
@@ -107,6 +107,7 @@ def start(*, port: int | None = None, host: str | None = None, token: str | None
             "pid": os.getpid(),
             "ppid": os.getppid(),
             **rank_identity(),
+            "job": job_identity(),
             "socket": sock_path,
             "tcp_host": tcp_host,
             "tcp_port": tcp_port,

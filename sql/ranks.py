@@ -37,7 +37,7 @@ STATES = ("training", "slow", "waiting", "hung", "idle", "unreachable")
 DEFAULT_PARAMS = {"straggler_factor": 1.5, "hung_after": 60.0, "desync_steps": 1}
 
 _RECENT_STEPS = 20  # steps the per-rank medians look at
-_RECENT_COLLECTIVES = 64  # collectives per rank compared for mismatches
+_RECENT_COLLECTIVES = 256  # collectives per rank compared for mismatches
 
 # Per-rank: computed on the rank's own clock (no clock skew between hosts).
 FEDERATED_VIEWS = {
@@ -78,11 +78,15 @@ WITH g AS (SELECT rank, pg, pg_desc, last_enqueued, last_completed, pending, pen
                   pending_dtypes, pending_s, pending_site FROM torch.process_groups),
 silent AS (SELECT rank FROM ranks.latest WHERE state IN ('stopped', 'unreachable')),
 waiting AS (SELECT * FROM g WHERE pending_s > {hung_after}),
+stalled AS (SELECT rank FROM waiting UNION SELECT rank FROM ranks.latest WHERE age_s > {hung_after}),
 issued AS (SELECT rank, pg, seq, op || ' ' || input_sizes || ' ' || input_dtypes AS what FROM ranks.issued),
-usual AS (SELECT pg, seq, arg_max(what, n) AS what FROM (SELECT pg, seq, what, count(*) AS n FROM issued GROUP BY ALL)
-          GROUP BY ALL HAVING count(*) > 1),
-odd AS (SELECT i.rank, i.pg, min(i.seq) AS seq FROM issued i JOIN usual u ON i.pg = u.pg AND i.seq = u.seq
-        WHERE i.what <> u.what GROUP BY ALL)
+kinds AS (SELECT pg, seq, what, count(*) AS n FROM issued GROUP BY ALL),
+split AS (SELECT pg, seq, max(n) AS top, count(*) FILTER (WHERE n = (SELECT max(n) FROM kinds AS x
+                                                               WHERE x.pg = kinds.pg AND x.seq = kinds.seq)) AS tops
+          FROM kinds GROUP BY ALL HAVING count(*) > 1),
+odd AS (SELECT i.rank, i.pg, min(i.seq) AS seq FROM issued i JOIN split p ON i.pg = p.pg AND i.seq = p.seq
+        JOIN kinds k ON k.pg = i.pg AND k.seq = i.seq AND k.what = i.what
+        WHERE k.n < p.top OR p.tops > 1 GROUP BY ALL)
 SELECT g.rank, g.pg, g.pg_desc, g.last_enqueued, g.last_completed,
        max(g.last_enqueued) OVER (PARTITION BY g.pg) - g.last_enqueued AS behind,
        g.pending, g.pending_seq, g.pending_op, g.pending_sizes, g.pending_s, g.pending_site,
@@ -95,19 +99,23 @@ SELECT g.rank, g.pg, g.pg_desc, g.last_enqueued, g.last_completed,
                  UNION SELECT rank FROM silent)) END AS waits_for,
        (SELECT string_agg(CAST(w.rank AS VARCHAR), ',' ORDER BY w.rank) FROM waiting w
         WHERE w.pg = g.pg AND w.pending_seq > coalesce(g.last_enqueued, -1)) AS waited_by,
-       (SELECT 'seq ' || o.seq || ': ' || i.what || ' here, ' || u.what || ' on the other ranks'
+       (SELECT 'seq ' || o.seq || ': ' || any_value(i.what) || ' here, '
+               || string_agg(DISTINCT x.what || ' on rank ' || x.rank, ', ') 
         FROM odd o JOIN issued i ON i.rank = o.rank AND i.pg = o.pg AND i.seq = o.seq
-        JOIN usual u ON u.pg = o.pg AND u.seq = o.seq WHERE o.rank = g.rank AND o.pg = g.pg) AS mismatch
+        JOIN issued x ON x.pg = o.pg AND x.seq = o.seq AND x.what <> i.what
+        WHERE o.rank = g.rank AND o.pg = g.pg GROUP BY o.seq) AS mismatch
 FROM g
 UNION ALL
 SELECT s.rank, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       CASE WHEN EXISTS (SELECT 1 FROM waiting) THEN 'culprit' ELSE 'silent' END, NULL,
-       (SELECT string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank) FROM waiting), NULL
+       CASE WHEN EXISTS (SELECT 1 FROM stalled) THEN 'culprit' ELSE 'silent' END, NULL,
+       (SELECT string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank) FROM stalled), NULL
 FROM silent AS s
 ORDER BY rank, pg""",
     # the one classification of rank states (see the module docstring)
     "ranks.status": """
 WITH l AS (SELECT *, coalesce(age_s > {hung_after}, false) OR state = 'hung' AS stalled FROM ranks.latest),
+gone AS (SELECT string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank) AS ranks FROM l
+         WHERE state IN ('stopped', 'unreachable')),
 c AS (SELECT rank, bool_or(role = 'culprit') AS culprit, any_value(waits_for) FILTER (WHERE role = 'waiting') AS waits_for,
              any_value(waited_by) FILTER (WHERE role = 'culprit') AS waited_by,
              any_value(mismatch) FILTER (WHERE mismatch IS NOT NULL) AS mismatch
@@ -117,22 +125,33 @@ k AS (SELECT rank, coalesce(compute, step_time) AS work,
       WHERE state NOT IN ('stopped', 'unreachable')),
 m AS (SELECT a.rank, a.work, a.basis,
              (SELECT median(b.work) FROM k AS b WHERE b.rank <> a.rank AND b.basis = a.basis) AS others FROM k AS a),
-s AS (SELECT l.*, c.culprit, c.waits_for, c.waited_by, c.mismatch, m.work, m.basis, m.others,
+v AS (SELECT l.*, c.culprit, c.waits_for, c.waited_by, c.mismatch, m.work, m.basis, m.others,
              CASE WHEN l.state = 'stopped' THEN 'hung'
                   WHEN l.state = 'unreachable' THEN 'unreachable'
-                  WHEN l.stalled AND l.in_collective THEN 'waiting'
+                  -- inside a collective, or stalled while a peer is gone (its collective failed)
+                  WHEN l.stalled AND (l.in_collective OR (SELECT ranks FROM gone) IS NOT NULL) THEN 'waiting'
                   WHEN l.stalled THEN 'hung'
                   WHEN m.work > {straggler_factor} * m.others THEN 'slow'
                   WHEN l.step IS NULL THEN 'idle'
                   ELSE 'training' END AS verdict
-      FROM l LEFT JOIN c USING (rank) LEFT JOIN m USING (rank))
-SELECT rank, host, pid, step, age_s, step_time, compute, comm_wait, wait_share, verdict AS state,
-       coalesce(culprit, false) OR verdict = 'hung'
-           OR (verdict = 'unreachable' AND EXISTS (SELECT 1 FROM s AS o WHERE o.verdict = 'waiting')) AS culprit,
-       CASE WHEN verdict = 'waiting' THEN
-                 'waits in ' || coalesce(pending_op || ' seq ' || pending_seq, 'a collective')
-                 || coalesce(' for ranks ' || nullif(waits_for, ''), '')
-            WHEN verdict IN ('hung', 'unreachable') AND waited_by IS NOT NULL THEN 'ranks ' || waited_by || ' wait for it'
+      FROM l LEFT JOIN c USING (rank) LEFT JOIN m USING (rank)),
+w AS (SELECT string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank) AS ranks FROM v WHERE verdict = 'waiting'),
+s AS (SELECT v.*, coalesce(v.culprit, false) OR v.verdict = 'hung'
+                  OR (v.verdict = 'unreachable' AND (SELECT ranks FROM w) IS NOT NULL) AS is_culprit FROM v)
+SELECT rank, host, pid, step, age_s, step_time, compute, comm_wait, wait_share, verdict AS state, is_culprit AS culprit,
+       CASE WHEN verdict = 'waiting' AND pending_op IS NULL THEN
+                 'no step for ' || CAST(round(age_s, 1) AS VARCHAR) || ' s, outside any collective, while ranks '
+                 || (SELECT ranks FROM gone) || ' did not answer: its collective with them failed or never came'
+            WHEN verdict = 'waiting' THEN
+                 'waits in ' || pending_op || ' seq ' || pending_seq
+                 || coalesce(' for ranks ' || nullif(waits_for, ''), ' for ranks ' || (SELECT ranks FROM gone), '')
+            WHEN is_culprit THEN
+                 CASE WHEN verdict = 'unreachable' THEN 'did not answer (exited?); ' ELSE '' END
+                 || 'ranks ' || coalesce(waited_by, (SELECT ranks FROM w), '?') || ' wait for it'
+                 || CASE WHEN state = 'stopped' THEN ' (process stopped)'
+                         WHEN in_collective OR verdict <> 'hung' THEN ''
+                         ELSE '; no step for ' || coalesce(CAST(round(age_s, 1) AS VARCHAR) || ' s', 'a while')
+                              || ' outside any collective' END
             WHEN verdict = 'hung' THEN 'no step for ' || coalesce(CAST(round(age_s, 1) AS VARCHAR) || ' s', 'a while')
                  || ' outside any collective'
             WHEN verdict = 'slow' THEN basis || ' ' || CAST(round(work / others, 2) AS VARCHAR) || 'x the others'
@@ -206,9 +225,9 @@ VIEW_COLUMNS = {
         ("pending_sizes", "VARCHAR", "Its input shapes."),
         ("pending_s", "DOUBLE", "Seconds it has been unfinished."),
         ("pending_site", "VARCHAR", "Where it was issued."),
-        ("role", "VARCHAR", "waiting (unfinished for PROBE_HUNG_AFTER s), culprit (a waiting rank's seq is beyond its last issued one, or it is silent while others wait), silent, or ok."),
+        ("role", "VARCHAR", "waiting (unfinished for PROBE_HUNG_AFTER s), culprit (a waiting rank's seq is beyond its last issued one, or it is silent while others wait or make no step), silent, or ok."),
         ("waits_for", "VARCHAR", "For a waiting rank: the ranks that have not issued its collective (and silent ranks)."),
-        ("waited_by", "VARCHAR", "For a culprit: the ranks waiting for it."),
+        ("waited_by", "VARCHAR", "For a culprit: the ranks waiting for it (for a silent one: the ranks without a step for PROBE_HUNG_AFTER s)."),
         ("mismatch", "VARCHAR", "The first recent seq where this rank issued another op, shape or dtype than the other ranks."),
     ],
     "ranks.status": [

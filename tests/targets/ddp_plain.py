@@ -45,6 +45,8 @@ def say(line: str) -> None:
 def read_batch(gen, stall: bool, step_sleep: float):
     """The data read: where a stalled rank stays."""
     time.sleep(step_sleep)  # ok-sleep: simulated data time
+    if stall:
+        say(f"stalling rank={os.environ.get('RANK')}")
     while stall:
         time.sleep(0.2)  # ok-sleep: the stalled input pipeline being simulated
     x = torch.randn(16, 32, generator=gen)
