@@ -18,9 +18,12 @@ How a rank is classified (first match wins), from torch's flight recorder
 2. ``waiting``: no step for PROBE_HUNG_AFTER seconds and an unfinished collective
    (the recorder's oldest active entry; the Python stack when the recorder is off).
 3. ``unreachable``: did not answer (exited, or no answer within --timeout).
-4. ``slow``: its compute time per step (``torch.steps.compute``: from the step's start
-   to the last collective it issued) exceeds the other ranks' median by
-   PROBE_STRAGGLER_FACTOR; without recorder timings, its step time does.
+4. ``slow``: its compute time per step exceeds the other ranks' median by
+   PROBE_STRAGGLER_FACTOR. Compute is step time minus the time spent waiting for
+   others, found by lining up the recent collectives across ranks by (pg, seq): at
+   each collective a rank waited from its own issue time to the last rank's; per
+   step, the longest such wait counts (basis ``collectives``). Without that (one
+   rank answering), torch.steps' own split (basis ``steps``), else the step time.
 5. ``training`` when steps complete, else ``idle``.
 
 ``culprit`` is true for the rank the others wait for: a hung rank, a silent rank
@@ -67,7 +70,7 @@ FROM process.info AS i,
      LEFT JOIN (SELECT pg, pending_seq, pending_op, pending_sizes, pending_s, pending_site FROM torch.process_groups
                 WHERE pending > 0 ORDER BY pending_s DESC LIMIT 1) AS p ON TRUE""",
     "ranks.issued": f"""
-SELECT pg, seq, op, input_sizes, input_dtypes, call_site, created_at
+SELECT pg, seq, op, input_sizes, input_dtypes, call_site, created_at, step
 FROM torch.collectives WHERE seq IS NOT NULL ORDER BY record_id DESC LIMIT {_RECENT_COLLECTIVES}""",
 }
 
@@ -120,12 +123,27 @@ c AS (SELECT rank, bool_or(role = 'culprit') AS culprit, any_value(waits_for) FI
              any_value(waited_by) FILTER (WHERE role = 'culprit') AS waited_by,
              any_value(mismatch) FILTER (WHERE mismatch IS NOT NULL) AS mismatch
       FROM ranks.collectives GROUP BY rank),
-k AS (SELECT rank, coalesce(compute, step_time) AS work,
-             CASE WHEN compute IS NOT NULL THEN 'compute' ELSE 'step_time' END AS basis FROM l
-      WHERE state NOT IN ('stopped', 'unreachable')),
-m AS (SELECT a.rank, a.work, a.basis,
-             (SELECT median(b.work) FROM k AS b WHERE b.rank <> a.rank AND b.basis = a.basis) AS others FROM k AS a),
-v AS (SELECT l.*, c.culprit, c.waits_for, c.waited_by, c.mismatch, m.work, m.basis, m.others,
+i AS (SELECT rank, pg, seq, step, created_at FROM ranks.issued WHERE step IS NOT NULL),
+n AS (SELECT pg, count(DISTINCT rank) AS ranks FROM i GROUP BY pg),
+everyone AS (SELECT i.pg, i.seq, max(i.created_at) AS latest FROM i JOIN n USING (pg)
+             GROUP BY i.pg, i.seq, n.ranks HAVING n.ranks > 1 AND count(*) = n.ranks),
+lag AS (SELECT i.rank, i.step, max(epoch_us(e.latest) - epoch_us(i.created_at)) / 1e6 AS wait
+        FROM i JOIN everyone AS e USING (pg, seq) GROUP BY i.rank, i.step),
+x AS (SELECT rank, median(wait) AS wait FROM lag
+      WHERE step < (SELECT max(step) FROM lag AS o WHERE o.rank = lag.rank) GROUP BY rank),
+k AS (SELECT l.rank,
+             CASE WHEN x.wait IS NOT NULL THEN greatest(l.step_time - x.wait, 0) ELSE l.compute END AS compute,
+             CASE WHEN x.wait IS NOT NULL THEN x.wait ELSE l.comm_wait END AS comm_wait,
+             CASE WHEN x.wait IS NOT NULL THEN 'collectives' WHEN l.compute IS NOT NULL THEN 'steps'
+                  ELSE 'step_time' END AS basis
+      FROM l LEFT JOIN x USING (rank) WHERE l.state NOT IN ('stopped', 'unreachable')),
+kw AS (SELECT k.rank, k.compute, k.comm_wait, k.basis,
+              CASE WHEN k.basis = 'step_time' THEN l.step_time ELSE k.compute END AS work
+       FROM k JOIN l USING (rank)),
+m AS (SELECT a.rank, a.work, a.basis, a.compute AS x_compute, a.comm_wait AS x_wait,
+             (SELECT median(b.work) FROM kw AS b WHERE b.rank <> a.rank AND b.basis = a.basis) AS others FROM kw AS a),
+v AS (SELECT l.* EXCLUDE (compute, comm_wait), m.x_compute AS compute, m.x_wait AS comm_wait,
+             c.culprit, c.waits_for, c.waited_by, c.mismatch, m.work, m.basis, m.others,
              CASE WHEN l.state = 'stopped' THEN 'hung'
                   WHEN l.state = 'unreachable' THEN 'unreachable'
                   -- inside a collective, or stalled while a peer is gone (its collective failed)
@@ -138,7 +156,8 @@ v AS (SELECT l.*, c.culprit, c.waits_for, c.waited_by, c.mismatch, m.work, m.bas
 w AS (SELECT string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank) AS ranks FROM v WHERE verdict = 'waiting'),
 s AS (SELECT v.*, coalesce(v.culprit, false) OR v.verdict = 'hung'
                   OR (v.verdict = 'unreachable' AND (SELECT ranks FROM w) IS NOT NULL) AS is_culprit FROM v)
-SELECT rank, host, pid, step, age_s, step_time, compute, comm_wait, wait_share, verdict AS state, is_culprit AS culprit,
+SELECT rank, host, pid, step, age_s, step_time, compute, comm_wait, comm_wait / nullif(step_time, 0) AS wait_share,
+       verdict AS state, is_culprit AS culprit,
        CASE WHEN verdict = 'waiting' AND pending_op IS NULL THEN
                  'no step for ' || CAST(round(age_s, 1) AS VARCHAR) || ' s, outside any collective, while ranks '
                  || (SELECT ranks FROM gone) || ' did not answer: its collective with them failed or never came'
@@ -154,7 +173,8 @@ SELECT rank, host, pid, step, age_s, step_time, compute, comm_wait, wait_share, 
                               || ' outside any collective' END
             WHEN verdict = 'hung' THEN 'no step for ' || coalesce(CAST(round(age_s, 1) AS VARCHAR) || ' s', 'a while')
                  || ' outside any collective'
-            WHEN verdict = 'slow' THEN basis || ' ' || CAST(round(work / others, 2) AS VARCHAR) || 'x the others'
+            WHEN verdict = 'slow' THEN CASE basis WHEN 'step_time' THEN 'step time ' ELSE 'compute ' END
+                 || CAST(round(work / others, 2) AS VARCHAR) || 'x the others'
             WHEN mismatch IS NOT NULL THEN 'collective mismatch at ' || mismatch
        END AS reason,
        mismatch, in_collective, pending_op, pending_seq, work, others, basis, top_frame
@@ -211,6 +231,7 @@ VIEW_COLUMNS = {
         ("input_dtypes", "VARCHAR", "Input element types."),
         ("call_site", "VARCHAR", "Issuing frame outside torch."),
         ("created_at", "TIMESTAMP", "When the rank issued it."),
+        ("step", "BIGINT", "The rank's step in progress when it issued it."),
     ],
     "ranks.collectives": [
         ("rank", "INTEGER", "Rank."),
@@ -237,8 +258,8 @@ VIEW_COLUMNS = {
         ("step", "BIGINT", "Last step."),
         ("age_s", "DOUBLE", "Seconds since its last step, on its own clock."),
         ("step_time", "DOUBLE", "Median step time of the last 20 steps."),
-        ("compute", "DOUBLE", "Median compute time per step (before its last collective)."),
-        ("comm_wait", "DOUBLE", "Median time per step waiting for the other ranks."),
+        ("compute", "DOUBLE", "Compute time per step: median step time minus comm_wait."),
+        ("comm_wait", "DOUBLE", "Median time per step waiting for the other ranks: per step, the longest gap between this rank issuing a collective and the last rank issuing the same (pg, seq) (basis collectives)."),
         ("wait_share", "DOUBLE", "Share of step time spent waiting for the other ranks."),
         ("state", "VARCHAR", "training, slow, waiting, hung, idle or unreachable (see docs/ranks.md)."),
         ("culprit", "BOOLEAN", "Whether this is the rank the others wait for."),
@@ -249,7 +270,7 @@ VIEW_COLUMNS = {
         ("pending_seq", "BIGINT", "That op's sequence id."),
         ("work", "DOUBLE", "The time compared for slow: compute, or step_time without recorder timings."),
         ("others", "DOUBLE", "The other ranks' median of the same."),
-        ("basis", "VARCHAR", "compute or step_time."),
+        ("basis", "VARCHAR", "How compute was found: collectives (lined up across ranks), steps (this rank's torch.steps split) or step_time (no recorder)."),
         ("top_frame", "VARCHAR", "Innermost frame of its main thread."),
     ],
     "ranks.stragglers": [
@@ -260,7 +281,7 @@ VIEW_COLUMNS = {
         ("comm_wait", "DOUBLE", "Its median wait for the other ranks per step."),
         ("others_compute", "DOUBLE", "Median of the other ranks' compute (step_time without recorder timings)."),
         ("ratio", "DOUBLE", "Its compute over the others'; above PROBE_STRAGGLER_FACTOR."),
-        ("basis", "VARCHAR", "compute, or step_time without recorder timings."),
+        ("basis", "VARCHAR", "collectives, steps or step_time: see ranks.status."),
         ("top_frame", "VARCHAR", "Innermost frame of its main thread."),
     ],
     "ranks.desync": [

@@ -184,7 +184,7 @@ def test_slow_rank_is_the_straggler_by_its_compute_time():
         assert rows[2]["step_time"] == pytest.approx(rows[0]["step_time"], rel=0.5)
         assert rows[0]["wait_share"] > rows[2]["wait_share"]
         stragglers = view(job, "SELECT rank, ratio, basis FROM ranks.stragglers")
-        assert [s["rank"] for s in stragglers] == [2] and stragglers[0]["basis"] == "compute"
+        assert [s["rank"] for s in stragglers] == [2] and stragglers[0]["basis"] == "collectives"
         assert stragglers[0]["ratio"] > 1.5
         assert view(job, "SELECT rank FROM ranks.hung") == []
         coll = view(job, "SELECT rank, role, mismatch FROM ranks.collectives")

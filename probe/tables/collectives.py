@@ -45,6 +45,7 @@ def recorder(ctx, frames: bool = True, only_active: bool = False) -> dict | None
         Column("thread", "VARCHAR", "Name of the thread that issued it."),
         Column("call_site", "VARCHAR", "The innermost issuing frame outside torch: func (file:line), e.g. the training loop's backward call."),
         Column("frames", "VARCHAR", "The Python frames that issued it, innermost first, separated by '; '."),
+        Column("step", "BIGINT", "The training step (torch.steps) in progress when it was issued; NULL before the oldest step kept."),
     ],
     examples=[
         "SELECT pg, seq, op, input_sizes, state, created_at, call_site FROM torch.collectives ORDER BY record_id DESC LIMIT 10",
@@ -53,7 +54,32 @@ def recorder(ctx, frames: bool = True, only_active: bool = False) -> dict | None
     ],
 )
 def collectives(ctx):
-    return _collectives.entry_rows(recorder(ctx))
+    rows = _collectives.entry_rows(recorder(ctx))
+    steps = _step_of([r["created_at"] for r in rows])
+    for row, step in zip(rows, steps):
+        row["step"] = step
+    return rows
+
+
+def _step_of(times: list) -> list:
+    """The training step in progress at each time: the first step (torch.steps) that ended after it."""
+    from .. import _torch_hooks
+
+    tk = _torch_hooks.tracker()
+    if tk is None or not times:
+        return [None] * len(times)
+    import numpy as np
+
+    cols = tk.ring.snapshot()
+    ended, started, numbers = cols["ended_at"], cols["started_at"], cols["step"]
+    n = len(numbers)
+    out = []
+    for t, i in zip(times, np.searchsorted(ended, [t or 0.0 for t in times])):
+        if not t or (n and i == 0 and t < started[0]):
+            out.append(None)  # unknown time, or before the oldest step the ring keeps
+        else:
+            out.append(int(numbers[i]) if i < n else (int(numbers[-1]) + 1 if n else 1))
+    return out
 
 
 @table(
