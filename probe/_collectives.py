@@ -36,8 +36,8 @@ def _buffer_setting() -> int:
         return max(0, int(value))
     except ValueError:
         record_error("PROBE_COLLECTIVES", ValueError(f"PROBE_COLLECTIVES={value!r} is not a number of entries or "
-                                                     "off; using 2000."))
-        return 2000
+                                                     "off; using 500."))
+        return 500
 
 
 def enable() -> None:

@@ -51,7 +51,7 @@ _declare("PROBE_INJECT_VIA", "remote_exec,gdb", "Injection methods `probe inject
 _declare("PROBE_GDB", "gdb", "The gdb executable `probe inject` runs (a name on PATH or an absolute path).")
 _declare("PROBE_STRAGGLER_FACTOR", "1.5", "For --ranks: a rank is a straggler (ranks.stragglers, `status` state slow) when its median compute time per step (torch.steps.compute; its step time without flight-recorder timings) exceeds the other ranks' median by this factor.")
 _declare("PROBE_HUNG_AFTER", "60", "For --ranks: seconds without a completed step after which ranks.hung and `status` call a rank hung (or waiting, inside a collective).")
-_declare("PROBE_COLLECTIVES", "2000", "Entries of torch's c10d flight recorder (torch.collectives) turned on when the probe starts before the first process group and TORCH_FR_BUFFER_SIZE is unset; 0 or off leaves it off.")
+_declare("PROBE_COLLECTIVES", "500", "Entries of torch's c10d flight recorder (torch.collectives) turned on when the probe starts before the first process group and TORCH_FR_BUFFER_SIZE is unset; 0 or off leaves it off.")
 _declare("PROBE_DESYNC_STEPS", "1", "For --ranks: ranks.desync lists ranks more than this many steps behind the most advanced one.")
 
 

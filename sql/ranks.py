@@ -45,32 +45,28 @@ _RECENT_COLLECTIVES = 256  # collectives per rank compared for mismatches
 # Per-rank: computed on the rank's own clock (no clock skew between hosts).
 FEDERATED_VIEWS = {
     "ranks.latest": f"""
-SELECT i.pid, i.host, s.step, s.last_step_at, s.age_s, s.step_time, s.steps_seen, i.state, i.hung_since,
-       (SELECT func || ' (' || regexp_replace(file, '.*/', '') || ':' || lineno || ')' FROM python.backtrace
-        WHERE is_main AND depth = 0 LIMIT 1) AS top_frame,
-       CASE WHEN (SELECT count(*) FROM torch.process_groups) > 0
-            THEN (SELECT coalesce(sum(pending), 0) > 0 FROM torch.process_groups)
-            ELSE (SELECT count(*) > 0 FROM python.backtrace WHERE is_main AND file LIKE '%torch/distributed/%')
-       END AS in_collective,
-       (SELECT count(*) > 0 FROM torch.process_groups) AS recorder,
-       s.compute, s.comm_wait, s.wait_share,
-       p.pg AS pending_pg, p.pending_seq, p.pending_op, p.pending_sizes, p.pending_s, p.pending_site
-FROM process.info AS i,
-     (SELECT max(step) AS step, max(ended_at) AS last_step_at,
-             epoch(current_timestamp) - epoch(max(ended_at)) AS age_s,
-             (SELECT median(duration) FROM (SELECT duration FROM torch.steps ORDER BY step DESC LIMIT {_RECENT_STEPS})) AS step_time,
-             (SELECT median(compute) FROM (SELECT compute FROM torch.steps WHERE compute IS NOT NULL
-                                           ORDER BY step DESC LIMIT {_RECENT_STEPS})) AS compute,
-             (SELECT median(comm_wait) FROM (SELECT comm_wait FROM torch.steps WHERE comm_wait IS NOT NULL
-                                             ORDER BY step DESC LIMIT {_RECENT_STEPS})) AS comm_wait,
-             (SELECT sum(comm_wait) / nullif(sum(duration), 0) FROM (SELECT comm_wait, duration FROM torch.steps
-                    WHERE comm_wait IS NOT NULL ORDER BY step DESC LIMIT {_RECENT_STEPS})) AS wait_share,
-             count(*) AS steps_seen
-      FROM torch.steps) AS s
-     LEFT JOIN (SELECT pg, pending_seq, pending_op, pending_sizes, pending_s, pending_site FROM torch.process_groups
-                WHERE pending > 0 ORDER BY pending_s DESC LIMIT 1) AS p ON TRUE""",
+WITH recent AS (SELECT duration, compute, comm_wait FROM torch.steps ORDER BY step DESC LIMIT {_RECENT_STEPS}),
+s AS (SELECT max(step) AS step, max(ended_at) AS last_step_at, epoch(current_timestamp) - epoch(max(ended_at)) AS age_s,
+             count(*) AS steps_seen FROM torch.steps),
+r AS (SELECT median(duration) AS step_time,
+             median(compute) FILTER (WHERE NOT isnan(compute)) AS compute,
+             median(comm_wait) FILTER (WHERE NOT isnan(comm_wait)) AS comm_wait,
+             sum(comm_wait) FILTER (WHERE NOT isnan(comm_wait))
+               / nullif(sum(duration) FILTER (WHERE NOT isnan(comm_wait)), 0) AS wait_share FROM recent),
+b AS (SELECT any_value(func || ' (' || regexp_replace(file, '.*/', '') || ':' || lineno || ')') FILTER (WHERE depth = 0)
+               AS top_frame,
+             coalesce(bool_or(file LIKE '%torch/distributed/%'), false) AS in_distributed
+      FROM python.backtrace WHERE is_main),
+g AS (SELECT count(*) > 0 AS recorder, coalesce(sum(pending), 0) > 0 AS pending FROM torch.process_groups),
+p AS (SELECT pg, pending_seq, pending_op, pending_sizes, pending_s FROM torch.process_groups
+      WHERE pending > 0 ORDER BY pending_s DESC LIMIT 1)
+SELECT i.pid, i.host, s.step, s.last_step_at, s.age_s, r.step_time, s.steps_seen, i.state, i.hung_since, b.top_frame,
+       CASE WHEN g.recorder THEN g.pending ELSE b.in_distributed END AS in_collective, g.recorder,
+       r.compute, r.comm_wait, r.wait_share,
+       p.pg AS pending_pg, p.pending_seq, p.pending_op, p.pending_sizes, p.pending_s
+FROM process.info AS i, s, r, b, g LEFT JOIN p ON TRUE""",
     "ranks.issued": f"""
-SELECT pg, seq, op, input_sizes, input_dtypes, call_site, created_at, step
+SELECT pg, seq, op, input_sizes, input_dtypes, created_at, step
 FROM torch.collectives WHERE seq IS NOT NULL ORDER BY record_id DESC LIMIT {_RECENT_COLLECTIVES}""",
 }
 
@@ -220,7 +216,6 @@ VIEW_COLUMNS = {
         ("pending_op", "VARCHAR", "Its operation."),
         ("pending_sizes", "VARCHAR", "Its input shapes."),
         ("pending_s", "DOUBLE", "Seconds it has been unfinished."),
-        ("pending_site", "VARCHAR", "Where it was issued: func (file:line) outside torch."),
     ],
     "ranks.issued": [
         ("rank", "INTEGER", "Rank that issued the collective."),
@@ -229,7 +224,6 @@ VIEW_COLUMNS = {
         ("op", "VARCHAR", "Operation."),
         ("input_sizes", "VARCHAR", "Input shapes."),
         ("input_dtypes", "VARCHAR", "Input element types."),
-        ("call_site", "VARCHAR", "Issuing frame outside torch."),
         ("created_at", "TIMESTAMP", "When the rank issued it."),
         ("step", "BIGINT", "The rank's step in progress when it issued it."),
     ],

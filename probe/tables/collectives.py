@@ -54,7 +54,9 @@ def recorder(ctx, frames: bool = True, only_active: bool = False) -> dict | None
     ],
 )
 def collectives(ctx):
-    rows = _collectives.entry_rows(recorder(ctx))
+    read = ctx.hints.get("columns")
+    frames = read is None or bool({"frames", "call_site"} & read)  # the frames cost most of a dump: only when read
+    rows = _collectives.entry_rows(recorder(ctx, frames=frames))
     steps = _step_of([r["created_at"] for r in rows])
     for row, step in zip(rows, steps):
         row["step"] = step
@@ -105,7 +107,8 @@ def _step_of(times: list) -> list:
               "FROM torch.process_groups"],
 )
 def process_groups(ctx):
-    doc = recorder(ctx, frames=True, only_active=True)
+    read = ctx.hints.get("columns")
+    doc = recorder(ctx, frames=read is None or "pending_site" in read, only_active=True)
     rows = _collectives.group_rows(doc)
     active = [e for e in _collectives.entry_rows(doc) if not e["retired"] and not e["is_p2p"]]
     for row in rows:
