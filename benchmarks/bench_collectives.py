@@ -47,12 +47,12 @@ def worker(steps: int) -> None:
             times.append(time.perf_counter() - t0)
     dump_ms = rows = None
     if rank == 0 and int(os.environ.get("TORCH_FR_BUFFER_SIZE") or 0) > 0:
-        from probe import _collectives
+        from probe.training import collectives as recorder_io
 
         costs = []
         for frames in (False, True, True):  # the first dump with frames also resolves them once: not kept
             t0 = time.perf_counter()
-            rows = len(_collectives.entry_rows(_collectives.dump(frames=frames)))
+            rows = len(recorder_io.entry_rows(recorder_io.dump(frames=frames)))
             costs.append((time.perf_counter() - t0) * 1000)
         dump_ms = f"{costs[0]:.1f}/{costs[2]:.1f}"
     dist.barrier()

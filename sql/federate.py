@@ -13,9 +13,7 @@
   column is never fetched, the client's is authoritative).
 * ``views``: client-side views (``ranks.stragglers`` ...) the query needs.
 
-The ``ranks.*`` views themselves are declared in ``sql.ranks``.
-
-The rewrites are pure functions over sqlglot expressions, listed in ``REWRITES``.
+The ``ranks.*`` views themselves, and their parameters, are declared in ``sql.ranks``.
 """
 
 from __future__ import annotations
@@ -29,10 +27,10 @@ from sqlglot.optimizer.qualify import qualify
 from probe._errors import QueryError
 
 from .guard import guard
-from .ranks import CLIENT_VIEWS, DEFAULT_PARAMS, FEDERATED_VIEWS, VIEW_COLUMNS, view_sql
+from .ranks import CLIENT_VIEWS, FEDERATED_VIEWS, VIEW_COLUMNS, view_params, view_sql
 
-__all__ = ["Plan", "plan", "qualify_query", "table_scans", "per_rank_query", "REWRITES",
-           "FEDERATED_VIEWS", "CLIENT_VIEWS", "VIEW_COLUMNS", "DEFAULT_PARAMS", "union_columns"]
+__all__ = ["Plan", "plan", "qualify_query", "table_scans", "per_rank_query",
+           "FEDERATED_VIEWS", "CLIENT_VIEWS", "VIEW_COLUMNS", "view_params", "union_columns"]
 
 RANK = "rank"
 
@@ -165,9 +163,6 @@ def union_columns(fetched: list, declared: list) -> list:
     order = [c for c in declared if c in fetched or c == RANK]
     order += [c for c in fetched if c not in order]
     return order if RANK in order else [RANK] + order
-
-
-REWRITES = (qualify_query, table_scans, per_rank_query, view_sql, union_columns)
 
 
 def _tables_of(sql: str, known: set) -> list:

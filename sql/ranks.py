@@ -33,11 +33,14 @@ rank waits in.
 
 from __future__ import annotations
 
-__all__ = ["FEDERATED_VIEWS", "CLIENT_VIEWS", "VIEW_COLUMNS", "DEFAULT_PARAMS", "STATES", "view_sql"]
+from probe._config import setting
+
+__all__ = ["FEDERATED_VIEWS", "CLIENT_VIEWS", "VIEW_COLUMNS", "PARAM_SETTINGS", "STATES", "view_params", "view_sql"]
 
 STATES = ("training", "slow", "waiting", "hung", "idle", "unreachable")
 
-DEFAULT_PARAMS = {"straggler_factor": 1.5, "hung_after": 60.0, "desync_steps": 1}
+PARAM_SETTINGS = {"straggler_factor": "PROBE_STRAGGLER_FACTOR", "hung_after": "PROBE_HUNG_AFTER",
+                  "desync_steps": "PROBE_DESYNC_STEPS"}
 
 _RECENT_STEPS = 20  # steps the per-rank medians look at
 _RECENT_COLLECTIVES = 256  # collectives per rank compared for mismatches
@@ -303,12 +306,17 @@ VIEW_COLUMNS = {
 }
 
 
+def view_params(environ: dict | None = None, strict: bool = False) -> dict:
+    """The client views' parameters from their typed settings (``environ={}``: the defaults)."""
+    return {key: setting(name, environ, strict=strict) for key, name in PARAM_SETTINGS.items()}
+
+
 def view_sql(name: str, params: dict | None = None) -> str:
     """The SQL of a client view with its parameters filled in.
 
     >>> "2.0 * m.others" in view_sql("ranks.status", {"straggler_factor": 2.0})
     True
     """
-    values = dict(DEFAULT_PARAMS, **(params or {}))
+    values = dict(view_params({}), **(params or {}))
     clean = {k: float(v) for k, v in values.items()}
     return CLIENT_VIEWS[name].strip().format(**clean)

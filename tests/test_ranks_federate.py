@@ -109,10 +109,10 @@ def test_unknown_table_is_refused_with_the_known_names():
 
 
 def test_doctests():
-    from probe import _collectives
+    from probe.training import collectives
     from probe.cli import _fanout, _stacks
     from probe.sql import ranks
 
-    for mod in (federate, ranks, _fanout, _stacks, _collectives):
+    for mod in (federate, ranks, _fanout, _stacks, collectives):
         failed, attempted = doctest.testmod(mod)
         assert attempted and not failed

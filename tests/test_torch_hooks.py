@@ -161,16 +161,16 @@ def test_torch_and_probe_frames_are_told_apart_by_normalised_path():
 
     import torch
 
-    from probe import _torch_steps as ts
+    from probe.training import steps as ts
 
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
-    probe_dir = os.path.dirname(os.path.abspath(ts.__file__))
+    probe_dir = os.path.dirname(os.path.dirname(os.path.abspath(ts.__file__)))  # probe/ (steps is in probe/training)
     other = os.path.join(os.path.dirname(probe_dir), "benchmarks")
 
     def code(path):
         return compile("pass", path, "exec")
 
-    assert ts._is_internal(code(os.path.join(other, "..", "probe", "_torch_hooks.py")), torch_dir)
+    assert ts._is_internal(code(os.path.join(other, "..", "probe", "training", "hooks.py")), torch_dir)
     assert ts._is_internal(code(os.path.join(torch_dir, "optim", "optimizer.py")), torch_dir)
     assert ts._is_internal(code("<frozen importlib._bootstrap>"), torch_dir)
     assert not ts._is_internal(code(torch_dir + "vision" + os.sep + "models.py"), torch_dir)

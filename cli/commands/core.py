@@ -18,16 +18,18 @@ def _read_sql(text: str) -> str:
     return text
 
 
-@command("list", "List probed processes on this host (and in PROBE_REGISTRY) grouped by job: job, pid, rank, step, endpoint.", needs_target=False)
+@command("list", "List probed processes on this host (and in PROBE_REGISTRY) grouped by job: job, pid, rank, step, endpoint.")
 class List(Command):
     @staticmethod
     def add_arguments(p):
         p.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+        p.add_argument("--dead", action="store_true",
+                       help="List processes that died (post-mortem records): pid, rank, cause, when, last step.")
 
     def run(self, session, args):
-        from concurrent.futures import ThreadPoolExecutor
-
-        from probe._runtime import read_entries
+        if args.dead:
+            return _list_dead(session, args)
+        from probe._runtime import offline_status, read_entries
 
         from .._client import Client
         from .._endpoint import _from_entry
@@ -38,12 +40,11 @@ class List(Command):
             try:
                 return Client(_from_entry(entry, session.token), timeout=min(session.timeout, 2.0)).get("/health")
             except ProbeError as exc:
-                from probe._watchdog import offline_status  # a hang dump explains a silent server
+                return {"unreachable": exc.message, **offline_status(entry)}  # a hang dump explains a silent server
 
-                return {"unreachable": exc.message, **offline_status(entry)}
+        from .._fanout import parallel
 
-        with ThreadPoolExecutor(max_workers=min(32, max(1, len(entries)))) as pool:
-            states = list(pool.map(health, entries))
+        states = parallel(entries, health, workers=32)
         rows = []
         for e, h in zip(entries, states):
             endpoint = e.get("socket") if not e.get("shared") else f"{e.get('host')}:{e.get('tcp_port')}"
@@ -74,6 +75,30 @@ class List(Command):
         return 0
 
 
+def _list_dead(session, args) -> int:
+    """``probe list --dead``: the post-mortem records of processes that are gone."""
+    from probe.postmortem.record import dead_records
+
+    rows = [{"pid": m["pid"], "rank": m.get("rank"), "job": m.get("job"), "cause": m["cause"],
+             "when": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(m["time"]))),
+             "last_step": m.get("last_step"), "what": m.get("summary"), "record": m["path"]}
+            for m in dead_records()]
+    if args.json or session.format == "json":
+        session.print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        session.note("No post-mortem records: no probed process has died here (records live in the runtime directory).")
+        return 0
+    from probe.sql.engine import Result
+
+    from .._render import render_result
+
+    cols = ["pid", "rank", "cause", "when", "last_step", "what"]
+    types = ["BIGINT", "INTEGER", "VARCHAR", "VARCHAR", "BIGINT", "VARCHAR"]
+    session.print(render_result(Result(cols, types, [[r[c] for c in cols] for r in rows]), session.format))
+    return 0
+
+
 @command("query", "Run one read-only SQL query on the live tables.", aliases=("sql",))
 class Query(Command):
     @staticmethod
@@ -88,7 +113,7 @@ class Query(Command):
     def run(self, session, args):
         sql = _read_sql(args.sql)
         if session.multi:
-            from .._fanout import federated_query
+            from .._federation import federated_query
 
             result = federated_query(session, sql, max_rows=args.max_rows)
         else:
@@ -110,9 +135,7 @@ class Query(Command):
 class Tables(Command):
     def run(self, session, args):
         if session.multi:
-            from .._fanout import fanout_tables
-
-            return fanout_tables(session)
+            return _tables_ranks(session)
         doc = session.client().get("/tables")
         if session.format == "json":
             session.print(json.dumps(doc["tables"], indent=2))
@@ -166,9 +189,7 @@ class Backtrace(Command):
 
     def run(self, session, args):
         if session.multi:
-            from .._fanout import fanout_backtrace
-
-            return fanout_backtrace(session, args)
+            return _backtrace_ranks(session, args)
         target = session.target()
         doc = backtrace_doc(session, target, args)
         if session.format == "json":
@@ -217,3 +238,54 @@ def backtrace_doc(session, target, args) -> dict:
     extra = "; locals are not available from py-spy" if args.locals else ""
     doc["note"] = f"[stacks read by py-spy in {time.perf_counter() - started:.2f} s because {reason}{extra}]"
     return doc
+
+
+def _backtrace_ranks(session, args) -> int:
+    """``probe --ranks SPEC backtrace [--group]``: per-rank sections, or identical stacks merged."""
+    from .._fanout import check_partial, fan_out
+
+    from .._render import render_backtrace
+    from .._stacks import group_text
+
+    targets = session.targets()
+    answers = fan_out(targets, lambda t: backtrace_doc(session, t, args))
+    if session.format == "json":
+        session.print(json.dumps([{"rank": a.rank, "label": a.target.label, **(a.value if a.ok else {"error": a.error})}
+                                  for a in answers], indent=2, default=str))
+    elif getattr(args, "group", False):
+        session.print(group_text(answers, thread=args.thread))
+    else:
+        parts = []
+        for a in answers:
+            host = a.target.entry.get("host")
+            head = f"=== {a.target.label}" + (f" · pid {a.target.pid}" if a.target.pid else "") + (f" · {host}" if host else "") + " ==="
+            parts.append(head + "\n" + (render_backtrace(a.value) if a.ok else f"unreachable: {a.error}"))
+        session.print("\n\n".join(parts))
+    check_partial(answers, "backtrace")  # cli.main reports it and exits 7 (partial) or 3 (none answered)
+    return 0
+
+
+def _tables_ranks(session) -> int:
+    """``probe --ranks SPEC tables``: every table once, with the ranks that have it; silent ranks as rows."""
+    from .._fanout import check_partial, fan_out, format_ranks
+
+    from probe.sql.engine import Result
+
+    from .._render import render_result
+
+    answers = fan_out(session.targets(), lambda t: session.client(t).get("/tables"))
+    seen: dict = {}
+    for a in answers:
+        for t in a.value["tables"] if a.ok else ():
+            seen.setdefault(t["name"], (t, []))[1].append(a.rank)
+    answered = [a.rank for a in answers if a.ok]
+    rows = [[name, t["kind"], len(t["columns"]), "all" if ranks == answered else format_ranks(ranks), t["description"]]
+            for name, (t, ranks) in sorted(seen.items())]
+    rows += [[None, "error", None, a.target.label, a.error] for a in answers if not a.ok]
+    if session.format == "json":
+        session.print(json.dumps([dict(zip(["name", "kind", "columns", "ranks", "description"], r)) for r in rows], indent=2))
+    else:
+        session.print(render_result(Result(["name", "kind", "columns", "ranks", "description"],
+                                           ["VARCHAR", "VARCHAR", "INTEGER", "VARCHAR", "VARCHAR"], rows), session.format))
+    check_partial(answers, "table listing")  # cli.main reports it and exits 7 (partial) or 3 (none answered)
+    return 0

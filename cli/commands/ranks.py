@@ -27,13 +27,13 @@ class Status(Command):
                        help="Hung (or waiting, inside a collective) after this many seconds without a step (default PROBE_HUNG_AFTER).")
 
     def run(self, session, args):
-        from .._fanout import view_params, federated_query
+        from .._federation import federated_query
         from .._render import render_result
 
         for name, value in (("--slow-factor", args.slow_factor), ("--hung-after", args.hung_after)):
             if value is not None and value <= 0:
                 raise ProbeError(f"{name} must be a positive number, not {value}.")
-        params = view_params(straggler_factor=args.slow_factor, hung_after=args.hung_after)
+        params = {"straggler_factor": args.slow_factor, "hung_after": args.hung_after}
         targets = None
         if not (session.multi or session.args.endpoint or session.args.rank is not None):
             from .._endpoint import targets_for_ranks

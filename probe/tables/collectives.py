@@ -1,20 +1,20 @@
 """torch.collectives and torch.process_groups: torch's c10d flight recorder as tables.
 
-Both are read at query time from the recorder (``probe._collectives``); without
+Both are read at query time from the recorder (``probe.training.collectives``); without
 torch.distributed, a process group, or the recorder on, they are empty.
 """
 
 from __future__ import annotations
 
-from .. import _collectives
-from .._tables import Column, table
+from ..training import collectives as recorder_io
+from .registry import Column, table
 
 
 def recorder(ctx, frames: bool = True, only_active: bool = False) -> dict | None:
     """One dump of the flight recorder per kind and query (tables read in the same query share it)."""
     key = ("flight_recorder", frames, only_active)
     if key not in ctx.hints:
-        ctx.hints[key] = _collectives.dump(frames=frames, only_active=only_active)
+        ctx.hints[key] = recorder_io.dump(frames=frames, only_active=only_active)
     return ctx.hints[key]
 
 
@@ -56,7 +56,7 @@ def recorder(ctx, frames: bool = True, only_active: bool = False) -> dict | None
 def collectives(ctx):
     read = ctx.hints.get("columns")
     frames = read is None or bool({"frames", "call_site"} & read)  # the frames cost most of a dump: only when read
-    rows = _collectives.entry_rows(recorder(ctx, frames=frames))
+    rows = recorder_io.entry_rows(recorder(ctx, frames=frames))
     steps = _step_of([r["created_at"] for r in rows])
     for row, step in zip(rows, steps):
         row["step"] = step
@@ -65,9 +65,9 @@ def collectives(ctx):
 
 def _step_of(times: list) -> list:
     """The training step in progress at each time: the first step (torch.steps) that ended after it."""
-    from .. import _torch_hooks
+    from ..training import hooks
 
-    tk = _torch_hooks.tracker()
+    tk = hooks.tracker()
     if tk is None or not times:
         return [None] * len(times)
     import numpy as np
@@ -109,8 +109,8 @@ def _step_of(times: list) -> list:
 def process_groups(ctx):
     read = ctx.hints.get("columns")
     doc = recorder(ctx, frames=read is None or "pending_site" in read, only_active=True)
-    rows = _collectives.group_rows(doc)
-    active = [e for e in _collectives.entry_rows(doc) if not e["retired"] and not e["is_p2p"]]
+    rows = recorder_io.group_rows(doc)
+    active = [e for e in recorder_io.entry_rows(doc) if not e["retired"] and not e["is_p2p"]]
     for row in rows:
         mine = sorted((e for e in active if e["pg"] == row["pg"]), key=lambda e: e["seq"] or 0)
         oldest = mine[0] if mine else {}

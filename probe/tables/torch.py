@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import sys
 
-from .. import _discovery, _torch_hooks
-from .._health import record_error
-from .._tables import Column, table
-from .._torch_steps import STEP_COLUMNS
-from .._torch_trace import TRACE_COLUMNS
-from .process import rss_bytes
+from ..training import finder
+from ..training import hooks
+from ..util.errorlog import record_error
+from .registry import Column, table
+from ..training.steps import STEP_COLUMNS
+from ..training.trace import TRACE_COLUMNS
+from ..util.procfs import rss_bytes
 
 
 def _empty(columns: dict) -> dict:
@@ -57,7 +58,7 @@ _STEP_EXTRA = ("compute", "comm_wait")
     kind="ring",
 )
 def steps(ctx):
-    tk = _torch_hooks.tracker()
+    tk = hooks.tracker()
     if tk is None:
         return _empty(list(STEP_COLUMNS) + list(_STEP_EXTRA))
     tk.resolve()
@@ -70,7 +71,7 @@ def _comm_split(ctx, cols):
     """compute and comm_wait of each step from the creation times of the recorded collectives."""
     import numpy as np
 
-    from .._collectives import step_split
+    from ..training.collectives import step_split
     from .collectives import recorder
 
     n = len(cols["step"])
@@ -114,7 +115,7 @@ def _comm_split(ctx, cols):
     kind="ring",
 )
 def torch_trace(ctx):
-    tr = _torch_hooks.tracer()
+    tr = hooks.tracer()
     if tr is None:
         return _empty(TRACE_COLUMNS)
     tr.resolve()
@@ -198,11 +199,11 @@ def _step_count(state: dict):
               "state_bytes / 1e6 AS state_mb, step_count, scheduler FROM torch.optimizer"],
 )
 def optimizer(ctx):
-    tk = _torch_hooks.tracker()
+    tk = hooks.tracker()
     lead = tk.lead_optimizer() if tk is not None else None
     rows = []
-    for opt in _discovery.optimizers():
-        sched = _discovery.scheduler_for(opt)
+    for opt in finder.optimizers():
+        sched = finder.scheduler_for(opt)
         state = opt.state
         for i, group in enumerate(list(opt.param_groups)):
             params = list(group.get("params", ()))
@@ -260,13 +261,13 @@ def parameters(ctx):
     torch = sys.modules.get("torch")
     if torch is None:
         return []
-    in_opt = {id(p) for opt in _discovery.optimizers() for g in list(opt.param_groups) for p in g.get("params", ())}
+    in_opt = {id(p) for opt in finder.optimizers() for g in list(opt.param_groups) for p in g.get("params", ())}
     rows = []
     with torch.no_grad():
-        for model_name, model in _discovery.models():
+        for model_name, model in finder.models():
             for name, p in list(model.named_parameters()):
                 try:
-                    rows.append(_param_row(torch, model_name, _discovery.module_path(name), p, id(p) in in_opt))
+                    rows.append(_param_row(torch, model_name, finder.module_path(name), p, id(p) in in_opt))
                 except Exception as exc:
                     record_error(f"torch.parameters: {name}", exc)
     return rows
