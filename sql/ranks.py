@@ -93,14 +93,18 @@ SELECT g.rank, g.pg, g.pg_desc, g.last_enqueued, g.last_completed,
        max(g.last_enqueued) OVER (PARTITION BY g.pg) - g.last_enqueued AS behind,
        g.pending, g.pending_seq, g.pending_op, g.pending_sizes, g.pending_s, g.pending_site,
        CASE WHEN g.pending_s > {hung_after} THEN 'waiting'
-            WHEN EXISTS (SELECT 1 FROM waiting w WHERE w.pg = g.pg AND w.pending_seq > coalesce(g.last_enqueued, -1))
+            -- a silent rank is the culprit when there is one: after a peer dies, the survivors' failed collectives
+            -- may be left unfinished at different seqs, which says nothing about who is behind
+            WHEN NOT EXISTS (SELECT 1 FROM silent) AND EXISTS (SELECT 1 FROM waiting w WHERE w.pg = g.pg
+                 AND w.pending_seq > coalesce(g.last_enqueued, -1))
             THEN 'culprit' ELSE 'ok' END AS role,
        CASE WHEN g.pending_s > {hung_after} THEN
             (SELECT string_agg(CAST(r AS VARCHAR), ',' ORDER BY r) FROM
                 (SELECT o.rank AS r FROM g AS o WHERE o.pg = g.pg AND coalesce(o.last_enqueued, -1) < g.pending_seq
                  UNION SELECT rank FROM silent)) END AS waits_for,
        (SELECT string_agg(CAST(w.rank AS VARCHAR), ',' ORDER BY w.rank) FROM waiting w
-        WHERE w.pg = g.pg AND w.pending_seq > coalesce(g.last_enqueued, -1)) AS waited_by,
+        WHERE w.pg = g.pg AND w.pending_seq > coalesce(g.last_enqueued, -1) AND NOT EXISTS (SELECT 1 FROM silent))
+           AS waited_by,
        (SELECT 'seq ' || o.seq || ': ' || any_value(i.what) || ' here, '
                || string_agg(DISTINCT x.what || ' on rank ' || x.rank, ', ') 
         FROM odd o JOIN issued i ON i.rank = o.rank AND i.pg = o.pg AND i.seq = o.seq

@@ -13,11 +13,10 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 import pytest
 
-from conftest import EXAMPLES, PROBE_BIN, TARGETS, requires_torch
+from conftest import EXAMPLES, PROBE_BIN, TARGETS, poll, requires_torch
 
 PARTIAL = 7
 
@@ -30,16 +29,6 @@ def _env(rt: str) -> dict:
 
 def run_cli(env, *args, timeout=60):
     return subprocess.run([PROBE_BIN, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout)
-
-
-def poll(fn, timeout=30.0):
-    """Call fn until it returns a truthy value; the last value otherwise."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.2)  # ok-sleep: polling with a deadline
 
 
 @pytest.fixture(scope="module")

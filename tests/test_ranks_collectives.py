@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from conftest import PROBE_BIN, TARGETS, requires_torch
+from conftest import PROBE_BIN, TARGETS, poll, requires_torch
 
 pytestmark = requires_torch
 
@@ -52,15 +52,6 @@ class Job:
     def cli(self, *args, env=None, timeout=60):
         return subprocess.run([PROBE_BIN, *map(str, args)], capture_output=True, text=True,
                               env=dict(self.env, **(env or {})), timeout=timeout)
-
-
-def poll(fn, timeout):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.2)  # ok-sleep: polling with a deadline
 
 
 def _free_port() -> int:
