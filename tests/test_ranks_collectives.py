@@ -131,7 +131,8 @@ def until_status(job, since: float, predicate, *extra):
         return (r, rows) if rows and predicate(rows) else None
 
     found = poll(look, max(0.0, since + WITHIN - time.monotonic()))
-    assert found, f"status did not name the rank within {WITHIN} s: {last.get('rows')}\n{last.get('r').stderr if last.get('r') else ''}"
+    assert found, (f"status did not name the rank within {WITHIN} s: {last.get('rows')}\n"
+                   f"{last.get('r').stderr if last.get('r') else ''}\njob output:\n" + "\n".join(job.lines[-20:]))
     return found
 
 
@@ -180,6 +181,14 @@ def test_slow_rank_is_the_straggler_by_its_compute_time():
         assert view(job, "SELECT rank FROM ranks.hung") == []
         coll = view(job, "SELECT rank, role, mismatch FROM ranks.collectives")
         assert {c["role"] for c in coll} == {"ok"} and all(c["mismatch"] is None for c in coll)
+        # the recorder's rows: DDP's gradient all_reduce, issued from the loop's backward call, one seq per step
+        recorded = view(job, "SELECT op, input_dtypes, state, call_site, count(*) AS n, count(DISTINCT step) AS steps, "
+                             "max(seq) - min(seq) + 1 AS span FROM torch.collectives WHERE rank = 0 AND step IS NOT NULL "
+                             "GROUP BY ALL ORDER BY n DESC")
+        assert len(recorded) >= 1 and recorded[0]["op"] == "all_reduce" and recorded[0]["input_dtypes"] == "[Float]"
+        assert "main (ddp_plain.py:" in recorded[0]["call_site"] and recorded[0]["n"] >= recorded[0]["steps"] > 5
+        groups = view(job, "SELECT rank, pg_desc, ranks, last_enqueued FROM torch.process_groups ORDER BY rank")
+        assert [g["ranks"] for g in groups] == ["[0, 1, 2]"] * 3 and groups[0]["pg_desc"] == "default_pg"
         steps = view(job, "SELECT rank, median(compute) AS compute, median(comm_wait) AS wait FROM torch.steps "
                           "WHERE compute IS NOT NULL GROUP BY rank ORDER BY rank")
         assert steps[2]["compute"] > 1.5 * steps[0]["compute"] and steps[0]["wait"] > steps[2]["wait"]

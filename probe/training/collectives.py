@@ -22,26 +22,24 @@ import sys
 from .._config import setting
 from ..util.errorlog import record_error
 
-__all__ = ["enable", "enabled", "dump", "entry_rows", "group_rows", "split_op", "step_split"]
+__all__ = ["enable", "dump", "entry_rows", "group_rows", "split_op", "step_split"]
 
 _ENV = "TORCH_FR_BUFFER_SIZE"
-_state: dict = {}
 
 
 def enable() -> None:
     """Turn the recorder on (PROBE_COLLECTIVES entries) unless the user set its buffer size."""
     if _ENV in os.environ or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"):
-        _state["by"] = "user"
         return
     size = setting("PROBE_COLLECTIVES")
     if size <= 0:
-        _state["by"] = "off"
         return
-    if _group_exists():
-        _state["by"] = "late"  # the recorder reads the variable when the first group is made: too late now
+    if _group_exists():  # torch reads the variable when the first group is made: too late now
+        record_error("torch.collectives", RuntimeError(
+            "the flight recorder is off: the process group existed before the probe started; import probe.auto "
+            f"before init_process_group, run with PROBE=1, or set {_ENV} yourself"))
         return
     os.environ[_ENV] = str(size)
-    _state["by"] = "probe"
 
 
 def _group_exists() -> bool:
@@ -49,14 +47,6 @@ def _group_exists() -> bool:
     try:
         return bool(dist is not None and dist.is_available() and dist.is_initialized())
     except Exception:
-        return False
-
-
-def enabled() -> bool:
-    """Whether the recorder records: a positive buffer size was in the environment."""
-    try:
-        return int(os.environ.get(_ENV) or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or 0) > 0
-    except ValueError:
         return False
 
 
