@@ -232,7 +232,8 @@ def test_killed_rank_is_the_culprit_the_survivors_wait_for():
         assert r.returncode == PARTIAL
         assert culprits(rows) == {1} and "ranks 0,2 wait for it" in rows[1]["reason"]
         coll = {c["rank"]: c for c in view(job, "SELECT rank, role FROM ranks.collectives")}
-        assert coll[1]["role"] == "culprit" and coll[0]["role"] == coll[2]["role"] == "ok"
+        # a survivor's failed collective may stay unfinished in its recorder (waiting) or not (ok): never the culprit
+        assert coll[1]["role"] == "culprit" and {coll[0]["role"], coll[2]["role"]} <= {"ok", "waiting"}
         hung = view(job, "SELECT rank, state, culprit FROM ranks.hung")
         assert hung[0] == {"rank": 1, "state": "unreachable", "culprit": True}
         assert view(job, "SELECT rank FROM ranks.stragglers") == []
