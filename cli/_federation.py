@@ -27,17 +27,20 @@ def fetch_schema(session, targets) -> dict:
     raise EndpointError(f"no rank answered to list its tables: {last.target.label}: {last.error}.")
 
 
-def federated_query(session, sql: str, max_rows: int | None = None):
-    """Run ``sql`` across the ranks of ``--ranks``; return the combined Result.
+def federated_query(session, sql: str, max_rows: int | None = None, targets=None, params: dict | None = None):
+    """Run ``sql`` across the ranks of ``--ranks`` (or ``targets``); return the combined Result.
 
+    ``params`` override the ranks.* views' parameters (default: their settings).
     When some ranks fail, the result is printed here and PartialError is raised
     (exit code 7) naming them.
     """
     from probe.sql.federate import plan, view_params
 
-    targets = session.targets()
+    targets = targets if targets is not None else session.targets()
     schema = fetch_schema(session, targets)
-    p = plan(sql, schema, view_params(strict=True))
+    values = view_params(strict=True)
+    values.update({k: v for k, v in (params or {}).items() if v is not None})
+    p = plan(sql, schema, values)
     con, failed = open_database(session, targets, schema, p.parts)
     try:
         add_views(con, p.views)

@@ -17,7 +17,7 @@ from .commands import COMMANDS, load_all
 
 __all__ = ["main"]
 
-_VALUE_OPTIONS = {"-t", "--target", "--rank", "--ranks", "--timeout", "--token", "--format"}
+_VALUE_OPTIONS = {"-t", "--target", "--rank", "--ranks", "--job", "--timeout", "--token", "--format"}
 
 
 def _global_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
@@ -27,6 +27,8 @@ def _global_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
                    help="pid, host:port or unix-socket path of the probed process.")
     g.add_argument("--rank", type=int, metavar="N", default=d, help="Talk to rank N (found in the registry).")
     g.add_argument("--ranks", metavar="SPEC", default=d, help="Talk to several ranks: all, 3, 0-3, 0-3,7.")
+    g.add_argument("--job", metavar="ID", default=d,
+                   help="With --rank/--ranks when several jobs run here: the job (its id or a prefix, see `probe list`).")
     g.add_argument("--timeout", type=float, metavar="S", default=d, help="Seconds to wait for an answer (default 10).")
     g.add_argument("--token", default=d, help="Token for TCP endpoints (default: $PROBE_TOKEN, or the local registry).")
     g.add_argument("--format", choices=("table", "json", "csv"), default=d, help="Output format (default table).")

@@ -119,9 +119,12 @@ _declare("PROBE_POSTMORTEM_ROWS", "2000", "Rows of each table a post-mortem reco
 _declare("PROBE_POSTMORTEM_KEEP", "20", "Post-mortem records kept in the runtime directory; the oldest are removed when a new one is written.", _COUNT)
 _declare("PROBE_INJECT_VIA", "remote_exec,gdb", "Injection methods `probe inject` may use, in order: remote_exec (Python 3.14+), gdb.", _names)
 _declare("PROBE_GDB", "gdb", "The gdb executable `probe inject` runs (a name on PATH or an absolute path).")
-_declare("PROBE_STRAGGLER_FACTOR", "1.5", "For --ranks: a rank is a straggler (ranks.stragglers, `status` state slow) when its median step time exceeds the others' median by this factor.",
+_declare("PROBE_STRAGGLER_FACTOR", "1.5", "For --ranks: a rank is a straggler (ranks.stragglers, `status` state slow) when its median compute time per step (step time minus the time it waits for other ranks, from the flight recorder; its step time without one) exceeds the other ranks' median by this factor.",
          _number(float, above=1.0, what="a factor above 1, such as 1.5"))
 _declare("PROBE_HUNG_AFTER", "60", "For --ranks: seconds without a completed step after which ranks.hung and `status` call a rank hung (or waiting, inside a collective).", _SECONDS)
+_declare("PROBE_COLLECTIVES", "500", "Entries of torch's c10d flight recorder (torch.collectives) turned on when the probe starts before the first process group and TORCH_FR_BUFFER_SIZE is unset; 0 or off leaves it off.",
+         lambda text: 0 if text.strip().lower() in _FALSE + ("none",)
+         else _number(int, minimum=0, what="a number of entries, or off")(text))
 _declare("PROBE_DESYNC_STEPS", "1", "For --ranks: ranks.desync lists ranks more than this many steps behind the most advanced one.",
          _number(float, minimum=0, what="a number of steps, 0 or more"))
 

@@ -18,7 +18,7 @@ def _read_sql(text: str) -> str:
     return text
 
 
-@command("list", "List probed processes on this host (and in PROBE_REGISTRY): pid, rank, step, endpoint.")
+@command("list", "List probed processes on this host (and in PROBE_REGISTRY) grouped by job: job, pid, rank, step, endpoint.")
 class List(Command):
     @staticmethod
     def add_arguments(p):
@@ -52,10 +52,12 @@ class List(Command):
                 endpoint += f" tcp:{e.get('tcp_host')}:{e['tcp_port']}"
             state = h.get("state") or ("unreachable" if "unreachable" in h else "running")
             rows.append({
-                "pid": e["pid"], "rank": e.get("rank"), "world_size": e.get("world_size"), "host": e.get("host"),
+                "job": e.get("job"), "pid": e["pid"], "rank": e.get("rank"), "world_size": e.get("world_size"), "host": e.get("host"),
                 "step": h.get("step"), "state": state, "hung_since": h.get("hung_since"),
                 "endpoint": endpoint, "command": " ".join(e.get("argv", []))[:80],
             })
+        # grouped by job (processes outside a job last), ranks in order within each
+        rows.sort(key=lambda r: (r["job"] is None, str(r["job"]), r["rank"] is None, r["rank"] or 0, r["pid"]))
         if args.json or session.format == "json":
             session.print(json.dumps(rows, indent=2))
             return 0
@@ -66,8 +68,8 @@ class List(Command):
 
         from .._render import render_result
 
-        cols = ["pid", "rank", "world_size", "host", "step", "state", "endpoint", "command"]
-        types = ["BIGINT", "INTEGER", "INTEGER", "VARCHAR", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR"]
+        cols = ["job", "pid", "rank", "world_size", "host", "step", "state", "endpoint", "command"]
+        types = ["VARCHAR", "BIGINT", "INTEGER", "INTEGER", "VARCHAR", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR"]
         result = Result(cols, types, [[r[c] for c in cols] for r in rows])
         session.print(render_result(result, session.format))
         return 0

@@ -49,6 +49,7 @@ def run_query(sql: str, *, max_rows: int | None = None, timeout: float | None = 
         raise QueryError("no SQL given; pass a query such as \"SELECT * FROM probe.tables\".")
     guarded = guard(sql, [t.name for t in all_tables()])
     ctx = ctx or Context(exclude_threads=frozenset({threading.get_ident()}))
+    ctx.hints.setdefault("columns", _columns_read(guarded.expression))
     t0 = time.perf_counter()
     tables = snapshot(guarded.tables, ctx)
     snap = time.perf_counter() - t0
@@ -64,6 +65,15 @@ def run_query(sql: str, *, max_rows: int | None = None, timeout: float | None = 
     result.meta = {"pid": entry.get("pid"), "rank": entry.get("rank"), "host": entry.get("host"),
                    "snapshot_time": ctx.time, "snapshot_s": snap, "tables": list(guarded.tables)}
     return result
+
+
+def _columns_read(expression) -> frozenset | None:
+    """Names of the columns a query reads (a hint for costly generators), None when it reads every column."""
+    from sqlglot import exp
+
+    if any(isinstance(s.parent, (exp.Select, exp.Column)) for s in expression.find_all(exp.Star)):
+        return None
+    return frozenset(c.name.lower() for c in expression.find_all(exp.Column))
 
 
 @route("POST", "/query")

@@ -277,17 +277,17 @@ rule(
 
 rule(
     "hung_rank", family="distributed", severity="critical", scope="job",
-    description="A rank has made no step for longer than PROBE_HUNG_AFTER while not inside a collective: the rank the others wait for.",
-    sql="SELECT rank, step, age_s, state, top_frame FROM ranks.hung WHERE NOT coalesce(in_collective, false)",
-    message="rank {rank} has made no step for {age_s:.0f} s (state {state}), stuck in {top_frame}: the other ranks wait for it.",
+    description="The rank the others wait for (ranks.status culprit): hung outside any collective, stopped, or gone while the others wait.",
+    sql="SELECT rank, step, state, reason, top_frame FROM ranks.hung WHERE culprit",
+    message="rank {rank} is the one the others wait for (state {state}): {reason}; now in {top_frame}.",
     next=["probe --rank {rank} backtrace", "probe --rank {rank} backtrace --native", "probe --ranks all backtrace --group"],
 )
 
 rule(
     "straggler", family="distributed", severity="warning", scope="job",
-    description="A rank's median step time exceeds the other ranks' by PROBE_STRAGGLER_FACTOR.",
-    sql="SELECT rank, step, ratio, step_time * 1000 AS step_ms, others_step_time * 1000 AS others_ms, top_frame FROM ranks.stragglers",
-    message="rank {rank} is a straggler: {step_ms:.1f} ms a step against {others_ms:.1f} ms on the others ({ratio:.1f}x), now in {top_frame}.",
+    description="A rank's compute time per step (its step time without the flight recorder) exceeds the other ranks' by PROBE_STRAGGLER_FACTOR.",
+    sql="SELECT rank, step, ratio, basis, step_time * 1000 AS step_ms, top_frame FROM ranks.stragglers",
+    message="rank {rank} is a straggler: {ratio:.1f}x the other ranks' time per step ({basis}; {step_ms:.1f} ms steps), now in {top_frame}.",
     next=["probe --rank {rank} backtrace", "probe --ranks all status"],
 )
 

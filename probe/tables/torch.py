@@ -22,6 +22,9 @@ def _empty(columns: dict) -> dict:
     return {name: [] for name in columns}
 
 
+_STEP_EXTRA = ("compute", "comm_wait")
+
+
 @table(
     "torch.steps",
     "One row per training step (an optimizer step of the lead optimizer, or a probe.step() call).",
@@ -42,9 +45,13 @@ def _empty(columns: dict) -> dict:
         Column("tokens", "DOUBLE", "Tokens processed in this step, NULL when unknown."),
         Column("micro_batches", "BIGINT", "Training forward passes of the root model in this step (more than 1 under gradient accumulation)."),
         Column("optimizer", "VARCHAR", "Class of the lead optimizer."),
+        Column("compute", "DOUBLE", "Seconds of the step this rank spent on its own work (data, forward, backward) before it issued the step's last collective, from torch.collectives; NULL without a recorded collective in the step."),
+        Column("comm_wait", "DOUBLE", "Seconds from the step's last collective to its end: waiting for the other ranks (and the optimizer step); NULL without a recorded collective."),
     ],
     examples=[
         "SELECT step, duration, loss, grad_norm, lr, tokens_per_s FROM torch.steps ORDER BY step DESC LIMIT 10",
+        "SELECT step, duration, compute, comm_wait, comm_wait / duration AS wait_share FROM torch.steps "
+        "WHERE comm_wait IS NOT NULL ORDER BY step DESC LIMIT 10",
         "SELECT COUNT(*) AS steps, AVG(duration) AS avg_step_s, MIN(loss) AS best_loss, MAX(grad_norm) AS max_grad_norm "
         "FROM torch.steps WHERE step > (SELECT MAX(step) - 100 FROM torch.steps)",
     ],
@@ -53,9 +60,30 @@ def _empty(columns: dict) -> dict:
 def steps(ctx):
     tk = hooks.tracker()
     if tk is None:
-        return _empty(STEP_COLUMNS)
+        return _empty(list(STEP_COLUMNS) + list(_STEP_EXTRA))
     tk.resolve()
-    return tk.ring.snapshot()
+    cols = tk.ring.snapshot()
+    cols["compute"], cols["comm_wait"] = _comm_split(ctx, cols)
+    return cols
+
+
+def _comm_split(ctx, cols):
+    """compute and comm_wait of each step from the creation times of the recorded collectives."""
+    import numpy as np
+
+    from ..training.collectives import step_split
+    from .collectives import recorder
+
+    n = len(cols["step"])
+    doc = recorder(ctx, frames=False) if n else None
+    created = sorted(e["time_created_ns"] / 1e9 for e in (doc or {}).get("entries") or () if e.get("time_created_ns"))
+    if not created:
+        return np.full(n, np.nan), np.full(n, np.nan)
+    first = np.searchsorted(cols["ended_at"], created[0])  # older steps lie before the recorder's window
+    compute, wait = np.full(n, np.nan), np.full(n, np.nan)
+    c, w = step_split(cols["started_at"][first:].tolist(), cols["ended_at"][first:].tolist(), created)
+    compute[first:], wait[first:] = c, w
+    return compute, wait
 
 
 @table(
