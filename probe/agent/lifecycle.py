@@ -23,6 +23,7 @@ from .._errors import ProbeError
 from .._runtime import process_argv, rank_identity, registry_listen, remove_entry, runtime_dir, write_entry
 from ..training import hooks
 from . import action_routes  # noqa: F401  (registers the action and eval routes)
+from . import profile  # noqa: F401  (registers GET /profile, the stack sampler)
 from . import routes  # noqa: F401  (registers the read routes)
 from . import state, watchdog
 from .server import TCPServer, UnixServer, serve_in_thread

@@ -1,0 +1,561 @@
+// probe ui: the live page of a training job. Hand-written, no dependencies, no network
+// beyond this page's own origin. Every panel is one request to the `probe ui` server,
+// which answers through the CLI's client and fan-out. URLs are relative: the token in
+// the page's path travels with them.
+"use strict";
+
+const $ = (sel, root) => (root || document).querySelector(sel);
+const SVGNS = "http://www.w3.org/2000/svg";
+const COLORS = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d", "#bab0ac", "#eeca3b"];
+const state = { config: {}, tables: {}, timer: null, refresh: 3, busy: false, flame: null, sqlResult: null, curves: {} };
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") node.className = v; else if (k === "text") node.textContent = v; else node.setAttribute(k, v);
+  }
+  for (const c of children) if (c != null) node.append(c);
+  return node;
+}
+
+function svg(tag, attrs, text) {
+  const node = document.createElementNS(SVGNS, tag);
+  for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
+  if (text != null) node.textContent = text;
+  return node;
+}
+
+// JSON has no NaN/Infinity: the server sends them as strings.
+function num(v) {
+  if (typeof v === "number") return v;
+  if (v === "NaN") return NaN;
+  if (v === "Infinity") return Infinity;
+  if (v === "-Infinity") return -Infinity;
+  return null;
+}
+
+function fmt(v) {
+  v = num(v);
+  if (v === null) return "–";
+  if (!Number.isFinite(v)) return String(v);
+  const a = Math.abs(v);
+  if (a !== 0 && (a >= 1e5 || a < 1e-3)) return v.toExponential(3);
+  if (Number.isInteger(v)) return String(v);
+  return v.toPrecision(5).replace(/\.?0+$/, "");
+}
+
+function tick(v) {  // short axis labels
+  const a = Math.abs(v);
+  if (a === 0) return "0";
+  if (a >= 1e5 || a < 1e-2) return v.toExponential(1);
+  return String(Number(v.toPrecision(3)));
+}
+
+function fmtBytes(v) {
+  v = num(v);
+  if (v === null || !Number.isFinite(v)) return fmt(v);
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (Math.abs(v) >= 1024 && i < units.length - 1) { v /= 1024; i++; }
+  return v.toFixed(v < 10 && i ? 2 : 1).replace(/\.0+$/, "") + " " + units[i];
+}
+
+async function call(method, path, body) {
+  const opts = { method, headers: {} };
+  if (body !== undefined) { opts.body = JSON.stringify(body); opts.headers["Content-Type"] = "application/json"; }
+  const resp = await fetch(path, opts);
+  let doc;
+  try { doc = await resp.json(); } catch (e) { throw new Error(`HTTP ${resp.status} from ${path}`); }
+  if (doc && doc.error) throw new Error(doc.error);
+  if (!resp.ok) throw new Error(`HTTP ${resp.status} from ${path}`);
+  return doc;
+}
+
+const query = (sql, maxRows) => call("POST", "api/query", { sql, max_rows: maxRows });
+
+function rowsAsObjects(res) {
+  return res.rows.map(r => Object.fromEntries(res.columns.map((c, i) => [c, r[i]])));
+}
+
+function setError(panel, err) {
+  $(".err", panel).textContent = err ? String(err.message || err) : "";
+}
+
+function table(columns, rows, opts) {
+  opts = opts || {};
+  const t = el("table");
+  t.append(el("thead", {}, el("tr", {}, ...columns.map(c => el("th", { text: c })))));
+  const tb = el("tbody");
+  for (const r of rows) {
+    const tr = el("tr");
+    r.forEach((v, i) => {
+      const n = num(v);
+      const td = el("td", { class: n !== null ? "num" : "" , text: v === null ? "NULL" : (n !== null ? fmt(v) : String(v)) });
+      if (opts.cell) opts.cell(columns[i], v, td, tr);
+      tr.append(td);
+    });
+    tb.append(tr);
+  }
+  t.append(tb);
+  return t;
+}
+
+// ---------------------------------------------------------------- line charts
+
+function lineChart(box, series, opts) {
+  // series: [{name, color, points: [[x, y], ...]}]; y may be NaN/Infinity (marked, not drawn)
+  const W = Math.max(300, box.clientWidth || 360), H = opts.height || 150;
+  const m = { l: 58, r: 10, t: 10, b: 18 };
+  const log = !!opts.log;
+  let xmin = Infinity, xmax = -Infinity, ymin = Infinity, ymax = -Infinity;
+  const bad = [];
+  for (const s of series) for (const [x, y] of s.points) {
+    xmin = Math.min(xmin, x); xmax = Math.max(xmax, x);
+    if (!Number.isFinite(y)) { bad.push([x, y, s]); continue; }
+    if (log && y <= 0) continue;
+    const v = log ? Math.log10(y) : y;
+    ymin = Math.min(ymin, v); ymax = Math.max(ymax, v);
+  }
+  const root = svg("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}`, class: "linechart" });
+  box.replaceChildren(root);
+  if (!Number.isFinite(xmin)) { root.append(svg("text", { x: m.l, y: H / 2 }, "no data yet")); return; }
+  if (!Number.isFinite(ymin)) { ymin = 0; ymax = 1; }
+  if (ymin === ymax) { ymin -= 0.5; ymax += 0.5; }
+  if (xmin === xmax) { xmax = xmin + 1; }
+  const pad = (ymax - ymin) * 0.05;
+  ymin = (!log && ymin >= 0 && ymin - pad < 0) ? 0 : ymin - pad;
+  ymax += pad;
+  const X = x => m.l + (x - xmin) / (xmax - xmin) * (W - m.l - m.r);
+  const Y = v => m.t + (1 - (v - ymin) / (ymax - ymin)) * (H - m.t - m.b);
+  for (let i = 0; i <= 3; i++) {
+    const v = ymin + (ymax - ymin) * i / 3, y = Y(v);
+    root.append(svg("line", { x1: m.l, x2: W - m.r, y1: y, y2: y, class: "grid" }));
+    const label = log ? tick(Math.pow(10, v)) : (opts.bytes ? fmtBytes(v) : tick(v));
+    root.append(svg("text", { x: m.l - 4, y: y + 3, "text-anchor": "end" }, label));
+  }
+  root.append(svg("line", { x1: m.l, x2: m.l, y1: m.t, y2: H - m.b, class: "axis" }));
+  [[xmin, "start"], [Math.round((xmin + xmax) / 2), "middle"], [xmax, "end"]].forEach(([x, anchor]) => {
+    root.append(svg("text", { x: X(x), y: H - 4, "text-anchor": anchor }, String(x)));
+  });
+  for (const s of series) {
+    let d = "", pen = false;
+    for (const [x, y] of s.points) {
+      if (!Number.isFinite(y) || (log && y <= 0)) { pen = false; continue; }
+      d += (pen ? "L" : "M") + X(x).toFixed(1) + " " + Y(log ? Math.log10(y) : y).toFixed(1);
+      pen = true;
+    }
+    root.append(svg("path", { d, fill: "none", stroke: s.color, "stroke-width": 1.5, "data-series": s.name }));
+    if (s.points.length === 1 && Number.isFinite(s.points[0][1])) {
+      const [x, y] = s.points[0];
+      root.append(svg("circle", { cx: X(x), cy: Y(log ? Math.log10(y) : y), r: 2.5, fill: s.color }));
+    }
+  }
+  for (const [x, y, s] of bad) {
+    const px = X(x);
+    const tri = svg("path", { d: `M${px - 4} ${m.t + 7}L${px + 4} ${m.t + 7}L${px} ${m.t}Z`, class: "nan" });
+    tri.append(svg("title", {}, `${s.name}: ${y} at step ${x}`));
+    root.append(tri);
+  }
+  const cursor = svg("line", { y1: m.t, y2: H - m.b, class: "cursor", visibility: "hidden" });
+  root.append(cursor);
+  root.addEventListener("mousemove", ev => {
+    const r = root.getBoundingClientRect();
+    const x = xmin + (ev.clientX - r.left - m.l) / (W - m.l - m.r) * (xmax - xmin);
+    const parts = [];
+    let at = null;
+    for (const s of series) {
+      let best = null;
+      for (const p of s.points) if (best === null || Math.abs(p[0] - x) < Math.abs(best[0] - x)) best = p;
+      if (best) { at = best[0]; parts.push(`${s.name}: ${opts.bytes ? fmtBytes(best[1]) : fmt(best[1])} @ step ${best[0]}`); }
+    }
+    if (at === null) return;
+    cursor.setAttribute("x1", X(at)); cursor.setAttribute("x2", X(at)); cursor.setAttribute("visibility", "visible");
+    showTip(ev, parts.join("\n"));
+  });
+  root.addEventListener("mouseleave", () => { cursor.setAttribute("visibility", "hidden"); hideTip(); });
+}
+
+function showTip(ev, text) {
+  const tip = $("#tip");
+  tip.textContent = text;
+  tip.hidden = false;
+  tip.style.left = (ev.clientX + 12) + "px";
+  tip.style.top = (ev.clientY + 12) + "px";
+  tip.style.whiteSpace = "pre";
+}
+function hideTip() { $("#tip").hidden = true; }
+
+// ---------------------------------------------------------------- panels
+
+const METRICS = [
+  { col: "loss", title: "loss", log: false },
+  { col: "grad_norm", title: "grad norm", log: false },
+  { col: "lr", title: "learning rate", log: false },
+  { col: "duration", title: "step time (s)", log: false },
+  { col: "tokens_per_s", title: "tokens/s", log: false },
+  { col: "peak_allocated", title: "peak memory", log: false, bytes: true },
+];
+
+function buildCharts() {
+  const box = $("#curves .charts");
+  box.replaceChildren();
+  for (const mtr of METRICS) {
+    const logBox = el("input", { type: "checkbox" });
+    logBox.checked = mtr.log;
+    logBox.addEventListener("change", () => { mtr.log = logBox.checked; drawCurves(); });
+    const chart = el("div", { class: "chart", id: "chart-" + mtr.col, "data-metric": mtr.col },
+      el("div", { class: "head" }, el("b", { text: mtr.title }), el("label", {}, logBox, " log")),
+      el("div", { class: "plot" }), el("div", { class: "legend" }));
+    box.append(chart);
+  }
+}
+
+function rankName(r) { return r === null || r === undefined ? "this process" : "rank " + r; }
+
+async function refreshCurves() {
+  const sql = "SELECT rank, step, loss, grad_norm, lr, duration, tokens_per_s, peak_allocated FROM torch.steps " +
+              "WHERE step > (SELECT MAX(step) - 1000 FROM torch.steps) ORDER BY step";
+  const res = await query(sql, 20000);
+  const byRank = new Map();
+  for (const row of rowsAsObjects(res)) {
+    if (!byRank.has(row.rank)) byRank.set(row.rank, []);
+    byRank.get(row.rank).push(row);
+  }
+  state.curves = byRank;
+  drawCurves();
+}
+
+function drawCurves() {
+  const ranks = [...state.curves.keys()].sort((a, b) => (a ?? -1) - (b ?? -1));
+  for (const mtr of METRICS) {
+    const chart = $("#chart-" + mtr.col);
+    const series = ranks.map((r, i) => ({
+      name: rankName(r), color: COLORS[i % COLORS.length],
+      points: state.curves.get(r).filter(row => row[mtr.col] !== null).map(row => [row.step, num(row[mtr.col])]),
+    }));
+    lineChart($(".plot", chart), series, { log: mtr.log, bytes: mtr.bytes });
+    const legend = $(".legend", chart);
+    legend.replaceChildren();
+    let lastStep = null;
+    series.forEach(s => {
+      const last = s.points[s.points.length - 1];
+      if (!last) return;
+      lastStep = Math.max(lastStep ?? last[0], last[0]);
+      const item = el("span", { class: "latest", "data-rank": s.name, "data-step": last[0], "data-value": String(last[1]) },
+        "■ ", `${s.name}: ${mtr.bytes ? fmtBytes(last[1]) : fmt(last[1])} @ step ${last[0]}`);
+      item.style.color = s.color;
+      legend.append(item);
+    });
+    chart.dataset.lastStep = lastStep === null ? "" : String(lastStep);
+  }
+}
+
+async function refreshJob() {
+  const doc = await call("GET", "api/job");
+  const box = $("#job .body");
+  const idx = doc.columns.indexOf("state");
+  const odd = r => ["slow", "hung", "waiting", "unreachable", "stopped"].includes(r[idx]);
+  box.replaceChildren(table(doc.columns, doc.rows, {
+    cell: (col, v, td, tr) => {
+      if (col === "state") { td.className = "state-" + v; if (odd(doc.rows.find(r => r[idx] === v) || [])) tr.className = "odd-one"; }
+      if (col === "age_s" || col === "step_time") td.textContent = v === null ? "–" : Number(v).toFixed(col === "age_s" ? 1 : 4);
+      if (col === "top_frame") td.className = "mono";
+    },
+  }));
+  const steps = doc.rows.map(r => r[doc.columns.indexOf("step")]).filter(s => s !== null);
+  $("#updated").textContent = `updated ${new Date().toLocaleTimeString()}` + (steps.length ? ` · step ${Math.max(...steps)}` : "");
+}
+
+const TIME_SQL = `SELECT
+    module,
+    stage,
+    COUNT(*) as count,
+    AVG(duration) as avg_time,
+    SUM(duration) as total_time
+FROM python.torch_trace
+WHERE step > (SELECT MAX(step) - 5 FROM python.torch_trace)
+GROUP BY module, stage
+ORDER BY total_time DESC
+LIMIT 10`;
+
+async function refreshTime() {
+  const res = await query(TIME_SQL);
+  const rows = rowsAsObjects(res);
+  const box = $("#time .body");
+  if (!rows.length) { box.replaceChildren(el("p", { class: "muted", text: "no module calls traced in the last 5 steps yet" })); return; }
+  const top = Math.max(...rows.map(r => num(r.total_time) || 0)) || 1;
+  const bars = el("div", { class: "bars" });
+  for (const r of rows) {
+    const fill = el("div", { class: "fill " + (r.stage === "backward" ? "backward" : "forward") });
+    fill.style.width = (100 * (num(r.total_time) || 0) / top).toFixed(1) + "%";
+    const val = el("span", { class: "val", text: `${fmt((num(r.total_time) || 0) * 1000)} ms total · ${fmt((num(r.avg_time) || 0) * 1000)} ms avg · ${r.count}×` });
+    bars.append(el("div", { class: "bar", title: `${r.module} ${r.stage}` },
+      el("span", { class: "label", text: `${r.module} · ${r.stage}` }), el("div", { class: "track" }, fill, val)));
+  }
+  box.replaceChildren(bars);
+}
+
+async function refreshStacks() {
+  const doc = await call("GET", "api/stacks");
+  const box = $("#stacks .body");
+  box.replaceChildren();
+  doc.groups.forEach((g, i) => {
+    const det = el("details", { class: "group" });
+    if (i === 0) det.open = true;
+    det.append(el("summary", {}, el("b", { text: `${g.label} (${g.ranks.length})` }), ": " + g.summary));
+    det.append(el("ol", { start: "0" }, ...g.frames.map(f => el("li", { text: `${f.func} (${f.file}:${f.lineno})` + (f.line ? `  ${f.line}` : "") }))));
+    box.append(det);
+  });
+  for (const f of doc.failed) box.append(el("p", { class: "state-unreachable", text: `${f.label}: unreachable: ${f.error}` }));
+}
+
+async function refreshActions() {
+  const res = await query("SELECT * FROM probe.actions ORDER BY requested_at DESC LIMIT 50");
+  const box = $("#actions .body");
+  box.replaceChildren(res.rows.length ? table(res.columns, res.rows) : el("p", { class: "muted", text: "no actions yet" }));
+}
+
+async function refreshFindings() {
+  const res = await query("SELECT * FROM diagnosis.findings");
+  const box = $("#findings .body");
+  box.replaceChildren(res.rows.length ? table(res.columns, res.rows) : el("p", { class: "muted", text: "no findings: every rule is quiet" }));
+}
+
+const PANELS = [
+  { id: "job", fn: refreshJob },
+  { id: "curves", fn: refreshCurves },
+  { id: "time", fn: refreshTime },
+  { id: "stacks", fn: refreshStacks },
+  { id: "actions", fn: refreshActions },
+  { id: "findings", fn: refreshFindings },
+];
+
+// ---------------------------------------------------------------- schema and SQL console
+
+async function loadSchema() {
+  const doc = await call("GET", "api/tables");
+  state.tables = Object.fromEntries(doc.tables.map(t => [t.name, t]));
+  // a panel whose table is missing hides itself
+  for (const panel of document.querySelectorAll(".panel")) {
+    const need = panel.dataset.needs;
+    panel.hidden = !!need && !(need in state.tables);
+  }
+  const box = $("#schema");
+  box.replaceChildren(el("div", { class: "muted", text: `${doc.tables.length} tables (click a name to query it)` }));
+  for (const t of doc.tables) {
+    const name = el("span", { class: "tname", text: t.name });
+    name.addEventListener("click", ev => { ev.preventDefault(); $("#sql-text").value = `SELECT * FROM ${t.name} LIMIT 100`; runSql(); });
+    box.append(el("details", { title: t.description }, el("summary", {}, name),
+      el("ul", {}, ...t.columns.map(c => el("li", { text: `${c.name} ${c.type}` })))));
+  }
+}
+
+async function runSql() {
+  const panel = $("#sql");
+  const sql = $("#sql-text").value;
+  $("#sql-info").textContent = "running…";
+  setError(panel, null);
+  try {
+    const t0 = performance.now();
+    const res = await query(sql, 5000);
+    state.sqlResult = res;
+    $("#sql-info").textContent = `${res.rows.length} row${res.rows.length === 1 ? "" : "s"}${res.truncated ? " (cut at the row cap)" : ""} in ${((performance.now() - t0) / 1000).toFixed(2)} s`;
+    $("#sql-result").replaceChildren(table(res.columns, res.rows));
+    const select = $("#sql-chart");
+    const keep = select.value;
+    select.replaceChildren(el("option", { value: "", text: "(none)" }));
+    const numeric = res.columns.filter((c, i) => c !== "step" && /INT|DOUBLE|FLOAT|DECIMAL|REAL|NUMERIC/i.test(res.types[i] || ""));
+    for (const c of numeric) select.append(el("option", { value: c, text: c }));
+    if (res.columns.includes("step")) select.value = numeric.includes(keep) ? keep : (numeric[0] || "");
+    else select.value = "";
+    select.disabled = !res.columns.includes("step");
+    drawSqlChart();
+  } catch (err) {
+    $("#sql-info").textContent = "";
+    setError(panel, err);
+  }
+}
+
+function drawSqlChart() {
+  const res = state.sqlResult, col = $("#sql-chart").value, box = $("#sql-chart-box");
+  if (!res || !col || !res.columns.includes("step")) { box.replaceChildren(); return; }
+  const si = res.columns.indexOf("step"), ci = res.columns.indexOf(col), ri = res.columns.indexOf("rank");
+  const groups = new Map();
+  for (const r of res.rows) {
+    if (r[si] === null || r[ci] === null) continue;
+    const key = ri >= 0 ? r[ri] : null;
+    if (!groups.has(key)) groups.set(key, []);
+    groups.get(key).push([num(r[si]), num(r[ci])]);
+  }
+  const series = [...groups.entries()].map(([k, pts], i) => ({
+    name: ri >= 0 ? rankName(k) : col, color: COLORS[i % COLORS.length], points: pts.sort((a, b) => a[0] - b[0]) }));
+  lineChart(box, series, { height: 160 });
+}
+
+// ---------------------------------------------------------------- flamegraph
+
+function flameTree(stacks) {
+  const root = { name: "all", value: 0, children: new Map() };
+  for (const [stack, n] of stacks) {
+    root.value += n;
+    let node = root;
+    for (const f of stack.split(";")) {
+      if (!node.children.has(f)) node.children.set(f, { name: f, value: 0, children: new Map(), parent: node });
+      node = node.children.get(f);
+      node.value += n;
+    }
+  }
+  return root;
+}
+
+function flameColor(name) {
+  if (name.startsWith("thread ") || name.startsWith("rank ") || name.startsWith("pid ") || name === "all") return "#c9ccd3";
+  let h = 0;
+  for (let i = 0; i < name.length; i++) h = (h * 31 + name.charCodeAt(i)) & 0xffff;
+  return `rgb(${205 + h % 50},${90 + (h >> 4) % 110},${40 + (h >> 8) % 40})`;
+}
+
+function drawFlame() {
+  const f = state.flame;
+  const box = $("#flame-box");
+  if (!f) return;
+  const W = Math.max(600, box.clientWidth || 900), ROW = 18;
+  const focus = f.focus || f.root;
+  const boxes = [];
+  let maxDepth = 0;
+  // ancestors of the focus stay full width, so one can click back out
+  const chain = [];
+  for (let n = focus; n; n = n.parent) chain.unshift(n);
+  chain.forEach((n, d) => boxes.push([n, 0, W, d]));
+  const walk = (node, x, w, depth) => {
+    maxDepth = Math.max(maxDepth, depth);
+    let cx = x;
+    const kids = [...node.children.values()].sort((a, b) => a.name < b.name ? -1 : 1);
+    for (const c of kids) {
+      const cw = w * c.value / node.value;
+      if (cw >= 0.5) { boxes.push([c, cx, cw, depth + 1]); walk(c, cx, cw, depth + 1); }
+      cx += cw;
+    }
+  };
+  walk(focus, 0, W, chain.length - 1);
+  maxDepth = Math.max(maxDepth, chain.length - 1);
+  const root = svg("svg", { width: W, height: (maxDepth + 1) * ROW + 4, viewBox: `0 0 ${W} ${(maxDepth + 1) * ROW + 4}` });
+  const needle = ($("#flame-search").value || "").toLowerCase();
+  const total = f.root.value || 1;
+  for (const [node, x, w, depth] of boxes) {
+    const g = svg("g", { class: "frame", "data-name": node.name });
+    const rect = svg("rect", { x: x.toFixed(1), y: depth * ROW, width: Math.max(0.5, w - 0.5).toFixed(1), height: ROW - 1, fill: flameColor(node.name), rx: 2 });
+    if (needle && node.name.toLowerCase().includes(needle)) rect.classList.add("match");
+    g.append(rect);
+    g.append(svg("title", {}, `${node.name}\n${node.value} samples, ${(100 * node.value / total).toFixed(1)} %`));
+    const chars = Math.floor((w - 6) / 6.5);
+    if (chars >= 3) g.append(svg("text", { x: x + 3, y: depth * ROW + 13 }, node.name.length <= chars ? node.name : node.name.slice(0, chars - 1) + "…"));
+    g.addEventListener("click", () => { f.focus = node === focus ? (node.parent || f.root) : node; drawFlame(); });
+    root.append(g);
+  }
+  box.replaceChildren(root);
+}
+
+async function runFlame() {
+  const panel = $("#flame");
+  const seconds = Number($("#flame-seconds").value) || 3;
+  setError(panel, null);
+  $("#flame-run").disabled = true;
+  $("#flame-info").textContent = `sampling for ${seconds} s…`;
+  try {
+    const doc = await call("POST", "api/profile", { seconds });
+    state.flame = { root: flameTree(doc.stacks), focus: null };
+    const samples = doc.stacks.reduce((a, s) => a + s[1], 0);
+    $("#flame-info").textContent = `${samples} samples, ${doc.stacks.length} distinct stacks over ${seconds} s` +
+      (doc.failed.length ? ` · no answer from ${doc.failed.map(x => x.label).join(", ")}` : "");
+    drawFlame();
+  } catch (err) {
+    $("#flame-info").textContent = "";
+    setError(panel, err);
+  } finally {
+    $("#flame-run").disabled = false;
+  }
+}
+
+// ---------------------------------------------------------------- actions (only with --allow-actions)
+
+function buildActionButtons() {
+  const acts = state.config.actions || {};
+  const box = $("#action-buttons");
+  if (!state.config.allow_actions) return;
+  box.hidden = false;
+  const add = (label, name, ask) => {
+    const b = el("button", { class: "danger", text: label });
+    b.addEventListener("click", async () => {
+      const params = ask ? ask() : {};
+      if (params === null) return;
+      const what = `${name} ${Object.values(params).join(" ")}`.trim();
+      if (!window.confirm(`Send \`probe ${state.config.target} ${what}\` to the job?`)) return;
+      setError($("#actions"), null);
+      try {
+        const doc = await call("POST", "api/action", { name, params, confirmed: true });
+        setError($("#actions"), doc.error ? doc.error : null);
+        refreshActions().catch(() => {});
+      } catch (err) { setError($("#actions"), err); }
+    });
+    box.append(b);
+  };
+  if ("cleanup" in acts) add("cleanup", "cleanup");
+  if ("checkpoint" in acts) add("checkpoint…", "checkpoint", () => { const p = window.prompt("Checkpoint path (on the training host):"); return p ? { path: p } : null; });
+  if ("lr" in acts) add("scale lr…", "lr", () => { const s = window.prompt("Multiply the learning rate by:", "0.5"); return s ? { scale: s } : null; });
+}
+
+// ---------------------------------------------------------------- refresh loop
+
+async function refreshAll() {
+  if (state.busy) return;
+  state.busy = true;
+  try {
+    await Promise.all(PANELS.map(async p => {
+      const panel = document.getElementById(p.id);
+      if (panel.hidden) return;
+      try { await p.fn(); setError(panel, null); } catch (err) { setError(panel, err); }
+    }));
+  } finally {
+    state.busy = false;
+  }
+}
+
+function schedule() {
+  clearTimeout(state.timer);
+  if (!state.refresh) return;
+  state.timer = setTimeout(async () => {
+    if (!document.hidden) await refreshAll();  // a hidden tab costs the job nothing
+    schedule();
+  }, state.refresh * 1000);
+}
+
+async function main() {
+  buildCharts();
+  try {
+    state.config = await call("GET", "api/config");
+  } catch (err) {
+    $("#updated").textContent = String(err.message || err);
+    return;
+  }
+  $("#target").textContent = state.config.target + (state.config.multi ? " (federated)" : "");
+  state.refresh = state.config.refresh;
+  const sel = $("#refresh");
+  if (![...sel.options].some(o => Number(o.value) === state.refresh)) sel.append(el("option", { value: String(state.refresh), text: `${state.refresh} s` }));
+  sel.value = String(state.refresh);
+  sel.addEventListener("change", () => { state.refresh = Number(sel.value); schedule(); });
+  $("#sql-run").addEventListener("click", runSql);
+  $("#sql-text").addEventListener("keydown", ev => { if (ev.key === "Enter" && (ev.ctrlKey || ev.metaKey)) { ev.preventDefault(); runSql(); } });
+  $("#sql-chart").addEventListener("change", drawSqlChart);
+  $("#flame-run").addEventListener("click", runFlame);
+  $("#flame-search").addEventListener("input", drawFlame);
+  window.addEventListener("resize", () => { drawCurves(); drawFlame(); drawSqlChart(); });
+  buildActionButtons();
+  try { await loadSchema(); } catch (err) { setError($("#sql"), err); }
+  await refreshAll();
+  document.body.dataset.loaded = "1";
+  schedule();
+  setInterval(() => { if (!document.hidden) loadSchema().catch(() => {}); }, 30000);
+}
+
+main();
