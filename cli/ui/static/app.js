@@ -372,6 +372,9 @@ async function runSql() {
     drawSqlChart();
   } catch (err) {
     $("#sql-info").textContent = "";
+    state.sqlResult = null;  // the rows shown must be the answer to the query shown
+    $("#sql-result").replaceChildren();
+    $("#sql-chart-box").replaceChildren();
     setError(panel, err);
   }
 }
