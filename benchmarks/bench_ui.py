@@ -61,10 +61,23 @@ def _max_step(env, pid) -> int:
     return int(_query(env, pid, "SELECT MAX(step) AS s FROM torch.steps")[0]["s"] or 0)
 
 
-def _window(env, pid, seconds) -> list[float]:
+def _cpu_seconds(pid) -> float:
+    """utime + stime of the whole training process (every thread, the probe's server included)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+CPU_PER_STEP: list = []  # (phase, CPU seconds of the training process per step) per window
+
+
+def _window(env, pid, seconds, phase="") -> list[float]:
     a = _max_step(env, pid)
+    c0 = _cpu_seconds(pid)
     time.sleep(seconds)  # ok-sleep: the measured window of training
+    c1 = _cpu_seconds(pid)
     b = _max_step(env, pid)
+    CPU_PER_STEP.append((phase, (c1 - c0) / max(1, b - a)))
     rows = _query(env, pid, f"SELECT duration FROM torch.steps WHERE step > {a} AND step <= {b}")
     return [r["duration"] for r in rows if r["duration"] is not None]
 
@@ -93,13 +106,13 @@ def main() -> int:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=args.chromium, args=["--no-sandbox", "--disable-gpu"])
             for _ in range(args.rounds):
-                closed.append(_window(env, pid, args.window))
+                closed.append(_window(env, pid, args.window, "closed"))
                 page = browser.new_page(viewport={"width": 1400, "height": 1600})
                 seen = []
                 page.on("request", lambda r: seen.append(r.url))
                 page.goto(url)
                 page.wait_for_selector("body[data-loaded='1']", timeout=60000)
-                opened.append(_window(env, pid, args.window))
+                opened.append(_window(env, pid, args.window, "open"))
                 page.close()
                 requests += len(seen)
             loads = []
@@ -135,6 +148,10 @@ def main() -> int:
     print(f"per-round ratios open/closed: {', '.join(f'{med(o) / med(c):.3f}' for c, o in zip(closed, opened))}")
     if aa:
         print(f"A/A noise (closed window over the previous closed window): {', '.join(f'{r:.3f}' for r in aa)}")
+    cpu_c = med([c for ph, c in CPU_PER_STEP if ph == "closed"])
+    cpu_o = med([c for ph, c in CPU_PER_STEP if ph == "open"])
+    print(f"CPU seconds of the training process per step (all its threads, the probe's included): "
+          f"closed {cpu_c * 1000:.2f} ms, open {cpu_o * 1000:.2f} ms, ratio {cpu_o / cpu_c:.3f}")
     print(f"page requests while open: {requests / (args.rounds * args.window):.1f} per second")
     print(f"page load to first data (goto until every panel answered): median {med(loads):.2f} s, "
           f"min {min(loads):.2f} s, max {max(loads):.2f} s over {len(loads)} loads")

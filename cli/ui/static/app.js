@@ -7,7 +7,7 @@
 const $ = (sel, root) => (root || document).querySelector(sel);
 const SVGNS = "http://www.w3.org/2000/svg";
 const COLORS = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d", "#bab0ac", "#eeca3b"];
-const state = { config: {}, tables: {}, timer: null, refresh: 3, busy: false, flame: null, sqlResult: null, curves: {} };
+const state = { config: {}, tables: {}, timer: null, refresh: 3, busy: false, flame: null, sqlResult: null, curves: new Map(), curvesMax: null };
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -212,16 +212,34 @@ function buildCharts() {
 
 function rankName(r) { return r === null || r === undefined ? "this process" : "rank " + r; }
 
+const CURVE_WINDOW = 1000;  // steps kept per rank
+const CURVE_OVERLAP = 8;   // recent steps asked again: loss and grad norm are read lazily and fill in late
+
 async function refreshCurves() {
+  // the first answer is the whole window; later ones only the new steps (and a short overlap)
+  const since = state.curvesMax == null ? `(SELECT MAX(step) - ${CURVE_WINDOW} FROM torch.steps)` : String(state.curvesMax - CURVE_OVERLAP);
+  // the latest step always comes back: below what was seen means the job started over
   const sql = "SELECT rank, step, loss, grad_norm, lr, duration, tokens_per_s, peak_allocated FROM torch.steps " +
-              "WHERE step > (SELECT MAX(step) - 1000 FROM torch.steps) ORDER BY step";
+              `WHERE step > ${since} OR step = (SELECT MAX(step) FROM torch.steps) ORDER BY step`;
   const res = await query(sql, 20000);
-  const byRank = new Map();
-  for (const row of rowsAsObjects(res)) {
-    if (!byRank.has(row.rank)) byRank.set(row.rank, []);
-    byRank.get(row.rank).push(row);
+  const rows = rowsAsObjects(res);
+  if (state.curvesMax != null && rows.length && Math.max(...rows.map(r => r.step)) < state.curvesMax - CURVE_OVERLAP) {
+    state.curves = new Map();
+    state.curvesMax = null;
+    return refreshCurves();
+  }
+  const byRank = state.curves;
+  let top = state.curvesMax;
+  for (const row of rows) {
+    if (!byRank.has(row.rank)) byRank.set(row.rank, new Map());
+    byRank.get(row.rank).set(row.step, row);
+    top = top == null ? row.step : Math.max(top, row.step);
+  }
+  for (const steps of byRank.values()) {
+    for (const step of steps.keys()) if (step <= top - CURVE_WINDOW) steps.delete(step);
   }
   state.curves = byRank;
+  state.curvesMax = top;
   drawCurves();
 }
 
@@ -231,7 +249,8 @@ function drawCurves() {
     const chart = $("#chart-" + mtr.col);
     const series = ranks.map((r, i) => ({
       name: rankName(r), color: COLORS[i % COLORS.length],
-      points: state.curves.get(r).filter(row => row[mtr.col] !== null).map(row => [row.step, num(row[mtr.col])]),
+      points: [...state.curves.get(r).values()].sort((a, b) => a.step - b.step)
+        .filter(row => row[mtr.col] !== null).map(row => [row.step, num(row[mtr.col])]),
     }));
     lineChart($(".plot", chart), series, { log: mtr.log, bytes: mtr.bytes });
     const legend = $(".legend", chart);
