@@ -160,6 +160,11 @@ def test_sql_console_returns_rows_and_charts_a_column(page):
     page.click("#sql-run")
     page.wait_for_function("() => document.querySelector('#sql .err').textContent.length > 0", timeout=30000)
     assert "Traceback" not in page.inner_text("#sql .err")
+    # and the next good query clears the error and shows its rows
+    page.fill("#sql-text", "SELECT step, loss, grad_norm FROM torch.steps ORDER BY step DESC LIMIT 200")
+    page.click("#sql-run")
+    page.wait_for_function("() => document.querySelectorAll('#sql-result tbody tr').length > 3", timeout=30000)
+    assert page.inner_text("#sql .err") == ""
 
 
 def test_flamegraph_contains_the_training_loop(page):
@@ -167,7 +172,7 @@ def test_flamegraph_contains_the_training_loop(page):
     page.click("#flame-run")
     page.wait_for_selector("#flame-box g[data-name^='main (train_gpt.py:']", timeout=30000)
     assert page.query_selector("#flame-box g[data-name='thread MainThread']") is not None
-    page.screenshot(path=str(ARTIFACTS / "ui-flamegraph.png"), full_page=True)
+    page.screenshot(path=str(ARTIFACTS / "ui-flamegraph.png"), full_page=True)  # docs/ui.png is one of these
     # clicking a box zooms into it: it then spans the full width
     page.click("#flame-box g[data-name^='main (train_gpt.py:'] rect")
     width = float(page.get_attribute("#flame-box g[data-name^='main (train_gpt.py:'] rect", "width"))

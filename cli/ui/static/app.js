@@ -307,9 +307,9 @@ async function refreshTime() {
   for (const r of rows) {
     const fill = el("div", { class: "fill " + (r.stage === "backward" ? "backward" : "forward") });
     fill.style.width = (100 * (num(r.total_time) || 0) / top).toFixed(1) + "%";
-    const val = el("span", { class: "val", text: `${fmt((num(r.total_time) || 0) * 1000)} ms total · ${fmt((num(r.avg_time) || 0) * 1000)} ms avg · ${r.count}×` });
+    const val = el("span", { class: "val", text: `${((num(r.total_time) || 0) * 1000).toFixed(2)} ms · ${((num(r.avg_time) || 0) * 1000).toFixed(2)} ms avg · ${r.count}×` });
     bars.append(el("div", { class: "bar", title: `${r.module} ${r.stage}` },
-      el("span", { class: "label", text: `${r.module} · ${r.stage}` }), el("div", { class: "track" }, fill, val)));
+      el("span", { class: "label", text: `${r.module} · ${r.stage}` }), el("div", { class: "track" }, fill), val));
   }
   box.replaceChildren(bars);
 }
