@@ -25,6 +25,7 @@ _LAZY = {
     "load_checkpoint": "actions.checkpoint",
     "table": "tables.registry",
     "Column": "tables.registry",
+    "rule": "diagnosis.rules",
 }
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "load_checkpoint",
     "table",
     "Column",
+    "rule",
     "ProbeError",
     "QueryError",
     "EndpointError",
