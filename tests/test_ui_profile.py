@@ -65,19 +65,19 @@ def test_bad_arguments_and_a_second_profile_are_refused(idle, shared_cli):
     assert r.returncode != 0 and "--seconds must be above 0" in r.stderr and "Traceback" not in r.stderr
     r = shared_cli(idle.pid, "profile", "--seconds", "1", "--format", "png")
     assert r.returncode != 0 and "invalid choice" in r.stderr
-    # given a profile running for 3 s, when a second one asks, then it is refused with a sentence
+    # given a profile running (a server thread is seen inside the sampler), when a second one asks,
+    # then it is refused with a sentence and the first one still finishes
     first = {}
-    t = threading.Thread(target=lambda: first.setdefault("r", shared_cli(idle.pid, "profile", "--seconds", "3")))
+    t = threading.Thread(target=lambda: first.setdefault("r", shared_cli(idle.pid, "profile", "--seconds", "6")))
     t.start()
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            r = shared_cli(idle.pid, "profile", "--seconds", "0.2")
-            if r.returncode != 0 or time.monotonic() > deadline or "r" in first:
-                break
+        deadline = time.monotonic() + 30
+        while "sample_stacks" not in shared_cli(idle.pid, "backtrace").stdout:
+            assert time.monotonic() < deadline and "r" not in first, "the first profile was never seen sampling"
+        r = shared_cli(idle.pid, "profile", "--seconds", "0.2")
         assert r.returncode != 0 and "a profile is already running" in r.stderr, (r.returncode, r.stderr)
     finally:
-        t.join(30)
+        t.join(60)
     assert first["r"].returncode == 0, first["r"].stderr
 
 
