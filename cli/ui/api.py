@@ -13,7 +13,8 @@ import math
 
 from probe._errors import PartialError, ProbeError
 
-__all__ = ["run_sql", "query_doc", "tables_doc", "job_doc", "stacks_doc", "profile_doc", "action_doc", "ACTIONS"]
+__all__ = ["run_sql", "query_doc", "tables_doc", "job_doc", "stacks_doc", "profile_doc", "findings_doc", "action_doc",
+           "ACTIONS"]
 
 
 def run_sql(session, sql: str, max_rows: int | None = None):
@@ -117,6 +118,13 @@ def profile_doc(session, seconds: float, native: bool = False) -> dict:
         raise ProbeError(f"no process answered the profile: {answers[0].target.label}: {answers[0].error}.")
     return {"stacks": merge(docs, by_rank=len(targets) > 1), "seconds": seconds, "native": native,
             "failed": [{"label": a.target.label, "error": a.error} for a in answers if not a.ok]}
+
+
+def findings_doc(session) -> dict:
+    """The doctor's findings (``probe doctor --format json``), most severe first."""
+    from .._diagnose import diagnose
+
+    return diagnose(session).to_dict()
 
 
 # What the page may start with --allow-actions: command name -> the options it may pass.

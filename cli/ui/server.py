@@ -172,6 +172,7 @@ _API = {
     ("GET", "api/tables"): lambda srv, p: api.tables_doc(srv.session),
     ("GET", "api/job"): lambda srv, p: api.job_doc(srv.session),
     ("GET", "api/stacks"): lambda srv, p: api.stacks_doc(srv.session),
+    ("GET", "api/findings"): lambda srv, p: api.findings_doc(srv.session),
     ("POST", "api/query"): _query,
     ("POST", "api/profile"): _profile,
     ("POST", "api/action"): _action,

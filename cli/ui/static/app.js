@@ -335,9 +335,27 @@ async function refreshActions() {
 }
 
 async function refreshFindings() {
-  const res = await query("SELECT * FROM diagnosis.findings");
+  state.findings = await call("GET", "api/findings");
+  drawFindings();
+}
+
+function drawFindings() {
+  const dx = state.findings;
+  if (!dx) return;
+  const all = $("#findings-info").checked;
+  const shown = dx.findings.filter(f => all || f.severity !== "info");
+  const hidden = dx.findings.length - shown.length;
+  $("#findings-meta").textContent = `${dx.rules_run} rules over ${dx.answering} of ${dx.processes} process${dx.processes === 1 ? "" : "es"} in ${dx.elapsed_s} s` +
+    (hidden ? ` · ${hidden} info finding${hidden === 1 ? "" : "s"} hidden` : "");
   const box = $("#findings .body");
-  box.replaceChildren(res.rows.length ? table(res.columns, res.rows) : el("p", { class: "muted", text: "no findings: every rule is quiet" }));
+  if (!shown.length) { box.replaceChildren(el("p", { class: "muted", text: "nothing wrong found" })); return; }
+  box.replaceChildren(...shown.map(f => {
+    const where = [f.rank != null ? `rank ${f.rank}` : null, f.step != null ? `step ${f.step}` : null].filter(Boolean).join(" · ");
+    return el("div", { class: "finding sev-" + f.severity, "data-rule": f.rule },
+      el("div", {}, el("b", { class: "sev", text: f.severity.toUpperCase() }), ` ${f.family}/${f.rule}`, where ? el("span", { class: "muted", text: `  (${where})` }) : null),
+      el("div", { text: f.message }),
+      ...f.next.map(n => el("div", {}, "next: ", el("code", { text: n }))));
+  }));
 }
 
 const PANELS = [
@@ -346,7 +364,7 @@ const PANELS = [
   { id: "time", fn: refreshTime },
   { id: "stacks", fn: refreshStacks },
   { id: "actions", fn: refreshActions },
-  { id: "findings", fn: refreshFindings },
+  { id: "findings", fn: refreshFindings, every: 5 },  // the doctor reads whole tables: every 5th refresh
 ];
 
 // ---------------------------------------------------------------- schema and SQL console
@@ -533,9 +551,10 @@ async function refreshAll() {
   if (state.busy) return;
   state.busy = true;
   try {
+    const cycle = state.cycle = (state.cycle || 0) + 1;
     await Promise.all(PANELS.map(async p => {
       const panel = document.getElementById(p.id);
-      if (panel.hidden) return;
+      if (panel.hidden || (p.every && cycle > 1 && (cycle - 1) % p.every !== 0)) return;
       try { await p.fn(); setError(panel, null); } catch (err) { setError(panel, err); }
     }));
   } finally {
@@ -571,6 +590,7 @@ async function main() {
   $("#sql-chart").addEventListener("change", drawSqlChart);
   $("#flame-run").addEventListener("click", runFlame);
   $("#flame-search").addEventListener("input", drawFlame);
+  $("#findings-info").addEventListener("change", drawFindings);
   window.addEventListener("resize", () => { drawCurves(); drawFlame(); drawSqlChart(); });
   buildActionButtons();
   try { await loadSchema(); } catch (err) { setError($("#sql"), err); }
