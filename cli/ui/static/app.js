@@ -120,7 +120,7 @@ function lineChart(box, series, opts) {
   box.replaceChildren(root);
   if (!Number.isFinite(xmin)) { root.append(svg("text", { x: m.l, y: H / 2 }, "no data yet")); return; }
   if (!Number.isFinite(ymin)) { ymin = 0; ymax = 1; }
-  if (ymin === ymax) { ymin -= 0.5; ymax += 0.5; }
+  if (ymin === ymax) { const d = Math.abs(ymin) * 0.1 || 1; ymin -= d; ymax += d; }  // a flat line sits mid-chart
   if (xmin === xmax) { xmax = xmin + 1; }
   const pad = (ymax - ymin) * 0.05;
   ymin = (!log && ymin >= 0 && ymin - pad < 0) ? 0 : ymin - pad;
