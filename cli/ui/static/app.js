@@ -364,7 +364,8 @@ const PANELS = [
   { id: "time", fn: refreshTime },
   { id: "stacks", fn: refreshStacks },
   { id: "actions", fn: refreshActions },
-  { id: "findings", fn: refreshFindings, every: 5 },  // the doctor reads whole tables: every 5th refresh
+  // the doctor reads whole tables: every 30 s (and on its button), never in the first paint
+  { id: "findings", fn: refreshFindings, period: 30, lazy: true },
 ];
 
 // ---------------------------------------------------------------- schema and SQL console
@@ -547,14 +548,19 @@ function buildActionButtons() {
 
 // ---------------------------------------------------------------- refresh loop
 
-async function refreshAll() {
+async function refreshAll(onlyLazy) {
   if (state.busy) return;
   state.busy = true;
   try {
-    const cycle = state.cycle = (state.cycle || 0) + 1;
+    const now = Date.now();
     await Promise.all(PANELS.map(async p => {
       const panel = document.getElementById(p.id);
-      if (panel.hidden || (p.every && cycle > 1 && (cycle - 1) % p.every !== 0)) return;
+      if (panel.hidden || (onlyLazy && !p.lazy)) return;
+      if (p.period) {
+        if (p.lazy && !document.body.dataset.loaded) return;
+        if (p.last && now - p.last < p.period * 1000) return;
+        p.last = now;
+      }
       try { await p.fn(); setError(panel, null); } catch (err) { setError(panel, err); }
     }));
   } finally {
@@ -591,12 +597,18 @@ async function main() {
   $("#flame-run").addEventListener("click", runFlame);
   $("#flame-search").addEventListener("input", drawFlame);
   $("#findings-info").addEventListener("change", drawFindings);
+  $("#findings-run").addEventListener("click", async () => {
+    const b = $("#findings-run");
+    b.disabled = true;
+    try { await refreshFindings(); setError($("#findings"), null); } catch (err) { setError($("#findings"), err); }
+    finally { b.disabled = false; }
+  });
   window.addEventListener("resize", () => { drawCurves(); drawFlame(); drawSqlChart(); });
   buildActionButtons();
   try { await loadSchema(); } catch (err) { setError($("#sql"), err); }
   await refreshAll();
   document.body.dataset.loaded = "1";
-  schedule();
+  refreshAll(true).then(schedule);  // now the lazy panels (the doctor)
   setInterval(() => { if (!document.hidden) loadSchema().catch(() => {}); }, 30000);
 }
 
