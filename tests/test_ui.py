@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, PROBE_BIN, requires_torch
+from conftest import EXAMPLES, PROBE_BIN, TARGETS, requires_torch
 
 CHROMIUM = os.environ.get("PROBE_TEST_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(os.environ.get("PROBE_UI_ARTIFACTS", "/tmp/probe-ui-artifacts"))
@@ -80,6 +80,7 @@ def browser():
         if os.environ.get("CI"):
             pytest.fail(missing)  # in CI a skipped browser test would hide a broken install step
         pytest.skip(missing)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with playwright.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
         yield b
@@ -89,7 +90,6 @@ def browser():
 @pytest.fixture(scope="module")
 def page(browser, ui):
     """The page, loaded once for the file; records console messages, page errors and every request."""
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
     pg = browser.new_page(viewport={"width": 1400, "height": 1700})
     pg.console_errors, pg.requests = [], []
     pg.on("console", lambda m: m.type in ("error", "warning") and pg.console_errors.append(f"{m.type}: {m.text}"))
@@ -235,6 +235,48 @@ def test_actions_only_with_allow_actions_and_a_confirmation(browser, train, shar
                              timeout=30000)
         after = cli_json(shared_env, train.pid, "query", "SELECT id FROM probe.actions WHERE command = 'cleanup'")
         assert len(after) == len(before) + 1, (before, after)
+    finally:
+        pg.close()
+        server.close()
+
+
+def test_non_loopback_needs_expose_and_warns(train, shared_env):
+    r = subprocess.run([PROBE_BIN, str(train.pid), "ui", "--host", "0.0.0.0", "--port", "0"], capture_output=True,
+                       text=True, env=shared_env, timeout=30)
+    assert r.returncode != 0 and "not a loopback address; add --expose" in r.stderr and "Traceback" not in r.stderr
+    server = UI(shared_env, train.pid, "ui", "--host", "0.0.0.0", "--expose", "--port", "0")
+    try:
+        assert poll(lambda: any("WARNING: listening on 0.0.0.0" in l for l in server.lines), 10), server.lines
+        assert any(l.startswith("probe ui: from a laptop: ssh -N -L ") for l in server.lines), server.lines
+    finally:
+        server.close()
+
+
+def test_ranks_page_federates_every_rank(browser, spawn, probe_env):
+    # given: two probed processes of a job of world size 2 (plain Python, no torch)
+    procs = [spawn(TARGETS / "idle.py", env={"RANK": str(r), "WORLD_SIZE": "2"}) for r in range(2)]
+    server = UI(probe_env, "--ranks", "all", "ui", "--port", "0")
+    pg = browser.new_page(viewport={"width": 1400, "height": 1700})
+    errors = []
+    pg.on("console", lambda m: m.type == "error" and errors.append(m.text))
+    try:
+        pg.goto(server.url)
+        pg.wait_for_selector("body[data-loaded='1']", timeout=60000)
+        # then: one job row per rank, the stacks of both, and a flamegraph with a root per rank
+        ranks = pg.eval_on_selector_all("#job tbody tr td:first-child", "tds => tds.map(td => td.textContent)")
+        assert ranks == ["0", "1"], ranks
+        assert "main_loop" in pg.inner_text("#stacks") and "ranks 0-1" in pg.inner_text("#stacks")
+        pg.fill("#sql-text", "SELECT rank, pid FROM process.info ORDER BY rank")
+        pg.click("#sql-run")
+        pg.wait_for_function("() => document.querySelectorAll('#sql-result tbody tr').length === 2", timeout=30000)
+        pids = pg.eval_on_selector_all("#sql-result tbody tr td:nth-child(2)", "tds => tds.map(td => td.textContent)")
+        assert pids == [str(p.pid) for p in procs]
+        pg.fill("#flame-seconds", "1")
+        pg.click("#flame-run")
+        pg.wait_for_selector("#flame-box g[data-name='rank 1']", timeout=30000)
+        assert pg.query_selector("#flame-box g[data-name='rank 0']") is not None
+        pg.screenshot(path=str(ARTIFACTS / "ui-ranks.png"), full_page=True)
+        assert errors == []
     finally:
         pg.close()
         server.close()
