@@ -1,4 +1,5 @@
-"""Read-only stacks of any local Python process through ``py-spy dump --json``.
+"""Read-only stacks of any local Python process through ``py-spy dump --json`` (and
+sampled over time through ``py-spy record``, for ``probe profile --native``).
 
 py-spy reads the target's memory (process_vm_readv) without running code in it, so
 it works on a rank stuck in C with the GIL held, where no Python thread can answer.
@@ -17,7 +18,7 @@ from probe._errors import AttachError
 
 from ._process import EXIT_CODES, explain_ptrace_failure, inspect_process, ptrace_problem
 
-__all__ = ["pyspy_backtrace", "pyspy_path"]
+__all__ = ["pyspy_backtrace", "pyspy_path", "pyspy_record"]
 
 
 def pyspy_path() -> str | None:
@@ -106,3 +107,46 @@ def pyspy_backtrace(pid: int, *, native: bool = False, subprocesses: bool = Fals
                               exit_code=EXIT_CODES["tool_failed"])
     threads.sort(key=lambda t: (t["pid"] != pid, not t["is_main"], t["pid"] or 0, t["name"] or ""))
     return {"source": "py-spy", "pid": pid, "rank": None, "threads": threads}
+
+
+def pyspy_record(pid: int, seconds: float, *, hz: float = 100.0, native: bool = True) -> list:
+    """Every thread of ``pid`` sampled by ``py-spy record`` for ``seconds``: ``[[stack, count], ...]``.
+
+    Stacks are collapsed and root first (``thread (id): name;func (file:line);...``), one
+    box per function (``--function``), idle threads included. py-spy pauses the process
+    for each sample unless sampling without ``--native``.
+    """
+    import tempfile
+
+    exe = pyspy_path()
+    if exe is None:
+        raise AttachError("py-spy is not installed, so native stacks cannot be sampled; `pip install py-spy` "
+                          "in the CLI's environment, or drop --native.", exit_code=EXIT_CODES["no_rung"])
+    blocked = ptrace_problem(pid)
+    if blocked:
+        raise AttachError(f"py-spy cannot sample process {pid}: {blocked}.", exit_code=EXIT_CODES["ptrace_blocked"])
+    with tempfile.TemporaryDirectory(prefix="probe-profile-") as tmp:
+        out = os.path.join(tmp, "stacks.txt")
+        argv = [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", str(int(hz)),
+                "--format", "raw", "--output", out, "--function", "--threads", "--idle"]
+        if native:
+            argv.append("--native")
+        else:
+            argv.append("--nonblocking")
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 30)
+        except subprocess.TimeoutExpired:
+            raise AttachError(f"py-spy did not finish sampling process {pid} within {seconds + 30:g} s.",
+                              exit_code=EXIT_CODES["no_answer"]) from None
+        if proc.returncode != 0 or not os.path.exists(out):
+            text = (proc.stderr or proc.stdout).strip()
+            why = explain_ptrace_failure(pid, text) or (text.splitlines()[-1] if text else f"exit status {proc.returncode}")
+            raise AttachError(f"py-spy could not sample process {pid}: {why}.", exit_code=EXIT_CODES["tool_failed"])
+        with open(out) as f:
+            lines = f.read().splitlines()
+    stacks = []
+    for line in lines:
+        stack, _, count = line.rstrip().rpartition(" ")
+        if stack and count.isdigit():
+            stacks.append([stack, int(count)])
+    return sorted(stacks, key=lambda s: -s[1])

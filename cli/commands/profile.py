@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import tempfile
 import time
 
-from probe._errors import AttachError, ProbeError
+from probe._errors import ProbeError
 
 from . import Command, command
 
@@ -27,31 +25,12 @@ def fetch_profile(session, target, seconds: float, native: bool = False, hz: flo
     pid = target.local_pid
     if pid is None:
         raise ProbeError("--native samples the process with py-spy, which works only on its host; run the command on the process's node.")
-    from probe.injector._pyspy import pyspy_path
+    from probe.injector import pyspy_record
 
-    from ..ui.flame import parse_collapsed
-
-    exe = pyspy_path()
-    if exe is None:
-        raise AttachError("py-spy is not installed, so native stacks cannot be sampled; `pip install py-spy`, or drop --native.")
-    with tempfile.TemporaryDirectory(prefix="probe-profile-") as tmp:
-        out = os.path.join(tmp, "stacks.txt")
-        cmd = [exe, "record", "-p", str(pid), "-d", str(max(1, round(seconds))), "-r", str(int(hz)), "-f", "raw",
-               "-o", out, "--function", "--threads", "--idle", "--native"]
-        started = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 30)
-        except subprocess.TimeoutExpired:
-            raise ProbeError(f"py-spy did not finish sampling process {pid} within {seconds + 30:g} s.") from None
-        if proc.returncode != 0 or not os.path.exists(out):
-            from probe.injector import ptrace_problem
-
-            why = ptrace_problem(pid) or (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise AttachError(f"py-spy could not sample process {pid}: {why}")
-        with open(out) as f:
-            stacks = parse_collapsed(f.read())
-    return {"source": "py-spy", "pid": pid, "rank": target.rank, "stacks": sorted(stacks, key=lambda s: -s[1]),
-            "samples": None, "seconds": round(time.perf_counter() - started, 3), "hz": hz}
+    started = time.perf_counter()
+    stacks = pyspy_record(pid, seconds, hz=hz, native=True)
+    return {"source": "py-spy", "pid": pid, "rank": target.rank, "stacks": stacks, "samples": None,
+            "seconds": round(time.perf_counter() - started, 3), "hz": hz}
 
 
 def merge(docs: list, by_rank: bool) -> list:

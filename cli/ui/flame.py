@@ -10,27 +10,15 @@ from __future__ import annotations
 import html
 import json
 
-__all__ = ["parse_collapsed", "to_collapsed", "to_speedscope", "to_svg", "FORMATS"]
+__all__ = ["to_collapsed", "to_speedscope", "to_svg", "FORMATS"]
 
 FORMATS = ("collapsed", "speedscope", "svg")
 
 
-def parse_collapsed(text: str) -> list:
-    """Read ``stack count`` lines.
-
-    >>> parse_collapsed("a;b 3\\na;c 1\\n\\n")
-    [['a;b', 3], ['a;c', 1]]
-    """
-    out = []
-    for line in text.splitlines():
-        stack, _, count = line.rstrip().rpartition(" ")
-        if stack and count.isdigit():
-            out.append([stack, int(count)])
-    return out
-
-
 def to_collapsed(stacks: list) -> str:
-    """>>> to_collapsed([["a;b", 2]])
+    """One ``stack count`` line per stack.
+
+    >>> to_collapsed([["a;b", 2]])
     'a;b 2\\n'
     """
     return "".join(f"{s} {n}\n" for s, n in stacks)
