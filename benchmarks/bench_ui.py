@@ -4,7 +4,8 @@ One run of examples/train_gpt.py; windows of training alternate between the page
 and the page open in headless Chromium, refreshing every --refresh seconds (every panel:
 job, curves, time per module, stacks, actions). Each window's step times come from
 torch.steps; the ratio open/closed of the median step time is the page's cost. Two
-closed windows compared with each other (A/A) show the noise of the machine.
+closed windows compared with each other (A/A) show the noise of the machine. Then the same
+for windows during which `probe profile` samples every thread at 100 Hz.
 
     python benchmarks/bench_ui.py [--window 12] [--rounds 3] [--refresh 3] [--loads 5]
 
@@ -115,6 +116,14 @@ def main() -> int:
                 opened.append(_window(env, pid, args.window, "open"))
                 page.close()
                 requests += len(seen)
+            # a 100 Hz profile (GET /profile, the page's flamegraph button) over a whole window
+            profiled = []
+            for _ in range(args.rounds):
+                prof = subprocess.Popen([PROBE, str(pid), "profile", "--seconds", str(args.window + 2)], env=env,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(1)  # ok-sleep: let the sampler start before the window opens
+                profiled.append(_window(env, pid, args.window, "profile"))
+                prof.wait(60)
             loads = []
             for _ in range(args.loads):
                 page = browser.new_page(viewport={"width": 1400, "height": 1600})
@@ -152,6 +161,10 @@ def main() -> int:
     cpu_o = med([c for ph, c in CPU_PER_STEP if ph == "open"])
     print(f"CPU seconds of the training process per step (all its threads, the probe's included): "
           f"closed {cpu_c * 1000:.2f} ms, open {cpu_o * 1000:.2f} ms, ratio {cpu_o / cpu_c:.3f}")
+    cpu_p = med([c for ph, c in CPU_PER_STEP if ph == "profile"])
+    p_all = [d for w in profiled for d in w]
+    print(f"while a 100 Hz profile samples: median step time ratio {med(p_all) / med(c_all):.3f}, "
+          f"CPU per step {cpu_p * 1000:.2f} ms, ratio {cpu_p / cpu_c:.3f} (against the closed windows)")
     print(f"page requests while open: {requests / (args.rounds * args.window):.1f} per second")
     print(f"page load to first data (goto until every panel answered): median {med(loads):.2f} s, "
           f"min {min(loads):.2f} s, max {max(loads):.2f} s over {len(loads)} loads")
