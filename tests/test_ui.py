@@ -280,3 +280,27 @@ def test_ranks_page_federates_every_rank(browser, spawn, probe_env):
     finally:
         pg.close()
         server.close()
+
+
+def test_findings_panel_names_a_planted_nan(browser, spawn, probe_env):
+    # given: a job whose data turns the loss into NaN (started with PROBE=1, no probe code in it)
+    job = spawn([TARGETS / "faults.py", "--fault", "nan_from_data", "--settle", "30"], env={"PROBE": "1"},
+                ready="planted", timeout=180)
+    server = UI(probe_env, job.pid, "ui", "--port", "0")
+    pg = browser.new_page(viewport={"width": 1400, "height": 1700})
+    errors = []
+    pg.on("console", lambda m: m.type == "error" and errors.append(m.text))
+    try:
+        pg.goto(server.url)
+        pg.wait_for_selector("body[data-loaded='1']", timeout=60000)
+        # then: the findings panel shows a critical finding about non-finite values, with a next command
+        finding = pg.wait_for_selector("#findings .finding.sev-critical", timeout=60000)
+        assert "NaN" in finding.inner_text() and "next: probe" in finding.inner_text()
+        # the loss stopped having values at the fault (torch.steps keeps a NaN loss as NULL): the chart says so
+        stopped = pg.wait_for_selector("#chart-loss .legend .stopped", timeout=30000).inner_text()
+        assert re.match(r"no loss after step \d+ \(now \d+\)", stopped), stopped
+        pg.screenshot(path=str(ARTIFACTS / "ui-nan.png"), full_page=True)
+        assert errors == []
+    finally:
+        pg.close()
+        server.close()

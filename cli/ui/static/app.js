@@ -256,7 +256,7 @@ function drawCurves() {
     const legend = $(".legend", chart);
     legend.replaceChildren();
     let lastStep = null;
-    series.forEach(s => {
+    series.forEach((s, i) => {
       const last = s.points[s.points.length - 1];
       if (!last) return;
       lastStep = Math.max(lastStep ?? last[0], last[0]);
@@ -264,6 +264,14 @@ function drawCurves() {
         "■ ", `${s.name}: ${mtr.bytes ? fmtBytes(last[1]) : fmt(last[1])} @ step ${last[0]}`);
       item.style.color = s.color;
       legend.append(item);
+      // a metric that stopped while steps go on (a loss gone NaN is stored as NULL): say so
+      const steps = [...state.curves.get(ranks[i]).keys()];
+      const newest = Math.max(...steps);
+      const gaps = s.points.slice(1).map((p, k) => p[0] - s.points[k][0]).sort((a, b) => a - b);
+      const usual = gaps.length ? gaps[Math.floor(gaps.length / 2)] : 1;
+      if (newest - last[0] > Math.max(20, 10 * usual)) {
+        legend.append(el("span", { class: "stopped", text: `no ${mtr.title} after step ${last[0]} (now ${newest})` }));
+      }
     });
     chart.dataset.lastStep = lastStep === null ? "" : String(lastStep);
   }
