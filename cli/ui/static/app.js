@@ -116,6 +116,7 @@ function lineChart(box, series, opts) {
     const v = log ? Math.log10(y) : y;
     ymin = Math.min(ymin, v); ymax = Math.max(ymax, v);
   }
+  if (opts.xmax != null && Number.isFinite(xmin)) xmax = Math.max(xmax, opts.xmax);  // a stopped metric shows its gap
   const root = svg("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}`, class: "linechart" });
   box.replaceChildren(root);
   if (!Number.isFinite(xmin)) { root.append(svg("text", { x: m.l, y: H / 2 }, "no data yet")); return; }
@@ -252,7 +253,7 @@ function drawCurves() {
       points: [...state.curves.get(r).values()].sort((a, b) => a.step - b.step)
         .filter(row => row[mtr.col] !== null).map(row => [row.step, num(row[mtr.col])]),
     }));
-    lineChart($(".plot", chart), series, { log: mtr.log, bytes: mtr.bytes });
+    lineChart($(".plot", chart), series, { log: mtr.log, bytes: mtr.bytes, xmax: state.curvesMax });
     const legend = $(".legend", chart);
     legend.replaceChildren();
     let lastStep = null;
