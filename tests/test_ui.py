@@ -129,6 +129,8 @@ def test_wrong_or_missing_token_gets_403(ui):
         with pytest.raises(urllib.error.HTTPError) as exc:
             urllib.request.urlopen(url, timeout=10)
         assert exc.value.code == 403, url
+    with urllib.request.urlopen(ui.url.rstrip("/"), timeout=10) as resp:  # redirected to the URL with its slash
+        assert resp.status == 200 and resp.url == ui.url and b"app.js" in resp.read()
     with urllib.request.urlopen(ui.url + "api/config", timeout=10) as resp:
         assert resp.status == 200 and "default-src 'none'" in resp.headers["Content-Security-Policy"]
 

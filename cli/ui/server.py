@@ -107,6 +107,15 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(403, b"forbidden: this page needs the URL with the token that `probe ui` printed\n",
                        "text/plain; charset=utf-8")
             return
+        if method == "GET" and url.path == "/" + token:  # the URL without its last slash: relative links need it
+            try:
+                self.send_response(301)
+                self.send_header("Location", f"/{token}/")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+            except OSError:
+                self.close_connection = True
+            return
         if method == "GET" and not rest.startswith("api/"):
             name = rest or "index.html"
             body = self.server.files.get(name)
