@@ -27,6 +27,18 @@ def pyspy_path() -> str | None:
     return here if os.access(here, os.X_OK) else shutil.which("py-spy")
 
 
+def _usable_pyspy(pid: int, without: str, verb: str) -> str:
+    """py-spy's path, once it is known to exist and to be allowed to ptrace ``pid``; else AttachError."""
+    exe = pyspy_path()
+    if exe is None:
+        raise AttachError(f"py-spy is not installed, so {without}; `pip install py-spy` in the CLI's environment.",
+                          exit_code=EXIT_CODES["no_rung"])
+    blocked = ptrace_problem(pid)
+    if blocked:
+        raise AttachError(f"py-spy cannot {verb} process {pid}: {blocked}.", exit_code=EXIT_CODES["ptrace_blocked"])
+    return exe
+
+
 def _frame(depth: int, f: dict) -> dict:
     native = f.get("module") is not None  # py-spy sets `module` (the shared object) only for native frames
     out = {"depth": depth, "func": f.get("name"), "file": f.get("filename"), "lineno": f.get("line") or None,
@@ -67,13 +79,7 @@ def pyspy_backtrace(pid: int, *, native: bool = False, subprocesses: bool = Fals
                     timeout: float = 10.0) -> dict:
     """Every thread's stack of ``pid`` read by py-spy, innermost frame first, shaped like GET /backtrace."""
     info = inspect_process(pid)
-    exe = pyspy_path()
-    if exe is None:
-        raise AttachError("py-spy is not installed, so stacks cannot be read without the probe server; "
-                          "`pip install py-spy` in the CLI's environment.", exit_code=EXIT_CODES["no_rung"])
-    blocked = ptrace_problem(pid)
-    if blocked:
-        raise AttachError(f"py-spy cannot read process {pid}: {blocked}.", exit_code=EXIT_CODES["ptrace_blocked"])
+    exe = _usable_pyspy(pid, "stacks cannot be read without the probe server", "read")
     argv = [exe, "dump", "--pid", str(pid), "--json"]
     if native:
         argv.append("--native")
@@ -118,13 +124,7 @@ def pyspy_record(pid: int, seconds: float, *, hz: float = 100.0, native: bool = 
     """
     import tempfile
 
-    exe = pyspy_path()
-    if exe is None:
-        raise AttachError("py-spy is not installed, so native stacks cannot be sampled; `pip install py-spy` "
-                          "in the CLI's environment, or drop --native.", exit_code=EXIT_CODES["no_rung"])
-    blocked = ptrace_problem(pid)
-    if blocked:
-        raise AttachError(f"py-spy cannot sample process {pid}: {blocked}.", exit_code=EXIT_CODES["ptrace_blocked"])
+    exe = _usable_pyspy(pid, "native stacks cannot be sampled (or drop --native)", "sample")
     with tempfile.TemporaryDirectory(prefix="probe-profile-") as tmp:
         out = os.path.join(tmp, "stacks.txt")
         argv = [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", str(int(hz)),

@@ -104,6 +104,17 @@ def page(browser, ui):
     pg.close()
 
 
+def open_page(browser, url):
+    """A new page at ``url``, loaded; returns (page, console errors seen so far and later)."""
+    pg = browser.new_page(viewport={"width": 1400, "height": 1700})
+    errors: list[str] = []
+    pg.on("console", lambda m: m.type == "error" and errors.append(m.text))
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(url)
+    pg.wait_for_selector("body[data-loaded='1']", timeout=60000)
+    return pg, errors
+
+
 def cli_json(env, *args):
     r = subprocess.run([PROBE_BIN, *map(str, args), "--format", "json"], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -112,7 +123,7 @@ def cli_json(env, *args):
 
 def test_page_loads_offline_without_console_errors(page, ui):
     page.screenshot(path=str(ARTIFACTS / "ui-loaded.png"), full_page=True)
-    assert page.console_errors == []
+    assert page.console_errors == [], (page.console_errors, ui.lines)
     leaving = [u for u in page.requests if not u.startswith(ui.origin + "/") and not u.startswith("data:")]
     assert leaving == [], leaving
     # every panel whose table exists is shown and answered without an error
@@ -181,14 +192,14 @@ def test_flamegraph_contains_the_training_loop(page):
     assert width >= float(page.eval_on_selector("#flame-box svg", "s => s.getAttribute('width')")) - 1
 
 
-def test_page_keeps_updating_as_steps_advance(page):
+def test_page_keeps_updating_as_steps_advance(page, ui):
     def latest():
         v = page.get_attribute("#chart-loss", "data-last-step")
         return int(v) if v else 0
 
     first = latest()
     assert poll(lambda: latest() > first, timeout=30), f"the loss chart stayed at step {first}"
-    assert page.console_errors == []
+    assert page.console_errors == [], (page.console_errors, ui.lines)
 
 
 def test_a_panel_is_shown_exactly_when_its_table_exists(page, shared_env, train):
@@ -219,10 +230,8 @@ def test_actions_only_with_allow_actions_and_a_confirmation(browser, train, shar
     with urllib.request.urlopen(req, timeout=10) as resp:
         assert "actions are off" in json.loads(resp.read())["error"]
     server = UI(shared_env, train.pid, "ui", "--port", "0", "--allow-actions", "--refresh", "1")
-    pg = browser.new_page()
+    pg, errors = open_page(browser, server.url)
     try:
-        pg.goto(server.url)
-        pg.wait_for_selector("body[data-loaded='1']", timeout=60000)
         dialogs, accept = [], {"yes": False}
         pg.on("dialog", lambda d: (dialogs.append(d.message), d.accept() if accept["yes"] else d.dismiss()))
         before = cli_json(shared_env, train.pid, "query", "SELECT id FROM probe.actions WHERE command = 'cleanup'")
@@ -237,6 +246,7 @@ def test_actions_only_with_allow_actions_and_a_confirmation(browser, train, shar
                              timeout=30000)
         after = cli_json(shared_env, train.pid, "query", "SELECT id FROM probe.actions WHERE command = 'cleanup'")
         assert len(after) == len(before) + 1, (before, after)
+        assert errors == [], (errors, server.lines)
     finally:
         pg.close()
         server.close()
@@ -258,12 +268,8 @@ def test_ranks_page_federates_every_rank(browser, spawn, probe_env):
     # given: two probed processes of a job of world size 2 (plain Python, no torch)
     procs = [spawn(TARGETS / "idle.py", env={"RANK": str(r), "WORLD_SIZE": "2"}) for r in range(2)]
     server = UI(probe_env, "--ranks", "all", "ui", "--port", "0")
-    pg = browser.new_page(viewport={"width": 1400, "height": 1700})
-    errors = []
-    pg.on("console", lambda m: m.type == "error" and errors.append(m.text))
+    pg, errors = open_page(browser, server.url)
     try:
-        pg.goto(server.url)
-        pg.wait_for_selector("body[data-loaded='1']", timeout=60000)
         # then: one job row per rank, the stacks of both, and a flamegraph with a root per rank
         ranks = pg.eval_on_selector_all("#job tbody tr td:first-child", "tds => tds.map(td => td.textContent)")
         assert ranks == ["0", "1"], ranks
@@ -278,7 +284,7 @@ def test_ranks_page_federates_every_rank(browser, spawn, probe_env):
         pg.wait_for_selector("#flame-box g[data-name='rank 1']", timeout=30000)
         assert pg.query_selector("#flame-box g[data-name='rank 0']") is not None
         pg.screenshot(path=str(ARTIFACTS / "ui-ranks.png"), full_page=True)
-        assert errors == []
+        assert errors == [], (errors, server.lines)
     finally:
         pg.close()
         server.close()
@@ -289,12 +295,8 @@ def test_findings_panel_names_a_planted_nan(browser, spawn, probe_env):
     job = spawn([TARGETS / "faults.py", "--fault", "nan_from_data", "--settle", "30"], env={"PROBE": "1"},
                 ready="planted", timeout=180)
     server = UI(probe_env, job.pid, "ui", "--port", "0")
-    pg = browser.new_page(viewport={"width": 1400, "height": 1700})
-    errors = []
-    pg.on("console", lambda m: m.type == "error" and errors.append(m.text))
+    pg, errors = open_page(browser, server.url)
     try:
-        pg.goto(server.url)
-        pg.wait_for_selector("body[data-loaded='1']", timeout=60000)
         # then: the findings panel shows a critical finding about non-finite values, with a next command
         finding = pg.wait_for_selector("#findings .finding.sev-critical", timeout=60000)
         assert "NaN" in finding.inner_text() and "next: probe" in finding.inner_text()
@@ -302,7 +304,7 @@ def test_findings_panel_names_a_planted_nan(browser, spawn, probe_env):
         stopped = pg.wait_for_selector("#chart-loss .legend .stopped", timeout=30000).inner_text()
         assert re.match(r"no loss after step \d+ \(now \d+\)", stopped), stopped
         pg.screenshot(path=str(ARTIFACTS / "ui-nan.png"), full_page=True)
-        assert errors == []
+        assert errors == [], (errors, server.lines)
     finally:
         pg.close()
         server.close()

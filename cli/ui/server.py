@@ -14,6 +14,7 @@ import hmac
 import json
 import secrets
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -142,7 +143,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200, handler(self.server, params))
         except ProbeError as exc:  # the probe's own refusals are answers, shown in the panel (not HTTP errors)
             self._json(200, {"error": exc.message, "kind": exc.kind})
-        except Exception as exc:  # a bug of ours: show it on the page, keep serving
+        except Exception as exc:  # a bug of ours: show it on the page and in the terminal, keep serving
+            import traceback
+
+            sys.stderr.write(f"probe ui: internal error answering {method} /{rest}:\n{traceback.format_exc()}")
             self._json(500, {"error": f"probe ui failed internally ({type(exc).__name__}: {exc})."})
 
     def do_GET(self):
