@@ -9,7 +9,7 @@ import zipfile
 
 from conftest import ROOT
 
-ASSETS = {"index.html", "app.js", "style.css"}
+ASSETS = {"index.html", "draw.js", "app.js", "style.css"}
 
 
 def test_installed_package_serves_the_assets():
@@ -22,7 +22,7 @@ def test_installed_package_serves_the_assets():
     for name in ASSETS:
         text = files[name].decode().replace('"http://www.w3.org/2000/svg"', "")
         assert "http:" not in text and "https:" not in text and "@import" not in text, name
-    assert 'src="app.js"' in html and 'href="style.css"' in html
+    assert 'src="draw.js"' in html and 'src="app.js"' in html and 'href="style.css"' in html
 
 
 def test_wheel_contains_the_assets(tmp_path):
