@@ -66,9 +66,12 @@ class Ui(Command):
             session.note("probe ui: actions are allowed from the page (each needs a confirmation there).")
         session.print("probe ui: Ctrl-C stops it.")
         if args.open:
-            import webbrowser
+            if sys.platform == "darwin" or os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"):
+                import webbrowser
 
-            webbrowser.open(url)
+                webbrowser.open(url)
+            else:  # a console browser would take over this terminal
+                session.note("probe ui: --open: no graphical display here; open the URL above (or the ssh -L line's) yourself.")
         stop = threading.Event()
         server.start()
         try:
