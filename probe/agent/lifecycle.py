@@ -24,6 +24,7 @@ from .._runtime import job_identity, process_argv, rank_identity, registry_liste
 from ..postmortem import hooks as postmortem
 from ..training import collectives, hooks
 from . import action_routes  # noqa: F401  (registers the action and eval routes)
+from . import profile  # noqa: F401  (registers GET /profile, the stack sampler)
 from . import routes  # noqa: F401  (registers the read routes)
 from . import state, watchdog
 from .server import TCPServer, UnixServer, serve_in_thread
