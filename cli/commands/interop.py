@@ -23,3 +23,110 @@ class Mcp(Command):
             raise ProbeError(f"`probe mcp` needs the MCP SDK ({exc.name} is missing); install it with `pip install mcp`.") from None
         serve_stdio(allow_actions=args.allow_actions, timeout=args.timeout)
         return 0
+
+
+def run_sql(session, target, sql: str):
+    """One read-only query on one process; the one place this module asks for rows (a Result)."""
+    from probe.sql.engine import Result
+
+    doc = session.client(target).post("/query", {"sql": sql, "timeout": session.timeout}, timeout=session.timeout + 5)
+    return Result.from_dict(doc)
+
+
+def _rows(result) -> list[dict]:
+    return [dict(zip(result.columns, r)) for r in result.rows]
+
+
+def _timeline_rows(session, target, steps: int):
+    """The last ``steps`` steps of one process, with their module trace, spans and collectives."""
+    from .._timeline import RankRows
+
+    tables = {t["name"] for t in session.client(target).get("/tables")["tables"]}
+    last = run_sql(session, target, "SELECT MAX(step) AS s FROM torch.steps").rows[0][0]
+    rank = target.rank if target.rank is not None else target.entry.get("rank")
+    label = " · ".join(x for x in (f"rank {rank}" if rank is not None else None,
+                                   f"pid {target.pid}" if target.pid else None) if x) or target.label
+    rr = RankRows(rank=rank, pid=target.pid, label=label)
+    notes = []
+    if last is None:
+        notes.append(f"{target.label}: no training step recorded yet (torch.steps is empty)")
+        window = "> 0"
+    else:  # the last `steps` completed steps, fixed now: training goes on while we ask
+        window = f"BETWEEN {int(last) - steps + 1} AND {int(last)}"
+        rr.steps = _rows(run_sql(session, target,
+            f"SELECT step, epoch(started_at) AS start, duration, loss, lr FROM torch.steps WHERE step {window} ORDER BY step"))
+    mod_sql = ("SELECT step, epoch(time) AS start, duration, module, stage, depth, module_type, model "
+               "FROM python.torch_trace WHERE step {} ORDER BY time")
+    rr.modules = _rows(run_sql(session, target, mod_sql.format(window)))
+    if not rr.modules and last is not None:
+        latest = run_sql(session, target, "SELECT MAX(step) FROM python.torch_trace").rows[0][0]
+        if latest is not None:
+            rr.modules = _rows(run_sql(session, target, mod_sql.format(f"= {int(latest)}")))
+            rr.steps += _rows(run_sql(session, target,
+                f"SELECT step, epoch(started_at) AS start, duration, loss, lr FROM torch.steps WHERE step = {int(latest)}"))
+            notes.append(f"{target.label}: none of the last {steps} steps was traced (PROBE_TRACE samples steps); "
+                         f"included step {int(latest)}, the latest traced one")
+        else:
+            notes.append(f"{target.label}: no module trace recorded (PROBE_TRACE=off?)")
+    if "python.spans" in tables:
+        rr.spans = _rows(run_sql(session, target,
+            f"SELECT name, step, epoch(time) AS start, duration, depth, parent, thread, thread_id FROM python.spans "
+            f"WHERE step {window} ORDER BY time"))
+    if "torch.collectives" in tables:
+        try:
+            rr.collectives = _rows(run_sql(session, target,
+                "SELECT pg_desc AS pg, op, seq, state, epoch(COALESCE(started_at, created_at)) AS start, "
+                "epoch(completed_at) AS \"end\", step, input_sizes AS sizes FROM torch.collectives "
+                f"WHERE step {window} ORDER BY created_at"))
+        except ProbeError as exc:  # a recorder table of another shape: the timeline goes on without it
+            notes.append(f"{target.label}: collectives left out ({exc.message.rstrip('.')})")
+    return rr, notes
+
+
+@command("trace", "Write a timeline of the last steps (steps, sampled module calls, user spans, collectives) as Chrome trace-event JSON for Perfetto or chrome://tracing.")
+class Trace(Command):
+    @staticmethod
+    def add_arguments(p):
+        p.add_argument("--steps", type=int, default=10, help="How many of the latest steps to include (default 10).")
+        p.add_argument("-o", "--output", required=True, help="File to write the trace to; - writes it to standard output.")
+
+    def run(self, session, args):
+        import json
+        import os
+        import time
+
+        from .._fanout import check_partial, fan_out
+        from .._timeline import build_trace
+
+        if args.steps < 1:
+            raise ProbeError("--steps must be at least 1.")
+        started = time.perf_counter()
+        answers = fan_out(session.targets(), lambda t: _timeline_rows(session, t, args.steps))
+        ok = [a.value for a in answers if a.ok]
+        if not ok:
+            check_partial(answers, "timeline queries")
+        doc = build_trace([rr for rr, _ in ok], {"steps": args.steps})
+        text = json.dumps(doc, separators=(",", ":"), default=str)
+        if args.output == "-":
+            session.print(text)
+        else:
+            path = os.path.abspath(os.path.expanduser(args.output))
+            try:
+                with open(path + ".tmp", "w") as f:
+                    f.write(text)
+                os.replace(path + ".tmp", path)
+            except OSError as exc:
+                raise ProbeError(f"cannot write {args.output} ({exc.strerror}); choose another -o path.") from None
+            n = sum(1 for e in doc["traceEvents"] if e["ph"] != "M")
+            summary = {"path": path, "ranks": len(ok), "events": n, "bytes": len(text),
+                       "seconds": round(time.perf_counter() - started, 3)}
+            if session.format == "json":
+                session.print(json.dumps(summary))
+            else:
+                session.print(f"wrote {path}: {n} events from {len(ok)} process{'es' if len(ok) != 1 else ''} "
+                              f"in {summary['seconds']:.2f} s; open it at https://ui.perfetto.dev or chrome://tracing.")
+        for _, notes in ok:
+            for note in notes:
+                session.note(f"probe: {note}.")
+        check_partial(answers, "timeline queries")
+        return 0
