@@ -22,7 +22,9 @@ pytestmark = requires_torch
 
 @pytest.fixture(scope="module")
 def train(shared_spawn):
-    return shared_spawn([TARGETS / "actions_train.py", "--sched", "none", "--step-sleep", "0.02"])
+    # rank 0 of a one-rank job, so that --ranks (the grouped backtrace) finds it in the registry
+    return shared_spawn([TARGETS / "actions_train.py", "--sched", "none", "--step-sleep", "0.02"],
+                        env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
 
 
 def session(env, *extra):
@@ -55,11 +57,12 @@ def test_read_only_tools_answer_from_the_live_process(train, shared_env):
         write = await s.call_tool("query", {"endpoint": pid, "sql": "DROP TABLE torch.steps"})
         described = await s.call_tool("describe", {"endpoint": pid, "table": "torch.steps"})
         bt = await s.call_tool("backtrace", {"endpoint": pid, "thread": "MainThread"})
+        grouped = await s.call_tool("backtrace", {"ranks": "all", "group": True, "thread": "MainThread"})
         bad = await s.call_tool("query", {"endpoint": pid, "sql": "SELECT 1", "nonsense": 1})
         resource = await s.read_resource("probe://tables")
-        return tools, listed, steps, write, described, bt, bad, resource
+        return tools, listed, steps, write, described, bt, grouped, bad, resource
 
-    tools, listed, steps, write, described, bt, bad, resource = session(shared_env)(go)
+    tools, listed, steps, write, described, bt, grouped, bad, resource = session(shared_env)(go)
     # the tools come from the command registry, with the commands' own help
     assert {"list", "status", "query", "tables", "describe", "backtrace"} <= set(tools)
     assert not {"lr", "checkpoint", "cleanup", "eval", "debug", "inject"} & set(tools), "read-only by default"
@@ -74,6 +77,7 @@ def test_read_only_tools_answer_from_the_live_process(train, shared_env):
     assert write.is_error and text(write).startswith("probe: ") and "Traceback" not in text(write)
     assert "grad_norm" in text(described)
     assert "actions_train.py" in text(bt)
+    assert not grouped.is_error and "identical stacks merged" in text(grouped) and "actions_train.py" in text(grouped)
     assert bad.is_error and "nonsense" in text(bad)
     tables = json.loads(resource.contents[0].text)
     assert any(t["name"] == "python.torch_trace" and any(c["name"] == "duration" for c in t["columns"]) for t in tables)

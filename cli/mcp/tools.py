@@ -133,7 +133,9 @@ def _argv(spec: ToolSpec, arguments: dict) -> list[str]:
     if unknown:
         raise ProbeError(f"{spec.name} does not take {', '.join(unknown)}; its arguments are "
                          f"{', '.join(spec.input_schema['properties']) or 'none'}.")
-    argv = ["--format", "json"]
+    # Grouped stacks across ranks exist only as text (identical stacks merged, ranks listed); all else is JSON.
+    grouped = spec.name == "backtrace" and arguments.get("group")
+    argv = ["--format", "table" if grouped else "json"]
     if arguments.get("endpoint") not in (None, ""):
         argv += ["-t", str(arguments["endpoint"])]
     if arguments.get("rank") is not None:
