@@ -29,14 +29,26 @@ __all__ = ["span", "SPAN_COLUMNS", "ring"]
 SPAN_COLUMNS = {"name": "O", "step": "i8", "time": "f8", "duration": "f8", "depth": "i8", "parent": "O",
                 "thread_id": "i8", "thread": "O", "rank": "f8"}
 
-_local = threading.local()
+class _Stack(threading.local):
+    def __init__(self):
+        self.stack: list = []  # (span, start) of this thread's open spans, innermost last
+
+
+_local = _Stack()  # an attribute that always exists: a missing one would cost an exception per span
 _state: dict = {}
 _ring_lock = threading.Lock()
 
 
+_lifecycle = []  # probe.agent.lifecycle once it is imported (a span never imports it: that would start nothing)
+
+
 def _probe_on() -> bool:
-    lifecycle = sys.modules.get("probe.agent.lifecycle")
-    return lifecycle is not None and lifecycle.is_running()
+    if not _lifecycle:
+        mod = sys.modules.get("probe.agent.lifecycle")
+        if mod is None:
+            return False
+        _lifecycle.append(mod)
+    return _lifecycle[0].is_running()
 
 
 def ring():
@@ -77,14 +89,11 @@ class span:
 
     def __enter__(self):
         if _probe_on():
-            stack = getattr(_local, "stack", None)
-            if stack is None:
-                stack = _local.stack = []
-            stack.append((self, time.perf_counter()))
+            _local.stack.append((self, time.perf_counter()))
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        stack = getattr(_local, "stack", None)
+        stack = _local.stack
         if stack and stack[-1][0] is self:
             _, t0 = stack.pop()
             try:
