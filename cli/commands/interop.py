@@ -7,12 +7,12 @@ from probe._errors import ProbeError
 from . import Command, command
 
 
-@command("mcp", "Serve probe's read commands (and, with --allow-actions, lr/checkpoint/cleanup) to an AI agent over MCP on stdio.")
+@command("mcp", "Serve probe's read commands (and, with --allow-actions, lr/checkpoint/cleanup/profile-steps) to an AI agent over MCP on stdio.")
 class Mcp(Command):
     @staticmethod
     def add_arguments(p):
         p.add_argument("--allow-actions", action="store_true",
-                       help="Also offer lr, checkpoint and cleanup (audited as the agent's); eval and debug are never offered.")
+                       help="Also offer lr, checkpoint, cleanup and profile-steps (audited as the agent's); eval and debug are never offered.")
 
     def run(self, session, args):
         if args.endpoint or args.rank is not None or getattr(args, "ranks", None):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import re
 import json
 import threading
 from dataclasses import dataclass, field
@@ -66,7 +67,8 @@ def _schema_of(action: argparse.Action) -> dict:
     if action.choices:
         s["enum"] = list(action.choices)
     if action.help and action.help is not argparse.SUPPRESS:
-        s["description"] = action.help % {"default": action.default} if "%(" in action.help else action.help
+        text = action.help % {"default": action.default} if "%(" in action.help else action.help
+        s["description"] = re.sub(r",? or - (?:to read it from|reads) standard input", "", text)  # not over MCP
     return s
 
 
