@@ -13,10 +13,10 @@ from probe.util.procfs import proc_state
 
 from ._fanout import fan_out
 
-__all__ = ["federated_query"]
+__all__ = ["federated_query", "fetch_schema", "open_database", "add_views", "run_outer"]
 
 
-def _schema(session, targets) -> dict:
+def fetch_schema(session, targets) -> dict:
     """``{table: {column: type}}`` from the first ranks that answer GET /tables."""
     last = None
     for i in range(0, len(targets), 4):
@@ -33,13 +33,43 @@ def federated_query(session, sql: str, max_rows: int | None = None):
     When some ranks fail, the result is printed here and PartialError is raised
     (exit code 7) naming them.
     """
-    from probe.sql.engine import Result, connect, register_result
-    from probe.sql.federate import VIEW_COLUMNS, plan, view_params
+    from probe.sql.federate import plan, view_params
 
     targets = session.targets()
-    schema = _schema(session, targets)
+    schema = fetch_schema(session, targets)
     p = plan(sql, schema, view_params(strict=True))
-    jobs = [(t, name, part) for t in targets for name, part in p.parts.items()]
+    con, failed = open_database(session, targets, schema, p.parts)
+    try:
+        add_views(con, p.views)
+        con.execute("SET lock_configuration = true")
+        result = run_outer(con, p.outer, max_rows or 10000)
+    finally:
+        con.close()
+    result.meta = {"ranks": [t.rank for t in targets], "parts": p.parts, "failed": sorted(r for r in failed if r is not None)}
+    if failed:
+        if len(failed) == len(targets):
+            raise EndpointError("no rank answered the query: " + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + ".")
+        from ._render import render_result
+
+        args = session.args
+        session.print(render_result(result, session.format, expanded=getattr(args, "expanded", False),
+                                    timing=getattr(args, "timing", False)))
+        raise PartialError(f"{len(failed)} of {len(targets)} ranks did not answer, the result above lacks them "
+                           "(SELECT * FROM ranks.errors lists them): "
+                           + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + ".")
+    return result
+
+
+def open_database(session, targets, schema: dict, parts: dict):
+    """A private DuckDB database here, with one view per part (``{table: per-rank SQL}``) over
+    every target's answer, a ``rank`` column added, and ``ranks.errors`` for the silent ones.
+
+    Returns ``(connection, failed)``; ``failed`` maps a rank to ``(target, reason)``.
+    """
+    from probe.sql.engine import Result, connect, register_result
+    from probe.sql.federate import VIEW_COLUMNS
+
+    jobs = [(t, name, part) for t in targets for name, part in parts.items()]
     if not jobs:  # e.g. only ranks.errors: still find out which ranks answer
         jobs = [(t, None, None) for t in targets]
 
@@ -53,7 +83,7 @@ def federated_query(session, sql: str, max_rows: int | None = None):
 
     answers = fan_out(jobs, ask, target_of=lambda job: job[0])
     failed: dict = {}
-    tables: dict = {name: ([], None) for name in p.parts}
+    tables: dict = {name: ([], None) for name in parts}
     truncated = []
     for (target, name, _), a in zip(jobs, answers):
         if not a.ok:
@@ -69,6 +99,8 @@ def federated_query(session, sql: str, max_rows: int | None = None):
         ranks.extend([target.rank] * len(a.value.rows))
         if a.value.truncated:
             truncated.append(f"{target.label} {name}")
+    if truncated:
+        session.note(f"probe: some per-rank answers hit the row cap and were cut: {', '.join(truncated)}.")
     con = connect()
     try:
         for i, (name, (ranks, res)) in enumerate(tables.items()):
@@ -84,29 +116,18 @@ def federated_query(session, sql: str, max_rows: int | None = None):
                         [[t.entry.get("host"), err] for t, err in failed.values()])
         _create_view(con, "ranks.errors", errors, [t.rank for t, _ in failed.values()], "__errors", register_result,
                      ["rank", "host", "error"])
-        for name, text in p.views.items():
-            schema_name, short = name.split(".", 1)
-            con.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema_name}"')
-            con.execute(f'CREATE VIEW "{schema_name}"."{short}" AS {text}')
-        con.execute("SET lock_configuration = true")
-        result = _run_outer(con, p.outer, max_rows or 10000)
-    finally:
+    except BaseException:
         con.close()
-    result.meta = {"ranks": [t.rank for t in targets], "parts": p.parts, "failed": sorted(r for r in failed if r is not None)}
-    if truncated:
-        session.note(f"probe: some per-rank answers hit the row cap and were cut: {', '.join(truncated)}.")
-    if failed:
-        if len(failed) == len(targets):
-            raise EndpointError("no rank answered the query: " + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + ".")
-        from ._render import render_result
+        raise
+    return con, failed
 
-        args = session.args
-        session.print(render_result(result, session.format, expanded=getattr(args, "expanded", False),
-                                    timing=getattr(args, "timing", False)))
-        raise PartialError(f"{len(failed)} of {len(targets)} ranks did not answer, the result above lacks them "
-                           "(SELECT * FROM ranks.errors lists them): "
-                           + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + ".")
-    return result
+
+def add_views(con, views: dict) -> None:
+    """The client-side views (``ranks.stragglers`` ...) a query needs, over the parts' views."""
+    for name, text in views.items():
+        schema_name, short = name.split(".", 1)
+        con.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema_name}"')
+        con.execute(f'CREATE OR REPLACE VIEW "{schema_name}"."{short}" AS {text}')
 
 
 def _add_silent_ranks(res, ranks: list, failed) -> None:
@@ -130,7 +151,7 @@ def _create_view(con, name, res, ranks, raw, register_result, declared) -> None:
     con.execute(f'CREATE VIEW "{schema_name}"."{short}" AS SELECT {cols} FROM "{raw}"')
 
 
-def _run_outer(con, sql: str, max_rows: int):
+def run_outer(con, sql: str, max_rows: int):
     import time
 
     import duckdb

@@ -26,6 +26,7 @@ _LAZY = {
     "load_checkpoint": "actions.checkpoint",
     "table": "tables.registry",
     "Column": "tables.registry",
+    "rule": "diagnosis.rules",
 }
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "load_checkpoint",
     "table",
     "Column",
+    "rule",
     "ProbeError",
     "QueryError",
     "EndpointError",

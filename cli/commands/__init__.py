@@ -9,7 +9,7 @@ import importlib
 __all__ = ["Command", "command", "COMMANDS", "load_all"]
 
 COMMANDS: dict[str, type] = {}
-MODULES = ("core", "repl", "attach", "actions", "ranks", "interop")
+MODULES = ("core", "repl", "attach", "actions", "ranks", "doctor", "interop")
 
 
 class Command:
