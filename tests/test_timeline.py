@@ -145,3 +145,19 @@ def test_trace_bad_input_is_one_sentence(ranks, shared_cli, tmp_path):
     assert r.returncode != 0 and "cannot write" in r.stderr and "Traceback" not in r.stderr
     r = shared_cli(ranks[0].pid, "--format", "json", "trace", "-o", "-")
     assert r.returncode == 0 and json.loads(r.stdout)["traceEvents"]
+
+
+def test_doctor_names_an_input_bound_job_from_its_data_spans(spawn, cli):
+    import time
+
+    job = spawn([SPANS, "--data-sleep", "0.05"])
+    deadline = time.monotonic() + 90
+    while True:
+        r = cli(job.pid, "doctor", "--format", "json", timeout=90)
+        assert "Traceback" not in r.stderr, r.stderr
+        hit = [f for f in json.loads(r.stdout)["findings"] if f["rule"] == "data_spans"] if r.stdout.strip() else []
+        if hit or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)  # ok-sleep: polling with a deadline
+    assert hit, r.stdout + r.stderr
+    assert "probe.span('data')" in hit[0]["message"] and "input pipeline" in hit[0]["message"]

@@ -2,8 +2,9 @@
 
 Each step: ``step`` (outer) holds ``data`` and ``compute``; ``compute`` holds ``loss``
 (a decorated function). A second thread records ``prefetch`` spans. Prints ``ready``
-after the first step.
+after the first step. ``--data-sleep S`` makes the data span S seconds (an input-bound job).
 """
+import argparse
 import os
 import threading
 import time
@@ -27,6 +28,9 @@ def prefetcher(stop):
 
 
 def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--data-sleep", type=float, default=0.002, help="Seconds of simulated data loading per step.")
+    args = p.parse_args()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -37,7 +41,7 @@ def main():
         with probe.span("step"):
             with probe.span("data"):
                 batch = torch.randn(16, 8)
-                time.sleep(0.002)  # ok-sleep: simulated data loading
+                time.sleep(args.data_sleep)  # ok-sleep: simulated data loading
             with probe.span("compute"):
                 loss = loss_of(model, batch)
                 optimizer.zero_grad(set_to_none=True)
