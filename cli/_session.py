@@ -24,6 +24,7 @@ class Session:
         self.timeout = args.timeout or 10.0
         self.token = args.token or os.environ.get("PROBE_TOKEN") or None
         self.format = args.format or "table"
+        self.agent: str | None = None  # set by front ends acting for the user (MCP): sent with every request
 
     def print(self, text: str = "") -> None:
         print(text, file=self.stdout, flush=True)
@@ -63,4 +64,4 @@ class Session:
     def client(self, target=None):
         from ._client import Client
 
-        return Client(target or self.target(), timeout=self.timeout)
+        return Client(target or self.target(), timeout=self.timeout, agent=self.agent)

@@ -96,7 +96,19 @@ def _seconds_or_off(text: str) -> float | None:
     return value if value > 0 else None
 
 
-_declare("PROBE", None, "Set to 1 to start the probe in any Python process at interpreter start-up, with no code change.", _flag)
+def _probe_mode(text: str) -> str | None:
+    """PROBE: 1/workers -> 'workers', 'all' -> 'all', 0/off -> None."""
+    v = text.strip().lower()
+    if v in ("workers", "all"):
+        return v
+    try:
+        return "workers" if _flag(v) else None
+    except ValueError:
+        raise ValueError("1 (or workers), all, or 0") from None
+
+
+_declare("PROBE", None, "Start the probe at interpreter start-up with no code change. 1 (or workers): in the launcher's worker processes, not in launchers (torchrun), pip, multiprocessing helpers, or processes started by an already probed process (compile workers, data subprocesses); all: also in those subprocesses; 0: off.", _probe_mode)
+_declare("PROBE_ONLY", None, "With PROBE set: start the probe only in processes whose script name or -m module matches one of these comma-separated shell patterns (e.g. train*.py,my_pkg.train), wherever they are in the launch tree.", _names)
 _declare("PROBE_RUNTIME_DIR", None, "Directory for sockets, registry entries, audit log and hang dumps; default $XDG_RUNTIME_DIR/probe or /tmp/probe-$UID.")
 _declare("PROBE_PORT", None, "Also listen on this TCP port (0 picks a free one); requires a token.",
          _number(int, minimum=0, what="a TCP port number (0 picks a free one)"))
@@ -110,6 +122,7 @@ _declare("PROBE_MAX_ROWS", "10000", "Default row cap of a query result; a client
 _declare("PROBE_REGISTRY", None, "Shared directory (e.g. on a network file system) where every rank also writes its registry entry, for discovery across nodes.")
 _declare("PROBE_TRACE", None, "Module tracing: 'all' traces every step, 'off' disables it, a number N traces one step in N (default chosen to keep overhead under 1%).", _every)
 _declare("PROBE_TRACE_CAPACITY", "100000", "Rows kept in the python.torch_trace ring buffer.", _COUNT)
+_declare("PROBE_SPANS_CAPACITY", "10000", "Rows kept in the python.spans ring buffer (spans recorded with probe.span).", _COUNT)
 _declare("PROBE_STEPS_CAPACITY", "10000", "Rows kept in the torch.steps ring buffer.", _COUNT)
 _declare("PROBE_GRAD_NORM", "0.001", "Share of step time the probe's own gradient-norm computation may take (it runs on every N-th step to fit); 'all' computes it every step, 'off' never. A loop that calls clip_grad_norm_ gets its norm on every step for free.", _share)
 _declare("PROBE_LOSS_NAMES", "loss", "Comma-separated names of the scalar loss tensor looked up in the training loop's frames at each step.", _names)

@@ -88,7 +88,7 @@ def test_public_api_is_pinned():
 
     # changing the public API is a decision: update this list on purpose, never by accident
     assert sorted(probe.__all__) == sorted([
-        "__version__", "start", "stop", "is_running", "info", "step", "watch", "load_checkpoint", "table", "Column", "rule",
+        "__version__", "start", "stop", "is_running", "info", "step", "watch", "span", "load_checkpoint", "table", "Column", "rule",
         "ProbeError", "QueryError", "EndpointError", "AuthError", "ActionError", "AttachError"])
     for name in probe.__all__:
         assert hasattr(probe, name), name

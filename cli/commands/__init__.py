@@ -9,7 +9,7 @@ import importlib
 __all__ = ["Command", "command", "COMMANDS", "load_all"]
 
 COMMANDS: dict[str, type] = {}
-MODULES = ("core", "repl", "attach", "actions", "ranks", "doctor", "profile", "ui")
+MODULES = ("core", "repl", "attach", "actions", "ranks", "doctor", "profile", "ui", "interop")
 
 
 class Command:

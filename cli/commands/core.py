@@ -209,6 +209,10 @@ def backtrace_doc(session, target, args) -> dict:
     from probe._errors import AuthError, QueryError
 
     local = target.local_pid
+    if args.native and not args.subprocesses and local is not None and not target.entry.get("missing"):
+        merged = _native_merged(session, target, args)  # a live server: its frames plus py-spy's native ones
+        if merged is not None:
+            return merged
     if args.native or args.subprocesses:
         reason = "native frames were asked for" if args.native else "child processes were asked for"
     else:
@@ -237,6 +241,26 @@ def backtrace_doc(session, target, args) -> dict:
         doc["rank"] = target.rank if target.rank is not None else target.entry.get("rank")
     extra = "; locals are not available from py-spy" if args.locals else ""
     doc["note"] = f"[stacks read by py-spy in {time.perf_counter() - started:.2f} s because {reason}{extra}]"
+    return doc
+
+
+def _native_merged(session, target, args) -> dict | None:
+    """The server's backtrace with py-spy's native frames merged in; None when the server does not answer."""
+    try:
+        ours = session.client(target).get("/backtrace", timeout=min(session.timeout, SERVER_BACKTRACE_TIMEOUT),
+                                          thread=args.thread, locals=1 if args.locals else None)
+    except ProbeError:
+        return None  # the py-spy fallback below says why
+    from probe.injector import pyspy_backtrace
+
+    from .._native import merge_native
+
+    started = time.perf_counter()
+    spy = pyspy_backtrace(target.local_pid, native=True, thread=args.thread, timeout=max(session.timeout, 5.0))
+    doc = merge_native(ours, spy)
+    m = doc["native_merge"]
+    doc["note"] = (f"[native frames read by py-spy in {time.perf_counter() - started:.2f} s and merged with the probe's; "
+                   f"{m['from_probe']} of {m['python_frames']} Python frames agreed and carry the probe's details]")
     return doc
 
 
