@@ -56,7 +56,7 @@ def main():
             ("backtrace", ["--rank", "0", "backtrace"], ["--ranks", "all", "backtrace"]),
             ("backtrace --group", ["--rank", "0", "backtrace"], ["--ranks", "all", "backtrace", "--group"]),
             ("query", ["--rank", "0", "query", "SELECT count(*) FROM python.backtrace"], ["--ranks", "all", "query", sql]),
-            ("status", ["--rank", "0", "status", "--samples", "1"], ["--ranks", "all", "status", "--samples", "1"]),
+            ("status", ["--rank", "0", "status"], ["--ranks", "all", "status"]),
         ]
         print(f"{a.ranks} local probed processes, median of {a.repeat} runs of the real `probe` command, {os.cpu_count()} cores")
         print(f"{'command':<20} {'1 rank':>9} {'all ranks':>10} {'ratio':>7}")

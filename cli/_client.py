@@ -15,7 +15,9 @@ from probe._errors import AuthError, EndpointError, ProbeError, error_from_dict
 
 from ._endpoint import Target
 
-__all__ = ["Client"]
+__all__ = ["Client", "AGENT_HEADER"]
+
+AGENT_HEADER = "X-Probe-Agent"  # names the program acting for the user; recorded in the audit log and probe.actions
 
 
 class _BadResponse(Exception):
@@ -43,9 +45,10 @@ def _exchange(sock: socket.socket, method: str, path: str, headers: dict, body: 
 
 
 class Client:
-    def __init__(self, target: Target, timeout: float = 10.0):
+    def __init__(self, target: Target, timeout: float = 10.0, agent: str | None = None):
         self.target = target
         self.timeout = timeout
+        self.agent = agent  # who drives this client on a person's behalf (e.g. "mcp"); the server audits it
 
     def _connect(self, timeout: float) -> socket.socket:
         t = self.target
@@ -80,6 +83,8 @@ class Client:
         timeout = self.timeout if timeout is None else timeout
         t = self.target
         headers = {"Content-Type": "application/json", "Connection": "close"}
+        if self.agent:
+            headers[AGENT_HEADER] = self.agent
         if t.port is not None and not t.socket:
             if not t.token:
                 raise AuthError(f"{t.label} listens on TCP and needs a token; pass --token or set PROBE_TOKEN.")

@@ -8,7 +8,7 @@ import re
 from probe._errors import EndpointError
 from probe._runtime import pid_alive, read_entries, runtime_dir
 
-__all__ = ["Target", "resolve", "targets_for_ranks", "parse_rank_spec"]
+__all__ = ["Target", "resolve", "targets_for_ranks", "parse_rank_spec", "pick_job"]
 
 
 class Target:
@@ -137,11 +137,30 @@ def parse_rank_spec(spec: str) -> list[int] | None:
     return sorted(set(ranks))
 
 
-def targets_for_ranks(ranks: list[int] | None, token: str | None = None) -> list[Target]:
-    """Targets of the given ranks (None: every rank) from the local and shared registries."""
+def pick_job(entries: list[dict], job: str | None) -> list[dict]:
+    """The entries of one job: ``job`` (a job id or its unique prefix), or the only job there is.
+
+    Several jobs and no ``job``: an error naming them, never a silent mix of their ranks.
+    """
+    jobs = sorted({str(e.get("job")) for e in entries if e.get("job")})
+    if job is not None:
+        chosen = [j for j in jobs if j == job] or [j for j in jobs if j.startswith(job)]
+        if len(chosen) != 1:
+            what = "matches several jobs" if chosen else "is not a job in the registry"
+            raise EndpointError(f"--job {job} {what}; the jobs are: {', '.join(jobs) or 'none'} (see `probe list`).")
+        return [e for e in entries if str(e.get("job")) == chosen[0]]
+    if len(jobs) > 1:
+        raise EndpointError(f"ranks of {len(jobs)} jobs are probed here ({', '.join(jobs)}); pick one with --job ID "
+                            "(`probe list` shows each process's job).")
+    return entries
+
+
+def targets_for_ranks(ranks: list[int] | None, token: str | None = None, job: str | None = None) -> list[Target]:
+    """Targets of the given ranks (None: every rank) of one job from the local and shared registries."""
     entries = [e for e in read_entries(clean=True) if e.get("rank") is not None]
     if not entries:
         raise EndpointError("no probed ranks were found in the registry; start the job with PROBE=1 (set PROBE_REGISTRY for several nodes) or check `probe list`.")
+    entries = pick_job(entries, job)
     by_rank: dict[int, dict] = {}
     for e in entries:
         by_rank.setdefault(int(e["rank"]), e)

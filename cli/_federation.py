@@ -35,16 +35,17 @@ def fetch_schema(session, targets) -> dict:
     raise EndpointError(f"no rank answered to list its tables: {last.target.label}: {last.error}.")
 
 
-def federated_query(session, sql: str, max_rows: int | None = None, *, targets: list | None = None,
+def federated_query(session, sql: str, max_rows: int | None = None, targets=None, params: dict | None = None, *,
                     on_workspace: Callable | None = None):
-    """Run ``sql`` over one rank or many; return the combined Result.
+    """Run ``sql`` over one rank or many (``--ranks``, or ``targets``); return the combined Result.
 
     One path for both: every rank hands over snapshots of the columns the query needs
     (``POST /snapshot``), and DuckDB runs here, over views that union the ranks with a
     ``rank`` column. With one target (``targets=[t]``), its error is raised as is; with
     several, silent ranks become rows of ``ranks.errors``, the result is printed here and
-    PartialError is raised (exit code 7) naming them. ``on_workspace(ws)`` receives the
-    DuckDB workspace before the query runs (the REPL's Ctrl-C interrupts it).
+    PartialError is raised (exit code 7) naming them. ``params`` override the ranks.*
+    views' parameters (default: their settings). ``on_workspace(ws)`` receives the DuckDB
+    workspace before the query runs (the REPL's Ctrl-C interrupts it).
     """
     from probe._config import setting
     from probe.sql.federate import plan, view_params
@@ -52,7 +53,9 @@ def federated_query(session, sql: str, max_rows: int | None = None, *, targets: 
     single = targets is not None and len(targets) == 1
     targets = targets if targets is not None else session.targets()
     schema = fetch_schema(session, targets)
-    p = plan(sql, schema, view_params(strict=True))
+    values = view_params(strict=True)
+    values.update({k: v for k, v in (params or {}).items() if v is not None})
+    p = plan(sql, schema, values)
     ws, failed = open_database(session, targets, schema, p.parts, single=single, on_workspace=on_workspace)
     if targets and len(failed) == len(targets):
         ws.close()

@@ -17,19 +17,22 @@ from .commands import COMMANDS, load_all
 
 __all__ = ["main"]
 
-_VALUE_OPTIONS = {"-t", "--target", "--rank", "--ranks", "--timeout", "--token", "--format"}
+_VALUE_OPTIONS = {"-t", "--target", "--rank", "--ranks", "--job", "--timeout", "--token", "--format"}
 
 
-def _global_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
+def _global_options(parser: argparse.ArgumentParser, suppress: bool, output_format: bool = True) -> None:
     d = argparse.SUPPRESS if suppress else None
     g = parser.add_argument_group("global options")
     g.add_argument("-t", "--target", dest="endpoint", metavar="ENDPOINT", default=d,
                    help="pid, host:port or unix-socket path of the probed process.")
     g.add_argument("--rank", type=int, metavar="N", default=d, help="Talk to rank N (found in the registry).")
     g.add_argument("--ranks", metavar="SPEC", default=d, help="Talk to several ranks: all, 3, 0-3, 0-3,7.")
+    g.add_argument("--job", metavar="ID", default=d,
+                   help="With --rank/--ranks when several jobs run here: the job (its id or a prefix, see `probe list`).")
     g.add_argument("--timeout", type=float, metavar="S", default=d, help="Seconds to wait for an answer (default 10).")
     g.add_argument("--token", default=d, help="Token for TCP endpoints (default: $PROBE_TOKEN, or the local registry).")
-    g.add_argument("--format", choices=("table", "json", "csv"), default=d, help="Output format (default table).")
+    if output_format:
+        g.add_argument("--format", choices=("table", "json", "csv"), default=d, help="Output format (default table).")
     g.add_argument("--yes", action="store_true", default=d if suppress else False,
                    help="Do not ask before a mutating command to several ranks.")
 
@@ -72,11 +75,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
     _global_options(common, suppress=True)
+    common_own_format = argparse.ArgumentParser(add_help=False)  # for commands with their own --format
+    _global_options(common_own_format, suppress=True, output_format=False)
     seen = {}
     for name, cls in COMMANDS.items():
         if name != cls.name:
             continue
-        p = sub.add_parser(name, help=cls.help, description=cls.help, parents=[common], aliases=list(cls.aliases))
+        p = sub.add_parser(name, help=cls.help, description=cls.help, parents=[common_own_format if cls.own_format else common], aliases=list(cls.aliases))
         cls.add_arguments(p)
         seen[name] = cls
     return parser, seen

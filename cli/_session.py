@@ -24,6 +24,7 @@ class Session:
         self.timeout = args.timeout or 10.0
         self.token = args.token or os.environ.get("PROBE_TOKEN") or None
         self.format = args.format or "table"
+        self.agent: str | None = None  # set by front ends acting for the user (MCP): sent with every request
 
     def print(self, text: str = "") -> None:
         print(text, file=self.stdout, flush=True)
@@ -45,7 +46,7 @@ class Session:
         if a.endpoint and a.rank is not None:
             raise ProbeError("give either an ENDPOINT or --rank N, not both.")
         if a.rank is not None:
-            return targets_for_ranks([a.rank], self.token)[0]
+            return targets_for_ranks([a.rank], self.token, getattr(a, "job", None))[0]
         if not a.endpoint:
             raise ProbeError(f"`probe {a.command}` needs a process: `probe ENDPOINT {a.command}` with a pid, host:port or socket (see `probe list`), or --rank N.")
         return resolve(a.endpoint, self.token)
@@ -57,10 +58,10 @@ class Session:
         if getattr(self.args, "ranks", None):
             if self.args.endpoint or self.args.rank is not None:
                 raise ProbeError("give --ranks alone, without an ENDPOINT or --rank.")
-            return targets_for_ranks(parse_rank_spec(self.args.ranks), self.token)
+            return targets_for_ranks(parse_rank_spec(self.args.ranks), self.token, getattr(self.args, "job", None))
         return [self.target()]
 
     def client(self, target=None):
         from ._client import Client
 
-        return Client(target or self.target(), timeout=self.timeout)
+        return Client(target or self.target(), timeout=self.timeout, agent=self.agent)

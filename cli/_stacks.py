@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["main_thread", "top_frame", "user_frame", "stack_key", "group_text"]
+__all__ = ["main_thread", "top_frame", "user_frame", "stack_key", "group_stacks", "group_text"]
 
 _LIBRARY_MARKERS = ("site-packages", "dist-packages", "/lib/python", "<frozen")
 
@@ -52,33 +52,41 @@ def _summary(frames: list) -> str:
     return text
 
 
-def group_text(answers: list, thread: str | None = None) -> str:
-    """One block per distinct stack, largest group first; the odd rank out stands alone.
+def group_stacks(answers: list, thread: str | None = None) -> list:
+    """Identical main-thread stacks merged: ``[(ranks, label, summary, frames)]``, largest group first.
 
-    ``answers`` are fan-out answers whose value is a backtrace doc.
+    ``answers`` are fan-out answers whose value is a backtrace doc; unreachable ones are left out.
     """
     from ._fanout import format_ranks
 
     groups: dict[tuple, list] = {}
     frames_of: dict[tuple, list] = {}
-    failed = []
     for a in answers:
         if not a.ok:
-            failed.append(a)
             continue
         t = main_thread(a.value, thread)
         frames = (t or {}).get("frames") or []
         key = stack_key(frames)
         groups.setdefault(key, []).append(a.rank if a.rank is not None else a.target.pid)
         frames_of[key] = frames
+    return [(ranks, format_ranks(ranks), _summary(frames_of[key]), frames_of[key])
+            for key, ranks in sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))]
+
+
+def group_text(answers: list, thread: str | None = None) -> str:
+    """One block per distinct stack, largest group first; the odd rank out stands alone.
+
+    ``answers`` are fan-out answers whose value is a backtrace doc.
+    """
     which = f"thread {thread}" if thread else "main thread"
     lines = [f"Stacks of the {which} across {len(answers)} ranks, identical stacks merged (innermost frame first):"]
-    for key, ranks in sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1]))):
+    for _ranks, label, summary, frames in group_stacks(answers, thread):
         lines.append("")
-        lines.append(f"{format_ranks(ranks)}: {_summary(frames_of[key])}")
-        for f in frames_of[key]:
+        lines.append(f"{label}: {summary}")
+        for f in frames:
             lines.append(f"    #{f.get('depth', 0):<3} {f.get('func')} ({f.get('file')}:{f.get('lineno')})")
-    for a in failed:
-        lines.append("")
-        lines.append(f"{a.target.label}: unreachable: {a.error}")
+    for a in answers:
+        if not a.ok:
+            lines.append("")
+            lines.append(f"{a.target.label}: unreachable: {a.error}")
     return "\n".join(lines)

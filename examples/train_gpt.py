@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import probe  # no side effects: probe.span below is a no-op unless a probe runs
+
 if os.environ.get("PROBE_EXAMPLE_NO_PROBE") != "1":
     import probe.auto  # noqa: F401  (the one line that attaches probe)
 
@@ -113,8 +115,6 @@ def main(argv=None) -> int:
     trainer = Trainer(grad_clip=1.0)
 
     if args.resume:
-        import probe
-
         state = probe.load_checkpoint(args.resume, model=model, optimizer=optimizer, scheduler=scheduler)
         trainer.current_step = int(state.get("step") or 0)
         print(f"resumed from {args.resume} at step {trainer.current_step}", flush=True)
@@ -126,7 +126,8 @@ def main(argv=None) -> int:
     print(f"ready pid={os.getpid()} device={args.device}", flush=True)
     model.train()
     while args.steps == 0 or trainer.current_step < args.steps:
-        batch, target = next(data)
+        with probe.span("data"):  # input-pipeline time, in python.spans and the timeline
+            batch, target = next(data)
         batch, target = batch.to(args.device), target.to(args.device)
         logits = model(batch)
         loss = F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))

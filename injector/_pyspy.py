@@ -1,4 +1,5 @@
-"""Read-only stacks of any local Python process through ``py-spy dump --json``.
+"""Read-only stacks of any local Python process through ``py-spy dump --json`` (and
+sampled over time through ``py-spy record``, for ``probe profile --native``).
 
 py-spy reads the target's memory (process_vm_readv) without running code in it, so
 it works on a rank stuck in C with the GIL held, where no Python thread can answer.
@@ -17,13 +18,25 @@ from probe._errors import AttachError
 
 from ._process import EXIT_CODES, explain_ptrace_failure, inspect_process, ptrace_problem
 
-__all__ = ["pyspy_backtrace", "pyspy_path"]
+__all__ = ["pyspy_backtrace", "pyspy_path", "pyspy_record"]
 
 
 def pyspy_path() -> str | None:
     """The py-spy executable next to this interpreter, else on PATH."""
     here = os.path.join(os.path.dirname(sys.executable), "py-spy")
     return here if os.access(here, os.X_OK) else shutil.which("py-spy")
+
+
+def _usable_pyspy(pid: int, without: str, verb: str) -> str:
+    """py-spy's path, once it is known to exist and to be allowed to ptrace ``pid``; else AttachError."""
+    exe = pyspy_path()
+    if exe is None:
+        raise AttachError(f"py-spy is not installed, so {without}; `pip install py-spy` in the CLI's environment.",
+                          exit_code=EXIT_CODES["no_rung"])
+    blocked = ptrace_problem(pid)
+    if blocked:
+        raise AttachError(f"py-spy cannot {verb} process {pid}: {blocked}.", exit_code=EXIT_CODES["ptrace_blocked"])
+    return exe
 
 
 def _frame(depth: int, f: dict) -> dict:
@@ -66,13 +79,7 @@ def pyspy_backtrace(pid: int, *, native: bool = False, subprocesses: bool = Fals
                     timeout: float = 10.0) -> dict:
     """Every thread's stack of ``pid`` read by py-spy, innermost frame first, shaped like GET /backtrace."""
     info = inspect_process(pid)
-    exe = pyspy_path()
-    if exe is None:
-        raise AttachError("py-spy is not installed, so stacks cannot be read without the probe server; "
-                          "`pip install py-spy` in the CLI's environment.", exit_code=EXIT_CODES["no_rung"])
-    blocked = ptrace_problem(pid)
-    if blocked:
-        raise AttachError(f"py-spy cannot read process {pid}: {blocked}.", exit_code=EXIT_CODES["ptrace_blocked"])
+    exe = _usable_pyspy(pid, "stacks cannot be read without the probe server", "read")
     argv = [exe, "dump", "--pid", str(pid), "--json"]
     if native:
         argv.append("--native")
@@ -106,3 +113,40 @@ def pyspy_backtrace(pid: int, *, native: bool = False, subprocesses: bool = Fals
                               exit_code=EXIT_CODES["tool_failed"])
     threads.sort(key=lambda t: (t["pid"] != pid, not t["is_main"], t["pid"] or 0, t["name"] or ""))
     return {"source": "py-spy", "pid": pid, "rank": None, "threads": threads}
+
+
+def pyspy_record(pid: int, seconds: float, *, hz: float = 100.0, native: bool = True) -> list:
+    """Every thread of ``pid`` sampled by ``py-spy record`` for ``seconds``: ``[[stack, count], ...]``.
+
+    Stacks are collapsed and root first (``thread (id): name;func (file:line);...``), one
+    box per function (``--function``), idle threads included. py-spy pauses the process
+    for each sample unless sampling without ``--native``.
+    """
+    import tempfile
+
+    exe = _usable_pyspy(pid, "native stacks cannot be sampled (or drop --native)", "sample")
+    with tempfile.TemporaryDirectory(prefix="probe-profile-") as tmp:
+        out = os.path.join(tmp, "stacks.txt")
+        argv = [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", str(int(hz)),
+                "--format", "raw", "--output", out, "--function", "--threads", "--idle"]
+        if native:
+            argv.append("--native")
+        else:
+            argv.append("--nonblocking")
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 30)
+        except subprocess.TimeoutExpired:
+            raise AttachError(f"py-spy did not finish sampling process {pid} within {seconds + 30:g} s.",
+                              exit_code=EXIT_CODES["no_answer"]) from None
+        if proc.returncode != 0 or not os.path.exists(out):
+            text = (proc.stderr or proc.stdout).strip()
+            why = explain_ptrace_failure(pid, text) or (text.splitlines()[-1] if text else f"exit status {proc.returncode}")
+            raise AttachError(f"py-spy could not sample process {pid}: {why}.", exit_code=EXIT_CODES["tool_failed"])
+        with open(out) as f:
+            lines = f.read().splitlines()
+    stacks = []
+    for line in lines:
+        stack, _, count = line.rstrip().rpartition(" ")
+        if stack and count.isdigit():
+            stacks.append([stack, int(count)])
+    return sorted(stacks, key=lambda s: -s[1])

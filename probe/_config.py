@@ -113,7 +113,19 @@ def _seconds_or_off(text: str) -> float | None:
     return value if value > 0 else None
 
 
-_declare("PROBE", None, "Set to 1 to start the probe in any Python process at interpreter start-up, with no code change.", _flag)
+def _probe_mode(text: str) -> str | None:
+    """PROBE: 1/workers -> 'workers', 'all' -> 'all', 0/off -> None."""
+    v = text.strip().lower()
+    if v in ("workers", "all"):
+        return v
+    try:
+        return "workers" if _flag(v) else None
+    except ValueError:
+        raise ValueError("1 (or workers), all, or 0") from None
+
+
+_declare("PROBE", None, "Start the probe at interpreter start-up with no code change. 1 (or workers): in the launcher's worker processes, not in launchers (torchrun), pip, multiprocessing helpers, or processes started by an already probed process (compile workers, data subprocesses); all: also in those subprocesses; 0: off.", _probe_mode)
+_declare("PROBE_ONLY", None, "With PROBE set: start the probe only in processes whose script name or -m module matches one of these comma-separated shell patterns (e.g. train*.py,my_pkg.train), wherever they are in the launch tree.", _names)
 _declare("PROBE_RUNTIME_DIR", None, "Directory for sockets, registry entries, audit log and hang dumps; default $XDG_RUNTIME_DIR/probe or /tmp/probe-$UID.")
 _declare("PROBE_PORT", None, "Also listen on this TCP port (0 picks a free one); requires a token.",
          _number(int, minimum=0, what="a TCP port number (0 picks a free one)"))
@@ -132,6 +144,7 @@ _declare("PROBE_READ_TIMEOUT", "5", "Training process: seconds a client may take
 _declare("PROBE_REGISTRY", None, "Shared directory (e.g. on a network file system) where every rank also writes its registry entry, for discovery across nodes.")
 _declare("PROBE_TRACE", None, "Module tracing: 'all' traces every step, 'off' disables it, a number N traces one step in N (default chosen to keep overhead under 1%).", _every)
 _declare("PROBE_TRACE_CAPACITY", "100000", "Rows kept in the python.torch_trace ring buffer.", _COUNT)
+_declare("PROBE_SPANS_CAPACITY", "10000", "Rows kept in the python.spans ring buffer (spans recorded with probe.span).", _COUNT)
 _declare("PROBE_STEPS_CAPACITY", "10000", "Rows kept in the torch.steps ring buffer.", _COUNT)
 _declare("PROBE_GRAD_NORM", "0.001", "Share of step time the probe's own gradient-norm computation may take (it runs on every N-th step to fit); 'all' computes it every step, 'off' never. A loop that calls clip_grad_norm_ gets its norm on every step for free.", _share)
 _declare("PROBE_LOSS_NAMES", "loss", "Comma-separated names of the scalar loss tensor looked up in the training loop's frames at each step.", _names)
@@ -141,9 +154,12 @@ _declare("PROBE_POSTMORTEM_ROWS", "2000", "Rows of each table a post-mortem reco
 _declare("PROBE_POSTMORTEM_KEEP", "20", "Post-mortem records kept in the runtime directory; the oldest are removed when a new one is written.", _COUNT)
 _declare("PROBE_INJECT_VIA", "remote_exec,gdb", "Injection methods `probe inject` may use, in order: remote_exec (Python 3.14+), gdb.", _names)
 _declare("PROBE_GDB", "gdb", "The gdb executable `probe inject` runs (a name on PATH or an absolute path).")
-_declare("PROBE_STRAGGLER_FACTOR", "1.5", "For --ranks: a rank is a straggler (ranks.stragglers, `status` state slow) when its median step time exceeds the others' median by this factor.",
+_declare("PROBE_STRAGGLER_FACTOR", "1.5", "For --ranks: a rank is a straggler (ranks.stragglers, `status` state slow) when its median compute time per step (step time minus the time it waits for other ranks, from the flight recorder; its step time without one) exceeds the other ranks' median by this factor.",
          _number(float, above=1.0, what="a factor above 1, such as 1.5"))
 _declare("PROBE_HUNG_AFTER", "60", "For --ranks: seconds without a completed step after which ranks.hung and `status` call a rank hung (or waiting, inside a collective).", _SECONDS)
+_declare("PROBE_COLLECTIVES", "500", "Entries of torch's c10d flight recorder (torch.collectives) turned on when the probe starts before the first process group and TORCH_FR_BUFFER_SIZE is unset; 0 or off leaves it off.",
+         lambda text: 0 if text.strip().lower() in _FALSE + ("none",)
+         else _number(int, minimum=0, what="a number of entries, or off")(text))
 _declare("PROBE_DESYNC_STEPS", "1", "For --ranks: ranks.desync lists ranks more than this many steps behind the most advanced one.",
          _number(float, minimum=0, what="a number of steps, 0 or more"))
 

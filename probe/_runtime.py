@@ -24,8 +24,8 @@ from ._config import setting
 from ._errors import EndpointError
 
 __all__ = ["runtime_dir", "default_runtime_dir", "check_private_dir", "use_private_dir", "sweep_stale", "rank_identity",
-           "write_entry", "read_entries", "remove_entry", "pid_alive", "shared_registry", "job_token", "registry_listen",
-           "offline_status"]
+           "job_identity", "write_entry", "read_entries", "remove_entry", "pid_alive", "shared_registry", "job_token",
+           "registry_listen", "offline_status"]
 
 
 _private: dict = {}  # "path": the private directory a process fell back to when the usual one was unsafe
@@ -138,6 +138,36 @@ def rank_identity() -> dict:
         "node_rank": _int_env("GROUP_RANK", "NODE_RANK", "SLURM_NODEID"),
         "host": socket.gethostname(),
     }
+
+
+def job_identity(environ: dict | None = None) -> str | None:
+    """Which job this process belongs to, so that several jobs on one host are told apart.
+
+    Slurm's job (and step) id; else torchrun's run id (TORCHELASTIC_RUN_ID, unless it is
+    the default ``none``); else the rendezvous endpoint MASTER_ADDR:MASTER_PORT (unique
+    while the job runs: its port is bound); else, for a process with a rank but none of
+    these, its launcher (parent pid and host). None outside a distributed job.
+
+    >>> job_identity({"TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "node1", "MASTER_PORT": "29500"})
+    'node1:29500'
+    >>> job_identity({"SLURM_JOB_ID": "812", "SLURM_STEP_ID": "0", "TORCHELASTIC_RUN_ID": "x"})
+    'slurm-812.0'
+    """
+    env = os.environ if environ is None else environ
+    if env.get("SLURM_JOB_ID"):
+        step = env.get("SLURM_STEP_ID")
+        return f"slurm-{env['SLURM_JOB_ID']}" + (f".{step}" if step else "")
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id.lower() != "none":
+        return run_id
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    for name in ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"):
+        if env.get(name):
+            return f"mpi-{env[name]}"
+    if any(env.get(n) not in (None, "") for n in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")):
+        return f"ppid-{os.getppid()}@{socket.gethostname()}"
+    return None
 
 
 def shared_registry() -> str | None:

@@ -12,6 +12,8 @@
   with a ``rank`` column (the rank the answer came from; a table's own ``rank``
   column is never fetched, the client's is authoritative).
 * ``views``: client-side views (``ranks.stragglers`` ...) the query needs.
+
+The ``ranks.*`` views themselves, and their parameters, are declared in ``sql.ranks``.
 """
 
 from __future__ import annotations
@@ -22,104 +24,16 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.optimizer.qualify import qualify
 
-from probe._config import setting
 from probe._errors import QueryError
 
 from .guard import guard
+from .ranks import CLIENT_VIEWS, FEDERATED_VIEWS, VIEW_COLUMNS, view_params, view_sql
 
 __all__ = ["Plan", "plan", "qualify_query", "table_scans", "per_rank_query", "filter_tree", "rename_tables",
            "rename_tables_sql", "snapshot_requests", "FEDERATED_VIEWS", "CLIENT_VIEWS", "VIEW_COLUMNS", "view_params",
            "union_columns"]
 
 RANK = "rank"
-
-# Per-rank aggregate: one row per rank, computed on the rank's own clock (no clock skew).
-FEDERATED_VIEWS = {
-    "ranks.latest": """
-SELECT i.pid, i.host, s.step, s.last_step_at, s.age_s, s.step_time, s.steps_seen, i.state, i.hung_since,
-       (SELECT func || ' (' || regexp_replace(file, '.*/', '') || ':' || lineno || ')' FROM python.backtrace
-        WHERE is_main AND depth = 0 LIMIT 1) AS top_frame,
-       (SELECT count(*) > 0 FROM python.backtrace
-        WHERE is_main AND file LIKE '%torch/distributed/%') AS in_collective
-FROM process.info AS i,
-     (SELECT max(step) AS step, max(ended_at) AS last_step_at,
-             epoch(current_timestamp) - epoch(max(ended_at)) AS age_s,
-             (SELECT median(duration) FROM (SELECT duration FROM torch.steps ORDER BY step DESC LIMIT 20)) AS step_time,
-             count(*) AS steps_seen
-      FROM torch.steps) AS s""",
-}
-
-CLIENT_VIEWS = {
-    "ranks.stragglers": """
-SELECT rank, step, step_time, others_step_time, step_time / others_step_time AS ratio, top_frame
-FROM (SELECT a.rank, a.step, a.step_time, a.top_frame,
-             (SELECT median(b.step_time) FROM ranks.latest AS b WHERE b.rank <> a.rank) AS others_step_time
-      FROM ranks.latest AS a)
-WHERE step_time > {straggler_factor} * others_step_time
-ORDER BY ratio DESC""",
-    "ranks.desync": """
-SELECT rank, step, (SELECT max(step) FROM ranks.latest) - step AS behind
-FROM ranks.latest
-WHERE (SELECT max(step) FROM ranks.latest) - step > {desync_steps}
-ORDER BY behind DESC, rank""",
-    "ranks.hung": """
-SELECT rank, step, age_s, state, in_collective, top_frame
-FROM ranks.latest
-WHERE age_s > {hung_after} OR state IN ('hung', 'stopped')
-ORDER BY in_collective NULLS FIRST, rank""",
-}
-
-VIEW_COLUMNS = {
-    "ranks.latest": [
-        ("rank", "INTEGER", "Rank that answered."),
-        ("pid", "BIGINT", "Process id of the rank."),
-        ("host", "VARCHAR", "Host name of the rank."),
-        ("step", "BIGINT", "Last step in torch.steps."),
-        ("last_step_at", "TIMESTAMP", "When that step ended."),
-        ("age_s", "DOUBLE", "Seconds since the last step ended, on the rank's own clock."),
-        ("step_time", "DOUBLE", "Median duration of the last 20 steps in seconds."),
-        ("steps_seen", "BIGINT", "Rows in the rank's torch.steps ring."),
-        ("state", "VARCHAR", "training, idle or hung (from process.info); stopped or unreachable for a rank that did not answer."),
-        ("hung_since", "TIMESTAMP", "When the hang watchdog saw the last step, if it fired."),
-        ("top_frame", "VARCHAR", "Innermost frame of the main thread: func (file:line)."),
-        ("in_collective", "BOOLEAN", "Whether the main thread is inside a torch.distributed call."),
-    ],
-    "ranks.stragglers": [
-        ("rank", "INTEGER", "Rank that is slower than the others."),
-        ("step", "BIGINT", "Its last step."),
-        ("step_time", "DOUBLE", "Its median step time in seconds."),
-        ("others_step_time", "DOUBLE", "Median step time of the other ranks."),
-        ("ratio", "DOUBLE", "step_time / others_step_time; above PROBE_STRAGGLER_FACTOR."),
-        ("top_frame", "VARCHAR", "Innermost frame of its main thread."),
-    ],
-    "ranks.desync": [
-        ("rank", "INTEGER", "Rank whose step counter lags."),
-        ("step", "BIGINT", "Its last step."),
-        ("behind", "BIGINT", "Steps behind the most advanced rank; above PROBE_DESYNC_STEPS."),
-    ],
-    "ranks.hung": [
-        ("rank", "INTEGER", "Rank without a step for longer than PROBE_HUNG_AFTER (or flagged by the watchdog)."),
-        ("step", "BIGINT", "Its last step."),
-        ("age_s", "DOUBLE", "Seconds since its last step."),
-        ("state", "VARCHAR", "State from process.info, or stopped (SIGSTOP) for a rank that did not answer."),
-        ("in_collective", "BOOLEAN", "True: waiting inside a collective for another rank; False: the likely culprit."),
-        ("top_frame", "VARCHAR", "Innermost frame of its main thread."),
-    ],
-    "ranks.errors": [
-        ("rank", "INTEGER", "Rank that did not answer."),
-        ("host", "VARCHAR", "Its host, from the registry."),
-        ("error", "VARCHAR", "Why: unreachable, timed out, or the query failed there."),
-    ],
-}
-
-PARAM_SETTINGS = {"straggler_factor": "PROBE_STRAGGLER_FACTOR", "hung_after": "PROBE_HUNG_AFTER",
-                  "desync_steps": "PROBE_DESYNC_STEPS"}
-
-
-def view_params(environ: dict | None = None, strict: bool = False) -> dict:
-    """The client views' parameters from their typed settings (``environ={}``: the defaults)."""
-    return {key: setting(name, environ, strict=strict) for key, name in PARAM_SETTINGS.items()}
-
 
 @dataclass
 class Plan:
@@ -435,6 +349,19 @@ def plan(sql: str, schema: dict, params: dict | None = None) -> Plan:
         for t in base:
             cols, cond = scans.get(t, (sorted(set(schema[t]) - {RANK}), None))
             parts[t] = per_rank_query(t, cols, cond)
-    # dependency order: a view after the views it reads
-    ordered = dict(sorted(views.items(), key=lambda kv: sum(other in kv[1] for other in views)))
-    return Plan(outer=guarded.sql, parts=parts, views=ordered)
+    return Plan(outer=guarded.sql, parts=parts, views=_dependency_order(views))
+
+
+def _dependency_order(views: dict) -> dict:
+    """Views ordered so that each comes after the views it reads.
+
+    >>> list(_dependency_order({"a.x": "FROM a.y", "a.y": "FROM a.z", "a.z": "FROM t"}))
+    ['a.z', 'a.y', 'a.x']
+    """
+    deps = {name: {o for o in views if o != name and o in text} for name, text in views.items()}
+    ordered: dict = {}
+    while len(ordered) < len(views):
+        ready = [n for n in views if n not in ordered and deps[n] <= set(ordered)]
+        for n in ready or [n for n in views if n not in ordered]:  # a cycle cannot happen with built-in views
+            ordered[n] = views[n]
+    return ordered

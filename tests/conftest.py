@@ -28,6 +28,16 @@ EXAMPLES = ROOT / "examples"
 PROBE_BIN = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
 
 
+def poll(fn, timeout: float = 30.0):
+    """Call fn until it returns a truthy value or ``timeout`` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)  # ok-sleep: polling with a deadline
+
+
 def has_torch() -> bool:
     try:
         import importlib.util

@@ -93,9 +93,12 @@ def test_pushdown_projects_and_filters_per_rank():
 
 
 def test_views_pull_the_per_rank_aggregate():
-    plan = federate.plan("SELECT rank FROM ranks.stragglers", SCHEMA, {"straggler_factor": 3})
-    assert set(plan.parts) == {"ranks.latest"}
-    assert "3.0 * others_step_time" in plan.views["ranks.stragglers"]
+    schema = dict(SCHEMA, **{"torch.process_groups": {"pg": "VARCHAR", "pending_s": "DOUBLE"}})
+    plan = federate.plan("SELECT rank FROM ranks.stragglers", schema, {"straggler_factor": 3})
+    # stragglers read the one classification (ranks.status), which reads the lined-up collectives
+    assert set(plan.parts) == {"ranks.latest", "ranks.issued", "torch.process_groups"}
+    assert list(plan.views) == ["ranks.collectives", "ranks.status", "ranks.stragglers"]
+    assert "3.0 * m.others" in plan.views["ranks.status"]
 
 
 def test_unknown_table_is_refused_with_the_known_names():
@@ -106,8 +109,10 @@ def test_unknown_table_is_refused_with_the_known_names():
 
 
 def test_doctests():
+    from probe.training import collectives
     from probe.cli import _fanout, _stacks
+    from probe.sql import ranks
 
-    for mod in (federate, _fanout, _stacks):
+    for mod in (federate, ranks, _fanout, _stacks, collectives):
         failed, attempted = doctest.testmod(mod)
         assert attempted and not failed

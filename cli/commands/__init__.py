@@ -9,7 +9,7 @@ import importlib
 __all__ = ["Command", "command", "COMMANDS", "load_all"]
 
 COMMANDS: dict[str, type] = {}
-MODULES = ("core", "repl", "attach", "actions", "ranks", "doctor")
+MODULES = ("core", "repl", "attach", "actions", "ranks", "doctor", "profile", "ui", "interop")
 
 
 class Command:
@@ -18,6 +18,7 @@ class Command:
     name = ""
     help = ""
     aliases: tuple[str, ...] = ()
+    own_format = False  # True: the command defines its own --format instead of the global table/json/csv
 
     @staticmethod
     def add_arguments(parser) -> None:
@@ -27,9 +28,9 @@ class Command:
         raise NotImplementedError
 
 
-def command(name: str, help: str, *, aliases: tuple[str, ...] = ()):
+def command(name: str, help: str, *, aliases: tuple[str, ...] = (), own_format: bool = False):
     def register(cls):
-        cls.name, cls.help, cls.aliases = name, help, aliases
+        cls.name, cls.help, cls.aliases, cls.own_format = name, help, aliases, own_format
         COMMANDS[name] = cls
         for a in aliases:
             COMMANDS[a] = cls

@@ -18,7 +18,7 @@ def _read_sql(text: str) -> str:
     return text
 
 
-@command("list", "List probed processes on this host (and in PROBE_REGISTRY): pid, rank, step, endpoint.")
+@command("list", "List probed processes on this host (and in PROBE_REGISTRY) grouped by job: job, pid, rank, step, endpoint.")
 class List(Command):
     @staticmethod
     def add_arguments(p):
@@ -52,10 +52,12 @@ class List(Command):
                 endpoint += f" tcp:{e.get('tcp_host')}:{e['tcp_port']}"
             state = h.get("state") or ("unreachable" if "unreachable" in h else "running")
             rows.append({
-                "pid": e["pid"], "rank": e.get("rank"), "world_size": e.get("world_size"), "host": e.get("host"),
+                "job": e.get("job"), "pid": e["pid"], "rank": e.get("rank"), "world_size": e.get("world_size"), "host": e.get("host"),
                 "step": h.get("step"), "state": state, "hung_since": h.get("hung_since"),
                 "endpoint": endpoint, "command": " ".join(e.get("argv", []))[:80],
             })
+        # grouped by job (processes outside a job last), ranks in order within each
+        rows.sort(key=lambda r: (r["job"] is None, str(r["job"]), r["rank"] is None, r["rank"] or 0, r["pid"]))
         if args.json or session.format == "json":
             session.print(json.dumps(rows, indent=2))
             return 0
@@ -66,8 +68,8 @@ class List(Command):
 
         from .._render import render_result
 
-        cols = ["pid", "rank", "world_size", "host", "step", "state", "endpoint", "command"]
-        types = ["BIGINT", "INTEGER", "INTEGER", "VARCHAR", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR"]
+        cols = ["job", "pid", "rank", "world_size", "host", "step", "state", "endpoint", "command"]
+        types = ["VARCHAR", "BIGINT", "INTEGER", "INTEGER", "VARCHAR", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR"]
         result = Result(cols, types, [[r[c] for c in cols] for r in rows])
         session.print(render_result(result, session.format))
         return 0
@@ -205,6 +207,10 @@ def backtrace_doc(session, target, args) -> dict:
     from probe._errors import AuthError, QueryError
 
     local = target.local_pid
+    if args.native and not args.subprocesses and local is not None and not target.entry.get("missing"):
+        merged = _native_merged(session, target, args)  # a live server: its frames plus py-spy's native ones
+        if merged is not None:
+            return merged
     if args.native or args.subprocesses:
         reason = "native frames were asked for" if args.native else "child processes were asked for"
     else:
@@ -233,6 +239,26 @@ def backtrace_doc(session, target, args) -> dict:
         doc["rank"] = target.rank if target.rank is not None else target.entry.get("rank")
     extra = "; locals are not available from py-spy" if args.locals else ""
     doc["note"] = f"[stacks read by py-spy in {time.perf_counter() - started:.2f} s because {reason}{extra}]"
+    return doc
+
+
+def _native_merged(session, target, args) -> dict | None:
+    """The server's backtrace with py-spy's native frames merged in; None when the server does not answer."""
+    try:
+        ours = session.client(target).get("/backtrace", timeout=min(session.timeout, SERVER_BACKTRACE_TIMEOUT),
+                                          thread=args.thread, locals=1 if args.locals else None)
+    except ProbeError:
+        return None  # the py-spy fallback below says why
+    from probe.injector import pyspy_backtrace
+
+    from .._native import merge_native
+
+    started = time.perf_counter()
+    spy = pyspy_backtrace(target.local_pid, native=True, thread=args.thread, timeout=max(session.timeout, 5.0))
+    doc = merge_native(ours, spy)
+    m = doc["native_merge"]
+    doc["note"] = (f"[native frames read by py-spy in {time.perf_counter() - started:.2f} s and merged with the probe's; "
+                   f"{m['from_probe']} of {m['python_frames']} Python frames agreed and carry the probe's details]")
     return doc
 
 

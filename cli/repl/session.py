@@ -45,9 +45,9 @@ class ReplSession(Session):
 
         kind, value = spec or self.spec
         if kind == "ranks":
-            targets = targets_for_ranks(parse_rank_spec(str(value)), self.token)
+            targets = targets_for_ranks(parse_rank_spec(str(value)), self.token, getattr(self.args, "job", None))
         elif kind == "rank":
-            targets = targets_for_ranks([int(value)], self.token)
+            targets = targets_for_ranks([int(value)], self.token, getattr(self.args, "job", None))
         else:
             if not value:
                 raise ProbeError("the REPL needs a process: `probe ENDPOINT` with a pid, host:port or socket (see `probe list`), or --rank N.")

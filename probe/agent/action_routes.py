@@ -19,6 +19,7 @@ from ..actions.checkpoint import check_target, expand_path, save
 from ..actions.evaluate import run_code
 from ..actions.lr import change_lr
 from ..actions.maintenance import cleanup, debug
+from ..actions import profiler
 from ..actions.queue import refuse, submit
 from ..util import validate as _validate
 from . import state
@@ -128,6 +129,33 @@ def lr_route(req: Request) -> dict:
 def cleanup_route(req: Request) -> dict:
     zero = _flag(req, "zero_grad")
     return _submit(req, "cleanup", {"zero_grad": zero}, lambda ctx: cleanup(ctx, zero))
+
+
+@route("POST", "/actions/profile-steps", tier="action")
+def profile_steps_route(req: Request) -> dict:
+    args = {k: req.param(k) for k in ("steps", "with_stack", "record_shapes") if req.param(k) is not None}
+    try:
+        steps = _number(req, "steps", int)
+        if steps is None or not 1 <= steps <= profiler.MAX_STEPS:
+            raise ActionError(f"steps must be a whole number from 1 to {profiler.MAX_STEPS}.")
+        if _flag(req, "now"):
+            raise ActionError("profile-steps starts at a step boundary; --now does not apply.")
+    except ProbeError as exc:
+        refuse(req.client, "profile-steps", args, exc.message)
+    running = profiler.current()
+    if running.get("state") == "running":
+        refuse(req.client, "profile-steps", args, f"a profile is already running in this process (steps "
+               f"{running['from_step']}-{running['until_step']}); wait for it to finish.")
+    stack, shapes = _flag(req, "with_stack"), _flag(req, "record_shapes")
+    return _submit(req, "profile-steps", args, lambda ctx: profiler.start(ctx, steps, stack, shapes))
+
+
+@route("GET", "/profile")
+def profile_route(req: Request) -> dict:
+    offset = _number(req, "offset", int)
+    if offset is not None:
+        return profiler.read_chunk(str(req.param("file")), offset)
+    return {"profile": profiler.current()}
 
 
 @route("POST", "/actions/debug", tier="eval")  # debugpy has no authentication: it is code execution

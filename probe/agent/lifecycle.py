@@ -20,11 +20,12 @@ import time
 from .. import __version__
 from .._config import setting
 from .._errors import ProbeError
-from .._runtime import (process_argv, rank_identity, registry_listen, remove_entry, runtime_dir, sweep_stale,
-                        use_private_dir, write_entry)
+from .._runtime import (job_identity, process_argv, rank_identity, registry_listen, remove_entry, runtime_dir,
+                        sweep_stale, use_private_dir, write_entry)
 from ..postmortem import hooks as postmortem
-from ..training import hooks
+from ..training import collectives, hooks
 from . import action_routes  # noqa: F401  (registers the action and eval routes)
+from . import profile  # noqa: F401  (registers GET /profile, the stack sampler)
 from . import routes  # noqa: F401  (registers the read routes and the built-in tables)
 from . import snapshot  # noqa: F401  (the query path, loaded at start: never in a training step later)
 from . import state, watchdog
@@ -89,6 +90,7 @@ def start(*, port: int | None = None, host: str | None = None, token: str | None
             "pid": os.getpid(),
             "ppid": os.getppid(),
             **rank_identity(),
+            "job": job_identity(),
             "socket": sock_path,
             "tcp_host": tcp_host,
             "tcp_port": tcp_port,
@@ -106,6 +108,7 @@ def start(*, port: int | None = None, host: str | None = None, token: str | None
         write_entry(entry)
         state.set_entry(entry)
         _running.update(servers=servers, threads=threads)
+        collectives.enable()  # torch.collectives: the flight recorder must be on before the first process group
         hooks.arm()  # torch's step and module hooks: now, or when torch gets imported
         watchdog.install()  # PROBE_HANG_TIMEOUT: all-thread stacks on disk when steps stop
         postmortem.install()  # a record in the runtime dir when the process dies, and periodic snapshots

@@ -171,6 +171,9 @@ class _Handler(BaseHTTPRequestHandler):
             _audit_refusal(self, method, {"transport": "tcp", "address": "%s:%s" % self.client_address[:2]}, exc)
             self._send(401 if "token" in exc.message else 403, exc.to_dict())
             return
+        agent = self.headers.get("X-Probe-Agent")
+        if agent:  # the program acting for the user (e.g. an MCP client): a label for the audit, not a credential
+            client["agent"] = "".join(ch for ch in agent[:64] if ch.isprintable())
         url = urlparse(self.path)
         entry = ROUTES.get((method, url.path))
         if entry is None:

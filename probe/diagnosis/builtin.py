@@ -268,6 +268,27 @@ WHERE steps >= 3 AND model_s < 0.3 * step_s AND step_s - model_s > 0.02""",
 )
 
 rule(
+    "data_spans", family="input", severity="warning",
+    description="Over the last 20 steps, the script's probe.span('data') blocks take more than 40% of the step time (and 10 ms): the input pipeline is the bottleneck.",
+    sql="""
+WITH d AS (
+  SELECT rank, step, sum(duration) AS data_s FROM python.spans WHERE name = 'data' GROUP BY rank, step),
+j AS (
+  SELECT s.rank, s.step, s.duration, d.data_s FROM torch.steps AS s
+  JOIN d ON d.rank IS NOT DISTINCT FROM s.rank AND d.step = s.step
+  WHERE s.duration IS NOT NULL),
+m AS (
+  SELECT rank, max(step) AS step, count(*) AS steps, median(duration) AS step_s, median(data_s) AS data_s
+  FROM (SELECT *, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age FROM j) WHERE age <= 20
+  GROUP BY rank)
+SELECT rank, step, steps, step_s * 1000 AS step_ms, data_s * 1000 AS data_ms, 100 * data_s / step_s AS data_pct FROM m
+WHERE steps >= 3 AND data_s > 0.4 * step_s AND data_s > 0.01""",
+    message="{data_pct:.0f}% of step time is spent in probe.span('data') blocks ({data_ms:.1f} ms of {step_ms:.1f} ms a step): the input pipeline is the bottleneck (more DataLoader workers, pin_memory, prefetching).",
+    next=["probe {target} trace --steps 5 -o trace.json",
+          "probe {target} query \"SELECT step, name, duration FROM python.spans WHERE step > (SELECT MAX(step) - 3 FROM python.spans) ORDER BY time\""],
+)
+
+rule(
     "probe_errors", family="probe", severity="info",
     description="The probe itself caught errors (recorded in probe.errors); training went on.",
     sql="SELECT rank, count(*) AS n, arg_max(source, time) AS last_source, arg_max(message, time) AS last_message FROM probe.errors GROUP BY rank",
@@ -277,17 +298,17 @@ rule(
 
 rule(
     "hung_rank", family="distributed", severity="critical", scope="job",
-    description="A rank has made no step for longer than PROBE_HUNG_AFTER while not inside a collective: the rank the others wait for.",
-    sql="SELECT rank, step, age_s, state, top_frame FROM ranks.hung WHERE NOT coalesce(in_collective, false)",
-    message="rank {rank} has made no step for {age_s:.0f} s (state {state}), stuck in {top_frame}: the other ranks wait for it.",
+    description="The rank the others wait for (ranks.status culprit): hung outside any collective, stopped, or gone while the others wait.",
+    sql="SELECT rank, step, state, reason, top_frame FROM ranks.hung WHERE culprit",
+    message="rank {rank} is the one the others wait for (state {state}): {reason}; now in {top_frame}.",
     next=["probe --rank {rank} backtrace", "probe --rank {rank} backtrace --native", "probe --ranks all backtrace --group"],
 )
 
 rule(
     "straggler", family="distributed", severity="warning", scope="job",
-    description="A rank's median step time exceeds the other ranks' by PROBE_STRAGGLER_FACTOR.",
-    sql="SELECT rank, step, ratio, step_time * 1000 AS step_ms, others_step_time * 1000 AS others_ms, top_frame FROM ranks.stragglers",
-    message="rank {rank} is a straggler: {step_ms:.1f} ms a step against {others_ms:.1f} ms on the others ({ratio:.1f}x), now in {top_frame}.",
+    description="A rank's compute time per step (its step time without the flight recorder) exceeds the other ranks' by PROBE_STRAGGLER_FACTOR.",
+    sql="SELECT rank, step, ratio, basis, step_time * 1000 AS step_ms, top_frame FROM ranks.stragglers",
+    message="rank {rank} is a straggler: {ratio:.1f}x the other ranks' time per step ({basis}; {step_ms:.1f} ms steps), now in {top_frame}.",
     next=["probe --rank {rank} backtrace", "probe --ranks all status"],
 )
 

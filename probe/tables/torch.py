@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from ..training import finder
-from ..training import hooks
+from ..training import hooks, safepoint
 from ..util.errorlog import record_error
 from .registry import Column, table
 from ..training.steps import STEP_COLUMNS
@@ -20,6 +20,9 @@ from ..util.procfs import rss_bytes
 
 def _empty(columns: dict) -> dict:
     return {name: [] for name in columns}
+
+
+_STEP_EXTRA = ("compute", "comm_wait")
 
 
 @table(
@@ -42,9 +45,13 @@ def _empty(columns: dict) -> dict:
         Column("tokens", "DOUBLE", "Tokens processed in this step, NULL when unknown."),
         Column("micro_batches", "BIGINT", "Training forward passes of the root model in this step (more than 1 under gradient accumulation)."),
         Column("optimizer", "VARCHAR", "Class of the lead optimizer."),
+        Column("compute", "DOUBLE", "Seconds of the step this rank spent on its own work (data, forward, backward) before it issued the step's last collective, from torch.collectives; NULL without a recorded collective in the step."),
+        Column("comm_wait", "DOUBLE", "Seconds from the step's last collective to its end: waiting for the other ranks (and the optimizer step); NULL without a recorded collective."),
     ],
     examples=[
         "SELECT step, duration, loss, grad_norm, lr, tokens_per_s FROM torch.steps ORDER BY step DESC LIMIT 10",
+        "SELECT step, duration, compute, comm_wait, comm_wait / duration AS wait_share FROM torch.steps "
+        "WHERE comm_wait IS NOT NULL ORDER BY step DESC LIMIT 10",
         "SELECT COUNT(*) AS steps, AVG(duration) AS avg_step_s, MIN(loss) AS best_loss, MAX(grad_norm) AS max_grad_norm "
         "FROM torch.steps WHERE step > (SELECT MAX(step) - 100 FROM torch.steps)",
     ],
@@ -53,9 +60,30 @@ def _empty(columns: dict) -> dict:
 def steps(ctx):
     tk = hooks.tracker()
     if tk is None:
-        return _empty(STEP_COLUMNS)
+        return _empty(list(STEP_COLUMNS) + list(_STEP_EXTRA))
     tk.resolve()
-    return tk.ring.snapshot()
+    cols = tk.ring.snapshot()
+    cols["compute"], cols["comm_wait"] = _comm_split(ctx, cols)
+    return cols
+
+
+def _comm_split(ctx, cols):
+    """compute and comm_wait of each step from the creation times of the recorded collectives."""
+    import numpy as np
+
+    from ..training.collectives import step_split
+    from .collectives import recorder
+
+    n = len(cols["step"])
+    doc = recorder(ctx, frames=False) if n else None
+    created = sorted(e["time_created_ns"] / 1e9 for e in (doc or {}).get("entries") or () if e.get("time_created_ns"))
+    if not created:
+        return np.full(n, np.nan), np.full(n, np.nan)
+    first = np.searchsorted(cols["ended_at"], created[0])  # older steps lie before the recorder's window
+    compute, wait = np.full(n, np.nan), np.full(n, np.nan)
+    c, w = step_split(cols["started_at"][first:].tolist(), cols["ended_at"][first:].tolist(), created)
+    compute[first:], wait[first:] = c, w
+    return compute, wait
 
 
 @table(
@@ -205,7 +233,7 @@ def _num(v):
 
 @table(
     "torch.parameters",
-    "One row per named parameter of each model found, with gradient and NaN/Inf health computed at query time.",
+    "One row per named parameter of each model found, with gradient and NaN/Inf health read on the training thread at the next step boundary (NULL statistics when none comes within 5 s).",
     columns=[
         Column("model", "VARCHAR", "Name of the root model."),
         Column("name", "VARCHAR", "Dotted parameter name within the model."),
@@ -216,7 +244,7 @@ def _num(v):
         Column("requires_grad", "BOOLEAN", "Whether the parameter is trainable."),
         Column("in_optimizer", "BOOLEAN", "Whether a discovered optimizer holds the parameter."),
         Column("grad_norm", "DOUBLE", "L2 norm of the current .grad, NULL when there is none (e.g. after zero_grad(set_to_none=True))."),
-        Column("nan_count", "BIGINT", "NaN elements in the parameter's values."),
+        Column("nan_count", "BIGINT", "NaN elements in the parameter's values (NULL when no step boundary came within 5 s to read them safely)."),
         Column("inf_count", "BIGINT", "Infinite elements in the parameter's values."),
         Column("grad_nan", "BIGINT", "NaN elements in the gradient, NULL without a gradient."),
         Column("grad_inf", "BIGINT", "Infinite elements in the gradient, NULL without a gradient."),
@@ -230,22 +258,41 @@ def _num(v):
     ],
 )
 def parameters(ctx):
+    """Values and gradients are read on the training thread at the next step boundary:
+    autograd writes ``.grad`` from its own threads without the GIL, so reading them from
+    the server thread while a backward runs can crash the process. Without a boundary
+    within PARAMETER_WAIT seconds (a hung step) the rows carry no statistics (NULL)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return []
-    in_opt = {id(p) for opt in finder.optimizers() for g in list(opt.param_groups) for p in g.get("params", ())}
-    rows = []
-    with torch.no_grad():
-        for model_name, model in finder.models():
-            for name, p in list(model.named_parameters()):
-                try:
-                    rows.append(_param_row(torch, model_name, finder.module_path(name), p, id(p) in in_opt))
-                except Exception as exc:
-                    record_error(f"torch.parameters: {name}", exc)
-    return rows
+
+    def rows(stats: bool) -> list:
+        in_opt = {id(p) for opt in finder.optimizers() for g in list(opt.param_groups) for p in g.get("params", ())}
+        out = []
+        with torch.no_grad():
+            for model_name, model in finder.models():
+                for name, p in list(model.named_parameters()):
+                    try:
+                        out.append(_param_row(torch, model_name, finder.module_path(name), p, id(p) in in_opt, stats))
+                    except Exception as exc:
+                        record_error(f"torch.parameters: {name}", exc)
+        return out
+
+    if safepoint.last_step is None:
+        return rows(True)  # no training loop has stepped: nothing runs backward beside us
+    try:
+        return safepoint.run_at_next_step(lambda: rows(True), PARAMETER_WAIT)
+    except TimeoutError:
+        return rows(False)
 
 
-def _param_row(torch, model_name, name, p, in_opt) -> dict:
+PARAMETER_WAIT = 5.0
+
+
+def _param_row(torch, model_name, name, p, in_opt, stats: bool = True) -> dict:
+    if not stats:
+        return {"model": model_name, "name": name, "shape": str(list(p.shape)), "dtype": str(p.dtype).replace("torch.", ""),
+                "device": str(p.device), "numel": p.numel(), "requires_grad": p.requires_grad, "in_optimizer": in_opt}
     data = p.detach()
     floating = data.is_floating_point() or data.is_complex()
     stats = [torch.isnan(data).sum(), torch.isinf(data).sum()] if floating else []

@@ -13,11 +13,12 @@ skips building the event then).
 
 from __future__ import annotations
 
-from typing import Callable
+import threading
+from typing import Any, Callable
 
 from ..util.errorlog import record_error
 
-__all__ = ["StepEvent", "on_step", "remove", "fire", "last_step"]
+__all__ = ["StepEvent", "on_step", "remove", "fire", "last_step", "run_at_next_step"]
 
 
 class StepEvent:
@@ -64,3 +65,43 @@ def fire(event: StepEvent) -> None:
             fn(event)
         except Exception as exc:
             record_error(f"step subscriber {getattr(fn, '__qualname__', fn)}", exc)
+
+
+def run_at_next_step(fn: Callable[[], Any], timeout: float) -> Any:
+    """Run ``fn()`` on the training thread at the next step boundary and return its result.
+
+    For work that must not race the training thread, such as reading parameters and
+    their ``.grad`` (autograd writes gradients from its own threads, without the GIL).
+    Raises TimeoutError when no boundary comes within ``timeout`` seconds (a hung or
+    very slow step); ``fn`` then never runs. An exception from ``fn`` is raised here.
+    """
+    done = threading.Event()
+    lock = threading.Lock()
+    box: dict = {}
+
+    def once(event: StepEvent) -> None:
+        with lock:
+            if box.get("state") is not None:
+                return
+            box["state"] = "running"
+        remove(once)
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the waiting thread, never raised into training
+            box["error"] = exc
+        finally:
+            done.set()
+
+    on_step(once)
+    if not done.wait(timeout):
+        with lock:
+            started = box.get("state") is not None
+            if not started:
+                box["state"] = "abandoned"
+        if not started:
+            remove(once)
+            raise TimeoutError(f"no step boundary came within {timeout:g} s")
+        done.wait()  # it began just now: it is short, wait for it
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")

@@ -1,0 +1,9 @@
+"""``probe mcp``: probe's commands as Model Context Protocol tools for AI agents.
+
+Only ``probe mcp`` imports this package (and with it the MCP SDK); no other command
+pays for it at start-up.
+"""
+
+from .server import build_server, serve_stdio, tool_specs
+
+__all__ = ["build_server", "serve_stdio", "tool_specs"]

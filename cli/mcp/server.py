@@ -1,0 +1,88 @@
+"""The MCP server: the tools of :mod:`.tools` over stdio, with the MCP SDK's low-level server.
+
+The table registry is also offered as resources (``probe://tables``), so an agent can
+read the schema before writing SQL. Each tool call runs on a worker thread: the
+commands are blocking clients, and the event loop keeps answering meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import mcp_types as types
+from mcp.server.lowlevel import Server
+from mcp.server.stdio import stdio_server
+
+from probe import __version__
+
+from .tools import ToolSpec, call_tool, tool_specs
+
+__all__ = ["build_server", "serve_stdio", "tool_specs"]
+
+INSTRUCTIONS = (
+    "probe attaches to running PyTorch training jobs. Start with `list` (probed processes: pid, rank, step), "
+    "then `status` (one line per rank: training/slow/waiting/hung), `backtrace` (stacks; with ranks and group "
+    "true, identical stacks merged across ranks) and `query` (read-only SQL over live tables such as "
+    "torch.steps, python.torch_trace, torch.memory; `describe` gives the columns). Pass endpoint (a pid from "
+    "`list`), rank, or ranks to pick processes. Everything you do is recorded in the job's audit log as coming "
+    "from an agent."
+)
+
+
+def _tables_doc() -> str:
+    from probe.tables import builtin  # noqa: F401
+    from probe.tables.registry import all_tables
+
+    return json.dumps([{"name": t.name, "description": t.description, "kind": t.kind,
+                        "columns": [{"name": c.name, "type": c.type, "description": c.description} for c in t.columns],
+                        "examples": list(t.examples)} for t in all_tables()], indent=1)
+
+
+def build_server(allow_actions: bool = False, timeout: float | None = None) -> Server:
+    specs: dict[str, ToolSpec] = {s.name: s for s in tool_specs(allow_actions)}
+
+    async def list_tools(ctx, params) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=[
+            types.Tool(name=s.name, description=s.description, input_schema=s.input_schema,
+                       annotations=types.ToolAnnotations(read_only_hint=s.read_only, destructive_hint=False,
+                                                         open_world_hint=False))
+            for s in specs.values()])
+
+    async def call(ctx, params: types.CallToolRequestParams) -> types.CallToolResult:
+        spec = specs.get(params.name)
+        if spec is None:
+            why = ("it is an action, and this server was started without --allow-actions"
+                   if params.name in ("lr", "checkpoint", "cleanup") else
+                   "eval and debug run code in the training process and are never offered to agents"
+                   if params.name in ("eval", "debug") else "there is no such tool")
+            return types.CallToolResult(content=[types.TextContent(text=f"probe: {params.name} is not available: {why}.")],
+                                        is_error=True)
+        result = await anyio.to_thread.run_sync(lambda: call_tool(spec, params.arguments, timeout=timeout))
+        structured = result.data if isinstance(result.data, dict) else ({"result": result.data} if result.data is not None else None)
+        return types.CallToolResult(content=[types.TextContent(text=result.text)], structured_content=structured,
+                                    is_error=result.is_error)
+
+    async def list_resources(ctx, params) -> types.ListResourcesResult:
+        return types.ListResourcesResult(resources=[types.Resource(
+            uri="probe://tables", name="tables", mime_type="application/json",
+            description="Every built-in table with its description, typed and described columns, and example queries.")])
+
+    async def read_resource(ctx, params: types.ReadResourceRequestParams) -> types.ReadResourceResult:
+        if str(params.uri) != "probe://tables":
+            raise ValueError(f"no resource {params.uri}; the one resource is probe://tables.")
+        return types.ReadResourceResult(contents=[types.TextResourceContents(uri="probe://tables", mime_type="application/json",
+                                                                            text=_tables_doc())])
+
+    return Server("probe", version=__version__, instructions=INSTRUCTIONS, on_list_tools=list_tools, on_call_tool=call,
+                  on_list_resources=list_resources, on_read_resource=read_resource)
+
+
+def serve_stdio(allow_actions: bool = False, timeout: float | None = None) -> None:
+    server = build_server(allow_actions, timeout)
+
+    async def main():
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+
+    anyio.run(main)

@@ -1,0 +1,211 @@
+"""MCP tools as thin wrappers over the registered CLI commands.
+
+A tool's name, description and argument schema come from the command's registration
+(its ``help`` and ``add_arguments``), so an agent reads the same documentation a person
+does. Calling a tool parses the arguments with the command's own parser and runs the
+command with a :class:`~probe.cli._session.Session` whose output is captured, in
+``--format json``, marked as coming from an agent (the probe server audits the marker).
+
+This module does not import the MCP SDK: it turns commands into plain dicts and runs
+them; :mod:`.server` wraps the results in MCP types.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import re
+import json
+import threading
+from dataclasses import dataclass, field
+
+from probe._errors import ProbeError
+
+__all__ = ["ToolSpec", "ToolResult", "READ_TOOLS", "ACTION_TOOLS", "NEVER", "tool_specs", "call_tool", "AGENT"]
+
+AGENT = "mcp"  # the marker every request of an MCP tool carries (audit.jsonl, probe.actions' client column)
+
+READ_TOOLS = ("list", "status", "query", "tables", "describe", "backtrace", "trace", "doctor", "profile")
+ACTION_TOOLS = ("lr", "checkpoint", "cleanup", "profile-steps")
+NEVER = ("eval", "debug", "inject", "repl", "mcp")  # code execution, attaching, and interactive front ends
+
+# Options that concern a terminal, not an agent (output is always JSON), or that an agent must not use.
+_SKIP = {"format", "json", "expanded", "timing", "help", "now"}
+_TARGET = {
+    "endpoint": {"type": "string", "description": "pid, host:port or unix-socket path of the probed process (see the list tool)."},
+    "rank": {"type": "integer", "description": "Talk to rank N (found in the registry) instead of an endpoint."},
+    "ranks": {"type": "string", "description": "Several ranks: all, 3, 0-3, 0-3,7 (instead of endpoint or rank)."},
+}
+_NO_TARGET = {"list"}
+
+
+@dataclass
+class ToolSpec:
+    name: str
+    description: str
+    input_schema: dict
+    read_only: bool
+    options: list = field(default_factory=list)  # (schema key, argparse action)
+
+
+@dataclass
+class ToolResult:
+    text: str
+    is_error: bool = False
+    data: object = None  # the command's JSON output, parsed, when it printed JSON
+
+
+def _schema_of(action: argparse.Action) -> dict:
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        s: dict = {"type": "boolean"}
+    elif action.type is int:
+        s = {"type": "integer"}
+    elif action.type is float:
+        s = {"type": "number"}
+    else:
+        s = {"type": "string"}
+    if action.choices:
+        s["enum"] = list(action.choices)
+    if action.help and action.help is not argparse.SUPPRESS:
+        text = action.help % {"default": action.default} if "%(" in action.help else action.help
+        s["description"] = re.sub(r",? or - (?:to read it from|reads) standard input", "", text)  # not over MCP
+    return s
+
+
+def _command_parser(cls) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"probe {cls.name}", add_help=False)
+    cls.add_arguments(p)
+    return p
+
+
+def _query_context() -> str:
+    """The built-in tables and their descriptions, for the query tool's description."""
+    from probe.tables import builtin  # noqa: F401  (registers the built-in tables; imports no torch)
+    from probe.tables.registry import all_tables
+
+    lines = [f"- {t.name}: {t.description}" for t in all_tables()]
+    return ("\n\nRead-only: one SELECT (DuckDB dialect) over these tables; `describe` gives their columns, "
+            "`tables` what a given process has (user tables included):\n" + "\n".join(lines))
+
+
+def tool_specs(allow_actions: bool = False) -> list[ToolSpec]:
+    """The tools for the commands present in this installation, in a stable order."""
+    from ..commands import COMMANDS, load_all
+
+    load_all()
+    names = [n for n in READ_TOOLS if n in COMMANDS] + ([n for n in ACTION_TOOLS if n in COMMANDS] if allow_actions else [])
+    specs = []
+    for name in names:
+        cls = COMMANDS[name]
+        props: dict = {}
+        required: list = []
+        options = []
+        for action in _command_parser(cls)._actions:
+            if action.dest in _SKIP or action.help is argparse.SUPPRESS:
+                continue
+            key = action.dest
+            props[key] = _schema_of(action)
+            options.append((key, action))
+            if not action.option_strings and action.nargs not in ("?", "*"):
+                required.append(key)
+            elif action.required:
+                required.append(key)
+        if name not in _NO_TARGET:
+            props.update(_TARGET)
+        read_only = name not in ACTION_TOOLS
+        if not read_only:
+            props["yes"] = {"type": "boolean", "description": "Confirm an action sent to several ranks (needed with ranks)."}
+        description = cls.help
+        if name == "query":
+            description += _query_context()
+        if not read_only:
+            description += " Queued for the next step boundary and audited as coming from this agent."
+        schema = {"type": "object", "properties": props, "additionalProperties": False}
+        if required:
+            schema["required"] = required
+        specs.append(ToolSpec(name, description, schema, read_only, options))
+    return specs
+
+
+_parse_lock = threading.Lock()
+
+
+def _argv(spec: ToolSpec, arguments: dict) -> list[str]:
+    unknown = sorted(set(arguments) - set(spec.input_schema["properties"]))
+    if unknown:
+        raise ProbeError(f"{spec.name} does not take {', '.join(unknown)}; its arguments are "
+                         f"{', '.join(spec.input_schema['properties']) or 'none'}.")
+    # Grouped stacks across ranks exist only as text (identical stacks merged, ranks listed); all else is JSON.
+    grouped = spec.name == "backtrace" and arguments.get("group")
+    argv = ["--format", "table" if grouped else "json"]
+    if arguments.get("endpoint") not in (None, ""):
+        argv += ["-t", str(arguments["endpoint"])]
+    if arguments.get("rank") is not None:
+        argv += ["--rank", str(arguments["rank"])]
+    if arguments.get("ranks") not in (None, ""):
+        argv += ["--ranks", str(arguments["ranks"])]
+    if arguments.get("yes"):
+        argv.append("--yes")
+    argv.append(spec.name)
+    positionals = []
+    for key, action in spec.options:
+        value = arguments.get(key)
+        if value is None:
+            continue
+        if not action.option_strings:
+            if str(value) == "-":  # standard input is the MCP channel itself
+                raise ProbeError(f"{key} must be given as text; '-' (standard input) is not available over MCP.")
+            positionals.append(str(value))
+            continue
+        flag = max(action.option_strings, key=len)
+        if isinstance(action, argparse._StoreTrueAction):
+            if value:
+                argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return argv + (["--", *positionals] if positionals else [])
+
+
+def _parse(argv: list[str]):
+    """Parse with the CLI's own parser; argparse's complaint becomes a ProbeError."""
+    from contextlib import redirect_stderr
+
+    from .._main import build_parser
+
+    err = io.StringIO()
+    with _parse_lock, redirect_stderr(err):
+        parser, _ = build_parser()
+        try:
+            return parser.parse_args(argv)
+        except SystemExit:
+            lines = [l for l in err.getvalue().splitlines() if l.strip()]
+            msg = lines[-1].split("error:", 1)[-1].strip() if lines else "bad arguments"
+            raise ProbeError(f"{msg}; see the tool's input schema.") from None
+
+
+def call_tool(spec: ToolSpec, arguments: dict | None, *, timeout: float | None = None) -> ToolResult:
+    """Run the tool's command with captured output; a ProbeError becomes an error result."""
+    from ..commands import COMMANDS
+    from .._session import Session
+
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        args = _parse(_argv(spec, arguments or {}))
+        if timeout and not args.timeout:
+            args.timeout = timeout
+        session = Session(args, stdout=out, stderr=err)
+        session.agent = AGENT
+        code = int(COMMANDS[spec.name]().run(session, args) or 0)
+    except ProbeError as exc:
+        text = "\n".join(x for x in (out.getvalue().strip(), err.getvalue().strip(), f"probe: {exc.message}") if x)
+        return ToolResult(text, is_error=True)
+    text = out.getvalue().strip()
+    notes = err.getvalue().strip()
+    data = None
+    try:
+        data = json.loads(text) if text else None
+    except ValueError:
+        pass
+    if notes:
+        text = f"{text}\n{notes}" if text else notes
+    return ToolResult(text or "(no output)", is_error=code != 0, data=data)

@@ -1,0 +1,326 @@
+"""The ``ranks.*`` views: what every rank says about itself, lined up, and the one classification of rank states.
+
+Two kinds of view (``sql.federate`` plans them):
+
+* ``FEDERATED_VIEWS``: SQL each rank answers about itself on its own clock (one row per
+  rank for ``ranks.latest``; the recent collectives for ``ranks.issued``).
+* ``CLIENT_VIEWS``: SQL over the federated views and tables, run where the answers
+  are unioned. ``ranks.status`` is the single classification of rank states:
+  ``probe status`` prints it and ``ranks.hung``/``ranks.stragglers`` select from it,
+  so they cannot disagree.
+
+How a rank is classified (first match wins), from torch's flight recorder
+(``torch.process_groups``, ``torch.collectives``) rather than from Python stacks:
+
+1. ``hung``: the rank does not answer because it is stopped (SIGSTOP), or it has made
+   no step for PROBE_HUNG_AFTER seconds while not waiting inside a collective
+   (it sits in its own code: a data read, a deadlock): the culprit.
+2. ``waiting``: no step for PROBE_HUNG_AFTER seconds and an unfinished collective
+   (the recorder's oldest active entry; the Python stack when the recorder is off).
+3. ``unreachable``: did not answer (exited, or no answer within --timeout).
+4. ``slow``: its compute time per step exceeds the other ranks' median by
+   PROBE_STRAGGLER_FACTOR. Compute is step time minus the time spent waiting for
+   others, found by lining up the recent collectives across ranks by (pg, seq): at
+   each collective a rank waited from its own issue time to the last rank's; per
+   step, the longest such wait counts (basis ``collectives``). Without that (one
+   rank answering), torch.steps' own split (basis ``steps``), else the step time.
+5. ``training`` when steps complete, else ``idle``.
+
+``culprit`` is true for the rank the others wait for: a hung rank, a silent rank
+while others wait, or a rank that has not issued the collective (pg, seq) another
+rank waits in.
+"""
+
+from __future__ import annotations
+
+from probe._config import setting
+
+__all__ = ["FEDERATED_VIEWS", "CLIENT_VIEWS", "VIEW_COLUMNS", "PARAM_SETTINGS", "STATES", "view_params", "view_sql"]
+
+STATES = ("training", "slow", "waiting", "hung", "idle", "unreachable")
+
+PARAM_SETTINGS = {"straggler_factor": "PROBE_STRAGGLER_FACTOR", "hung_after": "PROBE_HUNG_AFTER",
+                  "desync_steps": "PROBE_DESYNC_STEPS"}
+
+_RECENT_STEPS = 20  # steps the per-rank medians look at
+_RECENT_COLLECTIVES = 256  # collectives per rank compared for mismatches
+
+# Per-rank: computed on the rank's own clock (no clock skew between hosts).
+FEDERATED_VIEWS = {
+    "ranks.latest": f"""
+WITH recent AS (SELECT duration, compute, comm_wait FROM torch.steps ORDER BY step DESC LIMIT {_RECENT_STEPS}),
+s AS (SELECT max(step) AS step, max(ended_at) AS last_step_at, epoch(current_timestamp) - epoch(max(ended_at)) AS age_s,
+             count(*) AS steps_seen FROM torch.steps),
+r AS (SELECT median(duration) AS step_time,
+             median(compute) FILTER (WHERE NOT isnan(compute)) AS compute,
+             median(comm_wait) FILTER (WHERE NOT isnan(comm_wait)) AS comm_wait,
+             sum(comm_wait) FILTER (WHERE NOT isnan(comm_wait))
+               / nullif(sum(duration) FILTER (WHERE NOT isnan(comm_wait)), 0) AS wait_share FROM recent),
+b AS (SELECT any_value(func || ' (' || regexp_replace(file, '.*/', '') || ':' || lineno || ')') FILTER (WHERE depth = 0)
+               AS top_frame,
+             coalesce(bool_or(file LIKE '%torch/distributed/%'), false) AS in_distributed
+      FROM python.backtrace WHERE is_main),
+g AS (SELECT count(*) > 0 AS recorder, coalesce(sum(pending), 0) > 0 AS pending FROM torch.process_groups),
+p AS (SELECT pg, pending_seq, pending_op, pending_sizes, pending_s FROM torch.process_groups
+      WHERE pending > 0 ORDER BY pending_s DESC LIMIT 1)
+SELECT i.pid, i.host, s.step, s.last_step_at, s.age_s, r.step_time, s.steps_seen, i.state, i.hung_since, b.top_frame,
+       CASE WHEN g.recorder THEN g.pending ELSE b.in_distributed END AS in_collective, g.recorder,
+       r.compute, r.comm_wait, r.wait_share,
+       p.pg AS pending_pg, p.pending_seq, p.pending_op, p.pending_sizes, p.pending_s
+FROM process.info AS i, s, r, b, g LEFT JOIN p ON TRUE""",
+    "ranks.issued": f"""
+SELECT pg, seq, op, input_sizes, input_dtypes, created_at, step
+FROM torch.collectives WHERE seq IS NOT NULL ORDER BY record_id DESC LIMIT {_RECENT_COLLECTIVES}""",
+}
+
+CLIENT_VIEWS = {
+    # per (process group, rank): where each rank stands, who waits for whom, and mismatches
+    "ranks.collectives": """
+WITH g AS (SELECT rank, pg, pg_desc, last_enqueued, last_completed, pending, pending_seq, pending_op, pending_sizes,
+                  pending_dtypes, pending_s, pending_site FROM torch.process_groups),
+silent AS (SELECT rank FROM ranks.latest WHERE state IN ('stopped', 'unreachable')),
+waiting AS (SELECT * FROM g WHERE pending_s > {hung_after}),
+stalled AS (SELECT rank FROM waiting UNION SELECT rank FROM ranks.latest WHERE age_s > {hung_after}),
+issued AS (SELECT rank, pg, seq, op || ' ' || input_sizes || ' ' || input_dtypes AS what FROM ranks.issued),
+kinds AS (SELECT pg, seq, what, count(*) AS n FROM issued GROUP BY ALL),
+split AS (SELECT pg, seq, max(n) AS top, count(*) FILTER (WHERE n = (SELECT max(n) FROM kinds AS x
+                                                               WHERE x.pg = kinds.pg AND x.seq = kinds.seq)) AS tops
+          FROM kinds GROUP BY ALL HAVING count(*) > 1),
+odd AS (SELECT i.rank, i.pg, min(i.seq) AS seq FROM issued i JOIN split p ON i.pg = p.pg AND i.seq = p.seq
+        JOIN kinds k ON k.pg = i.pg AND k.seq = i.seq AND k.what = i.what
+        WHERE k.n < p.top OR p.tops > 1 GROUP BY ALL)
+SELECT g.rank, g.pg, g.pg_desc, g.last_enqueued, g.last_completed,
+       max(g.last_enqueued) OVER (PARTITION BY g.pg) - g.last_enqueued AS behind,
+       g.pending, g.pending_seq, g.pending_op, g.pending_sizes, g.pending_s, g.pending_site,
+       CASE WHEN g.pending_s > {hung_after} THEN 'waiting'
+            -- a silent rank is the culprit when there is one: after a peer dies, the survivors' failed collectives
+            -- may be left unfinished at different seqs, which says nothing about who is behind
+            WHEN NOT EXISTS (SELECT 1 FROM silent) AND EXISTS (SELECT 1 FROM waiting w WHERE w.pg = g.pg
+                 AND w.pending_seq > coalesce(g.last_enqueued, -1))
+            THEN 'culprit' ELSE 'ok' END AS role,
+       CASE WHEN g.pending_s > {hung_after} THEN
+            (SELECT string_agg(CAST(r AS VARCHAR), ',' ORDER BY r) FROM
+                (SELECT o.rank AS r FROM g AS o WHERE o.pg = g.pg AND coalesce(o.last_enqueued, -1) < g.pending_seq
+                 UNION SELECT rank FROM silent)) END AS waits_for,
+       (SELECT string_agg(CAST(w.rank AS VARCHAR), ',' ORDER BY w.rank) FROM waiting w
+        WHERE w.pg = g.pg AND w.pending_seq > coalesce(g.last_enqueued, -1) AND NOT EXISTS (SELECT 1 FROM silent))
+           AS waited_by,
+       (SELECT 'seq ' || o.seq || ': ' || any_value(i.what) || ' here, '
+               || string_agg(DISTINCT x.what || ' on rank ' || x.rank, ', ') 
+        FROM odd o JOIN issued i ON i.rank = o.rank AND i.pg = o.pg AND i.seq = o.seq
+        JOIN issued x ON x.pg = o.pg AND x.seq = o.seq AND x.what <> i.what
+        WHERE o.rank = g.rank AND o.pg = g.pg GROUP BY o.seq) AS mismatch
+FROM g
+UNION ALL
+SELECT s.rank, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       CASE WHEN EXISTS (SELECT 1 FROM stalled) THEN 'culprit' ELSE 'silent' END, NULL,
+       (SELECT string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank) FROM stalled), NULL
+FROM silent AS s
+ORDER BY rank, pg""",
+    # the one classification of rank states (see the module docstring)
+    "ranks.status": """
+WITH l AS (SELECT *, coalesce(age_s > {hung_after}, false) OR state = 'hung' AS stalled FROM ranks.latest),
+gone AS (SELECT string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank) AS ranks FROM l
+         WHERE state IN ('stopped', 'unreachable')),
+c AS (SELECT rank, bool_or(role = 'culprit') AS culprit, any_value(waits_for) FILTER (WHERE role = 'waiting') AS waits_for,
+             any_value(waited_by) FILTER (WHERE role = 'culprit') AS waited_by,
+             any_value(mismatch) FILTER (WHERE mismatch IS NOT NULL) AS mismatch
+      FROM ranks.collectives GROUP BY rank),
+i AS (SELECT rank, pg, seq, step, created_at FROM ranks.issued WHERE step IS NOT NULL),
+n AS (SELECT pg, count(DISTINCT rank) AS ranks FROM i GROUP BY pg),
+everyone AS (SELECT i.pg, i.seq, max(i.created_at) AS latest FROM i JOIN n USING (pg)
+             GROUP BY i.pg, i.seq, n.ranks HAVING n.ranks > 1 AND count(*) = n.ranks),
+lag AS (SELECT i.rank, i.step, max(epoch_us(e.latest) - epoch_us(i.created_at)) / 1e6 AS wait
+        FROM i JOIN everyone AS e USING (pg, seq) GROUP BY i.rank, i.step),
+x AS (SELECT rank, median(wait) AS wait FROM lag
+      WHERE step < (SELECT max(step) FROM lag AS o WHERE o.rank = lag.rank) GROUP BY rank),
+k AS (SELECT l.rank,
+             CASE WHEN x.wait IS NOT NULL THEN greatest(l.step_time - x.wait, 0) ELSE l.compute END AS compute,
+             CASE WHEN x.wait IS NOT NULL THEN x.wait ELSE l.comm_wait END AS comm_wait,
+             CASE WHEN x.wait IS NOT NULL THEN 'collectives' WHEN l.compute IS NOT NULL THEN 'steps'
+                  ELSE 'step_time' END AS basis
+      FROM l LEFT JOIN x USING (rank) WHERE l.state NOT IN ('stopped', 'unreachable')),
+kw AS (SELECT k.rank, k.compute, k.comm_wait, k.basis,
+              CASE WHEN k.basis = 'step_time' THEN l.step_time ELSE k.compute END AS work
+       FROM k JOIN l USING (rank)),
+m AS (SELECT a.rank, a.work, a.basis, a.compute AS x_compute, a.comm_wait AS x_wait,
+             (SELECT median(b.work) FROM kw AS b WHERE b.rank <> a.rank AND b.basis = a.basis) AS others FROM kw AS a),
+v AS (SELECT l.* EXCLUDE (compute, comm_wait), m.x_compute AS compute, m.x_wait AS comm_wait,
+             c.culprit, c.waits_for, c.waited_by, c.mismatch, m.work, m.basis, m.others,
+             CASE WHEN l.state = 'stopped' THEN 'hung'
+                  WHEN l.state = 'unreachable' THEN 'unreachable'
+                  -- inside a collective, or stalled while a peer is gone (its collective failed)
+                  WHEN l.stalled AND (l.in_collective OR (SELECT ranks FROM gone) IS NOT NULL) THEN 'waiting'
+                  WHEN l.stalled THEN 'hung'
+                  WHEN m.work > {straggler_factor} * m.others THEN 'slow'
+                  WHEN l.step IS NULL THEN 'idle'
+                  ELSE 'training' END AS verdict
+      FROM l LEFT JOIN c USING (rank) LEFT JOIN m USING (rank)),
+w AS (SELECT string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank) AS ranks FROM v WHERE verdict = 'waiting'),
+s AS (SELECT v.*, coalesce(v.culprit, false) OR v.verdict = 'hung'
+                  OR (v.verdict = 'unreachable' AND (SELECT ranks FROM w) IS NOT NULL) AS is_culprit FROM v)
+SELECT rank, host, pid, step, age_s, step_time, compute, comm_wait, comm_wait / nullif(step_time, 0) AS wait_share,
+       verdict AS state, is_culprit AS culprit,
+       CASE WHEN verdict = 'waiting' AND pending_op IS NULL THEN
+                 'no step for ' || CAST(round(age_s, 1) AS VARCHAR) || ' s, outside any collective, while ranks '
+                 || (SELECT ranks FROM gone) || ' did not answer: its collective with them failed or never came'
+            WHEN verdict = 'waiting' THEN
+                 'waits in ' || pending_op || ' seq ' || pending_seq
+                 || coalesce(' for ranks ' || nullif(waits_for, ''), ' for ranks ' || (SELECT ranks FROM gone), '')
+            WHEN is_culprit THEN
+                 CASE WHEN verdict = 'unreachable' THEN 'did not answer (exited?); ' ELSE '' END
+                 || 'ranks ' || coalesce(waited_by, (SELECT ranks FROM w), '?') || ' wait for it'
+                 || CASE WHEN state = 'stopped' THEN ' (process stopped)'
+                         WHEN in_collective OR verdict <> 'hung' THEN ''
+                         ELSE '; no step for ' || coalesce(CAST(round(age_s, 1) AS VARCHAR) || ' s', 'a while')
+                              || ' outside any collective' END
+            WHEN verdict = 'hung' THEN 'no step for ' || coalesce(CAST(round(age_s, 1) AS VARCHAR) || ' s', 'a while')
+                 || ' outside any collective'
+            WHEN verdict = 'slow' THEN CASE basis WHEN 'step_time' THEN 'step time ' ELSE 'compute ' END
+                 || CAST(round(work / others, 2) AS VARCHAR) || 'x the others'
+            WHEN mismatch IS NOT NULL THEN 'collective mismatch at ' || mismatch
+       END AS reason,
+       mismatch, in_collective, pending_op, pending_seq, work, others, basis, top_frame
+FROM s
+ORDER BY rank""",
+    "ranks.stragglers": """
+SELECT rank, step, step_time, compute, comm_wait, others AS others_compute, work / others AS ratio, basis, top_frame
+FROM ranks.status
+WHERE state = 'slow'
+ORDER BY ratio DESC""",
+    "ranks.desync": """
+SELECT rank, step, (SELECT max(step) FROM ranks.latest) - step AS behind
+FROM ranks.latest
+WHERE (SELECT max(step) FROM ranks.latest) - step > {desync_steps}
+ORDER BY behind DESC, rank""",
+    "ranks.hung": """
+SELECT rank, step, age_s, state, culprit, in_collective, pending_op, pending_seq, reason, top_frame
+FROM ranks.status
+WHERE state IN ('hung', 'waiting') OR (culprit AND state = 'unreachable')
+ORDER BY culprit DESC, rank""",
+}
+
+VIEW_COLUMNS = {
+    "ranks.latest": [
+        ("rank", "INTEGER", "Rank that answered."),
+        ("pid", "BIGINT", "Process id of the rank."),
+        ("host", "VARCHAR", "Host name of the rank."),
+        ("step", "BIGINT", "Last step in torch.steps."),
+        ("last_step_at", "TIMESTAMP", "When that step ended."),
+        ("age_s", "DOUBLE", "Seconds since the last step ended, on the rank's own clock."),
+        ("step_time", "DOUBLE", "Median duration of the last 20 steps in seconds."),
+        ("steps_seen", "BIGINT", "Rows in the rank's torch.steps ring."),
+        ("state", "VARCHAR", "training, idle or hung (from process.info); stopped or unreachable for a rank that did not answer."),
+        ("hung_since", "TIMESTAMP", "When the hang watchdog saw the last step, if it fired."),
+        ("top_frame", "VARCHAR", "Innermost frame of the main thread: func (file:line)."),
+        ("in_collective", "BOOLEAN", "Whether the rank has an unfinished collective (flight recorder), else whether its main thread is inside torch.distributed."),
+        ("recorder", "BOOLEAN", "Whether torch's flight recorder reports process groups on the rank."),
+        ("compute", "DOUBLE", "Median torch.steps.compute of the last 20 steps with recorded collectives."),
+        ("comm_wait", "DOUBLE", "Median torch.steps.comm_wait of the same steps."),
+        ("wait_share", "DOUBLE", "Share of those steps' time spent waiting for the other ranks."),
+        ("pending_pg", "VARCHAR", "Process group of the oldest unfinished collective."),
+        ("pending_seq", "BIGINT", "Its sequence id."),
+        ("pending_op", "VARCHAR", "Its operation."),
+        ("pending_sizes", "VARCHAR", "Its input shapes."),
+        ("pending_s", "DOUBLE", "Seconds it has been unfinished."),
+    ],
+    "ranks.issued": [
+        ("rank", "INTEGER", "Rank that issued the collective."),
+        ("pg", "VARCHAR", "Process group."),
+        ("seq", "BIGINT", "Collective sequence id."),
+        ("op", "VARCHAR", "Operation."),
+        ("input_sizes", "VARCHAR", "Input shapes."),
+        ("input_dtypes", "VARCHAR", "Input element types."),
+        ("created_at", "TIMESTAMP", "When the rank issued it."),
+        ("step", "BIGINT", "The rank's step in progress when it issued it."),
+    ],
+    "ranks.collectives": [
+        ("rank", "INTEGER", "Rank."),
+        ("pg", "VARCHAR", "Process group (NULL on the row of a rank that did not answer)."),
+        ("pg_desc", "VARCHAR", "Process group description."),
+        ("last_enqueued", "BIGINT", "Sequence id of the last collective the rank issued in the group."),
+        ("last_completed", "BIGINT", "Sequence id of the last one that finished there."),
+        ("behind", "BIGINT", "How many collectives the rank has issued fewer than the most advanced rank of the group."),
+        ("pending", "INTEGER", "Its unfinished collectives."),
+        ("pending_seq", "BIGINT", "Sequence id of the oldest unfinished one: where the rank waits."),
+        ("pending_op", "VARCHAR", "Its operation."),
+        ("pending_sizes", "VARCHAR", "Its input shapes."),
+        ("pending_s", "DOUBLE", "Seconds it has been unfinished."),
+        ("pending_site", "VARCHAR", "Where it was issued."),
+        ("role", "VARCHAR", "waiting (unfinished for PROBE_HUNG_AFTER s), culprit (a waiting rank's seq is beyond its last issued one, or it is silent while others wait or make no step), silent, or ok."),
+        ("waits_for", "VARCHAR", "For a waiting rank: the ranks that have not issued its collective (and silent ranks)."),
+        ("waited_by", "VARCHAR", "For a culprit: the ranks waiting for it (for a silent one: the ranks without a step for PROBE_HUNG_AFTER s)."),
+        ("mismatch", "VARCHAR", "The first recent seq where this rank issued another op, shape or dtype than the other ranks."),
+    ],
+    "ranks.status": [
+        ("rank", "INTEGER", "Rank."),
+        ("host", "VARCHAR", "Host."),
+        ("pid", "BIGINT", "Process id."),
+        ("step", "BIGINT", "Last step."),
+        ("age_s", "DOUBLE", "Seconds since its last step, on its own clock."),
+        ("step_time", "DOUBLE", "Median step time of the last 20 steps."),
+        ("compute", "DOUBLE", "Compute time per step: median step time minus comm_wait."),
+        ("comm_wait", "DOUBLE", "Median time per step waiting for the other ranks: per step, the longest gap between this rank issuing a collective and the last rank issuing the same (pg, seq) (basis collectives)."),
+        ("wait_share", "DOUBLE", "Share of step time spent waiting for the other ranks."),
+        ("state", "VARCHAR", "training, slow, waiting, hung, idle or unreachable (see docs/ranks.md)."),
+        ("culprit", "BOOLEAN", "Whether this is the rank the others wait for."),
+        ("reason", "VARCHAR", "Why, in words: what it waits in and for whom, who waits for it, how much slower it is."),
+        ("mismatch", "VARCHAR", "A collective mismatch involving this rank, if one is in the recent collectives."),
+        ("in_collective", "BOOLEAN", "Whether it has an unfinished collective."),
+        ("pending_op", "VARCHAR", "The op it waits in."),
+        ("pending_seq", "BIGINT", "That op's sequence id."),
+        ("work", "DOUBLE", "The time compared for slow: compute, or step_time without recorder timings."),
+        ("others", "DOUBLE", "The other ranks' median of the same."),
+        ("basis", "VARCHAR", "How compute was found: collectives (lined up across ranks), steps (this rank's torch.steps split) or step_time (no recorder)."),
+        ("top_frame", "VARCHAR", "Innermost frame of its main thread."),
+    ],
+    "ranks.stragglers": [
+        ("rank", "INTEGER", "Rank that is slower than the others."),
+        ("step", "BIGINT", "Its last step."),
+        ("step_time", "DOUBLE", "Its median step time in seconds."),
+        ("compute", "DOUBLE", "Its median compute time per step."),
+        ("comm_wait", "DOUBLE", "Its median wait for the other ranks per step."),
+        ("others_compute", "DOUBLE", "Median of the other ranks' compute (step_time without recorder timings)."),
+        ("ratio", "DOUBLE", "Its compute over the others'; above PROBE_STRAGGLER_FACTOR."),
+        ("basis", "VARCHAR", "collectives, steps or step_time: see ranks.status."),
+        ("top_frame", "VARCHAR", "Innermost frame of its main thread."),
+    ],
+    "ranks.desync": [
+        ("rank", "INTEGER", "Rank whose step counter lags."),
+        ("step", "BIGINT", "Its last step."),
+        ("behind", "BIGINT", "Steps behind the most advanced rank; above PROBE_DESYNC_STEPS."),
+    ],
+    "ranks.hung": [
+        ("rank", "INTEGER", "Rank that is hung or waiting (no step for PROBE_HUNG_AFTER s), or silent while others wait."),
+        ("step", "BIGINT", "Its last step."),
+        ("age_s", "DOUBLE", "Seconds since its last step."),
+        ("state", "VARCHAR", "hung (the culprit), waiting (inside a collective), or unreachable: ranks.status's state."),
+        ("culprit", "BOOLEAN", "Whether the others wait for it; culprits come first."),
+        ("in_collective", "BOOLEAN", "Whether it has an unfinished collective (flight recorder)."),
+        ("pending_op", "VARCHAR", "The op it waits in."),
+        ("pending_seq", "BIGINT", "That op's sequence id."),
+        ("reason", "VARCHAR", "Why, in words."),
+        ("top_frame", "VARCHAR", "Innermost frame of its main thread."),
+    ],
+    "ranks.errors": [
+        ("rank", "INTEGER", "Rank that did not answer."),
+        ("host", "VARCHAR", "Its host, from the registry."),
+        ("error", "VARCHAR", "Why: unreachable, timed out, or the query failed there."),
+    ],
+}
+
+
+def view_params(environ: dict | None = None, strict: bool = False) -> dict:
+    """The client views' parameters from their typed settings (``environ={}``: the defaults)."""
+    return {key: setting(name, environ, strict=strict) for key, name in PARAM_SETTINGS.items()}
+
+
+def view_sql(name: str, params: dict | None = None) -> str:
+    """The SQL of a client view with its parameters filled in.
+
+    >>> "2.0 * m.others" in view_sql("ranks.status", {"straggler_factor": 2.0})
+    True
+    """
+    values = dict(view_params({}), **(params or {}))
+    clean = {k: float(v) for k, v in values.items()}
+    return CLIENT_VIEWS[name].strip().format(**clean)

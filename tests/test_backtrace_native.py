@@ -1,0 +1,35 @@
+"""`backtrace --native` on a live, answering process: py-spy's native frames merged with the probe's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import TARGETS, requires_torch
+from probe.injector._pyspy import pyspy_path
+
+pytestmark = [requires_torch, pytest.mark.skipif(pyspy_path() is None, reason="py-spy is not installed")]
+
+
+def test_native_frames_merge_with_the_probes_python_frames(spawn, cli, tmp_path):
+    stall = tmp_path / "stall"
+    stall.write_text("")
+    target = spawn([TARGETS / "actions_train.py", "--sched", "none", "--stall-file", stall], ready="stalled at step")
+    r = cli(target.pid, "--format", "json", "backtrace", "--native", "--locals", "--thread", "MainThread")
+    if r.returncode != 0 and "cannot read process" in r.stderr:
+        pytest.skip(f"ptrace is not allowed here: {r.stderr.strip()}")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["source"] == "probe+py-spy" and "merged with the probe's" in doc["note"]
+    (main,) = doc["threads"]
+    frames = main["frames"]
+    assert [f["depth"] for f in frames] == list(range(len(frames)))
+    assert any(f["native"] for f in frames), "py-spy's native frames are there"
+    loop = next(f for f in frames if f["func"] == "main" and f["file"].endswith("actions_train.py"))
+    assert loop["native"] is False
+    assert "step" in (loop.get("locals") or {}), "the Python frame carries the probe's locals"
+    assert main["daemon"] is False  # the probe's thread details (py-spy does not know them)
+    assert doc["native_merge"]["from_probe"] >= 2
+    text = cli(target.pid, "backtrace", "--native").stdout
+    assert "[native]" in text and "merged with the probe's" in text.splitlines()[0]

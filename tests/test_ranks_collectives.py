@@ -1,0 +1,264 @@
+"""The rank the others wait for, in plain DDP (no explicit collective in the loop), from torch's
+flight recorder: a rank stalled in its data read, a slow rank, a collective mismatch, a stopped
+rank, a killed rank, and two jobs on one host. Every job is real: gloo on CPU, 3 ranks started by
+torchrun (or, where torchrun would tear the job down, directly with the rendezvous variables).
+
+For each condition, `status` must name the rank within 10 s (PROBE_HUNG_AFTER=2), and
+ranks.collectives, ranks.hung and ranks.stragglers must say the same."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from conftest import PROBE_BIN, TARGETS, poll, requires_torch
+
+pytestmark = requires_torch
+
+PARTIAL = 7
+HUNG_AFTER = "2"
+WITHIN = 10.0  # seconds from the condition to the right answer in status
+TARGET = str(TARGETS / "ddp_plain.py")
+
+
+class Job:
+    def __init__(self, env, procs, lines):
+        self.env, self.procs, self.lines, self.pids = env, procs, lines, {}
+
+    def ready(self, world: int) -> bool:
+        for line in list(self.lines):
+            for m in re.finditer(r"ready rank=(\d+) pid=(\d+)", line):  # ranks share one pipe
+                self.pids[int(m.group(1))] = int(m.group(2))
+        for p in self.procs:
+            if p.poll() is not None and len(self.pids) < world:
+                raise AssertionError("the job exited:\n" + "\n".join(self.lines))
+        return len(self.pids) == world
+
+    def saw(self, text: str) -> bool:
+        return any(text in line for line in list(self.lines))
+
+    def cli(self, *args, env=None, timeout=60):
+        return subprocess.run([PROBE_BIN, *map(str, args)], capture_output=True, text=True,
+                              env=dict(self.env, **(env or {})), timeout=timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def ddp_job(*args, world=3, direct=False, rt=None):
+    """A probed DDP job of ``world`` ranks running tests/targets/ddp_plain.py with ``args``."""
+    own_rt = rt is None
+    rt = rt or tempfile.mkdtemp(prefix="prc-", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROBE", "TORCH_FR"))}
+    env.update(PROBE_RUNTIME_DIR=rt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PROBE_HUNG_AFTER=HUNG_AFTER)
+    job_env = dict(env, PROBE="1")
+    lines: list[str] = []
+    if direct:  # each rank its own process: a dead rank does not take the others down with it
+        port = _free_port()
+        cmds = [([sys.executable, TARGET, *args], dict(job_env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                                       RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world)))
+                for r in range(world)]
+    else:
+        cmds = [([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), TARGET, *args], job_env)]
+    procs = []
+    for cmd, e in cmds:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e, cwd=rt,
+                             start_new_session=True)
+        threading.Thread(target=lambda p=p: [lines.append(l.rstrip()) for l in p.stdout], daemon=True).start()
+        procs.append(p)
+    job = Job(env, procs, lines)
+    try:
+        assert poll(lambda: job.ready(world), 120), "ranks did not get ready:\n" + "\n".join(lines)
+        yield job
+    finally:
+        for pid in job.pids.values():
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except OSError:
+                pass
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except OSError:
+                pass
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+        if own_rt:
+            shutil.rmtree(rt, ignore_errors=True)
+
+
+def status(job, *extra):
+    r = job.cli("--timeout", "5", *extra, "--ranks", "all", "--format", "json", "status")
+    try:
+        return r, {row["rank"]: row for row in json.loads(r.stdout)}
+    except ValueError:
+        return r, {}
+
+
+def view(job, sql, *extra):
+    r = job.cli("--timeout", "5", *extra, "--ranks", "all", "--format", "json", "query", sql)
+    assert r.returncode in (0, PARTIAL), r.stderr
+    return json.loads(r.stdout)
+
+
+def until_status(job, since: float, predicate, *extra):
+    """The first status answer satisfying ``predicate`` within WITHIN s of ``since``, with its delay."""
+    last = {}
+
+    def look():
+        r, rows = status(job, *extra)
+        last.update(r=r, rows=rows)
+        return (r, rows) if rows and predicate(rows) else None
+
+    found = poll(look, max(0.0, since + WITHIN - time.monotonic()))
+    assert found, (f"status did not name the rank within {WITHIN} s: {last.get('rows')}\n"
+                   f"{last.get('r').stderr if last.get('r') else ''}\njob output:\n" + "\n".join(job.lines[-20:]))
+    return found
+
+
+def states(rows):
+    return {k: v["state"] for k, v in rows.items()}
+
+
+def culprits(rows):
+    return {k for k, v in rows.items() if v["culprit"]}
+
+
+def test_stalled_data_read_is_the_culprit_and_the_others_wait_in_the_collective():
+    with ddp_job("--stall-rank", "1", "--stall-at", "8") as job:
+        assert poll(lambda: job.saw("stalling rank=1"), 60)
+        since = time.monotonic()
+        # when / then: status names rank 1, the others wait in DDP's all_reduce for it
+        r, rows = until_status(job, since, lambda rows: states(rows) == {0: "waiting", 1: "hung", 2: "waiting"})
+        assert r.returncode == 0, r.stderr
+        assert culprits(rows) == {1}
+        assert "ranks 0,2 wait for it" in rows[1]["reason"]
+        assert rows[0]["reason"].startswith("waits in all_reduce seq") and rows[0]["reason"].endswith("for ranks 1")
+        assert "read_batch" in rows[1]["top_frame"]
+        # and the views agree
+        coll = {row["rank"]: row for row in view(job, "SELECT * FROM ranks.collectives")}
+        assert coll[1]["role"] == "culprit" and coll[1]["waited_by"] == "0,2" and coll[1]["behind"] >= 1
+        assert coll[0]["role"] == coll[2]["role"] == "waiting" and coll[0]["waits_for"] == "1"
+        assert coll[0]["pending_op"] == "all_reduce" and coll[0]["pending_seq"] == coll[1]["last_enqueued"] + 1
+        hung = view(job, "SELECT rank, state, culprit FROM ranks.hung")
+        assert hung[0] == {"rank": 1, "state": "hung", "culprit": True}
+        assert {h["rank"]: h["state"] for h in hung[1:]} == {0: "waiting", 2: "waiting"}
+        assert view(job, "SELECT rank FROM ranks.stragglers") == []
+
+
+def test_slow_rank_is_the_straggler_by_its_compute_time():
+    with ddp_job("--slow-rank", "2", "--slow-compute", "0.15") as job:
+        since = time.monotonic()
+        # under synchronous DDP every rank has the same step time: only the compute split tells them apart
+        r, rows = until_status(job, since, lambda rows: states(rows) == {0: "training", 1: "training", 2: "slow"})
+        assert r.returncode == 0, r.stderr
+        assert rows[2]["reason"].startswith("compute ") and not culprits(rows)
+        assert rows[2]["step_time"] == pytest.approx(rows[0]["step_time"], rel=0.5)
+        assert rows[0]["wait_share"] > rows[2]["wait_share"]
+        stragglers = view(job, "SELECT rank, ratio, basis FROM ranks.stragglers")
+        assert [s["rank"] for s in stragglers] == [2] and stragglers[0]["basis"] == "collectives"
+        assert stragglers[0]["ratio"] > 1.5
+        assert view(job, "SELECT rank FROM ranks.hung") == []
+        coll = view(job, "SELECT rank, role, mismatch FROM ranks.collectives")
+        assert {c["role"] for c in coll} == {"ok"} and all(c["mismatch"] is None for c in coll)
+        # the recorder's rows: DDP's gradient all_reduce, issued from the loop's backward call, one seq per step
+        recorded = view(job, "SELECT op, input_dtypes, state, call_site, count(*) AS n, count(DISTINCT step) AS steps, "
+                             "max(seq) - min(seq) + 1 AS span FROM torch.collectives WHERE rank = 0 AND step IS NOT NULL "
+                             "GROUP BY ALL ORDER BY n DESC")
+        assert len(recorded) >= 1 and recorded[0]["op"] == "all_reduce" and recorded[0]["input_dtypes"] == "[Float]"
+        assert "main (ddp_plain.py:" in recorded[0]["call_site"] and recorded[0]["n"] >= recorded[0]["steps"] > 5
+        groups = view(job, "SELECT rank, pg_desc, ranks, last_enqueued FROM torch.process_groups ORDER BY rank")
+        assert [g["ranks"] for g in groups] == ["[0, 1, 2]"] * 3 and groups[0]["pg_desc"] == "default_pg"
+        steps = view(job, "SELECT rank, median(compute) AS compute, median(comm_wait) AS wait FROM torch.steps "
+                          "WHERE compute IS NOT NULL GROUP BY rank ORDER BY rank")
+        assert steps[2]["compute"] > 1.5 * steps[0]["compute"] and steps[0]["wait"] > steps[2]["wait"]
+
+
+def test_extra_all_reduce_on_one_rank_is_a_collective_mismatch():
+    with ddp_job("--mismatch-rank", "0", "--mismatch-at", "8", "--step-sleep", "0.1") as job:
+        assert poll(lambda: job.saw("mismatch rank=0"), 60)
+        since = time.monotonic()
+        r, rows = until_status(job, since, lambda rows: (rows[0]["reason"] or "").startswith("collective mismatch"))
+        # then: rank 0 issued an int32 all_reduce where the others reduced their float gradients
+        said = rows[0]["reason"]
+        assert "[Int] here" in said and "[Float] on rank 1" in said and "[Float] on rank 2" in said, said
+        assert rows[1]["reason"] is None and rows[2]["reason"] is None
+        coll = {c["rank"]: c for c in view(job, "SELECT rank, mismatch FROM ranks.collectives")}
+        assert said.endswith(coll[0]["mismatch"]) and coll[1]["mismatch"] is None and coll[2]["mismatch"] is None
+        assert view(job, "SELECT rank FROM ranks.hung") == []
+        assert 0 not in {s["rank"] for s in view(job, "SELECT rank FROM ranks.stragglers")}
+
+
+def test_stopped_rank_is_hung_and_the_others_wait():
+    with ddp_job() as job:
+        os.kill(job.pids[1], signal.SIGSTOP)
+        since = time.monotonic()
+        r, rows = until_status(job, since, lambda rows: states(rows) == {0: "waiting", 1: "hung", 2: "waiting"})
+        assert r.returncode == PARTIAL
+        assert culprits(rows) == {1} and "process stopped" in rows[1]["reason"]
+        assert "stopped" in r.stderr
+        coll = {c["rank"]: c for c in view(job, "SELECT rank, role, waits_for FROM ranks.collectives")}
+        assert coll[1]["role"] == "culprit" and coll[0]["role"] == "waiting" and "1" in coll[0]["waits_for"].split(",")
+        hung = view(job, "SELECT rank, state, culprit FROM ranks.hung")
+        assert hung[0] == {"rank": 1, "state": "hung", "culprit": True}
+        assert view(job, "SELECT rank FROM ranks.stragglers") == []
+
+
+def test_killed_rank_is_the_culprit_the_survivors_wait_for():
+    with ddp_job("--survive", direct=True) as job:
+        os.kill(job.pids[1], signal.SIGKILL)
+        since = time.monotonic()
+        r, rows = until_status(job, since, lambda rows: states(rows) == {0: "waiting", 1: "unreachable", 2: "waiting"})
+        assert r.returncode == PARTIAL
+        assert culprits(rows) == {1} and "ranks 0,2 wait for it" in rows[1]["reason"]
+        coll = {c["rank"]: c for c in view(job, "SELECT rank, role FROM ranks.collectives")}
+        # a survivor's failed collective may stay unfinished in its recorder (waiting) or not (ok): never the culprit
+        assert coll[1]["role"] == "culprit" and {coll[0]["role"], coll[2]["role"]} <= {"ok", "waiting"}
+        hung = view(job, "SELECT rank, state, culprit FROM ranks.hung")
+        assert hung[0] == {"rank": 1, "state": "unreachable", "culprit": True}
+        assert view(job, "SELECT rank FROM ranks.stragglers") == []
+
+
+def test_two_jobs_on_one_host_are_never_mixed():
+    rt = tempfile.mkdtemp(prefix="prj-", dir="/tmp")
+    try:
+        with ddp_job(world=2, rt=rt) as first, ddp_job("--slow-rank", "1", world=2, rt=rt) as second:
+            listed = json.loads(first.cli("list", "--json").stdout)
+            jobs = {}
+            for row in listed:
+                jobs.setdefault(row["job"], set()).add(row["pid"])
+            # then: list groups each job's ranks under its own id
+            assert sorted(map(sorted, jobs.values())) == sorted([sorted(first.pids.values()), sorted(second.pids.values())])
+            assert [r["job"] for r in listed] == sorted(r["job"] for r in listed)
+            # --ranks without --job: one sentence, non-zero exit, no mixed answer
+            mixed = first.cli("--ranks", "all", "status")
+            assert mixed.returncode != 0 and mixed.stdout == ""
+            assert "2 jobs" in mixed.stderr and "--job" in mixed.stderr and "Traceback" not in mixed.stderr
+            second_id = next(j for j, pids in jobs.items() if pids == set(second.pids.values()))
+            r, rows = status(second, "--job", second_id[:8])
+            assert r.returncode == 0, r.stderr
+            assert {k: v["pid"] for k, v in rows.items()} == second.pids
+            bad = first.cli("--job", "nosuchjob", "--ranks", "all", "status")
+            assert bad.returncode != 0 and "is not a job" in bad.stderr
+    finally:
+        shutil.rmtree(rt, ignore_errors=True)
