@@ -287,17 +287,6 @@ def snapshot_requests(parts: dict, schema: dict) -> dict:
             for name, spec in out.items()}
 
 
-def view_sql(name: str, params: dict | None = None) -> str:
-    """The SQL of a client view with its parameters filled in.
-
-    >>> "2.0 * others_step_time" in view_sql("ranks.stragglers", {"straggler_factor": 2.0})
-    True
-    """
-    values = dict(view_params({}), **(params or {}))
-    clean = {k: float(v) for k, v in values.items()}
-    return CLIENT_VIEWS[name].strip().format(**clean)
-
-
 def union_columns(fetched: list, declared: list) -> list:
     """Column order of a federated view: the table's own order, ``rank`` in its place (first when absent).
 
