@@ -25,7 +25,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ._errors import ActionError
-from ._objects import grad_scalers, models, optimizers, scheduler_for, schedulers
+from ._objects import framework_counters, grad_scalers, models, optimizers, scheduler_for, schedulers
 
 if TYPE_CHECKING:
     from ._actions import Context
@@ -82,21 +82,27 @@ def build_state(ctx: "Context") -> dict:
     step = None if ctx.step is None else ctx.step + _resume["step"]
     state: dict = {"format": FORMAT, "step": step, "time": time.time()}
     if mods:
-        state["model"] = _unwrap(mods[0][1]).state_dict()
+        state["model"] = _unwrap(mods[0].obj).state_dict()
         if len(mods) > 1:
-            state["models"] = {name: _unwrap(m).state_dict() for name, m in mods}
+            state["models"] = {f.name: _unwrap(f.obj).state_dict() for f in mods}
+    scheds = schedulers()
     if opts:
-        state["optimizer"] = opts[0][1].state_dict()
+        state["optimizer"] = opts[0].obj.state_dict()
         if len(opts) > 1:
-            state["optimizers"] = {name: o.state_dict() for name, o in opts}
-        scheds = scheduler_for(opts[0][1]) or schedulers()[:1]
-        if scheds:
-            sched = scheds[0][1]
+            state["optimizers"] = {f.name: f.obj.state_dict() for f in opts}
+        mine = scheduler_for(opts[0].obj) or scheds[:1]
+        if mine:
+            sched = mine[0].obj
             state["scheduler"] = sched.state_dict()
             state["scheduler_step_pending"] = bool(not ctx.now and _scheduler_behind(sched, step))
+    if len(scheds) > 1:
+        state["schedulers"] = {f.name: f.obj.state_dict() for f in scheds}
+    counters = framework_counters()
+    if counters:
+        state["frameworks"] = counters
     scalers = grad_scalers()
     if scalers:
-        state["scaler"] = scalers[0][1].state_dict()
+        state["scaler"] = scalers[0].obj.state_dict()
     state["rng"] = _rng_state()
     from . import _agent
 
@@ -104,7 +110,8 @@ def build_state(ctx: "Context") -> dict:
     state["probe"] = {"pid": os.getpid(), "rank": entry.get("rank"), "world_size": entry.get("world_size"),
                       "host": socket.gethostname(), "argv": list(entry.get("argv") or sys.argv),
                       "at_safe_point": not ctx.now,
-                      "objects": {"models": [n for n, _ in mods], "optimizers": [n for n, _ in opts]}}
+                      "objects": {"models": [f.name for f in mods], "optimizers": [f.name for f in opts],
+                                  "schedulers": [f.name for f in scheds]}}
     return state
 
 

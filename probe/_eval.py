@@ -84,14 +84,6 @@ def _frame(ctx: Context):
         return None
     if ctx.frame is not None:
         return ctx.frame
-    try:
-        from ._discovery import training_frame as discovered
-
-        f = discovered()
-        if f is not None:
-            return f
-    except Exception:
-        pass
     return training_frame()
 
 

@@ -103,17 +103,17 @@ def change_lr(ctx: Context, *, set_to: float | None, scale: float | None, group:
         raise ActionError("no optimizer found in the training process; make it a global of the training script (optimizer) so probe can find it.")
     if optimizer_index is not None:
         if not 0 <= optimizer_index < len(opts):
-            raise ActionError(f"there are {len(opts)} optimizer(s) ({', '.join(n for n, _ in opts)}); --optimizer {optimizer_index} is not one of them.")
+            raise ActionError(f"there are {len(opts)} optimizer(s) ({', '.join(f.name for f in opts)}); --optimizer {optimizer_index} is not one of them.")
         opts = [opts[optimizer_index]]
     elif len(opts) > 1 and group is not None:
-        raise ActionError(f"there are {len(opts)} optimizers ({', '.join(n for n, _ in opts)}); pick one with --optimizer N before --group.")
+        raise ActionError(f"there are {len(opts)} optimizers ({', '.join(f.name for f in opts)}); pick one with --optimizer N before --group.")
     out = []
     # Check everything first, change nothing unless every optimizer can be changed.
     plans = []
-    for name, opt in opts:
+    for name, opt, _, _ in opts:
         groups, old, p = plan(opt, group, set_to, scale)
         scheds = [] if ignore_scheduler else scheduler_for(opt)
-        for sname, sched in scheds:
+        for sname, sched, _, _ in scheds:
             kind = _supported(sched)
             if kind is None:
                 raise ActionError(f"the scheduler {sname} ({type(sched).__name__}) is not one probe knows how to rescale, so its next step() could undo the change; supported: {', '.join(SUPPORTED)}; pass --ignore-scheduler to change only param_groups.")
@@ -121,7 +121,7 @@ def change_lr(ctx: Context, *, set_to: float | None, scale: float | None, group:
         plans.append((name, opt, groups, old, p, scheds))
     for name, opt, groups, old, p, scheds in plans:
         touched = []
-        for sname, sched in scheds:
+        for sname, sched, _, _ in scheds:
             touched.append({"scheduler": sname, "type": type(sched).__name__,
                             "changed": _scale_scheduler(sched, _supported(sched), groups, p["ratios"], p["new"])})
         for i in groups:

@@ -40,7 +40,7 @@ def _memory() -> dict:
 
 def _grad_bytes() -> int:
     total = 0
-    for _, opt in optimizers():
+    for _, opt, _, _ in optimizers():
         for group in opt.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -55,7 +55,7 @@ def cleanup(ctx: Context, zero_grad: bool) -> dict:
         if not ctx.now and ctx.step is None:
             raise ActionError("--zero-grad runs only at a step boundary.")
         out["grad_bytes_freed"] = _grad_bytes()
-        for _, opt in optimizers():
+        for _, opt, _, _ in optimizers():
             opt.zero_grad(set_to_none=True)
     out["gc_collected"] = gc.collect()
     torch = _cuda_in_use()

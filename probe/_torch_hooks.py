@@ -186,10 +186,10 @@ def step(loss=None, samples=None, tokens=None) -> int | None:
         tk = _ready_tracker()
         if tk is None:
             return None
-        from ._torch_steps import training_frame_of
+        from ._objects import user_frame
 
         tk.explicit = True
-        tk.boundary(None, training_frame_of(sys._getframe(1), tk.torch_dir), loss=loss, samples=samples, tokens=tokens)
+        tk.boundary(None, user_frame(sys._getframe(1)), loss=loss, samples=samples, tokens=tokens)
         return tk.step
     except Exception as exc:
         record_error("probe.step", exc)
@@ -198,24 +198,22 @@ def step(loss=None, samples=None, tokens=None) -> int | None:
 
 def watch(model=None, optimizer=None, scheduler=None, scaler=None) -> None:
     """Name the training objects explicitly; ``optimizer`` becomes the one whose steps are counted."""
-    from . import _discovery
+    from . import _objects
 
     try:
         caller = sys._getframe(1).f_locals
         tk = _ready_tracker()
+        def name(obj):
+            return next((k for k, v in caller.items() if v is obj), None)
+
         for m in (model if isinstance(model, (list, tuple)) else [model]):
             if m is not None:
-                name = next((k for k, v in caller.items() if v is m), None)
-                _discovery.add_model(m, name)
-        if optimizer is not None:
-            if tk is not None:
-                tk.set_lead(optimizer)
-            else:
-                _discovery.add_optimizer(optimizer)
-        if scheduler is not None:
-            _discovery.add_scheduler(scheduler)
-        if scaler is not None:
-            _discovery.add_grad_scaler(scaler)
+                _objects.add(m, name(m), "watch", "model")
+        for obj, kind in ((optimizer, "optimizer"), (scheduler, "scheduler"), (scaler, "scaler")):
+            if obj is not None:
+                _objects.add(obj, name(obj), "watch", kind)
+        if optimizer is not None and tk is not None:
+            tk.set_lead(optimizer)
         if tk is not None:
             tk._watch_roots()
     except Exception as exc:

@@ -27,14 +27,14 @@ import sys
 import threading
 import time
 
-from . import _discovery, _safepoint
+from . import _objects, _safepoint
 from ._config import setting
 from ._frames import release
 from ._health import record_error
 from ._ring import Ring
 from ._runtime import rank_identity
 
-__all__ = ["StepTracker", "STEP_COLUMNS", "training_frame_of"]
+__all__ = ["StepTracker", "STEP_COLUMNS"]
 
 STEP_COLUMNS = {"step": "i8", "started_at": "f8", "ended_at": "f8", "duration": "f8", "loss": "f8",
                 "grad_norm": "f8", "lr": "f8", "samples_per_s": "f8", "tokens_per_s": "f8",
@@ -44,43 +44,16 @@ _LAG = 2  # steps after which a pending value is read on the training thread
 _RESOLVE_EVERY = 8  # pending device values read at the boundary once this many are waiting
 _PEAK_PERIOD = 0.25  # seconds between peak-memory readings at the boundary (a running peak: staleness is fine)
 _NAN = float("nan")  # made once: float("nan") parses a string, which is slow with cold caches
-_PROBE_DIR = os.path.dirname(os.path.abspath(__file__))
-_internal_cache: dict = {}  # co_filename -> inside torch or probe
 
 
-def _is_internal(code, torch_dir: str) -> bool:
-    """Whether ``code`` belongs to torch or to probe (decided once per file name).
-
-    The cache is keyed by file name, not by code object: code objects compare equal
-    across files when their name, lines and bytecode match. The file name is made
-    absolute and normalised first: a module imported through a path such as
-    ``bench/../probe`` carries that spelling in ``co_filename``. The separator keeps
-    ``torchvision`` or ``probe_utils`` from passing for torch or probe.
-    """
-    f = code.co_filename
-    hit = _internal_cache.get(f)
-    if hit is None:
-        if f.startswith("<"):
-            hit = f.startswith("<frozen")
-        else:
-            p = os.path.abspath(f)
-            hit = p.startswith(torch_dir + os.sep) or p.startswith(_PROBE_DIR + os.sep)
-        _internal_cache[f] = hit
-    return hit
-
-
-def _outside(frame, torch_dir: str):
-    """``(f, hops)``: the first frame from ``frame`` outwards that belongs neither to torch nor
-    to probe, and how many frames out it is."""
+def _outside(frame):
+    """``(f, hops)``: the first frame from ``frame`` outwards that is the user's (not torch, probe or a
+    training framework's), and how many frames out it is."""
     hops = 0
-    while frame is not None and _is_internal(frame.f_code, torch_dir):
+    is_internal = _objects.is_internal
+    while frame is not None and is_internal(frame.f_code):
         frame, hops = frame.f_back, hops + 1
     return frame, hops
-
-
-def training_frame_of(frame, torch_dir: str):
-    """The first frame from ``frame`` outwards that belongs neither to torch nor to probe."""
-    return _outside(frame, torch_dir)[0]
 
 
 def _norm_budget(value: str | None) -> float:
@@ -149,8 +122,9 @@ class StepTracker:
     def set_lead(self, optimizer) -> None:
         import weakref
 
+        optimizer, _ = _objects.unwrap_optimizer(optimizer)  # the hooks fire with the inner optimizer
         self.lead = weakref.ref(optimizer)
-        _discovery.add_optimizer(optimizer)
+        _objects.add(optimizer, None, "step hook", "optimizer")
 
     def lead_optimizer(self):
         return self.lead() if self.lead is not None else None
@@ -161,7 +135,8 @@ class StepTracker:
         if lead is None:
             self.set_lead(optimizer)
         elif lead is not optimizer:
-            _discovery.add_optimizer(optimizer)
+            if _objects.optimizer_found(optimizer) is None:
+                _objects.add(optimizer, None, "step hook", "optimizer")
             return
         if self.explicit:
             return
@@ -181,7 +156,7 @@ class StepTracker:
                 f = None
             if f is not None and f is self._frame:
                 return f
-        f, hops = _outside(sys._getframe(1), self.torch_dir)
+        f, hops = _outside(sys._getframe(1))
         self._frame_depth = 1 + hops if f is not None else 0
         return f
 
@@ -204,14 +179,14 @@ class StepTracker:
 
     def _primary_model(self):
         """The root model holding the lead optimizer's parameters, else the first model found."""
-        found = _discovery.models()
+        found = _objects.models()
         lead = self.lead_optimizer()
         if lead is not None and lead.param_groups and lead.param_groups[0]["params"]:
             first = lead.param_groups[0]["params"][0]
-            for _, model in found:
-                if any(p is first for p in model.parameters()):
-                    return model
-        return found[0][1] if found else None
+            for f in found:
+                if any(p is first for p in f.obj.parameters()):
+                    return f.obj
+        return found[0].obj if found else None
 
     def _watch_roots(self) -> None:
         """Count samples and tokens at the primary model's forward (one hook on one module, not global)."""
@@ -389,13 +364,13 @@ class StepTracker:
         self.step = step = self.step + 1
         if frame is not self._frame:
             self._frame = frame
-            _discovery.set_training_frame(frame)
+            _objects.set_training_frame(frame)
         if optimizer is None:
             optimizer = self.lead_optimizer()
         if step >= 2 * self._scanned_at or step == 1:  # steps 1, 2, 4, 8, ...: cheap enough, catches late models
             self._scanned_at = step
             try:
-                _discovery.scan(frame)
+                _objects.scan(frame)
                 self._watch_roots()
             except Exception as exc:
                 record_error("torch steps: discovery", exc)

@@ -23,7 +23,7 @@ import os
 import threading
 import time
 
-from . import _discovery
+from . import _objects
 from ._config import setting
 from ._health import record_error
 from ._ring import Ring
@@ -289,13 +289,13 @@ class Tracer:
             return hit[1], hit[2]
         import weakref
 
-        for root_name, root in _discovery.models():
+        for root_name, root, _, _ in _objects.known("model"):
             if root is module:
                 self._names[key] = (weakref.ref(module), root_name, root_name)
                 return root_name, root_name
             for name, sub in root.named_modules():
                 try:
-                    self._names[id(sub)] = (weakref.ref(sub), _discovery.module_path(name) or root_name, root_name)
+                    self._names[id(sub)] = (weakref.ref(sub), _objects.module_path(name) or root_name, root_name)
                 except TypeError:
                     pass
             hit = self._names.get(key)

@@ -155,25 +155,25 @@ def test_reading_the_loop_locals_keeps_nothing_alive_and_changes_nothing(probe_e
 
 @requires_torch
 def test_torch_and_probe_frames_are_told_apart_by_normalised_path():
-    """The training loop's frame is the first one outside torch and probe; a module imported
-    through a path like ``bench/../probe`` must still count as probe, and torchvision as not torch."""
+    """The training loop's frame is the first one outside torch, probe and the training frameworks; a
+    module imported through a path like ``bench/../probe`` must still count as probe, and torchvision as not torch."""
     import os
 
     import torch
 
-    from probe import _torch_steps as ts
+    from probe import _objects
 
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
-    probe_dir = os.path.dirname(os.path.abspath(ts.__file__))
+    probe_dir = os.path.dirname(os.path.abspath(_objects.__file__))
     other = os.path.join(os.path.dirname(probe_dir), "benchmarks")
 
-    def code(path):
-        return compile("pass", path, "exec")
+    def internal(path):
+        return _objects.is_internal(compile("pass", path, "exec"))
 
-    assert ts._is_internal(code(os.path.join(other, "..", "probe", "_torch_hooks.py")), torch_dir)
-    assert ts._is_internal(code(os.path.join(torch_dir, "optim", "optimizer.py")), torch_dir)
-    assert ts._is_internal(code("<frozen importlib._bootstrap>"), torch_dir)
-    assert not ts._is_internal(code(torch_dir + "vision" + os.sep + "models.py"), torch_dir)
-    assert not ts._is_internal(code(probe_dir + "_utils" + os.sep + "train.py"), torch_dir)
-    assert not ts._is_internal(code(os.path.join(other, "bench_torch.py")), torch_dir)
-    assert not ts._is_internal(code("<stdin>"), torch_dir)
+    assert internal(os.path.join(other, "..", "probe", "_torch_hooks.py"))
+    assert internal(os.path.join(torch_dir, "optim", "optimizer.py"))
+    assert internal("<frozen importlib._bootstrap>")
+    assert not internal(torch_dir + "vision" + os.sep + "models.py")
+    assert not internal(probe_dir + "_utils" + os.sep + "train.py")
+    assert not internal(os.path.join(other, "bench_torch.py"))
+    assert not internal("<stdin>")

@@ -2,14 +2,14 @@
 
 Ring tables (``torch.steps``, ``python.torch_trace``) are filled by the hooks in
 ``probe._torch_hooks``; the others are built at query time from the objects that
-``probe._discovery`` found. None of them imports torch: without torch they are empty.
+``probe._objects`` found. None of them imports torch: without torch they are empty.
 """
 
 from __future__ import annotations
 
 import sys
 
-from .. import _discovery, _torch_hooks
+from .. import _objects, _torch_hooks
 from .._health import record_error
 from .._tables import Column, table
 from .._torch_steps import STEP_COLUMNS
@@ -149,7 +149,9 @@ def _step_count(state: dict):
     "torch.optimizer",
     "One row per param group of each optimizer found: hyperparameters, size and state memory.",
     columns=[
-        Column("optimizer", "VARCHAR", "Optimizer class."),
+        Column("optimizer", "VARCHAR", "Class of the optimizer that owns the param groups (a framework's wrapper is looked through)."),
+        Column("name", "VARCHAR", "Name the optimizer was found under (a global such as optimizer, or trainer.optimizer, trainer.optimizers[0])."),
+        Column("wrapper", "VARCHAR", "Class of the framework wrapper the training loop steps (AcceleratedOptimizer, LightningSGD, ...), NULL when it steps the optimizer itself."),
         Column("optimizer_id", "BIGINT", "Python id of the optimizer, to tell several apart."),
         Column("param_group", "INTEGER", "Index of the param group."),
         Column("lr", "DOUBLE", "Current learning rate of the group."),
@@ -163,7 +165,7 @@ def _step_count(state: dict):
         Column("elements", "BIGINT", "Number of parameter elements in the group."),
         Column("state_bytes", "BIGINT", "Bytes of optimizer state (e.g. Adam's exp_avg and exp_avg_sq) held for the group's parameters."),
         Column("step_count", "BIGINT", "The optimizer's own step counter for the group (from its state), NULL before the first step."),
-        Column("scheduler", "VARCHAR", "Class of the LR scheduler attached to the optimizer, NULL if none was found."),
+        Column("scheduler", "VARCHAR", "Class of the LR scheduler attached to the optimizer (found globally or through the framework: Lightning's lr_scheduler_configs, the Trainer's lr_scheduler, accelerate's AcceleratedScheduler looked through), NULL if none was found."),
         Column("is_lead", "BOOLEAN", "Whether this optimizer's steps are the ones counted in torch.steps."),
     ],
     examples=["SELECT optimizer, param_group, lr, initial_lr, weight_decay, beta1, beta2, params, elements, "
@@ -173,15 +175,18 @@ def optimizer(ctx):
     tk = _torch_hooks.tracker()
     lead = tk.lead_optimizer() if tk is not None else None
     rows = []
-    for opt in _discovery.optimizers():
-        sched = _discovery.scheduler_for(opt)
+    for found in _objects.optimizers():
+        opt = found.obj
+        scheds = _objects.scheduler_for(opt)
+        sched = scheds[0].obj if scheds else None
         state = opt.state
         for i, group in enumerate(list(opt.param_groups)):
             params = list(group.get("params", ()))
             states = [state.get(p) or {} for p in params]
             betas = group.get("betas") or (None, None)
             rows.append({
-                "optimizer": type(opt).__name__, "optimizer_id": id(opt), "param_group": i,
+                "optimizer": type(opt).__name__, "name": found.name, "wrapper": found.wrapper,
+                "optimizer_id": id(opt), "param_group": i,
                 "lr": _num(group.get("lr")), "initial_lr": _num(group.get("initial_lr")),
                 "weight_decay": _num(group.get("weight_decay")), "momentum": _num(group.get("momentum")),
                 "beta1": _num(betas[0]), "beta2": _num(betas[1]), "eps": _num(group.get("eps")),
@@ -232,13 +237,13 @@ def parameters(ctx):
     torch = sys.modules.get("torch")
     if torch is None:
         return []
-    in_opt = {id(p) for opt in _discovery.optimizers() for g in list(opt.param_groups) for p in g.get("params", ())}
+    in_opt = {id(p) for f in _objects.optimizers() for g in list(f.obj.param_groups) for p in g.get("params", ())}
     rows = []
     with torch.no_grad():
-        for model_name, model in _discovery.models():
+        for model_name, model, _, _ in _objects.models():
             for name, p in list(model.named_parameters()):
                 try:
-                    rows.append(_param_row(torch, model_name, _discovery.module_path(name), p, id(p) in in_opt))
+                    rows.append(_param_row(torch, model_name, _objects.module_path(name), p, id(p) in in_opt))
                 except Exception as exc:
                     record_error(f"torch.parameters: {name}", exc)
     return rows

@@ -1,0 +1,70 @@
+"""A tiny transformers.Trainer run, as a user writes it: no probe code (run it with PROBE=1).
+
+GPT-2 built from a config (1 layer, 32 wide), random token ids, CPU, no downloads.
+A callback prints ``ready`` after the first optimizer step and, at every logged step,
+``hf step N loss X lr Y`` with the values the Trainer itself logs. ``--stall-file F``
+pauses between steps while F exists (prints ``stalled at step N``). ``--resume PATH``
+restores a probe checkpoint before training and prints ``resumed step N``.
+"""
+import argparse
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+p = argparse.ArgumentParser()
+p.add_argument("--max-steps", type=int, default=100000)
+p.add_argument("--accum", type=int, default=1)
+p.add_argument("--scheduler", default="linear")
+p.add_argument("--stall-file")
+p.add_argument("--out", default=".")
+args = p.parse_args()
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=4096, length=16, vocab=64):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, length), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class Report(TrainerCallback):
+    def on_step_end(self, a, state, control, **kw):
+        if state.global_step == 1:
+            print(f"ready pid={os.getpid()}", flush=True)
+        if args.stall_file and os.path.exists(args.stall_file):
+            print(f"stalled at step {state.global_step}", flush=True)
+            while os.path.exists(args.stall_file):
+                time.sleep(0.02)  # ok-sleep: a stalled training thread, released by the test
+            print(f"resumed at step {state.global_step}", flush=True)
+
+    def on_log(self, a, state, control, logs=None, **kw):
+        if logs and "loss" in logs:
+            print(f"hf step {state.global_step} loss {logs['loss']!r} lr {logs.get('learning_rate')!r}", flush=True)
+
+
+def main():
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    model = GPT2LMHeadModel(config)
+    targs = TrainingArguments(output_dir=args.out, max_steps=args.max_steps, per_device_train_batch_size=4,
+                              gradient_accumulation_steps=args.accum, learning_rate=1e-3, warmup_steps=5,
+                              lr_scheduler_type=args.scheduler, logging_steps=1, save_strategy="no", report_to=[],
+                              use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=0)
+    trainer = Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=[Report()])
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""A tiny Lightning run, as a user writes it: no probe code (run it with PROBE=1).
+
+A LightningModule whose ``configure_optimizers`` returns SGD and a LambdaLR stepped every
+step (``interval: step``); random data, CPU. Prints ``ready`` after the first optimizer
+step and ``pl step N loss X lr Y`` at each step with the loss the module logs and the lr
+Lightning's optimizer holds when the step runs. ``--stall-file F`` pauses between steps
+while F exists (prints ``stalled at step N``).
+"""
+import argparse
+import os
+import time
+import warnings
+
+import torch
+import lightning.pytorch as pl
+
+warnings.filterwarnings("ignore")
+p = argparse.ArgumentParser()
+p.add_argument("--max-steps", type=int, default=100000)
+p.add_argument("--stall-file")
+p.add_argument("--out", default=".")
+args = p.parse_args()
+
+
+class Regression(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.step_lr = None
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, on_step=True, prog_bar=False)
+        self._loss = loss.detach()
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        self.step_lr = optimizer.param_groups[0]["lr"]
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        step = self.trainer.global_step
+        print(f"pl step {step} loss {float(self._loss)!r} lr {self.step_lr!r}", flush=True)
+        if step == 1:
+            print(f"ready pid={os.getpid()}", flush=True)
+        if args.stall_file and os.path.exists(args.stall_file):
+            print(f"stalled at step {step}", flush=True)
+            while os.path.exists(args.stall_file):
+                time.sleep(0.02)  # ok-sleep: a stalled training thread, released by the test
+            print(f"resumed at step {step}", flush=True)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.01 * s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def main():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 8, generator=g)
+    y = x.sum(1, keepdim=True)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=False)
+    trainer = pl.Trainer(max_steps=args.max_steps, max_epochs=-1, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=args.out)
+    trainer.fit(Regression(), loader)
+
+
+if __name__ == "__main__":
+    main()
