@@ -93,11 +93,22 @@ def _install(torch) -> None:
             tk = StepTracker(torch, tr)
             _state.update(tracker=tk, tracer=tr)
             handle = topt.register_optimizer_step_post_hook(_post_hook)
-            _state.update(installed=True, handle=handle)
+            _state.update(installed=True, handle=handle, pre_handle=topt.register_optimizer_step_pre_hook(_pre_hook))
             _agent.add_status_provider(status)
             tr.prepare(1)  # step 1 is sampled: trace it from the first module call
         except Exception as exc:
             record_error("installing torch hooks", exc)
+
+
+def _pre_hook(optimizer, args, kwargs):
+    """torch's global optimizer step pre-hook: whether the step evaluates a closure (for the loss)."""
+    tk = _state.get("tracker")
+    if tk is not None:
+        try:
+            tk.on_step_start(optimizer, args, kwargs)
+        except Exception as exc:
+            record_error("torch optimizer step pre-hook", exc)
+    return None
 
 
 def _post_hook(optimizer, args, kwargs):
@@ -117,9 +128,10 @@ def pause() -> None:
     hooks' cost in a long run's steady state.
     """
     with _lock:
-        handle = _state.pop("handle", None)
-        if handle is not None:
-            handle.remove()
+        for key in ("handle", "pre_handle"):
+            handle = _state.pop(key, None)
+            if handle is not None:
+                handle.remove()
         tk, tr = _state.get("tracker"), _state.get("tracer")
         if tr is not None:
             tr.close()
@@ -135,6 +147,7 @@ def resume() -> None:
         import torch.optim.optimizer as topt
 
         _state["handle"] = topt.register_optimizer_step_post_hook(_post_hook)
+        _state["pre_handle"] = topt.register_optimizer_step_pre_hook(_pre_hook)
         tk.reopen()
         tr.prepare(tk.step + 1)
 
@@ -143,9 +156,10 @@ def disarm() -> None:
     """Remove every torch hook the probe installed (the rings keep their rows)."""
     with _lock:
         _remove_watcher()
-        handle = _state.pop("handle", None)
-        if handle is not None:
-            handle.remove()
+        for key in ("handle", "pre_handle"):
+            handle = _state.pop(key, None)
+            if handle is not None:
+                handle.remove()
         for key in ("tracer", "tracker"):
             obj = _state.get(key)
             if obj is not None:

@@ -11,8 +11,18 @@ What counts as a step:
 * Once ``probe.step()`` is called, the explicit calls own the count and optimizer steps
   no longer end steps (no double counting).
 
-The hot path never synchronises with a device: the loss (a scalar tensor named
-``loss``, see PROBE_LOSS_NAMES, in the training loop's frames) and the gradient norm
+The loss of a step is what the loop backpropagated since the previous step: every
+scalar tensor ``torch.autograd.backward`` (so ``Tensor.backward``, accelerate's
+``accelerator.backward``, Lightning's and the HF Trainer's backward) was called on,
+summed; ``scaler.scale(loss)`` counts as ``loss`` (GradScaler's scale is looked
+through), ``(loss / accum).backward()`` over ``accum`` micro-batches sums to their
+mean, and inside ``optimizer.step(closure)`` only the closure's first evaluation
+counts (the value ``step`` returns; LBFGS evaluates it again). A loop that never
+calls backward on a scalar (``torch.autograd.grad``) falls back to a scalar tensor
+named ``loss`` (PROBE_LOSS_NAMES) in the training loop's frames; ``probe.step(loss=)``
+overrides both.
+
+The hot path never synchronises with a device: the loss and the gradient norm
 (a foreach norm launched on the device) are kept as tensors and read a few steps
 later or when a query asks, once they are ready.
 """
@@ -116,7 +126,12 @@ class StepTracker:
         self._peak_v = float("nan")
         self._frame = None
         self._frame_depth = 0
+        self._losses: list = []  # this step's backpropagated scalars (detached), summed at the boundary
+        self._scaled = None  # (weakref to GradScaler.scale's output, the loss it scaled)
+        self._closure_step = False  # inside optimizer.step(closure): only the closure's first backward counts
+        self._closure_taken = False
         _attempt("torch steps: wrapping clip_grad_norm_", self._wrap_clip)
+        _attempt("torch steps: wrapping torch.autograd.backward", self._wrap_backward)
 
     # -- the lead optimizer --------------------------------------------------------------------
     def set_lead(self, optimizer) -> None:
@@ -131,6 +146,7 @@ class StepTracker:
 
     def on_optimizer_step(self, optimizer) -> None:
         """torch's global optimizer step post-hook lands here."""
+        self._closure_step = False
         lead = self.lead() if self.lead is not None else None
         if lead is None:
             self.set_lead(optimizer)
@@ -314,6 +330,98 @@ class StepTracker:
         clip_grad_norm_._probe_original = original
         utils.clip_grad_norm_ = clip_grad_norm_
 
+    # -- the loss: what backward was called on ------------------------------------------------
+    def on_step_start(self, optimizer, args, kwargs) -> None:
+        """torch's global optimizer step pre-hook: note whether this step evaluates a closure."""
+        self._closure_step = bool(args) or kwargs.get("closure") is not None
+        self._closure_taken = False
+
+    def _saw_backward(self, tensors, grad_tensors) -> None:
+        t = tensors
+        if type(t) in (list, tuple):
+            if len(t) != 1:
+                return
+            t = t[0]
+        if not isinstance(t, self.torch.Tensor) or t.numel() != 1:
+            return  # a vector backward with explicit gradients is not a loss
+        if grad_tensors is not None and not (type(grad_tensors) in (list, tuple) and all(g is None for g in grad_tensors)):
+            return
+        if self._closure_step:
+            if self._closure_taken:
+                return
+            self._closure_taken = True
+        scaled = self._scaled
+        if scaled is not None and scaled[0]() is t:
+            t = scaled[1]
+            self._scaled = None
+        self._losses.append(t.detach())
+
+    def _wrap_backward(self) -> None:
+        """See every ``torch.autograd.backward`` call (``Tensor.backward`` goes through it) and
+        GradScaler's ``scale`` (so a scaled loss counts unscaled)."""
+        import weakref
+
+        autograd = self.torch.autograd
+        original = autograd.backward
+        if getattr(original, "_probe_original", None) is None:
+            tracker = self
+
+            @functools.wraps(original)
+            def backward(tensors, grad_tensors=None, *args, **kwargs):
+                try:
+                    tracker._saw_backward(tensors, grad_tensors)
+                except Exception as exc:
+                    record_error("torch steps: noting the loss", exc)
+                return original(tensors, grad_tensors, *args, **kwargs)
+
+            backward._probe_original = original
+            autograd.backward = backward
+        scaler = getattr(getattr(self.torch, "amp", None), "GradScaler", None)
+        scale = getattr(scaler, "scale", None)
+        if scale is not None and getattr(scale, "_probe_original", None) is None:
+            tracker = self
+            Tensor = self.torch.Tensor
+
+            @functools.wraps(scale)
+            def scale_(self_, outputs):
+                out = scale(self_, outputs)
+                if out is not outputs and isinstance(outputs, Tensor):
+                    try:
+                        tracker._scaled = (weakref.ref(out), outputs.detach())
+                    except TypeError:
+                        pass
+                return out
+
+            scale_._probe_original = scale
+            scaler.scale = scale_
+
+    def _unwrap_backward(self) -> None:
+        autograd = self.torch.autograd
+        original = getattr(autograd.backward, "_probe_original", None)
+        if original is not None:
+            autograd.backward = original
+        scaler = getattr(getattr(self.torch, "amp", None), "GradScaler", None)
+        original = getattr(getattr(scaler, "scale", None), "_probe_original", None)
+        if original is not None:
+            scaler.scale = original
+        self._losses.clear()
+        self._scaled = None
+
+    def _step_loss(self):
+        """This step's backpropagated loss (a tensor, summed on its device), or None."""
+        losses = self._losses
+        if not losses:
+            return None
+        self._losses = []
+        if len(losses) == 1:
+            return losses[0]
+        try:
+            first = losses[0]
+            return self.torch.stack([x.reshape(()).to(first.device, first.dtype) for x in losses]).sum()
+        except Exception as exc:
+            record_error("torch steps: summing the step's losses", exc)
+            return losses[-1]
+
     def _unwrap_clip(self) -> None:
         utils = self.torch.nn.utils
         original = getattr(utils.clip_grad_norm_, "_probe_original", None)
@@ -381,8 +489,9 @@ class StepTracker:
         nan = _NAN
         loss_v = norm_v = lr = nan
         try:
+            found = self._step_loss()
             if loss is None:
-                loss = self._find_loss(frame)
+                loss = found if found is not None else self._find_loss(frame)
             if loss is not None:
                 loss_v = self._hold(loss)
         except Exception as exc:
@@ -452,11 +561,13 @@ class StepTracker:
 
     def close(self) -> None:
         self._unwrap_clip()
+        self._unwrap_backward()
         self.close_root_hooks()
 
     def reopen(self) -> None:
         """Undo ``close``: the clip wrapper and the root model's hook go back; the next step's clock restarts."""
         _attempt("torch steps: wrapping clip_grad_norm_", self._wrap_clip)
+        _attempt("torch steps: wrapping torch.autograd.backward", self._wrap_backward)
         self._watch_roots()
         self.last_end_perf = None
         self.started_perf = time.perf_counter()
