@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import threading
 
+from . import _lr
 from ._health import record_error
 
 __all__ = ["arm", "disarm", "pause", "resume", "tracker", "tracer", "step", "watch"]
@@ -108,11 +109,15 @@ def _pre_hook(optimizer, args, kwargs):
             tk.on_step_start(optimizer, args, kwargs)
         except Exception as exc:
             record_error("torch optimizer step pre-hook", exc)
+    if _lr._overrides:
+        _lr.before_step(optimizer)
     return None
 
 
 def _post_hook(optimizer, args, kwargs):
     """torch's global optimizer step post-hook: the step boundary."""
+    if _lr._overrides:
+        _lr.after_step(optimizer)  # the loop's own lr back in param_groups before the boundary reads it
     tk = _state.get("tracker")
     if tk is not None:
         try:

@@ -130,6 +130,7 @@ class StepTracker:
         self._scaled = None  # (weakref to GradScaler.scale's output, the loss it scaled)
         self._closure_step = False  # inside optimizer.step(closure): only the closure's first backward counts
         self._closure_taken = False
+        self.step_lr = None  # the lr an override made this step use (set by probe._lr before the boundary)
         _attempt("torch steps: wrapping clip_grad_norm_", self._wrap_clip)
         _attempt("torch steps: wrapping torch.autograd.backward", self._wrap_backward)
 
@@ -501,7 +502,9 @@ class StepTracker:
                 norm_v = self._hold(self._step_grad_norm(optimizer, step, duration))
             except Exception as exc:
                 record_error("torch steps: grad norm", exc)
-        if optimizer is not None:
+        if self.step_lr is not None:
+            lr, self.step_lr = self.step_lr, None
+        elif optimizer is not None:
             try:
                 lr = optimizer.param_groups[0]["lr"]
                 if type(lr) is not float:

@@ -154,7 +154,10 @@ def _step_count(state: dict):
         Column("wrapper", "VARCHAR", "Class of the framework wrapper the training loop steps (AcceleratedOptimizer, LightningSGD, ...), NULL when it steps the optimizer itself."),
         Column("optimizer_id", "BIGINT", "Python id of the optimizer, to tell several apart."),
         Column("param_group", "INTEGER", "Index of the param group."),
-        Column("lr", "DOUBLE", "Current learning rate of the group."),
+        Column("lr", "DOUBLE", "Learning rate the group's next step uses: the loop's own (loop_lr), or what a `probe lr` override makes of it."),
+        Column("loop_lr", "DOUBLE", "The group's lr in param_groups: what the loop or its scheduler set (an override is applied only during each step)."),
+        Column("lr_override", "VARCHAR", "The `probe lr` override held on the group (scale F or set LR), NULL when none."),
+        Column("lr_override_status", "VARCHAR", "How the override has held: for how many steps, and when the loop rewrote its lr and the override was re-applied."),
         Column("initial_lr", "DOUBLE", "Learning rate the scheduler started from, NULL without a scheduler."),
         Column("weight_decay", "DOUBLE", "Weight decay of the group."),
         Column("momentum", "DOUBLE", "Momentum (SGD, RMSprop), NULL when the optimizer has none."),
@@ -175,8 +178,11 @@ def optimizer(ctx):
     tk = _torch_hooks.tracker()
     lead = tk.lead_optimizer() if tk is not None else None
     rows = []
+    from .._lr import describe
+
     for found in _objects.optimizers():
         opt = found.obj
+        overrides = describe(opt)
         scheds = _objects.scheduler_for(opt)
         sched = scheds[0].obj if scheds else None
         state = opt.state
@@ -187,7 +193,10 @@ def optimizer(ctx):
             rows.append({
                 "optimizer": type(opt).__name__, "name": found.name, "wrapper": found.wrapper,
                 "optimizer_id": id(opt), "param_group": i,
-                "lr": _num(group.get("lr")), "initial_lr": _num(group.get("initial_lr")),
+                "lr": overrides[i]["lr"] if i in overrides else _num(group.get("lr")), "loop_lr": _num(group.get("lr")),
+                "lr_override": overrides[i]["override"] if i in overrides else None,
+                "lr_override_status": overrides[i]["status"] if i in overrides else None,
+                "initial_lr": _num(group.get("initial_lr")),
                 "weight_decay": _num(group.get("weight_decay")), "momentum": _num(group.get("momentum")),
                 "beta1": _num(betas[0]), "beta2": _num(betas[1]), "eps": _num(group.get("eps")),
                 "params": len(params), "elements": sum(p.numel() for p in params),
