@@ -73,7 +73,7 @@ def test_group_errors_once_and_reset(spawn, cli):
     r = cli(p.pid, "lr", "--set", "0.1", "--once", "--group", "0")
     assert r.returncode != 0 and "rewrote group 0's lr" in r.stderr and "without --once" in r.stderr, r.stderr
     r = cli(p.pid, "lr", "--set", "0.1")
-    assert r.returncode == 0 and re.search(r"group 0: \S+ -> 0\.1; step \d+ used 0\.1$", r.stdout, re.M), r.stdout
+    assert r.returncode == 0 and re.search(r"group 0: \S+ -> 0\.1; step \d+ used 0\.1\b", r.stdout), r.stdout
     r = cli(p.pid, "lr", "--reset")
     assert r.returncode == 0 and "removed set 0.1 after" in r.stdout, r.stdout
     q = cli(p.pid, "query", "SELECT lr, loop_lr, lr_override FROM torch.optimizer", "--format", "json")
