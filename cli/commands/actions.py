@@ -292,8 +292,9 @@ class Lr(_Action):
     def render(self, session, target, action, prefix):
         r = action.get("result") or {}
         for g in r.get("removed", []):
+            when = "the next step" if r.get("step") is None else f"step {r['step'] + 1}"
             session.print(f"{prefix}optimizer '{g['optimizer']}' group {g['group']}: removed {g['override']} after "
-                          f"{g['held_steps']} step(s); the loop's lr {g['loop_lr']:.6g} applies from the next step.")
+                          f"{g['held_steps']} step(s); the loop's lr {g['loop_lr']:.6g} applies from {when}.")
         for opt in r.get("optimizers", []):
             via = f" (through {opt['wrapper']})" if opt.get("wrapper") else ""
             held = "written once" if r.get("mode") == "once" else "held at every step"

@@ -1,8 +1,10 @@
 """A tiny transformers.Trainer run, as a user writes it: no probe code (run it with PROBE=1).
 
-GPT-2 built from a config (1 layer, 32 wide), random token ids, CPU, no downloads.
+GPT-2 built from a config (1 layer, 32 wide), random token ids, CPU, no downloads; plain SGD
+(``optim="sgd"``, no momentum) so the lr a step really used is measured from the update.
 A callback prints ``ready`` after the first optimizer step and, at every logged step,
-``hf step N loss X lr Y`` with the values the Trainer itself logs. ``--stall-file F``
+``hf step N loss X lr Y used Z`` with the loss and lr the Trainer itself logs and the
+measured lr (-(dp . g) / (g . g) over all parameters). ``--stall-file F``
 pauses between steps while F exists (prints ``stalled at step N``). ``--resume PATH``
 restores a probe checkpoint before training and prints ``resumed step N``.
 """
@@ -40,6 +42,18 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class Report(TrainerCallback):
+    def __init__(self):
+        self.model, self.before, self.used = None, None, {}
+
+    def on_pre_optimizer_step(self, a, state, control, **kw):
+        ps = [q for q in self.model.parameters() if q.grad is not None]
+        self.before = [(q, q.detach().clone(), q.grad.detach().clone()) for q in ps]
+
+    def on_optimizer_step(self, a, state, control, **kw):
+        num = sum(float(((b - q.detach()) * g).sum()) for q, b, g in self.before)
+        den = sum(float((g * g).sum()) for _, _, g in self.before)
+        self.used[state.global_step + 1] = num / den if den else float("nan")
+
     def on_step_end(self, a, state, control, **kw):
         if state.global_step == 1:
             print(f"ready pid={os.getpid()}", flush=True)
@@ -51,7 +65,8 @@ class Report(TrainerCallback):
 
     def on_log(self, a, state, control, logs=None, **kw):
         if logs and "loss" in logs:
-            print(f"hf step {state.global_step} loss {logs['loss']!r} lr {logs.get('learning_rate')!r}", flush=True)
+            print(f"hf step {state.global_step} loss {logs['loss']!r} lr {logs.get('learning_rate')!r} "
+                  f"used {self.used.get(state.global_step)!r}", flush=True)
 
 
 def main():
@@ -59,10 +74,12 @@ def main():
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
     model = GPT2LMHeadModel(config)
     targs = TrainingArguments(output_dir=args.out, max_steps=args.max_steps, per_device_train_batch_size=4,
-                              gradient_accumulation_steps=args.accum, learning_rate=1e-3, warmup_steps=5,
-                              lr_scheduler_type=args.scheduler, logging_steps=1, save_strategy="no", report_to=[],
+                              gradient_accumulation_steps=args.accum, learning_rate=0.05, warmup_steps=5,
+                              lr_scheduler_type=args.scheduler, logging_steps=1, optim="sgd", max_grad_norm=0.0, save_strategy="no", report_to=[],
                               use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=0)
-    trainer = Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=[Report()])
+    report = Report()
+    report.model = model
+    trainer = Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=[report])
     trainer.train()
 
 

@@ -1,9 +1,10 @@
 """A tiny Lightning run, as a user writes it: no probe code (run it with PROBE=1).
 
-A LightningModule whose ``configure_optimizers`` returns SGD and a LambdaLR stepped every
-step (``interval: step``); random data, CPU. Prints ``ready`` after the first optimizer
-step and ``pl step N loss X lr Y`` at each step with the loss the module logs and the lr
-Lightning's optimizer holds when the step runs. ``--stall-file F`` pauses between steps
+A LightningModule whose ``configure_optimizers`` returns SGD (no momentum) and a LambdaLR
+stepped every step (``interval: step``); random data, CPU. Prints ``ready`` after the first
+optimizer step and ``pl step N loss X lr Y used Z`` at each step with the loss the module
+logs, the LambdaLR's own lr for the step and the lr the step really used,
+measured from the update (-(dp . g) / (g . g) over all parameters). ``--stall-file F`` pauses between steps
 while F exists (prints ``stalled at step N``).
 """
 import argparse
@@ -36,11 +37,14 @@ class Regression(pl.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer):
-        self.step_lr = optimizer.param_groups[0]["lr"]
+        self.step_lr = self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]  # the schedule's own lr
+        self.before = [(q, q.detach().clone(), q.grad.detach().clone()) for q in self.parameters()]
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         step = self.trainer.global_step
-        print(f"pl step {step} loss {float(self._loss)!r} lr {self.step_lr!r}", flush=True)
+        num = sum(float(((b - q.detach()) * g).sum()) for q, b, g in self.before)
+        den = sum(float((g * g).sum()) for _, _, g in self.before)
+        print(f"pl step {step} loss {float(self._loss)!r} lr {self.step_lr!r} used {num / den!r}", flush=True)
         if step == 1:
             print(f"ready pid={os.getpid()}", flush=True)
         if args.stall_file and os.path.exists(args.stall_file):
@@ -50,7 +54,7 @@ class Regression(pl.LightningModule):
             print(f"resumed at step {step}", flush=True)
 
     def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        opt = torch.optim.SGD(self.parameters(), lr=0.05)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.01 * s))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

@@ -1,0 +1,147 @@
+"""Real training frameworks and hand-written loops, run as users run them (PROBE=1, no probe code).
+
+One process per loop, shared by the tests of this file (module-scoped): transformers' Trainer,
+Lightning, an accelerate loop, and hand-written loops (a schedule assigned by hand every
+iteration with gradient accumulation, AMP's scaler.scale(loss).backward(), optimizer.step(closure)).
+Every target prints ``step N loss X lr Y used Z``: the loss and lr the loop or framework itself
+logs for step N, and the lr step N really used, measured from the parameter update (plain SGD).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+import pytest
+
+from conftest import PROBE_BIN, TARGETS, Proc, has_torch
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+pytestmark = pytest.mark.skipif(not (has_torch() and _has("transformers") and _has("lightning") and _has("accelerate")),
+                                reason="transformers, lightning and accelerate are not installed")
+
+LOOPS = {
+    # name: (script args, optimizer rows: (class, wrapper, scheduler) per group)
+    "hf": (["hf_trainer.py"], [("SGD", "AcceleratedOptimizer", "LambdaLR")] * 2),
+    "lightning": (["lightning_train.py"], [("SGD", "LightningSGD", "LambdaLR")]),
+    "accelerate": (["manual_lr_loop.py", "--kind", "accelerate"], [("SGD", "AcceleratedOptimizer", "LambdaLR")]),
+    "manual": (["manual_lr_loop.py", "--kind", "manual"], [("SGD", None, None)]),
+    "amp": (["manual_lr_loop.py", "--kind", "amp"], [("SGD", None, None)]),
+    "closure": (["manual_lr_loop.py", "--kind", "closure"], [("SGD", None, None)]),
+}
+LINE = re.compile(r"^(?:hf |pl )?step (\d+) loss (\S+) lr (\S+) used (\S+)")
+
+
+class Loop:
+    def __init__(self, name: str):
+        self.name = name
+        self.rt = tempfile.mkdtemp(prefix="pr-", dir="/tmp")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
+        env.update(PROBE="1", PROBE_RUNTIME_DIR=self.rt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        self.env = env
+        args = [sys.executable, str(TARGETS / LOOPS[name][0][0]), *LOOPS[name][0][1:], "--step-sleep", "0.01"]
+        if name in ("hf", "lightning"):
+            args = args[:-2] + ["--out", self.rt]  # the frameworks pace themselves
+        self.popen = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                      cwd=self.rt, start_new_session=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: [self.lines.append(l.rstrip("\n")) for l in self.popen.stdout], daemon=True).start()
+        self.proc = Proc(self.popen, self.lines)
+        self.pid = self.popen.pid
+        self.proc.wait_for("ready", 120)
+
+    def steps(self) -> dict[int, dict]:
+        out = {}
+        for line in list(self.lines):
+            m = LINE.match(line)
+            if m:
+                out[int(m.group(1))] = {"loss": float(m.group(2)), "lr": float(m.group(3)), "used": float(m.group(4))}
+        return out
+
+    def wait_step(self, n: int) -> dict[int, dict]:
+        self.proc.wait_for(f"step {n} ", 120)
+        return self.steps()
+
+    def cli(self, *args, timeout: float = 60.0):
+        return subprocess.run([PROBE_BIN, str(self.pid), *map(str, args)], capture_output=True, text=True,
+                              env={k: v for k, v in self.env.items() if k != "PROBE"}, timeout=timeout)
+
+    def query(self, sql: str) -> list[dict]:
+        r = self.cli("query", sql, "--format", "json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.pid, signal.SIGKILL)
+                self.popen.wait(5)
+        shutil.rmtree(self.rt, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=list(LOOPS))
+def loop(request):
+    lp = Loop(request.param)
+    yield lp
+    lp.stop()
+
+
+def test_loss_is_what_the_loop_logs(loop):
+    logged = loop.wait_step(8)
+    rows = loop.query("SELECT step, loss FROM torch.steps WHERE step BETWEEN 2 AND 7 ORDER BY step")
+    assert [r["step"] for r in rows] == list(range(2, 8))
+    for r in rows:
+        assert r["loss"] == pytest.approx(logged[r["step"]]["loss"], rel=1e-5), (loop.name, r["step"])
+    assert loop.query("SELECT source, message FROM probe.errors") == []
+
+
+def test_one_row_per_param_group_with_its_scheduler(loop):
+    rows = loop.query("SELECT optimizer, wrapper, scheduler, param_group, is_lead FROM torch.optimizer ORDER BY param_group")
+    assert [(r["optimizer"], r["wrapper"], r["scheduler"]) for r in rows] == LOOPS[loop.name][1]
+    assert [r["param_group"] for r in rows] == list(range(len(rows))) and all(r["is_lead"] for r in rows)
+
+
+def test_lr_scale_holds_through_the_schedule_and_reset_ends_it(loop):
+    r = loop.cli("lr", "--scale", "0.5")
+    assert r.returncode == 0, r.stderr
+    first = int(re.search(r"from step (\d+)", r.stdout).group(1))
+    assert re.search(rf"group 0: \S+ -> \S+; step {first} used \S+", r.stdout), r.stdout  # seen used before the reply
+    logged = loop.wait_step(first + 6)
+    for s in range(first, first + 6):
+        # the loop (its scheduler or its own code) sets its lr every step; each step still used half of it
+        assert logged[s]["used"] == pytest.approx(0.5 * logged[s]["lr"], rel=1e-4), (loop.name, s, logged[s])
+    rows = loop.query(f"SELECT step, lr FROM torch.steps WHERE step BETWEEN {first} AND {first + 5} ORDER BY step")
+    assert [x["lr"] for x in rows] == pytest.approx([logged[s]["used"] for s in range(first, first + 6)], rel=1e-4)
+    opt = loop.query("SELECT lr, loop_lr, lr_override, lr_override_status FROM torch.optimizer WHERE param_group = 0")[0]
+    assert opt["lr_override"] == "scale 0.5" and opt["lr"] == pytest.approx(0.5 * opt["loop_lr"])
+    r = loop.cli("lr", "--reset")
+    assert r.returncode == 0 and "removed scale 0.5" in r.stdout, r.stderr
+    after = int(re.search(r"applies from step (\d+)", r.stdout).group(1))
+    logged = loop.wait_step(after + 2)
+    assert [logged[s]["used"] for s in (after, after + 1)] == pytest.approx([logged[s]["lr"] for s in (after, after + 1)], rel=1e-4)
+
+
+def test_eval_at_step_sees_the_loop_and_the_framework_objects(loop):
+    r = loop.cli("eval", "--at-step",
+                 "print(sorted(n for n in ('trainer', 'model', 'optimizer', 'scheduler', 'step', 'accelerator') if n in globals()))")
+    assert r.returncode == 0, r.stderr
+    names = eval(r.stdout.strip().splitlines()[-1])
+    want = {"hf": {"trainer", "model", "optimizer", "scheduler"}, "lightning": {"trainer", "model", "optimizer", "scheduler"},
+            "accelerate": {"accelerator", "model", "optimizer", "scheduler", "step"}}.get(loop.name, {"model", "optimizer", "step"})
+    assert want <= set(names), (loop.name, names, r.stdout)
