@@ -178,3 +178,24 @@ def test_torch_and_probe_frames_are_told_apart_by_normalised_path():
     assert not internal(probe_dir + "_utils" + os.sep + "train.py")
     assert not internal(os.path.join(other, "bench_torch.py"))
     assert not internal("<stdin>")
+
+
+def test_backward_rows_cut_the_pass_without_overlap(spawn, cli):
+    """Two root models called one after the other (head(encoder(x))): each backward row runs from autograd
+    reaching that root's output to reaching the next one's, so the rows never overlap (the head's row
+    used to repeat the encoder's backward, and a loss module's row the whole pass)."""
+    proc = spawn([LOOPS, "--kind", "inplace", "--steps", "4"], env={"PROBE_TRACE": "all"})
+    rows = query(cli, proc.pid, "SELECT step, module, time, duration FROM python.torch_trace WHERE stage = 'backward' "
+                 "ORDER BY time")
+    import datetime
+
+    for r in rows:
+        r["time"] = datetime.datetime.fromisoformat(r["time"]).timestamp()
+    assert {r["module"] for r in rows} == {"encoder", "head"}
+    assert len(rows) == 4 * 2 * 2  # 4 steps, 2 micro-batches, 2 roots
+    for a, b in zip(rows, rows[1:]):
+        assert a["duration"] > 0
+        assert a["time"] + a["duration"] <= b["time"] + 1e-6, (a, b)  # TIMESTAMP has microseconds
+    heads = [r for r in rows if r["module"] == "head"]
+    encs = [r for r in rows if r["module"] == "encoder"]
+    assert all(h["time"] < e["time"] for h, e in zip(heads, encs))  # autograd reaches the head's output first
