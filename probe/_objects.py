@@ -41,7 +41,7 @@ from ._health import record_error
 
 __all__ = ["Found", "known", "is_internal", "models", "optimizers", "schedulers", "grad_scalers", "frameworks", "scheduler_for",
            "optimizer_found", "unwrap_optimizer", "add", "scan", "set_training_frame", "training_frame",
-           "user_frame", "named", "main_globals", "module_path", "framework_counters", "FRAMEWORK_PACKAGES"]
+           "user_frame", "named", "objects_of", "restore_counters", "main_globals", "module_path", "framework_counters", "FRAMEWORK_PACKAGES"]
 
 KINDS = ("model", "optimizer", "scheduler", "scaler", "framework")
 # Packages whose frames are the framework's, not the user's loop (for the user's frame and eval).
@@ -338,39 +338,57 @@ def _scan_frameworks() -> None:
         _from_framework(f.obj, f.name)
 
 
+def _framework_items(obj, name: str):
+    """``(value, name, kind)`` for the objects a framework object holds, by the framework's own API."""
+    kind = _framework_of(obj)
+    if kind == "lightning":
+        yield getattr(obj, "lightning_module", None), f"{name}.lightning_module", "model"
+        for i, opt in enumerate(list(getattr(obj, "optimizers", None) or [])):
+            yield opt, f"{name}.optimizers[{i}]", "optimizer"
+        for i, cfg in enumerate(list(getattr(obj, "lr_scheduler_configs", None) or [])):
+            yield getattr(cfg, "scheduler", None), f"{name}.lr_scheduler_configs[{i}].scheduler", "scheduler"
+    elif kind == "transformers":
+        for attr, k in (("model", "model"), ("optimizer", "optimizer"), ("lr_scheduler", "scheduler"),
+                        ("accelerator", "framework")):
+            yield getattr(obj, attr, None), f"{name}.{attr}", k
+    elif kind == "accelerate":
+        for attr, k in (("_models", "model"), ("_optimizers", "optimizer"), ("_schedulers", "scheduler")):
+            for i, value in enumerate(list(getattr(obj, attr, None) or [])):
+                yield value, f"{name}.{attr}[{i}]", k
+
+
+def objects_of(framework) -> dict:
+    """The first model, optimizer (unwrapped) and scheduler (unwrapped) a framework object holds."""
+    out: dict = {}
+    torch = _torch()
+    for value, _, kind in _framework_items(framework, "trainer"):
+        if value is None or kind in out or kind == "framework":
+            continue
+        if kind == "optimizer":
+            value = unwrap_optimizer(value)[0]
+        elif kind == "scheduler" and torch is not None:
+            value = _unwrap_scheduler(torch, value)
+        out[kind] = value
+    return out
+
+
 def _from_framework(obj, name: str) -> None:
-    """The objects a framework object holds, by the framework's own API."""
+    """Remember the objects a framework object holds (Lightning's optimizer wrappers give their class)."""
     kind = _framework_of(obj)
     try:
+        for value, vname, k in _framework_items(obj, name):
+            if value is None:
+                continue
+            add(value, vname, "framework", k)
+            if k == "framework":
+                _from_framework(value, vname)
         if kind == "lightning":
-            module = getattr(obj, "lightning_module", None)
-            if module is not None:
-                add(module, f"{name}.lightning_module", "framework", "model")
-            wrapped = {id(unwrap_optimizer(w)[0]): type(w).__name__
-                       for w in getattr(getattr(obj, "strategy", None), "_lightning_optimizers", None) or []}
-            for i, opt in enumerate(list(getattr(obj, "optimizers", None) or [])):
-                add(opt, f"{name}.optimizers[{i}]", "framework", "optimizer")
-                w = wrapped.get(id(unwrap_optimizer(opt)[0]))
-                if w is not None:
-                    with _lock:
-                        e = _found["optimizer"].get(id(unwrap_optimizer(opt)[0]))
-                        if e is not None and e.wrapper is None:
-                            e.wrapper = w
-            for i, cfg in enumerate(list(getattr(obj, "lr_scheduler_configs", None) or [])):
-                add(getattr(cfg, "scheduler", None), f"{name}.lr_scheduler_configs[{i}].scheduler", "framework", "scheduler")
-        elif kind == "transformers":
-            for attr, k in (("model", "model"), ("optimizer", "optimizer"), ("lr_scheduler", "scheduler")):
-                value = getattr(obj, attr, None)
-                if value is not None:
-                    add(value, f"{name}.{attr}", "framework", k)
-            acc = getattr(obj, "accelerator", None)
-            if acc is not None:
-                add(acc, f"{name}.accelerator", "framework", "framework")
-                _from_framework(acc, f"{name}.accelerator")
-        elif kind == "accelerate":
-            for attr, k in (("_models", "model"), ("_optimizers", "optimizer"), ("_schedulers", "scheduler")):
-                for i, value in enumerate(list(getattr(obj, attr, None) or [])):
-                    add(value, f"{name}.{attr}[{i}]", "framework", k)
+            for w in getattr(getattr(obj, "strategy", None), "_lightning_optimizers", None) or []:
+                inner = unwrap_optimizer(w)[0]
+                with _lock:
+                    e = _found["optimizer"].get(id(inner))
+                    if e is not None and e.wrapper is None and inner is not w:
+                        e.wrapper = type(w).__name__
     except Exception as exc:
         record_error(f"finding the objects of {type(obj).__name__} ({kind})", exc)
 
@@ -489,18 +507,41 @@ def user_frame(frame):
     return frame
 
 
-def framework_counters() -> dict:
-    """The step counters of the frameworks found: ``{name: {counter: value}}``."""
+def restore_counters(framework, counters: dict) -> dict:
+    """Set a framework object's step counters to ``counters`` (as ``framework_counters`` wrote them);
+    return what was set."""
+    kind = _framework_of(framework)
+    done = {}
+    if kind == "lightning" and "global_step" in counters:
+        loop = framework.fit_loop.epoch_loop
+        progress = loop.automatic_optimization.optim_progress.optimizer.step.total
+        progress.ready = progress.completed = int(counters["global_step"])
+        loop._batches_that_stepped = int(counters["global_step"])
+        done["global_step"] = int(framework.global_step)
+    elif kind == "transformers" and "global_step" in counters:
+        framework.state.global_step = int(counters["global_step"])
+        if hasattr(framework, "_globalstep_last_logged"):  # as the Trainer's own resume does: else it logs nothing
+            framework._globalstep_last_logged = framework.state.global_step  # until the step count passes the old one
+        done["global_step"] = framework.state.global_step
+    return done
+
+
+def framework_counters(in_step: bool = False) -> dict:
+    """The optimizer-step counters of the Trainers found: ``{name: {"global_step": n, ...}}``.
+
+    ``in_step``: read inside an optimizer step (probe's safe point), where both Trainers have
+    not yet counted the step that is finishing; it is counted here, so the numbers match the
+    weights, which already have it.
+    """
     out = {}
+    extra = 1 if in_step else 0
     for f in frameworks():
         try:
             if f.wrapper == "lightning":
-                out[f.name] = {"global_step": int(f.obj.global_step), "current_epoch": int(f.obj.current_epoch)}
+                out[f.name] = {"global_step": int(f.obj.global_step) + extra, "current_epoch": int(f.obj.current_epoch)}
             elif f.wrapper == "transformers":
                 st = f.obj.state
-                out[f.name] = {"global_step": int(st.global_step), "epoch": float(st.epoch or 0.0)}
-            elif f.wrapper == "accelerate":
-                out[f.name] = {"step": int(getattr(f.obj, "step", 0))}
+                out[f.name] = {"global_step": int(st.global_step) + extra, "epoch": float(st.epoch or 0.0)}
         except Exception as exc:
             record_error(f"reading {f.name}'s step counters", exc)
     return out

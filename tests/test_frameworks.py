@@ -75,6 +75,18 @@ class Loop:
         self.proc.wait_for(f"step {n} ", 120)
         return self.steps()
 
+    def wait_new(self, pattern: str, start: int, timeout: float = 60.0) -> str:
+        """The first line printed after line ``start`` that matches ``pattern`` (polled with a deadline)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.lines[start:]:
+                if re.match(pattern, line):
+                    return line
+            time.sleep(0.02)  # ok-sleep: polling with a deadline
+        raise AssertionError(f"no line matching {pattern!r} after line {start}: {self.lines[start:][:10]}")
+
     def cli(self, *args, timeout: float = 60.0):
         return subprocess.run([PROBE_BIN, str(self.pid), *map(str, args)], capture_output=True, text=True,
                               env={k: v for k, v in self.env.items() if k != "PROBE"}, timeout=timeout)
@@ -145,3 +157,41 @@ def test_eval_at_step_sees_the_loop_and_the_framework_objects(loop):
     want = {"hf": {"trainer", "model", "optimizer", "scheduler"}, "lightning": {"trainer", "model", "optimizer", "scheduler"},
             "accelerate": {"accelerator", "model", "optimizer", "scheduler", "step"}}.get(loop.name, {"model", "optimizer", "step"})
     assert want <= set(names), (loop.name, names, r.stdout)
+
+
+def test_checkpoint_has_the_scheduler_and_step_counters_and_loads_back(loop):
+    path = os.path.join(loop.rt, "ck-{step}.pt")
+    r = loop.cli("checkpoint", path)
+    assert r.returncode == 0, r.stderr
+    saved = re.search(r"wrote (\S+)", r.stdout).group(1).rstrip(":")
+    import torch
+
+    state = torch.load(saved, weights_only=True)
+    step = state["step"]
+    if LOOPS[loop.name][1][0][2] is not None:  # a scheduler: saved, at the step the weights are at
+        sched = state["scheduler"]
+        assert sched["last_epoch"] + (1 if state["scheduler_step_pending"] else 0) == step
+    if loop.name in ("hf", "lightning"):
+        (counters,) = state["frameworks"].values()
+        assert counters["global_step"] == step  # the Trainer's own count, the step in progress included
+    loop.wait_step(step + 3)  # restore a few steps later, so a step counter set back is visible
+    code = (f"import probe\nfw = globals().get('trainer') or globals().get('accelerator')\n"
+            f"st = probe.load_checkpoint({saved!r}, trainer=fw) if fw is not None else "
+            f"probe.load_checkpoint({saved!r}, model=model, optimizer=optimizer)\n"
+            "sd = st['model']\n"
+            "print('diff', max(float((v - sd[k]).abs().max()) for k, v in model.state_dict().items()))")
+    r = loop.cli("eval", "--at-step", code)
+    assert r.returncode == 0, r.stderr
+    assert "diff 0.0" in r.stdout, r.stdout  # the weights are back
+    if loop.name in ("hf", "lightning"):
+        # the Trainer counts on from the checkpoint's step: its next step is step + 1 again
+        def back_to_step_after_checkpoint() -> bool:
+            seen = [int(m.group(2)) for m in (re.match(r"(hf |pl )step (\d+) ", l) for l in list(loop.lines)) if m]
+            return any(n == step + 1 and max(seen[:i], default=0) > step + 2 for i, n in enumerate(seen))
+
+        import time
+
+        deadline = time.monotonic() + 60
+        while not back_to_step_after_checkpoint():
+            assert time.monotonic() < deadline, loop.lines[-10:]
+            time.sleep(0.02)  # ok-sleep: polling with a deadline
