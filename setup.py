@@ -1,6 +1,6 @@
 """Installs `probe-autostart.pth` next to the package in site-packages.
 
-The .pth line imports `probe._autostart`, which returns at once unless the PROBE
+The .pth line imports `probe.agent.autostart`, which returns at once unless the PROBE
 environment variable is set; it is what lets `PROBE=1 torchrun train.py` start the
 probe with no code change. Data files are installed relative to the environment's
 prefix, so the target is site-packages expressed relative to that prefix (this works

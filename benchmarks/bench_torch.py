@@ -61,21 +61,21 @@ def interleaved(make, block: int, rounds: int) -> dict:
     block is dropped (it pays for the switch). Then, with the hooks running, the time spent
     inside the probe's own hooks is measured directly ("direct", seconds per step).
     """
-    from probe import _torch_hooks
+    from probe.training import hooks
 
     model, data = make()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     train(model, opt, data, 10)
-    _torch_hooks.arm()
+    hooks.arm()
     train(model, opt, data, 10)  # the start-up steps (traced, scanned) before any measurement
     arms: dict = {"on": [], "off": [], "off2": []}
     order = list(arms)
     for r in range(rounds):
         for arm in order[r % 3:] + order[:r % 3]:
-            (_torch_hooks.resume if arm == "on" else _torch_hooks.pause)()
+            (hooks.resume if arm == "on" else hooks.pause)()
             arms[arm] += train(model, opt, data, block)[1:]
-    _torch_hooks.resume()
-    tk = _torch_hooks.tracker()
+    hooks.resume()
+    tk = hooks.tracker()
     inside = [0.0]
 
     def timed(fn):
@@ -95,7 +95,7 @@ def interleaved(make, block: int, rounds: int) -> dict:
     wall = sum(train(model, opt, data, n))
     arms["direct"] = inside[0] / n
     arms["direct_share"] = inside[0] / wall
-    _torch_hooks.disarm()
+    hooks.disarm()
     return arms
 
 
@@ -147,7 +147,7 @@ def tracing_per_call(rounds: int) -> None:
     model, (x, _) = launch_bound()
     calls = sum(1 for _ in model.modules())
     mm = torch.nn.modules.module
-    from probe._torch_trace import Tracer
+    from probe.training.trace import Tracer
 
     tracer = Tracer(torch, every=1, capacity=1_000_000)
 
@@ -182,15 +182,15 @@ def tracing_per_call(rounds: int) -> None:
 
 
 def seed_query() -> None:
-    from probe import _torch_hooks
+    from probe.training import hooks
 
     print("3. seed slow-training query over a full 100k-row python.torch_trace")
     import numpy as np
 
-    from probe._routes import run_query
+    from probe.agent.routes import run_query
 
-    _torch_hooks.arm()
-    tr = _torch_hooks.tracer()
+    hooks.arm()
+    tr = hooks.tracer()
     n = tr.ring.capacity
     rng = np.random.default_rng(0)
     names = np.array([f"blocks.{i}.mlp.{j}" for i in range(48) for j in range(3)], dtype=object)

@@ -41,7 +41,8 @@ def settings_md() -> str:
 
 
 def tables_md() -> str:
-    from probe._tables import all_tables
+    from probe.tables import builtin  # noqa: F401  (registers the built-in tables)
+    from probe.tables.registry import all_tables
 
     out = ["### Tables", ""]
     for t in all_tables():
@@ -61,8 +62,18 @@ def tables_md() -> str:
     return "\n".join(out).rstrip()
 
 
+def rules_md() -> str:
+    from probe.diagnosis import builtin  # noqa: F401  (declares the built-in rules)
+    from probe.diagnosis.rules import all_rules
+
+    lines = ["### Doctor rules (docs/doctor.md has an example message of each)", "",
+             "| rule | family | severity | finds |", "|---|---|---|---|"]
+    lines += [f"| `{r.name}` | {r.family} | {r.severity} | {_cell(r.description)} |" for r in all_rules()]
+    return "\n".join(lines)
+
+
 def reference() -> str:
-    return "\n\n".join([commands_md(), settings_md(), tables_md()])
+    return "\n\n".join([commands_md(), settings_md(), rules_md(), tables_md()])
 
 
 def write(path: str) -> bool:

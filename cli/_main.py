@@ -8,14 +8,14 @@ after an endpoint opens the REPL. Global options may appear anywhere.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from probe._errors import ProbeError
 
+from ._session import Session
 from .commands import COMMANDS, load_all
 
-__all__ = ["main", "Session"]
+__all__ = ["main"]
 
 _VALUE_OPTIONS = {"-t", "--target", "--rank", "--ranks", "--timeout", "--token", "--format"}
 
@@ -60,58 +60,6 @@ def _split(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
     rest = argv[: positionals[0]] + argv[positionals[0] + 1:]
     cmd = argv[positionals[1]] if len(positionals) > 1 else None
     return first, cmd, rest
-
-
-class Session:
-    """What a command runs with: parsed options, resolved targets, output."""
-
-    def __init__(self, args, stdout=None, stderr=None):
-        self.args = args
-        self.stdout = stdout or sys.stdout
-        self.stderr = stderr or sys.stderr
-        self.timeout = args.timeout or 10.0
-        self.token = args.token or os.environ.get("PROBE_TOKEN") or None
-        self.format = args.format or "table"
-
-    def print(self, text: str = "") -> None:
-        print(text, file=self.stdout, flush=True)
-
-    def note(self, text: str) -> None:
-        print(text, file=self.stderr, flush=True)
-
-    @property
-    def multi(self) -> bool:
-        return bool(getattr(self.args, "ranks", None))
-
-    def target(self):
-        """The single target of this invocation (ENDPOINT or --rank N)."""
-        from ._endpoint import resolve, targets_for_ranks
-
-        a = self.args
-        if getattr(a, "ranks", None):
-            raise ProbeError(f"`{a.command}` takes one process here; use --rank N or an ENDPOINT instead of --ranks.")
-        if a.endpoint and a.rank is not None:
-            raise ProbeError("give either an ENDPOINT or --rank N, not both.")
-        if a.rank is not None:
-            return targets_for_ranks([a.rank], self.token)[0]
-        if not a.endpoint:
-            raise ProbeError(f"`probe {a.command}` needs a process: `probe ENDPOINT {a.command}` with a pid, host:port or socket (see `probe list`), or --rank N.")
-        return resolve(a.endpoint, self.token)
-
-    def targets(self):
-        """Every target of this invocation: --ranks SPEC, else the single one."""
-        from ._endpoint import parse_rank_spec, targets_for_ranks
-
-        if getattr(self.args, "ranks", None):
-            if self.args.endpoint or self.args.rank is not None:
-                raise ProbeError("give --ranks alone, without an ENDPOINT or --rank.")
-            return targets_for_ranks(parse_rank_spec(self.args.ranks), self.token)
-        return [self.target()]
-
-    def client(self, target=None):
-        from ._client import Client
-
-        return Client(target or self.target(), timeout=self.timeout)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
@@ -185,6 +133,6 @@ def _looks_like_endpoint(word: str) -> bool:
 
 def _stop_inherited_probe() -> None:
     """With PROBE=1 exported in the shell, the CLI itself must not serve a probe."""
-    mod = sys.modules.get("probe._agent")
+    mod = sys.modules.get("probe.agent.lifecycle")
     if mod is not None and mod.is_running():
         mod.stop()

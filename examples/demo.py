@@ -64,6 +64,8 @@ def main() -> int:
 
         banner("which processes are probed on this host?")
         failures += run(env, "list") != 0
+        banner("is anything wrong? (the doctor runs its rules over the live tables; exit 0: nothing above info)")
+        failures += run(env, pid, "doctor") not in (0, 8)
         banner("where is it right now? (all threads, innermost frame first)")
         failures += run(env, pid, "backtrace", "--thread", "MainThread") != 0
         banner("step health from the live process: loss, grad-norm, lr, throughput")

@@ -1,7 +1,7 @@
 """The attach ladder: ``sys.remote_exec`` (Python 3.14+), then gdb, else a plain refusal.
 
 Both rungs hand the target the same constant statement (``BOOT_CODE``) with two data:
-the path of ``probe/_bootstrap.py`` and the path of a 0600 JSON settings file in
+the path of ``probe/agent/bootstrap.py`` and the path of a 0600 JSON settings file in
 the 0700 runtime directory. The statement runs at a bytecode boundary on the
 target's main thread, with the GIL held by the interpreter's own rules:
 
@@ -68,7 +68,7 @@ class _Payload:
         self.dir = runtime_dir()
         stem = os.path.join(self.dir, f"inject-{pid}-{secrets.token_hex(4)}")
         self.settings, self.code_file, self.status = stem + ".json", stem + ".py", stem + ".status"
-        boot = os.path.join(os.path.dirname(os.path.abspath(__import__("probe").__file__)), "_bootstrap.py")
+        boot = os.path.join(os.path.dirname(os.path.abspath(__import__("probe").__file__)), "agent", "bootstrap.py")
         self.code = BOOT_CODE.format(boot=boot, settings=self.settings)
         doc = {"runtime_dir": self.dir, "status_file": self.status, "package_dirs": _package_dirs(), "env": env,
                "cleanup": [self.code_file], "cli_python": "%d.%d" % cli_version()}
@@ -206,7 +206,7 @@ def inject(pid: int, *, via: list | None = None, env: dict | None = None, timeou
         raise AttachError(f"process {pid} runs Python {info.version_text} but this probe runs on "
                           f"{'%d.%d' % cli_version()}; run the probe installed in the target's environment "
                           f"({info.exe} -m probe inject {pid}).", exit_code=EXIT_CODES["version_mismatch"])
-    via = list(via or [r.strip() for r in (setting("PROBE_INJECT_VIA") or "").split(",") if r.strip()])
+    via = list(via or setting("PROBE_INJECT_VIA", strict=True) or [])
     unknown = [r for r in via if r not in RUNGS]
     if unknown:
         raise AttachError(f"unknown injection method {unknown[0]!r}; use {' or '.join(RUNGS)} (PROBE_INJECT_VIA or --via).",

@@ -16,15 +16,16 @@ __version__ = "0.1.0"
 from ._errors import ActionError, AttachError, AuthError, EndpointError, ProbeError, QueryError  # noqa: E402
 
 _LAZY = {
-    "start": "_agent",
-    "stop": "_agent",
-    "is_running": "_agent",
-    "info": "_agent",
-    "step": "_torch_hooks",
-    "watch": "_torch_hooks",
-    "load_checkpoint": "_checkpoint",
-    "table": "_tables",
-    "Column": "_tables",
+    "start": "agent.lifecycle",
+    "stop": "agent.lifecycle",
+    "is_running": "agent.lifecycle",
+    "info": "agent.state",
+    "step": "training.hooks",
+    "watch": "training.hooks",
+    "load_checkpoint": "actions.checkpoint",
+    "table": "tables.registry",
+    "Column": "tables.registry",
+    "rule": "diagnosis.rules",
 }
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "load_checkpoint",
     "table",
     "Column",
+    "rule",
     "ProbeError",
     "QueryError",
     "EndpointError",

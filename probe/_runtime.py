@@ -5,7 +5,7 @@ Layout of the directory (mode 0700, owned by the user)::
     <pid>.sock     the unix socket of the probe in process <pid>
     <pid>.json     its registry entry (mode 0600): identity, endpoints, token
     audit.jsonl    every action and eval, one JSON object a line
-    hang-<pid>-<time>.txt   stacks written by the hang watchdog
+    hang-<pid>.txt stacks written by the hang watchdog (read back by offline_status)
 
 With ``PROBE_REGISTRY`` set, entries are also written to that shared directory so
 ranks on other nodes can be found.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import stat
 import sys
@@ -23,7 +24,7 @@ from ._config import setting
 from ._errors import EndpointError
 
 __all__ = ["runtime_dir", "rank_identity", "write_entry", "read_entries", "remove_entry", "pid_alive",
-           "shared_registry", "job_token", "registry_listen"]
+           "shared_registry", "job_token", "registry_listen", "offline_status"]
 
 
 def runtime_dir(create: bool = True) -> str:
@@ -210,3 +211,28 @@ def process_argv() -> list[str]:
         return [p.decode(errors="replace") for p in parts if p]
     except OSError:
         return list(getattr(sys, "argv", []) or [])
+
+
+def offline_status(entry: dict) -> dict:
+    """What the dump file says about a process whose server does not answer (the GIL held in C).
+
+    Read by the CLI from the runtime directory: a dump written after the process
+    started means the watchdog fired; ``hung_since`` is the firing time minus the
+    timeout from faulthandler's ``Timeout (H:MM:SS)!`` header, i.e. the last step.
+    """
+    try:
+        path = os.path.join(runtime_dir(create=False), f"hang-{int(entry['pid'])}.txt")
+        st = os.stat(path)
+        if st.st_size == 0 or st.st_mtime < float(entry.get("started_at") or 0):
+            return {}
+        with open(path, "rb") as f:
+            f.seek(max(0, st.st_size - 65536))
+            tail = f.read().decode(errors="replace")
+    except (OSError, KeyError, ValueError, TypeError):
+        return {}
+    stamps = re.findall(r"Timeout \((\d+):(\d\d):(\d\d)(?:\.\d+)?\)!", tail)
+    timeout = 0.0
+    if stamps:
+        h, m, s = stamps[-1]
+        timeout = int(h) * 3600 + int(m) * 60 + int(s)
+    return {"state": "hung", "hung_since": st.st_mtime - timeout, "hang_dump": path}

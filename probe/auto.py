@@ -1,5 +1,5 @@
 """``import probe.auto`` starts the probe server in this process (idempotent)."""
 
-from ._agent import start as _start
+from .agent.lifecycle import start as _start
 
 _start()

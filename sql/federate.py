@@ -12,8 +12,6 @@
   with a ``rank`` column (the rank the answer came from; a table's own ``rank``
   column is never fetched, the client's is authoritative).
 * ``views``: client-side views (``ranks.stragglers`` ...) the query needs.
-
-The rewrites are pure functions over sqlglot expressions, listed in ``REWRITES``.
 """
 
 from __future__ import annotations
@@ -24,12 +22,13 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.optimizer.qualify import qualify
 
+from probe._config import setting
 from probe._errors import QueryError
 
 from .guard import guard
 
-__all__ = ["Plan", "plan", "qualify_query", "table_scans", "per_rank_query", "REWRITES",
-           "FEDERATED_VIEWS", "CLIENT_VIEWS", "VIEW_COLUMNS", "DEFAULT_PARAMS", "union_columns"]
+__all__ = ["Plan", "plan", "qualify_query", "table_scans", "per_rank_query",
+           "FEDERATED_VIEWS", "CLIENT_VIEWS", "VIEW_COLUMNS", "view_params", "union_columns"]
 
 RANK = "rank"
 
@@ -112,7 +111,13 @@ VIEW_COLUMNS = {
     ],
 }
 
-DEFAULT_PARAMS = {"straggler_factor": 1.5, "hung_after": 60.0, "desync_steps": 1}
+PARAM_SETTINGS = {"straggler_factor": "PROBE_STRAGGLER_FACTOR", "hung_after": "PROBE_HUNG_AFTER",
+                  "desync_steps": "PROBE_DESYNC_STEPS"}
+
+
+def view_params(environ: dict | None = None, strict: bool = False) -> dict:
+    """The client views' parameters from their typed settings (``environ={}``: the defaults)."""
+    return {key: setting(name, environ, strict=strict) for key, name in PARAM_SETTINGS.items()}
 
 
 @dataclass
@@ -239,7 +244,7 @@ def view_sql(name: str, params: dict | None = None) -> str:
     >>> "2.0 * others_step_time" in view_sql("ranks.stragglers", {"straggler_factor": 2.0})
     True
     """
-    values = dict(DEFAULT_PARAMS, **(params or {}))
+    values = dict(view_params({}), **(params or {}))
     clean = {k: float(v) for k, v in values.items()}
     return CLIENT_VIEWS[name].strip().format(**clean)
 
@@ -255,9 +260,6 @@ def union_columns(fetched: list, declared: list) -> list:
     order = [c for c in declared if c in fetched or c == RANK]
     order += [c for c in fetched if c not in order]
     return order if RANK in order else [RANK] + order
-
-
-REWRITES = (qualify_query, table_scans, per_rank_query, view_sql, union_columns)
 
 
 def _tables_of(sql: str, known: set) -> list:

@@ -3,7 +3,9 @@
 ``probe_env`` gives each test its own runtime directory (short, so unix-socket
 paths stay under the 108-byte limit). ``spawn`` starts a target script and waits
 for its ready line with a deadline (no fixed sleeps); ``cli`` runs the installed
-``probe`` console script against it.
+``probe`` console script against it. ``shared_env``, ``shared_spawn`` and
+``shared_cli`` are the same for a whole test file: a target that the file's tests
+only read is started once.
 """
 
 from __future__ import annotations
@@ -35,16 +37,30 @@ def has_torch() -> bool:
         return False
 
 
-@pytest.fixture
-def probe_env(tmp_path):
-    """Environment for targets and CLI: a private runtime dir, no inherited PROBE settings."""
-    rt = tempfile.mkdtemp(prefix="pr-", dir="/tmp")
+def _fresh_env(prefix: str = "pr-"):
+    """A private runtime dir (short path: unix sockets have a 108-byte limit), no inherited PROBE settings."""
+    rt = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
     env["PROBE_RUNTIME_DIR"] = rt
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+@pytest.fixture
+def probe_env():
+    """Environment for targets and CLI: a private runtime dir per test."""
+    env = _fresh_env()
     yield env
-    shutil.rmtree(rt, ignore_errors=True)
+    shutil.rmtree(env["PROBE_RUNTIME_DIR"], ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def shared_env():
+    """One runtime dir for a whole test file, for targets the file's tests only read."""
+    env = _fresh_env("prm-")
+    yield env
+    shutil.rmtree(env["PROBE_RUNTIME_DIR"], ignore_errors=True)
 
 
 class Proc:
@@ -71,20 +87,23 @@ class Proc:
         raise AssertionError(f"target did not print {text!r} within {timeout} s:\n{self.output()}")
 
 
-@pytest.fixture
-def spawn(probe_env):
-    procs: list[Proc] = []
+class Spawner:
+    """Start target scripts with ``env``; ``close()`` stops them (SIGCONT, terminate, then kill)."""
 
-    def _spawn(args, *, env=None, ready: str | None = "ready", timeout: float = 90.0, cwd=None) -> Proc:
+    def __init__(self, env: dict):
+        self.env = env
+        self.procs: list[Proc] = []
+
+    def __call__(self, args, *, env=None, ready: str | None = "ready", timeout: float = 90.0, cwd=None) -> Proc:
         if isinstance(args, (str, Path)):
             args = [str(args)]
         args = [str(a) for a in args]
         if args[0].endswith(".py"):
             args = [sys.executable] + args
-        e = dict(probe_env)
+        e = dict(self.env)
         e.update(env or {})
         p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
-                             cwd=cwd or probe_env["PROBE_RUNTIME_DIR"], start_new_session=True)
+                             cwd=cwd or self.env["PROBE_RUNTIME_DIR"], start_new_session=True)
         lines: list[str] = []
 
         def pump():
@@ -93,41 +112,65 @@ def spawn(probe_env):
 
         threading.Thread(target=pump, daemon=True).start()
         proc = Proc(p, lines)
-        procs.append(proc)
+        self.procs.append(proc)
         if ready:
             proc.wait_for(ready, timeout)
         return proc
 
-    yield _spawn
-    for proc in procs:
-        p = proc.popen
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGCONT)
-            except OSError:
-                pass
-            p.terminate()
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
+    def close(self) -> None:
+        for proc in self.procs:
+            p = proc.popen
+            if p.poll() is None:
                 try:
-                    os.killpg(p.pid, signal.SIGKILL)
+                    os.killpg(p.pid, signal.SIGCONT)
                 except OSError:
                     pass
-                p.wait(5)
+                p.terminate()
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    try:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                    p.wait(5)
 
 
 @pytest.fixture
-def cli(probe_env):
-    """Run the real `probe` command; returns CompletedProcess (text)."""
+def spawn(probe_env):
+    spawner = Spawner(probe_env)
+    yield spawner
+    spawner.close()
 
+
+@pytest.fixture(scope="module")
+def shared_spawn(shared_env):
+    """Targets that live for the whole test file (use with ``shared_cli``)."""
+    spawner = Spawner(shared_env)
+    yield spawner
+    spawner.close()
+
+
+def _cli_runner(base_env: dict):
     def _cli(*args, env=None, timeout: float = 60.0, input: str | None = None):
-        e = dict(probe_env)
+        e = dict(base_env)
         e.update(env or {})
         return subprocess.run([PROBE_BIN, *map(str, args)], capture_output=True, text=True, env=e,
                               timeout=timeout, input=input)
 
     return _cli
+
+
+@pytest.fixture
+def cli(probe_env):
+    """Run the real `probe` command; returns CompletedProcess (text)."""
+    return _cli_runner(probe_env)
+
+
+@pytest.fixture(scope="module")
+def shared_cli(shared_env):
+    """The real `probe` command in the test file's shared runtime dir."""
+    return _cli_runner(shared_env)
 
 
 requires_torch = pytest.mark.skipif(not has_torch(), reason="torch is not installed")

@@ -26,8 +26,8 @@ CODE = """
 import os, sys
 sys.path.insert(0, {root!r})
 import probe.auto  # noqa: F401
-from probe import _agent
-assert _agent.is_running()
+from probe.agent import state
+assert state.is_running()
 print("running", sorted(os.listdir(os.environ["PROBE_RUNTIME_DIR"])))
 """
 

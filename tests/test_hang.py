@@ -103,7 +103,7 @@ def stat_mode(path: Path) -> int:
 def test_watchdog_stays_quiet_while_steps_complete(spawn, cli, probe_env):
     # a target that keeps stepping faster than the timeout never gets a dump
     script = (
-        "import os, time\nimport probe.auto\nfrom probe._safepoint import StepEvent, fire\n"
+        "import os, time\nimport probe.auto\nfrom probe.training.safepoint import StepEvent, fire\n"
         "print('ready', os.getpid(), flush=True)\n"
         "for i in range(60):\n    fire(StepEvent(i)); time.sleep(0.05)\n"  # ok-sleep: target code
         "print('done', flush=True)\ntime.sleep(60)\n")  # ok-sleep: target code

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from probe.cli._repl_completer import Schema, SqlCompleter, suggest, tables_in_scope
-from probe.cli._repl_executor import is_complete, split_statements
+from probe.cli.repl.completer import Schema, SqlCompleter, suggest, tables_in_scope
+from probe.cli.repl.executor import is_complete, split_statements
 
 SCHEMA = Schema(
     {

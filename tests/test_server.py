@@ -17,13 +17,14 @@ from conftest import PROBE_BIN, TARGETS
 SEED_BACKTRACE = "SELECT func, file, lineno, depth\nFROM python.backtrace\nORDER BY depth\nLIMIT 10"
 
 
-@pytest.fixture
-def idle(spawn):
-    return spawn(TARGETS / "idle.py")
+@pytest.fixture(scope="module")
+def idle(shared_spawn):
+    """One idle target for every test of this file that only reads it (with ``shared_cli``)."""
+    return shared_spawn(TARGETS / "idle.py")
 
 
-def test_backtrace_shows_every_thread_innermost_first(idle, cli):
-    r = cli(idle.pid, "backtrace")
+def test_backtrace_shows_every_thread_innermost_first(idle, shared_cli):
+    r = shared_cli(idle.pid, "backtrace")
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert '"MainThread" (main)' in out
@@ -33,17 +34,17 @@ def test_backtrace_shows_every_thread_innermost_first(idle, cli):
     assert first.strip().startswith("#0") and "main_loop" in first and "idle.py" in first
 
 
-def test_backtrace_thread_filter_and_locals(idle, cli):
-    r = cli("-t", str(idle.pid), "backtrace", "--thread", "MainThread", "--locals")
+def test_backtrace_thread_filter_and_locals(idle, shared_cli):
+    r = shared_cli("-t", str(idle.pid), "backtrace", "--thread", "MainThread", "--locals")
     assert r.returncode == 0, r.stderr
     assert "data-worker" not in r.stdout
     assert "n = " in r.stdout  # main_loop's local counter
-    r = cli(idle.pid, "backtrace", "--thread", "nope")
+    r = shared_cli(idle.pid, "backtrace", "--thread", "nope")
     assert r.returncode != 0 and "no thread named" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_seed_backtrace_query_runs_verbatim(idle, cli):
-    r = cli(idle.pid, "query", SEED_BACKTRACE, "-f", "json")
+def test_seed_backtrace_query_runs_verbatim(idle, shared_cli):
+    r = shared_cli(idle.pid, "query", SEED_BACKTRACE, "-f", "json")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     assert 1 <= len(rows) <= 10
@@ -52,11 +53,11 @@ def test_seed_backtrace_query_runs_verbatim(idle, cli):
     assert any(row["func"] == "main_loop" and row["depth"] == 0 for row in rows)
 
 
-def test_formats_table_json_csv(idle, cli):
+def test_formats_table_json_csv(idle, shared_cli):
     sql = "SELECT name, daemon FROM python.threads ORDER BY name"
-    table = cli(idle.pid, "query", sql)
+    table = shared_cli(idle.pid, "query", sql)
     assert table.returncode == 0 and "data-worker" in table.stdout and "│" in table.stdout
-    csv = cli(idle.pid, "--format", "csv", "query", sql)
+    csv = shared_cli(idle.pid, "--format", "csv", "query", sql)
     assert csv.stdout.splitlines()[0] == "name,daemon"
     assert "data-worker,True" in csv.stdout
 
@@ -71,9 +72,9 @@ def test_process_info_and_env_redaction(spawn, cli):
     assert "hunter2" not in cli(proc.pid, "query", "SELECT * FROM process.env").stdout
 
 
-def test_plain_process_without_torch(idle, cli):
+def test_plain_process_without_torch(idle, shared_cli):
     assert "torch=False" in idle.lines[0]
-    r = cli(idle.pid, "query", "SELECT COUNT(*) AS n FROM python.threads", "-f", "json")
+    r = shared_cli(idle.pid, "query", "SELECT COUNT(*) AS n FROM python.threads", "-f", "json")
     assert json.loads(r.stdout)[0]["n"] >= 3
 
 
@@ -93,42 +94,42 @@ def test_plain_process_without_torch(idle, cli):
     ("SELECT * FROM python.nope", "known tables"),
     ("SELECT func FROM python.backtrace WHERE", "syntax error"),
 ])
-def test_refused_sql_leaves_the_process_unharmed(idle, cli, sql, fragment):
-    r = cli(idle.pid, "query", sql)
+def test_refused_sql_leaves_the_process_unharmed(idle, shared_cli, sql, fragment):
+    r = shared_cli(idle.pid, "query", sql)
     assert r.returncode == 2
     assert fragment in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
-    assert cli(idle.pid, "query", "SELECT 1 AS ok").returncode == 0
+    assert shared_cli(idle.pid, "query", "SELECT 1 AS ok").returncode == 0
     assert idle.popen.poll() is None
 
 
-def test_runaway_query_is_interrupted(idle, cli):
-    r = cli(idle.pid, "--timeout", "1", "query", "SELECT COUNT(*) FROM range(1000000) a, range(1000000) b")
+def test_runaway_query_is_interrupted(idle, shared_cli):
+    r = shared_cli(idle.pid, "--timeout", "1", "query", "SELECT COUNT(*) FROM range(1000000) a, range(1000000) b")
     assert r.returncode == 2 and "timeout" in r.stderr
-    assert cli(idle.pid, "query", "SELECT 1 AS ok").returncode == 0
+    assert shared_cli(idle.pid, "query", "SELECT 1 AS ok").returncode == 0
 
 
-def test_row_cap_and_raise(idle, cli):
-    r = cli(idle.pid, "query", "SELECT * FROM range(20000)", "-f", "csv")
+def test_row_cap_and_raise(idle, shared_cli):
+    r = shared_cli(idle.pid, "query", "SELECT * FROM range(20000)", "-f", "csv")
     assert len(r.stdout.splitlines()) == 10001
-    r = cli(idle.pid, "query", "SELECT * FROM range(20000)", "-f", "csv", "--max-rows", "15000")
+    r = shared_cli(idle.pid, "query", "SELECT * FROM range(20000)", "-f", "csv", "--max-rows", "15000")
     assert len(r.stdout.splitlines()) == 15001
 
 
-def test_tables_and_describe(idle, cli):
-    r = cli(idle.pid, "tables")
+def test_tables_and_describe(idle, shared_cli):
+    r = shared_cli(idle.pid, "tables")
     for name in ("python.backtrace", "python.threads", "process.info", "process.env", "probe.tables", "probe.columns", "probe.errors"):
         assert name in r.stdout
-    d = cli(idle.pid, "describe", "python.backtrace")
+    d = shared_cli(idle.pid, "describe", "python.backtrace")
     assert "depth" in d.stdout and "innermost" in d.stdout
-    bad = cli(idle.pid, "describe", "python.nope")
+    bad = shared_cli(idle.pid, "describe", "python.nope")
     assert bad.returncode != 0 and "known tables" in bad.stderr
 
 
-def test_list_shows_the_process_and_cleans_stale_entries(idle, cli, probe_env):
-    stale = Path(probe_env["PROBE_RUNTIME_DIR"]) / "999999.json"
+def test_list_shows_the_process_and_cleans_stale_entries(idle, shared_cli, shared_env):
+    stale = Path(shared_env["PROBE_RUNTIME_DIR"]) / "999999.json"
     stale.write_text(json.dumps({"pid": 999999, "host": socket.gethostname(), "socket": "/nonexistent"}))
-    r = cli("list", "--json")
+    r = shared_cli("list", "--json")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     assert [row["pid"] for row in rows] == [idle.pid]
@@ -161,9 +162,9 @@ def test_cli_does_not_import_torch(probe_env):
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=probe_env).stdout.strip() == "False"
 
 
-def test_python_dash_m_probe(idle, probe_env):
+def test_python_dash_m_probe(idle, shared_env):
     r = subprocess.run([sys.executable, "-m", "probe", str(idle.pid), "query", "SELECT 42 AS answer", "-f", "csv"],
-                       capture_output=True, text=True, env=probe_env, cwd=probe_env["PROBE_RUNTIME_DIR"])
+                       capture_output=True, text=True, env=shared_env, cwd=shared_env["PROBE_RUNTIME_DIR"])
     assert r.stdout.splitlines() == ["answer", "42"], r.stderr
 
 
@@ -246,8 +247,8 @@ def test_generated_token_lives_in_a_private_registry_entry(spawn, cli, probe_env
 
 # --- robustness ---------------------------------------------------------------------------
 
-def test_client_that_disconnects_mid_response(idle, cli, probe_env):
-    sock_path = str(Path(probe_env["PROBE_RUNTIME_DIR"]) / f"{idle.pid}.sock")
+def test_client_that_disconnects_mid_response(idle, shared_cli, shared_env):
+    sock_path = str(Path(shared_env["PROBE_RUNTIME_DIR"]) / f"{idle.pid}.sock")
     body = json.dumps({"sql": "SELECT * FROM range(200000)", "max_rows": 200000}).encode()
     for _ in range(5):
         s = socket.socket(socket.AF_UNIX)
@@ -260,16 +261,16 @@ def test_client_that_disconnects_mid_response(idle, cli, probe_env):
     half.sendall(b"POST /query HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"sql\"")  # never finishes
     half.close()
     assert idle.popen.poll() is None
-    r = cli(idle.pid, "query", "SELECT COUNT(*) AS n FROM python.threads", "-f", "csv")
+    r = shared_cli(idle.pid, "query", "SELECT COUNT(*) AS n FROM python.threads", "-f", "csv")
     assert r.returncode == 0 and r.stdout.splitlines()[0] == "n"
 
 
-def test_twenty_concurrent_clients(idle, probe_env):
+def test_twenty_concurrent_clients(idle, shared_env):
     results = [None] * 20
 
     def run(i):
         results[i] = subprocess.run([PROBE_BIN, str(idle.pid), "query", f"SELECT {i} AS i, COUNT(*) AS frames FROM python.backtrace", "-f", "json"],
-                                    capture_output=True, text=True, env=probe_env, timeout=120)
+                                    capture_output=True, text=True, env=shared_env, timeout=120)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(20)]
     for t in threads:

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import EXAMPLES, PROBE_BIN, ROOT, requires_torch
-from probe._tables import all_tables
+from probe.tables import builtin  # noqa: F401  (registers the built-in tables)
+from probe.tables.registry import all_tables
 
 EXAMPLES_SQL = [(t.name, sql) for t in all_tables() for sql in t.examples]
 
@@ -87,7 +88,7 @@ def test_public_api_is_pinned():
 
     # changing the public API is a decision: update this list on purpose, never by accident
     assert sorted(probe.__all__) == sorted([
-        "__version__", "start", "stop", "is_running", "info", "step", "watch", "load_checkpoint", "table", "Column",
+        "__version__", "start", "stop", "is_running", "info", "step", "watch", "load_checkpoint", "table", "Column", "rule",
         "ProbeError", "QueryError", "EndpointError", "AuthError", "ActionError", "AttachError"])
     for name in probe.__all__:
         assert hasattr(probe, name), name

@@ -162,16 +162,16 @@ def test_torch_and_probe_frames_are_told_apart_by_normalised_path():
 
     import torch
 
-    from probe import _objects
+    from probe.training import finder
 
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
-    probe_dir = os.path.dirname(os.path.abspath(_objects.__file__))
+    probe_dir = os.path.dirname(os.path.dirname(os.path.abspath(finder.__file__)))  # probe/ (finder is in probe/training)
     other = os.path.join(os.path.dirname(probe_dir), "benchmarks")
 
     def internal(path):
-        return _objects.is_internal(compile("pass", path, "exec"))
+        return finder.is_internal(compile("pass", path, "exec"))
 
-    assert internal(os.path.join(other, "..", "probe", "_torch_hooks.py"))
+    assert internal(os.path.join(other, "..", "probe", "training", "hooks.py"))
     assert internal(os.path.join(torch_dir, "optim", "optimizer.py"))
     assert internal("<frozen importlib._bootstrap>")
     assert not internal(torch_dir + "vision" + os.sep + "models.py")

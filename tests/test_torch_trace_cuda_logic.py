@@ -55,7 +55,7 @@ class TorchWithFakeCuda:
 def tracer():
     import torch
 
-    from probe._torch_trace import Tracer
+    from probe.training.trace import Tracer
 
     FakeEvent.done = False
     tr = Tracer(TorchWithFakeCuda(torch), every=1, capacity=1000)

@@ -9,15 +9,14 @@ import importlib
 __all__ = ["Command", "command", "COMMANDS", "load_all"]
 
 COMMANDS: dict[str, type] = {}
-MODULES = ("core", "repl", "attach", "actions", "ranks")
+MODULES = ("core", "repl", "attach", "actions", "ranks", "doctor")
 
 
 class Command:
-    """Base class. ``needs_target``: the command talks to a probed process."""
+    """Base class: a subcommand's name, help, aliases and arguments, and its ``run``."""
 
     name = ""
     help = ""
-    needs_target = True
     aliases: tuple[str, ...] = ()
 
     @staticmethod
@@ -28,9 +27,9 @@ class Command:
         raise NotImplementedError
 
 
-def command(name: str, help: str, *, needs_target: bool = True, aliases: tuple[str, ...] = ()):
+def command(name: str, help: str, *, aliases: tuple[str, ...] = ()):
     def register(cls):
-        cls.name, cls.help, cls.needs_target, cls.aliases = name, help, needs_target, aliases
+        cls.name, cls.help, cls.aliases = name, help, aliases
         COMMANDS[name] = cls
         for a in aliases:
             COMMANDS[a] = cls

@@ -18,7 +18,6 @@ from probe._errors import ActionError, PartialError, ProbeError
 from . import Command, command
 
 STEP_MARGIN = 2
-PARTIAL_EXIT = PartialError.exit_code  # some ranks succeeded and some did not
 POLL = 2.0
 
 _NOW_RISK = {
@@ -72,11 +71,9 @@ class _Action(Command):
                     b["at_step"] = at_step
             bodies.append(b)
         single = len(targets) == 1
-        from concurrent.futures import ThreadPoolExecutor  # not on the CLI's start-up path
+        from .._fanout import parallel  # not on the CLI's start-up path
 
-        with ThreadPoolExecutor(max_workers=min(64, len(targets))) as pool:
-            outcomes = list(pool.map(lambda tb: _drive(session, self.name, tb[0], tb[1], single),
-                                     zip(targets, bodies)))
+        outcomes = parallel(list(zip(targets, bodies)), lambda tb: _drive(session, self.name, tb[0], tb[1], single))
         if session.format == "json":
             session.print(json.dumps([{"target": t.label, "rank": t.rank, "pid": t.pid,
                                        **({"action": o} if isinstance(o, dict) else {"error": o.message})}
@@ -99,7 +96,7 @@ class _Action(Command):
         if not failures:
             return 0
         if len(failures) < len(targets):
-            return PARTIAL_EXIT
+            return PartialError.exit_code  # some ranks succeeded and some did not
         return failures[0].exit_code
 
     def check_many(self, session, args, targets) -> None:
@@ -133,10 +130,9 @@ def _common_step(session, targets) -> int | None:
         s = h.get("step")
         return s if isinstance(s, int) else h.get("safepoint_step")
 
-    from concurrent.futures import ThreadPoolExecutor
+    from .._fanout import parallel
 
-    with ThreadPoolExecutor(max_workers=min(64, len(targets))) as pool:
-        steps = [s for s in pool.map(step, targets) if isinstance(s, int)]
+    steps = [s for s in parallel(targets, step) if isinstance(s, int)]
     return max(steps) + STEP_MARGIN if steps else None
 
 

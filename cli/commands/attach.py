@@ -9,7 +9,7 @@ from probe._errors import ProbeError
 from . import Command, command
 
 
-@command("inject", "Start the probe server inside a running Python process that never imported probe.", needs_target=False)
+@command("inject", "Start the probe server inside a running Python process that never imported probe.")
 class Inject(Command):
     @staticmethod
     def add_arguments(p):

@@ -18,16 +18,14 @@ def _read_sql(text: str) -> str:
     return text
 
 
-@command("list", "List probed processes on this host (and in PROBE_REGISTRY): pid, rank, step, endpoint.", needs_target=False)
+@command("list", "List probed processes on this host (and in PROBE_REGISTRY): pid, rank, step, endpoint.")
 class List(Command):
     @staticmethod
     def add_arguments(p):
         p.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
 
     def run(self, session, args):
-        from concurrent.futures import ThreadPoolExecutor
-
-        from probe._runtime import read_entries
+        from probe._runtime import offline_status, read_entries
 
         from .._client import Client
         from .._endpoint import _from_entry
@@ -38,12 +36,11 @@ class List(Command):
             try:
                 return Client(_from_entry(entry, session.token), timeout=min(session.timeout, 2.0)).get("/health")
             except ProbeError as exc:
-                from probe._watchdog import offline_status  # a hang dump explains a silent server
+                return {"unreachable": exc.message, **offline_status(entry)}  # a hang dump explains a silent server
 
-                return {"unreachable": exc.message, **offline_status(entry)}
+        from .._fanout import parallel
 
-        with ThreadPoolExecutor(max_workers=min(32, max(1, len(entries)))) as pool:
-            states = list(pool.map(health, entries))
+        states = parallel(entries, health, workers=32)
         rows = []
         for e, h in zip(entries, states):
             endpoint = e.get("socket") if not e.get("shared") else f"{e.get('host')}:{e.get('tcp_port')}"
@@ -86,7 +83,7 @@ class Query(Command):
     def run(self, session, args):
         sql = _read_sql(args.sql)
         if session.multi:
-            from .._fanout import federated_query
+            from .._federation import federated_query
 
             result = federated_query(session, sql, max_rows=args.max_rows)
         else:
@@ -108,9 +105,7 @@ class Query(Command):
 class Tables(Command):
     def run(self, session, args):
         if session.multi:
-            from .._fanout import fanout_tables
-
-            return fanout_tables(session)
+            return _tables_ranks(session)
         doc = session.client().get("/tables")
         if session.format == "json":
             session.print(json.dumps(doc["tables"], indent=2))
@@ -164,9 +159,7 @@ class Backtrace(Command):
 
     def run(self, session, args):
         if session.multi:
-            from .._fanout import fanout_backtrace
-
-            return fanout_backtrace(session, args)
+            return _backtrace_ranks(session, args)
         target = session.target()
         doc = backtrace_doc(session, target, args)
         if session.format == "json":
@@ -215,3 +208,54 @@ def backtrace_doc(session, target, args) -> dict:
     extra = "; locals are not available from py-spy" if args.locals else ""
     doc["note"] = f"[stacks read by py-spy in {time.perf_counter() - started:.2f} s because {reason}{extra}]"
     return doc
+
+
+def _backtrace_ranks(session, args) -> int:
+    """``probe --ranks SPEC backtrace [--group]``: per-rank sections, or identical stacks merged."""
+    from .._fanout import check_partial, fan_out
+
+    from .._render import render_backtrace
+    from .._stacks import group_text
+
+    targets = session.targets()
+    answers = fan_out(targets, lambda t: backtrace_doc(session, t, args))
+    if session.format == "json":
+        session.print(json.dumps([{"rank": a.rank, "label": a.target.label, **(a.value if a.ok else {"error": a.error})}
+                                  for a in answers], indent=2, default=str))
+    elif getattr(args, "group", False):
+        session.print(group_text(answers, thread=args.thread))
+    else:
+        parts = []
+        for a in answers:
+            host = a.target.entry.get("host")
+            head = f"=== {a.target.label}" + (f" · pid {a.target.pid}" if a.target.pid else "") + (f" · {host}" if host else "") + " ==="
+            parts.append(head + "\n" + (render_backtrace(a.value) if a.ok else f"unreachable: {a.error}"))
+        session.print("\n\n".join(parts))
+    check_partial(answers, "backtrace")  # cli.main reports it and exits 7 (partial) or 3 (none answered)
+    return 0
+
+
+def _tables_ranks(session) -> int:
+    """``probe --ranks SPEC tables``: every table once, with the ranks that have it; silent ranks as rows."""
+    from .._fanout import check_partial, fan_out, format_ranks
+
+    from probe.sql.engine import Result
+
+    from .._render import render_result
+
+    answers = fan_out(session.targets(), lambda t: session.client(t).get("/tables"))
+    seen: dict = {}
+    for a in answers:
+        for t in a.value["tables"] if a.ok else ():
+            seen.setdefault(t["name"], (t, []))[1].append(a.rank)
+    answered = [a.rank for a in answers if a.ok]
+    rows = [[name, t["kind"], len(t["columns"]), "all" if ranks == answered else format_ranks(ranks), t["description"]]
+            for name, (t, ranks) in sorted(seen.items())]
+    rows += [[None, "error", None, a.target.label, a.error] for a in answers if not a.ok]
+    if session.format == "json":
+        session.print(json.dumps([dict(zip(["name", "kind", "columns", "ranks", "description"], r)) for r in rows], indent=2))
+    else:
+        session.print(render_result(Result(["name", "kind", "columns", "ranks", "description"],
+                                           ["VARCHAR", "VARCHAR", "INTEGER", "VARCHAR", "VARCHAR"], rows), session.format))
+    check_partial(answers, "table listing")  # cli.main reports it and exits 7 (partial) or 3 (none answered)
+    return 0

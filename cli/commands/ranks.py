@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from probe._errors import ProbeError
+from probe._errors import PartialError, ProbeError
 
 from . import Command, command
 
@@ -15,7 +15,6 @@ def _median(values):
 
     return statistics.median(values)
 
-STATES = ("training", "slow", "waiting", "hung", "idle", "unreachable")
 
 
 def _classify(rows: list[dict], factor: float, hung_after: float) -> None:
@@ -41,7 +40,7 @@ def _classify(rows: list[dict], factor: float, hung_after: float) -> None:
 
 
 def _row(answer) -> dict:
-    from .._fanout import proc_state
+    from probe.util.procfs import proc_state
     from .._stacks import top_frame
 
     t = answer.target
@@ -91,12 +90,12 @@ class Status(Command):
         from probe._config import setting
         from probe.sql.engine import Result
 
-        from .._fanout import PARTIAL_EXIT, fan_out
+        from .._fanout import fan_out
         from .._render import render_result
 
         try:
-            factor = args.slow_factor if args.slow_factor is not None else float(setting("PROBE_STRAGGLER_FACTOR"))
-            hung_after = args.hung_after if args.hung_after is not None else float(setting("PROBE_HUNG_AFTER"))
+            factor = args.slow_factor if args.slow_factor is not None else setting("PROBE_STRAGGLER_FACTOR", strict=True)
+            hung_after = args.hung_after if args.hung_after is not None else setting("PROBE_HUNG_AFTER", strict=True)
         except ValueError:
             raise ProbeError("PROBE_STRAGGLER_FACTOR and PROBE_HUNG_AFTER must be numbers.") from None
         if session.multi or session.args.endpoint or session.args.rank is not None:
@@ -137,4 +136,4 @@ class Status(Command):
                 r["wait"] = f"{r['wait']:.0%}" if r["wait"] is not None else None
             session.print(render_result(Result(cols, types, [[r[c] for c in cols] for r in rows],
                                                elapsed=time.perf_counter() - started), session.format))
-        return PARTIAL_EXIT if any(not a.ok for a in answers) else 0
+        return PartialError.exit_code if any(not a.ok for a in answers) else 0

@@ -8,8 +8,8 @@ from . import Command, command
 @command("repl", "Interactive SQL session with live-schema completion and backslash commands (\\? lists them); `probe ENDPOINT` alone opens it.")
 class Repl(Command):
     def run(self, session, args):
-        from .._repl import Repl as ReplLoop
-        from .._repl_state import ReplSession
+        from ..repl.loop import Repl as ReplLoop
+        from ..repl.session import ReplSession
 
         repl_session = ReplSession(args)
         repl_session.connect()

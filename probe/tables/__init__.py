@@ -1,4 +1,5 @@
-"""Built-in tables. Each module registers its tables with ``@table`` on import,
-exactly as a user's own table would; this list is the only place they are named."""
+"""The table registry (``registry``) and the built-in tables (``builtin`` names them all).
 
-from . import actions, meta, process, python, torch  # noqa: F401
+The registry never imports the built-ins: whoever serves queries (the agent's routes)
+or documents the tables (the README generator) imports ``probe.tables.builtin``.
+"""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from .._actions import actions
-from .._tables import Column, table
+from ..actions.queue import actions
+from .registry import Column, table
 
 
 def _json(value) -> str | None:

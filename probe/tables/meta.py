@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .._health import error_rows
-from .._tables import Column, all_tables, table
+from ..util.errorlog import error_rows
+from .registry import Column, all_tables, table
 
 
 @table(
@@ -51,6 +51,7 @@ def columns(ctx):
         Column("thread", "VARCHAR", "Thread the error happened on."),
     ],
     examples=["SELECT source, COUNT(*) AS n FROM probe.errors GROUP BY source ORDER BY n DESC"],
+    kind="ring",
 )
 def errors(ctx):
     return error_rows()

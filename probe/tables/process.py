@@ -6,23 +6,16 @@ import os
 import re
 import sys
 
-from .. import _agent
+from ..agent import state
 from .._runtime import process_argv, rank_identity
-from .._tables import Column, table
+from ..util.procfs import rss_bytes
+from .registry import Column, table
 
 SECRET = re.compile(r"TOKEN|SECRET|KEY|PASSWORD|PASSWD|CREDENTIAL|AUTH|COOKIE", re.IGNORECASE)
 
 
-def rss_bytes() -> int | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _info_row(ctx) -> dict:
-    entry = _agent.info()
+    entry = state.info()
     started = entry.get("started_at")
     ident = rank_identity()
     row = {
@@ -44,7 +37,7 @@ def _info_row(ctx) -> dict:
         "socket": entry.get("socket"),
         "tcp_port": entry.get("tcp_port"),
     }
-    status = _agent.status()  # status providers: step counter (torch), hang watchdog
+    status = state.status()  # status providers: step counter (torch), hang watchdog
     for key in ("step", "last_step_at", "state", "hung_since"):
         row[key] = status.get(key)
     return row

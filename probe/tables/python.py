@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from .._tables import Column, table
+from .registry import Column, table
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -18,7 +18,7 @@ def _threads_by_ident() -> dict:
 
 
 def walk_stacks(exclude: frozenset = frozenset()):
-    """Yield (thread_ident, thread, [frames innermost first]) for every thread but ``exclude``."""
+    """Yield (thread_ident, thread, is_main, [frames innermost first]) for every thread but ``exclude``."""
     threads = _threads_by_ident()
     main_ident = threading.main_thread().ident
     for ident, frame in sys._current_frames().items():

@@ -1,20 +1,20 @@
 """torch tables: steps, module traces, memory, optimizer param groups, parameters.
 
 Ring tables (``torch.steps``, ``python.torch_trace``) are filled by the hooks in
-``probe._torch_hooks``; the others are built at query time from the objects that
-``probe._objects`` found. None of them imports torch: without torch they are empty.
+``probe.training.hooks``; the others are built at query time from the objects that
+``probe.training.finder`` found. None of them imports torch: without torch they are empty.
 """
 
 from __future__ import annotations
 
 import sys
 
-from .. import _objects, _torch_hooks
-from .._health import record_error
-from .._tables import Column, table
-from .._torch_steps import STEP_COLUMNS
-from .._torch_trace import TRACE_COLUMNS
-from .process import rss_bytes
+from ..training import finder, hooks
+from ..training.steps import STEP_COLUMNS
+from ..training.trace import TRACE_COLUMNS
+from ..util.errorlog import record_error
+from ..util.procfs import rss_bytes
+from .registry import Column, table
 
 
 def _empty(columns: dict) -> dict:
@@ -50,7 +50,7 @@ def _empty(columns: dict) -> dict:
     kind="ring",
 )
 def steps(ctx):
-    tk = _torch_hooks.tracker()
+    tk = hooks.tracker()
     if tk is None:
         return _empty(STEP_COLUMNS)
     tk.resolve()
@@ -86,7 +86,7 @@ def steps(ctx):
     kind="ring",
 )
 def torch_trace(ctx):
-    tr = _torch_hooks.tracer()
+    tr = hooks.tracer()
     if tr is None:
         return _empty(TRACE_COLUMNS)
     tr.resolve()
@@ -175,15 +175,15 @@ def _step_count(state: dict):
               "state_bytes / 1e6 AS state_mb, step_count, scheduler FROM torch.optimizer"],
 )
 def optimizer(ctx):
-    tk = _torch_hooks.tracker()
+    tk = hooks.tracker()
     lead = tk.lead_optimizer() if tk is not None else None
     rows = []
-    from .._lr import describe
+    from ..actions.lr import describe
 
-    for found in _objects.optimizers():
+    for found in finder.optimizers():
         opt = found.obj
         overrides = describe(opt)
-        scheds = _objects.scheduler_for(opt)
+        scheds = finder.scheduler_for(opt)
         sched = scheds[0].obj if scheds else None
         state = opt.state
         for i, group in enumerate(list(opt.param_groups)):
@@ -246,13 +246,13 @@ def parameters(ctx):
     torch = sys.modules.get("torch")
     if torch is None:
         return []
-    in_opt = {id(p) for f in _objects.optimizers() for g in list(f.obj.param_groups) for p in g.get("params", ())}
+    in_opt = {id(p) for f in finder.optimizers() for g in list(f.obj.param_groups) for p in g.get("params", ())}
     rows = []
     with torch.no_grad():
-        for model_name, model, _, _ in _objects.models():
+        for model_name, model, _, _ in finder.models():
             for name, p in list(model.named_parameters()):
                 try:
-                    rows.append(_param_row(torch, model_name, _objects.module_path(name), p, id(p) in in_opt))
+                    rows.append(_param_row(torch, model_name, finder.module_path(name), p, id(p) in in_opt))
                 except Exception as exc:
                     record_error(f"torch.parameters: {name}", exc)
     return rows

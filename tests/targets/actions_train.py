@@ -16,7 +16,7 @@ import torch
 
 import probe.auto  # noqa: F401
 import probe
-from probe import _safepoint
+from probe.training import safepoint as _safepoint
 
 
 def make_scheduler(name, optimizer):

@@ -6,7 +6,7 @@ import sys
 import time
 
 import probe.auto  # noqa: F401
-from probe._safepoint import StepEvent, fire
+from probe.training.safepoint import StepEvent, fire
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "gil"
 libc = ctypes.PyDLL(None)

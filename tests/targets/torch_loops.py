@@ -29,7 +29,7 @@ p.add_argument("--steps", type=int, default=12)
 args = p.parse_args()
 
 if args.kind == "broken":
-    import probe._torch_steps as ts
+    import probe.training.steps as ts
 
     def broken(*a, **k):
         raise RuntimeError("injected failure in a probe hook")

@@ -1,0 +1,236 @@
+"""Run the doctor's rules against one process or the ranks of a job; return findings.
+
+The rules are data (``probe.diagnosis``): this module asks which processes answer, reads
+what it can from outside for those that do not (the kernel's process state, the hang
+watchdog's dump, py-spy's stack), then runs every rule whose tables exist through the
+same query path as ``probe query`` (one rank is federation with one rank), and turns
+each row into a finding with its message and next commands. Nothing here adds work to
+the training processes beyond the queries themselves: the rules read data already kept.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+from probe._config import setting
+from probe._errors import ProbeError
+from probe.diagnosis import builtin  # noqa: F401  (declares the built-in rules)
+from probe.diagnosis.rules import SEVERITIES, Rule, all_rules
+from probe.util.procfs import proc_state
+
+from ._fanout import fan_out
+
+__all__ = ["Finding", "Diagnosis", "diagnose"]
+
+
+@dataclass
+class Finding:
+    rule: str
+    family: str
+    severity: str
+    message: str
+    rank: int | None = None
+    step: int | None = None
+    target: str | None = None
+    evidence: dict = field(default_factory=dict)
+    next: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"rule": self.rule, "family": self.family, "severity": self.severity, "rank": self.rank,
+                "step": self.step, "target": self.target, "message": self.message, "evidence": self.evidence,
+                "next": self.next}
+
+
+@dataclass
+class Diagnosis:
+    findings: list
+    processes: int
+    answering: int
+    rules_run: int
+    rules_skipped: list
+    elapsed: float
+
+    @property
+    def worst(self) -> str | None:
+        return min((f.severity for f in self.findings), key=SEVERITIES.index, default=None)
+
+    def to_dict(self) -> dict:
+        return {"findings": [f.to_dict() for f in self.findings], "processes": self.processes,
+                "answering": self.answering, "rules_run": self.rules_run, "rules_skipped": self.rules_skipped,
+                "elapsed_s": round(self.elapsed, 3)}
+
+
+def _clean(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    return str(value)
+
+
+class _Row(dict):
+    """Template fields: a missing or NULL value prints as '?' instead of failing the whole finding."""
+
+    def __missing__(self, key):
+        return "?"
+
+
+def _fill(template: str, row: dict) -> str:
+    fields = _Row({k: ("?" if v is None else v) for k, v in row.items()})
+    try:
+        return template.format_map(fields)
+    except (ValueError, TypeError, IndexError, KeyError):  # a format spec that does not fit the value ('?')
+        return template.format_map(_Row({k: str(v) for k, v in fields.items()}))
+
+
+def _where(session, rank) -> str:
+    """What to type after ``probe`` to reach the process a finding is about."""
+    if session.multi and rank is not None:
+        return f"--rank {rank}"
+    args = session.args
+    if getattr(args, "endpoint", None):
+        return str(args.endpoint)
+    if getattr(args, "rank", None) is not None:
+        return f"--rank {args.rank}"
+    return str(rank)
+
+
+def _outside(target, error: str) -> Finding:
+    """A process that does not answer: what the kernel, the hang dump and py-spy say."""
+    from probe._runtime import offline_status
+
+    pid = target.local_pid
+    facts, evidence = [], {"error": error}
+    state = proc_state(pid) if pid is not None else None
+    if pid is not None:
+        evidence["proc_state"] = state
+        if state in ("T", "t"):
+            facts.append(f"it is stopped (SIGSTOP or a debugger); `kill -CONT {pid}` resumes it")
+        elif state is None or state == "Z":
+            facts.append("it has exited")
+    dump = offline_status(target.entry) if target.entry else {}
+    if dump.get("hang_dump"):
+        evidence.update(dump)
+        facts.append(f"its hang watchdog fired (stacks in {dump['hang_dump']})")
+    if pid is not None and state not in (None, "Z", "T", "t"):
+        try:
+            from probe.injector import pyspy_backtrace
+
+            from ._stacks import main_thread, user_frame
+
+            doc = pyspy_backtrace(pid, timeout=5.0)
+            frames = (main_thread(doc) or {}).get("frames") or []
+            if frames:
+                top = frames[0]
+                user = user_frame(frames) or top
+                evidence["main_thread"] = frames[:8]
+                facts.append(f"py-spy shows its main thread in {top.get('func')} ({top.get('file')}:{top.get('lineno')})"
+                             + (f", called from {user.get('func')} ({user.get('file')}:{user.get('lineno')})" if user is not top else "")
+                             + ": a thread is probably holding the GIL in a C call")
+        except ProbeError as exc:
+            facts.append(f"py-spy could not read it ({exc.message.rstrip('.')})")
+    message = f"{target.label} is not answering ({error.rstrip('.')})" + ("; " + "; ".join(facts) if facts else "") + "."
+    next_steps = [f"probe {pid} backtrace --native"] if pid is not None and state not in (None, "Z") else []
+    return Finding("not_answering", "hang", "critical", message, rank=target.rank, target=target.label,
+                   evidence=evidence, next=next_steps)
+
+
+def _user_rules(con, builtin_names: set) -> list:
+    """Rules the training script declared itself (listed in its diagnosis.rules table)."""
+    from ._federation import run_outer
+
+    res = run_outer(con, "SELECT DISTINCT name, family, severity, description, sql, message, next, scope, params "
+                         "FROM diagnosis.rules", 1000)
+    out = []
+    for row in res.rows:
+        d = dict(zip(res.columns, row))
+        if d["name"] in builtin_names:
+            continue
+        try:
+            d["next"] = json.loads(d["next"] or "[]")
+            d["params"] = json.loads(d["params"] or "{}")
+            out.append(Rule.from_dict(d))
+        except (ValueError, TypeError, KeyError):
+            continue
+    return out
+
+
+def _plans(rules: list, schema: dict, answering: int):
+    """``[(rule, plan)]`` for the rules that can run here, and ``[{rule, why}]`` for the rest."""
+    from probe.sql.federate import plan, view_params
+
+    params = view_params(strict=True)
+    plans, skipped = [], []
+    for r in rules:
+        if r.scope == "job" and answering < 2:
+            continue
+        sql = r.sql
+        try:
+            if r.params:
+                sql = sql.format(**{k: setting(name, strict=True) for k, name in r.params})
+            plans.append((r, plan(sql, schema, params)))
+        except ProbeError as exc:
+            why = exc.message
+            skipped.append({"rule": r.name, "why": why})
+    return plans, skipped
+
+
+def diagnose(session) -> Diagnosis:
+    """Every rule against the session's target(s); the findings most severe first.
+
+    Each table a rule reads is fetched once from every answering process (whole, so one
+    snapshot serves every rule); the rules then run here, in one private DuckDB database.
+    """
+    from probe.sql.federate import FEDERATED_VIEWS, per_rank_query
+
+    from ._federation import add_views, fetch_schema, open_database, run_outer
+
+    started = time.perf_counter()
+    targets = session.targets()
+    health = fan_out(targets, lambda t: session.client(t).get("/health", timeout=min(session.timeout, 3.0)))
+    findings = [_outside(a.target, a.error) for a in health if not a.ok]
+    answering = [a.target for a in health if a.ok]
+    skipped, run = [], 0
+    if answering:
+        schema = fetch_schema(session, answering)
+        rules = all_rules()
+        if "diagnosis.rules" in schema:  # the script's own rules first: they may read other tables
+            con, _ = open_database(session, answering[:1], schema, {"diagnosis.rules": per_rank_query(
+                "diagnosis.rules", [c for c in schema["diagnosis.rules"] if c != "rank"], None)})
+            try:
+                rules += _user_rules(con, {r.name for r in rules})
+            finally:
+                con.close()
+        plans, skipped = _plans(rules, schema, len(answering))
+        needed = {name for _, p in plans for name in p.parts}
+        parts = {name: " ".join(FEDERATED_VIEWS[name].split()) if name in FEDERATED_VIEWS
+                 else per_rank_query(name, [c for c in schema[name] if c != "rank"], None) for name in needed}
+        con, _ = open_database(session, answering, schema, parts)
+        try:
+            for r, p in plans:
+                try:
+                    add_views(con, p.views)
+                    res = run_outer(con, p.outer, 1000)
+                except ProbeError as exc:
+                    skipped.append({"rule": r.name, "why": exc.message})
+                    continue
+                except Exception as exc:  # a view DuckDB refuses (e.g. a user's rule): that rule only
+                    skipped.append({"rule": r.name, "why": f"{type(exc).__name__}: {exc}"})
+                    continue
+                run += 1
+                for row in res.rows:
+                    d = {c: _clean(v) for c, v in zip(res.columns, row)}
+                    rank = d.get("rank")
+                    where = _where(session, rank)
+                    fields = dict(d, target=where)
+                    findings.append(Finding(r.name, r.family, r.severity, _fill(r.message, fields), rank=rank,
+                                            step=d.get("step"), target=where, evidence=d,
+                                            next=[_fill(n, fields) for n in r.next]))
+        finally:
+            con.close()
+    findings.sort(key=lambda f: (SEVERITIES.index(f.severity), f.family, f.rank if f.rank is not None else -1))
+    return Diagnosis(findings, len(targets), len(answering), run, skipped, time.perf_counter() - started)

@@ -1,0 +1,308 @@
+"""Change the learning rate so that the change holds, whatever sets the rate, or say why it did not.
+
+A training loop's rate is rewritten all the time: by a scheduler's ``step()`` (which
+recomputes it from base values, or from the group's current rate), by a framework
+(Lightning steps its LambdaLR every step, the HF Trainer its own), or by hand-written
+code assigning ``group["lr"] = lr`` at every iteration. Writing ``param_groups`` once
+is undone by any of them. So a change is an *override* held by the optimizer itself:
+
+* probe's global optimizer step pre-hook reads the rate the loop wants for the coming step (whatever
+  is in ``param_groups`` then) and sets the group's rate to that rate × the scale
+  (``--scale``) or to the value (``--set``) for the duration of the step;
+* its global step post-hook puts the loop's own rate back, so schedulers and hand-written code keep
+  computing from their own numbers (a chainable scheduler such as StepLR never compounds
+  the override).
+
+Between steps ``param_groups`` therefore shows the loop's rate; ``torch.optimizer`` shows
+both (``lr`` is what the next step uses, ``loop_lr`` the loop's own, ``lr_override`` the
+override) and ``torch.steps.lr`` is what each step used. The action stays ``running`` until
+the next step of the optimizer has run with the new rate, and is ``done`` only then: its
+result says which step used which rate and whether the loop had rewritten its rate by
+then (the override was re-applied). Afterwards the result keeps counting: ``held_steps``
+and ``rewrites`` (steps at which the loop changed its rate and the override was applied on
+top). ``--once`` writes ``param_groups`` without holding it; it is still checked at the
+next step, and fails if the loop rewrote the rate before that step ran. ``--reset`` removes
+overrides. Overrides live in this process only: a checkpoint stores the loop's rates.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+
+from .._errors import ActionError
+from ..training import hooks
+from ..training.finder import optimizers
+from ..util.errorlog import record_error
+from .queue import Context
+
+__all__ = ["change_lr", "reset_lr", "describe", "before_step", "after_step"]
+
+_lock = threading.Lock()
+_overrides: dict[int, "_Override"] = {}  # id(optimizer) -> its override (groups inside)
+
+
+def _tracker():
+    return hooks.tracker()
+
+
+def _value(lr) -> float:
+    return float(lr)  # a tensor lr (capturable optimizers) is read here; it lives on the CPU in practice
+
+
+def _write(group: dict, value: float) -> None:
+    current = group["lr"]
+    if hasattr(current, "fill_"):  # a tensor lr: change it in place, the optimizer holds that tensor
+        current.fill_(value)
+    else:
+        group["lr"] = value
+
+
+class _Group:
+    __slots__ = ("mode", "value", "loop", "used", "since", "held", "rewrites", "last_rewrite", "written")
+
+    def __init__(self, mode: str, value: float, loop: float, since: int | None):
+        self.mode, self.value = mode, value  # "scale" or "set"
+        self.loop = loop  # the loop's rate seen at the last step
+        self.used = None  # the rate the last step used
+        self.written = None  # what the pre-hook wrote (restored only if still there)
+        self.since = since
+        self.held = 0
+        self.rewrites = 0
+        self.last_rewrite = None
+
+    def target(self, loop: float) -> float:
+        return loop * self.value if self.mode == "scale" else self.value
+
+    def text(self) -> str:
+        return f"scale {self.value:g}" if self.mode == "scale" else f"set {self.value:g}"
+
+
+class _Override:
+    """The state of each overridden group of one optimizer, applied by probe's global step hooks."""
+
+    def __init__(self, opt, name: str):
+        self.ref = weakref.ref(opt)
+        self.name = name
+        self.groups: dict[int, _Group] = {}
+        self.pending: list = []  # (settle, result, once, rows) waiting for the next step
+
+    # -- around every step of this optimizer (training thread) ------------------------------------
+    def before(self, opt) -> None:
+        step = _step() + 1
+        pgs = opt.param_groups
+        for i, g in list(self.groups.items()):
+            if i >= len(pgs):
+                continue
+            loop = _value(pgs[i]["lr"])
+            if g.held and loop != g.loop:
+                g.rewrites += 1
+                g.last_rewrite = step
+            g.loop = loop
+            g.used = g.target(loop)
+            _write(pgs[i], g.used)
+            g.written = g.used
+        for item in list(self.pending):
+            _check_once(item, pgs, step)
+
+    def after(self, opt) -> None:
+        step = _step() + 1
+        pgs = opt.param_groups
+        for i, g in list(self.groups.items()):
+            if i >= len(pgs) or g.written is None:
+                continue
+            g.held += 1
+            if _value(pgs[i]["lr"]) == g.written:  # nobody changed it during the step: put the loop's back
+                _write(pgs[i], g.loop)
+            g.written = None
+        tk = _tracker()
+        g0 = self.groups.get(0)
+        if tk is not None and g0 is not None and g0.used is not None and tk.lead_optimizer() is opt:
+            tk.step_lr = g0.used
+        pending, self.pending = self.pending, []
+        for item in pending:
+            _settle(self, item, step)
+        if not self.groups and not self.pending:
+            with _lock:
+                if _overrides.get(id(opt)) is self:
+                    del _overrides[id(opt)]
+
+
+def before_step(opt) -> None:
+    """probe's global optimizer step pre-hook: apply the overrides of ``opt`` for this step."""
+    ov = _overrides.get(id(opt))
+    if ov is not None and ov.ref() is opt:
+        try:
+            ov.before(opt)
+        except Exception as exc:
+            record_error("lr override: before the optimizer step", exc)
+
+
+def after_step(opt) -> None:
+    """probe's global optimizer step post-hook (before the step boundary): put the loop's rates back."""
+    ov = _overrides.get(id(opt))
+    if ov is not None and ov.ref() is opt:
+        try:
+            ov.after(opt)
+        except Exception as exc:
+            record_error("lr override: after the optimizer step", exc)
+
+
+def _step() -> int:
+    tk = _tracker()
+    return tk.step if tk is not None else 0
+
+
+def _check_once(item, pgs, step) -> None:
+    """--once: the value written at the action must still be there when the step starts."""
+    _, result, once, rows = item
+    if not once:
+        return
+    for g in rows:
+        i = g["group"]
+        now = _value(pgs[i]["lr"])
+        g["used"] = now
+        if now != g["after"]:
+            result["error"] = (f"the loop rewrote group {i}'s lr to {now:.6g} before step {step} used {g['after']:.6g} "
+                                   "(its scheduler or its own code sets the rate each step); run `lr` without --once "
+                                   "to hold the change.")
+
+
+def _settle(ov: _Override, item, step: int) -> None:
+    settle, result, once, rows = item
+    result["checked_at_step"] = step
+    if not once:
+        for g in rows:
+            og = ov.groups.get(g["group"])
+            if og is None:
+                continue
+            g["used"] = og.used
+            g["loop_lr"] = og.loop
+            if og.loop != g["loop_before"]:
+                g["note"] = f"re-applied: the loop rewrote its lr from {g['loop_before']:.6g} to {og.loop:.6g} at step {step}"
+    settle(result.get("error"))
+
+
+def describe(opt) -> dict:
+    """The override of ``opt``'s groups for torch.optimizer: ``{group: (override text, next lr, held steps)}``."""
+    ov = _overrides.get(id(opt))
+    if ov is None or ov.ref() is not opt:
+        return {}
+    out = {}
+    for i, g in list(ov.groups.items()):
+        try:
+            loop = _value(opt.param_groups[i]["lr"])
+        except Exception:
+            continue
+        status = f"held for {g.held} step(s)"
+        if g.rewrites:
+            status += f"; re-applied after the loop rewrote lr {g.rewrites} time(s), last at step {g.last_rewrite}"
+        out[i] = {"override": g.text(), "lr": g.target(loop), "status": status}
+    return out
+
+
+def _pick(optimizer_index: int | None, group: int | None) -> list:
+    opts = optimizers()
+    if not opts:
+        raise ActionError("no optimizer found in the training process; it is found once it has stepped, as a global "
+                          "of the training script, or through a Lightning/HF Trainer or an Accelerator.")
+    if optimizer_index is not None:
+        if not 0 <= optimizer_index < len(opts):
+            raise ActionError(f"there are {len(opts)} optimizer(s) ({', '.join(f.name for f in opts)}); --optimizer {optimizer_index} is not one of them.")
+        opts = [opts[optimizer_index]]
+    elif len(opts) > 1 and group is not None:
+        raise ActionError(f"there are {len(opts)} optimizers ({', '.join(f.name for f in opts)}); pick one with --optimizer N before --group.")
+    for f in opts:
+        n = len(f.obj.param_groups)
+        if group is not None and not 0 <= group < n:
+            raise ActionError(f"the optimizer {f.name} has {n} param group(s), numbered 0 to {n - 1}; --group {group} is not one of them.")
+    return opts
+
+
+def change_lr(ctx: Context, *, set_to: float | None, scale: float | None, group: int | None,
+              optimizer_index: int | None, once: bool = False) -> dict:
+    """Install (or compose) the override, or write once; the action settles at the next step."""
+    opts = _pick(optimizer_index, group)
+    for f in opts:
+        for i in (range(len(f.obj.param_groups)) if group is None else [group]):
+            if hasattr(f.obj.param_groups[i]["lr"], "fill_") and getattr(f.obj.param_groups[i]["lr"], "is_cuda", False):
+                raise ActionError(f"group {i} of {f.name} keeps its lr as a CUDA tensor; probe changes only CPU rates "
+                                  "(reading it each step would synchronise the GPU).")
+    settle = ctx.defer()
+    result = {"step": ctx.step, "mode": "once" if once else "hold", "optimizers": [], "waiting":
+              "no step of the optimizer followed within the action's timeout, so the new lr was not seen used; "
+              "the override stays installed (torch.optimizer shows it)."}
+    if ctx.action is not None:
+        ctx.action.result = result
+    for f in opts:
+        opt = f.obj
+        groups = list(range(len(opt.param_groups))) if group is None else [group]
+        rows = []
+        with _lock:
+            ov = _overrides.get(id(opt))
+            if ov is not None and ov.ref() is not opt:
+                ov = None  # a dead optimizer's id reused
+            if ov is None:
+                ov = _overrides[id(opt)] = _Override(opt, f.name)
+            for i in groups:
+                loop = _value(opt.param_groups[i]["lr"])
+                g = ov.groups.get(i)
+                before = g.target(loop) if g is not None else loop
+                if once:
+                    after = set_to if set_to is not None else before * scale
+                    if g is not None:
+                        del ov.groups[i]  # a one-off write replaces a held override
+                    _write(opt.param_groups[i], after)
+                elif g is None:
+                    g = ov.groups[i] = _Group("set" if set_to is not None else "scale",
+                                              set_to if set_to is not None else scale, loop, ctx.step)
+                    after = g.target(loop)
+                elif set_to is not None:
+                    g.mode, g.value = "set", set_to
+                    after = g.target(loop)
+                else:  # a scale on top of an override composes with it
+                    g.value = g.value * scale
+                    after = g.target(loop)
+                rows.append({"group": i, "before": before, "after": after, "loop_before": loop})
+            ov.pending.append((_settle_once(settle, result, len(opts)), result, once, rows))
+        result["optimizers"].append({"optimizer": f.name, "type": type(opt).__name__, "wrapper": f.wrapper,
+                                     "groups": rows})
+    return result
+
+
+def _settle_once(settle, result: dict, count: int):
+    """One settle per action: after the last of its ``count`` optimizers has stepped."""
+    left = [count]
+
+    def done(error=None):
+        left[0] -= 1
+        if left[0] <= 0:
+            result.pop("waiting", None)
+            settle(error)
+
+    return done
+
+
+def reset_lr(ctx: Context, *, group: int | None, optimizer_index: int | None) -> dict:
+    """Remove overrides; the loop's own rate (already in param_groups between steps) applies from the next step."""
+    opts = _pick(optimizer_index, group) if optimizer_index is not None or group is not None else optimizers()
+    removed = []
+    for f in opts:
+        with _lock:
+            ov = _overrides.get(id(f.obj))
+            if ov is None or ov.ref() is not f.obj:
+                continue
+            for i in ([group] if group is not None else list(ov.groups)):
+                g = ov.groups.pop(i, None)
+                if g is not None:
+                    removed.append({"optimizer": f.name, "group": i, "override": g.text(), "held_steps": g.held,
+                                    "rewrites": g.rewrites, "loop_lr": _value(f.obj.param_groups[i]["lr"])})
+            if not ov.groups and not ov.pending:
+                _overrides.pop(id(f.obj), None)
+    if not removed:
+        raise ActionError("there is no lr override to remove" + (" for that optimizer/group" if opts else "") + ".")
+    return {"step": ctx.step, "removed": removed}
+
+
+hooks.lr_overrides = sys.modules[__name__]  # probe's step hooks apply the overrides from here on

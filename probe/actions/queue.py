@@ -1,0 +1,257 @@
+"""Guarded actions: an id, a state, and a run at the step boundary.
+
+Mutating commands (checkpoint, lr, cleanup, eval with ``--at-step``) are queued and
+run by the training thread at the next safe point (after ``optimizer.step()``), so
+they never see a half-applied update. Each action moves through
+``queued -> running -> done | failed | timed_out``. A queued action that has not
+started by its deadline becomes ``timed_out`` under the same lock the training
+thread takes to start it, so a timed-out action can never run late. ``now=True``
+runs the action on the calling (server) thread at once, for a hung process.
+
+Every submission, refusal and outcome is written to the audit log; the last
+``CAPACITY`` actions are kept for the ``probe.actions`` table.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..training import safepoint
+from ..agent.audit import audit
+from .._errors import ActionError, ProbeError
+from ..util.errorlog import record_error
+from ..training.safepoint import StepEvent, on_step, remove
+
+__all__ = ["Action", "Context", "submit", "get", "wait", "actions", "last_step", "refuse", "TERMINAL"]
+
+CAPACITY = 1000
+TERMINAL = ("done", "failed", "timed_out")
+
+
+@dataclass
+class Context:
+    """What an action's function receives: the step boundary it runs at, if any.
+
+    An action whose effect can only be checked later (an lr change, at the next optimizer
+    step) calls ``defer()``: it then stays ``running`` after its function returns, until the
+    returned ``settle(error=None)`` is called (from the training thread, say), or its timeout
+    passes (``failed``, with the reason). Its result dict may be updated in place meanwhile.
+    """
+
+    step: int | None
+    frame: Any = None
+    optimizer: Any = None
+    now: bool = False
+    action_id: int = 0
+    deferred: bool = False
+    action: Any = None
+
+    def defer(self) -> Callable[..., None]:
+        self.deferred = True
+        a = self.action
+        if a is not None:
+            a.settle_by = time.time() + (a.timeout or 60.0)
+        action_id = self.action_id
+        return lambda error=None: settle(action_id, error)
+
+
+@dataclass
+class Action:
+    id: int
+    command: str
+    args: dict
+    client: dict
+    fn: Callable[[Context], dict] = field(repr=False)
+    now: bool = False
+    at_step: int | None = None
+    timeout: float | None = None
+    state: str = "queued"
+    requested_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    finished_at: float | None = None
+    step: int | None = None
+    result: dict | None = None
+    error: str | None = None
+    settle_by: float | None = None  # a deferred action not settled by then fails
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "command": self.command, "args": self.args, "state": self.state,
+                "now": self.now, "at_step": self.at_step, "timeout": self.timeout,
+                "requested_at": self.requested_at, "started_at": self.started_at,
+                "finished_at": self.finished_at, "step": self.step, "result": self.result,
+                "error": self.error, "queued_for": (self.started_at or time.time()) - self.requested_at,
+                "last_step": safepoint.last_step}
+
+
+_ids = itertools.count(1)
+_lock = threading.Condition(threading.RLock())
+_history: deque[Action] = deque(maxlen=CAPACITY)
+_pending: list[Action] = []  # while non-empty, _at_step is subscribed to the step boundary
+
+
+def last_step() -> int | None:
+    """The step of the last safe point this process passed, or None before the first one."""
+    return safepoint.last_step
+
+
+def actions() -> list[Action]:
+    expire()
+    with _lock:
+        return list(_history)
+
+
+def get(action_id: int) -> Action:
+    with _lock:
+        for a in _history:
+            if a.id == action_id:
+                return a
+    raise ActionError(f"no action with id {action_id} in this process; `probe ENDPOINT query \"SELECT * FROM probe.actions\"` lists them.")
+
+
+def refuse(client: dict, command: str, args: dict, reason: str) -> None:
+    """Audit a refusal, then raise it as one sentence."""
+    audit(client, command, args, "refused", reason=reason)
+    raise ActionError(reason)
+
+
+def submit(command: str, fn: Callable[[Context], dict], *, args: dict, client: dict, now: bool = False,
+           at_step: int | None = None, timeout: float | None = None) -> Action:
+    """Queue ``fn`` for the next safe point (or run it now); return the tracked action."""
+    action = Action(next(_ids), command, dict(args), dict(client), fn, now=now, at_step=at_step, timeout=timeout)
+    with _lock:
+        _history.append(action)
+        if not now:
+            _pending.append(action)
+            on_step(_at_step)  # subscribed only while something waits: an idle boundary costs nothing
+    audit(client, command, args, "queued" if not now else "running", id=action.id, now=now, at_step=at_step)
+    if now:
+        _run(action, Context(step=safepoint.last_step, now=True, action_id=action.id))
+    elif timeout is not None:
+        t = threading.Timer(timeout, expire)
+        t.daemon = True
+        t.name = "probe-action-timeout"
+        t.start()
+    return action
+
+
+def wait(action: Action, seconds: float) -> Action:
+    """Block the calling (server) thread until the action ends or ``seconds`` pass."""
+    deadline = time.monotonic() + max(0.0, seconds)
+    with _lock:
+        while action.state not in TERMINAL:
+            expire()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            _lock.wait(min(left, 0.5))
+    return action
+
+
+def expire() -> None:
+    """Mark queued actions past their deadline as timed_out; they are then never run."""
+    now = time.time()
+    expired = []
+    with _lock:
+        _expire_deferred(now)
+        for a in list(_pending):
+            if a.timeout is not None and now - a.requested_at >= a.timeout:
+                _pending.remove(a)
+                a.state, a.finished_at = "timed_out", now
+                a.error = (f"no step boundary was reached within {a.timeout:g} s"
+                           + (f" (waiting for step {a.at_step}, last step {safepoint.last_step})" if a.at_step is not None else "")
+                           + "; the action was dropped and will not run.")
+                expired.append(a)
+        if expired:
+            _lock.notify_all()
+    for a in expired:
+        audit(a.client, a.command, a.args, "timed_out", id=a.id, error=a.error)
+
+
+def settle(action_id: int, error: str | None = None) -> None:
+    """End a deferred action: ``done``, or ``failed`` with ``error``. A settled action stays settled."""
+    with _lock:
+        action = next((a for a in _history if a.id == action_id), None)
+        if action is None or action.state != "running" or action.settle_by is None:
+            return
+        action.state = "failed" if error else "done"
+        action.error = error
+        action.settle_by = None
+        action.finished_at = time.time()
+        _lock.notify_all()
+    audit(action.client, action.command, action.args, action.state, id=action.id, step=action.step,
+          error=action.error, result=_short(action.result))
+
+
+def _expire_deferred(now: float) -> None:
+    for a in list(_history):
+        if a.state == "running" and a.settle_by is not None and now >= a.settle_by:
+            settle(a.id, (a.result or {}).get("waiting") or "its effect could not be checked before the timeout.")
+
+
+def _run(action: Action, ctx: Context) -> None:
+    action.state, action.started_at, action.step = "running", time.time(), ctx.step
+    ctx.action = action
+    try:
+        result = action.fn(ctx) or {}
+        if ctx.deferred:
+            with _lock:
+                if action.result is None:
+                    action.result = result
+                _lock.notify_all()
+            audit(action.client, action.command, action.args, "applied", id=action.id, step=action.step,
+                  result=_short(action.result))
+            return
+        action.result = result
+        action.state = "done"
+    except ProbeError as exc:
+        action.state, action.error = "failed", exc.message
+        action.result = getattr(exc, "result", None)
+    except Exception as exc:
+        record_error(f"action {action.command}", exc)
+        action.state, action.error = "failed", f"{type(exc).__name__}: {exc}"
+        action.result = getattr(exc, "result", None)
+    finally:
+        if ctx.deferred and action.error is None:
+            return  # settled later (or already) by settle()
+        if action.state == "running":  # a BaseException (SystemExit from eval'd code)
+            action.state, action.error = "failed", "the action was interrupted."
+        action.finished_at = time.time()
+        with _lock:
+            _lock.notify_all()
+    audit(action.client, action.command, action.args, action.state, id=action.id, step=action.step,
+          error=action.error, result=_short(action.result))
+
+
+def _short(result: dict | None) -> Any:
+    try:
+        text = json.dumps(result, default=repr)
+    except Exception:
+        return repr(result)[:2000]
+    return result if len(text) <= 2000 else text[:2000] + "..."
+
+
+def _at_step(event: StepEvent) -> None:
+    """The training thread's side: start every due action, in submission order."""
+    now = time.time()
+    due = []
+    with _lock:
+        for a in list(_pending):
+            if a.at_step is not None and event.step is not None and event.step < a.at_step:
+                continue
+            _pending.remove(a)
+            if a.timeout is not None and now - a.requested_at >= a.timeout:
+                _pending.append(a)  # let expire() report it; it will not run
+                continue
+            a.state = "running"
+            due.append(a)
+        if not _pending:
+            remove(_at_step)  # under the lock, so a submit cannot slip in between the test and the removal
+    expire()
+    for a in due:
+        _run(a, Context(step=event.step, frame=event.frame, optimizer=event.optimizer, action_id=a.id))

@@ -1,0 +1,152 @@
+"""HTTP routes of the action and eval tiers, and the wait route the CLI polls.
+
+Every route takes the same scheduling fields in its JSON body:
+
+- ``now`` (bool): run on the server thread at once instead of at the next safe point;
+- ``at_step`` (int): run at the first safe point whose step is at least this (several
+  ranks then act at the same step);
+- ``timeout`` (seconds): a queued action not started by then is dropped (timed_out);
+- ``wait`` (seconds): how long this request waits for the outcome before answering
+  with the current state (the CLI then polls ``/actions/wait``).
+"""
+
+from __future__ import annotations
+
+from .._config import setting
+from .._errors import ActionError, ProbeError
+from ..actions import queue
+from ..actions.checkpoint import check_target, expand_path, save
+from ..actions.evaluate import run_code
+from ..actions.lr import change_lr, reset_lr
+from ..actions.maintenance import cleanup, debug
+from ..actions.queue import refuse, submit
+from . import state
+from .server import Request, route
+
+__all__ = []
+
+MAX_WAIT = 30.0
+
+
+def _number(req: Request, name: str, kind=float, default=None):
+    value = req.param(name, default)
+    if value is None:
+        return None
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ActionError(f"{name} must be a {'whole ' if kind is int else ''}number, not {value!r}.") from None
+
+
+def _flag(req: Request, name: str) -> bool:
+    return str(req.param(name, "")).lower() in ("1", "true", "yes")
+
+
+def _schedule(req: Request, default_now: bool = False) -> dict:
+    now = _flag(req, "now") if req.param("now") is not None else default_now
+    at_step = _number(req, "at_step", int)
+    if now and at_step is not None:
+        raise ActionError("give either now or at_step, not both.")
+    timeout = _number(req, "timeout", float, setting("PROBE_ACTION_TIMEOUT"))
+    if timeout is not None and timeout <= 0:
+        raise ActionError("timeout must be a positive number of seconds.")
+    return {"now": now, "at_step": at_step, "timeout": None if now else timeout}
+
+
+def _answer(req: Request, action) -> dict:
+    wait = min(max(_number(req, "wait", float, 0.0) or 0.0, 0.0), MAX_WAIT)
+    if wait:
+        queue.wait(action, wait)
+    return {"action": action.to_dict(), "pid": state.info().get("pid"), "rank": state.info().get("rank")}
+
+
+def _submit(req: Request, command: str, args: dict, fn, default_now: bool = False) -> dict:
+    try:
+        sched = _schedule(req, default_now)
+    except ProbeError as exc:
+        refuse(req.client, command, args, exc.message)
+    action = submit(command, fn, args=args, client=req.client, **sched)
+    return _answer(req, action)
+
+
+@route("POST", "/actions/eval", tier="eval")
+def eval_route(req: Request) -> dict:
+    code = req.param("code")
+    args = {"code": code if isinstance(code, str) else repr(code)}
+    if not isinstance(code, str) or not code.strip():
+        refuse(req.client, "eval", args, "no code given; pass the code as an argument or with -f FILE.")
+    # Immediate unless a safe point is asked for (reading state is the common case).
+    return _submit(req, "eval", args, lambda ctx: run_code(code, ctx), default_now=req.param("at_step") is None)
+
+
+@route("POST", "/actions/checkpoint", tier="action")
+def checkpoint_route(req: Request) -> dict:
+    path, force = req.param("path"), _flag(req, "force")
+    args = {"path": path, "force": force}
+    if not isinstance(path, str) or not path.strip():
+        refuse(req.client, "checkpoint", args, "no path given; pass the checkpoint file, e.g. /ckpt/emergency-{rank}.pt.")
+    rank = state.info().get("rank")
+    expanded = expand_path(path, rank, queue.last_step())
+    try:
+        if "{step}" not in path:
+            check_target(expanded, force)
+    except ProbeError as exc:
+        refuse(req.client, "checkpoint", {**args, "expanded": expanded}, exc.message)
+    return _submit(req, "checkpoint", {**args, "expanded": expanded},
+                   lambda ctx: save(ctx, expand_path(path, rank, ctx.step), force))
+
+
+@route("POST", "/actions/lr", tier="action")
+def lr_route(req: Request) -> dict:
+    args = {k: req.param(k) for k in ("set", "scale", "group", "optimizer", "once", "reset") if req.param(k) is not None}
+    try:
+        set_to, scale = _number(req, "set"), _number(req, "scale")
+        group, opt_index = _number(req, "group", int), _number(req, "optimizer", int)
+        if _flag(req, "reset"):
+            if set_to is not None or scale is not None:
+                raise ActionError("--reset removes the override; give it without --set or --scale.")
+            return _submit(req, "lr", args, lambda ctx: reset_lr(ctx, group=group, optimizer_index=opt_index))
+        if (set_to is None) == (scale is None):
+            raise ActionError("give exactly one of --set LR, --scale FACTOR or --reset.")
+        if (set_to is not None and set_to < 0) or (scale is not None and scale < 0):
+            raise ActionError("a learning rate and a scale factor must not be negative.")
+    except ProbeError as exc:
+        refuse(req.client, "lr", args, exc.message)
+    once = _flag(req, "once")
+    return _submit(req, "lr", args, lambda ctx: change_lr(ctx, set_to=set_to, scale=scale, group=group,
+                                                          optimizer_index=opt_index, once=once))
+
+
+@route("POST", "/actions/cleanup", tier="action")
+def cleanup_route(req: Request) -> dict:
+    zero = _flag(req, "zero_grad")
+    return _submit(req, "cleanup", {"zero_grad": zero}, lambda ctx: cleanup(ctx, zero))
+
+
+@route("POST", "/actions/debug", tier="action")
+def debug_route(req: Request) -> dict:
+    args = {"port": req.param("port", 5678)}
+    try:
+        port = _number(req, "port", int, 5678)
+        if not 0 <= port <= 65535:
+            raise ActionError(f"--port must be between 0 and 65535, not {port}.")
+    except ProbeError as exc:
+        refuse(req.client, "debug", args, exc.message)
+    # debugpy.listen does not touch training state: it runs at once unless a safe point is asked for.
+    return _submit(req, "debug", args, lambda ctx: debug(ctx, port), default_now=req.param("at_step") is None)
+
+
+@route("GET", "/actions/wait")
+def wait_route(req: Request) -> dict:
+    action_id = _number(req, "id", int)
+    if action_id is None:
+        raise ActionError("pass the action id to wait for.")
+    return _answer(req, queue.get(action_id))
+
+
+def _status() -> dict:
+    pending = sum(1 for a in queue.actions() if a.state in ("queued", "running"))
+    return {"safepoint_step": queue.last_step(), "actions_pending": pending}
+
+
+state.add_status_provider(_status)

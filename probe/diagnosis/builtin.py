@@ -1,0 +1,300 @@
+"""The doctor's built-in rules, one declaration each (docs/doctor.md lists them with their signals).
+
+Thresholds are chosen so that a healthy run gets no finding above ``info``: every rule
+needs enough steps to compare against and a margin in absolute terms as well as a ratio.
+"""
+
+from __future__ import annotations
+
+from .rules import rule
+
+__all__ = []
+
+rule(
+    "hung", family="hang", severity="critical",
+    description="No training step has completed for longer than PROBE_HUNG_AFTER seconds (or the hang watchdog fired).",
+    params={"hung_after": "PROBE_HUNG_AFTER"},
+    sql="""
+SELECT i.rank, i.step, round(epoch(current_timestamp) - epoch(i.last_step_at)) AS idle_s,
+       coalesce(b.func || ' (' || b.file || ':' || b.lineno || ')', 'an unknown frame') AS where_main
+FROM process.info AS i
+LEFT JOIN (SELECT rank, func, file, lineno FROM python.backtrace WHERE is_main AND depth = 0) AS b
+       ON b.rank IS NOT DISTINCT FROM i.rank
+WHERE i.step IS NOT NULL
+  AND (i.state = 'hung' OR epoch(current_timestamp) - epoch(i.last_step_at) > {hung_after})""",
+    message="no step has completed for {idle_s:.0f} s since step {step}; the main thread is in {where_main}.",
+    next=["probe {target} backtrace", "probe {target} backtrace --native"],
+)
+
+rule(
+    "loss_nonfinite", family="nan", severity="critical",
+    description="The loss became NaN or infinite; says whether an LR jump or a gradient-norm spike came just before.",
+    sql="""
+WITH s AS (
+  SELECT rank, step, loss, lr, grad_norm,
+         lr / nullif(lag(lr) OVER (PARTITION BY rank ORDER BY step), 0) AS lr_jump,
+         lag(lr) OVER (PARTITION BY rank ORDER BY step) AS prev_lr,
+         grad_norm / nullif(median(grad_norm) OVER (PARTITION BY rank ORDER BY step
+                                                     ROWS BETWEEN 50 PRECEDING AND 1 PRECEDING), 0) AS gn_score
+  FROM torch.steps),
+bad AS (SELECT rank, min(step) AS step FROM s WHERE isnan(loss) OR isinf(loss) GROUP BY rank),
+near AS (
+  SELECT b.rank, b.step,
+         max(s.lr_jump) FILTER (WHERE isfinite(s.lr_jump)) AS lr_jump,
+         arg_max(s.step, s.lr_jump) FILTER (WHERE isfinite(s.lr_jump)) AS jump_step,
+         arg_max(s.prev_lr, s.lr_jump) FILTER (WHERE isfinite(s.lr_jump)) AS lr_before,
+         arg_max(s.lr, s.lr_jump) FILTER (WHERE isfinite(s.lr_jump)) AS lr_after,
+         max(s.gn_score) FILTER (WHERE isfinite(s.gn_score)) AS gn_score,
+         arg_max(s.step, s.gn_score) FILTER (WHERE isfinite(s.gn_score)) AS spike_step
+  FROM bad AS b JOIN s ON s.rank IS NOT DISTINCT FROM b.rank AND s.step BETWEEN b.step - 5 AND b.step
+  GROUP BY b.rank, b.step)
+SELECT rank, step, lr_jump, jump_step, gn_score, spike_step,
+       CASE WHEN lr_jump >= 10 THEN
+              printf('%d step(s) after the learning rate jumped %.4gx (%.3g -> %.3g) at step %d; lower it',
+                     step - jump_step, lr_jump, lr_before, lr_after, jump_step)
+            WHEN gn_score >= 10 THEN
+              printf('%d step(s) after the gradient norm spiked to %.3gx its recent median at step %d; clip gradients or lower the LR',
+                     step - spike_step, gn_score, spike_step)
+            ELSE 'with neither an LR jump nor a gradient-norm spike just before: suspect the data (NaN/Inf inputs or labels) or a numerics bug (log(0), division by zero, fp16 overflow)'
+       END AS cause
+FROM near""",
+    message="the loss became NaN/Inf at step {step}, {cause}.",
+    next=["probe {target} query \"SELECT step, loss, grad_norm, lr FROM torch.steps WHERE step BETWEEN {step} - 10 AND {step} ORDER BY step\"",
+          "probe {target} lr --scale 0.1", "probe {target} checkpoint /tmp/emergency-{{rank}}-{{step}}.pt"],
+)
+
+rule(
+    "grad_nonfinite", family="nan", severity="critical",
+    description="Gradients hold NaN or Inf values right now.",
+    sql="""
+SELECT rank, count(*) AS tensors, sum(grad_nan + grad_inf) AS bad, arg_max(name, grad_nan + grad_inf) AS worst
+FROM torch.parameters WHERE grad_nan + grad_inf > 0 GROUP BY rank""",
+    message="{tensors} parameter tensor(s) have NaN/Inf gradients ({bad} elements), most in {worst}.",
+    next=["probe {target} query \"SELECT name, grad_nan, grad_inf FROM torch.parameters WHERE grad_nan + grad_inf > 0\""],
+)
+
+rule(
+    "params_nonfinite", family="nan", severity="critical",
+    description="Parameter values hold NaN or Inf: the weights are already ruined.",
+    sql="""
+SELECT rank, count(*) AS tensors, sum(nan_count + inf_count) AS bad, arg_max(name, nan_count + inf_count) AS worst
+FROM torch.parameters WHERE nan_count + inf_count > 0 GROUP BY rank""",
+    message="{tensors} parameter tensor(s) hold NaN/Inf values ({bad} elements), most in {worst}: resume from a checkpoint taken before the loss went bad.",
+    next=["probe {target} query \"SELECT step, loss, lr FROM torch.steps ORDER BY step DESC LIMIT 20\""],
+)
+
+rule(
+    "loss_diverging", family="divergence", severity="warning",
+    description="The 20-step mean loss has risen well above the best it reached (by 1.5x and by 0.1 at least).",
+    sql="""
+WITH s AS (
+  SELECT rank, step, avg(loss) OVER (PARTITION BY rank ORDER BY step ROWS 19 PRECEDING) AS m20,
+         count(loss) OVER (PARTITION BY rank ORDER BY step ROWS 19 PRECEDING) AS n
+  FROM torch.steps WHERE isfinite(loss)),
+per AS (
+  SELECT rank, min(m20) FILTER (WHERE n = 20) AS best, arg_min(step, m20) FILTER (WHERE n = 20) AS best_step,
+         arg_max(m20, step) AS now_loss, max(step) AS step
+  FROM s GROUP BY rank)
+SELECT rank, step, best, best_step, now_loss FROM per
+WHERE now_loss > 1.5 * best AND now_loss - best > 0.1 AND step - best_step >= 20""",
+    message="the loss is diverging: its 20-step mean is {now_loss:.4g} at step {step}, up from {best:.4g} at step {best_step}.",
+    next=["probe {target} query \"SELECT step, loss, grad_norm, lr FROM torch.steps ORDER BY step DESC LIMIT 20\"",
+          "probe {target} lr --scale 0.5"],
+)
+
+rule(
+    "loss_spike", family="divergence", severity="warning",
+    description="A recent step's loss is more than 3x the median of the 50 steps before it.",
+    sql="""
+WITH s AS (
+  SELECT rank, step, loss,
+         median(loss) OVER (PARTITION BY rank ORDER BY step ROWS BETWEEN 50 PRECEDING AND 1 PRECEDING) AS med,
+         count(loss) OVER (PARTITION BY rank ORDER BY step ROWS BETWEEN 50 PRECEDING AND 1 PRECEDING) AS n,
+         max(step) OVER (PARTITION BY rank) AS last
+  FROM torch.steps WHERE isfinite(loss))
+SELECT rank, arg_max(step, loss / med) AS step, max(loss / med) AS ratio, arg_max(loss, loss / med) AS loss,
+       arg_max(med, loss / med) AS med
+FROM s WHERE n >= 20 AND loss > 3 * med AND loss - med > 0.5 AND step > last - 100
+GROUP BY rank""",
+    message="the loss spiked to {loss:.4g} at step {step}, {ratio:.1f}x the median {med:.4g} of the steps before.",
+    next=["probe {target} query \"SELECT step, loss, grad_norm, lr FROM torch.steps WHERE step BETWEEN {step} - 5 AND {step} + 5 ORDER BY step\""],
+)
+
+rule(
+    "loss_at_chance", family="plateau", severity="warning",
+    description="The loss has stopped moving at ln(C), the loss of uniform guessing over C classes (C = an output size of the model).",
+    sql="""
+WITH recent AS (
+  SELECT rank, step, loss, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+  FROM torch.steps WHERE isfinite(loss)),
+m AS (
+  SELECT rank, max(step) AS step, avg(loss) FILTER (WHERE age <= 20) AS now_loss,
+         avg(loss) FILTER (WHERE age BETWEEN 21 AND 40) AS before_loss
+  FROM recent GROUP BY rank HAVING count(*) >= 40),
+dims AS (
+  SELECT DISTINCT rank, CAST(regexp_extract(shape, '^\\[(\\d+)', 1) AS BIGINT) AS c
+  FROM torch.parameters WHERE regexp_matches(shape, '^\\[\\d+'))
+SELECT m.rank, m.step, m.now_loss, arg_min(d.c, abs(ln(d.c) - m.now_loss)) AS classes,
+       ln(arg_min(d.c, abs(ln(d.c) - m.now_loss))) AS chance
+FROM m JOIN dims AS d ON d.rank IS NOT DISTINCT FROM m.rank
+WHERE d.c >= 2 AND abs(m.now_loss - m.before_loss) < 0.02 * m.now_loss
+GROUP BY m.rank, m.step, m.now_loss
+HAVING abs(ln(arg_min(d.c, abs(ln(d.c) - m.now_loss))) - m.now_loss) < 0.03 * m.now_loss""",
+    message="the loss sits at {now_loss:.3f} ~ ln({classes}) = {chance:.3f}, chance level for {classes} classes: the model is not learning.",
+    next=["probe {target} query \"SELECT name, requires_grad, in_optimizer, grad_norm FROM torch.parameters\"",
+          "probe {target} query \"SELECT optimizer, param_group, lr FROM torch.optimizer\""],
+)
+
+rule(
+    "loss_plateau", family="plateau", severity="info",
+    description="The 50-step mean loss moved by less than 1% over the last 100 steps.",
+    sql="""
+WITH recent AS (
+  SELECT rank, step, loss, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+  FROM torch.steps WHERE isfinite(loss)),
+m AS (
+  SELECT rank, max(step) AS step, avg(loss) FILTER (WHERE age <= 50) AS now_loss,
+         avg(loss) FILTER (WHERE age BETWEEN 51 AND 100) AS before_loss
+  FROM recent GROUP BY rank HAVING count(*) >= 100)
+SELECT rank, step, now_loss, before_loss FROM m WHERE abs(now_loss - before_loss) < 0.01 * abs(before_loss)""",
+    message="the loss has plateaued at {now_loss:.4g} (50-step mean {before_loss:.4g} before): fine if it has converged.",
+    next=["probe {target} query \"SELECT optimizer, param_group, lr, initial_lr FROM torch.optimizer\""],
+)
+
+rule(
+    "mostly_frozen", family="parameters", severity="warning",
+    description="More than half of the model's parameter tensors have requires_grad=False.",
+    sql="""
+SELECT rank, model, count(*) AS tensors, count(*) FILTER (WHERE NOT requires_grad) AS frozen,
+       sum(numel) FILTER (WHERE NOT requires_grad) AS frozen_elements
+FROM torch.parameters GROUP BY rank, model
+HAVING count(*) FILTER (WHERE NOT requires_grad) > count(*) / 2""",
+    message="{frozen} of {tensors} parameter tensors of {model} have requires_grad=False ({frozen_elements} elements): frozen by mistake?",
+    next=["probe {target} query \"SELECT name, shape, requires_grad, in_optimizer FROM torch.parameters\""],
+)
+
+rule(
+    "grads_not_optimized", family="parameters", severity="warning",
+    description="Parameters that require gradients are held by no optimizer: they get gradients but never change.",
+    sql="""
+SELECT rank, model, count(*) AS tensors, sum(numel) AS elements, min(name) AS example
+FROM torch.parameters WHERE requires_grad AND NOT in_optimizer GROUP BY rank, model""",
+    message="{tensors} trainable parameter tensor(s) of {model} ({elements} elements, e.g. {example}) are in no optimizer.",
+    next=["probe {target} query \"SELECT name, requires_grad, in_optimizer FROM torch.parameters WHERE NOT in_optimizer\""],
+)
+
+rule(
+    "lr_zero", family="optimizer", severity="warning",
+    description="An optimizer param group has learning rate 0: its parameters never move.",
+    sql="SELECT rank, optimizer, param_group, params FROM torch.optimizer WHERE lr = 0",
+    message="{optimizer} param group {param_group} ({params} tensors) has learning rate 0.",
+    next=["probe {target} lr --set 1e-3 --group {param_group}"],
+)
+
+rule(
+    "grad_norm_zero", family="parameters", severity="warning",
+    description="The gradient norm was exactly 0 on every one of the last 20 measured steps.",
+    sql="""
+WITH g AS (
+  SELECT rank, step, grad_norm, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+  FROM torch.steps WHERE grad_norm IS NOT NULL)
+SELECT rank, max(step) AS step, count(*) AS steps FROM g WHERE age <= 20 GROUP BY rank
+HAVING count(*) = 20 AND max(grad_norm) = 0""",
+    message="the gradient norm is exactly 0 on the last {steps} measured steps: the loss does not depend on the trained parameters (detached graph, frozen model, or zero-grad after backward).",
+    next=["probe {target} query \"SELECT name, requires_grad, grad_norm FROM torch.parameters\""],
+)
+
+rule(
+    "memory_growth", family="memory", severity="warning",
+    description="After the first 100 steps, peak memory rose by 16 MB or more in each half of the last 100 steps: it grows step over step.",
+    sql="""
+WITH p AS (
+  SELECT rank, step, peak_allocated AS peak, max(step) OVER (PARTITION BY rank) AS last
+  FROM torch.steps WHERE peak_allocated IS NOT NULL AND step > 100),
+w AS (
+  SELECT rank, max(last) AS step,
+         arg_min(peak, step) FILTER (WHERE step >= last - 100) AS start_peak,
+         arg_min(peak, step) FILTER (WHERE step >= last - 50) AS mid_peak,
+         arg_max(peak, step) AS end_peak
+  FROM p GROUP BY rank HAVING min(step) <= max(last) - 100)
+SELECT rank, step, start_peak / 1e6 AS start_mb, end_peak / 1e6 AS end_mb, (end_peak - start_peak) / 1e8 AS mb_per_step
+FROM w WHERE mid_peak - start_peak > 16e6 AND end_peak - mid_peak > 16e6 AND end_peak > 1.05 * start_peak""",
+    message="peak memory grows step over step: {start_mb:.0f} MB -> {end_mb:.0f} MB over the 100 steps up to step {step} (~{mb_per_step:.2f} MB a step): something keeps tensors alive (a list of losses, a growing cache).",
+    next=["probe {target} query \"SELECT * FROM torch.memory\"",
+          "probe {target} query \"SELECT step, MAX(allocated) AS peak FROM python.torch_trace GROUP BY step ORDER BY step DESC LIMIT 20\"",
+          "probe {target} cleanup"],
+)
+
+rule(
+    "throughput_regression", family="slow", severity="warning",
+    description="The median step time of the last 50 steps is twice (and 10 ms) above the job's own earlier median.",
+    sql="""
+WITH s AS (
+  SELECT rank, step, duration, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age,
+         row_number() OVER (PARTITION BY rank ORDER BY step) AS nth
+  FROM torch.steps WHERE duration IS NOT NULL),
+m AS (
+  SELECT rank, max(step) AS step, median(duration) FILTER (WHERE age <= 50) AS now_s,
+         median(duration) FILTER (WHERE age > 50 AND nth > 10) AS before_s,
+         count(*) FILTER (WHERE age > 50 AND nth > 10) AS n_before
+  FROM s GROUP BY rank)
+SELECT rank, step, now_s * 1000 AS now_ms, before_s * 1000 AS before_ms, now_s / before_s AS ratio FROM m
+WHERE n_before >= 20 AND now_s > 2 * before_s AND now_s - before_s > 0.01""",
+    message="steps got {ratio:.1f}x slower: median {now_ms:.1f} ms over the last 50 steps against {before_ms:.1f} ms before.",
+    next=["probe {target} backtrace",
+          "probe {target} query \"SELECT module, stage, AVG(duration) AS avg_s FROM python.torch_trace WHERE step > (SELECT MAX(step) - 5 FROM python.torch_trace) GROUP BY ALL ORDER BY avg_s DESC LIMIT 10\""],
+)
+
+rule(
+    "input_bound", family="input", severity="warning",
+    description="On traced steps, more than 70% of the step time (and 20 ms) goes outside forward and backward: waiting for data or host-side work.",
+    sql="""
+WITH f AS (
+  SELECT rank, step, sum(duration) AS model_s FROM python.torch_trace WHERE depth = 0 GROUP BY rank, step),
+j AS (
+  SELECT s.rank, s.step, s.duration, f.model_s FROM torch.steps AS s
+  JOIN f ON f.rank IS NOT DISTINCT FROM s.rank AND f.step = s.step
+  WHERE s.duration IS NOT NULL AND f.model_s IS NOT NULL),
+m AS (
+  SELECT rank, max(step) AS step, count(*) AS steps, median(duration) AS step_s, median(model_s) AS model_s
+  FROM (SELECT *, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age FROM j) WHERE age <= 10
+  GROUP BY rank)
+SELECT rank, step, steps, step_s * 1000 AS step_ms, model_s * 1000 AS model_ms,
+       100 * (1 - model_s / step_s) AS outside_pct FROM m
+WHERE steps >= 3 AND model_s < 0.3 * step_s AND step_s - model_s > 0.02""",
+    message="{outside_pct:.0f}% of step time is spent outside forward/backward ({step_ms:.1f} ms a step, {model_ms:.1f} ms in the model): the input pipeline or host-side work is the bottleneck.",
+    next=["probe {target} backtrace",
+          "probe {target} query \"SELECT name, state, cpu_s FROM python.threads\""],
+)
+
+rule(
+    "probe_errors", family="probe", severity="info",
+    description="The probe itself caught errors (recorded in probe.errors); training went on.",
+    sql="SELECT rank, count(*) AS n, arg_max(source, time) AS last_source, arg_max(message, time) AS last_message FROM probe.errors GROUP BY rank",
+    message="the probe recorded {n} error(s) of its own, the last from {last_source}: {last_message}",
+    next=["probe {target} query \"SELECT time, source, type, message FROM probe.errors ORDER BY time DESC LIMIT 10\""],
+)
+
+rule(
+    "hung_rank", family="distributed", severity="critical", scope="job",
+    description="A rank has made no step for longer than PROBE_HUNG_AFTER while not inside a collective: the rank the others wait for.",
+    sql="SELECT rank, step, age_s, state, top_frame FROM ranks.hung WHERE NOT coalesce(in_collective, false)",
+    message="rank {rank} has made no step for {age_s:.0f} s (state {state}), stuck in {top_frame}: the other ranks wait for it.",
+    next=["probe --rank {rank} backtrace", "probe --rank {rank} backtrace --native", "probe --ranks all backtrace --group"],
+)
+
+rule(
+    "straggler", family="distributed", severity="warning", scope="job",
+    description="A rank's median step time exceeds the other ranks' by PROBE_STRAGGLER_FACTOR.",
+    sql="SELECT rank, step, ratio, step_time * 1000 AS step_ms, others_step_time * 1000 AS others_ms, top_frame FROM ranks.stragglers",
+    message="rank {rank} is a straggler: {step_ms:.1f} ms a step against {others_ms:.1f} ms on the others ({ratio:.1f}x), now in {top_frame}.",
+    next=["probe --rank {rank} backtrace", "probe --ranks all status"],
+)
+
+rule(
+    "desync", family="distributed", severity="warning", scope="job",
+    description="A rank's step counter lags the most advanced rank by more than PROBE_DESYNC_STEPS.",
+    sql="SELECT rank, step, behind FROM ranks.desync",
+    message="rank {rank} is {behind} step(s) behind the most advanced rank (at step {step}).",
+    next=["probe --ranks all status", "probe --rank {rank} backtrace"],
+)

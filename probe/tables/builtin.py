@@ -1,0 +1,6 @@
+"""The built-in tables. Each module registers its tables with ``@table`` on import,
+exactly as a user's own table would; this list is the only place they are named."""
+
+from . import actions, diagnosis, meta, process, python, torch  # noqa: F401
+
+__all__ = []

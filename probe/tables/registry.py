@@ -1,0 +1,135 @@
+"""The table registry: one declaration per table, the single source for everything.
+
+A table is declared once, with its generator::
+
+    @table("python.threads", "Python threads of this process.",
+           columns=[Column("thread_id", "BIGINT", "threading ident.")],
+           examples=["SELECT thread_id FROM python.threads"])
+    def threads(ctx):
+        return [(t.ident,) for t in threading.enumerate()]
+
+The declaration drives query execution, completion, ``probe.tables`` and
+``probe.columns``, the README reference and the test suite (every example runs).
+Built-in tables register exactly the way a user's own table would.
+
+A generator receives a :class:`Context` and returns either rows (tuples in column
+order, or dicts by column name) or columns (a dict of column name to a sequence or
+numpy array, which is what ring buffers return: DuckDB reads those without a copy).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+__all__ = ["Column", "Table", "Context", "table", "get_table", "all_tables", "unregister", "to_columns"]
+
+TYPES = ("BIGINT", "INTEGER", "DOUBLE", "VARCHAR", "BOOLEAN", "TIMESTAMP")
+_NAME = re.compile(r"^[a-z_][a-z0-9_]*\.[a-z_][a-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Column:
+    """A typed, described column. TIMESTAMP columns are produced as epoch seconds (float)."""
+
+    name: str
+    type: str
+    description: str
+
+    def __post_init__(self):
+        if self.type not in TYPES:
+            raise ValueError(f"column {self.name}: type must be one of {', '.join(TYPES)}, not {self.type!r}")
+        if not self.description.endswith("."):
+            raise ValueError(f"column {self.name}: its description must be a sentence ending in a period")
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    description: str
+    columns: tuple[Column, ...]
+    generator: Callable[["Context"], Any]
+    examples: tuple[str, ...] = ()
+    kind: str = "snapshot"  # "snapshot": built at query time; "ring": a bounded history appended as events happen
+
+    @property
+    def schema(self) -> str:
+        return self.name.split(".", 1)[0]
+
+    @property
+    def short(self) -> str:
+        return self.name.split(".", 1)[1]
+
+    @property
+    def column_names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+
+@dataclass
+class Context:
+    """What a generator may use: the time of the snapshot and per-query hints."""
+
+    time: float = field(default_factory=time.time)
+    hints: dict = field(default_factory=dict)
+    exclude_threads: frozenset = frozenset()
+
+
+_REGISTRY: dict[str, Table] = {}
+_LOCK = threading.Lock()
+
+
+def table(name: str, description: str, *, columns: Iterable[Column], examples: Iterable[str] = (), kind: str = "snapshot"):
+    """Register the decorated generator as table ``name`` (``schema.table``, lower case)."""
+    if not _NAME.match(name):
+        raise ValueError(f"table name {name!r} must look like schema.table in lower case")
+    if not description.endswith("."):
+        raise ValueError(f"table {name}: its description must be a sentence ending in a period")
+    if kind not in ("snapshot", "ring"):
+        raise ValueError("kind must be 'snapshot' or 'ring'")
+    cols = tuple(columns)
+    if len({c.name for c in cols}) != len(cols):
+        raise ValueError(f"table {name}: duplicate column names")
+
+    def register(fn):
+        with _LOCK:
+            _REGISTRY[name] = Table(name, description, cols, fn, tuple(examples), kind)
+        return fn
+
+    return register
+
+
+def unregister(name: str) -> None:
+    with _LOCK:
+        _REGISTRY.pop(name, None)
+
+
+def get_table(name: str) -> Table | None:
+    return _REGISTRY.get(name.lower())
+
+
+def all_tables() -> list[Table]:
+    with _LOCK:
+        return sorted(_REGISTRY.values(), key=lambda t: t.name)
+
+
+def to_columns(tbl: Table, data: Any) -> dict:
+    """Normalise a generator's output to ``{column: sequence}`` in declaration order."""
+    names = tbl.column_names
+    if isinstance(data, dict):
+        missing = [n for n in names if n not in data]
+        if missing:
+            raise ValueError(f"table {tbl.name}: generator did not return columns {missing}")
+        return {n: data[n] for n in names}
+    rows = list(data or ())
+    if rows and isinstance(rows[0], dict):
+        return {n: [r.get(n) for r in rows] for n in names}
+    out: dict[str, list] = {n: [] for n in names}
+    for r in rows:
+        if len(r) != len(names):
+            raise ValueError(f"table {tbl.name}: a row has {len(r)} values for {len(names)} columns")
+        for n, v in zip(names, r):
+            out[n].append(v)
+    return out

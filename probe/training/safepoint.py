@@ -1,0 +1,66 @@
+"""The step boundary: the one place where the training thread hands control to the probe.
+
+Whatever detects a completed optimizer step (torch's global optimizer step post-hook,
+or an explicit ``probe.step()``) calls ``fire``; subscribers registered with
+``on_step`` then run on the training thread, between two steps: queued actions,
+the hang watchdog's re-arm, step bookkeeping. A subscriber that raises is recorded in
+``probe.errors`` and the others still run; nothing propagates into training.
+
+Subscribers come and go: the action queue subscribes only while an action waits, so
+a boundary with nobody subscribed only records ``last_step`` (the torch step tracker
+skips building the event then).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..util.errorlog import record_error
+
+__all__ = ["StepEvent", "on_step", "remove", "fire", "last_step"]
+
+
+class StepEvent:
+    """One step boundary as seen by subscribers (a plain slotted class: one is made per step).
+
+    ``frame`` is the training loop's frame (for the locals ``loss``, ``batch``, ...) and
+    ``optimizer`` the optimizer whose step just finished, when known.
+    """
+
+    __slots__ = ("step", "frame", "optimizer")
+
+    def __init__(self, step: int, frame=None, optimizer=None):
+        self.step = step
+        self.frame = frame
+        self.optimizer = optimizer
+
+    def __repr__(self) -> str:
+        return f"StepEvent(step={self.step})"
+
+
+_subscribers: list[Callable[[StepEvent], None]] = []
+last_step: int | None = None  # the step of the last boundary passed (set even when nobody subscribes)
+
+
+def on_step(fn: Callable[[StepEvent], None]) -> Callable[[StepEvent], None]:
+    """Run ``fn(event)`` at every step boundary, on the training thread. Idempotent."""
+    if fn not in _subscribers:
+        _subscribers.append(fn)
+    return fn
+
+
+def remove(fn: Callable[[StepEvent], None]) -> None:
+    try:
+        _subscribers.remove(fn)
+    except ValueError:
+        pass
+
+
+def fire(event: StepEvent) -> None:
+    global last_step
+    last_step = event.step
+    for fn in tuple(_subscribers):
+        try:
+            fn(event)
+        except Exception as exc:
+            record_error(f"step subscriber {getattr(fn, '__qualname__', fn)}", exc)

@@ -1,0 +1,372 @@
+"""Module tracing for sampled steps: one ``python.torch_trace`` row per module call.
+
+Tracing uses torch's global forward pre/post hooks, installed at the boundary before
+a sampled step and removed at the boundary after it, so unsampled steps run torch's
+hook-free fast path. The hot path only appends a tuple to a list; names, sequence
+numbers and the ring write happen once per traced step, vectorised with numpy.
+
+Sampling is deterministic by step number (the same steps on every rank): steps 1-3
+(the first steps show start-up costs) and every N-th step after, N from
+``PROBE_TRACE`` (default ``DEFAULT_EVERY``); ``all`` traces every step, ``off`` none.
+
+Durations: perf_counter on CPU; on CUDA a pair of CUDA events per call, resolved
+when the events have completed (a later boundary or query), never synchronising.
+``allocated`` is the CUDA allocator's current bytes on GPU runs, else the process
+RSS; it is read at most every ``MEM_PERIOD`` seconds (the last reading is reused).
+Backward is traced per root model (a module called at top level, a loss module
+included), as a cut of the backward pass: a root's row runs from the moment autograd
+reaches its output to the moment it reaches the next root's output, or to the end of the
+pass. The backward rows of a pass therefore add up to the pass and never overlap.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from . import finder
+from .._config import setting
+from .._runtime import rank_identity
+from ..util.errorlog import record_error
+from ..util.procfs import RssReader
+from ..util.ring import Ring
+
+__all__ = ["Tracer", "DEFAULT_EVERY", "TRACE_COLUMNS"]
+
+DEFAULT_EVERY = 100
+MEM_PERIOD = 0.0005
+TRACE_COLUMNS = {"step": "i8", "seq": "i8", "module": "O", "stage": "O", "duration": "f8", "allocated": "f8",
+                 "max_allocated": "f8", "time": "f8", "rank": "f8", "depth": "i8", "model": "O", "module_type": "O"}
+
+
+_quieted = False
+
+
+def _quiet_compile_warning() -> None:
+    """Silence torch's per-call warning that global hooks also fire for a compiled module's wrapper.
+
+    The probe's sampled-step hooks are what trigger it, not the user's code, and the
+    trace accounts for the wrapper (the compiled module is one traced call). Added once:
+    every change to the filters resets Python's "shown once" memory of other warnings.
+    """
+    global _quieted
+    if _quieted:
+        return
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks",
+                            category=UserWarning)
+    _quieted = True
+
+
+class Tracer:
+    def __init__(self, torch, every: int | None = None, capacity: int | None = None):
+        self.torch = torch
+        if every is None:
+            every = setting("PROBE_TRACE")
+        self.every = DEFAULT_EVERY if every is None else every
+        self.ring = Ring(TRACE_COLUMNS, int(capacity or setting("PROBE_TRACE_CAPACITY")))
+        self.rank = rank_identity()["rank"]
+        self.cuda = bool(torch.cuda.is_available() and torch.cuda.is_initialized()) if hasattr(torch, "cuda") else False
+        self.handles: list = []
+        self.active_step: int | None = None
+        self.rows: list = []  # (module, t0, t1, mem, depth[, ev0, ev1]) per call
+        self.backward: list = []  # (root, t0, t1, mem, ev0, ev1)
+        self._open_backward = None  # (root, t0, ev0): the backward row being timed in the current pass
+        self._pass_queued = False  # the end-of-pass callback is queued
+        self.pending_events: list = []  # (ring row, ev0, ev1) awaiting completion (CUDA)
+        self._names: dict = {}
+        self._rss = RssReader()
+        self._mem = [0.0, float("nan")]  # time of last reading, value
+        self._event_pool: list = []
+        self._failed = False
+        self._stack: list = []  # the hooks' open calls; emptied at each boundary (a raise can strand one)
+        self._lock = threading.Lock()
+
+    # -- sampling ---------------------------------------------------------------------------
+    def sampled(self, step: int) -> bool:
+        if self.every <= 0 or self._failed:
+            return False
+        return self.every == 1 or step <= 3 or step % self.every == 0
+
+    def prepare(self, step: int) -> None:
+        """Called at the boundary before ``step``: install hooks if it is sampled, else make sure none are."""
+        want = self.sampled(step)
+        self._stack.clear()
+        if not self.cuda and want and self.torch.cuda.is_initialized():
+            self.cuda = True  # CUDA came up after the probe: time device work from now on
+            self._remove()
+        if want and not self.handles:
+            self._install()
+        elif not want and self.handles:
+            self._remove()
+        self.active_step = step if want else None
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _read_mem(self) -> float:
+        if self.cuda:
+            return float(self.torch.cuda.memory_allocated())
+        return self._rss()
+
+    def _install(self) -> None:
+        """Install the global forward pre/post hook pair for one sampled step.
+
+        Every module call of the step runs these two functions, so they do the least
+        that keeps a call's record: a perf_counter reading each side, a stack push and
+        pop, one tuple appended; names, sequence numbers and the ring write wait for the
+        boundary. Two variants (CPU, CUDA) keep a device test out of the hot path. While
+        dynamo traces a compiled module the hooks do nothing (``is_dynamo_compiling`` is
+        False in eager code and constant-folded to True by dynamo), so a ``fullgraph``
+        compile sees no side effect to break on. No ``always_call``: a post hook that a
+        raising module skips leaves its entry on the stack, and the next post hook pops
+        past it.
+        """
+        torch = self.torch
+        mm = torch.nn.modules.module
+        stack = self._stack
+        push, pop = stack.append, stack.pop
+        add = self.rows.append
+        perf = time.perf_counter
+        mem = self._mem
+        read_mem = self._read_mem
+        new_event = self._new_event
+        tc = getattr(torch, "compiler", None)
+        compiling = getattr(tc, "is_dynamo_compiling", None) or getattr(tc, "is_compiling", None) or (lambda: False)
+        grad_enabled = torch.is_grad_enabled
+        watch_backward = self._watch_backward
+        period = MEM_PERIOD
+
+        def pre(module, args):
+            if compiling():
+                return
+            push((module, perf()))
+
+        def post(module, args, output):
+            if compiling() or not stack:
+                return
+            t1 = perf()
+            m, t0 = pop()
+            while m is not module and stack:  # a call that raised past its own post hook
+                m, t0 = pop()
+            if m is not module:
+                return
+            if t1 - mem[0] > period:
+                mem[0] = t1
+                mem[1] = read_mem()
+            if stack:
+                add((module, t0, t1, mem[1], len(stack)))
+            else:
+                add((module, t0, t1, mem[1], 0))
+                if grad_enabled():
+                    watch_backward(module, output)
+
+        def pre_cuda(module, args):
+            if compiling():
+                return
+            ev = new_event()
+            ev.record()
+            push((module, perf(), ev))
+
+        def post_cuda(module, args, output):
+            if compiling() or not stack:
+                return
+            ev1 = new_event()
+            ev1.record()
+            t1 = perf()
+            m, t0, ev0 = pop()
+            while m is not module and stack:
+                m, t0, ev0 = pop()
+            if m is not module:
+                return
+            if t1 - mem[0] > period:
+                mem[0] = t1
+                mem[1] = read_mem()
+            depth = len(stack)
+            add((module, t0, t1, mem[1], depth, ev0, ev1))
+            if not depth and grad_enabled():
+                watch_backward(module, output)
+
+        _quiet_compile_warning()
+        try:
+            if self.cuda:
+                self.handles = [mm.register_module_forward_pre_hook(pre_cuda),
+                                mm.register_module_forward_hook(post_cuda)]
+            else:
+                self.handles = [mm.register_module_forward_pre_hook(pre), mm.register_module_forward_hook(post)]
+        except Exception as exc:
+            self._failed = True
+            record_error("torch trace: installing hooks", exc)
+
+    def _remove(self) -> None:
+        for h in self.handles:
+            try:
+                h.remove()
+            except Exception as exc:
+                record_error("torch trace: removing hooks", exc)
+        self.handles = []
+
+    def _new_event(self):
+        pool = self._event_pool
+        return pool.pop() if pool else self.torch.cuda.Event(enable_timing=True)
+
+    def _watch_backward(self, root, output) -> None:
+        """Time the backward pass of a root model: autograd reaching its output, to the pass's end."""
+        try:
+            t = output
+            if isinstance(t, (tuple, list)):
+                t = next((x for x in t if getattr(x, "grad_fn", None) is not None), None)
+            elif isinstance(t, dict):
+                t = next((x for x in t.values() if getattr(x, "grad_fn", None) is not None), None)
+            fn = getattr(t, "grad_fn", None)
+            if fn is None:
+                return
+            fn.register_prehook(lambda grad_outputs: self._backward_reached(root))
+        except Exception as exc:
+            record_error("torch trace: backward hook", exc)
+
+    def _backward_reached(self, root) -> None:
+        """Autograd reached ``root``'s output: the backward row open so far (the previous root's) ends here.
+
+        The backward pass is cut where autograd reaches each root's output, in the order it does:
+        a root's row runs from there to where the next root's output is reached, or to the end
+        of the pass. So the rows of one pass add up to the pass, and nothing is counted twice
+        (a loss module called at top level gets the loss's own backward, not the whole pass).
+        """
+        try:
+            now = time.perf_counter()
+            ev = None
+            if self.cuda:
+                ev = self._new_event()
+                ev.record()
+            self._close_backward(now)
+            self._open_backward = (root, now, ev)
+            if not self._pass_queued:
+                self._pass_queued = True
+                self.torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+        except Exception as exc:
+            record_error("torch trace: backward hook", exc)
+        return None
+
+    def _close_backward(self, now: float) -> None:
+        opened, self._open_backward = self._open_backward, None
+        if opened is None:
+            return
+        root, t0, ev0 = opened
+        ev1 = None
+        if self.cuda:
+            ev1 = self._new_event()
+            ev1.record()
+        self.backward.append((root, t0, now, self._read_mem(), ev0, ev1))
+
+    def _backward_finished(self) -> None:
+        try:
+            self._pass_queued = False
+            self._close_backward(time.perf_counter())
+        except Exception as exc:
+            record_error("torch trace: backward hook", exc)
+
+    def first_call_perf(self) -> float | None:
+        """perf_counter time of the first module call traced in the current step, if any."""
+        rows = self.rows
+        return rows[0][1] if rows else None
+
+    # -- flushing -----------------------------------------------------------------------------
+    def _name_of(self, module) -> tuple[str, str]:
+        key = id(module)
+        hit = self._names.get(key)
+        if hit is not None and hit[0]() is module:
+            return hit[1], hit[2]
+        import weakref
+
+        for root_name, root, _, _ in finder.known("model"):
+            if root is module:
+                self._names[key] = (weakref.ref(module), root_name, root_name)
+                return root_name, root_name
+            for name, sub in root.named_modules():
+                try:
+                    self._names[id(sub)] = (weakref.ref(sub), finder.module_path(name) or root_name, root_name)
+                except TypeError:
+                    pass
+            hit = self._names.get(key)
+            if hit is not None and hit[0]() is module:
+                return hit[1], hit[2]
+        name = type(module).__name__
+        try:
+            self._names[key] = (weakref.ref(module), name, "")
+        except TypeError:
+            pass
+        return name, ""
+
+    def finish(self, step: int, wall_offset: float) -> None:
+        """At the boundary after a traced step: write its rows (``wall_offset`` maps perf_counter to epoch)."""
+        import numpy as np
+
+        # The hooks hold these lists: take their contents and empty them in place.
+        rows, back = self.rows[:], self.backward[:]
+        del self.rows[:len(rows)], self.backward[:len(back)]
+        if not rows and not back:
+            return
+        records = []  # (t0, module, model, cls, stage, t1, mem, depth, ev0, ev1)
+        for r in rows:  # (module, t0, t1, mem, depth) on CPU, plus (ev0, ev1) on CUDA
+            m = r[0]
+            name, model = self._name_of(m)
+            evs = r[5:] if len(r) > 5 else (None, None)
+            records.append((r[1], name, model, type(m).__name__, "forward", r[2], r[3], r[4], *evs))
+        for m, t0, t1, memv, ev0, ev1 in back:
+            name, model = self._name_of(m)
+            records.append((t0, name, model, type(m).__name__, "backward", t1, memv, 0, ev0, ev1))
+        records.sort(key=lambda r: r[0])
+        n = len(records)
+        t0 = np.fromiter((r[0] for r in records), "f8", n)
+        t1 = np.fromiter((r[5] for r in records), "f8", n)
+        memv = np.fromiter((r[6] for r in records), "f8", n)
+        peak = np.fmax.accumulate(memv) if n else memv
+        cols = {
+            "step": np.full(n, step, "i8"), "seq": np.arange(n, dtype="i8"),
+            "module": np.array([r[1] for r in records], dtype=object),
+            "stage": np.array([r[4] for r in records], dtype=object),
+            "duration": t1 - t0, "allocated": memv, "max_allocated": peak, "time": t0 + wall_offset,
+            "rank": np.full(n, np.nan if self.rank is None else self.rank, "f8"),
+            "depth": np.fromiter((r[7] for r in records), "i8", n),
+            "model": np.array([r[2] for r in records], dtype=object),
+            "module_type": np.array([r[3] for r in records], dtype=object),
+        }
+        if self.cuda:
+            cols["duration"][:] = np.nan  # device time, filled in when the events complete
+            base = self.ring.count + max(0, n - self.ring.capacity)
+            with self._lock:
+                for i, r in enumerate(records[max(0, n - self.ring.capacity):]):
+                    if r[8] is not None and r[9] is not None:
+                        self.pending_events.append((base + i, r[8], r[9]))
+        self.ring.extend(cols, n)
+
+    def resolve(self) -> None:
+        """Fill in CUDA durations whose events have completed; never waits."""
+        with self._lock:
+            self._resolve()
+
+    def _resolve(self) -> None:
+        if not self.pending_events:
+            return
+        keep = []
+        dur = self.ring.arrays["duration"]
+        for row, ev0, ev1 in self.pending_events:
+            if self.ring.count - row > self.ring.capacity:
+                self._event_pool.extend((ev0, ev1))
+                continue
+            try:
+                done = ev1.query()
+            except Exception as exc:
+                record_error("torch trace: cuda event", exc)
+                continue
+            if done:
+                dur[row % self.ring.capacity] = ev0.elapsed_time(ev1) / 1000.0
+                self._event_pool.extend((ev0, ev1))
+            else:
+                keep.append((row, ev0, ev1))
+        self.pending_events = keep
+
+    def close(self) -> None:
+        self._remove()
+        self.active_step = None

@@ -1,0 +1,1 @@
+"""Small helpers every room may use: the ring buffer, frame locals, /proc, the error log."""

@@ -1,0 +1,79 @@
+"""A small classifier (8 classes, generated data) that trains with one planted fault, or none.
+
+    python faults.py --fault healthy|nan_after_lr_jump|nan_from_data|frozen|lr_zero|not_in_optimizer|
+                             slowdown|memory_growth|hang|data_wait
+
+It never imports probe itself: tests start it with PROBE=1, as a user would. It prints
+"ready" after ``--ready-step`` steps and "planted" once the fault has taken effect, then
+keeps training (or hanging) until killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+p = argparse.ArgumentParser()
+p.add_argument("--fault", default="healthy")
+p.add_argument("--fault-step", type=int, default=40)
+p.add_argument("--ready-step", type=int, default=20)
+p.add_argument("--step-sleep", type=float, default=0.005)
+p.add_argument("--settle", type=int, default=60, help="steps after the fault before printing 'planted'")
+args = p.parse_args()
+
+torch.manual_seed(0)
+CLASSES, DIM = 8, 16
+centers = torch.randn(CLASSES, DIM) * 3
+
+
+def batch(n=64):
+    y = torch.randint(0, CLASSES, (n,))
+    return centers[y] + torch.randn(n, DIM), y
+
+
+model = nn.Sequential(nn.Linear(DIM, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, CLASSES))
+if args.fault == "frozen":  # "fine-tune only the head", with the head frozen by mistake too
+    for param in model.parameters():
+        param.requires_grad_(False)
+    model[4].bias.requires_grad_(True)
+params = [q for q in model.parameters() if q.requires_grad]
+if args.fault == "not_in_optimizer":
+    params = list(model[4].parameters())  # the body trains with no optimizer behind it
+optimizer = torch.optim.SGD(params, lr=0.05 if args.fault != "lr_zero" else 0.0, momentum=0.9)
+hoard = []
+step = 0
+while True:
+    step += 1
+    if args.fault == "hang" and step == args.fault_step:
+        print("planted", flush=True)
+        while True:
+            time.sleep(1)  # ok-sleep: the planted hang (the main thread never returns)
+    if args.fault == "data_wait" and step >= args.fault_step:
+        time.sleep(0.08)  # ok-sleep: the planted slow input pipeline (outside forward/backward)
+    x, y = batch()
+    if args.fault == "nan_from_data" and step >= args.fault_step:
+        x[0, 0] = float("nan")
+    logits = model(x)
+    loss = F.cross_entropy(logits, y)
+    optimizer.zero_grad(set_to_none=False)
+    loss.backward()
+    if args.fault == "nan_after_lr_jump" and step == args.fault_step:
+        for g in optimizer.param_groups:
+            g["lr"] = 1e4  # a schedule bug: the LR jumps 200 000x
+    optimizer.step()
+    if args.fault == "slowdown" and step >= args.fault_step:
+        time.sleep(0.15)  # ok-sleep: the planted throughput regression
+    if args.fault == "memory_growth" and step >= args.fault_step:
+        hoard.append(torch.ones(256 * 1024))  # 1 MiB a step kept alive: a leak
+    if args.step_sleep:
+        time.sleep(args.step_sleep)  # ok-sleep: keeps the loop from starving the test on 2 cores
+    if step == args.ready_step:
+        print(f"ready pid={os.getpid()} chance={math.log(CLASSES):.4f}", flush=True)
+    if step == args.fault_step + args.settle and args.fault not in ("healthy", "hang"):
+        print("planted", flush=True)

@@ -1,0 +1,127 @@
+"""`probe doctor` against planted faults: each job has one, the doctor must name it; a healthy job gets nothing above info.
+
+The jobs are tests/targets/faults.py started with PROBE=1 (no probe code in the script),
+and a process stuck in C with the GIL held. The doctor is polled with a deadline until
+the fault's rule shows (the fault needs some steps to leave its trace), never slept on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from conftest import EXAMPLES, TARGETS, requires_torch
+
+FOUND_EXIT = 8
+
+
+def doctor(cli, target, *extra, env=None):
+    r = cli(str(target), "doctor", "--format", "json", *extra, env=env, timeout=90)
+    assert r.returncode in (0, FOUND_EXIT), r.stderr
+    assert "Traceback" not in r.stderr
+    doc = json.loads(r.stdout)
+    assert (r.returncode == FOUND_EXIT) == any(f["severity"] in ("critical", "warning") for f in doc["findings"])
+    return doc
+
+
+def poll_for(cli, target, rule, timeout=60.0, env=None):
+    """Run the doctor until ``rule`` is among its findings; return (that finding, all findings)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        doc = doctor(cli, target, env=env)
+        hit = [f for f in doc["findings"] if f["rule"] == rule]
+        if hit or time.monotonic() > deadline:
+            assert hit, f"{rule} not found; the doctor said: {json.dumps(doc['findings'], indent=1)}"
+            return hit[0], doc["findings"]
+        time.sleep(0.5)  # ok-sleep: polling with a deadline
+
+
+FAULTS = [
+    # fault, the rule that must name it, words its message must hold (the decisive evidence)
+    ("frozen", "mostly_frozen", ["5 of 6 parameter tensors", "requires_grad=False"]),
+    ("lr_zero", "lr_zero", ["learning rate 0"]),
+    ("not_in_optimizer", "grads_not_optimized", ["in no optimizer"]),
+    ("nan_from_data", "params_nonfinite", ["NaN/Inf"]),
+    ("memory_growth", "memory_growth", ["peak memory grows"]),
+    ("slowdown", "throughput_regression", ["slower"]),
+]
+SETTLE = {"memory_growth": "200"}  # steps the fault needs before its rule can see it
+
+
+@requires_torch
+@pytest.mark.parametrize("fault, rule, words", FAULTS, ids=[f[0] for f in FAULTS])
+def test_doctor_names_the_planted_fault(spawn, cli, fault, rule, words):
+    # given: a job with one planted fault, past the point where it shows
+    job = spawn([TARGETS / "faults.py", "--fault", fault, "--settle", SETTLE.get(fault, "60")], env={"PROBE": "1"},
+                ready="planted", timeout=180)
+    # when
+    finding, findings = poll_for(cli, job.pid, rule)
+    # then: named with its evidence and a next command to type
+    assert finding["severity"] in ("critical", "warning")
+    for w in words:
+        assert w in finding["message"], finding
+    assert finding["next"] and all(n.startswith("probe ") for n in finding["next"])
+    assert str(job.pid) in " ".join(finding["next"])
+    # the human form: the most severe finding comes first, with its next command
+    text = cli(job.pid, "doctor")
+    assert text.returncode == FOUND_EXIT and "next: probe" in text.stdout
+
+
+@requires_torch
+def test_frozen_model_is_also_at_chance_level(spawn, cli):
+    job = spawn([TARGETS / "faults.py", "--fault", "frozen", "--settle", "200"], env={"PROBE": "1"},
+                ready="planted", timeout=180)
+    finding, _ = poll_for(cli, job.pid, "loss_at_chance")
+    assert "ln(8) = 2.079" in finding["message"], finding
+
+
+@requires_torch
+def test_hung_training_loop_says_where(spawn, cli):
+    job = spawn([TARGETS / "faults.py", "--fault", "hang"], env={"PROBE": "1", "PROBE_HUNG_AFTER": "1"},
+                ready="planted", timeout=120)
+    finding, _ = poll_for(cli, job.pid, "hung", env={"PROBE_HUNG_AFTER": "1"})
+    assert finding["severity"] == "critical"
+    assert "faults.py" in finding["message"] and "no step has completed" in finding["message"]
+
+
+def test_process_stuck_in_c_with_the_gil_is_reported_from_outside(spawn, cli):
+    # given: the server cannot answer (the GIL is held in a C call)
+    job = spawn(TARGETS / "hang_gil.py", env={"TARGET_WITH_PROBE": "1"})
+    # when
+    doc = doctor(cli, job.pid, "--timeout", "2")
+    # then: it says so, with what py-spy sees
+    f = doc["findings"][0]
+    assert f["rule"] == "not_answering" and f["severity"] == "critical"
+    assert "not answering" in f["message"] and "stuck_in_c" in f["message"] and "GIL" in f["message"]
+    assert doc["answering"] == 0
+
+
+@requires_torch
+def test_healthy_job_gets_nothing_above_info(spawn, cli):
+    job = spawn([EXAMPLES / "train_gpt.py", "--print-every", "50"], ready="step 150", timeout=180)
+    doc = doctor(cli, job.pid)
+    loud = [f for f in doc["findings"] if f["severity"] != "info"]
+    assert not loud, loud
+    assert doc["rules_run"] >= 10, doc
+    assert cli(job.pid, "doctor").returncode == 0
+
+
+def test_user_rule_declared_in_the_script_runs_too(spawn, cli):
+    job = spawn(TARGETS / "idle.py", env={"IDLE_USER_RULE": "1"})
+    doc = doctor(cli, job.pid)
+    mine = [f for f in doc["findings"] if f["rule"] == "too_many_threads"]
+    assert mine and "threads" in mine[0]["message"], doc
+    assert cli(job.pid, "query", "SELECT name FROM diagnosis.rules WHERE name = 'too_many_threads'").returncode == 0
+
+
+def test_every_rule_is_documented_with_an_example():
+    from probe.diagnosis import builtin  # noqa: F401
+    from probe.diagnosis.rules import all_rules
+
+    from conftest import ROOT
+
+    doc = (ROOT / "docs" / "doctor.md").read_text()
+    for r in all_rules():
+        assert f"| `{r.name}` |" in doc, f"docs/doctor.md does not list rule {r.name}"

@@ -1,0 +1,120 @@
+"""The package's import graph has no cycles: top-level and in-function imports both.
+
+Every ``import`` and ``from ... import`` in every module of the installed package
+(``probe``, ``probe.sql``, ``probe.cli``, ``probe.injector``: the folders named by
+pyproject's package-dir) is an edge, wherever it stands in the module. A cycle makes a
+module's dependencies unreadable from its top and works only through imports hidden in
+functions, so any cycle fails the test with the modules that form it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIRS = {"probe": "probe", "probe.sql": "sql", "probe.cli": "cli", "probe.injector": "injector"}
+
+
+def modules(package_dirs: dict = PACKAGE_DIRS, root: Path = ROOT) -> dict[str, tuple[Path, bool]]:
+    """Module name -> (file, is_package) for every module under the package-dir mapping."""
+    found = {}
+    for name, folder in package_dirs.items():
+        base = root / folder
+        for path in base.rglob("*.py"):
+            rel = path.relative_to(base).with_suffix("")
+            parts = [p for p in rel.parts]
+            is_pkg = parts[-1] == "__init__"
+            if is_pkg:
+                parts = parts[:-1]
+            mod = ".".join([name, *parts]) if parts else name
+            # a subfolder mapped on its own (probe.sql) wins over the same path under probe/
+            found.setdefault(mod, (path, is_pkg))
+    return found
+
+
+def _resolve(mod: str, is_pkg: bool, level: int, name: str | None) -> str:
+    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
+def import_graph(mods: dict) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, (path, is_pkg) in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(mod, is_pkg, node.level, node.module) if node.level else node.module
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    targets.append(sub if sub in mods else base)
+            for t in targets:
+                while t and t not in mods:  # `import probe.sql.guard` when only probe.sql is ours, etc.
+                    t = t.rpartition(".")[0]
+                if t and t != mod:
+                    graph[mod].add(t)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index, low, on_stack, stack, out = {}, {}, set(), [], []
+    counter = 0
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    comp = []
+                    while True:
+                        m = stack.pop()
+                        on_stack.discard(m)
+                        comp.append(m)
+                        if m == node:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def test_no_import_cycles():
+    found = cycles(import_graph(modules()))
+    assert not found, "import cycles (each line is one group of modules importing each other):\n" + \
+        "\n".join("  " + " <-> ".join(c) for c in found)
+
+
+def test_a_planted_cycle_is_found(tmp_path):
+    # given: a tiny package whose two modules import each other, one of them inside a function
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("def f():\n    from .a import thing\n")
+    (pkg / "c.py").write_text("from .a import b\n")
+    # when / then
+    graph = import_graph(modules({"pkg": "pkg"}, tmp_path))
+    assert cycles(graph) == [["pkg.a", "pkg.b"]]
