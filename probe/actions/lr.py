@@ -37,7 +37,7 @@ from ..training.finder import optimizers
 from ..util.errorlog import record_error
 from .queue import Context
 
-__all__ = ["change_lr", "reset_lr", "describe", "before_step", "after_step"]
+__all__ = ["change_lr", "reset_lr", "describe", "around_step"]
 
 _lock = threading.Lock()
 _overrides: dict[int, "_Override"] = {}  # id(optimizer) -> its override (groups inside)
@@ -129,24 +129,15 @@ class _Override:
                     del _overrides[id(opt)]
 
 
-def before_step(opt) -> None:
-    """probe's global optimizer step pre-hook: apply the overrides of ``opt`` for this step."""
+def around_step(opt, before: bool) -> None:
+    """probe's global optimizer step hooks: apply ``opt``'s overrides before its step, put the loop's
+    rates back after it (before the step boundary reads them)."""
     ov = _overrides.get(id(opt))
     if ov is not None and ov.ref() is opt:
         try:
-            ov.before(opt)
+            (ov.before if before else ov.after)(opt)
         except Exception as exc:
-            record_error("lr override: before the optimizer step", exc)
-
-
-def after_step(opt) -> None:
-    """probe's global optimizer step post-hook (before the step boundary): put the loop's rates back."""
-    ov = _overrides.get(id(opt))
-    if ov is not None and ov.ref() is opt:
-        try:
-            ov.after(opt)
-        except Exception as exc:
-            record_error("lr override: after the optimizer step", exc)
+            record_error(f"lr override: {'before' if before else 'after'} the optimizer step", exc)
 
 
 def _step() -> int:

@@ -112,7 +112,7 @@ def _pre_hook(optimizer, args, kwargs):
             record_error("torch optimizer step pre-hook", exc)
     lr = lr_overrides
     if lr is not None and lr._overrides:
-        lr.before_step(optimizer)
+        lr.around_step(optimizer, True)
     return None
 
 
@@ -120,7 +120,7 @@ def _post_hook(optimizer, args, kwargs):
     """torch's global optimizer step post-hook: the step boundary."""
     lr = lr_overrides
     if lr is not None and lr._overrides:
-        lr.after_step(optimizer)  # the loop's own lr back in param_groups before the boundary reads it
+        lr.around_step(optimizer, False)  # the loop's own lr back in param_groups before the boundary reads it
     tk = _state.get("tracker")
     if tk is not None:
         try:

@@ -10,7 +10,6 @@ restores a probe checkpoint before training and prints ``resumed step N``.
 """
 import argparse
 import os
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -18,6 +17,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
+from _report import snapshot, step_done, used_lr
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 p = argparse.ArgumentParser()
@@ -46,22 +46,13 @@ class Report(TrainerCallback):
         self.model, self.before, self.used = None, None, {}
 
     def on_pre_optimizer_step(self, a, state, control, **kw):
-        ps = [q for q in self.model.parameters() if q.grad is not None]
-        self.before = [(q, q.detach().clone(), q.grad.detach().clone()) for q in ps]
+        self.before = snapshot(self.model.parameters())
 
     def on_optimizer_step(self, a, state, control, **kw):
-        num = sum(float(((b - q.detach()) * g).sum()) for q, b, g in self.before)
-        den = sum(float((g * g).sum()) for _, _, g in self.before)
-        self.used[state.global_step + 1] = num / den if den else float("nan")
+        self.used[state.global_step + 1] = used_lr(self.before)
 
     def on_step_end(self, a, state, control, **kw):
-        if state.global_step == 1:
-            print(f"ready pid={os.getpid()}", flush=True)
-        if args.stall_file and os.path.exists(args.stall_file):
-            print(f"stalled at step {state.global_step}", flush=True)
-            while os.path.exists(args.stall_file):
-                time.sleep(0.02)  # ok-sleep: a stalled training thread, released by the test
-            print(f"resumed at step {state.global_step}", flush=True)
+        step_done(state.global_step, args.stall_file)
 
     def on_log(self, a, state, control, logs=None, **kw):
         if logs and "loss" in logs:

@@ -8,12 +8,11 @@ measured from the update (-(dp . g) / (g . g) over all parameters). ``--stall-fi
 while F exists (prints ``stalled at step N``).
 """
 import argparse
-import os
-import time
 import warnings
 
 import torch
 import lightning.pytorch as pl
+from _report import report, snapshot
 
 warnings.filterwarnings("ignore")
 p = argparse.ArgumentParser()
@@ -38,20 +37,11 @@ class Regression(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer):
         self.step_lr = self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]  # the schedule's own lr
-        self.before = [(q, q.detach().clone(), q.grad.detach().clone()) for q in self.parameters()]
+        self.before = snapshot(self.parameters())
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         step = self.trainer.global_step
-        num = sum(float(((b - q.detach()) * g).sum()) for q, b, g in self.before)
-        den = sum(float((g * g).sum()) for _, _, g in self.before)
-        print(f"pl step {step} loss {float(self._loss)!r} lr {self.step_lr!r} used {num / den!r}", flush=True)
-        if step == 1:
-            print(f"ready pid={os.getpid()}", flush=True)
-        if args.stall_file and os.path.exists(args.stall_file):
-            print(f"stalled at step {step}", flush=True)
-            while os.path.exists(args.stall_file):
-                time.sleep(0.02)  # ok-sleep: a stalled training thread, released by the test
-            print(f"resumed at step {step}", flush=True)
+        report(step, float(self._loss), self.step_lr, self.before, args.stall_file, prefix="pl ")
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=0.05)

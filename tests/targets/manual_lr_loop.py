@@ -12,10 +12,10 @@ Prints ``ready`` after step 1. ``--stall-file F`` pauses between steps while F e
 """
 import argparse
 import math
-import os
 import time
 
 import torch
+from _report import report as _report, snapshot
 
 p = argparse.ArgumentParser()
 p.add_argument("--kind", default="manual")
@@ -39,29 +39,6 @@ def batch(g):
     return x, x.sum(1, keepdim=True)
 
 
-def used_lr(params, before, grads):
-    num = sum(float(((b - q.detach()) * gr).sum()) for q, b, gr in zip(params, before, grads))
-    den = sum(float((gr * gr).sum()) for gr in grads)
-    return num / den if den else float("nan")
-
-
-def report(step, loss, lr, params, before, grads):
-    print(f"step {step} loss {loss!r} lr {lr!r} used {used_lr(params, before, grads)!r}", flush=True)
-    if step == 1:
-        print(f"ready pid={os.getpid()}", flush=True)
-    if args.stall_file and os.path.exists(args.stall_file):
-        print(f"stalled at step {step}", flush=True)
-        while os.path.exists(args.stall_file):
-            time.sleep(0.02)  # ok-sleep: a stalled training thread, released by the test
-        print(f"resumed at step {step}", flush=True)
-    if args.step_sleep:
-        time.sleep(args.step_sleep)  # ok-sleep: pacing
-
-
-def snapshot(params):
-    return [q.detach().clone() for q in params], [q.grad.detach().clone() for q in params]
-
-
 def main():
     g = torch.Generator().manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -79,12 +56,14 @@ def main():
             loss = torch.nn.functional.mse_loss(model(x), y)
             accelerator.backward(loss)
             lr = optimizer.param_groups[0]["lr"]
-            before, grads = snapshot(params)
+            before = snapshot(params)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
             step += 1
-            report(step, float(loss.detach()), lr, params, before, grads)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)  # ok-sleep: pacing
+            _report(step, float(loss.detach()), lr, before, args.stall_file)
     optimizer = torch.optim.SGD(params, lr=BASE_LR)
     scaler = torch.amp.GradScaler("cpu") if args.kind == "amp" else None
     step = 0
@@ -99,7 +78,7 @@ def main():
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 (loss / ACCUM).backward()
                 total += float(loss.detach()) / ACCUM
-            before, grads = snapshot(params)
+            before = snapshot(params)
             optimizer.step()
         elif args.kind == "amp":
             lr = optimizer.param_groups[0]["lr"]
@@ -110,7 +89,7 @@ def main():
             scaler.scale(loss).backward()
             total = float(loss.detach())
             scaler.unscale_(optimizer)
-            before, grads = snapshot(params)
+            before = snapshot(params)
             scaler.step(optimizer)
             scaler.update()
         elif args.kind == "closure":
@@ -128,12 +107,14 @@ def main():
 
             optimizer.step(closure)
             total = seen["loss"]
-            before, grads = seen["state"]
+            before = seen["state"]
         else:
             raise SystemExit(f"unknown --kind {args.kind}")
         optimizer.zero_grad(set_to_none=False)
         step += 1
-        report(step, total, lr, params, before, grads)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)  # ok-sleep: pacing
+        _report(step, total, lr, before, args.stall_file)
 
 
 if __name__ == "__main__":
