@@ -27,9 +27,10 @@ def actions_rows(cli, pid) -> list[dict]:
 
 
 def lr_of(cli, pid) -> float:
-    r = cli(pid, "eval", "optimizer.param_groups[0]['lr']")
+    """The lr group 0's next step uses (an lr override applies during the step; param_groups keeps the loop's)."""
+    r = cli(pid, "query", "SELECT lr FROM torch.optimizer WHERE param_group = 0", "--format", "json")
     assert r.returncode == 0, r.stderr
-    return float(r.stdout.strip())
+    return float(json.loads(r.stdout)[0]["lr"])
 
 
 def test_eval_output_value_locals_and_own_traceback(spawn, cli, probe_env):
