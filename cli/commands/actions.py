@@ -294,7 +294,7 @@ class Lr(_Action):
         for opt in r.get("optimizers", []):
             via = f" (through {opt['wrapper']})" if opt.get("wrapper") else ""
             held = "written once" if r.get("mode") == "once" else "held at every step"
-            session.print(f"{prefix}optimizer '{opt['optimizer']}' {opt['type']}{via}, {held}"
+            session.print(f"{prefix}optimizer '{opt['optimizer']}' {opt.get('type', '')}{via}, {held}"
                           + ("" if r.get("step") is None else f", from step {r['step'] + 1}") + ":")
             for g in opt["groups"]:
                 used = g.get("used")
