@@ -114,6 +114,9 @@ _declare("PROBE_STEPS_CAPACITY", "10000", "Rows kept in the torch.steps ring buf
 _declare("PROBE_GRAD_NORM", "0.001", "Share of step time the probe's own gradient-norm computation may take (it runs on every N-th step to fit); 'all' computes it every step, 'off' never. A loop that calls clip_grad_norm_ gets its norm on every step for free.", _share)
 _declare("PROBE_LOSS_NAMES", "loss", "Comma-separated names of the scalar loss tensor looked up in the training loop's frames at each step.", _names)
 _declare("PROBE_HANG_TIMEOUT", None, "Seconds without a completed step after which every thread's stack is written to the runtime directory.", _seconds_or_off)
+_declare("PROBE_POSTMORTEM_EVERY", "30", "Seconds between the periodic post-mortem snapshots of the tables (written off the training thread, only after new steps), so a process killed with SIGKILL still leaves its last minute; 0 turns them off.", _seconds_or_off)
+_declare("PROBE_POSTMORTEM_ROWS", "2000", "Rows of each table a post-mortem record keeps (the newest).", _COUNT)
+_declare("PROBE_POSTMORTEM_KEEP", "20", "Post-mortem records kept in the runtime directory; the oldest are removed when a new one is written.", _COUNT)
 _declare("PROBE_INJECT_VIA", "remote_exec,gdb", "Injection methods `probe inject` may use, in order: remote_exec (Python 3.14+), gdb.", _names)
 _declare("PROBE_GDB", "gdb", "The gdb executable `probe inject` runs (a name on PATH or an absolute path).")
 _declare("PROBE_STRAGGLER_FACTOR", "1.5", "For --ranks: a rank is a straggler (ranks.stragglers, `status` state slow) when its median step time exceeds the others' median by this factor.",

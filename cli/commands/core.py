@@ -23,8 +23,12 @@ class List(Command):
     @staticmethod
     def add_arguments(p):
         p.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+        p.add_argument("--dead", action="store_true",
+                       help="List processes that died (post-mortem records): pid, rank, cause, when, last step.")
 
     def run(self, session, args):
+        if args.dead:
+            return _list_dead(session, args)
         from probe._runtime import offline_status, read_entries
 
         from .._client import Client
@@ -67,6 +71,30 @@ class List(Command):
         result = Result(cols, types, [[r[c] for c in cols] for r in rows])
         session.print(render_result(result, session.format))
         return 0
+
+
+def _list_dead(session, args) -> int:
+    """``probe list --dead``: the post-mortem records of processes that are gone."""
+    from probe.postmortem.record import dead_records
+
+    rows = [{"pid": m["pid"], "rank": m.get("rank"), "job": m.get("job"), "cause": m["cause"],
+             "when": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(m["time"]))),
+             "last_step": m.get("last_step"), "what": m.get("summary"), "record": m["path"]}
+            for m in dead_records()]
+    if args.json or session.format == "json":
+        session.print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        session.note("No post-mortem records: no probed process has died here (records live in the runtime directory).")
+        return 0
+    from probe.sql.engine import Result
+
+    from .._render import render_result
+
+    cols = ["pid", "rank", "cause", "when", "last_step", "what"]
+    types = ["BIGINT", "INTEGER", "VARCHAR", "VARCHAR", "BIGINT", "VARCHAR"]
+    session.print(render_result(Result(cols, types, [[r[c] for c in cols] for r in rows]), session.format))
+    return 0
 
 
 @command("query", "Run one read-only SQL query on the live tables.", aliases=("sql",))

@@ -21,6 +21,7 @@ from .. import __version__
 from .._config import setting
 from .._errors import ProbeError
 from .._runtime import process_argv, rank_identity, registry_listen, remove_entry, runtime_dir, write_entry
+from ..postmortem import hooks as postmortem
 from ..training import hooks
 from . import action_routes  # noqa: F401  (registers the action and eval routes)
 from . import routes  # noqa: F401  (registers the read routes)
@@ -100,7 +101,8 @@ def start(*, port: int | None = None, host: str | None = None, token: str | None
         state.set_entry(entry)
         _running.update(servers=servers, threads=threads)
         hooks.arm()  # torch's step and module hooks: now, or when torch gets imported
-        watchdog.install()  # PROBE_HANG_TIMEOUT: all-thread stacks on disk when steps stop
+        watchdog.install()
+        postmortem.install()  # a record in the runtime dir when the process dies, and periodic snapshots  # PROBE_HANG_TIMEOUT: all-thread stacks on disk when steps stop
         return info()
 
 
@@ -120,6 +122,7 @@ def stop(*, exiting: bool = False) -> None:
         state.clear()
     try:
         watchdog.uninstall()  # no hang dumps for a process we stopped probing
+        postmortem.uninstall()
         for srv in servers:
             if exiting:
                 try:

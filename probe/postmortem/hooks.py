@@ -1,0 +1,126 @@
+"""When to write a post-mortem record: uncaught exceptions, fatal signals, exit, and periodically.
+
+``install()`` (called when the probe starts) chains ``sys.excepthook`` and
+``threading.excepthook`` (the previous hooks still run: the user sees the traceback as
+always), points faulthandler's fatal-signal dump at ``fatal-<pid>.txt`` in the runtime
+directory when the user has not enabled faulthandler already, writes an ``exit`` record at
+normal interpreter exit, and starts the periodic snapshot thread. Every one of these
+is best effort: a failure is recorded in probe.errors and the process goes on (or dies
+of its own error).
+
+The periodic snapshot: a daemon thread that waits on an event (no polling) and every
+``PROBE_POSTMORTEM_EVERY`` seconds, once a step has completed since its last write,
+rewrites the record with cause ``snapshot``, off the training thread, so a process killed
+with SIGKILL still leaves its last minute.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import os
+import sys
+import threading
+
+from .._config import setting
+from .._runtime import runtime_dir
+from ..util.errorlog import record_error
+from . import record
+
+__all__ = ["install", "uninstall", "fatal_path"]
+
+_state: dict = {}
+_stop = threading.Event()
+
+
+def fatal_path(pid: int) -> str:
+    return os.path.join(runtime_dir(create=False), f"fatal-{pid}.txt")
+
+
+def _excepthook(exc_type, exc, tb):
+    if issubclass(exc_type, KeyboardInterrupt):
+        _state["died"] = True
+        record.write("interrupted")
+    elif not issubclass(exc_type, SystemExit):
+        _state["died"] = True
+        record.write("exception", exc.with_traceback(tb) if exc is not None else None)
+    (_state.get("sys_hook") or sys.__excepthook__)(exc_type, exc, tb)
+
+
+def _thread_hook(args):
+    if args.exc_type is not SystemExit:
+        record.write("thread_exception", args.exc_value, thread=getattr(args.thread, "name", None))
+    (_state.get("thread_hook") or threading.__excepthook__)(args)
+
+
+def _at_exit():
+    if _state.get("pid") == os.getpid() and not _state.get("died"):
+        _stop.set()
+        record.write("exit")
+
+
+def _snapshots(every: float) -> None:
+    from ..training import safepoint
+
+    last = None
+    while not _stop.wait(every):
+        step = safepoint.last_step
+        if step is None or step == last:
+            continue  # nothing new: an idle process costs nothing
+        last = step
+        record.write("snapshot")
+
+
+def install() -> None:
+    """Idempotent; never raises into the caller."""
+    try:
+        if _state.get("pid") == os.getpid():
+            return
+        _state.clear()
+        _state["pid"] = os.getpid()
+        _stop.clear()
+        if sys.excepthook is not _excepthook:
+            _state["sys_hook"] = sys.excepthook
+            sys.excepthook = _excepthook
+        if threading.excepthook is not _thread_hook:
+            _state["thread_hook"] = threading.excepthook
+            threading.excepthook = _thread_hook
+        if not faulthandler.is_enabled():
+            fd = os.open(fatal_path(os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            _state["fatal_file"] = os.fdopen(fd, "w")
+            faulthandler.enable(file=_state["fatal_file"], all_threads=True)
+        atexit.register(_at_exit)
+        every = setting("PROBE_POSTMORTEM_EVERY")
+        if every:
+            t = threading.Thread(target=_snapshots, args=(every,), name="probe-postmortem", daemon=True)
+            t.start()
+            _state["thread"] = t
+    except Exception as exc:
+        record_error("post-mortem hooks", exc)
+
+
+def uninstall() -> None:
+    """Put the previous hooks back and stop the snapshot thread (probe.stop())."""
+    _stop.set()
+    if sys.excepthook is _excepthook:
+        sys.excepthook = _state.get("sys_hook") or sys.__excepthook__
+    if threading.excepthook is _thread_hook:
+        threading.excepthook = _state.get("thread_hook") or threading.__excepthook__
+    atexit.unregister(_at_exit)
+    f = _state.pop("fatal_file", None)
+    if f is not None:
+        faulthandler.disable()
+        f.close()
+        try:
+            os.unlink(fatal_path(os.getpid()))  # no death to report: the process stopped probing
+        except OSError:
+            pass
+    _state.clear()
+
+
+def _after_fork_in_child() -> None:
+    _state.clear()  # a DataLoader worker is not the process the record describes
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
