@@ -142,6 +142,11 @@ def test_lr_scale_holds_through_the_schedule_and_reset_ends_it(loop):
     assert [x["lr"] for x in rows] == pytest.approx([logged[s]["used"] for s in range(first, first + 6)], rel=1e-4)
     opt = loop.query("SELECT lr, loop_lr, lr_override, lr_override_status FROM torch.optimizer WHERE param_group = 0")[0]
     assert opt["lr_override"] == "scale 0.5" and opt["lr"] == pytest.approx(0.5 * opt["loop_lr"])
+    (action,) = loop.query("SELECT state, result FROM probe.actions WHERE command = 'lr'")
+    status = json.loads(action["result"])["optimizers"][0]["groups"][0]["status"]
+    assert action["state"] == "done" and re.match(r"held for \d+ step", status), status
+    if loop.name != "amp" and loop.name != "closure":  # a schedule rewrites the lr every step: said where
+        assert re.search(r"re-applied because the loop rewrote lr at step \d+", status), status
     r = loop.cli("lr", "--reset")
     assert r.returncode == 0 and "removed scale 0.5" in r.stdout, r.stderr
     after = int(re.search(r"applies from step (\d+)", r.stdout).group(1))

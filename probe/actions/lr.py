@@ -60,7 +60,7 @@ def _write(group: dict, value: float) -> None:
 
 
 class _Group:
-    __slots__ = ("mode", "value", "loop", "used", "since", "held", "rewrites", "last_rewrite", "written")
+    __slots__ = ("mode", "value", "loop", "used", "since", "held", "rewrites", "last_rewrite", "written", "rows")
 
     def __init__(self, mode: str, value: float, loop: float, since: int | None):
         self.mode, self.value = mode, value  # "scale" or "set"
@@ -71,6 +71,20 @@ class _Group:
         self.held = 0
         self.rewrites = 0
         self.last_rewrite = None
+        self.rows: list = []  # the result rows (probe.actions) of the action that set the override: kept current
+
+    def status(self) -> str:
+        text = f"held for {self.held} step(s)"
+        if self.rewrites:
+            text += (f"; re-applied because the loop rewrote lr at step {self.last_rewrite} "
+                     f"({self.rewrites} time(s) so far)")
+        return text
+
+    def hand_over(self, why: str) -> None:
+        """The override changes hands (a later action, --reset): its old action's rows say so and stop following."""
+        for row in self.rows:
+            row["status"] = f"{self.status()}; {why}"
+        self.rows = []
 
     def target(self, loop: float) -> float:
         return loop * self.value if self.mode == "scale" else self.value
@@ -113,6 +127,10 @@ class _Override:
             if i >= len(pgs) or g.written is None:
                 continue
             g.held += 1
+            if g.rows:
+                status = g.status()
+                for row in g.rows:
+                    row["status"] = status
             if _value(pgs[i]["lr"]) == g.written:  # nobody changed it during the step: put the loop's back
                 _write(pgs[i], g.loop)
             g.written = None
@@ -154,6 +172,7 @@ def _check_once(item, pgs, step) -> None:
         i = g["group"]
         now = _value(pgs[i]["lr"])
         g["used"] = now
+        g["status"] = f"used by step {step}" if now == g["after"] else f"rewritten by the loop before step {step}"
         if now != g["after"]:
             result["error"] = (f"the loop rewrote group {i}'s lr to {now:.6g} before step {step} used {g['after']:.6g} "
                                    "(its scheduler or its own code sets the rate each step); run `lr` without --once "
@@ -186,10 +205,7 @@ def describe(opt) -> dict:
             loop = _value(opt.param_groups[i]["lr"])
         except Exception:
             continue
-        status = f"held for {g.held} step(s)"
-        if g.rewrites:
-            status += f"; re-applied after the loop rewrote lr {g.rewrites} time(s), last at step {g.last_rewrite}"
-        out[i] = {"override": g.text(), "lr": g.target(loop), "status": status}
+        out[i] = {"override": g.text(), "lr": g.target(loop), "status": g.status()}
     return out
 
 
@@ -240,6 +256,8 @@ def change_lr(ctx: Context, *, set_to: float | None, scale: float | None, group:
                 loop = _value(opt.param_groups[i]["lr"])
                 g = ov.groups.get(i)
                 before = g.target(loop) if g is not None else loop
+                if g is not None:
+                    g.hand_over(f"changed by action {ctx.action_id} at step {ctx.step}")
                 if once:
                     after = set_to if set_to is not None else before * scale
                     if g is not None:
@@ -255,7 +273,11 @@ def change_lr(ctx: Context, *, set_to: float | None, scale: float | None, group:
                 else:  # a scale on top of an override composes with it
                     g.value = g.value * scale
                     after = g.target(loop)
-                rows.append({"group": i, "before": before, "after": after, "loop_before": loop})
+                row = {"group": i, "before": before, "after": after, "loop_before": loop,
+                       "status": "waiting for the next step"}
+                if not once:
+                    g.rows = [row]
+                rows.append(row)
             ov.pending.append((_settle_once(settle, result, len(opts)), result, once, rows))
         result["optimizers"].append({"optimizer": f.name, "type": type(opt).__name__, "wrapper": f.wrapper,
                                      "groups": rows})
@@ -287,6 +309,7 @@ def reset_lr(ctx: Context, *, group: int | None, optimizer_index: int | None) ->
             for i in ([group] if group is not None else list(ov.groups)):
                 g = ov.groups.pop(i, None)
                 if g is not None:
+                    g.hand_over(f"removed by action {ctx.action_id} at step {ctx.step}")
                     removed.append({"optimizer": f.name, "group": i, "override": g.text(), "held_steps": g.held,
                                     "rewrites": g.rewrites, "loop_lr": _value(f.obj.param_groups[i]["lr"])})
             if not ov.groups and not ov.pending:
