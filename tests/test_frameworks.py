@@ -156,10 +156,13 @@ def test_lr_scale_holds_through_the_schedule_and_reset_ends_it(loop):
 
 def test_eval_at_step_sees_the_loop_and_the_framework_objects(loop):
     r = loop.cli("eval", "--at-step",
-                 "print(sorted(n for n in ('trainer', 'model', 'optimizer', 'scheduler', 'step', 'accelerator') if n in globals()))")
+                 "print(sorted(n for n in ('trainer', 'model', 'optimizer', 'scheduler', 'step', 'accelerator', 'targs', "
+                 "'loader') if n in globals()))")
     assert r.returncode == 0, r.stderr
     names = eval(r.stdout.strip().splitlines()[-1])
-    want = {"hf": {"trainer", "model", "optimizer", "scheduler"}, "lightning": {"trainer", "model", "optimizer", "scheduler"},
+    # targs, loader and step are locals of the script's own function that runs the loop (or calls fit/train)
+    want = {"hf": {"trainer", "model", "optimizer", "scheduler", "targs"},
+            "lightning": {"trainer", "model", "optimizer", "scheduler", "loader"},
             "accelerate": {"accelerator", "model", "optimizer", "scheduler", "step"}}.get(loop.name, {"model", "optimizer", "step"})
     assert want <= set(names), (loop.name, names, r.stdout)
 
