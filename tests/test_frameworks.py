@@ -203,3 +203,30 @@ def test_checkpoint_has_the_scheduler_and_step_counters_and_loads_back(loop):
         while not back_to_step_after_checkpoint():
             assert time.monotonic() < deadline, loop.lines[-10:]
             time.sleep(0.02)  # ok-sleep: polling with a deadline
+
+
+def test_lightning_resumes_from_a_probe_checkpoint_to_the_same_next_step(tmp_path):
+    """Checkpoint a running Lightning job with `probe checkpoint`, restart it from the file with
+    probe.load_checkpoint(path, trainer=trainer): its next step has the same step number and loss."""
+    first = Loop("lightning")
+    try:
+        r = first.cli("checkpoint", str(tmp_path / "ck-{step}.pt"))
+        assert r.returncode == 0, r.stderr
+        saved = re.search(r"wrote (\S+)", r.stdout).group(1).rstrip(":")
+        step = int(re.search(r"ck-(\d+)\.pt", saved).group(1))
+        want = first.wait_step(step + 3)
+    finally:
+        first.stop()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, str(TARGETS / "lightning_train.py"), "--out", str(tmp_path), "--resume", saved,
+                          "--skip", str(step), "--max-steps", str(step + 2)], capture_output=True, text=True, env=env,
+                         timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"resumed from step {step} global_step {step}" in out.stdout, out.stdout
+    got = {int(m.group(1)): {"loss": float(m.group(2)), "used": float(m.group(4))}
+           for m in map(LINE.match, out.stdout.splitlines()) if m}
+    assert min(got) == step + 1  # the Trainer counts on from the checkpoint
+    for s in (step + 1, step + 2):  # the weights (the loss of step + 1) and the scheduler (the lr step + 1 used)
+        assert got[s]["loss"] == pytest.approx(want[s]["loss"], rel=1e-6), s
+        assert got[s]["used"] == pytest.approx(want[s]["used"], rel=1e-5), s

@@ -19,6 +19,8 @@ p = argparse.ArgumentParser()
 p.add_argument("--max-steps", type=int, default=100000)
 p.add_argument("--stall-file")
 p.add_argument("--out", default=".")
+p.add_argument("--resume", help="a probe checkpoint to restore at the start of training (probe.load_checkpoint)")
+p.add_argument("--skip", type=int, default=0, help="batches already consumed (the resumed run starts after them)")
 args = p.parse_args()
 
 
@@ -43,6 +45,13 @@ class Regression(pl.LightningModule):
         step = self.trainer.global_step
         report(step, float(self._loss), self.step_lr, self.before, args.stall_file, prefix="pl ")
 
+    def on_train_start(self):
+        if args.resume:
+            import probe
+
+            state = probe.load_checkpoint(args.resume, trainer=self.trainer)
+            print(f"resumed from step {state['step']} global_step {self.trainer.global_step}", flush=True)
+
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=0.05)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.01 * s))
@@ -54,7 +63,8 @@ def main():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4096, 8, generator=g)
     y = x.sum(1, keepdim=True)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=False)
+    skip = args.skip * 8  # the data is a fixed sequence: a resumed run starts where the checkpoint was taken
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[skip:], y[skip:]), batch_size=8, shuffle=False)
     trainer = pl.Trainer(max_steps=args.max_steps, max_epochs=-1, accelerator="cpu", devices=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=args.out)
