@@ -36,13 +36,29 @@ TERMINAL = ("done", "failed", "timed_out")
 
 @dataclass
 class Context:
-    """What an action's function receives: the step boundary it runs at, if any."""
+    """What an action's function receives: the step boundary it runs at, if any.
+
+    An action whose effect can only be checked later (an lr change, at the next optimizer
+    step) calls ``defer()``: it then stays ``running`` after its function returns, until the
+    returned ``settle(error=None)`` is called (from the training thread, say), or its timeout
+    passes (``failed``, with the reason). Its result dict may be updated in place meanwhile.
+    """
 
     step: int | None
     frame: Any = None
     optimizer: Any = None
     now: bool = False
     action_id: int = 0
+    deferred: bool = False
+    action: Any = None
+
+    def defer(self) -> Callable[..., None]:
+        self.deferred = True
+        a = self.action
+        if a is not None:
+            a.settle_by = time.time() + (a.timeout or 60.0)
+        action_id = self.action_id
+        return lambda error=None: settle(action_id, error)
 
 
 @dataclass
@@ -62,6 +78,7 @@ class Action:
     step: int | None = None
     result: dict | None = None
     error: str | None = None
+    settle_by: float | None = None  # a deferred action not settled by then fails
 
     def to_dict(self) -> dict:
         return {"id": self.id, "command": self.command, "args": self.args, "state": self.state,
@@ -141,6 +158,7 @@ def expire() -> None:
     now = time.time()
     expired = []
     with _lock:
+        _expire_deferred(now)
         for a in list(_pending):
             if a.timeout is not None and now - a.requested_at >= a.timeout:
                 _pending.remove(a)
@@ -155,10 +173,41 @@ def expire() -> None:
         audit(a.client, a.command, a.args, "timed_out", id=a.id, error=a.error)
 
 
+def settle(action_id: int, error: str | None = None) -> None:
+    """End a deferred action: ``done``, or ``failed`` with ``error``. A settled action stays settled."""
+    with _lock:
+        action = next((a for a in _history if a.id == action_id), None)
+        if action is None or action.state != "running" or action.settle_by is None:
+            return
+        action.state = "failed" if error else "done"
+        action.error = error
+        action.settle_by = None
+        action.finished_at = time.time()
+        _lock.notify_all()
+    audit(action.client, action.command, action.args, action.state, id=action.id, step=action.step,
+          error=action.error, result=_short(action.result))
+
+
+def _expire_deferred(now: float) -> None:
+    for a in list(_history):
+        if a.state == "running" and a.settle_by is not None and now >= a.settle_by:
+            settle(a.id, (a.result or {}).get("waiting") or "its effect could not be checked before the timeout.")
+
+
 def _run(action: Action, ctx: Context) -> None:
     action.state, action.started_at, action.step = "running", time.time(), ctx.step
+    ctx.action = action
     try:
-        action.result = action.fn(ctx) or {}
+        result = action.fn(ctx) or {}
+        if ctx.deferred:
+            with _lock:
+                if action.result is None:
+                    action.result = result
+                _lock.notify_all()
+            audit(action.client, action.command, action.args, "applied", id=action.id, step=action.step,
+                  result=_short(action.result))
+            return
+        action.result = result
         action.state = "done"
     except ProbeError as exc:
         action.state, action.error = "failed", exc.message
@@ -168,6 +217,8 @@ def _run(action: Action, ctx: Context) -> None:
         action.state, action.error = "failed", f"{type(exc).__name__}: {exc}"
         action.result = getattr(exc, "result", None)
     finally:
+        if ctx.deferred and action.error is None:
+            return  # settled later (or already) by settle()
         if action.state == "running":  # a BaseException (SystemExit from eval'd code)
             action.state, action.error = "failed", "the action was interrupted."
         action.finished_at = time.time()
