@@ -27,9 +27,10 @@ def actions_rows(cli, pid) -> list[dict]:
 
 
 def lr_of(cli, pid) -> float:
-    r = cli(pid, "eval", "optimizer.param_groups[0]['lr']")
+    """The lr group 0's next step uses (an lr override applies during the step; param_groups keeps the loop's)."""
+    r = cli(pid, "query", "SELECT lr FROM torch.optimizer WHERE param_group = 0", "--format", "json")
     assert r.returncode == 0, r.stderr
-    return float(r.stdout.strip())
+    return float(json.loads(r.stdout)[0]["lr"])
 
 
 def test_eval_output_value_locals_and_own_traceback(spawn, cli, probe_env):
@@ -136,9 +137,8 @@ def test_timed_out_action_never_runs_late_and_audit_agrees(spawn, cli, probe_env
     r = cli(p.pid, "eval", "--at-step", "raise RuntimeError('boom')")
     assert r.returncode == 5
     rows = actions_rows(cli, p.pid)
-    assert [(a["command"], a["state"]) for a in rows] == [
-        ("eval", "done"), ("lr", "timed_out"), ("eval", "done"), ("lr", "done"), ("eval", "failed")]
-    assert rows[1]["started_at"] is None
+    assert [(a["command"], a["state"]) for a in rows] == [("lr", "timed_out"), ("lr", "done"), ("eval", "failed")]
+    assert rows[0]["started_at"] is None
     # the audit log tells the same story: one final record per action, with the same outcome
     final = {a["id"]: a["outcome"] for a in audit_records(probe_env) if a["outcome"] not in ("queued", "running")}
     assert final == {row["id"]: row["state"] for row in rows}

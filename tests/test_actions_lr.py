@@ -1,4 +1,4 @@
-"""`probe lr`: the change survives the scheduler, checked several steps later against a replayed schedule."""
+"""`probe lr`: the override holds through the scheduler, checked several steps later against a replayed schedule."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from conftest import TARGETS, requires_torch
 
 pytestmark = requires_torch
 TRAIN = TARGETS / "actions_train.py"
-SCHEDULERS = ["StepLR", "CosineAnnealingLR", "LambdaLR", "LinearLR", "OneCycleLR", "ReduceLROnPlateau"]
+SCHEDULERS = ["StepLR", "CosineAnnealingLR", "LambdaLR", "LinearLR", "OneCycleLR", "ReduceLROnPlateau", "SequentialLR"]
 
 
 def reference_lr(name: str, epoch: int) -> float:
@@ -42,31 +42,40 @@ def test_scaled_lr_survives_the_scheduler(name, spawn, cli, probe_env):
     # when
     r = cli(p.pid, "lr", "--scale", "0.5")
     assert r.returncode == 0, r.stderr
-    before, after = map(float, re.search(r"group 0: (\S+) -> (\S+)", r.stdout).groups())
+    before, after = map(float, re.search(r"group 0: (\S+) -> ([^;\s]+)", r.stdout).groups())
     assert after == pytest.approx(before * 0.5, rel=1e-5)  # printed with 6 significant digits
-    applied = int(re.search(r"at step (\d+)", r.stdout).group(1))
+    applied = int(re.search(r"from step (\d+)", r.stdout).group(1)) - 1
+    assert re.search(rf"step {applied + 1} used \S+", r.stdout), r.stdout  # the reply comes after the next step used it
     p.wait_for(f"step {applied + 6} ")
     open(stall, "w").close()
     p.wait_for("stalled")
     # then: read through torch.optimizer while the loop is paused; compare with the replayed schedule
-    q = cli(p.pid, "query", "SELECT lr, scheduler FROM torch.optimizer WHERE param_group = 0", "--format", "json")
+    q = cli(p.pid, "query", "SELECT lr, loop_lr, lr_override, lr_override_status, scheduler FROM torch.optimizer "
+            "WHERE param_group = 0", "--format", "json")
     assert q.returncode == 0, q.stderr
     row = json.loads(q.stdout)[0]
-    assert row["scheduler"] == name
+    assert row["scheduler"] == name and row["lr_override"] == "scale 0.5" and "held for" in row["lr_override_status"]
     e = cli(p.pid, "eval", "scheduler.last_epoch")
     epoch = int(e.stdout)
     assert epoch >= applied + 5
-    assert row["lr"] == pytest.approx(0.5 * reference_lr(name, epoch), rel=1e-6)
+    assert row["loop_lr"] == pytest.approx(reference_lr(name, epoch), rel=1e-6)  # the schedule itself is untouched
+    assert row["lr"] == pytest.approx(0.5 * reference_lr(name, epoch), rel=1e-6)  # what the next step uses
     os.unlink(stall)
 
 
-def test_set_group_and_unsupported_scheduler(spawn, cli):
+def test_group_errors_once_and_reset(spawn, cli):
     p = spawn([TRAIN, "--sched", "SequentialLR"])
-    r = cli(p.pid, "lr", "--set", "0.1")
-    assert r.returncode == 5
-    assert "SequentialLR" in r.stderr and "--ignore-scheduler" in r.stderr and "Traceback" not in r.stderr
     r = cli(p.pid, "lr", "--set", "0.1", "--group", "3")
-    assert r.returncode == 5 and "param group" in r.stderr
-    r = cli(p.pid, "lr", "--set", "0.1", "--ignore-scheduler", "--group", "0")
-    assert r.returncode == 0 and re.search(r"group 0: \S+ -> 0\.1$", r.stdout, re.M), r.stdout
-    p.wait_for("step 1")  # training goes on after the refusals
+    assert r.returncode == 5 and "param group" in r.stderr and "Traceback" not in r.stderr
+    r = cli(p.pid, "lr", "--reset")
+    assert r.returncode == 5 and "no lr override" in r.stderr
+    # --once: ExponentialLR (inside SequentialLR) rewrites the rate before the next step: said, not reported as done
+    r = cli(p.pid, "lr", "--set", "0.1", "--once", "--group", "0")
+    assert r.returncode != 0 and "rewrote group 0's lr" in r.stderr and "without --once" in r.stderr, r.stderr
+    r = cli(p.pid, "lr", "--set", "0.1")
+    assert r.returncode == 0 and re.search(r"group 0: \S+ -> 0\.1; step \d+ used 0\.1\b", r.stdout), r.stdout
+    r = cli(p.pid, "lr", "--reset")
+    assert r.returncode == 0 and "removed set 0.1 after" in r.stdout, r.stdout
+    q = cli(p.pid, "query", "SELECT lr, loop_lr, lr_override FROM torch.optimizer", "--format", "json")
+    row = json.loads(q.stdout)[0]
+    assert row["lr_override"] is None and row["lr"] == row["loop_lr"]

@@ -56,7 +56,8 @@ def test_inplace_relu_two_optimizers_accumulation_trains_unchanged(spawn, cli, r
     assert all(r["optimizer"] == "Adam" and r["lr"] == pytest.approx(0.01) and r["traced"] for r in steps)
     # two micro-batches of 16 per step; the no_grad evaluation pass is not counted
     assert all(r["micro_batches"] == 2 and r["samples"] == 32 for r in steps[1:])
-    assert [f"{r['loss']:.6f}" for r in steps] == reference
+    step_losses = [float(v) for v in next(l for l in proc.lines if l.startswith("step_losses ")).split()[1:]]
+    assert [r["loss"] for r in steps] == pytest.approx(step_losses, rel=1e-6)  # the sum of the backpropagated (loss / 2)
     opts = query(cli, proc.pid, "SELECT optimizer, momentum, is_lead, step_count, state_bytes, elements FROM torch.optimizer ORDER BY optimizer")
     assert [(o["optimizer"], o["is_lead"]) for o in opts] == [("Adam", True), ("SGD", False)]
     adam, sgd = opts
@@ -155,25 +156,46 @@ def test_reading_the_loop_locals_keeps_nothing_alive_and_changes_nothing(probe_e
 
 @requires_torch
 def test_torch_and_probe_frames_are_told_apart_by_normalised_path():
-    """The training loop's frame is the first one outside torch and probe; a module imported
-    through a path like ``bench/../probe`` must still count as probe, and torchvision as not torch."""
+    """The training loop's frame is the first one outside torch, probe and the training frameworks; a
+    module imported through a path like ``bench/../probe`` must still count as probe, and torchvision as not torch."""
     import os
 
     import torch
 
-    from probe.training import steps as ts
+    from probe.training import finder
 
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
-    probe_dir = os.path.dirname(os.path.dirname(os.path.abspath(ts.__file__)))  # probe/ (steps is in probe/training)
+    probe_dir = os.path.dirname(os.path.dirname(os.path.abspath(finder.__file__)))  # probe/ (finder is in probe/training)
     other = os.path.join(os.path.dirname(probe_dir), "benchmarks")
 
-    def code(path):
-        return compile("pass", path, "exec")
+    def internal(path):
+        return finder.is_internal(compile("pass", path, "exec"))
 
-    assert ts._is_internal(code(os.path.join(other, "..", "probe", "training", "hooks.py")), torch_dir)
-    assert ts._is_internal(code(os.path.join(torch_dir, "optim", "optimizer.py")), torch_dir)
-    assert ts._is_internal(code("<frozen importlib._bootstrap>"), torch_dir)
-    assert not ts._is_internal(code(torch_dir + "vision" + os.sep + "models.py"), torch_dir)
-    assert not ts._is_internal(code(probe_dir + "_utils" + os.sep + "train.py"), torch_dir)
-    assert not ts._is_internal(code(os.path.join(other, "bench_torch.py")), torch_dir)
-    assert not ts._is_internal(code("<stdin>"), torch_dir)
+    assert internal(os.path.join(other, "..", "probe", "training", "hooks.py"))
+    assert internal(os.path.join(torch_dir, "optim", "optimizer.py"))
+    assert internal("<frozen importlib._bootstrap>")
+    assert not internal(torch_dir + "vision" + os.sep + "models.py")
+    assert not internal(probe_dir + "_utils" + os.sep + "train.py")
+    assert not internal(os.path.join(other, "bench_torch.py"))
+    assert not internal("<stdin>")
+
+
+def test_backward_rows_cut_the_pass_without_overlap(spawn, cli):
+    """Two root models called one after the other (head(encoder(x))): each backward row runs from autograd
+    reaching that root's output to reaching the next one's, so the rows never overlap (the head's row
+    used to repeat the encoder's backward, and a loss module's row the whole pass)."""
+    proc = spawn([LOOPS, "--kind", "inplace", "--steps", "4"], env={"PROBE_TRACE": "all"})
+    rows = query(cli, proc.pid, "SELECT step, module, time, duration FROM python.torch_trace WHERE stage = 'backward' "
+                 "ORDER BY time")
+    import datetime
+
+    for r in rows:
+        r["time"] = datetime.datetime.fromisoformat(r["time"]).timestamp()
+    assert {r["module"] for r in rows} == {"encoder", "head"}
+    assert len(rows) == 4 * 2 * 2  # 4 steps, 2 micro-batches, 2 roots
+    for a, b in zip(rows, rows[1:]):
+        assert a["duration"] > 0
+        assert a["time"] + a["duration"] <= b["time"] + 1e-6, (a, b)  # TIMESTAMP has microseconds
+    heads = [r for r in rows if r["module"] == "head"]
+    encs = [r for r in rows if r["module"] == "encoder"]
+    assert all(h["time"] < e["time"] for h, e in zip(heads, encs))  # autograd reaches the head's output first

@@ -297,37 +297,51 @@ class Checkpoint(_Action):
                       f"sha256 {r['sha256'][:16]}... ({', '.join(r['contents'])}).")
 
 
-@command("lr", "Change the learning rate at the next step boundary, in param_groups and the scheduler's base values.")
+@command("lr", "Change the learning rate from the next optimizer step on, held against the loop's scheduler or "
+                "hand-written schedule, and checked at that step.")
 class Lr(_Action):
     @staticmethod
     def add_arguments(p):
         g = p.add_mutually_exclusive_group(required=True)
-        g.add_argument("--set", type=float, metavar="LR", help="The new learning rate.")
-        g.add_argument("--scale", type=float, metavar="F", help="Multiply the learning rate by F.")
+        g.add_argument("--set", type=float, metavar="LR", help="Every step uses this learning rate.")
+        g.add_argument("--scale", type=float, metavar="F", help="Every step uses the loop's own learning rate times F.")
+        g.add_argument("--reset", action="store_true", help="Remove the override: the loop's own rate applies again.")
         p.add_argument("--group", type=int, metavar="N", help="Only param group N (default: every group).")
         p.add_argument("--optimizer", type=int, metavar="I", help="Only the I-th optimizer found, when there are several.")
-        p.add_argument("--ignore-scheduler", action="store_true",
-                       help="Change param_groups only, even if the scheduler's next step may undo it.")
+        p.add_argument("--once", "--ignore-scheduler", dest="once", action="store_true",
+                       help="Write param_groups once without holding it (the next step is still checked: it fails "
+                            "if the loop rewrote the rate first).")
         _Action.add_common(p)
 
     def body(self, session, args, target):
-        b = {"now": args.now, "ignore_scheduler": args.ignore_scheduler}
+        b = {"now": args.now, "once": args.once, "reset": args.reset}
         for k in ("set", "scale", "group", "optimizer"):
             if getattr(args, k) is not None:
                 b[k] = getattr(args, k)
         return b
 
     def describe(self, args):
+        if args.reset:
+            return "lr --reset"
         return f"lr --set {args.set:g}" if args.set is not None else f"lr --scale {args.scale:g}"
 
     def render(self, session, target, action, prefix):
         r = action.get("result") or {}
+        for g in r.get("removed", []):
+            when = "the next step" if r.get("step") is None else f"step {r['step'] + 1}"
+            session.print(f"{prefix}optimizer '{g['optimizer']}' group {g['group']}: removed {g['override']} after "
+                          f"{g['held_steps']} step(s); the loop's lr {g['loop_lr']:.6g} applies from {when}.")
         for opt in r.get("optimizers", []):
-            scheds = ", ".join(f"'{s['scheduler']}' ({s['type']}; updated {', '.join(s['changed']) or 'lr only'})" for s in opt["schedulers"])
-            session.print(f"{prefix}optimizer '{opt['optimizer']}'" + (f" with scheduler {scheds}" if scheds else ", no scheduler")
-                          + ("" if r.get("step") is None else f", at step {r['step']}") + ":")
+            via = f" (through {opt['wrapper']})" if opt.get("wrapper") else ""
+            held = "written once" if r.get("mode") == "once" else "held at every step"
+            session.print(f"{prefix}optimizer '{opt['optimizer']}' {opt.get('type', '')}{via}, {held}"
+                          + ("" if r.get("step") is None else f", from step {r['step'] + 1}") + ":")
             for g in opt["groups"]:
-                session.print(f"{prefix}  group {g['group']}: {g['before']:.6g} -> {g['after']:.6g}")
+                used = g.get("used")
+                check = (f"; step {r['checked_at_step']} used {used:.6g}" if used is not None and r.get("checked_at_step")
+                         else "; not yet seen used")
+                session.print(f"{prefix}  group {g['group']}: {g['before']:.6g} -> {g['after']:.6g}{check}"
+                              + (f" ({g['note']})" if g.get("note") else ""))
 
 
 @command("cleanup", "Run gc and empty the CUDA cache at the next step boundary; report memory before and after.")

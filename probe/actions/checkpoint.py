@@ -2,7 +2,9 @@
 
 The file is a plain ``torch.save`` dict, loadable with ``torch.load`` (weights_only
 safe): ``model``, ``optimizer``, ``scheduler``, ``scaler`` state dicts, ``step``,
-``rng`` (python, numpy, torch CPU, CUDA) and ``probe`` metadata. With several
+``rng`` (python, numpy, torch CPU, CUDA), ``frameworks`` (the step counters of a
+Lightning or transformers Trainer by name, the step finishing at the safe point counted) and ``probe`` metadata;
+``schedulers`` holds every scheduler by name when there are several. With several
 models or optimizers in the process, ``models``/``optimizers`` hold all of them by
 name and ``model``/``optimizer`` the first. It is written to a temporary file in
 the same directory, fsynced and renamed (never over an existing file without
@@ -26,7 +28,8 @@ from typing import TYPE_CHECKING
 
 from .._errors import ActionError
 from ..agent import state as agent_state
-from ..training.objects import grad_scalers, models, optimizers, scheduler_for, schedulers
+from ..training.finder import (framework_counters, grad_scalers, models, objects_of, optimizers, restore_counters, scheduler_for,
+                       schedulers)
 
 if TYPE_CHECKING:
     from .queue import Context
@@ -112,27 +115,34 @@ def build_state(ctx: "Context") -> dict:
     step = None if ctx.step is None else ctx.step + _resume["step"]
     state: dict = {"format": FORMAT, "step": step, "time": time.time()}
     if mods:
-        state["model"] = _unwrap(mods[0][1]).state_dict()
+        state["model"] = _unwrap(mods[0].obj).state_dict()
         if len(mods) > 1:
-            state["models"] = {name: _unwrap(m).state_dict() for name, m in mods}
+            state["models"] = {f.name: _unwrap(f.obj).state_dict() for f in mods}
+    scheds = schedulers()
     if opts:
-        state["optimizer"] = opts[0][1].state_dict()
+        state["optimizer"] = opts[0].obj.state_dict()
         if len(opts) > 1:
-            state["optimizers"] = {name: o.state_dict() for name, o in opts}
-        scheds = scheduler_for(opts[0][1]) or schedulers()[:1]
-        if scheds:
-            sched = scheds[0][1]
+            state["optimizers"] = {f.name: f.obj.state_dict() for f in opts}
+        mine = scheduler_for(opts[0].obj) or scheds[:1]
+        if mine:
+            sched = mine[0].obj
             state["scheduler"] = sched.state_dict()
             state["scheduler_step_pending"] = bool(not ctx.now and _scheduler_behind(sched, step))
+    if len(scheds) > 1:
+        state["schedulers"] = {f.name: f.obj.state_dict() for f in scheds}
+    counters = framework_counters(in_step=not ctx.now)
+    if counters:
+        state["frameworks"] = counters
     scalers = grad_scalers()
     if scalers:
-        state["scaler"] = scalers[0][1].state_dict()
+        state["scaler"] = scalers[0].obj.state_dict()
     state["rng"] = _rng_state()
     entry = agent_state.info()
     state["probe"] = {"pid": os.getpid(), "rank": entry.get("rank"), "world_size": entry.get("world_size"),
                       "host": socket.gethostname(), "argv": list(entry.get("argv") or sys.argv),
                       "at_safe_point": not ctx.now,
-                      "objects": {"models": [n for n, _ in mods], "optimizers": [n for n, _ in opts]}}
+                      "objects": {"models": [f.name for f in mods], "optimizers": [f.name for f in opts],
+                                  "schedulers": [f.name for f in scheds]}}
     return state
 
 
@@ -211,9 +221,15 @@ def save(ctx: "Context", path: str, force: bool) -> dict:
             "scheduler_step_pending": state.get("scheduler_step_pending", False)}
 
 
-def load_checkpoint(path: str, *, model=None, optimizer=None, scheduler=None, scaler=None,
+def load_checkpoint(path: str, *, model=None, optimizer=None, scheduler=None, scaler=None, trainer=None,
                     map_location="cpu", restore_rng: bool = True, verify: bool = True) -> dict:
-    """Restore a checkpoint written by ``probe checkpoint``; return the loaded dict (``step`` included)."""
+    """Restore a checkpoint written by ``probe checkpoint``; return the loaded dict (``step`` included).
+
+    ``trainer`` (a Lightning or transformers Trainer, or an accelerate Accelerator) supplies the
+    model, optimizer and scheduler not given, through the framework's own attributes; a Trainer
+    gets its ``global_step`` back. Loaded inside a step (``eval --at-step``), the step finishing
+    then is counted on top by the Trainer, as after any step.
+    """
     import torch
 
     path = os.path.expanduser(path)
@@ -225,6 +241,11 @@ def load_checkpoint(path: str, *, model=None, optimizer=None, scheduler=None, sc
         if sha256(path) != want:
             raise ActionError(f"{path} does not match its checksum in {path}.sha256; the file is damaged or was changed.")
     state = torch.load(path, map_location=map_location, weights_only=True)
+    if trainer is not None:
+        held = objects_of(trainer)
+        model = model if model is not None else held.get("model")
+        optimizer = optimizer if optimizer is not None else held.get("optimizer")
+        scheduler = scheduler if scheduler is not None else held.get("scheduler")
     if model is not None and "model" in state:
         _unwrap(model).load_state_dict(state["model"])
     if optimizer is not None and "optimizer" in state:
@@ -241,6 +262,10 @@ def load_checkpoint(path: str, *, model=None, optimizer=None, scheduler=None, sc
         scaler.load_state_dict(state["scaler"])
     if restore_rng and "rng" in state:
         _restore_rng(state["rng"])
+    if trainer is not None:
+        for counters in (state.get("frameworks") or {}).values():
+            if restore_counters(trainer, counters):
+                break
     _resume["step"] = int(state.get("step") or 0)
     return state
 

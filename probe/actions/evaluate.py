@@ -23,8 +23,7 @@ import traceback
 
 from .queue import Context
 from .._errors import ActionError
-from ..training import finder
-from ..training.objects import main_globals, named, training_frame
+from ..training.finder import main_globals, named, training_frame
 from ..util.frames import release
 
 __all__ = ["run_code", "namespace"]
@@ -80,16 +79,11 @@ def namespace(frame=None) -> dict:
 
 
 def _frame(ctx: Context):
+    """The user's training-loop frame at this safe point (outside torch, probe and the frameworks), or None."""
     if ctx.now or ctx.step is None:
         return None
     if ctx.frame is not None:
         return ctx.frame
-    try:
-        f = finder.training_frame()
-        if f is not None:
-            return f
-    except Exception:
-        pass
     return training_frame()
 
 

@@ -1,135 +1,322 @@
-"""Change the learning rate so that the change survives the scheduler.
+"""Change the learning rate so that the change holds, whatever sets the rate, or say why it did not.
 
-Setting ``param_groups[i]["lr"]`` alone is undone by the next ``scheduler.step()``
-of most schedulers, which recompute the rate from their base values. So the change
-is applied as a ratio ``r = new / old`` to the group's rate and to every value the
-attached scheduler computes from (``base_lrs``, ``initial_lr``, ``eta_min``,
-OneCycleLR's ``max_lr``/``min_lr``, CyclicLR's ``max_lrs``...): the rest of the
-schedule is the old one scaled by ``r``. ReduceLROnPlateau only ever reduces the
-current rate, so setting the rate is enough. A scheduler type not listed here is
-refused, because its next step might silently revert the change.
+A training loop's rate is rewritten all the time: by a scheduler's ``step()`` (which
+recomputes it from base values, or from the group's current rate), by a framework
+(Lightning steps its LambdaLR every step, the HF Trainer its own), or by hand-written
+code assigning ``group["lr"] = lr`` at every iteration. Writing ``param_groups`` once
+is undone by any of them. So a change is an *override* held by the optimizer itself:
+
+* probe's global optimizer step pre-hook reads the rate the loop wants for the coming step (whatever
+  is in ``param_groups`` then) and sets the group's rate to that rate × the scale
+  (``--scale``) or to the value (``--set``) for the duration of the step;
+* its global step post-hook puts the loop's own rate back, so schedulers and hand-written code keep
+  computing from their own numbers (a chainable scheduler such as StepLR never compounds
+  the override).
+
+Between steps ``param_groups`` therefore shows the loop's rate; ``torch.optimizer`` shows
+both (``lr`` is what the next step uses, ``loop_lr`` the loop's own, ``lr_override`` the
+override) and ``torch.steps.lr`` is what each step used. The action stays ``running`` until
+the next step of the optimizer has run with the new rate, and is ``done`` only then: its
+result says which step used which rate and whether the loop had rewritten its rate by
+then (the override was re-applied). Afterwards the result keeps counting: ``held_steps``
+and ``rewrites`` (steps at which the loop changed its rate and the override was applied on
+top). ``--once`` writes ``param_groups`` without holding it; it is still checked at the
+next step, and fails if the loop rewrote the rate before that step ran. ``--reset`` removes
+overrides. Overrides live in this process only: a checkpoint stores the loop's rates.
 """
 
 from __future__ import annotations
 
-from .queue import Context
+import sys
+import threading
+import weakref
+
 from .._errors import ActionError
-from ..training.objects import optimizers, scheduler_for
+from ..training import hooks
+from ..training.finder import optimizers
+from ..util.errorlog import record_error
+from .queue import Context
 
-__all__ = ["change_lr", "SUPPORTED"]
+__all__ = ["change_lr", "reset_lr", "describe", "around_step"]
 
-# Schedulers whose future rates are a function of base_lrs (and the listed extra attributes) or of
-# the current group lr: scaling those by r scales the rest of the schedule by r.
-_BASE_SCALED = {
-    "StepLR": (), "MultiStepLR": (), "ExponentialLR": (), "LambdaLR": (), "MultiplicativeLR": (),
-    "LinearLR": (), "ConstantLR": (), "PolynomialLR": (), "CosineAnnealingLR": ("eta_min",),
-    "CosineAnnealingWarmRestarts": ("eta_min",),
-}
-SUPPORTED = tuple(sorted(list(_BASE_SCALED) + ["OneCycleLR", "CyclicLR", "ReduceLROnPlateau"]))
+_lock = threading.Lock()
+_overrides: dict[int, "_Override"] = {}  # id(optimizer) -> its override (groups inside)
 
 
-def _supported(sched) -> str | None:
-    for cls in type(sched).__mro__:
-        if cls.__module__.startswith("torch.optim") and cls.__name__ in SUPPORTED:
-            return cls.__name__ if cls is type(sched) else None
-    return None
+def _tracker():
+    return hooks.tracker()
 
 
-def _validate(sched, kind: str, groups: list[int], new: dict[int, float]) -> None:
-    """Refuse before anything is changed."""
-    for attr in _BASE_SCALED.get(kind, ()):
-        if len(groups) != len(sched.optimizer.param_groups) and getattr(sched, attr, 0):
-            raise ActionError(f"{kind} has one {attr} for all groups; change every group (leave out --group) or use --ignore-scheduler.")
-    if kind == "ReduceLROnPlateau":
-        low = [i for i in groups if new[i] < sched.min_lrs[i]]
-        if low:
-            raise ActionError(f"the new lr of group {low[0]} is below ReduceLROnPlateau's min_lr {sched.min_lrs[low[0]]:g}, which it never goes under; choose a larger value.")
+def _value(lr) -> float:
+    return float(lr)  # a tensor lr (capturable optimizers) is read here; it lives on the CPU in practice
 
 
-def _scale_scheduler(sched, kind: str, groups: list[int], ratios: dict[int, float], new: dict[int, float]) -> list[str]:
-    """Rescale the scheduler's base values for the chosen groups; return what was changed."""
-    changed = []
-    pgs = sched.optimizer.param_groups
-    if kind in _BASE_SCALED or kind == "CyclicLR":
-        for i in groups:
-            if getattr(sched, "base_lrs", None) is not None and i < len(sched.base_lrs):
-                sched.base_lrs[i] = sched.base_lrs[i] * ratios[i]
-                changed.append(f"base_lrs[{i}]")
-            if "initial_lr" in pgs[i]:
-                pgs[i]["initial_lr"] = pgs[i]["initial_lr"] * ratios[i]
-        for attr in _BASE_SCALED.get(kind, ()):
-            if getattr(sched, attr, 0):
-                setattr(sched, attr, getattr(sched, attr) * ratios[groups[0]])
-                changed.append(attr)
-        if kind == "CyclicLR":
-            for i in groups:
-                sched.max_lrs[i] = sched.max_lrs[i] * ratios[i]
-            changed.append("max_lrs")
-    elif kind == "OneCycleLR":
-        for i in groups:
-            for key in ("initial_lr", "max_lr", "min_lr"):
-                pgs[i][key] = pgs[i][key] * ratios[i]
-        changed.append("param_groups[initial_lr, max_lr, min_lr]")
-    last = getattr(sched, "_last_lr", None)
-    if isinstance(last, list):
-        for i in groups:
-            if i < len(last):
-                last[i] = new[i]
-    return changed
+def _write(group: dict, value: float) -> None:
+    current = group["lr"]
+    if hasattr(current, "fill_"):  # a tensor lr: change it in place, the optimizer holds that tensor
+        current.fill_(value)
+    else:
+        group["lr"] = value
 
 
-def plan(optimizer, group: int | None, set_to: float | None, scale: float | None) -> tuple[list[int], dict, dict]:
-    pgs = optimizer.param_groups
-    if group is not None and not 0 <= group < len(pgs):
-        raise ActionError(f"the optimizer has {len(pgs)} param group(s), numbered 0 to {len(pgs) - 1}; --group {group} is not one of them.")
-    groups = list(range(len(pgs))) if group is None else [group]
-    old = {i: float(pgs[i]["lr"]) for i in groups}
-    new = {i: (float(set_to) if set_to is not None else old[i] * float(scale)) for i in groups}
-    ratios = {}
-    for i in groups:
-        if old[i] == 0:
-            if new[i] == 0:
-                ratios[i] = 1.0
+class _Group:
+    __slots__ = ("mode", "value", "loop", "used", "since", "held", "rewrites", "last_rewrite", "written", "rows")
+
+    def __init__(self, mode: str, value: float, loop: float, since: int | None):
+        self.mode, self.value = mode, value  # "scale" or "set"
+        self.loop = loop  # the loop's rate seen at the last step
+        self.used = None  # the rate the last step used
+        self.written = None  # what the pre-hook wrote (restored only if still there)
+        self.since = since
+        self.held = 0
+        self.rewrites = 0
+        self.last_rewrite = None
+        self.rows: list = []  # the result rows (probe.actions) of the action that set the override: kept current
+
+    def status(self) -> str:
+        text = f"held for {self.held} step(s)"
+        if self.rewrites:
+            text += (f"; re-applied because the loop rewrote lr at step {self.last_rewrite} "
+                     f"({self.rewrites} time(s) so far)")
+        return text
+
+    def hand_over(self, why: str) -> None:
+        """The override changes hands (a later action, --reset): its old action's rows say so and stop following."""
+        for row in self.rows:
+            row["status"] = f"{self.status()}; {why}"
+        self.rows = []
+
+    def target(self, loop: float) -> float:
+        return loop * self.value if self.mode == "scale" else self.value
+
+    def text(self) -> str:
+        return f"scale {self.value:g}" if self.mode == "scale" else f"set {self.value:g}"
+
+
+class _Override:
+    """The state of each overridden group of one optimizer, applied by probe's global step hooks."""
+
+    def __init__(self, opt, name: str):
+        self.ref = weakref.ref(opt)
+        self.name = name
+        self.groups: dict[int, _Group] = {}
+        self.pending: list = []  # (settle, result, once, rows) waiting for the next step
+
+    # -- around every step of this optimizer (training thread) ------------------------------------
+    def before(self, opt) -> None:
+        step = _step() + 1
+        pgs = opt.param_groups
+        for i, g in list(self.groups.items()):
+            if i >= len(pgs):
                 continue
-            raise ActionError(f"group {i}'s lr is 0 right now (its schedule is at zero), so there is no ratio to apply; wait for a step where it is not 0, or use --ignore-scheduler.")
-        ratios[i] = new[i] / old[i]
-    return groups, old, {"new": new, "ratios": ratios}
+            loop = _value(pgs[i]["lr"])
+            if g.held and loop != g.loop:
+                g.rewrites += 1
+                g.last_rewrite = step
+            g.loop = loop
+            g.used = g.target(loop)
+            _write(pgs[i], g.used)
+            g.written = g.used
+        for item in list(self.pending):
+            _check_once(item, pgs, step)
+
+    def after(self, opt) -> None:
+        step = _step() + 1
+        pgs = opt.param_groups
+        for i, g in list(self.groups.items()):
+            if i >= len(pgs) or g.written is None:
+                continue
+            g.held += 1
+            if g.rows:
+                status = g.status()
+                for row in g.rows:
+                    row["status"] = status
+            if _value(pgs[i]["lr"]) == g.written:  # nobody changed it during the step: put the loop's back
+                _write(pgs[i], g.loop)
+            g.written = None
+        tk = _tracker()
+        g0 = self.groups.get(0)
+        if tk is not None and g0 is not None and g0.used is not None and tk.lead_optimizer() is opt:
+            tk.step_lr = g0.used
+        pending, self.pending = self.pending, []
+        for item in pending:
+            _settle(self, item, step)
+        if not self.groups and not self.pending:
+            with _lock:
+                if _overrides.get(id(opt)) is self:
+                    del _overrides[id(opt)]
+
+
+def around_step(opt, before: bool) -> None:
+    """probe's global optimizer step hooks: apply ``opt``'s overrides before its step, put the loop's
+    rates back after it (before the step boundary reads them)."""
+    ov = _overrides.get(id(opt))
+    if ov is not None and ov.ref() is opt:
+        try:
+            (ov.before if before else ov.after)(opt)
+        except Exception as exc:
+            record_error(f"lr override: {'before' if before else 'after'} the optimizer step", exc)
+
+
+def _step() -> int:
+    tk = _tracker()
+    return tk.step if tk is not None else 0
+
+
+def _check_once(item, pgs, step) -> None:
+    """--once: the value written at the action must still be there when the step starts."""
+    _, result, once, rows = item
+    if not once:
+        return
+    for g in rows:
+        i = g["group"]
+        now = _value(pgs[i]["lr"])
+        g["used"] = now
+        g["status"] = f"used by step {step}" if now == g["after"] else f"rewritten by the loop before step {step}"
+        if now != g["after"]:
+            result["error"] = (f"the loop rewrote group {i}'s lr to {now:.6g} before step {step} used {g['after']:.6g} "
+                                   "(its scheduler or its own code sets the rate each step); run `lr` without --once "
+                                   "to hold the change.")
+
+
+def _settle(ov: _Override, item, step: int) -> None:
+    settle, result, once, rows = item
+    result["checked_at_step"] = step
+    if not once:
+        for g in rows:
+            og = ov.groups.get(g["group"])
+            if og is None:
+                continue
+            g["used"] = og.used
+            g["loop_lr"] = og.loop
+            if og.loop != g["loop_before"]:
+                g["note"] = f"re-applied: the loop rewrote its lr from {g['loop_before']:.6g} to {og.loop:.6g} at step {step}"
+    settle(result.get("error"))
+
+
+def describe(opt) -> dict:
+    """The override of ``opt``'s groups for torch.optimizer: ``{group: (override text, next lr, held steps)}``."""
+    ov = _overrides.get(id(opt))
+    if ov is None or ov.ref() is not opt:
+        return {}
+    out = {}
+    for i, g in list(ov.groups.items()):
+        try:
+            loop = _value(opt.param_groups[i]["lr"])
+        except Exception:
+            continue
+        out[i] = {"override": g.text(), "lr": g.target(loop), "status": g.status()}
+    return out
+
+
+def _pick(optimizer_index: int | None, group: int | None) -> list:
+    opts = optimizers()
+    if not opts:
+        raise ActionError("no optimizer found in the training process; it is found once it has stepped, as a global "
+                          "of the training script, or through a Lightning/HF Trainer or an Accelerator.")
+    if optimizer_index is not None:
+        if not 0 <= optimizer_index < len(opts):
+            raise ActionError(f"there are {len(opts)} optimizer(s) ({', '.join(f.name for f in opts)}); --optimizer {optimizer_index} is not one of them.")
+        opts = [opts[optimizer_index]]
+    elif len(opts) > 1 and group is not None:
+        raise ActionError(f"there are {len(opts)} optimizers ({', '.join(f.name for f in opts)}); pick one with --optimizer N before --group.")
+    for f in opts:
+        n = len(f.obj.param_groups)
+        if group is not None and not 0 <= group < n:
+            raise ActionError(f"the optimizer {f.name} has {n} param group(s), numbered 0 to {n - 1}; --group {group} is not one of them.")
+    return opts
 
 
 def change_lr(ctx: Context, *, set_to: float | None, scale: float | None, group: int | None,
-              optimizer_index: int | None, ignore_scheduler: bool) -> dict:
-    opts = optimizers()
-    if not opts:
-        raise ActionError("no optimizer found in the training process; make it a global of the training script (optimizer) so probe can find it.")
-    if optimizer_index is not None:
-        if not 0 <= optimizer_index < len(opts):
-            raise ActionError(f"there are {len(opts)} optimizer(s) ({', '.join(n for n, _ in opts)}); --optimizer {optimizer_index} is not one of them.")
-        opts = [opts[optimizer_index]]
-    elif len(opts) > 1 and group is not None:
-        raise ActionError(f"there are {len(opts)} optimizers ({', '.join(n for n, _ in opts)}); pick one with --optimizer N before --group.")
-    out = []
-    # Check everything first, change nothing unless every optimizer can be changed.
-    plans = []
-    for name, opt in opts:
-        groups, old, p = plan(opt, group, set_to, scale)
-        scheds = [] if ignore_scheduler else scheduler_for(opt)
-        for sname, sched in scheds:
-            kind = _supported(sched)
-            if kind is None:
-                raise ActionError(f"the scheduler {sname} ({type(sched).__name__}) is not one probe knows how to rescale, so its next step() could undo the change; supported: {', '.join(SUPPORTED)}; pass --ignore-scheduler to change only param_groups.")
-            _validate(sched, kind, groups, p["new"])
-        plans.append((name, opt, groups, old, p, scheds))
-    for name, opt, groups, old, p, scheds in plans:
-        touched = []
-        for sname, sched in scheds:
-            touched.append({"scheduler": sname, "type": type(sched).__name__,
-                            "changed": _scale_scheduler(sched, _supported(sched), groups, p["ratios"], p["new"])})
-        for i in groups:
-            current = opt.param_groups[i]["lr"]
-            if hasattr(current, "fill_"):  # a tensor lr (capturable optimizers): change it in place
-                current.fill_(p["new"][i])
-            else:
-                opt.param_groups[i]["lr"] = p["new"][i]
-        out.append({"optimizer": name, "schedulers": touched,
-                    "groups": [{"group": i, "before": old[i], "after": float(opt.param_groups[i]["lr"])} for i in groups]})
-    return {"step": ctx.step, "optimizers": out}
+              optimizer_index: int | None, once: bool = False) -> dict:
+    """Install (or compose) the override, or write once; the action settles at the next step."""
+    opts = _pick(optimizer_index, group)
+    for f in opts:
+        for i in (range(len(f.obj.param_groups)) if group is None else [group]):
+            if hasattr(f.obj.param_groups[i]["lr"], "fill_") and getattr(f.obj.param_groups[i]["lr"], "is_cuda", False):
+                raise ActionError(f"group {i} of {f.name} keeps its lr as a CUDA tensor; probe changes only CPU rates "
+                                  "(reading it each step would synchronise the GPU).")
+    settle = ctx.defer()
+    result = {"step": ctx.step, "mode": "once" if once else "hold", "optimizers": [], "waiting":
+              "no step of the optimizer followed within the action's timeout, so the new lr was not seen used; "
+              "the override stays installed (torch.optimizer shows it)."}
+    if ctx.action is not None:
+        ctx.action.result = result
+    for f in opts:
+        opt = f.obj
+        groups = list(range(len(opt.param_groups))) if group is None else [group]
+        rows = []
+        with _lock:
+            ov = _overrides.get(id(opt))
+            if ov is not None and ov.ref() is not opt:
+                ov = None  # a dead optimizer's id reused
+            if ov is None:
+                ov = _overrides[id(opt)] = _Override(opt, f.name)
+            for i in groups:
+                loop = _value(opt.param_groups[i]["lr"])
+                g = ov.groups.get(i)
+                before = g.target(loop) if g is not None else loop
+                if g is not None:
+                    g.hand_over(f"changed by action {ctx.action_id} at step {ctx.step}")
+                if once:
+                    after = set_to if set_to is not None else before * scale
+                    if g is not None:
+                        del ov.groups[i]  # a one-off write replaces a held override
+                    _write(opt.param_groups[i], after)
+                elif g is None:
+                    g = ov.groups[i] = _Group("set" if set_to is not None else "scale",
+                                              set_to if set_to is not None else scale, loop, ctx.step)
+                    after = g.target(loop)
+                elif set_to is not None:
+                    g.mode, g.value = "set", set_to
+                    after = g.target(loop)
+                else:  # a scale on top of an override composes with it
+                    g.value = g.value * scale
+                    after = g.target(loop)
+                row = {"group": i, "before": before, "after": after, "loop_before": loop,
+                       "status": "waiting for the next step"}
+                if not once:
+                    g.rows = [row]
+                rows.append(row)
+            ov.pending.append((_settle_once(settle, result, len(opts)), result, once, rows))
+        result["optimizers"].append({"optimizer": f.name, "type": type(opt).__name__, "wrapper": f.wrapper,
+                                     "groups": rows})
+    return result
+
+
+def _settle_once(settle, result: dict, count: int):
+    """One settle per action: after the last of its ``count`` optimizers has stepped."""
+    left = [count]
+
+    def done(error=None):
+        left[0] -= 1
+        if left[0] <= 0:
+            result.pop("waiting", None)
+            settle(error)
+
+    return done
+
+
+def reset_lr(ctx: Context, *, group: int | None, optimizer_index: int | None) -> dict:
+    """Remove overrides; the loop's own rate (already in param_groups between steps) applies from the next step."""
+    opts = _pick(optimizer_index, group) if optimizer_index is not None or group is not None else optimizers()
+    removed = []
+    for f in opts:
+        with _lock:
+            ov = _overrides.get(id(f.obj))
+            if ov is None or ov.ref() is not f.obj:
+                continue
+            for i in ([group] if group is not None else list(ov.groups)):
+                g = ov.groups.pop(i, None)
+                if g is not None:
+                    g.hand_over(f"removed by action {ctx.action_id} at step {ctx.step}")
+                    removed.append({"optimizer": f.name, "group": i, "override": g.text(), "held_steps": g.held,
+                                    "rewrites": g.rewrites, "loop_lr": _value(f.obj.param_groups[i]["lr"])})
+            if not ov.groups and not ov.pending:
+                _overrides.pop(id(f.obj), None)
+    if not removed:
+        raise ActionError("there is no lr override to remove" + (" for that optimizer/group" if opts else "") + ".")
+    return {"step": ctx.step, "removed": removed}
+
+
+hooks.lr_overrides = sys.modules[__name__]  # probe's step hooks apply the overrides from here on

@@ -9,7 +9,7 @@ import threading
 
 from .queue import Context
 from .._errors import ActionError
-from ..training.objects import optimizers
+from ..training.finder import optimizers
 from ..util.procfs import rss_bytes
 
 __all__ = ["cleanup", "debug"]
@@ -33,7 +33,7 @@ def _memory() -> dict:
 
 def _grad_bytes() -> int:
     total = 0
-    for _, opt in optimizers():
+    for _, opt, _, _ in optimizers():
         for group in opt.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -48,7 +48,7 @@ def cleanup(ctx: Context, zero_grad: bool) -> dict:
         if not ctx.now and ctx.step is None:
             raise ActionError("--zero-grad runs only at a step boundary.")
         out["grad_bytes_freed"] = _grad_bytes()
-        for _, opt in optimizers():
+        for _, opt, _, _ in optimizers():
             opt.zero_grad(set_to_none=True)
     out["gc_collected"] = gc.collect()
     torch = _cuda_in_use()

@@ -46,13 +46,29 @@ class ActionCancelled(BaseException):
 
 @dataclass
 class Context:
-    """What an action's function receives: the step boundary it runs at, if any."""
+    """What an action's function receives: the step boundary it runs at, if any.
+
+    An action whose effect can only be checked later (an lr change, at the next optimizer
+    step) calls ``defer()``: it then stays ``running`` after its function returns, until the
+    returned ``settle(error=None)`` is called (from the training thread, say), or its timeout
+    passes (``failed``, with the reason). Its result dict may be updated in place meanwhile.
+    """
 
     step: int | None
     frame: Any = None
     optimizer: Any = None
     now: bool = False
     action_id: int = 0
+    deferred: bool = False
+    action: Any = None
+
+    def defer(self) -> Callable[..., None]:
+        self.deferred = True
+        a = self.action
+        if a is not None:
+            a.settle_by = time.time() + (a.timeout or 60.0)
+        action_id = self.action_id
+        return lambda error=None: settle(action_id, error)
 
 
 @dataclass
@@ -74,6 +90,7 @@ class Action:
     error: str | None = None
     thread: int | None = field(default=None, repr=False)  # ident of the thread running a ``now`` action
     cancel_requested: bool = field(default=False, repr=False)  # a cancel that came before that thread started
+    settle_by: float | None = None  # a deferred action not settled by then fails
 
     def to_dict(self) -> dict:
         return {"id": self.id, "command": self.command, "args": self.args, "state": self.state,
@@ -156,6 +173,7 @@ def expire() -> None:
     now = time.time()
     expired = []
     with _lock:
+        _expire_deferred(now)
         for a in list(_pending):
             if a.timeout is not None and now - a.requested_at >= a.timeout:
                 _pending.remove(a)
@@ -195,8 +213,30 @@ def cancel(action_id: int, client: dict) -> Action:
     return action
 
 
+def settle(action_id: int, error: str | None = None) -> None:
+    """End a deferred action: ``done``, or ``failed`` with ``error``. A settled action stays settled."""
+    with _lock:
+        action = next((a for a in _history if a.id == action_id), None)
+        if action is None or action.state != "running" or action.settle_by is None:
+            return
+        action.state = "failed" if error else "done"
+        action.error = error
+        action.settle_by = None
+        action.finished_at = time.time()
+        _lock.notify_all()
+    audit(action.client, action.command, action.args, action.state, id=action.id, step=action.step,
+          error=action.error, result=_short(action.result))
+
+
+def _expire_deferred(now: float) -> None:
+    for a in list(_history):
+        if a.state == "running" and a.settle_by is not None and now >= a.settle_by:
+            settle(a.id, (a.result or {}).get("waiting") or "its effect could not be checked before the timeout.")
+
+
 def _run(action: Action, ctx: Context) -> None:
     action.state, action.started_at, action.step = "running", time.time(), ctx.step
+    ctx.action = action
     try:
         try:
             if ctx.now:
@@ -206,11 +246,20 @@ def _run(action: Action, ctx: Context) -> None:
                         action.thread = None
                         raise ActionCancelled()
             try:
-                action.result = action.fn(ctx) or {}
-                action.state = "done"
+                result = action.fn(ctx) or {}
             finally:
                 with _lock:  # cancel() injects only while this is set, under the same lock
                     action.thread = None
+            if ctx.deferred:
+                with _lock:
+                    if action.result is None:
+                        action.result = result
+                    _lock.notify_all()
+                audit(action.client, action.command, action.args, "applied", id=action.id, step=action.step,
+                      result=_short(action.result))
+                return
+            action.result = result
+            action.state = "done"
         except ActionCancelled:
             action.state, action.error = "cancelled", "cancelled while it ran."
         except ProbeError as exc:
@@ -225,11 +274,12 @@ def _run(action: Action, ctx: Context) -> None:
             if not ctx.now:
                 raise  # on the training thread, as if the loop itself had raised it (a real Ctrl-C must stop training)
         finally:
-            action.finished_at = time.time()
-            with _lock:
-                _lock.notify_all()
-            audit(action.client, action.command, action.args, action.state, id=action.id, step=action.step,
-                  error=action.error, result=_short(action.result))
+            if not (ctx.deferred and action.error is None):  # a deferred action is settled later by settle()
+                action.finished_at = time.time()
+                with _lock:
+                    _lock.notify_all()
+                audit(action.client, action.command, action.args, action.state, id=action.id, step=action.step,
+                      error=action.error, result=_short(action.result))
     except ActionCancelled:  # a cancel that landed just as the action ended: it had finished anyway
         pass
 

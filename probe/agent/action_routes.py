@@ -17,7 +17,7 @@ from .._errors import ActionError, ProbeError
 from ..actions import queue
 from ..actions.checkpoint import check_target, expand_path, save
 from ..actions.evaluate import run_code
-from ..actions.lr import change_lr
+from ..actions.lr import change_lr, reset_lr
 from ..actions.maintenance import cleanup, debug
 from ..actions import profiler
 from ..actions.queue import refuse, submit
@@ -111,18 +111,22 @@ def checkpoint_route(req: Request) -> dict:
 
 @route("POST", "/actions/lr", tier="action")
 def lr_route(req: Request) -> dict:
-    args = {k: req.param(k) for k in ("set", "scale", "group", "optimizer", "ignore_scheduler") if req.param(k) is not None}
+    args = {k: req.param(k) for k in ("set", "scale", "group", "optimizer", "once", "reset") if req.param(k) is not None}
     try:
-        if (req.param("set") is None) == (req.param("scale") is None):
-            raise ActionError("give exactly one of --set LR or --scale FACTOR.")
         # finite and not negative (NaN or inf would ruin the run for good): checked here, before any queueing
         set_to, scale = _number(req, "set", minimum=0.0), _number(req, "scale", minimum=0.0)
         group, opt_index = _number(req, "group", int), _number(req, "optimizer", int)
+        if _flag(req, "reset"):
+            if set_to is not None or scale is not None:
+                raise ActionError("--reset removes the override; give it without --set or --scale.")
+            return _submit(req, "lr", args, lambda ctx: reset_lr(ctx, group=group, optimizer_index=opt_index))
+        if (set_to is None) == (scale is None):
+            raise ActionError("give exactly one of --set LR, --scale FACTOR or --reset.")
     except ProbeError as exc:
         refuse(req.client, "lr", args, exc.message)
-    ignore = _flag(req, "ignore_scheduler")
+    once = _flag(req, "once")
     return _submit(req, "lr", args, lambda ctx: change_lr(ctx, set_to=set_to, scale=scale, group=group,
-                                                          optimizer_index=opt_index, ignore_scheduler=ignore))
+                                                          optimizer_index=opt_index, once=once))
 
 
 @route("POST", "/actions/cleanup", tier="action")

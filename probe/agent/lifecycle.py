@@ -116,8 +116,13 @@ def start(*, port: int | None = None, host: str | None = None, token: str | None
         return info()
 
 
-def stop() -> None:
-    """Stop serving and remove this process's registry entry and socket."""
+def stop(*, exiting: bool = False) -> None:
+    """Stop serving and remove this process's registry entry and socket.
+
+    ``exiting`` (interpreter exit): only close the listening sockets; the serving threads are
+    daemons that end with the interpreter, and Python 3.12+ refuses to start the thread a
+    graceful shutdown needs at that point.
+    """
     with _lock:
         if not _running:
             return
@@ -125,11 +130,26 @@ def stop() -> None:
         entry = state.info()
         _running.clear()
         state.clear()
-    watchdog.uninstall()  # no hang dumps for a process we stopped probing
-    postmortem.uninstall()
-    for srv in servers:
-        _shutdown(srv)
-    remove_entry(entry.get("pid", os.getpid()), entry.get("host"))
+    try:
+        watchdog.uninstall()  # no hang dumps for a process we stopped probing
+        postmortem.uninstall()
+        for srv in servers:
+            if exiting:
+                try:
+                    srv.server_close()
+                except OSError:
+                    pass
+            else:
+                _shutdown(srv)
+    finally:
+        remove_entry(entry.get("pid", os.getpid()), entry.get("host"))
+
+
+def _at_exit() -> None:
+    try:
+        stop(exiting=True)
+    except Exception:
+        pass  # nothing may raise at the user's interpreter exit
 
 
 def _shutdown(srv) -> None:
@@ -187,6 +207,6 @@ def _after_fork_in_child() -> None:
     state.clear()
 
 
-atexit.register(stop)
+atexit.register(_at_exit)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -107,11 +107,11 @@ def write(cause: str, exc: BaseException | None = None, *, thread: str | None = 
 
     Never raises: a process dying must die of its own error, not of the probe's.
     """
-    import numpy as np
-
-    from ..agent import state
-
     try:
+        import numpy as np
+
+        from ..agent import state
+
         with _write_lock:
             rows = setting("PROBE_POSTMORTEM_ROWS")
             base = records_dir()

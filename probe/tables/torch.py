@@ -1,21 +1,20 @@
 """torch tables: steps, module traces, memory, optimizer param groups, parameters.
 
 Ring tables (``torch.steps``, ``python.torch_trace``) are filled by the hooks in
-``probe._torch_hooks``; the others are built at query time from the objects that
-``probe._discovery`` found. None of them imports torch: without torch they are empty.
+``probe.training.hooks``; the others are built at query time from the objects that
+``probe.training.finder`` found. None of them imports torch: without torch they are empty.
 """
 
 from __future__ import annotations
 
 import sys
 
-from ..training import finder
-from ..training import hooks, safepoint
-from ..util.errorlog import record_error
-from .registry import Column, table
+from ..training import finder, hooks, safepoint
 from ..training.steps import STEP_COLUMNS
 from ..training.trace import TRACE_COLUMNS
+from ..util.errorlog import record_error
 from ..util.procfs import rss_bytes
+from .registry import Column, table
 
 
 def _empty(columns: dict) -> dict:
@@ -178,10 +177,15 @@ def _step_count(state: dict):
     "torch.optimizer",
     "One row per param group of each optimizer found: hyperparameters, size and state memory.",
     columns=[
-        Column("optimizer", "VARCHAR", "Optimizer class."),
+        Column("optimizer", "VARCHAR", "Class of the optimizer that owns the param groups (a framework's wrapper is looked through)."),
+        Column("name", "VARCHAR", "Name the optimizer was found under (a global such as optimizer, or trainer.optimizer, trainer.optimizers[0])."),
+        Column("wrapper", "VARCHAR", "Class of the framework wrapper the training loop steps (AcceleratedOptimizer, LightningSGD, ...), NULL when it steps the optimizer itself."),
         Column("optimizer_id", "BIGINT", "Python id of the optimizer, to tell several apart."),
         Column("param_group", "INTEGER", "Index of the param group."),
-        Column("lr", "DOUBLE", "Current learning rate of the group."),
+        Column("lr", "DOUBLE", "Learning rate the group's next step uses: the loop's own (loop_lr), or what a `probe lr` override makes of it."),
+        Column("loop_lr", "DOUBLE", "The group's lr in param_groups: what the loop or its scheduler set (an override is applied only during each step)."),
+        Column("lr_override", "VARCHAR", "The `probe lr` override held on the group (scale F or set LR), NULL when none."),
+        Column("lr_override_status", "VARCHAR", "How the override has held: for how many steps, and when the loop rewrote its lr and the override was re-applied."),
         Column("initial_lr", "DOUBLE", "Learning rate the scheduler started from, NULL without a scheduler."),
         Column("weight_decay", "DOUBLE", "Weight decay of the group."),
         Column("momentum", "DOUBLE", "Momentum (SGD, RMSprop), NULL when the optimizer has none."),
@@ -192,7 +196,7 @@ def _step_count(state: dict):
         Column("elements", "BIGINT", "Number of parameter elements in the group."),
         Column("state_bytes", "BIGINT", "Bytes of optimizer state (e.g. Adam's exp_avg and exp_avg_sq) held for the group's parameters."),
         Column("step_count", "BIGINT", "The optimizer's own step counter for the group (from its state), NULL before the first step."),
-        Column("scheduler", "VARCHAR", "Class of the LR scheduler attached to the optimizer, NULL if none was found."),
+        Column("scheduler", "VARCHAR", "Class of the LR scheduler attached to the optimizer (found globally or through the framework: Lightning's lr_scheduler_configs, the Trainer's lr_scheduler, accelerate's AcceleratedScheduler looked through), NULL if none was found."),
         Column("is_lead", "BOOLEAN", "Whether this optimizer's steps are the ones counted in torch.steps."),
     ],
     examples=["SELECT optimizer, param_group, lr, initial_lr, weight_decay, beta1, beta2, params, elements, "
@@ -202,16 +206,25 @@ def optimizer(ctx):
     tk = hooks.tracker()
     lead = tk.lead_optimizer() if tk is not None else None
     rows = []
-    for opt in finder.optimizers():
-        sched = finder.scheduler_for(opt)
+    from ..actions.lr import describe
+
+    for found in finder.optimizers():
+        opt = found.obj
+        overrides = describe(opt)
+        scheds = finder.scheduler_for(opt)
+        sched = scheds[0].obj if scheds else None
         state = opt.state
         for i, group in enumerate(list(opt.param_groups)):
             params = list(group.get("params", ()))
             states = [state.get(p) or {} for p in params]
             betas = group.get("betas") or (None, None)
             rows.append({
-                "optimizer": type(opt).__name__, "optimizer_id": id(opt), "param_group": i,
-                "lr": _num(group.get("lr")), "initial_lr": _num(group.get("initial_lr")),
+                "optimizer": type(opt).__name__, "name": found.name, "wrapper": found.wrapper,
+                "optimizer_id": id(opt), "param_group": i,
+                "lr": overrides[i]["lr"] if i in overrides else _num(group.get("lr")), "loop_lr": _num(group.get("lr")),
+                "lr_override": overrides[i]["override"] if i in overrides else None,
+                "lr_override_status": overrides[i]["status"] if i in overrides else None,
+                "initial_lr": _num(group.get("initial_lr")),
                 "weight_decay": _num(group.get("weight_decay")), "momentum": _num(group.get("momentum")),
                 "beta1": _num(betas[0]), "beta2": _num(betas[1]), "eps": _num(group.get("eps")),
                 "params": len(params), "elements": sum(p.numel() for p in params),
@@ -267,10 +280,10 @@ def parameters(ctx):
         return []
 
     def rows(stats: bool) -> list:
-        in_opt = {id(p) for opt in finder.optimizers() for g in list(opt.param_groups) for p in g.get("params", ())}
+        in_opt = {id(p) for f in finder.optimizers() for g in list(f.obj.param_groups) for p in g.get("params", ())}
         out = []
         with torch.no_grad():
-            for model_name, model in finder.models():
+            for model_name, model, _, _ in finder.models():
                 for name, p in list(model.named_parameters()):
                     try:
                         out.append(_param_row(torch, model_name, finder.module_path(name), p, id(p) in in_opt, stats))

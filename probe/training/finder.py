@@ -1,30 +1,82 @@
-"""What the training loop is made of: models, optimizers, schedulers, grad scalers.
+"""The one object finder: models, optimizers, schedulers and grad scalers of the training loop.
 
-Nothing here imports torch. Objects are found three ways, in order of precedence:
-``probe.watch(...)`` names them explicitly; the optimizer step hook reports each
-optimizer that steps; and a scan of the training loop's frames (its locals, the
-attributes of ``self``-like objects there, and ``__main__``'s globals) finds the
-models, schedulers and scalers next to it. References are weak, so a model that
-the training script drops is dropped here too; only the last training-loop frame
-is held strongly (it is alive anyway while the loop runs).
+Every part of the probe that needs a training object (the torch tables, the step
+tracker, the tracer, the lr, checkpoint and eval actions) asks here, and gets
+``Found`` records: ``(name, obj, wrapper, source)``.
+
+Objects are found, in order of precedence of their names:
+
+* ``probe.watch(...)`` names them explicitly;
+* the optimizer step hook reports each optimizer that steps;
+* ``__main__``'s globals (``model``, ``optimizer``, ...), read whenever an answer is asked for;
+* the framework objects on the training thread's stack, looked for at the step boundary
+  (steps 1, 2, 4, 8, ...): a Lightning ``Trainer`` (``lightning_module``, ``optimizers``,
+  ``lr_scheduler_configs``), a transformers ``Trainer`` (``model``, ``optimizer``,
+  ``lr_scheduler``) and an accelerate ``Accelerator`` (its prepared models, optimizers and
+  schedulers), found as a local (or ``self``) of any frame, or as a ``LightningModule``'s trainer;
+* the locals of the training loop's frames and the attributes of ``self``-like objects there.
+
+Framework wrappers are unwrapped to the object that owns the state: an optimizer wrapper
+(accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``, DeepSpeed's ZeRO
+optimizers) whose ``param_groups`` is its inner optimizer's list is replaced by that inner
+optimizer, and ``Found.wrapper`` names the wrapper's class; accelerate's
+``AcceleratedScheduler`` is replaced by the scheduler it drives. So each real param group
+is seen once.
+
+References are weak, so an object the training script drops is dropped here too. Nothing
+here imports torch or a framework: types are recognised by their module and class name,
+and only once their module is imported. A failure while looking is recorded in
+``probe.errors``; what was found before it stays found.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import weakref
+from typing import Any, NamedTuple
 
-from ..util.frames import release
+from ..util.errorlog import record_error
 
-__all__ = ["models", "optimizers", "scheduler_for", "schedulers", "grad_scalers", "training_frame", "module_path",
-           "add_model", "add_optimizer", "add_scheduler", "add_grad_scaler", "set_training_frame", "scan"]
+__all__ = ["Found", "known", "is_internal", "models", "optimizers", "schedulers", "grad_scalers", "frameworks", "scheduler_for",
+           "optimizer_found", "unwrap_optimizer", "add", "scan", "set_training_frame", "training_frame",
+           "user_frame", "named", "objects_of", "restore_counters", "main_globals", "module_path", "framework_counters", "FRAMEWORK_PACKAGES"]
 
-_lock = threading.Lock()
-_models: dict[int, tuple[weakref.ref, str]] = {}  # id -> (ref, name); insertion order = discovery order
-_optimizers: dict[int, weakref.ref] = {}
-_schedulers: dict[int, weakref.ref] = {}
-_scalers: dict[int, weakref.ref] = {}
+KINDS = ("model", "optimizer", "scheduler", "scaler", "framework")
+# Packages whose frames are the framework's, not the user's loop (for the user's frame and eval).
+FRAMEWORK_PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning", "lightning_utilities", "transformers",
+                      "accelerate", "deepspeed", "trl", "peft", "torchmetrics")
+_PRECEDENCE = {"watch": 0, "__main__": 1, "framework": 2, "frame": 3, "step hook": 4}  # for names
+_FRAMEWORK_TYPES = {
+    ("lightning.pytorch.trainer.trainer", "Trainer"): "lightning",
+    ("pytorch_lightning.trainer.trainer", "Trainer"): "lightning",
+    ("transformers.trainer", "Trainer"): "transformers",
+    ("accelerate.accelerator", "Accelerator"): "accelerate",
+}
+_LIGHTNING_MODULES = {("lightning.pytorch.core.module", "LightningModule"),
+                      ("pytorch_lightning.core.module", "LightningModule")}
+
+
+class Found(NamedTuple):
+    """One training object: the name the user knows it by, the object that owns the state,
+    the framework wrapper's class name it was reached through (or None), and where it was found."""
+
+    name: str
+    obj: Any
+    wrapper: str | None = None
+    source: str = "frame"
+
+
+class _Entry:
+    __slots__ = ("ref", "name", "wrapper", "source", "framework")
+
+    def __init__(self, obj, name, wrapper, source, framework=None):
+        self.ref, self.name, self.wrapper, self.source, self.framework = weakref.ref(obj), name, wrapper, source, framework
+
+
+_lock = threading.RLock()
+_found: dict[str, dict[int, _Entry]] = {k: {} for k in KINDS}  # insertion order = discovery order
 _frame = None
 
 
@@ -32,57 +84,9 @@ def _torch():
     return sys.modules.get("torch")
 
 
-def _live(registry: dict) -> list:
-    out = []
-    with _lock:
-        for key, ref in list(registry.items()):
-            obj = ref() if not isinstance(ref, tuple) else ref[0]()
-            if obj is None:
-                del registry[key]
-            else:
-                out.append(obj)
-    return out
-
-
-def _add(registry: dict, obj, value=None) -> None:
-    key = id(obj)
-    with _lock:
-        current = registry.get(key)
-        if current is not None and (current[0] if isinstance(current, tuple) else current)() is obj:
-            return
-        registry[key] = value if value is not None else weakref.ref(obj)
-
-
-def add_model(model, name: str | None = None) -> None:
-    """Remember ``model`` as a root model (a submodule of a known root is ignored)."""
-    with _lock:
-        known = [(r(), n) for r, n in _models.values()]
-    for other, other_name in known:
-        if other is model:
-            if name and name != other_name:
-                with _lock:
-                    _models[id(model)] = (weakref.ref(model), name)
-            return
-        if other is not None and any(m is model for m in other.modules()):
-            return
-    # A new root that contains known roots replaces them.
-    contained = {id(m) for m in model.modules()}
-    with _lock:
-        for key in [k for k, (r, _) in _models.items() if k in contained and r() is not None]:
-            del _models[key]
-        _models[id(model)] = (weakref.ref(model), name or type(model).__name__)
-
-
-def add_optimizer(opt) -> None:
-    _add(_optimizers, opt)
-
-
-def add_scheduler(sched) -> None:
-    _add(_schedulers, sched)
-
-
-def add_grad_scaler(scaler) -> None:
-    _add(_scalers, scaler)
+def main_globals() -> dict:
+    main = sys.modules.get("__main__")
+    return dict(vars(main)) if main is not None else {}
 
 
 def module_path(name: str) -> str:
@@ -93,101 +97,468 @@ def module_path(name: str) -> str:
     return ".".join(p for p in name.split(".") if p != "_orig_mod")
 
 
-def set_training_frame(frame) -> None:
-    global _frame
-    _frame = frame
-
-
-def models() -> list[tuple[str, object]]:
-    """Root models as ``(name, module)``, in the order they were found."""
-    if _torch() is None:
-        return []
-    out = []
-    with _lock:
-        for key, (ref, name) in list(_models.items()):
-            m = ref()
-            if m is None:
-                del _models[key]
-            else:
-                out.append((name, m))
-    return out
-
-
-def optimizers() -> list:
-    return _live(_optimizers) if _torch() is not None else []
-
-
-def schedulers() -> list:
-    return _live(_schedulers) if _torch() is not None else []
-
-
-def grad_scalers() -> list:
-    return _live(_scalers) if _torch() is not None else []
-
-
-def scheduler_for(optimizer):
-    """The LR scheduler driving ``optimizer``, or None."""
-    for sched in schedulers():
-        if getattr(sched, "optimizer", None) is optimizer:
-            return sched
+# -- recognising types without importing them -------------------------------------------------------
+def _framework_of(obj) -> str | None:
+    try:
+        mro = type(obj).__mro__
+    except Exception:
+        return None
+    for cls in mro:
+        kind = _FRAMEWORK_TYPES.get((cls.__module__, cls.__name__))
+        if kind is not None:
+            return kind
     return None
 
 
-def training_frame():
-    """The last frame seen running the training loop (where ``optimizer.step()`` was called), or None."""
-    return _frame
+def _is_lightning_module(obj) -> bool:
+    return any((c.__module__, c.__name__) in _LIGHTNING_MODULES for c in type(obj).__mro__)
 
 
-def _classify(torch, obj, name: str, seen: set, depth: int) -> None:
+def _scheduler_types(torch) -> tuple:
+    lrs = torch.optim.lr_scheduler
+    return tuple(c for c in (getattr(lrs, "LRScheduler", None), getattr(lrs, "ReduceLROnPlateau", None)) if c)
+
+
+def _scaler_types(torch) -> tuple:
+    return tuple(t for t in (getattr(getattr(torch, "amp", None), "GradScaler", None),
+                             getattr(getattr(torch.cuda, "amp", None), "GradScaler", None)) if isinstance(t, type))
+
+
+def unwrap_optimizer(opt) -> tuple[Any, str | None]:
+    """``(inner, wrapper class name)``: the optimizer that owns ``opt``'s param_groups.
+
+    A wrapper is recognised by what it does, not by its name: it keeps the inner optimizer
+    as ``optimizer`` or ``_optimizer`` and its ``param_groups`` is the inner one's list.
+    """
+    wrapper = None
+    for _ in range(4):  # wrappers of wrappers (DeepSpeed inside accelerate)
+        try:
+            attrs = vars(opt)
+        except TypeError:
+            break
+        inner = next((attrs[a] for a in ("_optimizer", "optimizer") if a in attrs), None)
+        if inner is None or inner is opt or not hasattr(inner, "param_groups"):
+            break
+        try:
+            same = opt.param_groups is inner.param_groups
+        except Exception:
+            same = False
+        if not same:
+            break
+        wrapper = wrapper or type(opt).__name__
+        opt = inner
+    return opt, wrapper
+
+
+def _unwrap_scheduler(torch, sched):
+    kinds = _scheduler_types(torch)
+    for _ in range(3):
+        if isinstance(sched, kinds):
+            return sched
+        inner = vars(sched).get("scheduler") if hasattr(sched, "__dict__") else None
+        if inner is None:
+            return None
+        sched = inner
+    return sched if isinstance(sched, kinds) else None
+
+
+# -- the registry ---------------------------------------------------------------------------------------
+def _kind_of(torch, obj) -> str | None:
+    if isinstance(obj, torch.nn.Module):
+        return "model"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(obj, _scheduler_types(torch)) or (_unwrap_scheduler(torch, obj) is not None
+                                                    and type(obj).__name__ == "AcceleratedScheduler"):
+        return "scheduler"
+    kinds = _scaler_types(torch)
+    if kinds and isinstance(obj, kinds):
+        return "scaler"
+    if _framework_of(obj) is not None:
+        return "framework"
+    return None
+
+
+def add(obj, name: str | None = None, source: str = "frame", kind: str | None = None) -> Found | None:
+    """Remember ``obj`` (unwrapped); a better-sourced name replaces a worse one. Returns its record."""
+    torch = _torch()
+    if torch is None or obj is None:
+        return None
+    kind = kind or _kind_of(torch, obj)
+    if kind is None:
+        return None
+    wrapper = framework = None
+    if kind == "optimizer":
+        obj, wrapper = unwrap_optimizer(obj)
+    elif kind == "scheduler":
+        inner = _unwrap_scheduler(torch, obj)
+        if inner is None:
+            return None
+        if inner is not obj:
+            wrapper, obj = type(obj).__name__, inner
+    elif kind == "framework":
+        framework = _framework_of(obj)
+    elif kind == "model":
+        if not _add_model(obj, name, source):
+            return None
+        return _record("model", obj)
+    name = name or type(obj).__name__.lower()
+    with _lock:
+        reg = _found[kind]
+        e = reg.get(id(obj))
+        if e is None or e.ref() is not obj:
+            reg[id(obj)] = _Entry(obj, name, wrapper, source, framework)
+        else:
+            if _PRECEDENCE.get(source, 9) < _PRECEDENCE.get(e.source, 9):
+                e.name, e.source = name, source
+            e.wrapper = e.wrapper or wrapper
+    return _record(kind, obj)
+
+
+def _add_model(model, name, source) -> bool:
+    """Root models only: a submodule of a known root is left out; a new root replaces the roots it contains."""
+    try:
+        if not any(True for _ in model.parameters()):
+            return False
+        with _lock:
+            reg = _found["model"]
+            e = reg.get(id(model))
+            if e is not None and e.ref() is model:
+                if name and _PRECEDENCE.get(source, 9) < _PRECEDENCE.get(e.source, 9):
+                    e.name, e.source = name, source
+                return True
+            known = [en.ref() for en in reg.values()]
+        for other in known:
+            if other is not None and any(m is model for m in other.modules()):
+                return False
+        contained = {id(m) for m in model.modules()}
+        with _lock:
+            reg = _found["model"]
+            for key in [k for k, en in reg.items() if k in contained and en.ref() is not None]:
+                del reg[key]
+            reg[id(model)] = _Entry(model, name or type(model).__name__, None, source)
+        return True
+    except Exception as exc:
+        record_error("finding models", exc)
+        return False
+
+
+def _record(kind: str, obj) -> Found | None:
+    with _lock:
+        e = _found[kind].get(id(obj))
+        return Found(e.name, obj, e.wrapper, e.source) if e is not None and e.ref() is obj else None
+
+
+def known(kind: str) -> list[Found]:
+    """What was found so far of ``kind`` (model, optimizer, scheduler, scaler, framework), without looking again."""
+    return _live(kind)
+
+
+def _live(kind: str) -> list[Found]:
+    out = []
+    with _lock:
+        reg = _found[kind]
+        for key, e in list(reg.items()):
+            obj = e.ref()
+            if obj is None:
+                del reg[key]
+            else:
+                out.append(Found(e.name, obj, e.wrapper, e.source))
+    return out
+
+
+def _refreshed(kind: str) -> list[Found]:
+    """The objects of ``kind``, after a look at __main__'s globals and the known frameworks' objects."""
+    if _torch() is None:
+        return []
+    try:
+        _scan_main()
+        _scan_frameworks()
+    except Exception as exc:
+        record_error("finding training objects", exc)
+    return _live(kind)
+
+
+def models() -> list[Found]:
+    return _refreshed("model")
+
+
+def optimizers() -> list[Found]:
+    return _refreshed("optimizer")
+
+
+def schedulers() -> list[Found]:
+    return _refreshed("scheduler")
+
+
+def grad_scalers() -> list[Found]:
+    return _refreshed("scaler")
+
+
+def frameworks() -> list[Found]:
+    """Framework objects found (a Lightning or transformers Trainer, an Accelerator); ``wrapper`` holds
+    the framework's name (lightning, transformers, accelerate)."""
+    out = []
+    for f in _refreshed("framework"):
+        e = _found["framework"].get(id(f.obj))
+        out.append(f._replace(wrapper=e.framework if e is not None else None))
+    return out
+
+
+def optimizer_found(opt) -> Found | None:
+    """The record of one optimizer (after unwrapping), without rescanning: for the hot path."""
+    inner, _ = unwrap_optimizer(opt)
+    return _record("optimizer", inner)
+
+
+def scheduler_for(optimizer) -> list[Found]:
+    """Every found scheduler driving ``optimizer`` (usually one), compared after unwrapping both."""
+    inner, _ = unwrap_optimizer(optimizer)
+    out = []
+    for f in schedulers():
+        o = getattr(f.obj, "optimizer", None)
+        if o is not None and unwrap_optimizer(o)[0] is inner:
+            out.append(f)
+    return out
+
+
+# -- looking ----------------------------------------------------------------------------------------------
+def _scan_main() -> None:
+    torch = _torch()
+    for name, value in main_globals().items():
+        if name.startswith("__") or isinstance(value, type):
+            continue
+        kind = _kind_of(torch, value)
+        if kind is not None:
+            add(value, name, "__main__", kind)
+
+
+def _scan_frameworks() -> None:
+    for f in _live("framework"):
+        _from_framework(f.obj, f.name)
+
+
+def _framework_items(obj, name: str):
+    """``(value, name, kind)`` for the objects a framework object holds, by the framework's own API."""
+    kind = _framework_of(obj)
+    if kind == "lightning":
+        yield getattr(obj, "lightning_module", None), f"{name}.lightning_module", "model"
+        for i, opt in enumerate(list(getattr(obj, "optimizers", None) or [])):
+            yield opt, f"{name}.optimizers[{i}]", "optimizer"
+        for i, cfg in enumerate(list(getattr(obj, "lr_scheduler_configs", None) or [])):
+            yield getattr(cfg, "scheduler", None), f"{name}.lr_scheduler_configs[{i}].scheduler", "scheduler"
+    elif kind == "transformers":
+        for attr, k in (("model", "model"), ("optimizer", "optimizer"), ("lr_scheduler", "scheduler"),
+                        ("accelerator", "framework")):
+            yield getattr(obj, attr, None), f"{name}.{attr}", k
+    elif kind == "accelerate":
+        for attr, k in (("_models", "model"), ("_optimizers", "optimizer"), ("_schedulers", "scheduler")):
+            for i, value in enumerate(list(getattr(obj, attr, None) or [])):
+                yield value, f"{name}.{attr}[{i}]", k
+
+
+def objects_of(framework) -> dict:
+    """The first model, optimizer (unwrapped) and scheduler (unwrapped) a framework object holds."""
+    out: dict = {}
+    torch = _torch()
+    for value, _, kind in _framework_items(framework, "trainer"):
+        if value is None or kind in out or kind == "framework":
+            continue
+        if kind == "optimizer":
+            value = unwrap_optimizer(value)[0]
+        elif kind == "scheduler" and torch is not None:
+            value = _unwrap_scheduler(torch, value)
+        out[kind] = value
+    return out
+
+
+def _from_framework(obj, name: str) -> None:
+    """Remember the objects a framework object holds (Lightning's optimizer wrappers give their class)."""
+    kind = _framework_of(obj)
+    try:
+        for value, vname, k in _framework_items(obj, name):
+            if value is None:
+                continue
+            add(value, vname, "framework", k)
+            if k == "framework":
+                _from_framework(value, vname)
+        if kind == "lightning":
+            for w in getattr(getattr(obj, "strategy", None), "_lightning_optimizers", None) or []:
+                inner = unwrap_optimizer(w)[0]
+                with _lock:
+                    e = _found["optimizer"].get(id(inner))
+                    if e is not None and e.wrapper is None and inner is not w:
+                        e.wrapper = type(w).__name__
+    except Exception as exc:
+        record_error(f"finding the objects of {type(obj).__name__} ({kind})", exc)
+
+
+def _classify(torch, obj, name: str, seen: set, depth: int, source: str) -> None:
     if id(obj) in seen:
         return
     seen.add(id(obj))
-    if isinstance(obj, torch.nn.Module):
-        if any(True for _ in obj.parameters()):
-            add_model(obj, name)
-    elif isinstance(obj, torch.optim.Optimizer):
-        add_optimizer(obj)
-    elif _is_scheduler(torch, obj):
-        add_scheduler(obj)
-    elif _is_scaler(torch, obj):
-        add_grad_scaler(obj)
-    elif depth == 0 and hasattr(obj, "__dict__") and not isinstance(obj, type) and type(obj).__module__ != "builtins":
+    kind = _kind_of(torch, obj)
+    if kind is not None:
+        add(obj, name, source, kind)
+        if kind == "framework":
+            _from_framework(obj, name)
+        elif kind == "model" and _is_lightning_module(obj):
+            trainer = vars(obj).get("_trainer")
+            if trainer is not None and id(trainer) not in seen:
+                seen.add(id(trainer))
+                add(trainer, "trainer", "framework", "framework")
+                _from_framework(trainer, "trainer")
+        return
+    if depth == 0 and hasattr(obj, "__dict__") and not isinstance(obj, type) and type(obj).__module__ != "builtins":
         try:
             attrs = list(vars(obj).items())
         except TypeError:
             return
         for attr, value in attrs[:200]:
-            _classify(torch, value, attr, seen, depth + 1)
+            _classify(torch, value, attr, seen, depth + 1, source)
 
 
-def _is_scheduler(torch, obj) -> bool:
-    lrs = torch.optim.lr_scheduler
-    bases = tuple(c for c in (getattr(lrs, "LRScheduler", None), getattr(lrs, "ReduceLROnPlateau", None)) if c)
-    return isinstance(obj, bases)
-
-
-def _is_scaler(torch, obj) -> bool:
-    amp = getattr(torch, "amp", None)
-    cls = getattr(amp, "GradScaler", None) if amp is not None else None
-    return cls is not None and isinstance(obj, cls)
+def _framework_name(value, name: str) -> str:
+    """A framework object seen as ``self`` is named for what it is (trainer, accelerator)."""
+    if name != "self":
+        return name
+    kind = _framework_of(value)
+    return "accelerator" if kind == "accelerate" else "trainer" if kind else name
 
 
 def scan(frame=None, max_frames: int = 4) -> None:
-    """Look for models, optimizers, schedulers and scalers near ``frame`` and in ``__main__``."""
+    """Look near ``frame`` (its locals and ``self``'s attributes, ``max_frames`` frames out), for framework
+    objects on the calling thread's whole stack (a Trainer's frames hold it as ``self``), and in ``__main__``."""
     torch = _torch()
     if torch is None:
         return
-    seen: set = set()
-    f, n = frame, 0
+    from ..util.frames import release
 
+    seen: set = set()
+    near, n = set(), 0
+    f = frame
     while f is not None and n < max_frames:
+        near.add(id(f))
         loc = f.f_locals
-        for name, value in list(loc.items()):
-            _classify(torch, value, name, seen, 0)
-        release(f, loc)  # 3.11/3.12: the snapshot would keep these objects alive until the next read
+        try:
+            for name, value in list(loc.items()):
+                _classify(torch, value, _framework_name(value, name), seen, 0, "frame")
+        finally:
+            release(f, loc)  # 3.11/3.12: the snapshot would keep these objects alive until the next read
         f, n = f.f_back, n + 1
-    main = sys.modules.get("__main__")
-    if main is not None:
-        for name, value in list(vars(main).items()):
-            if not name.startswith("__"):
-                _classify(torch, value, name, seen, 1)  # globals: no attribute walk (modules, classes)
+    f = sys._getframe(1)
+    while f is not None:
+        if id(f) not in near and f.f_code.co_filename != __file__:
+            loc = f.f_locals
+            try:
+                for name, value in list(loc.items()):
+                    if id(value) not in seen and (_framework_of(value) is not None or (
+                            isinstance(value, torch.nn.Module) and _is_lightning_module(value))):
+                        _classify(torch, value, _framework_name(value, name), seen, 1, "frame")
+            finally:
+                release(f, loc, own=True)
+        f = f.f_back
+    _scan_main()
+
+
+# -- frames -------------------------------------------------------------------------------------------------
+def set_training_frame(frame) -> None:
+    global _frame
+    _frame = frame
+
+
+def training_frame():
+    """The user's loop frame last seen at a step boundary, or None."""
+    return _frame
+
+
+_PROBE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # probe/ (this file is in probe/training)
+_internal: dict = {}  # co_filename -> inside torch, probe, a training framework, or stdlib plumbing
+
+
+def _package_dirs() -> tuple:
+    dirs = [_PROBE_DIR]
+    for pkg in ("torch",) + FRAMEWORK_PACKAGES:
+        mod = sys.modules.get(pkg)
+        path = getattr(mod, "__file__", None) if mod is not None else None
+        if path:
+            dirs.append(os.path.dirname(os.path.abspath(path)))
+    return tuple(d + os.sep for d in dirs)
+
+
+def is_internal(code) -> bool:
+    """Whether ``code`` belongs to torch, probe, a training framework or contextlib/threading (cached per file)."""
+    f = code.co_filename
+    hit = _internal.get(f)
+    if hit is None:
+        if f.startswith("<"):
+            hit = f.startswith("<frozen")
+        else:
+            p = os.path.abspath(f)
+            hit = p.startswith(_package_dirs()) or os.path.basename(p) in ("contextlib.py", "threading.py")
+        _internal[f] = hit
+    return hit
+
+
+def user_frame(frame):
+    """The nearest frame from ``frame`` outwards that is the user's code (see ``is_internal``)."""
+    while frame is not None and is_internal(frame.f_code):
+        frame = frame.f_back
+    return frame
+
+
+def restore_counters(framework, counters: dict) -> dict:
+    """Set a framework object's step counters to ``counters`` (as ``framework_counters`` wrote them);
+    return what was set."""
+    kind = _framework_of(framework)
+    done = {}
+    if kind == "lightning" and "global_step" in counters:
+        loop = framework.fit_loop.epoch_loop
+        progress = loop.automatic_optimization.optim_progress.optimizer.step.total
+        progress.ready = progress.completed = int(counters["global_step"])
+        loop._batches_that_stepped = int(counters["global_step"])
+        done["global_step"] = int(framework.global_step)
+    elif kind == "transformers" and "global_step" in counters:
+        framework.state.global_step = int(counters["global_step"])
+        if hasattr(framework, "_globalstep_last_logged"):  # as the Trainer's own resume does: else it logs nothing
+            framework._globalstep_last_logged = framework.state.global_step  # until the step count passes the old one
+        done["global_step"] = framework.state.global_step
+    return done
+
+
+def framework_counters(in_step: bool = False) -> dict:
+    """The optimizer-step counters of the Trainers found: ``{name: {"global_step": n, ...}}``.
+
+    ``in_step``: read inside an optimizer step (probe's safe point), where both Trainers have
+    not yet counted the step that is finishing; it is counted here, so the numbers match the
+    weights, which already have it.
+    """
+    out = {}
+    extra = 1 if in_step else 0
+    for f in frameworks():
+        try:
+            if f.wrapper == "lightning":
+                out[f.name] = {"global_step": int(f.obj.global_step) + extra, "current_epoch": int(f.obj.current_epoch)}
+            elif f.wrapper == "transformers":
+                st = f.obj.state
+                out[f.name] = {"global_step": int(st.global_step) + extra, "epoch": float(st.epoch or 0.0)}
+        except Exception as exc:
+            record_error(f"reading {f.name}'s step counters", exc)
+    return out
+
+
+def named() -> dict:
+    """Found objects under their names and the usual ones (for eval): model, optimizer, scheduler, scaler, trainer, accelerator."""
+    out = {}
+    groups = (("model", models()), ("optimizer", optimizers()), ("scheduler", schedulers()), ("scaler", grad_scalers()))
+    for key, found in groups:
+        for f in found:
+            if f.name.isidentifier():
+                out.setdefault(f.name, f.obj)
+        if found:
+            out.setdefault(key, found[0].obj)
+    for f in frameworks():
+        if f.name.isidentifier():
+            out.setdefault(f.name, f.obj)
+        out.setdefault("accelerator" if f.wrapper == "accelerate" else "trainer", f.obj)
+    return out

@@ -17,13 +17,14 @@ import threading
 from ..agent import state as agent_state
 from ..util.errorlog import record_error
 from . import finder
-from .steps import StepTracker, training_frame_of
+from .steps import StepTracker
 from .trace import Tracer
 
 __all__ = ["arm", "disarm", "pause", "resume", "tracker", "tracer", "step", "watch"]
 
 _lock = threading.RLock()
 _state: dict = {}
+lr_overrides = None  # probe.actions.lr puts itself here when imported: its overrides apply around each step
 
 
 class _TorchWatcher:
@@ -94,15 +95,32 @@ def _install(torch) -> None:
             tk = StepTracker(torch, tr)
             _state.update(tracker=tk, tracer=tr)
             handle = topt.register_optimizer_step_post_hook(_post_hook)
-            _state.update(installed=True, handle=handle)
+            _state.update(installed=True, handle=handle, pre_handle=topt.register_optimizer_step_pre_hook(_pre_hook))
             agent_state.add_status_provider(status)
             tr.prepare(1)  # step 1 is sampled: trace it from the first module call
         except Exception as exc:
             record_error("installing torch hooks", exc)
 
 
+def _pre_hook(optimizer, args, kwargs):
+    """torch's global optimizer step pre-hook: whether the step evaluates a closure (for the loss)."""
+    tk = _state.get("tracker")
+    if tk is not None:
+        try:
+            tk.on_step_start(optimizer, args, kwargs)
+        except Exception as exc:
+            record_error("torch optimizer step pre-hook", exc)
+    lr = lr_overrides
+    if lr is not None and lr._overrides:
+        lr.around_step(optimizer, True)
+    return None
+
+
 def _post_hook(optimizer, args, kwargs):
     """torch's global optimizer step post-hook: the step boundary."""
+    lr = lr_overrides
+    if lr is not None and lr._overrides:
+        lr.around_step(optimizer, False)  # the loop's own lr back in param_groups before the boundary reads it
     tk = _state.get("tracker")
     if tk is not None:
         try:
@@ -118,9 +136,10 @@ def pause() -> None:
     hooks' cost in a long run's steady state.
     """
     with _lock:
-        handle = _state.pop("handle", None)
-        if handle is not None:
-            handle.remove()
+        for key in ("handle", "pre_handle"):
+            handle = _state.pop(key, None)
+            if handle is not None:
+                handle.remove()
         tk, tr = _state.get("tracker"), _state.get("tracer")
         if tr is not None:
             tr.close()
@@ -136,6 +155,7 @@ def resume() -> None:
         import torch.optim.optimizer as topt
 
         _state["handle"] = topt.register_optimizer_step_post_hook(_post_hook)
+        _state["pre_handle"] = topt.register_optimizer_step_pre_hook(_pre_hook)
         tk.reopen()
         tr.prepare(tk.step + 1)
 
@@ -144,9 +164,10 @@ def disarm() -> None:
     """Remove every torch hook the probe installed (the rings keep their rows)."""
     with _lock:
         _remove_watcher()
-        handle = _state.pop("handle", None)
-        if handle is not None:
-            handle.remove()
+        for key in ("handle", "pre_handle"):
+            handle = _state.pop(key, None)
+            if handle is not None:
+                handle.remove()
         for key in ("tracer", "tracker"):
             obj = _state.get(key)
             if obj is not None:
@@ -188,7 +209,7 @@ def step(loss=None, samples=None, tokens=None) -> int | None:
         if tk is None:
             return None
         tk.explicit = True
-        tk.boundary(None, training_frame_of(sys._getframe(1), tk.torch_dir), loss=loss, samples=samples, tokens=tokens)
+        tk.boundary(None, finder.user_frame(sys._getframe(1)), loss=loss, samples=samples, tokens=tokens)
         return tk.step
     except Exception as exc:
         record_error("probe.step", exc)
@@ -200,19 +221,17 @@ def watch(model=None, optimizer=None, scheduler=None, scaler=None) -> None:
     try:
         caller = sys._getframe(1).f_locals
         tk = _ready_tracker()
+        def name(obj):
+            return next((k for k, v in caller.items() if v is obj), None)
+
         for m in (model if isinstance(model, (list, tuple)) else [model]):
             if m is not None:
-                name = next((k for k, v in caller.items() if v is m), None)
-                finder.add_model(m, name)
-        if optimizer is not None:
-            if tk is not None:
-                tk.set_lead(optimizer)
-            else:
-                finder.add_optimizer(optimizer)
-        if scheduler is not None:
-            finder.add_scheduler(scheduler)
-        if scaler is not None:
-            finder.add_grad_scaler(scaler)
+                finder.add(m, name(m), "watch", "model")
+        for obj, kind in ((optimizer, "optimizer"), (scheduler, "scheduler"), (scaler, "scaler")):
+            if obj is not None:
+                finder.add(obj, name(obj), "watch", kind)
+        if optimizer is not None and tk is not None:
+            tk.set_lead(optimizer)
         if tk is not None:
             tk._watch_roots()
     except Exception as exc:

@@ -11,8 +11,18 @@ What counts as a step:
 * Once ``probe.step()`` is called, the explicit calls own the count and optimizer steps
   no longer end steps (no double counting).
 
-The hot path never synchronises with a device: the loss (a scalar tensor named
-``loss``, see PROBE_LOSS_NAMES, in the training loop's frames) and the gradient norm
+The loss of a step is what the loop backpropagated since the previous step: every
+scalar tensor ``torch.autograd.backward`` (so ``Tensor.backward``, accelerate's
+``accelerator.backward``, Lightning's and the HF Trainer's backward) was called on,
+summed; ``scaler.scale(loss)`` counts as ``loss`` (GradScaler's scale is looked
+through), ``(loss / accum).backward()`` over ``accum`` micro-batches sums to their
+mean, and inside ``optimizer.step(closure)`` only the closure's first evaluation
+counts (the value ``step`` returns; LBFGS evaluates it again). A loop that never
+calls backward on a scalar (``torch.autograd.grad``) falls back to a scalar tensor
+named ``loss`` (PROBE_LOSS_NAMES) in the training loop's frames; ``probe.step(loss=)``
+overrides both.
+
+The hot path never synchronises with a device: the loss and the gradient norm
 (a foreach norm launched on the device) are kept as tensors and read a few steps
 later or when a query asks, once they are ready.
 """
@@ -27,15 +37,14 @@ import sys
 import threading
 import time
 
-from . import finder
-from . import safepoint
+from . import finder, safepoint
 from .._config import setting
-from ..util.frames import release
-from ..util.errorlog import record_error
-from ..util.ring import Ring
 from .._runtime import rank_identity
+from ..util.errorlog import record_error
+from ..util.frames import release
+from ..util.ring import Ring
 
-__all__ = ["StepTracker", "STEP_COLUMNS", "training_frame_of"]
+__all__ = ["StepTracker", "STEP_COLUMNS"]
 
 STEP_COLUMNS = {"step": "i8", "started_at": "f8", "ended_at": "f8", "duration": "f8", "loss": "f8",
                 "grad_norm": "f8", "lr": "f8", "samples_per_s": "f8", "tokens_per_s": "f8",
@@ -45,43 +54,16 @@ _LAG = 2  # steps after which a pending value is read on the training thread
 _RESOLVE_EVERY = 8  # pending device values read at the boundary once this many are waiting
 _PEAK_PERIOD = 0.25  # seconds between peak-memory readings at the boundary (a running peak: staleness is fine)
 _NAN = float("nan")  # made once: float("nan") parses a string, which is slow with cold caches
-_PROBE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # probe/ (this file is in probe/training)
-_internal_cache: dict = {}  # co_filename -> inside torch or probe
 
 
-def _is_internal(code, torch_dir: str) -> bool:
-    """Whether ``code`` belongs to torch or to probe (decided once per file name).
-
-    The cache is keyed by file name, not by code object: code objects compare equal
-    across files when their name, lines and bytecode match. The file name is made
-    absolute and normalised first: a module imported through a path such as
-    ``bench/../probe`` carries that spelling in ``co_filename``. The separator keeps
-    ``torchvision`` or ``probe_utils`` from passing for torch or probe.
-    """
-    f = code.co_filename
-    hit = _internal_cache.get(f)
-    if hit is None:
-        if f.startswith("<"):
-            hit = f.startswith("<frozen")
-        else:
-            p = os.path.abspath(f)
-            hit = p.startswith(torch_dir + os.sep) or p.startswith(_PROBE_DIR + os.sep)
-        _internal_cache[f] = hit
-    return hit
-
-
-def _outside(frame, torch_dir: str):
-    """``(f, hops)``: the first frame from ``frame`` outwards that belongs neither to torch nor
-    to probe, and how many frames out it is."""
+def _outside(frame):
+    """``(f, hops)``: the first frame from ``frame`` outwards that is the user's (not torch, probe or a
+    training framework's), and how many frames out it is."""
     hops = 0
-    while frame is not None and _is_internal(frame.f_code, torch_dir):
+    is_internal = finder.is_internal
+    while frame is not None and is_internal(frame.f_code):
         frame, hops = frame.f_back, hops + 1
     return frame, hops
-
-
-def training_frame_of(frame, torch_dir: str):
-    """The first frame from ``frame`` outwards that belongs neither to torch nor to probe."""
-    return _outside(frame, torch_dir)[0]
 
 
 def _attempt(source: str, fn, *args):
@@ -128,25 +110,34 @@ class StepTracker:
         self._peak_v = float("nan")
         self._frame = None
         self._frame_depth = 0
+        self._losses: list = []  # this step's backpropagated scalars (detached), summed at the boundary
+        self._scaled = None  # (weakref to GradScaler.scale's output, the loss it scaled)
+        self._closure_step = False  # inside optimizer.step(closure): only the closure's first backward counts
+        self._closure_taken = False
+        self.step_lr = None  # the lr an override made this step use (set by probe._lr before the boundary)
         _attempt("torch steps: wrapping clip_grad_norm_", self._wrap_clip)
+        _attempt("torch steps: wrapping torch.autograd.backward", self._wrap_backward)
 
     # -- the lead optimizer --------------------------------------------------------------------
     def set_lead(self, optimizer) -> None:
         import weakref
 
+        optimizer, _ = finder.unwrap_optimizer(optimizer)  # the hooks fire with the inner optimizer
         self.lead = weakref.ref(optimizer)
-        finder.add_optimizer(optimizer)
+        finder.add(optimizer, None, "step hook", "optimizer")
 
     def lead_optimizer(self):
         return self.lead() if self.lead is not None else None
 
     def on_optimizer_step(self, optimizer) -> None:
         """torch's global optimizer step post-hook lands here."""
+        self._closure_step = False
         lead = self.lead() if self.lead is not None else None
         if lead is None:
             self.set_lead(optimizer)
         elif lead is not optimizer:
-            finder.add_optimizer(optimizer)
+            if finder.optimizer_found(optimizer) is None:
+                finder.add(optimizer, None, "step hook", "optimizer")
             return
         if self.explicit:
             return
@@ -166,7 +157,7 @@ class StepTracker:
                 f = None
             if f is not None and f is self._frame:
                 return f
-        f, hops = _outside(sys._getframe(1), self.torch_dir)
+        f, hops = _outside(sys._getframe(1))
         self._frame_depth = 1 + hops if f is not None else 0
         return f
 
@@ -193,10 +184,10 @@ class StepTracker:
         lead = self.lead_optimizer()
         if lead is not None and lead.param_groups and lead.param_groups[0]["params"]:
             first = lead.param_groups[0]["params"][0]
-            for _, model in found:
-                if any(p is first for p in model.parameters()):
-                    return model
-        return found[0][1] if found else None
+            for f in found:
+                if any(p is first for p in f.obj.parameters()):
+                    return f.obj
+        return found[0].obj if found else None
 
     def _watch_roots(self) -> None:
         """Count samples and tokens at the primary model's forward (one hook on one module, not global)."""
@@ -324,6 +315,98 @@ class StepTracker:
         clip_grad_norm_._probe_original = original
         utils.clip_grad_norm_ = clip_grad_norm_
 
+    # -- the loss: what backward was called on ------------------------------------------------
+    def on_step_start(self, optimizer, args, kwargs) -> None:
+        """torch's global optimizer step pre-hook: note whether this step evaluates a closure."""
+        self._closure_step = bool(args) or kwargs.get("closure") is not None
+        self._closure_taken = False
+
+    def _saw_backward(self, tensors, grad_tensors) -> None:
+        t = tensors
+        if type(t) in (list, tuple):
+            if len(t) != 1:
+                return
+            t = t[0]
+        if not isinstance(t, self.torch.Tensor) or t.numel() != 1:
+            return  # a vector backward with explicit gradients is not a loss
+        if grad_tensors is not None and not (type(grad_tensors) in (list, tuple) and all(g is None for g in grad_tensors)):
+            return
+        if self._closure_step:
+            if self._closure_taken:
+                return
+            self._closure_taken = True
+        scaled = self._scaled
+        if scaled is not None and scaled[0]() is t:
+            t = scaled[1]
+            self._scaled = None
+        self._losses.append(t.detach())
+
+    def _wrap_backward(self) -> None:
+        """See every ``torch.autograd.backward`` call (``Tensor.backward`` goes through it) and
+        GradScaler's ``scale`` (so a scaled loss counts unscaled)."""
+        import weakref
+
+        autograd = self.torch.autograd
+        original = autograd.backward
+        if getattr(original, "_probe_original", None) is None:
+            tracker = self
+
+            @functools.wraps(original)
+            def backward(tensors, grad_tensors=None, *args, **kwargs):
+                try:
+                    tracker._saw_backward(tensors, grad_tensors)
+                except Exception as exc:
+                    record_error("torch steps: noting the loss", exc)
+                return original(tensors, grad_tensors, *args, **kwargs)
+
+            backward._probe_original = original
+            autograd.backward = backward
+        scaler = getattr(getattr(self.torch, "amp", None), "GradScaler", None)
+        scale = getattr(scaler, "scale", None)
+        if scale is not None and getattr(scale, "_probe_original", None) is None:
+            tracker = self
+            Tensor = self.torch.Tensor
+
+            @functools.wraps(scale)
+            def scale_(self_, outputs):
+                out = scale(self_, outputs)
+                if out is not outputs and isinstance(outputs, Tensor):
+                    try:
+                        tracker._scaled = (weakref.ref(out), outputs.detach())
+                    except TypeError:
+                        pass
+                return out
+
+            scale_._probe_original = scale
+            scaler.scale = scale_
+
+    def _unwrap_backward(self) -> None:
+        autograd = self.torch.autograd
+        original = getattr(autograd.backward, "_probe_original", None)
+        if original is not None:
+            autograd.backward = original
+        scaler = getattr(getattr(self.torch, "amp", None), "GradScaler", None)
+        original = getattr(getattr(scaler, "scale", None), "_probe_original", None)
+        if original is not None:
+            scaler.scale = original
+        self._losses.clear()
+        self._scaled = None
+
+    def _step_loss(self):
+        """This step's backpropagated loss (a tensor, summed on its device), or None."""
+        losses = self._losses
+        if not losses:
+            return None
+        self._losses = []
+        if len(losses) == 1:
+            return losses[0]
+        try:
+            first = losses[0]
+            return self.torch.stack([x.reshape(()).to(first.device, first.dtype) for x in losses]).sum()
+        except Exception as exc:
+            record_error("torch steps: summing the step's losses", exc)
+            return losses[-1]
+
     def _unwrap_clip(self) -> None:
         utils = self.torch.nn.utils
         original = getattr(utils.clip_grad_norm_, "_probe_original", None)
@@ -391,8 +474,9 @@ class StepTracker:
         nan = _NAN
         loss_v = norm_v = lr = nan
         try:
+            found = self._step_loss()
             if loss is None:
-                loss = self._find_loss(frame)
+                loss = found if found is not None else self._find_loss(frame)
             if loss is not None:
                 loss_v = self._hold(loss)
         except Exception as exc:
@@ -402,7 +486,9 @@ class StepTracker:
                 norm_v = self._hold(self._step_grad_norm(optimizer, step, duration))
             except Exception as exc:
                 record_error("torch steps: grad norm", exc)
-        if optimizer is not None:
+        if self.step_lr is not None:
+            lr, self.step_lr = self.step_lr, None
+        elif optimizer is not None:
             try:
                 lr = optimizer.param_groups[0]["lr"]
                 if type(lr) is not float:
@@ -462,11 +548,13 @@ class StepTracker:
 
     def close(self) -> None:
         self._unwrap_clip()
+        self._unwrap_backward()
         self.close_root_hooks()
 
     def reopen(self) -> None:
         """Undo ``close``: the clip wrapper and the root model's hook go back; the next step's clock restarts."""
         _attempt("torch steps: wrapping clip_grad_norm_", self._wrap_clip)
+        _attempt("torch steps: wrapping torch.autograd.backward", self._wrap_backward)
         self._watch_roots()
         self.last_end_perf = None
         self.started_perf = time.perf_counter()

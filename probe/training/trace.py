@@ -13,8 +13,10 @@ Durations: perf_counter on CPU; on CUDA a pair of CUDA events per call, resolved
 when the events have completed (a later boundary or query), never synchronising.
 ``allocated`` is the CUDA allocator's current bytes on GPU runs, else the process
 RSS; it is read at most every ``MEM_PERIOD`` seconds (the last reading is reused).
-Backward is traced per root model: from the moment autograd reaches the model's
-output to the end of the backward pass.
+Backward is traced per root model (a module called at top level, a loss module
+included), as a cut of the backward pass: a root's row runs from the moment autograd
+reaches its output to the moment it reaches the next root's output, or to the end of the
+pass. The backward rows of a pass therefore add up to the pass and never overlap.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import time
 
 from . import finder
 from .._config import setting
+from .._runtime import rank_identity
 from ..util.errorlog import record_error
 from ..util.procfs import RssReader
 from ..util.ring import Ring
-from .._runtime import rank_identity
 
 __all__ = ["Tracer", "DEFAULT_EVERY", "TRACE_COLUMNS"]
 
@@ -71,6 +73,8 @@ class Tracer:
         self.active_step: int | None = None
         self.rows: list = []  # (module, t0, t1, mem, depth[, ev0, ev1]) per call
         self.backward: list = []  # (root, t0, t1, mem, ev0, ev1)
+        self._open_backward = None  # (root, t0, ev0): the backward row being timed in the current pass
+        self._pass_queued = False  # the end-of-pass callback is queued
         self.pending_events: list = []  # (ring row, ev0, ev1) awaiting completion (CUDA)
         self._names: dict = {}
         self._rss = RssReader()
@@ -217,31 +221,48 @@ class Tracer:
             fn = getattr(t, "grad_fn", None)
             if fn is None:
                 return
-            torch = self.torch
-            record = self.backward
-            cuda = self.cuda
-            new_event = self._new_event
-            read_mem = self._read_mem
+            fn.register_prehook(lambda grad_outputs: self._backward_reached(root))
+        except Exception as exc:
+            record_error("torch trace: backward hook", exc)
 
-            def started(grad_outputs):
-                try:
-                    t0 = time.perf_counter()
-                    ev0 = new_event() if cuda else None
-                    if ev0 is not None:
-                        ev0.record()
+    def _backward_reached(self, root) -> None:
+        """Autograd reached ``root``'s output: the backward row open so far (the previous root's) ends here.
 
-                    def finished():
-                        ev1 = new_event() if cuda else None
-                        if ev1 is not None:
-                            ev1.record()
-                        record.append((root, t0, time.perf_counter(), read_mem(), ev0, ev1))
+        The backward pass is cut where autograd reaches each root's output, in the order it does:
+        a root's row runs from there to where the next root's output is reached, or to the end
+        of the pass. So the rows of one pass add up to the pass, and nothing is counted twice
+        (a loss module called at top level gets the loss's own backward, not the whole pass).
+        """
+        try:
+            now = time.perf_counter()
+            ev = None
+            if self.cuda:
+                ev = self._new_event()
+                ev.record()
+            self._close_backward(now)
+            self._open_backward = (root, now, ev)
+            if not self._pass_queued:
+                self._pass_queued = True
+                self.torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+        except Exception as exc:
+            record_error("torch trace: backward hook", exc)
+        return None
 
-                    torch.autograd.Variable._execution_engine.queue_callback(finished)
-                except Exception as exc:
-                    record_error("torch trace: backward hook", exc)
-                return None
+    def _close_backward(self, now: float) -> None:
+        opened, self._open_backward = self._open_backward, None
+        if opened is None:
+            return
+        root, t0, ev0 = opened
+        ev1 = None
+        if self.cuda:
+            ev1 = self._new_event()
+            ev1.record()
+        self.backward.append((root, t0, now, self._read_mem(), ev0, ev1))
 
-            fn.register_prehook(started)
+    def _backward_finished(self) -> None:
+        try:
+            self._pass_queued = False
+            self._close_backward(time.perf_counter())
         except Exception as exc:
             record_error("torch trace: backward hook", exc)
 
@@ -258,7 +279,7 @@ class Tracer:
             return hit[1], hit[2]
         import weakref
 
-        for root_name, root in finder.models():
+        for root_name, root, _, _ in finder.known("model"):
             if root is module:
                 self._names[key] = (weakref.ref(module), root_name, root_name)
                 return root_name, root_name

@@ -6,7 +6,8 @@ accumulation over 2 micro-batches and a torch.no_grad evaluation pass every step
 --kind explicit: no optimizer at all; the loop calls probe.step(loss=..., samples=...).
 --kind compiled: the inplace loop with the encoder under torch.compile(fullgraph=True) (eager
 backend: dynamo traces the probe's hooks, no C++ compiler needed); prints ``graph_breaks N``.
-Prints ``losses`` (the per-step losses, for comparing runs with and without the probe) and
+Prints ``losses`` (the last micro-batch's loss of each step, for comparing runs with and without
+the probe), ``step_losses`` (each step's loss: the mean over its micro-batches, what was backpropagated) and
 ``hooks step=N forward=K`` (global forward hooks seen inside each step).
 """
 
@@ -35,6 +36,7 @@ if args.kind == "broken":
 
     ts.StepTracker._grad_norm = broken
     ts.StepTracker._find_loss = broken
+    ts.StepTracker._step_loss = broken
 
 torch.manual_seed(0)
 torch.set_num_threads(1)
@@ -48,13 +50,15 @@ encoder_fwd = encoder
 if args.kind == "compiled":
     encoder_fwd = torch.compile(encoder, backend="eager", fullgraph=True)
 mm = torch.nn.modules.module
-losses = []
+losses, step_losses = [], []
 for step in range(1, args.steps + 1):
     idx = torch.arange(step * 16, step * 16 + 32) % 256
+    step_loss = 0.0
     for micro in range(2):
         xb, yb = x_all[idx[micro * 16:(micro + 1) * 16]], y_all[idx[micro * 16:(micro + 1) * 16]]
         loss = nn.functional.mse_loss(head(encoder_fwd(xb)), yb)
         (loss / 2).backward()
+        step_loss += loss.item() / 2
     print(f"hooks step={step} forward={len(mm._global_forward_hooks)}", flush=True)
     if args.kind == "compiled":
         warnings.warn("the loop's own warning, shown once by Python's default filter")
@@ -74,7 +78,9 @@ for step in range(1, args.steps + 1):
         opt_enc.zero_grad(set_to_none=True)
         opt_head.zero_grad(set_to_none=True)
     losses.append(loss.item())
+    step_losses.append(step_loss)
 print("losses " + " ".join(f"{v:.6f}" for v in losses), flush=True)
+print("step_losses " + " ".join(f"{v:.8f}" for v in step_losses), flush=True)
 if args.kind == "compiled":
     from torch._dynamo.utils import counters
 

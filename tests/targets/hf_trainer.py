@@ -1,0 +1,78 @@
+"""A tiny transformers.Trainer run, as a user writes it: no probe code (run it with PROBE=1).
+
+GPT-2 built from a config (1 layer, 32 wide), random token ids, CPU, no downloads; plain SGD
+(``optim="sgd"``, no momentum) so the lr a step really used is measured from the update.
+A callback prints ``ready`` after the first optimizer step and, at every logged step,
+``hf step N loss X lr Y used Z`` with the loss and lr the Trainer itself logs and the
+measured lr (-(dp . g) / (g . g) over all parameters). ``--stall-file F``
+pauses between steps while F exists (prints ``stalled at step N``). ``--resume PATH``
+restores a probe checkpoint before training and prints ``resumed step N``.
+"""
+import argparse
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+from _report import snapshot, step_done, used_lr
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+p = argparse.ArgumentParser()
+p.add_argument("--max-steps", type=int, default=100000)
+p.add_argument("--accum", type=int, default=1)
+p.add_argument("--scheduler", default="linear")
+p.add_argument("--stall-file")
+p.add_argument("--out", default=".")
+args = p.parse_args()
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=4096, length=16, vocab=64):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, length), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class Report(TrainerCallback):
+    def __init__(self):
+        self.model, self.before, self.used = None, None, {}
+
+    def on_pre_optimizer_step(self, a, state, control, **kw):
+        self.before = snapshot(self.model.parameters())
+
+    def on_optimizer_step(self, a, state, control, **kw):
+        self.used[state.global_step + 1] = used_lr(self.before)
+
+    def on_step_end(self, a, state, control, **kw):
+        step_done(state.global_step, args.stall_file)
+
+    def on_log(self, a, state, control, logs=None, **kw):
+        if logs and "loss" in logs:
+            print(f"hf step {state.global_step} loss {logs['loss']!r} lr {logs.get('learning_rate')!r} "
+                  f"used {self.used.get(state.global_step)!r}", flush=True)
+
+
+def main():
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    model = GPT2LMHeadModel(config)
+    targs = TrainingArguments(output_dir=args.out, max_steps=args.max_steps, per_device_train_batch_size=4,
+                              gradient_accumulation_steps=args.accum, learning_rate=0.05, warmup_steps=5,
+                              lr_scheduler_type=args.scheduler, logging_steps=1, optim="sgd", max_grad_norm=0.0, save_strategy="no", report_to=[],
+                              use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=0)
+    report = Report()
+    report.model = model
+    trainer = Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=[report])
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()

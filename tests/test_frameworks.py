@@ -1,0 +1,232 @@
+"""Real training frameworks and hand-written loops, run as users run them (PROBE=1, no probe code).
+
+One process per loop, shared by the tests of this file (module-scoped): transformers' Trainer,
+Lightning, an accelerate loop, and hand-written loops (a schedule assigned by hand every
+iteration with gradient accumulation, AMP's scaler.scale(loss).backward(), optimizer.step(closure)).
+Every target prints ``step N loss X lr Y used Z``: the loss and lr the loop or framework itself
+logs for step N, and the lr step N really used, measured from the parameter update (plain SGD).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+import pytest
+
+from conftest import PROBE_BIN, TARGETS, Proc, has_torch
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+pytestmark = pytest.mark.skipif(not (has_torch() and _has("transformers") and _has("lightning") and _has("accelerate")),
+                                reason="transformers, lightning and accelerate are not installed")
+
+LOOPS = {
+    # name: (script args, optimizer rows: (class, wrapper, scheduler) per group)
+    "hf": (["hf_trainer.py"], [("SGD", "AcceleratedOptimizer", "LambdaLR")] * 2),
+    "lightning": (["lightning_train.py"], [("SGD", "LightningSGD", "LambdaLR")]),
+    "accelerate": (["manual_lr_loop.py", "--kind", "accelerate"], [("SGD", "AcceleratedOptimizer", "LambdaLR")]),
+    "manual": (["manual_lr_loop.py", "--kind", "manual"], [("SGD", None, None)]),
+    "amp": (["manual_lr_loop.py", "--kind", "amp"], [("SGD", None, None)]),
+    "closure": (["manual_lr_loop.py", "--kind", "closure"], [("SGD", None, None)]),
+}
+LINE = re.compile(r"^(?:hf |pl )?step (\d+) loss (\S+) lr (\S+) used (\S+)")
+
+
+class Loop:
+    def __init__(self, name: str):
+        self.name = name
+        self.rt = tempfile.mkdtemp(prefix="pr-", dir="/tmp")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
+        env.update(PROBE="1", PROBE_RUNTIME_DIR=self.rt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        self.env = env
+        args = [sys.executable, str(TARGETS / LOOPS[name][0][0]), *LOOPS[name][0][1:], "--step-sleep", "0.01"]
+        if name in ("hf", "lightning"):
+            args = args[:-2] + ["--out", self.rt]  # the frameworks pace themselves
+        self.popen = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                      cwd=self.rt, start_new_session=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: [self.lines.append(l.rstrip("\n")) for l in self.popen.stdout], daemon=True).start()
+        self.proc = Proc(self.popen, self.lines)
+        self.pid = self.popen.pid
+        self.proc.wait_for("ready", 120)
+
+    def steps(self) -> dict[int, dict]:
+        out = {}
+        for line in list(self.lines):
+            m = LINE.match(line)
+            if m:
+                out[int(m.group(1))] = {"loss": float(m.group(2)), "lr": float(m.group(3)), "used": float(m.group(4))}
+        return out
+
+    def wait_step(self, n: int) -> dict[int, dict]:
+        self.proc.wait_for(f"step {n} ", 120)
+        return self.steps()
+
+    def wait_new(self, pattern: str, start: int, timeout: float = 60.0) -> str:
+        """The first line printed after line ``start`` that matches ``pattern`` (polled with a deadline)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.lines[start:]:
+                if re.match(pattern, line):
+                    return line
+            time.sleep(0.02)  # ok-sleep: polling with a deadline
+        raise AssertionError(f"no line matching {pattern!r} after line {start}: {self.lines[start:][:10]}")
+
+    def cli(self, *args, timeout: float = 60.0):
+        return subprocess.run([PROBE_BIN, str(self.pid), *map(str, args)], capture_output=True, text=True,
+                              env={k: v for k, v in self.env.items() if k != "PROBE"}, timeout=timeout)
+
+    def query(self, sql: str) -> list[dict]:
+        r = self.cli("query", sql, "--format", "json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.pid, signal.SIGKILL)
+                self.popen.wait(5)
+        shutil.rmtree(self.rt, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=list(LOOPS))
+def loop(request):
+    lp = Loop(request.param)
+    yield lp
+    lp.stop()
+
+
+def test_loss_is_what_the_loop_logs(loop):
+    logged = loop.wait_step(8)
+    rows = loop.query("SELECT step, loss FROM torch.steps WHERE step BETWEEN 2 AND 7 ORDER BY step")
+    assert [r["step"] for r in rows] == list(range(2, 8))
+    for r in rows:
+        assert r["loss"] == pytest.approx(logged[r["step"]]["loss"], rel=1e-5), (loop.name, r["step"])
+    assert loop.query("SELECT source, message FROM probe.errors") == []
+
+
+def test_one_row_per_param_group_with_its_scheduler(loop):
+    rows = loop.query("SELECT optimizer, wrapper, scheduler, param_group, is_lead FROM torch.optimizer ORDER BY param_group")
+    assert [(r["optimizer"], r["wrapper"], r["scheduler"]) for r in rows] == LOOPS[loop.name][1]
+    assert [r["param_group"] for r in rows] == list(range(len(rows))) and all(r["is_lead"] for r in rows)
+
+
+def test_lr_scale_holds_through_the_schedule_and_reset_ends_it(loop):
+    r = loop.cli("lr", "--scale", "0.5")
+    assert r.returncode == 0, r.stderr
+    first = int(re.search(r"from step (\d+)", r.stdout).group(1))
+    assert re.search(rf"group 0: \S+ -> \S+; step {first} used \S+", r.stdout), r.stdout  # seen used before the reply
+    logged = loop.wait_step(first + 6)
+    for s in range(first, first + 6):
+        # the loop (its scheduler or its own code) sets its lr every step; each step still used half of it
+        assert logged[s]["used"] == pytest.approx(0.5 * logged[s]["lr"], rel=1e-4), (loop.name, s, logged[s])
+    rows = loop.query(f"SELECT step, lr FROM torch.steps WHERE step BETWEEN {first} AND {first + 5} ORDER BY step")
+    assert [x["lr"] for x in rows] == pytest.approx([logged[s]["used"] for s in range(first, first + 6)], rel=1e-4)
+    opt = loop.query("SELECT lr, loop_lr, lr_override, lr_override_status FROM torch.optimizer WHERE param_group = 0")[0]
+    assert opt["lr_override"] == "scale 0.5" and opt["lr"] == pytest.approx(0.5 * opt["loop_lr"])
+    (action,) = loop.query("SELECT state, result FROM probe.actions WHERE command = 'lr'")
+    status = json.loads(action["result"])["optimizers"][0]["groups"][0]["status"]
+    assert action["state"] == "done" and re.match(r"held for \d+ step", status), status
+    if loop.name != "amp" and loop.name != "closure":  # a schedule rewrites the lr every step: said where
+        assert re.search(r"re-applied because the loop rewrote lr at step \d+", status), status
+    r = loop.cli("lr", "--reset")
+    assert r.returncode == 0 and "removed scale 0.5" in r.stdout, r.stderr
+    after = int(re.search(r"applies from step (\d+)", r.stdout).group(1))
+    logged = loop.wait_step(after + 2)
+    assert [logged[s]["used"] for s in (after, after + 1)] == pytest.approx([logged[s]["lr"] for s in (after, after + 1)], rel=1e-4)
+
+
+def test_eval_at_step_sees_the_loop_and_the_framework_objects(loop):
+    r = loop.cli("eval", "--at-step",
+                 "print(sorted(n for n in ('trainer', 'model', 'optimizer', 'scheduler', 'step', 'accelerator', 'targs', "
+                 "'loader') if n in globals()))")
+    assert r.returncode == 0, r.stderr
+    names = eval(r.stdout.strip().splitlines()[-1])
+    # targs, loader and step are locals of the script's own function that runs the loop (or calls fit/train)
+    want = {"hf": {"trainer", "model", "optimizer", "scheduler", "targs"},
+            "lightning": {"trainer", "model", "optimizer", "scheduler", "loader"},
+            "accelerate": {"accelerator", "model", "optimizer", "scheduler", "step"}}.get(loop.name, {"model", "optimizer", "step"})
+    assert want <= set(names), (loop.name, names, r.stdout)
+
+
+def test_checkpoint_has_the_scheduler_and_step_counters_and_loads_back(loop):
+    path = os.path.join(loop.rt, "ck-{step}.pt")
+    r = loop.cli("checkpoint", path)
+    assert r.returncode == 0, r.stderr
+    saved = re.search(r"wrote (\S+)", r.stdout).group(1).rstrip(":")
+    import torch
+
+    state = torch.load(saved, weights_only=True)
+    step = state["step"]
+    if LOOPS[loop.name][1][0][2] is not None:  # a scheduler: saved, at the step the weights are at
+        sched = state["scheduler"]
+        assert sched["last_epoch"] + (1 if state["scheduler_step_pending"] else 0) == step
+    if loop.name in ("hf", "lightning"):
+        (counters,) = state["frameworks"].values()
+        assert counters["global_step"] == step  # the Trainer's own count, the step in progress included
+    loop.wait_step(step + 3)  # restore a few steps later, so a step counter set back is visible
+    code = (f"import probe\nfw = globals().get('trainer') or globals().get('accelerator')\n"
+            f"st = probe.load_checkpoint({saved!r}, trainer=fw) if fw is not None else "
+            f"probe.load_checkpoint({saved!r}, model=model, optimizer=optimizer)\n"
+            "sd = st['model']\n"
+            "print('diff', max(float((v - sd[k]).abs().max()) for k, v in model.state_dict().items()))")
+    r = loop.cli("eval", "--at-step", code)
+    assert r.returncode == 0, r.stderr
+    assert "diff 0.0" in r.stdout, r.stdout  # the weights are back
+    if loop.name in ("hf", "lightning"):
+        # the Trainer counts on from the checkpoint's step: its next step is step + 1 again
+        def back_to_step_after_checkpoint() -> bool:
+            seen = [int(m.group(2)) for m in (re.match(r"(hf |pl )step (\d+) ", l) for l in list(loop.lines)) if m]
+            return any(n == step + 1 and max(seen[:i], default=0) > step + 2 for i, n in enumerate(seen))
+
+        import time
+
+        deadline = time.monotonic() + 60
+        while not back_to_step_after_checkpoint():
+            assert time.monotonic() < deadline, loop.lines[-10:]
+            time.sleep(0.02)  # ok-sleep: polling with a deadline
+
+
+def test_lightning_resumes_from_a_probe_checkpoint_to_the_same_next_step(tmp_path):
+    """Checkpoint a running Lightning job with `probe checkpoint`, restart it from the file with
+    probe.load_checkpoint(path, trainer=trainer): its next step has the same step number and loss."""
+    first = Loop("lightning")
+    try:
+        r = first.cli("checkpoint", str(tmp_path / "ck-{step}.pt"))
+        assert r.returncode == 0, r.stderr
+        saved = re.search(r"wrote (\S+)", r.stdout).group(1).rstrip(":")
+        step = int(re.search(r"ck-(\d+)\.pt", saved).group(1))
+        want = first.wait_step(step + 3)
+    finally:
+        first.stop()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, str(TARGETS / "lightning_train.py"), "--out", str(tmp_path), "--resume", saved,
+                          "--skip", str(step), "--max-steps", str(step + 2)], capture_output=True, text=True, env=env,
+                         timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"resumed from step {step} global_step {step}" in out.stdout, out.stdout
+    got = {int(m.group(1)): {"loss": float(m.group(2)), "used": float(m.group(4))}
+           for m in map(LINE.match, out.stdout.splitlines()) if m}
+    assert min(got) == step + 1  # the Trainer counts on from the checkpoint
+    for s in (step + 1, step + 2):  # the weights (the loss of step + 1) and the scheduler (the lr step + 1 used)
+        assert got[s]["loss"] == pytest.approx(want[s]["loss"], rel=1e-6), s
+        assert got[s]["used"] == pytest.approx(want[s]["used"], rel=1e-5), s
