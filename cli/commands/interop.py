@@ -170,7 +170,7 @@ class ProfileSteps(Command):
         client = session.client(target)
         deadline = time.monotonic() + args.wait
         while True:
-            prof = client.get("/profile", timeout=session.timeout)["profile"]
+            prof = client.get("/profile-steps", timeout=session.timeout)["profile"]
             if prof.get("action_id") != action["id"]:
                 raise ActionError("the process no longer knows this profile (another one replaced it); run profile-steps again.")
             if prof["state"] != "running":
@@ -207,7 +207,7 @@ def _fetch(session, client, target, remote: str, out: str) -> None:
             offset = 0
             with open(tmp, "wb") as f:
                 while offset is not None:
-                    chunk = client.get("/profile", timeout=session.timeout + 30, file=remote, offset=offset)
+                    chunk = client.get("/profile-steps", timeout=session.timeout + 30, file=remote, offset=offset)
                     f.write(base64.b64decode(chunk["data"]))
                     offset = chunk["next"]
         os.replace(tmp, out)

@@ -63,26 +63,14 @@ def tables_doc(session) -> dict:
 
 
 def job_doc(session) -> dict:
-    """One row per process: ``probe status``'s columns and classification, from one stack sample each."""
-    from probe._config import setting
+    """One row per process: ``probe status``'s columns and classification (the ``ranks.status`` view)."""
+    from .._federation import federated_query
+    from ..commands.ranks import SQL
 
-    from .._fanout import fan_out
-    from ..commands.ranks import _classify, _row
-
-    def ask(target):
-        client = session.client(target)
-        health = client.get("/health")
-        try:
-            stacks = [client.get("/backtrace", thread="MainThread")]
-        except ProbeError:
-            stacks = [None]
-        return health, stacks
-
-    answers = fan_out(session.targets(), ask)
-    rows = [_row(a) for a in answers]
-    _classify(rows, float(setting("PROBE_STRAGGLER_FACTOR")), float(setting("PROBE_HUNG_AFTER")))
+    res = federated_query(session, SQL)
     cols = ["rank", "host", "pid", "step", "age_s", "step_time", "state", "top_frame"]
-    return {"columns": cols, "rows": [[_finite(r[c]) for c in cols] for r in rows]}
+    idx = {c: i for i, c in enumerate(res.columns)}
+    return {"columns": cols, "rows": [[_finite(r[idx[c]]) for c in cols] for r in res.rows]}
 
 
 def stacks_doc(session) -> dict:

@@ -154,8 +154,8 @@ def profile_steps_route(req: Request) -> dict:
     return _submit(req, "profile-steps", args, lambda ctx: profiler.start(ctx, steps, stack, shapes))
 
 
-@route("GET", "/profile")
-def profile_route(req: Request) -> dict:
+@route("GET", "/profile-steps")
+def profile_steps_route(req: Request) -> dict:
     offset = _number(req, "offset", int)
     if offset is not None:
         return profiler.read_chunk(str(req.param("file")), offset)
