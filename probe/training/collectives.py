@@ -84,6 +84,9 @@ def _ns(v) -> float | None:
     return v / 1e9 if v else None
 
 
+_PROBE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # probe/ (this file is in probe/training)
+
+
 def _torch_dir() -> str | None:
     torch = sys.modules.get("torch")
     return os.path.dirname(os.path.abspath(torch.__file__)) if torch is not None else None
@@ -109,7 +112,8 @@ def entry_rows(doc: dict | None) -> list[dict]:
         elif started and completed:
             duration = completed - started
         frames = e.get("frames") or []
-        site = next((f for f in frames if not (tdir and str(f.get("filename", "")).startswith(tdir + os.sep))), None)
+        site = next((f for f in frames if not str(f.get("filename", "")).startswith(
+            tuple(d + os.sep for d in (tdir, _PROBE_DIR) if d))), None)  # the user's frame, not torch's or probe's own wrappers
         state = e.get("state")
         rows.append({
             "pg": str(pg[0]), "pg_desc": str(pg[1]) if len(pg) > 1 else None, "record_id": e.get("record_id"),
