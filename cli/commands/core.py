@@ -58,21 +58,27 @@ class List(Command):
             })
         # grouped by job (processes outside a job last), ranks in order within each
         rows.sort(key=lambda r: (r["job"] is None, str(r["job"]), r["rank"] is None, r["rank"] or 0, r["pid"]))
-        if args.json or session.format == "json":
-            session.print(json.dumps(rows, indent=2))
-            return 0
-        if not rows:
-            session.note("No probed processes found. Start one with `import probe.auto`, PROBE=1, or `probe inject PID`.")
-            return 0
-        from probe.sql.engine import Result
+        return _print_rows(session, args, rows, {"job": "VARCHAR", "pid": "BIGINT", "rank": "INTEGER",
+                                                 "world_size": "INTEGER", "host": "VARCHAR", "step": "BIGINT",
+                                                 "state": "VARCHAR", "endpoint": "VARCHAR", "command": "VARCHAR"},
+                           "No probed processes found. Start one with `import probe.auto`, PROBE=1, or `probe inject PID`.")
 
-        from .._render import render_result
 
-        cols = ["job", "pid", "rank", "world_size", "host", "step", "state", "endpoint", "command"]
-        types = ["VARCHAR", "BIGINT", "INTEGER", "INTEGER", "VARCHAR", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR"]
-        result = Result(cols, types, [[r[c] for c in cols] for r in rows])
-        session.print(render_result(result, session.format))
+def _print_rows(session, args, rows: list, shown: dict, empty: str) -> int:
+    """Rows (dicts) as JSON, or ``empty`` as a note, or a table of the ``shown`` columns (name -> type)."""
+    if args.json or session.format == "json":
+        session.print(json.dumps(rows, indent=2))
         return 0
+    if not rows:
+        session.note(empty)
+        return 0
+    from probe.sql.engine import Result
+
+    from .._render import render_result
+
+    cols = list(shown)
+    session.print(render_result(Result(cols, list(shown.values()), [[r[c] for c in cols] for r in rows]), session.format))
+    return 0
 
 
 def _list_dead(session, args) -> int:
@@ -83,20 +89,9 @@ def _list_dead(session, args) -> int:
              "when": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(m["time"]))),
              "last_step": m.get("last_step"), "what": m.get("summary"), "record": m["path"]}
             for m in dead_records()]
-    if args.json or session.format == "json":
-        session.print(json.dumps(rows, indent=2))
-        return 0
-    if not rows:
-        session.note("No post-mortem records: no probed process has died here (records live in the runtime directory).")
-        return 0
-    from probe.sql.engine import Result
-
-    from .._render import render_result
-
-    cols = ["pid", "rank", "cause", "when", "last_step", "what"]
-    types = ["BIGINT", "INTEGER", "VARCHAR", "VARCHAR", "BIGINT", "VARCHAR"]
-    session.print(render_result(Result(cols, types, [[r[c] for c in cols] for r in rows]), session.format))
-    return 0
+    return _print_rows(session, args, rows, {"pid": "BIGINT", "rank": "INTEGER", "cause": "VARCHAR", "when": "VARCHAR",
+                                             "last_step": "BIGINT", "what": "VARCHAR"},
+                       "No post-mortem records: no probed process has died here (records live in the runtime directory).")
 
 
 @command("query", "Run one read-only SQL query on the live tables.", aliases=("sql",))
