@@ -46,20 +46,27 @@ FAULTS = [
     ("nan_from_data", "params_nonfinite", ["NaN/Inf"]),
     ("memory_growth", "memory_growth", ["peak memory grows"]),
     ("slowdown", "throughput_regression", ["slower"]),
+    ("dead_relu", "dead_activations", ["100.0% of the output of module 3 (ReLU", "exactly 0"]),
+    ("collapsed", "collapsed_output", ["module 2 (Linear)", "same for every sample", "input from 1 varies"]),
+    # CPU stand-in for the CUDA path: the target raises torch's sync warning from its own line
+    ("host_sync", "host_syncs", ["of faults.py", "loss.item()", "1 time(s) a step"]),
 ]
-SETTLE = {"memory_growth": "200"}  # steps the fault needs before its rule can see it
+SETTLE = {"memory_growth": "200", "dead_relu": "30", "collapsed": "30", "host_sync": "30"}  # steps the fault needs
+TRACE_EVERY = {"dead_relu": "5", "collapsed": "5", "host_sync": "5"}  # rules that read traced steps need a few
 
 
 @requires_torch
 @pytest.mark.parametrize("fault, rule, words", FAULTS, ids=[f[0] for f in FAULTS])
 def test_doctor_names_the_planted_fault(spawn, cli, fault, rule, words):
     # given: a job with one planted fault, past the point where it shows
-    job = spawn([TARGETS / "faults.py", "--fault", fault, "--settle", SETTLE.get(fault, "60")], env={"PROBE": "1"},
+    env = {"PROBE": "1", **({"PROBE_TRACE": TRACE_EVERY[fault]} if fault in TRACE_EVERY else {})}
+    job = spawn([TARGETS / "faults.py", "--fault", fault, "--settle", SETTLE.get(fault, "60")], env=env,
                 ready="planted", timeout=180)
     # when
     finding, findings = poll_for(cli, job.pid, rule)
     # then: named with its evidence and a next command to type
     assert finding["severity"] in ("critical", "warning")
+    assert sum(f["rule"] == rule for f in findings) == 1, findings  # the culprit alone, not what it feeds
     for w in words:
         assert w in finding["message"], finding
     assert finding["next"] and all(n.startswith("probe ") for n in finding["next"])

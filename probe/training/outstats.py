@@ -65,7 +65,7 @@ def recorder(torch, cuda: bool):
     tensor_types = (torch.Tensor, torch.nn.Parameter)
     tensor = torch.Tensor
     std_mean, std, count_nonzero, isfinite = torch.std_mean, torch.std, torch.count_nonzero, torch.isfinite
-    capturing = torch.cuda.is_current_stream_capturing if cuda else None
+    capturing = getattr(torch.cuda, "is_current_stream_capturing", None) if cuda else None
 
     def stats(output):
         x = output
@@ -102,6 +102,7 @@ class Batch:
         """``rows``: ring row numbers; ``entries``: the recorder's tuples (or None), one per row."""
         import numpy as np
 
+        self.torch = torch
         self.rows = np.asarray(rows, dtype="i8")
         n = len(entries)
         self.elements = np.full(n, np.nan)
@@ -119,16 +120,25 @@ class Batch:
             with_b = [j for j, e in enumerate(es) if e[2] is not None]
             floats = torch.stack([e[0] for e in es] + [e[1] for e in es] + [es[j][2] for j in with_b]).double()
             counts = torch.stack([e[3] for e in es] + [e[4] for e in es])
-            if device.type == "cuda":
-                host_f = torch.empty(floats.shape, dtype=floats.dtype, pin_memory=True)
-                host_c = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-                host_f.copy_(floats, non_blocking=True)
-                host_c.copy_(counts, non_blocking=True)
+            ev = None
+            if self.deferred(device):
+                floats, counts = self._host(floats), self._host(counts)
                 ev = torch.cuda.Event()
                 ev.record()
-                self.parts.append((np.asarray(idx), np.asarray(with_b, dtype="i8"), host_f, host_c, ev))
-            else:
-                self.parts.append((np.asarray(idx), np.asarray(with_b, dtype="i8"), floats, counts, None))
+            self.parts.append((np.asarray(idx), np.asarray(with_b, dtype="i8"), floats, counts, ev))
+
+    @staticmethod
+    def deferred(device) -> bool:
+        """Whether the values on ``device`` are read later, once their copy has landed (CUDA), or now."""
+        return device.type == "cuda"
+
+    def _host(self, t):
+        """A pinned host copy of device tensor ``t``, enqueued without waiting for it."""
+        if not t.is_cuda:
+            return t
+        host = self.torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
 
     def columns(self) -> dict:
         """The stats columns with what is known now (CPU values); CUDA values stay NaN until ``write``."""

@@ -15,9 +15,9 @@ ground truth of what synchronised (implicit syncs included), it costs nothing on
 it is off, and it sees every sync of the traced step, not a sample. What it misses, as
 torch documents: ``torch.cuda.synchronize()`` itself and syncs inside ``torch.distributed``.
 
-One ``warnings`` filter ("always" for that message only) is added once per process so that
-repeated syncs at the same line are all counted (the "default" action shows a warning
-once per line). A job that set its own sync debug mode is left alone (the watch stays off).
+One ``warnings`` filter ("always" for that message only) is added once per process (again
+only if something removed it) so that repeated syncs at the same line are all counted (the
+"default" action shows a warning once per line). A job that set its own sync debug mode is left alone (the watch stays off).
 On CPU there is nothing to synchronise with; the watch still takes the warning's path on
 traced steps, so a warning of the same form (a test stand-in) is counted the same way.
 """
@@ -41,14 +41,15 @@ SYNC_MESSAGE = "called a synchronizing CUDA operation"
 SYNC_COLUMNS = {"step": "i8", "time": "f8", "rank": "f8", "file": "O", "line": "i8", "function": "O",
                 "code": "O", "count": "i8", "origin": "O", "via": "O"}
 _PROBE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_filtered = False
+_PATTERN = re.escape(SYNC_MESSAGE)
 
 
 def _always_show_syncs() -> None:
-    global _filtered
-    if not _filtered:
-        warnings.filterwarnings("always", message=re.escape(SYNC_MESSAGE), category=UserWarning)
-        _filtered = True
+    """Put the filter in front of the others, unless it is already there (a ``catch_warnings`` exit drops it)."""
+    for f in warnings.filters:
+        if f[0] == "always" and f[2] is UserWarning and getattr(f[1], "pattern", None) == _PATTERN:
+            return
+    warnings.filterwarnings("always", message=_PATTERN, category=UserWarning)
 
 
 class SyncWatch:

@@ -148,7 +148,12 @@ class Tracer:
         grad_enabled = torch.is_grad_enabled
         watch_backward = self._watch_backward
         period = MEM_PERIOD
-        stat = recorder(torch, self.cuda) if self.stats_on else None
+        stat = None
+        if self.stats_on:
+            try:
+                stat = recorder(torch, self.cuda)
+            except Exception as exc:
+                record_error("torch trace: output statistics", exc)
         keep = self.out_stats.append
 
         def stats(output):  # the output statistics of the call just added; never raises into the forward
