@@ -9,6 +9,9 @@
    an empty global forward pre/post hook pair. Goal: <= 1.5x the floor.
 3. The seed "slow training" query over a full 100k-row python.torch_trace, server side
    (snapshot + DuckDB). Goal: <= 50 ms.
+4. A traced training step with the output statistics (out_* columns, PROBE_TRACE_STATS) vs
+   the same traced step without them, and vs an untraced step; the flush at the step's end
+   included. Untraced steps run no probe code added by the statistics (no hooks at all).
 
     python benchmarks/bench_torch.py [--rounds 10]
 """
@@ -111,7 +114,7 @@ def per_call(model, x, reps: int) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--only", type=int, choices=(1, 2, 3), help="run one section")
+    p.add_argument("--only", type=int, choices=(1, 2, 3, 4), help="run one section")
     args = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -121,6 +124,8 @@ def main() -> int:
         tracing_per_call(args.rounds)
     if args.only in (None, 3):
         seed_query()
+    if args.only in (None, 4):
+        stats_cost(args.rounds)
     return 0
 
 
@@ -225,6 +230,45 @@ def seed_query() -> None:
         run_query(sql)
         samples.append(time.perf_counter() - t0)
     print(f"   rows {len(tr.ring)}   median {statistics.median(samples) * 1e3:6.1f} ms   best {min(samples) * 1e3:6.1f} ms (goal 50 ms)")
+
+
+def stats_cost(rounds: int) -> None:
+    """Traced steps with statistics ("stats"), without ("plain"), and untraced ("untraced"), in rotated blocks."""
+    from probe.training.trace import Tracer
+
+    print("4. traced step with output statistics vs without (and vs untraced), forward + backward + optimizer + flush")
+    for name, make, block in (("launch-bound 48x16", launch_bound, 4), ("compute-bound 1024x2048", compute_bound, 3)):
+        model, data = make()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        train(model, opt, data, 5)
+        tracers = {"stats": Tracer(torch, every=1, capacity=100_000, stats=True),
+                   "plain": Tracer(torch, every=1, capacity=100_000, stats=False), "untraced": None}
+        times: dict = {k: [] for k in tracers}
+        order = list(tracers)
+        step = 0
+        for r in range(6 * rounds):
+            for arm in order[r % 3:] + order[:r % 3]:
+                tr = tracers[arm]
+                for i in range(block):
+                    step += 1
+                    t0 = time.perf_counter()
+                    if tr is not None:
+                        tr.prepare(step)
+                    train(model, opt, data, 1)
+                    if tr is not None:
+                        tr.finish(step, 0.0)
+                    if i:  # the first step of a block pays for installing the hooks
+                        times[arm].append(time.perf_counter() - t0)
+                if tr is not None:
+                    tr.close()
+        med = {k: statistics.median(v) for k, v in times.items()}
+        calls = sum(1 for _ in model.modules())
+        print(f"   {name}: {len(times['stats'])} steps per arm, {calls} module calls a step")
+        print(f"      traced with stats {med['stats'] * 1e3:7.3f} ms   without {med['plain'] * 1e3:7.3f} ms   "
+              f"untraced {med['untraced'] * 1e3:7.3f} ms")
+        print(f"      stats / plain traced step {med['stats'] / med['plain']:5.3f}x   "
+              f"({(med['stats'] - med['plain']) / calls * 1e6:5.1f} us per module call)   "
+              f"plain traced / untraced {med['plain'] / med['untraced']:5.3f}x")
 
 
 if __name__ == "__main__":

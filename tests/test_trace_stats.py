@@ -67,6 +67,13 @@ def test_statistics_are_those_of_the_first_floating_output():
     assert clean["out_shape"] == "[4, 16]" and clean["out_elements"] == 64
     assert clean["out_batch_std"] == 0.0 and clean["out_std"] > 0  # same row for every sample, varied across units
     assert clean["out_nonfinite"] == 0
+    y = torch.randn(32, 8) + 3.0
+    row = traced(model, y)["Linear"]
+    with torch.no_grad():
+        ref = lin(y)
+    assert row["out_mean"] == pytest.approx(float(ref.mean()), abs=1e-6)
+    assert row["out_std"] == pytest.approx(float(ref.std(correction=0)), rel=1e-5)
+    assert row["out_batch_std"] == pytest.approx(float(ref.var(0, correction=0).mean().sqrt()), rel=1e-5)  # RMS over units
     ids = traced(Ids(), x)["Ids"]
     assert math.isnan(ids["out_mean"]) and ids["out_shape"] is None
 
@@ -83,15 +90,19 @@ def test_statistics_off_leaves_the_columns_null():
 def test_a_large_output_is_reduced_over_a_strided_view():
     import torch
 
-    from probe.training.outstats import MAX_ELEMENTS, recorder
+    from probe.training.outstats import MAX_ELEMENTS, Batch, recorder
 
     x = torch.relu(torch.randn(3, 1024, 2048))  # 6.3 Mi elements
     x[::2] = 0.0
-    s, m, b, nz, fin, n, shape = recorder(torch, cuda=False)(x)
-    assert n <= MAX_ELEMENTS < x.numel() and tuple(shape) == (3, 1024, 2048)
-    assert float(m) == pytest.approx(float(x.mean()), rel=0.05)
-    assert 1 - int(nz) / n == pytest.approx(1 - float((x != 0).sum()) / x.numel(), abs=0.02)
-    assert int(fin) == n
+    x[1, 5, 7] = float("inf")
+    entry = recorder(torch, cuda=False)(x)
+    n = entry[5]
+    assert n <= MAX_ELEMENTS < x.numel() and tuple(entry[6]) == (3, 1024, 2048)
+    row = {k: v[0] for k, v in Batch(torch, [0], [entry]).columns().items()}
+    assert row["out_elements"] == n and row["out_shape"] == "[3, 1024, 2048]"
+    finite = x[torch.isfinite(x)]
+    assert row["out_zero_frac"] == pytest.approx(float((finite == 0).sum()) / x.numel(), abs=0.02)
+    assert row["out_nonfinite"] in (0, 1)  # a strided sample: the inf is counted if the sample holds it
 
 
 class FakeEvent:
@@ -117,7 +128,7 @@ def test_deferred_statistics_land_only_once_their_copy_has():
         def deferred(device):
             return True
 
-    fake = types.SimpleNamespace(stack=torch.stack, cuda=types.SimpleNamespace(Event=FakeEvent))
+    fake = types.SimpleNamespace(stack=torch.stack, cat=torch.cat, cuda=types.SimpleNamespace(Event=FakeEvent))
     stat = recorder(torch, cuda=False)
     ring = Ring(TRACE_COLUMNS, 4)
     entries = [stat(torch.zeros(2, 3)), None, stat(torch.arange(6.0).reshape(3, 2))]
@@ -133,6 +144,8 @@ def test_deferred_statistics_land_only_once_their_copy_has():
     snap = ring.snapshot()
     assert list(snap["out_zero_frac"][[0, 2]]) == [1.0, 1 / 6] and np.isnan(snap["out_zero_frac"][1])
     assert snap["out_mean"][2] == 2.5 and snap["out_batch_std"][0] == 0.0
+    assert snap["out_std"][2] == pytest.approx(float(torch.arange(6.0).std(correction=0)))
+    assert snap["out_batch_std"][2] == pytest.approx(2 * math.sqrt(2 / 3))  # columns 0,2,4 and 1,3,5: std 1.633 each
     late = OnDevice(fake, range(0, 1), [stat(torch.ones(2, 2))])  # rows overwritten before the copy lands
     ring.extend(late.columns(), 1)
     ring.extend({"step": np.zeros(4, "i8")}, 4)

@@ -4,13 +4,21 @@ On traced steps only (the tracer's sampled steps), the forward post hook hands e
 module's output to the function ``recorder`` builds. It picks the output's first tensor
 (the output itself, else the first tensor of a tuple, list or dict such as a HF
 ModelOutput), and when that is a plain floating tensor on the CPU or a CUDA device it
-launches five reductions on the tensor's own device and keeps the resulting 0-d tensors:
+launches a few reductions on the tensor's own device and keeps the resulting 0-d tensors:
 
-* ``std`` and ``mean`` over all elements (``torch.std_mean``, population std);
-* ``batch_std``: the std across the first dimension, averaged over the other positions
-  (how much the output differs between the samples of the batch; NULL when the first
-  dimension has fewer than 2 entries);
-* the count of non-zero elements and of finite elements (``count_nonzero``).
+* ``m = x.mean(0)``, the mean over the first (batch) dimension at each other position,
+  and the mean and variance of ``m`` over the positions (``var_mean``);
+* the L2 norm of ``x - m``: the spread of the samples around their position's mean;
+* the count of non-zero elements, and of non-finite ones (``count_nonzero`` of ``x - x``,
+  which is NaN exactly where ``x`` is NaN or infinite).
+
+From these the host derives, at read time, ``batch_std`` (the root mean square over
+positions of the std across the batch: 0 when every sample gets the same output, NULL when
+the first dimension has fewer than 2 entries), the mean, and the (population) std of all
+elements (total variance = the variance within positions + the variance of ``m``).
+Deviations from ``m`` rather than E[x^2] - E[x]^2: no cancellation, so a batch std of 0
+stays 0 next to a large mean. Each reduction is one memory-bound pass in the output's own
+dtype (Welford's ``std_mean``, or float64 accumulation, costs 10-20x more on CPU).
 
 Nothing is read back in the forward: no ``.item()``, no host sync. At the boundary after
 the traced step, ``Batch`` stacks each device's scalars into two tensors (one float64,
@@ -26,11 +34,14 @@ The counts are then those of the sample, and ``out_elements`` says how many it c
 
 from __future__ import annotations
 
+import weakref
+
 __all__ = ["STATS_COLUMNS", "MAX_ELEMENTS", "recorder", "Batch"]
 
 STATS_COLUMNS = {"out_mean": "f8", "out_std": "f8", "out_batch_std": "f8", "out_zero_frac": "f8",
                  "out_nonfinite": "f8", "out_elements": "f8", "out_shape": "O"}
 MAX_ELEMENTS = 1 << 22
+SMALL = 1 << 12  # outputs up to this many elements are copied in the hook and reduced in bulk at the boundary
 
 
 def _first_tensor(output, tensor_type):
@@ -64,10 +75,20 @@ def recorder(torch, cuda: bool):
     """The function the forward post hook calls on a module's output: a tuple of device scalars, or None."""
     tensor_types = (torch.Tensor, torch.nn.Parameter)
     tensor = torch.Tensor
-    std_mean, std, count_nonzero, isfinite = torch.std_mean, torch.std, torch.count_nonzero, torch.isfinite
     capturing = getattr(torch.cuda, "is_current_stream_capturing", None) if cuda else None
+    last = [None, -1, None]  # weak reference to the last tensor reduced, its version counter, its statistics
+    ref = weakref.ref
 
     def stats(output):
+        seen = last[0]
+        if seen is not None and seen() is output and output._version == last[1]:
+            return last[2]  # a container returning its last child's output unchanged (Sequential)
+        got = reduce(output)
+        if got is not None and type(output) in tensor_types and not output.is_inference():
+            last[0], last[1], last[2] = ref(output), output._version, got
+        return got
+
+    def reduce(output):
         x = output
         if type(x) not in tensor_types:
             x = _first_tensor(x, tensor)
@@ -88,11 +109,28 @@ def recorder(torch, cuda: bool):
         if n > MAX_ELEMENTS:
             x = _strided(x, n)
             n = x.numel()
-        s, m = std_mean(x, correction=0)
-        b = std(x, dim=0, correction=0).mean() if x.dim() and x.shape[0] > 1 else None
-        return s, m, b, count_nonzero(x), count_nonzero(isfinite(x)), n, shape
+        if not x.dim():
+            x = x.reshape(1)
+        if n <= SMALL:
+            return (x.clone(), shape)  # reduced at the boundary with the others of its shape: one op now
+        return _reduce(x, 0) + (n, shape, x.shape[0])
 
     return stats
+
+
+def _reduce(x, dim: int):
+    """(spread around the batch means, mean, variance of the batch means, non-zeros, non-finite) along ``dim``.
+
+    ``dim`` is the batch dimension: 0 for one output, 1 for a stack of same-shaped outputs
+    (each result then has one value per output).
+    """
+    import torch
+
+    m = x.mean(dim, keepdim=True)
+    flat = m.flatten(dim)
+    var, mean = torch.var_mean(flat, dim=dim, correction=0)
+    return (torch.linalg.vector_norm((x - m).flatten(dim), dim=dim), mean, var,
+            torch.count_nonzero(x.flatten(dim), dim=dim), torch.count_nonzero((x - x).flatten(dim), dim=dim))
 
 
 class Batch:
@@ -107,25 +145,35 @@ class Batch:
         n = len(entries)
         self.elements = np.full(n, np.nan)
         self.shapes = np.empty(n, dtype=object)
-        self.parts = []  # (positions, batch positions, host floats, host counts, event or None)
-        by_device: dict = {}
+        self.batch = np.full(n, np.nan)
+        self.parts = []  # (positions, host floats, host counts, event or None)
+        pieces: dict = {}  # device -> [(positions, the five per-output results of _reduce)]
+        small: dict = {}  # (device, dtype, shape) -> positions of small outputs to reduce together
+        large: dict = {}  # device -> positions of outputs already reduced in the hook
         for i, e in enumerate(entries):
             if e is None:
                 continue
-            self.elements[i] = e[5]
-            self.shapes[i] = str(list(e[6]))
-            by_device.setdefault(e[0].device, []).append(i)
-        for device, idx in by_device.items():
-            es = [entries[i] for i in idx]
-            with_b = [j for j, e in enumerate(es) if e[2] is not None]
-            floats = torch.stack([e[0] for e in es] + [e[1] for e in es] + [es[j][2] for j in with_b]).double()
-            counts = torch.stack([e[3] for e in es] + [e[4] for e in es])
+            if len(e) == 2:  # a small output's copy
+                x = e[0]
+                self.elements[i], self.batch[i], self.shapes[i] = x.numel(), x.shape[0], str(list(e[1]))
+                small.setdefault((x.device, x.dtype, x.shape), []).append(i)
+            else:
+                self.elements[i], self.batch[i], self.shapes[i] = e[5], e[7], str(list(e[6]))
+                large.setdefault(e[0].device, []).append(i)
+        for (device, _, _), idx in small.items():
+            pieces.setdefault(device, []).append((idx, _reduce(torch.stack([entries[i][0] for i in idx]), 1)))
+        for device, idx in large.items():
+            pieces.setdefault(device, []).append((idx, [torch.stack([entries[i][k] for i in idx]) for k in range(5)]))
+        for device, got in pieces.items():
+            idx = [i for positions, _ in got for i in positions]
+            floats = torch.cat([r[k].double() for k in range(3) for _, r in got])
+            counts = torch.cat([r[k] for k in (3, 4) for _, r in got])
             ev = None
             if self.deferred(device):
                 floats, counts = self._host(floats), self._host(counts)
                 ev = torch.cuda.Event()
                 ev.record()
-            self.parts.append((np.asarray(idx), np.asarray(with_b, dtype="i8"), floats, counts, ev))
+            self.parts.append((np.asarray(idx), floats, counts, ev))
 
     @staticmethod
     def deferred(device) -> bool:
@@ -148,20 +196,22 @@ class Batch:
         cols = {name: np.full(n, np.nan) for name, dt in STATS_COLUMNS.items() if dt == "f8"}
         cols["out_elements"] = self.elements
         cols["out_shape"] = self.shapes
-        self.parts = [p for p in self.parts if p[4] is not None or self._fill(cols, p)]
+        self.parts = [p for p in self.parts if p[3] is not None or self._fill(cols, p)]
         return cols
 
     def _fill(self, cols: dict, part) -> bool:
-        idx, with_b, floats, counts, _ = part
+        import numpy as np
+
+        idx, floats, counts, _ = part
         f, c = floats.numpy(), counts.numpy()
         k = len(idx)
-        elements = self.elements[idx]
-        cols["out_std"][idx] = f[:k]
-        cols["out_mean"][idx] = f[k:2 * k]
-        if len(with_b):
-            cols["out_batch_std"][idx[with_b]] = f[2 * k:]
-        cols["out_zero_frac"][idx] = (elements - c[:k]) / elements
-        cols["out_nonfinite"][idx] = elements - c[k:]
+        n, batch = self.elements[idx], self.batch[idx]
+        within = f[:k] ** 2 / n  # the variance across the batch, averaged over positions
+        cols["out_mean"][idx] = f[k:2 * k]  # the mean of the per-position batch means is the output's mean
+        cols["out_std"][idx] = np.sqrt(within + f[2 * k:])  # total variance = within positions + between them
+        cols["out_batch_std"][idx] = np.where(batch > 1, np.sqrt(within), np.nan)
+        cols["out_zero_frac"][idx] = (n - c[:k]) / n
+        cols["out_nonfinite"][idx] = c[k:]
         return False
 
     def write(self, arrays: dict, count: int, capacity: int) -> bool:
@@ -170,7 +220,7 @@ class Batch:
 
         keep = []
         for part in self.parts:
-            if not part[4].query():
+            if not part[3].query():
                 keep.append(part)
                 continue
             n = len(self.rows)
