@@ -53,6 +53,7 @@ FAULTS = [
 ]
 SETTLE = {"memory_growth": "200", "dead_relu": "30", "collapsed": "30", "host_sync": "30"}  # steps the fault needs
 TRACE_EVERY = {"dead_relu": "5", "collapsed": "5", "host_sync": "5"}  # rules that read traced steps need a few
+NOT_ALSO = {"dead_relu": "collapsed_output"}  # a dead ReLU is not also reported as a collapsed output
 
 
 @requires_torch
@@ -67,6 +68,7 @@ def test_doctor_names_the_planted_fault(spawn, cli, fault, rule, words):
     # then: named with its evidence and a next command to type
     assert finding["severity"] in ("critical", "warning")
     assert sum(f["rule"] == rule for f in findings) == 1, findings  # the culprit alone, not what it feeds
+    assert not any(f["rule"] == NOT_ALSO.get(fault) for f in findings), findings
     for w in words:
         assert w in finding["message"], finding
     assert finding["next"] and all(n.startswith("probe ") for n in finding["next"])

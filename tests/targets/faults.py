@@ -25,20 +25,21 @@ p.add_argument("--fault", default="healthy")
 p.add_argument("--fault-step", type=int, default=40)
 p.add_argument("--ready-step", type=int, default=20)
 p.add_argument("--step-sleep", type=float, default=0.005)
+p.add_argument("--device", default="cpu")
 p.add_argument("--settle", type=int, default=60, help="steps after the fault before printing 'planted'")
 args = p.parse_args()
 
 torch.manual_seed(0)
 CLASSES, DIM = 8, 16
-centers = torch.randn(CLASSES, DIM) * 3
+centers = (torch.randn(CLASSES, DIM) * 3).to(args.device)
 
 
 def batch(n=64):
-    y = torch.randint(0, CLASSES, (n,))
-    return centers[y] + torch.randn(n, DIM), y
+    y = torch.randint(0, CLASSES, (n,), device=args.device)
+    return centers[y] + torch.randn(n, DIM, device=args.device), y
 
 
-model = nn.Sequential(nn.Linear(DIM, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, CLASSES))
+model = nn.Sequential(nn.Linear(DIM, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, CLASSES)).to(args.device)
 if args.fault == "frozen":  # "fine-tune only the head", with the head frozen by mistake too
     for param in model.parameters():
         param.requires_grad_(False)
@@ -85,7 +86,7 @@ while True:
     if args.fault == "slowdown" and step >= args.fault_step:
         time.sleep(0.15)  # ok-sleep: the planted throughput regression
     if args.fault == "memory_growth" and step >= args.fault_step:
-        hoard.append(torch.ones(256 * 1024))  # 1 MiB a step kept alive: a leak
+        hoard.append(torch.ones(256 * 1024, device=args.device))  # 1 MiB a step kept alive: a leak
     if args.step_sleep:
         time.sleep(args.step_sleep)  # ok-sleep: keeps the loop from starving the test on 2 cores
     if step == args.ready_step:
