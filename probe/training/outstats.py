@@ -75,6 +75,7 @@ def recorder(torch, cuda: bool):
     """The function the forward post hook calls on a module's output: a tuple of device scalars, or None."""
     tensor_types = (torch.Tensor, torch.nn.Parameter)
     tensor = torch.Tensor
+    dtypes = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
     capturing = getattr(torch.cuda, "is_current_stream_capturing", None) if cuda else None
     last = [None, -1, None]  # weak reference to the last tensor reduced, its version counter, its statistics
     ref = weakref.ref
@@ -94,7 +95,7 @@ def recorder(torch, cuda: bool):
             x = _first_tensor(x, tensor)
             if x is None or type(x) not in tensor_types:  # a subclass (DTensor...) may reduce across ranks: skip
                 return None
-        if not x.is_floating_point():
+        if x.dtype not in dtypes:  # float8 and complex have no mean
             return None
         if x.is_cuda:
             if capturing is None or capturing():  # inside a CUDA graph capture: launch nothing

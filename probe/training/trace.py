@@ -38,6 +38,7 @@ __all__ = ["Tracer", "DEFAULT_EVERY", "TRACE_COLUMNS"]
 
 DEFAULT_EVERY = 100
 MEM_PERIOD = 0.0005
+MAX_STATS_CALLS = 20000  # module calls of one traced step that get output statistics (small ones hold a copy)
 TRACE_COLUMNS = {"step": "i8", "seq": "i8", "module": "O", "stage": "O", "duration": "f8", "allocated": "f8",
                  "max_allocated": "f8", "time": "f8", "rank": "f8", "depth": "i8", "model": "O", "module_type": "O",
                  **STATS_COLUMNS}
@@ -154,14 +155,23 @@ class Tracer:
                 stat = recorder(torch, self.cuda)
             except Exception as exc:
                 record_error("torch trace: output statistics", exc)
-        keep = self.out_stats.append
+        out_stats = self.out_stats
+        failures = [0]
+        keep = out_stats.append
 
         def stats(output):  # the output statistics of the call just added; never raises into the forward
+            if len(out_stats) >= MAX_STATS_CALLS:  # a step that never ends (no boundary): keep no more
+                keep(None)
+                return
+            nonlocal stat
             try:
                 keep(stat(output))
             except Exception as exc:
                 keep(None)
+                failures[0] += 1
                 record_error("torch trace: output statistics", exc)
+                if failures[0] >= 10:  # something in this job's outputs we cannot reduce: stop trying
+                    self.stats_on, stat = False, None
 
         def pre(module, args):
             if compiling():
