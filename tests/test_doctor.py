@@ -117,6 +117,20 @@ def test_healthy_job_gets_nothing_above_info(spawn, cli):
     assert cli(job.pid, "doctor").returncode == 0
 
 
+@requires_torch
+def test_healthy_relu_net_traced_often_has_no_activation_or_sync_finding(spawn, cli):
+    # given: the healthy classifier (two ReLU layers, about half of their outputs 0), 30 traced steps
+    job = spawn([TARGETS / "faults.py", "--fault", "healthy", "--ready-step", "150"], env={"PROBE": "1", "PROBE_TRACE": "5"},
+                timeout=180)
+    # when
+    doc = doctor(cli, job.pid, "--all")
+    # then: the statistics are there, and none of the rules that read them speaks
+    assert not [f for f in doc["findings"] if f["rule"] in ("dead_activations", "collapsed_output", "host_syncs")], doc
+    r = cli(job.pid, "query", "SELECT count(*) AS n FROM python.torch_trace WHERE module = '1' AND out_zero_frac BETWEEN 0.3 AND 0.7",
+            "-f", "json")
+    assert json.loads(r.stdout)[0]["n"] >= 20
+
+
 def test_user_rule_declared_in_the_script_runs_too(spawn, cli):
     job = spawn(TARGETS / "idle.py", env={"IDLE_USER_RULE": "1"})
     doc = doctor(cli, job.pid)
