@@ -26,6 +26,10 @@ one int64); on the CPU they are read at once, on CUDA they are copied into pinne
 memory with ``non_blocking=True`` behind an event and written into the ring when the
 event has completed (the next boundary or a query, whichever comes first).
 
+Small outputs (up to ``SMALL`` elements, ``COPY_BUDGET`` elements in all per step) are
+copied instead, one op in the hook, and reduced at the boundary in one batch per shape: a
+model of many tiny layers pays one op per call rather than six.
+
 Cost bound: an output of more than ``MAX_ELEMENTS`` elements is reduced over a strided
 view (every k-th element along the last dimensions, then the first), never a copy, so a
 huge logits tensor costs no more than a 4 Mi-element one and its temporaries stay small.
@@ -42,6 +46,7 @@ STATS_COLUMNS = {"out_mean": "f8", "out_std": "f8", "out_batch_std": "f8", "out_
                  "out_nonfinite": "f8", "out_elements": "f8", "out_shape": "O"}
 MAX_ELEMENTS = 1 << 22
 SMALL = 1 << 12  # outputs up to this many elements are copied in the hook and reduced in bulk at the boundary
+COPY_BUDGET = 1 << 22  # elements copied that way per traced step; past it, small outputs are reduced in the hook too
 
 
 def _first_tensor(output, tensor_type):
@@ -78,6 +83,7 @@ def recorder(torch, cuda: bool):
     dtypes = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
     capturing = getattr(torch.cuda, "is_current_stream_capturing", None) if cuda else None
     last = [None, -1, None]  # weak reference to the last tensor reduced, its version counter, its statistics
+    budget = [COPY_BUDGET]
     ref = weakref.ref
 
     def stats(output):
@@ -112,10 +118,15 @@ def recorder(torch, cuda: bool):
             n = x.numel()
         if not x.dim():
             x = x.reshape(1)
-        if n <= SMALL:
+        if n <= SMALL and budget[0] >= n:
+            budget[0] -= n
             return (x.clone(), shape)  # reduced at the boundary with the others of its shape: one op now
         return _reduce(x, 0) + (n, shape, x.shape[0])
 
+    def new_step():
+        budget[0] = COPY_BUDGET
+
+    stats.new_step = new_step
     return stats
 
 

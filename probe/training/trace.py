@@ -90,6 +90,7 @@ class Tracer:
         self.stats_on = setting("PROBE_TRACE_STATS") if stats is None else stats
         self.out_stats: list = []  # the output statistics of each forward row (outstats), in step with rows
         self.pending_stats: list = []  # outstats.Batch awaiting their device copies
+        self._stats_new_step = None  # the installed recorder's per-step reset
         self.syncs = SyncWatch(torch, self.rank)
         self.syncs_on = setting("PROBE_TRACE_SYNCS")
 
@@ -153,6 +154,7 @@ class Tracer:
         if self.stats_on:
             try:
                 stat = recorder(torch, self.cuda)
+                self._stats_new_step = stat.new_step
             except Exception as exc:
                 record_error("torch trace: output statistics", exc)
         out_stats = self.out_stats
@@ -349,6 +351,8 @@ class Tracer:
         del self.rows[:len(rows)], self.backward[:len(back)]
         out = self.out_stats[:len(rows)]
         del self.out_stats[:]
+        if self._stats_new_step is not None:
+            self._stats_new_step()
         if len(out) != len(rows):
             out = [None] * len(rows)
         self.syncs.stop(step)
