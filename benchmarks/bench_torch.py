@@ -9,6 +9,12 @@
    an empty global forward pre/post hook pair. Goal: <= 1.5x the floor.
 3. The seed "slow training" query over a full 100k-row python.torch_trace, server side
    (snapshot + DuckDB). Goal: <= 50 ms.
+4. A traced training step with the output statistics (out_* columns, PROBE_TRACE_STATS) vs
+   the same traced step without them, and vs an untraced step; the flush at the step's end
+   included. Untraced steps run no probe code added by the statistics (no hooks at all).
+5. The doctor's rules over the statistics (dead_activations, collapsed_output) on a full
+   100k-row python.torch_trace: plan, snapshot, DuckDB, as a doctor run does. Goal: well
+   under the doctor's 5 s.
 
     python benchmarks/bench_torch.py [--rounds 10]
 """
@@ -111,7 +117,7 @@ def per_call(model, x, reps: int) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--only", type=int, choices=(1, 2, 3), help="run one section")
+    p.add_argument("--only", type=int, choices=(1, 2, 3, 4, 5), help="run one section")
     args = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -121,6 +127,10 @@ def main() -> int:
         tracing_per_call(args.rounds)
     if args.only in (None, 3):
         seed_query()
+    if args.only in (None, 4):
+        stats_cost(args.rounds)
+    if args.only in (None, 5):
+        stats_rules()
     return 0
 
 
@@ -225,6 +235,82 @@ def seed_query() -> None:
         run_query(sql)
         samples.append(time.perf_counter() - t0)
     print(f"   rows {len(tr.ring)}   median {statistics.median(samples) * 1e3:6.1f} ms   best {min(samples) * 1e3:6.1f} ms (goal 50 ms)")
+
+
+def stats_cost(rounds: int) -> None:
+    """Traced steps with statistics ("stats"), without ("plain"), and untraced ("untraced"), in rotated blocks."""
+    from probe.training.trace import Tracer
+
+    print("4. traced step with output statistics vs without (and vs untraced), forward + backward + optimizer + flush")
+    for name, make, block in (("launch-bound 48x16", launch_bound, 4), ("compute-bound 1024x2048", compute_bound, 3)):
+        model, data = make()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        train(model, opt, data, 5)
+        tracers = {"stats": Tracer(torch, every=1, capacity=100_000, stats=True),
+                   "plain": Tracer(torch, every=1, capacity=100_000, stats=False), "untraced": None}
+        times: dict = {k: [] for k in tracers}
+        order = list(tracers)
+        step = 0
+        for r in range(6 * rounds):
+            for arm in order[r % 3:] + order[:r % 3]:
+                tr = tracers[arm]
+                for i in range(block):
+                    step += 1
+                    t0 = time.perf_counter()
+                    if tr is not None:
+                        tr.prepare(step)
+                    train(model, opt, data, 1)
+                    if tr is not None:
+                        tr.finish(step, 0.0)
+                    if i:  # the first step of a block pays for installing the hooks
+                        times[arm].append(time.perf_counter() - t0)
+                if tr is not None:
+                    tr.close()
+        med = {k: statistics.median(v) for k, v in times.items()}
+        calls = sum(1 for _ in model.modules())
+        print(f"   {name}: {len(times['stats'])} steps per arm, {calls} module calls a step")
+        print(f"      traced with stats {med['stats'] * 1e3:7.3f} ms   without {med['plain'] * 1e3:7.3f} ms   "
+              f"untraced {med['untraced'] * 1e3:7.3f} ms")
+        print(f"      stats / plain traced step {med['stats'] / med['plain']:5.3f}x   "
+              f"({(med['stats'] - med['plain']) / calls * 1e6:5.1f} us per module call)   "
+              f"plain traced / untraced {med['plain'] / med['untraced']:5.3f}x")
+
+
+def stats_rules() -> None:
+    import numpy as np
+
+    from probe.diagnosis import builtin  # noqa: F401
+    from probe.diagnosis.rules import get_rule
+    from probe.tables import builtin as tables  # noqa: F401  (registers the tables the rules read)
+    from probe.tables.registry import all_tables
+    from probe.sql.engine import execute
+
+    print("5. doctor rules over the output statistics, full 100k-row python.torch_trace (500 calls a step), DuckDB")
+    n, calls = 100_000, 500
+    rng = np.random.default_rng(0)
+    seq = np.arange(n) % calls
+    types = np.array(["Linear", "ReLU", "LayerNorm", "GELU", "Dropout"], dtype=object)
+    names = np.array([f"blocks.{i // 5}.{i % 5}" for i in range(calls)], dtype=object)
+    batch_std = rng.random(n)
+    batch_std[seq % 7 == 0] = 0.0  # many outputs constant across the batch: the join's worst case
+    cols = {"step": (np.arange(n) // calls).astype("i8"), "seq": seq, "module": names[seq],
+            "stage": np.full(n, "forward", dtype=object), "duration": rng.random(n) * 1e-4,
+            "allocated": np.full(n, 1e9), "max_allocated": np.full(n, 1e9), "time": time.time() + np.arange(n) * 1e-5,
+            "rank": np.full(n, None, dtype=object), "depth": 1 + (seq % 3), "model": np.full(n, "model", dtype=object),
+            "module_type": types[seq % 5], "out_mean": rng.random(n), "out_std": rng.random(n) + 0.5,
+            "out_batch_std": batch_std, "out_zero_frac": rng.random(n), "out_nonfinite": np.zeros(n),
+            "out_elements": np.full(n, 4096.0), "out_shape": np.full(n, "[64, 64]", dtype=object)}
+    table = next(t for t in all_tables() if t.name == "python.torch_trace")
+    data = {"python.torch_trace": ([(c.name, c.type) for c in table.columns], cols)}
+    for name in ("dead_activations", "collapsed_output"):
+        sql = get_rule(name).sql
+        execute(sql, data)
+        samples = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            execute(sql, data)
+            samples.append(time.perf_counter() - t0)
+        print(f"   {name:18s} median {statistics.median(samples) * 1e3:7.1f} ms   best {min(samples) * 1e3:7.1f} ms")
 
 
 if __name__ == "__main__":

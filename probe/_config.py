@@ -143,6 +143,8 @@ _declare("PROBE_MAX_CONNECTIONS", "32", "Training process: open client connectio
 _declare("PROBE_READ_TIMEOUT", "5", "Training process: seconds a client may take per read of its request (headers and body) before the connection is closed.", _SECONDS)
 _declare("PROBE_REGISTRY", None, "Shared directory (e.g. on a network file system) where every rank also writes its registry entry, for discovery across nodes.")
 _declare("PROBE_TRACE", None, "Module tracing: 'all' traces every step, 'off' disables it, a number N traces one step in N (default chosen to keep overhead under 1%).", _every)
+_declare("PROBE_TRACE_STATS", "1", "On traced steps, also reduce each module's output on its device (mean, std, std across the batch, zeros, non-finite values: the out_* columns of python.torch_trace); 0 records times and memory only.", _flag)
+_declare("PROBE_TRACE_SYNCS", "1", "On traced steps of a CUDA job, turn torch's sync debug mode to warn and count the host-device syncs by call site (torch.syncs); 0 leaves the mode alone.", _flag)
 _declare("PROBE_TRACE_CAPACITY", "100000", "Rows kept in the python.torch_trace ring buffer.", _COUNT)
 _declare("PROBE_SPANS_CAPACITY", "10000", "Rows kept in the python.spans ring buffer (spans recorded with probe.span).", _COUNT)
 _declare("PROBE_STEPS_CAPACITY", "10000", "Rows kept in the torch.steps ring buffer.", _COUNT)

@@ -46,20 +46,29 @@ FAULTS = [
     ("nan_from_data", "params_nonfinite", ["NaN/Inf"]),
     ("memory_growth", "memory_growth", ["peak memory grows"]),
     ("slowdown", "throughput_regression", ["slower"]),
+    ("dead_relu", "dead_activations", ["100.0% of the output of module 3 (ReLU", "exactly 0"]),
+    ("collapsed", "collapsed_output", ["module 2 (Linear)", "same for every sample", "input from 1 varies"]),
+    # CPU stand-in for the CUDA path: the target raises torch's sync warning from its own line
+    ("host_sync", "host_syncs", ["of faults.py", "loss.item()", "1 time(s) a step"]),
 ]
-SETTLE = {"memory_growth": "200"}  # steps the fault needs before its rule can see it
+SETTLE = {"memory_growth": "200", "dead_relu": "30", "collapsed": "30", "host_sync": "30"}  # steps the fault needs
+TRACE_EVERY = {"dead_relu": "5", "collapsed": "5", "host_sync": "5"}  # rules that read traced steps need a few
+NOT_ALSO = {"dead_relu": "collapsed_output"}  # a dead ReLU is not also reported as a collapsed output
 
 
 @requires_torch
 @pytest.mark.parametrize("fault, rule, words", FAULTS, ids=[f[0] for f in FAULTS])
 def test_doctor_names_the_planted_fault(spawn, cli, fault, rule, words):
     # given: a job with one planted fault, past the point where it shows
-    job = spawn([TARGETS / "faults.py", "--fault", fault, "--settle", SETTLE.get(fault, "60")], env={"PROBE": "1"},
+    env = {"PROBE": "1", **({"PROBE_TRACE": TRACE_EVERY[fault]} if fault in TRACE_EVERY else {})}
+    job = spawn([TARGETS / "faults.py", "--fault", fault, "--settle", SETTLE.get(fault, "60")], env=env,
                 ready="planted", timeout=180)
     # when
     finding, findings = poll_for(cli, job.pid, rule)
     # then: named with its evidence and a next command to type
     assert finding["severity"] in ("critical", "warning")
+    assert sum(f["rule"] == rule for f in findings) == 1, findings  # the culprit alone, not what it feeds
+    assert not any(f["rule"] == NOT_ALSO.get(fault) for f in findings), findings
     for w in words:
         assert w in finding["message"], finding
     assert finding["next"] and all(n.startswith("probe ") for n in finding["next"])
@@ -106,6 +115,20 @@ def test_healthy_job_gets_nothing_above_info(spawn, cli):
     assert not loud, loud
     assert doc["rules_run"] >= 10, doc
     assert cli(job.pid, "doctor").returncode == 0
+
+
+@requires_torch
+def test_healthy_relu_net_traced_often_has_no_activation_or_sync_finding(spawn, cli):
+    # given: the healthy classifier (two ReLU layers, about half of their outputs 0), 30 traced steps
+    job = spawn([TARGETS / "faults.py", "--fault", "healthy", "--ready-step", "150"], env={"PROBE": "1", "PROBE_TRACE": "5"},
+                timeout=180)
+    # when
+    doc = doctor(cli, job.pid, "--all")
+    # then: the statistics are there, and none of the rules that read them speaks
+    assert not [f for f in doc["findings"] if f["rule"] in ("dead_activations", "collapsed_output", "host_syncs")], doc
+    r = cli(job.pid, "query", "SELECT count(*) AS n FROM python.torch_trace WHERE module = '1' AND out_zero_frac BETWEEN 0.3 AND 0.7",
+            "-f", "json")
+    assert json.loads(r.stdout)[0]["n"] >= 20
 
 
 def test_user_rule_declared_in_the_script_runs_too(spawn, cli):

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from conftest import EXAMPLES, requires_torch
+from conftest import EXAMPLES, TARGETS, requires_torch
+from test_doctor import poll_for
 
 
 def _cuda() -> bool:
@@ -40,3 +41,23 @@ def test_cuda_trace_durations_and_memory(spawn, cli):
     assert all(math.isfinite(s["loss"]) and s["peak_allocated"] > 0 for s in steps)
     mem = json.loads(cli(proc.pid, "query", "SELECT * FROM torch.memory WHERE device = 'cuda:0'", "-f", "json").stdout)
     assert mem and mem[0]["allocated"] > 0 and mem[0]["total"] > 0
+
+
+def test_cuda_sync_watch_names_the_item_call_and_the_probe_adds_none(spawn, cli):
+    # given: loss.item() on a CUDA loss every step, traced one step in 5
+    job = spawn([TARGETS / "faults.py", "--fault", "host_sync", "--device", "cuda", "--settle", "30"],
+                env={"PROBE": "1", "PROBE_TRACE": "5"}, ready="planted", timeout=180)
+    # then: torch's sync debug mode named the line, and nothing of the probe's own synchronised
+    finding = poll_for(cli, job.pid, "host_syncs", timeout=90)[0]
+    assert "faults.py" in finding["message"] and "loss.item()" in finding["message"]
+    rows = json.loads(cli(job.pid, "query", "SELECT origin, via, count FROM torch.syncs WHERE origin = 'probe'", "-f", "json").stdout)
+    assert rows == []
+
+
+def test_cuda_output_statistics_land_without_a_sync(spawn, cli):
+    job = spawn([TARGETS / "faults.py", "--fault", "dead_relu", "--device", "cuda", "--settle", "30"],
+                env={"PROBE": "1", "PROBE_TRACE": "5"}, ready="planted", timeout=180)
+    finding = poll_for(cli, job.pid, "dead_activations", timeout=90)[0]
+    assert "module 3 (ReLU" in finding["message"]
+    rows = json.loads(cli(job.pid, "query", "SELECT count(*) AS n FROM torch.syncs", "-f", "json").stdout)
+    assert rows[0]["n"] == 0  # the statistics' reductions and copies never made the host wait

@@ -288,6 +288,83 @@ WHERE steps >= 3 AND data_s > 0.4 * step_s AND data_s > 0.01""",
           "probe {target} query \"SELECT step, name, duration FROM python.spans WHERE step > (SELECT MAX(step) - 3 FROM python.spans) ORDER BY time\""],
 )
 
+# Activations whose output is exactly 0 over part of their range (ReLU-like; GELU underflows to 0 for
+# inputs below about -5.5 in float32). Dropout, SiLU, LeakyReLU and the like are not listed: their
+# zeros are by design, or they have none.
+_ZEROING = "('ReLU', 'ReLU6', 'GELU', 'Hardswish', 'Threshold')"
+_DEAD = 0.95  # share of exact zeros that calls a zeroing activation's output dead (healthy ReLU nets sit near 50%)
+
+rule(
+    "dead_activations", family="activations", severity="warning",
+    description=f"On each of its last 3 traced steps, at least {_DEAD:.0%} of a ReLU/GELU-family module's output is exactly 0: its units are dead and pass no gradient.",
+    sql=f"""
+WITH c AS (
+  SELECT rank, model, module, step, any_value(module_type) AS module_type, avg(out_zero_frac) AS zeros,
+         any_value(out_shape) AS shape
+  FROM python.torch_trace
+  WHERE stage = 'forward' AND out_zero_frac IS NOT NULL AND module_type IN {_ZEROING}
+  GROUP BY rank, model, module, step),
+r AS (SELECT *, row_number() OVER (PARTITION BY rank, model, module ORDER BY step DESC) AS age FROM c)
+SELECT rank, max(step) AS step, module, any_value(module_type) AS module_type, count(*) AS steps,
+       100 * avg(zeros) AS pct, 100 * min(zeros) AS min_pct, arg_max(shape, step) AS shape
+FROM r WHERE age <= 3 GROUP BY rank, model, module
+HAVING count(*) = 3 AND min(zeros) >= {_DEAD}""",
+    message="{pct:.1f}% of the output of module {module} ({module_type}, shape {shape}) is exactly 0 on each of its last {steps} traced steps (to step {step}): its units are dead and pass no gradient; look at the layer before it (a large negative bias, or an LR that pushed its pre-activations negative).",
+    next=["probe {target} query \"SELECT seq, module, module_type, out_mean, out_std, out_zero_frac FROM python.torch_trace WHERE step = {step} AND stage = 'forward' ORDER BY seq\"",
+          "probe {target} query \"SELECT name, shape, requires_grad, grad_norm FROM torch.parameters\""],
+)
+
+rule(
+    "collapsed_output", family="activations", severity="warning",
+    description="A module's output no longer varies across the batch (std across the first dimension ~ 0 on its last 3 traced steps, after it did vary) while the output of the module called just before it does.",
+    sql=f"""
+WITH v AS (
+  SELECT rank, model, step, seq, depth, module, module_type, out_batch_std AS b, out_mean, out_std, out_zero_frac,
+         out_batch_std > 1e-3 * (abs(out_mean) + out_std) AS varies,
+         out_batch_std <= 1e-6 * (abs(out_mean) + out_std) AS flat,
+         dense_rank() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+  FROM python.torch_trace WHERE stage = 'forward' AND out_batch_std IS NOT NULL AND isfinite(out_mean) AND isfinite(out_std)),
+f AS (SELECT * FROM v WHERE age <= 3 AND flat AND NOT (module_type IN {_ZEROING} AND out_zero_frac >= {_DEAD})),
+p AS (  -- the call just before each flat one at its depth or deeper: it ended before the flat call began
+  SELECT f.rank, f.model, f.module, f.step, f.seq, any_value(f.module_type) AS module_type, any_value(f.b) AS b,
+         arg_max(q.module, q.seq) AS prev, arg_max(q.b, q.seq) AS prev_b, arg_max(q.varies, q.seq) AS prev_varies
+  FROM f JOIN v AS q ON q.rank IS NOT DISTINCT FROM f.rank AND q.step = f.step AND q.seq < f.seq AND q.depth >= f.depth
+  GROUP BY f.rank, f.model, f.module, f.step, f.seq),
+m AS (
+  SELECT rank, model, module, any_value(module_type) AS module_type, max(step) AS step,
+         count(DISTINCT step) AS steps, bool_and(prev_varies) AS fed, max(b) AS b,
+         arg_max(prev, step) AS prev, arg_max(prev_b, step) AS prev_b
+  FROM p GROUP BY rank, model, module),
+was AS (SELECT rank, model, module, max(b) AS was_b, arg_max(step, b) AS was_step FROM v WHERE varies GROUP BY ALL),
+hit AS (
+  SELECT m.*, w.was_b, w.was_step FROM m
+  JOIN was AS w ON w.rank IS NOT DISTINCT FROM m.rank AND w.model = m.model AND w.module = m.module
+  WHERE m.steps = 3 AND m.fed)
+SELECT * FROM hit AS h  -- a container whose output collapsed because a module inside it did: name the inner one
+WHERE NOT EXISTS (SELECT 1 FROM hit AS i WHERE i.rank IS NOT DISTINCT FROM h.rank AND i.model = h.model
+                  AND starts_with(i.module, h.module || '.'))""",
+    message="the output of module {module} ({module_type}) is the same for every sample of the batch on its last {steps} traced steps (std across the batch {b:.2g}, up to step {step}; it was {was_b:.3g} at step {was_step}), while its input from {prev} varies (std across the batch {prev_b:.3g}): its weights have collapsed (zeroed, or a mask that removes them) or it saturates.",
+    next=["probe {target} query \"SELECT name, shape, requires_grad, grad_norm FROM torch.parameters WHERE name LIKE '{module}.%'\"",
+          "probe {target} query \"SELECT step, module, out_mean, out_std, out_batch_std FROM python.torch_trace WHERE module = '{module}' AND stage = 'forward' ORDER BY step DESC LIMIT 10\""],
+)
+
+rule(
+    "host_syncs", family="slow", severity="warning",
+    description="A line of the training code makes the host wait for the GPU (.item(), .cpu(), .tolist(), printing a CUDA tensor...) on each of the last 3 traced steps (torch.syncs, CUDA only).",
+    sql="""
+WITH s AS (
+  SELECT rank, step, file, line, any_value(coalesce(code, '')) AS code, any_value(function) AS function, sum(count) AS n
+  FROM torch.syncs WHERE origin = 'user' GROUP BY rank, step, file, line),
+t AS (SELECT rank, step, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age FROM torch.steps WHERE traced),
+j AS (SELECT s.* FROM s JOIN t ON t.rank IS NOT DISTINCT FROM s.rank AND t.step = s.step WHERE t.age <= 3)
+SELECT rank, max(step) AS step, file, regexp_extract(file, '[^/]+$') AS base, line, any_value(code) AS code,
+       any_value(function) AS function, count(*) AS steps, sum(n) / count(*) AS per_step
+FROM j GROUP BY rank, file, line HAVING count(*) = 3""",
+    message="line {line} of {base} (in {function}) makes the host wait for the GPU {per_step:.0f} time(s) a step on each of the last {steps} traced steps: `{code}`; the CPU cannot queue the next kernels meanwhile. Keep the value on the device and read it every N steps.",
+    next=["probe {target} query \"SELECT step, file, line, code, origin, via, count FROM torch.syncs ORDER BY step DESC, count DESC LIMIT 20\"",
+          "probe {target} trace --steps 5 -o trace.json"],
+)
+
 rule(
     "probe_errors", family="probe", severity="info",
     description="The probe itself caught errors (recorded in probe.errors); training went on.",

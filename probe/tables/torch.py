@@ -101,6 +101,13 @@ def _comm_split(ctx, cols):
         Column("depth", "INTEGER", "Nesting depth: 0 for a root model call, 1 for its children, and so on."),
         Column("model", "VARCHAR", "Name of the root model the module belongs to, empty when unknown."),
         Column("module_type", "VARCHAR", "Class name of the module."),
+        Column("out_mean", "DOUBLE", "Mean of the call's output tensor (the output itself, else the first tensor of its tuple, list or dict), reduced on its device and read back lazily (PROBE_TRACE_STATS); NULL for backward rows, non-floating or non-CPU/CUDA outputs, and on CUDA until the copy lands."),
+        Column("out_std", "DOUBLE", "Standard deviation (population) of all the output's elements; NULL as out_mean."),
+        Column("out_batch_std", "DOUBLE", "Standard deviation across the output's first (batch) dimension, averaged over the other positions: 0 when every sample gets the same output. NULL as out_mean, and when the first dimension has fewer than 2 entries."),
+        Column("out_zero_frac", "DOUBLE", "Fraction of the output's elements that are exactly 0 (dead ReLU units show here); NULL as out_mean."),
+        Column("out_nonfinite", "BIGINT", "Count of NaN and infinite elements of the output; NULL as out_mean."),
+        Column("out_elements", "BIGINT", "Elements the out_* statistics cover: all of the output, or a strided sample of about 4 Mi elements of a larger one."),
+        Column("out_shape", "VARCHAR", "Shape of the output tensor the statistics describe, e.g. [64, 32]."),
     ],
     examples=[
         "SELECT module, stage, COUNT(*) as count, AVG(duration) as avg_time, SUM(duration) as total_time "
@@ -110,6 +117,9 @@ def _comm_split(ctx, cols):
         "FROM python.torch_trace WHERE step > (SELECT MAX(step) - 20 FROM python.torch_trace) GROUP BY step ORDER BY step",
         "SELECT module_type, COUNT(*) AS calls, SUM(duration) AS total_s FROM python.torch_trace "
         "WHERE stage = 'forward' AND depth > 0 GROUP BY module_type ORDER BY total_s DESC",
+        "SELECT module, module_type, AVG(out_zero_frac) AS zeros, AVG(out_batch_std) AS batch_std, SUM(out_nonfinite) AS nonfinite "
+        "FROM python.torch_trace WHERE stage = 'forward' AND step > (SELECT MAX(step) - 300 FROM python.torch_trace) "
+        "GROUP BY module, module_type ORDER BY zeros DESC LIMIT 10",
     ],
     kind="ring",
 )

@@ -26,6 +26,8 @@ import threading
 import time
 
 from . import finder
+from .outstats import STATS_COLUMNS, Batch, recorder
+from .syncs import SyncWatch
 from .._config import setting
 from .._runtime import rank_identity
 from ..util.errorlog import record_error
@@ -36,8 +38,10 @@ __all__ = ["Tracer", "DEFAULT_EVERY", "TRACE_COLUMNS"]
 
 DEFAULT_EVERY = 100
 MEM_PERIOD = 0.0005
+MAX_STATS_CALLS = 20000  # module calls of one traced step that get output statistics (small ones hold a copy)
 TRACE_COLUMNS = {"step": "i8", "seq": "i8", "module": "O", "stage": "O", "duration": "f8", "allocated": "f8",
-                 "max_allocated": "f8", "time": "f8", "rank": "f8", "depth": "i8", "model": "O", "module_type": "O"}
+                 "max_allocated": "f8", "time": "f8", "rank": "f8", "depth": "i8", "model": "O", "module_type": "O",
+                 **STATS_COLUMNS}
 
 
 _quieted = False
@@ -61,7 +65,7 @@ def _quiet_compile_warning() -> None:
 
 
 class Tracer:
-    def __init__(self, torch, every: int | None = None, capacity: int | None = None):
+    def __init__(self, torch, every: int | None = None, capacity: int | None = None, stats: bool | None = None):
         self.torch = torch
         if every is None:
             every = setting("PROBE_TRACE")
@@ -83,6 +87,12 @@ class Tracer:
         self._failed = False
         self._stack: list = []  # the hooks' open calls; emptied at each boundary (a raise can strand one)
         self._lock = threading.Lock()
+        self.stats_on = setting("PROBE_TRACE_STATS") if stats is None else stats
+        self.out_stats: list = []  # the output statistics of each forward row (outstats), in step with rows
+        self.pending_stats: list = []  # outstats.Batch awaiting their device copies
+        self._stats_new_step = None  # the installed recorder's per-step reset
+        self.syncs = SyncWatch(torch, self.rank)
+        self.syncs_on = setting("PROBE_TRACE_SYNCS")
 
     # -- sampling ---------------------------------------------------------------------------
     def sampled(self, step: int) -> bool:
@@ -102,6 +112,10 @@ class Tracer:
         elif not want and self.handles:
             self._remove()
         self.active_step = step if want else None
+        if want and self.syncs_on:
+            self.syncs.start(self.cuda)
+        elif not want:
+            self.syncs.stop(None)
 
     # -- hooks ---------------------------------------------------------------------------------
     def _read_mem(self) -> float:
@@ -136,6 +150,30 @@ class Tracer:
         grad_enabled = torch.is_grad_enabled
         watch_backward = self._watch_backward
         period = MEM_PERIOD
+        stat = None
+        if self.stats_on:
+            try:
+                stat = recorder(torch, self.cuda)
+                self._stats_new_step = stat.new_step
+            except Exception as exc:
+                record_error("torch trace: output statistics", exc)
+        out_stats = self.out_stats
+        failures = [0]
+        keep = out_stats.append
+
+        def stats(output):  # the output statistics of the call just added; never raises into the forward
+            if len(out_stats) >= MAX_STATS_CALLS:  # a step that never ends (no boundary): keep no more
+                keep(None)
+                return
+            nonlocal stat
+            try:
+                keep(stat(output))
+            except Exception as exc:
+                keep(None)
+                failures[0] += 1
+                record_error("torch trace: output statistics", exc)
+                if failures[0] >= 10:  # something in this job's outputs we cannot reduce: stop trying
+                    self.stats_on, stat = False, None
 
         def pre(module, args):
             if compiling():
@@ -160,6 +198,8 @@ class Tracer:
                 add((module, t0, t1, mem[1], 0))
                 if grad_enabled():
                     watch_backward(module, output)
+            if stat is not None:
+                stats(output)
 
         def pre_cuda(module, args):
             if compiling():
@@ -186,6 +226,8 @@ class Tracer:
             add((module, t0, t1, mem[1], depth, ev0, ev1))
             if not depth and grad_enabled():
                 watch_backward(module, output)
+            if stat is not None:
+                stats(output)
 
         _quiet_compile_warning()
         try:
@@ -302,20 +344,29 @@ class Tracer:
         """At the boundary after a traced step: write its rows (``wall_offset`` maps perf_counter to epoch)."""
         import numpy as np
 
+        if self.pending_stats:  # an earlier traced step's device copies landed long ago: into the ring
+            self.resolve()
         # The hooks hold these lists: take their contents and empty them in place.
         rows, back = self.rows[:], self.backward[:]
         del self.rows[:len(rows)], self.backward[:len(back)]
+        out = self.out_stats[:len(rows)]
+        del self.out_stats[:]
+        if self._stats_new_step is not None:
+            self._stats_new_step()
+        if len(out) != len(rows):
+            out = [None] * len(rows)
+        self.syncs.stop(step)
         if not rows and not back:
             return
-        records = []  # (t0, module, model, cls, stage, t1, mem, depth, ev0, ev1)
-        for r in rows:  # (module, t0, t1, mem, depth) on CPU, plus (ev0, ev1) on CUDA
+        records = []  # (t0, module, model, cls, stage, t1, mem, depth, ev0, ev1, output statistics)
+        for r, st in zip(rows, out):  # (module, t0, t1, mem, depth) on CPU, plus (ev0, ev1) on CUDA
             m = r[0]
             name, model = self._name_of(m)
             evs = r[5:] if len(r) > 5 else (None, None)
-            records.append((r[1], name, model, type(m).__name__, "forward", r[2], r[3], r[4], *evs))
+            records.append((r[1], name, model, type(m).__name__, "forward", r[2], r[3], r[4], *evs, st))
         for m, t0, t1, memv, ev0, ev1 in back:
             name, model = self._name_of(m)
-            records.append((t0, name, model, type(m).__name__, "backward", t1, memv, 0, ev0, ev1))
+            records.append((t0, name, model, type(m).__name__, "backward", t1, memv, 0, ev0, ev1, None))
         records.sort(key=lambda r: r[0])
         n = len(records)
         t0 = np.fromiter((r[0] for r in records), "f8", n)
@@ -332,6 +383,7 @@ class Tracer:
             "model": np.array([r[2] for r in records], dtype=object),
             "module_type": np.array([r[3] for r in records], dtype=object),
         }
+        cols.update(self._stats_columns(records))
         if self.cuda:
             cols["duration"][:] = np.nan  # device time, filled in when the events complete
             base = self.ring.count + max(0, n - self.ring.capacity)
@@ -341,10 +393,50 @@ class Tracer:
                         self.pending_events.append((base + i, r[8], r[9]))
         self.ring.extend(cols, n)
 
+    def _stats_columns(self, records) -> dict:
+        """The output-statistics columns of a step's records (sorted as written): CPU values now, CUDA ones later."""
+        n = len(records)
+        keep = max(0, n - self.ring.capacity)
+        base = self.ring.count + keep
+        try:
+            batch = Batch(self.torch, range(base, base + n - keep), [r[10] for r in records[keep:]])
+            cols = batch.columns()
+        except Exception as exc:
+            record_error("torch trace: output statistics", exc)
+            import numpy as np
+
+            return {name: np.full(n, np.nan) if dt == "f8" else np.full(n, None, dtype=object)
+                    for name, dt in STATS_COLUMNS.items()}
+        if keep:
+            import numpy as np
+
+            cols = {k: np.concatenate((np.full(keep, np.nan if v.dtype.kind == "f" else None, dtype=v.dtype), v))
+                    for k, v in cols.items()}
+        if batch.parts:
+            with self._lock:
+                self.pending_stats.append(batch)
+        return cols
+
     def resolve(self) -> None:
-        """Fill in CUDA durations whose events have completed; never waits."""
+        """Fill in CUDA durations and output statistics whose copies have completed; never waits."""
         with self._lock:
             self._resolve()
+            self._resolve_stats()
+
+    def _resolve_stats(self) -> None:
+        if not self.pending_stats:
+            return
+        ring = self.ring
+        keep = []
+        for batch in self.pending_stats:
+            try:
+                if batch.stale(ring.count, ring.capacity) or batch.write(ring.arrays, ring.count, ring.capacity):
+                    continue
+            except Exception as exc:
+                record_error("torch trace: output statistics", exc)
+                continue
+            keep.append(batch)
+        self.pending_stats = keep
 
     def _resolve(self) -> None:
         if not self.pending_events:
@@ -369,4 +461,5 @@ class Tracer:
 
     def close(self) -> None:
         self._remove()
+        self.syncs.stop(None)
         self.active_step = None

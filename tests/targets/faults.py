@@ -1,7 +1,7 @@
 """A small classifier (8 classes, generated data) that trains with one planted fault, or none.
 
     python faults.py --fault healthy|nan_after_lr_jump|nan_from_data|frozen|lr_zero|not_in_optimizer|
-                             slowdown|memory_growth|hang|data_wait
+                             slowdown|memory_growth|hang|data_wait|dead_relu|collapsed|host_sync
 
 It never imports probe itself: tests start it with PROBE=1, as a user would. It prints
 "ready" after ``--ready-step`` steps and "planted" once the fault has taken effect, then
@@ -14,6 +14,7 @@ import argparse
 import math
 import os
 import time
+import warnings
 
 import torch
 import torch.nn as nn
@@ -24,20 +25,21 @@ p.add_argument("--fault", default="healthy")
 p.add_argument("--fault-step", type=int, default=40)
 p.add_argument("--ready-step", type=int, default=20)
 p.add_argument("--step-sleep", type=float, default=0.005)
+p.add_argument("--device", default="cpu")
 p.add_argument("--settle", type=int, default=60, help="steps after the fault before printing 'planted'")
 args = p.parse_args()
 
 torch.manual_seed(0)
 CLASSES, DIM = 8, 16
-centers = torch.randn(CLASSES, DIM) * 3
+centers = (torch.randn(CLASSES, DIM) * 3).to(args.device)
 
 
 def batch(n=64):
-    y = torch.randint(0, CLASSES, (n,))
-    return centers[y] + torch.randn(n, DIM), y
+    y = torch.randint(0, CLASSES, (n,), device=args.device)
+    return centers[y] + torch.randn(n, DIM, device=args.device), y
 
 
-model = nn.Sequential(nn.Linear(DIM, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, CLASSES))
+model = nn.Sequential(nn.Linear(DIM, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, CLASSES)).to(args.device)
 if args.fault == "frozen":  # "fine-tune only the head", with the head frozen by mistake too
     for param in model.parameters():
         param.requires_grad_(False)
@@ -47,6 +49,12 @@ if args.fault == "not_in_optimizer":
     params = list(model[4].parameters())  # the body trains with no optimizer behind it
 optimizer = torch.optim.SGD(params, lr=0.05 if args.fault != "lr_zero" else 0.0, momentum=0.9)
 hoard = []
+total = 0.0
+# On CPU nothing synchronises: host_sync raises, from its own line, the warning torch's sync debug mode
+# raises there on CUDA (the same text, category and frame), a stand-in for the CUDA path.
+SYNC_WARNING = "called a synchronizing CUDA operation (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:150.)"
+if args.fault == "host_sync":
+    warnings.showwarning = lambda *a, **k: None  # on CUDA the untraced steps raise nothing: print nothing here either
 step = 0
 while True:
     step += 1
@@ -57,6 +65,9 @@ while True:
     if args.fault == "data_wait" and step >= args.fault_step:
         time.sleep(0.08)  # ok-sleep: the planted slow input pipeline (outside forward/backward)
     x, y = batch()
+    if args.fault == "dead_relu" and step == args.fault_step:
+        with torch.no_grad():
+            model[2].bias.fill_(-100.0)  # a bad init/update: every pre-activation of the second ReLU is negative
     if args.fault == "nan_from_data" and step >= args.fault_step:
         x[0, 0] = float("nan")
     logits = model(x)
@@ -67,10 +78,15 @@ while True:
         for g in optimizer.param_groups:
             g["lr"] = 1e4  # a schedule bug: the LR jumps 200 000x
     optimizer.step()
+    if args.fault == "collapsed" and step >= args.fault_step:
+        with torch.no_grad():
+            model[2].weight.mul_(0.0)  # a pruning mask that prunes everything: layer 2 outputs its bias alone
+    if args.fault == "host_sync" and step >= args.fault_step:
+        total += loss.item() if loss.is_cuda else (warnings.warn(SYNC_WARNING) or loss.item())
     if args.fault == "slowdown" and step >= args.fault_step:
         time.sleep(0.15)  # ok-sleep: the planted throughput regression
     if args.fault == "memory_growth" and step >= args.fault_step:
-        hoard.append(torch.ones(256 * 1024))  # 1 MiB a step kept alive: a leak
+        hoard.append(torch.ones(256 * 1024, device=args.device))  # 1 MiB a step kept alive: a leak
     if args.step_sleep:
         time.sleep(args.step_sleep)  # ok-sleep: keeps the loop from starving the test on 2 cores
     if step == args.ready_step:
