@@ -25,7 +25,7 @@ from dataclasses import dataclass
 __all__ = ["Rule", "rule", "all_rules", "get_rule", "SEVERITIES", "FAMILIES"]
 
 SEVERITIES = ("critical", "warning", "info")  # most severe first
-FAMILIES = ("hang", "nan", "divergence", "plateau", "parameters", "optimizer", "memory", "slow", "input",
+FAMILIES = ("hang", "crash", "nan", "divergence", "plateau", "parameters", "optimizer", "memory", "slow", "input",
             "distributed", "probe")
 SCOPES = ("process", "job")
 
