@@ -87,7 +87,8 @@ g AS (SELECT rank, pg, pg_desc, last_enqueued, last_completed, pending, pending_
              pending_dtypes, pending_s, pending_site FROM torch.process_groups
       WHERE rank NOT IN (SELECT rank FROM ranks.latest WHERE state = 'dead')),
 waiting AS (SELECT * FROM g WHERE pending_s > {hung_after}),
-stalled AS (SELECT rank FROM waiting UNION SELECT rank FROM ranks.latest WHERE age_s > {hung_after}),
+stalled AS (SELECT rank FROM (SELECT rank FROM waiting UNION SELECT rank FROM ranks.latest WHERE age_s > {hung_after})
+            WHERE rank NOT IN (SELECT rank FROM silent)),
 issued AS (SELECT rank, pg, seq, op || ' ' || input_sizes || ' ' || input_dtypes AS what FROM ranks.issued),
 kinds AS (SELECT pg, seq, what, count(*) AS n FROM issued GROUP BY ALL),
 split AS (SELECT pg, seq, max(n) AS top, count(*) FILTER (WHERE n = (SELECT max(n) FROM kinds AS x
@@ -204,7 +205,7 @@ ORDER BY ratio DESC""",
     "ranks.desync": """
 SELECT rank, step, (SELECT max(step) FROM ranks.latest) - step AS behind
 FROM ranks.latest
-WHERE (SELECT max(step) FROM ranks.latest) - step > {desync_steps}
+WHERE (SELECT max(step) FROM ranks.latest) - step > {desync_steps} AND state IS DISTINCT FROM 'dead'
 ORDER BY behind DESC, rank""",
     "ranks.hung": """
 SELECT rank, step, age_s, state, culprit, in_collective, pending_op, pending_seq, reason, top_frame

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import sys
@@ -18,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import TARGETS, requires_torch
+from conftest import TARGETS, poll, requires_torch
 
 
 def dead(cli, pid, timeout=60.0):
@@ -99,3 +100,43 @@ def test_records_are_bounded(spawn, cli):
     r = cli("list", "--dead", "--json")
     listed = [row["pid"] for row in json.loads(r.stdout)]
     assert listed == [pids[2], pids[1]], (listed, pids)  # newest first, the oldest removed
+
+
+@requires_torch
+def test_a_killed_rank_is_dead_in_status_and_the_doctor_names_it():
+    # given: a 3-rank DDP job whose survivors stay alive when a peer dies (each rank its own process:
+    # torchrun would tear the others down), with a fast periodic snapshot
+    from test_ranks_collectives import ddp_job, states, until_status
+
+    with ddp_job("--survive", direct=True, extra_env={"PROBE_POSTMORTEM_EVERY": "0.3"}) as job:
+        rt = job.env["PROBE_RUNTIME_DIR"]
+        assert poll(lambda: os.path.isdir(os.path.join(rt, "postmortem", str(job.pids[1]))), 60), "no snapshot of rank 1"
+        # when: rank 1 is killed without warning while the others train with it
+        os.kill(job.pids[1], signal.SIGKILL)
+        # then: status shows it dead (how, at which step), the culprit the others wait for
+        r, rows = until_status(job, time.monotonic(), lambda rows: states(rows) == {0: "waiting", 1: "dead", 2: "waiting"})
+        assert r.returncode == 0, r.stderr
+        dead_row = rows[1]
+        assert dead_row["culprit"] and dead_row["pid"] == job.pids[1] and dead_row["step"] >= 1, dead_row
+        assert dead_row["reason"].startswith(f"died at step {dead_row['step']} (killed)"), dead_row
+        assert "ranks 0,2 wait for it" in dead_row["reason"], dead_row
+        # the doctor names it, with how it died and who waits
+        d = job.cli("--timeout", "5", "--ranks", "all", "--format", "json", "doctor")
+        assert d.returncode == 8, d.stderr
+        died = [f for f in json.loads(d.stdout)["findings"] if f["rule"] == "rank_died"]
+        assert len(died) == 1 and died[0]["rank"] == 1, d.stdout
+        assert died[0]["message"].startswith(f"rank 1 died at step {dead_row['step']} (killed)"), died
+        waiting = re.search(r"; ranks ([\d,]+) wait for it", died[0]["message"])
+        assert waiting and set(waiting.group(1).split(",")) <= {"0", "2"}, d.stdout
+        assert not [f for f in json.loads(d.stdout)["findings"] if f["rule"] == "hung_rank"], d.stdout
+        # --ranks all query has its rows, and says where they come from
+        q = job.cli("--ranks", "all", "--format", "json", "query",
+                    "SELECT i.rank, i.source, i.state, max(s.step) AS last FROM process.info i JOIN torch.steps s "
+                    "ON s.rank = i.rank GROUP BY ALL ORDER BY i.rank")
+        assert q.returncode == 0, q.stderr
+        got = {row["rank"]: row for row in json.loads(q.stdout)}
+        assert [got[r]["source"] for r in (0, 1, 2)] == ["live", "postmortem", "live"], got
+        assert got[1]["state"] == "dead" and got[1]["last"] == dead_row["step"], got
+        # and --rank 1 reads its record like any rank
+        bt = job.cli("--rank", "1", "backtrace")
+        assert bt.returncode == 0 and "post-mortem record" in bt.stdout and "ddp_plain.py" in bt.stdout, bt.stdout + bt.stderr

@@ -20,7 +20,7 @@ SELECT i.rank, i.step, round(epoch(current_timestamp) - epoch(i.last_step_at)) A
 FROM process.info AS i
 LEFT JOIN (SELECT rank, func, file, lineno FROM python.backtrace WHERE is_main AND depth = 0) AS b
        ON b.rank IS NOT DISTINCT FROM i.rank
-WHERE i.step IS NOT NULL
+WHERE i.step IS NOT NULL AND i.state IS DISTINCT FROM 'dead'  -- a dead process: rank_died says how it ended
   AND (i.state = 'hung' OR epoch(current_timestamp) - epoch(i.last_step_at) > {hung_after})""",
     message="no step has completed for {idle_s:.0f} s since step {step}; the main thread is in {where_main}.",
     next=["probe {target} backtrace", "probe {target} backtrace --native"],

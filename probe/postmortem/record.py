@@ -340,8 +340,8 @@ def explain(meta: dict) -> dict | None:
         meta["fatal_dump"] = fatal
     elif meta["cause"] == "snapshot":
         meta["cause"] = "killed"
-        meta["summary"] = ("no exit was recorded: killed without warning (SIGKILL, the OOM killer, preemption); "
-                           "the tables are from the last periodic snapshot")
+        meta["summary"] = ("killed without warning, no exit was recorded (SIGKILL: the OOM killer, preemption, kill -9); "
+                           "its tables are from the last periodic snapshot")
     elif exc:
         where = ""
         tb = exc.get("traceback") or ""
