@@ -130,7 +130,9 @@ def _columns(name: str, rows: int, data: dict | None = None) -> dict | None:
             out[col.name] = values
             continue
         valid = np.array([v is not None for v in values], dtype="b1")
-        if col.type in ("BIGINT", "INTEGER", "DOUBLE", "TIMESTAMP"):
+        if col.type in ("BIGINT", "INTEGER") and valid.all() and all(isinstance(v, int) for v in values):
+            out[col.name] = np.array(values, dtype="i8")  # exact (thread idents pass 2**53 on some systems)
+        elif col.type in ("BIGINT", "INTEGER", "DOUBLE", "TIMESTAMP"):
             out[col.name] = np.array([np.nan if v is None else (v.timestamp() if hasattr(v, "timestamp") else float(v))
                                       for v in values], dtype="f8")
         elif col.type == "BOOLEAN":
