@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import sys
 import time
@@ -48,7 +49,9 @@ def steps_of(record: str) -> np.ndarray:
 ])
 def test_a_death_leaves_a_record(spawn, cli, probe_env, how, cause, words):
     # given / when: a job that dies (or, for a thread, loses a worker) at step 30
-    job = spawn([TARGETS / "dies.py", "--how", how, "--steps", "30"], ready="ready")
+    shared = os.path.join(probe_env["PROBE_RUNTIME_DIR"], "registry")
+    job = spawn([TARGETS / "dies.py", "--how", how, "--steps", "30"], ready="ready",
+                env={"PROBE_REGISTRY": shared} if how == "exit" else None)
     if how == "thread":
         job.wait_for("CUDA out of memory")
         job.popen.send_signal(signal.SIGINT)  # then the job is stopped by hand: its record keeps the thread's death
@@ -65,6 +68,12 @@ def test_a_death_leaves_a_record(spawn, cli, probe_env, how, cause, words):
     assert any(t["is_main"] for t in meta["stacks"])
     assert stat.S_IMODE(os.stat(row["record"]).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(os.path.join(row["record"], "tables.npz")).st_mode) == 0o600
+    if how == "exit":  # with a shared registry, other nodes' CLIs find the record there too
+        copy = os.path.join(shared, "postmortem", f"{socket.gethostname()}-{job.pid}")
+        assert json.load(open(os.path.join(copy, "meta.json")))["cause"] == "exit"
+        assert len(np.load(os.path.join(copy, "tables.npz"))["torch.steps/step"]) == len(steps)
+        listed = json.loads(cli("list", "--dead", "--json", env={"PROBE_REGISTRY": shared}).stdout)
+        assert [r["pid"] for r in listed].count(job.pid) == 1  # this host reads its own copy, not both
     if how == "exception":
         asked_dead_pid(cli, job.pid, "exception", "RuntimeError: loss exploded at step 30")
 
