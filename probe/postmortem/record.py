@@ -218,7 +218,7 @@ def write(cause: str, exc: BaseException | None = None, *, thread: str | None = 
             tmp = os.path.join(base, f".tmp-{pid}-{threading.get_ident()}")
             shutil.rmtree(tmp, ignore_errors=True)
             os.mkdir(tmp, 0o700)
-            stacks = _stacks(exc if cause in ("exception", "thread_exception") else None, cause == "snapshot")
+            stacks = _stacks(exc, cause == "snapshot")
             arrays, written = {}, []
             for name in tables:
                 try:
@@ -350,8 +350,8 @@ def explain(meta: dict) -> dict | None:
         lines = [l.strip() for l in tb.splitlines() if l.strip().startswith("File ")]
         if lines:
             where = " at " + lines[-1].replace("File ", "")
-        meta["summary"] = f"{exc.get('type')}: {exc.get('message')}{where}" + (
-            f" (thread {meta['thread']})" if meta.get("thread") else "")
+        what = "interrupted (KeyboardInterrupt)" if meta["cause"] == "interrupted" else f"{exc.get('type')}: {exc.get('message')}"
+        meta["summary"] = f"{what}{where}" + (f" (thread {meta['thread']})" if meta.get("thread") else "")
     elif meta["cause"] == "interrupted":
         meta["summary"] = "interrupted (KeyboardInterrupt)"
     else:
