@@ -38,7 +38,7 @@ def fetch_schema(session, targets) -> dict:
 
 
 def federated_query(session, sql: str, max_rows: int | None = None, targets=None, params: dict | None = None, *,
-                    on_workspace: Callable | None = None):
+                    on_workspace: Callable | None = None, local_tables: dict | None = None):
     """Run ``sql`` over one rank or many (``--ranks``, or ``targets``); return the combined Result.
 
     One path for both: every rank hands over snapshots of the columns the query needs
@@ -47,7 +47,9 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
     several, silent ranks become rows of ``ranks.errors``, the result is printed here and
     PartialError is raised (exit code 7) naming them. ``params`` override the ranks.*
     views' parameters (default: their settings). ``on_workspace(ws)`` receives the DuckDB
-    workspace before the query runs (the REPL's Ctrl-C interrupts it).
+    workspace before the query runs (the REPL's Ctrl-C interrupts it). ``local_tables`` maps
+    a table name to ``read(target) -> ([(column, type)], {column: values})``: that table is
+    read here for each rank (``query --native``'s python.backtrace) instead of being asked for.
     """
     from probe._config import setting
     from probe.sql.federate import plan, view_params
@@ -61,7 +63,8 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
         p = plan(sql, schema, values)
     except QueryError as exc:
         raise refine_refusal(exc, targets) from None
-    ws, failed = open_database(session, targets, schema, p.parts, single=single, on_workspace=on_workspace)
+    ws, failed = open_database(session, targets, schema, p.parts, single=single, on_workspace=on_workspace,
+                               local_tables=local_tables)
     if targets and len(failed) == len(targets):
         ws.close()
         raise EndpointError("no rank answered the query: " + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + ".")
@@ -85,25 +88,30 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
 
 
 def open_database(session, targets, schema: dict, parts: dict, *, single: bool = False,
-                  on_workspace: Callable | None = None):
+                  on_workspace: Callable | None = None, local_tables: dict | None = None):
     """A private DuckDB workspace here with one view per part (``{table: per-rank SQL}``) over every
     target's snapshots, a ``rank`` column added, and ``ranks.errors`` for the silent ones.
 
     Each target is asked once for the columns all the parts need (``snapshot_requests``);
     its parts then run here over its own snapshots. Returns ``(workspace, failed)``;
     ``failed`` maps a key to ``(target, reason)``. With ``single``, the one target's error
-    is raised as is (with its own exit code) instead.
+    is raised as is (with its own exit code) instead. ``local_tables``: see ``federated_query``.
     """
     from probe.sql.engine import Result, Workspace, register_result
     from probe.sql.federate import rename_tables_sql, snapshot_requests
 
     requests = snapshot_requests(parts, schema)
+    local = {name: read for name, read in (local_tables or {}).items() if name in requests}
+    remote = {name: r for name, r in requests.items() if name not in local}
     timeout = session.timeout
 
     def ask(target):
-        if not requests:  # e.g. only ranks.errors: still find out which ranks answer
-            return session.client(target).get("/health")
-        return session.client(target).snapshot(requests, timeout)
+        if not remote:  # e.g. only ranks.errors: still find out which ranks answer
+            answer = {"tables": {}, "meta": {}, "health": session.client(target).get("/health")}
+        else:
+            answer = session.client(target).snapshot(remote, timeout)
+        answer["local"] = {name: read(target) for name, read in local.items()}
+        return answer
 
     if single:
         answers = [Answer(targets[0], ask(targets[0]))]
@@ -121,6 +129,7 @@ def open_database(session, targets, schema: dict, parts: dict, *, single: bool =
             rank = a.target.rank if a.target.rank is not None else meta.get("rank")
             if requests:
                 ws.load_snapshot(i, a.value)
+                ws.load_tables(i, a.value["local"])
             slots.append((i, rank))
         for j, (name, part) in enumerate(parts.items()):
             selects = []
