@@ -112,7 +112,7 @@ def backtrace_doc(session, target, args) -> dict:
 
     if is_postmortem(target):  # a dead process: the stacks its post-mortem record keeps
         doc = session.client(target).get("/backtrace", thread=args.thread)
-        if args.native or getattr(args, "subprocesses", False) or getattr(args, "locals", False):
+        if args.native or args.subprocesses or args.locals:
             doc["note"] += "\n[native frames, child processes and locals are not kept in a post-mortem record]"
         return doc
     local = target.local_pid

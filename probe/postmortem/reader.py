@@ -23,7 +23,7 @@ __all__ = ["Record", "find", "job_records"]
 
 _NUMERIC = ("BIGINT", "INTEGER", "SMALLINT", "TINYINT", "UBIGINT", "UINTEGER", "HUGEINT")
 _BACKTRACE = {"thread_id": "BIGINT", "thread_name": "VARCHAR", "is_main": "BOOLEAN", "depth": "INTEGER",
-              "func": "VARCHAR", "file": "VARCHAR", "lineno": "INTEGER", "line": "VARCHAR"}
+              "func": "VARCHAR", "file": "VARCHAR", "lineno": "INTEGER", "line": "VARCHAR", "is_native": "BOOLEAN"}
 _PROCESS_OVERLAY = {"source": "VARCHAR", "exit_cause": "VARCHAR", "exited_at": "TIMESTAMP", "exit_reason": "VARCHAR"}
 
 
@@ -249,7 +249,7 @@ class Record:
 
         keys = {k: "str" if t == "VARCHAR" else "b1" if t == "BOOLEAN" else "i8" for k, t in _BACKTRACE.items()}
         rows = [(t.get("thread_id"), t.get("name"), bool(t.get("is_main")), d, f.get("func"), f.get("file"),
-                 f.get("lineno"), f.get("line")) for t in self.stacks() for d, f in enumerate(t.get("frames") or ())]
+                 f.get("lineno"), f.get("line"), False) for t in self.stacks() for d, f in enumerate(t.get("frames") or ())]
         out = {}
         for i, (k, kind) in enumerate(keys.items()):
             values = [r[i] for r in rows]

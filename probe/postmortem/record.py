@@ -95,12 +95,12 @@ def _stacks(exc: BaseException | None, snapshot: bool) -> list:
 
 def _backtrace_data(stacks: list) -> dict:
     """python.backtrace's columns from ``stacks`` (so the table and meta.json's stacks agree)."""
-    keys = ("thread_id", "thread_name", "is_main", "depth", "func", "file", "lineno", "line")
+    keys = ("thread_id", "thread_name", "is_main", "depth", "func", "file", "lineno", "line", "is_native")
     data: dict = {k: [] for k in keys}
     for t in stacks:
         for depth, f in enumerate(t["frames"]):
             for k, v in zip(keys, (t["thread_id"], t["name"], t["is_main"], depth, f["func"], f["file"], f["lineno"],
-                                   f.get("line"))):
+                                   f.get("line"), False)):
                 data[k].append(v)
     return data
 
@@ -121,8 +121,11 @@ def _columns(name: str, rows: int, data: dict | None = None) -> dict | None:
     if data is None:
         data = to_columns(tbl, tbl.generator(Context()))
     out = {}
+    rows_in = len(next(iter(data.values()), ()))
     for col in tbl.columns:
-        values = data[col.name]
+        values = data.get(col.name)
+        if values is None:  # a column the given data lacks: NULL
+            values = [None] * rows_in
         if not isinstance(values, np.ndarray):
             values = list(values)
         values = values[-rows:]
