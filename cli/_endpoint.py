@@ -42,7 +42,39 @@ def _python_cmdline(pid: int) -> str:
         return ""
 
 
+def _from_record(rec) -> Target:
+    """A Target answered from a dead process's post-mortem record (see cli._postmortem)."""
+    label = f"rank {rec.rank}" if rec.rank is not None else f"pid {rec.pid}"
+    target = Target(label, pid=rec.pid, rank=rec.rank, entry=rec.entry)
+    target.record = rec
+    return target
+
+
+def _record_entries(job: str | None, live: list[dict]) -> list[dict]:
+    """Entries for the dead ranks of ``job`` (post-mortem records, here and in PROBE_REGISTRY) no live process holds.
+
+    A record joins only when its process started no earlier than 10 minutes before the
+    job's oldest live rank: a job id such as MASTER_ADDR:MASTER_PORT can come back in a
+    later run, whose ranks an old run's records must not pass for.
+    """
+    if not job:
+        return []
+    from probe.postmortem.reader import job_records
+
+    held = {int(e["rank"]) for e in live if e.get("rank") is not None}
+    started = [float(e["started_at"]) for e in live if e.get("started_at")]
+    out = []
+    for rec in job_records(job):
+        began = rec.meta.get("started_at")
+        if int(rec.rank) in held or (started and began is not None and float(began) < min(started) - 600):
+            continue
+        out.append(dict(rec.entry, record=rec))
+    return out
+
+
 def _from_entry(entry: dict, token: str | None) -> Target:
+    if entry.get("record") is not None:
+        return _from_record(entry["record"])
     label = f"rank {entry['rank']}" if entry.get("rank") is not None else f"pid {entry['pid']}"
     import socket as _s
 
@@ -89,6 +121,11 @@ def resolve(endpoint: str, token: str | None = None) -> Target:
         if pid in entries:
             return _from_entry(entries[pid], token)
         if not pid_alive(pid):
+            from probe.postmortem.reader import find
+
+            rec = find(pid)
+            if rec is not None:
+                return _from_record(rec)
             raise EndpointError(f"no process with pid {pid} is running; `probe list` shows the probed processes.")
         hint = "run `probe inject %d` to start one, or start the job with `import probe.auto` or PROBE=1" % pid
         if not _python_cmdline(pid):
@@ -158,9 +195,17 @@ def pick_job(entries: list[dict], job: str | None) -> list[dict]:
 def targets_for_ranks(ranks: list[int] | None, token: str | None = None, job: str | None = None) -> list[Target]:
     """Targets of the given ranks (None: every rank) of one job from the local and shared registries."""
     entries = [e for e in read_entries(clean=True) if e.get("rank") is not None]
+    if entries:
+        entries = pick_job(entries, job)
+        entries += _record_entries(next((e.get("job") for e in entries if e.get("job")), None), entries)
+    else:  # every rank is gone: the job's post-mortem records answer for it
+        from probe.postmortem.record import list_records
+
+        dead = [m for m in list_records() if m.get("rank") is not None and m.get("job")]
+        chosen = pick_job(dead, job)
+        entries = _record_entries(chosen[0]["job"], []) if chosen else []
     if not entries:
         raise EndpointError("no probed ranks were found in the registry; start the job with PROBE=1 (set PROBE_REGISTRY for several nodes) or check `probe list`.")
-    entries = pick_job(entries, job)
     by_rank: dict[int, dict] = {}
     for e in entries:
         by_rank.setdefault(int(e["rank"]), e)

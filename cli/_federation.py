@@ -13,16 +13,18 @@ from __future__ import annotations
 
 from typing import Callable
 
-from probe._errors import EndpointError, PartialError
+from probe._errors import EndpointError, PartialError, QueryError
 from probe.util.procfs import proc_state
 
 from ._fanout import Answer, fan_out
+from ._postmortem import is_postmortem, refine_refusal
 
 __all__ = ["federated_query", "fetch_schema", "open_database", "add_views", "run_outer"]
 
 
 def fetch_schema(session, targets) -> dict:
     """``{table: {column: type}}`` from the first ranks that answer GET /tables (one target: its own error)."""
+    targets = sorted(targets, key=is_postmortem)  # a live rank's tables first: a dead rank's record keeps only some
     if len(targets) == 1:
         doc = session.client(targets[0]).get("/tables")
         return {t["name"]: {c["name"]: c["type"] for c in t["columns"]} for t in doc["tables"]}
@@ -57,7 +59,10 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
     schema = fetch_schema(session, targets)
     values = view_params(strict=True)
     values.update({k: v for k, v in (params or {}).items() if v is not None})
-    p = plan(sql, schema, values)
+    try:
+        p = plan(sql, schema, values)
+    except QueryError as exc:
+        raise refine_refusal(exc, targets) from None
     ws, failed = open_database(session, targets, schema, p.parts, single=single, on_workspace=on_workspace,
                                local_tables=local_tables)
     if targets and len(failed) == len(targets):

@@ -62,6 +62,12 @@ class Session:
         return [self.target()]
 
     def client(self, target=None):
+        """The client of ``target``: HTTP to its server, or its post-mortem record when it is gone."""
+        target = target or self.target()
+        from ._postmortem import RecordClient, is_postmortem
+
+        if is_postmortem(target):
+            return RecordClient(target, timeout=self.timeout, agent=self.agent)
         from ._client import Client
 
-        return Client(target or self.target(), timeout=self.timeout, agent=self.agent)
+        return Client(target, timeout=self.timeout, agent=self.agent)

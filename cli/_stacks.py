@@ -108,6 +108,13 @@ def backtrace_doc(session, target, args) -> dict:
     """The server's backtrace; for a local pid whose server is missing or silent, py-spy's (with a note saying why)."""
     from probe._errors import AuthError, QueryError
 
+    from ._postmortem import is_postmortem
+
+    if is_postmortem(target):  # a dead process: the stacks its post-mortem record keeps
+        doc = session.client(target).get("/backtrace", thread=args.thread)
+        if args.native or args.subprocesses or args.locals:
+            doc["note"] += "\n[native frames, child processes and locals are not kept in a post-mortem record]"
+        return doc
     local = target.local_pid
     if args.native and not args.subprocesses and local is not None and not target.entry.get("missing"):
         merged = _native_merged(session, target, args)  # a live server: its frames plus py-spy's native ones

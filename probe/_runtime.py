@@ -259,13 +259,16 @@ def remove_entry(pid: int, host: str | None = None) -> None:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs here; a zombie (exited, not yet reaped by its parent) does not."""
+    from .util.procfs import proc_state
+
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    return proc_state(pid) != "Z"
 
 
 def read_entries(clean: bool = False) -> list[dict]:

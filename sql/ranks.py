@@ -17,7 +17,11 @@ How a rank is classified (first match wins), from torch's flight recorder
    (it sits in its own code: a data read, a deadlock): the culprit.
 2. ``waiting``: no step for PROBE_HUNG_AFTER seconds and an unfinished collective
    (the recorder's oldest active entry; the Python stack when the recorder is off).
-3. ``unreachable``: did not answer (exited, or no answer within --timeout).
+3. ``dead``: the rank's process is gone and its post-mortem record answers for it
+   (``process.info.source = 'postmortem'``, see docs/postmortem.md): it is the
+   culprit when the others wait or make no step, and ``reason`` says how it died
+   and at which step.
+   ``unreachable``: did not answer (exited without a record, or no answer within --timeout).
 4. ``slow``: its compute time per step exceeds the other ranks' median by
    PROBE_STRAGGLER_FACTOR. Compute is step time minus the time spent waiting for
    others, found by lining up the recent collectives across ranks by (pg, seq): at
@@ -37,7 +41,7 @@ from probe._config import setting
 
 __all__ = ["FEDERATED_VIEWS", "CLIENT_VIEWS", "VIEW_COLUMNS", "PARAM_SETTINGS", "STATES", "view_params", "view_sql"]
 
-STATES = ("training", "slow", "waiting", "hung", "idle", "unreachable")
+STATES = ("training", "slow", "waiting", "hung", "idle", "unreachable", "dead")
 
 PARAM_SETTINGS = {"straggler_factor": "PROBE_STRAGGLER_FACTOR", "hung_after": "PROBE_HUNG_AFTER",
                   "desync_steps": "PROBE_DESYNC_STEPS"}
@@ -66,7 +70,8 @@ p AS (SELECT pg, pending_seq, pending_op, pending_sizes, pending_s FROM torch.pr
 SELECT i.pid, i.host, s.step, s.last_step_at, s.age_s, r.step_time, s.steps_seen, i.state, i.hung_since, b.top_frame,
        CASE WHEN g.recorder THEN g.pending ELSE b.in_distributed END AS in_collective, g.recorder,
        r.compute, r.comm_wait, r.wait_share,
-       p.pg AS pending_pg, p.pending_seq, p.pending_op, p.pending_sizes, p.pending_s
+       p.pg AS pending_pg, p.pending_seq, p.pending_op, p.pending_sizes, p.pending_s,
+       i.source, i.exit_cause, i.exit_reason
 FROM process.info AS i, s, r, b, g LEFT JOIN p ON TRUE""",
     "ranks.issued": f"""
 SELECT pg, seq, op, input_sizes, input_dtypes, created_at, step
@@ -76,11 +81,14 @@ FROM torch.collectives WHERE seq IS NOT NULL ORDER BY record_id DESC LIMIT {_REC
 CLIENT_VIEWS = {
     # per (process group, rank): where each rank stands, who waits for whom, and mismatches
     "ranks.collectives": """
-WITH g AS (SELECT rank, pg, pg_desc, last_enqueued, last_completed, pending, pending_seq, pending_op, pending_sizes,
-                  pending_dtypes, pending_s, pending_site FROM torch.process_groups),
-silent AS (SELECT rank FROM ranks.latest WHERE state IN ('stopped', 'unreachable')),
+WITH silent AS (SELECT rank FROM ranks.latest WHERE state IN ('stopped', 'unreachable', 'dead')),
+-- a dead rank's recorder (from its post-mortem record) says where it stood when it died, not where it waits now
+g AS (SELECT rank, pg, pg_desc, last_enqueued, last_completed, pending, pending_seq, pending_op, pending_sizes,
+             pending_dtypes, pending_s, pending_site FROM torch.process_groups
+      WHERE rank NOT IN (SELECT rank FROM ranks.latest WHERE state = 'dead')),
 waiting AS (SELECT * FROM g WHERE pending_s > {hung_after}),
-stalled AS (SELECT rank FROM waiting UNION SELECT rank FROM ranks.latest WHERE age_s > {hung_after}),
+stalled AS (SELECT rank FROM (SELECT rank FROM waiting UNION SELECT rank FROM ranks.latest WHERE age_s > {hung_after})
+            WHERE rank NOT IN (SELECT rank FROM silent)),
 issued AS (SELECT rank, pg, seq, op || ' ' || input_sizes || ' ' || input_dtypes AS what FROM ranks.issued),
 kinds AS (SELECT pg, seq, what, count(*) AS n FROM issued GROUP BY ALL),
 split AS (SELECT pg, seq, max(n) AS top, count(*) FILTER (WHERE n = (SELECT max(n) FROM kinds AS x
@@ -121,7 +129,7 @@ ORDER BY rank, pg""",
     "ranks.status": """
 WITH l AS (SELECT *, coalesce(age_s > {hung_after}, false) OR state = 'hung' AS stalled FROM ranks.latest),
 gone AS (SELECT string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank) AS ranks FROM l
-         WHERE state IN ('stopped', 'unreachable')),
+         WHERE state IN ('stopped', 'unreachable', 'dead')),
 c AS (SELECT rank, bool_or(role = 'culprit') AS culprit, any_value(waits_for) FILTER (WHERE role = 'waiting') AS waits_for,
              any_value(waited_by) FILTER (WHERE role = 'culprit') AS waited_by,
              any_value(mismatch) FILTER (WHERE mismatch IS NOT NULL) AS mismatch
@@ -139,7 +147,7 @@ k AS (SELECT l.rank,
              CASE WHEN x.wait IS NOT NULL THEN x.wait ELSE l.comm_wait END AS comm_wait,
              CASE WHEN x.wait IS NOT NULL THEN 'collectives' WHEN l.compute IS NOT NULL THEN 'steps'
                   ELSE 'step_time' END AS basis
-      FROM l LEFT JOIN x USING (rank) WHERE l.state NOT IN ('stopped', 'unreachable')),
+      FROM l LEFT JOIN x USING (rank) WHERE l.state NOT IN ('stopped', 'unreachable', 'dead')),
 kw AS (SELECT k.rank, k.compute, k.comm_wait, k.basis,
               CASE WHEN k.basis = 'step_time' THEN l.step_time ELSE k.compute END AS work
        FROM k JOIN l USING (rank)),
@@ -147,7 +155,8 @@ m AS (SELECT a.rank, a.work, a.basis, a.compute AS x_compute, a.comm_wait AS x_w
              (SELECT median(b.work) FROM kw AS b WHERE b.rank <> a.rank AND b.basis = a.basis) AS others FROM kw AS a),
 v AS (SELECT l.* EXCLUDE (compute, comm_wait), m.x_compute AS compute, m.x_wait AS comm_wait,
              c.culprit, c.waits_for, c.waited_by, c.mismatch, m.work, m.basis, m.others,
-             CASE WHEN l.state = 'stopped' THEN 'hung'
+             CASE WHEN l.state = 'dead' THEN 'dead'
+                  WHEN l.state = 'stopped' THEN 'hung'
                   WHEN l.state = 'unreachable' THEN 'unreachable'
                   -- inside a collective, or stalled while a peer is gone (its collective failed)
                   WHEN l.stalled AND (l.in_collective OR (SELECT ranks FROM gone) IS NOT NULL) THEN 'waiting'
@@ -158,10 +167,15 @@ v AS (SELECT l.* EXCLUDE (compute, comm_wait), m.x_compute AS compute, m.x_wait 
       FROM l LEFT JOIN c USING (rank) LEFT JOIN m USING (rank)),
 w AS (SELECT string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank) AS ranks FROM v WHERE verdict = 'waiting'),
 s AS (SELECT v.*, coalesce(v.culprit, false) OR v.verdict = 'hung'
-                  OR (v.verdict = 'unreachable' AND (SELECT ranks FROM w) IS NOT NULL) AS is_culprit FROM v)
+                  OR (v.verdict IN ('unreachable', 'dead') AND (SELECT ranks FROM w) IS NOT NULL) AS is_culprit FROM v)
 SELECT rank, host, pid, step, age_s, step_time, compute, comm_wait, comm_wait / nullif(step_time, 0) AS wait_share,
        verdict AS state, is_culprit AS culprit,
-       CASE WHEN verdict = 'waiting' AND pending_op IS NULL THEN
+       CASE WHEN verdict = 'dead' THEN
+                 'died at step ' || coalesce(CAST(step AS VARCHAR), '?') || ' (' || coalesce(exit_cause, '?') || '): '
+                 || coalesce(exit_reason, 'no record of how')
+                 || CASE WHEN is_culprit THEN '; ranks ' || coalesce(waited_by, (SELECT ranks FROM w), '?') || ' wait for it'
+                         ELSE '' END
+            WHEN verdict = 'waiting' AND pending_op IS NULL THEN
                  'no step for ' || CAST(round(age_s, 1) AS VARCHAR) || ' s, outside any collective, while ranks '
                  || (SELECT ranks FROM gone) || ' did not answer: its collective with them failed or never came'
             WHEN verdict = 'waiting' THEN
@@ -180,7 +194,7 @@ SELECT rank, host, pid, step, age_s, step_time, compute, comm_wait, comm_wait / 
                  || CAST(round(work / others, 2) AS VARCHAR) || 'x the others'
             WHEN mismatch IS NOT NULL THEN 'collective mismatch at ' || mismatch
        END AS reason,
-       mismatch, in_collective, pending_op, pending_seq, work, others, basis, top_frame
+       mismatch, in_collective, pending_op, pending_seq, work, others, basis, top_frame, exit_cause, exit_reason
 FROM s
 ORDER BY rank""",
     "ranks.stragglers": """
@@ -191,12 +205,12 @@ ORDER BY ratio DESC""",
     "ranks.desync": """
 SELECT rank, step, (SELECT max(step) FROM ranks.latest) - step AS behind
 FROM ranks.latest
-WHERE (SELECT max(step) FROM ranks.latest) - step > {desync_steps}
+WHERE (SELECT max(step) FROM ranks.latest) - step > {desync_steps} AND state IS DISTINCT FROM 'dead'
 ORDER BY behind DESC, rank""",
     "ranks.hung": """
 SELECT rank, step, age_s, state, culprit, in_collective, pending_op, pending_seq, reason, top_frame
 FROM ranks.status
-WHERE state IN ('hung', 'waiting') OR (culprit AND state = 'unreachable')
+WHERE state IN ('hung', 'waiting') OR (culprit AND state IN ('unreachable', 'dead'))
 ORDER BY culprit DESC, rank""",
 }
 
@@ -210,7 +224,7 @@ VIEW_COLUMNS = {
         ("age_s", "DOUBLE", "Seconds since the last step ended, on the rank's own clock."),
         ("step_time", "DOUBLE", "Median duration of the last 20 steps in seconds."),
         ("steps_seen", "BIGINT", "Rows in the rank's torch.steps ring."),
-        ("state", "VARCHAR", "training, idle or hung (from process.info); stopped or unreachable for a rank that did not answer."),
+        ("state", "VARCHAR", "training, idle, hung or dead (from process.info; dead: read from its post-mortem record); stopped or unreachable for a rank that did not answer."),
         ("hung_since", "TIMESTAMP", "When the hang watchdog saw the last step, if it fired."),
         ("top_frame", "VARCHAR", "Innermost frame of the main thread: func (file:line)."),
         ("in_collective", "BOOLEAN", "Whether the rank has an unfinished collective (flight recorder), else whether its main thread is inside torch.distributed."),
@@ -223,6 +237,9 @@ VIEW_COLUMNS = {
         ("pending_op", "VARCHAR", "Its operation."),
         ("pending_sizes", "VARCHAR", "Its input shapes."),
         ("pending_s", "DOUBLE", "Seconds it has been unfinished."),
+        ("source", "VARCHAR", "live, or postmortem for a dead rank answered by its post-mortem record."),
+        ("exit_cause", "VARCHAR", "How a dead rank ended (exception, fatal_signal, killed ...); NULL while it runs."),
+        ("exit_reason", "VARCHAR", "How it ended, in words (the exception and where it was raised)."),
     ],
     "ranks.issued": [
         ("rank", "INTEGER", "Rank that issued the collective."),
@@ -262,7 +279,7 @@ VIEW_COLUMNS = {
         ("compute", "DOUBLE", "Compute time per step: median step time minus comm_wait."),
         ("comm_wait", "DOUBLE", "Median time per step waiting for the other ranks: per step, the longest gap between this rank issuing a collective and the last rank issuing the same (pg, seq) (basis collectives)."),
         ("wait_share", "DOUBLE", "Share of step time spent waiting for the other ranks."),
-        ("state", "VARCHAR", "training, slow, waiting, hung, idle or unreachable (see docs/ranks.md)."),
+        ("state", "VARCHAR", "training, slow, waiting, hung, idle, unreachable, or dead (gone; its post-mortem record answers) (see docs/ranks.md)."),
         ("culprit", "BOOLEAN", "Whether this is the rank the others wait for."),
         ("reason", "VARCHAR", "Why, in words: what it waits in and for whom, who waits for it, how much slower it is."),
         ("mismatch", "VARCHAR", "A collective mismatch involving this rank, if one is in the recent collectives."),
@@ -273,6 +290,8 @@ VIEW_COLUMNS = {
         ("others", "DOUBLE", "The other ranks' median of the same."),
         ("basis", "VARCHAR", "How compute was found: collectives (lined up across ranks), steps (this rank's torch.steps split) or step_time (no recorder)."),
         ("top_frame", "VARCHAR", "Innermost frame of its main thread."),
+        ("exit_cause", "VARCHAR", "For a dead rank: how it ended (exception, thread_exception, fatal_signal, killed, exit ...)."),
+        ("exit_reason", "VARCHAR", "For a dead rank: how it ended, in words (its post-mortem record's summary)."),
     ],
     "ranks.stragglers": [
         ("rank", "INTEGER", "Rank that is slower than the others."),
@@ -294,7 +313,7 @@ VIEW_COLUMNS = {
         ("rank", "INTEGER", "Rank that is hung or waiting (no step for PROBE_HUNG_AFTER s), or silent while others wait."),
         ("step", "BIGINT", "Its last step."),
         ("age_s", "DOUBLE", "Seconds since its last step."),
-        ("state", "VARCHAR", "hung (the culprit), waiting (inside a collective), or unreachable: ranks.status's state."),
+        ("state", "VARCHAR", "hung (the culprit), waiting (inside a collective), or unreachable or dead (a culprit the others wait for): ranks.status's state."),
         ("culprit", "BOOLEAN", "Whether the others wait for it; culprits come first."),
         ("in_collective", "BOOLEAN", "Whether it has an unfinished collective (flight recorder)."),
         ("pending_op", "VARCHAR", "The op it waits in."),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import sys
 import time
@@ -18,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import TARGETS, requires_torch
+from conftest import TARGETS, poll, requires_torch
 
 
 def dead(cli, pid, timeout=60.0):
@@ -48,7 +49,9 @@ def steps_of(record: str) -> np.ndarray:
 ])
 def test_a_death_leaves_a_record(spawn, cli, probe_env, how, cause, words):
     # given / when: a job that dies (or, for a thread, loses a worker) at step 30
-    job = spawn([TARGETS / "dies.py", "--how", how, "--steps", "30"], ready="ready")
+    shared = os.path.join(probe_env["PROBE_RUNTIME_DIR"], "registry")
+    job = spawn([TARGETS / "dies.py", "--how", how, "--steps", "30"], ready="ready",
+                env={"PROBE_REGISTRY": shared} if how == "exit" else None)
     if how == "thread":
         job.wait_for("CUDA out of memory")
         job.popen.send_signal(signal.SIGINT)  # then the job is stopped by hand: its record keeps the thread's death
@@ -65,29 +68,73 @@ def test_a_death_leaves_a_record(spawn, cli, probe_env, how, cause, words):
     assert any(t["is_main"] for t in meta["stacks"])
     assert stat.S_IMODE(os.stat(row["record"]).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(os.path.join(row["record"], "tables.npz")).st_mode) == 0o600
+    if how == "exit":  # with a shared registry, other nodes' CLIs find the record there too
+        copy = os.path.join(shared, "postmortem", f"{socket.gethostname()}-{job.pid}")
+        assert json.load(open(os.path.join(copy, "meta.json")))["cause"] == "exit"
+        assert len(np.load(os.path.join(copy, "tables.npz"))["torch.steps/step"]) == len(steps)
+        listed = json.loads(cli("list", "--dead", "--json", env={"PROBE_REGISTRY": shared}).stdout)
+        assert [r["pid"] for r in listed].count(job.pid) == 1  # this host reads its own copy, not both
+    if how == "exception":
+        asked_dead_pid(cli, job.pid, "exception", "RuntimeError: loss exploded at step 30")
+
+
+def asked_dead_pid(cli, pid: int, cause: str, words: str, frame: str | None = "<module>") -> None:
+    """The read commands on a dead pid answer from its record: same tables, NULLs and types, source column."""
+    q = cli(str(pid), "--format", "json", "query",
+            "SELECT i.source, i.state, i.exit_cause, i.exit_reason, i.rank, max(s.step) AS last, count(*) AS steps, "
+            "typeof(max(s.step)) AS t FROM process.info i, torch.steps s GROUP BY ALL")
+    assert q.returncode == 0, q.stderr
+    (row,) = json.loads(q.stdout)
+    assert row["source"] == "postmortem" and row["state"] == "dead" and row["exit_cause"] == cause, row
+    assert words in row["exit_reason"] and row["rank"] is None and row["t"] == "BIGINT", row  # NULL, not NaN
+    assert row["last"] >= 30 and row["steps"] >= 30, row
+    bt = cli(str(pid), "backtrace")
+    assert bt.returncode == 0 and "post-mortem record" in bt.stdout, bt.stdout + bt.stderr
+    main = bt.stdout.split('"MainThread" (main)', 1)[1] if '"MainThread"' in bt.stdout else bt.stdout
+    assert "dies.py" in main and (frame is None or f"#0   {frame} " in main), bt.stdout  # where it died, not probe's hook
+    d = cli(str(pid), "--format", "json", "doctor")
+    assert d.returncode == 8, d.stdout + d.stderr
+    died = [f for f in json.loads(d.stdout)["findings"] if f["rule"] == "rank_died"]
+    assert died and died[0]["message"].startswith(f"pid {pid} died at step") and words in died[0]["message"], d.stdout
+    assert not [f for f in json.loads(d.stdout)["findings"] if f["rule"] == "hung"], d.stdout
+    gone = cli(str(pid), "query", "SELECT count(*) FROM torch.parameters")
+    assert gone.returncode != 0 and "Traceback" not in gone.stderr, gone.stderr
+    assert "post-mortem record keeps" in gone.stderr and "not torch.parameters" in gone.stderr, gone.stderr
 
 
 @requires_torch
 def test_sigkill_leaves_the_last_periodic_snapshot(spawn, cli, probe_env):
     job = spawn([TARGETS / "dies.py", "--how", "wait", "--steps", "30"], env={"PROBE_POSTMORTEM_EVERY": "0.3"})
-    deadline = time.monotonic() + 60
-    while not os.path.isdir(os.path.join(probe_env["PROBE_RUNTIME_DIR"], "postmortem", str(job.pid))):
-        assert time.monotonic() < deadline, "no periodic snapshot was written"
-        time.sleep(0.1)  # ok-sleep: polling with a deadline
+    record = os.path.join(probe_env["PROBE_RUNTIME_DIR"], "postmortem", str(job.pid))
+
+    def snapshot_step():
+        try:
+            return steps_of(record).max() >= 30
+        except (OSError, ValueError, KeyError, AssertionError):  # not yet written, or being replaced
+            return False
+
+    assert poll(snapshot_step, 60), "no periodic snapshot of step 30 was written"
     os.kill(job.pid, signal.SIGKILL)
     job.popen.wait(10)
     row = dead(cli, job.pid)
     assert row["cause"] == "killed" and "SIGKILL" in row["what"], row
     assert row["last_step"] >= 30
+    asked_dead_pid(cli, job.pid, "killed", "SIGKILL", frame=None)  # wherever the last snapshot found the loop
 
 
 @requires_torch
 def test_a_native_crash_is_reported_from_the_fatal_signal_dump(spawn, cli):
-    job = spawn([TARGETS / "dies.py", "--how", "segv", "--steps", "30"], env={"PROBE_POSTMORTEM_EVERY": "0.3"})
+    # given: a job with periodic snapshots that crashes in C (ctypes.string_at(0)) at step 200
+    job = spawn([TARGETS / "dies.py", "--how", "segv", "--steps", "200"], env={"PROBE_POSTMORTEM_EVERY": "0.1"})
     job.popen.wait(60)
     assert job.popen.returncode == -signal.SIGSEGV
+    # then: listed as a fatal signal, its tables from the last snapshot, its stacks from faulthandler's dump
     row = dead(cli, job.pid)
     assert row["cause"] == "fatal_signal" and "Segmentation fault" in row["what"], row
+    asked_dead_pid(cli, job.pid, "fatal_signal", "Segmentation fault", frame="string_at")
+    q = cli(str(job.pid), "--format", "json", "query",
+            "SELECT func FROM python.backtrace WHERE is_main ORDER BY depth LIMIT 2")
+    assert [r["func"] for r in json.loads(q.stdout)] == ["string_at", "<module>"], q.stdout + q.stderr
 
 
 def test_records_are_bounded(spawn, cli):
@@ -99,3 +146,43 @@ def test_records_are_bounded(spawn, cli):
     r = cli("list", "--dead", "--json")
     listed = [row["pid"] for row in json.loads(r.stdout)]
     assert listed == [pids[2], pids[1]], (listed, pids)  # newest first, the oldest removed
+
+
+@requires_torch
+def test_a_killed_rank_is_dead_in_status_and_the_doctor_names_it():
+    # given: a 3-rank DDP job whose survivors stay alive when a peer dies (each rank its own process:
+    # torchrun would tear the others down), with a fast periodic snapshot
+    from test_ranks_collectives import ddp_job, states, until_status
+
+    with ddp_job("--survive", direct=True, extra_env={"PROBE_POSTMORTEM_EVERY": "0.3"}) as job:
+        rt = job.env["PROBE_RUNTIME_DIR"]
+        assert poll(lambda: os.path.isdir(os.path.join(rt, "postmortem", str(job.pids[1]))), 60), "no snapshot of rank 1"
+        # when: rank 1 is killed without warning while the others train with it
+        os.kill(job.pids[1], signal.SIGKILL)
+        # then: status shows it dead (how, at which step), the culprit the others wait for
+        r, rows = until_status(job, time.monotonic(), lambda rows: states(rows) == {0: "waiting", 1: "dead", 2: "waiting"})
+        assert r.returncode == 0, r.stderr
+        dead_row = rows[1]
+        assert dead_row["culprit"] and dead_row["pid"] == job.pids[1] and dead_row["step"] >= 1, dead_row
+        assert dead_row["reason"].startswith(f"died at step {dead_row['step']} (killed)"), dead_row
+        assert "ranks 0,2 wait for it" in dead_row["reason"], dead_row
+        # the doctor names it, with how it died and who waits
+        # (a generous timeout: the doctor snapshots whole tables of every rank, slow on a loaded 2-core machine)
+        d = job.cli("--timeout", "30", "--ranks", "all", "--format", "json", "doctor")
+        assert d.returncode == 8, d.stderr
+        died = [f for f in json.loads(d.stdout)["findings"] if f["rule"] == "rank_died"]
+        assert len(died) == 1 and died[0]["rank"] == 1, d.stdout
+        assert died[0]["message"].startswith(f"rank 1 died at step {dead_row['step']} (killed)"), died
+        assert "; ranks 0,2 wait for it" in died[0]["message"], d.stdout
+        assert not [f for f in json.loads(d.stdout)["findings"] if f["rule"] == "hung_rank"], d.stdout
+        # --ranks all query has its rows, and says where they come from
+        q = job.cli("--ranks", "all", "--format", "json", "query",
+                    "SELECT i.rank, i.source, i.state, max(s.step) AS last FROM process.info i JOIN torch.steps s "
+                    "ON s.rank = i.rank GROUP BY ALL ORDER BY i.rank")
+        assert q.returncode == 0, q.stderr
+        got = {row["rank"]: row for row in json.loads(q.stdout)}
+        assert [got[r]["source"] for r in (0, 1, 2)] == ["live", "postmortem", "live"], got
+        assert got[1]["state"] == "dead" and got[1]["last"] == dead_row["step"], got
+        # and --rank 1 reads its record like any rank
+        bt = job.cli("--rank", "1", "backtrace")
+        assert bt.returncode == 0 and "post-mortem record" in bt.stdout and "ddp_plain.py" in bt.stdout, bt.stdout + bt.stderr

@@ -61,12 +61,13 @@ def _free_port() -> int:
 
 
 @contextmanager
-def ddp_job(*args, world=3, direct=False, rt=None):
-    """A probed DDP job of ``world`` ranks running tests/targets/ddp_plain.py with ``args``."""
+def ddp_job(*args, world=3, direct=False, rt=None, extra_env=None):
+    """A probed DDP job of ``world`` ranks running tests/targets/ddp_plain.py with ``args`` (and ``extra_env``)."""
     own_rt = rt is None
     rt = rt or tempfile.mkdtemp(prefix="prc-", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PROBE", "TORCH_FR"))}
     env.update(PROBE_RUNTIME_DIR=rt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PROBE_HUNG_AFTER=HUNG_AFTER)
+    env.update(extra_env or {})
     job_env = dict(env, PROBE="1")
     lines: list[str] = []
     if direct:  # each rank its own process: a dead rank does not take the others down with it

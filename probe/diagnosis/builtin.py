@@ -20,7 +20,7 @@ SELECT i.rank, i.step, round(epoch(current_timestamp) - epoch(i.last_step_at)) A
 FROM process.info AS i
 LEFT JOIN (SELECT rank, func, file, lineno FROM python.backtrace WHERE is_main AND depth = 0) AS b
        ON b.rank IS NOT DISTINCT FROM i.rank
-WHERE i.step IS NOT NULL
+WHERE i.step IS NOT NULL AND i.state IS DISTINCT FROM 'dead'
   AND (i.state = 'hung' OR epoch(current_timestamp) - epoch(i.last_step_at) > {hung_after})""",
     message="no step has completed for {idle_s:.0f} s since step {step}; the main thread is in {where_main}.",
     next=["probe {target} backtrace", "probe {target} backtrace --native"],
@@ -376,7 +376,7 @@ rule(
 rule(
     "hung_rank", family="distributed", severity="critical", scope="job",
     description="The rank the others wait for (ranks.status culprit): hung outside any collective, stopped, or gone while the others wait.",
-    sql="SELECT rank, step, state, reason, top_frame FROM ranks.hung WHERE culprit",
+    sql="SELECT rank, step, state, reason, top_frame FROM ranks.hung WHERE culprit AND state <> 'dead'",  # rank_died says it
     message="rank {rank} is the one the others wait for (state {state}): {reason}; now in {top_frame}.",
     next=["probe --rank {rank} backtrace", "probe --rank {rank} backtrace --native", "probe --ranks all backtrace --group"],
 )
@@ -395,4 +395,21 @@ rule(
     sql="SELECT rank, step, behind FROM ranks.desync",
     message="rank {rank} is {behind} step(s) behind the most advanced rank (at step {step}).",
     next=["probe --ranks all status", "probe --rank {rank} backtrace"],
+)
+
+rule(
+    "rank_died", family="crash", severity="critical",
+    description="A process (a rank of the job) is gone and its post-mortem record says how: an exception, a fatal signal, or a kill without warning; across ranks, which ranks wait for it and in which collective.",
+    sql="""
+WITH waiters AS (SELECT string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank) AS ranks,
+                        string_agg(DISTINCT pending_op, ', ') AS ops
+                 FROM ranks.status WHERE state = 'waiting')
+SELECT d.rank, d.pid, d.step, d.exit_cause, d.exit_reason, coalesce('rank ' || d.rank, 'pid ' || d.pid) AS who,
+       CASE WHEN waiters.ranks IS NULL THEN ''
+            ELSE '; ranks ' || waiters.ranks || ' wait for it' || coalesce(' in ' || waiters.ops, '') END AS waiting
+FROM ranks.status AS d, waiters
+WHERE d.state = 'dead' AND (d.exit_cause NOT IN ('exit', 'interrupted') OR waiters.ranks IS NOT NULL)""",
+    message="{who} died at step {step} ({exit_cause}): {exit_reason}{waiting}.",
+    next=["probe {target} backtrace", "probe list --dead",
+          "probe {target} query \"SELECT step, loss, duration FROM torch.steps ORDER BY step DESC LIMIT 20\""],
 )

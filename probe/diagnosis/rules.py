@@ -25,8 +25,8 @@ from dataclasses import dataclass
 __all__ = ["Rule", "rule", "all_rules", "get_rule", "SEVERITIES", "FAMILIES"]
 
 SEVERITIES = ("critical", "warning", "info")  # most severe first
-FAMILIES = ("hang", "nan", "divergence", "plateau", "parameters", "activations", "optimizer", "memory", "slow", "input",
-            "distributed", "probe")
+FAMILIES = ("hang", "crash", "nan", "divergence", "plateau", "parameters", "activations", "optimizer", "memory", "slow",
+            "input", "distributed", "probe")
 SCOPES = ("process", "job")
 
 _REGISTRY: dict[str, "Rule"] = {}

@@ -40,7 +40,7 @@ def fatal_path(pid: int) -> str:
 def _excepthook(exc_type, exc, tb):
     if issubclass(exc_type, KeyboardInterrupt):
         _state["died"] = True
-        record.write("interrupted")
+        record.write("interrupted", exc.with_traceback(tb) if exc is not None else None)
     elif not issubclass(exc_type, SystemExit):
         _state["died"] = True
         record.write("exception", exc.with_traceback(tb) if exc is not None else None)

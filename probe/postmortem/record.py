@@ -8,7 +8,18 @@ read without probe:
   traceback, and every thread's stack at that moment;
 * ``tables.npz``: the tables, one array per column, named ``<table>/<column>``
   (``numpy.load`` reads it; text is stored as unicode arrays, never pickled), the last
-  ``PROBE_POSTMORTEM_ROWS`` rows of each.
+  ``PROBE_POSTMORTEM_ROWS`` rows of each; a column that holds NULLs also has a bool
+  array ``<table>/<column>.valid`` (false where NULL), and ``meta.json``'s ``schema``
+  gives every column's declared SQL type, so a reader restores types and NULLs
+  (``probe.postmortem.reader`` does, for the CLI's queries on a dead pid).
+
+``python.backtrace`` in a record is built from the same stacks as ``meta.json``'s
+``stacks``: the thread that died of an exception shows the exception's traceback
+(where it was raised, innermost first), not the hook that wrote the record, and the
+snapshot thread leaves itself out.
+
+With ``PROBE_REGISTRY`` set, the finished record is also copied to
+``<registry>/postmortem/<host>-<pid>/`` so the CLI on another node sees it.
 
 Writes are atomic (a temporary folder renamed into place), the folder and its files are
 0700/0600, and at most ``PROBE_POSTMORTEM_KEEP`` records are kept: the oldest are removed
@@ -33,11 +44,14 @@ from .._config import setting
 from .._runtime import runtime_dir
 from ..util.errorlog import record_error
 
-__all__ = ["write", "records_dir", "read_meta", "list_records", "dead_records", "TABLES"]
+__all__ = ["write", "records_dir", "shared_records_dir", "read_meta", "list_records", "dead_records", "dump_only", "explain",
+           "TABLES"]
 
-# The tables a record keeps: the rings (the last minutes of the run) and who/what the process was.
+# The tables a record keeps: the rings (the last minutes of the run), who/what the process was, and where its
+# collectives stood (the flight recorder), so a dead rank still lines up with the live ones in ranks.*.
 TABLES = ("torch.steps", "python.torch_trace", "probe.actions", "probe.errors", "process.info",
-          "torch.optimizer", "torch.memory", "python.backtrace")
+          "torch.optimizer", "torch.memory", "python.backtrace", "torch.collectives", "torch.process_groups")
+_OWN_FILES = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)  # frames of this package: the writer itself
 
 _write_lock = threading.Lock()
 _thread_deaths: list = []  # worker threads that died of an exception: every later record keeps them
@@ -50,19 +64,53 @@ def records_dir(create: bool = True) -> str:
     return path
 
 
-def _stacks() -> list:
-    names = {t.ident: t.name for t in threading.enumerate()}
+def _frames(summary) -> list:
+    """``traceback.StackSummary`` (outermost first) as frame dicts, innermost first."""
+    return [{"func": f.name, "file": f.filename, "lineno": f.lineno, "line": f.line or None} for f in reversed(summary)]
+
+
+def _stacks(exc: BaseException | None, snapshot: bool) -> list:
+    """Every thread's stack, innermost frame first. The thread writing the record: the traceback of
+    ``exc`` when it is dying of it, itself left out when it is the snapshot thread, else its stack
+    without this package's frames."""
+    names = {t.ident: t for t in threading.enumerate()}
+    me = threading.get_ident()
     out = []
     for ident, frame in sys._current_frames().items():
-        frames = [{"func": f.name, "file": f.filename, "lineno": f.lineno}
-                  for f in reversed(traceback.extract_stack(frame))]
-        out.append({"thread_id": ident, "name": names.get(ident), "is_main": ident == threading.main_thread().ident,
-                    "frames": frames})
+        if ident == me and snapshot:
+            continue
+        if ident == me and exc is not None and exc.__traceback__ is not None:
+            frames = _frames(traceback.extract_tb(exc.__traceback__))
+        else:
+            frames = _frames(traceback.extract_stack(frame))
+            if ident == me:
+                while frames and frames[0]["file"].startswith(_OWN_FILES):
+                    frames.pop(0)
+        t = names.get(ident)
+        out.append({"thread_id": ident, "name": t.name if t else None, "is_main": ident == threading.main_thread().ident,
+                    "daemon": t.daemon if t else None, "frames": frames})
+    out.sort(key=lambda t: not t["is_main"])
     return out
 
 
-def _columns(name: str, rows: int) -> dict | None:
-    """``{column: numpy array}`` of table ``name`` (its last ``rows`` rows), or None when absent."""
+def _backtrace_data(stacks: list) -> dict:
+    """python.backtrace's columns from ``stacks`` (so the table and meta.json's stacks agree)."""
+    keys = ("thread_id", "thread_name", "is_main", "depth", "func", "file", "lineno", "line", "is_native")
+    data: dict = {k: [] for k in keys}
+    for t in stacks:
+        for depth, f in enumerate(t["frames"]):
+            for k, v in zip(keys, (t["thread_id"], t["name"], t["is_main"], depth, f["func"], f["file"], f["lineno"],
+                                   f.get("line"), False)):
+                data[k].append(v)
+    return data
+
+
+def _columns(name: str, rows: int, data: dict | None = None) -> dict | None:
+    """``{column: numpy array}`` of table ``name`` (its last ``rows`` rows), or None when absent.
+
+    Arrays of numbers and booleans are kept as they are; values a generator built in
+    Python are stored by declared type, and a column with NULLs gets ``<column>.valid``.
+    """
     import numpy as np
 
     from ..tables.registry import Context, get_table, to_columns
@@ -70,30 +118,84 @@ def _columns(name: str, rows: int) -> dict | None:
     tbl = get_table(name)
     if tbl is None:
         return None
-    data = to_columns(tbl, tbl.generator(Context()))
+    if data is None:
+        data = to_columns(tbl, tbl.generator(Context()))
     out = {}
+    rows_in = len(next(iter(data.values()), ()))
     for col in tbl.columns:
-        values = data[col.name]
+        values = data.get(col.name)
+        if values is None:  # a column the given data lacks: NULL
+            values = [None] * rows_in
         if not isinstance(values, np.ndarray):
             values = list(values)
         values = values[-rows:]
         if isinstance(values, np.ndarray) and values.dtype != object:
             out[col.name] = values
+            continue
+        valid = np.array([v is not None for v in values], dtype="b1")
+        if col.type in ("BIGINT", "INTEGER") and valid.all() and all(isinstance(v, int) for v in values):
+            out[col.name] = np.array(values, dtype="i8")  # exact (thread idents pass 2**53 on some systems)
         elif col.type in ("BIGINT", "INTEGER", "DOUBLE", "TIMESTAMP"):
-            out[col.name] = np.array([np.nan if v is None else float(v) for v in values], dtype="f8")
+            out[col.name] = np.array([np.nan if v is None else (v.timestamp() if hasattr(v, "timestamp") else float(v))
+                                      for v in values], dtype="f8")
         elif col.type == "BOOLEAN":
             out[col.name] = np.array([bool(v) for v in values], dtype="b1")
         else:
             out[col.name] = np.array(["" if v is None else str(v) for v in values], dtype=str)
+        if not valid.all():
+            out[col.name + ".valid"] = valid
     return out
 
 
-def _prune(keep: int) -> None:
-    base = records_dir()
+def shared_records_dir(create: bool = True) -> str | None:
+    """``<PROBE_REGISTRY>/postmortem`` (records named ``<host>-<pid>``), or None without a shared registry."""
+    from .._runtime import shared_registry
+
+    if not setting("PROBE_REGISTRY"):
+        return None
+    if not create:
+        return os.path.join(setting("PROBE_REGISTRY"), "postmortem")
+    path = os.path.join(shared_registry(), "postmortem")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def _share(final: str, host: str, pid: int) -> None:
+    """Copy the record into the shared registry (other nodes' CLIs read it there); a failure is only recorded."""
+    try:
+        base = shared_records_dir()
+        if base is None:
+            return
+        tmp = os.path.join(base, f".tmp-{host}-{pid}-{threading.get_ident()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(final, tmp)
+        os.chmod(tmp, 0o700)
+        dest = os.path.join(base, f"{host}-{pid}")
+        old = dest + f".old-{threading.get_ident()}"
+        if os.path.isdir(dest):
+            os.rename(dest, old)
+        os.rename(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+        _prune(base, setting("PROBE_POSTMORTEM_KEEP"), prefix=f"{host}-")
+    except Exception as err:
+        record_error("post-mortem record (shared registry)", err)
+
+
+def _schema() -> dict:
+    """Every registered table's declaration (not only those stored): a reader gives a table the dead
+    process did not keep its declared, empty columns beside the live ranks'."""
+    from ..tables.registry import all_tables
+
+    return {t.name: {"description": t.description, "kind": t.kind, "examples": list(t.examples),
+                     "columns": [[c.name, c.type, c.description] for c in t.columns]} for t in all_tables()}
+
+
+def _prune(base: str, keep: int, prefix: str = "") -> None:
+    """Keep the newest ``keep`` records in ``base`` (those named ``<prefix><pid>``)."""
     entries = []
     for name in os.listdir(base):
         path = os.path.join(base, name)
-        if name.isdigit() and os.path.isdir(path):
+        if name.startswith(prefix) and name[len(prefix):].isdigit() and os.path.isdir(path):
             entries.append((os.path.getmtime(path), path))
         elif name.startswith(".tmp-") and time.time() - os.path.getmtime(path) > 3600:
             shutil.rmtree(path, ignore_errors=True)  # a writer killed mid-write an hour ago
@@ -119,17 +221,18 @@ def write(cause: str, exc: BaseException | None = None, *, thread: str | None = 
             tmp = os.path.join(base, f".tmp-{pid}-{threading.get_ident()}")
             shutil.rmtree(tmp, ignore_errors=True)
             os.mkdir(tmp, 0o700)
+            stacks = _stacks(exc, cause == "snapshot")
             arrays, written = {}, []
             for name in tables:
                 try:
-                    cols = _columns(name, rows)
+                    found = _columns(name, rows, _backtrace_data(stacks) if name == "python.backtrace" else None)
                 except Exception as err:  # one table failing must not lose the others
                     record_error(f"post-mortem table {name}", err)
                     continue
-                if cols is None:
+                if found is None:
                     continue
                 written.append(name)
-                arrays.update({f"{name}/{c}": v for c, v in cols.items()})
+                arrays.update({f"{name}/{c}": v for c, v in found.items()})
             fd = os.open(os.path.join(tmp, "tables.npz"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as f:
                 np.savez(f, **arrays)
@@ -141,11 +244,12 @@ def write(cause: str, exc: BaseException | None = None, *, thread: str | None = 
                 "format": 1, "cause": cause, "time": time.time(), "pid": pid, "rank": entry.get("rank"),
                 "world_size": entry.get("world_size"), "job": entry.get("job"), "host": socket.gethostname(),
                 "argv": entry.get("argv") or list(sys.argv), "started_at": entry.get("started_at"),
-                "thread": thread, "detail": detail, "tables": written, "thread_deaths": list(_thread_deaths),
+                "thread": thread, "detail": detail, "tables": written, "schema": _schema(),
+                "thread_deaths": list(_thread_deaths),
                 "exception": None if exc is None else {
                     "type": type(exc).__name__, "message": str(exc),
                     "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))},
-                "stacks": _stacks(),
+                "stacks": stacks,
             }
             fd = os.open(os.path.join(tmp, "meta.json"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
@@ -156,7 +260,8 @@ def write(cause: str, exc: BaseException | None = None, *, thread: str | None = 
                 os.rename(final, old)
             os.rename(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
-            _prune(setting("PROBE_POSTMORTEM_KEEP"))
+            _prune(base, setting("PROBE_POSTMORTEM_KEEP"))
+            _share(final, meta["host"], pid)
             return final
     except Exception as err:
         record_error("post-mortem record", err)
@@ -172,19 +277,25 @@ def read_meta(path: str) -> dict | None:
 
 
 def list_records() -> list[dict]:
-    """Every record in the runtime directory, newest first (the CLI's ``list --dead``)."""
-    try:
-        base = records_dir(create=False)
-        names = os.listdir(base)
-    except OSError:
-        return []
+    """Every record of this host (runtime directory) and of other hosts (shared registry), newest first.
+
+    Each meta gets ``path`` (its folder) and ``local`` (whether it was written on this host).
+    """
+    here = socket.gethostname()
     out = []
-    for name in names:
-        if not name.isdigit():
+    for base, shared in ((records_dir(create=False), False), (shared_records_dir(create=False), True)):
+        try:
+            names = os.listdir(base) if base else []
+        except OSError:
             continue
-        meta = read_meta(os.path.join(base, name))
-        if meta is not None:
+        for name in names:
+            if not (name.rpartition("-")[2] if shared else name).isdigit() or name.startswith("."):
+                continue
+            meta = read_meta(os.path.join(base, name))
+            if meta is None or (shared and meta.get("host") in (None, here)):
+                continue  # this host's own records are read from the runtime directory
             meta["path"] = os.path.join(base, name)
+            meta["local"] = not shared
             out.append(meta)
     return sorted(out, key=lambda m: -float(m.get("time") or 0))
 
@@ -195,68 +306,96 @@ def _last_step(path: str):
     try:
         with np.load(os.path.join(path, "tables.npz")) as z:
             steps = z["torch.steps/step"] if "torch.steps/step" in z.files else None
-            return int(steps.max()) if steps is not None and len(steps) else None
+            return int(np.nanmax(steps)) if steps is not None and len(steps) else None
     except (OSError, ValueError, KeyError):
         return None
 
 
-def dead_records() -> list[dict]:
-    """Records of processes that are gone, each with its cause made plain and a one-line summary.
+def _alive(meta: dict) -> bool:
+    """Whether the record's process still runs: this host asks the kernel, another host's has a registry entry."""
+    from .._runtime import pid_alive
+
+    if meta.get("local", True):
+        return pid_alive(int(meta["pid"]))
+    base = setting("PROBE_REGISTRY")
+    return bool(base) and os.path.exists(os.path.join(base, f"{meta.get('host')}-{meta['pid']}.json"))
+
+
+def explain(meta: dict) -> dict | None:
+    """``meta`` with its cause made plain (``cause``, ``summary``, ``last_step``, ``fatal_dump``), or None
+    when it is the periodic snapshot of a process that still runs.
 
     A ``snapshot`` record whose process is gone means it was killed without warning,
     unless its fatal-signal dump (``fatal-<pid>.txt``) says a signal killed it.
     """
-    from .._runtime import pid_alive
-
-    metas = list_records()
-    recorded = {int(m["pid"]) for m in metas}
-    try:  # a fatal signal in a process that never got to write a record: its faulthandler dump alone
-        names = os.listdir(runtime_dir(create=False))
-    except OSError:
-        names = []
-    for name in names:
-        if name.startswith("fatal-") and name.endswith(".txt") and name[6:-4].isdigit():
-            pid = int(name[6:-4])
-            path = os.path.join(runtime_dir(create=False), name)
-            if pid not in recorded and not pid_alive(pid) and os.path.getsize(path) > 0:
-                metas.append({"pid": pid, "cause": "snapshot", "time": os.path.getmtime(path), "path": None,
-                              "tables": []})
-    out = []
-    for meta in sorted(metas, key=lambda m: -float(m.get("time") or 0)):
-        pid = int(meta["pid"])
-        if meta["cause"] == "snapshot" and pid_alive(pid):
-            continue  # the periodic snapshot of a live process
-        fatal = ""
+    pid = int(meta["pid"])
+    if meta["cause"] == "snapshot" and _alive(meta):
+        return None
+    fatal = ""
+    if meta.get("local", True):
         try:
             with open(os.path.join(runtime_dir(create=False), f"fatal-{pid}.txt"), errors="replace") as f:
                 fatal = f.read().strip()
         except OSError:
             pass
-        exc = meta.get("exception") or {}
-        if fatal and meta["cause"] in ("snapshot", "exit"):
-            meta["cause"] = "fatal_signal"
-            meta["summary"] = fatal.splitlines()[0]
-            meta["fatal_dump"] = fatal
-        elif meta["cause"] == "snapshot":
-            meta["cause"] = "killed"
-            meta["summary"] = ("no exit was recorded: killed without warning (SIGKILL, the OOM killer, preemption); "
-                               "the tables are from the last periodic snapshot")
-        elif exc:
-            where = ""
-            tb = exc.get("traceback") or ""
-            lines = [l.strip() for l in tb.splitlines() if l.strip().startswith("File ")]
-            if lines:
-                where = " at " + lines[-1].replace("File ", "")
-            meta["summary"] = f"{exc.get('type')}: {exc.get('message')}{where}" + (
-                f" (thread {meta['thread']})" if meta.get("thread") else "")
-        elif meta["cause"] == "interrupted":
-            meta["summary"] = "interrupted (KeyboardInterrupt)"
-        else:
-            meta["summary"] = "exited normally"
-        deaths = meta.get("thread_deaths") or []
-        if deaths and meta["cause"] != "thread_exception":
-            d = deaths[-1]
-            meta["summary"] += f"; before that, thread {d['thread']} died of {d['type']}: {d['message']}"
-        meta["last_step"] = _last_step(meta["path"]) if meta.get("path") else None
-        out.append(meta)
-    return out
+    exc = meta.get("exception") or {}
+    if fatal and meta["cause"] in ("snapshot", "exit"):
+        meta["cause"] = "fatal_signal"
+        meta["summary"] = fatal.splitlines()[0]
+        meta["fatal_dump"] = fatal
+    elif meta["cause"] == "snapshot":
+        meta["cause"] = "killed"
+        meta["summary"] = ("killed without warning, no exit was recorded (SIGKILL: the OOM killer, preemption, kill -9); "
+                           "its tables are from the last periodic snapshot")
+    elif exc:
+        where = ""
+        tb = exc.get("traceback") or ""
+        lines = [l.strip() for l in tb.splitlines() if l.strip().startswith("File ")]
+        if lines:
+            where = " at " + lines[-1].replace("File ", "")
+        what = "interrupted (KeyboardInterrupt)" if meta["cause"] == "interrupted" else f"{exc.get('type')}: {exc.get('message')}"
+        meta["summary"] = f"{what}{where}" + (f" (thread {meta['thread']})" if meta.get("thread") else "")
+    elif meta["cause"] == "interrupted":
+        meta["summary"] = "interrupted (KeyboardInterrupt)"
+    else:
+        meta["summary"] = "exited normally"
+    deaths = meta.get("thread_deaths") or []
+    if deaths and meta["cause"] != "thread_exception":
+        d = deaths[-1]
+        meta["summary"] += f"; before that, thread {d['thread']} died of {d['type']}: {d['message']}"
+    meta["last_step"] = _last_step(meta["path"]) if meta.get("path") else None
+    return meta
+
+
+def dump_only(pid: int) -> dict | None:
+    """The meta of a process that died of a fatal signal before its first snapshot: its faulthandler
+    dump alone (no tables), or None."""
+    from .._runtime import pid_alive
+
+    path = os.path.join(runtime_dir(create=False), f"fatal-{pid}.txt")
+    try:
+        if pid_alive(pid) or os.path.getsize(path) == 0:
+            return None
+        when = os.path.getmtime(path)
+    except OSError:
+        return None
+    return {"pid": pid, "cause": "snapshot", "time": when, "path": None, "tables": [], "local": True,
+            "host": socket.gethostname()}
+
+
+def dead_records() -> list[dict]:
+    """Records of processes that are gone (see ``explain``), newest first; a fatal-signal dump without a
+    record (the process died before its first snapshot) counts as one, with no tables."""
+    metas = list_records()
+    recorded = {int(m["pid"]) for m in metas if m.get("local")}
+    try:
+        names = os.listdir(runtime_dir(create=False))
+    except OSError:
+        names = []
+    for name in names:
+        if name.startswith("fatal-") and name.endswith(".txt") and name[6:-4].isdigit():
+            meta = None if int(name[6:-4]) in recorded else dump_only(int(name[6:-4]))
+            if meta is not None:
+                metas.append(meta)
+    out = [explain(m) for m in sorted(metas, key=lambda m: -float(m.get("time") or 0))]
+    return [m for m in out if m is not None]

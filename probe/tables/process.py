@@ -41,6 +41,7 @@ def _info_row(ctx) -> dict:
     status = state.status()  # status providers: step counter (torch), hang watchdog
     for key in ("step", "last_step_at", "state", "hung_since"):
         row[key] = status.get(key)
+    row.update(source="live", exit_cause=None, exited_at=None, exit_reason=None)  # a post-mortem reader fills these
     return row
 
 
@@ -68,10 +69,15 @@ def _info_row(ctx) -> dict:
         Column("tcp_port", "INTEGER", "TCP port of the probe, NULL when it listens on the unix socket only."),
         Column("step", "BIGINT", "Last completed training step, NULL before the first one."),
         Column("last_step_at", "TIMESTAMP", "When the last step completed."),
-        Column("state", "VARCHAR", "training, idle (no step seen yet), or hung (the hang watchdog fired)."),
+        Column("state", "VARCHAR", "training, idle (no step seen yet), hung (the hang watchdog fired), or dead (read from the post-mortem record of a process that is gone)."),
         Column("hung_since", "TIMESTAMP", "When the hang watchdog saw the last step, if it fired; else NULL."),
+        Column("source", "VARCHAR", "live (answered by the running process) or postmortem (read from the record a dead process left, see docs/postmortem.md)."),
+        Column("exit_cause", "VARCHAR", "How a dead process ended: exception, thread_exception, interrupted, exit, fatal_signal or killed; NULL while it runs."),
+        Column("exited_at", "TIMESTAMP", "When a dead process's record was written (its death, or its last periodic snapshot when killed); NULL while it runs."),
+        Column("exit_reason", "VARCHAR", "How a dead process ended, in words: the exception and where it was raised, the fatal signal, or a kill without warning; NULL while it runs."),
     ],
-    examples=["SELECT pid, rank, world_size, rss_bytes / 1e6 AS rss_mb FROM process.info"],
+    examples=["SELECT pid, rank, world_size, rss_bytes / 1e6 AS rss_mb FROM process.info",
+              "SELECT pid, source, state, exit_cause, exit_reason FROM process.info"],
 )
 def info(ctx):
     return [_info_row(ctx)]
