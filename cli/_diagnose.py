@@ -232,5 +232,7 @@ def diagnose(session) -> Diagnosis:
                                             next=[_fill(n, fields) for n in r.next]))
         finally:
             con.close()
-    findings.sort(key=lambda f: (SEVERITIES.index(f.severity), f.family, f.rank if f.rank is not None else -1))
+    # within a family and rank, the finding with the earliest step first: the cause before its consequences
+    findings.sort(key=lambda f: (SEVERITIES.index(f.severity), f.family, f.rank if f.rank is not None else -1,
+                                 f.step is None, f.step or 0))
     return Diagnosis(findings, len(targets), len(answering), run, skipped, time.perf_counter() - started)

@@ -70,6 +70,33 @@ def test_doctor_names_the_planted_fault(spawn, cli, fault, rule, words):
 
 
 @requires_torch
+def test_a_nan_loss_is_nan_in_sql_at_its_step_and_the_doctor_says_nothing_preceded_it(spawn, cli):
+    # given: NaN inputs from step 40 on, and every 7th step's loss unknown to probe (no `loss`, explicit gradients)
+    job = spawn([TARGETS / "faults.py", "--fault", "nan_from_data", "--fault-step", "40", "--hide-loss-every", "7",
+                 "--settle", "5"], env={"PROBE": "1"}, ready="planted", timeout=180)
+    # when
+    r = cli(job.pid, "query", "SELECT step, loss, isnan(loss) AS nan FROM torch.steps WHERE step <= 44 ORDER BY step",
+            "--format", "json")
+    # then: NaN from step 40, NULL (not NaN) on the steps whose loss was never read, finite before
+    rows = {row["step"]: row for row in json.loads(r.stdout)}
+    assert [s for s, row in rows.items() if row["nan"]] == [40, 41, 43, 44], rows
+    assert all(rows[s]["loss"] is None and rows[s]["nan"] is None for s in (7, 14, 21, 28, 35, 42)), rows
+    assert all(row["nan"] is False for s, row in rows.items() if s < 40 and s % 7), rows
+    finding, findings = poll_for(cli, job.pid, "loss_nonfinite")
+    assert finding["step"] == 40 and "at step 40" in finding["message"] and "neither an LR jump" in finding["message"]
+    assert findings[0]["rule"] == "loss_nonfinite", findings  # the cause first, its consequences (NaN weights) after
+
+
+@requires_torch
+def test_a_nan_loss_after_an_lr_jump_names_the_jump(spawn, cli):
+    job = spawn([TARGETS / "faults.py", "--fault", "nan_after_lr_jump", "--fault-step", "40", "--settle", "10"],
+                env={"PROBE": "1"}, ready="planted", timeout=180)
+    finding, _ = poll_for(cli, job.pid, "loss_nonfinite")
+    assert 40 < finding["step"] <= 45, finding
+    assert "the learning rate jumped 2e+05x (0.05 -> 1e+04) at step 40" in finding["message"], finding
+
+
+@requires_torch
 def test_frozen_model_is_also_at_chance_level(spawn, cli):
     job = spawn([TARGETS / "faults.py", "--fault", "frozen", "--settle", "200"], env={"PROBE": "1"},
                 ready="planted", timeout=180)

@@ -34,8 +34,9 @@ WITH s AS (
   SELECT rank, step, loss, lr, grad_norm,
          lr / nullif(lag(lr) OVER (PARTITION BY rank ORDER BY step), 0) AS lr_jump,
          lag(lr) OVER (PARTITION BY rank ORDER BY step) AS prev_lr,
-         grad_norm / nullif(median(grad_norm) OVER (PARTITION BY rank ORDER BY step
-                                                     ROWS BETWEEN 50 PRECEDING AND 1 PRECEDING), 0) AS gn_score
+         -- the median over finite values only (a windowed median over a NaN fails in DuckDB 2.0)
+         grad_norm / nullif(median(CASE WHEN isfinite(grad_norm) THEN grad_norm END)
+                            OVER (PARTITION BY rank ORDER BY step ROWS BETWEEN 50 PRECEDING AND 1 PRECEDING), 0) AS gn_score
   FROM torch.steps),
 bad AS (SELECT rank, min(step) AS step FROM s WHERE isnan(loss) OR isinf(loss) GROUP BY rank),
 near AS (
