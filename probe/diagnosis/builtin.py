@@ -317,7 +317,7 @@ rule(
 
 rule(
     "desync", family="distributed", severity="warning", scope="job",
-    description="A rank's step counter lags the most advanced rank by more than PROBE_DESYNC_STEPS.",
+    description="A rank's step counter lags the most advanced rank by more than PROBE_DESYNC_STEPS, beyond what the ranks answering at slightly different moments explains (ranks.desync).",
     sql="SELECT rank, step, behind FROM ranks.desync",
     message="rank {rank} is {behind} step(s) behind the most advanced rank (at step {step}).",
     next=["probe --ranks all status", "probe --rank {rank} backtrace"],

@@ -50,7 +50,7 @@ FINDING_COLUMNS = [
 
 @table(
     "diagnosis.findings",
-    "What probe doctor finds now: one row per finding of its rules, most severe first (computed by the probe CLI when a query reads it).",
+    "What probe doctor finds now: one row per finding of its rules, most severe first, the same as `probe doctor` prints.",
     columns=FINDING_COLUMNS,
     examples=["SELECT severity, rule, rank, step, message FROM diagnosis.findings",
               "SELECT rule, json_extract_string(evidence, '$.cause') AS cause FROM diagnosis.findings WHERE family = 'nan'"],
