@@ -48,14 +48,16 @@ FAULTS = [
     ("slowdown", "throughput_regression", ["slower"]),
 ]
 SETTLE = {"memory_growth": "200"}  # steps the fault needs before its rule can see it
+# a slowdown is judged against the earlier steps' median: enough fast steps first keep it visible for ~20 s, not ~5 s
+FAULT_STEP = {"slowdown": "150"}
 
 
 @requires_torch
 @pytest.mark.parametrize("fault, rule, words", FAULTS, ids=[f[0] for f in FAULTS])
 def test_doctor_names_the_planted_fault(spawn, cli, fault, rule, words):
     # given: a job with one planted fault, past the point where it shows
-    job = spawn([TARGETS / "faults.py", "--fault", fault, "--settle", SETTLE.get(fault, "60")], env={"PROBE": "1"},
-                ready="planted", timeout=180)
+    job = spawn([TARGETS / "faults.py", "--fault", fault, "--settle", SETTLE.get(fault, "60"),
+                 "--fault-step", FAULT_STEP.get(fault, "40")], env={"PROBE": "1"}, ready="planted", timeout=180)
     # when
     finding, findings = poll_for(cli, job.pid, rule)
     # then: named with its evidence and a next command to type

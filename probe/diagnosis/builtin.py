@@ -230,21 +230,20 @@ FROM w WHERE mid_peak - start_peak > 16e6 AND end_peak - mid_peak > 16e6 AND end
 
 rule(
     "throughput_regression", family="slow", severity="warning",
-    description="The median step time of the last 50 steps is twice (and 10 ms) above the job's own best 50-step median before them (after 10 warm-up steps), so a lasting slowdown stays reported.",
+    description="The median step time of the last 50 steps is twice (and 10 ms) above the job's own earlier median.",
     sql="""
 WITH s AS (
   SELECT rank, step, duration, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age,
-         row_number() OVER (PARTITION BY rank ORDER BY step) AS nth,
-         median(duration) OVER (PARTITION BY rank ORDER BY step ROWS 49 PRECEDING) AS m50
+         row_number() OVER (PARTITION BY rank ORDER BY step) AS nth
   FROM torch.steps WHERE duration IS NOT NULL),
 m AS (
   SELECT rank, max(step) AS step, median(duration) FILTER (WHERE age <= 50) AS now_s,
-         min(m50) FILTER (WHERE age > 50 AND nth >= 60) AS before_s,  -- 50-step windows after the warm-up
-         arg_min(step, m50) FILTER (WHERE age > 50 AND nth >= 60) AS before_step
+         median(duration) FILTER (WHERE age > 50 AND nth > 10) AS before_s,
+         count(*) FILTER (WHERE age > 50 AND nth > 10) AS n_before
   FROM s GROUP BY rank)
-SELECT rank, step, now_s * 1000 AS now_ms, before_s * 1000 AS before_ms, before_step, now_s / before_s AS ratio FROM m
-WHERE before_s IS NOT NULL AND now_s > 2 * before_s AND now_s - before_s > 0.01""",
-    message="steps got {ratio:.1f}x slower: median {now_ms:.1f} ms over the last 50 steps against {before_ms:.1f} ms over the 50 steps up to step {before_step}, the job's best before.",
+SELECT rank, step, now_s * 1000 AS now_ms, before_s * 1000 AS before_ms, now_s / before_s AS ratio FROM m
+WHERE n_before >= 20 AND now_s > 2 * before_s AND now_s - before_s > 0.01""",
+    message="steps got {ratio:.1f}x slower: median {now_ms:.1f} ms over the last 50 steps against {before_ms:.1f} ms before.",
     next=["probe {target} backtrace",
           "probe {target} query \"SELECT module, stage, AVG(duration) AS avg_s FROM python.torch_trace WHERE step > (SELECT MAX(step) - 5 FROM python.torch_trace) GROUP BY ALL ORDER BY avg_s DESC LIMIT 10\""],
 )
