@@ -24,7 +24,7 @@ from probe.util.procfs import proc_state
 
 from ._fanout import fan_out
 
-__all__ = ["Finding", "Diagnosis", "diagnose"]
+__all__ = ["Finding", "Diagnosis", "diagnose", "findings_table"]
 
 
 @dataclass
@@ -43,6 +43,10 @@ class Finding:
         return {"rule": self.rule, "family": self.family, "severity": self.severity, "rank": self.rank,
                 "step": self.step, "target": self.target, "message": self.message, "evidence": self.evidence,
                 "next": self.next}
+
+    def to_row(self) -> dict:
+        """The finding as a row of ``diagnosis.findings`` (evidence and next as JSON text)."""
+        return dict(self.to_dict(), evidence=json.dumps(self.evidence, default=str), next=json.dumps(self.next))
 
 
 @dataclass
@@ -172,15 +176,19 @@ def _plans(rules: list, schema: dict, answering: int):
         try:
             if r.params:
                 sql = sql.format(**{k: setting(name, strict=True) for k, name in r.params})
-            plans.append((r, plan(sql, schema, params)))
+            p = plan(sql, schema, params)
+            if "diagnosis.findings" in p.parts:
+                skipped.append({"rule": r.name, "why": "it reads diagnosis.findings, which the doctor itself makes"})
+                continue
+            plans.append((r, p))
         except ProbeError as exc:
             why = exc.message
             skipped.append({"rule": r.name, "why": why})
     return plans, skipped
 
 
-def diagnose(session) -> Diagnosis:
-    """Every rule against the session's target(s); the findings most severe first.
+def diagnose(session, targets=None) -> Diagnosis:
+    """Every rule against the session's target(s) (or ``targets``); the findings most severe first.
 
     Each table a rule reads is fetched once from every answering process (whole, so one
     snapshot serves every rule); the rules then run here, in one private DuckDB database.
@@ -190,7 +198,7 @@ def diagnose(session) -> Diagnosis:
     from ._federation import add_views, fetch_schema, open_database, run_outer
 
     started = time.perf_counter()
-    targets = session.targets()
+    targets = session.targets() if targets is None else targets
     health = fan_out(targets, lambda t: session.client(t).get("/health", timeout=min(session.timeout, 3.0)))
     findings = [_outside(a.target, a.error) for a in health if not a.ok]
     answering = [a.target for a in health if a.ok]
@@ -210,10 +218,12 @@ def diagnose(session) -> Diagnosis:
         parts = {name: " ".join(FEDERATED_VIEWS[name].split()) if name in FEDERATED_VIEWS
                  else per_rank_query(name, [c for c in schema[name] if c != "rank"], None) for name in needed}
         con, _ = open_database(session, answering, schema, parts)
+        made: dict = {}  # client views already created (the ranks.* views are the same for every rule)
         try:
             for r, p in plans:
                 try:
-                    add_views(con, p.views)
+                    add_views(con, {k: v for k, v in p.views.items() if made.get(k) != v})
+                    made.update(p.views)
                     res = run_outer(con, p.outer, 1000)
                 except ProbeError as exc:
                     skipped.append({"rule": r.name, "why": exc.message})
@@ -232,5 +242,15 @@ def diagnose(session) -> Diagnosis:
                                             next=[_fill(n, fields) for n in r.next]))
         finally:
             con.close()
-    findings.sort(key=lambda f: (SEVERITIES.index(f.severity), f.family, f.rank if f.rank is not None else -1))
+    # within a family and rank, the finding with the earliest step first: the cause before its consequences
+    findings.sort(key=lambda f: (SEVERITIES.index(f.severity), f.family, f.rank if f.rank is not None else -1,
+                                 f.step is None, f.step or 0))
     return Diagnosis(findings, len(targets), len(answering), run, skipped, time.perf_counter() - started)
+
+
+def findings_table(session, targets) -> tuple:
+    """``diagnosis.findings`` for ``targets``: ``([(column, type)], {column: values})``, by the doctor's own code."""
+    from probe.tables.diagnosis import FINDING_COLUMNS
+
+    rows = [f.to_row() for f in diagnose(session, targets).findings]
+    return [(c.name, c.type) for c in FINDING_COLUMNS], {c.name: [r[c.name] for r in rows] for c in FINDING_COLUMNS}

@@ -48,7 +48,8 @@ def tables_md() -> str:
     for t in all_tables():
         out.append(f"#### `{t.name}`")
         out.append("")
-        out.append(f"{t.description} ({'ring buffer filled by hooks' if t.kind == 'ring' else 'built at query time'})")
+        how = {"ring": "ring buffer filled by hooks", "client": "computed by the probe CLI when a query reads it"}
+        out.append(f"{t.description} ({how.get(t.kind, 'built at query time')})")
         out.append("")
         out.append("| column | type | description |")
         out.append("|---|---|---|")

@@ -63,12 +63,16 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
         p = plan(sql, schema, values)
     except QueryError as exc:
         raise refine_refusal(exc, targets) from None
+    computed = _client_tables(session, targets, p.parts)
     ws, failed = open_database(session, targets, schema, p.parts, single=single, on_workspace=on_workspace,
                                local_tables=local_tables)
-    if targets and len(failed) == len(targets):
+    if targets and len(failed) == len(targets) and not computed:
         ws.close()
         raise EndpointError("no rank answered the query: " + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + ".")
     try:
+        for name, (columns, data) in computed.items():
+            ws.load_tables(-1, {name: (columns, data)})
+            ws.create_view(name, f'SELECT * FROM "{ws.tables[-1][name]}"')
         add_views(ws, p.views)
         result = run_outer(ws, p.outer, max_rows or setting("PROBE_MAX_ROWS"), timeout=session.timeout)
     finally:
@@ -85,6 +89,20 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
                            "(SELECT * FROM ranks.errors lists them): "
                            + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + ".")
     return result
+
+
+def _client_tables(session, targets, parts: dict) -> dict:
+    """The tables the query reads that the client computes itself (``diagnosis.findings``: the doctor's
+    findings for the same targets, see ``Session.computed_table``), taken out of ``parts`` so that no
+    rank is asked for them."""
+    compute = getattr(session, "computed_table", None)
+    out = {}
+    for name in list(parts) if compute is not None else ():
+        table = compute(name, targets)
+        if table is not None:
+            del parts[name]
+            out[name] = table
+    return out
 
 
 def open_database(session, targets, schema: dict, parts: dict, *, single: bool = False,

@@ -61,6 +61,16 @@ class Session:
             return targets_for_ranks(parse_rank_spec(self.args.ranks), self.token, getattr(self.args, "job", None))
         return [self.target()]
 
+    def computed_table(self, name: str, targets):
+        """A table this client computes itself (kind ``client``) for ``targets``, as ``([(column, type)],
+        {column: values})``; None for a table the ranks answer. ``diagnosis.findings`` is the doctor's
+        findings, made by the same code as ``probe doctor``."""
+        if name != "diagnosis.findings":
+            return None
+        from ._diagnose import findings_table
+
+        return findings_table(self, targets)
+
     def client(self, target=None):
         """The client of ``target``: HTTP to its server, or its post-mortem record when it is gone."""
         target = target or self.target()

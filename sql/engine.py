@@ -18,11 +18,13 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from probe._errors import QueryError
+from probe.util.wire import object_column
 
 __all__ = ["Result", "Workspace", "execute", "connect", "register_result", "typed_select"]
 
 _SIMPLE_TYPES = ("BIGINT", "INTEGER", "DOUBLE", "VARCHAR", "BOOLEAN", "TIMESTAMP", "FLOAT", "SMALLINT", "TINYINT",
                  "HUGEINT", "UBIGINT", "UINTEGER", "DATE", "DECIMAL", "TIMESTAMP WITH TIME ZONE")
+_FLOAT_TYPES = ("DOUBLE", "FLOAT", "REAL")
 GRACE_S = 2.0  # after the timeout interrupts DuckDB, how long it may take to notice before the query is abandoned
 
 
@@ -72,8 +74,13 @@ def typed_select(columns, source: str) -> str:
     ``columns`` is ``[(name, type, kind, has_nulls)]``; a numeric column with NULLs reads its
     ``__valid__<name>`` companion. TIMESTAMP columns arrive as epoch seconds.
 
+    DuckDB's numpy scan reads NaN as NULL; a float array here has no NULLs of its own (those
+    are in the companion), so a NULL read from a DOUBLE column is a NaN and is put back.
+
     >>> typed_select([("t", "TIMESTAMP", "f8", False), ("s", "VARCHAR", "str", True)], "raw")
     'SELECT make_timestamp(CAST(round("t" * 1000000) AS BIGINT)) AS "t", CAST("s" AS VARCHAR) AS "s" FROM "raw"'
+    >>> print(typed_select([("x", "DOUBLE", "f8", True)], "raw"))
+    SELECT CASE WHEN "__valid__x" THEN coalesce(CAST("x" AS DOUBLE), CAST('NaN' AS DOUBLE)) END AS "x" FROM "raw"
     """
     exprs = []
     for name, typ, kind, has_nulls in columns:
@@ -82,6 +89,8 @@ def typed_select(columns, source: str) -> str:
             expr = f"TRY_CAST({q} AS {typ})"
         elif typ == "TIMESTAMP":
             expr = f"make_timestamp(CAST(round({q} * 1000000) AS BIGINT))"
+        elif kind == "f8" and typ in _FLOAT_TYPES:
+            expr = f"coalesce(CAST({q} AS {typ}), CAST('NaN' AS {typ}))"
         else:
             expr = f"CAST({q} AS {typ})"
         if has_nulls and kind != "str":
@@ -97,9 +106,18 @@ def _raw_columns(columns: list, data: dict) -> tuple[dict, list]:
     arrays, spec = {}, []
     for name, typ in columns:
         values = data[name]
+        kind, valid = None, None
         if isinstance(values, np.ndarray) and values.dtype.kind in "fiub":
-            arrays[name] = values
-            spec.append((name, typ, "f8" if values.dtype.kind == "f" else "i8", False))
+            kind, data_, mask = "f8" if values.dtype.kind == "f" else "i8", np.ma.getdata(values), np.ma.getmask(values)
+            valid = None if mask is np.ma.nomask else ~mask
+        elif typ != "VARCHAR":  # Python values: None is NULL, NaN stays a value (as on the wire)
+            kind, data_, valid = object_column(list(values), typ)
+        if kind is not None and kind != "str":
+            has_nulls = valid is not None and not valid.all()
+            arrays[name] = data_
+            if has_nulls:
+                arrays["__valid__" + name] = valid
+            spec.append((name, typ, kind, has_nulls))
             continue
         arr = np.empty(len(values), dtype=object)
         arr[:] = list(values)

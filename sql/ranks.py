@@ -202,10 +202,16 @@ SELECT rank, step, step_time, compute, comm_wait, others AS others_compute, work
 FROM ranks.status
 WHERE state = 'slow'
 ORDER BY ratio DESC""",
+    # behind by more steps than the ranks' snapshot times explain: each rank answers at its own moment, so a
+    # rank asked earlier has fewer steps; the steps the leader made since this rank's last step do not count
     "ranks.desync": """
-SELECT rank, step, (SELECT max(step) FROM ranks.latest) - step AS behind
-FROM ranks.latest
-WHERE (SELECT max(step) FROM ranks.latest) - step > {desync_steps} AND state IS DISTINCT FROM 'dead'
+WITH lead AS (SELECT max(step) AS top, arg_max(last_step_at, step) AS top_at FROM ranks.latest)
+SELECT rank, step, behind FROM (
+  SELECT l.rank, l.step, lead.top - l.step AS behind,
+         coalesce(greatest(epoch(lead.top_at) - epoch(l.last_step_at), 0) / nullif(l.step_time, 0), 0) AS explained
+  FROM ranks.latest AS l, lead
+  WHERE l.state IS DISTINCT FROM 'dead')
+WHERE behind > {desync_steps} AND behind - explained > {desync_steps} + 1
 ORDER BY behind DESC, rank""",
     "ranks.hung": """
 SELECT rank, step, age_s, state, culprit, in_collective, pending_op, pending_seq, reason, top_frame
@@ -307,7 +313,7 @@ VIEW_COLUMNS = {
     "ranks.desync": [
         ("rank", "INTEGER", "Rank whose step counter lags."),
         ("step", "BIGINT", "Its last step."),
-        ("behind", "BIGINT", "Steps behind the most advanced rank; above PROBE_DESYNC_STEPS."),
+        ("behind", "BIGINT", "Steps behind the most advanced rank; above PROBE_DESYNC_STEPS, and more than the steps the leader made after this rank's last step (a rank that answered earlier is not behind)."),
     ],
     "ranks.hung": [
         ("rank", "INTEGER", "Rank that is hung or waiting (no step for PROBE_HUNG_AFTER s), or silent while others wait."),

@@ -12,13 +12,13 @@ import time
 
 import pytest
 
-from conftest import EXAMPLES, TARGETS, requires_torch
+from conftest import EXAMPLES, TARGETS, poll, requires_torch
 
 FOUND_EXIT = 8
 
 
 def doctor(cli, target, *extra, env=None):
-    r = cli(str(target), "doctor", "--format", "json", *extra, env=env, timeout=90)
+    r = cli(str(target), "doctor", "-f", "json", *extra, env=env, timeout=90)
     assert r.returncode in (0, FOUND_EXIT), r.stderr
     assert "Traceback" not in r.stderr
     doc = json.loads(r.stdout)
@@ -54,6 +54,8 @@ FAULTS = [
 SETTLE = {"memory_growth": "200", "dead_relu": "30", "collapsed": "30", "host_sync": "30"}  # steps the fault needs
 TRACE_EVERY = {"dead_relu": "5", "collapsed": "5", "host_sync": "5"}  # rules that read traced steps need a few
 NOT_ALSO = {"dead_relu": "collapsed_output"}  # a dead ReLU is not also reported as a collapsed output
+# a slowdown is judged against the earlier steps' median: enough fast steps first keep it visible for ~20 s, not ~5 s
+FAULT_STEP = {"slowdown": "150"}
 
 
 @requires_torch
@@ -61,8 +63,8 @@ NOT_ALSO = {"dead_relu": "collapsed_output"}  # a dead ReLU is not also reported
 def test_doctor_names_the_planted_fault(spawn, cli, fault, rule, words):
     # given: a job with one planted fault, past the point where it shows
     env = {"PROBE": "1", **({"PROBE_TRACE": TRACE_EVERY[fault]} if fault in TRACE_EVERY else {})}
-    job = spawn([TARGETS / "faults.py", "--fault", fault, "--settle", SETTLE.get(fault, "60")], env=env,
-                ready="planted", timeout=180)
+    job = spawn([TARGETS / "faults.py", "--fault", fault, "--settle", SETTLE.get(fault, "60"),
+                 "--fault-step", FAULT_STEP.get(fault, "40")], env=env, ready="planted", timeout=180)
     # when
     finding, findings = poll_for(cli, job.pid, rule)
     # then: named with its evidence and a next command to type
@@ -76,6 +78,38 @@ def test_doctor_names_the_planted_fault(spawn, cli, fault, rule, words):
     # the human form: the most severe finding comes first, with its next command
     text = cli(job.pid, "doctor")
     assert text.returncode == FOUND_EXIT and "next: probe" in text.stdout
+
+
+@requires_torch
+def test_a_nan_loss_is_nan_in_sql_at_its_step_and_the_doctor_says_nothing_preceded_it(spawn, cli):
+    # given: NaN inputs from step 40 on, and every 7th step's loss unknown to probe (no `loss`, explicit gradients)
+    job = spawn([TARGETS / "faults.py", "--fault", "nan_from_data", "--fault-step", "40", "--hide-loss-every", "7",
+                 "--settle", "5"], env={"PROBE": "1"}, ready="planted", timeout=180)
+    # when
+    r = cli(job.pid, "query", "SELECT step, loss, isnan(loss) AS nan FROM torch.steps WHERE step <= 44 ORDER BY step",
+            "--format", "json")
+    # then: NaN from step 40, NULL (not NaN) on the steps whose loss was never read, finite before
+    rows = {row["step"]: row for row in json.loads(r.stdout)}
+    assert [s for s, row in rows.items() if row["nan"]] == [40, 41, 43, 44], rows
+    assert all(rows[s]["loss"] is None and rows[s]["nan"] is None for s in (7, 14, 21, 28, 35, 42)), rows
+    assert all(row["nan"] is False for s, row in rows.items() if s < 40 and s % 7), rows
+    finding, findings = poll_for(cli, job.pid, "loss_nonfinite")
+    assert finding["step"] == 40 and "at step 40" in finding["message"] and "neither an LR jump" in finding["message"]
+    assert findings[0]["rule"] == "loss_nonfinite", findings  # the cause first, its consequences (NaN weights) after
+    # the same finding as a row of diagnosis.findings, its evidence as JSON
+    r = cli(job.pid, "query", "SELECT step, severity, json_extract_string(evidence, '$.cause') AS cause FROM diagnosis.findings "
+            "WHERE rule = 'loss_nonfinite'", "--format", "json")
+    (row,) = json.loads(r.stdout)
+    assert row["step"] == 40 and row["severity"] == "critical" and row["cause"].startswith("with neither"), row
+
+
+@requires_torch
+def test_a_nan_loss_after_an_lr_jump_names_the_jump(spawn, cli):
+    job = spawn([TARGETS / "faults.py", "--fault", "nan_after_lr_jump", "--fault-step", "40", "--settle", "10"],
+                env={"PROBE": "1"}, ready="planted", timeout=180)
+    finding, _ = poll_for(cli, job.pid, "loss_nonfinite")
+    assert 40 < finding["step"] <= 45, finding
+    assert "the learning rate jumped 2e+05x (0.05 -> 1e+04) at step 40" in finding["message"], finding
 
 
 @requires_torch
@@ -107,14 +141,45 @@ def test_process_stuck_in_c_with_the_gil_is_reported_from_outside(spawn, cli):
     assert doc["answering"] == 0
 
 
+@pytest.fixture(scope="module")
+def healthy(shared_spawn):
+    """The examples' training loop, healthy, shared by the tests that only read it."""
+    return shared_spawn([EXAMPLES / "train_gpt.py", "--print-every", "50"], ready="step 150", timeout=180)
+
+
+def _step(cli, pid) -> int:
+    r = cli(pid, "query", "SELECT max(step) AS step FROM torch.steps", "--format", "json")
+    return json.loads(r.stdout)[0]["step"]
+
+
 @requires_torch
-def test_healthy_job_gets_nothing_above_info(spawn, cli):
-    job = spawn([EXAMPLES / "train_gpt.py", "--print-every", "50"], ready="step 150", timeout=180)
-    doc = doctor(cli, job.pid)
-    loud = [f for f in doc["findings"] if f["severity"] != "info"]
-    assert not loud, loud
-    assert doc["rules_run"] >= 10, doc
-    assert cli(job.pid, "doctor").returncode == 0
+def test_healthy_job_gets_nothing_above_info(healthy, shared_cli):
+    # sampled while it trains (the full minute is benchmarks/bench_doctor.py): three doctor runs, 40+ steps apart
+    seen = []
+    for _ in range(3):
+        doc = doctor(shared_cli, healthy.pid)
+        loud = [f for f in doc["findings"] if f["severity"] != "info"]
+        assert not loud, loud
+        assert doc["rules_run"] >= 10, doc
+        seen.append(_step(shared_cli, healthy.pid))
+        assert poll(lambda: _step(shared_cli, healthy.pid) >= seen[-1] + 40, 60)
+    assert shared_cli(healthy.pid, "doctor").returncode == 0
+
+
+@requires_torch
+def test_findings_are_a_table_listed_described_and_queryable(healthy, shared_cli):
+    # listed and described like any table, with its column docs
+    tables = json.loads(shared_cli(healthy.pid, "--format", "json", "tables").stdout)
+    (t,) = [t for t in tables if t["name"] == "diagnosis.findings"]
+    assert t["kind"] == "client" and [c["name"] for c in t["columns"]][:6] == ["rule", "family", "severity", "rank", "step", "message"]
+    described = shared_cli(healthy.pid, "describe", "diagnosis.findings")
+    assert described.returncode == 0 and "JSON" in described.stdout, described.stderr
+    # the guard takes it anywhere a table goes: joined with the rules, in a subquery
+    r = shared_cli(healthy.pid, "query", "SELECT f.rule, f.severity, r.description FROM diagnosis.findings AS f "
+                   "JOIN diagnosis.rules AS r ON r.name = f.rule WHERE f.severity IN (SELECT 'critical' UNION SELECT 'warning')",
+                   "--format", "json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == []  # a healthy job: nothing above info, in the table as in `doctor`
 
 
 @requires_torch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from . import Command, command
@@ -15,6 +16,8 @@ class Doctor(Command):
     @staticmethod
     def add_arguments(p):
         p.add_argument("--all", action="store_true", help="Also print info findings and the rules that could not run.")
+        p.add_argument("-f", dest="format", choices=("table", "json"), default=argparse.SUPPRESS,
+                       help="Output format: the findings in sentences (table, the default) or json (same as --format).")
 
     def run(self, session, args):
         from .._diagnose import diagnose

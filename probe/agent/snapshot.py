@@ -117,6 +117,8 @@ def _compare(col, op: str, value, typ: str):
     import numpy as np
 
     n = len(col)
+    if isinstance(col, np.ma.MaskedArray):
+        col = col.data  # a missing float holds NaN there: kept below, the client filters
     if op in ("null", "notnull"):
         if isinstance(col, np.ndarray) and col.dtype.kind in "iub":
             return np.full(n, op == "notnull")

@@ -12,7 +12,7 @@ __all__ = []
 
 rule(
     "hung", family="hang", severity="critical",
-    description="No training step has completed for longer than PROBE_HUNG_AFTER seconds (or the hang watchdog fired).",
+    description="No training step has completed for longer than PROBE_HUNG_AFTER seconds (or the hang watchdog fired); across ranks, only when hung_rank names no culprit.",
     params={"hung_after": "PROBE_HUNG_AFTER"},
     sql="""
 SELECT i.rank, i.step, round(epoch(current_timestamp) - epoch(i.last_step_at)) AS idle_s,
@@ -21,7 +21,9 @@ FROM process.info AS i
 LEFT JOIN (SELECT rank, func, file, lineno FROM python.backtrace WHERE is_main AND depth = 0) AS b
        ON b.rank IS NOT DISTINCT FROM i.rank
 WHERE i.step IS NOT NULL AND i.state IS DISTINCT FROM 'dead'
-  AND (i.state = 'hung' OR epoch(current_timestamp) - epoch(i.last_step_at) > {hung_after})""",
+  AND (i.state = 'hung' OR epoch(current_timestamp) - epoch(i.last_step_at) > {hung_after})
+  -- across ranks, the one the others wait for is hung_rank's finding; the waiting ranks are not news
+  AND ((SELECT count(*) FROM process.info) < 2 OR NOT EXISTS (SELECT 1 FROM ranks.hung WHERE culprit))""",
     message="no step has completed for {idle_s:.0f} s since step {step}; the main thread is in {where_main}.",
     next=["probe {target} backtrace", "probe {target} backtrace --native"],
 )
@@ -34,8 +36,9 @@ WITH s AS (
   SELECT rank, step, loss, lr, grad_norm,
          lr / nullif(lag(lr) OVER (PARTITION BY rank ORDER BY step), 0) AS lr_jump,
          lag(lr) OVER (PARTITION BY rank ORDER BY step) AS prev_lr,
-         grad_norm / nullif(median(grad_norm) OVER (PARTITION BY rank ORDER BY step
-                                                     ROWS BETWEEN 50 PRECEDING AND 1 PRECEDING), 0) AS gn_score
+         -- the median over finite values only (a windowed median over a NaN fails in DuckDB 2.0)
+         grad_norm / nullif(median(CASE WHEN isfinite(grad_norm) THEN grad_norm END)
+                            OVER (PARTITION BY rank ORDER BY step ROWS BETWEEN 50 PRECEDING AND 1 PRECEDING), 0) AS gn_score
   FROM torch.steps),
 bad AS (SELECT rank, min(step) AS step FROM s WHERE isnan(loss) OR isinf(loss) GROUP BY rank),
 near AS (
@@ -247,12 +250,12 @@ WHERE n_before >= 20 AND now_s > 2 * before_s AND now_s - before_s > 0.01""",
 
 rule(
     "input_bound", family="input", severity="warning",
-    description="On traced steps, more than 70% of the step time (and 20 ms) goes outside forward and backward: waiting for data or host-side work.",
+    description="On traced steps, more than 70% of the step time (and 20 ms) goes outside forward and backward: waiting for data or host-side work (time waiting for other ranks, torch.steps.comm_wait, does not count).",
     sql="""
 WITH f AS (
   SELECT rank, step, sum(duration) AS model_s FROM python.torch_trace WHERE depth = 0 GROUP BY rank, step),
 j AS (
-  SELECT s.rank, s.step, s.duration, f.model_s FROM torch.steps AS s
+  SELECT s.rank, s.step, s.duration - coalesce(s.comm_wait, 0) AS duration, f.model_s FROM torch.steps AS s
   JOIN f ON f.rank IS NOT DISTINCT FROM s.rank AND f.step = s.step
   WHERE s.duration IS NOT NULL AND f.model_s IS NOT NULL),
 m AS (
@@ -391,7 +394,7 @@ rule(
 
 rule(
     "desync", family="distributed", severity="warning", scope="job",
-    description="A rank's step counter lags the most advanced rank by more than PROBE_DESYNC_STEPS.",
+    description="A rank's step counter lags the most advanced rank by more than PROBE_DESYNC_STEPS, beyond what the ranks answering at slightly different moments explains (ranks.desync).",
     sql="SELECT rank, step, behind FROM ranks.desync",
     message="rank {rank} is {behind} step(s) behind the most advanced rank (at step {step}).",
     next=["probe --ranks all status", "probe --rank {rank} backtrace"],
@@ -412,4 +415,29 @@ WHERE d.state = 'dead' AND (d.exit_cause NOT IN ('exit', 'interrupted') OR waite
     message="{who} died at step {step} ({exit_cause}): {exit_reason}{waiting}.",
     next=["probe {target} backtrace", "probe list --dead",
           "probe {target} query \"SELECT step, loss, duration FROM torch.steps ORDER BY step DESC LIMIT 20\""],
+)
+
+rule(
+    "loss_dispersion", family="distributed", severity="warning", scope="job",
+    description="Over the last 50 steps all ranks have, one rank's mean loss is far from the ranks' median (by 25% and 0.05, and by 4 standard errors; of two ranks, the higher): ranks training one model should see about the same loss.",
+    sql="""
+WITH last AS (SELECT min(top) AS hi FROM (SELECT rank, max(step) AS top FROM torch.steps GROUP BY rank)),
+per AS (
+  SELECT rank, max(step) AS step, min(step) AS first, avg(loss) AS mean, stddev_samp(loss) AS sd, count(*) AS n
+  FROM torch.steps, last WHERE isfinite(loss) AND step BETWEEN last.hi - 49 AND last.hi
+  GROUP BY rank HAVING count(*) >= 20),
+cmp AS (
+  SELECT *, count(*) OVER () AS ranks, median(mean) OVER () AS med, min(mean) OVER () AS low,
+         median(sd) OVER () AS med_sd
+  FROM per)
+SELECT rank, step, first, ranks, mean, CASE WHEN ranks = 2 THEN low ELSE med END AS others,
+       mean / nullif(CASE WHEN ranks = 2 THEN low ELSE med END, 0) AS ratio,
+       CASE WHEN ranks = 2 THEN 'the other rank''s' ELSE 'the median of the ' || ranks || ' ranks,' END AS against
+FROM cmp
+WHERE ranks >= 2
+  AND abs(mean - CASE WHEN ranks = 2 THEN low ELSE med END) > 0.25 * abs(med) + 0.05
+  AND abs(mean - CASE WHEN ranks = 2 THEN low ELSE med END) > 4 * greatest(sd, med_sd) / sqrt(n)""",
+    message="rank {rank}'s loss averages {mean:.4g} over steps {first}-{step}, {ratio:.3g}x {against} {others:.4g}: ranks that train one model should see about the same loss, so this rank's data differs (a corrupt or mislabeled shard, other preprocessing) or its inputs are broken.",
+    next=["probe --ranks all query \"SELECT rank, avg(loss) AS mean_loss, count(*) AS steps FROM torch.steps WHERE step > {step} - 50 GROUP BY rank ORDER BY rank\"",
+          "probe --rank {rank} query \"SELECT step, loss, samples FROM torch.steps ORDER BY step DESC LIMIT 20\""],
 )

@@ -1,4 +1,9 @@
-"""diagnosis.rules: the doctor's rules known to this process, built-in and the script's own."""
+"""diagnosis.rules: the doctor's rules known to this process; diagnosis.findings: what they find.
+
+``diagnosis.findings`` is declared here (so it is listed, described and completed like any
+table) but computed by the client: the doctor runs in the probe CLI over the other tables
+(``probe.cli._diagnose``), never in the training process, whose own snapshot of it is empty.
+"""
 
 from __future__ import annotations
 
@@ -28,3 +33,28 @@ from .registry import Column, table
 def rules(ctx):
     return [(r.name, r.family, r.severity, r.scope, r.description, r.sql, r.message, json.dumps(list(r.next)),
              json.dumps(dict(r.params))) for r in all_rules()]
+
+
+FINDING_COLUMNS = [
+    Column("rule", "VARCHAR", "Name of the rule that found it (a row of diagnosis.rules), or not_answering for a process that did not answer."),
+    Column("family", "VARCHAR", "Failure family of the rule (hang, nan, divergence, distributed, ...)."),
+    Column("severity", "VARCHAR", "critical, warning or info."),
+    Column("rank", "INTEGER", "Rank the finding is about, NULL outside a distributed job."),
+    Column("step", "BIGINT", "Step the finding is about (where the loss went NaN, the last step of a window), NULL when none."),
+    Column("message", "VARCHAR", "The finding in one sentence, with the numbers that prove it."),
+    Column("evidence", "VARCHAR", "The rule's result row as a JSON object (json_extract reads it)."),
+    Column("next", "VARCHAR", "Next commands to run, as a JSON list."),
+    Column("target", "VARCHAR", "What to type after probe to reach the process (a pid, or --rank N)."),
+]
+
+
+@table(
+    "diagnosis.findings",
+    "What probe doctor finds now: one row per finding of its rules, most severe first, the same as `probe doctor` prints.",
+    columns=FINDING_COLUMNS,
+    examples=["SELECT severity, rule, rank, step, message FROM diagnosis.findings",
+              "SELECT rule, json_extract_string(evidence, '$.cause') AS cause FROM diagnosis.findings WHERE family = 'nan'"],
+    kind="client",
+)
+def findings(ctx):
+    return []  # the doctor runs in the client (probe.cli._diagnose), never in the training process

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable
 __all__ = ["Column", "Table", "Context", "table", "get_table", "all_tables", "unregister", "to_columns"]
 
 TYPES = ("BIGINT", "INTEGER", "DOUBLE", "VARCHAR", "BOOLEAN", "TIMESTAMP")
+KINDS = ("snapshot", "ring", "client")
 _NAME = re.compile(r"^[a-z_][a-z0-9_]*\.[a-z_][a-z0-9_]*$")
 
 
@@ -53,7 +54,9 @@ class Table:
     columns: tuple[Column, ...]
     generator: Callable[["Context"], Any]
     examples: tuple[str, ...] = ()
-    kind: str = "snapshot"  # "snapshot": built at query time; "ring": a bounded history appended as events happen
+    # "snapshot": built at query time; "ring": a bounded history appended as events happen;
+    # "client": computed by the client (the probe CLI) over the other tables, empty in a process's own snapshot
+    kind: str = "snapshot"
 
     @property
     def schema(self) -> str:
@@ -87,8 +90,8 @@ def table(name: str, description: str, *, columns: Iterable[Column], examples: I
         raise ValueError(f"table name {name!r} must look like schema.table in lower case")
     if not description.endswith("."):
         raise ValueError(f"table {name}: its description must be a sentence ending in a period")
-    if kind not in ("snapshot", "ring"):
-        raise ValueError("kind must be 'snapshot' or 'ring'")
+    if kind not in KINDS:
+        raise ValueError("kind must be 'snapshot', 'ring' or 'client'")
     cols = tuple(columns)
     if len({c.name for c in cols}) != len(cols):
         raise ValueError(f"table {name}: duplicate column names")

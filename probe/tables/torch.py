@@ -77,12 +77,12 @@ def _comm_split(ctx, cols):
     doc = recorder(ctx, frames=False) if n else None
     created = sorted(e["time_created_ns"] / 1e9 for e in (doc or {}).get("entries") or () if e.get("time_created_ns"))
     if not created:
-        return np.full(n, np.nan), np.full(n, np.nan)
+        return np.ma.masked_all(n), np.ma.masked_all(n)
     first = np.searchsorted(cols["ended_at"], created[0])  # older steps lie before the recorder's window
     compute, wait = np.full(n, np.nan), np.full(n, np.nan)
     c, w = step_split(cols["started_at"][first:].tolist(), cols["ended_at"][first:].tolist(), created)
     compute[first:], wait[first:] = c, w
-    return compute, wait
+    return np.ma.masked_invalid(compute), np.ma.masked_invalid(wait)  # NaN here: no collective, i.e. NULL
 
 
 @table(

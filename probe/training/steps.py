@@ -24,7 +24,9 @@ overrides both.
 
 The hot path never synchronises with a device: the loss and the gradient norm
 (a foreach norm launched on the device) are kept as tensors and read a few steps
-later or when a query asks, once they are ready.
+later or when a query asks, once they are ready. Until then, or when there is no
+such value, the ring holds None (SQL NULL); a loss that is NaN or infinite is kept as
+it is, so ``isnan(loss)`` finds the step it went bad.
 """
 
 from __future__ import annotations
@@ -53,7 +55,6 @@ STEP_COLUMNS = {"step": "i8", "started_at": "f8", "ended_at": "f8", "duration": 
 _LAG = 2  # steps after which a pending value is read on the training thread
 _RESOLVE_EVERY = 8  # pending device values read at the boundary once this many are waiting
 _PEAK_PERIOD = 0.25  # seconds between peak-memory readings at the boundary (a running peak: staleness is fine)
-_NAN = float("nan")  # made once: float("nan") parses a string, which is slow with cold caches
 
 
 def _outside(frame):
@@ -209,10 +210,10 @@ class StepTracker:
         if isinstance(value, torch.Tensor):
             if not value.is_cuda:
                 if value.is_cpu:
-                    return float(value.item())  # nothing to wait for (a non-scalar raises: recorded, NaN)
+                    return float(value.item())  # nothing to wait for (a non-scalar raises: recorded, missing)
                 return (value.detach(), None)  # another accelerator (MPS, XLA): read later, not in this step
             if value.numel() != 1:
-                return float("nan")
+                return None
             value = value.detach()
             try:
                 host = torch.empty((), dtype=value.dtype, device="cpu", pin_memory=True)
@@ -222,11 +223,11 @@ class StepTracker:
                 return (host, ev)
             except Exception as exc:
                 record_error("torch steps: copying a device scalar", exc)
-                return float("nan")
+                return None
         try:
             return float(value)
         except (TypeError, ValueError):
-            return float("nan")
+            return None
 
     @staticmethod
     def _read(holder):
@@ -415,11 +416,11 @@ class StepTracker:
 
     def _grad_norm(self, optimizer):
         if optimizer is None or id(optimizer) in self._norm_failed:
-            return float("nan")
+            return None
         torch = self.torch
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
-            return float("nan")
+            return None
         try:
             with torch.no_grad():
                 norms = torch._foreach_norm(grads)
@@ -430,7 +431,7 @@ class StepTracker:
         except Exception as exc:  # sparse gradients, mixed devices: stop trying for this optimizer
             self._norm_failed.add(id(optimizer))
             record_error("torch steps: grad norm", exc)
-            return float("nan")
+            return None
 
     def _peak(self, now: float) -> float:
         """The peak so far, read at most every ``_PEAK_PERIOD`` seconds (a peak only grows)."""
@@ -471,8 +472,7 @@ class StepTracker:
         if start_perf is None:
             start_perf = self.tracer.first_call_perf() or self.started_perf
         duration = end_perf - start_perf if end_perf > start_perf else 0.0
-        nan = _NAN
-        loss_v = norm_v = lr = nan
+        loss_v = norm_v = lr = None  # None: missing (NULL); a NaN loss stays NaN
         try:
             found = self._step_loss()
             if loss is None:
@@ -483,7 +483,8 @@ class StepTracker:
             record_error("torch steps: loss", exc)
         if self._clip_norm is not None or (self._norm_budget and step >= self._norm_next):
             try:
-                norm_v = self._hold(self._step_grad_norm(optimizer, step, duration))
+                norm = self._step_grad_norm(optimizer, step, duration)
+                norm_v = None if norm is None else self._hold(norm)
             except Exception as exc:
                 record_error("torch steps: grad norm", exc)
         if self.step_lr is not None:
@@ -495,23 +496,23 @@ class StepTracker:
                     lr = self._hold(lr)  # a tensor lr (capturable optimizers), or an int
             except Exception as exc:
                 record_error("torch steps: lr", exc)
-        s = float(samples) if samples is not None else (self.samples or nan)
-        t = float(tokens) if tokens is not None else (self.tokens or nan)
+        s = float(samples) if samples is not None else (self.samples or None)
+        t = float(tokens) if tokens is not None else (self.tokens or None)
         tracer = self.tracer
         traced = tracer.active_step == step
         ring = self.ring
         row = ring.count
         ring.append(step, start_perf + self.wall_offset, end_perf + self.wall_offset, duration,
-                    loss_v if type(loss_v) is float else nan, norm_v if type(norm_v) is float else nan,
-                    lr if type(lr) is float else nan, s / duration if duration > 0 else nan,
-                    t / duration if duration > 0 else nan,
+                    loss_v if type(loss_v) is float else None, norm_v if type(norm_v) is float else None,
+                    lr if type(lr) is float else None, s / duration if s is not None and duration > 0 else None,
+                    t / duration if t is not None and duration > 0 else None,
                     self._peak_v if end_perf - self._peak_at < _PEAK_PERIOD else self._peak(end_perf), self._rank_v,
                     traced, s, t,
                     self.micro_batches, type(optimizer).__name__ if optimizer is not None else None)
-        if type(loss_v) is not float or type(norm_v) is not float or type(lr) is not float:
+        if type(loss_v) is tuple or type(norm_v) is tuple or type(lr) is tuple:  # device values read later
             with self._lock:
                 for col, v in (("loss", loss_v), ("grad_norm", norm_v), ("lr", lr)):
-                    if type(v) is not float:
+                    if type(v) is tuple:
                         self.pending.append((row, col, v))
             if len(self.pending) >= _RESOLVE_EVERY:
                 self.resolve(up_to_row=row - _LAG)

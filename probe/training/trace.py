@@ -385,7 +385,7 @@ class Tracer:
         }
         cols.update(self._stats_columns(records))
         if self.cuda:
-            cols["duration"][:] = np.nan  # device time, filled in when the events complete
+            cols["duration"] = np.ma.masked_all(n)  # device time, NULL until the events complete
             base = self.ring.count + max(0, n - self.ring.capacity)
             with self._lock:
                 for i, r in enumerate(records[max(0, n - self.ring.capacity):]):
@@ -442,7 +442,7 @@ class Tracer:
         if not self.pending_events:
             return
         keep = []
-        dur = self.ring.arrays["duration"]
+        dur, known = self.ring.arrays["duration"], self.ring.valid["duration"]
         for row, ev0, ev1 in self.pending_events:
             if self.ring.count - row > self.ring.capacity:
                 self._event_pool.extend((ev0, ev1))
@@ -454,6 +454,7 @@ class Tracer:
                 continue
             if done:
                 dur[row % self.ring.capacity] = ev0.elapsed_time(ev1) / 1000.0
+                known[row % self.ring.capacity] = True
                 self._event_pool.extend((ev0, ev1))
             else:
                 keep.append((row, ev0, ev1))

@@ -11,6 +11,12 @@ tail, then copies the live region of each column oldest first and hands the arra
 to DuckDB without building rows. Flushes take a lock, so a reader and the writer
 never interleave a flush; ``append`` itself takes no lock (a list append is atomic
 under the GIL, and a flush removes only the rows it copied).
+
+A float column tells a missing value from a NaN: ``None`` (in ``append`` or ``set``) or a
+masked entry (a ``numpy.ma`` array given to ``extend``) is missing and reads as SQL NULL,
+while NaN and infinities are values (a loss gone NaN must stay NaN). Each float column
+keeps a validity mask beside it; ``snapshot`` returns a masked array for a float column
+that has missing rows in the live region, a plain array otherwise.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ class Ring:
         self.names = tuple(columns)
         self.arrays = {name: np.zeros(self.capacity, dtype=dt) for name, dt in columns.items()}
         self._dtypes = {name: np.dtype(dt) for name, dt in columns.items()}
+        # False where a float column's value is missing (None), as opposed to NaN
+        self.valid = {name: np.ones(self.capacity, dtype=bool) for name, dt in self._dtypes.items() if dt.kind == "f"}
         self.count = 0  # rows ever appended: the next row's number
         self._stored = 0  # rows written into the arrays
         self._tail: list = []  # rows appended since, as tuples in column order
@@ -66,6 +74,8 @@ class Ring:
                     col[:] = values
                 else:
                     col = np.array(values, dtype=self._dtypes[name])  # None becomes NaN in float columns
+                    if name in self.valid:
+                        self.valid[name][idx] = _present(values, col)
                 self.arrays[name][idx] = col
             self._stored += n
 
@@ -81,17 +91,26 @@ class Ring:
             skip = max(0, n - cap)
             idx = (self._stored + skip + np.arange(n - skip)) % cap
             for name, values in columns.items():
-                self.arrays[name][idx] = values[skip:] if skip else values
+                values = values[skip:] if skip else values
+                if name in self.valid:
+                    self.valid[name][idx] = ~np.ma.getmaskarray(values)
+                    values = np.ma.getdata(values)
+                self.arrays[name][idx] = values
             self._stored += n
             self.count += n
 
     def set(self, name: str, row: int, value) -> bool:
-        """Overwrite one cell of row number ``row``; False if that row has left the ring."""
+        """Overwrite one cell of row number ``row`` (None: missing); False if that row has left the ring."""
         if self.count - row > self.capacity or row < 0:
             return False
         if row >= self._stored:
             self.flush()
         with self._lock:
+            valid = self.valid.get(name)
+            if valid is not None:
+                valid[row % self.capacity] = value is not None
+                if value is None:
+                    value = _NAN
             self.arrays[name][row % self.capacity] = value
         return True
 
@@ -106,6 +125,31 @@ class Ring:
         with self._lock:
             n = self._stored
             if n <= self.capacity:
-                return {name: arr[:n].copy() for name, arr in self.arrays.items()}
-            start = n % self.capacity
-            return {name: np.concatenate((arr[start:], arr[:start])) for name, arr in self.arrays.items()}
+                def live(arr):
+                    return arr[:n].copy()
+            else:
+                start = n % self.capacity
+
+                def live(arr):
+                    return np.concatenate((arr[start:], arr[:start]))
+            out = {}
+            for name, arr in self.arrays.items():
+                out[name] = live(arr)
+                valid = self.valid.get(name)
+                if valid is not None and not valid[:min(n, self.capacity)].all():
+                    out[name] = np.ma.masked_array(out[name], mask=~live(valid))
+            return out
+
+
+_NAN = float("nan")
+
+
+def _present(values: tuple, col):
+    """Validity of a float column written by ``flush``: only its NaN cells need a look (None or NaN?)."""
+    import numpy as np
+
+    valid = np.ones(len(col), dtype=bool)
+    nan = np.flatnonzero(np.isnan(col))
+    if len(nan):
+        valid[nan] = [values[i] is not None for i in nan.tolist()]
+    return valid

@@ -15,6 +15,10 @@ declared SQL type, its physical ``kind`` and where its buffers lie in the messag
   stage names, so a 100k-row column costs one dictionary pass, not 100k encodes;
 * ``valid`` (optional, any kind): one byte per row, 0 where the value is NULL.
 
+NULL and NaN are different things: a missing value is ``None`` (or a masked entry of a
+``numpy.ma`` array) and travels as a 0 in ``valid``; a NaN or an infinity in a float column
+is a value and travels as itself (the client keeps it NaN, see ``probe.sql.engine``).
+
 Encoding works on numpy arrays, never on Python rows: a ring buffer's columns go out
 as one copy each. Only object columns (values a table generator built in Python) are
 walked value by value. The module needs numpy and nothing else, so the training side
@@ -27,7 +31,7 @@ import json
 import math
 import struct
 
-__all__ = ["MAGIC", "encode", "decode", "WireError"]
+__all__ = ["MAGIC", "encode", "decode", "object_column", "WireError"]
 
 MAGIC = b"PRBC"
 _FIXED = {"f8": "<f8", "i8": "<i8", "b1": "|b1"}
@@ -37,12 +41,12 @@ class WireError(ValueError):
     """The message is not a probe snapshot (or is cut short)."""
 
 
-def _object_column(values, typ: str):
+def object_column(values, typ: str):
     """(kind, data, valid) for a column of Python values, by its declared type."""
     import numpy as np
 
     n = len(values)
-    valid = np.fromiter((v is not None and not (isinstance(v, float) and math.isnan(v)) for v in values), bool, n)
+    valid = np.fromiter((v is not None for v in values), bool, n)
     if typ in ("BIGINT", "INTEGER", "BOOLEAN"):
         try:
             data = np.fromiter((0 if v is None else v for v in values), "<i8", n)
@@ -99,8 +103,10 @@ def _column_buffers(values, typ: str) -> tuple[str, list]:
 
     if isinstance(values, np.ndarray) and values.dtype.kind in "fiub":
         kind = {"f": "f8", "i": "i8", "u": "i8", "b": "b1"}[values.dtype.kind]
-        data = np.ascontiguousarray(values, dtype=_FIXED[kind])
-        return kind, [data, None]
+        data = np.ascontiguousarray(np.ma.getdata(values), dtype=_FIXED[kind])
+        mask = np.ma.getmask(values)
+        valid = None if mask is np.ma.nomask or not mask.any() else (~mask).view(np.uint8)
+        return kind, [data, valid]
     seq = values.tolist() if isinstance(values, np.ndarray) else list(values)
     if typ == "VARCHAR":
         found = _dictionary(seq)
@@ -109,7 +115,7 @@ def _column_buffers(values, typ: str) -> tuple[str, list]:
             texts = [k if isinstance(k, str) else "" if k is None or k != k else str(k) for k in keys]
             valid = np.fromiter((k is not None and k == k for k in keys), bool, len(keys))
             return "dict", [codes, *_strings(texts), None if valid.all() else valid.view(np.uint8)]
-    kind, data, valid = _object_column(seq, typ)
+    kind, data, valid = object_column(seq, typ)
     mask = None if valid.all() else valid.view(np.uint8)
     if kind != "str":
         return kind, [np.ascontiguousarray(data, dtype=_FIXED[kind]), mask]

@@ -5,7 +5,10 @@ Run under torchrun (``PROBE=1 torchrun --nproc-per-node 3 ddp_plain.py``); every
 one rank the odd one out, from the environment or the command line:
 
     --stall-rank R --stall-at S   rank R sleeps forever in its data read at step S
+    --stall-rank R --stall-when PATH   ... or at its first data read once PATH exists
     --slow-rank R --slow-compute X   rank R computes X seconds more per step
+    --slow-rank R --slow-data X   rank R waits X seconds more in its data read per step
+    --bad-data-rank R   rank R reads a corrupt shard: targets unrelated to the inputs (its loss stays high)
     --mismatch-rank R --mismatch-at S   rank R issues one extra all_reduce (int32) at step S
     --survive   a rank whose collective fails (a peer died) says so and stays alive, idle
 """
@@ -30,6 +33,9 @@ def parse_args():
     p.add_argument("--stall-at", type=int, default=5)
     p.add_argument("--slow-rank", type=int, default=None)
     p.add_argument("--slow-compute", type=float, default=0.1)
+    p.add_argument("--slow-data", type=float, default=0.0)
+    p.add_argument("--stall-when", default=None)
+    p.add_argument("--bad-data-rank", type=int, default=None)
     p.add_argument("--mismatch-rank", type=int, default=None)
     p.add_argument("--mismatch-at", type=int, default=5)
     p.add_argument("--start-at", type=int, default=0, help="Knobs act only from this step on (0: from the start).")
@@ -42,7 +48,7 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def read_batch(gen, stall: bool, step_sleep: float):
+def read_batch(gen, stall: bool, step_sleep: float, corrupt: bool = False):
     """The data read: where a stalled rank stays."""
     time.sleep(step_sleep)  # ok-sleep: simulated data time
     if stall:
@@ -50,6 +56,8 @@ def read_batch(gen, stall: bool, step_sleep: float):
     while stall:
         time.sleep(0.2)  # ok-sleep: the stalled input pipeline being simulated
     x = torch.randn(16, 32, generator=gen)
+    if corrupt:  # a corrupt shard: targets that have nothing to do with the inputs
+        return x, torch.randn(16, 1, generator=gen) * 3
     return x, x.sum(dim=1, keepdim=True) * 0.1
 
 
@@ -72,8 +80,12 @@ def main():
     step = 0
     try:
         while True:
-            x, y = read_batch(gen, rank == args.stall_rank and step == args.stall_at + args.start_at, args.step_sleep)
-            if rank == args.slow_rank and step >= args.start_at:
+            stall = rank == args.stall_rank and (os.path.exists(args.stall_when) if args.stall_when
+                                                  else step == args.stall_at + args.start_at)
+            slow = rank == args.slow_rank and step >= args.start_at
+            x, y = read_batch(gen, stall, args.step_sleep + (args.slow_data if slow else 0.0),
+                              corrupt=rank == args.bad_data_rank)
+            if slow and not args.slow_data:
                 extra_compute(args.slow_compute)
             optimizer.zero_grad(set_to_none=True)
             loss = nn.functional.mse_loss(model(x), y)

@@ -27,6 +27,8 @@ p.add_argument("--ready-step", type=int, default=20)
 p.add_argument("--step-sleep", type=float, default=0.005)
 p.add_argument("--device", default="cpu")
 p.add_argument("--settle", type=int, default=60, help="steps after the fault before printing 'planted'")
+p.add_argument("--hide-loss-every", type=int, default=0,
+               help="every K-th step backpropagates with explicit gradients and no `loss` variable: its loss is unknown (NULL)")
 args = p.parse_args()
 
 torch.manual_seed(0)
@@ -73,7 +75,11 @@ while True:
     logits = model(x)
     loss = F.cross_entropy(logits, y)
     optimizer.zero_grad(set_to_none=False)
-    loss.backward()
+    if args.hide_loss_every and step % args.hide_loss_every == 0:
+        hidden, loss = loss, None  # nothing named loss, and a backward with explicit gradients: no loss to read
+        torch.autograd.backward(hidden, torch.ones_like(hidden))
+    else:
+        loss.backward()
     if args.fault == "nan_after_lr_jump" and step == args.fault_step:
         for g in optimizer.param_groups:
             g["lr"] = 1e4  # a schedule bug: the LR jumps 200 000x

@@ -106,7 +106,7 @@ function drawCurves() {
         "■ ", `${s.name}: ${mtr.bytes ? fmtBytes(last[1]) : fmt(last[1])} @ step ${last[0]}`);
       item.style.color = s.color;
       legend.append(item);
-      // a metric that stopped while steps go on (a loss gone NaN is stored as NULL): say so
+      // a metric that stopped while steps go on (no longer read, e.g. the loss not found): say so
       const steps = [...state.curves.get(ranks[i]).keys()];
       const newest = Math.max(...steps);
       const gaps = s.points.slice(1).map((p, k) => p[0] - s.points[k][0]).sort((a, b) => a - b);

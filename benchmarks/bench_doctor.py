@@ -1,0 +1,156 @@
+"""What `probe doctor` costs, and that it does not cry wolf on a healthy job, in one run (CPU).
+
+    python benchmarks/bench_doctor.py [--seconds 60] [--world 3]
+
+1. A healthy job (examples/train_gpt.py) trains for ``--seconds``; the doctor runs on it
+   back to back the whole time. Every run's wall time is kept, and every finding above info
+   is printed: there must be none (exit code 1 otherwise). Goal: one rank in <= 5 s.
+2. A healthy local DDP job (examples/train_ddp.py --step-sleep 0, ``--world`` ranks on gloo, started with
+   ``python -m torch.distributed.run``): the doctor across all ranks and on rank 0 alone,
+   alternating, so that their ratio is measured under the same load. Goal: all ranks in <= 10 s.
+
+Timings depend on the machine's load (the CLI, DuckDB and the ranks share its cores): the
+script prints the load average beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = str(Path(sys.executable).with_name("probe"))
+
+
+def start(cmd: list, env: dict, pattern: str, count: int = 1, timeout: float = 180.0):
+    """Start ``cmd``; wait for ``count`` lines matching ``pattern``; (process, the matches, output lines)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True, cwd=env["PROBE_RUNTIME_DIR"])
+    lines: list = []
+    threading.Thread(target=lambda: [lines.append(line.rstrip()) for line in proc.stdout], daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [m for line in list(lines) for m in re.finditer(pattern, line)]
+        if len(found) >= count:
+            return proc, found, lines
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)
+            raise SystemExit("the job did not get ready:\n" + "\n".join(lines[-20:]))
+        time.sleep(0.2)  # ok-sleep: polling for the ready line with a deadline
+
+
+def stop(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(15)
+    except (OSError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+CPU: list = []  # CPU seconds (user + system) of each doctor run: its own cost, whatever the machine's load
+
+
+def doctor(env: dict, *where) -> tuple[float, dict]:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    r = subprocess.run([PROBE, *where, "--format", "json", "doctor"], capture_output=True, text=True, env=env, timeout=120)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    CPU.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    if r.returncode not in (0, 8):
+        raise SystemExit(f"probe doctor failed ({r.returncode}): {r.stderr}")
+    return wall, json.loads(r.stdout)
+
+
+def loud(doc: dict) -> list:
+    return [f for f in doc["findings"] if f["severity"] in ("critical", "warning")]
+
+
+def summary(times: list, cpu: list) -> str:
+    return (f"wall median {statistics.median(times):.2f} s, max {max(times):.2f} s over {len(times)} runs; "
+            f"CPU of the CLI median {statistics.median(cpu):.2f} s")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--world", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=5)
+    args = ap.parse_args()
+    rt = tempfile.mkdtemp(prefix="pr-doctor-", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
+    env.update(PROBE_RUNTIME_DIR=rt, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    wolf = []
+
+    # 1. one healthy job for a minute, the doctor back to back
+    if args.seconds > 0:
+        wolf += healthy_minute(env, args.seconds)
+
+    # 2. a healthy local DDP job (no simulated data wait: --step-sleep 0), all ranks vs rank 0, alternating
+    ddp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.world),
+           str(ROOT / "examples" / "train_ddp.py"), "--steps", "0", "--step-sleep", "0"]
+    proc, _, _ = start(ddp, dict(env, PROBE="1"), r"ready rank=(\d+)", count=args.world)
+    try:
+        every, one, cpu_every, cpu_one = [], [], [], []
+        for _ in range(args.pairs):
+            wall, doc = doctor(env, "--ranks", "all")
+            every.append(wall)
+            cpu_every.append(CPU[-1])
+            wolf += [("train_ddp, all ranks", f) for f in loud(doc)]
+            if doc["answering"] != args.world:
+                raise SystemExit(f"only {doc['answering']} of {args.world} ranks answered the doctor")
+            wall, doc = doctor(env, "--rank", "0")
+            one.append(wall)
+            cpu_one.append(CPU[-1])
+        ratio = statistics.median(a / b for a, b in zip(every, one))
+        print(f"healthy train_ddp.py --step-sleep 0, {args.world} ranks:")
+        print(f"  doctor, all ranks: {summary(every, cpu_every)} (goal <= 10 s)")
+        print(f"  doctor, rank 0:    {summary(one, cpu_one)}")
+        print(f"  all ranks / one rank, paired runs: median wall ratio {ratio:.2f}; load average {os.getloadavg()[0]:.1f}")
+    finally:
+        stop(proc)
+    for where, f in wolf:
+        print(f"CRIED WOLF ({where}): {f['severity']} {f['rule']}: {f['message']}")
+    return 1 if wolf else 0
+
+
+def healthy_minute(env: dict, seconds: float) -> list:
+    """examples/train_gpt.py for ``seconds``, the doctor back to back; the findings above info."""
+    wolf = []
+    proc, found, _ = start([sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--print-every", "50"], env,
+                           r"ready pid=(\d+)")
+    pid = found[0].group(1)
+    try:
+        times, runs = [], 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            wall, doc = doctor(env, pid)
+            times.append(wall)
+            runs += 1
+            wolf += [(f"train_gpt after {seconds - (end - time.monotonic()):.0f} s", f) for f in loud(doc)]
+        steps = subprocess.run([PROBE, pid, "--format", "json", "query", "SELECT max(step) AS step FROM torch.steps"],
+                               capture_output=True, text=True, env=env).stdout
+        print(f"healthy train_gpt.py for {seconds:.0f} s ({json.loads(steps)[0]['step']} steps): "
+              f"{runs} doctor runs, {len(wolf)} findings above info")
+        print(f"  doctor, one rank: {summary(times, CPU[-runs:])} (goal <= 5 s); load average {os.getloadavg()[0]:.1f}")
+    finally:
+        stop(proc)
+    return wolf
+
+
+if __name__ == "__main__":
+    sys.exit(main())
