@@ -23,6 +23,7 @@ SYNC_WARNING = "called a synchronizing CUDA operation (Triggered internally at /
 
 
 def traced(model, *inputs, stats=True):
+    import numpy as np
     import torch
 
     from probe.training.trace import Tracer
@@ -34,8 +35,12 @@ def traced(model, *inputs, stats=True):
     finally:
         tr.finish(1, 0.0)
         tr.close()
-    snap = tr.ring.snapshot()
-    return {m: {k: snap[k][i] for k in snap} for i, m in enumerate(snap["module"]) if snap["stage"][i] == "forward"}
+    snap = tr.ring.snapshot()  # a masked (missing) value is SQL NULL: None here
+
+    def value(col, i):
+        return None if np.ma.getmaskarray(col)[i] else np.ma.getdata(col)[i]
+
+    return {m: {k: value(snap[k], i) for k in snap} for i, m in enumerate(snap["module"]) if snap["stage"][i] == "forward"}
 
 
 def test_statistics_are_those_of_the_first_floating_output():
@@ -75,7 +80,7 @@ def test_statistics_are_those_of_the_first_floating_output():
     assert row["out_std"] == pytest.approx(float(ref.std(correction=0)), rel=1e-5)
     assert row["out_batch_std"] == pytest.approx(float(ref.var(0, correction=0).mean().sqrt()), rel=1e-5)  # RMS over units
     ids = traced(Ids(), x)["Ids"]
-    assert math.isnan(ids["out_mean"]) and ids["out_shape"] is None
+    assert ids["out_mean"] is None and ids["out_shape"] is None  # no floating output: NULL, not NaN
 
 
 def test_statistics_off_leaves_the_columns_null():
@@ -84,7 +89,7 @@ def test_statistics_off_leaves_the_columns_null():
 
     rows = traced(nn.Linear(4, 4), torch.randn(2, 4), stats=False)
     r = rows["Linear"]
-    assert all(math.isnan(r[c]) for c in ("out_mean", "out_std", "out_batch_std", "out_zero_frac", "out_nonfinite"))
+    assert all(r[c] is None for c in ("out_mean", "out_std", "out_batch_std", "out_zero_frac", "out_nonfinite"))
 
 
 def test_a_large_output_is_reduced_over_a_strided_view():
@@ -135,14 +140,14 @@ def test_deferred_statistics_land_only_once_their_copy_has():
     FakeEvent.done = False
     batch = OnDevice(fake, range(0, 3), entries)
     cols = batch.columns()
-    assert np.isnan(cols["out_mean"]).all() and list(cols["out_elements"][[0, 2]]) == [6, 6]
+    assert np.ma.getmaskarray(cols["out_mean"]).all() and list(cols["out_elements"][[0, 2]]) == [6, 6]
     ring.extend(cols, 3)
-    assert not batch.write(ring.arrays, ring.count, ring.capacity)
-    assert np.isnan(ring.snapshot()["out_zero_frac"]).all()  # not read before the copy has landed
+    assert not batch.write(ring)
+    assert np.ma.getmaskarray(ring.snapshot()["out_zero_frac"]).all()  # NULL: not read before the copy has landed
     FakeEvent.done = True
-    assert batch.write(ring.arrays, ring.count, ring.capacity)
+    assert batch.write(ring)
     snap = ring.snapshot()
-    assert list(snap["out_zero_frac"][[0, 2]]) == [1.0, 1 / 6] and np.isnan(snap["out_zero_frac"][1])
+    assert list(snap["out_zero_frac"][[0, 2]]) == [1.0, 1 / 6] and np.ma.getmaskarray(snap["out_zero_frac"])[1]
     assert snap["out_mean"][2] == 2.5 and snap["out_batch_std"][0] == 0.0
     assert snap["out_std"][2] == pytest.approx(float(torch.arange(6.0).std(correction=0)))
     assert snap["out_batch_std"][2] == pytest.approx(2 * math.sqrt(2 / 3))  # columns 0,2,4 and 1,3,5: std 1.633 each

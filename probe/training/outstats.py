@@ -201,12 +201,13 @@ class Batch:
         return host
 
     def columns(self) -> dict:
-        """The stats columns with what is known now (CPU values); CUDA values stay NaN until ``write``."""
+        """The stats columns with what is known now (CPU values); masked (SQL NULL) where not computed,
+        and CUDA values stay masked until ``write``."""
         import numpy as np
 
         n = len(self.rows)
-        cols = {name: np.full(n, np.nan) for name, dt in STATS_COLUMNS.items() if dt == "f8"}
-        cols["out_elements"] = self.elements
+        cols = {name: np.ma.masked_all(n) for name, dt in STATS_COLUMNS.items() if dt == "f8"}
+        cols["out_elements"] = np.ma.masked_invalid(self.elements)  # NaN here marks a call without statistics
         cols["out_shape"] = self.shapes
         self.parts = [p for p in self.parts if p[3] is not None or self._fill(cols, p)]
         return cols
@@ -221,13 +222,13 @@ class Batch:
         within = f[:k] ** 2 / n  # the variance across the batch, averaged over positions
         cols["out_mean"][idx] = f[k:2 * k]  # the mean of the per-position batch means is the output's mean
         cols["out_std"][idx] = np.sqrt(within + f[2 * k:])  # total variance = within positions + between them
-        cols["out_batch_std"][idx] = np.where(batch > 1, np.sqrt(within), np.nan)
+        cols["out_batch_std"][idx] = np.ma.masked_where(batch <= 1, np.sqrt(within))  # one sample: no spread
         cols["out_zero_frac"][idx] = (n - c[:k]) / n
         cols["out_nonfinite"][idx] = c[k:]
         return False
 
-    def write(self, arrays: dict, count: int, capacity: int) -> bool:
-        """Write the device values whose copies have landed into the ring's ``arrays``; True when all have."""
+    def write(self, ring) -> bool:
+        """Write the device values whose copies have landed into ``ring``; True when all have."""
         import numpy as np
 
         keep = []
@@ -236,14 +237,16 @@ class Batch:
                 keep.append(part)
                 continue
             n = len(self.rows)
-            cols = {name: np.full(n, np.nan) for name in ("out_std", "out_mean", "out_batch_std", "out_zero_frac",
+            cols = {name: np.ma.masked_all(n) for name in ("out_std", "out_mean", "out_batch_std", "out_zero_frac",
                                                            "out_nonfinite")}
             self._fill(cols, part)
             idx = part[0]
             rows = self.rows[idx]
-            live = count - rows <= capacity
+            live = ring.count - rows <= ring.capacity
+            at = rows[live] % ring.capacity
             for name, values in cols.items():
-                arrays[name][rows[live] % capacity] = values[idx][live]
+                ring.arrays[name][at] = np.ma.getdata(values[idx][live])
+                ring.valid[name][at] = ~np.ma.getmaskarray(values[idx][live])
         self.parts = keep
         return not keep
 

@@ -405,13 +405,13 @@ class Tracer:
             record_error("torch trace: output statistics", exc)
             import numpy as np
 
-            return {name: np.full(n, np.nan) if dt == "f8" else np.full(n, None, dtype=object)
+            return {name: np.ma.masked_all(n) if dt == "f8" else np.full(n, None, dtype=object)
                     for name, dt in STATS_COLUMNS.items()}
         if keep:
             import numpy as np
 
-            cols = {k: np.concatenate((np.full(keep, np.nan if v.dtype.kind == "f" else None, dtype=v.dtype), v))
-                    for k, v in cols.items()}
+            cols = {k: np.ma.concatenate((np.ma.masked_all(keep), v)) if v.dtype.kind == "f"
+                    else np.concatenate((np.full(keep, None, dtype=v.dtype), v)) for k, v in cols.items()}
         if batch.parts:
             with self._lock:
                 self.pending_stats.append(batch)
@@ -430,7 +430,7 @@ class Tracer:
         keep = []
         for batch in self.pending_stats:
             try:
-                if batch.stale(ring.count, ring.capacity) or batch.write(ring.arrays, ring.count, ring.capacity):
+                if batch.stale(ring.count, ring.capacity) or batch.write(ring):
                     continue
             except Exception as exc:
                 record_error("torch trace: output statistics", exc)
