@@ -86,6 +86,7 @@ class StepTracker:
         self.capture = Capture(torch)
         self.budget = Budget(setting("PROBE_STEP_BUDGET"), max_gap_s=_MAX_GAP_S)
         self.norm_budget = Budget(setting("PROBE_GRAD_NORM"))
+        self._norm_earned_ns = time.perf_counter_ns()  # the norm's budget earns the time between measured steps
         self._trace_paced = setting("PROBE_TRACE") is None  # an explicit PROBE_TRACE is kept to the step
         self._trace_due = tracer.next_sampled(0)
         self._typical_ns = 0.0  # a running mean of untraced step durations (what tracing a step adds)
@@ -274,13 +275,16 @@ class StepTracker:
         except Exception as exc:
             record_error("torch steps: loss", exc)
         clipped, capture.clip_norm = capture.clip_norm, None
+        norm_budget = self.norm_budget
+        norm_budget.earn(now_ns - self._norm_earned_ns)
+        self._norm_earned_ns = now_ns
         try:
             if clipped is not None:
                 norm_v = hold(clipped)
-            elif self.norm_budget.allows(now_ns) or (self.step <= _FORCED and self.norm_budget.share > 0):
+            elif norm_budget.allows(now_ns) or (self.step <= _FORCED and norm_budget.share > 0):
                 t0 = time.perf_counter_ns()
                 norm_v = hold(capture.grad_norm(optimizer))
-                self.norm_budget.spend(time.perf_counter_ns() - t0)
+                norm_budget.spend(time.perf_counter_ns() - t0)
         except Exception as exc:
             record_error("torch steps: grad norm", exc)
         return loss_v, norm_v, self._peak(now_ns * 1e-9)
@@ -309,7 +313,6 @@ class StepTracker:
         duration = end_perf - start_perf if end_perf > start_perf else 0.0
         budget = self.budget
         budget.earn(duration * 1e9)
-        self.norm_budget.earn(duration * 1e9)
         nan = _NAN
         measured = self.capture.wanted
         if measured:
