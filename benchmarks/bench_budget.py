@@ -13,7 +13,10 @@ downloads), one process per workload alternates blocks of steps between three ar
 Blocks rotate (on/off/off2, then off/off2/on, ...) so drift hits the arms alike, and the
 first step of each block is dropped (it pays for the switch). Per workload it prints the
 ratio of median step times on/off and off2/off (the median over rounds of each round's
-ratio, with the 25th-75th percentile spread over rounds), then the probe's own figure:
+ratio, with the 25th-75th percentile spread over rounds), in wall-clock time and in the
+training thread's CPU time (``time.thread_time``: the probe's work is CPU work on that
+thread, and CPU time leaves out the waits for a core that dominate a shared machine's
+noise), then the probe's own figure:
 ``probe_us`` from torch.steps (its boundary work per step, timed by itself) as a share of
 step time, and the share of steps it measured. Goal: on/off <= 1.01 at every step time.
 Where the A/A spread is wider than 1 %, the machine cannot resolve the goal and the
@@ -37,6 +40,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ARMS = ("on", "off", "off2")
+WARMUP = 200  # framework steps before measuring: start-up, and most of the budget's initial burst
 
 
 class Alternation:
@@ -53,13 +57,14 @@ class Alternation:
         self.block = block
         self.plan = [(r, arm) for r in range(rounds) for arm in ARMS[r % 3:] + ARMS[:r % 3]]
         self.times = {arm: [[] for _ in range(rounds)] for arm in ARMS}
+        self.cpu = {arm: [[] for _ in range(rounds)] for arm in ARMS}  # the training thread's CPU time per step
         self.i = self.n = 0
-        self.last = None
+        self.last = self.last_cpu = None
 
     def _switch(self) -> None:
         (self.hooks.resume if self.plan[self.i][1] == "on" else self.hooks.pause)()
         self.n = 0
-        self.last = time.perf_counter()
+        self.last, self.last_cpu = time.perf_counter(), time.thread_time()
 
     def start(self) -> None:
         self.i = 0
@@ -68,12 +73,13 @@ class Alternation:
 
     def tick(self) -> bool:
         """A step ended: keep its time; False once every block has run (the hooks are left running)."""
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         r, arm = self.plan[self.i]
         if self.n:  # the block's first step pays for the switch
             self.times[arm][r].append(now - self.last)
+            self.cpu[arm][r].append(cpu - self.last_cpu)
         self.n += 1
-        self.last = now
+        self.last, self.last_cpu = now, cpu
         if self.n > self.block:
             self.i += 1
             if self.i == len(self.plan):
@@ -94,19 +100,26 @@ class Alternation:
 
         med = {arm: [statistics.median(t) for t in self.times[arm] if t] for arm in ARMS}
         ratios = {k: sorted(a / b for a, b in zip(med[k], med["off"])) for k in ("on", "off2")}
+        cmed = {arm: [statistics.median(t) for t in self.cpu[arm] if t] for arm in ARMS}
+        cratios = {k: sorted(a / b for a, b in zip(cmed[k], cmed["off"])) for k in ("on", "off2")}
         step = statistics.median(med["off"])
-        tk = self.hooks.tracker()
-        cols = tk.snapshot()
+        cols = self.hooks.tracker().snapshot()
         keep = cols["step"] > self.first_step
-        probe_s = float(cols["probe_us"][keep].sum()) * 1e-6 if keep.any() else float("nan")
-        probe_med = float(np.median(cols["probe_us"][keep])) if keep.any() else float("nan")
-        share = probe_s / float(cols["duration"][keep].sum()) if keep.any() else float("nan")
-        measured = float(cols["measured"][keep].mean()) if keep.any() else float("nan")
+        us, measured = cols["probe_us"][keep], cols["measured"][keep]
+        on_step = statistics.fmean(t for block in self.times["on"] for t in block)
         n = sum(len(t) for t in self.times["on"])
-        print(f"  {name:<22} step {step * 1e3:7.2f} ms  {n:5d} steps/arm  "
-              f"on/off {_fmt(ratios['on'])}  off2/off {_fmt(ratios['off2'])}  "
-              f"probe_us mean {probe_s / max(1, int(keep.sum())) * 1e6:5.1f} us = {100 * share:5.2f} % (median {probe_med:4.1f} us)  "
-              f"measured {100 * measured:5.1f} %")
+        print(f"  {name:<22} step {step * 1e3:7.2f} ms  {n:5d} steps/arm\n"
+              f"    wall: on/off {_fmt(ratios['on'])}  off2/off {_fmt(ratios['off2'])}\n"
+              f"    cpu:  on/off {_fmt(cratios['on'])}  off2/off {_fmt(cratios['off2'])}\n"
+              f"    probe_us per step: mean {us.mean():6.1f} = {100 * us.mean() * 1e-6 / on_step:5.2f} % of the step"
+              f" (median {np.median(us):5.1f}; unmeasured steps {_median(us[~measured])}, measured {_median(us[measured])});"
+              f" measured {100 * measured.mean():5.1f} % of steps")
+
+
+def _median(values) -> str:
+    import numpy as np
+
+    return f"{np.median(values):5.1f}" if len(values) else "  n/a"
 
 
 def _fmt(ratios: list[float]) -> str:
@@ -158,7 +171,7 @@ def plain(target: float, block: int):
 
         step, width = calibrated(target)
         hooks.arm()
-        for _ in range(20):  # the start-up steps (traced, scanned) before any measurement
+        for _ in range(max(20, int(2.0 / target))):  # start-up, and 2 s to spend the budget's initial burst
             step()
         alt = Alternation(block, rounds if target < 0.05 else max(4, rounds // 2))
         alt.run(step)
@@ -193,9 +206,9 @@ def hf(rounds: int, block: int = 30) -> None:
 
     class Alternate(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
-            if state.global_step == 20:
+            if state.global_step == WARMUP:
                 alt.start()
-            elif state.global_step > 20 and not alt.tick():
+            elif state.global_step > WARMUP and not alt.tick():
                 control.should_training_stop = True
 
     torch.manual_seed(0)
@@ -228,9 +241,9 @@ def lightning(rounds: int, block: int = 60) -> None:
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
             step = self.trainer.global_step
-            if step == 20:
+            if step == WARMUP * 4:
                 alt.start()
-            elif step > 20 and not alt.tick():
+            elif step > WARMUP * 4 and not alt.tick():
                 self.trainer.should_stop = True
 
         def configure_optimizers(self):
