@@ -44,6 +44,16 @@ def slow(shared_spawn):
     return shared_spawn([LOOP, "--steps", str(SLOW), "--step-sleep", "0.02"], ready=None)
 
 
+def test_budget_bucket_arithmetic():
+    """The bucket's own examples (spending, earning back, the per-charge cap) run as doctests."""
+    import doctest
+
+    from probe.training import budget
+
+    failed, attempted = doctest.testmod(budget)
+    assert attempted >= 6 and failed == 0
+
+
 def test_tiny_budget_keeps_count_and_times_exact_and_flags_unmeasured_steps(tiny, shared_cli):
     rows = query(shared_cli, tiny.pid, "SELECT step, started_at, ended_at, duration, loss, grad_norm, peak_allocated, "
                  f"measured, probe_us FROM torch.steps WHERE step <= {FAST} ORDER BY step")
