@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_budget's alternation
 
 
 def launch_bound():
@@ -60,13 +61,12 @@ def interleaved(make, block: int, rounds: int) -> dict:
     """Step times in three arms on one model: hooks running ("on"), paused ("off") and paused
     again ("off2", the A/A control that shows this machine's noise in the same run).
 
-    The probe is armed once and its step count runs on across blocks, so the "on" steps
-    are a long run's steady state: the default sampling traces one step in a hundred,
-    grad norms and discovery scans run at their own rates. Blocks rotate through the arms
-    (on/off/off2, then off/off2/on, ...) so drift hits them alike; the first step of every
-    block is dropped (it pays for the switch). Then, with the hooks running, the time spent
-    inside the probe's own hooks is measured directly ("direct", seconds per step).
+    The alternation is bench_budget's (blocks rotating through the arms, the first step
+    of each block dropped); the probe is armed once, so the "on" steps are a long run's
+    steady state. Then, with the hooks running, the time spent inside the probe's own
+    hooks is measured directly ("direct", seconds per step).
     """
+    from bench_budget import Alternation
     from probe.training import hooks
 
     model, data = make()
@@ -74,12 +74,9 @@ def interleaved(make, block: int, rounds: int) -> dict:
     train(model, opt, data, 10)
     hooks.arm()
     train(model, opt, data, 10)  # the start-up steps (traced, scanned) before any measurement
-    arms: dict = {"on": [], "off": [], "off2": []}
-    order = list(arms)
-    for r in range(rounds):
-        for arm in order[r % 3:] + order[:r % 3]:
-            (hooks.resume if arm == "on" else hooks.pause)()
-            arms[arm] += train(model, opt, data, block)[1:]
+    alt = Alternation(block, rounds)
+    alt.run(lambda: train(model, opt, data, 1))
+    arms: dict = {arm: [t for block_times in alt.times[arm] for t in block_times] for arm in alt.times}
     hooks.resume()
     tk = hooks.tracker()
     inside = [0.0]
@@ -95,6 +92,7 @@ def interleaved(make, block: int, rounds: int) -> dict:
 
     tk.on_optimizer_step = timed(tk.on_optimizer_step)
     tk._root_pre_hook = timed(tk._root_pre_hook)
+    tk.capture.saw_backward = timed(tk.capture.saw_backward)
     tk.close_root_hooks()
     tk._watch_roots()
     n = len(arms["on"])

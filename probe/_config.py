@@ -93,6 +93,18 @@ def _share(text: str) -> float:
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
 
 
+def _budget(text: str) -> float:
+    """PROBE_STEP_BUDGET: a share of step time in (0, 1], or 'off' (no limit: every step measured) -> inf."""
+    v = text.strip().lower()
+    if v in ("off", "no", "none", "false", "all"):
+        return math.inf
+    what = "off or a share of step time above 0 and at most 1, such as 0.01"
+    share = _number(float, above=0, what=what)(v)
+    if share > 1:
+        raise ValueError(what)
+    return share
+
+
 def _size(text: str) -> int:
     """A size in bytes: ``64MB``, ``512KiB``, ``1000000``.
 
@@ -149,6 +161,7 @@ _declare("PROBE_TRACE_CAPACITY", "100000", "Rows kept in the python.torch_trace 
 _declare("PROBE_SPANS_CAPACITY", "10000", "Rows kept in the python.spans ring buffer (spans recorded with probe.span).", _COUNT)
 _declare("PROBE_STEPS_CAPACITY", "10000", "Rows kept in the torch.steps ring buffer.", _COUNT)
 _declare("PROBE_GRAD_NORM", "0.001", "Share of step time the probe's own gradient-norm computation may take (it runs on every N-th step to fit); 'all' computes it every step, 'off' never. A loop that calls clip_grad_norm_ gets its norm on every step for free.", _share)
+_declare("PROBE_STEP_BUDGET", "0.01", "Share of step time the probe's own per-step work may take (measured as it goes): the loss read-back, grad norm, peak memory, discovery scans and module-trace scheduling run on the steps that fit (torch.steps.measured), while step count, step time, lr and actions stay exact on every step; 'off' measures every step.", _budget)
 _declare("PROBE_LOSS_NAMES", "loss", "Comma-separated names of the scalar loss tensor looked up in the training loop's frames at each step.", _names)
 _declare("PROBE_HANG_TIMEOUT", None, "Seconds without a completed step after which every thread's stack is written to the runtime directory.", _seconds_or_off)
 _declare("PROBE_POSTMORTEM_EVERY", "30", "Seconds between the periodic post-mortem snapshots of the tables (written off the training thread, only after new steps), so a process killed with SIGKILL still leaves its last minute; 0 turns them off.", _seconds_or_off)

@@ -377,6 +377,23 @@ rule(
 )
 
 rule(
+    "probe_overhead", family="probe", severity="info",
+    description="The probe's fixed per-step work (torch.steps.probe_us, median over the last 200 steps) exceeds 2 % of the step time: steps too short for PROBE_STEP_BUDGET.",
+    sql="""
+WITH s AS (
+  SELECT rank, step, probe_us, duration, measured,
+         row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+  FROM torch.steps WHERE probe_us IS NOT NULL AND duration > 0)
+SELECT rank, count(*) AS n, median(probe_us) AS probe_us, median(duration) * 1000 AS step_ms,
+       median(probe_us) * 1e-6 / median(duration) AS share, avg(measured::INT) AS measured
+FROM s WHERE age <= 200 GROUP BY rank
+HAVING count(*) >= 50 AND median(probe_us) * 1e-6 / median(duration) > 0.02""",
+    message="the probe's own work is {probe_us:.1f} us of every {step_ms:.2f} ms step ({share:.1%}), more than its budget: "
+            "steps this short get their loss, grad norm and peak memory measured on {measured:.1%} of steps.",
+    next=["probe {target} query \"SELECT step, duration, probe_us, measured FROM torch.steps ORDER BY step DESC LIMIT 20\""],
+)
+
+rule(
     "hung_rank", family="distributed", severity="critical", scope="job",
     description="The rank the others wait for (ranks.status culprit): hung outside any collective, stopped, or gone while the others wait.",
     sql="SELECT rank, step, state, reason, top_frame FROM ranks.hung WHERE culprit AND state <> 'dead'",  # rank_died says it

@@ -72,7 +72,7 @@ def _step_of(times: list) -> list:
         return [None] * len(times)
     import numpy as np
 
-    cols = tk.ring.snapshot()
+    cols = tk.snapshot()
     ended, started, numbers = cols["ended_at"], cols["started_at"], cols["step"]
     n = len(numbers)
     out = []

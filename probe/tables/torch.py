@@ -32,23 +32,27 @@ _STEP_EXTRA = ("compute", "comm_wait")
         Column("started_at", "TIMESTAMP", "When the step started (the end of the previous step)."),
         Column("ended_at", "TIMESTAMP", "When the step ended (its optimizer step returned)."),
         Column("duration", "DOUBLE", "Wall-clock seconds from the previous step boundary to this one, data loading included."),
-        Column("loss", "DOUBLE", "Value of the loss tensor found in the training loop (PROBE_LOSS_NAMES), read lazily; NULL until ready or when none was found."),
-        Column("grad_norm", "DOUBLE", "Total gradient L2 norm, read lazily: clip_grad_norm_'s result (before clipping) when the loop clips, else the lead optimizer's gradients at its step, computed on enough steps to cost at most PROBE_GRAD_NORM (default 0.1 %) of the step time (NULL on the others)."),
+        Column("loss", "DOUBLE", "The step's loss: the sum of the scalars the loop backpropagated (else the loop's loss variable, PROBE_LOSS_NAMES), read lazily; NULL on a step that was not measured (measured is false), until ready, or when none was found."),
+        Column("grad_norm", "DOUBLE", "Total gradient L2 norm, read lazily: clip_grad_norm_'s result (before clipping) when the loop clips, else the lead optimizer's gradients at its step, computed on enough steps to cost at most PROBE_GRAD_NORM (default 0.1 %) of the step time (NULL on the others); NULL on a step that was not measured."),
         Column("lr", "DOUBLE", "Learning rate of the lead optimizer's first param group used by this step."),
         Column("samples_per_s", "DOUBLE", "Samples per second: batch dimension of the root model's training inputs (or probe.step(samples=)) over duration."),
         Column("tokens_per_s", "DOUBLE", "Tokens per second: elements of integer inputs of rank 2 or more (or probe.step(tokens=)) over duration."),
-        Column("peak_allocated", "BIGINT", "Peak memory so far in bytes: the CUDA allocator's max_memory_allocated on GPU runs, else the process's peak RSS."),
+        Column("peak_allocated", "BIGINT", "Peak memory so far in bytes: the CUDA allocator's max_memory_allocated on GPU runs, else the process's peak RSS (read at most every 0.25 s); NULL on a step that was not measured."),
         Column("rank", "INTEGER", "Global rank, NULL outside a distributed job."),
         Column("traced", "BOOLEAN", "Whether module tracing (python.torch_trace) was on during this step."),
         Column("samples", "DOUBLE", "Samples processed in this step, NULL when unknown."),
         Column("tokens", "DOUBLE", "Tokens processed in this step, NULL when unknown."),
         Column("micro_batches", "BIGINT", "Training forward passes of the root model in this step (more than 1 under gradient accumulation)."),
         Column("optimizer", "VARCHAR", "Class of the lead optimizer."),
+        Column("measured", "BOOLEAN", "Whether the probe measured this step's optional values (loss, grad_norm, peak_allocated): false on the steps it skipped to stay within PROBE_STEP_BUDGET, where those are NULL because they were not measured. step, durations, lr, samples and traced are exact on every step."),
+        Column("probe_us", "DOUBLE", "Microseconds the probe's own work took at this step's boundary (queued actions excluded): what PROBE_STEP_BUDGET paces; NULL for the newest step until its boundary has finished."),
         Column("compute", "DOUBLE", "Seconds of the step this rank spent on its own work (data, forward, backward) before it issued the step's last collective, from torch.collectives; NULL without a recorded collective in the step."),
         Column("comm_wait", "DOUBLE", "Seconds from the step's last collective to its end: waiting for the other ranks (and the optimizer step); NULL without a recorded collective."),
     ],
     examples=[
         "SELECT step, duration, loss, grad_norm, lr, tokens_per_s FROM torch.steps ORDER BY step DESC LIMIT 10",
+        "SELECT COUNT(*) AS steps, AVG(probe_us) AS probe_us, 1e-6 * SUM(probe_us) / SUM(duration) AS probe_share, "
+        "AVG(measured::INT) AS measured_share FROM torch.steps",
         "SELECT step, duration, compute, comm_wait, comm_wait / duration AS wait_share FROM torch.steps "
         "WHERE comm_wait IS NOT NULL ORDER BY step DESC LIMIT 10",
         "SELECT COUNT(*) AS steps, AVG(duration) AS avg_step_s, MIN(loss) AS best_loss, MAX(grad_norm) AS max_grad_norm "
@@ -60,8 +64,7 @@ def steps(ctx):
     tk = hooks.tracker()
     if tk is None:
         return _empty(list(STEP_COLUMNS) + list(_STEP_EXTRA))
-    tk.resolve()
-    cols = tk.ring.snapshot()
+    cols = tk.snapshot()
     cols["compute"], cols["comm_wait"] = _comm_split(ctx, cols)
     return cols
 

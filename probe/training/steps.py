@@ -11,50 +11,56 @@ What counts as a step:
 * Once ``probe.step()`` is called, the explicit calls own the count and optimizer steps
   no longer end steps (no double counting).
 
-The loss of a step is what the loop backpropagated since the previous step: every
-scalar tensor ``torch.autograd.backward`` (so ``Tensor.backward``, accelerate's
-``accelerator.backward``, Lightning's and the HF Trainer's backward) was called on,
-summed; ``scaler.scale(loss)`` counts as ``loss`` (GradScaler's scale is looked
-through), ``(loss / accum).backward()`` over ``accum`` micro-batches sums to their
-mean, and inside ``optimizer.step(closure)`` only the closure's first evaluation
-counts (the value ``step`` returns; LBFGS evaluates it again). A loop that never
-calls backward on a scalar (``torch.autograd.grad``) falls back to a scalar tensor
-named ``loss`` (PROBE_LOSS_NAMES) in the training loop's frames; ``probe.step(loss=)``
-overrides both.
+The boundary's cost is paced (``budget``): step count, step time, lr and the safe-point
+queue are exact on every step; the optional values (the loss read-back from
+``capture``, the grad norm, peak memory) and the occasional work (discovery scans,
+module-trace scheduling) run on the steps the ``PROBE_STEP_BUDGET`` bucket allows, and
+the row's ``measured`` flag says which. Each boundary's own cost is timed and kept
+(``probe_us``). Values derived from others (``started_at``, the rates, ``rank``) are
+computed when a query asks, not at the boundary.
 
 The hot path never synchronises with a device: the loss and the gradient norm
 (a foreach norm launched on the device) are kept as tensors and read a few steps
 later or when a query asks, once they are ready. Until then, or when there is no
-such value, the ring holds None (SQL NULL); a loss that is NaN or infinite is kept as
-it is, so ``isnan(loss)`` finds the step it went bad.
+such value (a step the budget did not measure included), the ring holds None (SQL
+NULL); a loss that is NaN or infinite is kept as it is, so ``isnan(loss)`` finds the
+step it went bad.
 """
+
 
 from __future__ import annotations
 
-import functools
-import math
 import os
 import resource
 import sys
 import threading
 import time
+from array import array
 
 from . import finder, safepoint
+from .budget import Budget
+from .capture import Capture, read
 from .._config import setting
 from .._runtime import rank_identity
 from ..util.errorlog import record_error
-from ..util.frames import release
 from ..util.ring import Ring
 
 __all__ = ["StepTracker", "STEP_COLUMNS"]
 
+# What the boundary writes per step (the ring's columns)...
+RING_COLUMNS = {"step": "i8", "ended_at": "f8", "duration": "f8", "loss": "f8", "grad_norm": "f8", "lr": "f8",
+                "peak_allocated": "f8", "traced": "b1", "measured": "b1", "samples": "f8", "tokens": "f8",
+                "micro_batches": "i8", "optimizer": "O"}
+# ...and what a query sees (``StepTracker.snapshot``): the rest is derived when asked.
 STEP_COLUMNS = {"step": "i8", "started_at": "f8", "ended_at": "f8", "duration": "f8", "loss": "f8",
                 "grad_norm": "f8", "lr": "f8", "samples_per_s": "f8", "tokens_per_s": "f8",
                 "peak_allocated": "f8", "rank": "f8", "traced": "b1", "samples": "f8", "tokens": "f8",
-                "micro_batches": "i8", "optimizer": "O"}
+                "micro_batches": "i8", "optimizer": "O", "measured": "b1", "probe_us": "f8"}
 _LAG = 2  # steps after which a pending value is read on the training thread
 _RESOLVE_EVERY = 8  # pending device values read at the boundary once this many are waiting
 _PEAK_PERIOD = 0.25  # seconds between peak-memory readings at the boundary (a running peak: staleness is fine)
+_MAX_GAP_S = 1.0  # a step is measured at least this often, whatever the budget
+_FORCED = 3  # steps 1-3 are always measured (start-up divergence shows there)
 
 
 def _outside(frame):
@@ -67,27 +73,25 @@ def _outside(frame):
     return frame, hops
 
 
-def _attempt(source: str, fn, *args):
-    """``fn(*args)``, or NaN with the error recorded: one failing measurement never costs the step."""
-    try:
-        return fn(*args)
-    except Exception as exc:
-        record_error(source, exc)
-        return float("nan")
-
-
 class StepTracker:
     def __init__(self, torch, tracer):
         self.torch = torch
         self.tracer = tracer
         self.torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
-        self.ring = Ring(STEP_COLUMNS, setting("PROBE_STEPS_CAPACITY"))
+        self.ring = Ring(RING_COLUMNS, setting("PROBE_STEPS_CAPACITY"))
+        self._cost = array("d", bytes(8 * self.ring.capacity))  # probe_us per ring row
+        self._cost_rows = 0  # rows whose cost is written
         self.rank = rank_identity()["rank"]
-        self._rank_v = float("nan") if self.rank is None else float(self.rank)
         # An integer batch of two or more dimensions is token ids (features are floating point).
         self._token_dtypes = {getattr(torch, n) for n in ("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32",
                                                              "uint64") if hasattr(torch, n)}
-        self.loss_names = setting("PROBE_LOSS_NAMES") or ["loss"]
+        self.capture = Capture(torch)
+        self.budget = Budget(setting("PROBE_STEP_BUDGET"), max_gap_s=_MAX_GAP_S)
+        self.norm_budget = Budget(setting("PROBE_GRAD_NORM"))
+        self._norm_earned_ns = time.perf_counter_ns()  # the norm's budget earns the time between measured steps
+        self._trace_paced = setting("PROBE_TRACE") is None  # an explicit PROBE_TRACE is kept to the step
+        self._trace_due = tracer.next_sampled(0)
+        self._typical_ns = 0.0  # a running mean of untraced step durations (what tracing a step adds)
         self.step = 0
         self.explicit = False
         self.lead = None  # weakref to the lead optimizer
@@ -101,23 +105,14 @@ class StepTracker:
         self.pending: list = []  # (ring row, column, value holder)
         self._lock = threading.Lock()
         self._root_hooks: dict = {}
-        self._scanned_at = 0
-        self._norm_failed: set = set()
+        self._scan_due = 1
         self.wall_offset = time.time() - time.perf_counter()
-        self._clip_norm = None
-        self._norm_next = 1  # the next step that computes its own grad norm
-        self._norm_budget = setting("PROBE_GRAD_NORM")
         self._peak_at = -1.0
-        self._peak_v = float("nan")
+        self._peak_v = None
         self._frame = None
         self._frame_depth = 0
-        self._losses: list = []  # this step's backpropagated scalars (detached), summed at the boundary
-        self._scaled = None  # (weakref to GradScaler.scale's output, the loss it scaled)
-        self._closure_step = False  # inside optimizer.step(closure): only the closure's first backward counts
-        self._closure_taken = False
         self.step_lr = None  # the lr an override made this step use (set by probe._lr before the boundary)
-        _attempt("torch steps: wrapping clip_grad_norm_", self._wrap_clip)
-        _attempt("torch steps: wrapping torch.autograd.backward", self._wrap_backward)
+        self.capture.wrap()
 
     # -- the lead optimizer --------------------------------------------------------------------
     def set_lead(self, optimizer) -> None:
@@ -130,9 +125,14 @@ class StepTracker:
     def lead_optimizer(self):
         return self.lead() if self.lead is not None else None
 
+    def on_step_start(self, optimizer, args, kwargs) -> None:
+        """torch's global optimizer step pre-hook: note whether this step evaluates a closure."""
+        self.capture.on_step_start(args, kwargs)
+
     def on_optimizer_step(self, optimizer) -> None:
         """torch's global optimizer step post-hook lands here."""
-        self._closure_step = False
+        t0 = time.perf_counter_ns()
+        self.capture.on_step_end()
         lead = self.lead() if self.lead is not None else None
         if lead is None:
             self.set_lead(optimizer)
@@ -142,7 +142,7 @@ class StepTracker:
             return
         if self.explicit:
             return
-        self.boundary(optimizer, self._loop_frame())
+        self.boundary(optimizer, self._loop_frame(), t0=t0)
 
     def _loop_frame(self):
         """The training loop's frame: the first one outside torch and probe above the step hook.
@@ -202,43 +202,8 @@ class StepTracker:
             record_error("torch steps: root model hook", exc)
 
     # -- lazily read values ---------------------------------------------------------------------
-    def _hold(self, value):
-        """A float now when that costs no device sync, else a holder to read later."""
-        if type(value) is float:
-            return value
-        torch = self.torch
-        if isinstance(value, torch.Tensor):
-            if not value.is_cuda:
-                if value.is_cpu:
-                    return float(value.item())  # nothing to wait for (a non-scalar raises: recorded, missing)
-                return (value.detach(), None)  # another accelerator (MPS, XLA): read later, not in this step
-            if value.numel() != 1:
-                return None
-            value = value.detach()
-            try:
-                host = torch.empty((), dtype=value.dtype, device="cpu", pin_memory=True)
-                host.copy_(value.reshape(()), non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record()
-                return (host, ev)
-            except Exception as exc:
-                record_error("torch steps: copying a device scalar", exc)
-                return None
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            return None
-
-    @staticmethod
-    def _read(holder):
-        """The value behind a holder, or None while its device copy has not landed."""
-        host, ev = holder
-        if ev is not None and not ev.query():
-            return None
-        return float(host.item())
-
     def resolve(self, up_to_row: int | None = None) -> None:
-        """Read pending loss and grad-norm values (those ready; up to a ring row if given)."""
+        """Read pending loss, grad-norm and lr values (those ready; up to a ring row if given)."""
         with self._lock:
             keep = []
             for row, col, holder in self.pending:
@@ -248,7 +213,7 @@ class StepTracker:
                     keep.append((row, col, holder))
                     continue
                 try:
-                    v = self._read(holder)
+                    v = read(holder)
                 except Exception as exc:
                     record_error(f"torch steps: reading {col}", exc)
                     continue
@@ -258,182 +223,31 @@ class StepTracker:
                     self.ring.set(col, row, v)
             self.pending = keep
 
+    def snapshot(self) -> dict:
+        """The ``torch.steps`` columns (STEP_COLUMNS), oldest step first: the ring's, plus those derived
+        from them now rather than at every boundary."""
+        import numpy as np
+
+        self.resolve()
+        written = self._cost_rows
+        cost = np.frombuffer(self._cost, dtype="f8").copy()  # one C call under the GIL: no torn rows
+        cols = self.ring.snapshot()
+        rows = cols["step"] - 1  # one ring row per step, in order
+        probe_us = np.ma.masked_where(rows >= written, cost[rows % len(cost)] if len(cost) else np.zeros(0))
+        duration = cols["duration"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            per_s = np.ma.masked_where(duration <= 0, 1.0 / duration)  # NULL, not NaN, for a step of no length
+        n = len(rows)
+        return {"step": cols["step"], "started_at": cols["ended_at"] - duration, "ended_at": cols["ended_at"],
+                "duration": duration, "loss": cols["loss"], "grad_norm": cols["grad_norm"], "lr": cols["lr"],
+                "samples_per_s": cols["samples"] * per_s, "tokens_per_s": cols["tokens"] * per_s,
+                "peak_allocated": cols["peak_allocated"],
+                "rank": np.full(n, np.nan if self.rank is None else float(self.rank)), "traced": cols["traced"],
+                "samples": cols["samples"], "tokens": cols["tokens"], "micro_batches": cols["micro_batches"],
+                "optimizer": cols["optimizer"], "measured": cols["measured"], "probe_us": probe_us}
+
     # -- the boundary -----------------------------------------------------------------------------
-    def _find_loss(self, frame):
-        f, n = frame, 0
-        while f is not None and n < 3:
-            loc = f.f_locals
-            try:
-                for name in self.loss_names:
-                    v = loc.get(name)
-                    if v is None:
-                        continue
-                    if isinstance(v, self.torch.Tensor):
-                        if v.numel() == 1:  # not a per-sample loss vector: look further out for the scalar
-                            return v
-                    elif isinstance(v, (float, int)):
-                        return v
-            finally:
-                release(f, loc, own=True)  # else 3.11/3.12's cached snapshot keeps last step's tensors alive
-            f, n = f.f_back, n + 1
-        return None
-
-    def _step_grad_norm(self, optimizer, step: int, duration: float):
-        """clip_grad_norm_'s result when the loop clipped, else our own norm.
-
-        The boundary calls this from step ``_norm_next`` on. After computing a norm that cost
-        ``c`` on a step of ``d`` seconds, the next one is ``c / (budget * d)`` steps later, so
-        our computation stays within PROBE_GRAD_NORM's share of the step time (0.1 % by
-        default); steps 1-3 always get one (start-up divergence shows there).
-        """
-        clipped, self._clip_norm = self._clip_norm, None
-        if clipped is not None:
-            return clipped
-        budget = self._norm_budget
-        t0 = time.perf_counter()
-        norm = self._grad_norm(optimizer)
-        cost = time.perf_counter() - t0
-        gap = 1
-        if duration > 0 and budget != float("inf"):
-            gap = max(1, math.ceil(cost / (budget * duration)))
-        self._norm_next = step + 1 if step < 3 else step + gap
-        return norm
-
-    def _wrap_clip(self) -> None:
-        """Keep the total norm that torch.nn.utils.clip_grad_norm_ computes anyway (the norm before clipping)."""
-        utils = self.torch.nn.utils
-        original = utils.clip_grad_norm_
-        if getattr(original, "_probe_original", None) is not None:
-            return
-        tracker = self
-
-        @functools.wraps(original)
-        def clip_grad_norm_(*args, **kwargs):
-            total = original(*args, **kwargs)
-            tracker._clip_norm = total
-            return total
-
-        clip_grad_norm_._probe_original = original
-        utils.clip_grad_norm_ = clip_grad_norm_
-
-    # -- the loss: what backward was called on ------------------------------------------------
-    def on_step_start(self, optimizer, args, kwargs) -> None:
-        """torch's global optimizer step pre-hook: note whether this step evaluates a closure."""
-        self._closure_step = bool(args) or kwargs.get("closure") is not None
-        self._closure_taken = False
-
-    def _saw_backward(self, tensors, grad_tensors) -> None:
-        t = tensors
-        if type(t) in (list, tuple):
-            if len(t) != 1:
-                return
-            t = t[0]
-        if not isinstance(t, self.torch.Tensor) or t.numel() != 1:
-            return  # a vector backward with explicit gradients is not a loss
-        if grad_tensors is not None and not (type(grad_tensors) in (list, tuple) and all(g is None for g in grad_tensors)):
-            return
-        if self._closure_step:
-            if self._closure_taken:
-                return
-            self._closure_taken = True
-        scaled = self._scaled
-        if scaled is not None and scaled[0]() is t:
-            t = scaled[1]
-            self._scaled = None
-        self._losses.append(t.detach())
-
-    def _wrap_backward(self) -> None:
-        """See every ``torch.autograd.backward`` call (``Tensor.backward`` goes through it) and
-        GradScaler's ``scale`` (so a scaled loss counts unscaled)."""
-        import weakref
-
-        autograd = self.torch.autograd
-        original = autograd.backward
-        if getattr(original, "_probe_original", None) is None:
-            tracker = self
-
-            @functools.wraps(original)
-            def backward(tensors, grad_tensors=None, *args, **kwargs):
-                try:
-                    tracker._saw_backward(tensors, grad_tensors)
-                except Exception as exc:
-                    record_error("torch steps: noting the loss", exc)
-                return original(tensors, grad_tensors, *args, **kwargs)
-
-            backward._probe_original = original
-            autograd.backward = backward
-        scaler = getattr(getattr(self.torch, "amp", None), "GradScaler", None)
-        scale = getattr(scaler, "scale", None)
-        if scale is not None and getattr(scale, "_probe_original", None) is None:
-            tracker = self
-            Tensor = self.torch.Tensor
-
-            @functools.wraps(scale)
-            def scale_(self_, outputs):
-                out = scale(self_, outputs)
-                if out is not outputs and isinstance(outputs, Tensor):
-                    try:
-                        tracker._scaled = (weakref.ref(out), outputs.detach())
-                    except TypeError:
-                        pass
-                return out
-
-            scale_._probe_original = scale
-            scaler.scale = scale_
-
-    def _unwrap_backward(self) -> None:
-        autograd = self.torch.autograd
-        original = getattr(autograd.backward, "_probe_original", None)
-        if original is not None:
-            autograd.backward = original
-        scaler = getattr(getattr(self.torch, "amp", None), "GradScaler", None)
-        original = getattr(getattr(scaler, "scale", None), "_probe_original", None)
-        if original is not None:
-            scaler.scale = original
-        self._losses.clear()
-        self._scaled = None
-
-    def _step_loss(self):
-        """This step's backpropagated loss (a tensor, summed on its device), or None."""
-        losses = self._losses
-        if not losses:
-            return None
-        self._losses = []
-        if len(losses) == 1:
-            return losses[0]
-        try:
-            first = losses[0]
-            return self.torch.stack([x.reshape(()).to(first.device, first.dtype) for x in losses]).sum()
-        except Exception as exc:
-            record_error("torch steps: summing the step's losses", exc)
-            return losses[-1]
-
-    def _unwrap_clip(self) -> None:
-        utils = self.torch.nn.utils
-        original = getattr(utils.clip_grad_norm_, "_probe_original", None)
-        if original is not None:
-            utils.clip_grad_norm_ = original
-
-    def _grad_norm(self, optimizer):
-        if optimizer is None or id(optimizer) in self._norm_failed:
-            return None
-        torch = self.torch
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
-            return None
-        try:
-            with torch.no_grad():
-                norms = torch._foreach_norm(grads)
-                try:
-                    return torch.linalg.vector_norm(torch.stack(norms))
-                except RuntimeError:  # gradients on several devices
-                    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
-        except Exception as exc:  # sparse gradients, mixed devices: stop trying for this optimizer
-            self._norm_failed.add(id(optimizer))
-            record_error("torch steps: grad norm", exc)
-            return None
-
-    def _peak(self, now: float) -> float:
+    def _peak(self, now: float) -> float | None:
         """The peak so far, read at most every ``_PEAK_PERIOD`` seconds (a peak only grows)."""
         if now - self._peak_at < _PEAK_PERIOD:
             return self._peak_v
@@ -444,56 +258,76 @@ class StepTracker:
             else:
                 self._peak_v = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         except Exception:
-            self._peak_v = float("nan")
+            self._peak_v = None
         return self._peak_v
 
-    def boundary(self, optimizer, frame, *, loss=None, samples=None, tokens=None) -> None:
+    def _measure(self, optimizer, frame, loss, now_ns: int) -> tuple:
+        """The optional values of a measured step: (loss, grad norm, peak), each a float, a holder or None."""
+        capture = self.capture
+        hold = capture.hold
+        loss_v = norm_v = None
+        try:
+            if loss is None:
+                loss = capture.step_loss(frame)
+            else:
+                capture.forget()  # probe.step(loss=) overrides what was backpropagated
+            if loss is not None:
+                loss_v = hold(loss)
+        except Exception as exc:
+            record_error("torch steps: loss", exc)
+        clipped, capture.clip_norm = capture.clip_norm, None
+        norm_budget = self.norm_budget
+        norm_budget.earn(now_ns - self._norm_earned_ns)
+        self._norm_earned_ns = now_ns
+        try:
+            if clipped is not None:
+                norm_v = hold(clipped)
+            elif norm_budget.allows(now_ns) or (self.step <= _FORCED and norm_budget.share > 0):
+                t0 = time.perf_counter_ns()
+                norm_v = hold(capture.grad_norm(optimizer))
+                norm_budget.spend(time.perf_counter_ns() - t0)
+        except Exception as exc:
+            record_error("torch steps: grad norm", exc)
+        return loss_v, norm_v, self._peak(now_ns * 1e-9)
+
+    def boundary(self, optimizer, frame, *, loss=None, samples=None, tokens=None, t0: int | None = None) -> None:
         """Close step ``self.step + 1``: one ring row, then the tracer's and the subscribers' turn.
 
         This runs between two steps on the training thread, with the step's work just
         evicted from the CPU caches, so it touches as little as it can: one tuple into the
-        ring's tail, no device syncs, and torch calls only for values it must keep.
+        ring's tail, no device syncs, and the optional values only on the steps the
+        budget measures. ``t0`` (perf_counter_ns) is when the probe's hook was entered:
+        the step's end, and the start of the probe's own cost.
         """
-        end_perf = time.perf_counter()
+        if t0 is None:
+            t0 = time.perf_counter_ns()
+        end_perf = t0 * 1e-9
         self.step = step = self.step + 1
         if frame is not self._frame:
             self._frame = frame
             finder.set_training_frame(frame)
         if optimizer is None:
             optimizer = self.lead_optimizer()
-        if step >= 2 * self._scanned_at or step == 1:  # steps 1, 2, 4, 8, ...: cheap enough, catches late models
-            self._scanned_at = step
-            try:
-                finder.scan(frame)
-                self._watch_roots()
-            except Exception as exc:
-                record_error("torch steps: discovery", exc)
         start_perf = self.last_end_perf
         if start_perf is None:
             start_perf = self.tracer.first_call_perf() or self.started_perf
         duration = end_perf - start_perf if end_perf > start_perf else 0.0
-        loss_v = norm_v = lr = None  # None: missing (NULL); a NaN loss stays NaN
-        try:
-            found = self._step_loss()
-            if loss is None:
-                loss = found if found is not None else self._find_loss(frame)
-            if loss is not None:
-                loss_v = self._hold(loss)
-        except Exception as exc:
-            record_error("torch steps: loss", exc)
-        if self._clip_norm is not None or (self._norm_budget and step >= self._norm_next):
-            try:
-                norm = self._step_grad_norm(optimizer, step, duration)
-                norm_v = None if norm is None else self._hold(norm)
-            except Exception as exc:
-                record_error("torch steps: grad norm", exc)
+        budget = self.budget
+        budget.earn(duration * 1e9)
+        measured = self.capture.wanted
+        if measured:
+            loss_v, norm_v, peak = self._measure(optimizer, frame, loss, t0)
+        else:  # None: not measured (SQL NULL); a NaN loss stays NaN
+            loss_v = norm_v = peak = None
+            self.capture.clip_norm = None
+        lr = None
         if self.step_lr is not None:
             lr, self.step_lr = self.step_lr, None
         elif optimizer is not None:
             try:
                 lr = optimizer.param_groups[0]["lr"]
                 if type(lr) is not float:
-                    lr = self._hold(lr)  # a tensor lr (capturable optimizers), or an int
+                    lr = self.capture.hold(lr)  # a tensor lr (capturable optimizers), or an int
             except Exception as exc:
                 record_error("torch steps: lr", exc)
         s = float(samples) if samples is not None else (self.samples or None)
@@ -502,13 +336,9 @@ class StepTracker:
         traced = tracer.active_step == step
         ring = self.ring
         row = ring.count
-        ring.append(step, start_perf + self.wall_offset, end_perf + self.wall_offset, duration,
-                    loss_v if type(loss_v) is float else None, norm_v if type(norm_v) is float else None,
-                    lr if type(lr) is float else None, s / duration if s is not None and duration > 0 else None,
-                    t / duration if t is not None and duration > 0 else None,
-                    self._peak_v if end_perf - self._peak_at < _PEAK_PERIOD else self._peak(end_perf), self._rank_v,
-                    traced, s, t,
-                    self.micro_batches, type(optimizer).__name__ if optimizer is not None else None)
+        ring.append(step, end_perf + self.wall_offset, duration, loss_v if type(loss_v) is float else None,
+                    norm_v if type(norm_v) is float else None, lr if type(lr) is float else None, peak, traced,
+                    measured, s, t, self.micro_batches, type(optimizer).__name__ if optimizer is not None else None)
         if type(loss_v) is tuple or type(norm_v) is tuple or type(lr) is tuple:  # device values read later
             with self._lock:
                 for col, v in (("loss", loss_v), ("grad_norm", norm_v), ("lr", lr)):
@@ -520,21 +350,52 @@ class StepTracker:
         self.last_end_wall = end_perf + self.wall_offset
         self.samples = self.tokens = 0.0
         self.micro_batches = 0
+        if measured:
+            self._occasional(step, frame, duration * 1e9, traced)
+        # Whether the next step is measured: decided now, so its backward calls are noted or not.
+        nxt = step + 1
+        measure = self.capture.wanted = nxt <= _FORCED or budget.allows(t0)
         try:
             if traced:
                 tracer.finish(step, self.wall_offset)
             if tracer.pending_events:
                 tracer.resolve()
-            if tracer.handles or tracer.sampled(step + 1):
-                tracer.prepare(step + 1)
-            else:
-                tracer.active_step = None
+            if nxt >= self._trace_due and (measure or not self._trace_paced):
+                self._trace_due = tracer.next_sampled(nxt)
+                tracer.prepare(nxt, True)
+            elif tracer.handles or tracer.active_step is not None:
+                tracer.prepare(nxt, False)
         except Exception as exc:
             record_error("torch trace: step boundary", exc)
         if safepoint._subscribers:
+            t1 = time.perf_counter_ns()
             safepoint.fire(safepoint.StepEvent(step, frame, optimizer))
+            t0 += time.perf_counter_ns() - t1  # the subscribers' work (queued actions) is not the probe's overhead
         else:
             safepoint.last_step = step
+        cost = time.perf_counter_ns() - t0
+        if step > _FORCED:  # start-up (first scans, imports, the first traces) is paid once, not paced
+            budget.spend(cost)
+        self._cost[row % self.ring.capacity] = cost * 1e-3
+        self._cost_rows = row + 1
+
+    def _occasional(self, step: int, frame, duration_ns: float, traced: bool) -> None:
+        """Work a measured step does when it is due: discovery scans (steps 1, 2, 4, 8, ... or the first
+        measured step after), and charging a traced step's hooks to the budget."""
+        if step >= self._scan_due:
+            self._scan_due = 2 * step
+            try:
+                finder.scan(frame)
+                self._watch_roots()
+            except Exception as exc:
+                record_error("torch steps: discovery", exc)
+        if traced:
+            if self._typical_ns > 0 and duration_ns > self._typical_ns:
+                self.budget.spend(duration_ns - self._typical_ns)  # what the module hooks added to the step
+        elif self._typical_ns > 0:
+            self._typical_ns += (duration_ns - self._typical_ns) * 0.125
+        else:
+            self._typical_ns = duration_ns
 
     # -- status -------------------------------------------------------------------------------------
     def status(self) -> dict:
@@ -548,14 +409,12 @@ class StepTracker:
                 "step_time": float(np.median(recent)) if n else None, "state": "training"}
 
     def close(self) -> None:
-        self._unwrap_clip()
-        self._unwrap_backward()
+        self.capture.unwrap()
         self.close_root_hooks()
 
     def reopen(self) -> None:
-        """Undo ``close``: the clip wrapper and the root model's hook go back; the next step's clock restarts."""
-        _attempt("torch steps: wrapping clip_grad_norm_", self._wrap_clip)
-        _attempt("torch steps: wrapping torch.autograd.backward", self._wrap_backward)
+        """Undo ``close``: the loss and clip wrappers and the root model's hook go back; the next step's clock restarts."""
+        self.capture.wrap()
         self._watch_roots()
         self.last_end_perf = None
         self.started_perf = time.perf_counter()

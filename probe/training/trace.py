@@ -100,9 +100,17 @@ class Tracer:
             return False
         return self.every == 1 or step <= 3 or step % self.every == 0
 
-    def prepare(self, step: int) -> None:
-        """Called at the boundary before ``step``: install hooks if it is sampled, else make sure none are."""
-        want = self.sampled(step)
+    def next_sampled(self, after: int) -> int | float:
+        """The first sampled step after ``after`` (infinity when tracing is off)."""
+        if self.every <= 0 or self._failed:
+            return float("inf")
+        return after + 1 if self.every == 1 or after < 3 else (after // self.every + 1) * self.every
+
+    def prepare(self, step: int, want: bool | None = None) -> None:
+        """Called at the boundary before ``step``: install hooks if it is to be traced (``want``, by
+        default whether it is sampled), else make sure none are."""
+        if want is None:
+            want = self.sampled(step)
         self._stack.clear()
         if not self.cuda and want and self.torch.cuda.is_initialized():
             self.cuda = True  # CUDA came up after the probe: time device work from now on

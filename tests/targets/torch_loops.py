@@ -29,14 +29,13 @@ p.add_argument("--steps", type=int, default=12)
 args = p.parse_args()
 
 if args.kind == "broken":
-    import probe.training.steps as ts
+    import probe.training.capture as tc
 
     def broken(*a, **k):
         raise RuntimeError("injected failure in a probe hook")
 
-    ts.StepTracker._grad_norm = broken
-    ts.StepTracker._find_loss = broken
-    ts.StepTracker._step_loss = broken
+    tc.Capture.grad_norm = broken
+    tc.Capture.step_loss = broken
 
 torch.manual_seed(0)
 torch.set_num_threads(1)

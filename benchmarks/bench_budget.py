@@ -1,0 +1,292 @@
+"""The probe's cost against step time at any step time (PROBE_STEP_BUDGET), side by side in one run (CPU).
+
+For plain training loops of about 1, 2, 10 and 100 ms per step (an MLP whose width is
+calibrated to the step time; Adam and StepLR, like most small jobs) and for the tiny
+HF Trainer and Lightning models of the tests (built from configs, generated data, no
+downloads), one process per workload alternates blocks of steps between three arms:
+
+* ``on``: the probe's hooks running at the defaults (a long run's steady state: the
+  probe is armed once and its step count, budget and sampling run on across blocks);
+* ``off`` and ``off2``: the hooks paused (``probe.training.hooks.pause``). ``off2`` is an
+  A/A control: its ratio to ``off`` is this machine's noise in this run.
+
+Blocks rotate (on/off/off2, then off/off2/on, ...) so drift hits the arms alike, and the
+first step of each block is dropped (it pays for the switch). Per workload it prints the
+ratio of median step times on/off and off2/off (the median over rounds of each round's
+ratio, with the 25th-75th percentile spread over rounds), in wall-clock time and in the
+training thread's CPU time (``time.thread_time``: the probe's work is CPU work on that
+thread, and CPU time leaves out the waits for a core that dominate a shared machine's
+noise), then the probe's own figure:
+``probe_us`` from torch.steps (its boundary work per step, timed by itself) as a share of
+step time, and the share of steps it measured. Goal: on/off <= 1.01 at every step time.
+Where the A/A spread is wider than 1 %, the machine cannot resolve the goal and the
+probe_us share is the steady figure.
+
+    python benchmarks/bench_budget.py [--rounds 12] [--only plain1|plain2|plain10|plain100|hf|lightning]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ARMS = ("on", "off", "off2")
+WARMUP = 200  # framework steps before measuring: start-up, and most of the budget's initial burst
+
+
+class Alternation:
+    """Blocks of ``block`` steps rotating through ARMS over ``rounds`` rounds; ``tick()`` at every step's end.
+
+    The same schedule drives a loop we write (``run``) and a framework's loop (its
+    step-end callback calls ``tick``). ``times[arm][round]`` are the kept step times.
+    """
+
+    def __init__(self, block: int, rounds: int):
+        from probe.training import hooks
+
+        self.hooks = hooks
+        self.block = block
+        self.plan = [(r, arm) for r in range(rounds) for arm in ARMS[r % 3:] + ARMS[:r % 3]]
+        self.times = {arm: [[] for _ in range(rounds)] for arm in ARMS}
+        self.cpu = {arm: [[] for _ in range(rounds)] for arm in ARMS}  # the training thread's CPU time per step
+        self.i = self.n = 0
+        self.last = self.last_cpu = None
+
+    def _switch(self) -> None:
+        (self.hooks.resume if self.plan[self.i][1] == "on" else self.hooks.pause)()
+        self.n = 0
+        self.last, self.last_cpu = time.perf_counter(), time.thread_time()
+
+    def start(self) -> None:
+        self.i = 0
+        self.first_step = self.hooks.tracker().step  # this workload's rows come after
+        self._switch()
+
+    def tick(self) -> bool:
+        """A step ended: keep its time; False once every block has run (the hooks are left running)."""
+        now, cpu = time.perf_counter(), time.thread_time()
+        r, arm = self.plan[self.i]
+        if self.n:  # the block's first step pays for the switch
+            self.times[arm][r].append(now - self.last)
+            self.cpu[arm][r].append(cpu - self.last_cpu)
+        self.n += 1
+        self.last, self.last_cpu = now, cpu
+        if self.n > self.block:
+            self.i += 1
+            if self.i == len(self.plan):
+                self.hooks.resume()
+                return False
+            self._switch()
+        return True
+
+    def run(self, step) -> None:
+        self.start()
+        while True:
+            step()
+            if not self.tick():
+                return
+
+    def report(self, name: str) -> None:
+        import numpy as np
+
+        med = {arm: [statistics.median(t) for t in self.times[arm] if t] for arm in ARMS}
+        ratios = {k: sorted(a / b for a, b in zip(med[k], med["off"])) for k in ("on", "off2")}
+        cmed = {arm: [statistics.median(t) for t in self.cpu[arm] if t] for arm in ARMS}
+        cratios = {k: sorted(a / b for a, b in zip(cmed[k], cmed["off"])) for k in ("on", "off2")}
+        step = statistics.median(med["off"])
+        cols = self.hooks.tracker().snapshot()
+        keep = cols["step"] > self.first_step
+        us, measured = cols["probe_us"][keep], cols["measured"][keep]
+        on_step = statistics.fmean(t for block in self.times["on"] for t in block)
+        n = sum(len(t) for t in self.times["on"])
+        print(f"  {name:<22} step {step * 1e3:7.2f} ms  {n:5d} steps/arm\n"
+              f"    wall: on/off {_fmt(ratios['on'])}  off2/off {_fmt(ratios['off2'])}\n"
+              f"    cpu:  on/off {_fmt(cratios['on'])}  off2/off {_fmt(cratios['off2'])}\n"
+              f"    probe_us per step: mean {us.mean():6.1f} = {100 * us.mean() * 1e-6 / on_step:5.2f} % of the step"
+              f" (median {np.median(us):5.1f}; unmeasured steps {_median(us[~measured])}, measured {_median(us[measured])});"
+              f" measured {100 * measured.mean():5.1f} % of steps")
+
+
+def _median(values) -> str:
+    import numpy as np
+
+    return f"{np.median(values):5.1f}" if len(values) else "  n/a"
+
+
+def _fmt(ratios: list[float]) -> str:
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return f"{statistics.median(ratios):.3f} [{q[0]:.3f}-{q[2]:.3f}]"
+
+
+# -- plain loops --------------------------------------------------------------------------------------
+def mlp(width: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 100, gamma=0.99)
+    x, y = torch.randn(64, width), torch.randn(64, 1)
+
+    def step():
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+
+    return step
+
+
+def median_step(step, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def calibrated(target_s: float):
+    """The plain-loop step function whose median step time first reaches ``target_s`` (widths grow by √2)."""
+    width = 16
+    while True:
+        step = mlp(width)
+        median_step(step, 3)
+        if median_step(step, max(3, min(30, int(0.2 / target_s)))) >= target_s or width >= 8192:
+            return step, width
+        width = int(width * 1.41)
+
+
+def plain(target: float, block: int):
+    def run(rounds: int) -> None:
+        from probe.training import hooks
+
+        step, width = calibrated(target)
+        hooks.arm()
+        for _ in range(max(20, int(2.0 / target))):  # start-up, and 2 s to spend the budget's initial burst
+            step()
+        alt = Alternation(block, rounds if target < 0.05 else max(4, rounds // 2))
+        alt.run(step)
+        alt.report(f"plain ~{target * 1e3:g} ms (w={width})")
+
+    return run
+
+
+# -- frameworks -----------------------------------------------------------------------------------------
+def hf(rounds: int, block: int = 30) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import tempfile
+
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    from probe.training import hooks
+
+    hf_logging.set_verbosity_error()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (4096, 16), generator=g)
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": ids[i], "labels": ids[i]}
+
+    alt = Alternation(block, rounds)
+
+    class Alternate(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == WARMUP:
+                alt.start()
+            elif state.global_step > WARMUP and not alt.tick():
+                control.should_training_stop = True
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
+    with tempfile.TemporaryDirectory() as out:
+        targs = TrainingArguments(output_dir=out, max_steps=10**6, per_device_train_batch_size=4, learning_rate=0.05,
+                                  warmup_steps=5, logging_steps=10**6, optim="sgd", save_strategy="no", report_to=[],
+                                  use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=0)
+        hooks.arm()
+        Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=[Alternate()]).train()
+    alt.report("HF Trainer GPT-2 tiny")
+
+
+def lightning(rounds: int, block: int = 60) -> None:
+    import lightning.pytorch as pl
+
+    from probe.training import hooks
+
+    warnings.filterwarnings("ignore")
+    alt = Alternation(block, rounds)
+
+    class Regression(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            step = self.trainer.global_step
+            if step == WARMUP * 4:
+                alt.start()
+            elif step > WARMUP * 4 and not alt.tick():
+                self.trainer.should_stop = True
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.05)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.01 * s))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8192, 8, generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    hooks.arm()
+    trainer = pl.Trainer(max_steps=10**6, max_epochs=-1, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Regression(), loader)
+    alt.report("Lightning tiny")
+
+
+WORKLOADS = {"plain1": plain(0.001, 100), "plain2": plain(0.002, 60), "plain10": plain(0.010, 20),
+             "plain100": plain(0.100, 4), "hf": hf, "lightning": lightning}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--only", choices=sorted(WORKLOADS), help="run one workload (each runs in this process)")
+    p.add_argument("--no-header", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    if not args.no_header:
+        print("step-time ratios, median over rounds [25th-75th percentile]; goal on/off <= 1.010; off2/off is the noise")
+    for name, fn in WORKLOADS.items():
+        if args.only in (None, name):
+            if args.only is None:
+                # one workload per process: each arms the probe once, and its optimizer leads the step count
+                import subprocess
+
+                subprocess.run([sys.executable, __file__, "--rounds", str(args.rounds), "--only", name, "--no-header"],
+                               check=False)
+            else:
+                fn(args.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""A share of step time that the probe's own work may spend: a token bucket of nanoseconds.
+
+Every step earns ``share`` of its duration; the probe's measured work spends it. Work that
+can be skipped runs only while the bucket holds credit, so over any stretch of training
+the probe spends at most ``share`` of the step time plus one burst (``share`` of
+``BURST_S`` seconds of training, which is also the credit a job starts with: a short
+or slow job is measured at every step). Credit is capped both ways, so a stretch of slow
+steps does not buy an unbounded burst later and a stretch of fast ones does not starve
+the job for long: when the fixed work alone exceeds the share (steps of a few hundred
+microseconds), optional work still runs once every ``max_gap_s`` seconds. One charge is at
+most a quarter of the burst: on a busy machine a boundary that lost the CPU to another
+process for milliseconds is not the probe's cost, and must not stop measuring for a second.
+
+The same bucket paces the whole step boundary (``PROBE_STEP_BUDGET``: loss read-back,
+grad norm, peak memory, discovery scans, module-trace scheduling) and, inside it, the
+probe's own gradient-norm computation (``PROBE_GRAD_NORM``).
+
+>>> b = Budget(0.01, burst_s=0.01)    # 1 % of step time, 100 us of burst credit
+>>> b.allows(0)
+True
+>>> for _ in range(5): b.spend(25_000)    # 125 us of optional work
+>>> b.allows(1_000)                   # in debt: skip optional work
+False
+>>> for _ in range(5): b.earn(1_000_000)   # five 1 ms steps earn 50 us
+>>> b.allows(2_000)
+True
+>>> b.spend(10_000_000)               # one boundary is charged at most a quarter of the burst
+>>> round(b.credit)
+0
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["Budget", "BURST_S"]
+
+BURST_S = 1.0  # seconds of step time whose share may be spent at once (and the starting credit)
+
+
+class Budget:
+    __slots__ = ("share", "credit", "cap", "max_gap_ns", "last_allowed_ns")
+
+    def __init__(self, share: float, burst_s: float = BURST_S, max_gap_s: float | None = None):
+        """``share``: the fraction of step time allowed; ``inf`` allows everything, ``0`` nothing.
+
+        ``max_gap_s``: when given, ``allows`` says yes at least once per that many seconds
+        whatever the credit (so a value is never left unmeasured for long).
+        """
+        self.share = share
+        self.cap = share * burst_s * 1e9 if math.isfinite(share) else math.inf
+        self.credit = self.cap
+        self.max_gap_ns = None if max_gap_s is None else int(max_gap_s * 1e9)
+        self.last_allowed_ns = 0
+
+    @property
+    def unlimited(self) -> bool:
+        return self.share == math.inf
+
+    def earn(self, duration_ns: float) -> None:
+        """A step of ``duration_ns`` nanoseconds ended: its share becomes credit."""
+        c = self.credit + self.share * duration_ns
+        self.credit = c if c < self.cap else self.cap
+
+    def spend(self, ns: float) -> None:
+        """The probe spent ``ns`` nanoseconds of its own work (charged at most a quarter of the burst)."""
+        quarter = 0.25 * self.cap
+        c = self.credit - (ns if ns < quarter else quarter)
+        self.credit = c if c > -self.cap else -self.cap
+
+    def allows(self, now_ns: int) -> bool:
+        """Whether optional work may run now (``now_ns``: ``time.perf_counter_ns()``)."""
+        if self.credit > 0 or (self.max_gap_ns is not None and now_ns - self.last_allowed_ns >= self.max_gap_ns):
+            self.last_allowed_ns = now_ns
+            return self.share > 0
+        return False

@@ -1,0 +1,247 @@
+"""Values captured from the training loop for ``torch.steps``: the loss and the gradient norm.
+
+The loss of a step is what the loop backpropagated since the previous step: every
+scalar tensor ``torch.autograd.backward`` (so ``Tensor.backward``, accelerate's
+``accelerator.backward``, Lightning's and the HF Trainer's backward) was called on,
+summed; ``scaler.scale(loss)`` counts as ``loss`` (GradScaler's scale is looked
+through), ``(loss / accum).backward()`` over ``accum`` micro-batches sums to their
+mean, and inside ``optimizer.step(closure)`` only the closure's first evaluation
+counts (the value ``step`` returns; LBFGS evaluates it again). A loop that never
+calls backward on a scalar (``torch.autograd.grad``) falls back to a scalar tensor
+named ``loss`` (PROBE_LOSS_NAMES) in the training loop's frames; ``probe.step(loss=)``
+overrides both.
+
+The gradient norm is ``clip_grad_norm_``'s result when the loop clips (kept at no cost),
+else a foreach norm of the lead optimizer's gradients launched on the device.
+
+Nothing here synchronises with a device: ``hold`` turns a device scalar into a pinned
+host copy and an event, read later by ``read`` once the event has completed. While
+``wanted`` is False (a step the budget does not measure) backward calls are not noted.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+from .._config import setting
+from ..util.errorlog import record_error
+from ..util.frames import release
+
+__all__ = ["Capture", "read"]
+
+
+
+def read(holder):
+    """The value behind a holder from ``Capture.hold``, or None while its device copy has not landed."""
+    host, ev = holder
+    if ev is not None and not ev.query():
+        return None
+    return float(host.item())
+
+
+class Capture:
+    def __init__(self, torch):
+        self.torch = torch
+        self.loss_names = setting("PROBE_LOSS_NAMES") or ["loss"]
+        self.wanted = True  # whether the step in progress is measured (its backward calls noted)
+        self.clip_norm = None  # clip_grad_norm_'s result in the step in progress
+        self._losses: list = []  # this step's backpropagated scalars (detached), summed at the boundary
+        self._scaled = None  # (weakref to GradScaler.scale's output, the loss it scaled)
+        self._closure_step = False  # inside optimizer.step(closure): only the closure's first backward counts
+        self._closure_taken = False
+        self._norm_failed: set = set()
+
+    # -- holding values without a device sync ---------------------------------------------------
+    def hold(self, value):
+        """A float now when that costs no device sync, else a holder (a tuple) for ``read``; None: missing."""
+        if type(value) is float or value is None:
+            return value
+        torch = self.torch
+        if isinstance(value, torch.Tensor):
+            if not value.is_cuda:
+                if value.is_cpu:
+                    return float(value.item())  # nothing to wait for (a non-scalar raises: recorded, missing)
+                return (value.detach(), None)  # another accelerator (MPS, XLA): read later, not in this step
+            if value.numel() != 1:
+                return None
+            value = value.detach()
+            try:
+                host = torch.empty((), dtype=value.dtype, device="cpu", pin_memory=True)
+                host.copy_(value.reshape(()), non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record()
+                return (host, ev)
+            except Exception as exc:
+                record_error("torch steps: copying a device scalar", exc)
+                return None
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return None
+
+    # -- the loss ----------------------------------------------------------------------------------
+    def on_step_start(self, args, kwargs) -> None:
+        """The optimizer step pre-hook: note whether this step evaluates a closure."""
+        self._closure_step = bool(args) or kwargs.get("closure") is not None
+        self._closure_taken = False
+
+    def on_step_end(self) -> None:
+        self._closure_step = False
+
+    def saw_backward(self, tensors, grad_tensors) -> None:
+        t = tensors
+        if type(t) in (list, tuple):
+            if len(t) != 1:
+                return
+            t = t[0]
+        if not isinstance(t, self.torch.Tensor) or t.numel() != 1:
+            return  # a vector backward with explicit gradients is not a loss
+        if grad_tensors is not None and not (type(grad_tensors) in (list, tuple) and all(g is None for g in grad_tensors)):
+            return
+        if self._closure_step:
+            if self._closure_taken:
+                return
+            self._closure_taken = True
+        scaled = self._scaled
+        if scaled is not None and scaled[0]() is t:
+            t = scaled[1]
+            self._scaled = None
+        self._losses.append(t.detach())
+
+    def step_loss(self, frame):
+        """This step's loss: the backpropagated scalars (a tensor, summed on their device), else
+        the loop's ``loss`` variable, else None."""
+        losses = self._losses
+        if not losses:
+            return self._find_loss(frame)
+        self._losses = []
+        if len(losses) == 1:
+            return losses[0]
+        try:
+            first = losses[0]
+            return self.torch.stack([x.reshape(()).to(first.device, first.dtype) for x in losses]).sum()
+        except Exception as exc:
+            record_error("torch steps: summing the step's losses", exc)
+            return losses[-1]
+
+    def forget(self) -> None:
+        """Drop what an unmeasured step captured (a loss noted before the budget said no)."""
+        self._losses = []
+        self._scaled = None
+
+    def _find_loss(self, frame):
+        f, n = frame, 0
+        while f is not None and n < 3:
+            loc = f.f_locals
+            try:
+                for name in self.loss_names:
+                    v = loc.get(name)
+                    if v is None:
+                        continue
+                    if isinstance(v, self.torch.Tensor):
+                        if v.numel() == 1:  # not a per-sample loss vector: look further out for the scalar
+                            return v
+                    elif isinstance(v, (float, int)):
+                        return v
+            finally:
+                release(f, loc, own=True)  # else 3.11/3.12's cached snapshot keeps last step's tensors alive
+            f, n = f.f_back, n + 1
+        return None
+
+    # -- the gradient norm ----------------------------------------------------------------------------
+    def grad_norm(self, optimizer):
+        """The total L2 norm of ``optimizer``'s gradients, as a tensor on their device (None: none to measure)."""
+        if optimizer is None or id(optimizer) in self._norm_failed:
+            return None
+        torch = self.torch
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return None
+        try:
+            with torch.no_grad():
+                norms = torch._foreach_norm(grads)
+                try:
+                    return torch.linalg.vector_norm(torch.stack(norms))
+                except RuntimeError:  # gradients on several devices
+                    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+        except Exception as exc:  # sparse gradients, mixed devices: stop trying for this optimizer
+            self._norm_failed.add(id(optimizer))
+            record_error("torch steps: grad norm", exc)
+            return None
+
+    # -- wrapping torch ------------------------------------------------------------------------------
+    def wrap(self) -> None:
+        for what, fn in (("clip_grad_norm_", self._wrap_clip), ("torch.autograd.backward", self._wrap_backward)):
+            try:
+                fn()
+            except Exception as exc:
+                record_error(f"torch steps: wrapping {what}", exc)
+
+    def unwrap(self) -> None:
+        utils = self.torch.nn.utils
+        original = getattr(utils.clip_grad_norm_, "_probe_original", None)
+        if original is not None:
+            utils.clip_grad_norm_ = original
+        autograd = self.torch.autograd
+        original = getattr(autograd.backward, "_probe_original", None)
+        if original is not None:
+            autograd.backward = original
+        scaler = getattr(getattr(self.torch, "amp", None), "GradScaler", None)
+        original = getattr(getattr(scaler, "scale", None), "_probe_original", None)
+        if original is not None:
+            scaler.scale = original
+        self.forget()
+
+    def _wrap_clip(self) -> None:
+        """Keep the total norm that torch.nn.utils.clip_grad_norm_ computes anyway (the norm before clipping)."""
+        utils = self.torch.nn.utils
+        original = utils.clip_grad_norm_
+        if getattr(original, "_probe_original", None) is not None:
+            return
+        capture = self
+
+        @functools.wraps(original)
+        def clip_grad_norm_(*args, **kwargs):
+            total = original(*args, **kwargs)
+            capture.clip_norm = total
+            return total
+
+        clip_grad_norm_._probe_original = original
+        utils.clip_grad_norm_ = clip_grad_norm_
+
+    def _wrap_backward(self) -> None:
+        """See every ``torch.autograd.backward`` call (``Tensor.backward`` goes through it) and
+        GradScaler's ``scale`` (so a scaled loss counts unscaled)."""
+        autograd = self.torch.autograd
+        original = autograd.backward
+        capture = self
+        if getattr(original, "_probe_original", None) is None:
+            @functools.wraps(original)
+            def backward(tensors, grad_tensors=None, *args, **kwargs):
+                if capture.wanted:
+                    try:
+                        capture.saw_backward(tensors, grad_tensors)
+                    except Exception as exc:
+                        record_error("torch steps: noting the loss", exc)
+                return original(tensors, grad_tensors, *args, **kwargs)
+
+            backward._probe_original = original
+            autograd.backward = backward
+        scaler = getattr(getattr(self.torch, "amp", None), "GradScaler", None)
+        scale = getattr(scaler, "scale", None)
+        if scale is not None and getattr(scale, "_probe_original", None) is None:
+            Tensor = self.torch.Tensor
+
+            @functools.wraps(scale)
+            def scale_(self_, outputs):
+                out = scale(self_, outputs)
+                if capture.wanted and out is not outputs and isinstance(outputs, Tensor):
+                    try:
+                        capture._scaled = (weakref.ref(out), outputs.detach())
+                    except TypeError:
+                        pass
+                return out
+
+            scale_._probe_original = scale
+            scaler.scale = scale_
