@@ -355,9 +355,13 @@ class StepTracker:
         # Whether the next step is measured: decided now, so its backward calls are noted or not.
         nxt = step + 1
         measure = self.capture.wanted = nxt <= _FORCED or budget.allows(t0)
+        asked = 0  # the cost of a trace the user asked for (PROBE_TRACE set): shown in probe_us, not paced
         try:
             if traced:
+                t1 = time.perf_counter_ns()
                 tracer.finish(step, self.wall_offset)
+                if not self._trace_paced:
+                    asked = time.perf_counter_ns() - t1
             if tracer.pending_events:
                 tracer.resolve()
             if nxt >= self._trace_due and (measure or not self._trace_paced):
@@ -375,7 +379,7 @@ class StepTracker:
             safepoint.last_step = step
         cost = time.perf_counter_ns() - t0
         if step > _FORCED:  # start-up (first scans, imports, the first traces) is paid once, not paced
-            budget.spend(cost)
+            budget.spend(cost - asked)
         self._cost[row % self.ring.capacity] = cost * 1e-3
         self._cost_rows = row + 1
 
