@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from _procs import stop_groups  # noqa: E402  (tests/_procs.py: the one way to stop what a benchmark started)
 PROBE = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
 PER_RANK_MB = 60
 
@@ -111,16 +112,7 @@ def main():
         print(f"status to {a.ranks} ranks: {results['status']:.2f} s, goal <= 3 s: {'met' if goal else 'NOT met'}; "
               f"ratio to one rank: {results['status'] / results['one rank: status']:.1f}x")
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except OSError:
-                pass
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_groups(procs)
         shutil.rmtree(rt, ignore_errors=True)
 
 
