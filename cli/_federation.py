@@ -42,9 +42,10 @@ def _remember(target, doc: dict) -> dict:
 
 
 def forget_schemas() -> None:
-    """Drop every cached schema (the next query of each endpoint asks for its tables again)."""
+    """Drop every cached schema and plan (the next query of each endpoint asks for its tables again)."""
     with _schemas_lock:
         _schemas.clear()
+        _plans.clear()
 
 
 def fetch_schema(session, targets) -> dict:
@@ -79,6 +80,29 @@ def _schema(session, targets, fresh: bool = False) -> tuple[dict, tuple | None]:
     return fetch_schema(session, targets), None
 
 
+_plans: dict = {}  # (sql, parameters, endpoint, schema identity) -> (Plan, snapshot requests); see _plan
+
+
+def _plan(sql: str, schema: dict, values: dict, cached: tuple | None):
+    """The plan of ``sql`` and what each rank must snapshot for it; kept for a cached schema, so a client
+    repeating a query (the web page's panels, a watch loop) parses and rewrites it once."""
+    from probe.sql.federate import plan, snapshot_requests
+
+    key = (sql, tuple(sorted(values.items())), cached) if cached is not None else None
+    with _schemas_lock:
+        found = _plans.get(key) if key is not None else None
+    if found is not None:
+        return found
+    p = plan(sql, schema, values)
+    found = (p, snapshot_requests(p.parts, schema))
+    if key is not None:
+        with _schemas_lock:
+            if len(_plans) > 256:
+                _plans.clear()
+            _plans[key] = found
+    return found
+
+
 def federated_query(session, sql: str, max_rows: int | None = None, targets=None, params: dict | None = None, *,
                     on_workspace: Callable | None = None):
     """Run ``sql`` over one rank or many (``--ranks``, or ``targets``); return the combined Result.
@@ -92,7 +116,7 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
     workspace before the query runs (the REPL's Ctrl-C interrupts it).
     """
     from probe._config import setting
-    from probe.sql.federate import plan, view_params
+    from probe.sql.federate import view_params
 
     single = targets is not None and len(targets) == 1
     targets = targets if targets is not None else session.targets()
@@ -104,8 +128,9 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
     schema, cached = _schema(session, targets)
     while True:
         try:
-            p = plan(sql, schema, values)
-            ws, failed = open_database(session, targets, schema, p.parts, single=single, on_workspace=on_workspace)
+            p, requests = _plan(sql, schema, values, cached)
+            ws, failed = open_database(session, targets, schema, p.parts, single=single, on_workspace=on_workspace,
+                                       requests=requests)
         except QueryError:
             # with a cached schema, the error may come from a table registered (or gone) since: ask, and
             # plan again when the process says its schema changed; otherwise the error stands
@@ -140,19 +165,20 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
 
 
 def open_database(session, targets, schema: dict, parts: dict, *, single: bool = False,
-                  on_workspace: Callable | None = None):
+                  on_workspace: Callable | None = None, requests: dict | None = None):
     """A private DuckDB workspace here with one view per part (``{table: per-rank SQL}``) over every
     target's snapshots, a ``rank`` column added, and ``ranks.errors`` for the silent ones.
 
     Each target is asked once for the columns all the parts need (``snapshot_requests``);
-    its parts then run here over its own snapshots. Returns ``(workspace, failed)``;
+    its parts then run here over its own snapshots (``requests``: those columns when the caller
+    already knows them). Returns ``(workspace, failed)``;
     ``failed`` maps a key to ``(target, reason)``. With ``single``, the one target's error
     is raised as is (with its own exit code) instead.
     """
     from probe.sql.engine import Result, Workspace, register_result
     from probe.sql.federate import slot_query, snapshot_requests
 
-    requests = snapshot_requests(parts, schema)
+    requests = snapshot_requests(parts, schema) if requests is None else requests
     timeout = session.timeout
 
     def ask(target):

@@ -18,6 +18,7 @@ The ``ranks.*`` views themselves, and their parameters, are declared in ``sql.ra
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import sqlglot
@@ -270,6 +271,13 @@ def slot_query(sql: str, mapping: dict, slots: str = "__slots") -> tuple[str, bo
     >>> computed, slot_query("SELECT step FROM torch.steps WHERE step > 1", {"torch.steps": "t"})[1]
     (True, False)
     """
+    return _slot_query(sql, tuple(sorted(mapping.items())), slots)
+
+
+@functools.lru_cache(maxsize=256)  # a client repeating a query (the REPL, the web page's panels) rewrites it once
+def _slot_query(sql: str, items: tuple, slots: str) -> tuple[str, bool]:
+    mapping = dict(items)
+
     def swap(node):
         if isinstance(node, exp.Table) and node.db and isinstance(node.this, exp.Identifier):
             target = mapping.get(_table_name(node))
