@@ -104,7 +104,7 @@ def _plan(sql: str, schema: dict, values: dict, cached: tuple | None):
 
 
 def federated_query(session, sql: str, max_rows: int | None = None, targets=None, params: dict | None = None, *,
-                    on_workspace: Callable | None = None):
+                    on_workspace: Callable | None = None, local_tables: dict | None = None):
     """Run ``sql`` over one rank or many (``--ranks``, or ``targets``); return the combined Result.
 
     One path for both: every rank hands over snapshots of the columns the query needs
@@ -113,7 +113,9 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
     several, silent ranks become rows of ``ranks.errors``, the result is printed here and
     PartialError is raised (exit code 7) naming them. ``params`` override the ranks.*
     views' parameters (default: their settings). ``on_workspace(ws)`` receives the DuckDB
-    workspace before the query runs (the REPL's Ctrl-C interrupts it).
+    workspace before the query runs (the REPL's Ctrl-C interrupts it). ``local_tables`` maps
+    a table name to ``read(target) -> ([(column, type)], {column: values})``: that table is
+    read here for each rank (``query --native``'s python.backtrace) instead of being asked for.
     """
     from probe._config import setting
     from probe.sql.federate import view_params
@@ -130,7 +132,7 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
         try:
             p, requests = _plan(sql, schema, values, cached)
             ws, failed = open_database(session, targets, schema, p.parts, single=single, on_workspace=on_workspace,
-                                       requests=requests)
+                                       local_tables=local_tables, requests=requests)
         except QueryError:
             # with a cached schema, the error may come from a table registered (or gone) since: ask, and
             # plan again when the process says its schema changed; otherwise the error stands
@@ -165,7 +167,8 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
 
 
 def open_database(session, targets, schema: dict, parts: dict, *, single: bool = False,
-                  on_workspace: Callable | None = None, requests: dict | None = None):
+                  on_workspace: Callable | None = None, local_tables: dict | None = None,
+                  requests: dict | None = None):
     """A private DuckDB workspace here with one view per part (``{table: per-rank SQL}``) over every
     target's snapshots, a ``rank`` column added, and ``ranks.errors`` for the silent ones.
 
@@ -173,18 +176,23 @@ def open_database(session, targets, schema: dict, parts: dict, *, single: bool =
     its parts then run here over its own snapshots (``requests``: those columns when the caller
     already knows them). Returns ``(workspace, failed)``;
     ``failed`` maps a key to ``(target, reason)``. With ``single``, the one target's error
-    is raised as is (with its own exit code) instead.
+    is raised as is (with its own exit code) instead. ``local_tables``: see ``federated_query``.
     """
     from probe.sql.engine import Result, Workspace, register_result
     from probe.sql.federate import slot_query, snapshot_requests
 
     requests = snapshot_requests(parts, schema) if requests is None else requests
+    local = {name: read for name, read in (local_tables or {}).items() if name in requests}
+    remote = {name: r for name, r in requests.items() if name not in local}
     timeout = session.timeout
 
     def ask(target):
-        if not requests:  # e.g. only ranks.errors: still find out which ranks answer
-            return session.client(target).get("/health")
-        return session.client(target).snapshot(requests, timeout)
+        if not remote:  # e.g. only ranks.errors: still find out which ranks answer
+            answer = {"tables": {}, "meta": {}, "health": session.client(target).get("/health")}
+        else:
+            answer = session.client(target).snapshot(remote, timeout)
+        answer["local"] = {name: read(target) for name, read in local.items()}
+        return answer
 
     if single:
         answers = [Answer(targets[0], ask(targets[0]))]
@@ -201,7 +209,7 @@ def open_database(session, targets, schema: dict, parts: dict, *, single: bool =
             meta = a.value.get("meta", {}) if requests else {}
             ranks.append(a.target.rank if a.target.rank is not None else meta.get("rank"))
         # one combined table per table and one query per part, whatever the number of ranks
-        ws.load_slots([a.value for a in answered] if requests else [], ranks)
+        ws.load_slots([_with_local(a.value) for a in answered] if requests else [], ranks)
         for j, (name, part) in enumerate(parts.items()):
             relation = None
             if answered:
@@ -219,8 +227,18 @@ def open_database(session, targets, schema: dict, parts: dict, *, single: bool =
     ws.meta = dict(answered[0].value.get("meta", {}), tables=list(requests)) if single and requests else {"tables": requests}
     # which process and schema version each snapshot came from (federated_query checks its cached schema)
     ws.reported = {_endpoint(a.target): (a.value["meta"].get("started_at"), a.value["meta"].get("schema_version"))
-                   for a in answered} if requests else {}
+                   for a in answered if "schema_version" in a.value.get("meta", {})}
     return ws, failed
+
+
+def _with_local(answer: dict) -> dict:
+    """A rank's decoded snapshot with the tables read here for it (``local_tables``) added in the same form."""
+    if not answer.get("local"):
+        return answer
+    from probe.util.wire import decode, encode
+
+    here = decode(b"".join(bytes(b) for b in encode(answer["local"], {})))
+    return {**answer, "tables": {**answer["tables"], **here["tables"]}}
 
 
 def add_views(ws, views: dict) -> None:

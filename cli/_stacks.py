@@ -1,10 +1,19 @@
-"""Stacks across ranks: the main thread's top frame, and identical stacks merged into groups."""
+"""Stacks: one process's backtrace (its server, py-spy when it cannot answer, native frames merged), and across ranks.
+
+``backtrace_doc`` is the one way the CLI reads a target's stacks (``backtrace``, the UI,
+``query --native``); ``backtrace_table`` turns such a doc into ``python.backtrace``'s
+columns; the rest summarises stacks across ranks: the main thread's top frame, and
+identical stacks merged into groups.
+"""
 
 from __future__ import annotations
 
 import os
+import time
 
-__all__ = ["main_thread", "top_frame", "user_frame", "stack_key", "group_stacks", "group_text"]
+from probe._errors import ProbeError
+
+__all__ = ["backtrace_doc", "backtrace_table", "main_thread", "top_frame", "user_frame", "stack_key", "group_stacks", "group_text"]
 
 _LIBRARY_MARKERS = ("site-packages", "dist-packages", "/lib/python", "<frozen")
 
@@ -90,3 +99,89 @@ def group_text(answers: list, thread: str | None = None) -> str:
             lines.append("")
             lines.append(f"{a.target.label}: unreachable: {a.error}")
     return "\n".join(lines)
+
+
+SERVER_BACKTRACE_TIMEOUT = 3.0  # a local server that stays silent this long is presumed stuck; py-spy takes over
+
+
+def backtrace_doc(session, target, args) -> dict:
+    """The server's backtrace; for a local pid whose server is missing or silent, py-spy's (with a note saying why)."""
+    from probe._errors import AuthError, QueryError
+
+    local = target.local_pid
+    if args.native and not args.subprocesses and local is not None and not target.entry.get("missing"):
+        merged = _native_merged(session, target, args)  # a live server: its frames plus py-spy's native ones
+        if merged is not None:
+            return merged
+    if args.native or args.subprocesses:
+        reason = "native frames were asked for" if args.native else "child processes were asked for"
+    else:
+        wait = min(session.timeout, SERVER_BACKTRACE_TIMEOUT) if local else session.timeout
+        try:
+            return session.client(target).get("/backtrace", timeout=wait, thread=args.thread,
+                                              locals=1 if args.locals else None)
+        except ProbeError as exc:
+            if local is None or isinstance(exc, (AuthError, QueryError)):
+                raise
+            if target.entry.get("missing"):
+                reason = f"process {local} has no probe server"
+            elif "did not answer" in exc.message:
+                reason = f"its probe server did not answer within {wait:g} s (a thread may hold the GIL in a C call)"
+            else:
+                reason = f"its probe server could not be reached ({exc.message.rstrip('.')})"
+    if local is None:
+        raise ProbeError("--native and --subprocesses read the process with py-spy, which works only on its host; "
+                         "run the command on the process's node.")
+    from probe.injector import pyspy_backtrace
+
+    started = time.perf_counter()
+    doc = pyspy_backtrace(local, native=args.native, subprocesses=args.subprocesses, thread=args.thread,
+                          timeout=max(session.timeout, 5.0))
+    if doc.get("rank") is None:
+        doc["rank"] = target.rank if target.rank is not None else target.entry.get("rank")
+    extra = "; locals are not available from py-spy" if args.locals else ""
+    doc["note"] = f"[stacks read by py-spy in {time.perf_counter() - started:.2f} s because {reason}{extra}]"
+    return doc
+
+
+def _native_merged(session, target, args) -> dict | None:
+    """The server's backtrace with py-spy's native frames merged in; None when the server does not answer."""
+    try:
+        ours = session.client(target).get("/backtrace", timeout=min(session.timeout, SERVER_BACKTRACE_TIMEOUT),
+                                          thread=args.thread, locals=1 if args.locals else None)
+    except ProbeError:
+        return None  # the py-spy fallback below says why
+    from probe.injector import pyspy_backtrace
+
+    from ._native import merge_native
+
+    started = time.perf_counter()
+    spy = pyspy_backtrace(target.local_pid, native=True, thread=args.thread, timeout=max(session.timeout, 5.0))
+    doc = merge_native(ours, spy)
+    m = doc["native_merge"]
+    doc["note"] = (f"[native frames read by py-spy in {time.perf_counter() - started:.2f} s and merged with the probe's; "
+                   f"{m['from_probe']} of {m['python_frames']} Python frames agreed and carry the probe's details]")
+    return doc
+
+
+BACKTRACE_COLUMNS = [("thread_id", "BIGINT"), ("thread_name", "VARCHAR"), ("is_main", "BOOLEAN"), ("depth", "INTEGER"),
+                     ("func", "VARCHAR"), ("file", "VARCHAR"), ("lineno", "INTEGER"), ("line", "VARCHAR"),
+                     ("is_native", "BOOLEAN")]
+
+
+def backtrace_table(doc: dict) -> tuple[list, dict]:
+    """A backtrace doc as ``python.backtrace``'s ``([(column, type)], {column: values})``.
+
+    The columns are the in-process table's; ``is_native`` is true for the C/C++ frames
+    py-spy read (``query --native``), whose ``line`` is NULL and whose ``file`` is the
+    shared library or C source py-spy named.
+    """
+    data: dict = {c: [] for c, _ in BACKTRACE_COLUMNS}
+    for t in doc.get("threads") or []:
+        for depth, f in enumerate(t.get("frames") or []):
+            for col, value in (("thread_id", t.get("thread_id")), ("thread_name", t.get("name")),
+                               ("is_main", bool(t.get("is_main"))), ("depth", depth), ("func", f.get("func")),
+                               ("file", f.get("file")), ("lineno", f.get("lineno")),
+                               ("line", None if f.get("native") else f.get("line")), ("is_native", bool(f.get("native")))):
+                data[col].append(value)
+    return list(BACKTRACE_COLUMNS), data

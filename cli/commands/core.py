@@ -104,6 +104,8 @@ class Query(Command):
         p.add_argument("--max-rows", type=int, default=None, help="Row cap of the result (default PROBE_MAX_ROWS, 10000).")
         p.add_argument("--expanded", "-x", action="store_true", help="One column per line, like psql's \\x.")
         p.add_argument("--timing", action="store_true", help="Print the time DuckDB took (here, in the client) and the snapshot's time in the process.")
+        p.add_argument("--native", action="store_true",
+                       help="python.backtrace includes native (C/C++) frames (is_native), read with py-spy on this host.")
 
     def run(self, session, args):
         from probe.util.validate import BadRequest, count
@@ -117,11 +119,23 @@ class Query(Command):
             raise ProbeError(exc.message, exit_code=2) from None
         # one rank is federation with one rank: the same snapshots, DuckDB here in the CLI
         targets = None if session.multi else [session.target()]
-        result = federated_query(session, sql, max_rows=max_rows, targets=targets)
+        local = {"python.backtrace": lambda t: _native_backtrace(session, t)} if args.native else None
+        result = federated_query(session, sql, max_rows=max_rows, targets=targets, local_tables=local)
         from .._render import render_result
 
         session.print(render_result(result, session.format, expanded=args.expanded, timing=args.timing))
         return 0
+
+
+def _native_backtrace(session, target) -> tuple:
+    """python.backtrace of ``target`` with its native frames: the server's stacks merged with py-spy's."""
+    from .._stacks import backtrace_doc, backtrace_table
+
+    if target.local_pid is None:
+        raise ProbeError(f"{target.label} is not on this host: --native reads the process with py-spy, which works only "
+                         "on its host; run the query on the process's node.")
+    doc = backtrace_doc(session, target, argparse.Namespace(native=True, subprocesses=False, thread=None, locals=False))
+    return backtrace_table(doc)
 
 
 @command("tables", "List the tables of a probed process with their descriptions.")
@@ -184,6 +198,8 @@ class Backtrace(Command):
         if session.multi:
             return _backtrace_ranks(session, args)
         target = session.target()
+        from .._stacks import backtrace_doc
+
         doc = backtrace_doc(session, target, args)
         if session.format == "json":
             session.print(json.dumps(doc, indent=2, default=str))
@@ -194,75 +210,12 @@ class Backtrace(Command):
         return 0
 
 
-SERVER_BACKTRACE_TIMEOUT = 3.0  # a local server that stays silent this long is presumed stuck; py-spy takes over
-
-
-def backtrace_doc(session, target, args) -> dict:
-    """The server's backtrace; for a local pid whose server is missing or silent, py-spy's (with a note saying why)."""
-    from probe._errors import AuthError, QueryError
-
-    local = target.local_pid
-    if args.native and not args.subprocesses and local is not None and not target.entry.get("missing"):
-        merged = _native_merged(session, target, args)  # a live server: its frames plus py-spy's native ones
-        if merged is not None:
-            return merged
-    if args.native or args.subprocesses:
-        reason = "native frames were asked for" if args.native else "child processes were asked for"
-    else:
-        wait = min(session.timeout, SERVER_BACKTRACE_TIMEOUT) if local else session.timeout
-        try:
-            return session.client(target).get("/backtrace", timeout=wait, thread=args.thread,
-                                              locals=1 if args.locals else None)
-        except ProbeError as exc:
-            if local is None or isinstance(exc, (AuthError, QueryError)):
-                raise
-            if target.entry.get("missing"):
-                reason = f"process {local} has no probe server"
-            elif "did not answer" in exc.message:
-                reason = f"its probe server did not answer within {wait:g} s (a thread may hold the GIL in a C call)"
-            else:
-                reason = f"its probe server could not be reached ({exc.message.rstrip('.')})"
-    if local is None:
-        raise ProbeError("--native and --subprocesses read the process with py-spy, which works only on its host; "
-                         "run the command on the process's node.")
-    from probe.injector import pyspy_backtrace
-
-    started = time.perf_counter()
-    doc = pyspy_backtrace(local, native=args.native, subprocesses=args.subprocesses, thread=args.thread,
-                          timeout=max(session.timeout, 5.0))
-    if doc.get("rank") is None:
-        doc["rank"] = target.rank if target.rank is not None else target.entry.get("rank")
-    extra = "; locals are not available from py-spy" if args.locals else ""
-    doc["note"] = f"[stacks read by py-spy in {time.perf_counter() - started:.2f} s because {reason}{extra}]"
-    return doc
-
-
-def _native_merged(session, target, args) -> dict | None:
-    """The server's backtrace with py-spy's native frames merged in; None when the server does not answer."""
-    try:
-        ours = session.client(target).get("/backtrace", timeout=min(session.timeout, SERVER_BACKTRACE_TIMEOUT),
-                                          thread=args.thread, locals=1 if args.locals else None)
-    except ProbeError:
-        return None  # the py-spy fallback below says why
-    from probe.injector import pyspy_backtrace
-
-    from .._native import merge_native
-
-    started = time.perf_counter()
-    spy = pyspy_backtrace(target.local_pid, native=True, thread=args.thread, timeout=max(session.timeout, 5.0))
-    doc = merge_native(ours, spy)
-    m = doc["native_merge"]
-    doc["note"] = (f"[native frames read by py-spy in {time.perf_counter() - started:.2f} s and merged with the probe's; "
-                   f"{m['from_probe']} of {m['python_frames']} Python frames agreed and carry the probe's details]")
-    return doc
-
-
 def _backtrace_ranks(session, args) -> int:
     """``probe --ranks SPEC backtrace [--group]``: per-rank sections, or identical stacks merged."""
     from .._fanout import check_partial, fan_out
 
     from .._render import render_backtrace
-    from .._stacks import group_text
+    from .._stacks import backtrace_doc, group_text
 
     targets = session.targets()
     answers = fan_out(targets, lambda t: backtrace_doc(session, t, args))

@@ -77,7 +77,7 @@ def stacks_doc(session) -> dict:
     """The main thread's stack of every process, identical stacks merged (``backtrace --group``)."""
     from .._fanout import fan_out
     from .._stacks import group_stacks
-    from ..commands.core import backtrace_doc
+    from .._stacks import backtrace_doc
 
     args = argparse.Namespace(thread=None, locals=False, native=False, subprocesses=False)
     answers = fan_out(session.targets(), lambda t: backtrace_doc(session, t, args))

@@ -51,10 +51,13 @@ def frame_row(frame) -> tuple:
         Column("file", "VARCHAR", "Source file of the frame."),
         Column("lineno", "INTEGER", "Line being executed in that file."),
         Column("line", "VARCHAR", "Source text of that line, when the file is readable."),
+        Column("is_native", "BOOLEAN", "True for a C/C++ frame. The process sees only its Python frames (false); "
+                                       "`probe PID query --native` reads the native ones with py-spy on the process's host."),
     ],
     examples=[
         "SELECT func, file, lineno, depth FROM python.backtrace ORDER BY depth LIMIT 10",
         "SELECT thread_name, func, lineno FROM python.backtrace WHERE is_main AND depth = 0",
+        "SELECT depth, func, file FROM python.backtrace WHERE is_main AND is_native  -- with query --native",
     ],
 )
 def backtrace(ctx):
@@ -62,7 +65,7 @@ def backtrace(ctx):
     for ident, thread, is_main, frames in walk_stacks(ctx.exclude_threads):
         name = thread.name if thread else None
         for depth, frame in enumerate(frames):
-            rows.append((ident, name, is_main, depth, *frame_row(frame)))
+            rows.append((ident, name, is_main, depth, *frame_row(frame), False))
     return rows
 
 

@@ -63,8 +63,10 @@ def main():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4096, 8, generator=g)
     y = x.sum(1, keepdim=True)
-    skip = args.skip * 8  # the data is a fixed sequence: a resumed run starts where the checkpoint was taken
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[skip:], y[skip:]), batch_size=8, shuffle=False)
+    # the data is a fixed sequence, epoch after epoch: a resumed run starts where the checkpoint was taken
+    skip = args.skip * 8 % len(x)
+    x, y = torch.cat((x[skip:], x[:skip])), torch.cat((y[skip:], y[:skip]))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=False)
     trainer = pl.Trainer(max_steps=args.max_steps, max_epochs=-1, accelerator="cpu", devices=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=args.out)
