@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from _procs import stop_groups  # noqa: E402  (tests/_procs.py: the one way to stop what a benchmark started)
 PROBE = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
 
 
@@ -64,13 +65,7 @@ def main():
             t1, tn = timed(env, one, a.repeat), timed(env, many, a.repeat)
             print(f"{name:<20} {t1 * 1000:>7.0f}ms {tn * 1000:>8.0f}ms {tn / t1:>6.2f}x  {'ok' if tn <= 1.0 else 'OVER 1 s'}")
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except OSError:
-                pass
-        for p in procs:
-            p.wait(10)
+        stop_groups(procs)
         shutil.rmtree(rt, ignore_errors=True)
 
 

@@ -1,6 +1,6 @@
 """What queries cost a training process, now that DuckDB runs in the client (issue 14).
 
-    python benchmarks/bench_hardening.py [--seconds 6] [--clients 20] [--repeat 11]
+    python benchmarks/bench_hardening.py [--seconds 3] [--clients 20] [--repeat 11] [--baseline DIR]
 
 Starts a small probed torch training loop (a few hundred steps/s on a CPU) that prints its
 step rate, median and worst step time every half second, and a second probed process that
@@ -15,6 +15,10 @@ only idles (the control). Then, side by side in one run:
    the median step (goal <= 2x);
 4. CLI latencies (process start included): `probe PID query` as a table and as JSON, `probe PID
    backtrace`, and `py-spy dump` for the same process (goal: query <= 0.45 s median).
+
+With ``--baseline DIR`` (a checkout or ``git archive`` of an older probe), item 1 also runs a
+second training loop that imports the probe from DIR, in the same interleaved rounds (the loop
+not being measured is stopped with SIGSTOP), so before and after are measured side by side.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -177,6 +182,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--clients", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=11)
+    ap.add_argument("--baseline", help="directory of another probe (its training side) to measure item 1 against")
     args = ap.parse_args()
     rt = tempfile.mkdtemp(prefix="pbh-", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
@@ -184,7 +190,16 @@ def main() -> int:
     os.environ.update(PROBE_RUNTIME_DIR=rt)
     train = Proc(TRAIN, env)
     idle = Proc(IDLE, env)
+    base = Proc(TRAIN, dict(env, PYTHONPATH=args.baseline)) if args.baseline else None
+    loops = {"this probe": train, **({"baseline": base} if base else {})}
+
+    def only(proc):
+        """Let ``proc`` run and stop the other training loop (one measured at a time)."""
+        for other in loops.values():
+            os.kill(other.pid, signal.SIGCONT if other is proc else signal.SIGSTOP)
+
     try:
+        only(train)
         wait_stats(train, 2.0)  # warm up
         # 3. first-query stall (before any other query touches the process), against the worst step of a
         #    quiet window of the same length and of a later query (this machine's own scheduling noise)
@@ -209,26 +224,30 @@ def main() -> int:
 
         # 1. step rate under small-query load, aimed at the training process vs at the control, in
         #    interleaved rounds (alone, control, training) so that the machine's drift cancels out
-        ratios: dict = {"control": [], "training": []}
-        done_queries, failures = 0, []
+        ratios: dict = {name: {"control": [], "training": []} for name in loops}
+        done_queries, failures = dict.fromkeys(loops, 0), []
         for _ in range(args.rounds):
-            alone = statistics.median(s[0] for s in wait_stats(train, args.seconds))
-            for label, pid in (("control", idle.pid), ("training", train.pid)):
-                stop, counts, errors = threading.Event(), [0] * args.clients, []
-                threads = small_query_load(pid, args.clients, stop, counts, errors)
-                loaded = statistics.median(s[0] for s in wait_stats(train, args.seconds))
-                stop.set()
-                for t in threads:
-                    t.join(30)
-                ratios[label].append(loaded / alone)
-                if label == "training":
-                    done_queries += sum(counts)
-                failures += errors
-        c, t = statistics.median(ratios["control"]), statistics.median(ratios["training"])
-        print(f"1. {args.clients} clients issuing small queries, median of {args.rounds} interleaved rounds: step-rate ratio "
-              f"{t:.2f} aimed at the training process (goal >= 0.9), {c:.2f} aimed at another process (the clients' own "
-              f"CPU on this machine); training/control {t / c:.2f}   ({done_queries} queries to the training process, "
-              f"{len(failures)} failed" + (f": {failures[0]}" if failures else "") + ")")
+            for name, loop in loops.items():
+                only(loop)
+                alone = statistics.median(s[0] for s in wait_stats(loop, args.seconds))
+                for label, pid in (("control", idle.pid), ("training", loop.pid)):
+                    stop, counts, errors = threading.Event(), [0] * args.clients, []
+                    threads = small_query_load(pid, args.clients, stop, counts, errors)
+                    loaded = statistics.median(s[0] for s in wait_stats(loop, args.seconds))
+                    stop.set()
+                    for t in threads:
+                        t.join(30)
+                    ratios[name][label].append(loaded / alone)
+                    if label == "training":
+                        done_queries[name] += sum(counts)
+                    failures += errors
+        only(train)
+        for name in loops:
+            c, t = statistics.median(ratios[name]["control"]), statistics.median(ratios[name]["training"])
+            print(f"1. {name}: {args.clients} clients issuing small queries, median of {args.rounds} interleaved rounds: "
+                  f"step-rate ratio {t:.2f} aimed at the training process (goal >= 0.9), {c:.2f} aimed at another process "
+                  f"(the clients' own CPU on this machine); training/control {t / c:.2f}   ({done_queries[name]} queries to "
+                  f"the training process, {len(failures)} failed" + (f": {failures[0]}" if failures else "") + ")")
 
         # 2. RSS during hostile queries
         before = train.rss()
@@ -268,8 +287,10 @@ def main() -> int:
         print(f"4. CLI medians of {args.repeat}: query (table) {table:.3f} s (goal <= 0.45 s), query -f json {js:.3f} s, "
               f"backtrace {bt:.3f} s, py-spy dump {spy:.3f} s")
     finally:
-        train.stop()
-        idle.stop()
+        for proc in (train, idle, base):
+            if proc is not None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.stop()
         shutil.rmtree(rt, ignore_errors=True)
     return 0
 

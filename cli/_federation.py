@@ -11,6 +11,7 @@ runs there. No rank ever runs SQL; a single rank is this same path with one rank
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 from probe._errors import EndpointError, PartialError, QueryError
@@ -19,22 +20,89 @@ from probe.util.procfs import proc_state
 from ._fanout import Answer, fan_out
 from ._postmortem import is_postmortem, refine_refusal
 
-__all__ = ["federated_query", "fetch_schema", "open_database", "add_views", "run_outer"]
+__all__ = ["federated_query", "fetch_schema", "forget_schemas", "open_database", "add_views", "run_outer"]
+
+
+_schemas: dict = {}  # endpoint -> ((started_at, schema_version), {table: {column: type}}), for this client's life
+_schemas_lock = threading.Lock()
+
+
+def _endpoint(target) -> str:
+    return target.socket or f"{target.host}:{target.port}"
+
+
+def _remember(target, doc: dict) -> dict:
+    schema = {t["name"]: {c["name"]: c["type"] for c in t["columns"]} for t in doc["tables"]}
+    identity = (doc.get("started_at"), doc.get("schema_version"))
+    if None not in identity:  # an older probe does not say which process and version: ask every time
+        with _schemas_lock:
+            if len(_schemas) > 4096:
+                _schemas.clear()
+            _schemas[_endpoint(target)] = (identity, schema)
+    return schema
+
+
+def forget_schemas() -> None:
+    """Drop every cached schema and plan (the next query of each endpoint asks for its tables again)."""
+    with _schemas_lock:
+        _schemas.clear()
+        _plans.clear()
 
 
 def fetch_schema(session, targets) -> dict:
     """``{table: {column: type}}`` from the first ranks that answer GET /tables (one target: its own error)."""
     targets = sorted(targets, key=is_postmortem)  # a live rank's tables first: a dead rank's record keeps only some
     if len(targets) == 1:
-        doc = session.client(targets[0]).get("/tables")
-        return {t["name"]: {c["name"]: c["type"] for c in t["columns"]} for t in doc["tables"]}
+        return _remember(targets[0], session.client(targets[0]).get("/tables"))
     last = None
     for i in range(0, len(targets), 4):
         for a in fan_out(targets[i:i + 4], lambda t: session.client(t).get("/tables")):
             if a.ok:
-                return {t["name"]: {c["name"]: c["type"] for c in t["columns"]} for t in a.value["tables"]}
+                return _remember(a.target, a.value)
             last = a
     raise EndpointError(f"no rank answered to list its tables: {last.target.label}: {last.error}.")
+
+
+def _changed(session, targets, cached: tuple) -> bool:
+    """Whether the process behind a cached schema now reports another one (asks for its tables again)."""
+    fetch_schema(session, targets)
+    with _schemas_lock:
+        found = _schemas.get(cached[0])
+    return found is None or found[0] != cached[1]
+
+
+def _schema(session, targets, fresh: bool = False) -> tuple[dict, tuple | None]:
+    """A schema to plan with: a cached one (and ``(endpoint, identity)`` it is valid for), else asked for (None)."""
+    if not fresh:
+        with _schemas_lock:
+            for t in targets:
+                found = _schemas.get(_endpoint(t)) if not t.entry.get("missing") else None
+                if found is not None:
+                    return found[1], (_endpoint(t), found[0])
+    return fetch_schema(session, targets), None
+
+
+_plans: dict = {}  # (sql, parameters, endpoint, schema identity) -> (Plan, snapshot requests); see _plan
+
+
+def _plan(sql: str, schema: dict, values: dict, cached: tuple | None):
+    """The plan of ``sql`` and what each rank must snapshot for it; kept for a cached schema, so a client
+    repeating a query (the web page's panels, a watch loop) parses and rewrites it once."""
+    from probe.sql.federate import plan, snapshot_requests
+
+    key = (sql, tuple(sorted(values.items())), cached) if cached is not None else None
+    with _schemas_lock:
+        found = _plans.get(key) if key is not None else None
+    if found is not None:
+        return found
+    p = plan(sql, schema, values)
+    found = (p, snapshot_requests(p.parts, schema))
+    if key is not None:
+        with _schemas_lock:
+            if len(_plans) > 256:
+                _plans.clear()
+            _plans[key] = found
+    return found
 
 
 def federated_query(session, sql: str, max_rows: int | None = None, targets=None, params: dict | None = None, *,
@@ -52,20 +120,36 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
     read here for each rank (``query --native``'s python.backtrace) instead of being asked for.
     """
     from probe._config import setting
-    from probe.sql.federate import plan, view_params
+    from probe.sql.federate import view_params
 
     single = targets is not None and len(targets) == 1
     targets = targets if targets is not None else session.targets()
-    schema = fetch_schema(session, targets)
     values = view_params(strict=True)
     values.update({k: v for k, v in (params or {}).items() if v is not None})
-    try:
-        p = plan(sql, schema, values)
-    except QueryError as exc:
-        raise refine_refusal(exc, targets) from None
-    computed = _client_tables(session, targets, p.parts)
-    ws, failed = open_database(session, targets, schema, p.parts, single=single, on_workspace=on_workspace,
-                               local_tables=local_tables)
+    # One request per rank and query: the plan uses the schema cached from an earlier query of the same
+    # process; every answer says which process and schema version it comes from, and when that is not
+    # the one cached (a restart, a table registered since), the query is planned again on a fresh schema.
+    schema, cached = _schema(session, targets)
+    while True:
+        try:
+            p, requests = _plan(sql, schema, values, cached)
+            # the plan may be cached: the tables the client computes itself are taken out of copies
+            parts = dict(p.parts)
+            computed = _client_tables(session, targets, parts)
+            requests = {name: r for name, r in requests.items() if name not in computed}
+            ws, failed = open_database(session, targets, schema, parts, single=single, on_workspace=on_workspace,
+                                       local_tables=local_tables, requests=requests)
+        except QueryError as exc:
+            # with a cached schema, the error may come from a table registered (or gone) since: ask, and
+            # plan again when the process says its schema changed; otherwise the error stands
+            if cached is None or not _changed(session, targets, cached):
+                raise refine_refusal(exc, targets) from None
+            schema, cached = _schema(session, targets)
+            continue
+        if cached is None or ws.reported.get(cached[0], cached[1]) == cached[1]:
+            break
+        ws.close()
+        schema, cached = _schema(session, targets, fresh=True)
     if targets and len(failed) == len(targets) and not computed:
         ws.close()
         raise EndpointError("no rank answered the query: " + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + ".")
@@ -106,19 +190,21 @@ def _client_tables(session, targets, parts: dict) -> dict:
 
 
 def open_database(session, targets, schema: dict, parts: dict, *, single: bool = False,
-                  on_workspace: Callable | None = None, local_tables: dict | None = None):
+                  on_workspace: Callable | None = None, local_tables: dict | None = None,
+                  requests: dict | None = None):
     """A private DuckDB workspace here with one view per part (``{table: per-rank SQL}``) over every
     target's snapshots, a ``rank`` column added, and ``ranks.errors`` for the silent ones.
 
     Each target is asked once for the columns all the parts need (``snapshot_requests``);
-    its parts then run here over its own snapshots. Returns ``(workspace, failed)``;
+    its parts then run here over its own snapshots (``requests``: those columns when the caller
+    already knows them). Returns ``(workspace, failed)``;
     ``failed`` maps a key to ``(target, reason)``. With ``single``, the one target's error
     is raised as is (with its own exit code) instead. ``local_tables``: see ``federated_query``.
     """
     from probe.sql.engine import Result, Workspace, register_result
-    from probe.sql.federate import rename_tables_sql, snapshot_requests
+    from probe.sql.federate import slot_query, snapshot_requests
 
-    requests = snapshot_requests(parts, schema)
+    requests = snapshot_requests(parts, schema) if requests is None else requests
     local = {name: read for name, read in (local_tables or {}).items() if name in requests}
     remote = {name: r for name, r in requests.items() if name not in local}
     timeout = session.timeout
@@ -141,20 +227,20 @@ def open_database(session, targets, schema: dict, parts: dict, *, single: bool =
     try:
         if on_workspace is not None:
             on_workspace(ws)
-        slots = []  # (slot, rank)
-        for i, a in enumerate(answered):
+        ranks = []
+        for a in answered:
             meta = a.value.get("meta", {}) if requests else {}
-            rank = a.target.rank if a.target.rank is not None else meta.get("rank")
-            if requests:
-                ws.load_snapshot(i, a.value)
-                ws.load_tables(i, a.value["local"])
-            slots.append((i, rank))
+            ranks.append(a.target.rank if a.target.rank is not None else meta.get("rank"))
+        # one combined table per table and one query per part, whatever the number of ranks
+        ws.load_slots([_with_local(a.value) for a in answered] if requests else [], ranks)
         for j, (name, part) in enumerate(parts.items()):
-            selects = []
-            for i, rank in slots:
-                ws.create_view(f"__p{j}_{i}", rename_tables_sql(part, ws.tables.get(i, {})))
-                selects.append((f"__p{j}_{i}", rank))
-            _union_view(ws, name, selects, schema, failed.values() if name == "ranks.latest" else (), j, register_result)
+            relation = None
+            if answered:
+                relation = f"__p{j}"
+                query, computed = slot_query(part, ws.tables.get(0, {}))
+                # a part that aggregates (ranks.latest) is computed once; a plain projection stays a view
+                ws.con.execute(f'CREATE {"TABLE" if computed else "VIEW"} "{relation}" AS {query}')
+            _union_view(ws, name, relation, schema, failed.values() if name == "ranks.latest" else (), j, register_result)
         errors = Result(["host", "error"], ["VARCHAR", "VARCHAR"], [[t.entry.get("host"), err] for t, err in failed.values()])
         register_result(ws.con, "__errors", errors, extra={"__rank": [t.rank for t, _ in failed.values()]})
         ws.create_view("ranks.errors", 'SELECT CAST("__rank" AS INTEGER) AS "rank", "host", "error" FROM "__errors"')
@@ -162,7 +248,20 @@ def open_database(session, targets, schema: dict, parts: dict, *, single: bool =
         ws.close()
         raise
     ws.meta = dict(answered[0].value.get("meta", {}), tables=list(requests)) if single and requests else {"tables": requests}
+    # which process and schema version each snapshot came from (federated_query checks its cached schema)
+    ws.reported = {_endpoint(a.target): (a.value["meta"].get("started_at"), a.value["meta"].get("schema_version"))
+                   for a in answered if "schema_version" in a.value.get("meta", {})}
     return ws, failed
+
+
+def _with_local(answer: dict) -> dict:
+    """A rank's decoded snapshot with the tables read here for it (``local_tables``) added in the same form."""
+    if not answer.get("local"):
+        return answer
+    from probe.util.wire import decode, encode
+
+    here = decode(b"".join(bytes(b) for b in encode(answer["local"], {})))
+    return {**answer, "tables": {**answer["tables"], **here["tables"]}}
 
 
 def add_views(ws, views: dict) -> None:
@@ -190,28 +289,28 @@ def _silent_rows(columns: list, failed) -> tuple[list, list]:
     return rows, ranks
 
 
-def _union_view(ws, name: str, selects: list, schema: dict, failed, j: int, register_result) -> None:
-    """View ``name``: the per-rank relations ``selects`` ([(relation, rank)]) with a ``rank`` column, plus silent ranks."""
+def _union_view(ws, name: str, relation: str | None, schema: dict, failed, j: int, register_result) -> None:
+    """View ``name``: ``relation`` (every answering rank's rows of one part, ``__rank`` first; None when no rank
+    answered) with a ``rank`` column, plus a row for each silent rank where the view keeps one."""
     from probe.sql.engine import Result
     from probe.sql.federate import VIEW_COLUMNS, union_columns
 
     declared = [c for c, _, _ in VIEW_COLUMNS[name]] if name in VIEW_COLUMNS else list(schema[name])
     types = {c: t for c, t, _ in VIEW_COLUMNS[name]} if name in VIEW_COLUMNS else dict(schema[name])
-    fetched = [c for c, _ in ws.columns_of(f'"{selects[0][0]}"')] if selects else [c for c in declared if c != "rank"]
+    if relation is not None:
+        fetched = [c for c, _ in ws.columns_of(f'"{relation}"') if c != "__rank"]
+    else:
+        fetched = [c for c in declared if c != "rank"]
     order = union_columns(fetched, declared)
 
     def q(c):
         return '"' + c.replace('"', '""') + '"'
 
-    parts = []
-    for rel, rank in selects:
-        rank_sql = "NULL" if rank is None else str(int(rank))
-        cols = ", ".join(f"CAST({rank_sql} AS INTEGER) AS {q('rank')}" if c == "rank" else q(c) for c in order)
-        parts.append(f"SELECT {cols} FROM {q(rel)}")
+    cols = ", ".join(f'CAST("__rank" AS INTEGER) AS {q("rank")}' if c == "rank" else q(c) for c in order)
+    parts = [f"SELECT {cols} FROM {q(relation)}"] if relation is not None else []
     rows, ranks = _silent_rows([c for c in order if c != "rank"], failed)
     if rows or not parts:
         silent = Result([c for c in order if c != "rank"], [types.get(c, "VARCHAR") for c in order if c != "rank"], rows)
         register_result(ws.con, f"__silent{j}", silent, extra={"__rank": ranks})
-        cols = ", ".join(f'CAST("__rank" AS INTEGER) AS {q("rank")}' if c == "rank" else q(c) for c in order)
         parts.append(f"SELECT {cols} FROM {q(f'__silent{j}')}")
     ws.create_view(name, " UNION ALL ".join(parts))

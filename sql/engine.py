@@ -20,11 +20,12 @@ from dataclasses import asdict, dataclass, field
 from probe._errors import QueryError
 from probe.util.wire import object_column
 
-__all__ = ["Result", "Workspace", "execute", "connect", "register_result", "typed_select"]
+__all__ = ["Result", "Workspace", "execute", "connect", "register_result", "typed_select", "concat_snapshots", "SLOT"]
 
 _SIMPLE_TYPES = ("BIGINT", "INTEGER", "DOUBLE", "VARCHAR", "BOOLEAN", "TIMESTAMP", "FLOAT", "SMALLINT", "TINYINT",
                  "HUGEINT", "UBIGINT", "UINTEGER", "DATE", "DECIMAL", "TIMESTAMP WITH TIME ZONE")
 _FLOAT_TYPES = ("DOUBLE", "FLOAT", "REAL")
+SLOT = "__slot"  # the column saying which rank's snapshot a row of a combined table came from
 GRACE_S = 2.0  # after the timeout interrupts DuckDB, how long it may take to notice before the query is abandoned
 
 
@@ -126,6 +127,74 @@ def _raw_columns(columns: list, data: dict) -> tuple[dict, list]:
     return arrays, spec
 
 
+def _concat_column(cols: list) -> dict:
+    """One decoded column (``{"type", "kind", "data", "valid"}``) from the same column of several snapshots."""
+    import numpy as np
+
+    kinds = {c["kind"] for c in cols}
+    texts = kinds & {"str", "dict"}
+    if texts and kinds - texts:  # numbers on some ranks, text on others: all as text (typed_select casts it back)
+        datas = []
+        for c in cols:
+            if c["kind"] in ("str", "dict"):
+                datas.append(c["data"])
+                continue
+            out = np.empty(len(c["data"]), dtype=object)
+            out[:] = [str(x) for x in c["data"].tolist()]
+            if c["valid"] is not None:
+                out[~c["valid"]] = None
+            datas.append(out)
+        return {"type": cols[0]["type"], "kind": "str", "data": np.concatenate(datas), "valid": None}
+    if texts:
+        return {"type": cols[0]["type"], "kind": "str" if "str" in kinds else "dict",
+                "data": np.concatenate([c["data"] for c in cols]), "valid": None}
+    kind = "f8" if "f8" in kinds else "i8" if "i8" in kinds else "b1"
+    dtype = {"f8": "<f8", "i8": "<i8", "b1": "|b1"}[kind]
+    data = np.concatenate([np.asarray(c["data"], dtype=dtype) for c in cols])
+    valid = None
+    if any(c["valid"] is not None for c in cols):
+        valid = np.concatenate([c["valid"] if c["valid"] is not None else np.ones(len(c["data"]), bool) for c in cols])
+    return {"type": cols[0]["type"], "kind": kind, "data": data, "valid": valid}
+
+
+def concat_snapshots(decoded: list) -> dict:
+    """Several ranks' decoded snapshots (``probe.util.wire.decode``) as one, each table with a ``__slot`` column.
+
+    Row ``k`` of a combined table came from ``decoded[slot[k]]``; a table or column that some
+    snapshots lack is taken from those that have it. One registration per table then serves
+    every rank (``Workspace.load_snapshot``), however many ranks answered.
+
+    >>> import numpy as np
+    >>> one = lambda v: {"tables": {"t.x": {"rows": len(v), "columns": {"a": {"type": "BIGINT", "kind": "i8",
+    ...                  "data": np.array(v), "valid": None}}}}}
+    >>> t = concat_snapshots([one([1, 2]), one([3])])["tables"]["t.x"]
+    >>> t["rows"], t["columns"]["a"]["data"].tolist(), t["columns"]["__slot"]["data"].tolist()
+    (3, [1, 2, 3], [0, 0, 1])
+    """
+    import numpy as np
+
+    names: dict = {}
+    for d in decoded:
+        for name, t in d["tables"].items():
+            names.setdefault(name, {}).update({c: v["type"] for c, v in t["columns"].items()})
+    out = {}
+    for name, columns in names.items():
+        present = [(i, d["tables"][name]) for i, d in enumerate(decoded) if name in d["tables"]]
+        cols = {}
+        for col, typ in columns.items():
+            parts = []
+            for _, t in present:
+                c = t["columns"].get(col)
+                if c is None:  # an older rank without this column: NULLs
+                    c = {"type": typ, "kind": "f8", "data": np.full(t["rows"], np.nan), "valid": np.zeros(t["rows"], bool)}
+                parts.append(c)
+            cols[col] = _concat_column(parts)
+        slot = np.concatenate([np.full(t["rows"], i, dtype="<i8") for i, t in present]) if present else np.zeros(0, "<i8")
+        cols[SLOT] = {"type": "BIGINT", "kind": "i8", "data": slot, "valid": None}
+        out[name] = {"rows": len(slot), "columns": cols}
+    return {"meta": {}, "tables": out}
+
+
 class Workspace:
     """One query's DuckDB connection holding the snapshots of one or more ranks."""
 
@@ -171,6 +240,17 @@ class Workspace:
                     arrays["__valid__" + name] = c["valid"]
                 spec.append((name, c["type"], c["kind"], has_nulls))
             self._register(slot, full, arrays, spec)
+
+    def load_slots(self, decoded: list, ranks: list) -> None:
+        """Every rank's snapshot at once: one combined table per table (``concat_snapshots``), and ``__slots``
+        (``__slot``, ``__rank``) naming the rank of each slot; ``slot_query`` then runs a per-rank query for all."""
+        import numpy as np
+
+        self.load_snapshot(0, concat_snapshots(decoded))
+        self.con.register("__slots_raw", {SLOT: np.arange(len(ranks), dtype="<i8"),
+                                          "__rank": np.array([-1 if r is None else int(r) for r in ranks], dtype="<i8")})
+        self.con.execute(f'CREATE VIEW "__slots" AS SELECT {SLOT}, CASE WHEN "__rank" >= 0 THEN CAST("__rank" AS INTEGER) END '
+                         'AS "__rank" FROM "__slots_raw"')
 
     def load_tables(self, slot: int, tables: dict) -> None:
         """Register in-memory tables ``{schema.table: ([(column, type)], {column: values})}``."""

@@ -18,6 +18,7 @@ The ``ranks.*`` views themselves, and their parameters, are declared in ``sql.ra
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import sqlglot
@@ -30,7 +31,7 @@ from .guard import guard
 from .ranks import CLIENT_VIEWS, FEDERATED_VIEWS, VIEW_COLUMNS, view_params, view_sql
 
 __all__ = ["Plan", "plan", "qualify_query", "table_scans", "per_rank_query", "filter_tree", "rename_tables",
-           "rename_tables_sql", "snapshot_requests", "FEDERATED_VIEWS", "CLIENT_VIEWS", "VIEW_COLUMNS", "view_params",
+           "rename_tables_sql", "slot_query", "snapshot_requests", "FEDERATED_VIEWS", "CLIENT_VIEWS", "VIEW_COLUMNS", "view_params",
            "union_columns"]
 
 RANK = "rank"
@@ -253,6 +254,48 @@ def rename_tables_sql(sql: str, mapping: dict) -> str:
     return rename_tables(sqlglot.parse_one(sql, read="duckdb"), mapping).sql("duckdb")
 
 
+def slot_query(sql: str, mapping: dict, slots: str = "__slots") -> tuple[str, bool]:
+    """Per-rank SQL run for every rank at once over combined tables (``engine.concat_snapshots``).
+
+    ``mapping`` points each registered table at a relation holding every rank's rows with a
+    ``__slot`` column; ``slots`` lists the slots (``__slot``, ``__rank``). Each table becomes
+    the rows of the current slot inside a LATERAL join, so aggregates, ORDER BY and LIMIT
+    still apply per rank, and the answer carries the slot's ``__rank``: one query instead of
+    one per rank (and one registration per table instead of one per rank and table).
+    Returns the query and whether it is more than a projection of one table (then it is
+    worth computing once, ahead of an outer query that may read it several times).
+
+    >>> q, computed = slot_query("SELECT max(step) AS s FROM torch.steps", {"torch.steps": "__t0__torch__steps"})
+    >>> q
+    'SELECT "__s"."__rank", "__x".* FROM "__slots" AS "__s", LATERAL (SELECT MAX(step) AS s FROM (SELECT * EXCLUDE ("__slot") FROM "__t0__torch__steps" WHERE "__slot" = "__s"."__slot") AS steps) AS "__x"'
+    >>> computed, slot_query("SELECT step FROM torch.steps WHERE step > 1", {"torch.steps": "t"})[1]
+    (True, False)
+    """
+    return _slot_query(sql, tuple(sorted(mapping.items())), slots)
+
+
+@functools.lru_cache(maxsize=256)  # a client repeating a query (the REPL, the web page's panels) rewrites it once
+def _slot_query(sql: str, items: tuple, slots: str) -> tuple[str, bool]:
+    mapping = dict(items)
+
+    def swap(node):
+        if isinstance(node, exp.Table) and node.db and isinstance(node.this, exp.Identifier):
+            target = mapping.get(_table_name(node))
+            if target is not None:
+                inner = sqlglot.parse_one(f'SELECT * EXCLUDE ("__slot") FROM "{target}" WHERE "__slot" = "__s"."__slot"',
+                                          read="duckdb")
+                return exp.Subquery(this=inner, alias=node.args.get("alias") or exp.TableAlias(this=exp.to_identifier(node.name)))
+        return node
+
+    expression = sqlglot.parse_one(sql, read="duckdb")
+    projection = (isinstance(expression, exp.Select)
+                  and not any(expression.args.get(k) for k in ("with", "group", "having", "order", "limit", "offset",
+                                                              "distinct", "joins", "qualify"))
+                  and not expression.find(exp.AggFunc, exp.Window, exp.Subquery))
+    part = expression.transform(swap).sql("duckdb")
+    return f'SELECT "__s"."__rank", "__x".* FROM "{slots}" AS "__s", LATERAL ({part}) AS "__x"', not projection
+
+
 def _cond_columns(cond: exp.Expression | None) -> set:
     return {c.name for c in cond.find_all(exp.Column)} if cond is not None else set()
 
@@ -301,7 +344,14 @@ def union_columns(fetched: list, declared: list) -> list:
 
 
 def _tables_of(sql: str, known: set) -> list:
-    return list(guard(sql, known).tables)
+    """The known tables and views a built-in view's SQL names (our own text: a word search, no parse).
+
+    >>> _tables_of("SELECT * FROM ranks.latest l JOIN torch.steps USING (rank)", {"torch.steps", "ranks.latest", "torch.step"})
+    ['ranks.latest', 'torch.steps']
+    """
+    import re
+
+    return sorted(t for t in known if re.search(r"(?<![\w.])" + re.escape(t) + r"(?![\w.])", sql))
 
 
 def plan(sql: str, schema: dict, params: dict | None = None) -> Plan:

@@ -180,7 +180,11 @@ SELECT rank, host, pid, step, age_s, step_time, compute, comm_wait, comm_wait / 
                  || (SELECT ranks FROM gone) || ' did not answer: its collective with them failed or never came'
             WHEN verdict = 'waiting' THEN
                  'waits in ' || pending_op || ' seq ' || pending_seq
-                 || coalesce(' for ranks ' || nullif(waits_for, ''), ' for ranks ' || (SELECT ranks FROM gone), '')
+                 -- the collectives view names whom it waits for once pending_s passes hung_after; until then
+                 -- (age_s passes it first) the culprits this view found
+                 || coalesce(' for ranks ' || nullif(waits_for, ''), ' for ranks ' || (SELECT ranks FROM gone),
+                             ' for ranks ' || (SELECT string_agg(CAST(o.rank AS VARCHAR), ',' ORDER BY o.rank) FROM s AS o
+                                               WHERE o.is_culprit), '')
             WHEN is_culprit THEN
                  CASE WHEN verdict = 'unreachable' THEN 'did not answer (exited?); ' ELSE '' END
                  || 'ranks ' || coalesce(waited_by, (SELECT ranks FROM w), '?') || ' wait for it'

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from _procs import stop_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ROOT / "tests" / "targets"
@@ -128,22 +129,7 @@ class Spawner:
         return proc
 
     def close(self) -> None:
-        for proc in self.procs:
-            p = proc.popen
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGCONT)
-                except OSError:
-                    pass
-                p.terminate()
-                try:
-                    p.wait(5)
-                except subprocess.TimeoutExpired:
-                    try:
-                        os.killpg(p.pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-                    p.wait(5)
+        stop_groups([proc.popen for proc in self.procs], grace=5)
 
 
 @pytest.fixture

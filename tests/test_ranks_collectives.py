@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from _procs import stop_groups
 from conftest import PROBE_BIN, TARGETS, poll, requires_torch
 
 pytestmark = requires_torch
@@ -88,22 +89,12 @@ def ddp_job(*args, world=3, direct=False, rt=None, extra_env=None):
         assert poll(lambda: job.ready(world), 120), "ranks did not get ready:\n" + "\n".join(lines)
         yield job
     finally:
-        for pid in job.pids.values():
+        for pid in job.pids.values():  # ranks stopped by a test (torchrun's ranks are not group leaders)
             try:
                 os.kill(pid, signal.SIGCONT)
             except OSError:
                 pass
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except OSError:
-                pass
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
+        stop_groups(procs, grace=15)
         if own_rt:
             shutil.rmtree(rt, ignore_errors=True)
 

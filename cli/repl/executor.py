@@ -85,7 +85,7 @@ class Executor:
         def cancel() -> bool:
             """Interrupt DuckDB when the query reached it (True); else the snapshot request is abandoned."""
             if holder:
-                holder[0].interrupt()
+                holder[-1].interrupt()  # the latest workspace (a query planned again has a second one)
             return bool(holder)
 
         return self._wait(lambda: federated_query(s, sql, targets=targets, on_workspace=holder.append), cancel)

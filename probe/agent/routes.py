@@ -9,18 +9,18 @@ import reprlib
 import threading
 
 from . import state
-from .server import Binary, Request, route
+from .server import Binary, Request, requests_served, route
 from .._errors import QueryError
 from ..tables import builtin  # noqa: F401  (registers the built-in tables)
 from ..tables.python import frame_row, walk_stacks
-from ..tables.registry import all_tables
+from ..tables.registry import all_tables, version
 
-__all__ = ["snapshot", "safe_repr"]
+__all__ = ["snapshot", "safe_repr", "schema_identity"]
 
 
 @route("GET", "/health")
 def health(req: Request) -> dict:
-    return state.status()
+    return dict(state.status(), requests=requests_served())
 
 
 @route("POST", "/snapshot")
@@ -32,8 +32,18 @@ def snapshot(req: Request) -> Binary:
     from .snapshot import take
 
     entry = state.info()
-    meta = {"pid": entry.get("pid"), "rank": entry.get("rank"), "host": entry.get("host")}
+    meta = {"pid": entry.get("pid"), "rank": entry.get("rank"), "host": entry.get("host"), **schema_identity(entry)}
     return Binary(take(req.body, meta), "application/x-probe-columns")
+
+
+def schema_identity(entry: dict | None = None) -> dict:
+    """What a client's cached schema is valid for: this process (its start time) and the registry's version.
+
+    Sent with every snapshot and with ``/tables``, so a client can plan with a cached schema and
+    one request per query, and notice a restart or a newly registered table in the answer.
+    """
+    entry = state.info() if entry is None else entry
+    return {"started_at": entry.get("started_at"), "schema_version": version()}
 
 
 _tables_cache: dict = {}
@@ -44,13 +54,14 @@ def tables(req: Request) -> Binary:
     """The table declarations, encoded once per registry state (every query's plan asks for them)."""
     import json
 
-    current = tuple(all_tables())
+    ident = schema_identity()  # read before the tables: a table registered meanwhile makes it stale, never newer
+    current = (tuple(all_tables()), ident["schema_version"], ident["started_at"])
     cached = _tables_cache.get("body")
     if cached is None or _tables_cache.get("key") != current:
-        doc = {"tables": [
+        doc = {**ident, "tables": [
             {"name": t.name, "description": t.description, "kind": t.kind, "examples": list(t.examples),
              "columns": [{"name": c.name, "type": c.type, "description": c.description} for c in t.columns]}
-            for t in current
+            for t in current[0]
         ]}
         cached = json.dumps(doc).encode()
         _tables_cache.update(key=current, body=cached)

@@ -34,7 +34,7 @@ from ..util.errorlog import record_error
 from ..util.validate import BadRequest, json_body
 from .audit import audit
 
-__all__ = ["Request", "Binary", "route", "ROUTES", "UnixServer", "TCPServer", "check_tier"]
+__all__ = ["Request", "Binary", "route", "ROUTES", "UnixServer", "TCPServer", "check_tier", "send_buffers", "requests_served"]
 
 TIERS = ("read", "action", "eval")
 MAX_BODY = 1024 * 1024
@@ -131,40 +131,29 @@ class _Handler(BaseHTTPRequestHandler):
                 505: "unsupported HTTP version; probe speaks HTTP/1.1"}.get(code, message or "bad request")
         self._send(code, {"error": text + ".", "kind": "request", "exit_code": 2})
 
-    def _send_raw(self, status: int, parts: list, content_type: str) -> None:
+    def _respond(self, status: int, parts: list, content_type: str) -> None:
+        """Status line, headers and body in one gathered send (each socket call lets the training thread's GIL go)."""
+        if self.request_version == "HTTP/0.9":
+            self.request_version = "HTTP/1.1"
+        parts = [p for p in parts if (p.nbytes if hasattr(p, "nbytes") else len(p))]
+        length = sum(p.nbytes if hasattr(p, "nbytes") else len(p) for p in parts)
+        reason = self.responses.get(status, ("",))[0]
+        head = (f"HTTP/1.1 {status} {reason}\r\nServer: probe\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {length}\r\nConnection: close\r\n\r\n").encode("latin-1")
         try:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(sum(p.nbytes if hasattr(p, "nbytes") else len(p) for p in parts)))
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.flush()
-            for p in parts:
-                self.connection.sendall(p)  # releases the GIL while the client reads
+            send_buffers(self.connection, [head, *parts])
         except (BrokenPipeError, ConnectionResetError, socket.timeout, OSError):
-            pass
+            pass  # the client went away; nothing to do
         self.close_connection = True
 
     def address_string(self):
         return self.server.describe_client(self)
 
     def _send(self, status: int, payload: dict) -> None:
-        body = json.dumps(payload, default=_json_default).encode()
-        if self.request_version == "HTTP/0.9":
-            self.request_version = "HTTP/1.1"
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(body)
-            self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError, socket.timeout, OSError):
-            pass  # the client went away; nothing to do
-        self.close_connection = True
+        self._respond(status, [json.dumps(payload, default=_json_default).encode()], "application/json")
 
     def _handle(self, method: str) -> None:
+        _count_request(self.server.transport)
         try:
             client = self.server.client_info(self)
         except AuthError as exc:
@@ -189,7 +178,7 @@ class _Handler(BaseHTTPRequestHandler):
             req = Request(method, url.path, parse_qs(url.query), body, client)
             payload = entry.fn(req)
             if isinstance(payload, Binary):
-                self._send_raw(200, payload.parts, payload.content_type)
+                self._respond(200, payload.parts, payload.content_type)
             else:
                 self._send(200, payload)
         except ProbeError as exc:
@@ -232,6 +221,19 @@ class _Handler(BaseHTTPRequestHandler):
         self._handle("POST")
 
 
+def send_buffers(sock: socket.socket, buffers: list) -> None:
+    """Send every buffer, gathered into as few ``sendmsg`` calls as the kernel allows (no concatenated copy)."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i:i + 512])  # IOV_MAX is 1024 on Linux
+        while i < len(views) and sent >= views[i].nbytes:
+            sent -= views[i].nbytes
+            i += 1
+        if sent:
+            views[i] = views[i][sent:]
+
+
 def _audit_refusal(handler, method: str, client: dict, exc: AuthError) -> None:
     """Refusals of the action and eval tiers go to the audit log like the actions themselves."""
     entry = ROUTES.get((method, urlparse(handler.path).path))
@@ -249,6 +251,21 @@ def _json_default(value):
     if isinstance(value, (set, frozenset, tuple)):
         return list(value)
     return str(value)
+
+
+_served = {"unix": 0, "tcp": 0}
+_served_lock = threading.Lock()
+
+
+def _count_request(transport: str) -> None:
+    with _served_lock:
+        _served[transport] += 1
+
+
+def requests_served() -> dict:
+    """Requests answered so far by transport (``/health`` shows them: one query costs one request)."""
+    with _served_lock:
+        return dict(_served)
 
 
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
@@ -300,6 +317,8 @@ class _Base(socketserver.ThreadingMixIn):
 class UnixServer(_Base, socketserver.UnixStreamServer):
     """Same-user clients only: the directory is 0700 and the peer uid is checked."""
 
+    transport = "unix"
+
     def __init__(self, path: str):
         try:
             os.unlink(path)
@@ -330,6 +349,7 @@ class UnixServer(_Base, socketserver.UnixStreamServer):
 class TCPServer(_Base, socketserver.TCPServer):
     """Every request must carry ``Authorization: Bearer <token>``."""
 
+    transport = "tcp"
     allow_reuse_address = True
 
     def __init__(self, host: str, port: int, token: str):

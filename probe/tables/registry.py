@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-__all__ = ["Column", "Table", "Context", "table", "get_table", "all_tables", "unregister", "to_columns"]
+__all__ = ["Column", "Table", "Context", "table", "get_table", "all_tables", "unregister", "to_columns", "version"]
 
 TYPES = ("BIGINT", "INTEGER", "DOUBLE", "VARCHAR", "BOOLEAN", "TIMESTAMP")
 KINDS = ("snapshot", "ring", "client")
@@ -82,6 +82,7 @@ class Context:
 
 _REGISTRY: dict[str, Table] = {}
 _LOCK = threading.Lock()
+_VERSION = [0]  # bumped by every (un)registration: clients key their cached schema on it
 
 
 def table(name: str, description: str, *, columns: Iterable[Column], examples: Iterable[str] = (), kind: str = "snapshot"):
@@ -99,6 +100,7 @@ def table(name: str, description: str, *, columns: Iterable[Column], examples: I
     def register(fn):
         with _LOCK:
             _REGISTRY[name] = Table(name, description, cols, fn, tuple(examples), kind)
+            _VERSION[0] += 1
         return fn
 
     return register
@@ -106,7 +108,13 @@ def table(name: str, description: str, *, columns: Iterable[Column], examples: I
 
 def unregister(name: str) -> None:
     with _LOCK:
-        _REGISTRY.pop(name, None)
+        if _REGISTRY.pop(name, None) is not None:
+            _VERSION[0] += 1
+
+
+def version() -> int:
+    """A number that changes whenever a table is registered or removed (the schema's version)."""
+    return _VERSION[0]
 
 
 def get_table(name: str) -> Table | None:
