@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from conftest import PROBE_BIN, TARGETS, requires_torch
+from conftest import PROBE_BIN, TARGETS, poll, requires_torch
 
 mcp = pytest.importorskip("mcp")
 anyio = pytest.importorskip("anyio")
@@ -165,8 +165,10 @@ def post(url, message, **headers):
 
 
 def stop(proc, sig):
+    """Send ``sig``; (exit code, everything it printed, read to the end)."""
     proc.popen.send_signal(sig)
     rc = proc.popen.wait(timeout=30)
+    poll(lambda: "probe mcp: stopped." in proc.output(), 10)  # the reader thread may lag the exit
     return rc, proc.output()
 
 
@@ -243,20 +245,23 @@ def test_http_actions_are_audited_as_the_agent_and_need_the_token(train, shared_
     assert rc == 0 and "probe mcp: stopped." in out, out
 
 
-@pytest.mark.parametrize("address, expected", [
-    ("0.0.0.0:0", "0.0.0.0 is not a loopback address; add --expose"),
-    ("::1:0", "write an IPv6 address in brackets"),
-    ("127.0.0.1:70000", "is not [HOST:]PORT with a port from 0 to 65535"),
-])
-def test_http_refuses_a_non_loopback_or_bad_address(shared_cli, address, expected):
-    r = shared_cli("mcp", "--http", address)
-    assert r.returncode != 0 and r.stderr.startswith("probe: ") and expected in r.stderr, r.stderr
+def test_http_refuses_a_non_loopback_bind_without_expose(shared_cli):
+    r = shared_cli("mcp", "--http", "0.0.0.0:0")
+    assert r.returncode != 0 and r.stderr.startswith("probe: --http 0.0.0.0:0: 0.0.0.0 is not a loopback address; add --expose")
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
-def test_http_refuses_a_weak_token(shared_cli):
-    r = shared_cli("mcp", "--http", "0", env={"PROBE_MCP_TOKEN": "short"})
-    assert r.returncode != 0 and "PROBE_MCP_TOKEN must be at least 16 characters" in r.stderr
+@pytest.mark.parametrize("call, expected", [
+    (lambda m: m.parse_address("::1:0"), "write an IPv6 address in brackets"),
+    (lambda m: m.parse_address("127.0.0.1:70000"), "is not [HOST:]PORT with a port from 0 to 65535"),
+    (lambda m: m.http_token("short"), "PROBE_MCP_TOKEN must be at least 16 characters"),
+])
+def test_http_refuses_a_bad_address_or_a_weak_token(call, expected):
+    import probe.cli.mcp.http as http
+    from probe._errors import ProbeError
+
+    with pytest.raises(ProbeError, match=re.escape(expected)):
+        call(http)
 
 
 def test_http_address_doctests():
