@@ -143,6 +143,7 @@ _declare("PROBE_PORT", None, "Also listen on this TCP port (0 picks a free one);
          _number(int, minimum=0, what="a TCP port number (0 picks a free one)"))
 _declare("PROBE_HOST", "127.0.0.1", "Address the TCP listener binds; a non-loopback address is logged loudly at start.")
 _declare("PROBE_TOKEN", None, "Token TCP clients must send; generated and stored in the 0600 registry entry when unset.")
+_declare("PROBE_MCP_TOKEN", None, "Bearer token clients of `probe mcp --http` must send (at least 16 characters); generated and printed at start when unset. Not PROBE_TOKEN, which opens the training processes themselves.")
 _declare("PROBE_ALLOW_EVAL", None, "1 allows eval and debug over TCP (with the token); 0 disables both everywhere; unset allows them on the unix socket only.", _flag)
 _declare("PROBE_ACTION_TIMEOUT", "60", "Seconds a queued action (checkpoint, lr, cleanup, eval --at-step) waits for a step boundary before it is dropped as timed_out, when the client gives no --timeout.", _SECONDS)
 _declare("PROBE_QUERY_TIMEOUT", "10", "Seconds a query may run (snapshot, then DuckDB in the client) before it is stopped; clients pass --timeout.", _SECONDS)

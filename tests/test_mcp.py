@@ -1,21 +1,26 @@
-"""`probe mcp` driven by the MCP SDK's own client over stdio, against a real training loop."""
+"""`probe mcp` driven by the MCP SDK's own clients (stdio and streamable HTTP), against a real training loop."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 import pytest
 
-from conftest import PROBE_BIN, TARGETS, requires_torch
+from conftest import PROBE_BIN, TARGETS, poll, requires_torch
 
 mcp = pytest.importorskip("mcp")
 anyio = pytest.importorskip("anyio")
 
 from mcp import ClientSession, StdioServerParameters  # noqa: E402
 from mcp.client.stdio import stdio_client  # noqa: E402
+from mcp.client.streamable_http import streamable_http_client  # noqa: E402
 
 pytestmark = requires_torch
 
@@ -123,3 +128,146 @@ def test_other_commands_do_not_import_the_mcp_sdk(shared_env):
 def test_mcp_refuses_a_target(shared_cli):
     r = shared_cli("mcp", "--rank", "0")
     assert r.returncode != 0 and "agent picks one per call" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- streamable HTTP: `probe mcp --http` --
+
+def start_http(spawner, *extra):
+    """Start `probe mcp --http 127.0.0.1:0`; (process, url, token) read from the one line it prints."""
+    proc = spawner([PROBE_BIN, "mcp", "--http", "127.0.0.1:0", *extra], ready="probe mcp: http://", timeout=60)
+    m = re.search(r"probe mcp: (http://127\.0\.0\.1:\d+/mcp) token (\S+) ", proc.wait_for("probe mcp: http://"))
+    assert m, proc.output()
+    return proc, m.group(1), m.group(2)
+
+
+def http_session(url, token, fn):
+    """Run ``fn(client_session)`` over the SDK's streamable HTTP client, sending the bearer token."""
+    import httpx2
+
+    async def main():
+        async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=httpx2.Timeout(60)) as http:
+            async with streamable_http_client(url, http_client=http) as (read, write):
+                async with ClientSession(read, write) as s:
+                    await s.initialize()
+                    return await fn(s)
+    return anyio.run(main)
+
+
+def post(url, message, **headers):
+    """One raw JSON-RPC POST; (status, headers, body text)."""
+    req = urllib.request.Request(url, data=json.dumps(message).encode(), method="POST", headers={
+        "Content-Type": "application/json", "Accept": "application/json, text/event-stream", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.headers, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read().decode()
+
+
+def stop(proc, sig):
+    """Send ``sig``; (exit code, everything it printed, read to the end)."""
+    proc.popen.send_signal(sig)
+    rc = proc.popen.wait(timeout=30)
+    poll(lambda: "probe mcp: stopped." in proc.output(), 10)  # the reader thread may lag the exit
+    return rc, proc.output()
+
+
+def test_http_serves_the_read_only_tools_on_loopback_behind_a_token(train, shared_spawn):
+    pid = str(train.pid)
+    proc, url, token = start_http(shared_spawn)
+    ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+
+    # no token, a wrong one, a right one under another name: refused before any MCP handling
+    no_token = post(url, ping)
+    wrong = post(url, ping, Authorization=f"Bearer {token[:-1]}x")
+    rebound = post(url, ping, Authorization=f"Bearer {token}", Host="attacker.example:80")
+    web_page = post(url, ping, Authorization=f"Bearer {token}", Origin="http://attacker.example")
+    assert no_token[0] == 401 and no_token[1]["WWW-Authenticate"].startswith("Bearer")
+    assert wrong[0] == 401
+    assert rebound[0] == 421 and web_page[0] == 403, "DNS-rebinding protection: Host and Origin must name loopback"
+
+    async def go(s):
+        tools = {t.name: t for t in (await s.list_tools()).tools}
+        status = await s.call_tool("status", {"endpoint": pid})
+        steps = await s.call_tool("query", {"endpoint": pid, "sql": "SELECT MAX(step) AS s FROM torch.steps"})
+        action = await s.call_tool("cleanup", {"endpoint": pid})
+        return tools, status, steps, action
+
+    tools, status, steps, action = http_session(url, token, go)
+    assert {"list", "status", "query", "describe", "backtrace"} <= set(tools)
+    assert not {"lr", "checkpoint", "cleanup", "eval", "debug"} & set(tools), "read-only by default over HTTP too"
+    assert "torch.steps" in tools["query"].description
+    assert not status.is_error, text(status)
+    assert [row["pid"] for row in status.structured_content["result"]] == [train.pid]
+    assert not steps.is_error and steps.structured_content["result"][0]["s"] >= 1, text(steps)
+    assert action.is_error and "--allow-actions" in text(action)
+
+    rc, out = stop(proc, signal.SIGTERM)
+    assert rc == 0 and out.rstrip().endswith("probe mcp: stopped."), out
+    assert out.count(token) == 1 and "Traceback" not in out, "the token is printed once"
+
+
+def test_http_actions_are_audited_as_the_agent_and_need_the_token(train, shared_spawn, shared_env):
+    pid = str(train.pid)
+    proc, url, token = start_http(shared_spawn, "--allow-actions")
+    audit = os.path.join(shared_env["PROBE_RUNTIME_DIR"], "audit.jsonl")
+
+    def cleanups():
+        if not os.path.exists(audit):
+            return []
+        with open(audit) as f:
+            return [r for r in map(json.loads, f) if r["command"] == "cleanup" and r["pid"] == train.pid]
+
+    before = len(cleanups())
+    # a session opened with the token, then a tool call on it without the token: 401, and nothing runs
+    init = post(url, {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}},
+        Authorization=f"Bearer {token}")
+    assert init[0] == 200 and init[1]["mcp-session-id"], init
+    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "cleanup", "arguments": {"endpoint": pid}}}
+    on_session = {"mcp-session-id": init[1]["mcp-session-id"], "mcp-protocol-version": "2025-06-18"}
+    assert post(url, call, **on_session)[0] == 401
+    assert post(url, call, **on_session, Authorization=f"Bearer {'x' * len(token)}")[0] == 401
+
+    async def go(s):
+        names = {t.name for t in (await s.list_tools()).tools}
+        return names, await s.call_tool("cleanup", {"endpoint": pid})
+
+    names, done = http_session(url, token, go)
+    assert {"lr", "checkpoint", "cleanup"} <= names and not {"eval", "debug"} & names
+    assert not done.is_error and done.structured_content["result"][0]["action"]["state"] == "done", text(done)
+    mine = cleanups()[before:]
+    assert {r["outcome"] for r in mine} >= {"queued", "done"}, "exactly the authorized call ran"
+    assert all(r["client"].get("agent") == "mcp" for r in mine)
+    assert len([r for r in mine if r["outcome"] == "done"]) == 1
+
+    rc, out = stop(proc, signal.SIGINT)
+    assert rc == 0 and "probe mcp: stopped." in out, out
+
+
+def test_http_refuses_a_non_loopback_bind_without_expose(shared_cli):
+    r = shared_cli("mcp", "--http", "0.0.0.0:0")
+    assert r.returncode != 0 and r.stderr.startswith("probe: --http 0.0.0.0:0: 0.0.0.0 is not a loopback address; add --expose")
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("call, expected", [
+    (lambda m: m.parse_address("::1:0"), "write an IPv6 address in brackets"),
+    (lambda m: m.parse_address("127.0.0.1:70000"), "is not [HOST:]PORT with a port from 0 to 65535"),
+    (lambda m: m.http_token("short"), "PROBE_MCP_TOKEN must be at least 16 characters"),
+])
+def test_http_refuses_a_bad_address_or_a_weak_token(call, expected):
+    import probe.cli.mcp.http as http
+    from probe._errors import ProbeError
+
+    with pytest.raises(ProbeError, match=re.escape(expected)):
+        call(http)
+
+
+def test_http_address_doctests():
+    import doctest
+
+    import probe.cli.mcp.http as http
+
+    failed, attempted = doctest.testmod(http)
+    assert attempted and not failed
