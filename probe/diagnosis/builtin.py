@@ -209,20 +209,22 @@ HAVING count(*) = 20 AND max(grad_norm) = 0""",
 
 rule(
     "memory_growth", family="memory", severity="warning",
-    description="After the first 100 steps, peak memory rose by 16 MB or more in each half of the last 100 steps: it grows step over step.",
+    description="After the first 100 steps, peak memory rose by 16 MB or more in each half of its last 100 readings (steps the budget measured): it grows step over step.",
     sql="""
 WITH p AS (
-  SELECT rank, step, peak_allocated AS peak, max(step) OVER (PARTITION BY rank) AS last
+  SELECT rank, step, peak_allocated AS peak, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS back
   FROM torch.steps WHERE peak_allocated IS NOT NULL AND step > 100),
+n AS (SELECT rank, least(count(*), 100) AS n FROM p GROUP BY rank HAVING count(*) >= 20),
 w AS (
-  SELECT rank, max(last) AS step,
-         arg_min(peak, step) FILTER (WHERE step >= last - 100) AS start_peak,
-         arg_min(peak, step) FILTER (WHERE step >= last - 50) AS mid_peak,
-         arg_max(peak, step) AS end_peak
-  FROM p GROUP BY rank HAVING min(step) <= max(last) - 100)
-SELECT rank, step, start_peak / 1e6 AS start_mb, end_peak / 1e6 AS end_mb, (end_peak - start_peak) / 1e8 AS mb_per_step
+  SELECT p.rank, max(p.step) AS step, min(p.step) FILTER (WHERE back <= n.n) AS first,
+         arg_min(peak, p.step) FILTER (WHERE back <= n.n) AS start_peak,
+         arg_min(peak, p.step) FILTER (WHERE back <= n.n // 2) AS mid_peak,
+         arg_max(peak, p.step) AS end_peak
+  FROM p JOIN n ON n.rank IS NOT DISTINCT FROM p.rank GROUP BY p.rank)
+SELECT rank, step, first, start_peak / 1e6 AS start_mb, end_peak / 1e6 AS end_mb,
+       (end_peak - start_peak) / 1e6 / greatest(step - first, 1) AS mb_per_step
 FROM w WHERE mid_peak - start_peak > 16e6 AND end_peak - mid_peak > 16e6 AND end_peak > 1.05 * start_peak""",
-    message="peak memory grows step over step: {start_mb:.0f} MB -> {end_mb:.0f} MB over the 100 steps up to step {step} (~{mb_per_step:.2f} MB a step): something keeps tensors alive (a list of losses, a growing cache).",
+    message="peak memory grows step over step: {start_mb:.0f} MB -> {end_mb:.0f} MB from step {first} to step {step} (~{mb_per_step:.2f} MB a step): something keeps tensors alive (a list of losses, a growing cache).",
     next=["probe {target} query \"SELECT * FROM torch.memory\"",
           "probe {target} query \"SELECT step, MAX(allocated) AS peak FROM python.torch_trace GROUP BY step ORDER BY step DESC LIMIT 20\"",
           "probe {target} cleanup"],
