@@ -6,7 +6,9 @@ substrings that a redraw prints whole (result rows, messages), never for screens
 
 from __future__ import annotations
 
+import os
 import sys
+import termios
 import time
 
 import pytest
@@ -116,11 +118,31 @@ def test_query_special_error_and_completion(spawn, repl):
     child.expect(pexpect.EOF)
 
 
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_until_grinding(child, cpu_s: float = 0.7, timeout: float = 8.0) -> None:
+    """Wait until the REPL runs the statement: its terminal is out of prompt-toolkit's raw mode (so
+    Ctrl-C is a SIGINT, not a keystroke read later) and it has burnt ``cpu_s`` of CPU since (far
+    more than planning costs: DuckDB is grinding). CPU time, not wall time, so load cannot fool it."""
+    end = time.monotonic() + timeout
+    while not termios.tcgetattr(child.child_fd)[3] & termios.ISIG:
+        assert time.monotonic() < end, "the REPL never left its prompt"
+        time.sleep(0.02)  # ok-sleep: polling the terminal's mode
+    start = _cpu_s(child.pid)
+    while _cpu_s(child.pid) - start < cpu_s:
+        assert time.monotonic() < end, "the REPL never started the query"
+        time.sleep(0.02)  # ok-sleep: polling the process's CPU time
+
+
 def test_ctrl_c_cancels_a_long_query_in_the_repl(spawn, repl, cli):
     target = spawn(TARGETS / "idle.py")
     child = repl(target.pid)
     child.sendline(LONG_QUERY)
-    time.sleep(1.0)  # ok-sleep: let the query reach DuckDB before interrupting it
+    _wait_until_grinding(child)
     started = time.monotonic()
     child.sendcontrol("c")
     child.expect("cancelled after")

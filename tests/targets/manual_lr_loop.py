@@ -24,7 +24,9 @@ p.add_argument("--step-sleep", type=float, default=0.0)
 args = p.parse_args()
 torch.manual_seed(0)
 torch.set_num_threads(1)
-BASE_LR, WARMUP, TOTAL, ACCUM = 0.05, 5, 400, 2
+# TOTAL is far beyond any test's steps: a schedule that went flat would make the loop's rewrites
+# invisible (it would write back the very value probe restored), and the tests look at any step
+BASE_LR, WARMUP, TOTAL, ACCUM = 0.05, 5, 1_000_000, 2
 
 
 def lr_at(step):
