@@ -93,16 +93,23 @@ def _share(text: str) -> float:
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
 
 
-def _budget(text: str) -> float:
-    """PROBE_STEP_BUDGET: a share of step time in (0, 1], or 'off' (no limit: every step measured) -> inf."""
-    v = text.strip().lower()
-    if v in ("off", "no", "none", "false", "all"):
-        return math.inf
-    what = "off or a share of step time above 0 and at most 1, such as 0.01"
-    share = _number(float, above=0, what=what)(v)
-    if share > 1:
-        raise ValueError(what)
-    return share
+def _limit(of: str):
+    """A share of ``of`` in (0, 1], or 'off' (no limit) -> inf: PROBE_STEP_BUDGET, PROBE_SERVE_SHARE."""
+    what = f"off or a share of {of} above 0 and at most 1, such as 0.01"
+
+    def parse(text: str) -> float:
+        v = text.strip().lower()
+        if v in ("off", "no", "none", "false", "all"):
+            return math.inf
+        share = _number(float, above=0, what=what)(v)
+        if share > 1:
+            raise ValueError(what)
+        return share
+
+    return parse
+
+
+_budget = _limit("step time")
 
 
 def _size(text: str) -> int:
@@ -150,6 +157,7 @@ _declare("PROBE_QUERY_TIMEOUT", "10", "Seconds a query may run (snapshot, then D
 _declare("PROBE_QUERY_MEMORY", "256MB", "DuckDB memory limit of the client's query engine (DuckDB never runs in the training process).")
 _declare("PROBE_MAX_ROWS", "10000", "Default row cap of a query result; a client can ask for more.", _COUNT)
 _declare("PROBE_SNAPSHOT_BYTES", "64MB", "Training process: largest table snapshot (the columns one query needs, after its pushed-down filters) it hands to a client; larger ones are refused with a hint.", _size)
+_declare("PROBE_SERVE_SHARE", "0.05", "Training process: share of wall time (CPU time of one thread) its snapshots may take, averaged over a second: beyond it, further queries wait in line up to their timeout, so that many clients cannot slow training; 'off' serves them as fast as they come.", _limit("wall time"))
 _declare("PROBE_MAX_SNAPSHOTS", "2", "Training process: snapshots taken at the same time; further queries wait in line up to their timeout.", _COUNT)
 _declare("PROBE_MAX_CONNECTIONS", "32", "Training process: open client connections served at once, unix socket and TCP each; more are closed at once with a 503.",
          _number(int, minimum=2, what="a whole number of at least 2"))

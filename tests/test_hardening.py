@@ -339,3 +339,26 @@ def test_snapshots_wait_in_line_and_say_so(spawn, probe_env):
     busy = [json.loads(a.partition(b"\r\n\r\n")[2]) for a, s in zip(answers, statuses) if s == 503]
     assert busy and 200 in statuses, statuses
     assert all("PROBE_MAX_SNAPSHOTS" in b["error"] and b["error"].endswith(".") for b in busy), busy
+
+
+def test_snapshots_are_paced_to_their_share_of_the_process(spawn, probe_env):
+    # given a process whose snapshots may take a millionth of its time (a microsecond a second)
+    target = spawn(TARGETS / "idle.py", env={"PROBE_SERVE_SHARE": "0.000001"})
+    sock = _socket_of(target.pid, probe_env)
+
+    def ask(timeout):
+        body = json.dumps({"tables": {"python.backtrace": {"columns": ["func", "depth"]}}, "timeout": timeout}).encode()
+        t0 = time.monotonic()
+        answer = _raw(sock, f"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        return int(answer.split(b" ", 2)[1]), answer.partition(b"\r\n\r\n")[2], time.monotonic() - t0
+
+    # when one query comes, it is answered at once (the bucket starts with its burst)
+    status, _, _ = ask(5)
+    assert status == 200
+    # then the next one, which would have to wait seconds for the share to refill, is told so at once
+    status, body, took = ask(0.5)
+    assert status == 503, body
+    error = json.loads(body)["error"]
+    assert "PROBE_SERVE_SHARE" in error and error.endswith(".") and error.count(". ") == 0, error
+    assert took < 0.5, took
+    assert "Traceback" not in target.output(), target.output()

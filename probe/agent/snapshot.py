@@ -14,8 +14,10 @@ surely rejects it (the client runs the full query again over what it receives), 
 a value it cannot compare cheaply is kept. No SQL is parsed here.
 
 Limits: at most ``PROBE_MAX_SNAPSHOTS`` snapshots are taken at once (the rest wait
-in line, up to their timeout), and a snapshot larger than ``PROBE_SNAPSHOT_BYTES``
-is refused before it is sent.
+in line, up to their timeout); together they may take ``PROBE_SERVE_SHARE`` of wall
+time (their threads' CPU time, a token bucket with a second's burst: one query never
+waits, twenty clients asking back to back are paced, and training keeps its core); and
+a snapshot larger than ``PROBE_SNAPSHOT_BYTES`` is refused before it is sent.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .._config import setting
 from .._errors import ProbeError, QueryError
 from ..tables.registry import Context, get_table, to_columns
 from ..util import validate as v
+from ..util.budget import Budget
 from ..util.errorlog import record_error
 
 __all__ = ["take", "apply_filter", "parse_request", "BusyError"]
@@ -38,6 +41,8 @@ MAX_IN_VALUES = 1000
 _slots_lock = threading.Lock()
 _slots: threading.BoundedSemaphore | None = None
 _waiting = 0
+_pace: Budget | None = None  # PROBE_SERVE_SHARE, under _slots_lock
+_pace_at = 0  # when it last earned (time.monotonic_ns())
 
 
 class BusyError(ProbeError):
@@ -53,6 +58,34 @@ def _semaphore() -> threading.BoundedSemaphore:
         if _slots is None:
             _slots = threading.BoundedSemaphore(setting("PROBE_MAX_SNAPSHOTS"))
         return _slots
+
+
+def _paced(timeout: float) -> None:
+    """Wait until the snapshots' share of wall time has credit again (``PROBE_SERVE_SHARE``); BusyError after ``timeout``."""
+    global _pace, _pace_at
+    deadline = time.monotonic() + timeout
+    while True:
+        with _slots_lock:
+            now = time.monotonic_ns()
+            if _pace is None:
+                _pace = Budget(setting("PROBE_SERVE_SHARE"), charge_cap=1.0)
+                _pace_at = now
+            _pace.earn(now - _pace_at)
+            _pace_at = now
+            wait = _pace.wait_ns() / 1e9
+        if wait <= 0:
+            return
+        if time.monotonic() + wait > deadline:
+            raise BusyError(f"the probe is pacing its queries: snapshots may take {_pace.share * 100:g} % of the training "
+                            f"process's time (PROBE_SERVE_SHARE) and this one could not start within {timeout:g} s; "
+                            "retry, query less often, or raise PROBE_SERVE_SHARE in the training process.")
+        time.sleep(min(wait, 0.25))  # ok-sleep: waiting for the share to refill
+
+
+def _charge(cpu_ns: int) -> None:
+    with _slots_lock:
+        if _pace is not None:
+            _pace.spend(cpu_ns)
 
 
 def _check_filter(node, columns: set, depth: int = 0, count: list | None = None) -> dict:
@@ -225,6 +258,7 @@ def take(body: dict, meta: dict) -> list:
     global _waiting
     wanted, timeout = parse_request(body)
     max_bytes = setting("PROBE_SNAPSHOT_BYTES")
+    _paced(timeout)
     slots = _semaphore()
     if not slots.acquire(blocking=False):
         with _slots_lock:
@@ -236,6 +270,7 @@ def take(body: dict, meta: dict) -> list:
         finally:
             with _slots_lock:
                 _waiting -= 1
+    cpu0 = time.thread_time_ns()
     try:
         ctx = Context(exclude_threads=frozenset({threading.get_ident()}))
         t0 = time.perf_counter()
@@ -252,4 +287,5 @@ def take(body: dict, meta: dict) -> list:
             raise QueryError(f"the snapshot of {exc} is larger than PROBE_SNAPSHOT_BYTES ({max_bytes // 1048576} MiB); "
                              "select fewer columns or add a WHERE on its columns (LIMIT is applied after the snapshot).") from None
     finally:
+        _charge(time.thread_time_ns() - cpu0)
         slots.release()

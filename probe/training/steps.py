@@ -38,7 +38,7 @@ import time
 from array import array
 
 from . import finder, safepoint
-from .budget import Budget
+from ..util.budget import Budget
 from .capture import Capture, read
 from .._config import setting
 from .._runtime import rank_identity

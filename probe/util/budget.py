@@ -1,4 +1,4 @@
-"""A share of step time that the probe's own work may spend: a token bucket of nanoseconds.
+"""A share of time that the probe's own work may spend: a token bucket of nanoseconds.
 
 Every step earns ``share`` of its duration; the probe's measured work spends it. Work that
 can be skipped runs only while the bucket holds credit, so over any stretch of training
@@ -12,8 +12,9 @@ most a quarter of the burst: on a busy machine a boundary that lost the CPU to a
 process for milliseconds is not the probe's cost, and must not stop measuring for a second.
 
 The same bucket paces the whole step boundary (``PROBE_STEP_BUDGET``: loss read-back,
-grad norm, peak memory, discovery scans, module-trace scheduling) and, inside it, the
-probe's own gradient-norm computation (``PROBE_GRAD_NORM``).
+grad norm, peak memory, discovery scans, module-trace scheduling), inside it the probe's
+own gradient-norm computation (``PROBE_GRAD_NORM``), and the server's snapshots, which
+earn a share of wall time instead of step time (``PROBE_SERVE_SHARE``, ``probe.agent.snapshot``).
 
 >>> b = Budget(0.01, burst_s=0.01)    # 1 % of step time, 100 us of burst credit
 >>> b.allows(0)
@@ -39,19 +40,23 @@ BURST_S = 1.0  # seconds of step time whose share may be spent at once (and the 
 
 
 class Budget:
-    __slots__ = ("share", "credit", "cap", "max_gap_ns", "last_allowed_ns")
+    __slots__ = ("share", "credit", "cap", "max_gap_ns", "last_allowed_ns", "charge_cap")
 
-    def __init__(self, share: float, burst_s: float = BURST_S, max_gap_s: float | None = None):
-        """``share``: the fraction of step time allowed; ``inf`` allows everything, ``0`` nothing.
+    def __init__(self, share: float, burst_s: float = BURST_S, max_gap_s: float | None = None,
+                 charge_cap: float = 0.25):
+        """``share``: the fraction of time allowed; ``inf`` allows everything, ``0`` nothing.
 
         ``max_gap_s``: when given, ``allows`` says yes at least once per that many seconds
         whatever the credit (so a value is never left unmeasured for long).
+        ``charge_cap``: the largest single charge, as a fraction of the burst (a quarter for
+        wall-clock charges, which a lost time slice inflates; CPU-time charges need none).
         """
         self.share = share
         self.cap = share * burst_s * 1e9 if math.isfinite(share) else math.inf
         self.credit = self.cap
         self.max_gap_ns = None if max_gap_s is None else int(max_gap_s * 1e9)
         self.last_allowed_ns = 0
+        self.charge_cap = charge_cap
 
     @property
     def unlimited(self) -> bool:
@@ -63,10 +68,16 @@ class Budget:
         self.credit = c if c < self.cap else self.cap
 
     def spend(self, ns: float) -> None:
-        """The probe spent ``ns`` nanoseconds of its own work (charged at most a quarter of the burst)."""
-        quarter = 0.25 * self.cap
-        c = self.credit - (ns if ns < quarter else quarter)
+        """The probe spent ``ns`` nanoseconds of its own work (charged at most ``charge_cap`` of the burst)."""
+        most = self.charge_cap * self.cap
+        c = self.credit - (ns if ns < most else most)
         self.credit = c if c > -self.cap else -self.cap
+
+    def wait_ns(self) -> float:
+        """How long, earning at ``share`` of wall time, until the credit is positive again (0 when it is)."""
+        if self.credit > 0 or self.share == math.inf:
+            return 0.0
+        return math.inf if self.share <= 0 else (1.0 - self.credit) / self.share
 
     def allows(self, now_ns: int) -> bool:
         """Whether optional work may run now (``now_ns``: ``time.perf_counter_ns()``)."""
