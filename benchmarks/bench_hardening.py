@@ -1,6 +1,6 @@
 """What queries cost a training process, now that DuckDB runs in the client (issue 14).
 
-    python benchmarks/bench_hardening.py [--seconds 3] [--clients 20] [--repeat 11] [--baseline DIR]
+    python benchmarks/bench_hardening.py [--seconds 3] [--clients 20] [--repeat 11] [--baseline DIR] [--no-pin]
 
 Starts a small probed torch training loop (a few hundred steps/s on a CPU) that prints its
 step rate, median and worst step time every half second, and a second probed process that
@@ -8,13 +8,24 @@ only idles (the control). Then, side by side in one run:
 
 1. step-rate ratio of the training loop while N client threads issue small queries over the
    unix socket (snapshot + DuckDB in the client, as the CLI does), against the same load
-   aimed at the idle control process (goal >= 0.9 with 20 clients);
+   aimed at the idle control process (goal >= 0.9 with 20 clients); and while N threads ask
+   for raw snapshots back to back (no DuckDB: what N clients on a many-core node can ask, or
+   a runaway script), which ``PROBE_SERVE_SHARE`` paces;
 2. the training process's RSS during hostile queries (huge lists and strings, a large
    snapshot) against its RSS before (goal: bounded by PROBE_SNAPSHOT_BYTES);
 3. the first-query stall: the worst step while the first query of the process runs, against
    the median step (goal <= 2x);
 4. CLI latencies (process start included): `probe PID query` as a table and as JSON, `probe PID
    backtrace`, and `py-spy dump` for the same process (goal: query <= 0.45 s median).
+
+On a machine with two CPUs or more, item 1 pins the training loop(s) to CPU 0 and the clients
+and the control process to the other CPUs, so that the ratio measures what answering costs the
+training process (its server threads, the GIL) and not the clients' own CPU competing with it
+for two cores; ``--no-pin`` measures the shared layout (both figures are worth knowing: on a
+real node the CLI runs beside the job, on CPUs the job usually leaves to its data loaders).
+
+With ``--against NAME=VALUE`` (default ``PROBE_SERVE_SHARE=off``) item 1 also runs a loop of
+this probe with that setting, in the same interleaved rounds.
 
 With ``--baseline DIR`` (a checkout or ``git archive`` of an older probe), item 1 also runs a
 second training loop that imports the probe from DIR, in the same interleaved rounds (the loop
@@ -74,9 +85,11 @@ while True:
 
 
 class Proc:
-    def __init__(self, code: str, env: dict):
+    def __init__(self, code: str, env: dict, cpus: set | None = None):
         self.p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, env=env, start_new_session=True)
+        if cpus:
+            os.sched_setaffinity(self.p.pid, cpus)  # before it starts its threads: they inherit it
         self.lines: list[str] = []
         self.ready = threading.Event()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -165,6 +178,28 @@ def small_query_load(pid: int, clients: int, stop: threading.Event, counts: list
     return threads
 
 
+def raw_snapshot_load(pid: int, clients: int, stop: threading.Event, counts: list, errors: list) -> list:
+    """``clients`` threads asking for the small query's snapshot back to back, with no work of their own."""
+    from probe.cli._client import Client
+    from probe.cli._endpoint import resolve
+
+    target = resolve(str(pid))
+
+    def worker(i):
+        c = Client(target, timeout=10)
+        while not stop.is_set():
+            try:
+                c.snapshot({"torch.steps": {"columns": ["step"]}}, 10)
+                counts[i] += 1
+            except Exception as exc:  # counted, shown at the end
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    return threads
+
+
 def cli_median(env, args, repeat) -> float:
     times = []
     for _ in range(repeat):
@@ -183,15 +218,29 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=11)
     ap.add_argument("--baseline", help="directory of another probe (its training side) to measure item 1 against")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="a setting for the probed processes (this probe's, not the baseline's), e.g. PROBE_SERVE_SHARE=off")
+    ap.add_argument("--against", default="PROBE_SERVE_SHARE=off", metavar="NAME=VALUE",
+                    help="item 1 also runs a loop of this probe with this setting, side by side (default: pacing off); '' for none")
+    ap.add_argument("--no-pin", action="store_true", help="let the training loop and the clients share every CPU")
     args = ap.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = not args.no_pin and len(cpus) >= 2
+    train_cpus, client_cpus = ({cpus[0]}, set(cpus[1:])) if pin else (None, None)
+    if pin:
+        os.sched_setaffinity(0, client_cpus)  # the clients (threads of this process) and their DuckDB threads
+    print(f"layout: " + (f"training on CPU {cpus[0]}, clients and the control process on CPU(s) "
+                         f"{','.join(map(str, cpus[1:]))}" if pin else f"everything shares CPUs {','.join(map(str, cpus))}"))
     rt = tempfile.mkdtemp(prefix="pbh-", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
     env.update(PROBE_RUNTIME_DIR=rt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     os.environ.update(PROBE_RUNTIME_DIR=rt)
-    train = Proc(TRAIN, env)
-    idle = Proc(IDLE, env)
-    base = Proc(TRAIN, dict(env, PYTHONPATH=args.baseline)) if args.baseline else None
-    loops = {"this probe": train, **({"baseline": base} if base else {})}
+    settings = dict(kv.split("=", 1) for kv in args.env)
+    train = Proc(TRAIN, dict(env, **settings), train_cpus)
+    idle = Proc(IDLE, env, client_cpus)
+    base = Proc(TRAIN, dict(env, PYTHONPATH=args.baseline), train_cpus) if args.baseline else None
+    against = Proc(TRAIN, dict(env, **settings, **dict([args.against.split("=", 1)])), train_cpus) if args.against else None
+    loops = {"this probe": train, **({f"with {args.against}": against} if against else {}), **({"baseline": base} if base else {})}
 
     def only(proc):
         """Let ``proc`` run and stop the other training loop (one measured at a time)."""
@@ -224,30 +273,33 @@ def main() -> int:
 
         # 1. step rate under small-query load, aimed at the training process vs at the control, in
         #    interleaved rounds (alone, control, training) so that the machine's drift cancels out
-        ratios: dict = {name: {"control": [], "training": []} for name in loops}
-        done_queries, failures = dict.fromkeys(loops, 0), []
+        arms = (("control", idle, small_query_load), ("training", None, small_query_load), ("raw", None, raw_snapshot_load))
+        ratios: dict = {name: {arm[0]: [] for arm in arms} for name in loops}
+        done: dict = {name: dict.fromkeys(ratios[name], 0) for name in loops}
+        failures: list = []
         for _ in range(args.rounds):
             for name, loop in loops.items():
                 only(loop)
-                alone = statistics.median(s[0] for s in wait_stats(loop, args.seconds))
-                for label, pid in (("control", idle.pid), ("training", loop.pid)):
+                for label, proc, load in arms:
+                    alone = statistics.median(s[0] for s in wait_stats(loop, args.seconds))
                     stop, counts, errors = threading.Event(), [0] * args.clients, []
-                    threads = small_query_load(pid, args.clients, stop, counts, errors)
+                    threads = load((proc or loop).pid, args.clients, stop, counts, errors)
                     loaded = statistics.median(s[0] for s in wait_stats(loop, args.seconds))
                     stop.set()
                     for t in threads:
                         t.join(30)
                     ratios[name][label].append(loaded / alone)
-                    if label == "training":
-                        done_queries[name] += sum(counts)
+                    done[name][label] += sum(counts)
                     failures += errors
         only(train)
         for name in loops:
-            c, t = statistics.median(ratios[name]["control"]), statistics.median(ratios[name]["training"])
-            print(f"1. {name}: {args.clients} clients issuing small queries, median of {args.rounds} interleaved rounds: "
-                  f"step-rate ratio {t:.2f} aimed at the training process (goal >= 0.9), {c:.2f} aimed at another process "
-                  f"(the clients' own CPU on this machine); training/control {t / c:.2f}   ({done_queries[name]} queries to "
-                  f"the training process, {len(failures)} failed" + (f": {failures[0]}" if failures else "") + ")")
+            r = {label: statistics.median(v) for label, v in ratios[name].items()}
+            q = {label: n / (args.rounds * args.seconds) for label, n in done[name].items()}
+            print(f"1. {name}: {args.clients} clients, median of {args.rounds} rounds (each against its own window alone just before): "
+                  f"step-rate ratio {r['training']:.2f} with CLI-like queries to the training process ({q['training']:.0f}/s; goal >= 0.9), "
+                  f"{r['control']:.2f} with them aimed at another process ({q['control']:.0f}/s; the clients' own CPU), "
+                  f"{r['raw']:.2f} with raw snapshots back to back ({q['raw']:.0f}/s answered)   "
+                  f"[{len(failures)} failed" + (f": {failures[0]}" if failures else "") + "]")
 
         # 2. RSS during hostile queries
         before = train.rss()
@@ -287,7 +339,7 @@ def main() -> int:
         print(f"4. CLI medians of {args.repeat}: query (table) {table:.3f} s (goal <= 0.45 s), query -f json {js:.3f} s, "
               f"backtrace {bt:.3f} s, py-spy dump {spy:.3f} s")
     finally:
-        for proc in (train, idle, base):
+        for proc in (train, idle, base, against):
             if proc is not None:
                 os.kill(proc.pid, signal.SIGCONT)
                 proc.stop()

@@ -157,7 +157,7 @@ _declare("PROBE_QUERY_TIMEOUT", "10", "Seconds a query may run (snapshot, then D
 _declare("PROBE_QUERY_MEMORY", "256MB", "DuckDB memory limit of the client's query engine (DuckDB never runs in the training process).")
 _declare("PROBE_MAX_ROWS", "10000", "Default row cap of a query result; a client can ask for more.", _COUNT)
 _declare("PROBE_SNAPSHOT_BYTES", "64MB", "Training process: largest table snapshot (the columns one query needs, after its pushed-down filters) it hands to a client; larger ones are refused with a hint.", _size)
-_declare("PROBE_SERVE_SHARE", "0.05", "Training process: share of wall time (CPU time of one thread) its snapshots may take, averaged over a second: beyond it, further queries wait in line up to their timeout, so that many clients cannot slow training; 'off' serves them as fast as they come.", _limit("wall time"))
+_declare("PROBE_SERVE_SHARE", "0.02", "Training process: share of wall time (CPU time of one thread) its snapshots may take, averaged over a second: beyond it, further queries wait in line up to their timeout, so that many clients cannot slow training; 'off' serves them as fast as they come.", _limit("wall time"))
 _declare("PROBE_MAX_SNAPSHOTS", "2", "Training process: snapshots taken at the same time; further queries wait in line up to their timeout.", _COUNT)
 _declare("PROBE_MAX_CONNECTIONS", "32", "Training process: open client connections served at once, unix socket and TCP each; more are closed at once with a 503.",
          _number(int, minimum=2, what="a whole number of at least 2"))

@@ -15,13 +15,15 @@ a value it cannot compare cheaply is kept. No SQL is parsed here.
 
 Limits: at most ``PROBE_MAX_SNAPSHOTS`` snapshots are taken at once (the rest wait
 in line, up to their timeout); together they may take ``PROBE_SERVE_SHARE`` of wall
-time (their threads' CPU time, a token bucket with a second's burst: one query never
-waits, twenty clients asking back to back are paced, and training keeps its core); and
+time (the CPU time of their requests' threads, a token bucket with a second's burst and at most a
+second's debt: an occasional query never waits, none waits over a second, twenty clients
+asking back to back are paced, and training keeps its core); and
 a snapshot larger than ``PROBE_SNAPSHOT_BYTES`` is refused before it is sent.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -68,7 +70,7 @@ def _paced(timeout: float) -> None:
         with _slots_lock:
             now = time.monotonic_ns()
             if _pace is None:
-                _pace = Budget(setting("PROBE_SERVE_SHARE"), charge_cap=1.0)
+                _pace = Budget(setting("PROBE_SERVE_SHARE"), charge_cap=math.inf)  # debt stays capped at one burst: no wait over 1 s
                 _pace_at = now
             _pace.earn(now - _pace_at)
             _pace_at = now
@@ -270,7 +272,6 @@ def take(body: dict, meta: dict) -> list:
         finally:
             with _slots_lock:
                 _waiting -= 1
-    cpu0 = time.thread_time_ns()
     try:
         ctx = Context(exclude_threads=frozenset({threading.get_ident()}))
         t0 = time.perf_counter()
@@ -287,5 +288,5 @@ def take(body: dict, meta: dict) -> list:
             raise QueryError(f"the snapshot of {exc} is larger than PROBE_SNAPSHOT_BYTES ({max_bytes // 1048576} MiB); "
                              "select fewer columns or add a WHERE on its columns (LIMIT is applied after the snapshot).") from None
     finally:
-        _charge(time.thread_time_ns() - cpu0)
+        _charge(time.thread_time_ns())  # the whole request so far: the server runs one thread per request
         slots.release()

@@ -49,7 +49,8 @@ class Budget:
         ``max_gap_s``: when given, ``allows`` says yes at least once per that many seconds
         whatever the credit (so a value is never left unmeasured for long).
         ``charge_cap``: the largest single charge, as a fraction of the burst (a quarter for
-        wall-clock charges, which a lost time slice inflates; CPU-time charges need none).
+        wall-clock charges, which a lost time slice inflates; CPU-time charges need none: ``inf``).
+        The debt is capped at one burst either way, so nothing waits longer than ``burst_s`` for credit.
         """
         self.share = share
         self.cap = share * burst_s * 1e9 if math.isfinite(share) else math.inf
