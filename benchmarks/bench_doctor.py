@@ -1,6 +1,6 @@
 """What `probe doctor` costs, and that it does not cry wolf on a healthy job, in one run (CPU).
 
-    python benchmarks/bench_doctor.py [--seconds 60] [--world 3]
+    python benchmarks/bench_doctor.py [--seconds 60] [--world 3] [--faults | --faults-only]
 
 1. A healthy job (examples/train_gpt.py) trains for ``--seconds``; the doctor runs on it
    back to back the whole time. Every run's wall time is kept, and every finding above info
@@ -8,6 +8,11 @@
 2. A healthy local DDP job (examples/train_ddp.py --step-sleep 0, ``--world`` ranks on gloo, started with
    ``python -m torch.distributed.run``): the doctor across all ranks and on rank 0 alone,
    alternating, so that their ratio is measured under the same load. Goal: all ranks in <= 10 s.
+
+3. With ``--faults``: every planted fault of tests/targets/faults.py (the table the tests
+   assert on, tests/targets/fault_catalog.py), one job at a time: how long after the job
+   says the fault is planted the doctor first names it, that finding's first line, and one
+   doctor run's wall time. ``--faults-only`` skips 1 and 2.
 
 Timings depend on the machine's load (the CLI, DuckDB and the ranks share its cores): the
 script prints the load average beside them.
@@ -90,11 +95,17 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--world", type=int, default=3)
     ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--faults", action="store_true", help="also time the doctor on every planted fault")
+    ap.add_argument("--faults-only", action="store_true", help="only the planted faults")
     args = ap.parse_args()
     rt = tempfile.mkdtemp(prefix="pr-doctor-", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
     env.update(PROBE_RUNTIME_DIR=rt, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     wolf = []
+    if args.faults or args.faults_only:
+        planted_faults(env)
+        if args.faults_only:
+            return 0
 
     # 1. one healthy job for a minute, the doctor back to back
     if args.seconds > 0:
@@ -126,6 +137,29 @@ def main() -> int:
     for where, f in wolf:
         print(f"CRIED WOLF ({where}): {f['severity']} {f['rule']}: {f['message']}")
     return 1 if wolf else 0
+
+
+def planted_faults(env: dict) -> None:
+    sys.path.insert(0, str(ROOT / "tests" / "targets"))
+    from fault_catalog import FAULTS, plant
+
+    print("planted fault -> the doctor's first finding (seconds from 'planted' to named; one doctor run's wall time):")
+    for fault, rule, _ in FAULTS:
+        extra, settings = plant(fault)
+        proc, _, _ = start([sys.executable, str(ROOT / "tests" / "targets" / "faults.py"), *extra], dict(env, **settings), r"planted")
+        try:
+            t0 = time.perf_counter()
+            while True:
+                wall, doc = doctor(env, str(proc.pid))
+                hit = [f for f in doc["findings"] if f["rule"] == rule]
+                if hit or time.perf_counter() - t0 > 90:
+                    break
+            first = doc["findings"][0] if doc["findings"] else None
+            named = f"named after {time.perf_counter() - t0:.1f} s" if hit else "NOT NAMED within 90 s"
+            line = f"{first['severity']} {first['rule']}: {first['message'].splitlines()[0]}" if first else "(no finding)"
+            print(f"  {fault}: {named}; doctor {wall:.2f} s; first: {line}")
+        finally:
+            stop(proc)
 
 
 def healthy_minute(env: dict, seconds: float) -> list:

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from conftest import EXAMPLES, TARGETS, poll, requires_torch
+from targets.fault_catalog import FAULTS, NOT_ALSO, plant
 
 FOUND_EXIT = 8
 
@@ -38,33 +39,14 @@ def poll_for(cli, target, rule, timeout=60.0, env=None):
         time.sleep(0.5)  # ok-sleep: polling with a deadline
 
 
-FAULTS = [
-    # fault, the rule that must name it, words its message must hold (the decisive evidence)
-    ("frozen", "mostly_frozen", ["5 of 6 parameter tensors", "requires_grad=False"]),
-    ("lr_zero", "lr_zero", ["learning rate 0"]),
-    ("not_in_optimizer", "grads_not_optimized", ["in no optimizer"]),
-    ("nan_from_data", "params_nonfinite", ["NaN/Inf"]),
-    ("memory_growth", "memory_growth", ["peak memory grows"]),
-    ("slowdown", "throughput_regression", ["slower"]),
-    ("dead_relu", "dead_activations", ["100.0% of the output of module 3 (ReLU", "exactly 0"]),
-    ("collapsed", "collapsed_output", ["module 2 (Linear)", "same for every sample", "input from 1 varies"]),
-    # CPU stand-in for the CUDA path: the target raises torch's sync warning from its own line
-    ("host_sync", "host_syncs", ["of faults.py", "loss.item()", "1 time(s) a step"]),
-]
-SETTLE = {"memory_growth": "200", "dead_relu": "30", "collapsed": "30", "host_sync": "30"}  # steps the fault needs
-TRACE_EVERY = {"dead_relu": "5", "collapsed": "5", "host_sync": "5"}  # rules that read traced steps need a few
-NOT_ALSO = {"dead_relu": "collapsed_output"}  # a dead ReLU is not also reported as a collapsed output
-# a slowdown is judged against the earlier steps' median: enough fast steps first keep it visible for ~20 s, not ~5 s
-FAULT_STEP = {"slowdown": "150"}
 
 
 @requires_torch
 @pytest.mark.parametrize("fault, rule, words", FAULTS, ids=[f[0] for f in FAULTS])
 def test_doctor_names_the_planted_fault(spawn, cli, fault, rule, words):
     # given: a job with one planted fault, past the point where it shows
-    env = {"PROBE": "1", **({"PROBE_TRACE": TRACE_EVERY[fault]} if fault in TRACE_EVERY else {})}
-    job = spawn([TARGETS / "faults.py", "--fault", fault, "--settle", SETTLE.get(fault, "60"),
-                 "--fault-step", FAULT_STEP.get(fault, "40")], env=env, ready="planted", timeout=180)
+    args, env = plant(fault)
+    job = spawn([TARGETS / "faults.py", *args], env=env, ready="planted", timeout=180)
     # when
     finding, findings = poll_for(cli, job.pid, rule)
     # then: named with its evidence and a next command to type
@@ -180,6 +162,37 @@ def test_findings_are_a_table_listed_described_and_queryable(healthy, shared_cli
                    "--format", "json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == []  # a healthy job: nothing above info, in the table as in `doctor`
+
+
+@requires_torch
+def test_a_job_sharing_its_cpu_is_starved_not_regressed(spawn, cli):
+    """A CPU hog on the job's own core doubles its step time: the doctor says the host is
+    oversubscribed (cpu_starved, info) and does not call it the job's regression."""
+    import os
+    import subprocess
+    import sys
+
+    job = spawn([EXAMPLES / "train_gpt.py", "--print-every", "50"], env={"PROBE": "1"}, ready="step 100", timeout=180)
+    cpu = min(os.sched_getaffinity(0))
+    os.sched_setaffinity(job.pid, {cpu})
+    start = _step(cli, job.pid)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(hog.pid, {cpu})
+        # when: 60 steps share the core with the hog
+        assert poll(lambda: _step(cli, job.pid) >= start + 60, 120)
+        doc = doctor(cli, job.pid)
+        rows = json.loads(cli(job.pid, "query", f"SELECT median(duration) AS d, median(cpu_wait) AS w FROM torch.steps "
+                              f"WHERE step > {start + 10} AND cpu_wait IS NOT NULL", "--format", "json").stdout)
+    finally:
+        hog.kill()
+        hog.wait()
+    # then: the steps waited for the CPU, and that is what the doctor says
+    assert rows[0]["w"] > 0.25 * rows[0]["d"], rows
+    rules = {f["rule"]: f for f in doc["findings"]}
+    assert "throughput_regression" not in rules, doc["findings"]
+    assert "cpu_starved" in rules and rules["cpu_starved"]["severity"] == "info", doc["findings"]
+    assert "waited" in rules["cpu_starved"]["message"] and "share its cores" in rules["cpu_starved"]["message"]
 
 
 @requires_torch

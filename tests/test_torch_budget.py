@@ -48,7 +48,7 @@ def test_budget_bucket_arithmetic():
     """The bucket's own examples (spending, earning back, the per-charge cap) run as doctests."""
     import doctest
 
-    from probe.training import budget
+    from probe.util import budget
 
     failed, attempted = doctest.testmod(budget)
     assert attempted >= 6 and failed == 0

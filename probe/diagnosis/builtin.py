@@ -232,22 +232,44 @@ FROM w WHERE mid_peak - start_peak > 16e6 AND end_peak - mid_peak > 16e6 AND end
 
 rule(
     "throughput_regression", family="slow", severity="warning",
-    description="The median step time of the last 50 steps is twice (and 10 ms) above the job's own earlier median.",
+    description="The median step time of the last 50 steps is twice (and 10 ms) above the job's own earlier median, the time the training thread waited for a CPU (torch.steps.cpu_wait: the host's load, not the job's) taken out of both.",
     sql="""
 WITH s AS (
-  SELECT rank, step, duration, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age,
+  SELECT rank, step, duration, cpu_wait, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age,
          row_number() OVER (PARTITION BY rank ORDER BY step) AS nth
   FROM torch.steps WHERE duration IS NOT NULL),
 m AS (
   SELECT rank, max(step) AS step, median(duration) FILTER (WHERE age <= 50) AS now_s,
          median(duration) FILTER (WHERE age > 50 AND nth > 10) AS before_s,
+         coalesce(median(cpu_wait) FILTER (WHERE age <= 50), 0) AS now_wait,
+         coalesce(median(cpu_wait) FILTER (WHERE age > 50 AND nth > 10), 0) AS before_wait,
          count(*) FILTER (WHERE age > 50 AND nth > 10) AS n_before
-  FROM s GROUP BY rank)
-SELECT rank, step, now_s * 1000 AS now_ms, before_s * 1000 AS before_ms, now_s / before_s AS ratio FROM m
-WHERE n_before >= 20 AND now_s > 2 * before_s AND now_s - before_s > 0.01""",
-    message="steps got {ratio:.1f}x slower: median {now_ms:.1f} ms over the last 50 steps against {before_ms:.1f} ms before.",
+  FROM s GROUP BY rank),
+j AS (
+  SELECT *, greatest(now_s - now_wait, 0) AS now_own, greatest(before_s - before_wait, 1e-6) AS before_own FROM m)
+SELECT rank, step, now_s * 1000 AS now_ms, before_s * 1000 AS before_ms, now_s / before_s AS ratio,
+       (now_wait - before_wait) * 1000 AS wait_ms FROM j
+WHERE n_before >= 20 AND now_own > 2 * before_own AND now_own - before_own > 0.01""",
+    message="steps got {ratio:.1f}x slower: median {now_ms:.1f} ms over the last 50 steps against {before_ms:.1f} ms before "
+            "(waiting for a CPU accounts for {wait_ms:.1f} ms of it).",
     next=["probe {target} backtrace",
           "probe {target} query \"SELECT module, stage, AVG(duration) AS avg_s FROM python.torch_trace WHERE step > (SELECT MAX(step) - 5 FROM python.torch_trace) GROUP BY ALL ORDER BY avg_s DESC LIMIT 10\""],
+)
+
+rule(
+    "cpu_starved", family="slow", severity="info",
+    description="Over the last 50 measured steps the training thread waited for a CPU (torch.steps.cpu_wait) for more than a quarter of its step time and 5 ms a step: the host is oversubscribed.",
+    sql="""
+WITH s AS (
+  SELECT rank, step, duration, cpu_wait, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+  FROM torch.steps WHERE cpu_wait IS NOT NULL AND duration > 0)
+SELECT rank, max(step) AS step, median(cpu_wait) * 1000 AS wait_ms, median(duration) * 1000 AS step_ms,
+       100 * median(cpu_wait) / median(duration) AS pct
+FROM s WHERE age <= 50 GROUP BY rank
+HAVING count(*) >= 10 AND median(cpu_wait) > 0.25 * median(duration) AND median(cpu_wait) > 0.005""",
+    message="the training thread waited {wait_ms:.1f} ms a step for a CPU ({pct:.0f}% of its {step_ms:.1f} ms steps): "
+            "other processes, data loader workers or another job share its cores, and the step times include that wait.",
+    next=["probe {target} query \"SELECT step, duration, cpu_wait FROM torch.steps WHERE cpu_wait IS NOT NULL ORDER BY step DESC LIMIT 20\""],
 )
 
 rule(

@@ -46,6 +46,7 @@ _STEP_EXTRA = ("compute", "comm_wait")
         Column("optimizer", "VARCHAR", "Class of the lead optimizer."),
         Column("measured", "BOOLEAN", "Whether the probe measured this step's optional values (loss, grad_norm, peak_allocated): false on the steps it skipped to stay within PROBE_STEP_BUDGET, where those are NULL because they were not measured. step, durations, lr, samples and traced are exact on every step."),
         Column("probe_us", "DOUBLE", "Microseconds the probe's own work took at this step's boundary (queued actions excluded): what PROBE_STEP_BUDGET paces; NULL for the newest step until its boundary has finished."),
+        Column("cpu_wait", "DOUBLE", "Seconds per step the training thread was ready to run but waited for a CPU (the kernel's run-queue delay: other processes, data loader workers, a neighbour's job), averaged since the previous measured step; on measured steps only (Linux), else NULL. A step time that grows with it is the host's, not the job's."),
         Column("compute", "DOUBLE", "Seconds of the step this rank spent on its own work (data, forward, backward) before it issued the step's last collective, from torch.collectives; NULL without a recorded collective in the step."),
         Column("comm_wait", "DOUBLE", "Seconds from the step's last collective to its end: waiting for the other ranks (and the optimizer step); NULL without a recorded collective."),
     ],

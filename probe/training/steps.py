@@ -43,6 +43,7 @@ from .capture import Capture, read
 from .._config import setting
 from .._runtime import rank_identity
 from ..util.errorlog import record_error
+from ..util.procfs import RunDelayReader
 from ..util.ring import Ring
 
 __all__ = ["StepTracker", "STEP_COLUMNS"]
@@ -50,12 +51,12 @@ __all__ = ["StepTracker", "STEP_COLUMNS"]
 # What the boundary writes per step (the ring's columns)...
 RING_COLUMNS = {"step": "i8", "ended_at": "f8", "duration": "f8", "loss": "f8", "grad_norm": "f8", "lr": "f8",
                 "peak_allocated": "f8", "traced": "b1", "measured": "b1", "samples": "f8", "tokens": "f8",
-                "micro_batches": "i8", "optimizer": "O"}
+                "micro_batches": "i8", "optimizer": "O", "cpu_wait": "f8"}
 # ...and what a query sees (``StepTracker.snapshot``): the rest is derived when asked.
 STEP_COLUMNS = {"step": "i8", "started_at": "f8", "ended_at": "f8", "duration": "f8", "loss": "f8",
                 "grad_norm": "f8", "lr": "f8", "samples_per_s": "f8", "tokens_per_s": "f8",
                 "peak_allocated": "f8", "rank": "f8", "traced": "b1", "samples": "f8", "tokens": "f8",
-                "micro_batches": "i8", "optimizer": "O", "measured": "b1", "probe_us": "f8"}
+                "micro_batches": "i8", "optimizer": "O", "measured": "b1", "probe_us": "f8", "cpu_wait": "f8"}
 _LAG = 2  # steps after which a pending value is read on the training thread
 _RESOLVE_EVERY = 8  # pending device values read at the boundary once this many are waiting
 _PEAK_PERIOD = 0.25  # seconds between peak-memory readings at the boundary (a running peak: staleness is fine)
@@ -109,6 +110,8 @@ class StepTracker:
         self.wall_offset = time.time() - time.perf_counter()
         self._peak_at = -1.0
         self._peak_v = None
+        self._run_delay = RunDelayReader()
+        self._waited = None  # (run_delay ns, step) at the last measured step
         self._frame = None
         self._frame_depth = 0
         self.step_lr = None  # the lr an override made this step use (set by probe._lr before the boundary)
@@ -244,7 +247,8 @@ class StepTracker:
                 "peak_allocated": cols["peak_allocated"],
                 "rank": np.full(n, np.nan if self.rank is None else float(self.rank)), "traced": cols["traced"],
                 "samples": cols["samples"], "tokens": cols["tokens"], "micro_batches": cols["micro_batches"],
-                "optimizer": cols["optimizer"], "measured": cols["measured"], "probe_us": probe_us}
+                "optimizer": cols["optimizer"], "measured": cols["measured"], "probe_us": probe_us,
+                "cpu_wait": cols["cpu_wait"]}
 
     # -- the boundary -----------------------------------------------------------------------------
     def _peak(self, now: float) -> float | None:
@@ -290,6 +294,14 @@ class StepTracker:
             record_error("torch steps: grad norm", exc)
         return loss_v, norm_v, self._peak(now_ns * 1e-9)
 
+    def _cpu_wait(self, step: int) -> float | None:
+        """Seconds a step waited for a CPU, on average since the last measured step (None on the first)."""
+        ns = self._run_delay()
+        last, self._waited = self._waited, (None if ns is None else (ns, step))
+        if ns is None or last is None or step <= last[1]:
+            return None
+        return (ns - last[0]) * 1e-9 / (step - last[1])
+
     def boundary(self, optimizer, frame, *, loss=None, samples=None, tokens=None, t0: int | None = None) -> None:
         """Close step ``self.step + 1``: one ring row, then the tracer's and the subscribers' turn.
 
@@ -317,8 +329,9 @@ class StepTracker:
         measured = self.capture.wanted
         if measured:
             loss_v, norm_v, peak = self._measure(optimizer, frame, loss, t0)
+            waited = self._cpu_wait(step)
         else:  # None: not measured (SQL NULL); a NaN loss stays NaN
-            loss_v = norm_v = peak = None
+            loss_v = norm_v = peak = waited = None
             self.capture.clip_norm = None
         lr = None
         if self.step_lr is not None:
@@ -338,7 +351,7 @@ class StepTracker:
         row = ring.count
         ring.append(step, end_perf + self.wall_offset, duration, loss_v if type(loss_v) is float else None,
                     norm_v if type(norm_v) is float else None, lr if type(lr) is float else None, peak, traced,
-                    measured, s, t, self.micro_batches, type(optimizer).__name__ if optimizer is not None else None)
+                    measured, s, t, self.micro_batches, type(optimizer).__name__ if optimizer is not None else None, waited)
         if type(loss_v) is tuple or type(norm_v) is tuple or type(lr) is tuple:  # device values read later
             with self._lock:
                 for col, v in (("loss", loss_v), ("grad_norm", norm_v), ("lr", lr)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["rss_bytes", "RssReader", "proc_state"]
+__all__ = ["rss_bytes", "RssReader", "RunDelayReader", "proc_state"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -38,6 +38,34 @@ class RssReader:
             return float(_resident(os.pread(self.fd, 128, 0)))
         except (OSError, ValueError, IndexError):
             return float("nan")
+
+
+class RunDelayReader:
+    """Nanoseconds the calling thread has waited, runnable, for a CPU (schedstat's run_delay).
+
+    The kernel counts it per thread; a rise means the host's other work (other processes, data
+    loader workers, a neighbour's job) kept this thread off the CPU. The file is opened by the
+    first call on a thread and read with one pread per call; another thread reopens it.
+    """
+
+    def __init__(self):
+        self.fd = None
+        self.thread = None
+
+    def __call__(self) -> int | None:
+        import threading
+
+        try:
+            if self.thread != threading.get_ident():
+                if self.fd is not None:
+                    os.close(self.fd)
+                self.fd, self.thread = None, threading.get_ident()
+                self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            if self.fd is None:
+                return None
+            return int(os.pread(self.fd, 96, 0).split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
 
 
 def proc_state(pid: int | None) -> str | None:
