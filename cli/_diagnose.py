@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import string
 import time
 from dataclasses import dataclass, field
 
@@ -76,19 +77,31 @@ def _clean(value):
     return str(value)
 
 
-class _Row(dict):
-    """Template fields: a missing or NULL value prints as '?' instead of failing the whole finding."""
-
-    def __missing__(self, key):
-        return "?"
-
-
 def _fill(template: str, row: dict) -> str:
-    fields = _Row({k: ("?" if v is None else v) for k, v in row.items()})
-    try:
-        return template.format_map(fields)
-    except (ValueError, TypeError, IndexError, KeyError):  # a format spec that does not fit the value ('?')
-        return template.format_map(_Row({k: str(v) for k, v in fields.items()}))
+    """The rule's template with the row's values; a missing, NULL or ill-fitting value prints as '?'.
+
+    Each field is formatted on its own, so one value that does not fit its format spec
+    (a NULL where ``{ratio:.2f}`` expects a number) costs that field, never the finding.
+
+    >>> _fill("{a:.2f} of {b} ({c:.0%})", {"a": 1.234, "b": None})
+    '1.23 of ? (?)'
+    """
+    out = []
+    for literal, name, spec, conv in string.Formatter().parse(template):
+        out.append(literal)
+        if name is None:
+            continue
+        value = row.get(name)
+        if value is None:
+            out.append("?")
+            continue
+        try:
+            if conv:
+                value = {"r": repr, "s": str, "a": ascii}[conv](value)
+            out.append(format(value, spec))
+        except (ValueError, TypeError, KeyError):
+            out.append(str(value))
+    return "".join(out)
 
 
 def _where(session, rank) -> str:

@@ -226,3 +226,17 @@ def test_every_rule_is_documented_with_an_example():
     doc = (ROOT / "docs" / "doctor.md").read_text()
     for r in all_rules():
         assert f"| `{r.name}` |" in doc, f"docs/doctor.md does not list rule {r.name}"
+
+
+def test_a_message_field_that_does_not_fit_its_format_costs_that_field_only():
+    """A NULL or text value where a rule's template says ``{x:.2f}`` prints '?' or the text, never a traceback."""
+    import doctest
+
+    from probe.cli import _diagnose
+
+    failed, attempted = doctest.testmod(_diagnose)
+    assert attempted and not failed
+    # given a template with numeric specs and a row whose values are NULL, text and numbers
+    msg = _diagnose._fill("{a:.2f} then {b:.1%} on {c} ({d:>4d})", {"a": None, "b": "n/a", "c": 3, "d": 7})
+    # then each field fails or succeeds alone
+    assert msg == "? then n/a on 3 (   7)"
