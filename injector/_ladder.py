@@ -124,7 +124,76 @@ def _gdb_path() -> str | None:
 def _gdb_unavailable(info: ProcessInfo) -> str | None:
     if _gdb_path() is None:
         return f"gdb is not installed (looked for {setting('PROBE_GDB')!r}); install it (apt-get install gdb) or set PROBE_GDB"
-    return ptrace_problem(info.pid)
+    return ptrace_problem(info.pid) or gdb_cannot_call()
+
+
+def _canary_key(gdb: str) -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    try:
+        mtime = os.stat(gdb).st_mtime_ns
+    except OSError:
+        mtime = 0
+    return f"{gdb}|{mtime}|{os.uname().release}|{boot}"
+
+
+def gdb_cannot_call() -> str | None:
+    """Why gdb cannot call a function in a stopped process on this machine, or None when it can.
+
+    Some kernel, CPU and gdb combinations refuse to restore a thread's extended CPU state
+    after gdb's inferior call ("Couldn't write extended state status"): the thread then
+    resumes with broken registers and the process dies. That must never happen to a
+    training job, so the call is first tried on a throw-away ``sleep`` process; the answer
+    is kept in the runtime directory for this boot, gdb and kernel.
+    """
+    gdb = _gdb_path()
+    if gdb is None:
+        return None
+    key = _canary_key(gdb)
+    cache = os.path.join(runtime_dir(), "gdb-canary.json")
+    try:
+        with open(cache) as f:
+            known = json.load(f)
+        if known.get("key") == key:
+            return known.get("why")
+    except (OSError, ValueError, AttributeError):
+        pass
+    why = _run_canary(gdb)
+    try:
+        tmp = f"{cache}.{os.getpid()}.tmp"
+        _private_file(tmp, json.dumps({"key": key, "why": why}).encode())
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return why
+
+
+def _run_canary(gdb: str) -> str | None:
+    try:
+        victim = subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+    except OSError:
+        return None  # no sleep to try on: go ahead as before
+    try:
+        proc = subprocess.run([gdb, "-nx", "--batch", "-iex", "set auto-load off", "-iex", "set debuginfod enabled off",
+                               "-p", str(victim.pid), "-ex", 'printf "probe-canary=%d\\n", (int) getpid()'],
+                              capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+        out = proc.stdout + proc.stderr
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        out = str(exc)
+    finally:
+        victim.kill()
+        victim.wait()
+    if f"probe-canary={victim.pid}" in out:
+        return None
+    if "ptrace" in out.lower():
+        return None  # a ptrace refusal is diagnosed on the real target, with its own exit code
+    last = next((l for l in reversed(out.splitlines()) if l.strip() and not l.startswith("[Inferior")), "no output")
+    return (f"gdb cannot call a function in a stopped process on this machine (tried on a throw-away process: "
+            f"{last.rstrip('.')}), and doing so would crash the target")
 
 
 def _gdb_script(code_file: str) -> str:
