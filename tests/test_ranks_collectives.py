@@ -234,7 +234,8 @@ def test_killed_rank_is_the_culprit_the_survivors_wait_for():
 def test_two_jobs_on_one_host_are_never_mixed():
     rt = tempfile.mkdtemp(prefix="prj-", dir="/tmp")
     try:
-        with ddp_job(world=2, rt=rt) as first, ddp_job("--slow-rank", "1", world=2, rt=rt) as second:
+        with ddp_job(world=2, rt=rt) as first, ddp_job("--slow-rank", "1", "--slow-compute", "0.15", world=2, rt=rt) as second:
+            since = time.monotonic()
             listed = json.loads(first.cli("list", "--json").stdout)
             jobs = {}
             for row in listed:
@@ -250,6 +251,13 @@ def test_two_jobs_on_one_host_are_never_mixed():
             r, rows = status(second, "--job", second_id[:8])
             assert r.returncode == 0, r.stderr
             assert {k: v["pid"] for k, v in rows.items()} == second.pids
+            # and each job's views speak of its own ranks only: the second job's slow rank is named there, never in the first
+            r, rows = until_status(second, since, lambda rows: states(rows) == {0: "training", 1: "slow"}, "--job", second_id)
+            assert {k: v["pid"] for k, v in rows.items()} == second.pids
+            assert [s["rank"] for s in view(second, "SELECT rank FROM ranks.stragglers", "--job", second_id)] == [1]
+            first_id = next(j for j in jobs if j != second_id)
+            assert view(first, "SELECT rank FROM ranks.stragglers", "--job", first_id) == []
+            assert view(first, "SELECT rank FROM ranks.hung", "--job", first_id) == []
             bad = first.cli("--job", "nosuchjob", "--ranks", "all", "status")
             assert bad.returncode != 0 and "is not a job" in bad.stderr
     finally:
