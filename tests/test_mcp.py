@@ -91,11 +91,16 @@ def test_read_only_tools_answer_from_the_live_process(train, shared_env):
 def test_actions_need_allow_actions_and_are_audited_as_the_agent(train, shared_env):
     pid = str(train.pid)
 
-    async def refused(s):
-        return await s.call_tool("cleanup", {"endpoint": pid})
+    from probe.cli.mcp.tools import ACTION_TOOLS
 
-    r = session(shared_env)(refused)
-    assert r.is_error and "--allow-actions" in text(r)
+    async def refused(s):
+        return {name: await s.call_tool(name, {"endpoint": pid}) for name in ACTION_TOOLS}
+
+    answers = session(shared_env)(refused)
+    assert "profile-steps" in answers  # every action tool, not a hand-kept subset
+    for name, r in answers.items():
+        assert r.is_error and text(r) == (f"probe: {name} is not available: it is an action, and this server "
+                                          "was started without --allow-actions."), (name, text(r))
 
     async def allowed(s):
         names = {t.name for t in (await s.list_tools()).tools}
@@ -105,7 +110,7 @@ def test_actions_need_allow_actions_and_are_audited_as_the_agent(train, shared_e
         return names, done, ev, rows
 
     names, done, ev, rows = session(shared_env, "--allow-actions")(allowed)
-    assert {"lr", "checkpoint", "cleanup"} <= names and not {"eval", "debug"} & names
+    assert set(ACTION_TOOLS) <= names and not {"eval", "debug"} & names
     assert not done.is_error, text(done)
     assert done.structured_content["result"][0]["action"]["state"] == "done"
     assert ev.is_error and "never" in text(ev)
@@ -115,6 +120,26 @@ def test_actions_need_allow_actions_and_are_audited_as_the_agent(train, shared_e
     mine = [r for r in records if r["command"] == "cleanup" and r["pid"] == train.pid]
     assert mine and all(r["client"].get("agent") == "mcp" for r in mine)
     assert {r["outcome"] for r in mine} >= {"queued", "done"}
+
+
+def test_refusals_come_from_the_tool_registries():
+    from probe.cli.mcp.server import unavailable_reason
+    from probe.cli.mcp.tools import ACTION_TOOLS, NEVER, READ_TOOLS, tool_specs
+
+    offered = {s.name for s in tool_specs(allow_actions=True)}
+    assert {n for n in offered if n not in READ_TOOLS} == set(ACTION_TOOLS), "every offered action is in ACTION_TOOLS"
+    assert all("--allow-actions" in unavailable_reason(n) for n in ACTION_TOOLS)
+    assert all("never offered" in unavailable_reason(n) for n in NEVER)
+    assert unavailable_reason("nonsense") == "there is no such tool"
+
+
+def test_server_doctests():
+    import doctest
+
+    import probe.cli.mcp.server as server
+
+    failed, attempted = doctest.testmod(server)
+    assert attempted and not failed
 
 
 def test_other_commands_do_not_import_the_mcp_sdk(shared_env):

@@ -16,9 +16,9 @@ from mcp.server.stdio import stdio_server
 
 from probe import __version__
 
-from .tools import ToolSpec, call_tool, tool_specs
+from .tools import ACTION_TOOLS, NEVER, ToolSpec, call_tool, tool_specs
 
-__all__ = ["build_server", "serve_stdio", "tool_specs"]
+__all__ = ["build_server", "serve_stdio", "tool_specs", "unavailable_reason"]
 
 INSTRUCTIONS = (
     "probe attaches to running PyTorch training jobs. Start with `list` (probed processes: pid, rank, step), "
@@ -39,6 +39,27 @@ def _tables_doc() -> str:
                         "examples": list(t.examples)} for t in all_tables()], indent=1)
 
 
+def unavailable_reason(name: str) -> str:
+    """Why a tool that is not offered is refused, from the same registries that decide what is offered.
+
+    >>> unavailable_reason("profile-steps")
+    'it is an action, and this server was started without --allow-actions'
+    >>> unavailable_reason("debug")
+    'eval and debug run code in the training process and are never offered to agents'
+    >>> unavailable_reason("repl")
+    'it is an interactive front end or attaches to a process, and is never offered to agents'
+    >>> unavailable_reason("nope")
+    'there is no such tool'
+    """
+    if name in ACTION_TOOLS:
+        return "it is an action, and this server was started without --allow-actions"
+    if name in ("eval", "debug"):
+        return "eval and debug run code in the training process and are never offered to agents"
+    if name in NEVER:
+        return "it is an interactive front end or attaches to a process, and is never offered to agents"
+    return "there is no such tool"
+
+
 def build_server(allow_actions: bool = False, timeout: float | None = None) -> Server:
     specs: dict[str, ToolSpec] = {s.name: s for s in tool_specs(allow_actions)}
 
@@ -52,10 +73,7 @@ def build_server(allow_actions: bool = False, timeout: float | None = None) -> S
     async def call(ctx, params: types.CallToolRequestParams) -> types.CallToolResult:
         spec = specs.get(params.name)
         if spec is None:
-            why = ("it is an action, and this server was started without --allow-actions"
-                   if params.name in ("lr", "checkpoint", "cleanup") else
-                   "eval and debug run code in the training process and are never offered to agents"
-                   if params.name in ("eval", "debug") else "there is no such tool")
+            why = unavailable_reason(params.name)
             return types.CallToolResult(content=[types.TextContent(text=f"probe: {params.name} is not available: {why}.")],
                                         is_error=True)
         result = await anyio.to_thread.run_sync(lambda: call_tool(spec, params.arguments, timeout=timeout))
