@@ -40,9 +40,9 @@ def test_clean_exit_leaves_nothing_behind(python, probe_env):
                        timeout=60)
     assert r.returncode == 0, r.stderr
     assert ".sock" in r.stdout and ".json" in r.stdout, r.stdout  # it really was serving
+    # On every version, numpy or not: pyenv's 3.10/3.12/3.13 here lack numpy, and then the post-mortem
+    # record (numpy's npz) is not written, but its writer fails inside its own try and says nothing.
     assert "can't create new thread" not in r.stderr and "agent/lifecycle.py" not in r.stderr, r.stderr
-    has_numpy = subprocess.run([python, "-c", "import numpy"], capture_output=True).returncode == 0
-    if has_numpy:  # probe depends on numpy; without it, the post-mortem exit record cannot be written
-        assert "Traceback" not in r.stderr and "Error" not in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "Error" not in r.stderr, r.stderr
     pid = int(re.search(r"pid (\d+)", r.stdout).group(1))
     assert not os.path.exists(os.path.join(rt, f"{pid}.sock")) and not os.path.exists(os.path.join(rt, f"{pid}.json"))

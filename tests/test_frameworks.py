@@ -196,6 +196,9 @@ def test_trainer_resumes_from_a_probe_checkpoint_file_to_the_same_next_steps(loo
 
 def test_checkpoint_has_the_scheduler_and_step_counters_and_loads_back(loop):
     path = os.path.join(loop.rt, "ck-{step}.pt")
+    if loop.name == "accelerate":  # the Accelerator's step (accumulate's counter; this loop does not use it): not 0, to see it saved
+        r = loop.cli("eval", "--at-step", "accelerator.step = 3")
+        assert r.returncode == 0, r.stderr
     r = loop.cli("checkpoint", path)
     assert r.returncode == 0, r.stderr
     saved = re.search(r"wrote (\S+)", r.stdout).group(1).rstrip(":")
@@ -207,17 +210,31 @@ def test_checkpoint_has_the_scheduler_and_step_counters_and_loads_back(loop):
         sched = state["scheduler"]
         assert sched["last_epoch"] + (1 if state["scheduler_step_pending"] else 0) == step
     if loop.name in ("hf", "lightning"):
-        (counters,) = state["frameworks"].values()
+        (counters,) = state["frameworks"].values()  # one entry: the HF Trainer's own Accelerator is not saved apart
         assert counters["global_step"] == step  # the Trainer's own count, the step in progress included
+    if loop.name == "accelerate":
+        assert list(state["frameworks"].values()) == [{"step": 3}], state["frameworks"]
     loop.wait_step(step + 3)  # restore a few steps later, so a step counter set back is visible
-    code = (f"import probe\nfw = globals().get('trainer') or globals().get('accelerator')\n"
+    # counters moved away from the saved ones before loading, so that loading visibly sets them back
+    away = {"lightning": "ep = trainer.fit_loop.epoch_progress\n"
+                         "for t in (ep.total, ep.current):\n"
+                         "    for k in ('ready', 'started', 'processed', 'completed'): setattr(t, k, getattr(t, k) + 2)\n",
+            "accelerate": "accelerator.step = 9\n"}.get(loop.name, "")
+    after = {"lightning": "ep = trainer.fit_loop.epoch_progress.current\n"
+                          "print('counters', trainer.current_epoch, ep.ready - ep.completed)\n",
+             "accelerate": "print('counters', accelerator.step)\n"}.get(loop.name, "")
+    code = (f"import probe\nfw = globals().get('trainer') or globals().get('accelerator')\n{away}"
             f"st = probe.load_checkpoint({saved!r}, trainer=fw) if fw is not None else "
             f"probe.load_checkpoint({saved!r}, model=model, optimizer=optimizer)\n"
             "sd = st['model']\n"
-            "print('diff', max(float((v - sd[k]).abs().max()) for k, v in model.state_dict().items()))")
+            "print('diff', max(float((v - sd[k]).abs().max()) for k, v in model.state_dict().items()))\n" + after)
     r = loop.cli("eval", "--at-step", code)
     assert r.returncode == 0, r.stderr
     assert "diff 0.0" in r.stdout, r.stdout  # the weights are back
+    if loop.name == "lightning":  # the epoch is back, still in progress (ready one ahead of completed)
+        assert f"counters {state['frameworks']['trainer']['current_epoch']} 1" in r.stdout, r.stdout
+    if loop.name == "accelerate":
+        assert "counters 3" in r.stdout, r.stdout
     if loop.name in ("hf", "lightning"):
         # the Trainer counts on from the checkpoint's step: its next step is step + 1 again
         def back_to_step_after_checkpoint() -> bool:

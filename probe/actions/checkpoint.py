@@ -3,7 +3,8 @@
 The file is a plain ``torch.save`` dict, loadable with ``torch.load`` (weights_only
 safe): ``model``, ``optimizer``, ``scheduler``, ``scaler`` state dicts, ``step``,
 ``rng`` (python, numpy, torch CPU, CUDA), ``frameworks`` (the step counters of a
-Lightning or transformers Trainer by name, the step finishing at the safe point counted) and ``probe`` metadata;
+Lightning or transformers Trainer by name, the step finishing at the safe point counted, and an
+accelerate Accelerator's ``step``) and ``probe`` metadata;
 ``schedulers`` holds every scheduler by name when there are several. With several
 models or optimizers in the process, ``models``/``optimizers`` hold all of them by
 name and ``model``/``optimizer`` the first. It is written to a temporary file in
@@ -227,7 +228,8 @@ def load_checkpoint(path: str, *, model=None, optimizer=None, scheduler=None, sc
 
     ``trainer`` (a Lightning or transformers Trainer, or an accelerate Accelerator) supplies the
     model, optimizer and scheduler not given, through the framework's own attributes; a Trainer
-    gets its ``global_step`` back. Loaded inside a step (``eval --at-step``), the step finishing
+    gets its ``global_step`` back (Lightning's also its ``current_epoch``), an Accelerator its
+    ``step``. Loaded inside a step (``eval --at-step``), the step finishing
     then is counted on top by the Trainer, as after any step.
     """
     import torch
