@@ -43,6 +43,20 @@ _lock = threading.Lock()
 _overrides: dict[int, "_Override"] = {}  # id(optimizer) -> its override (groups inside)
 
 
+def _apart(a: float, b: float) -> tuple[str, str]:
+    """Two different rates printed with as many digits as it takes to tell them apart.
+
+    >>> _apart(0.05, 0.0499999871)
+    ('0.05', '0.04999999')
+    >>> _apart(0.1, 0.2)
+    ('0.1', '0.2')
+    """
+    for digits in range(6, 18):
+        x, y = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if x != y:
+            return x, y
+    return f"{a!r}", f"{b!r}"
+
 def _tracker():
     return hooks.tracker()
 
@@ -190,7 +204,8 @@ def _settle(ov: _Override, item, step: int) -> None:
             g["used"] = og.used
             g["loop_lr"] = og.loop
             if og.loop != g["loop_before"]:
-                g["note"] = f"re-applied: the loop rewrote its lr from {g['loop_before']:.6g} to {og.loop:.6g} at step {step}"
+                before, after = _apart(g["loop_before"], og.loop)
+                g["note"] = f"re-applied: the loop rewrote its lr from {before} to {after} at step {step}"
     settle(result.get("error"))
 
 
