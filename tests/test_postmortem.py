@@ -46,6 +46,7 @@ def steps_of(record: str) -> np.ndarray:
     ("exception", "exception", ["RuntimeError: loss exploded at step 30", "dies.py"]),
     ("thread", "interrupted", ["KeyboardInterrupt", "thread data-prefetch died of RuntimeError: CUDA out of memory"]),
     ("exit", "exit", ["exited normally"]),
+    ("sysexit", "exit", ["exited with code 3 (sys.exit(3))"]),
 ])
 def test_a_death_leaves_a_record(spawn, cli, probe_env, how, cause, words):
     # given / when: a job that dies (or, for a thread, loses a worker) at step 30
@@ -76,6 +77,13 @@ def test_a_death_leaves_a_record(spawn, cli, probe_env, how, cause, words):
         assert [r["pid"] for r in listed].count(job.pid) == 1  # this host reads its own copy, not both
     if how == "exception":
         asked_dead_pid(cli, job.pid, "exception", "RuntimeError: loss exploded at step 30")
+    if how in ("thread", "sysexit"):  # a deliberate end, but a worker thread died or the code says failure
+        d = cli(str(job.pid), "--format", "json", "doctor")
+        died = [f for f in json.loads(d.stdout)["findings"] if f["rule"] == "rank_died"]
+        assert d.returncode == 8 and died and words[-1] in died[0]["message"], d.stdout + d.stderr
+    if how == "exit":  # a clean exit is no finding
+        d = cli(str(job.pid), "--format", "json", "doctor")
+        assert not [f for f in json.loads(d.stdout)["findings"] if f["rule"] == "rank_died"], d.stdout
 
 
 def asked_dead_pid(cli, pid: int, cause: str, words: str, frame: str | None = "<module>") -> None:
@@ -186,3 +194,121 @@ def test_a_killed_rank_is_dead_in_status_and_the_doctor_names_it():
         # and --rank 1 reads its record like any rank
         bt = job.cli("--rank", "1", "backtrace")
         assert bt.returncode == 0 and "post-mortem record" in bt.stdout and "ddp_plain.py" in bt.stdout, bt.stdout + bt.stderr
+
+
+def listed_dead(cli) -> list:
+    r = cli("list", "--dead", "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@requires_torch
+def test_a_live_process_whose_worker_thread_died_is_not_dead(spawn, cli, probe_env):
+    # given: a job whose worker thread dies while its loop goes on (its record says thread_exception)
+    job = spawn([TARGETS / "dies.py", "--how", "thread", "--steps", "30"], env={"PROBE_POSTMORTEM_EVERY": "0"})
+    job.wait_for("CUDA out of memory")  # printed by the chained hook, after the record is written
+    meta = json.load(open(os.path.join(probe_env["PROBE_RUNTIME_DIR"], "postmortem", str(job.pid), "meta.json")))
+    assert meta["cause"] == "thread_exception" and meta["proc_start"], meta["cause"]
+    # then: it is not listed as dead, and it still answers as itself
+    assert job.pid not in [r["pid"] for r in listed_dead(cli)]
+    q = cli(str(job.pid), "--format", "json", "query", "SELECT source, state FROM process.info")
+    assert q.returncode == 0 and json.loads(q.stdout)[0]["source"] == "live", q.stdout + q.stderr
+    # when it is then killed without warning: dead, and its record names the thread that died first
+    os.kill(job.pid, signal.SIGKILL)
+    job.popen.wait(10)
+    row = dead(cli, job.pid)
+    assert row["cause"] == "killed" and "SIGKILL" in row["what"], row
+    assert "thread data-prefetch died of RuntimeError: CUDA out of memory" in row["what"], row
+    d = cli(str(job.pid), "--format", "json", "doctor")
+    died = [f for f in json.loads(d.stdout)["findings"] if f["rule"] == "rank_died"]
+    assert d.returncode == 8 and died and "thread data-prefetch died of RuntimeError" in died[0]["message"], d.stdout
+
+
+def test_a_reused_pid_is_told_apart_by_its_start_time(spawn, cli, probe_env):
+    # given: the record of a process that exited, and a live process (not probed) holding another pid
+    gone = spawn([sys.executable, "-c", "import probe.auto"], ready=None)
+    assert gone.popen.wait(60) == 0, gone.output()
+    base = os.path.join(probe_env["PROBE_RUNTIME_DIR"], "postmortem")
+    meta = json.load(open(os.path.join(base, str(gone.pid), "meta.json")))
+    live = spawn([sys.executable, "-c", "import signal; print('ready', flush=True); signal.pause()"])
+    with open(f"/proc/{live.pid}/stat") as f:
+        live_start = int(f.read().rsplit(")", 1)[1].split()[19])
+    assert meta["proc_start"] and meta["proc_start"] != live_start
+
+    os.rename(os.path.join(base, str(gone.pid)), os.path.join(base, str(live.pid)))
+
+    def planted(start):  # the record as if its pid had been the live one's, its process started at ``start``
+        meta.update(pid=live.pid, proc_start=start)
+        with open(os.path.join(base, str(live.pid), "meta.json"), "w") as f:
+            json.dump(meta, f)
+
+    # when the live pid started after the record's process: the pid was reused, the record's process is dead
+    planted(meta["proc_start"])
+    assert live.pid in [r["pid"] for r in listed_dead(cli)]
+    # when the live process is the record's own (same start time): never listed as dead
+    planted(live_start)
+    assert live.pid not in [r["pid"] for r in listed_dead(cli)]
+
+
+def test_retention_evicts_clean_exits_before_crashes_and_exit_codes(spawn, cli):
+    # given: a crash and a sys.exit(3), then more clean exits than the keep limit
+    env = {"PROBE_POSTMORTEM_KEEP": "3"}
+    crash = spawn([sys.executable, "-c", "import probe.auto\nraise RuntimeError('planted crash')"], env=env, ready=None)
+    assert crash.popen.wait(60) == 1, crash.output()
+    failed = spawn([sys.executable, "-c", "import probe.auto, sys; sys.exit(3)"], env=env, ready=None)
+    assert failed.popen.wait(60) == 3, failed.output()
+    clean = []
+    for _ in range(3):
+        p = spawn([sys.executable, "-c", "import probe.auto"], env=env, ready=None)
+        assert p.popen.wait(60) == 0, p.output()
+        clean.append(p.pid)
+    # then: the clean exits went first; the crash and the failed exit stay
+    rows = listed_dead(cli)
+    assert [r["pid"] for r in rows] == [clean[2], failed.pid, crash.pid], rows
+    assert rows[1]["cause"] == "exit" and rows[1]["what"] == "exited with code 3 (sys.exit(3))", rows
+    assert rows[2]["cause"] == "exception" and "planted crash" in rows[2]["what"], rows
+
+
+def test_fatal_dumps_are_bounded_with_the_records(spawn, cli, probe_env):
+    rt = probe_env["PROBE_RUNTIME_DIR"]
+    env = {"PROBE_POSTMORTEM_KEEP": "2", "PROBE_POSTMORTEM_EVERY": "0"}
+    # given: a SIGKILLed process (an empty dump) and three native crashes before any record (dumps alone)
+    killed = spawn([sys.executable, "-c", "import probe.auto, os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+                   env=env, ready=None)
+    assert killed.popen.wait(60) == -signal.SIGKILL
+    crashes = []
+    for _ in range(3):
+        p = spawn([sys.executable, "-c", "import probe.auto, ctypes; ctypes.string_at(0)"], env=env, ready=None)
+        assert p.popen.wait(60) == -signal.SIGSEGV, p.output()
+        crashes.append(p.pid)
+    # when: a process writes a record
+    last = spawn([sys.executable, "-c", "import probe.auto"], env=env, ready=None)
+    assert last.popen.wait(60) == 0
+    # then: the empty dump is gone, the dumps count as records within the limit (oldest evicted)
+    fatal = sorted(n for n in os.listdir(rt) if n.startswith("fatal-"))
+    assert fatal == [f"fatal-{crashes[2]}.txt"], fatal
+    rows = listed_dead(cli)
+    assert [(r["pid"], r["cause"]) for r in rows] == [(last.pid, "exit"), (crashes[2], "fatal_signal")], rows
+
+
+@requires_torch
+def test_sigterm_is_recorded_with_the_stacks_at_that_moment(spawn, cli, probe_env):
+    # given: a training job with no periodic snapshot (only the SIGTERM handler can speak for it)
+    job = spawn([TARGETS / "dies.py", "--how", "wait", "--steps", "30"], env={"PROBE_POSTMORTEM_EVERY": "0"})
+    # when: it is stopped as torchrun and schedulers do
+    os.kill(job.pid, signal.SIGTERM)
+    job.popen.wait(30)
+    assert job.popen.returncode == -signal.SIGTERM  # it still dies of SIGTERM
+    # then: terminated by SIGTERM, its steps, and the main thread's stack where the signal found it
+    row = dead(cli, job.pid)
+    assert row["cause"] == "terminated" and "terminated by SIGTERM" in row["what"], row
+    assert row["last_step"] >= 30, row
+    assert not os.path.exists(os.path.join(probe_env["PROBE_RUNTIME_DIR"], f"fatal-{job.pid}.txt"))
+    bt = cli(str(job.pid), "backtrace")
+    assert bt.returncode == 0 and "post-mortem record" in bt.stdout, bt.stdout + bt.stderr
+    main = bt.stdout.split('"MainThread" (main)', 1)[1].split("\nThread ", 1)[0]
+    assert "dies.py" in main and "on_term" not in main and "lifecycle.py" not in main, bt.stdout
+    assert "probe-postmortem-term" not in bt.stdout, bt.stdout  # the writer leaves itself out
+    # a deliberate stop is no rank_died finding while nobody waits for it
+    d = cli(str(job.pid), "--format", "json", "doctor")
+    assert not [f for f in json.loads(d.stdout)["findings"] if f["rule"] == "rank_died"], d.stdout

@@ -177,7 +177,9 @@ def _shutdown(srv) -> None:
 
 
 def _install_sigterm() -> None:
-    """On SIGTERM (torchrun and schedulers stop jobs with it), remove the socket and registry entry, then die as before.
+    """On SIGTERM (torchrun and schedulers stop jobs with it), write the post-mortem record (cause
+    ``terminated``, the stacks where the signal found the process; before stop() uninstalls its
+    hooks), remove the socket and registry entry, then die as before.
 
     Only when SIGTERM still has its default action and we are on the main thread: a
     handler the program installed itself is left alone (atexit covers a clean exit).
@@ -192,6 +194,7 @@ def _install_sigterm() -> None:
 
         def on_term(signum, frame):
             try:
+                postmortem.terminated(signum, frame)  # never raises; bounded wait
                 stop()
             finally:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -4,9 +4,10 @@
 ``threading.excepthook`` (the previous hooks still run: the user sees the traceback as
 always), points faulthandler's fatal-signal dump at ``fatal-<pid>.txt`` in the runtime
 directory when the user has not enabled faulthandler already, writes an ``exit`` record at
-normal interpreter exit, and starts the periodic snapshot thread. Every one of these
-is best effort: a failure is recorded in probe.errors and the process goes on (or dies
-of its own error).
+normal interpreter exit (with the code of ``sys.exit(N)``, see ``_sys_exit``), and starts
+the periodic snapshot thread. ``terminated()`` is the SIGTERM handler's first act (the
+agent's lifecycle calls it before it stops the probe). Every one of these is best effort:
+a failure is recorded in probe.errors and the process goes on (or dies of its own error).
 
 The periodic snapshot: a daemon thread that waits on an event (no polling) and every
 ``PROBE_POSTMORTEM_EVERY`` seconds, once a step has completed since its last write,
@@ -19,6 +20,7 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import os
+import signal
 import sys
 import threading
 
@@ -26,11 +28,14 @@ from .._config import setting
 from .._runtime import runtime_dir
 from ..util.errorlog import record_error
 from . import record
+from .retention import prune
 
-__all__ = ["install", "uninstall", "fatal_path"]
+__all__ = ["install", "uninstall", "fatal_path", "terminated"]
 
 _state: dict = {}
 _stop = threading.Event()
+_prev_exit = sys.exit  # what our sys.exit wrapper calls (the one it replaced)
+_TERM_WAIT = 5.0  # seconds a SIGTERM waits for its record before the process dies anyway
 
 
 def fatal_path(pid: int) -> str:
@@ -53,15 +58,78 @@ def _thread_hook(args):
     (_state.get("thread_hook") or threading.__excepthook__)(args)
 
 
+def _sys_exit(status=None, /):
+    """``sys.exit`` that remembers its status for the exit record, then exits as before.
+
+    Only the main thread's call counts (elsewhere sys.exit ends one thread, not the
+    process); ``_at_exit`` trusts it only when no step completed since (a caught
+    SystemExit in a loop that goes on). ``raise SystemExit(N)`` is not seen: its record
+    says "exited normally".
+    """
+    try:
+        if threading.current_thread() is threading.main_thread():
+            from ..training import safepoint
+
+            _state["exit"] = (status, safepoint.last_step)
+    except Exception:
+        pass
+    _prev_exit(status)
+
+
+def _exit_status() -> tuple:
+    """``(code, detail)`` of the main thread's last ``sys.exit`` when it ended the process, else ``(None, None)``."""
+    from ..training import safepoint
+
+    found = _state.get("exit")
+    if not found or found[1] != safepoint.last_step:
+        return None, None
+    status = found[0]
+    if status is None or isinstance(status, int):
+        return int(status or 0), None
+    return 1, repr(status)[:200]  # Python prints it and exits with 1
+
+
 def _at_exit():
     if _state.get("pid") == os.getpid() and not _state.get("died"):
         _stop.set()
-        record.write("exit")
+        code, detail = _exit_status()
+        record.write("exit", exit_code=code, detail=detail)
+
+
+def terminated(signum: int, frame) -> None:
+    """A SIGTERM handler's first act, before anything uninstalls the hooks: a ``terminated`` record with
+    every thread's stack at that moment (the main thread's from ``frame``, where the signal found it).
+
+    The record is written by a helper thread and waited for at most ``_TERM_WAIT`` seconds: the main
+    thread may hold a lock the tables need (the signal can arrive inside a ring's append), and the
+    process must still die. Never raises.
+    """
+    try:
+        if _state.get("pid") != os.getpid() or _state.get("died"):
+            return
+        _state["died"] = True
+        _stop.set()
+        t = threading.Thread(target=record.write, args=("terminated",),
+                             kwargs={"detail": signal.Signals(signum).name, "frame": frame},
+                             name="probe-postmortem-term", daemon=True)
+        t.start()
+        t.join(_TERM_WAIT)
+    except Exception as exc:
+        record_error("post-mortem record on SIGTERM", exc)
+
+
+def _prune() -> None:
+    """Bound the records and faulthandler dumps left by earlier processes (SIGKILL writes nothing)."""
+    try:
+        prune(record.records_dir(), setting("PROBE_POSTMORTEM_KEEP"), fatal_dir=runtime_dir(create=False))
+    except Exception as exc:
+        record_error("post-mortem pruning", exc)
 
 
 def _snapshots(every: float) -> None:
     from ..training import safepoint
 
+    _prune()  # here, off the training thread
     last = None
     while not _stop.wait(every):
         step = safepoint.last_step
@@ -90,11 +158,17 @@ def install() -> None:
             _state["fatal_file"] = os.fdopen(fd, "w")
             faulthandler.enable(file=_state["fatal_file"], all_threads=True)
         atexit.register(_at_exit)
+        if sys.exit is not _sys_exit and threading.current_thread() is threading.main_thread():
+            global _prev_exit
+            _prev_exit = sys.exit
+            sys.exit = _sys_exit
         every = setting("PROBE_POSTMORTEM_EVERY")
         if every:
             t = threading.Thread(target=_snapshots, args=(every,), name="probe-postmortem", daemon=True)
             t.start()
             _state["thread"] = t
+        else:
+            _prune()
     except Exception as exc:
         record_error("post-mortem hooks", exc)
 
@@ -107,6 +181,8 @@ def uninstall() -> None:
     if threading.excepthook is _thread_hook:
         threading.excepthook = _state.get("thread_hook") or threading.__excepthook__
     atexit.unregister(_at_exit)
+    if sys.exit is _sys_exit:
+        sys.exit = _prev_exit
     f = _state.pop("fatal_file", None)
     if f is not None:
         faulthandler.disable()
@@ -120,6 +196,7 @@ def uninstall() -> None:
 
 def _after_fork_in_child() -> None:
     _state.clear()  # a DataLoader worker is not the process the record describes
+    record._thread_deaths.clear()
 
 
 if hasattr(os, "register_at_fork"):

@@ -280,7 +280,8 @@ class Record:
             names = ", ".join(sorted({str(t.get("name")) for t in self.stacks()}))
             raise QueryError(f"the record of pid {self.pid} has no thread named or numbered {thread!r}; threads: {names}.")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(m.get("time") or 0)))
-        what = {"killed": "the stacks of its last periodic snapshot", "fatal_signal": "faulthandler's dump at the crash"}
+        what = {"killed": "the stacks of its last periodic snapshot", "fatal_signal": "faulthandler's dump at the crash",
+                "terminated": "the stacks when the signal arrived"}
         note = (f"[post-mortem record: pid {self.pid} is gone ({m['cause']}, {when}): {m.get('summary')}; "
                 f"{what.get(m['cause'], 'the stacks when it died')}]")
         doc = {"source": "postmortem", "pid": self.pid, "rank": self.rank, "threads": threads, "note": note,

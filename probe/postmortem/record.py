@@ -22,11 +22,13 @@ With ``PROBE_REGISTRY`` set, the finished record is also copied to
 ``<registry>/postmortem/<host>-<pid>/`` so the CLI on another node sees it.
 
 Writes are atomic (a temporary folder renamed into place), the folder and its files are
-0700/0600, and at most ``PROBE_POSTMORTEM_KEEP`` records are kept: the oldest are removed
-when a new one is written. A process killed with SIGKILL cannot write at death, so the
-periodic snapshot (``snapshot.py``) writes the same record with cause ``snapshot``; a
-record whose pid is gone and whose cause is still ``snapshot`` means the process was
-killed without warning (the OOM killer, a scheduler's preemption, ``kill -9``).
+0700/0600, and at most ``PROBE_POSTMORTEM_KEEP`` records are kept (``retention``: clean
+exits go first, crashes and kills last). A process killed with SIGKILL cannot write at
+death, so the periodic snapshot (``hooks``) writes the same record with cause
+``snapshot``; a record whose process is gone and whose cause is still ``snapshot`` (or
+``thread_exception``) means it was killed without warning (the OOM killer, a scheduler's
+preemption, ``kill -9``). A record of a process that still runs (a worker thread died, the
+interpreter is exiting) is never shown as dead: ``retention.alive`` checks every cause.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import traceback
 from .._config import setting
 from .._runtime import runtime_dir
 from ..util.errorlog import record_error
+from .retention import alive, proc_start, prune, read_meta
 
 __all__ = ["write", "records_dir", "shared_records_dir", "read_meta", "list_records", "dead_records", "dump_only", "explain",
            "TABLES"]
@@ -55,6 +58,9 @@ _OWN_FILES = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)  # frames of
 
 _write_lock = threading.Lock()
 _thread_deaths: list = []  # worker threads that died of an exception: every later record keeps them
+# "ended": the pid that wrote a record of how it ends (no periodic snapshot replaces it); "start": (pid, proc_start)
+_process: dict = {}
+_FINAL = ("exception", "interrupted", "exit", "terminated")  # causes that say how the process ends
 
 
 def records_dir(create: bool = True) -> str:
@@ -69,25 +75,27 @@ def _frames(summary) -> list:
     return [{"func": f.name, "file": f.filename, "lineno": f.lineno, "line": f.line or None} for f in reversed(summary)]
 
 
-def _stacks(exc: BaseException | None, snapshot: bool) -> list:
+def _stacks(exc: BaseException | None, skip_self: bool, frame=None) -> list:
     """Every thread's stack, innermost frame first. The thread writing the record: the traceback of
-    ``exc`` when it is dying of it, itself left out when it is the snapshot thread, else its stack
-    without this package's frames."""
+    ``exc`` when it is dying of it, itself left out when ``skip_self`` (the snapshot thread, the
+    SIGTERM writer), else its stack without this package's frames. ``frame``: the frame a signal
+    handler interrupted, the main thread's stack (not the handler waiting for the writer)."""
     names = {t.ident: t for t in threading.enumerate()}
     me = threading.get_ident()
+    main = threading.main_thread().ident
     out = []
-    for ident, frame in sys._current_frames().items():
-        if ident == me and snapshot:
+    for ident, current in sys._current_frames().items():
+        if ident == me and skip_self:
             continue
         if ident == me and exc is not None and exc.__traceback__ is not None:
             frames = _frames(traceback.extract_tb(exc.__traceback__))
         else:
-            frames = _frames(traceback.extract_stack(frame))
+            frames = _frames(traceback.extract_stack(frame if ident == main and frame is not None else current))
             if ident == me:
                 while frames and frames[0]["file"].startswith(_OWN_FILES):
                     frames.pop(0)
         t = names.get(ident)
-        out.append({"thread_id": ident, "name": t.name if t else None, "is_main": ident == threading.main_thread().ident,
+        out.append({"thread_id": ident, "name": t.name if t else None, "is_main": ident == main,
                     "daemon": t.daemon if t else None, "frames": frames})
     out.sort(key=lambda t: not t["is_main"])
     return out
@@ -176,7 +184,7 @@ def _share(final: str, host: str, pid: int) -> None:
             os.rename(dest, old)
         os.rename(tmp, dest)
         shutil.rmtree(old, ignore_errors=True)
-        _prune(base, setting("PROBE_POSTMORTEM_KEEP"), prefix=f"{host}-")
+        prune(base, setting("PROBE_POSTMORTEM_KEEP"), prefix=f"{host}-")
     except Exception as err:
         record_error("post-mortem record (shared registry)", err)
 
@@ -190,24 +198,22 @@ def _schema() -> dict:
                      "columns": [[c.name, c.type, c.description] for c in t.columns]} for t in all_tables()}
 
 
-def _prune(base: str, keep: int, prefix: str = "") -> None:
-    """Keep the newest ``keep`` records in ``base`` (those named ``<prefix><pid>``)."""
-    entries = []
-    for name in os.listdir(base):
-        path = os.path.join(base, name)
-        if name.startswith(prefix) and name[len(prefix):].isdigit() and os.path.isdir(path):
-            entries.append((os.path.getmtime(path), path))
-        elif name.startswith(".tmp-") and time.time() - os.path.getmtime(path) > 3600:
-            shutil.rmtree(path, ignore_errors=True)  # a writer killed mid-write an hour ago
-    for _, path in sorted(entries)[:-keep] if keep > 0 else sorted(entries):
-        shutil.rmtree(path, ignore_errors=True)
+def _own_start() -> int | None:
+    """This process's start time (``retention.proc_start``), read once per process."""
+    pid = os.getpid()
+    if _process.get("start", (None,))[0] != pid:
+        _process["start"] = (pid, proc_start())
+    return _process["start"][1]
 
 
 def write(cause: str, exc: BaseException | None = None, *, thread: str | None = None, detail: str | None = None,
-          tables=TABLES) -> str | None:
-    """Write (or replace) this process's record; return its folder, or None when that failed.
+          frame=None, exit_code: int | None = None, tables=TABLES) -> str | None:
+    """Write (or replace) this process's record; return its folder, or None when that failed (or when
+    ``cause`` is ``snapshot`` and a record of how the process ends is already written).
 
-    Never raises: a process dying must die of its own error, not of the probe's.
+    ``frame``: the frame a signal interrupted (the main thread's stack at a SIGTERM); ``exit_code``: the
+    code of ``sys.exit(N)`` when it is known. Never raises: a process dying must die of its own error,
+    not of the probe's.
     """
     try:
         import numpy as np
@@ -215,13 +221,15 @@ def write(cause: str, exc: BaseException | None = None, *, thread: str | None = 
         from ..agent import state
 
         with _write_lock:
+            pid = os.getpid()
+            if cause == "snapshot" and _process.get("ended") == pid:
+                return None  # a periodic snapshot must not replace the record of the death
             rows = setting("PROBE_POSTMORTEM_ROWS")
             base = records_dir()
-            pid = os.getpid()
             tmp = os.path.join(base, f".tmp-{pid}-{threading.get_ident()}")
             shutil.rmtree(tmp, ignore_errors=True)
             os.mkdir(tmp, 0o700)
-            stacks = _stacks(exc, cause == "snapshot")
+            stacks = _stacks(exc, cause in ("snapshot", "terminated"), frame)
             arrays, written = {}, []
             for name in tables:
                 try:
@@ -244,7 +252,8 @@ def write(cause: str, exc: BaseException | None = None, *, thread: str | None = 
                 "format": 1, "cause": cause, "time": time.time(), "pid": pid, "rank": entry.get("rank"),
                 "world_size": entry.get("world_size"), "job": entry.get("job"), "host": socket.gethostname(),
                 "argv": entry.get("argv") or list(sys.argv), "started_at": entry.get("started_at"),
-                "thread": thread, "detail": detail, "tables": written, "schema": _schema(),
+                "proc_start": _own_start(), "exit_code": exit_code, "thread": thread, "detail": detail,
+                "tables": written, "schema": _schema(),
                 "thread_deaths": list(_thread_deaths),
                 "exception": None if exc is None else {
                     "type": type(exc).__name__, "message": str(exc),
@@ -260,19 +269,13 @@ def write(cause: str, exc: BaseException | None = None, *, thread: str | None = 
                 os.rename(final, old)
             os.rename(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
-            _prune(base, setting("PROBE_POSTMORTEM_KEEP"))
+            if cause in _FINAL:
+                _process["ended"] = pid
+            prune(base, setting("PROBE_POSTMORTEM_KEEP"), fatal_dir=runtime_dir(create=False))
             _share(final, meta["host"], pid)
             return final
     except Exception as err:
         record_error("post-mortem record", err)
-        return None
-
-
-def read_meta(path: str) -> dict | None:
-    try:
-        with open(os.path.join(path, "meta.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
         return None
 
 
@@ -311,25 +314,24 @@ def _last_step(path: str):
         return None
 
 
-def _alive(meta: dict) -> bool:
-    """Whether the record's process still runs: this host asks the kernel, another host's has a registry entry."""
-    from .._runtime import pid_alive
-
-    if meta.get("local", True):
-        return pid_alive(int(meta["pid"]))
-    base = setting("PROBE_REGISTRY")
-    return bool(base) and os.path.exists(os.path.join(base, f"{meta.get('host')}-{meta['pid']}.json"))
+def _where(frames: list) -> str:
+    """`` in func (file:line)`` of the innermost frame of ``frames``, or ''."""
+    if not frames:
+        return ""
+    f = frames[0]
+    return f" in {f.get('func')} ({os.path.basename(str(f.get('file')))}:{f.get('lineno')})"
 
 
 def explain(meta: dict) -> dict | None:
     """``meta`` with its cause made plain (``cause``, ``summary``, ``last_step``, ``fatal_dump``), or None
-    when it is the periodic snapshot of a process that still runs.
+    when its process still runs, whatever the cause (a worker thread died; the snapshot of a live
+    process; an exit record written while the interpreter shuts down): a live process is never dead.
 
-    A ``snapshot`` record whose process is gone means it was killed without warning,
-    unless its fatal-signal dump (``fatal-<pid>.txt``) says a signal killed it.
+    A ``snapshot`` (or ``thread_exception``) record whose process is gone means it was killed without
+    warning, unless its fatal-signal dump (``fatal-<pid>.txt``) says a signal killed it.
     """
     pid = int(meta["pid"])
-    if meta["cause"] == "snapshot" and _alive(meta):
+    if alive(meta):
         return None
     fatal = ""
     if meta.get("local", True):
@@ -339,28 +341,36 @@ def explain(meta: dict) -> dict | None:
         except OSError:
             pass
     exc = meta.get("exception") or {}
-    if fatal and meta["cause"] in ("snapshot", "exit"):
+    cause = meta["cause"]
+    if fatal and cause in ("snapshot", "exit", "thread_exception"):
         meta["cause"] = "fatal_signal"
         meta["summary"] = fatal.splitlines()[0]
         meta["fatal_dump"] = fatal
-    elif meta["cause"] == "snapshot":
+    elif cause in ("snapshot", "thread_exception"):
         meta["cause"] = "killed"
         meta["summary"] = ("killed without warning, no exit was recorded (SIGKILL: the OOM killer, preemption, kill -9); "
-                           "its tables are from the last periodic snapshot")
+                           + ("its tables are from the last periodic snapshot" if cause == "snapshot"
+                              else "its tables are from when its worker thread died"))
+    elif cause == "terminated":
+        main = next((t for t in meta.get("stacks") or () if t.get("is_main")), {})
+        meta["summary"] = (f"terminated by {meta.get('detail') or 'SIGTERM'} (stopped from outside: torchrun, the "
+                           f"scheduler, kill); the main thread was{_where(main.get('frames')) or ' in an unknown frame'}")
     elif exc:
         where = ""
         tb = exc.get("traceback") or ""
         lines = [l.strip() for l in tb.splitlines() if l.strip().startswith("File ")]
         if lines:
             where = " at " + lines[-1].replace("File ", "")
-        what = "interrupted (KeyboardInterrupt)" if meta["cause"] == "interrupted" else f"{exc.get('type')}: {exc.get('message')}"
+        what = "interrupted (KeyboardInterrupt)" if cause == "interrupted" else f"{exc.get('type')}: {exc.get('message')}"
         meta["summary"] = f"{what}{where}" + (f" (thread {meta['thread']})" if meta.get("thread") else "")
-    elif meta["cause"] == "interrupted":
+    elif cause == "interrupted":
         meta["summary"] = "interrupted (KeyboardInterrupt)"
+    elif meta.get("exit_code") not in (None, 0):
+        meta["summary"] = f"exited with code {meta['exit_code']} (sys.exit({meta.get('detail') or meta['exit_code']}))"
     else:
         meta["summary"] = "exited normally"
     deaths = meta.get("thread_deaths") or []
-    if deaths and meta["cause"] != "thread_exception":
+    if deaths:
         d = deaths[-1]
         meta["summary"] += f"; before that, thread {d['thread']} died of {d['type']}: {d['message']}"
     meta["last_step"] = _last_step(meta["path"]) if meta.get("path") else None

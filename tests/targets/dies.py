@@ -1,11 +1,13 @@
 """A small training loop that dies after ``--steps`` steps: by an exception in the loop, in a worker
-thread, a native crash (SIGSEGV), or waits to be killed; or exits normally.
+thread (the loop goes on), a native crash (SIGSEGV), ``sys.exit(3)``, or waits to be killed; or
+exits normally.
 
-    python dies.py --how exception|thread|segv|wait|exit [--steps N]
+    python dies.py --how exception|thread|segv|sysexit|wait|exit [--steps N]
 """
 import argparse
 import ctypes
 import os
+import sys
 import threading
 import time
 
@@ -44,5 +46,7 @@ for step in range(1, 10**9):
             t.join()
         if args.how == "segv":
             ctypes.string_at(0)  # a native crash: SIGSEGV
+        if args.how == "sysexit":
+            sys.exit(3)
         if args.how == "exit":
             break

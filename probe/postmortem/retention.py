@@ -1,0 +1,135 @@
+"""Which records stay: whether a record's process still runs, and the keep policy.
+
+A record answers for a process only once that process is gone, whatever its cause: a
+worker thread's death or an ``exit`` record written while the interpreter shuts down
+leaves a process that still runs. A pid can be reused, so a record keeps its process's
+start time (``proc_start``: clock ticks since boot, /proc's ``starttime``) and a live
+pid counts as the record's process only when its start time matches.
+
+``prune`` keeps at most ``PROBE_POSTMORTEM_KEEP`` records in a folder, evicting in this
+order: clean exits of gone processes (cause ``exit``, exit code 0 or unknown, no thread
+died), oldest first; then the other records of gone processes (crashes, kills, signals,
+``sys.exit(N)``), oldest first; records of processes that still run last. faulthandler's
+``fatal-<pid>.txt`` files go with them: an empty one of a gone pid is removed (SIGKILL
+or ``os._exit`` left it), a non-empty one goes with its pid's record, and one without a
+record (a crash before the first snapshot) counts as a record of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+__all__ = ["read_meta", "proc_start", "alive", "is_clean_exit", "prune"]
+
+
+def read_meta(path: str) -> dict | None:
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        return meta if isinstance(meta, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def proc_start(pid: int | str = "self") -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (/proc's ``starttime``), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def alive(meta: dict) -> bool:
+    """Whether the record's own process still runs (not merely its pid).
+
+    This host: the kernel says the pid runs (a zombie does not) and, when the record has
+    its start time, the running process started then. Another host (the shared registry):
+    that host's registry entry for the pid is there, from the same start (``started_at``).
+    """
+    from .._config import setting
+    from .._runtime import pid_alive
+
+    pid = int(meta["pid"])
+    if meta.get("local", True):
+        if not pid_alive(pid):
+            return False
+        started = meta.get("proc_start")
+        return started is None or proc_start(pid) in (None, started)
+    base = setting("PROBE_REGISTRY")
+    if not base:
+        return False
+    try:
+        with open(os.path.join(base, f"{meta.get('host')}-{pid}.json")) as f:
+            entry = json.load(f)
+    except (OSError, ValueError):
+        return False
+    ours, theirs = meta.get("started_at"), entry.get("started_at") if isinstance(entry, dict) else None
+    return ours is None or theirs is None or abs(float(ours) - float(theirs)) < 1e-3
+
+
+def is_clean_exit(meta: dict) -> bool:
+    """A normal exit (code 0 or unknown) with no thread death: the first record to evict."""
+    return (meta.get("cause") == "exit" and meta.get("exit_code") in (None, 0)
+            and not meta.get("thread_deaths"))
+
+
+def _fatal_files(folder: str) -> dict:
+    """``{pid: path}`` of the ``fatal-<pid>.txt`` files in ``folder``."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return {}
+    return {int(n[6:-4]): os.path.join(folder, n) for n in names
+            if n.startswith("fatal-") and n.endswith(".txt") and n[6:-4].isdigit()}
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def prune(base: str, keep: int, prefix: str = "", fatal_dir: str | None = None) -> None:
+    """Keep at most ``keep`` records in ``base`` (folders named ``<prefix><pid>``) by the module's policy;
+    with ``fatal_dir`` (this host's runtime directory), bound its ``fatal-<pid>.txt`` files with them."""
+    from .._runtime import pid_alive
+
+    me = os.getpid()
+    entries, recorded = [], {}
+    for name in os.listdir(base):
+        path = os.path.join(base, name)
+        try:
+            if name.startswith(prefix) and name[len(prefix):].isdigit() and os.path.isdir(path):
+                pid = int(name[len(prefix):])
+                meta = read_meta(path) or {"pid": pid}
+                meta.setdefault("pid", pid)
+                order = 2 if pid == me or alive(meta) else 0 if is_clean_exit(meta) else 1
+                entries.append((order, os.path.getmtime(path), path, pid))
+                recorded[pid] = path
+            elif name.startswith(".tmp-") and time.time() - os.path.getmtime(path) > 3600:
+                shutil.rmtree(path, ignore_errors=True)  # a writer killed mid-write an hour ago
+        except OSError:
+            continue  # removed under us by another writer
+    fatal = _fatal_files(fatal_dir) if fatal_dir else {}
+    for pid, path in fatal.items():
+        if pid == me or pid_alive(pid):
+            continue
+        try:
+            if os.path.getsize(path) == 0:
+                _remove(path)  # SIGKILL or os._exit: faulthandler had nothing to say
+            elif pid not in recorded:
+                entries.append((1, os.path.getmtime(path), path, pid))  # a crash before the first snapshot
+        except OSError:
+            continue
+    for _, _, path, pid in sorted(entries)[:-keep] if keep > 0 else sorted(entries):
+        _remove(path)
+        if path == recorded.get(pid) and pid in fatal:
+            _remove(fatal[pid])
