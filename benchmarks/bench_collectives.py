@@ -46,18 +46,24 @@ def worker(steps: int) -> None:
         if i >= 20:
             times.append(time.perf_counter() - t0)
     dump_ms = rows = None
+    per_step = 0.0
     if rank == 0 and int(os.environ.get("TORCH_FR_BUFFER_SIZE") or 0) > 0:
         from probe.training import collectives as recorder_io
 
         costs = []
         for frames in (False, True, True):  # the first dump with frames also resolves them once: not kept
             t0 = time.perf_counter()
-            rows = len(recorder_io.entry_rows(recorder_io.dump(frames=frames)))
+            entries = recorder_io.entry_rows(recorder_io.dump(frames=frames))
             costs.append((time.perf_counter() - t0) * 1000)
+        rows = len(entries)
+        # collectives per step from the newest sequence id (the ring keeps only the last entries: its
+        # row count would undercount once it wraps)
+        per_step = max((e["seq"] or 0) for e in entries) / (steps + 20) if entries else 0.0
         dump_ms = f"{costs[0]:.1f}/{costs[2]:.1f}"
     dist.barrier()
     if rank == 0:
-        print(f"RESULT median_step_s={statistics.median(times):.6f} dump_ms={dump_ms} rows={rows}", flush=True)
+        print(f"RESULT median_step_s={statistics.median(times):.6f} dump_ms={dump_ms} rows={rows} "
+              f"per_step={per_step if dump_ms else 0:.3f}", flush=True)
     dist.destroy_process_group()
 
 
@@ -109,7 +115,8 @@ def run(buffer: int, steps: int, world: int) -> tuple[float, str]:
     if line is None:
         raise SystemExit(f"the DDP job failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     fields = dict(kv.split("=") for kv in line.split()[1:])
-    return float(fields["median_step_s"]), f"a query's dump without/with frames {fields['dump_ms']} ms for {fields['rows']} rows"
+    return float(fields["median_step_s"]), (f"a query's dump without/with frames {fields['dump_ms']} ms for {fields['rows']} "
+                                            f"rows; {fields['per_step']} collectives per step")
 
 
 def main():
@@ -143,8 +150,7 @@ def main():
     c_off, c_on = float("inf"), float("inf")
     for _ in range(5):  # alternated processes, the best of each: the least disturbed by other load
         c_off, c_on = min(c_off, run_per_call(0, n)), min(c_on, run_per_call(size, n))
-    rows = int(notes[-1].split(" for ")[1].split()[0])
-    per_step = rows / (a.steps + 20)
+    per_step = float(notes[-1].rsplit("; ", 1)[1].split()[0])
     extra = max(c_on - c_off, 0.0) * per_step
     print(f"one all_reduce (1 rank, best of 5 processes x 5 x {n}): off {c_off * 1e6:.1f} us, on {c_on * 1e6:.1f} us: "
           f"the recorder costs {(c_on - c_off) * 1e6:.1f} us per collective; with {per_step:.1f} collectives per "
