@@ -88,10 +88,10 @@ FROM torch.parameters WHERE nan_count + inf_count > 0 GROUP BY rank""",
 
 rule(
     "loss_diverging", family="divergence", severity="warning",
-    description="The 20-step mean loss has risen well above the best it reached (by 1.5x and by 0.1 at least).",
+    description="The loss's 20-step median has risen well above the lowest it reached (by 1.5x and by 0.1 at least): the typical step got worse, not one outlier (that is loss_spike).",
     sql="""
 WITH s AS (
-  SELECT rank, step, avg(loss) OVER (PARTITION BY rank ORDER BY step ROWS 19 PRECEDING) AS m20,
+  SELECT rank, step, median(loss) OVER (PARTITION BY rank ORDER BY step ROWS 19 PRECEDING) AS m20,
          count(loss) OVER (PARTITION BY rank ORDER BY step ROWS 19 PRECEDING) AS n
   FROM torch.steps WHERE isfinite(loss)),
 per AS (
@@ -100,26 +100,29 @@ per AS (
   FROM s GROUP BY rank)
 SELECT rank, step, best, best_step, now_loss FROM per
 WHERE now_loss > 1.5 * best AND now_loss - best > 0.1 AND step - best_step >= 20""",
-    message="the loss is diverging: its 20-step mean is {now_loss:.4g} at step {step}, up from {best:.4g} at step {best_step}.",
+    message="the loss is diverging: its median over the last 20 measured steps is {now_loss:.4g} at step {step}, up from {best:.4g} at step {best_step}.",
     next=["probe {target} query \"SELECT step, loss, grad_norm, lr FROM torch.steps ORDER BY step DESC LIMIT 20\"",
           "probe {target} lr --scale 0.5"],
 )
 
 rule(
     "loss_spike", family="divergence", severity="warning",
-    description="A recent step's loss is more than 3x the median of the 50 steps before it.",
+    description="A recent step's loss is more than 3x the median of the 50 steps before it (and 0.5 above it) and 3x the median of the 10 after it, when there are any: an outlier the loss came back from (a loss that stays up is loss_diverging).",
     sql="""
 WITH s AS (
   SELECT rank, step, loss,
          median(loss) OVER (PARTITION BY rank ORDER BY step ROWS BETWEEN 50 PRECEDING AND 1 PRECEDING) AS med,
          count(loss) OVER (PARTITION BY rank ORDER BY step ROWS BETWEEN 50 PRECEDING AND 1 PRECEDING) AS n,
+         median(loss) OVER (PARTITION BY rank ORDER BY step ROWS BETWEEN 1 FOLLOWING AND 10 FOLLOWING) AS after,
          max(step) OVER (PARTITION BY rank) AS last
   FROM torch.steps WHERE isfinite(loss))
 SELECT rank, arg_max(step, loss / med) AS step, max(loss / med) AS ratio, arg_max(loss, loss / med) AS loss,
-       arg_max(med, loss / med) AS med
+       arg_max(med, loss / med) AS med, arg_max(after, loss / med) AS after,
+       coalesce(printf('; the steps after it came back to %.4g', arg_max(after, loss / med)), '') AS back
 FROM s WHERE n >= 20 AND loss > 3 * med AND loss - med > 0.5 AND step > last - 100
+  AND (after IS NULL OR loss > 3 * after)  -- it came back down: a loss that stays up is loss_diverging's
 GROUP BY rank""",
-    message="the loss spiked to {loss:.4g} at step {step}, {ratio:.1f}x the median {med:.4g} of the steps before.",
+    message="the loss spiked to {loss:.4g} at step {step}, {ratio:.1f}x the median {med:.4g} of the steps before{back}.",
     next=["probe {target} query \"SELECT step, loss, grad_norm, lr FROM torch.steps WHERE step BETWEEN {step} - 5 AND {step} + 5 ORDER BY step\""],
 )
 
@@ -199,12 +202,60 @@ rule(
     description="The gradient norm was exactly 0 on every one of the last 20 measured steps.",
     sql="""
 WITH g AS (
-  SELECT rank, step, grad_norm, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+  SELECT rank, step, grad_norm, loss, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
   FROM torch.steps WHERE grad_norm IS NOT NULL)
-SELECT rank, max(step) AS step, count(*) AS steps FROM g WHERE age <= 20 GROUP BY rank
+SELECT rank, max(step) AS step, count(*) AS steps, max(abs(loss)) AS loss,
+       CASE WHEN max(abs(loss)) = 0
+            THEN ', and so is the loss: a mask or weight removes every sample (a padding mask or ignore_index the wrong way round), or the model already fits every sample exactly'
+            ELSE ': the loss does not depend on the trained parameters (detached graph, frozen model, or zero-grad after backward)'
+       END AS cause
+FROM g WHERE age <= 20 GROUP BY rank
 HAVING count(*) = 20 AND max(grad_norm) = 0""",
-    message="the gradient norm is exactly 0 on the last {steps} measured steps: the loss does not depend on the trained parameters (detached graph, frozen model, or zero-grad after backward).",
+    message="the gradient norm is exactly 0 on the last {steps} measured steps{cause}.",
     next=["probe {target} query \"SELECT name, requires_grad, grad_norm FROM torch.parameters\""],
+)
+
+# Vanishing or exploding gradients by layer: the gradient's size per element (RMS, grad_norm / sqrt(numel))
+# of the first and the last layer of a stack of numbered layers (a Sequential or ModuleList: ``0.weight``,
+# ``blocks.7.mlp.0.weight``, the first whole-number component of the name). Healthy nets measured 0.02
+# (8-layer ReLU MLP at PyTorch's default init, before it learns) to 6 (a 12-block pre-LN GPT); 8 sigmoid
+# layers measure 5e-6. Layers without a gradient (frozen) are left out, and an exact 0 is another rule's
+# (grad_norm_zero, dead_activations): a ratio needs both ends measured.
+_LAYER = "^((?:[^.]+\\.)*?)(\\d+)\\."  # prefix of whole components, then the first all-digit component
+_GRAD_RATIO = 1e3  # three orders of magnitude between the first and the last layer, either way
+_LAYERS_MIN = 3
+
+rule(
+    "grads_by_layer", family="parameters", severity="warning",
+    description=f"Gradients vanish or explode across a stack of at least {_LAYERS_MIN} numbered layers (a Sequential or ModuleList): per element (grad_norm / sqrt(numel), torch.parameters, read at a step boundary), the first layer's gradient is under 1/{_GRAD_RATIO:.0f} or over {_GRAD_RATIO:.0f}x the last layer's, after step 50.",
+    sql=f"""
+WITH p AS (
+  SELECT rank, model, regexp_extract(name, '{_LAYER}', 1) AS stack,
+         CAST(regexp_extract(name, '{_LAYER}', 2) AS BIGINT) AS layer, grad_norm, numel
+  FROM torch.parameters
+  WHERE requires_grad AND isfinite(grad_norm) AND numel > 0 AND regexp_matches(name, '{_LAYER}')),
+l AS (
+  SELECT rank, model, stack, layer, sqrt(sum(grad_norm * grad_norm) / sum(numel)) AS rms
+  FROM p GROUP BY rank, model, stack, layer),
+s AS (
+  SELECT rank, model, stack, count(*) AS layers, min(layer) AS first, max(layer) AS last,
+         arg_min(rms, layer) AS first_rms, arg_max(rms, layer) AS last_rms
+  FROM l GROUP BY rank, model, stack HAVING count(*) >= {_LAYERS_MIN}),
+t AS (SELECT rank, max(step) AS step FROM torch.steps GROUP BY rank)
+SELECT s.rank, t.step, s.model, s.stack, s.stack || s.first AS first_layer, s.stack || s.last AS last_layer,
+       s.layers, s.first_rms, s.last_rms, s.first_rms / s.last_rms AS ratio,
+       CASE WHEN s.stack = '' THEN s.model ELSE s.model || '.' || rtrim(s.stack, '.') END AS stack_name,
+       CASE WHEN s.first_rms < s.last_rms THEN 'vanish' ELSE 'explode' END AS direction,
+       CASE WHEN s.first_rms < s.last_rms
+            THEN 'the first layers barely learn (saturating activations such as sigmoid or tanh, or too small an init, in a deep stack without normalization or residual connections): use ReLU/GELU, LayerNorm/BatchNorm, residual connections or a He/Xavier init'
+            ELSE 'the first layers take far larger steps than the last (a blown-up layer, unnormalized inputs or too large an init): clip gradients (clip_grad_norm_), normalize the inputs, check the init scale'
+       END AS advice
+FROM s JOIN t ON t.rank IS NOT DISTINCT FROM s.rank
+WHERE t.step >= 50 AND s.first_rms > 0 AND s.last_rms > 0
+  AND (s.first_rms * {_GRAD_RATIO} < s.last_rms OR s.first_rms > {_GRAD_RATIO} * s.last_rms)""",
+    message="gradients {direction} toward the input of {stack_name}: per element, layer {first_layer}'s gradient is {ratio:.2g}x layer {last_layer}'s (RMS {first_rms:.2g} against {last_rms:.2g}, over {layers} layers): {advice}.",
+    next=["probe {target} query \"SELECT name, numel, grad_norm, grad_norm / sqrt(numel) AS grad_rms FROM torch.parameters WHERE requires_grad AND name LIKE '{stack}%' ORDER BY name\"",
+          "probe {target} query \"SELECT step, loss, grad_norm FROM torch.steps ORDER BY step DESC LIMIT 20\""],
 )
 
 rule(
@@ -274,12 +325,13 @@ HAVING count(*) >= 10 AND median(cpu_wait) > 0.25 * median(duration) AND median(
 
 rule(
     "input_bound", family="input", severity="warning",
-    description="On traced steps, more than 70% of the step time (and 20 ms) goes outside forward and backward: waiting for data or host-side work (time waiting for other ranks, torch.steps.comm_wait, does not count).",
+    description="On traced steps, more than 70% of the step time (and 20 ms) goes outside forward and backward: waiting for data or host-side work (time waiting for other ranks, torch.steps.comm_wait, or for a CPU, torch.steps.cpu_wait, does not count).",
     sql="""
 WITH f AS (
   SELECT rank, step, sum(duration) AS model_s FROM python.torch_trace WHERE depth = 0 GROUP BY rank, step),
 j AS (
-  SELECT s.rank, s.step, s.duration - coalesce(s.comm_wait, 0) AS duration, f.model_s FROM torch.steps AS s
+  SELECT s.rank, s.step, s.duration - coalesce(s.comm_wait, 0) - coalesce(s.cpu_wait, 0) AS duration, f.model_s
+  FROM torch.steps AS s
   JOIN f ON f.rank IS NOT DISTINCT FROM s.rank AND f.step = s.step
   WHERE s.duration IS NOT NULL AND f.model_s IS NOT NULL),
 m AS (
@@ -452,7 +504,11 @@ SELECT d.rank, d.pid, d.step, d.exit_cause, d.exit_reason, coalesce('rank ' || d
        CASE WHEN waiters.ranks IS NULL THEN ''
             ELSE '; ranks ' || waiters.ranks || ' wait for it' || coalesce(' in ' || waiters.ops, '') END AS waiting
 FROM ranks.status AS d, waiters
-WHERE d.state = 'dead' AND (d.exit_cause NOT IN ('exit', 'interrupted') OR waiters.ranks IS NOT NULL)""",
+WHERE d.state = 'dead'
+  AND (d.exit_cause NOT IN ('exit', 'interrupted', 'terminated') OR waiters.ranks IS NOT NULL
+       -- a deliberate end still counts with a non-zero sys.exit code or a worker thread's death
+       OR (d.exit_cause = 'exit' AND d.exit_reason LIKE 'exited with code %')
+       OR d.exit_reason LIKE '%thread % died of %')""",
     message="{who} died at step {step} ({exit_cause}): {exit_reason}{waiting}.",
     next=["probe {target} backtrace", "probe list --dead",
           "probe {target} query \"SELECT step, loss, duration FROM torch.steps ORDER BY step DESC LIMIT 20\""],

@@ -61,6 +61,8 @@ def rule(name: str, *, family: str, severity: str, description: str, sql: str, m
     """Declare (or replace) a doctor rule; returns it. Raises ValueError on a malformed declaration."""
     if not name.replace("_", "").isalnum() or not name[0].isalpha():
         raise ValueError(f"rule name {name!r} must be letters, digits and underscores, starting with a letter")
+    if family not in FAMILIES:
+        raise ValueError(f"rule {name}: family must be one of {', '.join(FAMILIES)}, not {family!r}")
     if severity not in SEVERITIES:
         raise ValueError(f"rule {name}: severity must be one of {', '.join(SEVERITIES)}, not {severity!r}")
     if scope not in SCOPES:

@@ -16,10 +16,24 @@ FAULTS = [
     ("collapsed", "collapsed_output", ["module 2 (Linear)", "same for every sample", "input from 1 varies"]),
     # CPU stand-in for the CUDA path: the target raises torch's sync warning from its own line
     ("host_sync", "host_syncs", ["of faults.py", "loss.item()", "1 time(s) a step"]),
+    # a slow Dataset.__getitem__ behind a DataLoader without workers: 32+ ms a batch (sleeps), ~0.5 ms in the model
+    ("data_wait", "input_bound", ["outside forward/backward", "the input pipeline"]),
+    # 8 sigmoid layers at the default init: layer 0's gradient is ~1e-5 of layer 14's (the threshold is 1e-3)
+    ("vanishing", "grads_by_layer", ["gradients vanish toward the input of model", "layer 0's gradient", "layer 14's",
+                                     "over 8 layers"]),
+    ("grad_zero", "grad_norm_zero", ["exactly 0 on the last 20 measured steps"]),
+    # about one batch in 15 has 8 of its 64 labels wrong: single-step outliers the loss comes back from
+    ("loss_spike", "loss_spike", ["the loss spiked to", "the median"]),
+    # weight decay applied without the lr factor: the loss rises from ~1e-4 to ~0.3 and stays there
+    ("diverging", "loss_diverging", ["the loss is diverging", "up from"]),
 ]
-SETTLE = {"memory_growth": "200", "dead_relu": "30", "collapsed": "30", "host_sync": "30"}  # steps the fault needs
-TRACE_EVERY = {"dead_relu": "5", "collapsed": "5", "host_sync": "5"}  # rules that read traced steps need a few
-NOT_ALSO = {"dead_relu": "collapsed_output"}  # a dead ReLU is not also reported as a collapsed output
+SETTLE = {"memory_growth": "200", "dead_relu": "30", "collapsed": "30", "host_sync": "30",
+          "grad_zero": "200", "data_wait": "5"}  # steps the fault needs
+TRACE_EVERY = {"dead_relu": "5", "collapsed": "5", "host_sync": "5", "data_wait": "5"}  # rules that read traced steps need a few
+# rules that must not also speak: what the fault feeds, or its look-alike (a spike is not a divergence, nor the reverse);
+# an exact 0 gradient (dead ReLUs, a zeroed layer, a loss masked to nothing) is no vanishing gradient
+NOT_ALSO = {"dead_relu": ("collapsed_output", "grads_by_layer"), "collapsed": ("grads_by_layer",),
+            "grad_zero": ("grads_by_layer",), "loss_spike": ("loss_diverging",), "diverging": ("loss_spike",)}
 # a slowdown is judged against the earlier steps' median: enough fast steps first keep it visible for ~20 s, not ~5 s
 FAULT_STEP = {"slowdown": "150"}
 

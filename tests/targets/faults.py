@@ -1,7 +1,8 @@
 """A small classifier (8 classes, generated data) that trains with one planted fault, or none.
 
     python faults.py --fault healthy|nan_after_lr_jump|nan_from_data|frozen|lr_zero|not_in_optimizer|
-                             slowdown|memory_growth|hang|data_wait|dead_relu|collapsed|host_sync
+                             slowdown|memory_growth|hang|data_wait|dead_relu|collapsed|host_sync|
+                             vanishing|grad_zero|loss_spike|diverging
 
 It never imports probe itself: tests start it with PROBE=1, as a user would. It prints
 "ready" after ``--ready-step`` steps and "planted" once the fault has taken effect, then
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 import time
 import warnings
 
@@ -41,7 +43,27 @@ def batch(n=64):
     return centers[y] + torch.randn(n, DIM, device=args.device), y
 
 
-model = nn.Sequential(nn.Linear(DIM, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, CLASSES)).to(args.device)
+class SlowSamples(torch.utils.data.Dataset):
+    """data_wait: a dataset whose samples take 0.5 ms or more each to read (a slow disk, decoding on the
+    main thread), behind a DataLoader with no workers: 32 ms a batch at least (a sleep only gets longer
+    under load), against about 0.5 ms in the model."""
+
+    def __len__(self):
+        return 1 << 30
+
+    def __getitem__(self, i):
+        time.sleep(0.0005)  # ok-sleep: the planted slow read (the main thread waits, it does not spin)
+        y = torch.randint(0, CLASSES, ())
+        return centers.cpu()[y] + torch.randn(DIM), y
+
+
+loader = iter(torch.utils.data.DataLoader(SlowSamples(), batch_size=64)) if args.fault == "data_wait" else None
+
+if args.fault == "vanishing":  # 8 sigmoid layers at the default init, no normalization: the first layers get ~nothing
+    body = [nn.Linear(DIM, 32), nn.Sigmoid()] + [m for _ in range(6) for m in (nn.Linear(32, 32), nn.Sigmoid())]
+    model = nn.Sequential(*body, nn.Linear(32, CLASSES)).to(args.device)
+else:
+    model = nn.Sequential(nn.Linear(DIM, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, CLASSES)).to(args.device)
 if args.fault == "frozen":  # "fine-tune only the head", with the head frozen by mistake too
     for param in model.parameters():
         param.requires_grad_(False)
@@ -52,6 +74,7 @@ if args.fault == "not_in_optimizer":
 optimizer = torch.optim.SGD(params, lr=0.05 if args.fault != "lr_zero" else 0.0, momentum=0.9)
 hoard = []
 total = 0.0
+corrupt = random.Random(1)  # loss_spike: which batches come from the corrupt shard
 # On CPU nothing synchronises: host_sync raises, from its own line, the warning torch's sync debug mode
 # raises there on CUDA (the same text, category and frame), a stand-in for the CUDA path.
 SYNC_WARNING = "called a synchronizing CUDA operation (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:150.)"
@@ -64,9 +87,10 @@ while True:
         print("planted", flush=True)
         while True:
             time.sleep(1)  # ok-sleep: the planted hang (the main thread never returns)
-    if args.fault == "data_wait" and step >= args.fault_step:
-        time.sleep(0.08)  # ok-sleep: the planted slow input pipeline (outside forward/backward)
-    x, y = batch()
+    x, y = [t.to(args.device) for t in next(loader)] if loader is not None else batch()  # data_wait: from step 1
+    if args.fault == "loss_spike" and step >= args.fault_step and (step == args.fault_step or corrupt.random() < 1 / 15):
+        y = y.clone()
+        y[:8] = (y[:8] + 1) % CLASSES  # a corrupt shard: about one batch in 15 has 8 of its 64 labels wrong
     if args.fault == "dead_relu" and step == args.fault_step:
         with torch.no_grad():
             model[2].bias.fill_(-100.0)  # a bad init/update: every pre-activation of the second ReLU is negative
@@ -74,6 +98,9 @@ while True:
         x[0, 0] = float("nan")
     logits = model(x)
     loss = F.cross_entropy(logits, y)
+    if args.fault == "grad_zero" and step >= args.fault_step:
+        keep = (y == -100).float()  # a padding mask that keeps nothing (the ignore index compared the wrong way)
+        loss = (F.cross_entropy(logits, y, reduction="none") * keep).sum() / keep.sum().clamp(min=1)
     optimizer.zero_grad(set_to_none=False)
     if args.hide_loss_every and step % args.hide_loss_every == 0:
         hidden, loss = loss, None  # nothing named loss, and a backward with explicit gradients: no loss to read
@@ -84,6 +111,10 @@ while True:
         for g in optimizer.param_groups:
             g["lr"] = 1e4  # a schedule bug: the LR jumps 200 000x
     optimizer.step()
+    if args.fault == "diverging" and step >= args.fault_step:
+        with torch.no_grad():
+            for q in params:
+                q.mul_(1 - 0.1)  # weight decay by hand, without the lr factor: 10% of every weight gone each step
     if args.fault == "collapsed" and step >= args.fault_step:
         with torch.no_grad():
             model[2].weight.mul_(0.0)  # a pruning mask that prunes everything: layer 2 outputs its bias alone
