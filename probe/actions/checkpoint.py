@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 from .._errors import ActionError
 from ..agent import state as agent_state
-from ..training.finder import (framework_counters, grad_scalers, models, objects_of, optimizers, restore_counters, scheduler_for,
-                       schedulers)
+from ..training.counters import framework_counters, restore_counters
+from ..training.finder import grad_scalers, models, objects_of, optimizers, scheduler_for, schedulers
 
 if TYPE_CHECKING:
     from .queue import Context

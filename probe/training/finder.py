@@ -41,7 +41,7 @@ from ..util.errorlog import record_error
 
 __all__ = ["Found", "known", "is_internal", "models", "optimizers", "schedulers", "grad_scalers", "frameworks", "scheduler_for",
            "optimizer_found", "unwrap_optimizer", "add", "scan", "set_training_frame", "training_frame",
-           "user_frame", "named", "objects_of", "restore_counters", "main_globals", "module_path", "framework_counters", "FRAMEWORK_PACKAGES"]
+           "user_frame", "named", "objects_of", "framework_of", "main_globals", "module_path", "FRAMEWORK_PACKAGES"]
 
 KINDS = ("model", "optimizer", "scheduler", "scaler", "framework")
 # Packages whose frames are the framework's, not the user's loop (for the user's frame and eval).
@@ -98,7 +98,7 @@ def module_path(name: str) -> str:
 
 
 # -- recognising types without importing them -------------------------------------------------------
-def _framework_of(obj) -> str | None:
+def framework_of(obj) -> str | None:
     try:
         mro = type(obj).__mro__
     except Exception:
@@ -174,7 +174,7 @@ def _kind_of(torch, obj) -> str | None:
     kinds = _scaler_types(torch)
     if kinds and isinstance(obj, kinds):
         return "scaler"
-    if _framework_of(obj) is not None:
+    if framework_of(obj) is not None:
         return "framework"
     return None
 
@@ -197,7 +197,7 @@ def add(obj, name: str | None = None, source: str = "frame", kind: str | None = 
         if inner is not obj:
             wrapper, obj = type(obj).__name__, inner
     elif kind == "framework":
-        framework = _framework_of(obj)
+        framework = framework_of(obj)
     elif kind == "model":
         if not _add_model(obj, name, source):
             return None
@@ -340,7 +340,7 @@ def _scan_frameworks() -> None:
 
 def _framework_items(obj, name: str):
     """``(value, name, kind)`` for the objects a framework object holds, by the framework's own API."""
-    kind = _framework_of(obj)
+    kind = framework_of(obj)
     if kind == "lightning":
         yield getattr(obj, "lightning_module", None), f"{name}.lightning_module", "model"
         for i, opt in enumerate(list(getattr(obj, "optimizers", None) or [])):
@@ -374,7 +374,7 @@ def objects_of(framework) -> dict:
 
 def _from_framework(obj, name: str) -> None:
     """Remember the objects a framework object holds (Lightning's optimizer wrappers give their class)."""
-    kind = _framework_of(obj)
+    kind = framework_of(obj)
     try:
         for value, vname, k in _framework_items(obj, name):
             if value is None:
@@ -422,7 +422,7 @@ def _framework_name(value, name: str) -> str:
     """A framework object seen as ``self`` is named for what it is (trainer, accelerator)."""
     if name != "self":
         return name
-    kind = _framework_of(value)
+    kind = framework_of(value)
     return "accelerator" if kind == "accelerate" else "trainer" if kind else name
 
 
@@ -452,7 +452,7 @@ def scan(frame=None, max_frames: int = 4) -> None:
             loc = f.f_locals
             try:
                 for name, value in list(loc.items()):
-                    if id(value) not in seen and (_framework_of(value) is not None or (
+                    if id(value) not in seen and (framework_of(value) is not None or (
                             isinstance(value, torch.nn.Module) and _is_lightning_module(value))):
                         _classify(torch, value, _framework_name(value, name), seen, 1, "frame")
             finally:
@@ -505,76 +505,6 @@ def user_frame(frame):
     while frame is not None and is_internal(frame.f_code):
         frame = frame.f_back
     return frame
-
-
-def _shift_progress(progress, completed: int) -> None:
-    """Move a Lightning ``_Progress`` (its total and current trackers) so that ``current.completed`` is
-    ``completed``, every field by the same amount: an epoch in progress stays in progress."""
-    delta = completed - int(progress.current.completed)
-    for tracker in (progress.total, progress.current):
-        for field in ("ready", "started", "processed", "completed"):
-            if hasattr(tracker, field):
-                setattr(tracker, field, int(getattr(tracker, field)) + delta)
-
-
-def restore_counters(framework, counters: dict) -> dict:
-    """Set a framework object's step counters to ``counters`` (as ``framework_counters`` wrote them);
-    return what was set.
-
-    Lightning gets ``global_step`` and ``current_epoch`` back; a transformers Trainer its
-    ``global_step`` only (it recomputes ``state.epoch`` at every step from its own loop's epoch
-    counter, a local variable of its training loop, so a value set from outside would not last);
-    an accelerate ``Accelerator`` its ``step`` (the gradient-accumulation counter that
-    ``accelerator.accumulate`` advances, restored as accelerate's own ``load_state`` does).
-    """
-    kind = _framework_of(framework)
-    done = {}
-    if kind == "lightning" and "global_step" in counters:
-        loop = framework.fit_loop.epoch_loop
-        progress = loop.automatic_optimization.optim_progress.optimizer.step.total
-        progress.ready = progress.completed = int(counters["global_step"])
-        loop._batches_that_stepped = int(counters["global_step"])
-        done["global_step"] = int(framework.global_step)
-        if "current_epoch" in counters:
-            _shift_progress(framework.fit_loop.epoch_progress, int(counters["current_epoch"]))
-            done["current_epoch"] = int(framework.current_epoch)
-    elif kind == "transformers" and "global_step" in counters:
-        framework.state.global_step = int(counters["global_step"])
-        if hasattr(framework, "_globalstep_last_logged"):  # as the Trainer's own resume does: else it logs nothing
-            framework._globalstep_last_logged = framework.state.global_step  # until the step count passes the old one
-        done["global_step"] = framework.state.global_step
-    elif kind == "accelerate" and "step" in counters:
-        framework.step = int(counters["step"])
-        done["step"] = framework.step
-    return done
-
-
-def framework_counters(in_step: bool = False) -> dict:
-    """The step counters of the framework objects found: ``{name: {"global_step": n, ...}}`` for a
-    Trainer, ``{name: {"step": n}}`` for an Accelerator that is not a transformers Trainer's own.
-
-    ``in_step``: read inside an optimizer step (probe's safe point), where both Trainers have
-    not yet counted the step that is finishing; it is counted here, so the numbers match the
-    weights, which already have it. An Accelerator's ``step`` counts micro-batches when
-    ``accumulate`` is entered, before the optimizer step: it is taken as it is.
-    """
-    out = {}
-    extra = 1 if in_step else 0
-    found = frameworks()
-    # transformers' Trainer drives its Accelerator's counters itself (it never uses accelerator.step)
-    held = {id(getattr(f.obj, "accelerator", None)) for f in found if f.wrapper == "transformers"}
-    for f in found:
-        try:
-            if f.wrapper == "lightning":
-                out[f.name] = {"global_step": int(f.obj.global_step) + extra, "current_epoch": int(f.obj.current_epoch)}
-            elif f.wrapper == "transformers":
-                st = f.obj.state
-                out[f.name] = {"global_step": int(st.global_step) + extra, "epoch": float(st.epoch or 0.0)}
-            elif f.wrapper == "accelerate" and id(f.obj) not in held and isinstance(getattr(f.obj, "step", None), int):
-                out[f.name] = {"step": int(f.obj.step)}
-        except Exception as exc:
-            record_error(f"reading {f.name}'s step counters", exc)
-    return out
 
 
 def named() -> dict:

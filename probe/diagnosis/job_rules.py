@@ -1,0 +1,79 @@
+"""The doctor's rules across the ranks of a job and about ranks that died: the hang's culprit, the
+straggler, desync, loss dispersion, and a rank's death (docs/doctor.md lists them).
+"""
+
+from __future__ import annotations
+
+from .rules import rule
+
+__all__: list = []
+
+rule(
+    "hung_rank", family="distributed", severity="critical", scope="job",
+    description="The rank the others wait for (ranks.status culprit): hung outside any collective, stopped, or gone while the others wait.",
+    sql="SELECT rank, step, state, reason, top_frame FROM ranks.hung WHERE culprit AND state <> 'dead'",  # rank_died says it
+    message="rank {rank} is the one the others wait for (state {state}): {reason}; now in {top_frame}.",
+    next=["probe --rank {rank} backtrace", "probe --rank {rank} backtrace --native", "probe --ranks all backtrace --group"],
+)
+
+rule(
+    "straggler", family="distributed", severity="warning", scope="job",
+    description="A rank's compute time per step (its step time without the flight recorder) exceeds the other ranks' by PROBE_STRAGGLER_FACTOR.",
+    sql="SELECT rank, step, ratio, basis, step_time * 1000 AS step_ms, top_frame FROM ranks.stragglers",
+    message="rank {rank} is a straggler: {ratio:.1f}x the other ranks' time per step ({basis}; {step_ms:.1f} ms steps), now in {top_frame}.",
+    next=["probe --rank {rank} backtrace", "probe --ranks all status"],
+)
+
+rule(
+    "desync", family="distributed", severity="warning", scope="job",
+    description="A rank's step counter lags the most advanced rank by more than PROBE_DESYNC_STEPS, beyond what the ranks answering at slightly different moments explains (ranks.desync).",
+    sql="SELECT rank, step, behind FROM ranks.desync",
+    message="rank {rank} is {behind} step(s) behind the most advanced rank (at step {step}).",
+    next=["probe --ranks all status", "probe --rank {rank} backtrace"],
+)
+
+rule(
+    "rank_died", family="crash", severity="critical",
+    description="A process (a rank of the job) is gone and its post-mortem record says how: an exception, a fatal signal, or a kill without warning; across ranks, which ranks wait for it and in which collective.",
+    sql="""
+WITH waiters AS (SELECT string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank) AS ranks,
+                        string_agg(DISTINCT pending_op, ', ') AS ops
+                 FROM ranks.status WHERE state = 'waiting')
+SELECT d.rank, d.pid, d.step, d.exit_cause, d.exit_reason, coalesce('rank ' || d.rank, 'pid ' || d.pid) AS who,
+       CASE WHEN waiters.ranks IS NULL THEN ''
+            ELSE '; ranks ' || waiters.ranks || ' wait for it' || coalesce(' in ' || waiters.ops, '') END AS waiting
+FROM ranks.status AS d, waiters
+WHERE d.state = 'dead'
+  AND (d.exit_cause NOT IN ('exit', 'interrupted', 'terminated') OR waiters.ranks IS NOT NULL
+       -- a deliberate end still counts with a non-zero sys.exit code or a worker thread's death
+       OR (d.exit_cause = 'exit' AND d.exit_reason LIKE 'exited with code %')
+       OR d.exit_reason LIKE '%thread % died of %')""",
+    message="{who} died at step {step} ({exit_cause}): {exit_reason}{waiting}.",
+    next=["probe {target} backtrace", "probe list --dead",
+          "probe {target} query \"SELECT step, loss, duration FROM torch.steps ORDER BY step DESC LIMIT 20\""],
+)
+
+rule(
+    "loss_dispersion", family="distributed", severity="warning", scope="job",
+    description="Over the last 50 steps all ranks have, one rank's mean loss is far from the ranks' median (by 25% and 0.05, and by 4 standard errors; of two ranks, the higher): ranks training one model should see about the same loss.",
+    sql="""
+WITH last AS (SELECT min(top) AS hi FROM (SELECT rank, max(step) AS top FROM torch.steps GROUP BY rank)),
+per AS (
+  SELECT rank, max(step) AS step, min(step) AS first, avg(loss) AS mean, stddev_samp(loss) AS sd, count(*) AS n
+  FROM torch.steps, last WHERE isfinite(loss) AND step BETWEEN last.hi - 49 AND last.hi
+  GROUP BY rank HAVING count(*) >= 20),
+cmp AS (
+  SELECT *, count(*) OVER () AS ranks, median(mean) OVER () AS med, min(mean) OVER () AS low,
+         median(sd) OVER () AS med_sd
+  FROM per)
+SELECT rank, step, first, ranks, mean, CASE WHEN ranks = 2 THEN low ELSE med END AS others,
+       mean / nullif(CASE WHEN ranks = 2 THEN low ELSE med END, 0) AS ratio,
+       CASE WHEN ranks = 2 THEN 'the other rank''s' ELSE 'the median of the ' || ranks || ' ranks,' END AS against
+FROM cmp
+WHERE ranks >= 2
+  AND abs(mean - CASE WHEN ranks = 2 THEN low ELSE med END) > 0.25 * abs(med) + 0.05
+  AND abs(mean - CASE WHEN ranks = 2 THEN low ELSE med END) > 4 * greatest(sd, med_sd) / sqrt(n)""",
+    message="rank {rank}'s loss averages {mean:.4g} over steps {first}-{step}, {ratio:.3g}x {against} {others:.4g}: ranks that train one model should see about the same loss, so this rank's data differs (a corrupt or mislabeled shard, other preprocessing) or its inputs are broken.",
+    next=["probe --ranks all query \"SELECT rank, avg(loss) AS mean_loss, count(*) AS steps FROM torch.steps WHERE step > {step} - 50 GROUP BY rank ORDER BY rank\"",
+          "probe --rank {rank} query \"SELECT step, loss, samples FROM torch.steps ORDER BY step DESC LIMIT 20\""],
+)

@@ -1,0 +1,471 @@
+"""The doctor's rules about one process: hangs, NaNs, the loss, parameters and gradients, memory,
+speed, the input pipeline, activations, and the probe itself (docs/doctor.md lists them).
+
+Thresholds are chosen so that a healthy run gets no finding above ``info``: every rule
+needs enough steps to compare against and a margin in absolute terms as well as a ratio.
+"""
+
+from __future__ import annotations
+
+from .rules import rule
+
+__all__: list = []
+
+rule(
+    "hung", family="hang", severity="critical",
+    description="No training step has completed for longer than PROBE_HUNG_AFTER seconds (or the hang watchdog fired); across ranks, only when hung_rank names no culprit.",
+    params={"hung_after": "PROBE_HUNG_AFTER"},
+    sql="""
+SELECT i.rank, i.step, round(epoch(current_timestamp) - epoch(i.last_step_at)) AS idle_s,
+       coalesce(b.func || ' (' || b.file || ':' || b.lineno || ')', 'an unknown frame') AS where_main
+FROM process.info AS i
+LEFT JOIN (SELECT rank, func, file, lineno FROM python.backtrace WHERE is_main AND depth = 0) AS b
+       ON b.rank IS NOT DISTINCT FROM i.rank
+WHERE i.step IS NOT NULL AND i.state IS DISTINCT FROM 'dead'
+  AND (i.state = 'hung' OR epoch(current_timestamp) - epoch(i.last_step_at) > {hung_after})
+  -- across ranks, the one the others wait for is hung_rank's finding; the waiting ranks are not news
+  AND ((SELECT count(*) FROM process.info) < 2 OR NOT EXISTS (SELECT 1 FROM ranks.hung WHERE culprit))""",
+    message="no step has completed for {idle_s:.0f} s since step {step}; the main thread is in {where_main}.",
+    next=["probe {target} backtrace", "probe {target} backtrace --native"],
+)
+
+rule(
+    "loss_nonfinite", family="nan", severity="critical",
+    description="The loss became NaN or infinite; says whether an LR jump or a gradient-norm spike came just before.",
+    sql="""
+WITH s AS (
+  SELECT rank, step, loss, lr, grad_norm,
+         lr / nullif(lag(lr) OVER (PARTITION BY rank ORDER BY step), 0) AS lr_jump,
+         lag(lr) OVER (PARTITION BY rank ORDER BY step) AS prev_lr,
+         -- the median over finite values only (a windowed median over a NaN fails in DuckDB 2.0)
+         grad_norm / nullif(median(CASE WHEN isfinite(grad_norm) THEN grad_norm END)
+                            OVER (PARTITION BY rank ORDER BY step ROWS BETWEEN 50 PRECEDING AND 1 PRECEDING), 0) AS gn_score
+  FROM torch.steps),
+bad AS (SELECT rank, min(step) AS step FROM s WHERE isnan(loss) OR isinf(loss) GROUP BY rank),
+near AS (
+  SELECT b.rank, b.step,
+         max(s.lr_jump) FILTER (WHERE isfinite(s.lr_jump)) AS lr_jump,
+         arg_max(s.step, s.lr_jump) FILTER (WHERE isfinite(s.lr_jump)) AS jump_step,
+         arg_max(s.prev_lr, s.lr_jump) FILTER (WHERE isfinite(s.lr_jump)) AS lr_before,
+         arg_max(s.lr, s.lr_jump) FILTER (WHERE isfinite(s.lr_jump)) AS lr_after,
+         max(s.gn_score) FILTER (WHERE isfinite(s.gn_score)) AS gn_score,
+         arg_max(s.step, s.gn_score) FILTER (WHERE isfinite(s.gn_score)) AS spike_step
+  FROM bad AS b JOIN s ON s.rank IS NOT DISTINCT FROM b.rank AND s.step BETWEEN b.step - 5 AND b.step
+  GROUP BY b.rank, b.step)
+SELECT rank, step, lr_jump, jump_step, gn_score, spike_step,
+       CASE WHEN lr_jump >= 10 THEN
+              printf('%d step(s) after the learning rate jumped %.4gx (%.3g -> %.3g) at step %d; lower it',
+                     step - jump_step, lr_jump, lr_before, lr_after, jump_step)
+            WHEN gn_score >= 10 THEN
+              printf('%d step(s) after the gradient norm spiked to %.3gx its recent median at step %d; clip gradients or lower the LR',
+                     step - spike_step, gn_score, spike_step)
+            ELSE 'with neither an LR jump nor a gradient-norm spike just before: suspect the data (NaN/Inf inputs or labels) or a numerics bug (log(0), division by zero, fp16 overflow)'
+       END AS cause
+FROM near""",
+    message="the loss became NaN/Inf at step {step}, {cause}.",
+    next=["probe {target} query \"SELECT step, loss, grad_norm, lr FROM torch.steps WHERE step BETWEEN {step} - 10 AND {step} ORDER BY step\"",
+          "probe {target} lr --scale 0.1", "probe {target} checkpoint /tmp/emergency-{{rank}}-{{step}}.pt"],
+)
+
+rule(
+    "grad_nonfinite", family="nan", severity="critical",
+    description="Gradients hold NaN or Inf values right now.",
+    sql="""
+SELECT rank, count(*) AS tensors, sum(grad_nan + grad_inf) AS bad, arg_max(name, grad_nan + grad_inf) AS worst
+FROM torch.parameters WHERE grad_nan + grad_inf > 0 GROUP BY rank""",
+    message="{tensors} parameter tensor(s) have NaN/Inf gradients ({bad} elements), most in {worst}.",
+    next=["probe {target} query \"SELECT name, grad_nan, grad_inf FROM torch.parameters WHERE grad_nan + grad_inf > 0\""],
+)
+
+rule(
+    "params_nonfinite", family="nan", severity="critical",
+    description="Parameter values hold NaN or Inf: the weights are already ruined.",
+    sql="""
+SELECT rank, count(*) AS tensors, sum(nan_count + inf_count) AS bad, arg_max(name, nan_count + inf_count) AS worst
+FROM torch.parameters WHERE nan_count + inf_count > 0 GROUP BY rank""",
+    message="{tensors} parameter tensor(s) hold NaN/Inf values ({bad} elements), most in {worst}: resume from a checkpoint taken before the loss went bad.",
+    next=["probe {target} query \"SELECT step, loss, lr FROM torch.steps ORDER BY step DESC LIMIT 20\""],
+)
+
+rule(
+    "loss_diverging", family="divergence", severity="warning",
+    description="The loss's 20-step median has risen well above the lowest it reached (by 1.5x and by 0.1 at least): the typical step got worse, not one outlier (that is loss_spike).",
+    sql="""
+WITH s AS (
+  SELECT rank, step, median(loss) OVER (PARTITION BY rank ORDER BY step ROWS 19 PRECEDING) AS m20,
+         count(loss) OVER (PARTITION BY rank ORDER BY step ROWS 19 PRECEDING) AS n
+  FROM torch.steps WHERE isfinite(loss)),
+per AS (
+  SELECT rank, min(m20) FILTER (WHERE n = 20) AS best, arg_min(step, m20) FILTER (WHERE n = 20) AS best_step,
+         arg_max(m20, step) AS now_loss, max(step) AS step
+  FROM s GROUP BY rank)
+SELECT rank, step, best, best_step, now_loss FROM per
+WHERE now_loss > 1.5 * best AND now_loss - best > 0.1 AND step - best_step >= 20""",
+    message="the loss is diverging: its median over the last 20 measured steps is {now_loss:.4g} at step {step}, up from {best:.4g} at step {best_step}.",
+    next=["probe {target} query \"SELECT step, loss, grad_norm, lr FROM torch.steps ORDER BY step DESC LIMIT 20\"",
+          "probe {target} lr --scale 0.5"],
+)
+
+rule(
+    "loss_spike", family="divergence", severity="warning",
+    description="A recent step's loss is more than 3x the median of the 50 steps before it (and 0.5 above it) and 3x the median of the 10 after it, when there are any: an outlier the loss came back from (a loss that stays up is loss_diverging).",
+    sql="""
+WITH s AS (
+  SELECT rank, step, loss,
+         median(loss) OVER (PARTITION BY rank ORDER BY step ROWS BETWEEN 50 PRECEDING AND 1 PRECEDING) AS med,
+         count(loss) OVER (PARTITION BY rank ORDER BY step ROWS BETWEEN 50 PRECEDING AND 1 PRECEDING) AS n,
+         median(loss) OVER (PARTITION BY rank ORDER BY step ROWS BETWEEN 1 FOLLOWING AND 10 FOLLOWING) AS after,
+         max(step) OVER (PARTITION BY rank) AS last
+  FROM torch.steps WHERE isfinite(loss))
+SELECT rank, arg_max(step, loss / med) AS step, max(loss / med) AS ratio, arg_max(loss, loss / med) AS loss,
+       arg_max(med, loss / med) AS med, arg_max(after, loss / med) AS after,
+       coalesce(printf('; the steps after it came back to %.4g', arg_max(after, loss / med)), '') AS back
+FROM s WHERE n >= 20 AND loss > 3 * med AND loss - med > 0.5 AND step > last - 100
+  AND (after IS NULL OR loss > 3 * after)  -- it came back down: a loss that stays up is loss_diverging's
+GROUP BY rank""",
+    message="the loss spiked to {loss:.4g} at step {step}, {ratio:.1f}x the median {med:.4g} of the steps before{back}.",
+    next=["probe {target} query \"SELECT step, loss, grad_norm, lr FROM torch.steps WHERE step BETWEEN {step} - 5 AND {step} + 5 ORDER BY step\""],
+)
+
+rule(
+    "loss_at_chance", family="plateau", severity="warning",
+    description="The loss has stopped moving at ln(C), the loss of uniform guessing over C classes (C = an output size of the model).",
+    sql="""
+WITH recent AS (
+  SELECT rank, step, loss, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+  FROM torch.steps WHERE isfinite(loss)),
+m AS (
+  SELECT rank, max(step) AS step, avg(loss) FILTER (WHERE age <= 20) AS now_loss,
+         avg(loss) FILTER (WHERE age BETWEEN 21 AND 40) AS before_loss
+  FROM recent GROUP BY rank HAVING count(*) >= 40),
+dims AS (
+  SELECT DISTINCT rank, CAST(regexp_extract(shape, '^\\[(\\d+)', 1) AS BIGINT) AS c
+  FROM torch.parameters WHERE regexp_matches(shape, '^\\[\\d+'))
+SELECT m.rank, m.step, m.now_loss, arg_min(d.c, abs(ln(d.c) - m.now_loss)) AS classes,
+       ln(arg_min(d.c, abs(ln(d.c) - m.now_loss))) AS chance
+FROM m JOIN dims AS d ON d.rank IS NOT DISTINCT FROM m.rank
+WHERE d.c >= 2 AND abs(m.now_loss - m.before_loss) < 0.02 * m.now_loss
+GROUP BY m.rank, m.step, m.now_loss
+HAVING abs(ln(arg_min(d.c, abs(ln(d.c) - m.now_loss))) - m.now_loss) < 0.03 * m.now_loss""",
+    message="the loss sits at {now_loss:.3f} ~ ln({classes}) = {chance:.3f}, chance level for {classes} classes: the model is not learning.",
+    next=["probe {target} query \"SELECT name, requires_grad, in_optimizer, grad_norm FROM torch.parameters\"",
+          "probe {target} query \"SELECT optimizer, param_group, lr FROM torch.optimizer\""],
+)
+
+rule(
+    "loss_plateau", family="plateau", severity="info",
+    description="The 50-step mean loss moved by less than 1% over the last 100 steps.",
+    sql="""
+WITH recent AS (
+  SELECT rank, step, loss, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+  FROM torch.steps WHERE isfinite(loss)),
+m AS (
+  SELECT rank, max(step) AS step, avg(loss) FILTER (WHERE age <= 50) AS now_loss,
+         avg(loss) FILTER (WHERE age BETWEEN 51 AND 100) AS before_loss
+  FROM recent GROUP BY rank HAVING count(*) >= 100)
+SELECT rank, step, now_loss, before_loss FROM m WHERE abs(now_loss - before_loss) < 0.01 * abs(before_loss)""",
+    message="the loss has plateaued at {now_loss:.4g} (50-step mean {before_loss:.4g} before): fine if it has converged.",
+    next=["probe {target} query \"SELECT optimizer, param_group, lr, initial_lr FROM torch.optimizer\""],
+)
+
+rule(
+    "mostly_frozen", family="parameters", severity="warning",
+    description="More than half of the model's parameter tensors have requires_grad=False.",
+    sql="""
+SELECT rank, model, count(*) AS tensors, count(*) FILTER (WHERE NOT requires_grad) AS frozen,
+       sum(numel) FILTER (WHERE NOT requires_grad) AS frozen_elements
+FROM torch.parameters GROUP BY rank, model
+HAVING count(*) FILTER (WHERE NOT requires_grad) > count(*) / 2""",
+    message="{frozen} of {tensors} parameter tensors of {model} have requires_grad=False ({frozen_elements} elements): frozen by mistake?",
+    next=["probe {target} query \"SELECT name, shape, requires_grad, in_optimizer FROM torch.parameters\""],
+)
+
+rule(
+    "grads_not_optimized", family="parameters", severity="warning",
+    description="Parameters that require gradients are held by no optimizer: they get gradients but never change.",
+    sql="""
+SELECT rank, model, count(*) AS tensors, sum(numel) AS elements, min(name) AS example
+FROM torch.parameters WHERE requires_grad AND NOT in_optimizer GROUP BY rank, model""",
+    message="{tensors} trainable parameter tensor(s) of {model} ({elements} elements, e.g. {example}) are in no optimizer.",
+    next=["probe {target} query \"SELECT name, requires_grad, in_optimizer FROM torch.parameters WHERE NOT in_optimizer\""],
+)
+
+rule(
+    "lr_zero", family="optimizer", severity="warning",
+    description="An optimizer param group has learning rate 0: its parameters never move.",
+    sql="SELECT rank, optimizer, param_group, params FROM torch.optimizer WHERE lr = 0",
+    message="{optimizer} param group {param_group} ({params} tensors) has learning rate 0.",
+    next=["probe {target} lr --set 1e-3 --group {param_group}"],
+)
+
+rule(
+    "grad_norm_zero", family="parameters", severity="warning",
+    description="The gradient norm was exactly 0 on every one of the last 20 measured steps.",
+    sql="""
+WITH g AS (
+  SELECT rank, step, grad_norm, loss, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+  FROM torch.steps WHERE grad_norm IS NOT NULL)
+SELECT rank, max(step) AS step, count(*) AS steps, max(abs(loss)) AS loss,
+       CASE WHEN max(abs(loss)) = 0
+            THEN ', and so is the loss: a mask or weight removes every sample (a padding mask or ignore_index the wrong way round), or the model already fits every sample exactly'
+            ELSE ': the loss does not depend on the trained parameters (detached graph, frozen model, or zero-grad after backward)'
+       END AS cause
+FROM g WHERE age <= 20 GROUP BY rank
+HAVING count(*) = 20 AND max(grad_norm) = 0""",
+    message="the gradient norm is exactly 0 on the last {steps} measured steps{cause}.",
+    next=["probe {target} query \"SELECT name, requires_grad, grad_norm FROM torch.parameters\""],
+)
+
+# Vanishing or exploding gradients by layer: the gradient's size per element (RMS, grad_norm / sqrt(numel))
+# of the first and the last layer of a stack of numbered layers (a Sequential or ModuleList: ``0.weight``,
+# ``blocks.7.mlp.0.weight``, the first whole-number component of the name). Healthy nets measured 0.02
+# (8-layer ReLU MLP at PyTorch's default init, before it learns) to 6 (a 12-block pre-LN GPT); 8 sigmoid
+# layers measure 5e-6. Layers without a gradient (frozen) are left out, and an exact 0 is another rule's
+# (grad_norm_zero, dead_activations): a ratio needs both ends measured.
+_LAYER = "^((?:[^.]+\\.)*?)(\\d+)\\."  # prefix of whole components, then the first all-digit component
+_GRAD_RATIO = 1e3  # three orders of magnitude between the first and the last layer, either way
+_LAYERS_MIN = 3
+
+rule(
+    "grads_by_layer", family="parameters", severity="warning",
+    description=f"Gradients vanish or explode across a stack of at least {_LAYERS_MIN} numbered layers (a Sequential or ModuleList): per element (grad_norm / sqrt(numel), torch.parameters, read at a step boundary), the first layer's gradient is under 1/{_GRAD_RATIO:.0f} or over {_GRAD_RATIO:.0f}x the last layer's, after step 50.",
+    sql=f"""
+WITH p AS (
+  SELECT rank, model, regexp_extract(name, '{_LAYER}', 1) AS stack,
+         CAST(regexp_extract(name, '{_LAYER}', 2) AS BIGINT) AS layer, grad_norm, numel
+  FROM torch.parameters
+  WHERE requires_grad AND isfinite(grad_norm) AND numel > 0 AND regexp_matches(name, '{_LAYER}')),
+l AS (
+  SELECT rank, model, stack, layer, sqrt(sum(grad_norm * grad_norm) / sum(numel)) AS rms
+  FROM p GROUP BY rank, model, stack, layer),
+s AS (
+  SELECT rank, model, stack, count(*) AS layers, min(layer) AS first, max(layer) AS last,
+         arg_min(rms, layer) AS first_rms, arg_max(rms, layer) AS last_rms
+  FROM l GROUP BY rank, model, stack HAVING count(*) >= {_LAYERS_MIN}),
+t AS (SELECT rank, max(step) AS step FROM torch.steps GROUP BY rank)
+SELECT s.rank, t.step, s.model, s.stack, s.stack || s.first AS first_layer, s.stack || s.last AS last_layer,
+       s.layers, s.first_rms, s.last_rms, s.first_rms / s.last_rms AS ratio,
+       CASE WHEN s.stack = '' THEN s.model ELSE s.model || '.' || rtrim(s.stack, '.') END AS stack_name,
+       CASE WHEN s.first_rms < s.last_rms THEN 'vanish' ELSE 'explode' END AS direction,
+       CASE WHEN s.first_rms < s.last_rms
+            THEN 'the first layers barely learn (saturating activations such as sigmoid or tanh, or too small an init, in a deep stack without normalization or residual connections): use ReLU/GELU, LayerNorm/BatchNorm, residual connections or a He/Xavier init'
+            ELSE 'the first layers take far larger steps than the last (a blown-up layer, unnormalized inputs or too large an init): clip gradients (clip_grad_norm_), normalize the inputs, check the init scale'
+       END AS advice
+FROM s JOIN t ON t.rank IS NOT DISTINCT FROM s.rank
+WHERE t.step >= 50 AND s.first_rms > 0 AND s.last_rms > 0
+  AND (s.first_rms * {_GRAD_RATIO} < s.last_rms OR s.first_rms > {_GRAD_RATIO} * s.last_rms)""",
+    message="gradients {direction} toward the input of {stack_name}: per element, layer {first_layer}'s gradient is {ratio:.2g}x layer {last_layer}'s (RMS {first_rms:.2g} against {last_rms:.2g}, over {layers} layers): {advice}.",
+    next=["probe {target} query \"SELECT name, numel, grad_norm, grad_norm / sqrt(numel) AS grad_rms FROM torch.parameters WHERE requires_grad AND name LIKE '{stack}%' ORDER BY name\"",
+          "probe {target} query \"SELECT step, loss, grad_norm FROM torch.steps ORDER BY step DESC LIMIT 20\""],
+)
+
+rule(
+    "memory_growth", family="memory", severity="warning",
+    description="After the first 100 steps, peak memory rose by 16 MB or more in each half of its last 100 readings (steps the budget measured): it grows step over step.",
+    sql="""
+WITH p AS (
+  SELECT rank, step, peak_allocated AS peak, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS back
+  FROM torch.steps WHERE peak_allocated IS NOT NULL AND step > 100),
+n AS (SELECT rank, least(count(*), 100) AS n FROM p GROUP BY rank HAVING count(*) >= 20),
+w AS (
+  SELECT p.rank, max(p.step) AS step, min(p.step) FILTER (WHERE back <= n.n) AS first,
+         arg_min(peak, p.step) FILTER (WHERE back <= n.n) AS start_peak,
+         arg_min(peak, p.step) FILTER (WHERE back <= n.n // 2) AS mid_peak,
+         arg_max(peak, p.step) AS end_peak
+  FROM p JOIN n ON n.rank IS NOT DISTINCT FROM p.rank GROUP BY p.rank)
+SELECT rank, step, first, start_peak / 1e6 AS start_mb, end_peak / 1e6 AS end_mb,
+       (end_peak - start_peak) / 1e6 / greatest(step - first, 1) AS mb_per_step
+FROM w WHERE mid_peak - start_peak > 16e6 AND end_peak - mid_peak > 16e6 AND end_peak > 1.05 * start_peak""",
+    message="peak memory grows step over step: {start_mb:.0f} MB -> {end_mb:.0f} MB from step {first} to step {step} (~{mb_per_step:.2f} MB a step): something keeps tensors alive (a list of losses, a growing cache).",
+    next=["probe {target} query \"SELECT * FROM torch.memory\"",
+          "probe {target} query \"SELECT step, MAX(allocated) AS peak FROM python.torch_trace GROUP BY step ORDER BY step DESC LIMIT 20\"",
+          "probe {target} cleanup"],
+)
+
+rule(
+    "throughput_regression", family="slow", severity="warning",
+    description="The median step time of the last 50 steps is twice (and 10 ms) above the job's own earlier median, the time the training thread waited for a CPU (torch.steps.cpu_wait: the host's load, not the job's) taken out of both.",
+    sql="""
+WITH s AS (
+  SELECT rank, step, duration, cpu_wait, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age,
+         row_number() OVER (PARTITION BY rank ORDER BY step) AS nth
+  FROM torch.steps WHERE duration IS NOT NULL),
+m AS (
+  SELECT rank, max(step) AS step, median(duration) FILTER (WHERE age <= 50) AS now_s,
+         median(duration) FILTER (WHERE age > 50 AND nth > 10) AS before_s,
+         coalesce(median(cpu_wait) FILTER (WHERE age <= 50), 0) AS now_wait,
+         coalesce(median(cpu_wait) FILTER (WHERE age > 50 AND nth > 10), 0) AS before_wait,
+         count(*) FILTER (WHERE age > 50 AND nth > 10) AS n_before
+  FROM s GROUP BY rank),
+j AS (
+  SELECT *, greatest(now_s - now_wait, 0) AS now_own, greatest(before_s - before_wait, 1e-6) AS before_own FROM m)
+SELECT rank, step, now_s * 1000 AS now_ms, before_s * 1000 AS before_ms, now_s / before_s AS ratio,
+       (now_wait - before_wait) * 1000 AS wait_ms FROM j
+WHERE n_before >= 20 AND now_own > 2 * before_own AND now_own - before_own > 0.01""",
+    message="steps got {ratio:.1f}x slower: median {now_ms:.1f} ms over the last 50 steps against {before_ms:.1f} ms before "
+            "(waiting for a CPU accounts for {wait_ms:.1f} ms of it).",
+    next=["probe {target} backtrace",
+          "probe {target} query \"SELECT module, stage, AVG(duration) AS avg_s FROM python.torch_trace WHERE step > (SELECT MAX(step) - 5 FROM python.torch_trace) GROUP BY ALL ORDER BY avg_s DESC LIMIT 10\""],
+)
+
+rule(
+    "cpu_starved", family="slow", severity="info",
+    description="Over the last 50 measured steps the training thread waited for a CPU (torch.steps.cpu_wait) for more than a quarter of its step time and 5 ms a step: the host is oversubscribed.",
+    sql="""
+WITH s AS (
+  SELECT rank, step, duration, cpu_wait, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+  FROM torch.steps WHERE cpu_wait IS NOT NULL AND duration > 0)
+SELECT rank, max(step) AS step, median(cpu_wait) * 1000 AS wait_ms, median(duration) * 1000 AS step_ms,
+       100 * median(cpu_wait) / median(duration) AS pct
+FROM s WHERE age <= 50 GROUP BY rank
+HAVING count(*) >= 10 AND median(cpu_wait) > 0.25 * median(duration) AND median(cpu_wait) > 0.005""",
+    message="the training thread waited {wait_ms:.1f} ms a step for a CPU ({pct:.0f}% of its {step_ms:.1f} ms steps): "
+            "other processes, data loader workers or another job share its cores, and the step times include that wait.",
+    next=["probe {target} query \"SELECT step, duration, cpu_wait FROM torch.steps WHERE cpu_wait IS NOT NULL ORDER BY step DESC LIMIT 20\""],
+)
+
+rule(
+    "input_bound", family="input", severity="warning",
+    description="On traced steps, more than 70% of the step time (and 20 ms) goes outside forward and backward: waiting for data or host-side work (time waiting for other ranks, torch.steps.comm_wait, or for a CPU, torch.steps.cpu_wait, does not count).",
+    sql="""
+WITH f AS (
+  SELECT rank, step, sum(duration) AS model_s FROM python.torch_trace WHERE depth = 0 GROUP BY rank, step),
+j AS (
+  SELECT s.rank, s.step, s.duration - coalesce(s.comm_wait, 0) - coalesce(s.cpu_wait, 0) AS duration, f.model_s
+  FROM torch.steps AS s
+  JOIN f ON f.rank IS NOT DISTINCT FROM s.rank AND f.step = s.step
+  WHERE s.duration IS NOT NULL AND f.model_s IS NOT NULL),
+m AS (
+  SELECT rank, max(step) AS step, count(*) AS steps, median(duration) AS step_s, median(model_s) AS model_s
+  FROM (SELECT *, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age FROM j) WHERE age <= 10
+  GROUP BY rank)
+SELECT rank, step, steps, step_s * 1000 AS step_ms, model_s * 1000 AS model_ms,
+       100 * (1 - model_s / step_s) AS outside_pct FROM m
+WHERE steps >= 3 AND model_s < 0.3 * step_s AND step_s - model_s > 0.02""",
+    message="{outside_pct:.0f}% of step time is spent outside forward/backward ({step_ms:.1f} ms a step, {model_ms:.1f} ms in the model): the input pipeline or host-side work is the bottleneck.",
+    next=["probe {target} backtrace",
+          "probe {target} query \"SELECT name, state, cpu_s FROM python.threads\""],
+)
+
+rule(
+    "data_spans", family="input", severity="warning",
+    description="Over the last 20 steps, the script's probe.span('data') blocks take more than 40% of the step time (and 10 ms): the input pipeline is the bottleneck.",
+    sql="""
+WITH d AS (
+  SELECT rank, step, sum(duration) AS data_s FROM python.spans WHERE name = 'data' GROUP BY rank, step),
+j AS (
+  SELECT s.rank, s.step, s.duration, d.data_s FROM torch.steps AS s
+  JOIN d ON d.rank IS NOT DISTINCT FROM s.rank AND d.step = s.step
+  WHERE s.duration IS NOT NULL),
+m AS (
+  SELECT rank, max(step) AS step, count(*) AS steps, median(duration) AS step_s, median(data_s) AS data_s
+  FROM (SELECT *, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age FROM j) WHERE age <= 20
+  GROUP BY rank)
+SELECT rank, step, steps, step_s * 1000 AS step_ms, data_s * 1000 AS data_ms, 100 * data_s / step_s AS data_pct FROM m
+WHERE steps >= 3 AND data_s > 0.4 * step_s AND data_s > 0.01""",
+    message="{data_pct:.0f}% of step time is spent in probe.span('data') blocks ({data_ms:.1f} ms of {step_ms:.1f} ms a step): the input pipeline is the bottleneck (more DataLoader workers, pin_memory, prefetching).",
+    next=["probe {target} trace --steps 5 -o trace.json",
+          "probe {target} query \"SELECT step, name, duration FROM python.spans WHERE step > (SELECT MAX(step) - 3 FROM python.spans) ORDER BY time\""],
+)
+
+# Activations whose output is exactly 0 over part of their range (ReLU-like; GELU underflows to 0 for
+# inputs below about -5.5 in float32). Dropout, SiLU, LeakyReLU and the like are not listed: their
+# zeros are by design, or they have none.
+_ZEROING = "('ReLU', 'ReLU6', 'GELU', 'Hardswish', 'Threshold')"
+_DEAD = 0.95  # share of exact zeros that calls a zeroing activation's output dead (healthy ReLU nets sit near 50%)
+
+rule(
+    "dead_activations", family="activations", severity="warning",
+    description=f"On each of its last 3 traced steps, at least {_DEAD:.0%} of a ReLU/GELU-family module's output is exactly 0: its units are dead and pass no gradient.",
+    sql=f"""
+WITH c AS (
+  SELECT rank, model, module, step, any_value(module_type) AS module_type, avg(out_zero_frac) AS zeros,
+         any_value(out_shape) AS shape
+  FROM python.torch_trace
+  WHERE stage = 'forward' AND out_zero_frac IS NOT NULL AND module_type IN {_ZEROING}
+  GROUP BY rank, model, module, step),
+r AS (SELECT *, row_number() OVER (PARTITION BY rank, model, module ORDER BY step DESC) AS age FROM c)
+SELECT rank, max(step) AS step, module, any_value(module_type) AS module_type, count(*) AS steps,
+       100 * avg(zeros) AS pct, 100 * min(zeros) AS min_pct, arg_max(shape, step) AS shape
+FROM r WHERE age <= 3 GROUP BY rank, model, module
+HAVING count(*) = 3 AND min(zeros) >= {_DEAD}""",
+    message="{pct:.1f}% of the output of module {module} ({module_type}, shape {shape}) is exactly 0 on each of its last {steps} traced steps (to step {step}): its units are dead and pass no gradient; look at the layer before it (a large negative bias, or an LR that pushed its pre-activations negative).",
+    next=["probe {target} query \"SELECT seq, module, module_type, out_mean, out_std, out_zero_frac FROM python.torch_trace WHERE step = {step} AND stage = 'forward' ORDER BY seq\"",
+          "probe {target} query \"SELECT name, shape, requires_grad, grad_norm FROM torch.parameters\""],
+)
+
+rule(
+    "collapsed_output", family="activations", severity="warning",
+    description="A module's output no longer varies across the batch (std across the first dimension ~ 0 on its last 3 traced steps, after it did vary) while the output of the module called just before it does.",
+    sql=f"""
+WITH v AS (
+  SELECT rank, model, step, seq, depth, module, module_type, out_batch_std AS b, out_mean, out_std, out_zero_frac,
+         out_batch_std > 1e-3 * (abs(out_mean) + out_std) AS varies,
+         out_batch_std <= 1e-6 * (abs(out_mean) + out_std) AS flat,
+         dense_rank() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+  FROM python.torch_trace WHERE stage = 'forward' AND out_batch_std IS NOT NULL AND isfinite(out_mean) AND isfinite(out_std)),
+f AS (SELECT * FROM v WHERE age <= 3 AND flat AND NOT (module_type IN {_ZEROING} AND out_zero_frac >= {_DEAD})),
+p AS (  -- the call just before each flat one at its depth or deeper: it ended before the flat call began
+  SELECT f.rank, f.model, f.module, f.step, f.seq, any_value(f.module_type) AS module_type, any_value(f.b) AS b,
+         arg_max(q.module, q.seq) AS prev, arg_max(q.b, q.seq) AS prev_b, arg_max(q.varies, q.seq) AS prev_varies
+  FROM f JOIN v AS q ON q.rank IS NOT DISTINCT FROM f.rank AND q.step = f.step AND q.seq < f.seq AND q.depth >= f.depth
+  GROUP BY f.rank, f.model, f.module, f.step, f.seq),
+m AS (
+  SELECT rank, model, module, any_value(module_type) AS module_type, max(step) AS step,
+         count(DISTINCT step) AS steps, bool_and(prev_varies) AS fed, max(b) AS b,
+         arg_max(prev, step) AS prev, arg_max(prev_b, step) AS prev_b
+  FROM p GROUP BY rank, model, module),
+was AS (SELECT rank, model, module, max(b) AS was_b, arg_max(step, b) AS was_step FROM v WHERE varies GROUP BY ALL),
+hit AS (
+  SELECT m.*, w.was_b, w.was_step FROM m
+  JOIN was AS w ON w.rank IS NOT DISTINCT FROM m.rank AND w.model = m.model AND w.module = m.module
+  WHERE m.steps = 3 AND m.fed)
+SELECT * FROM hit AS h  -- a container whose output collapsed because a module inside it did: name the inner one
+WHERE NOT EXISTS (SELECT 1 FROM hit AS i WHERE i.rank IS NOT DISTINCT FROM h.rank AND i.model = h.model
+                  AND starts_with(i.module, h.module || '.'))""",
+    message="the output of module {module} ({module_type}) is the same for every sample of the batch on its last {steps} traced steps (std across the batch {b:.2g}, up to step {step}; it was {was_b:.3g} at step {was_step}), while its input from {prev} varies (std across the batch {prev_b:.3g}): its weights have collapsed (zeroed, or a mask that removes them) or it saturates.",
+    next=["probe {target} query \"SELECT name, shape, requires_grad, grad_norm FROM torch.parameters WHERE name LIKE '{module}.%'\"",
+          "probe {target} query \"SELECT step, module, out_mean, out_std, out_batch_std FROM python.torch_trace WHERE module = '{module}' AND stage = 'forward' ORDER BY step DESC LIMIT 10\""],
+)
+
+rule(
+    "host_syncs", family="slow", severity="warning",
+    description="A line of the training code makes the host wait for the GPU (.item(), .cpu(), .tolist(), printing a CUDA tensor...) on each of the last 3 traced steps (torch.syncs, CUDA only).",
+    sql="""
+WITH s AS (
+  SELECT rank, step, file, line, any_value(coalesce(code, '')) AS code, any_value(function) AS function, sum(count) AS n
+  FROM torch.syncs WHERE origin = 'user' GROUP BY rank, step, file, line),
+t AS (SELECT rank, step, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age FROM torch.steps WHERE traced),
+j AS (SELECT s.* FROM s JOIN t ON t.rank IS NOT DISTINCT FROM s.rank AND t.step = s.step WHERE t.age <= 3)
+SELECT rank, max(step) AS step, file, regexp_extract(file, '[^/]+$') AS base, line, any_value(code) AS code,
+       any_value(function) AS function, count(*) AS steps, sum(n) / count(*) AS per_step
+FROM j GROUP BY rank, file, line HAVING count(*) = 3""",
+    message="line {line} of {base} (in {function}) makes the host wait for the GPU {per_step:.0f} time(s) a step on each of the last {steps} traced steps: `{code}`; the CPU cannot queue the next kernels meanwhile. Keep the value on the device and read it every N steps.",
+    next=["probe {target} query \"SELECT step, file, line, code, origin, via, count FROM torch.syncs ORDER BY step DESC, count DESC LIMIT 20\"",
+          "probe {target} trace --steps 5 -o trace.json"],
+)
+
+rule(
+    "probe_errors", family="probe", severity="info",
+    description="The probe itself caught errors (recorded in probe.errors); training went on.",
+    sql="SELECT rank, count(*) AS n, arg_max(source, time) AS last_source, arg_max(message, time) AS last_message FROM probe.errors GROUP BY rank",
+    message="the probe recorded {n} error(s) of its own, the last from {last_source}: {last_message}",
+    next=["probe {target} query \"SELECT time, source, type, message FROM probe.errors ORDER BY time DESC LIMIT 10\""],
+)
+
+rule(
+    "probe_overhead", family="probe", severity="info",
+    description="The probe's fixed per-step work (torch.steps.probe_us, median over the last 200 steps) exceeds 2 % of the step time: steps too short for PROBE_STEP_BUDGET.",
+    sql="""
+WITH s AS (
+  SELECT rank, step, probe_us, duration, measured,
+         row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+  FROM torch.steps WHERE probe_us IS NOT NULL AND duration > 0)
+SELECT rank, count(*) AS n, median(probe_us) AS probe_us, median(duration) * 1000 AS step_ms,
+       median(probe_us) * 1e-6 / median(duration) AS share, avg(measured::INT) AS measured
+FROM s WHERE age <= 200 GROUP BY rank
+HAVING count(*) >= 50 AND median(probe_us) * 1e-6 / median(duration) > 0.02""",
+    message="the probe's own work is {probe_us:.1f} us of every {step_ms:.2f} ms step ({share:.1%}), more than its budget: "
+            "steps this short get their loss, grad norm and peak memory measured on {measured:.1%} of steps.",
+    next=["probe {target} query \"SELECT step, duration, probe_us, measured FROM torch.steps ORDER BY step DESC LIMIT 20\""],
+)
