@@ -160,17 +160,24 @@ def test_ctrl_c_cancels_a_long_query_in_the_repl(spawn, repl, cli):
     assert out.returncode == 0 and "three\n3" in out.stdout, out.stderr
 
 
-def test_session_survives_the_target_exiting(spawn, repl):
+@pytest.mark.parametrize("how", ["kill", "terminate"])
+def test_session_survives_the_target_exiting(spawn, repl, how):
     target = spawn(TARGETS / "idle.py")
     child = repl(target.pid)
-    target.popen.terminate()
+    getattr(target.popen, how)()  # SIGKILL leaves nothing (no step, no snapshot); SIGTERM leaves a post-mortem record
     target.popen.wait(10)
     child.sendline("SELECT 1;")
     child.expect("it may have exited")
     child.expect(r"\\reconnect")
     child.expect(PROMPT)
     child.sendline("\\reconnect")
-    child.expect("no process with pid")
+    if how == "kill":
+        child.expect("no process with pid")
+    else:
+        child.expect(f"post-mortem record of pid {target.pid}: pid {target.pid} is gone \\(terminated")
+        child.expect(PROMPT)
+        child.sendline("SELECT exit_cause FROM process.info;")
+        child.expect("terminated")
     child.expect(PROMPT)
     child.sendline("\\q")
     child.expect(pexpect.EOF)

@@ -60,7 +60,9 @@ class Repl:
                 raise
             raise ProbeError(f"{exc.message.rstrip('.')}; still connected to {self.session.label}.") from None
         self.background.refresh()
-        self.print(f"Connected to {self.session.label}.")
+        gone = self.session.record_note()
+        self.print(f"Connected to the post-mortem record of {self.session.label}: {gone}; the same tables, as it "
+                   "left them." if gone else f"Connected to {self.session.label}.")
 
     def run_sql(self, sql: str) -> bool:
         """Run one statement and print its result; False when it failed or was cancelled."""

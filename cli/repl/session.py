@@ -89,6 +89,11 @@ class ReplSession(Session):
             return f"rank {t.rank}" + (f" pid {t.pid}" if t.pid else "")
         return f"pid {t.pid}" if t.pid else t.label
 
+    def record_note(self) -> str | None:
+        """How the process ended, when this session reads one dead process's post-mortem record."""
+        record = getattr(self._targets[0], "record", None) if len(self._targets) == 1 else None
+        return record.describe() if record is not None else None
+
     # -- running the CLI's own commands -------------------------------------------------
     def run_command(self, name: str, argv: list[str]) -> int:
         """Run the registered CLI command ``name`` with ``argv`` against the current target."""
