@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import EXAMPLES, TARGETS, requires_torch
-from test_doctor import poll_for
+from _doctor import poll_for
 
 
 def _cuda() -> bool:

@@ -1,6 +1,6 @@
 """The planted faults of faults.py: for each, the doctor rule that must name it and how to plant it.
 
-Read by tests/test_doctor.py (which asserts on them) and benchmarks/bench_doctor.py --faults
+Read by tests/test_doctor_faults_model.py and _runtime.py (which assert on them) and benchmarks/bench_doctor.py --faults
 (which times the doctor on each); one table, so the two cannot drift apart.
 """
 
@@ -27,6 +27,10 @@ FAULTS = [
     # weight decay applied without the lr factor: the loss rises from ~1e-4 to ~0.3 and stays there
     ("diverging", "loss_diverging", ["the loss is diverging", "up from"]),
 ]
+# faults of the model, its gradients, optimizer and loss; the rest are memory, speed, input and activations
+# (two test files, so that the test workers run the two halves side by side)
+MODEL_FAULTS = ("frozen", "lr_zero", "not_in_optimizer", "nan_from_data", "vanishing", "grad_zero", "loss_spike", "diverging")
+
 SETTLE = {"memory_growth": "200", "dead_relu": "30", "collapsed": "30", "host_sync": "30",
           "grad_zero": "200", "data_wait": "5"}  # steps the fault needs
 TRACE_EVERY = {"dead_relu": "5", "collapsed": "5", "host_sync": "5", "data_wait": "5"}  # rules that read traced steps need a few

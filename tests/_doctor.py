@@ -1,0 +1,52 @@
+"""What the doctor's tests share: run `probe doctor -f json` and poll it until a rule shows, and the
+planted-fault test body (tests/test_doctor_faults_*.py split the catalog so xdist runs them side by side)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from conftest import TARGETS
+from targets.fault_catalog import NOT_ALSO, plant
+
+FOUND_EXIT = 8
+
+
+def doctor(cli, target, *extra, env=None):
+    r = cli(str(target), "doctor", "-f", "json", *extra, env=env, timeout=90)
+    assert r.returncode in (0, FOUND_EXIT), r.stderr
+    assert "Traceback" not in r.stderr
+    doc = json.loads(r.stdout)
+    assert (r.returncode == FOUND_EXIT) == any(f["severity"] in ("critical", "warning") for f in doc["findings"])
+    return doc
+
+
+def poll_for(cli, target, rule, timeout=60.0, env=None):
+    """Run the doctor until ``rule`` is among its findings; return (that finding, all findings)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        doc = doctor(cli, target, env=env)
+        hit = [f for f in doc["findings"] if f["rule"] == rule]
+        if hit or time.monotonic() > deadline:
+            assert hit, f"{rule} not found; the doctor said: {json.dumps(doc['findings'], indent=1)}"
+            return hit[0], doc["findings"]
+        time.sleep(0.5)  # ok-sleep: polling with a deadline
+
+
+def names_the_planted_fault(spawn, cli, fault, rule, words):
+    # given: a job with one planted fault, past the point where it shows
+    args, env = plant(fault)
+    job = spawn([TARGETS / "faults.py", *args], env=env, ready="planted", timeout=180)
+    # when
+    finding, findings = poll_for(cli, job.pid, rule)
+    # then: named with its evidence and a next command to type
+    assert finding["severity"] in ("critical", "warning")
+    assert sum(f["rule"] == rule for f in findings) == 1, findings  # the culprit alone, not what it feeds
+    assert not any(f["rule"] in NOT_ALSO.get(fault, ()) for f in findings), findings
+    for w in words:
+        assert w in finding["message"], finding
+    assert finding["next"] and all(n.startswith("probe ") for n in finding["next"])
+    assert str(job.pid) in " ".join(finding["next"])
+    # the human form: the most severe finding comes first, with its next command
+    text = cli(job.pid, "doctor")
+    assert text.returncode == FOUND_EXIT and "next: probe" in text.stdout
