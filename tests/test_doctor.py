@@ -276,3 +276,43 @@ def test_a_message_field_that_does_not_fit_its_format_costs_that_field_only():
     msg = _diagnose._fill("{a:.2f} then {b:.1%} on {c} ({d:>4d})", {"a": None, "b": "n/a", "c": 3, "d": 7})
     # then each field fails or succeeds alone
     assert msg == "? then n/a on 3 (   7)"
+
+
+def _memory_rows(rows: list) -> list:
+    """allocator_fragmentation's SQL on DuckDB over hand-made torch.memory rows (device, allocated, reserved, retries, ooms,
+    total in GiB); CUDA allocators cannot be made to fragment on this CPU-only host."""
+    import duckdb
+
+    from probe.diagnosis import builtin  # noqa: F401
+    from probe.diagnosis.rules import get_rule
+
+    con = duckdb.connect()
+    con.execute("CREATE SCHEMA torch")
+    con.execute("CREATE TABLE torch.memory (rank INTEGER, device VARCHAR, allocated BIGINT, reserved BIGINT, "
+                "alloc_retries BIGINT, ooms BIGINT, total BIGINT, rss BIGINT)")
+    g = 2 ** 30
+    con.executemany("INSERT INTO torch.memory VALUES (NULL, ?, ?, ?, ?, ?, ?, NULL)",
+                    [(d, None if a is None else int(a * g), None if r is None else int(r * g), n, o, None if t is None else t * g)
+                     for d, a, r, n, o, t in rows])
+    cur = con.execute(get_rule("allocator_fragmentation").sql)
+    return [dict(zip([d[0] for d in cur.description], row)) for row in cur.fetchall()]
+
+
+def test_allocator_fragmentation_needs_retries_and_a_large_unused_reservation():
+    from probe.cli._diagnose import _fill
+    from probe.diagnosis.rules import get_rule
+
+    # fragmented: 30 of 70 GiB reserved hold no tensor, and 12 allocations had to flush the cache and retry
+    (f,) = _memory_rows([("cuda:0", 40, 70, 12, 0, 80), ("cpu", None, None, None, None, None)])
+    assert (f["device"], f["cached_gb"], f["retries"]) == ("cuda:0", 30.0, 12)
+    said = _fill(get_rule("allocator_fragmentation").message, f)
+    assert said.startswith("cuda:0: the caching allocator reserves 70.0 GiB of 80.0 but tensors hold only 40.0 GiB") and \
+        "expandable_segments:True" in said, said
+    # an OOM with the cache in pieces counts too
+    assert _memory_rows([("cuda:1", 10, 20, 0, 1, 24)])
+    # quiet: a big cache without retries (the allocator keeping memory is normal), retries with a full reservation
+    # (the job simply needs the memory: not fragmentation), a small device's 0.5 GiB slack, and the CPU row
+    assert not _memory_rows([("cuda:0", 10, 60, 0, 0, 80)])
+    assert not _memory_rows([("cuda:0", 68, 70, 40, 0, 80)])
+    assert not _memory_rows([("cuda:0", 1.5, 2.0, 3, 0, 4)])
+    assert not _memory_rows([("cpu", None, None, None, None, None)])

@@ -283,6 +283,20 @@ FROM w WHERE mid_peak - start_peak > 16e6 AND end_peak - mid_peak > 16e6 AND end
 )
 
 rule(
+    "allocator_fragmentation", family="memory", severity="warning",
+    description="On a CUDA device, the caching allocator had to free its cache and retry an allocation (or raised an out-of-memory error) while it held at least 1 GiB and a fifth of its reservation that no tensor used: the free memory is there but in pieces.",
+    sql="""
+SELECT rank, device, allocated / 2^30 AS allocated_gb, reserved / 2^30 AS reserved_gb, (reserved - allocated) / 2^30 AS cached_gb,
+       total / 2^30 AS total_gb, alloc_retries AS retries, ooms
+FROM torch.memory
+WHERE device LIKE 'cuda%' AND reserved > 0 AND (alloc_retries > 0 OR ooms > 0)
+  AND reserved - allocated >= greatest(2^30, 0.2 * reserved)""",
+    message="{device}: the caching allocator reserves {reserved_gb:.1f} GiB of {total_gb:.1f} but tensors hold only {allocated_gb:.1f} GiB; {cached_gb:.1f} GiB sit cached in blocks too small to use, and {retries} allocation(s) had to free the cache and retry ({ooms} out-of-memory error(s)): fragmentation. `probe cleanup` returns the cache now; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True at the next start keeps it from coming back.",
+    next=["probe {target} query \"SELECT * FROM torch.memory\"",
+          "probe {target} cleanup"],
+)
+
+rule(
     "throughput_regression", family="slow", severity="warning",
     description="The median step time of the last 50 steps is twice (and 10 ms) above the job's own earlier median, the time the training thread waited for a CPU (torch.steps.cpu_wait: the host's load, not the job's) taken out of both.",
     sql="""
