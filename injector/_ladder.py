@@ -27,7 +27,7 @@ import time
 
 from probe._config import setting
 from probe._errors import AttachError
-from probe._runtime import read_entries, runtime_dir
+from probe._runtime import read_entries, runtime_dir, sweep_stale
 
 from ._process import EXIT_CODES, ProcessInfo, cli_version, explain_ptrace_failure, inspect_process, ptrace_problem
 
@@ -267,6 +267,10 @@ def _wait_status(payload: _Payload, info: ProcessInfo, timeout: float) -> dict:
 def inject(pid: int, *, via: list | None = None, env: dict | None = None, timeout: float = 10.0) -> dict:
     """Start the probe server in ``pid``; return ``{"entry", "via", "already_running", "elapsed"}``."""
     started = time.monotonic()
+    try:
+        sweep_stale(runtime_dir())  # files of earlier injections whose target died before reading them
+    except OSError:
+        pass
     info = inspect_process(pid)
     entry = _existing(pid)
     if entry:
@@ -298,7 +302,12 @@ def inject(pid: int, *, via: list | None = None, env: dict | None = None, timeou
         except AttachError:
             payload.discard()
             raise
-        status = _wait_status(payload, info, timeout)
+        try:
+            status = _wait_status(payload, info, timeout)
+        except AttachError as exc:
+            if exc.exit_code == EXIT_CODES["no_such_pid"]:  # the target died first: nobody will read the files
+                payload.discard()
+            raise  # still waiting: the bootstrap deletes them when it runs
         payload.discard()
         return _outcome(info, status, rung, started)
     code = EXIT_CODES["ptrace_blocked"] if blocked else EXIT_CODES["no_rung"]

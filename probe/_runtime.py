@@ -93,7 +93,8 @@ def use_private_dir(reason: str) -> str:
 
 
 def sweep_stale(path: str) -> int:
-    """Remove temporary files (``*.<pid>.tmp``) and sockets left in ``path`` by processes that died; how many."""
+    """Remove temporary files (``*.<pid>.tmp``), sockets and injection files (``inject-<pid>-*``) left in ``path``
+    for processes that died; how many."""
     removed = 0
     try:
         names = os.listdir(path)
@@ -106,6 +107,8 @@ def sweep_stale(path: str) -> int:
             pid = int(parts[-2])
         elif name.endswith(".sock") and parts[0].isdigit():
             pid = int(parts[0])
+        elif name.startswith("inject-") and name.split("-")[1].isdigit():  # an injection whose target died first
+            pid = int(name.split("-")[1])
         if pid is None or pid == os.getpid() or pid_alive(pid):
             continue
         if name.endswith(".sock") and os.path.exists(os.path.join(path, f"{pid}.json")):

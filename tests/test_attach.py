@@ -83,10 +83,17 @@ def test_inject_plain_process_then_query_and_inject_again(spawn, cli, probe_env)
     assert target.popen.poll() is None
 
 
-def test_nonexistent_pid(cli):
+def test_nonexistent_pid(cli, probe_env):
+    # given: the files of an earlier injection whose target died before it ran the bootstrap
+    rt = Path(probe_env["PROBE_RUNTIME_DIR"])
+    dead = _dead_pid()
+    left = [rt / f"inject-{dead}-0badcafe{ext}" for ext in (".json", ".py", ".status")]
+    for f in left:
+        f.write_text("{}")
     r = cli("inject", _dead_pid())
     assert r.returncode == 10
     assert "no process with pid" in r.stderr and "Traceback" not in r.stderr
+    assert not any(f.exists() for f in left)  # swept by the next inject
 
 
 def test_not_a_python_process(spawn, cli):
