@@ -66,6 +66,7 @@ def test_hung_training_loop_says_where(spawn, cli):
     finding, _ = poll_for(cli, job.pid, "hung", env={"PROBE_HUNG_AFTER": "1"})
     assert finding["severity"] == "critical"
     assert "faults.py" in finding["message"] and "no step has completed" in finding["message"]
+    assert "the other threads: prefetch in wait_for_shard (" in finding["message"], finding  # every thread, not only main
 
 
 def test_process_stuck_in_c_with_the_gil_is_reported_from_outside(spawn, cli):

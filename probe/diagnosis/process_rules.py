@@ -13,19 +13,32 @@ __all__: list = []
 
 rule(
     "hung", family="hang", severity="critical",
-    description="No training step has completed for longer than PROBE_HUNG_AFTER seconds (or the hang watchdog fired); across ranks, only when hung_rank names no culprit.",
+    description="No training step has completed for longer than PROBE_HUNG_AFTER seconds (or the hang watchdog fired); says where the main thread and every other thread outside the standard library are; across ranks, only when hung_rank names no culprit.",
     params={"hung_after": "PROBE_HUNG_AFTER"},
     sql="""
 SELECT i.rank, i.step, round(epoch(current_timestamp) - epoch(i.last_step_at)) AS idle_s,
-       coalesce(b.func || ' (' || b.file || ':' || b.lineno || ')', 'an unknown frame') AS where_main
+       coalesce(b.func || ' (' || b.file || ':' || b.lineno || ')', 'an unknown frame') AS where_main,
+       coalesce('; the other threads: ' || o.threads, '') AS where_others
 FROM process.info AS i
 LEFT JOIN (SELECT rank, func, file, lineno FROM python.backtrace WHERE is_main AND depth = 0) AS b
        ON b.rank IS NOT DISTINCT FROM i.rank
+LEFT JOIN (-- each other thread at its innermost frame outside the standard library (a thread is rarely news for
+           -- being in threading.wait), threads with no such frame (idle pools) left out
+           SELECT rank, string_agg(coalesce(thread_name, 'thread ' || thread_id) || ' in ' || func || ' (' || file || ':' || lineno || ')',
+                                   ', ' ORDER BY thread_name) AS threads
+           FROM (SELECT rank, thread_id, thread_name, arg_min(func, depth) AS func, arg_min(file, depth) AS file,
+                        arg_min(lineno, depth) AS lineno
+                 FROM python.backtrace
+                 WHERE NOT is_main AND coalesce(thread_name, '') NOT LIKE 'probe%'
+                   AND (file NOT LIKE '%/lib/python3.%' OR file LIKE '%-packages/%')
+                 GROUP BY rank, thread_id, thread_name)
+           GROUP BY rank) AS o
+       ON o.rank IS NOT DISTINCT FROM i.rank
 WHERE i.step IS NOT NULL AND i.state IS DISTINCT FROM 'dead'
   AND (i.state = 'hung' OR epoch(current_timestamp) - epoch(i.last_step_at) > {hung_after})
   -- across ranks, the one the others wait for is hung_rank's finding; the waiting ranks are not news
   AND ((SELECT count(*) FROM process.info) < 2 OR NOT EXISTS (SELECT 1 FROM ranks.hung WHERE culprit))""",
-    message="no step has completed for {idle_s:.0f} s since step {step}; the main thread is in {where_main}.",
+    message="no step has completed for {idle_s:.0f} s since step {step}; the main thread is in {where_main}{where_others}.",
     next=["probe {target} backtrace", "probe {target} backtrace --native"],
 )
 

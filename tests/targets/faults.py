@@ -15,6 +15,7 @@ import argparse
 import math
 import os
 import random
+import threading
 import time
 import warnings
 
@@ -84,6 +85,10 @@ step = 0
 while True:
     step += 1
     if args.fault == "hang" and step == args.fault_step:
+        def wait_for_shard(ready=threading.Event()):  # a prefetch thread blocked forever, as a dead data source leaves it
+            ready.wait()
+
+        threading.Thread(target=wait_for_shard, name="prefetch", daemon=True).start()
         print("planted", flush=True)
         while True:
             time.sleep(1)  # ok-sleep: the planted hang (the main thread never returns)
