@@ -203,9 +203,9 @@ def _run_rule(name: str, parameters: list, step: int = 100) -> list:
     con = duckdb.connect()
     con.execute("CREATE SCHEMA torch")
     con.execute("CREATE TABLE torch.parameters (rank INTEGER, model VARCHAR, name VARCHAR, numel BIGINT, grad_norm DOUBLE, "
-                "requires_grad BOOLEAN)")
-    con.executemany("INSERT INTO torch.parameters VALUES (NULL, 'model', ?, ?, ?, ?)",
-                    [(n, k, g, *(rest or [True])) for n, k, g, *rest in parameters])
+                "requires_grad BOOLEAN, in_optimizer BOOLEAN)")
+    con.executemany("INSERT INTO torch.parameters VALUES (NULL, 'model', ?, ?, ?, ?, ?)",
+                    [(n, k, g, *(list(rest) + [True, True])[:2]) for n, k, g, *rest in parameters])
     con.execute(f"CREATE TABLE torch.steps AS SELECT NULL::INTEGER AS rank, range AS step FROM range(1, {step + 1})")
     cur = con.execute(get_rule(name).sql)
     return [dict(zip([d[0] for d in cur.description], row)) for row in cur.fetchall()]
@@ -234,6 +234,8 @@ def test_grads_by_layer_compares_the_first_and_last_numbered_layer_either_way():
     assert not _run_rule("grads_by_layer", _stack("", [0.0, 1e-3, 1.0]))
     assert not _run_rule("grads_by_layer", _stack("", [1e-7, 1e-5, 1e-3, 1e-2]), step=40)
     assert not _run_rule("grads_by_layer", [("0.weight", 1024, None, False)] + [(f"{i}.weight", 1024, 32.0) for i in (1, 2, 3)])
+    # a first layer no optimizer steps (grads_not_optimized's finding) is not the stack's gradient problem
+    assert not _run_rule("grads_by_layer", [("0.weight", 1024, 5e3, True, False)] + [(f"{i}.weight", 1024, 4.0) for i in (1, 2, 3)])
 
 
 def test_a_rule_of_an_unknown_family_is_refused_in_one_sentence():

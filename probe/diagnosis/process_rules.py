@@ -247,7 +247,8 @@ WITH p AS (
   SELECT rank, model, regexp_extract(name, '{_LAYER}', 1) AS stack,
          CAST(regexp_extract(name, '{_LAYER}', 2) AS BIGINT) AS layer, grad_norm, numel
   FROM torch.parameters
-  WHERE requires_grad AND isfinite(grad_norm) AND numel > 0 AND regexp_matches(name, '{_LAYER}')),
+  -- a tensor no optimizer steps is grads_not_optimized's finding: its gradient says nothing of the stack's learning
+  WHERE requires_grad AND in_optimizer AND isfinite(grad_norm) AND numel > 0 AND regexp_matches(name, '{_LAYER}')),
 l AS (
   SELECT rank, model, stack, layer, sqrt(sum(grad_norm * grad_norm) / sum(numel)) AS rms
   FROM p GROUP BY rank, model, stack, layer),

@@ -37,7 +37,8 @@ TRACE_EVERY = {"dead_relu": "5", "collapsed": "5", "host_sync": "5", "data_wait"
 # rules that must not also speak: what the fault feeds, or its look-alike (a spike is not a divergence, nor the reverse);
 # an exact 0 gradient (dead ReLUs, a zeroed layer, a loss masked to nothing) is no vanishing gradient
 NOT_ALSO = {"dead_relu": ("collapsed_output", "grads_by_layer"), "collapsed": ("grads_by_layer",),
-            "grad_zero": ("grads_by_layer",), "loss_spike": ("loss_diverging",), "diverging": ("loss_spike",)}
+            "grad_zero": ("grads_by_layer",), "not_in_optimizer": ("grads_by_layer",), "loss_spike": ("loss_diverging",),
+            "diverging": ("loss_spike",)}
 # a slowdown is judged against the earlier steps' median: enough fast steps first keep it visible for ~20 s, not ~5 s
 FAULT_STEP = {"slowdown": "150"}
 
