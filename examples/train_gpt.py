@@ -109,8 +109,10 @@ def main(argv=None) -> int:
     model = TinyGPT(vocab=vocab, layers=args.layers, seq=seq).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     warmup = 20
+    # linear warm-up, then cosine decay to a floor of 10 % at step 5000, held after (a rate of 0 would
+    # leave a run that goes on past its schedule changing nothing: the doctor's lr_zero says so)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * min(s, 5000) / 5000))))
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s, 5000) / 5000))))
     train_loader = torch.utils.data.DataLoader(ArithmeticSequences(vocab, seq, args.seed), batch_size=args.batch)
     trainer = Trainer(grad_clip=1.0)
 

@@ -29,7 +29,7 @@ def query(cli, pid, sql):
 def scheduled_lr(step: int, base: float = 3e-3, warmup: int = 20) -> float:
     """The example's LambdaLR: the lr used by optimizer step ``step`` (the scheduler stepped step-1 times)."""
     s = step - 1
-    return base * min(1.0, (s + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * min(s, 5000) / 5000)))
+    return base * min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s, 5000) / 5000)))
 
 
 

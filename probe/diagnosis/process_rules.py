@@ -205,9 +205,19 @@ FROM torch.parameters WHERE requires_grad AND NOT in_optimizer GROUP BY rank, mo
 
 rule(
     "lr_zero", family="optimizer", severity="warning",
-    description="An optimizer param group has learning rate 0: its parameters never move.",
-    sql="SELECT rank, optimizer, param_group, params FROM torch.optimizer WHERE lr = 0",
-    message="{optimizer} param group {param_group} ({params} tensors) has learning rate 0.",
+    description="An optimizer param group has learning rate 0: its parameters never move (and when the job's rate was positive before, since which step: a run that goes on past the end of its schedule).",
+    sql="""
+WITH z AS (
+  SELECT rank, max(step) FILTER (WHERE lr > 0) AS last_positive, max(step) AS last FROM torch.steps GROUP BY rank)
+SELECT o.rank, o.optimizer, o.param_group, o.params,
+       CASE WHEN z.last_positive IS NULL THEN ''
+            ELSE ' since step ' || (z.last_positive + 1) || ', where its schedule reached 0 after ' || z.last_positive ||
+                 ' steps at a positive rate: the run goes on past the end of its schedule (more steps than the scheduler''s' ||
+                 ' total?) and its ' || (z.last - z.last_positive) || ' steps since changed nothing'
+       END AS since
+FROM torch.optimizer AS o LEFT JOIN z ON z.rank IS NOT DISTINCT FROM o.rank
+WHERE o.lr = 0""",
+    message="{optimizer} param group {param_group} ({params} tensors) has learning rate 0{since}.",
     next=["probe {target} lr --set 1e-3 --group {param_group}"],
 )
 
@@ -354,7 +364,7 @@ HAVING count(*) >= 10 AND median(cpu_wait) > 0.25 * median(duration) AND median(
 
 rule(
     "input_bound", family="input", severity="warning",
-    description="On traced steps, more than 70% of the step time (and 20 ms) goes outside forward and backward: waiting for data or host-side work (time waiting for other ranks, torch.steps.comm_wait, or for a CPU, torch.steps.cpu_wait, does not count).",
+    description="On traced steps, more than 70% of the step time (and 20 ms) goes outside forward and backward: waiting for data or host-side work (time waiting for other ranks, torch.steps.comm_wait, or for a CPU, torch.steps.cpu_wait, does not count); names the DataLoaders with num_workers=0 (torch.dataloaders) and, when the main thread is in one now, the DataLoader's __next__/fetch or Dataset's __getitem__ it is in (python.backtrace).",
     sql="""
 WITH f AS (
   SELECT rank, step, sum(duration) AS model_s FROM python.torch_trace WHERE depth = 0 GROUP BY rank, step),
@@ -366,12 +376,31 @@ j AS (
 m AS (
   SELECT rank, max(step) AS step, count(*) AS steps, median(duration) AS step_s, median(model_s) AS model_s
   FROM (SELECT *, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age FROM j) WHERE age <= 10
+  GROUP BY rank),
+-- the evidence: loaders that load on the main thread, and whether the main thread is loading now
+d AS (
+  SELECT rank, count(*) AS n, string_agg(name || ' (' || coalesce(dataset_type, 'a dataset') || ', batch_size '
+                                          || coalesce(batch_size::VARCHAR, 'none') || ')', ', ' ORDER BY name) AS names
+  FROM torch.dataloaders WHERE num_workers = 0 GROUP BY rank),
+b AS (  -- the innermost frame of the main thread in a Dataset's __getitem__ or a DataLoader's __next__/fetch
+  SELECT rank, arg_min(func || ' (' || regexp_extract(file, '[^/]+$') || ':' || lineno || ')', depth) AS frame
+  FROM python.backtrace
+  WHERE is_main AND (func IN ('__getitem__', '__getitems__')
+                     OR (file LIKE '%/torch/utils/data/%' AND func IN ('__next__', '_next_data', 'fetch')))
   GROUP BY rank)
-SELECT rank, step, steps, step_s * 1000 AS step_ms, model_s * 1000 AS model_ms,
-       100 * (1 - model_s / step_s) AS outside_pct FROM m
-WHERE steps >= 3 AND model_s < 0.3 * step_s AND step_s - model_s > 0.02""",
-    message="{outside_pct:.0f}% of step time is spent outside forward/backward ({step_ms:.1f} ms a step, {model_ms:.1f} ms in the model): the input pipeline or host-side work is the bottleneck.",
+SELECT m.rank, m.step, m.steps, m.step_s * 1000 AS step_ms, m.model_s * 1000 AS model_ms,
+       100 * (1 - m.model_s / m.step_s) AS outside_pct,
+       coalesce('; ' || CASE WHEN d.n = 1 THEN 'DataLoader ' ELSE 'DataLoaders ' END || d.names
+                || CASE WHEN d.n = 1 THEN ' has' ELSE ' have' END
+                || ' num_workers=0: the training thread loads every batch itself (give it workers, num_workers=4 or more)', '') AS loaders,
+       coalesce('; the main thread is in ' || b.frame || ' now', '') AS loading
+FROM m
+LEFT JOIN d ON d.rank IS NOT DISTINCT FROM m.rank
+LEFT JOIN b ON b.rank IS NOT DISTINCT FROM m.rank
+WHERE m.steps >= 3 AND m.model_s < 0.3 * m.step_s AND m.step_s - m.model_s > 0.02""",
+    message="{outside_pct:.0f}% of step time is spent outside forward/backward ({step_ms:.1f} ms a step, {model_ms:.1f} ms in the model): the input pipeline or host-side work is the bottleneck{loaders}{loading}.",
     next=["probe {target} backtrace",
+          "probe {target} query \"SELECT name, dataset_type, batch_size, num_workers, pin_memory, prefetch_factor FROM torch.dataloaders\"",
           "probe {target} query \"SELECT name, state, cpu_s FROM python.threads\""],
 )
 
