@@ -319,3 +319,57 @@ def test_allocator_fragmentation_needs_retries_and_a_large_unused_reservation():
     assert not _memory_rows([("cuda:0", 68, 70, 40, 0, 80)])
     assert not _memory_rows([("cuda:0", 1.5, 2.0, 3, 0, 4)])
     assert not _memory_rows([("cpu", None, None, None, None, None)])
+
+
+def _input_bound(loaders: list, main_stack: list, step_ms: float = 50.0, model_ms: float = 1.0) -> list:
+    """input_bound's SQL on DuckDB over 10 hand-made traced steps of ``step_ms`` (``model_ms`` in the root model),
+    torch.dataloaders rows (name, dataset_type, batch_size, num_workers) and the main thread's stack (func, file),
+    innermost first."""
+    import duckdb
+
+    from probe.diagnosis import builtin  # noqa: F401
+    from probe.diagnosis.rules import get_rule
+
+    con = duckdb.connect()
+    for schema in ("torch", "python"):
+        con.execute(f"CREATE SCHEMA {schema}")
+    con.execute("CREATE TABLE torch.steps AS SELECT NULL::INTEGER AS rank, range AS step, "
+                f"{step_ms / 1000} AS duration, NULL::DOUBLE AS comm_wait, NULL::DOUBLE AS cpu_wait FROM range(1, 11)")
+    con.execute("CREATE TABLE python.torch_trace AS SELECT NULL::INTEGER AS rank, range AS step, 0 AS depth, "
+                f"{model_ms / 1000} AS duration FROM range(1, 11)")
+    con.execute("CREATE TABLE torch.dataloaders (rank INTEGER, name VARCHAR, dataset_type VARCHAR, batch_size BIGINT, "
+                "num_workers INTEGER)")
+    if loaders:
+        con.executemany("INSERT INTO torch.dataloaders VALUES (NULL, ?, ?, ?, ?)", loaders)
+    con.execute("CREATE TABLE python.backtrace (rank INTEGER, is_main BOOLEAN, depth INTEGER, func VARCHAR, file VARCHAR, "
+                "lineno INTEGER)")
+    if main_stack:
+        con.executemany("INSERT INTO python.backtrace VALUES (NULL, true, ?, ?, ?, 10)",
+                        [(d, f, path) for d, (f, path) in enumerate(main_stack)])
+    cur = con.execute(get_rule("input_bound").sql)
+    return [dict(zip([d[0] for d in cur.description], row)) for row in cur.fetchall()]
+
+
+def test_input_bound_names_loaders_without_workers_and_where_the_main_thread_loads():
+    from probe.cli._diagnose import _fill
+    from probe.diagnosis.rules import get_rule
+
+    data = "/venv/site-packages/torch/utils/data"
+    loading = [("__getitem__", "/job/data.py"), ("<listcomp>", f"{data}/_utils/fetch.py"), ("fetch", f"{data}/_utils/fetch.py"),
+               ("__next__", f"{data}/dataloader.py"), ("<module>", "/job/train.py")]
+    # given: a job spending 98% of its steps outside the model, one loader with no workers, the main thread in its dataset
+    (f,) = _input_bound([("train_loader", "Shards", 32, 0), ("val_loader", "Shards", 64, 4)], loading)
+    said = _fill(get_rule("input_bound").message, f)
+    # then: the loader without workers is named (not the one with workers), and the innermost loading frame
+    assert "; DataLoader train_loader (Shards, batch_size 32) has num_workers=0: the training thread loads" in said, said
+    assert "val_loader" not in said and said.endswith("; the main thread is in __getitem__ (data.py:10) now."), said
+    # several loaders without workers; the main thread in the DataLoader itself (an IterableDataset has no __getitem__)
+    (f,) = _input_bound([("a", "Stream", None, 0), ("b", "Shards", 8, 0)], loading[3:])
+    said = _fill(get_rule("input_bound").message, f)
+    assert "DataLoaders a (Stream, batch_size none), b (Shards, batch_size 8) have num_workers=0" in said, said
+    assert said.endswith("; the main thread is in __next__ (dataloader.py:10) now."), said
+    # no evidence at hand: the share alone, as before
+    (f,) = _input_bound([("train_loader", "Shards", 32, 4)], [("step", "/venv/site-packages/torch/optim/sgd.py")])
+    assert _fill(get_rule("input_bound").message, f).endswith("the input pipeline or host-side work is the bottleneck."), f
+    # quiet: a loader with no workers and the main thread in it, when the model takes most of the step
+    assert not _input_bound([("train_loader", "Shards", 32, 0)], loading, step_ms=50.0, model_ms=40.0)

@@ -1,5 +1,6 @@
-"""torch.steps, python.torch_trace, torch.optimizer, torch.parameters and torch.memory on the real
-example (examples/train_gpt.py), read through the real `probe` command."""
+"""torch.steps, python.torch_trace, torch.optimizer, torch.parameters, torch.memory and torch.dataloaders on
+the real example (examples/train_gpt.py) and a planted fault (tests/targets/faults.py), read through the real
+`probe` command."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 
 import pytest
 
-from conftest import EXAMPLES, requires_torch
+from conftest import EXAMPLES, TARGETS, requires_torch
 
 pytestmark = requires_torch
 
@@ -97,7 +98,27 @@ def test_train_gpt_tables(spawn, cli):
     (cpu,) = query(cli, proc.pid, "SELECT * FROM torch.memory")
     assert cpu["device"] == "cpu" and cpu["rss"] > 10_000_000
 
+    # then: the loader, a global, once: the loop's ``data = iter(train_loader)`` is the same loader's iterator
+    (loader,) = query(cli, proc.pid, "SELECT * FROM torch.dataloaders")
+    assert {k: loader[k] for k in ("name", "loader_type", "dataset_type", "batch_size", "num_workers", "source")} == {
+        "name": "train_loader", "loader_type": "DataLoader", "dataset_type": "ArithmeticSequences", "batch_size": 16,
+        "num_workers": 0, "source": "__main__"}
+
     (info,) = query(cli, proc.pid, "SELECT step, state, last_step_at FROM process.info")
     assert info["state"] == "training" and info["step"] >= 40
     errors = query(cli, proc.pid, "SELECT source, message FROM probe.errors")
     assert errors == []
+
+
+def test_dataloaders_table_describes_a_loader_kept_as_its_iterator(spawn, cli):
+    # given: the data_wait fault: ``loader = iter(DataLoader(SlowSamples(), batch_size=64))``, no workers
+    proc = spawn([TARGETS / "faults.py", "--fault", "data_wait", "--settle", "3"], env={"PROBE": "1"}, ready="planted",
+                 timeout=120)
+    # when
+    rows = query(cli, proc.pid, "SELECT * FROM torch.dataloaders")
+    # then: one row, described from the iterator's own copy of the loader's settings
+    assert rows == [{"rank": None, "name": "loader", "loader_type": "_SingleProcessDataLoaderIter",
+                     "dataset_type": "SlowSamples", "iterable_dataset": False, "batch_size": 64, "num_workers": 0,
+                     "pin_memory": False, "prefetch_factor": None, "persistent_workers": False, "drop_last": False,
+                     "source": "__main__"}]
+    assert query(cli, proc.pid, "SELECT source, message FROM probe.errors") == []

@@ -1,4 +1,4 @@
-"""The one object finder: models, optimizers, schedulers and grad scalers of the training loop.
+"""The one object finder: models, optimizers, schedulers, grad scalers and DataLoaders of the training loop.
 
 Every part of the probe that needs a training object (the torch tables, the step
 tracker, the tracer, the lr, checkpoint and eval actions) asks here, and gets
@@ -15,6 +15,11 @@ Objects are found, in order of precedence of their names:
   ``lr_scheduler``) and an accelerate ``Accelerator`` (its prepared models, optimizers and
   schedulers), found as a local (or ``self``) of any frame, or as a ``LightningModule``'s trainer;
 * the locals of the training loop's frames and the attributes of ``self``-like objects there.
+
+DataLoaders (``torch.utils.data.DataLoader`` and its subclasses, and the iterators ``iter(loader)``
+returns) are found the same way, with no look of their own: as globals, loop locals and attributes
+there, and as the frameworks' loaders (Lightning's ``train_dataloader``, the transformers Trainer's
+``callback_handler.train_dataloader``, accelerate's prepared ``_dataloaders``).
 
 Framework wrappers are unwrapped to the object that owns the state: an optimizer wrapper
 (accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``, DeepSpeed's ZeRO
@@ -39,11 +44,12 @@ from typing import Any, NamedTuple
 
 from ..util.errorlog import record_error
 
-__all__ = ["Found", "known", "is_internal", "models", "optimizers", "schedulers", "grad_scalers", "frameworks", "scheduler_for",
+__all__ = ["Found", "known", "is_internal", "models", "optimizers", "schedulers", "grad_scalers", "frameworks", "dataloaders",
+           "scheduler_for",
            "optimizer_found", "unwrap_optimizer", "add", "scan", "set_training_frame", "training_frame",
            "user_frame", "named", "objects_of", "framework_of", "main_globals", "module_path", "FRAMEWORK_PACKAGES"]
 
-KINDS = ("model", "optimizer", "scheduler", "scaler", "framework")
+KINDS = ("model", "optimizer", "scheduler", "scaler", "framework", "dataloader")
 # Packages whose frames are the framework's, not the user's loop (for the user's frame and eval).
 FRAMEWORK_PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning", "lightning_utilities", "transformers",
                       "accelerate", "deepspeed", "trl", "peft", "torchmetrics")
@@ -176,7 +182,19 @@ def _kind_of(torch, obj) -> str | None:
         return "scaler"
     if framework_of(obj) is not None:
         return "framework"
+    if _is_dataloader(obj):
+        return "dataloader"
     return None
+
+
+def _is_dataloader(obj) -> bool:
+    """A DataLoader, or the iterator one returns (``iter(loader)``), once torch.utils.data is imported."""
+    data = sys.modules.get("torch.utils.data.dataloader")
+    if data is None:
+        return False
+    kinds = tuple(t for t in (getattr(data, "DataLoader", None), getattr(data, "_BaseDataLoaderIter", None))
+                  if isinstance(t, type))
+    return bool(kinds) and isinstance(obj, kinds)
 
 
 def add(obj, name: str | None = None, source: str = "frame", kind: str | None = None) -> Found | None:
@@ -202,6 +220,8 @@ def add(obj, name: str | None = None, source: str = "frame", kind: str | None = 
         if not _add_model(obj, name, source):
             return None
         return _record("model", obj)
+    elif kind == "dataloader" and not _is_dataloader(obj):  # a framework's attribute that held something else
+        return None
     name = name or type(obj).__name__.lower()
     with _lock:
         reg = _found[kind]
@@ -295,6 +315,27 @@ def grad_scalers() -> list[Found]:
     return _refreshed("scaler")
 
 
+def dataloaders() -> list[Found]:
+    """DataLoaders and DataLoader iterators found (the iterator a persistent-workers loader keeps is left
+    out: its loader's row stands for it)."""
+    found = _refreshed("dataloader")
+    loaders = [f.obj for f in found if hasattr(f.obj, "dataset")]  # iterators keep ``_dataset`` only
+    return [f for f in found if not any(_iterates(f.obj, loader) for loader in loaders)]
+
+
+def _iterates(it, loader) -> bool:
+    """Whether ``it`` is an iterator of the DataLoader ``loader``: its persistent one, or one that ``iter(loader)``
+    returned (it keeps the loader's dataset and index sampler, never the loader itself)."""
+    if it is loader:
+        return False
+    if getattr(loader, "_iterator", None) is it:
+        return True
+    try:
+        return it._dataset is loader.dataset and it._index_sampler is loader._index_sampler
+    except Exception:
+        return False
+
+
 def frameworks() -> list[Found]:
     """Framework objects found (a Lightning or transformers Trainer, an Accelerator); ``wrapper`` holds
     the framework's name (lightning, transformers, accelerate)."""
@@ -347,14 +388,38 @@ def _framework_items(obj, name: str):
             yield opt, f"{name}.optimizers[{i}]", "optimizer"
         for i, cfg in enumerate(list(getattr(obj, "lr_scheduler_configs", None) or [])):
             yield getattr(cfg, "scheduler", None), f"{name}.lr_scheduler_configs[{i}].scheduler", "scheduler"
+        yield from _loaders(_lightning_train_loaders(obj), f"{name}.train_dataloader")
     elif kind == "transformers":
         for attr, k in (("model", "model"), ("optimizer", "optimizer"), ("lr_scheduler", "scheduler"),
                         ("accelerator", "framework")):
             yield getattr(obj, attr, None), f"{name}.{attr}", k
+        handler = getattr(obj, "callback_handler", None)  # the training loop's loader is set there for callbacks
+        yield getattr(handler, "train_dataloader", None), f"{name}.callback_handler.train_dataloader", "dataloader"
     elif kind == "accelerate":
-        for attr, k in (("_models", "model"), ("_optimizers", "optimizer"), ("_schedulers", "scheduler")):
+        for attr, k in (("_models", "model"), ("_optimizers", "optimizer"), ("_schedulers", "scheduler"),
+                        ("_dataloaders", "dataloader")):
             for i, value in enumerate(list(getattr(obj, attr, None) or [])):
                 yield value, f"{name}.{attr}[{i}]", k
+
+
+def _lightning_train_loaders(trainer):
+    """The fit loop's loaders as the user returned them, without asking the LightningModule for new ones
+    (``Trainer.train_dataloader`` reads the fit loop's combined loader; None before fit starts)."""
+    fit_loop = getattr(trainer, "fit_loop", None)
+    combined = getattr(fit_loop, "_combined_loader", None) if fit_loop is not None else None
+    return getattr(combined, "iterables", None) if combined is not None else None
+
+
+def _loaders(value, name: str):
+    """``(loader, name, "dataloader")`` for a loader, or for each loader of a list, tuple or dict of them."""
+    if isinstance(value, dict):
+        for key, v in list(value.items())[:20]:
+            yield v, f"{name}[{key!r}]", "dataloader"
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value[:20]):
+            yield v, f"{name}[{i}]", "dataloader"
+    elif value is not None:
+        yield value, name, "dataloader"
 
 
 def objects_of(framework) -> dict:
@@ -362,7 +427,7 @@ def objects_of(framework) -> dict:
     out: dict = {}
     torch = _torch()
     for value, _, kind in _framework_items(framework, "trainer"):
-        if value is None or kind in out or kind == "framework":
+        if value is None or kind in out or kind in ("framework", "dataloader"):
             continue
         if kind == "optimizer":
             value = unwrap_optimizer(value)[0]
