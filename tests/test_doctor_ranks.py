@@ -6,13 +6,20 @@ read every step: the doctor must name it as the straggler and as the rank whose 
 the others'. Then the test makes rank 1 stop in its data read, before its backward, while ranks 0
 and 2 wait in DDP's all_reduce: the doctor must name rank 1 as the one the others wait for, where
 it is, and not report the waiting ranks as hung. The findings are also a table, across ranks.
+Ranks in step (DDP synchronises every step) are never `desync`, the slow rank included.
+
+Then a job whose script forgot DDP: two probed plain loops (tests/targets/faults.py) started as ranks
+0 and 1 of one job (RANK, LOCAL_RANK, WORLD_SIZE, one TORCHELASTIC_RUN_ID) with no process group,
+rank 1 about 15x slower a step: nothing holds it to rank 0, so it falls hundreds of steps behind.
 """
 
 from __future__ import annotations
 
 import json
 
-from conftest import poll, requires_torch
+from types import SimpleNamespace
+
+from conftest import TARGETS, poll, requires_torch
 from test_ranks_collectives import PARTIAL, ddp_job
 
 pytestmark = requires_torch
@@ -61,6 +68,7 @@ def test_the_doctor_names_the_odd_rank_of_a_plain_ddp_job(tmp_path):
         assert apart["evidence"]["ratio"] > 3, apart
         assert not [f for f in findings if f["family"] == "distributed" and f["rank"] != 1], findings
         assert not [f for f in findings if f["severity"] == "critical"], findings
+        assert not named(findings, "desync"), findings  # slower, but DDP keeps it in step
         # and: the same findings are a table, queryable across ranks like any other
         r = job.cli("--ranks", "all", "--format", "json", "query",
                     "SELECT rank, rule, severity FROM diagnosis.findings WHERE family = 'distributed' ORDER BY rule",
@@ -79,4 +87,25 @@ def test_the_doctor_names_the_odd_rank_of_a_plain_ddp_job(tmp_path):
         assert "ranks 0,2 wait for it" in culprit["message"] and "read_batch (ddp_plain.py:" in culprit["message"], culprit
         assert culprit["next"][0] == "probe --rank 1 backtrace", culprit
         assert not named(findings, "hung"), findings
+        assert not named(findings, "desync"), findings  # stopped mid-step: the others wait at the same step
         assert findings[0]["rule"] == "hung_rank", findings
+
+
+def test_the_doctor_names_the_rank_that_falls_behind_in_a_job_without_ddp(spawn, cli):
+    # given: ranks 0 and 1 of one job that never synchronise (no process group), rank 1 ~15x slower a step
+    job_env = {"PROBE": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "no-ddp"}
+    ranks = [spawn([TARGETS / "faults.py", "--step-sleep", sleep], ready="ready", timeout=120,
+                   env=dict(job_env, RANK=str(r), LOCAL_RANK=str(r)))
+             for r, sleep in ((0, "0.005"), (1, "0.1"))]
+    job = SimpleNamespace(cli=cli, lines=[line for p in ranks for line in p.lines])
+    # when: rank 1 is far behind (hundreds of steps: no snapshot timing explains that)
+    findings = until(job, "60", lambda fs: [f for f in named(fs, "desync") if f["evidence"]["behind"] >= 200])
+    # then: rank 1, where it is, how far behind, and where the leader is
+    (behind,) = named(findings, "desync")
+    ev = behind["evidence"]
+    assert behind["rank"] == 1 and behind["severity"] == "warning", behind
+    assert ev["lead_step"] == ev["step"] + ev["behind"] and ev["lead_step"] > 2 * ev["step"], behind
+    assert behind["message"].startswith(f"rank 1 is at step {ev['step']}, {ev['behind']} step(s) behind "
+                                        f"the most advanced rank (at step {ev['lead_step']})"), behind
+    assert behind["next"] == ["probe --ranks all status", "probe --rank 1 backtrace"], behind
+    assert not [f for f in findings if f["family"] == "distributed" and f["rank"] != 1], findings

@@ -30,3 +30,34 @@ def test_lr_zero_says_when_a_schedule_ran_out_before_the_run_did():
     assert said.startswith("AdamW param group 0 (29 tensors) has learning rate 0 since step 5000, where its schedule "
                            "reached 0 after 4999 steps at a positive rate"), said
     assert "its 201 steps since changed nothing" in said
+
+
+def _loss_nonfinite(rows: list) -> list:
+    import duckdb
+
+    from probe.cli._diagnose import _fill
+    from probe.diagnosis import builtin  # noqa: F401
+    from probe.diagnosis.rules import get_rule
+
+    rule = get_rule("loss_nonfinite")
+    con = duckdb.connect()
+    con.execute("CREATE SCHEMA torch")
+    con.execute("CREATE TABLE torch.steps (rank INTEGER, step BIGINT, loss DOUBLE, lr DOUBLE, grad_norm DOUBLE)")
+    con.executemany("INSERT INTO torch.steps VALUES (NULL, ?, ?, ?, ?)", rows)
+    cur = con.execute(rule.sql)
+    return [_fill(rule.message, dict(zip([d[0] for d in cur.description], row))) for row in cur.fetchall()]
+
+
+def test_loss_nonfinite_names_gradients_that_went_first_and_says_when_nothing_was_measured():
+    nan, inf = float("nan"), float("inf")
+    healthy = [(s, 1.0, 0.05, 1.0) for s in range(1, 40)]
+    # gradients Inf at step 40 with a finite loss, the loss NaN from step 41: the gradients are named, not the data
+    (said,) = _loss_nonfinite(healthy + [(40, 1.0, 0.05, inf), (41, nan, 0.05, nan)])
+    assert said.startswith("the loss became NaN/Inf at step 41, 1 step(s) after the gradients became NaN/Inf at step 40 "
+                           "while its loss was still finite"), said
+    # NaN loss and gradients at the same step: nothing came first, so the data is suspected
+    (said,) = _loss_nonfinite(healthy + [(40, nan, 0.05, nan)])
+    assert "with neither an LR jump nor a gradient-norm spike just before: suspect the data" in said, said
+    # the step budget measured no gradient norm in the window: said, instead of claiming there was no spike
+    (said,) = _loss_nonfinite([(s, 1.0, 0.05, None) for s in range(1, 40)] + [(40, nan, 0.05, None)])
+    assert "just before (the gradient norm was not measured on those steps: PROBE_STEP_BUDGET): suspect" in said, said

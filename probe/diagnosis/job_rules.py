@@ -27,8 +27,8 @@ rule(
 rule(
     "desync", family="distributed", severity="warning", scope="job",
     description="A rank's step counter lags the most advanced rank by more than PROBE_DESYNC_STEPS, beyond what the ranks answering at slightly different moments explains (ranks.desync).",
-    sql="SELECT rank, step, behind FROM ranks.desync",
-    message="rank {rank} is {behind} step(s) behind the most advanced rank (at step {step}).",
+    sql="SELECT rank, step, behind, step + behind AS lead_step FROM ranks.desync",
+    message="rank {rank} is at step {step}, {behind} step(s) behind the most advanced rank (at step {lead_step}): ranks that synchronise every step stay within a step of each other.",
     next=["probe --ranks all status", "probe --rank {rank} backtrace"],
 )
 

@@ -44,7 +44,7 @@ WHERE i.step IS NOT NULL AND i.state IS DISTINCT FROM 'dead'
 
 rule(
     "loss_nonfinite", family="nan", severity="critical",
-    description="The loss became NaN or infinite; says whether an LR jump or a gradient-norm spike came just before.",
+    description="The loss became NaN or infinite; says whether non-finite gradients, an LR jump or a gradient-norm spike came just before.",
     sql="""
 WITH s AS (
   SELECT rank, step, loss, lr, grad_norm,
@@ -62,17 +62,26 @@ near AS (
          arg_max(s.prev_lr, s.lr_jump) FILTER (WHERE isfinite(s.lr_jump)) AS lr_before,
          arg_max(s.lr, s.lr_jump) FILTER (WHERE isfinite(s.lr_jump)) AS lr_after,
          max(s.gn_score) FILTER (WHERE isfinite(s.gn_score)) AS gn_score,
-         arg_max(s.step, s.gn_score) FILTER (WHERE isfinite(s.gn_score)) AS spike_step
+         arg_max(s.step, s.gn_score) FILTER (WHERE isfinite(s.gn_score)) AS spike_step,
+         -- gradients that went non-finite while the loss was still finite: a backward that overflowed
+         min(s.step) FILTER (WHERE (isnan(s.grad_norm) OR isinf(s.grad_norm)) AND s.step < b.step) AS grad_bad_step,
+         count(s.grad_norm) FILTER (WHERE s.step < b.step) AS grad_measured
   FROM bad AS b JOIN s ON s.rank IS NOT DISTINCT FROM b.rank AND s.step BETWEEN b.step - 5 AND b.step
   GROUP BY b.rank, b.step)
-SELECT rank, step, lr_jump, jump_step, gn_score, spike_step,
-       CASE WHEN lr_jump >= 10 THEN
+SELECT rank, step, lr_jump, jump_step, gn_score, spike_step, grad_bad_step,
+       CASE WHEN grad_bad_step IS NOT NULL THEN
+              printf('%d step(s) after the gradients became NaN/Inf at step %d while its loss was still finite: a backward '
+                     'overflowed or divided by zero (look for the tensor in torch.parameters.grad_norm, or a hook that scales '
+                     'gradients)', step - grad_bad_step, grad_bad_step)
+            WHEN lr_jump >= 10 THEN
               printf('%d step(s) after the learning rate jumped %.4gx (%.3g -> %.3g) at step %d; lower it',
                      step - jump_step, lr_jump, lr_before, lr_after, jump_step)
             WHEN gn_score >= 10 THEN
               printf('%d step(s) after the gradient norm spiked to %.3gx its recent median at step %d; clip gradients or lower the LR',
                      step - spike_step, gn_score, spike_step)
-            ELSE 'with neither an LR jump nor a gradient-norm spike just before: suspect the data (NaN/Inf inputs or labels) or a numerics bug (log(0), division by zero, fp16 overflow)'
+            ELSE 'with neither an LR jump nor a gradient-norm spike just before' ||
+                 CASE WHEN grad_measured = 0 THEN ' (the gradient norm was not measured on those steps: PROBE_STEP_BUDGET)' ELSE '' END ||
+                 ': suspect the data (NaN/Inf inputs or labels) or a numerics bug (log(0), division by zero, fp16 overflow)'
        END AS cause
 FROM near""",
     message="the loss became NaN/Inf at step {step}, {cause}.",
@@ -401,7 +410,7 @@ WHERE m.steps >= 3 AND m.model_s < 0.3 * m.step_s AND m.step_s - m.model_s > 0.0
     message="{outside_pct:.0f}% of step time is spent outside forward/backward ({step_ms:.1f} ms a step, {model_ms:.1f} ms in the model): the input pipeline or host-side work is the bottleneck{loaders}{loading}.",
     next=["probe {target} backtrace",
           "probe {target} query \"SELECT name, dataset_type, batch_size, num_workers, pin_memory, prefetch_factor FROM torch.dataloaders\"",
-          "probe {target} query \"SELECT name, state, cpu_s FROM python.threads\""],
+          "probe {target} query \"SELECT name, state, cpu_user_s, func, lineno FROM python.threads\""],
 )
 
 rule(

@@ -17,7 +17,8 @@ FAULTS = [
     # CPU stand-in for the CUDA path: the target raises torch's sync warning from its own line
     ("host_sync", "host_syncs", ["of faults.py", "loss.item()", "1 time(s) a step"]),
     # a slow Dataset.__getitem__ behind a DataLoader without workers: 32+ ms a batch (sleeps), ~0.5 ms in the model
-    ("data_wait", "input_bound", ["outside forward/backward", "the input pipeline"]),
+    ("data_wait", "input_bound", ["outside forward/backward", "the input pipeline",
+                                  "DataLoader loader (SlowSamples, batch_size 64) has num_workers=0"]),
     # 8 sigmoid layers at the default init: layer 0's gradient is ~1e-5 of layer 14's (the threshold is 1e-3)
     ("vanishing", "grads_by_layer", ["gradients vanish toward the input of model", "layer 0's gradient", "layer 14's",
                                      "over 8 layers"]),
@@ -26,10 +27,15 @@ FAULTS = [
     ("loss_spike", "loss_spike", ["the loss spiked to", "the median"]),
     # weight decay applied without the lr factor: the loss rises from ~1e-4 to ~0.3 and stays there
     ("diverging", "loss_diverging", ["the loss is diverging", "up from"]),
+    # a gradient hook multiplies layer 2's weight gradient by Inf (base lr / a layer lr of 0): that step's loss is
+    # finite, the update makes the weights, then the loss, NaN; grad_nonfinite names the gradients, as
+    # params_nonfinite and loss_nonfinite name what they fed (all three are true: none is NOT_ALSO)
+    ("grad_inf", "grad_nonfinite", ["parameter tensor(s) have NaN/Inf gradients", "most in 2.weight"]),
 ]
 # faults of the model, its gradients, optimizer and loss; the rest are memory, speed, input and activations
 # (two test files, so that the test workers run the two halves side by side)
-MODEL_FAULTS = ("frozen", "lr_zero", "not_in_optimizer", "nan_from_data", "vanishing", "grad_zero", "loss_spike", "diverging")
+MODEL_FAULTS = ("frozen", "lr_zero", "not_in_optimizer", "nan_from_data", "vanishing", "grad_zero", "loss_spike", "diverging",
+                 "grad_inf")
 
 SETTLE = {"memory_growth": "200", "dead_relu": "30", "collapsed": "30", "host_sync": "30",
           "grad_zero": "200", "data_wait": "5"}  # steps the fault needs

@@ -2,7 +2,7 @@
 
     python faults.py --fault healthy|nan_after_lr_jump|nan_from_data|frozen|lr_zero|not_in_optimizer|
                              slowdown|memory_growth|hang|data_wait|dead_relu|collapsed|host_sync|
-                             vanishing|grad_zero|loss_spike|diverging
+                             vanishing|grad_zero|loss_spike|diverging|grad_inf
 
 It never imports probe itself: tests start it with PROBE=1, as a user would. It prints
 "ready" after ``--ready-step`` steps and "planted" once the fault has taken effect, then
@@ -106,6 +106,11 @@ while True:
     if args.fault == "grad_zero" and step >= args.fault_step:
         keep = (y == -100).float()  # a padding mask that keeps nothing (the ignore index compared the wrong way)
         loss = (F.cross_entropy(logits, y, reduction="none") * keep).sum() / keep.sum().clamp(min=1)
+    if args.fault == "grad_inf" and step == args.fault_step:
+        # a layer-wise gradient multiplier by hook (base lr / layer lr), for a layer whose own lr was set to 0:
+        # the forward and this step's loss stay finite, the layer's gradient is Inf from this backward on
+        ratio = torch.tensor(0.05) / torch.tensor(0.0)
+        model[2].weight.register_hook(lambda g: g * ratio)
     optimizer.zero_grad(set_to_none=False)
     if args.hide_loss_every and step % args.hide_loss_every == 0:
         hidden, loss = loss, None  # nothing named loss, and a backward with explicit gradients: no loss to read
