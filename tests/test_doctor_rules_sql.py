@@ -61,3 +61,41 @@ def test_loss_nonfinite_names_gradients_that_went_first_and_says_when_nothing_wa
     # the step budget measured no gradient norm in the window: said, instead of claiming there was no spike
     (said,) = _loss_nonfinite([(s, 1.0, 0.05, None) for s in range(1, 40)] + [(40, nan, 0.05, None)])
     assert "just before (the gradient norm was not measured on those steps: PROBE_STEP_BUDGET): suspect" in said, said
+
+
+def test_loss_nonfinite_names_a_gradient_norm_spike_before_it():
+    nan = float("nan")
+    rows = [(s, 1.0, 0.05, 1.0) for s in range(1, 38)] + [(38, 1.2, 0.05, 60.0), (39, 5.0, 0.05, 2.0), (40, nan, 0.05, nan)]
+    (said,) = _loss_nonfinite(rows)
+    assert said.startswith("the loss became NaN/Inf at step 40, 2 step(s) after the gradient norm spiked to 60x its recent "
+                           "median at step 38; clip gradients or lower the LR"), said
+
+
+def _rule_over_steps(name: str, losses: list) -> list:
+    import duckdb
+
+    from probe.cli._diagnose import _fill
+    from probe.diagnosis import builtin  # noqa: F401
+    from probe.diagnosis.rules import get_rule
+
+    rule = get_rule(name)
+    con = duckdb.connect()
+    con.execute("CREATE SCHEMA torch")
+    con.execute("CREATE TABLE torch.steps (rank INTEGER, step BIGINT, loss DOUBLE)")
+    con.executemany("INSERT INTO torch.steps VALUES (NULL, ?, ?)", list(enumerate(losses, start=1)))
+    cur = con.execute(rule.sql)
+    return [_fill(rule.message, dict(zip([d[0] for d in cur.description], row))) for row in cur.fetchall()]
+
+
+def test_loss_plateau_is_info_on_a_flat_loss_and_quiet_on_a_falling_one():
+    import math
+
+    from probe.diagnosis import builtin  # noqa: F401
+    from probe.diagnosis.rules import get_rule
+
+    assert get_rule("loss_plateau").severity == "info"  # a converged run plateaus too
+    flat = [2.0 + 0.001 * math.sin(s) for s in range(300)]
+    (said,) = _rule_over_steps("loss_plateau", flat)
+    assert said.startswith("the loss has plateaued at 2 ("), said
+    assert not _rule_over_steps("loss_plateau", [2.0 * math.exp(-s / 100) for s in range(300)])
+    assert not _rule_over_steps("loss_plateau", flat[:99])  # not enough steps to say
