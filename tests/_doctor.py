@@ -50,3 +50,32 @@ def names_the_planted_fault(spawn, cli, fault, rule, words):
     # the human form: the most severe finding comes first, with its next command
     text = cli(job.pid, "doctor")
     assert text.returncode == FOUND_EXIT and "next: probe" in text.stdout
+
+
+def rule_rows(name: str, tables: dict, *, messages: bool = False) -> list:
+    """Rule ``name``'s SQL on a fresh DuckDB over hand-made tables, for conditions no CPU job here reaches.
+
+    ``tables`` maps ``schema.table`` to ``(column definitions, rows)`` or to a SELECT that builds it.
+    Returns the rule's rows as dicts, or with ``messages`` the messages the doctor would print.
+    """
+    import duckdb
+
+    from probe.cli._diagnose import _fill
+    from probe.diagnosis import builtin  # noqa: F401  (declares the built-in rules)
+    from probe.diagnosis.rules import get_rule
+
+    rule = get_rule(name)
+    con = duckdb.connect()
+    for schema in sorted({t.split(".")[0] for t in tables}):
+        con.execute(f"CREATE SCHEMA {schema}")
+    for table, spec in tables.items():
+        if isinstance(spec, str):
+            con.execute(f"CREATE TABLE {table} AS {spec}")
+            continue
+        columns, rows = spec
+        con.execute(f"CREATE TABLE {table} ({columns})")
+        if rows:
+            con.executemany(f"INSERT INTO {table} VALUES ({', '.join('?' * len(rows[0]))})", rows)
+    cur = con.execute(rule.sql)
+    found = [dict(zip([d[0] for d in cur.description], row)) for row in cur.fetchall()]
+    return [_fill(rule.message, row) for row in found] if messages else found

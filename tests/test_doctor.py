@@ -13,7 +13,7 @@ import json
 import pytest
 
 from conftest import EXAMPLES, TARGETS, poll, requires_torch
-from _doctor import doctor, poll_for
+from _doctor import doctor, poll_for, rule_rows
 
 # the rules a healthy job must leave quiet, each with a planted fault in fault_catalog.FAULTS
 HEALTHY_QUIET = ("grads_by_layer", "grad_norm_zero", "loss_spike", "loss_diverging", "input_bound")
@@ -194,21 +194,12 @@ def test_healthy_transformer_has_layer_gradients_within_a_few_x(spawn, cli):
 
 
 def _run_rule(name: str, parameters: list, step: int = 100) -> list:
-    """Rule ``name``'s SQL on DuckDB over hand-made torch.parameters rows (name, numel, grad_norm[, requires_grad])."""
-    import duckdb
-
-    from probe.diagnosis import builtin  # noqa: F401
-    from probe.diagnosis.rules import get_rule
-
-    con = duckdb.connect()
-    con.execute("CREATE SCHEMA torch")
-    con.execute("CREATE TABLE torch.parameters (rank INTEGER, model VARCHAR, name VARCHAR, numel BIGINT, grad_norm DOUBLE, "
-                "requires_grad BOOLEAN, in_optimizer BOOLEAN)")
-    con.executemany("INSERT INTO torch.parameters VALUES (NULL, 'model', ?, ?, ?, ?, ?)",
-                    [(n, k, g, *(list(rest) + [True, True])[:2]) for n, k, g, *rest in parameters])
-    con.execute(f"CREATE TABLE torch.steps AS SELECT NULL::INTEGER AS rank, range AS step FROM range(1, {step + 1})")
-    cur = con.execute(get_rule(name).sql)
-    return [dict(zip([d[0] for d in cur.description], row)) for row in cur.fetchall()]
+    """Rule ``name``'s SQL over hand-made torch.parameters rows (name, numel, grad_norm[, requires_grad[, in_optimizer]])."""
+    return rule_rows(name, {
+        "torch.parameters": ("rank INTEGER, model VARCHAR, name VARCHAR, numel BIGINT, grad_norm DOUBLE, requires_grad BOOLEAN, "
+                             "in_optimizer BOOLEAN",
+                             [(None, "model", n, k, g, *(list(rest) + [True, True])[:2]) for n, k, g, *rest in parameters]),
+        "torch.steps": f"SELECT NULL::INTEGER AS rank, range AS step FROM range(1, {step + 1})"})
 
 
 def _stack(prefix: str, rms: list) -> list:
@@ -282,23 +273,14 @@ def test_a_message_field_that_does_not_fit_its_format_costs_that_field_only():
 
 
 def _memory_rows(rows: list) -> list:
-    """allocator_fragmentation's SQL on DuckDB over hand-made torch.memory rows (device, allocated, reserved, retries, ooms,
+    """allocator_fragmentation's SQL over hand-made torch.memory rows (device, allocated, reserved, retries, ooms,
     total in GiB); CUDA allocators cannot be made to fragment on this CPU-only host."""
-    import duckdb
-
-    from probe.diagnosis import builtin  # noqa: F401
-    from probe.diagnosis.rules import get_rule
-
-    con = duckdb.connect()
-    con.execute("CREATE SCHEMA torch")
-    con.execute("CREATE TABLE torch.memory (rank INTEGER, device VARCHAR, allocated BIGINT, reserved BIGINT, "
-                "alloc_retries BIGINT, ooms BIGINT, total BIGINT, rss BIGINT)")
     g = 2 ** 30
-    con.executemany("INSERT INTO torch.memory VALUES (NULL, ?, ?, ?, ?, ?, ?, NULL)",
-                    [(d, None if a is None else int(a * g), None if r is None else int(r * g), n, o, None if t is None else t * g)
-                     for d, a, r, n, o, t in rows])
-    cur = con.execute(get_rule("allocator_fragmentation").sql)
-    return [dict(zip([d[0] for d in cur.description], row)) for row in cur.fetchall()]
+    gib = (lambda v: None if v is None else int(v * g))
+    return rule_rows("allocator_fragmentation", {
+        "torch.memory": ("rank INTEGER, device VARCHAR, allocated BIGINT, reserved BIGINT, alloc_retries BIGINT, ooms BIGINT, "
+                         "total BIGINT, rss BIGINT",
+                         [(None, d, gib(a), gib(r), n, o, gib(t), None) for d, a, r, n, o, t in rows])})
 
 
 def test_allocator_fragmentation_needs_retries_and_a_large_unused_reservation():
@@ -322,32 +304,17 @@ def test_allocator_fragmentation_needs_retries_and_a_large_unused_reservation():
 
 
 def _input_bound(loaders: list, main_stack: list, step_ms: float = 50.0, model_ms: float = 1.0) -> list:
-    """input_bound's SQL on DuckDB over 10 hand-made traced steps of ``step_ms`` (``model_ms`` in the root model),
+    """input_bound's SQL over 10 hand-made traced steps of ``step_ms`` (``model_ms`` in the root model),
     torch.dataloaders rows (name, dataset_type, batch_size, num_workers) and the main thread's stack (func, file),
     innermost first."""
-    import duckdb
-
-    from probe.diagnosis import builtin  # noqa: F401
-    from probe.diagnosis.rules import get_rule
-
-    con = duckdb.connect()
-    for schema in ("torch", "python"):
-        con.execute(f"CREATE SCHEMA {schema}")
-    con.execute("CREATE TABLE torch.steps AS SELECT NULL::INTEGER AS rank, range AS step, "
-                f"{step_ms / 1000} AS duration, NULL::DOUBLE AS comm_wait, NULL::DOUBLE AS cpu_wait FROM range(1, 11)")
-    con.execute("CREATE TABLE python.torch_trace AS SELECT NULL::INTEGER AS rank, range AS step, 0 AS depth, "
-                f"{model_ms / 1000} AS duration FROM range(1, 11)")
-    con.execute("CREATE TABLE torch.dataloaders (rank INTEGER, name VARCHAR, dataset_type VARCHAR, batch_size BIGINT, "
-                "num_workers INTEGER)")
-    if loaders:
-        con.executemany("INSERT INTO torch.dataloaders VALUES (NULL, ?, ?, ?, ?)", loaders)
-    con.execute("CREATE TABLE python.backtrace (rank INTEGER, is_main BOOLEAN, depth INTEGER, func VARCHAR, file VARCHAR, "
-                "lineno INTEGER)")
-    if main_stack:
-        con.executemany("INSERT INTO python.backtrace VALUES (NULL, true, ?, ?, ?, 10)",
-                        [(d, f, path) for d, (f, path) in enumerate(main_stack)])
-    cur = con.execute(get_rule("input_bound").sql)
-    return [dict(zip([d[0] for d in cur.description], row)) for row in cur.fetchall()]
+    return rule_rows("input_bound", {
+        "torch.steps": (f"SELECT NULL::INTEGER AS rank, range AS step, {step_ms / 1000} AS duration, NULL::DOUBLE AS comm_wait, "
+                        "NULL::DOUBLE AS cpu_wait FROM range(1, 11)"),
+        "python.torch_trace": f"SELECT NULL::INTEGER AS rank, range AS step, 0 AS depth, {model_ms / 1000} AS duration FROM range(1, 11)",
+        "torch.dataloaders": ("rank INTEGER, name VARCHAR, dataset_type VARCHAR, batch_size BIGINT, num_workers INTEGER",
+                              [(None, *row) for row in loaders]),
+        "python.backtrace": ("rank INTEGER, is_main BOOLEAN, depth INTEGER, func VARCHAR, file VARCHAR, lineno INTEGER",
+                             [(None, True, d, f, path, 10) for d, (f, path) in enumerate(main_stack)])})
 
 
 def test_input_bound_names_loaders_without_workers_and_where_the_main_thread_loads():

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
+from _doctor import rule_rows
+
 
 def _lr_zero(history: list) -> list:
-    import duckdb
-
-    from probe.cli._diagnose import _fill
-    from probe.diagnosis import builtin  # noqa: F401
-    from probe.diagnosis.rules import get_rule
-
-    rule = get_rule("lr_zero")
-    con = duckdb.connect()
-    con.execute("CREATE SCHEMA torch")
-    con.execute("CREATE TABLE torch.optimizer (rank INTEGER, optimizer VARCHAR, param_group INTEGER, params INTEGER, lr DOUBLE)")
-    con.execute("INSERT INTO torch.optimizer VALUES (NULL, 'AdamW', 0, 29, 0.0)")
-    con.execute("CREATE TABLE torch.steps (rank INTEGER, step BIGINT, lr DOUBLE)")
-    con.executemany("INSERT INTO torch.steps VALUES (NULL, ?, ?)", history)
-    cur = con.execute(rule.sql)
-    return [_fill(rule.message, dict(zip([d[0] for d in cur.description], row))) for row in cur.fetchall()]
+    return rule_rows("lr_zero", {
+        "torch.optimizer": ("rank INTEGER, optimizer VARCHAR, param_group INTEGER, params INTEGER, lr DOUBLE",
+                            [(None, "AdamW", 0, 29, 0.0)]),
+        "torch.steps": ("rank INTEGER, step BIGINT, lr DOUBLE", [(None, s, lr) for s, lr in history])}, messages=True)
 
 
 def test_lr_zero_says_when_a_schedule_ran_out_before_the_run_did():
@@ -33,19 +24,8 @@ def test_lr_zero_says_when_a_schedule_ran_out_before_the_run_did():
 
 
 def _loss_nonfinite(rows: list) -> list:
-    import duckdb
-
-    from probe.cli._diagnose import _fill
-    from probe.diagnosis import builtin  # noqa: F401
-    from probe.diagnosis.rules import get_rule
-
-    rule = get_rule("loss_nonfinite")
-    con = duckdb.connect()
-    con.execute("CREATE SCHEMA torch")
-    con.execute("CREATE TABLE torch.steps (rank INTEGER, step BIGINT, loss DOUBLE, lr DOUBLE, grad_norm DOUBLE)")
-    con.executemany("INSERT INTO torch.steps VALUES (NULL, ?, ?, ?, ?)", rows)
-    cur = con.execute(rule.sql)
-    return [_fill(rule.message, dict(zip([d[0] for d in cur.description], row))) for row in cur.fetchall()]
+    return rule_rows("loss_nonfinite", {"torch.steps": ("rank INTEGER, step BIGINT, loss DOUBLE, lr DOUBLE, grad_norm DOUBLE",
+                                                        [(None, *r) for r in rows])}, messages=True)
 
 
 def test_loss_nonfinite_names_gradients_that_went_first_and_says_when_nothing_was_measured():
@@ -72,19 +52,8 @@ def test_loss_nonfinite_names_a_gradient_norm_spike_before_it():
 
 
 def _rule_over_steps(name: str, losses: list) -> list:
-    import duckdb
-
-    from probe.cli._diagnose import _fill
-    from probe.diagnosis import builtin  # noqa: F401
-    from probe.diagnosis.rules import get_rule
-
-    rule = get_rule(name)
-    con = duckdb.connect()
-    con.execute("CREATE SCHEMA torch")
-    con.execute("CREATE TABLE torch.steps (rank INTEGER, step BIGINT, loss DOUBLE)")
-    con.executemany("INSERT INTO torch.steps VALUES (NULL, ?, ?)", list(enumerate(losses, start=1)))
-    cur = con.execute(rule.sql)
-    return [_fill(rule.message, dict(zip([d[0] for d in cur.description], row))) for row in cur.fetchall()]
+    return rule_rows(name, {"torch.steps": ("rank INTEGER, step BIGINT, loss DOUBLE",
+                                            [(None, s, v) for s, v in enumerate(losses, start=1)])}, messages=True)
 
 
 def test_loss_plateau_is_info_on_a_flat_loss_and_quiet_on_a_falling_one():
