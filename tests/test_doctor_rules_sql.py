@@ -43,6 +43,18 @@ def test_loss_nonfinite_names_gradients_that_went_first_and_says_when_nothing_wa
     assert "just before (the gradient norm was not measured on those steps: PROBE_STEP_BUDGET): suspect" in said, said
 
 
+def test_loss_nonfinite_names_an_lr_jump_as_the_cause_even_when_the_gradients_it_blew_up_were_measured():
+    nan, inf = float("nan"), float("inf")
+    healthy = [(s, 1.0, 0.05, 1.0) for s in range(1, 40)]
+    # the LR jumps at 40, the gradients go Inf at 42 (measured), the loss NaN at 43: the jump is the root cause
+    (said,) = _loss_nonfinite(healthy + [(40, 1.0, 1e4, 1.0), (41, 3.0, 1e4, None), (42, 9.0, 1e4, inf), (43, nan, 1e4, nan)])
+    assert said.startswith("the loss became NaN/Inf at step 43, 3 step(s) after the learning rate jumped 2e+05x "
+                           "(0.05 -> 1e+04) at step 40 (the gradients went NaN/Inf at step 42); lower it"), said
+    # gradients that went bad before the jump are the cause, not the jump
+    (said,) = _loss_nonfinite(healthy + [(40, 1.0, 0.05, inf), (41, 2.0, 1e4, None), (42, nan, 1e4, nan)])
+    assert "after the gradients became NaN/Inf at step 40 while its loss was still finite" in said, said
+
+
 def test_loss_nonfinite_names_a_gradient_norm_spike_before_it():
     nan = float("nan")
     rows = [(s, 1.0, 0.05, 1.0) for s in range(1, 38)] + [(38, 1.2, 0.05, 60.0), (39, 5.0, 0.05, 2.0), (40, nan, 0.05, nan)]

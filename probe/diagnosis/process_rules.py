@@ -69,13 +69,16 @@ near AS (
   FROM bad AS b JOIN s ON s.rank IS NOT DISTINCT FROM b.rank AND s.step BETWEEN b.step - 5 AND b.step
   GROUP BY b.rank, b.step)
 SELECT rank, step, lr_jump, jump_step, gn_score, spike_step, grad_bad_step,
-       CASE WHEN grad_bad_step IS NOT NULL THEN
+       CASE WHEN lr_jump >= 10 AND (grad_bad_step IS NULL OR jump_step <= grad_bad_step) THEN
+              -- the jump is the root cause even when the gradients it blew up were measured first
+              printf('%d step(s) after the learning rate jumped %.4gx (%.3g -> %.3g) at step %d%s; lower it',
+                     step - jump_step, lr_jump, lr_before, lr_after, jump_step,
+                     CASE WHEN grad_bad_step IS NOT NULL
+                          THEN printf(' (the gradients went NaN/Inf at step %d)', grad_bad_step) ELSE '' END)
+            WHEN grad_bad_step IS NOT NULL THEN
               printf('%d step(s) after the gradients became NaN/Inf at step %d while its loss was still finite: a backward '
                      'overflowed or divided by zero (look for the tensor in torch.parameters.grad_norm, or a hook that scales '
                      'gradients)', step - grad_bad_step, grad_bad_step)
-            WHEN lr_jump >= 10 THEN
-              printf('%d step(s) after the learning rate jumped %.4gx (%.3g -> %.3g) at step %d; lower it',
-                     step - jump_step, lr_jump, lr_before, lr_after, jump_step)
             WHEN gn_score >= 10 THEN
               printf('%d step(s) after the gradient norm spiked to %.3gx its recent median at step %d; clip gradients or lower the LR',
                      step - spike_step, gn_score, spike_step)
