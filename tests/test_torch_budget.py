@@ -56,7 +56,7 @@ def test_budget_bucket_arithmetic():
 
 def test_tiny_budget_keeps_count_and_times_exact_and_flags_unmeasured_steps(tiny, shared_cli):
     rows = query(shared_cli, tiny.pid, "SELECT step, started_at, ended_at, duration, loss, grad_norm, peak_allocated, "
-                 f"measured, probe_us FROM torch.steps WHERE step <= {FAST} ORDER BY step")
+                 f"samples, micro_batches, lr, optimizer, measured, probe_us FROM torch.steps WHERE step <= {FAST} ORDER BY step")
     # step count exact: one row per optimizer step, none missing
     assert [r["step"] for r in rows] == list(range(1, FAST + 1))
     # step times exact: every step has its duration, and each starts where the previous one ended
@@ -69,11 +69,16 @@ def test_tiny_budget_keeps_count_and_times_exact_and_flags_unmeasured_steps(tiny
     assert len(unmeasured) > FAST // 2
     # not measured: NULL, never a stale or made-up value
     assert all(r["loss"] is None and r["grad_norm"] is None and r["peak_allocated"] is None for r in unmeasured)
+    # the inputs are counted on measured steps only (the model's input hook is in for those steps alone)
+    assert all(r["samples"] is None and r["micro_batches"] == 0 for r in unmeasured)
+    # the exact values are there on every step, measured or not
+    assert all(r["lr"] == pytest.approx(0.05) and r["optimizer"] == "SGD" for r in rows)
     # measured: the loop's own loss
     losses = loop_losses(tiny)
     measured = [r for r in rows if r["measured"]]
     assert [r["loss"] for r in measured] == pytest.approx([losses[r["step"] - 1] for r in measured], rel=1e-6)
     assert all(r["peak_allocated"] > 0 for r in measured)
+    assert all(r["samples"] == 16 and r["micro_batches"] == 1 for r in measured if r["step"] > 1)  # found at step 1
 
 
 def test_lr_action_takes_effect_at_the_next_step_under_sampling(tiny, shared_cli):

@@ -150,6 +150,8 @@ def test_reading_the_loop_locals_keeps_nothing_alive_and_changes_nothing(probe_e
     probed = run()
     traced = run(TRACE="1")
     assert plain["alive"] == "0" and probed["alive"] == "0"
+    # a step function's frame is not kept past its boundary (it held the last step's logits through the next)
+    assert run(NO_PROBE="1", STEP_FN="1")["alive_fn"] == run(STEP_FN="1")["alive_fn"] == "0"
     assert probed["total"] == plain["total"] == traced["total"]
     assert probed["checksum"] == plain["checksum"] == traced["checksum"] == "190"
 

@@ -23,7 +23,7 @@ import traceback
 
 from .queue import Context
 from .._errors import ActionError
-from ..training.finder import main_globals, named, training_frame
+from ..training.finder import main_globals, named
 from ..util.frames import release
 
 __all__ = ["run_code", "namespace"]
@@ -82,9 +82,7 @@ def _frame(ctx: Context):
     """The user's training-loop frame at this safe point (outside torch, probe and the frameworks), or None."""
     if ctx.now or ctx.step is None:
         return None
-    if ctx.frame is not None:
-        return ctx.frame
-    return training_frame()
+    return ctx.frame
 
 
 def _compile(code: str, filename: str):

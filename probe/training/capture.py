@@ -16,7 +16,8 @@ else a foreach norm of the lead optimizer's gradients launched on the device.
 
 Nothing here synchronises with a device: ``hold`` turns a device scalar into a pinned
 host copy and an event, read later by ``read`` once the event has completed. While
-``wanted`` is False (a step the budget does not measure) backward calls are not noted.
+``wanted`` is False (a step the budget does not measure) backward calls are not noted, and
+``note`` takes the wrappers out altogether (they cost every call).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Capture:
         self._closure_step = False  # inside optimizer.step(closure): only the closure's first backward counts
         self._closure_taken = False
         self._norm_failed: set = set()
+        self._swaps: list = []  # (owner, attribute, original, wrapper): in only while a measured step runs
 
     # -- holding values without a device sync ---------------------------------------------------
     def hold(self, value):
@@ -177,8 +179,23 @@ class Capture:
                 fn()
             except Exception as exc:
                 record_error(f"torch steps: wrapping {what}", exc)
+        self.note(self.wanted)
+
+    def note(self, on: bool) -> None:
+        """Whether the next step is measured: its backward calls noted, so the wrappers of
+        ``torch.autograd.backward`` and ``GradScaler.scale`` go in (``on``) or out. Each costs
+        every call; on unmeasured steps the originals run. An attribute someone else has
+        replaced since is left alone."""
+        self.wanted = on
+        for owner, name, original, wrapper in self._swaps:
+            current = getattr(owner, name, None)
+            target = wrapper if on else original
+            if current is not target and (current is original or current is wrapper):
+                setattr(owner, name, target)
 
     def unwrap(self) -> None:
+        self.note(True)  # the wrappers back in place, so they are found and taken out below
+        self._swaps.clear()
         utils = self.torch.nn.utils
         original = getattr(utils.clip_grad_norm_, "_probe_original", None)
         if original is not None:
@@ -204,7 +221,8 @@ class Capture:
         @functools.wraps(original)
         def clip_grad_norm_(*args, **kwargs):
             total = original(*args, **kwargs)
-            capture.clip_norm = total
+            if capture.wanted:  # a measured step's: an unmeasured one's would go stale
+                capture.clip_norm = total
             return total
 
         clip_grad_norm_._probe_original = original
@@ -228,6 +246,7 @@ class Capture:
 
             backward._probe_original = original
             autograd.backward = backward
+            self._swaps.append((autograd, "backward", original, backward))
         scaler = getattr(getattr(self.torch, "amp", None), "GradScaler", None)
         scale = getattr(scaler, "scale", None)
         if scale is not None and getattr(scale, "_probe_original", None) is None:
@@ -245,3 +264,4 @@ class Capture:
 
             scale_._probe_original = scale
             scaler.scale = scale_
+            self._swaps.append((scaler, "scale", scale, scale_))

@@ -46,7 +46,7 @@ from ..util.errorlog import record_error
 
 __all__ = ["Found", "known", "is_internal", "models", "optimizers", "schedulers", "grad_scalers", "frameworks", "dataloaders",
            "scheduler_for",
-           "optimizer_found", "unwrap_optimizer", "add", "scan", "set_training_frame", "training_frame",
+           "optimizer_found", "unwrap_optimizer", "add", "scan",
            "user_frame", "named", "objects_of", "framework_of", "main_globals", "module_path", "FRAMEWORK_PACKAGES"]
 
 KINDS = ("model", "optimizer", "scheduler", "scaler", "framework", "dataloader")
@@ -83,7 +83,6 @@ class _Entry:
 
 _lock = threading.RLock()
 _found: dict[str, dict[int, _Entry]] = {k: {} for k in KINDS}  # insertion order = discovery order
-_frame = None
 
 
 def _torch():
@@ -527,15 +526,6 @@ def scan(frame=None, max_frames: int = 4) -> None:
 
 
 # -- frames -------------------------------------------------------------------------------------------------
-def set_training_frame(frame) -> None:
-    global _frame
-    _frame = frame
-
-
-def training_frame():
-    """The user's loop frame last seen at a step boundary, or None."""
-    return _frame
-
 
 _PROBE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # probe/ (this file is in probe/training)
 _internal: dict = {}  # co_filename -> inside torch, probe, a training framework, or stdlib plumbing

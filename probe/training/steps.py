@@ -16,7 +16,9 @@ queue are exact on every step; the optional values (the loss read-back from
 ``capture``, the grad norm, peak memory) and the occasional work (discovery scans,
 module-trace scheduling) run on the steps the ``PROBE_STEP_BUDGET`` bucket allows, and
 the row's ``measured`` flag says which. Each boundary's own cost is timed and kept
-(``probe_us``). Values derived from others (``started_at``, the rates, ``rank``) are
+(``probe_us``). A step that is not measured, traced or waited on by an action takes a quick
+path (``_quick_boundary``): the exact values and nothing else, in a handful of operations,
+because on a fast loop that path is most steps and every operation in it is paid per step. Values derived from others (``started_at``, the rates, ``rank``) are
 computed when a query asks, not at the boundary.
 
 The hot path never synchronises with a device: the loss and the gradient norm
@@ -47,6 +49,8 @@ from ..util.procfs import RunDelayReader
 from ..util.ring import Ring
 
 __all__ = ["StepTracker", "STEP_COLUMNS"]
+
+_perf_ns = time.perf_counter_ns
 
 # What the boundary writes per step (the ring's columns)...
 RING_COLUMNS = {"step": "i8", "ended_at": "f8", "duration": "f8", "loss": "f8", "grad_norm": "f8", "lr": "f8",
@@ -80,7 +84,8 @@ class StepTracker:
         self.tracer = tracer
         self.torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
         self.ring = Ring(RING_COLUMNS, setting("PROBE_STEPS_CAPACITY"))
-        self._cost = array("d", bytes(8 * self.ring.capacity))  # probe_us per ring row
+        self._cap = self.ring.capacity
+        self._cost = array("d", bytes(8 * self._cap))  # probe_us per ring row
         self._cost_rows = 0  # rows whose cost is written
         self.rank = rank_identity()["rank"]
         # An integer batch of two or more dimensions is token ids (features are floating point).
@@ -96,25 +101,26 @@ class StepTracker:
         self.step = 0
         self.explicit = False
         self.lead = None  # weakref to the lead optimizer
-        self.last_end_perf: float | None = None
-        self.last_end_wall: float | None = None
-        self.started_perf = time.perf_counter()
-        self.started_wall = time.time()
+        self._last_ns: int | None = None  # perf_counter_ns at the last boundary (None: the clock restarts)
+        self._started_ns = time.perf_counter_ns()
         self.samples = 0.0
         self.tokens = 0.0
         self.micro_batches = 0
         self.pending: list = []  # (ring row, column, value holder)
         self._lock = threading.Lock()
-        self._root_hooks: dict = {}
+        self._root = None  # weakref to the primary model, whose forward pre-hook counts the inputs
+        self._root_handle = None  # that hook, installed for measured steps only
         self._scan_due = 1
         self.wall_offset = time.time() - time.perf_counter()
         self._peak_at = -1.0
         self._peak_v = None
         self._run_delay = RunDelayReader()
         self._waited = None  # (run_delay ns, step) at the last measured step
-        self._frame = None
+        self._frame_code = None  # the loop frame's code, and how far out from the hook it was
         self._frame_depth = 0
         self.step_lr = None  # the lr an override made this step use (set by probe._lr before the boundary)
+        self._quick = False  # the next boundary may take the quick path (unmeasured, untraced, nothing queued)
+        self._lead_name = None
         self.capture.wrap()
 
     # -- the lead optimizer --------------------------------------------------------------------
@@ -123,6 +129,7 @@ class StepTracker:
 
         optimizer, _ = finder.unwrap_optimizer(optimizer)  # the hooks fire with the inner optimizer
         self.lead = weakref.ref(optimizer)
+        self._lead_name = type(optimizer).__name__
         finder.add(optimizer, None, "step hook", "optimizer")
 
     def lead_optimizer(self):
@@ -134,24 +141,31 @@ class StepTracker:
 
     def on_optimizer_step(self, optimizer) -> None:
         """torch's global optimizer step post-hook lands here."""
-        t0 = time.perf_counter_ns()
-        self.capture.on_step_end()
-        lead = self.lead() if self.lead is not None else None
-        if lead is None:
-            self.set_lead(optimizer)
-        elif lead is not optimizer:
-            if finder.optimizer_found(optimizer) is None:
-                finder.add(optimizer, None, "step hook", "optimizer")
-            return
+        t0 = _perf_ns()
+        capture = self.capture
+        if capture._closure_step:
+            capture.on_step_end()
+        lead = self.lead
+        if lead is None or lead() is not optimizer:
+            if lead is None or lead() is None:
+                self.set_lead(optimizer)
+            else:
+                if finder.optimizer_found(optimizer) is None:
+                    finder.add(optimizer, None, "step hook", "optimizer")
+                return
         if self.explicit:
+            return
+        if self._quick and self._quick_boundary(optimizer, t0):
             return
         self.boundary(optimizer, self._loop_frame(), t0=t0)
 
     def _loop_frame(self):
         """The training loop's frame: the first one outside torch and probe above the step hook.
 
-        The loop calls ``optimizer.step()`` from the same frame at the same depth every
-        step, so the last answer is checked with one ``sys._getframe`` before walking.
+        The loop calls ``optimizer.step()`` from the same code at the same depth every
+        step, so the last answer is checked with one ``sys._getframe`` before walking. Only
+        the code object is kept: a frame kept past the boundary would keep the step's locals
+        (the loss, the logits) alive through the next step when the step is a function.
         """
         depth = self._frame_depth
         if depth:
@@ -159,10 +173,11 @@ class StepTracker:
                 f = sys._getframe(depth)
             except ValueError:
                 f = None
-            if f is not None and f is self._frame:
+            if f is not None and f.f_code is self._frame_code:
                 return f
         f, hops = _outside(sys._getframe(1))
         self._frame_depth = 1 + hops if f is not None else 0
+        self._frame_code = f.f_code if f is not None else None
         return f
 
     # -- inputs: samples and tokens per step -------------------------------------------------
@@ -194,15 +209,36 @@ class StepTracker:
         return found[0].obj if found else None
 
     def _watch_roots(self) -> None:
-        """Count samples and tokens at the primary model's forward (one hook on one module, not global)."""
+        """Count samples and tokens at the primary model's forward (one hook on one module, not global),
+        on the measured steps: a module hook costs every forward call, and the counts are optional values."""
+        import weakref
+
         model = self._primary_model()
-        if model is None or id(model) in self._root_hooks:
+        if model is None or (self._root is not None and self._root() is model):
             return
         self.close_root_hooks()
         try:
-            self._root_hooks[id(model)] = model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True)
-        except Exception as exc:
+            self._root = weakref.ref(model)
+        except TypeError as exc:
             record_error("torch steps: root model hook", exc)
+            return
+        self._root_hook(self.capture.wanted)
+
+    def _root_hook(self, on: bool) -> None:
+        """Put the primary model's input-counting hook in (``on``) or take it out."""
+        handle = self._root_handle
+        if not on:
+            if handle is not None:
+                self._root_handle = None
+                handle.remove()
+            return
+        model = self._root() if self._root is not None else None
+        if handle is None and model is not None:
+            try:
+                self._root_handle = model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True)
+            except Exception as exc:
+                record_error("torch steps: root model hook", exc)
+                self._root = None
 
     # -- lazily read values ---------------------------------------------------------------------
     def resolve(self, up_to_row: int | None = None) -> None:
@@ -312,69 +348,140 @@ class StepTracker:
         the step's end, and the start of the probe's own cost.
         """
         if t0 is None:
-            t0 = time.perf_counter_ns()
-        end_perf = t0 * 1e-9
+            t0 = _perf_ns()
         self.step = step = self.step + 1
-        if frame is not self._frame:
-            self._frame = frame
-            finder.set_training_frame(frame)
         if optimizer is None:
             optimizer = self.lead_optimizer()
-        start_perf = self.last_end_perf
-        if start_perf is None:
-            start_perf = self.tracer.first_call_perf() or self.started_perf
-        duration = end_perf - start_perf if end_perf > start_perf else 0.0
+        last = self._last_ns
+        if last is None:  # the first step (or the first after resume): from the first traced module call
+            first = self.tracer.first_call_perf()
+            last = int(first * 1e9) if first is not None else self._started_ns
+        self._last_ns = t0
+        duration_ns = t0 - last if t0 > last else 0
         budget = self.budget
-        budget.earn(duration * 1e9)
-        measured = self.capture.wanted
+        budget.earn(duration_ns)
+        capture = self.capture
+        measured = capture.wanted
         if measured:
             loss_v, norm_v, peak = self._measure(optimizer, frame, loss, t0)
             waited = self._cpu_wait(step)
         else:  # None: not measured (SQL NULL); a NaN loss stays NaN
             loss_v = norm_v = peak = waited = None
-            self.capture.clip_norm = None
-        lr = None
-        if self.step_lr is not None:
-            lr, self.step_lr = self.step_lr, None
+            if capture.clip_norm is not None:
+                capture.clip_norm = None
+        lr = self.step_lr
+        if lr is not None:
+            self.step_lr = None
         elif optimizer is not None:
             try:
                 lr = optimizer.param_groups[0]["lr"]
                 if type(lr) is not float:
-                    lr = self.capture.hold(lr)  # a tensor lr (capturable optimizers), or an int
+                    lr = capture.hold(lr)  # a tensor lr (capturable optimizers), or an int
             except Exception as exc:
                 record_error("torch steps: lr", exc)
-        s = float(samples) if samples is not None else (self.samples or None)
-        t = float(tokens) if tokens is not None else (self.tokens or None)
         tracer = self.tracer
         traced = tracer.active_step == step
         ring = self.ring
         row = ring.count
-        ring.append(step, end_perf + self.wall_offset, duration, loss_v if type(loss_v) is float else None,
-                    norm_v if type(norm_v) is float else None, lr if type(lr) is float else None, peak, traced,
-                    measured, s, t, self.micro_batches, type(optimizer).__name__ if optimizer is not None else None, waited)
-        if type(loss_v) is tuple or type(norm_v) is tuple or type(lr) is tuple:  # device values read later
+        micro = self.micro_batches
+        if micro or samples is not None or tokens is not None:
+            s = float(samples) if samples is not None else (self.samples or None)
+            t = float(tokens) if tokens is not None else (self.tokens or None)
+            self.samples = self.tokens = 0.0
+            self.micro_batches = 0
+        else:
+            s = t = None
+        ring.append(step, t0 * 1e-9 + self.wall_offset, duration_ns * 1e-9,
+                    loss_v if type(loss_v) is float else None, norm_v if type(norm_v) is float else None,
+                    lr if type(lr) is float else None, peak, traced, measured, s, t, micro,
+                    type(optimizer).__name__ if optimizer is not None else None, waited)
+        if measured or type(lr) is tuple:
+            self._keep_pending(row, loss_v, norm_v, lr)
+            if measured:
+                self._occasional(step, frame, duration_ns, traced)
+        asked = self._prepare_next(step, t0, traced)
+        if safepoint._subscribers:
+            t1 = _perf_ns()
+            safepoint.fire(safepoint.StepEvent(step, frame, optimizer))
+            t0 += _perf_ns() - t1  # the subscribers' work (queued actions) is not the probe's overhead
+        else:
+            safepoint.last_step = step
+        cost = _perf_ns() - t0
+        if step > _FORCED:  # start-up (first scans, imports, the first traces) is paid once, not paced
+            budget.spend(cost - asked)
+        self._cost[row % self._cap] = cost * 1e-3
+        self._cost_rows = row + 1
+
+    def _prepare_next(self, step: int, t0: int, traced: bool, measure: bool | None = None) -> int:
+        """Decide whether the next step is measured (now, so its backward calls and inputs are noted
+        or not; ``measure`` when the caller asked the budget already) and give the tracer its turn.
+        Returns the ns of a trace the user asked for (PROBE_TRACE set): shown in probe_us, not paced."""
+        nxt = step + 1
+        if measure is None:
+            measure = nxt <= _FORCED or self.budget.allows(t0)
+        if measure is not self.capture.wanted:
+            self.capture.note(measure)
+        if (self._root_handle is None) is measure and self._root is not None:
+            self._root_hook(measure)  # the inputs are counted on measured steps only
+        asked = 0
+        tracer = self.tracer
+        if traced or tracer.handles or tracer.pending_events or (
+                nxt >= self._trace_due and (measure or not self._trace_paced)):
+            asked = self._trace_boundary(step, traced, measure)
+        self._quick = not (measure or tracer.handles or tracer.pending_events or tracer.active_step is not None)
+        return asked
+
+    def _quick_boundary(self, optimizer, t0: int) -> bool:
+        """The boundary of a step the budget does not measure, with nothing traced or queued: only
+        the exact values (count, times, lr), in as few operations as the boundary can be; False when
+        the step needs the full boundary after all (a queued action, an lr override, a device lr).
+
+        This is the boundary of most steps of a fast loop: every operation here is paid per step,
+        with the caches cold from the optimizer's work."""
+        lr = optimizer.param_groups[0]["lr"]
+        if type(lr) is not float or self.step_lr is not None or safepoint._subscribers:
+            return False
+        self.step = step = self.step + 1
+        d = t0 - self._last_ns
+        self._last_ns = t0
+        budget = self.budget
+        budget.earn(d)
+        ring = self.ring
+        row = ring.count
+        ring.append(step, t0 * 1e-9 + self.wall_offset, d * 1e-9, None, None, lr, None, False, False, None, None, 0,
+                    self._lead_name, None)
+        measure = budget.allows(t0)
+        if measure or (step + 1 >= self._trace_due and not self._trace_paced):
+            self._prepare_next(step, t0, False, measure)
+        safepoint.last_step = step
+        cost = _perf_ns() - t0
+        budget.spend(cost)
+        self._cost[row % self._cap] = cost * 1e-3
+        self._cost_rows = row + 1
+        return True
+
+    def _keep_pending(self, row: int, loss_v, norm_v, lr) -> None:
+        """Device values (holders) of this row, read a few steps later or when a query asks."""
+        if type(loss_v) is tuple or type(norm_v) is tuple or type(lr) is tuple:
             with self._lock:
                 for col, v in (("loss", loss_v), ("grad_norm", norm_v), ("lr", lr)):
                     if type(v) is tuple:
                         self.pending.append((row, col, v))
             if len(self.pending) >= _RESOLVE_EVERY:
                 self.resolve(up_to_row=row - _LAG)
-        self.last_end_perf = end_perf
-        self.last_end_wall = end_perf + self.wall_offset
-        self.samples = self.tokens = 0.0
-        self.micro_batches = 0
-        if measured:
-            self._occasional(step, frame, duration * 1e9, traced)
-        # Whether the next step is measured: decided now, so its backward calls are noted or not.
+
+    def _trace_boundary(self, step: int, traced: bool, measure: bool) -> int:
+        """The tracer's turn at the boundary: finish a traced step, read its device timings, and
+        prepare the next step (traced or not). Returns the ns of a trace the user asked for."""
+        tracer = self.tracer
+        asked = 0
         nxt = step + 1
-        measure = self.capture.wanted = nxt <= _FORCED or budget.allows(t0)
-        asked = 0  # the cost of a trace the user asked for (PROBE_TRACE set): shown in probe_us, not paced
         try:
             if traced:
-                t1 = time.perf_counter_ns()
+                t1 = _perf_ns()
                 tracer.finish(step, self.wall_offset)
                 if not self._trace_paced:
-                    asked = time.perf_counter_ns() - t1
+                    asked = _perf_ns() - t1
             if tracer.pending_events:
                 tracer.resolve()
             if nxt >= self._trace_due and (measure or not self._trace_paced):
@@ -384,17 +491,7 @@ class StepTracker:
                 tracer.prepare(nxt, False)
         except Exception as exc:
             record_error("torch trace: step boundary", exc)
-        if safepoint._subscribers:
-            t1 = time.perf_counter_ns()
-            safepoint.fire(safepoint.StepEvent(step, frame, optimizer))
-            t0 += time.perf_counter_ns() - t1  # the subscribers' work (queued actions) is not the probe's overhead
-        else:
-            safepoint.last_step = step
-        cost = time.perf_counter_ns() - t0
-        if step > _FORCED:  # start-up (first scans, imports, the first traces) is paid once, not paced
-            budget.spend(cost - asked)
-        self._cost[row % self.ring.capacity] = cost * 1e-3
-        self._cost_rows = row + 1
+        return asked
 
     def _occasional(self, step: int, frame, duration_ns: float, traced: bool) -> None:
         """Work a measured step does when it is due: discovery scans (steps 1, 2, 4, 8, ... or the first
@@ -414,6 +511,10 @@ class StepTracker:
         else:
             self._typical_ns = duration_ns
 
+    def last_end_wall(self) -> float | None:
+        """Wall-clock time of the last boundary (None before the first)."""
+        return None if self._last_ns is None else self._last_ns * 1e-9 + self.wall_offset
+
     # -- status -------------------------------------------------------------------------------------
     def status(self) -> dict:
         if self.step == 0:
@@ -422,7 +523,7 @@ class StepTracker:
 
         n = min(len(self.ring), 20)
         recent = self.ring.snapshot()["duration"][-n:] if n else []
-        return {"step": self.step, "last_step_at": self.last_end_wall,
+        return {"step": self.step, "last_step_at": self.last_end_wall(),
                 "step_time": float(np.median(recent)) if n else None, "state": "training"}
 
     def close(self) -> None:
@@ -433,13 +534,12 @@ class StepTracker:
         """Undo ``close``: the loss and clip wrappers and the root model's hook go back; the next step's clock restarts."""
         self.capture.wrap()
         self._watch_roots()
-        self.last_end_perf = None
-        self.started_perf = time.perf_counter()
+        self._last_ns = None
+        self._quick = False
+        self._started_ns = time.perf_counter_ns()
 
     def close_root_hooks(self) -> None:
-        for h in self._root_hooks.values():
-            try:
-                h.remove()
-            except Exception:
-                pass
-        self._root_hooks.clear()
+        try:
+            self._root_hook(False)
+        except Exception:
+            self._root_handle = None
