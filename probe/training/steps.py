@@ -17,7 +17,7 @@ queue are exact on every step; the optional values (the loss read-back from
 module-trace scheduling) run on the steps the ``PROBE_STEP_BUDGET`` bucket allows, and
 the row's ``measured`` flag says which. Each boundary's own cost is timed and kept
 (``probe_us``). A step that is not measured, traced or waited on by an action takes a quick
-path (``_quick_boundary``): the exact values and nothing else, in a handful of operations,
+path (in ``on_optimizer_step``): the exact values and nothing else, in a handful of operations,
 because on a fast loop that path is most steps and every operation in it is paid per step. Values derived from others (``started_at``, the rates, ``rank``) are
 computed when a query asks, not at the boundary.
 
@@ -32,12 +32,12 @@ step it went bad.
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import sys
 import threading
 import time
-from array import array
 
 from . import finder, safepoint
 from ..util.budget import Budget
@@ -55,7 +55,7 @@ _perf_ns = time.perf_counter_ns
 # What the boundary writes per step (the ring's columns)...
 RING_COLUMNS = {"step": "i8", "ended_at": "f8", "duration": "f8", "loss": "f8", "grad_norm": "f8", "lr": "f8",
                 "peak_allocated": "f8", "traced": "b1", "measured": "b1", "samples": "f8", "tokens": "f8",
-                "micro_batches": "i8", "optimizer": "O", "cpu_wait": "f8"}
+                "micro_batches": "i8", "optimizer": "O", "cpu_wait": "f8", "probe_us": "f8"}
 # ...and what a query sees (``StepTracker.snapshot``): the rest is derived when asked.
 STEP_COLUMNS = {"step": "i8", "started_at": "f8", "ended_at": "f8", "duration": "f8", "loss": "f8",
                 "grad_norm": "f8", "lr": "f8", "samples_per_s": "f8", "tokens_per_s": "f8",
@@ -65,6 +65,10 @@ _LAG = 2  # steps after which a pending value is read on the training thread
 _RESOLVE_EVERY = 8  # pending device values read at the boundary once this many are waiting
 _PEAK_PERIOD = 0.25  # seconds between peak-memory readings at the boundary (a running peak: staleness is fine)
 _MAX_GAP_S = 1.0  # a step is measured at least this often, whatever the budget
+# What the budget charges per ns of the probe's own timing (probe_us): torch's hook dispatch, the
+# wrappers and the caches refilled after a boundary cost the step about as much again
+# (benchmarks/bench_budget.py: the step-time difference on/off is ~2x the boundary's own timing).
+_CHARGE = 2.0
 _FORCED = 3  # steps 1-3 are always measured (start-up divergence shows there)
 
 
@@ -84,9 +88,13 @@ class StepTracker:
         self.tracer = tracer
         self.torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
         self.ring = Ring(RING_COLUMNS, setting("PROBE_STEPS_CAPACITY"))
-        self._cap = self.ring.capacity
-        self._cost = array("d", bytes(8 * self._cap))  # probe_us per ring row
-        self._cost_rows = 0  # rows whose cost is written
+        # The budget is settled at full boundaries only: the quick ones add their cost here meanwhile.
+        self._spent = 0  # ns of the last full boundary's own work
+        self._quick_ns = 0  # ns of the quick boundaries since, and how many
+        self._quick_n = 0
+        self._settled_ns: int | None = None  # when the budget was last settled
+        self._check_at = 0  # quick boundaries until this perf_counter_ns: the budget cannot allow before
+        self._quick_rate = 0.0  # the quick boundaries' charged cost per ns of step time
         self.rank = rank_identity()["rank"]
         # An integer batch of two or more dimensions is token ids (features are floating point).
         self._token_dtypes = {getattr(torch, n) for n in ("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32",
@@ -97,6 +105,7 @@ class StepTracker:
         self._norm_earned_ns = time.perf_counter_ns()  # the norm's budget earns the time between measured steps
         self._trace_paced = setting("PROBE_TRACE") is None  # an explicit PROBE_TRACE is kept to the step
         self._trace_due = tracer.next_sampled(0)
+        self._hard_trace_at = math.inf  # with an explicit PROBE_TRACE: the step before the next traced one
         self._typical_ns = 0.0  # a running mean of untraced step durations (what tracing a step adds)
         self.step = 0
         self.explicit = False
@@ -140,8 +149,31 @@ class StepTracker:
         self.capture.on_step_start(args, kwargs)
 
     def on_optimizer_step(self, optimizer) -> None:
-        """torch's global optimizer step post-hook lands here."""
+        """torch's global optimizer step post-hook lands here.
+
+        Most steps of a fast loop are not measured, traced or waited on by an action: those take
+        the quick path, inline here, which records the exact values (count, times, lr, its own
+        cost) and nothing else. Every operation in it is paid per step with the caches cold from
+        the optimizer's work, so it is kept to a handful; anything unusual falls through to
+        ``boundary``."""
         t0 = _perf_ns()
+        if self._quick and t0 < self._check_at:
+            lead = self.lead
+            if lead is not None and lead() is optimizer:
+                lr = optimizer.param_groups[0]["lr"]
+                if type(lr) is float and self.step_lr is None and not safepoint._subscribers:
+                    self.step = step = self.step + 1
+                    d = t0 - self._last_ns
+                    self._last_ns = t0
+                    if step >= self._hard_trace_at:
+                        self._prepare_next(step, t0, False, False)
+                    safepoint.last_step = step
+                    cost = _perf_ns() - t0
+                    self._quick_ns += cost
+                    self._quick_n += 1
+                    self.ring.append(step, t0 * 1e-9 + self.wall_offset, d * 1e-9, None, None, lr, None, False, False,
+                                     None, None, 0, self._lead_name, None, cost * 1e-3)
+                    return
         capture = self.capture
         if capture._closure_step:
             capture.on_step_end()
@@ -154,8 +186,6 @@ class StepTracker:
                     finder.add(optimizer, None, "step hook", "optimizer")
                 return
         if self.explicit:
-            return
-        if self._quick and self._quick_boundary(optimizer, t0):
             return
         self.boundary(optimizer, self._loop_frame(), t0=t0)
 
@@ -268,11 +298,8 @@ class StepTracker:
         import numpy as np
 
         self.resolve()
-        written = self._cost_rows
-        cost = np.frombuffer(self._cost, dtype="f8").copy()  # one C call under the GIL: no torn rows
         cols = self.ring.snapshot()
         rows = cols["step"] - 1  # one ring row per step, in order
-        probe_us = np.ma.masked_where(rows >= written, cost[rows % len(cost)] if len(cost) else np.zeros(0))
         duration = cols["duration"]
         with np.errstate(divide="ignore", invalid="ignore"):
             per_s = np.ma.masked_where(duration <= 0, 1.0 / duration)  # NULL, not NaN, for a step of no length
@@ -283,7 +310,7 @@ class StepTracker:
                 "peak_allocated": cols["peak_allocated"],
                 "rank": np.full(n, np.nan if self.rank is None else float(self.rank)), "traced": cols["traced"],
                 "samples": cols["samples"], "tokens": cols["tokens"], "micro_batches": cols["micro_batches"],
-                "optimizer": cols["optimizer"], "measured": cols["measured"], "probe_us": probe_us,
+                "optimizer": cols["optimizer"], "measured": cols["measured"], "probe_us": cols["probe_us"],
                 "cpu_wait": cols["cpu_wait"]}
 
     # -- the boundary -----------------------------------------------------------------------------
@@ -339,7 +366,8 @@ class StepTracker:
         return (ns - last[0]) * 1e-9 / (step - last[1])
 
     def boundary(self, optimizer, frame, *, loss=None, samples=None, tokens=None, t0: int | None = None) -> None:
-        """Close step ``self.step + 1``: one ring row, then the tracer's and the subscribers' turn.
+        """Close step ``self.step + 1``: the optional values if measured, the tracer's and the
+        subscribers' turn, then one ring row (with the boundary's own cost, subscribers excluded).
 
         This runs between two steps on the training thread, with the step's work just
         evicted from the CPU caches, so it touches as little as it can: one tuple into the
@@ -358,8 +386,7 @@ class StepTracker:
             last = int(first * 1e9) if first is not None else self._started_ns
         self._last_ns = t0
         duration_ns = t0 - last if t0 > last else 0
-        budget = self.budget
-        budget.earn(duration_ns)
+        allowed = self._settle(t0, last)  # whether the next step may be measured
         capture = self.capture
         measured = capture.wanted
         if measured:
@@ -379,10 +406,7 @@ class StepTracker:
                     lr = capture.hold(lr)  # a tensor lr (capturable optimizers), or an int
             except Exception as exc:
                 record_error("torch steps: lr", exc)
-        tracer = self.tracer
-        traced = tracer.active_step == step
-        ring = self.ring
-        row = ring.count
+        traced = self.tracer.active_step == step
         micro = self.micro_batches
         if micro or samples is not None or tokens is not None:
             s = float(samples) if samples is not None else (self.samples or None)
@@ -391,15 +415,9 @@ class StepTracker:
             self.micro_batches = 0
         else:
             s = t = None
-        ring.append(step, t0 * 1e-9 + self.wall_offset, duration_ns * 1e-9,
-                    loss_v if type(loss_v) is float else None, norm_v if type(norm_v) is float else None,
-                    lr if type(lr) is float else None, peak, traced, measured, s, t, micro,
-                    type(optimizer).__name__ if optimizer is not None else None, waited)
-        if measured or type(lr) is tuple:
-            self._keep_pending(row, loss_v, norm_v, lr)
-            if measured:
-                self._occasional(step, frame, duration_ns, traced)
-        asked = self._prepare_next(step, t0, traced)
+        if measured:
+            self._occasional(step, frame, duration_ns, traced)
+        asked = self._prepare_next(step, t0, traced, step + 1 <= _FORCED or allowed)
         if safepoint._subscribers:
             t1 = _perf_ns()
             safepoint.fire(safepoint.StepEvent(step, frame, optimizer))
@@ -407,18 +425,37 @@ class StepTracker:
         else:
             safepoint.last_step = step
         cost = _perf_ns() - t0
-        if step > _FORCED:  # start-up (first scans, imports, the first traces) is paid once, not paced
-            budget.spend(cost - asked)
-        self._cost[row % self._cap] = cost * 1e-3
-        self._cost_rows = row + 1
+        # start-up (first scans, imports, the first traces) is paid once, not paced
+        self._spent = cost - asked if step > _FORCED else 0
+        if self._quick:  # the quick path may run until the budget could allow a measured step
+            self._check_at = self.budget.due_ns(t0, self._quick_rate)
+        ring = self.ring
+        row = ring.count
+        ring.append(step, t0 * 1e-9 + self.wall_offset, duration_ns * 1e-9,
+                    loss_v if type(loss_v) is float else None, norm_v if type(norm_v) is float else None,
+                    lr if type(lr) is float else None, peak, traced, measured, s, t, micro,
+                    type(optimizer).__name__ if optimizer is not None else None, waited, cost * 1e-3)
+        if measured or type(lr) is tuple:  # after the row is in: a query's resolve may fill it at once
+            self._keep_pending(row, loss_v, norm_v, lr)
 
-    def _prepare_next(self, step: int, t0: int, traced: bool, measure: bool | None = None) -> int:
-        """Decide whether the next step is measured (now, so its backward calls and inputs are noted
-        or not; ``measure`` when the caller asked the budget already) and give the tracer its turn.
-        Returns the ns of a trace the user asked for (PROBE_TRACE set): shown in probe_us, not paced."""
+    def _settle(self, t0: int, last: int) -> bool:
+        """Charge the budget for the boundaries since it was last settled (this full one's
+        predecessor and the quick ones after it, at ``_CHARGE`` times their own timing), credit
+        the time their steps took, and say whether the next step may be measured."""
+        since = self._settled_ns if self._settled_ns is not None else last
+        n = self._quick_n
+        if n:
+            self._quick_rate = _CHARGE * self._quick_ns / n / max(1, (t0 - since) / (n + 1))
+        allowed = self.budget.tick(t0 - since, t0, _CHARGE * (self._spent + self._quick_ns), 1 + n)
+        self._settled_ns = t0
+        self._spent = self._quick_ns = self._quick_n = 0
+        return allowed
+
+    def _prepare_next(self, step: int, t0: int, traced: bool, measure: bool) -> int:
+        """Set up the next step, measured or not (``measure``, from the budget): its backward calls
+        and inputs noted or not, and the tracer's turn. Returns the ns of a trace the user asked for
+        (PROBE_TRACE set): shown in probe_us, not paced."""
         nxt = step + 1
-        if measure is None:
-            measure = nxt <= _FORCED or self.budget.allows(t0)
         if measure is not self.capture.wanted:
             self.capture.note(measure)
         if (self._root_handle is None) is measure and self._root is not None:
@@ -428,37 +465,9 @@ class StepTracker:
         if traced or tracer.handles or tracer.pending_events or (
                 nxt >= self._trace_due and (measure or not self._trace_paced)):
             asked = self._trace_boundary(step, traced, measure)
-        self._quick = not (measure or tracer.handles or tracer.pending_events or tracer.active_step is not None)
+        self._quick = not (measure or self.explicit or tracer.handles or tracer.pending_events
+                           or tracer.active_step is not None)
         return asked
-
-    def _quick_boundary(self, optimizer, t0: int) -> bool:
-        """The boundary of a step the budget does not measure, with nothing traced or queued: only
-        the exact values (count, times, lr), in as few operations as the boundary can be; False when
-        the step needs the full boundary after all (a queued action, an lr override, a device lr).
-
-        This is the boundary of most steps of a fast loop: every operation here is paid per step,
-        with the caches cold from the optimizer's work."""
-        lr = optimizer.param_groups[0]["lr"]
-        if type(lr) is not float or self.step_lr is not None or safepoint._subscribers:
-            return False
-        self.step = step = self.step + 1
-        d = t0 - self._last_ns
-        self._last_ns = t0
-        budget = self.budget
-        budget.earn(d)
-        ring = self.ring
-        row = ring.count
-        ring.append(step, t0 * 1e-9 + self.wall_offset, d * 1e-9, None, None, lr, None, False, False, None, None, 0,
-                    self._lead_name, None)
-        measure = budget.allows(t0)
-        if measure or (step + 1 >= self._trace_due and not self._trace_paced):
-            self._prepare_next(step, t0, False, measure)
-        safepoint.last_step = step
-        cost = _perf_ns() - t0
-        budget.spend(cost)
-        self._cost[row % self._cap] = cost * 1e-3
-        self._cost_rows = row + 1
-        return True
 
     def _keep_pending(self, row: int, loss_v, norm_v, lr) -> None:
         """Device values (holders) of this row, read a few steps later or when a query asks."""
@@ -486,6 +495,8 @@ class StepTracker:
                 tracer.resolve()
             if nxt >= self._trace_due and (measure or not self._trace_paced):
                 self._trace_due = tracer.next_sampled(nxt)
+                if not self._trace_paced:
+                    self._hard_trace_at = self._trace_due - 1
                 tracer.prepare(nxt, True)
             elif tracer.handles or tracer.active_step is not None:
                 tracer.prepare(nxt, False)
@@ -535,6 +546,7 @@ class StepTracker:
         self.capture.wrap()
         self._watch_roots()
         self._last_ns = None
+        self._settled_ns = None  # the paused time earns nothing
         self._quick = False
         self._started_ns = time.perf_counter_ns()
 

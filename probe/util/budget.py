@@ -28,6 +28,14 @@ True
 >>> b.spend(10_000_000)               # one boundary is charged at most a quarter of the burst
 >>> round(b.credit)
 0
+>>> b.tick(1_000_000, 3_000, 5_000)     # a step of 1 ms after a boundary of 5 us: pay, earn, ask at once
+True
+>>> round(b.credit)
+5000
+>>> b.tick(4_000_000, 4_000, 60_000, boundaries=4)   # four steps settled at once: 60 us of work, 40 us earned
+False
+>>> b.due_ns(4_000, 0.005)            # at 0.5 % spent, the other 0.5 % earns 15 us back in 3 ms of steps
+3004000
 """
 
 from __future__ import annotations
@@ -73,6 +81,35 @@ class Budget:
         most = self.charge_cap * self.cap
         c = self.credit - (ns if ns < most else most)
         self.credit = c if c > -self.cap else -self.cap
+
+    def tick(self, duration_ns: float, now_ns: int, spent_ns: float, boundaries: int = 1) -> bool:
+        """Settle the steps since the last tick in one call: pay ``spent_ns`` (the work of the
+        ``boundaries`` boundaries since, each charged at most ``charge_cap`` of the burst), earn the
+        share of ``duration_ns`` (their steps' time), and say whether optional work may run now
+        (``allows``). The same arithmetic as ``spend``, ``earn``, ``allows`` in that order."""
+        most = self.charge_cap * self.cap * boundaries
+        cap = self.cap
+        c = self.credit - (spent_ns if spent_ns < most else most)
+        if c < -cap:
+            c = -cap
+        c += self.share * duration_ns
+        self.credit = c = c if c < cap else cap
+        if c > 0 or (self.max_gap_ns is not None and now_ns - self.last_allowed_ns >= self.max_gap_ns):
+            self.last_allowed_ns = now_ns
+            return self.share > 0
+        return False
+
+    def due_ns(self, now_ns: int, spend_rate: float) -> float:
+        """When ``allows`` may next say yes if the steps keep costing ``spend_rate`` of their time:
+        now when in credit, else when the rest of the share has earned the debt back, and at the
+        latest when ``max_gap_s`` runs out (infinity if never). Lets a caller skip asking until then."""
+        if self.credit > 0:
+            return now_ns
+        latest = math.inf if self.max_gap_ns is None else self.last_allowed_ns + self.max_gap_ns
+        net = self.share - spend_rate
+        if net <= 0 or not math.isfinite(net):
+            return latest
+        return min(now_ns + int(-self.credit / net), latest)
 
     def wait_ns(self) -> float:
         """How long, earning at ``share`` of wall time, until the credit is positive again (0 when it is)."""
