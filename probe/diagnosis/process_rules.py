@@ -133,19 +133,20 @@ WHERE now_loss > 1.5 * best AND now_loss - best > 0.1 AND step - best_step >= 20
 
 rule(
     "loss_spike", family="divergence", severity="warning",
-    description="A recent step's loss is more than 3x the median of the 50 steps before it (and 0.5 above it) and 3x the median of the 10 after it, when there are any: an outlier the loss came back from (a loss that stays up is loss_diverging).",
+    description="One of the last 100 measured steps has a loss more than 3x the median of the 50 steps before it (and 0.5 above it) and 3x the median of the 10 after it, when there are any: an outlier the loss came back from (a loss that stays up is loss_diverging).",
     sql="""
 WITH s AS (
   SELECT rank, step, loss,
          median(loss) OVER (PARTITION BY rank ORDER BY step ROWS BETWEEN 50 PRECEDING AND 1 PRECEDING) AS med,
          count(loss) OVER (PARTITION BY rank ORDER BY step ROWS BETWEEN 50 PRECEDING AND 1 PRECEDING) AS n,
          median(loss) OVER (PARTITION BY rank ORDER BY step ROWS BETWEEN 1 FOLLOWING AND 10 FOLLOWING) AS after,
-         max(step) OVER (PARTITION BY rank) AS last
+         -- recent by measured steps, not step numbers: on a fast loop the budget measures one step in many
+         row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
   FROM torch.steps WHERE isfinite(loss))
 SELECT rank, arg_max(step, loss / med) AS step, max(loss / med) AS ratio, arg_max(loss, loss / med) AS loss,
        arg_max(med, loss / med) AS med, arg_max(after, loss / med) AS after,
        coalesce(printf('; the steps after it came back to %.4g', arg_max(after, loss / med)), '') AS back
-FROM s WHERE n >= 20 AND loss > 3 * med AND loss - med > 0.5 AND step > last - 100
+FROM s WHERE n >= 20 AND loss > 3 * med AND loss - med > 0.5 AND age <= 100
   AND (after IS NULL OR loss > 3 * after)  -- it came back down: a loss that stays up is loss_diverging's
 GROUP BY rank""",
     message="the loss spiked to {loss:.4g} at step {step}, {ratio:.1f}x the median {med:.4g} of the steps before{back}.",

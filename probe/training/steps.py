@@ -64,6 +64,7 @@ STEP_COLUMNS = {"step": "i8", "started_at": "f8", "ended_at": "f8", "duration": 
 _LAG = 2  # steps after which a pending value is read on the training thread
 _RESOLVE_EVERY = 8  # pending device values read at the boundary once this many are waiting
 _PEAK_PERIOD = 0.25  # seconds between peak-memory readings at the boundary (a running peak: staleness is fine)
+_NORM_BURST_S = 30.0  # seconds of step time whose norm share may be spent at once (and waited for)
 _MAX_GAP_S = 1.0  # a step is measured at least this often, whatever the budget
 # What the budget charges per ns of the probe's own timing (probe_us): torch's hook dispatch, the
 # wrappers and the caches refilled after a boundary cost the step about as much again
@@ -80,6 +81,14 @@ def _outside(frame):
     while frame is not None and is_internal(frame.f_code):
         frame, hops = frame.f_back, hops + 1
     return frame, hops
+
+
+def norm_budget() -> Budget:
+    """The gradient norm's own budget (PROBE_GRAD_NORM). The norm of a large model's gradients takes
+    milliseconds on CPU: each is charged in full (no cap) and may put the budget in debt for up to
+    _NORM_BURST_S of steps, else a norm costing more than the whole burst would run every few steps
+    whatever the share."""
+    return Budget(setting("PROBE_GRAD_NORM"), burst_s=_NORM_BURST_S, charge_cap=math.inf)
 
 
 class StepTracker:
@@ -101,7 +110,7 @@ class StepTracker:
                                                              "uint64") if hasattr(torch, n)}
         self.capture = Capture(torch)
         self.budget = Budget(setting("PROBE_STEP_BUDGET"), max_gap_s=_MAX_GAP_S)
-        self.norm_budget = Budget(setting("PROBE_GRAD_NORM"))
+        self.norm_budget = norm_budget()
         self._norm_earned_ns = time.perf_counter_ns()  # the norm's budget earns the time between measured steps
         self._trace_paced = setting("PROBE_TRACE") is None  # an explicit PROBE_TRACE is kept to the step
         self._trace_due = tracer.next_sampled(0)
