@@ -52,9 +52,11 @@ class Loop:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
         env.update(PROBE="1", PROBE_RUNTIME_DIR=self.rt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
         self.env = env
+        # paced: the tests need a few dozen steps, and a loop stepping flat out (a framework's ~1 ms steps)
+        # takes a core from the `probe` calls they wait on for as long as the module runs
         args = [sys.executable, str(TARGETS / LOOPS[name][0][0]), *LOOPS[name][0][1:], "--step-sleep", "0.01"]
         if name in ("hf", "lightning"):
-            args = args[:-2] + ["--out", self.rt]  # the frameworks pace themselves
+            args += ["--out", self.rt]
         self.popen = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                       cwd=self.rt, start_new_session=True)
         self.lines: list[str] = []

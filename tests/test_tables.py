@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,24 +24,44 @@ from probe.tables.registry import all_tables
 EXAMPLES_SQL = [(t.name, sql) for t in all_tables() for sql in t.examples]
 
 
-@pytest.fixture(scope="module")
-def training():
-    """examples/train_gpt.py running (until the module's tests end), past its first steps."""
+@contextmanager
+def _train_gpt(*extra):
+    """examples/train_gpt.py with ``extra`` arguments, past its first steps; yields (pid, env), stops it after."""
     rt = tempfile.mkdtemp(prefix="pr-", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
     env.update(PROBE_RUNTIME_DIR=rt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    p = subprocess.Popen([sys.executable, str(EXAMPLES / "train_gpt.py"), "--print-every", "10"], stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, str(EXAMPLES / "train_gpt.py"), "--print-every", "10", *extra], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, env=env, cwd=rt, start_new_session=True)
     lines = []
     threading.Thread(target=lambda: [lines.append(l) for l in p.stdout], daemon=True).start()
-    deadline = time.monotonic() + 120
-    while not any(l.startswith("step 20 ") for l in lines):
-        assert p.poll() is None, "".join(lines)
-        assert time.monotonic() < deadline, "".join(lines)
-        time.sleep(0.05)  # ok-sleep: polling with a deadline
-    yield p.pid, env
-    os.killpg(p.pid, signal.SIGTERM)
-    p.wait(10)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(l.startswith("step 20 ") for l in lines):
+            assert p.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.05)  # ok-sleep: polling with a deadline
+        yield p.pid, env
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(10)
+        shutil.rmtree(rt, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def training():
+    """examples/train_gpt.py running (until the module's tests end), past its first steps. The tests that use it
+    only read it: --step-sleep keeps it stepping (a boundary every ~0.1 s) without taking a core, for the whole
+    module, from the `probe` calls the tests wait on."""
+    with _train_gpt("--step-sleep", "0.1") as job:
+        yield job
+
+
+@pytest.fixture
+def training_flat_out():
+    """examples/train_gpt.py stepping as fast as it can: most of its time in forward and backward, where a read
+    of the gradients that did not wait for a step boundary would land."""
+    with _train_gpt() as job:
+        yield job
 
 
 @requires_torch
@@ -142,11 +164,11 @@ def test_readme_playbook_queries_run(training, sql):
 
 
 @requires_torch
-def test_parameter_queries_during_training_read_at_the_step_boundary(training):
-    # given: a job stepping, and several clients reading parameters and gradients at once
+def test_parameter_queries_during_training_read_at_the_step_boundary(training_flat_out):
+    # given: a job stepping flat out, and several clients reading parameters and gradients at once
     # (autograd writes .grad from its own threads: reading it from the server thread mid-backward
     # crashed the process now and then, so the table reads at the step boundary)
-    pid, env = training
+    pid, env = training_flat_out
     sql = "SELECT count(*) AS n, count(grad_norm) AS with_grad, sum(nan_count) AS nans FROM torch.parameters"
 
     def burst(_):

@@ -16,9 +16,10 @@ SPANS = TARGETS / "spans_train.py"
 
 @pytest.fixture(scope="module")
 def ranks(shared_spawn):
-    """Two processes of one (pretend) job, rank 0 and rank 1, tracing every step."""
+    """Two processes of one (pretend) job, rank 0 and rank 1, tracing every step; the tests only read them, a few
+    steps each, so they step every ~50 ms for the whole file rather than keep a core busy."""
     env = {"PROBE_TRACE": "all", "WORLD_SIZE": "2"}
-    return [shared_spawn([SPANS], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
+    return [shared_spawn([SPANS, "--step-sleep", "0.05"], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
 
 
 def _query(cli, pid, sql):

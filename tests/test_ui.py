@@ -63,7 +63,10 @@ class UI:
 
 @pytest.fixture(scope="module")
 def train(shared_spawn):
-    return shared_spawn([EXAMPLES / "train_gpt.py", "--print-every", "100000"], ready="ready pid=", timeout=120)
+    """The training example for the whole file; the page only reads it, so it steps every ~0.1 s
+    (--step-sleep) rather than taking a core from the browser and the `probe` calls."""
+    return shared_spawn([EXAMPLES / "train_gpt.py", "--print-every", "100000", "--step-sleep", "0.1"], ready="ready pid=",
+                        timeout=120)
 
 
 @pytest.fixture(scope="module")

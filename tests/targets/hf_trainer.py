@@ -10,10 +10,11 @@ restores a probe checkpoint when training begins (``probe.load_checkpoint(path,
 trainer=trainer)``) and prints ``resumed from step N global_step G``; ``--skip N`` starts the
 data after the N batches already consumed (the data is a fixed sequence, no dropout: a
 resumed run computes exactly what the first one did) and ``--stop-at N`` ends training
-after step N (``--max-steps`` stays the schedule's length).
+after step N (``--max-steps`` stays the schedule's length). ``--step-sleep S`` sleeps S seconds after each step.
 """
 import argparse
 import os
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -33,6 +34,7 @@ p.add_argument("--out", default=".")
 p.add_argument("--resume", help="a probe checkpoint to restore when training begins (probe.load_checkpoint)")
 p.add_argument("--skip", type=int, default=0, help="batches already consumed (the resumed run starts after them)")
 p.add_argument("--stop-at", type=int, help="end training after this step (the schedule still spans --max-steps)")
+p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step (0: as fast as it goes)")
 args = p.parse_args()
 
 
@@ -71,6 +73,8 @@ class Report(TrainerCallback):
         step_done(state.global_step, args.stall_file)
         if args.stop_at is not None and state.global_step >= args.stop_at:
             control.should_training_stop = True
+        if args.step_sleep:
+            time.sleep(args.step_sleep)  # ok-sleep: pacing
 
     def on_log(self, a, state, control, logs=None, **kw):
         if logs and "loss" in logs:

@@ -5,9 +5,10 @@ stepped every step (``interval: step``); random data, CPU. Prints ``ready`` afte
 optimizer step and ``pl step N loss X lr Y used Z`` at each step with the loss the module
 logs, the LambdaLR's own lr for the step and the lr the step really used,
 measured from the update (-(dp . g) / (g . g) over all parameters). ``--stall-file F`` pauses between steps
-while F exists (prints ``stalled at step N``).
+while F exists (prints ``stalled at step N``); ``--step-sleep S`` sleeps S seconds after each step.
 """
 import argparse
+import time
 import warnings
 
 import torch
@@ -21,6 +22,7 @@ p.add_argument("--stall-file")
 p.add_argument("--out", default=".")
 p.add_argument("--resume", help="a probe checkpoint to restore at the start of training (probe.load_checkpoint)")
 p.add_argument("--skip", type=int, default=0, help="batches already consumed (the resumed run starts after them)")
+p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step (0: as fast as it goes)")
 args = p.parse_args()
 
 
@@ -44,6 +46,8 @@ class Regression(pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         step = self.trainer.global_step
         report(step, float(self._loss), self.step_lr, self.before, args.stall_file, prefix="pl ")
+        if args.step_sleep:
+            time.sleep(args.step_sleep)  # ok-sleep: pacing
 
     def on_train_start(self):
         if args.resume:

@@ -2,7 +2,8 @@
 
 Each step: ``step`` (outer) holds ``data`` and ``compute``; ``compute`` holds ``loss``
 (a decorated function). A second thread records ``prefetch`` spans. Prints ``ready``
-after the first step. ``--data-sleep S`` makes the data span S seconds (an input-bound job).
+after the first step. ``--data-sleep S`` makes the data span S seconds (an input-bound job);
+``--step-sleep S`` paces the steps (S seconds after each, outside every span).
 """
 import argparse
 import os
@@ -30,6 +31,7 @@ def prefetcher(stop):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--data-sleep", type=float, default=0.002, help="Seconds of simulated data loading per step.")
+    p.add_argument("--step-sleep", type=float, default=0.01, help="Seconds of pacing after each step.")
     args = p.parse_args()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
@@ -50,7 +52,7 @@ def main():
         step += 1
         if step == 1:
             print(f"ready pid={os.getpid()}", flush=True)
-        time.sleep(0.01)  # ok-sleep: pacing
+        time.sleep(args.step_sleep)  # ok-sleep: pacing
 
 
 if __name__ == "__main__":
