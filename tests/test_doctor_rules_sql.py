@@ -80,3 +80,13 @@ def test_loss_plateau_is_info_on_a_flat_loss_and_quiet_on_a_falling_one():
     assert said.startswith("the loss has plateaued at 2 ("), said
     assert not _rule_over_steps("loss_plateau", [2.0 * math.exp(-s / 100) for s in range(300)])
     assert not _rule_over_steps("loss_plateau", flat[:99])  # not enough steps to say
+
+
+def test_loss_spike_is_an_outlier_the_loss_came_back_from_not_the_onset_of_a_divergence():
+    base = [(None, s, 0.006) for s in range(1, 60)]
+    spiked = base + [(None, 60, 0.95)] + [(None, s, 0.007) for s in range(61, 80)]
+    diverged = base + [(None, 60, 0.95)] + [(None, s, 0.31) for s in range(61, 80)]  # up 50x and stays: loss_diverging's
+    tables = lambda rows: {"torch.steps": ("rank INTEGER, step BIGINT, loss DOUBLE", rows)}  # noqa: E731
+    (said,) = rule_rows("loss_spike", tables(spiked), messages=True)
+    assert said.startswith("the loss spiked to 0.95 at step 60") and "came back to 0.007" in said, said
+    assert rule_rows("loss_spike", tables(diverged), messages=True) == []

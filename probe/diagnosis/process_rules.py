@@ -133,7 +133,7 @@ WHERE now_loss > 1.5 * best AND now_loss - best > 0.1 AND step - best_step >= 20
 
 rule(
     "loss_spike", family="divergence", severity="warning",
-    description="One of the last 100 measured steps has a loss more than 3x the median of the 50 steps before it (and 0.5 above it) and 3x the median of the 10 after it, when there are any: an outlier the loss came back from (a loss that stays up is loss_diverging).",
+    description="One of the last 100 measured steps has a loss more than 3x the median of the 50 steps before it (and 0.5 above it) and 3x the median of the 10 after it, when there are any: an outlier the loss came back from, to within 3x of before (a loss that stays up is loss_diverging).",
     sql="""
 WITH s AS (
   SELECT rank, step, loss,
@@ -147,7 +147,8 @@ SELECT rank, arg_max(step, loss / med) AS step, max(loss / med) AS ratio, arg_ma
        arg_max(med, loss / med) AS med, arg_max(after, loss / med) AS after,
        coalesce(printf('; the steps after it came back to %.4g', arg_max(after, loss / med)), '') AS back
 FROM s WHERE n >= 20 AND loss > 3 * med AND loss - med > 0.5 AND age <= 100
-  AND (after IS NULL OR loss > 3 * after)  -- it came back down: a loss that stays up is loss_diverging's
+  -- it came back down, to near where it was: a loss that stays up is loss_diverging's
+  AND (after IS NULL OR (loss > 3 * after AND after < 3 * med + 0.1))
 GROUP BY rank""",
     message="the loss spiked to {loss:.4g} at step {step}, {ratio:.1f}x the median {med:.4g} of the steps before{back}.",
     next=["probe {target} query \"SELECT step, loss, grad_norm, lr FROM torch.steps WHERE step BETWEEN {step} - 5 AND {step} + 5 ORDER BY step\""],
