@@ -135,13 +135,60 @@ def test_lr_action_takes_effect_at_the_next_step_under_sampling(tiny, shared_cli
     assert before[0]["lr"] == pytest.approx(0.05)
 
 
-def test_default_budget_measures_every_slow_step(slow, shared_cli):
+def replay_step_budget(rows) -> tuple[list[bool], list[float]]:
+    """The step budget's decisions, replayed from the rows' own accounting with the product's Budget: each
+    boundary pays the previous one's ``probe_us`` (times the charge), earns its step's ``duration`` and says
+    whether the next step is measured; a measured traced step also pays what its hooks added to the step.
+    Returns whether each row's step should be measured and the credit (ns) that decided it. Exact while every
+    step takes the full path, i.e. up to the first step the budget leaves unmeasured (the quick path after it
+    settles several boundaries at once)."""
+    from probe._config import setting
+    from probe.training.steps import _CHARGE, _FORCED, _MAX_GAP_S
+    from probe.util.budget import Budget
+
+    budget = Budget(setting("PROBE_STEP_BUDGET"), max_gap_s=_MAX_GAP_S)
+    first_end = at(rows[0]["ended_at"])
+    expected, credit = [True], [budget.credit]
+    spent, typical = 0.0, 0.0
+    for r in rows:
+        now_ns = 10**12 + int((at(r["ended_at"]) - first_end).total_seconds() * 1e9)  # perf_counter_ns is far from 0
+        duration_ns = r["duration"] * 1e9
+        allowed = budget.tick(duration_ns, now_ns, spent, 1)
+        expected.append(allowed or r["step"] + 1 <= _FORCED)
+        credit.append(budget.credit)
+        if r["measured"]:  # what a measured step does after deciding: charge a traced step's hooks, learn the typical step
+            if r["traced"]:
+                if typical > 0 and duration_ns > typical:
+                    budget.spend(duration_ns - typical)
+            elif typical > 0:
+                typical += (duration_ns - typical) * 0.125
+            else:
+                typical = duration_ns
+        spent = _CHARGE * r["probe_us"] * 1e3 if r["step"] > _FORCED else 0.0
+    return expected[:len(rows)], credit[:len(rows)]
+
+
+def test_default_budget_measures_slow_steps_while_its_own_accounting_has_credit(slow, shared_cli):
+    """20 ms steps under the default budget (1 %: 200 us a step, 10 ms of starting credit): every step fits
+    unless the probe's own boundaries cost more than that, which a loaded host can make them. The test reads
+    the budget's own accounting (each row's probe_us and duration) rather than assuming how fast the machine
+    is: each step is measured exactly when the replayed budget had credit for it."""
     slow.wait_for("ready", timeout=90)
-    rows = query(shared_cli, slow.pid, f"SELECT step, loss, measured, probe_us, duration FROM torch.steps "
+    rows = query(shared_cli, slow.pid, f"SELECT step, ended_at, loss, measured, traced, probe_us, duration FROM torch.steps "
                  f"WHERE step <= {SLOW} ORDER BY step")
     assert [r["step"] for r in rows] == list(range(1, SLOW + 1))
-    assert all(r["measured"] for r in rows)
-    assert [r["loss"] for r in rows] == pytest.approx(loop_losses(slow), rel=1e-6)
-    # the probe's own work is a small share of a 20 ms step (median: immune to one slow boundary under load)
-    shares = sorted(r["probe_us"] * 1e-6 / r["duration"] for r in rows[3:])
-    assert shares[len(shares) // 2] < 0.01
+    assert all(r["measured"] for r in rows[:3])  # start-up steps always are
+    expected, credit = replay_step_budget(rows)
+    # up to the first step the budget had no credit for, the decisions are the replay's; a credit within 1 us of
+    # zero is left out (the rows keep probe_us to the nanosecond, duration to a double's precision)
+    first_short = next((i for i, ok in enumerate(expected) if not ok), len(rows))
+    for r, ok, c in list(zip(rows, expected, credit))[:first_short + 1]:
+        if abs(c) > 1e3:
+            assert r["measured"] == ok, (r, ok, c, rows)
+    # on a machine where the probe's boundaries fit the share (the usual case), that is every step
+    if first_short == len(rows):
+        assert all(r["measured"] for r in rows)
+    # measured: the loop's own loss
+    losses = loop_losses(slow)
+    assert [r["loss"] for r in rows if r["measured"]] == pytest.approx(
+        [losses[r["step"] - 1] for r in rows if r["measured"]], rel=1e-6)
