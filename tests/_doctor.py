@@ -37,8 +37,11 @@ def names_the_planted_fault(spawn, cli, fault, rule, words):
     # given: a job with one planted fault, past the point where it shows
     args, env = plant(fault)
     job = spawn([TARGETS / "faults.py", *args], env=env, ready="planted", timeout=180)
-    # when
-    finding, findings = poll_for(cli, job.pid, rule)
+    # when: asked once the target reports the fault has had its steps to show (a state, not a time: no polling)
+    findings = doctor(cli, job.pid)["findings"]
+    hit = [f for f in findings if f["rule"] == rule]
+    assert hit, f"{rule} not found once {job.wait_for('planted')!r}; the doctor said: {json.dumps(findings, indent=1)}"
+    finding = hit[0]
     # then: named with its evidence and a next command to type
     assert finding["severity"] in ("critical", "warning")
     assert sum(f["rule"] == rule for f in findings) == 1, findings  # the culprit alone, not what it feeds

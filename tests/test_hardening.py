@@ -348,17 +348,24 @@ def test_snapshots_are_paced_to_their_share_of_the_process(spawn, probe_env):
 
     def ask(timeout):
         body = json.dumps({"tables": {"python.backtrace": {"columns": ["func", "depth"]}}, "timeout": timeout}).encode()
-        t0 = time.monotonic()
         answer = _raw(sock, f"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-        return int(answer.split(b" ", 2)[1]), answer.partition(b"\r\n\r\n")[2], time.monotonic() - t0
+        return int(answer.split(b" ", 2)[1]), answer.partition(b"\r\n\r\n")[2]
 
     # when one query comes, it is answered at once (the bucket starts with its burst)
-    status, _, _ = ask(5)
+    status, _ = ask(5)
     assert status == 200
-    # then the next one, which would have to wait seconds for the share to refill, is told so at once
-    status, body, took = ask(0.5)
-    assert status == 503, body
+    # then the next one, which would have to wait longer than its timeout for the share to refill (the debt is
+    # capped at one burst: up to a second), is told so at once instead of waiting. The refill runs on wall time,
+    # so a loaded host that delays the second query by most of a second lets it through (200, a correct
+    # answer): ask again right after an answered one until the share is spent when one comes
+    answers = []
+    for _ in range(20):
+        answers.append(ask(0.05))
+        if answers[-1][0] == 503:
+            break
+        assert answers[-1][0] == 200, answers
+    status, body = answers[-1]
+    assert status == 503, answers
     error = json.loads(body)["error"]
-    assert "PROBE_SERVE_SHARE" in error and error.endswith(".") and error.count(". ") == 0, error
-    assert took < 0.5, took
+    assert "PROBE_SERVE_SHARE" in error and "within 0.05 s" in error and error.endswith(".") and error.count(". ") == 0, error
     assert "Traceback" not in target.output(), target.output()

@@ -143,14 +143,11 @@ def test_ctrl_c_cancels_a_long_query_in_the_repl(spawn, repl, cli):
     child = repl(target.pid)
     child.sendline(LONG_QUERY)
     _wait_until_grinding(child)
-    started = time.monotonic()
     child.sendcontrol("c")
+    # cancelled (by Ctrl-C), not timed out (the query timeout is 10 s): the REPL says which ended it
     child.expect("cancelled after")
-    took = time.monotonic() - started
     # DuckDB runs in the REPL's own process (never in the target): Ctrl-C interrupts it there
     assert "stopped in this session's DuckDB" in child.before + child.after + child.readline()
-    # the query timeout is 10 s: Ctrl-C must come back well before it
-    assert took < 3.0, took
     child.expect(PROMPT)
     child.sendline("SELECT 1 + 1 AS two;")
     child.expect("two")

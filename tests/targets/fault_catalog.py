@@ -45,6 +45,14 @@ TRACE_EVERY = {"dead_relu": "5", "collapsed": "5", "host_sync": "5", "data_wait"
 NOT_ALSO = {"dead_relu": ("collapsed_output", "grads_by_layer"), "collapsed": ("grads_by_layer",),
             "grad_zero": ("grads_by_layer",), "not_in_optimizer": ("grads_by_layer",), "loss_spike": ("loss_diverging",),
             "diverging": ("loss_spike",)}
+# Faults whose rule reads a window of measured steps around the onset (loss_diverging: a 20-step median before and
+# after it; loss_spike: the 50 measured steps before a spike; memory_growth: 20 to 100 peak readings after step 100;
+# grad_norm_zero: the last 20 measured norms) run with every step measured: the onset comes 40 steps (a fraction of a
+# second) into the job, and how many of the steps around it the default budget measures depends on the machine's
+# speed (on a loaded host too few: the divergence read as a plateau, the memory growth as nothing). With every step
+# measured, what the doctor reads at "planted" is fixed by the target's step count. (A real job trains long before
+# it diverges; the budget's own sampling is tested in test_torch_budget.py and the doctor's in test_doctor.py.)
+STEP_BUDGET = {"diverging": "off", "loss_spike": "off", "memory_growth": "off", "grad_zero": "off"}
 # a slowdown is judged against the earlier steps' median: enough fast steps first keep it visible for ~20 s, not ~5 s
 FAULT_STEP = {"slowdown": "150"}
 
@@ -52,4 +60,9 @@ FAULT_STEP = {"slowdown": "150"}
 def plant(fault: str) -> tuple[list, dict]:
     """``(arguments after the script, environment)`` that start faults.py with ``fault`` planted (PROBE=1)."""
     args = ["--fault", fault, "--settle", SETTLE.get(fault, "60"), "--fault-step", FAULT_STEP.get(fault, "40")]
-    return args, {"PROBE": "1", **({"PROBE_TRACE": TRACE_EVERY[fault]} if fault in TRACE_EVERY else {})}
+    env = {"PROBE": "1"}
+    if fault in TRACE_EVERY:
+        env["PROBE_TRACE"] = TRACE_EVERY[fault]
+    if fault in STEP_BUDGET:
+        env["PROBE_STEP_BUDGET"] = STEP_BUDGET[fault]
+    return args, env

@@ -5,7 +5,7 @@
                              vanishing|grad_zero|loss_spike|diverging|grad_inf
 
 It never imports probe itself: tests start it with PROBE=1, as a user would. It prints
-"ready" after ``--ready-step`` steps and "planted" once the fault has taken effect, then
+"ready" after ``--ready-step`` steps and "planted at step N" once the fault has had ``--settle`` steps to show, then
 keeps training (or hanging) until killed.
 """
 
@@ -139,4 +139,4 @@ while True:
     if step == args.ready_step:
         print(f"ready pid={os.getpid()} chance={math.log(CLASSES):.4f}", flush=True)
     if step == args.fault_step + args.settle and args.fault not in ("healthy", "hang"):
-        print("planted", flush=True)
+        print(f"planted at step {args.fault_step}, {args.settle} steps ago", flush=True)
