@@ -97,19 +97,30 @@ def stat_mode(path: Path) -> int:
 
 
 def test_watchdog_stays_quiet_while_steps_complete(spawn, cli, probe_env):
-    # a target that keeps stepping faster than the timeout never gets a dump
+    # a target that keeps stepping (every 50 ms, for longer than the timeout) gets no dump, as long as no gap
+    # between its steps (or from arming to the first) reached the timeout: the target reports its longest gap
+    # (a loaded host can stretch one past it, and then the dump is the right answer)
+    timeout_s = 2.0
     script = (
-        "import os, time\nimport probe.auto\nfrom probe.training.safepoint import StepEvent, fire\n"
-        "print('ready', os.getpid(), flush=True)\n"
-        "for i in range(60):\n    fire(StepEvent(i)); time.sleep(0.05)\n"  # ok-sleep: target code
-        "print('done', flush=True)\ntime.sleep(60)\n")  # ok-sleep: target code
+        "import os, time\nt = time.monotonic()\nimport probe.auto\nfrom probe.training.safepoint import StepEvent, fire\n"
+        "print('ready', os.getpid(), flush=True)\nfirst, steps = 0.0, 0.0\n"
+        "for i in range(80):\n"
+        "    now = time.monotonic(); gap = now - t; t = now\n"
+        "    first, steps = (gap, steps) if i == 0 else (first, max(steps, gap))\n"
+        "    fire(StepEvent(i)); time.sleep(0.05)\n"  # ok-sleep: target code
+        "print(f'done first={first:.3f} steps={steps:.3f}', flush=True)\ntime.sleep(60)\n")  # ok-sleep: target code
     path = Path(probe_env["PROBE_RUNTIME_DIR"]) / "stepping.py"
     path.write_text(script)
-    target = spawn(path, env={"PROBE_HANG_TIMEOUT": "1"})
-    target.wait_for("done", 30)
+    target = spawn(path, env={"PROBE_HANG_TIMEOUT": str(timeout_s)})
+    done = target.wait_for("done", 120)
+    first, steps = (float(x.split("=")[1]) for x in done.split()[1:])
     dump = Path(probe_env["PROBE_RUNTIME_DIR"]) / f"hang-{target.pid}.txt"
-    assert dump.exists() and dump.stat().st_size == 0
-    assert json.loads(cli("list", "--json").stdout)[0]["state"] != "hung"
+    assert dump.exists()
+    if max(first, steps) < timeout_s - 0.2:  # (first: from before the import that armed it, an upper bound)
+        assert dump.stat().st_size == 0, dump.read_text()
+        assert json.loads(cli("list", "--json").stdout)[0]["state"] != "hung"
+    elif steps > timeout_s + 0.5:  # a step came that late: the watchdog fired in between
+        assert "stepping.py" in dump.read_text()
 
 
 def _main_liveness(cli, pid) -> dict:

@@ -128,7 +128,9 @@ def threads(ctx):
         frame = frames.get(t.ident)
         func, file, lineno, _ = frame_row(frame) if frame is not None else (None, None, None, None)
         cpu_share = _share(cpu_before.get(t.ident), _cpu_ns(native))
-        moved = before.get(t.ident) != _position(frame) or (gil_busy and cpu_share > 0.2)
+        # a spin at one instruction offset: the GIL stayed busy and the thread ran at all (1 ms in the window; a
+        # share such as 20 % reads a spinning thread on a loaded host, which gets a few ms in 50, as stopped)
+        moved = before.get(t.ident) != _position(frame) or (gil_busy and cpu_share > _SPIN_SHARE)
         executing, unchanged = _liveness(t.ident, moved, _position(frame), _wakeups(native), now)
         rows.append((t.ident, native, t.name, t.daemon, t.is_alive(), t is main, _STATES.get(state, state),
                      utime, stime, func, file, lineno, executing, unchanged))
@@ -142,6 +144,7 @@ def threads(ctx):
 # time each thread was first seen at its current position with its current count of
 # wake-ups (voluntary context switches), so a loop around a short sleep counts as progress.
 _LIVENESS_WINDOW_S = 0.05
+_SPIN_SHARE = 0.02  # CPU share of the window above which a thread that kept the GIL busy counts as executing
 _last_change: dict = {}  # thread ident -> (position, time it was first seen there)
 
 
