@@ -21,8 +21,18 @@ def doctor(cli, target, *extra, env=None):
     return doc
 
 
+def find(cli, target, rule, env=None):
+    """Run the doctor once, on a target already driven to the state where ``rule`` must speak (a ready line, a
+    step it printed); return (that finding, all findings)."""
+    doc = doctor(cli, target, env=env)
+    hit = [f for f in doc["findings"] if f["rule"] == rule]
+    assert hit, f"{rule} not found; the doctor said: {json.dumps(doc['findings'], indent=1)}"
+    return hit[0], doc["findings"]
+
+
 def poll_for(cli, target, rule, timeout=60.0, env=None):
-    """Run the doctor until ``rule`` is among its findings; return (that finding, all findings)."""
+    """Run the doctor until ``rule`` is among its findings; return (that finding, all findings). Only for rules
+    that wait on wall time (a hang: no step for PROBE_HUNG_AFTER seconds); the others use ``find``."""
     deadline = time.monotonic() + timeout
     while True:
         doc = doctor(cli, target, env=env)
@@ -38,10 +48,7 @@ def names_the_planted_fault(spawn, cli, fault, rule, words):
     args, env = plant(fault)
     job = spawn([TARGETS / "faults.py", *args], env=env, ready="planted", timeout=180)
     # when: asked once the target reports the fault has had its steps to show (a state, not a time: no polling)
-    findings = doctor(cli, job.pid)["findings"]
-    hit = [f for f in findings if f["rule"] == rule]
-    assert hit, f"{rule} not found once {job.wait_for('planted')!r}; the doctor said: {json.dumps(findings, indent=1)}"
-    finding = hit[0]
+    finding, findings = find(cli, job.pid, rule)
     # then: named with its evidence and a next command to type
     assert finding["severity"] in ("critical", "warning")
     assert sum(f["rule"] == rule for f in findings) == 1, findings  # the culprit alone, not what it feeds
