@@ -278,7 +278,7 @@ def inject(pid: int, *, via: list | None = None, env: dict | None = None, timeou
     if info.version != cli_version():
         raise AttachError(f"process {pid} runs Python {info.version_text} but this probe runs on "
                           f"{'%d.%d' % cli_version()}; run the probe installed in the target's environment "
-                          f"({info.exe} -m probe inject {pid}).", exit_code=EXIT_CODES["version_mismatch"])
+                          f"(as the process's owner: {info.exe} -m probe inject {pid}).", exit_code=EXIT_CODES["version_mismatch"])
     via = list(via or setting("PROBE_INJECT_VIA", strict=True) or [])
     unknown = [r for r in via if r not in RUNGS]
     if unknown:
