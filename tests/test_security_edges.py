@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TARGETS, poll, requires_torch
+from conftest import PROBE_BIN as PROBE_BIN_PATH, TARGETS, poll, requires_torch
 
 PLAIN = TARGETS / "plain_loop.py"
 ACTIONS = TARGETS / "actions_train.py"
@@ -140,3 +140,206 @@ def test_the_http_route_refuses_the_same_rates(spawn, cli, probe_env):
         assert 400 <= status < 500 and words in json.dumps(doc), (body, status, doc)
     assert _lr_actions(cli, p.pid) == []
     assert _steps_on(p, _last_step(p))
+
+
+# -- item 3: a shared registry is used only when no one else could have written it --------------------------
+
+def _other_uid() -> int:
+    """A uid no account uses: the other local user (root can become any uid without an account)."""
+    import pwd
+
+    used = {p.pw_uid for p in pwd.getpwall()}
+    return next(u for u in range(47000, 60000) if u not in used)
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second local user (setuid)")
+
+
+def _as_other(uid: int, script: str) -> None:
+    """Run a shell ``script`` as the other local user."""
+    subprocess.run(["/bin/sh", "-c", script], check=True, preexec_fn=lambda: (os.setgid(uid), os.setuid(uid)),
+                   env={"PATH": "/usr/bin:/bin"}, cwd="/", timeout=60)
+
+
+@pytest.fixture
+def open_tmp():
+    """A folder like /tmp (world-writable, sticky) where the other user can create theirs (pytest's tmp_path sits
+    in a 0700 folder of ours)."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="pr-reg-", dir="/tmp"))
+    path.chmod(0o1777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _planted_registry(base: Path, uid: int) -> Path:
+    """What the other user prepares: a world-writable registry holding a token of theirs."""
+    reg = base / "registry"
+    _as_other(uid, f"mkdir -m 777 '{reg}' && printf planted-token > '{reg}/token'")
+    return reg
+
+
+def _errors(cli, pid) -> list:
+    r = cli(pid, "query", "SELECT source, message FROM probe.errors", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@needs_root
+@requires_torch
+def test_a_registry_another_user_prepared_is_refused_and_the_job_trains_on(spawn, cli, open_tmp, probe_env):
+    # given a registry directory another user created (mode 0777, their token inside)
+    uid = _other_uid()
+    reg = _planted_registry(open_tmp, uid)
+    # when a job starts with PROBE_REGISTRY pointing there
+    p = spawn([ACTIONS, "--sched", "none", "--step-sleep", "0.05"], env={"PROBE_REGISTRY": str(reg), "RANK": "0",
+                                                                         "WORLD_SIZE": "1"})
+    # then it says why once, writes nothing there, listens on no TCP port with the planted token, and trains on
+    said = [l for l in p.lines if "shared registry" in l]
+    assert len(said) == 1 and "belongs to another user" in said[0] and "goes on without" in said[0], p.output()
+    assert sorted(os.listdir(reg)) == ["token"]
+    entry = json.loads(Path(probe_env["PROBE_RUNTIME_DIR"], f"{p.pid}.json").read_text())
+    assert entry.get("tcp_port") is None and entry.get("token") != "planted-token", entry
+    assert any("shared registry" in e["source"] and "belongs to another user" in e["message"]
+               for e in _errors(cli, p.pid))
+    assert _steps_on(p, _last_step(p))
+
+
+@requires_torch
+def test_a_registry_open_to_others_or_holding_a_symlink_is_refused_even_when_it_is_ours(spawn, cli, tmp_path):
+    # given one registry of ours open to everyone, and one private but with a planted symlink
+    open_reg = tmp_path / "open"
+    open_reg.mkdir()
+    open_reg.chmod(0o777)
+    linked = tmp_path / "linked"
+    linked.mkdir(mode=0o700)
+    (linked / f"{os.uname().nodename}-{os.getpid()}.json").symlink_to(tmp_path / "somewhere-the-planter-reads")
+    for reg, words in ((open_reg, "is open to other users"), (linked, "a symbolic link")):
+        # when a job starts with it
+        p = spawn([ACTIONS, "--sched", "none", "--step-sleep", "0.05"], env={"PROBE_REGISTRY": str(reg)})
+        # then it is refused with one sentence, and the job trains on
+        said = [l for l in p.lines if "shared registry" in l]
+        assert len(said) == 1 and words in said[0], p.output()
+        assert not (tmp_path / "somewhere-the-planter-reads").exists()
+        assert not [n for n in os.listdir(reg) if n.endswith(".json") and not os.path.islink(reg / n)]
+        assert _steps_on(p, _last_step(p))
+
+
+class _Listener:
+    """A TCP listener that records every request it gets (the planter's fake rank)."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.got: list[bytes] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.settimeout(2)
+            try:
+                self.got.append(conn.recv(65536))
+            except OSError:
+                pass
+            conn.close()
+
+
+@needs_root
+def test_the_cli_never_sends_its_token_to_a_planted_entry_nor_lists_it(cli, tmp_path, open_tmp):
+    # given a registry another user can write (theirs, or ours with their entry in it) naming their listener
+    uid = _other_uid()
+    listener = _Listener()
+    fake = {"pid": 4242, "rank": 0, "world_size": 1, "job": "j", "host": "node-x", "tcp_host": "127.0.0.1",
+            "tcp_port": listener.port, "started_at": 1.0, "shared": True}
+    theirs = _planted_registry(open_tmp, uid)
+    _as_other(uid, f"printf '%s' '{json.dumps(fake)}' > '{theirs}/node-x-4242.json'")
+    ours = tmp_path / "ours"
+    ours.mkdir(mode=0o700)
+    (ours / "node-x-4242.json").write_text(json.dumps(fake))
+    os.chown(ours / "node-x-4242.json", uid, uid)
+    for reg in (theirs, ours):
+        env = {"PROBE_REGISTRY": str(reg), "PROBE_TOKEN": "the-owners-secret"}
+        # when the owner asks every rank, and lists the processes
+        r = cli("--ranks", "all", "status", env=env)
+        listed = cli("list", "--json", env=env)
+        # then nothing reached the listener, the fake is not listed, and the refusal is said once
+        assert listener.got == [], listener.got
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.count("goes on without the shared registry") == 1, r.stderr
+        assert listed.returncode == 0 and 4242 not in [e.get("pid") for e in json.loads(listed.stdout or "[]")]
+
+
+def _record(base: Path, name: str, meta: dict, npz: bytes | None = None) -> None:
+    folder = base / "postmortem" / name
+    folder.mkdir(parents=True, mode=0o700)
+    (folder / "meta.json").write_text(json.dumps(meta))
+    if npz is not None:
+        (folder / "tables.npz").write_bytes(npz)
+    for p in (folder, folder / "meta.json", folder / "tables.npz"):
+        if p.exists():
+            p.chmod(0o700 if p.is_dir() else 0o600)
+
+
+def _bomb(rows: int) -> bytes:
+    """A tables.npz whose torch.steps/step member is ``rows`` float64 zeros, deflated (~1000x smaller)."""
+    import io
+    import zipfile
+
+    import numpy as np
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f8", "fortran_order": False, "shape": (rows,)})
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+        with z.open("torch.steps/step.npy", "w", force_zip64=True) as m:
+            m.write(header.getvalue())
+            chunk = bytes(1 << 20)
+            for _ in range(rows * 8 >> 20):
+                m.write(chunk)
+    return out.getvalue()
+
+
+def test_crafted_post_mortem_records_cannot_crash_or_bloat_probe_list_dead(cli, tmp_path):
+    # given a registry of ours holding crafted records of "another node"
+    reg = tmp_path / "registry"
+    reg.mkdir(mode=0o700)
+    (reg / "postmortem").mkdir(mode=0o700)
+    good = {"pid": 11, "cause": "exception", "time": 1.7e9, "host": "node-x", "rank": 0, "job": "j",
+            "exception": {"type": "RuntimeError", "message": "boom", "traceback": ""}, "tables": ["torch.steps"]}
+    _record(reg, "node-x-11", dict(good))
+    _record(reg, "node-x-12", dict(good, pid="12"))  # wrong type
+    _record(reg, "node-x-13", {k: v for k, v in good.items() if k != "cause"})  # missing key
+    _record(reg, "node-x-14", dict(good, pid=14, time="yesterday"))
+    _record(reg, "node-x-15", dict(good, pid=15, thread_deaths=[{"thread": "t"}], stacks="x"))
+    _record(reg, "node-x-16", dict(good, pid=16, time=1e300))
+    bomb = _bomb(400 << 17)  # 400 MiB of float64 zeros in a few hundred KB
+    assert len(bomb) < 2 << 20
+    _record(reg, "node-x-17", dict(good, pid=17), npz=bomb)
+    # when the CLI lists the dead (its peak memory measured from the kernel's accounting of that one child)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
+    env.update(PROBE_REGISTRY=str(reg), PROBE_RUNTIME_DIR=str(tmp_path / "rt"))
+    wrapper = ("import resource, subprocess, sys\n"
+               "r = subprocess.run(sys.argv[1:])\n"
+               "print('maxrss_kib=%d' % resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
+               "sys.exit(r.returncode)\n")
+    proc = subprocess.run([sys.executable, "-c", wrapper, PROBE_BIN_PATH, "list", "--dead", "--json"], capture_output=True,
+                          env=env, text=True, timeout=120)
+    out, err = proc.stdout, proc.stderr
+    peak_kib = int(err.rpartition("maxrss_kib=")[2])
+    # then it lists the sane records, skips the crafted ones, and never holds the bomb in memory
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    pids = sorted(r["pid"] for r in json.loads(out))
+    assert pids == [11, 17], out
+    assert [r["last_step"] for r in json.loads(out) if r["pid"] == 17] == [None]
+    assert peak_kib < 300 << 10, err  # the bomb alone is 400 MiB
+
