@@ -343,3 +343,45 @@ def test_crafted_post_mortem_records_cannot_crash_or_bloat_probe_list_dead(cli, 
     assert [r["last_step"] for r in json.loads(out) if r["pid"] == 17] == [None]
     assert peak_kib < 300 << 10, err  # the bomb alone is 400 MiB
 
+
+# -- item 8: a checkpoint path that is not text, and inject into another user's process ---------------------
+
+@requires_torch
+def test_a_checkpoint_path_that_is_not_text_gets_a_sentence_and_an_audit_line(spawn, cli, probe_env, tmp_path):
+    p = spawn([ACTIONS, "--sched", "none", "--step-sleep", "0.05"])
+    with open(f"{probe_env['PROBE_RUNTIME_DIR']}/{p.pid}.json") as f:
+        sock = json.load(f)["socket"]
+    from test_hardening import _post
+
+    # a lone surrogate sent as JSON (what a client can send over any tier)
+    status, doc = _post(sock, "/actions/checkpoint", json.dumps({"path": str(tmp_path / "a\ud800.pt")}).encode())
+    assert 400 <= status < 500 and "not UTF-8 text at position" in doc.get("error", ""), (status, doc)
+    # a byte the shell passes undecoded (the CLI sees it as \udcff)
+    r = subprocess.run([os.fsencode(PROBE_BIN_PATH), str(p.pid).encode(), b"checkpoint", os.fsencode(str(tmp_path)) + b"/b\xff.pt"],
+                       capture_output=True, text=True, env=probe_env, timeout=60)
+    assert r.returncode != 0 and "not UTF-8 text" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert os.listdir(tmp_path) == []
+    refused = [a for a in _audit(probe_env) if a.get("command") == "checkpoint"]
+    assert len(refused) == 2 and all(a["outcome"] == "refused" for a in refused), refused
+    assert _steps_on(p, _last_step(p))
+
+
+@needs_root
+@pytest.mark.skipif(not os.path.exists("/usr/bin/python3.11"), reason="no system Python another user can run")
+def test_root_inject_into_another_users_python_says_why_at_once(cli):
+    uid = _other_uid()
+    code = "import time\ndef waiting():\n    time.sleep(300)\nprint('ready', flush=True)\nwaiting()\n"
+    target = subprocess.Popen(["/usr/bin/python3.11", "-c", code], stdout=subprocess.PIPE, text=True, cwd="/",
+                              env={"PATH": "/usr/bin:/bin"}, start_new_session=True,
+                              preexec_fn=lambda: (os.setgid(uid), os.setuid(uid)))
+    try:
+        assert target.stdout.readline().strip() == "ready"
+        r = cli("inject", target.pid)
+        assert r.returncode == 12, r.stdout + r.stderr
+        assert f"belongs to uid {uid}" in r.stderr and f"sudo -u '#{uid}' probe inject {target.pid}" in r.stderr, r.stderr
+        assert "bytecode boundary" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert target.poll() is None
+    finally:
+        target.kill()
+        target.wait()

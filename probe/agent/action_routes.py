@@ -95,9 +95,13 @@ def eval_route(req: Request) -> dict:
 @route("POST", "/actions/checkpoint", tier="action")
 def checkpoint_route(req: Request) -> dict:
     path, force = req.param("path"), _flag(req, "force")
-    args = {"path": path, "force": force}
+    args = {"path": path if isinstance(path, str) else repr(path), "force": force}
     if not isinstance(path, str) or not path.strip():
         refuse(req.client, "checkpoint", args, "no path given; pass the checkpoint file, e.g. /ckpt/emergency-{rank}.pt.")
+    try:  # text every file function takes (a lone surrogate broke os.lstat: 500 and no audit line)
+        _validate.file_path(path, "the checkpoint path")
+    except _validate.BadRequest as exc:
+        refuse(req.client, "checkpoint", args, exc.message)
     rank = state.info().get("rank")
     expanded = expand_path(path, rank, queue.last_step())
     try:
