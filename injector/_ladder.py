@@ -272,13 +272,19 @@ def inject(pid: int, *, via: list | None = None, env: dict | None = None, timeou
     except OSError:
         pass
     info = inspect_process(pid)
+    if info.uid != os.geteuid():  # root (or CAP_SYS_PTRACE) may attach, but the bootstrap runs as the target's user
+        raise AttachError(f"process {pid} belongs to uid {info.uid}, and the probe started inside it would run as that "
+                          f"user, who cannot read this CLI's private files in {runtime_dir()} (so it would never start, "
+                          "and inject would only time out); run inject as that user "
+                          f"(`sudo -u '#{info.uid}' probe inject {pid}`), or read its stacks now with "
+                          f"`probe {pid} backtrace`.", exit_code=EXIT_CODES["other_user"])
     entry = _existing(pid)
     if entry:
         return {"entry": entry, "via": None, "already_running": True, "elapsed": time.monotonic() - started}
     if info.version != cli_version():
         raise AttachError(f"process {pid} runs Python {info.version_text} but this probe runs on "
                           f"{'%d.%d' % cli_version()}; run the probe installed in the target's environment "
-                          f"({info.exe} -m probe inject {pid}).", exit_code=EXIT_CODES["version_mismatch"])
+                          f"(as the process's owner: {info.exe} -m probe inject {pid}).", exit_code=EXIT_CODES["version_mismatch"])
     via = list(via or setting("PROBE_INJECT_VIA", strict=True) or [])
     unknown = [r for r in via if r not in RUNGS]
     if unknown:

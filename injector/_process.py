@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from dataclasses import dataclass
 
 from probe._errors import AttachError
+
+from ._elf import py_version_hex
 
 __all__ = ["ProcessInfo", "inspect_process", "ptrace_problem", "EXIT_CODES"]
 
@@ -61,10 +62,13 @@ def _uid_of(pid: int) -> int:
 
 
 def _python_version(pid: int, exe: str) -> tuple | None:
-    """(major, minor) from the executable's name or a mapped libpython; asking the binary last."""
-    m = _VERSION_RE.search(os.path.basename(exe))
-    if m:
-        return int(m.group(1)), int(m.group(2))
+    """(major, minor) from a mapped libpython, the ``Py_Version`` the running binary exports, or its name.
+
+    Nothing here runs anything: the executable's path belongs to the target's owner, who can
+    replace the file after the process started, so asking the binary (``exe -c ...``) would run
+    their code as us. ``/proc/PID/exe`` opens the inode the process executes, whatever its path
+    holds now, and only its symbol table is read.
+    """
     try:
         maps = _read(f"/proc/{pid}/maps")
     except OSError:
@@ -73,13 +77,12 @@ def _python_version(pid: int, exe: str) -> tuple | None:
         m = re.search(r"/libpython(\d)\.(\d+)[^/]*\.so", line)
         if m:
             return int(m.group(1)), int(m.group(2))
-    if re.match(r"python\d?$", os.path.basename(exe)) and os.access(exe, os.X_OK):
-        try:
-            out = subprocess.run([exe, "-S", "-c", "import sys; print(*sys.version_info[:2])"],
-                                 capture_output=True, text=True, timeout=10).stdout.split()
-            return int(out[0]), int(out[1])
-        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-            return None
+    hexversion = py_version_hex(f"/proc/{pid}/exe")
+    if hexversion is not None and hexversion >> 24 == 3:
+        return 3, hexversion >> 16 & 0xFF
+    m = _VERSION_RE.search(os.path.basename(exe))
+    if m:
+        return int(m.group(1)), int(m.group(2))
     return None
 
 
@@ -108,6 +111,12 @@ def inspect_process(pid: int, *, need_python: bool = True) -> ProcessInfo:
     version = _python_version(pid, exe)
     if need_python and version is None:
         what = os.path.basename(exe) or (cmdline[0] if cmdline else "?")
+        if re.match(r"python\d?$", what):
+            raise AttachError(f"process {pid} runs a file named {what} that shows no Python version in what probe can "
+                              "read without running it (no libpython mapped, no Py_Version symbol), and probe never "
+                              "runs a target's executable to ask; if it is a static Python older than 3.11, start the "
+                              "job with `import probe.auto` or read its stacks with `py-spy dump --pid "
+                              f"{pid}`.", exit_code=EXIT_CODES["not_python"])
         raise AttachError(f"process {pid} ({what}) is not a Python process; pass the pid of the python interpreter "
                           "(for torchrun, a worker's pid from `ps --ppid`).", exit_code=EXIT_CODES["not_python"])
     return ProcessInfo(pid, uid, exe, cmdline, version)

@@ -25,7 +25,7 @@ from ._errors import EndpointError
 
 __all__ = ["runtime_dir", "default_runtime_dir", "check_private_dir", "use_private_dir", "sweep_stale", "rank_identity",
            "job_identity", "write_entry", "read_entries", "remove_entry", "pid_alive", "shared_registry", "job_token",
-           "registry_listen", "offline_status"]
+           "registry_listen", "offline_status", "read_private"]
 
 
 _private: dict = {}  # "path": the private directory a process fell back to when the usual one was unsafe
@@ -40,25 +40,23 @@ def default_runtime_dir() -> str:
     return path
 
 
-def check_private_dir(path: str) -> None:
+def check_private_dir(path: str, what: str = "the runtime directory", fix: str = "set PROBE_RUNTIME_DIR to a directory of your own") -> None:
     """Raise EndpointError unless ``path`` is a real directory (not a symlink) of this user, mode 0700 or stricter.
 
     Never follows a symlink and never changes what it finds: a directory someone else
     prepared (another user, a symlink to a directory of ours, a group-writable one) is
-    refused, not repaired.
+    refused, not repaired. ``what`` and ``fix`` name the directory and the way out in the sentence.
     """
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
-        raise EndpointError(f"the runtime directory {path} is a symbolic link; probe does not follow it "
-                            "(remove it, or set PROBE_RUNTIME_DIR to a directory of your own).")
+        raise EndpointError(f"{what} {path} is a symbolic link; probe does not follow it (remove it, or {fix}).")
     if not stat.S_ISDIR(st.st_mode):
-        raise EndpointError(f"the runtime directory {path} is not a directory; remove it or set PROBE_RUNTIME_DIR.")
+        raise EndpointError(f"{what} {path} is not a directory; remove it or {fix}.")
     if st.st_uid != os.getuid():
-        raise EndpointError(f"the runtime directory {path} belongs to another user (uid {st.st_uid}); "
-                            "set PROBE_RUNTIME_DIR to a directory of your own.")
+        raise EndpointError(f"{what} {path} belongs to another user (uid {st.st_uid}); {fix}.")
     if stat.S_IMODE(st.st_mode) & 0o077:
-        raise EndpointError(f"the runtime directory {path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}); "
-                            f"`chmod 700 {path}` it, or set PROBE_RUNTIME_DIR to a private directory.")
+        raise EndpointError(f"{what} {path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}); "
+                            f"`chmod 700 {path}` it, or {fix}.")
 
 
 def runtime_dir(create: bool = True) -> str:
@@ -173,13 +171,107 @@ def job_identity(environ: dict | None = None) -> str | None:
     return None
 
 
-def shared_registry() -> str | None:
-    """The shared registry directory (PROBE_REGISTRY), created 0700 when missing; None when unset."""
+_registry_refused: dict = {}  # path -> the sentence saying why this process does not use it (said once)
+_registry_checked: set = set()  # paths found private and free of foreign files
+
+
+def _refuse_registry(path: str, why: str) -> None:
+    """Stop using the shared registry ``path`` in this process; say why once (stderr and probe.errors)."""
+    if path in _registry_refused:
+        return
+    _registry_refused[path] = why
+    text = f"{why.rstrip('.')}; this process goes on without the shared registry (PROBE_REGISTRY)"
+    print(f"[probe] {text}.", file=sys.stderr, flush=True)
+    try:
+        from .util.errorlog import record_error
+
+        record_error("shared registry", EndpointError(text + "."))
+    except Exception:
+        pass
+
+
+def _foreign_file(path: str) -> str | None:
+    """The first name in ``path`` (and its ``postmortem`` folder) that is a symlink or not this user's, or None."""
+    me = os.getuid()
+    for folder in (path, os.path.join(path, "postmortem")):
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(folder, name))
+            except OSError:
+                continue
+            if stat.S_ISLNK(st.st_mode) or st.st_uid != me or stat.S_IMODE(st.st_mode) & 0o022:
+                return os.path.join(folder, name) + (" (a symbolic link)" if stat.S_ISLNK(st.st_mode)
+                                                     else f" (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
+    return None
+
+
+def shared_registry(create: bool = True) -> str | None:
+    """The shared registry directory (PROBE_REGISTRY) when it may be trusted; None when unset, refused or missing.
+
+    The runtime directory's rules apply: created 0700 when missing (``create``), else it must be
+    a real directory of this user that no one else may enter, holding nothing that is a symlink
+    or another user's. A directory that breaks a rule is refused, never repaired: the process
+    says why once (stderr, ``probe.errors``) and goes on without it.
+    """
     path = setting("PROBE_REGISTRY")
     if not path:
         return None
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    path = os.path.abspath(path)
+    if path in _registry_refused:
+        return None
+    if path in _registry_checked:
+        return path
+    fix = "point PROBE_REGISTRY at a directory of your own that only you can enter (mode 0700)"
+    try:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            if not create:
+                return None
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            os.mkdir(path, 0o700)
+        check_private_dir(path, "the shared registry", fix)
+    except EndpointError as exc:
+        _refuse_registry(path, exc.message)
+        return None
+    except OSError as exc:
+        _refuse_registry(path, f"the shared registry {path} cannot be used ({exc.strerror or exc})")
+        return None
+    foreign = _foreign_file(path)
+    if foreign:
+        _refuse_registry(path, f"the shared registry {path} holds a file probe did not write for you: {foreign}; "
+                               f"remove it, or {fix}")
+        return None
+    _registry_checked.add(path)
     return path
+
+
+def read_private(path: str, limit: int = 1 << 20) -> bytes:
+    """The bytes of ``path`` when it is a regular file of this user that no one else may write (never a symlink)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o022:
+            raise PermissionError(f"{path} is not a private file of this user")
+        if st.st_size > limit:
+            raise ValueError(f"{path} is larger than {limit} bytes")
+        return os.read(fd, limit + 1)[:limit]
+    finally:
+        os.close(fd)
+
+
+def _private_temp(path: str) -> tuple[int, str]:
+    """A new 0600 file beside ``path`` under a name no one can predict (O_EXCL, O_NOFOLLOW); (fd, its path)."""
+    import secrets
+
+    tmp = f"{path}.{secrets.token_hex(8)}.{os.getpid()}.tmp"  # *.<pid>.tmp: sweep_stale removes a dead writer's
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), tmp
 
 
 def job_token() -> str:
@@ -187,7 +279,8 @@ def job_token() -> str:
 
     The first rank to get here creates ``<PROBE_REGISTRY>/token`` (mode 0600, written
     to a temporary file and linked into place, so no rank ever reads half a token);
-    the others, on any node that mounts the directory, read the same one.
+    the others, on any node that mounts the directory, read the same one. A token file
+    that is not a private file of this user is never adopted: the registry is refused.
     """
     import secrets
 
@@ -198,8 +291,7 @@ def job_token() -> str:
     if shared is None:
         return secrets.token_urlsafe(24)
     path = os.path.join(shared, "token")
-    tmp = f"{path}.{socket.gethostname()}-{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd, tmp = _private_temp(path)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_urlsafe(24))
     try:
@@ -208,8 +300,15 @@ def job_token() -> str:
         pass
     finally:
         os.unlink(tmp)
-    with open(path) as f:
-        return f.read().strip()
+    try:
+        token = read_private(path, 4096).decode().strip()
+    except (OSError, ValueError) as exc:
+        _refuse_registry(shared, f"the shared registry's token file {path} cannot be trusted ({exc})")
+        return secrets.token_urlsafe(24)
+    if not token:
+        _refuse_registry(shared, f"the shared registry's token file {path} is empty")
+        return secrets.token_urlsafe(24)
+    return token
 
 
 def registry_listen(host: str | None, token: str | None) -> tuple[str, str, str]:
@@ -222,11 +321,17 @@ def registry_listen(host: str | None, token: str | None) -> tuple[str, str, str]
 
 
 def _atomic_write(path: str, data: dict) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    fd, tmp = _private_temp(path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def _entry_dirs() -> list[str]:
@@ -261,6 +366,19 @@ def remove_entry(pid: int, host: str | None = None) -> None:
                     pass
 
 
+def _valid_entry(entry) -> bool:
+    """Whether a registry entry has the types readers rely on (a crafted one is skipped, not crashed on)."""
+    if not isinstance(entry, dict) or type(entry.get("pid")) is not int or entry["pid"] <= 0:
+        return False
+    for key in ("rank", "local_rank", "world_size", "tcp_port"):
+        if entry.get(key) is not None and type(entry[key]) is not int:
+            return False
+    for key in ("host", "socket", "tcp_host", "job", "token"):
+        if entry.get(key) is not None and not isinstance(entry[key], str):
+            return False
+    return entry.get("started_at") is None or isinstance(entry["started_at"], (int, float))
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs here; a zombie (exited, not yet reaped by its parent) does not."""
     from .util.procfs import proc_state
@@ -290,12 +408,11 @@ def read_entries(clean: bool = False) -> list[dict]:
             if not name.endswith(".json"):
                 continue
             path = os.path.join(d, name)
-            try:
-                with open(path) as f:
-                    entry = json.load(f)
-            except (OSError, ValueError):
+            try:  # a private file of this user only: a planted entry is never listed, and gets no token
+                entry = json.loads(read_private(path))
+            except (OSError, ValueError, UnicodeDecodeError):
                 continue
-            if not isinstance(entry, dict) or "pid" not in entry:
+            if not _valid_entry(entry):
                 continue
             if entry.get("host", here) == here and not pid_alive(int(entry["pid"])):
                 if clean:

@@ -311,10 +311,14 @@ class Lr(_Action):
         p.add_argument("--once", "--ignore-scheduler", dest="once", action="store_true",
                        help="Write param_groups once without holding it (the next step is still checked: it fails "
                             "if the loop rewrote the rate first).")
+        p.add_argument("--force", action="store_true",
+                       help="Allow a rate more than 10x the largest one in use now (never one the parameters' dtype "
+                            "cannot take).")
+        p.add_argument("--allow-zero", action="store_true", help="Allow a rate of 0 (the weights stop changing).")
         _Action.add_common(p)
 
     def body(self, session, args, target):
-        b = {"now": args.now, "once": args.once, "reset": args.reset}
+        b = {"now": args.now, "once": args.once, "reset": args.reset, "force": args.force, "allow_zero": args.allow_zero}
         for k in ("set", "scale", "group", "optimizer"):
             if getattr(args, k) is not None:
                 b[k] = getattr(args, k)

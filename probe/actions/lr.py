@@ -27,6 +27,7 @@ overrides. Overrides live in this process only: a checkpoint stores the loop's r
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import weakref
@@ -37,7 +38,7 @@ from ..training.finder import optimizers
 from ..util.errorlog import record_error
 from .queue import Context
 
-__all__ = ["change_lr", "reset_lr", "describe", "around_step"]
+__all__ = ["change_lr", "check_rate", "reset_lr", "describe", "around_step"]
 
 _lock = threading.Lock()
 _overrides: dict[int, "_Override"] = {}  # id(optimizer) -> its override (groups inside)
@@ -74,7 +75,7 @@ def _write(group: dict, value: float) -> None:
 
 
 class _Group:
-    __slots__ = ("mode", "value", "loop", "used", "since", "held", "rewrites", "last_rewrite", "written", "rows")
+    __slots__ = ("mode", "value", "loop", "used", "since", "held", "rewrites", "last_rewrite", "written", "rows", "limit")
 
     def __init__(self, mode: str, value: float, loop: float, since: int | None):
         self.mode, self.value = mode, value  # "scale" or "set"
@@ -86,6 +87,7 @@ class _Group:
         self.rewrites = 0
         self.last_rewrite = None
         self.rows: list = []  # the result rows (probe.actions) of the action that set the override: kept current
+        self.limit = math.inf  # the most its parameters' dtype can take in a step (a scale follows the loop's rate)
 
     def status(self) -> str:
         text = f"held for {self.held} step(s)"
@@ -128,7 +130,12 @@ class _Override:
                 g.rewrites += 1
                 g.last_rewrite = step
             g.loop = loop
-            g.used = g.target(loop)
+            target = g.target(loop)
+            if not target <= g.limit:  # the loop's own rate grew under a scale: keep the step alive, say why
+                record_error("lr override", ActionError(f"{g.text()} of group {i} would give {target:g}, past what "
+                                                        f"its parameters can take ({g.limit:.3g}); this step uses the loop's rate"))
+                target = loop
+            g.used = target
             _write(pgs[i], g.used)
             g.written = g.used
         for item in list(self.pending):
@@ -242,10 +249,88 @@ def _pick(optimizer_index: int | None, group: int | None) -> list:
     return opts
 
 
+MAX_JUMP = 10.0  # a new rate past this many times the largest rate in use needs --force
+_HEADROOM = 0.01  # of the dtype's largest value: room for weight decay, momentum and bias-correction factors
+
+
+def _next_rate(ov, i: int, group: dict) -> float:
+    """The rate group ``i``'s next step uses: the loop's, or the override's on top of it."""
+    loop = _value(group["lr"])
+    g = ov.groups.get(i) if ov is not None else None
+    return g.target(loop) if g is not None else loop
+
+
+def _dtype_limit(group: dict) -> tuple[float, str] | None:
+    """The largest rate a step of ``group`` can use without overflowing its parameters' dtype, and that dtype.
+
+    An optimizer multiplies the rate into a value of the parameters' dtype (``-lr`` for SGD,
+    ``lr / (1 - beta1**t)`` for Adam), and torch raises when that value does not fit: the
+    training loop then dies at ``optimizer.step()``.
+    """
+    import torch
+
+    dtypes = {p.dtype for p in group.get("params", ()) if getattr(p, "is_floating_point", lambda: False)()}
+    if not dtypes:
+        return None
+    dtype = min(dtypes, key=lambda d: torch.finfo(d).max)
+    betas = group.get("betas")
+    factor = 1.0
+    if isinstance(betas, (tuple, list)) and betas and 0 <= float(betas[0]) < 1:
+        factor = 1.0 - float(betas[0])  # Adam's first step divides the rate by 1 - beta1
+    return torch.finfo(dtype).max * factor * _HEADROOM, str(dtype).replace("torch.", "")
+
+
+def check_rate(*, set_to: float | None, scale: float | None, group: int | None, optimizer_index: int | None,
+               once: bool = False, force: bool = False, allow_zero: bool = False) -> None:
+    """Refuse, with one sentence, a rate no step could use or that cannot train.
+
+    Called before the action is queued (every tier: CLI, page, MCP, TCP go through the same
+    route) and again when it runs. Always refused: a rate that is not finite or that the
+    parameters' dtype cannot take in a step (float16's 65504, float32's and bfloat16's 3.4e38,
+    less the optimizer's factors). Refused unless asked: 0 (``allow_zero``: the weights stop
+    changing) and more than ``MAX_JUMP`` times the largest rate the optimizer uses now or its scheduler
+    started from (``initial_lr``) (``force``).
+    """
+    for f in _pick(optimizer_index, group):
+        opt = f.obj
+        with _lock:
+            ov = _overrides.get(id(opt))
+        if ov is not None and ov.ref() is not opt:
+            ov = None
+        pgs = list(opt.param_groups)
+        rates = [_next_rate(ov, i, g) for i, g in enumerate(pgs)]
+        # against the rates in use now and, under a scheduler, the base rates it started from (a warm-up from 0,
+        # or a decayed schedule set back to its start, is no jump)
+        largest = max(rates + [float(g["initial_lr"]) for g in pgs if isinstance(g.get("initial_lr"), (int, float))],
+                      default=0.0)
+        for i in (range(len(pgs)) if group is None else [group]):
+            new = set_to if set_to is not None else rates[i] * scale
+            where = f"group {i} of {f.name}"
+            if not math.isfinite(new):
+                raise ActionError(f"the new learning rate of {where} ({rates[i]:g} x {scale:g}) is not a finite number; "
+                                  "give a smaller --scale or use --set.")
+            limit = _dtype_limit(pgs[i])
+            if limit is not None and new > limit[0]:
+                raise ActionError(f"a learning rate of {new:g} for {where} would overflow its {limit[1]} parameters in "
+                                  f"{type(opt).__name__}'s update (the most a step can take is about {limit[0]:.3g}) and "
+                                  "end the training process at its next step; give a rate that can train.")
+            if new <= 0 and not allow_zero:
+                raise ActionError(f"a learning rate of 0 for {where} stops training (its weights no longer change); "
+                                  "give --allow-zero if that is what you want.")
+            if not force and largest > 0 and new > MAX_JUMP * largest:
+                raise ActionError(f"a learning rate of {new:g} for {where} is {new / largest:.3g}x the largest rate "
+                                  f"{f.name} uses now or started from ({largest:g}), past the {MAX_JUMP:g}x a run usually survives; "
+                                  "give --force if you mean it.")
+
+
 def change_lr(ctx: Context, *, set_to: float | None, scale: float | None, group: int | None,
-              optimizer_index: int | None, once: bool = False) -> dict:
+              optimizer_index: int | None, once: bool = False, force: bool = False,
+              allow_zero: bool = False) -> dict:
     """Install (or compose) the override, or write once; the action settles at the next step."""
     opts = _pick(optimizer_index, group)
+    if set_to is not None or scale is not None:  # the rates may have moved since the request was checked
+        check_rate(set_to=set_to, scale=scale, group=group, optimizer_index=optimizer_index, once=once, force=force,
+                   allow_zero=allow_zero)
     for f in opts:
         for i in (range(len(f.obj.param_groups)) if group is None else [group]):
             if hasattr(f.obj.param_groups[i]["lr"], "fill_") and getattr(f.obj.param_groups[i]["lr"], "is_cuda", False):
@@ -288,6 +373,9 @@ def change_lr(ctx: Context, *, set_to: float | None, scale: float | None, group:
                 else:  # a scale on top of an override composes with it
                     g.value = g.value * scale
                     after = g.target(loop)
+                if g is not None:
+                    limit = _dtype_limit(opt.param_groups[i])
+                    g.limit = limit[0] if limit is not None else math.inf
                 row = {"group": i, "before": before, "after": after, "loop_before": loop,
                        "status": "waiting for the next step"}
                 if not once:

@@ -17,7 +17,7 @@ from .._errors import ActionError, ProbeError
 from ..actions import queue
 from ..actions.checkpoint import check_target, expand_path, save
 from ..actions.evaluate import run_code
-from ..actions.lr import change_lr, reset_lr
+from ..actions.lr import change_lr, check_rate, reset_lr
 from ..actions.maintenance import cleanup, debug
 from ..actions import profiler
 from ..actions.queue import refuse, submit
@@ -95,9 +95,13 @@ def eval_route(req: Request) -> dict:
 @route("POST", "/actions/checkpoint", tier="action")
 def checkpoint_route(req: Request) -> dict:
     path, force = req.param("path"), _flag(req, "force")
-    args = {"path": path, "force": force}
+    args = {"path": path if isinstance(path, str) else repr(path), "force": force}
     if not isinstance(path, str) or not path.strip():
         refuse(req.client, "checkpoint", args, "no path given; pass the checkpoint file, e.g. /ckpt/emergency-{rank}.pt.")
+    try:  # text every file function takes (a lone surrogate broke os.lstat: 500 and no audit line)
+        _validate.file_path(path, "the checkpoint path")
+    except _validate.BadRequest as exc:
+        refuse(req.client, "checkpoint", args, exc.message)
     rank = state.info().get("rank")
     expanded = expand_path(path, rank, queue.last_step())
     try:
@@ -111,7 +115,9 @@ def checkpoint_route(req: Request) -> dict:
 
 @route("POST", "/actions/lr", tier="action")
 def lr_route(req: Request) -> dict:
-    args = {k: req.param(k) for k in ("set", "scale", "group", "optimizer", "once", "reset") if req.param(k) is not None}
+    args = {k: req.param(k) for k in ("set", "scale", "group", "optimizer", "once", "reset", "force", "allow_zero")
+            if req.param(k) is not None}
+    once, force, allow_zero = _flag(req, "once"), _flag(req, "force"), _flag(req, "allow_zero")
     try:
         # finite and not negative (NaN or inf would ruin the run for good): checked here, before any queueing
         set_to, scale = _number(req, "set", minimum=0.0), _number(req, "scale", minimum=0.0)
@@ -122,11 +128,14 @@ def lr_route(req: Request) -> dict:
             return _submit(req, "lr", args, lambda ctx: reset_lr(ctx, group=group, optimizer_index=opt_index))
         if (set_to is None) == (scale is None):
             raise ActionError("give exactly one of --set LR, --scale FACTOR or --reset.")
+        # what the parameters' dtype can take, 0, and a jump past 10x: refused here, so nothing is queued
+        check_rate(set_to=set_to, scale=scale, group=group, optimizer_index=opt_index, once=once, force=force,
+                   allow_zero=allow_zero)
     except ProbeError as exc:
         refuse(req.client, "lr", args, exc.message)
-    once = _flag(req, "once")
     return _submit(req, "lr", args, lambda ctx: change_lr(ctx, set_to=set_to, scale=scale, group=group,
-                                                          optimizer_index=opt_index, once=once))
+                                                          optimizer_index=opt_index, once=once, force=force,
+                                                          allow_zero=allow_zero))
 
 
 @route("POST", "/actions/cleanup", tier="action")

@@ -21,7 +21,7 @@ from .. import __version__
 from .._config import setting
 from .._errors import ProbeError
 from .._runtime import (job_identity, process_argv, rank_identity, registry_listen, remove_entry, runtime_dir,
-                        sweep_stale, use_private_dir, write_entry)
+                        shared_registry, sweep_stale, use_private_dir, write_entry)
 from ..postmortem import hooks as postmortem
 from ..training import collectives, hooks
 from . import action_routes  # noqa: F401  (registers the action and eval routes)
@@ -69,7 +69,8 @@ def start(*, port: int | None = None, host: str | None = None, token: str | None
         port_setting = port if port is not None else setting("PROBE_PORT")
         tcp_port = tcp_host = None
         token = token or setting("PROBE_TOKEN")
-        if port_setting in (None, "") and setting("PROBE_REGISTRY"):  # other nodes find this rank there
+        # other nodes find this rank in the shared registry: only one this user alone can write (else refused, said once)
+        if port_setting in (None, "") and setting("PROBE_REGISTRY") and shared_registry():
             port_setting, host, token = registry_listen(host, token)
         if port_setting not in (None, ""):
             tcp_host = host or setting("PROBE_HOST")

@@ -16,6 +16,7 @@ say how and when the process ended.
 from __future__ import annotations
 
 import os
+import zipfile
 
 from . import record
 
@@ -156,14 +157,11 @@ class Record:
     def arrays(self) -> dict:
         """``{"<table>/<column>": numpy array}`` from tables.npz (read once; text never unpickled)."""
         if self._arrays is None:
-            import numpy as np
-
             self._arrays = {}
             if self.meta.get("path"):
-                try:
-                    with np.load(os.path.join(self.meta["path"], "tables.npz"), allow_pickle=False) as z:
-                        self._arrays = {k: z[k] for k in z.files}
-                except (OSError, ValueError):
+                try:  # bounded before anything is decompressed: a crafted record cannot bloat the CLI
+                    self._arrays = record.load_tables(self.meta["path"])
+                except (OSError, ValueError, TypeError, OverflowError, MemoryError, EOFError, zipfile.BadZipFile):
                     self._arrays = {}
         return self._arrays
 

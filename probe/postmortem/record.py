@@ -41,13 +41,15 @@ import sys
 import threading
 import time
 import traceback
+import zipfile
 
 from .._config import setting
+from .._errors import ProbeError
 from .._runtime import runtime_dir
 from ..util.errorlog import record_error
 from .retention import alive, proc_start, prune, read_meta
 
-__all__ = ["write", "records_dir", "shared_records_dir", "read_meta", "list_records", "dead_records", "dump_only", "explain",
+__all__ = ["write", "records_dir", "shared_records_dir", "load_tables", "MAX_TABLES_BYTES", "read_meta", "list_records", "dead_records", "dump_only", "explain",
            "TABLES"]
 
 # The tables a record keeps: the rings (the last minutes of the run), who/what the process was, and where its
@@ -156,16 +158,67 @@ def _columns(name: str, rows: int, data: dict | None = None) -> dict | None:
 
 
 def shared_records_dir(create: bool = True) -> str | None:
-    """``<PROBE_REGISTRY>/postmortem`` (records named ``<host>-<pid>``), or None without a shared registry."""
-    from .._runtime import shared_registry
+    """``<PROBE_REGISTRY>/postmortem`` (records named ``<host>-<pid>``), or None without a shared registry
+    this user may trust (``shared_registry`` refuses one that others can write, and says why once)."""
+    from .._runtime import check_private_dir, shared_registry
 
-    if not setting("PROBE_REGISTRY"):
+    base = shared_registry(create=create)
+    if base is None:
         return None
-    if not create:
-        return os.path.join(setting("PROBE_REGISTRY"), "postmortem")
-    path = os.path.join(shared_registry(), "postmortem")
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    path = os.path.join(base, "postmortem")
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        check_private_dir(path, "the shared registry's post-mortem folder", "remove it")
+    except (OSError, ProbeError):
+        return None
     return path
+
+
+MAX_TABLES_BYTES = 256 << 20  # what one record's tables may decompress to (probe writes them uncompressed)
+_MAX_MEMBERS = 20000
+
+
+def load_tables(folder: str) -> dict:
+    """``{"<table>/<column>": array}`` from a record's tables.npz, bounded before anything is decompressed.
+
+    The file must be a private file of this user; its members may declare at most
+    ``MAX_TABLES_BYTES`` in all, none may inflate more than 4x (probe stores them, a zip bomb
+    deflates), each array's header must fit its member, and nothing is unpickled. Raises
+    ValueError (or OSError) otherwise.
+    """
+    import stat
+    import zipfile
+
+    import numpy as np
+
+    fd = os.open(os.path.join(folder, "tables.npz"), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o022:
+            raise ValueError("tables.npz is not a private file of this user")
+        with zipfile.ZipFile(f) as z:
+            infos = [i for i in z.infolist() if i.filename.endswith(".npy")]
+            if len(infos) > _MAX_MEMBERS or sum(i.file_size for i in infos) > MAX_TABLES_BYTES:
+                raise ValueError(f"tables.npz would decompress past {MAX_TABLES_BYTES >> 20} MiB")
+            out = {}
+            for info in infos:
+                if info.file_size > 4 * info.compress_size + (1 << 16):
+                    raise ValueError(f"{info.filename} inflates {info.file_size} bytes from {info.compress_size}")
+                with z.open(info) as member:
+                    version = np.lib.format.read_magic(member)
+                    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                                   else np.lib.format.read_array_header_2_0)
+                    shape, _, dtype = read_header(member)
+                    size = int(np.prod(shape, dtype=object)) * dtype.itemsize
+                    if dtype.hasobject or size > info.file_size:
+                        raise ValueError(f"{info.filename} declares {size} bytes in a {info.file_size}-byte member")
+                with z.open(info) as member:
+                    out[info.filename[:-4]] = np.lib.format.read_array(member, allow_pickle=False)
+            return out
 
 
 def _share(final: str, host: str, pid: int) -> None:
@@ -174,10 +227,10 @@ def _share(final: str, host: str, pid: int) -> None:
         base = shared_records_dir()
         if base is None:
             return
-        tmp = os.path.join(base, f".tmp-{host}-{pid}-{threading.get_ident()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(final, tmp)
-        os.chmod(tmp, 0o700)
+        import tempfile
+
+        tmp = tempfile.mkdtemp(prefix=f".tmp-{host}-{pid}-", dir=base)  # 0700, a name no one can prepare
+        shutil.copytree(final, tmp, dirs_exist_ok=True)
         dest = os.path.join(base, f"{host}-{pid}")
         old = dest + f".old-{threading.get_ident()}"
         if os.path.isdir(dest):
@@ -307,10 +360,9 @@ def _last_step(path: str):
     import numpy as np
 
     try:
-        with np.load(os.path.join(path, "tables.npz")) as z:
-            steps = z["torch.steps/step"] if "torch.steps/step" in z.files else None
-            return int(np.nanmax(steps)) if steps is not None and len(steps) else None
-    except (OSError, ValueError, KeyError):
+        steps = load_tables(path).get("torch.steps/step")
+        return int(np.nanmax(steps)) if steps is not None and len(steps) else None
+    except (OSError, ValueError, KeyError, TypeError, OverflowError, MemoryError, EOFError, zipfile.BadZipFile):
         return None
 
 

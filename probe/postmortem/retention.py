@@ -22,16 +22,61 @@ import os
 import shutil
 import time
 
-__all__ = ["read_meta", "proc_start", "alive", "is_clean_exit", "prune"]
+__all__ = ["read_meta", "valid_meta", "proc_start", "alive", "is_clean_exit", "prune"]
+
+
+MAX_META_BYTES = 16 << 20  # a record's meta.json (stacks, schema, exception): far more than a real one holds
+
+# The fields readers rely on and the types they may have (None always allowed except for pid and cause).
+_META_TYPES = {"pid": int, "cause": str, "rank": int, "world_size": int, "host": str, "job": str, "time": (int, float),
+               "started_at": (int, float), "proc_start": int, "exit_code": int, "thread": str, "detail": str,
+               "summary": str, "fatal_dump": str, "tables": list, "schema": dict, "thread_deaths": list,
+               "exception": dict, "stacks": list, "argv": list}
+
+
+def valid_meta(meta) -> bool:
+    """Whether a record's meta has the types its readers rely on (a crafted one is skipped, never crashed on).
+
+    >>> valid_meta({"pid": 7, "cause": "exit", "rank": "0"})
+    False
+    >>> valid_meta({"pid": 7, "cause": "exit", "time": 1.7e9, "tables": ["torch.steps"]})
+    True
+    >>> valid_meta({"pid": 7, "cause": "exit", "time": 1.7e9, "thread_deaths": [{}]})
+    False
+    """
+    if not isinstance(meta, dict) or type(meta.get("pid")) is not int or meta["pid"] <= 0:
+        return False
+    if not isinstance(meta.get("cause"), str):
+        return False
+    when = meta.get("time")
+    if type(when) not in (int, float) or not 0 <= when < 1e11:  # seconds since 1970: a date time.localtime takes
+        return False
+    for key, kind in _META_TYPES.items():
+        value = meta.get(key)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            return False
+    if not all(isinstance(t, str) for t in meta.get("tables") or ()):
+        return False
+    if not all(isinstance(d, dict) and {"thread", "type", "message"} <= d.keys() for d in meta.get("thread_deaths") or ()):
+        return False
+    for stack in meta.get("stacks") or ():
+        if not isinstance(stack, dict) or not isinstance(stack.get("frames") or [], list):
+            return False
+        if not all(isinstance(f, dict) for f in stack.get("frames") or ()):
+            return False
+    tb = (meta.get("exception") or {}).get("traceback")
+    return tb is None or isinstance(tb, str)
 
 
 def read_meta(path: str) -> dict | None:
+    """A record's meta.json when it is a private file of this user (never a symlink) of sane size and types."""
+    from .._runtime import read_private
+
     try:
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
-        return meta if isinstance(meta, dict) else None
-    except (OSError, ValueError):
+        meta = json.loads(read_private(os.path.join(path, "meta.json"), MAX_META_BYTES))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return None
+    return meta if valid_meta(meta) else None
 
 
 def proc_start(pid: int | str = "self") -> int | None:
@@ -50,7 +95,6 @@ def alive(meta: dict) -> bool:
     its start time, the running process started then. Another host (the shared registry):
     that host's registry entry for the pid is there, from the same start (``started_at``).
     """
-    from .._config import setting
     from .._runtime import pid_alive
 
     pid = int(meta["pid"])
@@ -59,15 +103,18 @@ def alive(meta: dict) -> bool:
             return False
         started = meta.get("proc_start")
         return started is None or proc_start(pid) in (None, started)
-    base = setting("PROBE_REGISTRY")
+    from .._runtime import read_private, shared_registry
+
+    base = shared_registry(create=False)
     if not base:
         return False
     try:
-        with open(os.path.join(base, f"{meta.get('host')}-{pid}.json")) as f:
-            entry = json.load(f)
-    except (OSError, ValueError):
+        entry = json.loads(read_private(os.path.join(base, f"{meta.get('host')}-{pid}.json")))
+    except (OSError, ValueError, UnicodeDecodeError):
         return False
     ours, theirs = meta.get("started_at"), entry.get("started_at") if isinstance(entry, dict) else None
+    if type(theirs) not in (int, float):
+        theirs = None
     return ours is None or theirs is None or abs(float(ours) - float(theirs)) < 1e-3
 
 

@@ -13,7 +13,7 @@ import math
 
 from .._errors import ProbeError
 
-__all__ = ["BadRequest", "number", "seconds", "count", "text", "json_body", "MAX_SECONDS", "MAX_JSON_DEPTH"]
+__all__ = ["BadRequest", "number", "seconds", "count", "text", "file_path", "json_body", "MAX_SECONDS", "MAX_JSON_DEPTH"]
 
 MAX_SECONDS = 7 * 24 * 3600.0  # a week: anything longer is a typo, and timers overflow past ~1e9 s
 MAX_JSON_DEPTH = 32
@@ -101,6 +101,33 @@ def text(value, name: str, *, default: str | None = None, max_len: int = 1 << 20
     if len(value) > max_len:
         raise BadRequest(f"{name} is {len(value)} characters long; the limit is {max_len}.")
     return value
+
+
+def file_path(value, name: str = "path", *, max_len: int = 4096) -> str:
+    """A file path that every file function and text file can take: UTF-8 text, no NUL, at most ``max_len`` bytes.
+
+    A lone surrogate (``\\udcff``: a byte the CLI could not decode, or ``\\ud800`` sent as JSON) passes
+    ``json.loads`` but breaks ``os.lstat`` or the text files written beside the checkpoint later.
+
+    >>> file_path("/ckpt/emergency-{rank}.pt")
+    '/ckpt/emergency-{rank}.pt'
+    >>> file_path("/tmp/a\\ud800.pt")
+    Traceback (most recent call last):
+    ...
+    probe.util.validate.BadRequest: path has a character that is not UTF-8 text at position 6 (U+D800, a lone surrogate, e.g. a byte the shell passed undecoded); give the path in UTF-8.
+    """
+    out = text(value, name, max_len=max_len)
+    if out is None or not out.strip():
+        raise BadRequest(f"no {name} given; pass a file path, e.g. /ckpt/emergency-{{rank}}.pt.")
+    for i, ch in enumerate(out):
+        if 0xD800 <= ord(ch) <= 0xDFFF:
+            raise BadRequest(f"{name} has a character that is not UTF-8 text at position {i} (U+{ord(ch):04X}, a lone "
+                             "surrogate, e.g. a byte the shell passed undecoded); give the path in UTF-8.")
+    if "\0" in out:
+        raise BadRequest(f"{name} has a NUL character at position {out.index(chr(0))}; give a plain file path.")
+    if len(out.encode()) > max_len:
+        raise BadRequest(f"{name} is {len(out.encode())} bytes long; a path has at most {max_len}.")
+    return out
 
 
 def _too_deep(value, limit: int) -> bool:

@@ -1,6 +1,6 @@
 """A small seeded training loop for the guarded-action tests.
 
-``--sched NAME`` picks the LR scheduler (none, StepLR, CosineAnnealingLR, LambdaLR, LinearLR,
+``--optim`` (SGD, Adam) and ``--dtype`` pick the optimizer and the parameters' dtype; ``--sched NAME`` picks the LR scheduler (none, StepLR, CosineAnnealingLR, LambdaLR, LinearLR,
 OneCycleLR, ReduceLROnPlateau, SequentialLR); ``--step-sleep`` slows steps down;
 ``--hang-after N`` makes the main thread sleep forever in time.sleep after N steps;
 ``--stall-file F`` pauses between steps while F exists (prints ``stalled`` once per pause).
@@ -54,16 +54,22 @@ def main():
     p.add_argument("--step-sleep", type=float, default=0.02)
     p.add_argument("--hang-after", type=int, default=0)
     p.add_argument("--stall-file")
+    p.add_argument("--optim", default="SGD", choices=["SGD", "Adam"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = p.parse_args()
     global model, optimizer, scheduler, trainer_state
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    dtype = getattr(torch, args.dtype)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).to(dtype)
+    if args.optim == "Adam":
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = make_scheduler(args.sched, optimizer)
     trainer_state = {"step": 0}
     step = 0
     while True:
-        batch = torch.randn(4, 8)
+        batch = torch.randn(4, 8, dtype=dtype)
         loss = model(batch).pow(2).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
