@@ -12,7 +12,8 @@ named ``loss`` (PROBE_LOSS_NAMES) in the training loop's frames; ``probe.step(lo
 overrides both.
 
 The gradient norm is ``clip_grad_norm_``'s result when the loop clips (kept at no cost),
-else a foreach norm of the lead optimizer's gradients launched on the device.
+else a foreach norm of the lead optimizer's gradients launched on the device. Under FSDP2
+(DTensor gradients) both are this rank's: the norm of its local shards, never a collective.
 
 Nothing here synchronises with a device: ``hold`` turns a device scalar into a pinned
 host copy and an event, read later by ``read`` once the event has completed. While
@@ -28,6 +29,7 @@ import weakref
 from .._config import setting
 from ..util.errorlog import record_error
 from ..util.frames import release
+from .shards import is_sharded, local
 
 __all__ = ["Capture", "read"]
 
@@ -52,6 +54,7 @@ class Capture:
         self._closure_step = False  # inside optimizer.step(closure): only the closure's first backward counts
         self._closure_taken = False
         self._norm_failed: set = set()
+        self.sharded = False  # a gradient norm was this rank's shards' (FSDP2/DTensor), not the model's
         self._swaps: list = []  # (owner, attribute, original, wrapper): in only while a measured step runs
 
     # -- holding values without a device sync ---------------------------------------------------
@@ -61,6 +64,9 @@ class Capture:
             return value
         torch = self.torch
         if isinstance(value, torch.Tensor):
+            if is_sharded(value):  # clip_grad_norm_'s total under FSDP2: reading the DTensor would be a collective
+                self.sharded = True
+                value = local(value)
             if not value.is_cuda:
                 if value.is_cpu:
                     return float(value.item())  # nothing to wait for (a non-scalar raises: recorded, missing)
@@ -153,13 +159,21 @@ class Capture:
 
     # -- the gradient norm ----------------------------------------------------------------------------
     def grad_norm(self, optimizer):
-        """The total L2 norm of ``optimizer``'s gradients, as a tensor on their device (None: none to measure)."""
+        """The total L2 norm of ``optimizer``'s gradients, as a tensor on their device (None: none to measure).
+
+        Sharded gradients (FSDP2's DTensors) count by their local shards: the norm of what this rank
+        holds, computed without a collective (``sharded`` says so); the model's norm is the square root
+        of the sum over ranks of their squares, which a client can combine."""
         if optimizer is None or id(optimizer) in self._norm_failed:
             return None
         torch = self.torch
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             return None
+        if any(is_sharded(g) for g in grads):
+            self.sharded = True
+            grads = [local(g) for g in grads]
+            grads = [g for g in grads if g.numel()] or [grads[0]]  # a rank may hold an empty shard
         try:
             with torch.no_grad():
                 norms = torch._foreach_norm(grads)
