@@ -24,9 +24,15 @@ def rows(job, sql, *extra):
     return json.loads(r.stdout)
 
 
-def test_fsdp2_trains_at_defaults_while_probed_and_probe_issues_no_collective():
+def test_fsdp2_trains_at_defaults_while_probed_and_probe_issues_no_collective(tmp_path):
+    ckpt = str(tmp_path / "ck-{rank}.pt")
     with ddp_job("--steps", str(STEPS), "--linger", world=2, target=TARGET, extra_env={"PROBE_HUNG_AFTER": "30"}) as job:
-        # when: queries and doctor calls keep coming while the job trains (each reads every rank)
+        # when: a checkpoint of the sharded model, and queries and doctor calls that keep coming while the
+        # job trains (each reads every rank)
+        c = job.cli("--ranks", "all", "--yes", "checkpoint", ckpt)
+        assert c.returncode == 0, c.stdout + c.stderr
+        for r in (0, 1):
+            assert f"the file holds rank {r}'s shards of 2" in c.stdout and "probe.load_checkpoint(" in c.stdout, c.stdout
         rounds = 0
 
         def busy():
@@ -65,3 +71,10 @@ def test_fsdp2_trains_at_defaults_while_probed_and_probe_issues_no_collective():
         assert all(o["state_bytes"] > 0 for o in opt), opt
         errors = rows(job, "SELECT rank, source, message FROM probe.errors")
         assert not errors, errors
+
+    # and each rank's file loads on its rank of a job sharded the same way, with probe.load_checkpoint
+    with ddp_job("--steps", "1", "--resume", ckpt, world=2, target=TARGET) as again:
+        assert poll(lambda: again.saw("done rank=0") and again.saw("done rank=1"), 120), "\n".join(again.lines)
+        resumed = [line for line in again.lines if line.startswith("resumed")]
+        assert sorted(resumed) == [f"resumed rank={r} step={resumed[r].split('step=')[1].split()[0]} sharded=S(0) "
+                                   f"local=(16, 16) of=(32, 16) match=True" for r in (0, 1)], again.lines

@@ -22,6 +22,7 @@ from torch.distributed.fsdp import fully_shard
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=2000)
 p.add_argument("--linger", action="store_true", help="After the last step, wait (in Python) until killed.")
+p.add_argument("--resume", default=None, help="Load probe.load_checkpoint(PATH) first, {rank} expanded; print what it held.")
 args = p.parse_args()
 
 dist.init_process_group("gloo")
@@ -31,6 +32,14 @@ model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU()
 fully_shard(model)  # one unit: one all_gather and one reduce-scatter a step keep 2000 steps quick on gloo
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 gen = torch.Generator().manual_seed(rank)
+if args.resume:
+    import probe
+
+    state = probe.load_checkpoint(args.resume.replace("{rank}", str(rank)), model=model, optimizer=optimizer)
+    w = model[0].weight
+    print(f"resumed rank={rank} step={state['step']} sharded={state.get('sharded')} "
+          f"local={tuple(w.to_local().shape)} of={tuple(w.shape)} "
+          f"match={bool(torch.equal(w.to_local(), state['model']['0.weight'].to_local()))}", flush=True)
 
 
 def say(line: str) -> None:
