@@ -344,3 +344,21 @@ def test_sigterm_is_recorded_with_the_stacks_at_that_moment(spawn, cli, probe_en
     # a deliberate stop is no rank_died finding while nobody waits for it
     d = cli(str(job.pid), "--format", "json", "doctor")
     assert not [f for f in json.loads(d.stdout)["findings"] if f["rule"] == "rank_died"], d.stdout
+
+
+@requires_torch
+def test_ranks_all_with_only_ended_jobs_says_no_job_is_running(spawn, cli):
+    # given: two jobs that ran here and ended (their ranks left records), none running
+    for run in ("job-a", "job-b"):
+        job = spawn([TARGETS / "dies.py", "--how", "exit", "--steps", "3"],
+                    env={"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": run})
+        assert job.popen.wait(60) == 0
+    # when: every rank is asked for
+    r = cli("--ranks", "all", "status")
+    # then: one sentence saying that no job runs, naming the ended ones, no traceback
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert "no job is running here" in r.stderr and "job-a, job-b" in r.stderr, r.stderr
+    # and one ended job's records are still there to read with --job
+    r = cli("--ranks", "all", "--job", "job-a", "query", "SELECT rank, MAX(step) AS step FROM torch.steps GROUP BY rank",
+            "--format", "json")
+    assert r.returncode == 0 and json.loads(r.stdout) == [{"rank": 0, "step": 3}], r.stdout + r.stderr
