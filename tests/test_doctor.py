@@ -67,6 +67,17 @@ def test_frozen_model_is_also_at_chance_level(spawn, cli):
 
 
 @requires_torch
+def test_loss_at_chance_takes_the_class_count_from_the_losss_logits(spawn, cli):
+    # given: a tiny GPT-2 (vocabulary 128; c_attn 96 wide, the embedding 32) whose loss sits at ln(128)
+    job = spawn([TARGETS / "gpt2_chance.py"], env={"PROBE": "1"}, timeout=180)
+    # then: the loss's own logits give the class count, not a parameter's width
+    r = cli(job.pid, "query", "SELECT function, classes, logits_shape FROM torch.loss", "--format", "json")
+    assert json.loads(r.stdout) == [{"function": "NllLossBackward0", "classes": 128, "logits_shape": "[64, 128]"}], r.stdout
+    finding, _ = poll_for(cli, job.pid, "loss_at_chance")
+    assert "ln(128) = 4.852, chance level for 128 classes" in finding["message"], finding
+
+
+@requires_torch
 def test_hung_training_loop_says_where(spawn, cli):
     job = spawn([TARGETS / "faults.py", "--fault", "hang"], env={"PROBE": "1", "PROBE_HUNG_AFTER": "1"},
                 ready="planted", timeout=120)

@@ -195,7 +195,7 @@ GROUP BY rank""",
 
 rule(
     "loss_at_chance", family="plateau", severity="warning",
-    description="The loss has stopped moving at ln(C), the loss of uniform guessing over C classes (C = an output size of the model).",
+    description="The loss has stopped moving at ln(C), the loss of uniform guessing over C classes (C = the class count of the loss's own logits, torch.loss; quiet when the loss is not a classification loss).",
     sql="""
 WITH recent AS (
   SELECT rank, step, loss, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
@@ -204,9 +204,7 @@ m AS (
   SELECT rank, max(step) AS step, avg(loss) FILTER (WHERE age <= 20) AS now_loss,
          avg(loss) FILTER (WHERE age BETWEEN 21 AND 40) AS before_loss
   FROM recent GROUP BY rank HAVING count(*) >= 40),
-dims AS (
-  SELECT DISTINCT rank, CAST(regexp_extract(shape, '^\\[(\\d+)', 1) AS BIGINT) AS c
-  FROM torch.parameters WHERE regexp_matches(shape, '^\\[\\d+'))
+dims AS (SELECT DISTINCT rank, classes AS c FROM torch.loss WHERE classes IS NOT NULL)
 SELECT m.rank, m.step, m.now_loss, arg_min(d.c, abs(ln(d.c) - m.now_loss)) AS classes,
        ln(arg_min(d.c, abs(ln(d.c) - m.now_loss))) AS chance
 FROM m JOIN dims AS d ON d.rank IS NOT DISTINCT FROM m.rank

@@ -31,7 +31,40 @@ from ..util.errorlog import record_error
 from ..util.frames import release
 from .shards import is_sharded, local
 
-__all__ = ["Capture", "read"]
+__all__ = ["Capture", "read", "loss_logits"]
+
+_NLL = ("NllLossBackward0", "NllLoss2DBackward0")  # cross_entropy is log_softmax + nll_loss
+_LOSS_LOOK_EVERY = 1000  # noted backward calls between two looks at the loss's graph (the first one looks)
+
+
+def loss_logits(loss, limit: int = 64):
+    """``(node name, classes, logits shape)`` of the classification loss behind ``loss``, or None.
+
+    Walks ``loss.grad_fn`` breadth first (at most ``limit`` nodes) to a negative log-likelihood
+    node and reads the shape of the log-probabilities it saved: classes are its dim 1 (``[N, C]``,
+    ``[N, C, H, W]``) or dim 0 (``[C]``). Must run before the backward frees the saved tensors.
+
+    >>> import torch
+    >>> logits = torch.randn(6, 128, requires_grad=True)
+    >>> loss_logits(torch.nn.functional.cross_entropy(logits, torch.zeros(6, dtype=torch.long)) / 2)
+    ('NllLossBackward0', 128, '[6, 128]')
+    """
+    fn = getattr(loss, "grad_fn", None)
+    seen, queue = set(), [fn] if fn is not None else []
+    while queue and len(seen) < limit:
+        node = queue.pop(0)
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        name = node.name()
+        if name in _NLL:
+            x = getattr(node, "_saved_self", None)
+            if x is None or not x.dim():
+                return None
+            shape = list(x.shape)
+            return name, int(shape[1] if x.dim() >= 2 else shape[0]), str(shape)
+        queue.extend(nf[0] for nf in node.next_functions)
+    return None
 
 
 
@@ -55,6 +88,8 @@ class Capture:
         self._closure_taken = False
         self._norm_failed: set = set()
         self.sharded = False  # a gradient norm was this rank's shards' (FSDP2/DTensor), not the model's
+        self.loss_kind = None  # loss_logits() of a loss seen lately: its class count (torch.loss)
+        self._loss_looks = 0
         self._swaps: list = []  # (owner, attribute, original, wrapper): in only while a measured step runs
 
     # -- holding values without a device sync ---------------------------------------------------
@@ -115,6 +150,12 @@ class Capture:
         if scaled is not None and scaled[0]() is t:
             t = scaled[1]
             self._scaled = None
+        if self._loss_looks % _LOSS_LOOK_EVERY == 0:
+            try:
+                self.loss_kind = loss_logits(t)
+            except Exception as exc:
+                record_error("torch steps: the loss's logits", exc)
+        self._loss_looks += 1
         self._losses.append(t.detach())
 
     def step_loss(self, frame):
