@@ -125,3 +125,20 @@ def test_loss_spike_is_an_outlier_the_loss_came_back_from_not_the_onset_of_a_div
     (said,) = rule_rows("loss_spike", tables(spiked), messages=True)
     assert said.startswith("the loss spiked to 0.95 at step 60") and "came back to 0.007" in said, said
     assert rule_rows("loss_spike", tables(diverged), messages=True) == []
+
+
+def test_parameters_unreadable_warns_that_the_parameter_rules_cannot_see():
+    errors = "rank INTEGER, time TIMESTAMP, source VARCHAR, message VARCHAR"
+    recent = "SELECT * FROM (VALUES {}) AS t(rank, time, source, message)"
+    # given: a table that failed on two parameters just now, another error long ago, and an unrelated error
+    rows = rule_rows("parameters_unreadable", {"probe.errors": recent.format(
+        "(0, (current_timestamp - INTERVAL 1 MINUTE)::TIMESTAMP, 'torch.parameters: 0.weight', 'no such op'), "
+        "(0, current_timestamp::TIMESTAMP, 'torch.parameters: 0.bias', 'Redistribution from one partial type is unsupported'), "
+        "(1, (current_timestamp - INTERVAL 2 HOUR)::TIMESTAMP, 'torch.parameters: 0.weight', 'old'), "
+        "(1, current_timestamp::TIMESTAMP, 'torch steps: grad norm', 'unrelated')")}, messages=True)
+    # then: one warning, for the rank whose reads fail now
+    assert rows == ["torch.parameters could not read 2 parameter(s) lately (torch.parameters: 0.bias: Redistribution from one "
+                    "partial type is unsupported): params_nonfinite and grad_nonfinite cannot see them, so finding nothing "
+                    "there proves nothing."], rows
+    # and a healthy control: no errors, no finding
+    assert rule_rows("parameters_unreadable", {"probe.errors": (errors, [])}) == []

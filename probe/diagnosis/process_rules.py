@@ -152,6 +152,19 @@ FROM torch.parameters WHERE nan_count + inf_count > 0 GROUP BY rank""",
 )
 
 rule(
+    "parameters_unreadable", family="parameters", severity="warning",
+    description="torch.parameters failed to read some parameters in the last 10 minutes (probe.errors): the parameter rules (params_nonfinite, grad_nonfinite) cannot see them, so their silence is no clean bill.",
+    sql="""
+SELECT rank, count(*) AS errors, count(DISTINCT source) AS parameters, arg_max(source, time) AS source,
+       arg_max(message, time) AS message
+FROM probe.errors
+WHERE source LIKE 'torch.parameters%' AND time > current_timestamp - INTERVAL 10 MINUTE
+GROUP BY rank""",
+    message="torch.parameters could not read {parameters} parameter(s) lately ({source}: {message}): params_nonfinite and grad_nonfinite cannot see them, so finding nothing there proves nothing.",
+    next=["probe {target} query \"SELECT time, source, message FROM probe.errors WHERE source LIKE 'torch.parameters%' ORDER BY time DESC LIMIT 10\""],
+)
+
+rule(
     "loss_diverging", family="divergence", severity="warning",
     description="The loss's 20-step median has risen well above the lowest it reached (by 1.5x and by 0.1 at least): the typical step got worse, not one outlier (that is loss_spike).",
     sql="""
