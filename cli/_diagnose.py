@@ -77,6 +77,22 @@ def _clean(value):
     return str(value)
 
 
+def _next(templates, row: dict) -> list:
+    """The rule's next commands for ``row``; one that names a ``next_*`` column whose value is NULL or
+    empty is left out (a rule's SQL says which commands fit what it found).
+
+    >>> _next(["probe {target} backtrace", "probe {target} {next_lr}"], {"target": "42", "next_lr": None})
+    ['probe 42 backtrace']
+    """
+    out = []
+    for t in templates:
+        names = [name for _, name, _, _ in string.Formatter().parse(t) if name]
+        if any(n.startswith("next_") and row.get(n) in (None, "") for n in names):
+            continue
+        out.append(_fill(t, row))
+    return out
+
+
 def _fill(template: str, row: dict) -> str:
     """The rule's template with the row's values; a missing, NULL or ill-fitting value prints as '?'.
 
@@ -252,7 +268,7 @@ def diagnose(session, targets=None) -> Diagnosis:
                     fields = dict(d, target=where)
                     findings.append(Finding(r.name, r.family, r.severity, _fill(r.message, fields), rank=rank,
                                             step=d.get("step"), target=where, evidence=d,
-                                            next=[_fill(n, fields) for n in r.next]))
+                                            next=_next(r.next, fields)))
         finally:
             con.close()
     # within a family and rank, the finding with the earliest step first: the cause before its consequences

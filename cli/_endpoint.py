@@ -202,6 +202,11 @@ def targets_for_ranks(ranks: list[int] | None, token: str | None = None, job: st
         from probe.postmortem.record import list_records
 
         dead = [m for m in list_records() if m.get("rank") is not None and m.get("job")]
+        jobs = sorted({str(m["job"]) for m in dead})
+        if job is None and len(jobs) > 1:  # not a choice between running jobs: none runs
+            raise EndpointError(f"no job is running here: every probed rank has exited; {len(jobs)} ended jobs left "
+                                f"post-mortem records ({', '.join(jobs)}): `probe list --dead` shows them, and "
+                                "--job ID reads one's records.")
         chosen = pick_job(dead, job)
         entries = _record_entries(chosen[0]["job"], []) if chosen else []
     if not entries:

@@ -148,3 +148,31 @@ def test_python_version_mismatch_is_refused(spawn, cli):
     r = cli("inject", target.pid)
     assert r.returncode == 15, r.stderr
     assert "runs Python 3." in r.stderr and "but this probe runs on" in r.stderr
+
+
+@needs_gdb
+def test_after_inject_into_an_hf_trainer_its_own_step_shows_beside_probes(spawn, cli):
+    # given: an HF Trainer run some steps in, that never imported probe
+    target = spawn([TARGETS / "hf_trainer.py", "--step-sleep", "0.05"], timeout=180)
+    target.wait_for("hf step 30", 180)
+    # when
+    r = cli("inject", target.pid, timeout=120)
+    if not _gdb_calls_work():
+        assert r.returncode != 0
+        return
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    # then: `probe list` shows the Trainer's global_step beside probe's own count (which starts at the inject)
+    def listed():
+        rows = json.loads(cli("list", "--json").stdout)
+        row = next((x for x in rows if x["pid"] == target.pid), None)
+        return row if row and row.get("framework_step") is not None and row.get("step") else None
+
+    from conftest import poll
+
+    row = poll(listed, 120)
+    assert row, cli("list", "--json").stdout
+    assert row["framework_counter"].endswith(".global_step"), row
+    assert row["framework_step"] >= 30 and row["framework_step"] > row["step"], row
+    table = cli("list")
+    assert "framework_step" in table.stdout, table.stdout

@@ -35,6 +35,12 @@ def test_a_nan_loss_is_nan_in_sql_at_its_step_and_the_doctor_says_nothing_preced
     assert all(row["nan"] is False for s, row in rows.items() if s < 40 and s % 7), rows
     finding, findings = find(cli, job.pid, "loss_nonfinite")
     assert finding["step"] == 40 and "at step 40" in finding["message"] and "neither an LR jump" in finding["message"]
+    # the onset as known: step 39 measured finite (every step is measured here); the loss stayed NaN since, so the
+    # weights are NaN: restore a checkpoint, and no `lr --scale` or checkpoint of NaN weights among the next commands
+    assert "first seen NaN/Inf at step 40 (step 39 was still finite)" in finding["message"], finding
+    assert "restore the last checkpoint written before step 39" in finding["message"], finding
+    assert not [n for n in finding["next"] if " lr --" in n or " checkpoint /" in n], finding["next"]
+    assert any("nan_count + inf_count > 0" in n for n in finding["next"]), finding["next"]
     assert findings[0]["rule"] == "loss_nonfinite", findings  # the cause first, its consequences (NaN weights) after
     # the same finding as a row of diagnosis.findings, its evidence as JSON
     r = cli(job.pid, "query", "SELECT step, severity, json_extract_string(evidence, '$.cause') AS cause FROM diagnosis.findings "
@@ -60,6 +66,17 @@ def test_frozen_model_is_also_at_chance_level(spawn, cli):
                 ready="planted", timeout=180)
     finding, _ = find(cli, job.pid, "loss_at_chance")
     assert "ln(8) = 2.079" in finding["message"], finding
+
+
+@requires_torch
+def test_loss_at_chance_takes_the_class_count_from_the_losss_logits(spawn, cli):
+    # given: a tiny GPT-2 (vocabulary 128; c_attn 96 wide, the embedding 32) whose loss sits at ln(128)
+    job = spawn([TARGETS / "gpt2_chance.py"], env={"PROBE": "1"}, timeout=180)
+    # then: the loss's own logits give the class count, not a parameter's width
+    r = cli(job.pid, "query", "SELECT function, classes, logits_shape FROM torch.loss", "--format", "json")
+    assert json.loads(r.stdout) == [{"function": "NllLossBackward0", "classes": 128, "logits_shape": "[64, 128]"}], r.stdout
+    finding, _ = poll_for(cli, job.pid, "loss_at_chance")
+    assert "ln(128) = 4.852, chance level for 128 classes" in finding["message"], finding
 
 
 @requires_torch

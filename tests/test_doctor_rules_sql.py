@@ -33,8 +33,8 @@ def test_loss_nonfinite_names_gradients_that_went_first_and_says_when_nothing_wa
     healthy = [(s, 1.0, 0.05, 1.0) for s in range(1, 40)]
     # gradients Inf at step 40 with a finite loss, the loss NaN from step 41: the gradients are named, not the data
     (said,) = _loss_nonfinite(healthy + [(40, 1.0, 0.05, inf), (41, nan, 0.05, nan)])
-    assert said.startswith("the loss became NaN/Inf at step 41, 1 step(s) after the gradients became NaN/Inf at step 40 "
-                           "while its loss was still finite"), said
+    assert said.startswith("the loss was first seen NaN/Inf at step 41 (step 40 was still finite), 1 step(s) after the "
+                           "gradients became NaN/Inf at step 40 while its loss was still finite"), said
     # NaN loss and gradients at the same step: nothing came first, so the data is suspected
     (said,) = _loss_nonfinite(healthy + [(40, nan, 0.05, nan)])
     assert "with neither an LR jump nor a gradient-norm spike just before: suspect the data" in said, said
@@ -48,18 +48,53 @@ def test_loss_nonfinite_names_an_lr_jump_as_the_cause_even_when_the_gradients_it
     healthy = [(s, 1.0, 0.05, 1.0) for s in range(1, 40)]
     # the LR jumps at 40, the gradients go Inf at 42 (measured), the loss NaN at 43: the jump is the root cause
     (said,) = _loss_nonfinite(healthy + [(40, 1.0, 1e4, 1.0), (41, 3.0, 1e4, None), (42, 9.0, 1e4, inf), (43, nan, 1e4, nan)])
-    assert said.startswith("the loss became NaN/Inf at step 43, 3 step(s) after the learning rate jumped 2e+05x "
-                           "(0.05 -> 1e+04) at step 40 (the gradients went NaN/Inf at step 42); lower it"), said
+    assert said.startswith("the loss was first seen NaN/Inf at step 43 (step 42 was still finite), 3 step(s) after the "
+                           "learning rate jumped 2e+05x (0.05 -> 1e+04) at step 40 (the gradients went NaN/Inf at step 42); "
+                           "lower it"), said
     # gradients that went bad before the jump are the cause, not the jump
     (said,) = _loss_nonfinite(healthy + [(40, 1.0, 0.05, inf), (41, 2.0, 1e4, None), (42, nan, 1e4, nan)])
     assert "after the gradients became NaN/Inf at step 40 while its loss was still finite" in said, said
+
+
+def _loss_nonfinite_rows(rows: list) -> list:
+    from probe.cli._diagnose import _next
+    from probe.diagnosis.rules import get_rule
+
+    found = rule_rows("loss_nonfinite", {"torch.steps": ("rank INTEGER, step BIGINT, loss DOUBLE, lr DOUBLE, grad_norm DOUBLE",
+                                                        [(None, *r) for r in rows])})
+    return [(row, _next(get_rule("loss_nonfinite").next, dict(row, target="7"))) for row in found]
+
+
+def test_loss_nonfinite_says_the_onset_it_knows_and_what_fits_when_the_weights_stayed_nan():
+    nan, inf = float("nan"), float("inf")
+    # given: the loss measured every 10 steps (sampled), finite at 1990, NaN from 2000 on (bad data at 1993), never back
+    rows = [(s, 1.0, 0.05, 1.0) for s in range(1000, 2000, 10)] + [(s, nan, 0.05, nan) for s in range(2000, 2060, 10)]
+    ((row, nxt),) = _loss_nonfinite_rows(rows)
+    said = _loss_nonfinite(rows)[0]
+    # then: a range, not a step stated as fact
+    assert said.startswith("the loss was first seen NaN/Inf at step 2000 (the last finite loss measured was at step 1990: "
+                           "it went bad at one of steps 1991-2000, the 9 between were not measured)"), said
+    # the cause is the data, the weights most likely NaN: restore, no lr change, no checkpoint of NaN weights
+    assert "suspect the data" in said and "Every loss measured since (5 step(s)) is NaN/Inf" in said, said
+    assert "restore the last checkpoint written before step 1990 and skip or fix the batch" in said, said
+    assert not [n for n in nxt if "lr --scale" in n or " checkpoint " in n], nxt
+    assert any("torch.parameters WHERE nan_count + inf_count > 0" in n for n in nxt), nxt
+    assert "BETWEEN 1990 AND 2000" in nxt[0], nxt
+    # given: every step measured, an LR jump, then the loss NaN once and finite again (a skipped batch)
+    rows = [(s, 1.0, 0.05, 1.0) for s in range(1, 40)] + [(40, 1.0, 5.0, 1.0), (41, inf, 5.0, 2.0), (42, 1.1, 5.0, 1.0)]
+    said = _loss_nonfinite(rows)[0]
+    ((row, nxt),) = _loss_nonfinite_rows(rows)
+    assert said.startswith("the loss was first seen NaN/Inf at step 41 (step 40 was still finite), 1 step(s) after the "
+                           "learning rate jumped 100x"), said
+    assert "finite again from step 42: the weights survived it; lower the learning rate" in said, said
+    assert [n.split(" ", 2)[2] for n in nxt[1:]] == ["lr --scale 0.1", "checkpoint /tmp/emergency-{rank}-{step}.pt"], nxt
 
 
 def test_loss_nonfinite_names_a_gradient_norm_spike_before_it():
     nan = float("nan")
     rows = [(s, 1.0, 0.05, 1.0) for s in range(1, 38)] + [(38, 1.2, 0.05, 60.0), (39, 5.0, 0.05, 2.0), (40, nan, 0.05, nan)]
     (said,) = _loss_nonfinite(rows)
-    assert said.startswith("the loss became NaN/Inf at step 40, 2 step(s) after the gradient norm spiked to 60x its recent "
+    assert said.startswith("the loss was first seen NaN/Inf at step 40 (step 39 was still finite), 2 step(s) after the gradient norm spiked to 60x its recent "
                            "median at step 38; clip gradients or lower the LR"), said
 
 
@@ -90,3 +125,20 @@ def test_loss_spike_is_an_outlier_the_loss_came_back_from_not_the_onset_of_a_div
     (said,) = rule_rows("loss_spike", tables(spiked), messages=True)
     assert said.startswith("the loss spiked to 0.95 at step 60") and "came back to 0.007" in said, said
     assert rule_rows("loss_spike", tables(diverged), messages=True) == []
+
+
+def test_parameters_unreadable_warns_that_the_parameter_rules_cannot_see():
+    errors = "rank INTEGER, time TIMESTAMP, source VARCHAR, message VARCHAR"
+    recent = "SELECT * FROM (VALUES {}) AS t(rank, time, source, message)"
+    # given: a table that failed on two parameters just now, another error long ago, and an unrelated error
+    rows = rule_rows("parameters_unreadable", {"probe.errors": recent.format(
+        "(0, (current_timestamp - INTERVAL 1 MINUTE)::TIMESTAMP, 'torch.parameters: 0.weight', 'no such op'), "
+        "(0, current_timestamp::TIMESTAMP, 'torch.parameters: 0.bias', 'Redistribution from one partial type is unsupported'), "
+        "(1, (current_timestamp - INTERVAL 2 HOUR)::TIMESTAMP, 'torch.parameters: 0.weight', 'old'), "
+        "(1, current_timestamp::TIMESTAMP, 'torch steps: grad norm', 'unrelated')")}, messages=True)
+    # then: one warning, for the rank whose reads fail now
+    assert rows == ["torch.parameters could not read 2 parameter(s) lately (torch.parameters: 0.bias: Redistribution from one "
+                    "partial type is unsupported): params_nonfinite and grad_nonfinite cannot see them, so finding nothing "
+                    "there proves nothing."], rows
+    # and a healthy control: no errors, no finding
+    assert rule_rows("parameters_unreadable", {"probe.errors": (errors, [])}) == []

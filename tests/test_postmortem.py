@@ -292,6 +292,38 @@ def test_fatal_dumps_are_bounded_with_the_records(spawn, cli, probe_env):
 
 
 @requires_torch
+def test_sigterm_kills_a_rank_waiting_in_c_as_promptly_as_without_probe(spawn, cli):
+    # given: the same job twice, its main thread waiting in C (GIL released) and never back in Python,
+    # as a gloo rank in an all_reduce whose peer never comes; once plain, once under PROBE=1
+    for probed in (False, True):
+        job = spawn([TARGETS / "blocked_in_c.py"], env={"PROBE": "1"} if probed else {})
+        assert f"probe_loaded={probed}" in job.output(), job.output()
+        # when: it is stopped as torchrun and schedulers do
+        sent = time.time()
+        os.kill(job.pid, signal.SIGTERM)
+        # then: it dies of SIGTERM by itself (nothing here sends SIGKILL), with and without the probe
+        try:
+            job.popen.wait(60)
+        except Exception:
+            raise AssertionError(f"probed={probed}: still alive after SIGTERM ({job.popen.poll()})") from None
+        gone = time.time()
+        assert job.popen.returncode == -signal.SIGTERM, (probed, job.popen.returncode)
+    # and the probed one's record says SIGTERM, written between the signal and the death, with the main
+    # thread where it waited
+    row = dead(cli, job.pid)
+    assert row["cause"] == "terminated" and "terminated by SIGTERM" in row["what"], row
+    assert row["last_step"] == 20, row
+    bt = cli(str(job.pid), "backtrace")
+    assert bt.returncode == 0 and "post-mortem record" in bt.stdout, bt.stdout + bt.stderr
+    main = bt.stdout.split('"MainThread" (main)', 1)[1].split("\nThread ", 1)[0]
+    assert "blocked_in_c.py" in main and "wait" in main, bt.stdout
+    assert "probe-sigterm" not in bt.stdout and "probe-postmortem-term" not in bt.stdout, bt.stdout
+    with open(os.path.join(row["record"], "meta.json")) as f:
+        meta = json.load(f)
+    assert sent <= meta["time"] <= gone and meta["detail"] == "SIGTERM", (sent, meta["time"], gone, meta["detail"])
+
+
+@requires_torch
 def test_sigterm_is_recorded_with_the_stacks_at_that_moment(spawn, cli, probe_env):
     # given: a training job with no periodic snapshot (only the SIGTERM handler can speak for it)
     job = spawn([TARGETS / "dies.py", "--how", "wait", "--steps", "30"], env={"PROBE_POSTMORTEM_EVERY": "0"})
@@ -312,3 +344,21 @@ def test_sigterm_is_recorded_with_the_stacks_at_that_moment(spawn, cli, probe_en
     # a deliberate stop is no rank_died finding while nobody waits for it
     d = cli(str(job.pid), "--format", "json", "doctor")
     assert not [f for f in json.loads(d.stdout)["findings"] if f["rule"] == "rank_died"], d.stdout
+
+
+@requires_torch
+def test_ranks_all_with_only_ended_jobs_says_no_job_is_running(spawn, cli):
+    # given: two jobs that ran here and ended (their ranks left records), none running
+    for run in ("job-a", "job-b"):
+        job = spawn([TARGETS / "dies.py", "--how", "exit", "--steps", "3"],
+                    env={"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": run})
+        assert job.popen.wait(60) == 0
+    # when: every rank is asked for
+    r = cli("--ranks", "all", "status")
+    # then: one sentence saying that no job runs, naming the ended ones, no traceback
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert "no job is running here" in r.stderr and "job-a, job-b" in r.stderr, r.stderr
+    # and one ended job's records are still there to read with --job
+    r = cli("--ranks", "all", "--job", "job-a", "query", "SELECT rank, MAX(step) AS step FROM torch.steps GROUP BY rank",
+            "--format", "json")
+    assert r.returncode == 0 and json.loads(r.stdout) == [{"rank": 0, "step": 3}], r.stdout + r.stderr

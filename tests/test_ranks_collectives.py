@@ -62,8 +62,8 @@ def _free_port() -> int:
 
 
 @contextmanager
-def ddp_job(*args, world=3, direct=False, rt=None, extra_env=None):
-    """A probed DDP job of ``world`` ranks running tests/targets/ddp_plain.py with ``args`` (and ``extra_env``)."""
+def ddp_job(*args, world=3, direct=False, rt=None, extra_env=None, target=TARGET):
+    """A probed job of ``world`` ranks running ``target`` (tests/targets/ddp_plain.py) with ``args`` (and ``extra_env``)."""
     own_rt = rt is None
     rt = rt or tempfile.mkdtemp(prefix="prc-", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PROBE", "TORCH_FR"))}
@@ -73,11 +73,11 @@ def ddp_job(*args, world=3, direct=False, rt=None, extra_env=None):
     lines: list[str] = []
     if direct:  # each rank its own process: a dead rank does not take the others down with it
         port = _free_port()
-        cmds = [([sys.executable, TARGET, *args], dict(job_env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        cmds = [([sys.executable, target, *args], dict(job_env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                                                        RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world)))
                 for r in range(world)]
     else:
-        cmds = [([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), TARGET, *args], job_env)]
+        cmds = [([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), target, *args], job_env)]
     procs = []
     for cmd, e in cmds:
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e, cwd=rt,

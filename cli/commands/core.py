@@ -53,13 +53,15 @@ class List(Command):
             state = h.get("state") or ("unreachable" if "unreachable" in h else "running")
             rows.append({
                 "job": e.get("job"), "pid": e["pid"], "rank": e.get("rank"), "world_size": e.get("world_size"), "host": e.get("host"),
-                "step": h.get("step"), "state": state, "hung_since": h.get("hung_since"),
+                "step": h.get("step"), "framework_step": h.get("framework_step"),
+                "framework_counter": h.get("framework_counter"), "state": state, "hung_since": h.get("hung_since"),
                 "endpoint": endpoint, "command": " ".join(e.get("argv", []))[:80],
             })
         # grouped by job (processes outside a job last), ranks in order within each
         rows.sort(key=lambda r: (r["job"] is None, str(r["job"]), r["rank"] is None, r["rank"] or 0, r["pid"]))
         return _print_rows(session, args, rows, {"job": "VARCHAR", "pid": "BIGINT", "rank": "INTEGER",
                                                  "world_size": "INTEGER", "host": "VARCHAR", "step": "BIGINT",
+                                                 **({"framework_step": "BIGINT"} if any(r["framework_step"] is not None for r in rows) else {}),
                                                  "state": "VARCHAR", "endpoint": "VARCHAR", "command": "VARCHAR"},
                            "No probed processes found. Start one with `import probe.auto`, PROBE=1, or `probe inject PID`.")
 

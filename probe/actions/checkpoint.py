@@ -11,6 +11,10 @@ name and ``model``/``optimizer`` the first. It is written to a temporary file in
 the same directory, fsynced and renamed (never over an existing file without
 ``force``), and a ``PATH.sha256`` file holds its checksum.
 
+A sharded model (FSDP2's ``fully_shard``, DTensors) is saved as it is held: the file holds this
+rank's shards (``sharded`` says how), written without a collective; it is loaded on the same rank
+of a job sharded the same way (same world size, after ``fully_shard``), each rank its own file.
+
 ``load_checkpoint`` restores it. A checkpoint taken at the safe point sees the
 optimizer step done but not the loop's ``scheduler.step()`` that follows; the
 checkpoint records that, and loading steps the scheduler once so the resumed run
@@ -31,6 +35,7 @@ from .._errors import ActionError
 from ..agent import state as agent_state
 from ..training.counters import framework_counters, restore_counters
 from ..training.finder import grad_scalers, models, objects_of, optimizers, scheduler_for, schedulers
+from ..training.shards import is_sharded, placement
 
 if TYPE_CHECKING:
     from .queue import Context
@@ -117,6 +122,9 @@ def build_state(ctx: "Context") -> dict:
     state: dict = {"format": FORMAT, "step": step, "time": time.time()}
     if mods:
         state["model"] = _unwrap(mods[0].obj).state_dict()
+        laid = next((placement(v) for v in state["model"].values() if is_sharded(v)), None)
+        if laid is not None:
+            state["sharded"] = laid  # this rank's shards only, e.g. S(0)
         if len(mods) > 1:
             state["models"] = {f.name: _unwrap(f.obj).state_dict() for f in mods}
     scheds = schedulers()
@@ -219,7 +227,8 @@ def save(ctx: "Context", path: str, force: bool) -> dict:
     return {"path": path, "bytes": os.path.getsize(path), "sha256": digest, "step": state["step"],
             "seconds": round(time.perf_counter() - t0, 4),
             "contents": sorted(k for k in state if k not in ("format", "time")),
-            "scheduler_step_pending": state.get("scheduler_step_pending", False)}
+            "scheduler_step_pending": state.get("scheduler_step_pending", False),
+            "sharded": state.get("sharded"), "rank": state["probe"]["rank"], "world_size": state["probe"]["world_size"]}
 
 
 def load_checkpoint(path: str, *, model=None, optimizer=None, scheduler=None, scaler=None, trainer=None,
@@ -231,6 +240,10 @@ def load_checkpoint(path: str, *, model=None, optimizer=None, scheduler=None, sc
     gets its ``global_step`` back (Lightning's also its ``current_epoch``), an Accelerator its
     ``step``. Loaded inside a step (``eval --at-step``), the step finishing
     then is counted on top by the Trainer, as after any step.
+
+    A sharded model's file (FSDP2) holds one rank's shards: load it on that rank, after
+    ``init_process_group`` and ``fully_shard`` with the same world size, each rank its own file
+    (``ckpt-{rank}.pt``).
     """
     import torch
 
@@ -242,7 +255,14 @@ def load_checkpoint(path: str, *, model=None, optimizer=None, scheduler=None, sc
             want = f.read().split()[0]
         if sha256(path) != want:
             raise ActionError(f"{path} does not match its checksum in {path}.sha256; the file is damaged or was changed.")
-    state = torch.load(path, map_location=map_location, weights_only=True)
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        if "torch.distributed.tensor" not in str(exc):
+            raise
+        import torch.distributed.tensor  # noqa: F401  (registers DTensor with the weights-only loader)
+
+        state = torch.load(path, map_location=map_location, weights_only=True)  # a sharded model's (FSDP2) file
     if trainer is not None:
         held = objects_of(trainer)
         model = model if model is not None else held.get("model")

@@ -28,7 +28,7 @@ from . import action_routes  # noqa: F401  (registers the action and eval routes
 from . import profile  # noqa: F401  (registers GET /profile, the stack sampler)
 from . import routes  # noqa: F401  (registers the read routes and the built-in tables)
 from . import snapshot  # noqa: F401  (the query path, loaded at start: never in a training step later)
-from . import state, watchdog
+from . import sigterm, state, watchdog
 from .server import TCPServer, UnixServer, serve_in_thread
 from .state import info
 
@@ -113,7 +113,7 @@ def start(*, port: int | None = None, host: str | None = None, token: str | None
         hooks.arm()  # torch's step and module hooks: now, or when torch gets imported
         watchdog.install()  # PROBE_HANG_TIMEOUT: all-thread stacks on disk when steps stop
         postmortem.install()  # a record in the runtime dir when the process dies, and periodic snapshots
-        _install_sigterm()
+        sigterm.install(stop)  # the record on SIGTERM, and death as prompt as without the probe
         return info()
 
 
@@ -174,35 +174,6 @@ def _shutdown(srv) -> None:
     try:
         srv.server_close()
     except OSError:
-        pass
-
-
-def _install_sigterm() -> None:
-    """On SIGTERM (torchrun and schedulers stop jobs with it), write the post-mortem record (cause
-    ``terminated``, the stacks where the signal found the process; before stop() uninstalls its
-    hooks), remove the socket and registry entry, then die as before.
-
-    Only when SIGTERM still has its default action and we are on the main thread: a
-    handler the program installed itself is left alone (atexit covers a clean exit).
-    """
-    import signal
-
-    if threading.current_thread() is not threading.main_thread():
-        return
-    try:
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            return
-
-        def on_term(signum, frame):
-            try:
-                postmortem.terminated(signum, frame)  # never raises; bounded wait
-                stop()
-            finally:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGTERM)
-
-        signal.signal(signal.SIGTERM, on_term)
-    except (ValueError, OSError):
         pass
 
 

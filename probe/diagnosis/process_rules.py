@@ -44,7 +44,7 @@ WHERE i.step IS NOT NULL AND i.state IS DISTINCT FROM 'dead'
 
 rule(
     "loss_nonfinite", family="nan", severity="critical",
-    description="The loss became NaN or infinite; says whether non-finite gradients, an LR jump or a gradient-norm spike came just before.",
+    description="The loss became NaN or infinite: the first step measured non-finite and the last measured finite (an onset between unmeasured steps is a range, not a step), whether non-finite gradients, an LR jump or a gradient-norm spike came just before, and whether the loss stayed non-finite since (then the weights are most likely NaN: restore a checkpoint, do not save one).",
     sql="""
 WITH s AS (
   SELECT rank, step, loss, lr, grad_norm,
@@ -55,6 +55,14 @@ WITH s AS (
                             OVER (PARTITION BY rank ORDER BY step ROWS BETWEEN 50 PRECEDING AND 1 PRECEDING), 0) AS gn_score
   FROM torch.steps),
 bad AS (SELECT rank, min(step) AS step FROM s WHERE isnan(loss) OR isinf(loss) GROUP BY rank),
+around AS (
+  -- the last finite loss measured before the first non-finite one; what the measured losses did since
+  SELECT b.rank, b.step,
+         max(s.step) FILTER (WHERE isfinite(s.loss) AND s.step < b.step) AS last_ok,
+         min(s.step) FILTER (WHERE isfinite(s.loss) AND s.step > b.step) AS finite_again,
+         count(*) FILTER (WHERE (isnan(s.loss) OR isinf(s.loss)) AND s.step > b.step) AS bad_since
+  FROM bad AS b JOIN s ON s.rank IS NOT DISTINCT FROM b.rank
+  GROUP BY b.rank, b.step),
 near AS (
   SELECT b.rank, b.step,
          max(s.lr_jump) FILTER (WHERE isfinite(s.lr_jump)) AS lr_jump,
@@ -67,29 +75,60 @@ near AS (
          min(s.step) FILTER (WHERE (isnan(s.grad_norm) OR isinf(s.grad_norm)) AND s.step < b.step) AS grad_bad_step,
          count(s.grad_norm) FILTER (WHERE s.step < b.step) AS grad_measured
   FROM bad AS b JOIN s ON s.rank IS NOT DISTINCT FROM b.rank AND s.step BETWEEN b.step - 5 AND b.step
-  GROUP BY b.rank, b.step)
-SELECT rank, step, lr_jump, jump_step, gn_score, spike_step, grad_bad_step,
-       CASE WHEN lr_jump >= 10 AND (grad_bad_step IS NULL OR jump_step <= grad_bad_step) THEN
-              -- the jump is the root cause even when the gradients it blew up were measured first
-              printf('%d step(s) after the learning rate jumped %.4gx (%.3g -> %.3g) at step %d%s; lower it',
+  GROUP BY b.rank, b.step),
+found AS (
+  SELECT n.*, a.last_ok, a.finite_again, a.bad_since,
+         CASE WHEN n.lr_jump >= 10 AND (n.grad_bad_step IS NULL OR n.jump_step <= n.grad_bad_step) THEN 'lr'
+              WHEN n.grad_bad_step IS NOT NULL THEN 'grad'
+              WHEN n.gn_score >= 10 THEN 'spike'
+              ELSE 'data' END AS kind,
+         -- every loss measured since the onset is non-finite: the weights are most likely NaN already
+         a.finite_again IS NULL AND a.bad_since > 0 AS stuck
+  FROM near AS n JOIN around AS a ON a.rank IS NOT DISTINCT FROM n.rank)
+SELECT rank, step, last_ok, finite_again, bad_since, lr_jump, jump_step, gn_score, spike_step, grad_bad_step, kind, stuck,
+       coalesce(least(last_ok, step - 10), step - 10) AS from_step,
+       CASE WHEN last_ok IS NULL THEN ' (no finite loss was measured before it)'
+            WHEN last_ok = step - 1 THEN printf(' (step %d was still finite)', last_ok)
+            ELSE printf(' (the last finite loss measured was at step %d: it went bad at one of steps %d-%d, '
+                        'the %d between were not measured)', last_ok, last_ok + 1, step, step - last_ok - 1)
+       END AS onset,
+       CASE WHEN kind = 'lr' THEN
+              printf('%d step(s) after the learning rate jumped %.4gx (%.3g -> %.3g) at step %d%s',
                      step - jump_step, lr_jump, lr_before, lr_after, jump_step,
                      CASE WHEN grad_bad_step IS NOT NULL
                           THEN printf(' (the gradients went NaN/Inf at step %d)', grad_bad_step) ELSE '' END)
-            WHEN grad_bad_step IS NOT NULL THEN
+            WHEN kind = 'grad' THEN
               printf('%d step(s) after the gradients became NaN/Inf at step %d while its loss was still finite: a backward '
                      'overflowed or divided by zero (look for the tensor in torch.parameters.grad_norm, or a hook that scales '
                      'gradients)', step - grad_bad_step, grad_bad_step)
-            WHEN gn_score >= 10 THEN
-              printf('%d step(s) after the gradient norm spiked to %.3gx its recent median at step %d; clip gradients or lower the LR',
+            WHEN kind = 'spike' THEN
+              printf('%d step(s) after the gradient norm spiked to %.3gx its recent median at step %d',
                      step - spike_step, gn_score, spike_step)
             ELSE 'with neither an LR jump nor a gradient-norm spike just before' ||
                  CASE WHEN grad_measured = 0 THEN ' (the gradient norm was not measured on those steps: PROBE_STEP_BUDGET)' ELSE '' END ||
                  ': suspect the data (NaN/Inf inputs or labels) or a numerics bug (log(0), division by zero, fp16 overflow)'
-       END AS cause
-FROM near""",
-    message="the loss became NaN/Inf at step {step}, {cause}.",
-    next=["probe {target} query \"SELECT step, loss, grad_norm, lr FROM torch.steps WHERE step BETWEEN {step} - 10 AND {step} ORDER BY step\"",
-          "probe {target} lr --scale 0.1", "probe {target} checkpoint /tmp/emergency-{{rank}}-{{step}}.pt"],
+       END AS cause,
+       CASE WHEN stuck THEN
+              printf('. Every loss measured since (%d step(s)) is NaN/Inf: the weights are most likely NaN already '
+                     '(torch.parameters nan_count says; params_nonfinite when they are), so a checkpoint now would save '
+                     'them and a lower LR cannot repair them: restore the last checkpoint written before step %d%s',
+                     bad_since, coalesce(last_ok, step),
+                     CASE WHEN kind = 'data' THEN ' and skip or fix the batch that did it' ELSE '' END)
+            WHEN finite_again IS NOT NULL THEN
+              printf('. The loss is finite again from step %d: the weights survived it%s', finite_again,
+                     CASE WHEN kind = 'lr' THEN '; lower the learning rate' WHEN kind = 'spike' THEN '; clip gradients or lower the LR'
+                          ELSE '' END)
+            ELSE CASE WHEN kind = 'lr' THEN '; lower it' WHEN kind = 'spike' THEN '; clip gradients or lower the LR' ELSE '' END ||
+                 '. No loss measured since yet: whether the weights are NaN, torch.parameters says'
+       END AS weights,
+       CASE WHEN stuck OR finite_again IS NULL
+            THEN 'query "SELECT name, nan_count, inf_count FROM torch.parameters WHERE nan_count + inf_count > 0"' END AS next_params,
+       CASE WHEN NOT stuck AND kind IN ('lr', 'spike') THEN 'lr --scale 0.1' END AS next_lr,
+       CASE WHEN finite_again IS NOT NULL THEN 'checkpoint /tmp/emergency-{rank}-{step}.pt' END AS next_checkpoint
+FROM found""",
+    message="the loss was first seen NaN/Inf at step {step}{onset}, {cause}{weights}.",
+    next=["probe {target} query \"SELECT step, loss, grad_norm, lr FROM torch.steps WHERE step BETWEEN {from_step} AND {step} ORDER BY step\"",
+          "probe {target} {next_params}", "probe {target} {next_lr}", "probe {target} {next_checkpoint}"],
 )
 
 rule(
@@ -110,6 +149,19 @@ SELECT rank, count(*) AS tensors, sum(nan_count + inf_count) AS bad, arg_max(nam
 FROM torch.parameters WHERE nan_count + inf_count > 0 GROUP BY rank""",
     message="{tensors} parameter tensor(s) hold NaN/Inf values ({bad} elements), most in {worst}: resume from a checkpoint taken before the loss went bad.",
     next=["probe {target} query \"SELECT step, loss, lr FROM torch.steps ORDER BY step DESC LIMIT 20\""],
+)
+
+rule(
+    "parameters_unreadable", family="parameters", severity="warning",
+    description="torch.parameters failed to read some parameters in the last 10 minutes (probe.errors): the parameter rules (params_nonfinite, grad_nonfinite) cannot see them, so their silence is no clean bill.",
+    sql="""
+SELECT rank, count(*) AS errors, count(DISTINCT source) AS parameters, arg_max(source, time) AS source,
+       arg_max(message, time) AS message
+FROM probe.errors
+WHERE source LIKE 'torch.parameters%' AND time > current_timestamp - INTERVAL 10 MINUTE
+GROUP BY rank""",
+    message="torch.parameters could not read {parameters} parameter(s) lately ({source}: {message}): params_nonfinite and grad_nonfinite cannot see them, so finding nothing there proves nothing.",
+    next=["probe {target} query \"SELECT time, source, message FROM probe.errors WHERE source LIKE 'torch.parameters%' ORDER BY time DESC LIMIT 10\""],
 )
 
 rule(
@@ -156,7 +208,7 @@ GROUP BY rank""",
 
 rule(
     "loss_at_chance", family="plateau", severity="warning",
-    description="The loss has stopped moving at ln(C), the loss of uniform guessing over C classes (C = an output size of the model).",
+    description="The loss has stopped moving at ln(C), the loss of uniform guessing over C classes (C = the class count of the loss's own logits, torch.loss; quiet when the loss is not a classification loss).",
     sql="""
 WITH recent AS (
   SELECT rank, step, loss, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
@@ -165,9 +217,7 @@ m AS (
   SELECT rank, max(step) AS step, avg(loss) FILTER (WHERE age <= 20) AS now_loss,
          avg(loss) FILTER (WHERE age BETWEEN 21 AND 40) AS before_loss
   FROM recent GROUP BY rank HAVING count(*) >= 40),
-dims AS (
-  SELECT DISTINCT rank, CAST(regexp_extract(shape, '^\\[(\\d+)', 1) AS BIGINT) AS c
-  FROM torch.parameters WHERE regexp_matches(shape, '^\\[\\d+'))
+dims AS (SELECT DISTINCT rank, classes AS c FROM torch.loss WHERE classes IS NOT NULL)
 SELECT m.rank, m.step, m.now_loss, arg_min(d.c, abs(ln(d.c) - m.now_loss)) AS classes,
        ln(arg_min(d.c, abs(ln(d.c) - m.now_loss))) AS chance
 FROM m JOIN dims AS d ON d.rank IS NOT DISTINCT FROM m.rank

@@ -11,7 +11,9 @@ A rule is data::
 Every row the SQL returns is one finding. ``message`` and each ``next`` entry are
 ``str.format`` templates over the row's columns plus ``target`` (what to type after
 ``probe`` to reach that process). A ``rank`` or ``step`` column, when the SQL returns
-one, says where the finding is. ``{name}`` placeholders in the SQL itself are filled
+one, says where the finding is. A ``next`` entry that names a ``next_*`` column is left
+out when that column is NULL or empty: the SQL chooses the commands that fit what it found
+(no ``lr --scale`` when the weights are already NaN). ``{name}`` placeholders in the SQL itself are filled
 from ``params`` (e.g. a threshold from a setting) before it runs. Scope ``process`` rules
 run on each process's own tables (with a ``rank`` column across ranks); ``job`` rules
 read the ``ranks.*`` views and run only across several ranks.

@@ -35,7 +35,7 @@ __all__ = ["install", "uninstall", "fatal_path", "terminated"]
 _state: dict = {}
 _stop = threading.Event()
 _prev_exit = sys.exit  # what our sys.exit wrapper calls (the one it replaced)
-_TERM_WAIT = 5.0  # seconds a SIGTERM waits for its record before the process dies anyway
+_TERM_WAIT = 1.0  # seconds a SIGTERM waits for its record before the process dies anyway (<= 2 s in all)
 
 
 def fatal_path(pid: int) -> str:

@@ -89,6 +89,9 @@ def _stacks(exc: BaseException | None, skip_self: bool, frame=None) -> list:
     for ident, current in sys._current_frames().items():
         if ident == me and skip_self:
             continue
+        t = names.get(ident)
+        if t is not None and t.name == "probe-sigterm":
+            continue  # the SIGTERM watcher waiting for this writer: the probe's, not the process's
         if ident == me and exc is not None and exc.__traceback__ is not None:
             frames = _frames(traceback.extract_tb(exc.__traceback__))
         else:

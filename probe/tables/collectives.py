@@ -43,7 +43,7 @@ def recorder(ctx, frames: bool = True, only_active: bool = False) -> dict | None
         Column("duration", "DOUBLE", "Seconds it ran, where the backend times it (NCCL with TORCH_NCCL_ENABLE_TIMING), else NULL."),
         Column("timeout_s", "DOUBLE", "The process group's timeout for it in seconds."),
         Column("thread", "VARCHAR", "Name of the thread that issued it."),
-        Column("call_site", "VARCHAR", "The innermost issuing frame outside torch: func (file:line), e.g. the training loop's backward call."),
+        Column("call_site", "VARCHAR", "The innermost issuing frame outside torch: func (file:line), e.g. the training loop's backward call; 'probe: func (file:line)' when the probe issued it itself (an eval, an action), never credited to the user's frame below."),
         Column("frames", "VARCHAR", "The Python frames that issued it, innermost first, separated by '; '."),
         Column("step", "BIGINT", "The training step (torch.steps) in progress when it was issued; NULL before the oldest step kept."),
     ],

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from ..training import finder, hooks, safepoint
+from ..training import finder, hooks, safepoint, shards
 from ..training.steps import STEP_COLUMNS
 from ..training.trace import TRACE_COLUMNS
 from ..util.errorlog import record_error
@@ -33,7 +33,7 @@ _STEP_EXTRA = ("compute", "comm_wait")
         Column("ended_at", "TIMESTAMP", "When the step ended (its optimizer step returned)."),
         Column("duration", "DOUBLE", "Wall-clock seconds from the previous step boundary to this one, data loading included."),
         Column("loss", "DOUBLE", "The step's loss: the sum of the scalars the loop backpropagated (else the loop's loss variable, PROBE_LOSS_NAMES), read lazily; NULL on a step that was not measured (measured is false), until ready, or when none was found."),
-        Column("grad_norm", "DOUBLE", "Total gradient L2 norm, read lazily: clip_grad_norm_'s result (before clipping) when the loop clips, else the lead optimizer's gradients at its step, computed on enough steps to cost at most PROBE_GRAD_NORM (default 0.1 %) of the step time (NULL on the others); NULL on a step that was not measured."),
+        Column("grad_norm", "DOUBLE", "Total gradient L2 norm, read lazily: clip_grad_norm_'s result (before clipping) when the loop clips, else the lead optimizer's gradients at its step, computed on enough steps to cost at most PROBE_GRAD_NORM (default 0.1 %) of the step time (NULL on the others); NULL on a step that was not measured. Per rank under FSDP2/DTensor: the norm of this rank's shards, computed without a collective (the model's norm is SQRT(SUM(grad_norm * grad_norm)) over the ranks at one step, see docs/torch.md)."),
         Column("lr", "DOUBLE", "Learning rate of the lead optimizer's first param group used by this step."),
         Column("samples_per_s", "DOUBLE", "Samples per second: batch dimension of the root model's training inputs (or probe.step(samples=)) over duration."),
         Column("tokens_per_s", "DOUBLE", "Tokens per second: elements of integer inputs of rank 2 or more (or probe.step(tokens=)) over duration."),
@@ -170,8 +170,10 @@ def memory(ctx):
 
 
 def _tensor_bytes(value) -> int:
+    """Bytes this rank holds of ``value`` (a DTensor's local shard under FSDP2)."""
     torch = sys.modules["torch"]
     if isinstance(value, torch.Tensor):
+        value = shards.local(value)
         return value.numel() * value.element_size()
     return 0
 
@@ -207,8 +209,8 @@ def _step_count(state: dict):
         Column("beta2", "DOUBLE", "Second beta (Adam-like optimizers)."),
         Column("eps", "DOUBLE", "Epsilon of the group."),
         Column("params", "INTEGER", "Number of parameter tensors in the group."),
-        Column("elements", "BIGINT", "Number of parameter elements in the group."),
-        Column("state_bytes", "BIGINT", "Bytes of optimizer state (e.g. Adam's exp_avg and exp_avg_sq) held for the group's parameters."),
+        Column("elements", "BIGINT", "Number of parameter elements in the group held by this rank (under FSDP2/DTensor, its shards: the model's count is the sum over the ranks)."),
+        Column("state_bytes", "BIGINT", "Bytes of optimizer state (e.g. Adam's exp_avg and exp_avg_sq) held by this rank for the group's parameters (under FSDP2, its shards)."),
         Column("step_count", "BIGINT", "The optimizer's own step counter for the group (from its state), NULL before the first step."),
         Column("scheduler", "VARCHAR", "Class of the LR scheduler attached to the optimizer (found globally or through the framework: Lightning's lr_scheduler_configs, the Trainer's lr_scheduler, accelerate's AcceleratedScheduler looked through), NULL if none was found."),
         Column("is_lead", "BOOLEAN", "Whether this optimizer's steps are the ones counted in torch.steps."),
@@ -241,7 +243,7 @@ def optimizer(ctx):
                 "initial_lr": _num(group.get("initial_lr")),
                 "weight_decay": _num(group.get("weight_decay")), "momentum": _num(group.get("momentum")),
                 "beta1": _num(betas[0]), "beta2": _num(betas[1]), "eps": _num(group.get("eps")),
-                "params": len(params), "elements": sum(p.numel() for p in params),
+                "params": len(params), "elements": sum(shards.local(p).numel() for p in params),
                 "state_bytes": sum(_tensor_bytes(v) for st in states for v in list(st.values())),
                 "step_count": _step_count(states), "scheduler": type(sched).__name__ if sched is not None else None,
                 "is_lead": opt is lead,
@@ -267,10 +269,12 @@ def _num(v):
         Column("shape", "VARCHAR", "Shape, e.g. [64, 256]."),
         Column("dtype", "VARCHAR", "Element type, e.g. float32."),
         Column("device", "VARCHAR", "Device, e.g. cpu or cuda:0."),
-        Column("numel", "BIGINT", "Number of elements."),
+        Column("numel", "BIGINT", "Number of elements (of the whole parameter, also when it is sharded)."),
+        Column("placement", "VARCHAR", "How a sharded parameter (FSDP2/DTensor) is laid out over the ranks, e.g. Shard(dim=0); NULL for an ordinary tensor. The statistics of a sharded parameter are this rank's shard's, read without a collective."),
+        Column("local_numel", "BIGINT", "Elements this rank holds: numel for an ordinary tensor, its shard's for a sharded one."),
         Column("requires_grad", "BOOLEAN", "Whether the parameter is trainable."),
         Column("in_optimizer", "BOOLEAN", "Whether a discovered optimizer holds the parameter."),
-        Column("grad_norm", "DOUBLE", "L2 norm of the current .grad, NULL when there is none (e.g. after zero_grad(set_to_none=True))."),
+        Column("grad_norm", "DOUBLE", "L2 norm of the current .grad (this rank's shard of a sharded parameter), NULL when there is none (e.g. after zero_grad(set_to_none=True))."),
         Column("nan_count", "BIGINT", "NaN elements in the parameter's values (NULL when no step boundary came within 5 s to read them safely)."),
         Column("inf_count", "BIGINT", "Infinite elements in the parameter's values."),
         Column("grad_nan", "BIGINT", "NaN elements in the gradient, NULL without a gradient."),
@@ -317,20 +321,22 @@ PARAMETER_WAIT = 5.0
 
 
 def _param_row(torch, model_name, name, p, in_opt, stats: bool = True) -> dict:
+    """One parameter's row; a sharded one (FSDP2) is read on its local shard: a reduction of the DTensor
+    itself would be a collective issued on this rank alone."""
+    data = shards.local(p.detach())
+    row = {"model": model_name, "name": name, "shape": str(list(p.shape)), "dtype": str(p.dtype).replace("torch.", ""),
+           "device": str(data.device), "numel": p.numel(), "placement": shards.placement(p),
+           "local_numel": data.numel(), "requires_grad": p.requires_grad, "in_optimizer": in_opt}
     if not stats:
-        return {"model": model_name, "name": name, "shape": str(list(p.shape)), "dtype": str(p.dtype).replace("torch.", ""),
-                "device": str(p.device), "numel": p.numel(), "requires_grad": p.requires_grad, "in_optimizer": in_opt}
-    data = p.detach()
+        return row
     floating = data.is_floating_point() or data.is_complex()
     stats = [torch.isnan(data).sum(), torch.isinf(data).sum()] if floating else []
     g = p.grad
     if g is not None and not g.is_sparse:
-        g = g.detach()
+        g = shards.local(g.detach())
         stats += [torch.linalg.vector_norm(g.float()), torch.isnan(g).sum(), torch.isinf(g).sum()]
     values = torch.stack([s.float() for s in stats]).tolist() if stats else []  # one device sync per tensor
-    row = {"model": model_name, "name": name, "shape": str(list(p.shape)), "dtype": str(p.dtype).replace("torch.", ""),
-           "device": str(p.device), "numel": p.numel(), "requires_grad": p.requires_grad, "in_optimizer": in_opt,
-           "nan_count": int(values[0]) if floating else 0, "inf_count": int(values[1]) if floating else 0}
+    row.update(nan_count=int(values[0]) if floating else 0, inf_count=int(values[1]) if floating else 0)
     if len(values) > (2 if floating else 0):
         k = 2 if floating else 0
         row.update(grad_norm=values[k], grad_nan=int(values[k + 1]), grad_inf=int(values[k + 2]))

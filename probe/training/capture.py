@@ -12,7 +12,8 @@ named ``loss`` (PROBE_LOSS_NAMES) in the training loop's frames; ``probe.step(lo
 overrides both.
 
 The gradient norm is ``clip_grad_norm_``'s result when the loop clips (kept at no cost),
-else a foreach norm of the lead optimizer's gradients launched on the device.
+else a foreach norm of the lead optimizer's gradients launched on the device. Under FSDP2
+(DTensor gradients) both are this rank's: the norm of its local shards, never a collective.
 
 Nothing here synchronises with a device: ``hold`` turns a device scalar into a pinned
 host copy and an event, read later by ``read`` once the event has completed. While
@@ -28,8 +29,42 @@ import weakref
 from .._config import setting
 from ..util.errorlog import record_error
 from ..util.frames import release
+from .shards import is_sharded, local
 
-__all__ = ["Capture", "read"]
+__all__ = ["Capture", "read", "loss_logits"]
+
+_NLL = ("NllLossBackward0", "NllLoss2DBackward0")  # cross_entropy is log_softmax + nll_loss
+_LOSS_LOOK_EVERY = 1000  # noted backward calls between two looks at the loss's graph (the first one looks)
+
+
+def loss_logits(loss, limit: int = 64):
+    """``(node name, classes, logits shape)`` of the classification loss behind ``loss``, or None.
+
+    Walks ``loss.grad_fn`` breadth first (at most ``limit`` nodes) to a negative log-likelihood
+    node and reads the shape of the log-probabilities it saved: classes are its dim 1 (``[N, C]``,
+    ``[N, C, H, W]``) or dim 0 (``[C]``). Must run before the backward frees the saved tensors.
+
+    >>> import torch
+    >>> logits = torch.randn(6, 128, requires_grad=True)
+    >>> loss_logits(torch.nn.functional.cross_entropy(logits, torch.zeros(6, dtype=torch.long)) / 2)
+    ('NllLossBackward0', 128, '[6, 128]')
+    """
+    fn = getattr(loss, "grad_fn", None)
+    seen, queue = set(), [fn] if fn is not None else []
+    while queue and len(seen) < limit:
+        node = queue.pop(0)
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        name = node.name()
+        if name in _NLL:
+            x = getattr(node, "_saved_self", None)
+            if x is None or not x.dim():
+                return None
+            shape = list(x.shape)
+            return name, int(shape[1] if x.dim() >= 2 else shape[0]), str(shape)
+        queue.extend(nf[0] for nf in node.next_functions)
+    return None
 
 
 
@@ -52,6 +87,9 @@ class Capture:
         self._closure_step = False  # inside optimizer.step(closure): only the closure's first backward counts
         self._closure_taken = False
         self._norm_failed: set = set()
+        self.sharded = False  # a gradient norm was this rank's shards' (FSDP2/DTensor), not the model's
+        self.loss_kind = None  # loss_logits() of a loss seen lately: its class count (torch.loss)
+        self._loss_looks = 0
         self._swaps: list = []  # (owner, attribute, original, wrapper): in only while a measured step runs
 
     # -- holding values without a device sync ---------------------------------------------------
@@ -61,6 +99,9 @@ class Capture:
             return value
         torch = self.torch
         if isinstance(value, torch.Tensor):
+            if is_sharded(value):  # clip_grad_norm_'s total under FSDP2: reading the DTensor would be a collective
+                self.sharded = True
+                value = local(value)
             if not value.is_cuda:
                 if value.is_cpu:
                     return float(value.item())  # nothing to wait for (a non-scalar raises: recorded, missing)
@@ -109,6 +150,12 @@ class Capture:
         if scaled is not None and scaled[0]() is t:
             t = scaled[1]
             self._scaled = None
+        if self._loss_looks % _LOSS_LOOK_EVERY == 0:
+            try:
+                self.loss_kind = loss_logits(t)
+            except Exception as exc:
+                record_error("torch steps: the loss's logits", exc)
+        self._loss_looks += 1
         self._losses.append(t.detach())
 
     def step_loss(self, frame):
@@ -153,13 +200,21 @@ class Capture:
 
     # -- the gradient norm ----------------------------------------------------------------------------
     def grad_norm(self, optimizer):
-        """The total L2 norm of ``optimizer``'s gradients, as a tensor on their device (None: none to measure)."""
+        """The total L2 norm of ``optimizer``'s gradients, as a tensor on their device (None: none to measure).
+
+        Sharded gradients (FSDP2's DTensors) count by their local shards: the norm of what this rank
+        holds, computed without a collective (``sharded`` says so); the model's norm is the square root
+        of the sum over ranks of their squares, which a client can combine."""
         if optimizer is None or id(optimizer) in self._norm_failed:
             return None
         torch = self.torch
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             return None
+        if any(is_sharded(g) for g in grads):
+            self.sharded = True
+            grads = [local(g) for g in grads]
+            grads = [g for g in grads if g.numel()] or [grads[0]]  # a rank may hold an empty shard
         try:
             with torch.no_grad():
                 norms = torch._foreach_norm(grads)

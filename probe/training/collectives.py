@@ -96,6 +96,34 @@ def _frame_text(f: dict) -> str:
     return f"{f.get('name')} ({os.path.basename(str(f.get('filename')))}:{f.get('line')})"
 
 
+# probe's wrappers that a user's call passes through on its way to torch (its backward, GradScaler.scale,
+# clip_grad_norm_, a probe.span): a collective below them is the user's
+_PASS_THROUGH = {("capture.py", "backward"), ("capture.py", "scale_"), ("capture.py", "clip_grad_norm_"),
+                 ("spans.py", "wrapper"), ("spans.py", "async_wrapper")}
+
+
+def call_site(frames: list, tdir: str | None = None) -> str | None:
+    """The innermost issuing frame outside torch, ``func (file:line)``; ``probe: func (file:line)`` when it
+    is the probe's own work (a table, an action, an eval), never credited to the user's frame below it.
+
+    >>> call_site([{"name": "all_reduce", "filename": "/t/torch/c10d.py", "line": 9},
+    ...            {"name": "main", "filename": "/u/train.py", "line": 25}], "/t/torch")
+    'main (train.py:25)'
+    """
+    if tdir is None:
+        tdir = _torch_dir()
+    for f in frames:
+        name = str(f.get("filename", ""))
+        if tdir and name.startswith(tdir + os.sep):
+            continue
+        if _PROBE_DIR and name.startswith(_PROBE_DIR + os.sep):
+            if (os.path.basename(name), f.get("name")) in _PASS_THROUGH:
+                continue
+            return "probe: " + _frame_text(f)
+        return _frame_text(f)
+    return None
+
+
 def entry_rows(doc: dict | None) -> list[dict]:
     """One row per recorded collective, oldest first (the torch.collectives columns)."""
     if not doc:
@@ -112,8 +140,7 @@ def entry_rows(doc: dict | None) -> list[dict]:
         elif started and completed:
             duration = completed - started
         frames = e.get("frames") or []
-        site = next((f for f in frames if not str(f.get("filename", "")).startswith(
-            tuple(d + os.sep for d in (tdir, _PROBE_DIR) if d))), None)  # the user's frame, not torch's or probe's own wrappers
+        site = call_site(frames, tdir)
         state = e.get("state")
         rows.append({
             "pg": str(pg[0]), "pg_desc": str(pg[1]) if len(pg) > 1 else None, "record_id": e.get("record_id"),
@@ -126,7 +153,7 @@ def entry_rows(doc: dict | None) -> list[dict]:
             "retired": bool(e.get("retired")), "created_at": _ns(e.get("time_created_ns")),
             "started_at": started, "completed_at": completed, "duration": duration,
             "timeout_s": (e.get("timeout_ms") or 0) / 1000.0 or None, "thread": e.get("thread_name"),
-            "call_site": _frame_text(site) if site else None,
+            "call_site": site,
             "frames": "; ".join(_frame_text(f) for f in frames) if frames else None,
         })
     return rows

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..util.errorlog import record_error
 from .finder import framework_of, frameworks
 
-__all__ = ["framework_counters", "restore_counters"]
+__all__ = ["framework_counters", "restore_counters", "status"]
 
 
 def _shift_progress(progress, completed: int) -> None:
@@ -54,7 +54,7 @@ def restore_counters(framework, counters: dict) -> dict:
     return done
 
 
-def framework_counters(in_step: bool = False) -> dict:
+def framework_counters(in_step: bool = False, refresh: bool = True) -> dict:
     """The step counters of the framework objects found: ``{name: {"global_step": n, ...}}`` for a
     Trainer, ``{name: {"step": n}}`` for an Accelerator that is not a transformers Trainer's own.
 
@@ -65,7 +65,7 @@ def framework_counters(in_step: bool = False) -> dict:
     """
     out = {}
     extra = 1 if in_step else 0
-    found = frameworks()
+    found = frameworks(refresh)
     # transformers' Trainer drives its Accelerator's counters itself (it never uses accelerator.step)
     held = {id(getattr(f.obj, "accelerator", None)) for f in found if f.wrapper == "transformers"}
     for f in found:
@@ -80,3 +80,15 @@ def framework_counters(in_step: bool = False) -> dict:
         except Exception as exc:
             record_error(f"reading {f.name}'s step counters", exc)
     return out
+
+
+def status() -> dict:
+    """The framework's own step beside probe's (a status provider): ``framework_step`` and where it comes
+    from (``framework_counter``, e.g. ``trainer.global_step``), from the first Trainer or Accelerator
+    found; nothing without one. probe counts the optimizer steps it saw, from 1 when it started: after
+    ``probe inject`` into a run at step 5000 the two differ, and the framework's is the run's."""
+    for name, counters in framework_counters(refresh=False).items():
+        for key in ("global_step", "step"):
+            if key in counters:
+                return {"framework_step": counters[key], "framework_counter": f"{name}.{key}"}
+    return {}

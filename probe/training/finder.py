@@ -335,11 +335,12 @@ def _iterates(it, loader) -> bool:
         return False
 
 
-def frameworks() -> list[Found]:
+def frameworks(refresh: bool = True) -> list[Found]:
     """Framework objects found (a Lightning or transformers Trainer, an Accelerator); ``wrapper`` holds
-    the framework's name (lightning, transformers, accelerate)."""
+    the framework's name (lightning, transformers, accelerate). ``refresh=False``: those found already,
+    without a new look (for a frequent caller such as the status)."""
     out = []
-    for f in _refreshed("framework"):
+    for f in (_refreshed("framework") if refresh else _live("framework")):
         e = _found["framework"].get(id(f.obj))
         out.append(f._replace(wrapper=e.framework if e is not None else None))
     return out

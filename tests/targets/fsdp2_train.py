@@ -1,0 +1,64 @@
+"""A tiny FSDP2 (``torch.distributed.fsdp.fully_shard``) job on CPU (gloo), as people write it now.
+
+Run under torchrun with PROBE=1 and no probe code:
+``PROBE=1 python -m torch.distributed.run --nproc-per-node 2 fsdp2_train.py --steps 2000``.
+Each rank prints ``ready rank=R pid=P world=W`` after its first step, ``progress rank=R step=S``
+every 500 steps and ``done rank=R steps=S`` at the end, then waits (``--linger``) so the test can
+still read its tables, or exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=2000)
+p.add_argument("--linger", action="store_true", help="After the last step, wait (in Python) until killed.")
+p.add_argument("--resume", default=None, help="Load probe.load_checkpoint(PATH) first, {rank} expanded; print what it held.")
+args = p.parse_args()
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+fully_shard(model)  # one unit: one all_gather and one reduce-scatter a step keep 2000 steps quick on gloo
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+gen = torch.Generator().manual_seed(rank)
+if args.resume:
+    import probe
+
+    state = probe.load_checkpoint(args.resume.replace("{rank}", str(rank)), model=model, optimizer=optimizer)
+    w = model[0].weight
+    print(f"resumed rank={rank} step={state['step']} sharded={state.get('sharded')} "
+          f"local={tuple(w.to_local().shape)} of={tuple(w.shape)} "
+          f"match={bool(torch.equal(w.to_local(), state['model']['0.weight'].to_local()))}", flush=True)
+
+
+def say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+for step in range(1, args.steps + 1):
+    x = torch.randn(8, 16, generator=gen)
+    y = torch.randint(0, 4, (8,), generator=gen)
+    loss = nn.functional.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    if step == 1:
+        say(f"ready rank={rank} pid={os.getpid()} world={world}")
+    if step % 500 == 0:
+        say(f"progress rank={rank} step={step}")
+say(f"done rank={rank} steps={args.steps}")
+while args.linger:
+    time.sleep(0.2)  # ok-sleep: idle in Python after training, for the tables to be read
+dist.destroy_process_group()
