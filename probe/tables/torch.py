@@ -249,6 +249,40 @@ def optimizer(ctx):
     return rows
 
 
+@table(
+    "torch.optimizer_steps",
+    "One row per optimizer step of an iteration that steps several optimizers (a GAN's discriminator and "
+    "generator): each optimizer's loss, lr and gradient norm; empty while one optimizer steps.",
+    columns=[
+        Column("step", "BIGINT", "The torch.steps step this optimizer step belongs to (the step ends after the iteration's last optimizer step)."),
+        Column("position", "INTEGER", "Place of this optimizer step in the iteration, from 0 (the lead optimizer's first step)."),
+        Column("optimizer", "VARCHAR", "The optimizer's name in torch.optimizer (opt_d, opt_g, trainer.optimizers[1]), else its class."),
+        Column("optimizer_class", "VARCHAR", "Class of the optimizer."),
+        Column("ended_at", "TIMESTAMP", "When the optimizer's step returned."),
+        Column("loss", "DOUBLE", "The loss backpropagated since the previous optimizer step (the scalars summed), read lazily; NULL on a step that was not measured (torch.steps.measured) or when none was noted."),
+        Column("lr", "DOUBLE", "Learning rate of the optimizer's first param group used by this step (a `probe lr` override included)."),
+        Column("grad_norm", "DOUBLE", "L2 norm of the optimizer's gradients at its step; NULL on a step that was not measured."),
+    ],
+    examples=["SELECT step, optimizer, loss, lr, grad_norm FROM torch.optimizer_steps ORDER BY step DESC, position LIMIT 10",
+              "SELECT step, MAX(loss) FILTER (WHERE optimizer = 'opt_d') AS d_loss, MAX(loss) FILTER (WHERE optimizer = 'opt_g') "
+              "AS g_loss FROM torch.optimizer_steps GROUP BY step ORDER BY step DESC LIMIT 10"],
+    kind="ring",
+)
+def optimizer_steps(ctx):
+    out = ("step", "position", "optimizer", "optimizer_class", "ended_at", "loss", "lr", "grad_norm")
+    tk = hooks.tracker()
+    cycle = tk.cycle if tk is not None else None
+    if cycle is None:
+        return _empty(out)
+    cols = cycle.snapshot()
+    names = {id(f.obj): f.name for f in finder.optimizers()}
+    ids = cols["optimizer_id"].tolist()
+    return {"step": cols["step"], "position": cols["position"],
+            "optimizer": [names.get(i) or c for i, c in zip(ids, cols["optimizer"].tolist())],
+            "optimizer_class": cols["optimizer"], "ended_at": cols["ended_at"], "loss": cols["loss"],
+            "lr": cols["lr"], "grad_norm": cols["grad_norm"]}
+
+
 def _num(v):
     if v is None:
         return None
