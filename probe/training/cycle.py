@@ -93,7 +93,7 @@ class OptimizerCycle:
         ref = self.refs.get(key)
         return ref() if ref is not None else None
 
-    def record(self, tracker, opt, t0: int) -> None:
+    def record(self, tracker, opt, t0: int, step: int) -> None:
         """``opt``'s row for the training step in progress: the loss backpropagated since the previous
         optimizer step and its gradient norm (on a measured step), and the lr it used."""
         capture = tracker.capture
@@ -106,9 +106,12 @@ class OptimizerCycle:
                 if mine:
                     loss = capture.hold(mine[0] if len(mine) == 1 else
                                         tracker.torch.stack([x.reshape(()).to(mine[0].device) for x in mine]).sum())
+            except Exception as exc:
+                record_error("torch steps: loss", exc)
+            try:
                 norm = capture.hold(capture.grad_norm(opt))
             except Exception as exc:
-                record_error("torch steps: a value of one of several optimizers", exc)
+                record_error("torch steps: grad norm", exc)
         used = tracker.used_lr
         if used is not None and used[0] is opt:
             lr = used[1]
@@ -119,7 +122,7 @@ class OptimizerCycle:
                 lr = None
         ring = self.rows
         row = ring.count
-        ring.append(tracker.step + 1, self.pos, id(opt), type(opt).__name__, t0 * 1e-9 + tracker.wall_offset,
+        ring.append(step, self.pos, id(opt), type(opt).__name__, t0 * 1e-9 + tracker.wall_offset,
                     loss if type(loss) is float else None, lr if type(lr) is float else None,
                     norm if type(norm) is float else None)
         for col, v in (("loss", loss), ("lr", lr), ("grad_norm", norm)):
@@ -149,14 +152,23 @@ def on_step(tracker, optimizer, t0: int) -> None:
     """A step of any optimizer once several have stepped: end the training step after the
     iteration's last optimizer step (or, with no iteration recognised, after the lead's)."""
     cycle = tracker.cycle
+    was = cycle.cycle
     closes = cycle.see(optimizer)
     lead = tracker.lead_optimizer()
     if closes is None:
         tracker.used_lr = None
         if optimizer is lead:
             tracker.boundary(optimizer, tracker._loop_frame(), t0=t0)
+    elif was is None:
+        # recognised just now, in an iteration whose lead step already ended a step: that step stands for the
+        # iteration (no extra step); what was backpropagated since goes to this row, not to the next step
+        cycle.record(tracker, optimizer, t0, tracker.step)
+        tracker.used_lr = None
+        if closes:
+            cycle.taken = 0
+            tracker.capture.forget()
     else:
-        cycle.record(tracker, optimizer, t0)
+        cycle.record(tracker, optimizer, t0, tracker.step + 1)
         tracker.used_lr = None
         if closes:
             cycle.taken = 0
