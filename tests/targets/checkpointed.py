@@ -63,7 +63,7 @@ def main():
         optimizer.step()
         optimizer.zero_grad()
         step += 1
-        print(f"step {step} loss {float(loss)!r}", flush=True)
+        print(f"step {step} loss {float(loss.detach())!r}", flush=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)  # ok-sleep: pacing
         step_done(step)
