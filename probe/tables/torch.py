@@ -26,7 +26,7 @@ _STEP_EXTRA = ("compute", "comm_wait")
 
 @table(
     "torch.steps",
-    "One row per training step (an optimizer step of the lead optimizer, or a probe.step() call).",
+    "One row per training step (an optimizer step of the lead optimizer; with several optimizers in each iteration, the iteration's last optimizer step; or a probe.step() call).",
     columns=[
         Column("step", "BIGINT", "Step number, counted from 1 since the probe started."),
         Column("started_at", "TIMESTAMP", "When the step started (the end of the previous step)."),
@@ -211,7 +211,7 @@ def _step_count(state: dict):
         Column("state_bytes", "BIGINT", "Bytes of optimizer state (e.g. Adam's exp_avg and exp_avg_sq) held for the group's parameters."),
         Column("step_count", "BIGINT", "The optimizer's own step counter for the group (from its state), NULL before the first step."),
         Column("scheduler", "VARCHAR", "Class of the LR scheduler attached to the optimizer (found globally or through the framework: Lightning's lr_scheduler_configs, the Trainer's lr_scheduler, accelerate's AcceleratedScheduler looked through), NULL if none was found."),
-        Column("is_lead", "BOOLEAN", "Whether this optimizer's steps are the ones counted in torch.steps."),
+        Column("is_lead", "BOOLEAN", "Whether this optimizer's steps are the ones counted in torch.steps (with several optimizers in each iteration: the one that starts it, whose lr torch.steps shows)."),
     ],
     examples=["SELECT optimizer, param_group, lr, initial_lr, weight_decay, beta1, beta2, params, elements, "
               "state_bytes / 1e6 AS state_mb, step_count, scheduler FROM torch.optimizer"],
