@@ -89,3 +89,29 @@ def test_lr_applies_to_both_optimizers_and_checks_both(spawn, cli):
     assert r.returncode == 0 and "opt_g" in r.stdout and "opt_d" not in r.stdout, r
     r = cli(p.pid, "lr", "--set", "0.1", "--optimizer", "opt_x")
     assert r.returncode == 5 and "opt_x" in r.stderr and "0 opt_d, 1 opt_g" in r.stderr and "Traceback" not in r.stderr
+
+
+class _Opt:
+    """A stand-in optimizer: the cycle only keeps identities."""
+
+
+def _closes(seq, opts) -> list:
+    from probe.training.cycle import OptimizerCycle
+
+    cycle = OptimizerCycle(opts[seq[0]])  # the lead's first step is where the tracker starts the cycle
+    return [cycle.see(opts[k]) for k in seq[1:]]
+
+
+def test_the_iteration_is_recognised_from_the_order_of_optimizer_steps():
+    d, g, e = _Opt(), _Opt(), _Opt()
+    opts = {"D": d, "G": g, "E": e}
+    # a GAN: D G, recognised at the second G, then every G ends an iteration
+    assert _closes("DGDGDGDG", opts) == [None, None, True, False, True, False, True]
+    # a WGAN's five critic steps per generator step
+    got = _closes("DDDDDG" * 3, opts)
+    assert got[10] is True and got[11:] == [False] * 5 + [True]
+    # three optimizers
+    assert _closes("DGEDGEDGE", opts)[-4:] == [True, False, False, True]
+    # a step out of turn drops the cycle: the lead's steps end steps again (None) until a cycle is seen again
+    assert _closes("DGDGDGDD", opts)[-2:] == [False, None]
+    assert _closes("DGDGDDDD", opts)[-1] is None

@@ -261,7 +261,7 @@ def optimizer(ctx):
         Column("ended_at", "TIMESTAMP", "When the optimizer's step returned."),
         Column("loss", "DOUBLE", "The loss backpropagated since the previous optimizer step (the scalars summed), read lazily; NULL on a step that was not measured (torch.steps.measured) or when none was noted."),
         Column("lr", "DOUBLE", "Learning rate of the optimizer's first param group used by this step (a `probe lr` override included)."),
-        Column("grad_norm", "DOUBLE", "L2 norm of the optimizer's gradients at its step; NULL on a step that was not measured."),
+        Column("grad_norm", "DOUBLE", "L2 norm of the optimizer's gradients at its step, on the steps the gradient norm's budget allows (PROBE_GRAD_NORM, as torch.steps.grad_norm); NULL on the others."),
     ],
     examples=["SELECT step, optimizer, loss, lr, grad_norm FROM torch.optimizer_steps ORDER BY step DESC, position LIMIT 10",
               "SELECT step, MAX(loss) FILTER (WHERE optimizer = 'opt_d') AS d_loss, MAX(loss) FILTER (WHERE optimizer = 'opt_g') "

@@ -15,11 +15,13 @@ the lead's steps end training steps again until a cycle is seen again.
 
 Each optimizer step of a recognised iteration is also one row of ``torch.optimizer_steps``
 (``rows``): its position in the iteration, the optimizer, the loss backpropagated since the
-previous optimizer step (on measured steps: what ``Capture`` noted) and the lr it used.
+previous optimizer step (on measured steps: what ``Capture`` noted), the lr it used, and its
+gradient norm (on measured steps, within the gradient norm's budget, PROBE_GRAD_NORM).
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 
 from .._config import setting
@@ -108,10 +110,14 @@ class OptimizerCycle:
                                         tracker.torch.stack([x.reshape(()).to(mine[0].device) for x in mine]).sum())
             except Exception as exc:
                 record_error("torch steps: loss", exc)
-            try:
-                norm = capture.hold(capture.grad_norm(opt))
-            except Exception as exc:
-                record_error("torch steps: grad norm", exc)
+            budget = tracker.norm_budget  # paced like the step's own norm (PROBE_GRAD_NORM)
+            if budget.allows(t0):
+                try:
+                    t1 = time.perf_counter_ns()
+                    norm = capture.hold(capture.grad_norm(opt))
+                    budget.spend(time.perf_counter_ns() - t1)
+                except Exception as exc:
+                    record_error("torch steps: grad norm", exc)
         used = tracker.used_lr
         if used is not None and used[0] is opt:
             lr = used[1]
