@@ -91,6 +91,19 @@ def test_lr_applies_to_both_optimizers_and_checks_both(spawn, cli):
     assert r.returncode == 5 and "opt_x" in r.stderr and "0 opt_d, 1 opt_g" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_watching_the_last_optimizer_gives_the_same_iteration(spawn, cli):
+    # given: the generator's optimizer named by probe.watch before anything stepped (the discriminator steps first)
+    p = spawn([GAN, "--step-sleep", "0.005", "--watch-g"], env={"PROBE": "1"})
+    p.wait_for("iter 12 ")
+    rows = _query(cli, p.pid, "SELECT DISTINCT optimizer, position FROM torch.optimizer_steps ORDER BY position")
+    assert [(r["optimizer"], r["position"]) for r in rows] == [("opt_d", 0), ("opt_g", 1)]
+    lead = _query(cli, p.pid, "SELECT name FROM torch.optimizer WHERE is_lead")
+    assert lead == [{"name": "opt_g"}]
+    for _ in range(2):
+        r = cli(p.pid, "eval", "--at-step", 'stepped["d"] - stepped["g"]')
+        assert r.returncode == 0 and r.stdout.strip() == "0", (r.stdout, r.stderr)
+
+
 class _Opt:
     """A stand-in optimizer: the cycle only keeps identities."""
 
@@ -98,7 +111,7 @@ class _Opt:
 def _closes(seq, opts) -> list:
     from probe.training.cycle import OptimizerCycle
 
-    cycle = OptimizerCycle(opts[seq[0]])  # the lead's first step is where the tracker starts the cycle
+    cycle = OptimizerCycle(opts[seq[0]], True)  # the lead's first step is where the tracker starts the cycle
     return [cycle.see(opts[k]) for k in seq[1:]]
 
 
@@ -115,3 +128,8 @@ def test_the_iteration_is_recognised_from_the_order_of_optimizer_steps():
     # a step out of turn drops the cycle: the lead's steps end steps again (None) until a cycle is seen again
     assert _closes("DGDGDGDD", opts)[-2:] == [False, None]
     assert _closes("DGDGDDDD", opts)[-1] is None
+    # probe.watch named G before anything stepped: the iteration still starts with the first optimizer to step
+    from probe.training.cycle import OptimizerCycle
+
+    cycle = OptimizerCycle(d, False)
+    assert [cycle.see(opts[k]) for k in "DGDGDG"] == [None, None, None, True, False, True]

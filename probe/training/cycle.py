@@ -6,8 +6,9 @@ only once a second optimizer has stepped. From then on every optimizer step is n
 (``see``). The sequence of steps is periodic in a training loop: ``D G D G ...``, or ``D D D
 D D G`` for a WGAN's five critic steps per generator step. Once the last ``2 * period``
 steps are two copies of one period (of at least two different optimizers), the iteration is
-recognised: it starts with a step of the lead optimizer (the first one seen stepping) that
-follows another optimizer's step, and ends with the step before that one. The tracker then
+recognised: it starts with a step of the first optimizer seen stepping (the lead, unless
+``probe.watch`` named one that had not stepped yet) that follows another optimizer's step, and
+ends with the step before that one. The tracker then
 closes a training step after the iteration's last optimizer step, so a step holds every
 optimizer's work, and actions (which run at the boundary) never run between them. A step
 that breaks the cycle (the generator stops training, a loop changes its schedule) drops it:
@@ -39,10 +40,12 @@ _MAX_PERIOD = 16  # optimizer steps in one iteration, at most
 class OptimizerCycle:
     """The optimizer-step sequence once several optimizers step: the recognised iteration, if any."""
 
-    def __init__(self, lead):
-        self.lead_id = id(lead)
-        self.refs: dict[int, weakref.ref] = {id(lead): weakref.ref(lead)}
-        self.history: list[int] = [id(lead)]  # ids of the last optimizer steps, newest last
+    def __init__(self, first, stepped: bool):
+        """``first``: the first optimizer seen stepping, where an iteration starts; ``stepped``: whether its
+        step was already seen (the lead's, before a second optimizer stepped), else the next ``see`` is it."""
+        self.anchor = id(first)
+        self.refs: dict[int, weakref.ref] = {id(first): weakref.ref(first)}
+        self.history: list[int] = [id(first)] if stepped else []  # ids of the last optimizer steps, newest last
         self.cycle: tuple | None = None  # the iteration's optimizer ids, lead first
         self.pos = 0  # position in ``cycle`` of the last step seen
         self.rows = Ring(CYCLE_COLUMNS, setting("PROBE_STEPS_CAPACITY"))
@@ -80,10 +83,10 @@ class OptimizerCycle:
         h = self.history
         for p in range(2, len(h) // 2 + 1):
             last = h[-p:]
-            if last != h[-2 * p:-p] or len(set(last)) < 2 or self.lead_id not in last:
+            if last != h[-2 * p:-p] or len(set(last)) < 2 or self.anchor not in last:
                 continue
             # the iteration starts at a lead step that follows another optimizer's step
-            starts = [i for i in range(p) if last[i] == self.lead_id and last[i - 1] != self.lead_id]
+            starts = [i for i in range(p) if last[i] == self.anchor and last[i - 1] != self.anchor]
             if not starts:
                 continue
             s = starts[0]
@@ -165,7 +168,7 @@ def on_step(tracker, optimizer, t0: int) -> None:
         tracker.used_lr = None
         if optimizer is lead:
             tracker.boundary(optimizer, tracker._loop_frame(), t0=t0)
-    elif was is None:
+    elif was is None and optimizer is not lead:
         # recognised just now, in an iteration whose lead step already ended a step: that step stands for the
         # iteration (no extra step); what was backpropagated since goes to this row, not to the next step
         cycle.record(tracker, optimizer, t0, tracker.step)

@@ -196,8 +196,8 @@ class StepTracker:
             else:
                 if finder.optimizer_found(optimizer) is None:
                     finder.add(optimizer, None, "step hook", "optimizer")
-                if self.cycle is None:
-                    self.cycle = _cycle.OptimizerCycle(lead())
+                if self.cycle is None:  # the lead has stepped unless probe.watch named it beforehand
+                    self.cycle = _cycle.OptimizerCycle(lead() if self.step else optimizer, self.step > 0)
         if self.explicit:
             return
         if self.cycle is not None:

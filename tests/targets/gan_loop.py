@@ -5,6 +5,7 @@ Each iteration steps two optimizers, the discriminator's then the generator's:
 without momentum, so the lr each step used is measured from the update itself. Each
 iteration prints ``iter N d_loss X g_loss Y d_lr A d_used B g_lr C g_used D`` after both
 steps; ``ready`` after iteration 1; ``--stall-file F`` pauses between iterations while F exists.
+``--watch-g`` names the generator's optimizer with ``probe.watch`` before anything steps.
 ``stepped`` counts each optimizer's steps, incremented just before its ``step()``: an action
 run between the two optimizers' steps sees ``stepped["d"] - stepped["g"] == 1``, after both 0.
 """
@@ -17,6 +18,7 @@ from _report import snapshot, step_done, used_lr
 p = argparse.ArgumentParser()
 p.add_argument("--stall-file")
 p.add_argument("--step-sleep", type=float, default=0.0)
+p.add_argument("--watch-g", action="store_true", help="probe.watch(optimizer=opt_g) before training (the last to step)")
 args = p.parse_args()
 torch.manual_seed(0)
 torch.set_num_threads(1)
@@ -27,6 +29,12 @@ opt_d = torch.optim.SGD(discriminator.parameters(), lr=0.02)
 opt_g = torch.optim.SGD(generator.parameters(), lr=0.01)
 bce = torch.nn.BCEWithLogitsLoss()
 stepped = {"d": 0, "g": 0}
+
+
+if args.watch_g:
+    import probe
+
+    probe.watch(optimizer=opt_g)
 
 
 def main():
