@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["RankRows", "build_trace"]
 
-TRACKS = {"steps": 1, "forward": 2, "backward": 3}
+TRACKS = {"steps": 1, "forward": 2, "backward": 3, "recompute": 4}  # recompute: activation checkpointing
 _SPAN_TID0 = 10
 _COLL_TID0 = 100
 

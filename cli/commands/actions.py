@@ -313,7 +313,8 @@ class Lr(_Action):
         g.add_argument("--scale", type=float, metavar="F", help="Every step uses the loop's own learning rate times F.")
         g.add_argument("--reset", action="store_true", help="Remove the override: the loop's own rate applies again.")
         p.add_argument("--group", type=int, metavar="N", help="Only param group N (default: every group).")
-        p.add_argument("--optimizer", type=int, metavar="I", help="Only the I-th optimizer found, when there are several.")
+        p.add_argument("--optimizer", metavar="NAME", help="Only this optimizer, when there are several: its name in "
+                       "torch.optimizer (opt_d, trainer.optimizer) or its index there (0, 1, ...).")
         p.add_argument("--once", "--ignore-scheduler", dest="once", action="store_true",
                        help="Write param_groups once without holding it (the next step is still checked: it fails "
                             "if the loop rewrote the rate first).")
@@ -328,6 +329,8 @@ class Lr(_Action):
         for k in ("set", "scale", "group", "optimizer"):
             if getattr(args, k) is not None:
                 b[k] = getattr(args, k)
+        if isinstance(b.get("optimizer"), str) and b["optimizer"].isdigit():
+            b["optimizer"] = int(b["optimizer"])  # an index; anything else is a name
         return b
 
     def describe(self, args):

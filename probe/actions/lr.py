@@ -157,8 +157,11 @@ class _Override:
             g.written = None
         tk = _tracker()
         g0 = self.groups.get(0)
-        if tk is not None and g0 is not None and g0.used is not None and tk.lead_optimizer() is opt:
-            tk.step_lr = g0.used
+        if tk is not None and g0 is not None and g0.used is not None:
+            if tk.lead_optimizer() is opt:
+                tk.step_lr = g0.used
+            if tk.cycle is not None:
+                tk.used_lr = (opt, g0.used)  # for torch.optimizer_steps when several optimizers step
         pending, self.pending = self.pending, []
         for item in pending:
             _settle(self, item, step)
@@ -231,17 +234,27 @@ def describe(opt) -> dict:
     return out
 
 
-def _pick(optimizer_index: int | None, group: int | None) -> list:
+def _pick(which: int | str | None, group: int | None) -> list:
+    """The optimizers an action applies to: all found, or the one ``which`` names (its index in
+    torch.optimizer's order, or its ``name`` there)."""
     opts = optimizers()
     if not opts:
         raise ActionError("no optimizer found in the training process; it is found once it has stepped, as a global "
                           "of the training script, or through a Lightning/HF Trainer or an Accelerator.")
-    if optimizer_index is not None:
-        if not 0 <= optimizer_index < len(opts):
-            raise ActionError(f"there are {len(opts)} optimizer(s) ({', '.join(f.name for f in opts)}); --optimizer {optimizer_index} is not one of them.")
-        opts = [opts[optimizer_index]]
+    names = ", ".join(f"{i} {f.name}" for i, f in enumerate(opts))
+    if which is not None:
+        if isinstance(which, str):
+            picked = [f for f in opts if f.name == which]
+            if len(picked) != 1:
+                raise ActionError(f"no single optimizer is named {which!r}; the optimizers are {names} "
+                                  "(give --optimizer a name or an index from torch.optimizer).")
+            opts = picked
+        elif not 0 <= which < len(opts):
+            raise ActionError(f"there are {len(opts)} optimizer(s) ({names}); --optimizer {which} is not one of them.")
+        else:
+            opts = [opts[which]]
     elif len(opts) > 1 and group is not None:
-        raise ActionError(f"there are {len(opts)} optimizers ({', '.join(f.name for f in opts)}); pick one with --optimizer N before --group.")
+        raise ActionError(f"there are {len(opts)} optimizers ({names}); pick one with --optimizer NAME before --group.")
     for f in opts:
         n = len(f.obj.param_groups)
         if group is not None and not 0 <= group < n:
@@ -342,6 +355,7 @@ def change_lr(ctx: Context, *, set_to: float | None, scale: float | None, group:
               "the override stays installed (torch.optimizer shows it)."}
     if ctx.action is not None:
         ctx.action.result = result
+    done = _settle_once(settle, result, len(opts))  # one count for the action, shared by its optimizers
     for f in opts:
         opt = f.obj
         groups = list(range(len(opt.param_groups))) if group is None else [group]
@@ -381,7 +395,7 @@ def change_lr(ctx: Context, *, set_to: float | None, scale: float | None, group:
                 if not once:
                     g.rows = [row]
                 rows.append(row)
-            ov.pending.append((_settle_once(settle, result, len(opts)), result, once, rows))
+            ov.pending.append((done, result, once, rows))
         result["optimizers"].append({"optimizer": f.name, "type": type(opt).__name__, "wrapper": f.wrapper,
                                      "groups": rows})
     return result

@@ -113,6 +113,16 @@ def checkpoint_route(req: Request) -> dict:
                    lambda ctx: save(ctx, expand_path(path, rank, ctx.step), force))
 
 
+def _optimizer(req: Request):
+    """``optimizer``: an index in torch.optimizer's order (a whole number) or the name shown there."""
+    value = req.param("optimizer")
+    if isinstance(value, str) and not value.strip().isdigit():
+        if not value or len(value) > 200:
+            raise ActionError("optimizer: give the name torch.optimizer shows, or its index.")
+        return value
+    return _number(req, "optimizer", int)
+
+
 @route("POST", "/actions/lr", tier="action")
 def lr_route(req: Request) -> dict:
     args = {k: req.param(k) for k in ("set", "scale", "group", "optimizer", "once", "reset", "force", "allow_zero")
@@ -121,7 +131,7 @@ def lr_route(req: Request) -> dict:
     try:
         # finite and not negative (NaN or inf would ruin the run for good): checked here, before any queueing
         set_to, scale = _number(req, "set", minimum=0.0), _number(req, "scale", minimum=0.0)
-        group, opt_index = _number(req, "group", int), _number(req, "optimizer", int)
+        group, opt_index = _number(req, "group", int), _optimizer(req)
         if _flag(req, "reset"):
             if set_to is not None or scale is not None:
                 raise ActionError("--reset removes the override; give it without --set or --scale.")

@@ -26,7 +26,7 @@ _STEP_EXTRA = ("compute", "comm_wait")
 
 @table(
     "torch.steps",
-    "One row per training step (an optimizer step of the lead optimizer, or a probe.step() call).",
+    "One row per training step (an optimizer step of the lead optimizer; with several optimizers in each iteration, the iteration's last optimizer step; or a probe.step() call).",
     columns=[
         Column("step", "BIGINT", "Step number, counted from 1 since the probe started."),
         Column("started_at", "TIMESTAMP", "When the step started (the end of the previous step)."),
@@ -96,13 +96,13 @@ def _comm_split(ctx, cols):
         Column("step", "BIGINT", "Step the call belongs to (the step in progress)."),
         Column("seq", "BIGINT", "Order of the call's start within its step, from 0."),
         Column("module", "VARCHAR", "Dotted path of the module from its root model (e.g. blocks.3.attn); the root's own name for the root; the class name for modules outside any known model."),
-        Column("stage", "VARCHAR", "forward, or backward (traced for each root model as a whole)."),
+        Column("stage", "VARCHAR", "forward; backward (traced for each root model as a whole); or recompute: a module call made while autograd runs the backward pass, i.e. activation checkpointing (torch.utils.checkpoint) running the forward again, so that forward totals count each call once."),
         Column("duration", "DOUBLE", "Seconds the call took: CUDA event time on GPU runs (NULL until the events complete), else wall-clock time."),
         Column("allocated", "BIGINT", "Bytes in use when the call ended: CUDA allocated memory on GPU runs, else the process RSS (read at most every 0.5 ms)."),
         Column("max_allocated", "BIGINT", "Largest allocated value seen so far in this step."),
         Column("time", "TIMESTAMP", "When the call started."),
         Column("rank", "INTEGER", "Global rank, NULL outside a distributed job."),
-        Column("depth", "INTEGER", "Nesting depth: 0 for a root model call, 1 for its children, and so on."),
+        Column("depth", "INTEGER", "Nesting depth: 0 for a root model call, 1 for its children, and so on; a recompute row has the depth its module had in the step's forward."),
         Column("model", "VARCHAR", "Name of the root model the module belongs to, empty when unknown."),
         Column("module_type", "VARCHAR", "Class name of the module."),
         Column("out_mean", "DOUBLE", "Mean of the call's output tensor (the output itself, else the first tensor of its tuple, list or dict), reduced on its device and read back lazily (PROBE_TRACE_STATS); NULL for backward rows, non-floating or non-CPU/CUDA outputs, and on CUDA until the copy lands."),
@@ -213,7 +213,7 @@ def _step_count(state: dict):
         Column("state_bytes", "BIGINT", "Bytes of optimizer state (e.g. Adam's exp_avg and exp_avg_sq) held by this rank for the group's parameters (under FSDP2, its shards)."),
         Column("step_count", "BIGINT", "The optimizer's own step counter for the group (from its state), NULL before the first step."),
         Column("scheduler", "VARCHAR", "Class of the LR scheduler attached to the optimizer (found globally or through the framework: Lightning's lr_scheduler_configs, the Trainer's lr_scheduler, accelerate's AcceleratedScheduler looked through), NULL if none was found."),
-        Column("is_lead", "BOOLEAN", "Whether this optimizer's steps are the ones counted in torch.steps."),
+        Column("is_lead", "BOOLEAN", "Whether this optimizer's steps are the ones counted in torch.steps (with several optimizers in each iteration: the one that starts it, whose lr torch.steps shows)."),
     ],
     examples=["SELECT optimizer, param_group, lr, initial_lr, weight_decay, beta1, beta2, params, elements, "
               "state_bytes / 1e6 AS state_mb, step_count, scheduler FROM torch.optimizer"],
@@ -249,6 +249,40 @@ def optimizer(ctx):
                 "is_lead": opt is lead,
             })
     return rows
+
+
+@table(
+    "torch.optimizer_steps",
+    "One row per optimizer step of an iteration that steps several optimizers (a GAN's discriminator and "
+    "generator): each optimizer's loss, lr and gradient norm; empty while one optimizer steps.",
+    columns=[
+        Column("step", "BIGINT", "The torch.steps step this optimizer step belongs to (the step ends after the iteration's last optimizer step)."),
+        Column("position", "INTEGER", "Place of this optimizer step in the iteration, from 0 (the lead optimizer's first step)."),
+        Column("optimizer", "VARCHAR", "The optimizer's name in torch.optimizer (opt_d, opt_g, trainer.optimizers[1]), else its class."),
+        Column("optimizer_class", "VARCHAR", "Class of the optimizer."),
+        Column("ended_at", "TIMESTAMP", "When the optimizer's step returned."),
+        Column("loss", "DOUBLE", "The loss backpropagated since the previous optimizer step (the scalars summed), read lazily; NULL on a step that was not measured (torch.steps.measured) or when none was noted."),
+        Column("lr", "DOUBLE", "Learning rate of the optimizer's first param group used by this step (a `probe lr` override included)."),
+        Column("grad_norm", "DOUBLE", "L2 norm of the optimizer's gradients at its step, on the steps the gradient norm's budget allows (PROBE_GRAD_NORM, as torch.steps.grad_norm); NULL on the others."),
+    ],
+    examples=["SELECT step, optimizer, loss, lr, grad_norm FROM torch.optimizer_steps ORDER BY step DESC, position LIMIT 10",
+              "SELECT step, MAX(loss) FILTER (WHERE optimizer = 'opt_d') AS d_loss, MAX(loss) FILTER (WHERE optimizer = 'opt_g') "
+              "AS g_loss FROM torch.optimizer_steps GROUP BY step ORDER BY step DESC LIMIT 10"],
+    kind="ring",
+)
+def optimizer_steps(ctx):
+    out = ("step", "position", "optimizer", "optimizer_class", "ended_at", "loss", "lr", "grad_norm")
+    tk = hooks.tracker()
+    cycle = tk.cycle if tk is not None else None
+    if cycle is None:
+        return _empty(out)
+    cols = cycle.snapshot()
+    names = {id(f.obj): f.name for f in finder.optimizers()}
+    ids = cols["optimizer_id"].tolist()
+    return {"step": cols["step"], "position": cols["position"],
+            "optimizer": [names.get(i) or c for i, c in zip(ids, cols["optimizer"].tolist())],
+            "optimizer_class": cols["optimizer"], "ended_at": cols["ended_at"], "loss": cols["loss"],
+            "lr": cols["lr"], "grad_norm": cols["grad_norm"]}
 
 
 def _num(v):

@@ -4,8 +4,9 @@ What counts as a step:
 
 * The *lead* optimizer's ``step()`` ends a training step. The lead is the optimizer
   given to ``probe.watch(optimizer=...)``, else the first optimizer seen stepping.
-  Other optimizers' steps (a GAN's second optimizer, a separate embedding optimizer)
-  are counted in ``torch.optimizer`` but do not advance the step.
+* Once a second optimizer steps (a GAN's generator, a separate embedding optimizer), every
+  optimizer step goes to ``cycle``: when the iteration's sequence of optimizer steps is
+  recognised, the step ends after its last optimizer step instead (see ``cycle``).
 * Gradient accumulation needs nothing: the optimizer steps once per N micro-batches,
   so a step is N micro-batches; ``micro_batches``, samples and tokens add up over them.
 * Once ``probe.step()`` is called, the explicit calls own the count and optimizer steps
@@ -39,7 +40,7 @@ import sys
 import threading
 import time
 
-from . import finder, safepoint
+from . import cycle as _cycle, finder, safepoint
 from ..util.budget import Budget
 from .capture import Capture, read
 from .._config import setting
@@ -139,6 +140,8 @@ class StepTracker:
         self.step_lr = None  # the lr an override made this step use (set by probe._lr before the boundary)
         self._quick = False  # the next boundary may take the quick path (unmeasured, untraced, nothing queued)
         self._lead_name = None
+        self.cycle = None  # OptimizerCycle, once a second optimizer has stepped
+        self.used_lr = None  # (optimizer, lr its step used) from an lr override, for the cycle's rows
         self.capture.wrap()
 
     # -- the lead optimizer --------------------------------------------------------------------
@@ -193,8 +196,12 @@ class StepTracker:
             else:
                 if finder.optimizer_found(optimizer) is None:
                     finder.add(optimizer, None, "step hook", "optimizer")
-                return
+                if self.cycle is None:  # the lead has stepped unless probe.watch named it beforehand
+                    self.cycle = _cycle.OptimizerCycle(lead() if self.step else optimizer, self.step > 0)
         if self.explicit:
+            return
+        if self.cycle is not None:
+            _cycle.on_step(self, optimizer, t0)
             return
         self.boundary(optimizer, self._loop_frame(), t0=t0)
 

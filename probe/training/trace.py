@@ -17,6 +17,13 @@ Backward is traced per root model (a module called at top level, a loss module
 included), as a cut of the backward pass: a root's row runs from the moment autograd
 reaches its output to the moment it reaches the next root's output, or to the end of the
 pass. The backward rows of a pass therefore add up to the pass and never overlap.
+
+Activation checkpointing (``torch.utils.checkpoint``, reentrant or not) runs a checkpointed
+part's forward again during backward. A module call made while autograd runs a backward pass
+is such a recomputation: its row has stage ``recompute`` (not ``forward``, so the forward
+totals count each call once), it is kept on a stack of its own (a non-reentrant recomputation
+stops early, past the post hooks of the calls it interrupts, and those must not deepen
+anything), and its depth is the depth the same module had in the step's forward.
 """
 
 from __future__ import annotations
@@ -86,6 +93,8 @@ class Tracer:
         self._event_pool: list = []
         self._failed = False
         self._stack: list = []  # the hooks' open calls; emptied at each boundary (a raise can strand one)
+        self._rstack: list = []  # the open calls of a recomputation during backward (activation checkpointing)
+        self.recomputed: list = []  # (module, t0, t1, mem[, ev0, ev1]) per recomputed call
         self._lock = threading.Lock()
         self.stats_on = setting("PROBE_TRACE_STATS") if stats is None else stats
         self.out_stats: list = []  # the output statistics of each forward row (outstats), in step with rows
@@ -112,6 +121,7 @@ class Tracer:
         if want is None:
             want = self.sampled(step)
         self._stack.clear()
+        self._rstack.clear()
         if not self.cuda and want and self.torch.cuda.is_initialized():
             self.cuda = True  # CUDA came up after the probe: time device work from now on
             self._remove()
@@ -149,6 +159,9 @@ class Tracer:
         stack = self._stack
         push, pop = stack.append, stack.pop
         add = self.rows.append
+        rstack = self._rstack
+        add_recomputed = self.recomputed.append
+        graph_task = getattr(torch._C, "_current_graph_task_id", None) or (lambda: -1)  # -1: not in a backward pass
         perf = time.perf_counter
         mem = self._mem
         read_mem = self._read_mem
@@ -183,13 +196,30 @@ class Tracer:
                 if failures[0] >= 10:  # something in this job's outputs we cannot reduce: stop trying
                     self.stats_on, stat = False, None
 
+        def recompute_post(module, ev1):
+            """The end of a recomputed call: its own stack, its own rows, no statistics or backward watch."""
+            t1 = perf()
+            while rstack:
+                entry = rstack.pop()
+                if entry[0] is module:
+                    add_recomputed((module, entry[1], t1, mem[1]) + ((entry[2], ev1) if ev1 is not None else ()))
+                    return
+
         def pre(module, args):
             if compiling():
+                return
+            if graph_task() != -1:
+                rstack.append((module, perf()))
                 return
             push((module, perf()))
 
         def post(module, args, output):
-            if compiling() or not stack:
+            if compiling():
+                return
+            if graph_task() != -1:
+                recompute_post(module, None)
+                return
+            if not stack:
                 return
             t1 = perf()
             m, t0 = pop()
@@ -214,10 +244,20 @@ class Tracer:
                 return
             ev = new_event()
             ev.record()
+            if graph_task() != -1:
+                rstack.append((module, perf(), ev))
+                return
             push((module, perf(), ev))
 
         def post_cuda(module, args, output):
-            if compiling() or not stack:
+            if compiling():
+                return
+            if graph_task() != -1:
+                ev1 = new_event()
+                ev1.record()
+                recompute_post(module, ev1)
+                return
+            if not stack:
                 return
             ev1 = new_event()
             ev1.record()
@@ -355,8 +395,9 @@ class Tracer:
         if self.pending_stats:  # an earlier traced step's device copies landed long ago: into the ring
             self.resolve()
         # The hooks hold these lists: take their contents and empty them in place.
-        rows, back = self.rows[:], self.backward[:]
-        del self.rows[:len(rows)], self.backward[:len(back)]
+        rows, back, again = self.rows[:], self.backward[:], self.recomputed[:]
+        del self.rows[:len(rows)], self.backward[:len(back)], self.recomputed[:len(again)]
+        self._rstack.clear()
         out = self.out_stats[:len(rows)]
         del self.out_stats[:]
         if self._stats_new_step is not None:
@@ -364,7 +405,7 @@ class Tracer:
         if len(out) != len(rows):
             out = [None] * len(rows)
         self.syncs.stop(step)
-        if not rows and not back:
+        if not rows and not back and not again:
             return
         records = []  # (t0, module, model, cls, stage, t1, mem, depth, ev0, ev1, output statistics)
         for r, st in zip(rows, out):  # (module, t0, t1, mem, depth) on CPU, plus (ev0, ev1) on CUDA
@@ -375,6 +416,16 @@ class Tracer:
         for m, t0, t1, memv, ev0, ev1 in back:
             name, model = self._name_of(m)
             records.append((t0, name, model, type(m).__name__, "backward", t1, memv, 0, ev0, ev1, None))
+        if again:
+            depth_of = {}
+            for r in rows:
+                depth_of.setdefault(id(r[0]), r[4])
+            for r in again:  # (module, t0, t1, mem) on CPU, plus (ev0, ev1) on CUDA
+                m = r[0]
+                name, model = self._name_of(m)
+                evs = r[4:] if len(r) > 4 else (None, None)
+                records.append((r[1], name, model, type(m).__name__, "recompute", r[2], r[3],
+                                depth_of.get(id(m), name.count(".") + 1 if model else 0), *evs, None))
         records.sort(key=lambda r: r[0])
         n = len(records)
         t0 = np.fromiter((r[0] for r in records), "f8", n)

@@ -1,0 +1,135 @@
+"""Several optimizers in one iteration (a GAN), under plain PROBE=1 with no probe code: a step ends after
+the iteration's last optimizer step, each optimizer keeps its own loss and lr, actions run after both, and
+`lr` applies to both and checks both."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import TARGETS, poll, requires_torch
+
+pytestmark = requires_torch
+GAN = TARGETS / "gan_loop.py"
+_ITER = re.compile(r"iter (\d+) d_loss (\S+) g_loss (\S+) d_lr \S+ d_used (\S+) g_lr \S+ g_used (\S+)")
+
+
+def _iters(p) -> dict[int, tuple[float, ...]]:
+    """What the loop printed: iteration -> (d_loss, g_loss, d_used, g_used)."""
+    out = {}
+    for line in list(p.lines):
+        m = _ITER.match(line)
+        if m:
+            out[int(m.group(1))] = tuple(float(x) for x in m.groups()[1:])
+    return out
+
+
+def _query(cli, pid, sql):
+    r = cli(pid, "query", sql, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_a_step_holds_one_iteration_of_both_optimizers(spawn, cli):
+    p = spawn([GAN, "--step-sleep", "0.005"], env={"PROBE": "1"})
+    p.wait_for("iter 30 ")
+    # given: the optimizers, named as the finder knows them
+    opts = _query(cli, p.pid, "SELECT name, is_lead FROM torch.optimizer ORDER BY name")
+    assert [(o["name"], o["is_lead"]) for o in opts] == [("opt_d", True), ("opt_g", False)]
+    # when: each optimizer's rows of the iterations the loop printed
+    rows = _query(cli, p.pid, "SELECT step, position, optimizer, loss, lr FROM torch.optimizer_steps "
+                              "WHERE loss IS NOT NULL AND step <= 25 ORDER BY step, position")
+    iters = _iters(p)
+    by_step: dict[int, dict] = {}
+    for r in rows:
+        by_step.setdefault(r["step"], {})[r["optimizer"]] = r
+    both = {s: v for s, v in by_step.items() if set(v) == {"opt_d", "opt_g"}}
+    assert len(both) >= 10, rows
+    # then: D's and G's losses of one step are those of one iteration (never D's with G's previous), in order
+    offsets = set()
+    for s, v in both.items():
+        assert v["opt_d"]["position"] == 0 and v["opt_g"]["position"] == 1
+        assert v["opt_d"]["lr"] == pytest.approx(0.02) and v["opt_g"]["lr"] == pytest.approx(0.01)
+        it = next(i for i, vals in iters.items() if vals[0] == pytest.approx(v["opt_d"]["loss"], rel=1e-6))
+        assert iters[it][1] == pytest.approx(v["opt_g"]["loss"], rel=1e-6), (s, it)
+        offsets.add(s - it)
+    assert len(offsets) == 1, offsets
+    # torch.steps: the step's loss is what the iteration backpropagated (D's and G's, summed)
+    steps = {r["step"]: r for r in _query(cli, p.pid, "SELECT step, loss FROM torch.steps WHERE step <= 25")}
+    for s, v in both.items():
+        if steps[s]["loss"] is not None:
+            assert steps[s]["loss"] == pytest.approx(v["opt_d"]["loss"] + v["opt_g"]["loss"], rel=1e-5)
+    # and an action runs after both optimizers of the iteration, never between them
+    for _ in range(3):
+        r = cli(p.pid, "eval", "--at-step", 'stepped["d"] - stepped["g"]')
+        assert r.returncode == 0 and r.stdout.strip() == "0", (r.stdout, r.stderr)
+
+
+def test_lr_applies_to_both_optimizers_and_checks_both(spawn, cli):
+    p = spawn([GAN, "--step-sleep", "0.005"], env={"PROBE": "1"})
+    p.wait_for("iter 5 ")
+    # when: no --optimizer with two optimizers
+    r = cli(p.pid, "lr", "--scale", "0.5")
+    # then: done only once both have stepped with the new rates
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"'opt_d'.*\n\s+group 0: 0\.02 -> 0\.01; step \d+ used 0\.01\b", r.stdout), r.stdout
+    assert re.search(r"'opt_g'.*\n\s+group 0: 0\.01 -> 0\.005; step \d+ used 0\.005\b", r.stdout), r.stdout
+    # and the updates the loop measures use them
+    seen = poll(lambda: [v for v in _iters(p).values() if v[2] == pytest.approx(0.01, rel=1e-3)
+                         and v[3] == pytest.approx(0.005, rel=1e-3)])
+    assert seen, p.output()[-2000:]
+    # --optimizer takes the name torch.optimizer shows
+    r = cli(p.pid, "lr", "--scale", "0.5", "--optimizer", "opt_g")
+    assert r.returncode == 0 and "opt_d" not in r.stdout and re.search(r"0\.005 -> 0\.0025; step \d+ used 0\.0025", r.stdout), r
+    assert poll(lambda: [v for v in _iters(p).values() if v[2] == pytest.approx(0.01, rel=1e-3)
+                         and v[3] == pytest.approx(0.0025, rel=1e-3)])
+    r = cli(p.pid, "lr", "--reset", "--optimizer", "1")
+    assert r.returncode == 0 and "opt_g" in r.stdout and "opt_d" not in r.stdout, r
+    r = cli(p.pid, "lr", "--set", "0.1", "--optimizer", "opt_x")
+    assert r.returncode == 5 and "opt_x" in r.stderr and "0 opt_d, 1 opt_g" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_watching_the_last_optimizer_gives_the_same_iteration(spawn, cli):
+    # given: the generator's optimizer named by probe.watch before anything stepped (the discriminator steps first)
+    p = spawn([GAN, "--step-sleep", "0.005", "--watch-g"], env={"PROBE": "1"})
+    p.wait_for("iter 12 ")
+    rows = _query(cli, p.pid, "SELECT DISTINCT optimizer, position FROM torch.optimizer_steps ORDER BY position")
+    assert [(r["optimizer"], r["position"]) for r in rows] == [("opt_d", 0), ("opt_g", 1)]
+    lead = _query(cli, p.pid, "SELECT name FROM torch.optimizer WHERE is_lead")
+    assert lead == [{"name": "opt_g"}]
+    for _ in range(2):
+        r = cli(p.pid, "eval", "--at-step", 'stepped["d"] - stepped["g"]')
+        assert r.returncode == 0 and r.stdout.strip() == "0", (r.stdout, r.stderr)
+
+
+class _Opt:
+    """A stand-in optimizer: the cycle only keeps identities."""
+
+
+def _closes(seq, opts) -> list:
+    from probe.training.cycle import OptimizerCycle
+
+    cycle = OptimizerCycle(opts[seq[0]], True)  # the lead's first step is where the tracker starts the cycle
+    return [cycle.see(opts[k]) for k in seq[1:]]
+
+
+def test_the_iteration_is_recognised_from_the_order_of_optimizer_steps():
+    d, g, e = _Opt(), _Opt(), _Opt()
+    opts = {"D": d, "G": g, "E": e}
+    # a GAN: D G, recognised at the second G, then every G ends an iteration
+    assert _closes("DGDGDGDG", opts) == [None, None, True, False, True, False, True]
+    # a WGAN's five critic steps per generator step
+    got = _closes("DDDDDG" * 3, opts)
+    assert got[10] is True and got[11:] == [False] * 5 + [True]
+    # three optimizers
+    assert _closes("DGEDGEDGE", opts)[-4:] == [True, False, False, True]
+    # a step out of turn drops the cycle: the lead's steps end steps again (None) until a cycle is seen again
+    assert _closes("DGDGDGDD", opts)[-2:] == [False, None]
+    assert _closes("DGDGDDDD", opts)[-1] is None
+    # probe.watch named G before anything stepped: the iteration still starts with the first optimizer to step
+    from probe.training.cycle import OptimizerCycle
+
+    cycle = OptimizerCycle(d, False)
+    assert [cycle.see(opts[k]) for k in "DGDGDG"] == [None, None, None, True, False, True]
