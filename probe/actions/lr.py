@@ -128,9 +128,8 @@ class _Override:
                 g.rewrites += 1
                 g.last_rewrite = step
             g.loop = loop
-            g.used = g.target(loop)
+            g.used = g.written = g.target(loop)  # before the write: describe() reads g.loop/g.used from here on
             _write(pgs[i], g.used)
-            g.written = g.used
         for item in list(self.pending):
             _check_once(item, pgs, step)
 
@@ -210,17 +209,22 @@ def _settle(ov: _Override, item, step: int) -> None:
 
 
 def describe(opt) -> dict:
-    """The override of ``opt``'s groups for torch.optimizer: ``{group: (override text, next lr, held steps)}``."""
+    """The override of ``opt``'s groups for torch.optimizer: ``{group: {override, lr, loop_lr, status}}``, the two
+    rates read at one moment (never the held rate taken for the loop's between the hold and the loop's rewrite)."""
     ov = _overrides.get(id(opt))
     if ov is None or ov.ref() is not opt:
         return {}
     out = {}
     for i, g in list(ov.groups.items()):
-        try:
-            loop = _value(opt.param_groups[i]["lr"])
-        except Exception:
-            continue
-        out[i] = {"override": g.text(), "lr": g.target(loop), "status": g.status()}
+        if g.written is not None:  # inside a step (the server thread reads while the training thread steps):
+            loop, lr = g.loop, g.used  # param_groups may hold the override or the loop's rate; these are one moment's
+        else:
+            try:
+                loop = _value(opt.param_groups[i]["lr"])
+            except Exception:
+                continue
+            lr = g.target(loop)
+        out[i] = {"override": g.text(), "lr": lr, "loop_lr": loop, "status": g.status()}
     return out
 
 

@@ -237,7 +237,8 @@ def optimizer(ctx):
             rows.append({
                 "optimizer": type(opt).__name__, "name": found.name, "wrapper": found.wrapper,
                 "optimizer_id": id(opt), "param_group": i,
-                "lr": overrides[i]["lr"] if i in overrides else _num(group.get("lr")), "loop_lr": _num(group.get("lr")),
+                "lr": overrides[i]["lr"] if i in overrides else _num(group.get("lr")),
+                "loop_lr": overrides[i]["loop_lr"] if i in overrides else _num(group.get("lr")),
                 "lr_override": overrides[i]["override"] if i in overrides else None,
                 "lr_override_status": overrides[i]["status"] if i in overrides else None,
                 "initial_lr": _num(group.get("initial_lr")),
