@@ -42,7 +42,7 @@ class MemoryClock:
     def tick(self) -> None:
         """At a full step boundary (training thread): start the clock, and note the CUDA device in use."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="probe-memory", daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(self._stop,), name="probe-memory", daemon=True)
             self._thread.start()
         if self.device is None:
             try:
@@ -66,10 +66,10 @@ class MemoryClock:
             peak = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         self.ring.append(time.time(), memory, peak)
 
-    def _run(self) -> None:
+    def _run(self, stop: threading.Event) -> None:
         last = None
         wait = 0.0
-        while not self._stop.wait(wait):
+        while not stop.wait(wait):
             try:
                 self.read()
             except Exception as exc:
@@ -81,7 +81,10 @@ class MemoryClock:
             last = step
 
     def stop(self) -> None:
+        """Stop the clock thread (the probe paused or closed); the next ``tick`` starts a new one."""
         self._stop.set()
+        self._stop = threading.Event()
+        self._thread = None
 
     def at(self, ended_at):
         """(in use, peak) for steps ending at ``ended_at`` (wall seconds, ascending): each the reading

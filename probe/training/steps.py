@@ -581,6 +581,7 @@ class StepTracker:
     def close(self) -> None:
         self.capture.unwrap()
         self.close_root_hooks()
+        self.memory.stop()
 
     def reopen(self) -> None:
         """Undo ``close``: the loss and clip wrappers and the root model's hook go back; the next step's clock restarts."""
