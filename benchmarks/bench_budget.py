@@ -1,6 +1,6 @@
 """The probe's cost against step time at any step time (PROBE_STEP_BUDGET), side by side in one run (CPU).
 
-For plain training loops of about 1, 2, 10 and 100 ms per step (an MLP whose width is
+For plain training loops of about 0.5, 1, 2, 10 and 100 ms per step (an MLP whose width is
 calibrated to the step time; Adam and StepLR, like most small jobs) and for the tiny
 HF Trainer and Lightning models of the tests (built from configs, generated data, no
 downloads), one process per workload alternates blocks of steps between three arms:
@@ -18,11 +18,12 @@ training thread's CPU time (``time.thread_time``: the probe's work is CPU work o
 thread, and CPU time leaves out the waits for a core that dominate a shared machine's
 noise), then the probe's own figure:
 ``probe_us`` from torch.steps (its boundary work per step, timed by itself) as a share of
-step time, and the share of steps it measured. Goal: on/off <= 1.01 at every step time.
+step time, the share of steps it measured (the optional values), and the share of the "on"
+steps that carry the loss and a memory reading (the core signals, on every step). Goal: on/off <= 1.01 at every step time.
 Where the A/A spread is wider than 1 %, the machine cannot resolve the goal and the
 probe_us share is the steady figure.
 
-    python benchmarks/bench_budget.py [--rounds 12] [--only plain1|plain2|plain10|plain100|hf|lightning]
+    python benchmarks/bench_budget.py [--rounds 12] [--only plain0.5|plain1|plain2|plain10|plain100|hf|lightning]
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ class Alternation:
         cols = self.hooks.tracker().snapshot()
         keep = cols["step"] > self.first_step
         us, measured = cols["probe_us"][keep], cols["measured"][keep]
+        # the steps the hooks saw (the "on" blocks): how many carry the core signals
+        loss, memory = np.ma.getmaskarray(np.ma.asarray(cols["loss"])[keep]), np.ma.getmaskarray(np.ma.asarray(cols["memory"])[keep])
         on_step = statistics.fmean(t for block in self.times["on"] for t in block)
         n = sum(len(t) for t in self.times["on"])
         print(f"  {name:<22} step {step * 1e3:7.2f} ms  {n:5d} steps/arm\n"
@@ -113,7 +116,8 @@ class Alternation:
               f"    cpu:  on/off {_fmt(cratios['on'])}  off2/off {_fmt(cratios['off2'])}\n"
               f"    probe_us per step: mean {us.mean():6.1f} = {100 * us.mean() * 1e-6 / on_step:5.2f} % of the step"
               f" (median {np.median(us):5.1f}; unmeasured steps {_median(us[~measured])}, measured {_median(us[measured])});"
-              f" measured {100 * measured.mean():5.1f} % of steps")
+              f" measured {100 * measured.mean():5.1f} % of steps\n"
+              f"    core signals on the probed steps: loss {100 * (1 - loss.mean()):5.1f} %, memory {100 * (1 - memory.mean()):5.1f} %")
 
 
 def _median(values) -> str:
@@ -262,7 +266,7 @@ def lightning(rounds: int, block: int = 60) -> None:
     alt.report("Lightning tiny")
 
 
-WORKLOADS = {"plain1": plain(0.001, 100), "plain2": plain(0.002, 60), "plain10": plain(0.010, 20),
+WORKLOADS = {"plain0.5": plain(0.0005, 200), "plain1": plain(0.001, 100), "plain2": plain(0.002, 60), "plain10": plain(0.010, 20),
              "plain100": plain(0.100, 4), "hf": hf, "lightning": lightning}
 
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from conftest import TARGETS, requires_torch
+from conftest import TARGETS, poll, requires_torch
 
 pytestmark = requires_torch
 TRAIN = TARGETS / "actions_train.py"
@@ -54,12 +54,27 @@ def test_scaled_lr_survives_the_scheduler(name, spawn, cli, probe_env):
             "WHERE param_group = 0", "--format", "json")
     assert q.returncode == 0, q.stderr
     row = json.loads(q.stdout)[0]
-    assert row["scheduler"] == name and row["lr_override"] == "scale 0.5" and "held for" in row["lr_override_status"]
+    # a torch scheduler drives the rate: the change went into what it computes from, so param_groups (what the
+    # loop's own logs read) shows the rate in effect, half of the unchanged schedule's
+    assert "through its scheduler's base rates" in r.stdout, r.stdout
+    assert row["scheduler"] == name and row["lr_override"] == "scale 0.5 (scheduler base)", row
+    assert "param_groups shows the rate in effect" in row["lr_override_status"], row
     e = cli(p.pid, "eval", "scheduler.last_epoch")
     epoch = int(e.stdout)
     assert epoch >= applied + 5
-    assert row["loop_lr"] == pytest.approx(reference_lr(name, epoch), rel=1e-6)  # the schedule itself is untouched
-    assert row["lr"] == pytest.approx(0.5 * reference_lr(name, epoch), rel=1e-6)  # what the next step uses
+    assert row["loop_lr"] == pytest.approx(0.5 * reference_lr(name, epoch), rel=1e-6)
+    assert row["lr"] == row["loop_lr"]  # what the next step uses
+    g = cli(p.pid, "eval", "print(optimizer.param_groups[0]['lr'])")
+    assert float(g.stdout) == pytest.approx(0.5 * reference_lr(name, epoch), rel=1e-6), g.stdout
+    os.unlink(stall)
+    # and --reset gives the unchanged schedule back
+    r = cli(p.pid, "lr", "--reset")
+    assert r.returncode == 0 and "removed scale 0.5 (scheduler base)" in r.stdout, r.stdout
+    open(stall, "w").close()
+    assert poll(lambda: sum(line.startswith("stalled at step") for line in list(p.lines)) >= 2, timeout=60)
+    epoch = int(cli(p.pid, "eval", "scheduler.last_epoch").stdout)
+    g = cli(p.pid, "eval", "print(optimizer.param_groups[0]['lr'])")
+    assert float(g.stdout) == pytest.approx(reference_lr(name, epoch), rel=1e-6), g.stdout
     os.unlink(stall)
 
 
@@ -72,10 +87,12 @@ def test_group_errors_once_and_reset(spawn, cli):
     # --once: ExponentialLR (inside SequentialLR) rewrites the rate before the next step: said, not reported as done
     r = cli(p.pid, "lr", "--set", "0.1", "--once", "--group", "0")
     assert r.returncode != 0 and "rewrote group 0's lr" in r.stderr and "without --once" in r.stderr, r.stderr
+    # held: the scheduler's base rate is set so that its rate is 0.1 now; ExponentialLR goes on from there
     r = cli(p.pid, "lr", "--set", "0.1")
-    assert r.returncode == 0 and re.search(r"group 0: \S+ -> 0\.1; step \d+ used 0\.1\b", r.stdout), r.stdout
+    m = re.search(r"group 0: \S+ -> 0\.1; step \d+ used (\S+)", r.stdout)
+    assert r.returncode == 0 and m and float(m.group(1)) == pytest.approx(0.09, rel=1e-3), r.stdout
     r = cli(p.pid, "lr", "--reset")
-    assert r.returncode == 0 and "removed set 0.1 after" in r.stdout, r.stdout
+    assert r.returncode == 0 and re.search(r"removed set 0\.1 \(scheduler base\) after \d+ step", r.stdout), r.stdout
     q = cli(p.pid, "query", "SELECT lr, loop_lr, lr_override FROM torch.optimizer", "--format", "json")
     row = json.loads(q.stdout)[0]
     assert row["lr_override"] is None and row["lr"] == row["loop_lr"]

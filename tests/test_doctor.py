@@ -293,12 +293,38 @@ def _input_bound(loaders: list, main_stack: list, step_ms: float = 50.0, model_m
     innermost first."""
     return rule_rows("input_bound", {
         "torch.steps": (f"SELECT NULL::INTEGER AS rank, range AS step, {step_ms / 1000} AS duration, NULL::DOUBLE AS comm_wait, "
-                        "NULL::DOUBLE AS cpu_wait FROM range(1, 11)"),
+                        "NULL::DOUBLE AS cpu_wait, NULL::DOUBLE AS data_wait FROM range(1, 11)"),
         "python.torch_trace": f"SELECT NULL::INTEGER AS rank, range AS step, 0 AS depth, {model_ms / 1000} AS duration FROM range(1, 11)",
         "torch.dataloaders": ("rank INTEGER, name VARCHAR, dataset_type VARCHAR, batch_size BIGINT, num_workers INTEGER",
                               [(None, *row) for row in loaders]),
         "python.backtrace": ("rank INTEGER, is_main BOOLEAN, depth INTEGER, func VARCHAR, file VARCHAR, lineno INTEGER",
                              [(None, True, d, f, path, 10) for d, (f, path) in enumerate(main_stack)])})
+
+
+def _paired_workers(fast_ms: float, slow_ms: float, model_ms: float = 1.0, traced_every: int = 10) -> list:
+    """input_bound over 200 steps whose batches come in pairs (two DataLoader workers): even steps wait
+    ``fast_ms`` for data, odd ones ``slow_ms``; the model takes ``model_ms``; every ``traced_every``-th step
+    (an even one: the aliasing the jitter prevents) is traced."""
+    return rule_rows("input_bound", {
+        "torch.steps": (f"SELECT NULL::INTEGER AS rank, range AS step, "
+                        f"(CASE WHEN range % 2 = 0 THEN {fast_ms} ELSE {slow_ms} END + {model_ms}) / 1000 AS duration, "
+                        f"NULL::DOUBLE AS comm_wait, NULL::DOUBLE AS cpu_wait, "
+                        f"CASE WHEN range % 2 = 0 THEN {fast_ms} ELSE {slow_ms} END / 1000 AS data_wait FROM range(1, 201)"),
+        "python.torch_trace": (f"SELECT NULL::INTEGER AS rank, range AS step, 0 AS depth, {model_ms / 1000} AS duration "
+                               f"FROM range({traced_every}, 201, {traced_every})"),
+        "torch.dataloaders": ("rank INTEGER, name VARCHAR, dataset_type VARCHAR, batch_size BIGINT, num_workers INTEGER",
+                              [(None, "loader", "Slow", 16, 2)]),
+        "python.backtrace": ("rank INTEGER, is_main BOOLEAN, depth INTEGER, func VARCHAR, file VARCHAR, lineno INTEGER", [])})
+
+
+def test_input_bound_judges_every_step_so_paired_workers_cannot_hide_the_slow_half():
+    # given: batches in pairs, 0.5 ms then 166 ms of waiting, and only even steps traced
+    (f,) = _paired_workers(0.5, 166.0)
+    # then: every step's data_wait counts, the slow half included: ~84 ms a step, ~1 ms in the model
+    assert 80 < f["step_ms"] < 86 and 0.5 < f["model_ms"] < 1.5 and f["outside_pct"] > 95, f
+    assert f["steps"] == 50, f
+    # and a healthy loader (2 ms of waiting around a 10 ms model) is not named
+    assert not _paired_workers(1.0, 3.0, model_ms=10.0)
 
 
 def test_input_bound_names_loaders_without_workers_and_where_the_main_thread_loads():

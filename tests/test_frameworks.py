@@ -46,11 +46,12 @@ LINE = re.compile(r"^(?:hf |pl )?step (\d+) loss (\S+) lr (\S+) used (\S+)")
 
 
 class Loop:
-    def __init__(self, name: str):
+    def __init__(self, name: str, extra_env: dict | None = None):
         self.name = name
         self.rt = tempfile.mkdtemp(prefix="pr-", dir="/tmp")
         env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
         env.update(PROBE="1", PROBE_RUNTIME_DIR=self.rt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        env.update(extra_env or {})
         self.env = env
         # paced: the tests need a few dozen steps, and a loop stepping flat out (a framework's ~1 ms steps)
         # takes a core from the `probe` calls they wait on for as long as the module runs
@@ -125,6 +126,32 @@ def test_loss_is_what_the_loop_logs(loop):
     assert loop.query("SELECT source, message FROM probe.errors") == []
 
 
+def test_every_logged_loss_is_in_torch_steps(loop):
+    """Every step the framework or loop logged has its loss in torch.steps, to 1e-5, and >= 99 % of all steps
+    carry one (the loss is a core signal: the budget does not sample it)."""
+    logged = loop.wait_step(30)
+    rows = {r["step"]: r for r in loop.query("SELECT step, loss FROM torch.steps WHERE step <= 30")}
+    assert len(rows) == 30 and sum(r["loss"] is not None for r in rows.values()) >= 0.99 * 30
+    for s in range(1, 31):
+        assert rows[s]["loss"] == pytest.approx(logged[s]["loss"], rel=1e-5), (loop.name, s)
+
+
+@pytest.mark.parametrize("name", ["hf", "lightning", "amp", "closure"])
+def test_the_loss_is_on_every_step_that_the_budget_does_not_measure(name):
+    """Under a budget far below the probe's fixed cost (the optional values measured about once a second),
+    HF Trainer, Lightning, AMP's scaled loss and a closure still have the loss the loop logs on every step."""
+    lp = Loop(name, extra_env={"PROBE_STEP_BUDGET": "0.00001"})
+    try:
+        logged = lp.wait_step(60)
+        rows = lp.query("SELECT step, loss, measured FROM torch.steps WHERE step <= 60 ORDER BY step")
+        assert [r["step"] for r in rows] == list(range(1, 61))
+        assert sum(not r["measured"] for r in rows) >= 20, rows  # most steps were not measured...
+        for r in rows:  # ...and each has the loss the framework logged
+            assert r["loss"] == pytest.approx(logged[r["step"]]["loss"], rel=1e-5), (name, r)
+    finally:
+        lp.stop()
+
+
 def test_one_row_per_param_group_with_its_scheduler(loop):
     rows = loop.query("SELECT optimizer, wrapper, scheduler, param_group, is_lead FROM torch.optimizer ORDER BY param_group")
     assert [(r["optimizer"], r["wrapper"], r["scheduler"]) for r in rows] == LOOPS[loop.name][1]
@@ -134,6 +161,7 @@ def test_one_row_per_param_group_with_its_scheduler(loop):
 # "used" is measured from float32 updates, -(dp . g) / (g . g): once a schedule has decayed the rate, p + dp
 # rounds dp to ~1e-4 of itself; the override halves the rate, so 1e-3 still tells the two apart 500 times over
 USED_REL = 1e-3
+SCHEDULED = ("hf", "lightning", "accelerate")  # a torch LR scheduler drives the rate: `lr` scales its base rates
 
 
 def test_lr_scale_holds_through_the_schedule_and_reset_ends_it(loop):
@@ -144,18 +172,34 @@ def test_lr_scale_holds_through_the_schedule_and_reset_ends_it(loop):
         first = int(re.search(r"from step (\d+)", r.stdout).group(1))
         assert re.search(rf"group 0: \S+ -> \S+; step {first} used \S+", r.stdout), r.stdout  # seen used before the reply
         logged = loop.wait_step(first + 6)
-        for s in range(first, first + 6):
-            # the loop (its scheduler or its own code) sets its lr every step; each step still used half of it
-            assert logged[s]["used"] == pytest.approx(0.5 * logged[s]["lr"], rel=USED_REL), (loop.name, s, logged[s])
         rows = loop.query(f"SELECT step, lr FROM torch.steps WHERE step BETWEEN {first} AND {first + 5} ORDER BY step")
         assert [x["lr"] for x in rows] == pytest.approx([logged[s]["used"] for s in range(first, first + 6)], rel=USED_REL)
         opt = loop.query("SELECT lr, loop_lr, lr_override, lr_override_status FROM torch.optimizer WHERE param_group = 0")[0]
-        assert opt["lr_override"] == "scale 0.5" and opt["lr"] == pytest.approx(0.5 * opt["loop_lr"])
         (action,) = loop.query("SELECT state, result FROM probe.actions WHERE command = 'lr'")
         status = json.loads(action["result"])["optimizers"][0]["groups"][0]["status"]
-        assert action["state"] == "done" and re.match(r"held for \d+ step", status), status
-        if loop.name != "amp" and loop.name != "closure":  # a schedule rewrites the lr every step: said where
-            assert re.search(r"re-applied because the loop rewrote lr at step \d+", status), status
+        if loop.name in SCHEDULED:
+            # a torch scheduler drives the rate: its base rate is halved, so the scheduler's own lr (what the
+            # loop logs) is the rate in effect, half of what it was
+            assert "through its scheduler's base rates" in r.stdout, r.stdout
+            for s in range(first + 1, first + 6):
+                assert logged[s]["used"] == pytest.approx(logged[s]["lr"], rel=USED_REL), (loop.name, s, logged[s])
+            assert logged[first + 1]["lr"] == pytest.approx(0.5 * logged[first - 2]["lr"], rel=0.05), logged
+            assert opt["lr_override"] == "scale 0.5 (scheduler base)" and opt["lr"] == opt["loop_lr"], opt
+            assert action["state"] == "done" and "the scheduler computes from the scaled base rate" in status, status
+            if loop.name == "lightning":  # param_groups read in on_train_batch_end: the rate in effect
+                pg = {int(m.group(1)): float(m.group(2)) for m in (re.match(r"pl pg (\d+) (\S+)", l) for l in loop.lines) if m}
+                for s in range(first + 1, first + 5):
+                    assert pg[s] == pytest.approx(logged[s]["used"], rel=0.02) or \
+                        pg[s] == pytest.approx(logged[s + 1]["used"], rel=0.02), (s, pg[s], logged[s])
+        else:
+            assert "held at every step" in r.stdout, r.stdout
+            for s in range(first, first + 6):
+                # the loop sets its lr (its own code) every step; each step still used half of it
+                assert logged[s]["used"] == pytest.approx(0.5 * logged[s]["lr"], rel=USED_REL), (loop.name, s, logged[s])
+            assert opt["lr_override"] == "scale 0.5" and opt["lr"] == pytest.approx(0.5 * opt["loop_lr"])
+            assert action["state"] == "done" and re.match(r"held for \d+ step", status), status
+            if loop.name == "manual":  # a schedule assigned by hand rewrites the lr every step: said where
+                assert re.search(r"re-applied because the loop rewrote lr at step \d+", status), status
         reset = loop.cli("lr", "--reset")
     finally:  # the job is shared with the file's other tests: never leave it running at half its rate
         reset = reset or loop.cli("lr", "--reset")

@@ -117,3 +117,58 @@ def test_events_of_rows_that_left_the_ring_are_recycled_not_read(tracer):
     assert tracer.pending_events == []
     assert len(tracer._event_pool) == 2 * 6  # the first step's three pairs were dropped unread
     assert not any(math.isnan(d) for d in tracer.ring.snapshot()["duration"])
+
+
+def _cuda_like(value: float):
+    """A CPU scalar that the probe's checks take for a device one (``is_cuda``), like a loss on a GPU."""
+    import torch
+
+    class CudaLike(torch.Tensor):
+        is_cuda = True
+        is_cpu = False
+
+    return torch.tensor(value).as_subclass(CudaLike)
+
+
+class TorchWithPinnedStandIn(TorchWithFakeCuda):
+    """As TorchWithFakeCuda, with pinned host buffers made as plain CPU tensors (no CUDA to pin with here)."""
+
+    def empty(self, *args, pin_memory=False, **kwargs):
+        self.pinned = getattr(self, "pinned", 0) + bool(pin_memory)
+        return self._torch.empty(*args, **kwargs)
+
+
+def test_a_device_loss_is_copied_without_a_sync_and_filled_in_when_its_event_completes():
+    """Every step's loss on CUDA (issue 29): the boundary's quick path copies it into a pinned buffer with an
+    event and writes NULL; the row is filled in once the event has completed, never by waiting for it."""
+    import torch
+
+    from probe.training.steps import StepTracker
+    from probe.training.trace import Tracer
+
+    FakeEvent.done = False
+    fake = TorchWithPinnedStandIn(torch)
+    tr = Tracer(fake, every=0, capacity=100)
+    tk = StepTracker(fake, tr)
+    try:
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tk.set_lead(opt)
+        tk.budget.share = 0.0  # nothing optional: after the forced first steps every boundary is a quick one
+        tk.budget.max_gap_ns = None
+        losses = [0.5 + i for i in range(12)]
+        for v in losses:
+            tk.capture.saw_backward(_cuda_like(v), None)  # what the backward wrapper notes
+            tk.on_optimizer_step(opt)
+        assert fake.pinned == len(losses)  # one pinned copy per step, quick path included
+        # the GPU has not got there yet: the rows hold NULL (not ready), and a query does not wait for it
+        snap = tk.snapshot()
+        assert list(snap["step"]) == list(range(1, 13)) and snap["loss"].mask.all()
+        assert not snap["measured"][5:].any()  # the later steps took the quick path
+        # when: the events complete; then: every step's loss is there
+        FakeEvent.done = True
+        snap = tk.snapshot()
+        assert list(snap["loss"]) == pytest.approx(losses)
+    finally:
+        tk.close()
+        tr.close()

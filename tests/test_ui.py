@@ -311,3 +311,32 @@ def test_findings_panel_names_a_planted_nan(browser, spawn, probe_env):
     finally:
         pg.close()
         server.close()
+
+
+def test_a_fast_job_has_its_loss_curve_drawn_at_every_step_in_view(browser, spawn, probe_env):
+    # given: a job of ~1 ms steps (after a first run of 300 flat out), whose budget measures few of them
+    job = spawn([TARGETS / "budget_loop.py", "--steps", "300", "--then-sleep", "0.001"], env={"PROBE": "1"})
+    server = UI(probe_env, job.pid, "ui", "--port", "0", "--refresh", "1")
+    pg, errors = open_page(browser, server.url)
+    try:
+        def counted():
+            c = pg.query_selector("#chart-loss .head .count")
+            shown = int(c.get_attribute("data-shown") or 0) if c else 0
+            return c if shown >= 500 else None
+
+        count = poll(counted, timeout=60)
+        assert count is not None, pg.inner_text("#curves")
+        # then: the panel says how many steps in view carry the loss (all, bar a few still being read)...
+        # (read in one go: the page redraws every second)
+        shown, carried, text, points = pg.evaluate("""() => {
+            const c = document.querySelector('#chart-loss .head .count');
+            const p = document.querySelector('#chart-loss path[data-series]');
+            return [+c.dataset.shown, +c.dataset.carried, c.textContent, +p.dataset.points]; }""")
+        assert carried >= 0.99 * shown and text == f"{carried} of {shown} steps", (carried, shown, text)
+        # ...and the curve has one vertex per step that carries it, not a line between a few measured points
+        assert points == carried, (points, carried)
+        pg.screenshot(path=str(ARTIFACTS / "ui-fast-loss.png"), full_page=True)
+        assert errors == [], (errors, server.lines)
+    finally:
+        pg.close()
+        server.close()

@@ -342,11 +342,16 @@ class Lr(_Action):
         r = action.get("result") or {}
         for g in r.get("removed", []):
             when = "the next step" if r.get("step") is None else f"step {r['step'] + 1}"
-            session.print(f"{prefix}optimizer '{g['optimizer']}' group {g['group']}: removed {g['override']} after "
-                          f"{g['held_steps']} step(s); the loop's lr {g['loop_lr']:.6g} applies from {when}.")
+            after = "" if g.get("held_steps") is None else f" after {g['held_steps']} step(s)"
+            session.print(f"{prefix}optimizer '{g['optimizer']}' group {g['group']}: removed {g['override']}{after}; "
+                          f"the loop's lr {g['loop_lr']:.6g} applies from {when}.")
         for opt in r.get("optimizers", []):
             via = f" (through {opt['wrapper']})" if opt.get("wrapper") else ""
-            held = "written once" if r.get("mode") == "once" else "held at every step"
+            held = ("written once" if r.get("mode") == "once" else
+                    "through its scheduler's base rates (param_groups and the loop's logs show the new rate)"
+                    if opt.get("via") == "scheduler" else
+                    "held at every step (a loop that writes its own rate: its logs and param_groups show the loop's "
+                    "value, torch.steps.lr what each step used)")
             session.print(f"{prefix}optimizer '{opt['optimizer']}' {opt.get('type', '')}{via}, {held}"
                           + ("" if r.get("step") is None else f", from step {r['step'] + 1}") + ":")
             for g in opt["groups"]:

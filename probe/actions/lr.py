@@ -13,7 +13,18 @@ is undone by any of them. So a change is an *override* held by the optimizer its
   computing from their own numbers (a chainable scheduler such as StepLR never compounds
   the override).
 
-Between steps ``param_groups`` therefore shows the loop's rate; ``torch.optimizer`` shows
+When a torch LR scheduler drives the group (it has ``base_lrs``: LambdaLR, which the HF Trainer
+and most Lightning modules use, StepLR, CosineAnnealingLR, OneCycleLR, ...), the change goes
+into what the scheduler computes from instead: its ``base_lrs`` (and ``max_lrs``, its last rate,
+the group's ``lr``, ``initial_lr``, ``max_lr``, ``min_lr``), scaled by the factor (``--set``:
+the factor that takes the current rate to the value). The scheduler then produces the new rate
+itself, so ``param_groups``, ``get_last_lr()`` and the loop's own logs (Lightning's
+LearningRateMonitor, the HF Trainer's ``learning_rate``) show the rate in effect. The check at
+the next step says whether the rate used was the scheduler's; ``--reset`` divides the factor out.
+
+Otherwise (a loop that writes the rate itself, nanoGPT's ``g["lr"] = lr``), the hold above: between
+steps ``param_groups`` therefore shows the loop's rate, and so do the loop's own logs (the reply
+says so); ``torch.optimizer`` shows
 both (``lr`` is what the next step uses, ``loop_lr`` the loop's own, ``lr_override`` the
 override) and ``torch.steps.lr`` is what each step used. The action stays ``running`` until
 the next step of the optimizer has run with the new rate, and is ``done`` only then: its
@@ -109,6 +120,61 @@ class _Group:
         return f"scale {self.value:g}" if self.mode == "scale" else f"set {self.value:g}"
 
 
+class _Rescaled:
+    """A group whose scheduler computes from scaled base rates (no hold: the scheduler makes the rate)."""
+    __slots__ = ("sched", "factor", "since", "label")
+
+    def __init__(self, sched, factor: float, since: int | None, label: str):
+        self.sched, self.factor, self.since, self.label = weakref.ref(sched), factor, since, label
+
+    def text(self) -> str:
+        return f"{self.label} (scheduler base)"
+
+
+_SCHED_KEYS = ("initial_lr", "max_lr", "min_lr")  # the group's own copies of rates some schedulers compute from
+
+
+def _schedulers_in(sched) -> list:
+    """``sched`` and the schedulers it chains (SequentialLR, ChainedScheduler)."""
+    out = [sched]
+    for child in getattr(sched, "_schedulers", None) or ():
+        out += _schedulers_in(child)
+    return out
+
+
+def _rescalable(opt, i: int):
+    """The torch LR scheduler that drives group ``i`` of ``opt`` from base rates, else None (the hold applies)."""
+    from ..training.finder import scheduler_for
+
+    if type(opt.param_groups[i]["lr"]) is not float:
+        return None
+    for f in scheduler_for(opt):
+        sched = f.obj
+        inner = getattr(sched, "scheduler", None)
+        if inner is not None and not hasattr(sched, "base_lrs") and hasattr(inner, "optimizer"):
+            sched = inner  # accelerate's AcceleratedScheduler: the scheduler it drives
+        for one in (_schedulers_in(sched) if sched is not None else ()):  # SequentialLR: its chained ones'
+            base = getattr(one, "base_lrs", None)
+            if isinstance(base, list) and len(base) > i and isinstance(base[i], float):
+                return sched
+        if isinstance(getattr(sched, "min_lrs", None), list):  # ReduceLROnPlateau: multiplies the group's own rate
+            return sched
+    return None
+
+
+def _rescale(sched, group: dict, i: int, factor: float) -> None:
+    """Scale what ``sched`` computes group ``i``'s rate from, and the rate in effect now."""
+    group["lr"] = group["lr"] * factor
+    for key in _SCHED_KEYS:
+        if isinstance(group.get(key), float):
+            group[key] = group[key] * factor
+    for s in _schedulers_in(sched):
+        for attr in ("base_lrs", "max_lrs", "_last_lr"):
+            values = getattr(s, attr, None)
+            if isinstance(values, list) and len(values) > i and isinstance(values[i], (float, int)):
+                values[i] = values[i] * factor
+
+
 class _Override:
     """The state of each overridden group of one optimizer, applied by probe's global step hooks."""
 
@@ -116,6 +182,7 @@ class _Override:
         self.ref = weakref.ref(opt)
         self.name = name
         self.groups: dict[int, _Group] = {}
+        self.rescaled: dict[int, _Rescaled] = {}  # groups whose scheduler's base rates were scaled instead
         self.pending: list = []  # (settle, result, once, rows) waiting for the next step
 
     # -- around every step of this optimizer (training thread) ------------------------------------
@@ -135,11 +202,11 @@ class _Override:
                 record_error("lr override", ActionError(f"{g.text()} of group {i} would give {target:g}, past what "
                                                         f"its parameters can take ({g.limit:.3g}); this step uses the loop's rate"))
                 target = loop
-            g.used = target
+            g.used = g.written = target  # before the write: describe() reads g.loop/g.used from here on
             _write(pgs[i], g.used)
-            g.written = g.used
         for item in list(self.pending):
             _check_once(item, pgs, step)
+            _check_rescaled(self, item, pgs, step)
 
     def after(self, opt) -> None:
         step = _step() + 1
@@ -165,7 +232,7 @@ class _Override:
         pending, self.pending = self.pending, []
         for item in pending:
             _settle(self, item, step)
-        if not self.groups and not self.pending:
+        if not self.groups and not self.rescaled and not self.pending:
             with _lock:
                 if _overrides.get(id(opt)) is self:
                     del _overrides[id(opt)]
@@ -203,6 +270,28 @@ def _check_once(item, pgs, step) -> None:
                                    "to hold the change.")
 
 
+def _check_rescaled(ov: _Override, item, pgs, step: int) -> None:
+    """A scheduler-scaled group, before the next step: is the rate in param_groups the scheduler's?"""
+    _, result, once, rows = item
+    for g in rows:
+        r = ov.rescaled.get(g["group"])
+        if once or g.get("via") != "scheduler" or r is None or "used" in g:
+            continue
+        sched = r.sched()
+        now = _value(pgs[g["group"]]["lr"])
+        g["used"] = now
+        last = getattr(sched, "_last_lr", None) if sched is not None else None
+        made = last[g["group"]] if isinstance(last, list) and len(last) > g["group"] else None
+        if made is not None and abs(now - made) <= 1e-12 * max(abs(made), 1e-300):
+            g["status"] = (f"the scheduler computes from the scaled base rate: step {step} used its rate; "
+                           "param_groups, get_last_lr() and the loop's own logs show the rate in effect")
+        else:
+            g["status"] = (f"step {step} used {now:.6g} but the scheduler made {made if made is None else f'{made:.6g}'}: "
+                           "something rewrote the rate after the scheduler; use `lr --reset` then `lr` again after "
+                           "stopping that code, or --once")
+            result["error"] = f"group {g['group']}'s rate was rewritten after its scheduler before step {step} ran"
+
+
 def _settle(ov: _Override, item, step: int) -> None:
     settle, result, once, rows = item
     result["checked_at_step"] = step
@@ -215,22 +304,35 @@ def _settle(ov: _Override, item, step: int) -> None:
             g["loop_lr"] = og.loop
             if og.loop != g["loop_before"]:
                 before, after = _apart(g["loop_before"], og.loop)
-                g["note"] = f"re-applied: the loop rewrote its lr from {before} to {after} at step {step}"
+                g["note"] = (f"re-applied: the loop rewrote its lr from {before} to {after} at step {step}; the "
+                             "loop's own logs show its value, torch.steps.lr what each step used")
     settle(result.get("error"))
 
 
 def describe(opt) -> dict:
-    """The override of ``opt``'s groups for torch.optimizer: ``{group: (override text, next lr, held steps)}``."""
+    """The override of ``opt``'s groups for torch.optimizer: ``{group: {override, lr, loop_lr, status}}``, the two
+    rates read at one moment (never the held rate taken for the loop's between the hold and the loop's rewrite)."""
     ov = _overrides.get(id(opt))
     if ov is None or ov.ref() is not opt:
         return {}
     out = {}
-    for i, g in list(ov.groups.items()):
+    for i, r in list(ov.rescaled.items()):
         try:
-            loop = _value(opt.param_groups[i]["lr"])
+            lr = _value(opt.param_groups[i]["lr"])
         except Exception:
             continue
-        out[i] = {"override": g.text(), "lr": g.target(loop), "status": g.status()}
+        out[i] = {"override": r.text(), "lr": lr, "loop_lr": lr,
+                  "status": f"the scheduler's base rate scaled at step {r.since}: param_groups shows the rate in effect"}
+    for i, g in list(ov.groups.items()):
+        if g.written is not None:  # inside a step (the server thread reads while the training thread steps):
+            loop, lr = g.loop, g.used  # param_groups may hold the override or the loop's rate; these are one moment's
+        else:
+            try:
+                loop = _value(opt.param_groups[i]["lr"])
+            except Exception:
+                continue
+            lr = g.target(loop)
+        out[i] = {"override": g.text(), "lr": lr, "loop_lr": loop, "status": g.status()}
     return out
 
 
@@ -369,6 +471,18 @@ def change_lr(ctx: Context, *, set_to: float | None, scale: float | None, group:
             for i in groups:
                 loop = _value(opt.param_groups[i]["lr"])
                 g = ov.groups.get(i)
+                sched = _rescalable(opt, i) if not once and g is None else None
+                if sched is not None and (set_to is None or loop > 0):
+                    factor = scale if set_to is None else set_to / loop
+                    _rescale(sched, opt.param_groups[i], i, factor)
+                    r = ov.rescaled.get(i)
+                    total = (r.factor if r is not None else 1.0) * factor
+                    ov.rescaled[i] = _Rescaled(sched, total, ctx.step,
+                                               f"set {set_to:g}" if set_to is not None else f"scale {total:g}")
+                    rows.append({"group": i, "before": loop, "after": _value(opt.param_groups[i]["lr"]),
+                                 "loop_before": loop, "via": "scheduler",
+                                 "status": f"{type(sched).__name__}'s base rate scaled; waiting for the next step"})
+                    continue
                 before = g.target(loop) if g is not None else loop
                 if g is not None:
                     g.hand_over(f"changed by action {ctx.action_id} at step {ctx.step}")
@@ -397,7 +511,9 @@ def change_lr(ctx: Context, *, set_to: float | None, scale: float | None, group:
                 rows.append(row)
             ov.pending.append((done, result, once, rows))
         result["optimizers"].append({"optimizer": f.name, "type": type(opt).__name__, "wrapper": f.wrapper,
-                                     "groups": rows})
+                                     "groups": rows,
+                                     "via": "scheduler" if rows and all(x.get("via") == "scheduler" for x in rows)
+                                     else ("once" if once else "hold")})
     return result
 
 
@@ -423,13 +539,21 @@ def reset_lr(ctx: Context, *, group: int | None, optimizer_index: int | None) ->
             ov = _overrides.get(id(f.obj))
             if ov is None or ov.ref() is not f.obj:
                 continue
+            for i in ([group] if group is not None else sorted(ov.rescaled)):
+                r = ov.rescaled.pop(i, None)
+                sched = r.sched() if r is not None else None
+                if sched is not None:
+                    _rescale(sched, f.obj.param_groups[i], i, 1.0 / r.factor)
+                    held = ctx.step - r.since if ctx.step is not None and r.since is not None else None
+                    removed.append({"optimizer": f.name, "group": i, "override": r.text(), "held_steps": held,
+                                    "rewrites": 0, "loop_lr": _value(f.obj.param_groups[i]["lr"])})
             for i in ([group] if group is not None else list(ov.groups)):
                 g = ov.groups.pop(i, None)
                 if g is not None:
                     g.hand_over(f"removed by action {ctx.action_id} at step {ctx.step}")
                     removed.append({"optimizer": f.name, "group": i, "override": g.text(), "held_steps": g.held,
                                     "rewrites": g.rewrites, "loop_lr": _value(f.obj.param_groups[i]["lr"])})
-            if not ov.groups and not ov.pending:
+            if not ov.groups and not ov.rescaled and not ov.pending:
                 _overrides.pop(id(f.obj), None)
     if not removed:
         raise ActionError("there is no lr override to remove" + (" for that optimizer/group" if opts else "") + ".")

@@ -13,24 +13,29 @@ __all__: list = []
 
 rule(
     "memory_growth", family="memory", severity="warning",
-    description="After the first 100 steps, peak memory rose by 16 MB or more in each half of its last 100 readings (steps the budget measured): it grows step over step.",
+    description="After the first 100 steps, the memory in use (torch.steps.memory: CUDA allocated, else RSS; read every 0.1 s, on every step) rose by 16 MB or more from each third of the last 30 seconds to the next (each third's lowest reading, so the activations of a step in flight do not count), over at least 3 seconds and 30 steps: it grows step over step.",
     sql="""
 WITH p AS (
-  SELECT rank, step, peak_allocated AS peak, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS back
-  FROM torch.steps WHERE peak_allocated IS NOT NULL AND step > 100),
-n AS (SELECT rank, least(count(*), 100) AS n FROM p GROUP BY rank HAVING count(*) >= 20),
+  SELECT rank, step, epoch(ended_at) AS t, memory FROM torch.steps WHERE memory IS NOT NULL AND step > 100),
+e AS (SELECT rank, max(t) AS t_end FROM p GROUP BY rank),
+q AS (SELECT p.* FROM p JOIN e ON e.rank IS NOT DISTINCT FROM p.rank WHERE p.t >= e.t_end - 30),
+b AS (SELECT rank, min(t) AS t0, max(t) AS t1, min(step) AS first, max(step) AS step, count(*) AS n FROM q GROUP BY rank),
+th AS (
+  SELECT q.rank, least(2, floor(3 * (q.t - b.t0) / greatest(b.t1 - b.t0, 1e-9)))::INTEGER AS third, min(q.memory) AS low
+  FROM q JOIN b ON b.rank IS NOT DISTINCT FROM q.rank GROUP BY q.rank, third),
 w AS (
-  SELECT p.rank, max(p.step) AS step, min(p.step) FILTER (WHERE back <= n.n) AS first,
-         arg_min(peak, p.step) FILTER (WHERE back <= n.n) AS start_peak,
-         arg_min(peak, p.step) FILTER (WHERE back <= n.n // 2) AS mid_peak,
-         arg_max(peak, p.step) AS end_peak
-  FROM p JOIN n ON n.rank IS NOT DISTINCT FROM p.rank GROUP BY p.rank)
-SELECT rank, step, first, start_peak / 1e6 AS start_mb, end_peak / 1e6 AS end_mb,
-       (end_peak - start_peak) / 1e6 / greatest(step - first, 1) AS mb_per_step
-FROM w WHERE mid_peak - start_peak > 16e6 AND end_peak - mid_peak > 16e6 AND end_peak > 1.05 * start_peak""",
-    message="peak memory grows step over step: {start_mb:.0f} MB -> {end_mb:.0f} MB from step {first} to step {step} (~{mb_per_step:.2f} MB a step): something keeps tensors alive (a list of losses, a growing cache).",
-    next=["probe {target} query \"SELECT * FROM torch.memory\"",
-          "probe {target} query \"SELECT step, MAX(allocated) AS peak FROM python.torch_trace GROUP BY step ORDER BY step DESC LIMIT 20\"",
+  SELECT b.rank, b.step, b.first, b.n, b.t1 - b.t0 AS secs,
+         max(low) FILTER (WHERE third = 0) AS low0, max(low) FILTER (WHERE third = 1) AS low1,
+         max(low) FILTER (WHERE third = 2) AS low2,
+         (SELECT arg_max(q.memory, q.t) FROM q WHERE q.rank IS NOT DISTINCT FROM b.rank) AS last
+  FROM b JOIN th ON th.rank IS NOT DISTINCT FROM b.rank GROUP BY ALL)
+SELECT rank, step, first, secs, low0 / 1e6 AS start_mb, greatest(low2, last) / 1e6 AS end_mb,
+       (greatest(low2, last) - low0) / 1e6 / greatest(step - first, 1) AS mb_per_step,
+       (greatest(low2, last) - low0) / 1e6 / greatest(secs, 1e-3) AS mb_per_s
+FROM w WHERE n >= 30 AND secs >= 3 AND low1 - low0 > 16e6 AND low2 - low1 > 16e6 AND low2 > 1.05 * low0""",
+    message="memory in use grows step over step: {start_mb:.0f} MB -> {end_mb:.0f} MB from step {first} to step {step} in {secs:.0f} s (~{mb_per_step:.2f} MB a step, {mb_per_s:.1f} MB/s): something keeps tensors alive (a list of losses kept with their graphs, a growing cache).",
+    next=["probe {target} query \"SELECT step, memory, peak_allocated FROM torch.steps ORDER BY step DESC LIMIT 20\"",
+          "probe {target} query \"SELECT * FROM torch.memory\"",
           "probe {target} cleanup"],
 )
 
@@ -92,18 +97,19 @@ HAVING count(*) >= 10 AND median(cpu_wait) > 0.25 * median(duration) AND median(
 
 rule(
     "input_bound", family="input", severity="warning",
-    description="On traced steps, more than 70% of the step time (and 20 ms) goes outside forward and backward: waiting for data or host-side work (time waiting for other ranks, torch.steps.comm_wait, or for a CPU, torch.steps.cpu_wait, does not count); names the DataLoaders with num_workers=0 (torch.dataloaders) and, when the main thread is in one now, the DataLoader's __next__/fetch or Dataset's __getitem__ it is in (python.backtrace).",
+    description="Over the last 50 steps (every step: torch.steps.data_wait, the time before each step's first forward call; on traced steps without it, the time outside the root models' forward and backward), more than 70% of the step time (and 20 ms a step) goes outside the model: waiting for data or host-side work (time waiting for other ranks, torch.steps.comm_wait, or for a CPU, torch.steps.cpu_wait, does not count); summed over the steps, so batches that arrive in pairs from two workers (a fast step, then a slow one) count in full; names the DataLoaders with num_workers=0 (torch.dataloaders) and, when the main thread is in one now, the DataLoader's __next__/fetch or Dataset's __getitem__ it is in (python.backtrace).",
     sql="""
 WITH f AS (
   SELECT rank, step, sum(duration) AS model_s FROM python.torch_trace WHERE depth = 0 GROUP BY rank, step),
-j AS (
-  SELECT s.rank, s.step, s.duration - coalesce(s.comm_wait, 0) - coalesce(s.cpu_wait, 0) AS duration, f.model_s
+j AS (  -- each step's time in the model: all but its data_wait, else (traced steps) its root modules' time
+  SELECT s.rank, s.step, s.duration - coalesce(s.comm_wait, 0) - coalesce(s.cpu_wait, 0) AS duration,
+         coalesce(s.duration - s.data_wait, f.model_s) AS model_s
   FROM torch.steps AS s
-  JOIN f ON f.rank IS NOT DISTINCT FROM s.rank AND f.step = s.step
-  WHERE s.duration IS NOT NULL AND f.model_s IS NOT NULL),
+  LEFT JOIN f ON f.rank IS NOT DISTINCT FROM s.rank AND f.step = s.step
+  WHERE s.duration IS NOT NULL AND coalesce(s.duration - s.data_wait, f.model_s) IS NOT NULL),
 m AS (
-  SELECT rank, max(step) AS step, count(*) AS steps, median(duration) AS step_s, median(model_s) AS model_s
-  FROM (SELECT *, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age FROM j) WHERE age <= 10
+  SELECT rank, max(step) AS step, count(*) AS steps, avg(duration) AS step_s, avg(least(model_s, duration)) AS model_s
+  FROM (SELECT *, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age FROM j) WHERE age <= 50
   GROUP BY rank),
 -- the evidence: loaders that load on the main thread, and whether the main thread is loading now
 d AS (

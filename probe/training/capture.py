@@ -15,10 +15,13 @@ The gradient norm is ``clip_grad_norm_``'s result when the loop clips (kept at n
 else a foreach norm of the lead optimizer's gradients launched on the device. Under FSDP2
 (DTensor gradients) both are this rank's: the norm of its local shards, never a collective.
 
-Nothing here synchronises with a device: ``hold`` turns a device scalar into a pinned
-host copy and an event, read later by ``read`` once the event has completed. While
-``wanted`` is False (a step the budget does not measure) backward calls are not noted, and
-``note`` takes the wrappers out altogether (they cost every call).
+The loss is a core signal, noted on every step: the backward wrapper keeps a detached
+reference to each backpropagated scalar (the graph is not kept alive), and the step boundary
+reads it (``take``): a CPU scalar as a float at once (no device to wait for), a device
+scalar as a pinned host copy and an event (``hold``), read later by ``read`` once the event
+has completed. Nothing here synchronises with a device. The frame-variable fallback walks
+frames and runs on measured steps only; ``wanted`` (whether the budget measures the step in
+progress) still gates ``clip_grad_norm_``'s norm.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class Capture:
     def __init__(self, torch):
         self.torch = torch
         self.loss_names = setting("PROBE_LOSS_NAMES") or ["loss"]
-        self.wanted = True  # whether the step in progress is measured (its backward calls noted)
+        self.wanted = True  # whether the step in progress is measured (its optional values read)
         self.clip_norm = None  # clip_grad_norm_'s result in the step in progress
         self._losses: list = []  # this step's backpropagated scalars (detached), summed at the boundary
         self._scaled = None  # (weakref to GradScaler.scale's output, the loss it scaled)
@@ -90,7 +93,6 @@ class Capture:
         self.sharded = False  # a gradient norm was this rank's shards' (FSDP2/DTensor), not the model's
         self.loss_kind = None  # loss_logits() of a loss seen lately: its class count (torch.loss)
         self._loss_looks = 0
-        self._swaps: list = []  # (owner, attribute, original, wrapper): in only while a measured step runs
 
     # -- holding values without a device sync ---------------------------------------------------
     def hold(self, value):
@@ -165,14 +167,25 @@ class Capture:
         if not losses:
             return self._find_loss(frame)
         self._losses = []
-        if len(losses) == 1:
-            return losses[0]
+        return losses[0] if len(losses) == 1 else self._sum(losses)
+
+    def _sum(self, losses):
         try:
             first = losses[0]
             return self.torch.stack([x.reshape(()).to(first.device, first.dtype) for x in losses]).sum()
         except Exception as exc:
             record_error("torch steps: summing the step's losses", exc)
             return losses[-1]
+
+    def take(self):
+        """This step's backpropagated loss, taken for the row: a float (a CPU scalar), a holder (a
+        device scalar, read later) or None (nothing backpropagated a scalar). Runs on every step."""
+        losses = self._losses
+        if not losses:
+            return None
+        self._losses = []
+        t = losses[0] if len(losses) == 1 else self._sum(losses)
+        return self.hold(t)
 
     def forget(self) -> None:
         """Drop what an unmeasured step captured (a loss noted before the budget said no)."""
@@ -237,20 +250,11 @@ class Capture:
         self.note(self.wanted)
 
     def note(self, on: bool) -> None:
-        """Whether the next step is measured: its backward calls noted, so the wrappers of
-        ``torch.autograd.backward`` and ``GradScaler.scale`` go in (``on``) or out. Each costs
-        every call; on unmeasured steps the originals run. An attribute someone else has
-        replaced since is left alone."""
+        """Whether the next step is measured (the optional values: ``clip_grad_norm_``'s norm is kept
+        on those). The loss wrappers stay in on every step: the loss is a core signal."""
         self.wanted = on
-        for owner, name, original, wrapper in self._swaps:
-            current = getattr(owner, name, None)
-            target = wrapper if on else original
-            if current is not target and (current is original or current is wrapper):
-                setattr(owner, name, target)
 
     def unwrap(self) -> None:
-        self.note(True)  # the wrappers back in place, so they are found and taken out below
-        self._swaps.clear()
         utils = self.torch.nn.utils
         original = getattr(utils.clip_grad_norm_, "_probe_original", None)
         if original is not None:
@@ -292,16 +296,14 @@ class Capture:
         if getattr(original, "_probe_original", None) is None:
             @functools.wraps(original)
             def backward(tensors, grad_tensors=None, *args, **kwargs):
-                if capture.wanted:
-                    try:
-                        capture.saw_backward(tensors, grad_tensors)
-                    except Exception as exc:
-                        record_error("torch steps: noting the loss", exc)
+                try:
+                    capture.saw_backward(tensors, grad_tensors)
+                except Exception as exc:
+                    record_error("torch steps: noting the loss", exc)
                 return original(tensors, grad_tensors, *args, **kwargs)
 
             backward._probe_original = original
             autograd.backward = backward
-            self._swaps.append((autograd, "backward", original, backward))
         scaler = getattr(getattr(self.torch, "amp", None), "GradScaler", None)
         scale = getattr(scaler, "scale", None)
         if scale is not None and getattr(scale, "_probe_original", None) is None:
@@ -310,7 +312,7 @@ class Capture:
             @functools.wraps(scale)
             def scale_(self_, outputs):
                 out = scale(self_, outputs)
-                if capture.wanted and out is not outputs and isinstance(outputs, Tensor):
+                if out is not outputs and isinstance(outputs, Tensor):
                     try:
                         capture._scaled = (weakref.ref(out), outputs.detach())
                     except TypeError:
@@ -319,4 +321,3 @@ class Capture:
 
             scale_._probe_original = scale
             scaler.scale = scale_
-            self._swaps.append((scaler, "scale", scale, scale_))

@@ -106,7 +106,7 @@ def _install(torch) -> None:
 def _pre_hook(optimizer, args, kwargs):
     """torch's global optimizer step pre-hook: whether the step evaluates a closure (for the loss)."""
     tk = _state.get("tracker")
-    if tk is not None and tk.capture.wanted:  # only a measured step's loss needs to know about a closure
+    if tk is not None:  # every step's loss needs to know about a closure (only its first backward counts)
         try:
             tk.on_step_start(optimizer, args, kwargs)
         except Exception as exc:

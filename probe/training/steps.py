@@ -12,22 +12,27 @@ What counts as a step:
 * Once ``probe.step()`` is called, the explicit calls own the count and optimizer steps
   no longer end steps (no double counting).
 
-The boundary's cost is paced (``budget``): step count, step time, lr and the safe-point
-queue are exact on every step; the optional values (the loss read-back from
-``capture``, the grad norm, peak memory) and the occasional work (discovery scans,
-module-trace scheduling) run on the steps the ``PROBE_STEP_BUDGET`` bucket allows, and
-the row's ``measured`` flag says which. Each boundary's own cost is timed and kept
+The boundary's cost is paced (``budget``). The core signals are recorded on every step:
+step count, step time, lr, the loss (the backpropagated scalar ``capture`` noted: a CPU
+scalar read at once, a device one copied without blocking and read when ready), the time
+before the step's first forward call (``data_wait``) and the safe-point queue; memory is read
+every 100 ms by a thread of its own (``memclock``) and joined to the steps by time. The
+optional values (the grad norm, input counts, the frame-variable loss fallback) and the
+occasional work (discovery scans, module-trace scheduling) run on the steps the
+``PROBE_STEP_BUDGET`` bucket allows, and the row's ``measured`` flag says which. Which steps
+are measured is jittered (a coin at each allowed step), so a job's own period (two DataLoader
+workers: fast and slow steps in turn) cannot line up with them. Each boundary's own cost is timed and kept
 (``probe_us``). A step that is not measured, traced or waited on by an action takes a quick
 path (in ``on_optimizer_step``): the exact values and nothing else, in a handful of operations,
 because on a fast loop that path is most steps and every operation in it is paid per step. Values derived from others (``started_at``, the rates, ``rank``) are
 computed when a query asks, not at the boundary.
 
-The hot path never synchronises with a device: the loss and the gradient norm
-(a foreach norm launched on the device) are kept as tensors and read a few steps
-later or when a query asks, once they are ready. Until then, or when there is no
-such value (a step the budget did not measure included), the ring holds None (SQL
-NULL); a loss that is NaN or infinite is kept as it is, so ``isnan(loss)`` finds the
-step it went bad.
+The hot path never synchronises with a device: a device loss and the gradient norm
+(a foreach norm launched on the device) are kept as pinned host copies with an event and
+read a few steps later or when a query asks, once they are ready. Until then, or when there
+is no such value (a grad norm on a step the budget did not measure), the ring holds None
+(SQL NULL: for a device loss, "not ready yet"); a loss that is NaN or infinite is kept as it
+is, so ``isnan(loss)`` finds the step it went bad.
 """
 
 
@@ -35,12 +40,12 @@ from __future__ import annotations
 
 import math
 import os
-import resource
+import random
 import sys
 import threading
 import time
 
-from . import cycle as _cycle, finder, safepoint
+from . import cycle as _cycle, finder, memclock, safepoint
 from ..util.budget import Budget
 from .capture import Capture, read
 from .._config import setting
@@ -55,16 +60,16 @@ _perf_ns = time.perf_counter_ns
 
 # What the boundary writes per step (the ring's columns)...
 RING_COLUMNS = {"step": "i8", "ended_at": "f8", "duration": "f8", "loss": "f8", "grad_norm": "f8", "lr": "f8",
-                "peak_allocated": "f8", "traced": "b1", "measured": "b1", "samples": "f8", "tokens": "f8",
-                "micro_batches": "i8", "optimizer": "O", "cpu_wait": "f8", "probe_us": "f8"}
+                "traced": "b1", "measured": "b1", "samples": "f8", "tokens": "f8",
+                "micro_batches": "i8", "optimizer": "O", "cpu_wait": "f8", "probe_us": "f8", "data_wait": "f8"}
 # ...and what a query sees (``StepTracker.snapshot``): the rest is derived when asked.
 STEP_COLUMNS = {"step": "i8", "started_at": "f8", "ended_at": "f8", "duration": "f8", "loss": "f8",
                 "grad_norm": "f8", "lr": "f8", "samples_per_s": "f8", "tokens_per_s": "f8",
                 "peak_allocated": "f8", "rank": "f8", "traced": "b1", "samples": "f8", "tokens": "f8",
-                "micro_batches": "i8", "optimizer": "O", "measured": "b1", "probe_us": "f8", "cpu_wait": "f8"}
+                "micro_batches": "i8", "optimizer": "O", "measured": "b1", "probe_us": "f8", "cpu_wait": "f8",
+                "memory": "f8", "data_wait": "f8"}
 _LAG = 2  # steps after which a pending value is read on the training thread
 _RESOLVE_EVERY = 8  # pending device values read at the boundary once this many are waiting
-_PEAK_PERIOD = 0.25  # seconds between peak-memory readings at the boundary (a running peak: staleness is fine)
 _NORM_BURST_S = 30.0  # seconds of step time whose norm share may be spent at once (and waited for)
 _MAX_GAP_S = 1.0  # a step is measured at least this often, whatever the budget
 # What the budget charges per ns of the probe's own timing (probe_us): torch's hook dispatch, the
@@ -129,10 +134,12 @@ class StepTracker:
         self._lock = threading.Lock()
         self._root = None  # weakref to the primary model, whose forward pre-hook counts the inputs
         self._root_handle = None  # that hook, installed for measured steps only
+        self._first_handle = None  # the primary model's every-step hook: when the step's first forward began
+        self._fwd_ns = 0  # perf_counter_ns of this step's first forward call (0: none yet)
+        self._coin = random.Random().random  # the jitter of measured steps (its own generator: the job's is not touched)
         self._scan_due = 1
         self.wall_offset = time.time() - time.perf_counter()
-        self._peak_at = -1.0
-        self._peak_v = None
+        self.memory = memclock.MemoryClock(torch, lambda: self.step)
         self._run_delay = RunDelayReader()
         self._waited = None  # (run_delay ns, step) at the last measured step
         self._frame_code = None  # the loop frame's code, and how far out from the hook it was
@@ -175,16 +182,27 @@ class StepTracker:
                 lr = optimizer.param_groups[0]["lr"]
                 if type(lr) is float and self.step_lr is None and not safepoint._subscribers:
                     self.step = step = self.step + 1
-                    d = t0 - self._last_ns
+                    last = self._last_ns
                     self._last_ns = t0
+                    capture = self.capture
+                    capture._closure_step = False
+                    loss = capture.take() if capture._losses else None  # the loss: every step
+                    fwd = self._fwd_ns
+                    if fwd:
+                        self._fwd_ns = 0
                     if step >= self._hard_trace_at:
                         self._prepare_next(step, t0, False, False)
                     safepoint.last_step = step
+                    ring = self.ring
+                    row = ring.count
                     cost = _perf_ns() - t0
                     self._quick_ns += cost
                     self._quick_n += 1
-                    self.ring.append(step, t0 * 1e-9 + self.wall_offset, d * 1e-9, None, None, lr, None, False, False,
-                                     None, None, 0, self._lead_name, None, cost * 1e-3)
+                    ring.append(step, t0 * 1e-9 + self.wall_offset, (t0 - last) * 1e-9,
+                                loss if type(loss) is float else None, None, lr, False, False, None, None, 0,
+                                self._lead_name, None, cost * 1e-3, (fwd - last) * 1e-9 if fwd > last else None)
+                    if type(loss) is tuple:  # a device loss: read when its copy has landed
+                        self._keep_pending(row, loss, None, None)
                     return
         capture = self.capture
         if capture._closure_step:
@@ -265,10 +283,17 @@ class StepTracker:
         self.close_root_hooks()
         try:
             self._root = weakref.ref(model)
-        except TypeError as exc:
+            self._first_handle = model.register_forward_pre_hook(self._first_forward)
+        except Exception as exc:
             record_error("torch steps: root model hook", exc)
+            self._root = None
             return
         self._root_hook(self.capture.wanted)
+
+    def _first_forward(self, module, args):
+        """Every step: when the primary model's first forward call of the step began (``data_wait``)."""
+        if not self._fwd_ns:
+            self._fwd_ns = _perf_ns()
 
     def _root_hook(self, on: bool) -> None:
         """Put the primary model's input-counting hook in (``on``) or take it out."""
@@ -320,44 +345,39 @@ class StepTracker:
         with np.errstate(divide="ignore", invalid="ignore"):
             per_s = np.ma.masked_where(duration <= 0, 1.0 / duration)  # NULL, not NaN, for a step of no length
         n = len(rows)
+        memory, peak = self.memory.at(cols["ended_at"])
         return {"step": cols["step"], "started_at": cols["ended_at"] - duration, "ended_at": cols["ended_at"],
                 "duration": duration, "loss": cols["loss"], "grad_norm": cols["grad_norm"], "lr": cols["lr"],
                 "samples_per_s": cols["samples"] * per_s, "tokens_per_s": cols["tokens"] * per_s,
-                "peak_allocated": cols["peak_allocated"],
+                "peak_allocated": peak, "memory": memory, "data_wait": cols["data_wait"],
                 "rank": np.full(n, np.nan if self.rank is None else float(self.rank)), "traced": cols["traced"],
                 "samples": cols["samples"], "tokens": cols["tokens"], "micro_batches": cols["micro_batches"],
                 "optimizer": cols["optimizer"], "measured": cols["measured"], "probe_us": cols["probe_us"],
                 "cpu_wait": cols["cpu_wait"]}
 
     # -- the boundary -----------------------------------------------------------------------------
-    def _peak(self, now: float) -> float | None:
-        """The peak so far, read at most every ``_PEAK_PERIOD`` seconds (a peak only grows)."""
-        if now - self._peak_at < _PEAK_PERIOD:
-            return self._peak_v
-        self._peak_at = now
+    def _loss(self, frame, loss, measured: bool):
+        """Every step's loss: ``probe.step(loss=)``'s, else the backpropagated scalars, else (on a measured
+        step: it walks frames) the loop's ``loss`` variable. A float, a holder or None."""
+        capture = self.capture
         try:
-            if self.tracer.cuda:
-                self._peak_v = float(self.torch.cuda.max_memory_allocated())
-            else:
-                self._peak_v = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        except Exception:
-            self._peak_v = None
-        return self._peak_v
+            if loss is not None:
+                capture.forget()  # probe.step(loss=) overrides what was backpropagated
+                return capture.hold(loss)
+            if capture._losses:
+                return capture.take()
+            if measured:
+                return capture.hold(capture._find_loss(frame))
+        except Exception as exc:
+            capture.forget()
+            record_error("torch steps: loss", exc)
+        return None
 
-    def _measure(self, optimizer, frame, loss, now_ns: int) -> tuple:
-        """The optional values of a measured step: (loss, grad norm, peak), each a float, a holder or None."""
+    def _measure(self, optimizer, now_ns: int):
+        """The optional grad norm of a measured step: a float, a holder or None."""
         capture = self.capture
         hold = capture.hold
-        loss_v = norm_v = None
-        try:
-            if loss is None:
-                loss = capture.step_loss(frame)
-            else:
-                capture.forget()  # probe.step(loss=) overrides what was backpropagated
-            if loss is not None:
-                loss_v = hold(loss)
-        except Exception as exc:
-            record_error("torch steps: loss", exc)
+        norm_v = None
         clipped, capture.clip_norm = capture.clip_norm, None
         norm_budget = self.norm_budget
         norm_budget.earn(now_ns - self._norm_earned_ns)
@@ -371,7 +391,7 @@ class StepTracker:
                 norm_budget.spend(time.perf_counter_ns() - t0)
         except Exception as exc:
             record_error("torch steps: grad norm", exc)
-        return loss_v, norm_v, self._peak(now_ns * 1e-9)
+        return norm_v
 
     def _cpu_wait(self, step: int) -> float | None:
         """Seconds a step waited for a CPU, on average since the last measured step (None on the first)."""
@@ -402,14 +422,25 @@ class StepTracker:
             last = int(first * 1e9) if first is not None else self._started_ns
         self._last_ns = t0
         duration_ns = t0 - last if t0 > last else 0
-        allowed = self._settle(t0, last)  # whether the next step may be measured
+        fwd, self._fwd_ns = self._fwd_ns, 0
+        data_wait = (fwd - last) * 1e-9 if fwd > last else None
         capture = self.capture
+        gap_from = self.budget.last_allowed_ns
+        allowed = self._settle(t0, last)  # whether the next step may be measured
+        if allowed and not capture.wanted and step + 1 > _FORCED and self._coin() < 0.5:
+            # jitter: the first step allowed after unmeasured ones is put off by a coin toss (the next full
+            # boundary tosses again; the quick path's check is due at once), so measured steps cannot follow
+            # a period of the job's own. The one-second floor still counts from the last measured step.
+            allowed = False
+            self.budget.last_allowed_ns = gap_from
+        capture._closure_step = False
         measured = capture.wanted
+        loss_v = self._loss(frame, loss, measured)  # a NaN loss stays NaN
         if measured:
-            loss_v, norm_v, peak = self._measure(optimizer, frame, loss, t0)
+            norm_v = self._measure(optimizer, t0)
             waited = self._cpu_wait(step)
-        else:  # None: not measured (SQL NULL); a NaN loss stays NaN
-            loss_v = norm_v = peak = waited = None
+        else:  # None: not measured (SQL NULL)
+            norm_v = waited = None
             if capture.clip_norm is not None:
                 capture.clip_norm = None
         lr = self.step_lr
@@ -449,9 +480,10 @@ class StepTracker:
         row = ring.count
         ring.append(step, t0 * 1e-9 + self.wall_offset, duration_ns * 1e-9,
                     loss_v if type(loss_v) is float else None, norm_v if type(norm_v) is float else None,
-                    lr if type(lr) is float else None, peak, traced, measured, s, t, micro,
-                    type(optimizer).__name__ if optimizer is not None else None, waited, cost * 1e-3)
-        if measured or type(lr) is tuple:  # after the row is in: a query's resolve may fill it at once
+                    lr if type(lr) is float else None, traced, measured, s, t, micro,
+                    type(optimizer).__name__ if optimizer is not None else None, waited, cost * 1e-3, data_wait)
+        self.memory.tick()
+        if type(loss_v) is tuple or measured or type(lr) is tuple:  # after the row is in: a query's resolve may fill it at once
             self._keep_pending(row, loss_v, norm_v, lr)
 
     def _settle(self, t0: int, last: int) -> bool:
@@ -556,6 +588,7 @@ class StepTracker:
     def close(self) -> None:
         self.capture.unwrap()
         self.close_root_hooks()
+        self.memory.stop()
 
     def reopen(self) -> None:
         """Undo ``close``: the loss and clip wrappers and the root model's hook go back; the next step's clock restarts."""
@@ -571,3 +604,9 @@ class StepTracker:
             self._root_hook(False)
         except Exception:
             self._root_handle = None
+        handle, self._first_handle = self._first_handle, None
+        if handle is not None:
+            try:
+                handle.remove()
+            except Exception:
+                pass

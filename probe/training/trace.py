@@ -29,6 +29,7 @@ anything), and its depth is the depth the same module had in the step's forward.
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 
@@ -77,6 +78,7 @@ class Tracer:
         if every is None:
             every = setting("PROBE_TRACE")
         self.every = DEFAULT_EVERY if every is None else every
+        self.jittered = every is None  # the default sampling is jittered; an explicit PROBE_TRACE=N is kept to every Nth step
         self.ring = Ring(TRACE_COLUMNS, int(capacity or setting("PROBE_TRACE_CAPACITY")))
         self.rank = rank_identity()["rank"]
         self.cuda = bool(torch.cuda.is_available() and torch.cuda.is_initialized()) if hasattr(torch, "cuda") else False
@@ -102,6 +104,7 @@ class Tracer:
         self._stats_new_step = None  # the installed recorder's per-step reset
         self.syncs = SyncWatch(torch, self.rank)
         self.syncs_on = setting("PROBE_TRACE_SYNCS")
+        self._jitter = random.Random().randrange  # its own generator: the job's random state is not touched
 
     # -- sampling ---------------------------------------------------------------------------
     def sampled(self, step: int) -> bool:
@@ -110,10 +113,16 @@ class Tracer:
         return self.every == 1 or step <= 3 or step % self.every == 0
 
     def next_sampled(self, after: int) -> int | float:
-        """The first sampled step after ``after`` (infinity when tracing is off)."""
-        if self.every <= 0 or self._failed:
+        """The next sampled step after ``after`` (infinity when tracing is off): by default one step at
+        random in each period of ``every`` steps after the first three, so that the traced steps cannot
+        line up with a period of the job's own (two DataLoader workers: fast and slow steps in turn);
+        with an explicit PROBE_TRACE=N, every Nth step as asked."""
+        every = self.every
+        if every <= 0 or self._failed:
             return float("inf")
-        return after + 1 if self.every == 1 or after < 3 else (after // self.every + 1) * self.every
+        if every == 1 or after < 3:
+            return after + 1
+        return (after // every + 1) * every + (self._jitter(every) if self.jittered else 0)
 
     def prepare(self, step: int, want: bool | None = None) -> None:
         """Called at the boundary before ``step``: install hooks if it is to be traced (``want``, by

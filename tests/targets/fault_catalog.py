@@ -10,7 +10,7 @@ FAULTS = [
     ("lr_zero", "lr_zero", ["learning rate 0"]),
     ("not_in_optimizer", "grads_not_optimized", ["in no optimizer"]),
     ("nan_from_data", "params_nonfinite", ["NaN/Inf"]),
-    ("memory_growth", "memory_growth", ["peak memory grows"]),
+    ("memory_growth", "memory_growth", ["memory in use grows"]),
     ("slowdown", "throughput_regression", ["slower"]),
     ("dead_relu", "dead_activations", ["100.0% of the output of module 3 (ReLU", "exactly 0"]),
     ("collapsed", "collapsed_output", ["module 2 (Linear)", "same for every sample", "input from 1 varies"]),

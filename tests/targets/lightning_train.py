@@ -45,6 +45,8 @@ class Regression(pl.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         step = self.trainer.global_step
+        # what a user's own logger reads here: the optimizer's param_groups
+        print(f"pl pg {step} {self.trainer.optimizers[0].param_groups[0]['lr']!r}", flush=True)
         report(step, float(self._loss), self.step_lr, self.before, args.stall_file, prefix="pl ")
         if args.step_sleep:
             time.sleep(args.step_sleep)  # ok-sleep: pacing

@@ -36,6 +36,7 @@ if args.kind == "broken":
 
     tc.Capture.grad_norm = broken
     tc.Capture.step_loss = broken
+    tc.Capture.take = broken
 
 torch.manual_seed(0)
 torch.set_num_threads(1)

@@ -29,13 +29,15 @@ function setError(panel, err) {
 
 // ---------------------------------------------------------------- panels
 
+// nan: a NaN/Inf is a value the training produced (a diverged loss) and is marked; elsewhere a non-finite
+// value is one that was never measured (tokens/s of a step whose inputs were not counted) and is a gap
 const METRICS = [
-  { col: "loss", title: "loss", log: false },
-  { col: "grad_norm", title: "grad norm", log: false },
+  { col: "loss", title: "loss", log: false, nan: true },
+  { col: "grad_norm", title: "grad norm", log: false, nan: true },
   { col: "lr", title: "learning rate", log: false },
   { col: "duration", title: "step time (s)", log: false },
   { col: "tokens_per_s", title: "tokens/s", log: false },
-  { col: "peak_allocated", title: "peak memory", log: false, bytes: true },
+  { col: "memory", title: "memory in use", log: false, bytes: true },
 ];
 
 function buildCharts() {
@@ -46,7 +48,7 @@ function buildCharts() {
     logBox.checked = mtr.log;
     logBox.addEventListener("change", () => { mtr.log = logBox.checked; drawCurves(); });
     const chart = el("div", { class: "chart", id: "chart-" + mtr.col, "data-metric": mtr.col },
-      el("div", { class: "head" }, el("b", { text: mtr.title }), el("label", {}, logBox, " log")),
+      el("div", { class: "head" }, el("b", { text: mtr.title }), el("small", { class: "count" }), el("label", {}, logBox, " log")),
       el("div", { class: "plot" }), el("div", { class: "legend" }));
     box.append(chart);
   }
@@ -61,7 +63,7 @@ async function refreshCurves() {
   // the first answer is the whole window; later ones only the new steps (and a short overlap)
   const since = state.curvesMax == null ? `(SELECT MAX(step) - ${CURVE_WINDOW} FROM torch.steps)` : String(state.curvesMax - CURVE_OVERLAP);
   // the latest step always comes back: below what was seen means the job started over
-  const sql = "SELECT rank, step, loss, grad_norm, lr, duration, tokens_per_s, peak_allocated FROM torch.steps " +
+  const sql = "SELECT rank, step, loss, grad_norm, lr, duration, tokens_per_s, memory FROM torch.steps " +
               `WHERE step > ${since} OR step = (SELECT MAX(step) FROM torch.steps) ORDER BY step`;
   const res = await query(sql, 20000);
   const rows = rowsAsObjects(res);
@@ -89,17 +91,30 @@ function drawCurves() {
   const ranks = [...state.curves.keys()].sort((a, b) => (a ?? -1) - (b ?? -1));
   for (const mtr of METRICS) {
     const chart = $("#chart-" + mtr.col);
+    // every step in view, with null where the step does not carry the value: the chart leaves a gap there
     const series = ranks.map((r, i) => ({
       name: rankName(r), color: COLORS[i % COLORS.length],
-      points: [...state.curves.get(r).values()].sort((a, b) => a.step - b.step)
-        .filter(row => row[mtr.col] !== null).map(row => [row.step, num(row[mtr.col])]),
+      points: [...state.curves.get(r).values()].sort((a, b) => a.step - b.step).map(row => {
+        let v = row[mtr.col] === null || row[mtr.col] === undefined ? null : num(row[mtr.col]);
+        if (v !== null && !Number.isFinite(v) && !mtr.nan) v = null;
+        return [row.step, v];
+      }),
     }));
     lineChart($(".plot", chart), series, { log: mtr.log, bytes: mtr.bytes, xmax: state.curvesMax });
+    // how many of the steps in view carry the value (all ranks together)
+    const shown = series.reduce((n, s) => n + s.points.length, 0);
+    const carried = series.reduce((n, s) => n + s.points.filter(p => p[1] !== null).length, 0);
+    const count = $(".head .count", chart);
+    count.textContent = shown ? `${carried} of ${shown} ${ranks.length > 1 ? "rank-steps" : "steps"}` : "";
+    count.title = `steps in view that carry ${mtr.title}; the others are gaps (not measured or not ready yet)`;
+    count.dataset.carried = String(carried);
+    count.dataset.shown = String(shown);
     const legend = $(".legend", chart);
     legend.replaceChildren();
     let lastStep = null;
     series.forEach((s, i) => {
-      const last = s.points[s.points.length - 1];
+      const valued = s.points.filter(p => p[1] !== null);
+      const last = valued[valued.length - 1];
       if (!last) return;
       lastStep = Math.max(lastStep ?? last[0], last[0]);
       const item = el("span", { class: "latest", "data-rank": s.name, "data-step": last[0], "data-value": String(last[1]) },
@@ -109,7 +124,7 @@ function drawCurves() {
       // a metric that stopped while steps go on (no longer read, e.g. the loss not found): say so
       const steps = [...state.curves.get(ranks[i]).keys()];
       const newest = Math.max(...steps);
-      const gaps = s.points.slice(1).map((p, k) => p[0] - s.points[k][0]).sort((a, b) => a - b);
+      const gaps = valued.slice(1).map((p, k) => p[0] - valued[k][0]).sort((a, b) => a - b);
       const usual = gaps.length ? gaps[Math.floor(gaps.length / 2)] : 1;
       if (newest - last[0] > Math.max(20, 10 * usual)) {
         legend.append(el("span", { class: "stopped", text: `no ${mtr.title} after step ${last[0]} (now ${newest})` }));

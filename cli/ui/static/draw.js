@@ -79,7 +79,9 @@ function table(columns, rows, opts) {
 // ---------------------------------------------------------------- line charts
 
 function lineChart(box, series, opts) {
-  // series: [{name, color, points: [[x, y], ...]}]; y may be NaN/Infinity (marked, not drawn)
+  // series: [{name, color, points: [[x, y], ...]}] in x order; y may be NaN/Infinity (marked, not drawn) or
+  // null (no value at x: a gap). A line joins only neighbouring points that both have a value, so it never
+  // bridges missing ones; a point with no valued neighbour is drawn as a dot.
   const W = Math.max(300, box.clientWidth || 360), H = opts.height || 150;
   const m = { l: 58, r: 10, t: 10, b: 18 };
   const log = !!opts.log;
@@ -87,6 +89,7 @@ function lineChart(box, series, opts) {
   const bad = [];
   for (const s of series) for (const [x, y] of s.points) {
     xmin = Math.min(xmin, x); xmax = Math.max(xmax, x);
+    if (y === null) continue;
     if (!Number.isFinite(y)) { bad.push([x, y, s]); continue; }
     if (log && y <= 0) continue;
     const v = log ? Math.log10(y) : y;
@@ -114,18 +117,22 @@ function lineChart(box, series, opts) {
   [[xmin, "start"], [Math.round((xmin + xmax) / 2), "middle"], [xmax, "end"]].forEach(([x, anchor]) => {
     root.append(svg("text", { x: X(x), y: H - 4, "text-anchor": anchor }, String(x)));
   });
+  const drawable = y => y !== null && Number.isFinite(y) && !(log && y <= 0);
   for (const s of series) {
-    let d = "", pen = false;
-    for (const [x, y] of s.points) {
-      if (!Number.isFinite(y) || (log && y <= 0)) { pen = false; continue; }
-      d += (pen ? "L" : "M") + X(x).toFixed(1) + " " + Y(log ? Math.log10(y) : y).toFixed(1);
+    let d = "", pen = false, vertices = 0;
+    const pts = s.points, dots = [];
+    pts.forEach(([x, y], k) => {
+      if (!drawable(y)) { pen = false; return; }
+      const px = X(x).toFixed(1), py = Y(log ? Math.log10(y) : y).toFixed(1);
+      d += (pen ? "L" : "M") + px + " " + py;
+      vertices++;
+      const next = pts[k + 1];
+      if (!pen && !(next && drawable(next[1]))) dots.push([px, py]);  // alone between gaps: a dot
       pen = true;
-    }
-    root.append(svg("path", { d, fill: "none", stroke: s.color, "stroke-width": 1.5, "data-series": s.name }));
-    if (s.points.length === 1 && Number.isFinite(s.points[0][1])) {
-      const [x, y] = s.points[0];
-      root.append(svg("circle", { cx: X(x), cy: Y(log ? Math.log10(y) : y), r: 2.5, fill: s.color }));
-    }
+    });
+    root.append(svg("path", { d, fill: "none", stroke: s.color, "stroke-width": 1.5, "data-series": s.name,
+                              "data-points": String(vertices) }));
+    for (const [px, py] of dots) root.append(svg("circle", { cx: px, cy: py, r: 2, fill: s.color, "data-series": s.name }));
   }
   for (const [x, y, s] of bad) {
     const px = X(x);
@@ -142,7 +149,7 @@ function lineChart(box, series, opts) {
     let at = null;
     for (const s of series) {
       let best = null;
-      for (const p of s.points) if (best === null || Math.abs(p[0] - x) < Math.abs(best[0] - x)) best = p;
+      for (const p of s.points) if (p[1] !== null && (best === null || Math.abs(p[0] - x) < Math.abs(best[0] - x))) best = p;
       if (best) { at = best[0]; parts.push(`${s.name}: ${opts.bytes ? fmtBytes(best[1]) : fmt(best[1])} @ step ${best[0]}`); }
     }
     if (at === null) return;
