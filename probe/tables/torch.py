@@ -268,6 +268,7 @@ def _num(v):
         Column("dtype", "VARCHAR", "Element type, e.g. float32."),
         Column("device", "VARCHAR", "Device, e.g. cpu or cuda:0."),
         Column("numel", "BIGINT", "Number of elements."),
+        Column("module_type", "VARCHAR", "Class name of the module that holds the parameter (e.g. Linear, BatchNorm2d)."),
         Column("requires_grad", "BOOLEAN", "Whether the parameter is trainable."),
         Column("in_optimizer", "BOOLEAN", "Whether a discovered optimizer holds the parameter."),
         Column("grad_norm", "DOUBLE", "L2 norm of the current .grad, NULL when there is none (e.g. after zero_grad(set_to_none=True))."),
@@ -298,9 +299,12 @@ def parameters(ctx):
         out = []
         with torch.no_grad():
             for model_name, model, _, _ in finder.models():
+                owners = {n: type(m).__name__ for n, m in model.named_modules()}
                 for name, p in list(model.named_parameters()):
                     try:
-                        out.append(_param_row(torch, model_name, finder.module_path(name), p, id(p) in in_opt, stats))
+                        row = _param_row(torch, model_name, finder.module_path(name), p, id(p) in in_opt, stats)
+                        row["module_type"] = owners.get(name.rpartition(".")[0])
+                        out.append(row)
                     except Exception as exc:
                         record_error(f"torch.parameters: {name}", exc)
         return out

@@ -6,9 +6,10 @@ Read by tests/test_doctor_faults_model.py and _runtime.py (which assert on them)
 
 FAULTS = [
     # fault, the rule that must name it, words its message must hold (the decisive evidence)
-    ("frozen", "mostly_frozen", ["5 of 6 parameter tensors", "requires_grad=False"]),
+    ("frozen", "mostly_frozen", ["5 of 6 parameter tensors", "requires_grad=False: 2.* (2 tensors, 1056 elements), "
+                                  "0.* (2 tensors, 544 elements), 4.weight; what trains: 4.bias."]),
     ("lr_zero", "lr_zero", ["learning rate 0"]),
-    ("not_in_optimizer", "grads_not_optimized", ["in no optimizer"]),
+    ("not_in_optimizer", "grads_not_optimized", ["in no optimizer: 2.* (2 tensors, 1056 elements), 0.* (2 tensors, 544 elements)"]),
     ("nan_from_data", "params_nonfinite", ["NaN/Inf"]),
     ("memory_growth", "memory_growth", ["peak memory grows"]),
     ("slowdown", "throughput_regression", ["slower"]),
@@ -30,7 +31,7 @@ FAULTS = [
     # a gradient hook multiplies layer 2's weight gradient by Inf (base lr / a layer lr of 0): that step's loss is
     # finite, the update makes the weights, then the loss, NaN; grad_nonfinite names the gradients, as
     # params_nonfinite and loss_nonfinite name what they fed (all three are true: none is NOT_ALSO)
-    ("grad_inf", "grad_nonfinite", ["parameter tensor(s) have NaN/Inf gradients", "most in 2.weight"]),
+    ("grad_inf", "grad_nonfinite", ["parameter tensor(s) of model have NaN/Inf gradients", "most in 2.weight"]),
 ]
 # faults of the model, its gradients, optimizer and loss; the rest are memory, speed, input and activations
 # (two test files, so that the test workers run the two halves side by side)
