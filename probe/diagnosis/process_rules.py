@@ -43,6 +43,41 @@ WHERE i.step IS NOT NULL AND i.state IS DISTINCT FROM 'dead'
     next=["probe {target} backtrace", "probe {target} backtrace --native"],
 )
 
+# A job's own pace: no step for many times its recent p99 step time (and _PACE_MIN_S at least) is a stall
+# long before PROBE_HUNG_AFTER, in a job of 10 ms steps; a job of 30 s steps waits 50 x 30 s. A warning, not
+# hung's critical: an evaluation or a checkpoint save between steps is a pause too, and the main thread's frame
+# says which it is.
+_PACE = 50
+_PACE_MIN_S = 10
+_PACE_STEPS = 200  # recent steps the p99 is taken over
+
+_PACE_SQL = f"""pace AS (
+  SELECT rank, quantile_cont(duration, 0.99) AS p99, median(duration) AS med, count(*) AS n
+  FROM (SELECT rank, duration, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+        FROM torch.steps WHERE duration IS NOT NULL)
+  WHERE age <= {_PACE_STEPS} GROUP BY rank HAVING count(*) >= 20)"""
+
+rule(
+    "stalled", family="hang", severity="warning",
+    description=f"No step has completed for {_PACE}x the job's own p99 step time (over its last {_PACE_STEPS} steps) and {_PACE_MIN_S} s at least, though not yet PROBE_HUNG_AFTER (then it is hung's); says where the main thread is; across ranks, only when no rank waits in a collective (then stalled_rank names the one they wait for).",
+    params={"hung_after": "PROBE_HUNG_AFTER"},
+    sql=f"""
+WITH {_PACE_SQL}
+SELECT i.rank, i.step, round(epoch(current_timestamp) - epoch(i.last_step_at), 1) AS idle_s, p.p99 * 1000 AS p99_ms,
+       p.med * 1000 AS med_ms, (epoch(current_timestamp) - epoch(i.last_step_at)) / p.p99 AS ratio,
+       coalesce(b.func || ' (' || b.file || ':' || b.lineno || ')', 'an unknown frame') AS where_main
+FROM process.info AS i
+JOIN pace AS p ON p.rank IS NOT DISTINCT FROM i.rank
+LEFT JOIN (SELECT rank, func, file, lineno FROM python.backtrace WHERE is_main AND depth = 0) AS b
+       ON b.rank IS NOT DISTINCT FROM i.rank
+WHERE i.step IS NOT NULL AND i.state IS DISTINCT FROM 'dead' AND i.state IS DISTINCT FROM 'hung'
+  AND epoch(current_timestamp) - epoch(i.last_step_at) > greatest({_PACE} * p.p99, {_PACE_MIN_S})
+  AND epoch(current_timestamp) - epoch(i.last_step_at) <= {{hung_after}}
+  AND ((SELECT count(*) FROM process.info) < 2 OR NOT EXISTS (SELECT 1 FROM ranks.latest WHERE in_collective))""",
+    message="no step for {idle_s:.1f} s since step {step}, {ratio:.0f}x this job's own p99 step time ({p99_ms:.1f} ms; median {med_ms:.1f} ms): it has stalled; the main thread is in {where_main}.",
+    next=["probe {target} backtrace", "probe {target} backtrace --native"],
+)
+
 rule(
     "loss_nonfinite", family="nan", severity="critical",
     description="The loss became NaN or infinite; says whether non-finite gradients, an LR jump or a gradient-norm spike came just before.",
