@@ -15,7 +15,7 @@ from .registry import Column, table
         Column("invariant", "VARCHAR", "grads_present (the lead optimizer's step found gradients), grads_cleared (a tensor's gradient was None or zero at some backward since the last measured step), or train_mode (dropout and batch-norm modules in training mode)."),
         Column("ok", "BOOLEAN", "Whether the invariant held."),
         Column("subject", "VARCHAR", "What the check is about, by name: the parameter watched (grads_cleared, grads_present), or the modules found in eval mode (train_mode)."),
-        Column("value", "DOUBLE", "grads_cleared: backward passes seen; grads_present: trainable tensors of the optimizer; train_mode: modules in eval mode."),
+        Column("value", "DOUBLE", "grads_cleared: backward passes seen; grads_present: trainable tensors of the optimizer when none held a gradient (NULL when ok); train_mode: modules in eval mode."),
         Column("detail", "VARCHAR", "The evidence in words, NULL when there is nothing to add."),
     ],
     examples=[

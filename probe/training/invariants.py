@@ -24,6 +24,7 @@ Nothing here raises into the training loop: errors go to ``probe.errors``.
 
 from __future__ import annotations
 
+import itertools
 import time
 import weakref
 
@@ -38,6 +39,13 @@ CHECK_COLUMNS = {"step": "i8", "time": "f8", "invariant": "O", "ok": "b1", "subj
 _REFRESH_MAX = 500  # steps between refreshes of the cached targets at most (they double from step 1 until then)
 _NAMES_SHOWN = 5
 _PENDING_MAX = 4  # device reads one grads_cleared window keeps at most
+
+
+def _trainable(optimizer):
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                yield p
 
 
 class _GradWatch:
@@ -119,9 +127,8 @@ class Invariants:
                 self._refresh_at = step + min(step, _REFRESH_MAX)
                 self._refresh(optimizer)
             now = time.time()
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-            self._grads_present(step, now, params)
-            self._grads_cleared(step, now, params)
+            self._grads_present(step, now, optimizer)
+            self._grads_cleared(step, now, optimizer)
             self._train_mode(step, now)
         except Exception as exc:
             record_error("torch checks", exc)
@@ -158,14 +165,20 @@ class Invariants:
         return False
 
     # -- the checks ----------------------------------------------------------------------------------------------
-    def _grads_present(self, step, now, params) -> None:
-        if not params:
-            return
-        has = next((p for p in params if p.grad is not None), None)
-        self._record(step, now, "grads_present", has is not None, self._names.get(id(params[0]), "?"), float(len(params)),
-                     None if has is not None else f"none of the {len(params)} trainable tensors held a gradient at the step")
+    def _grads_present(self, step, now, optimizer) -> None:
+        first = None
+        for p in _trainable(optimizer):  # the first tensor with a gradient ends the search
+            if first is None:
+                first = p
+            if p.grad is not None:
+                self._record(step, now, "grads_present", True, self._names.get(id(first), "?"), None, None)
+                return
+        if first is not None:
+            n = sum(1 for _ in _trainable(optimizer))
+            self._record(step, now, "grads_present", False, self._names.get(id(first), "?"), float(n),
+                         f"none of the {n} trainable tensors held a gradient at the step")
 
-    def _grads_cleared(self, step, now, params) -> None:
+    def _grads_cleared(self, step, now, optimizer) -> None:
         watch = self._watch
         if watch is not None:
             if watch.fired == 0:
@@ -181,7 +194,7 @@ class Invariants:
                              + ("" if verdict else ", the gradient never None or zero before any of them"))
         pick = self._pick() if self._pick is not None else None
         if pick is None or pick.grad is None or not pick.requires_grad:
-            candidates = [p for p in params[:64] if p.grad is not None and id(p) in self._names]
+            candidates = [p for p in itertools.islice(_trainable(optimizer), 64) if p.grad is not None and id(p) in self._names]
             if not candidates:
                 return
             pick = min(candidates, key=lambda p: p.numel())
