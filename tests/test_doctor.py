@@ -89,6 +89,20 @@ def test_hung_training_loop_says_where(spawn, cli):
     assert "the other threads: prefetch in wait_for_shard (" in finding["message"], finding  # every thread, not only main
 
 
+@requires_torch
+def test_a_stall_is_judged_against_the_jobs_own_pace_before_hung_after(spawn, cli):
+    # given: a job of ~5 ms steps whose main thread stops (PROBE_HUNG_AFTER left at its 60 s default)
+    job = spawn([TARGETS / "faults.py", "--fault", "hang", "--fault-step", "60"], env={"PROBE": "1"},
+                ready="planted", timeout=120)
+    # when: the doctor looks while it is still well under a minute
+    finding, findings = poll_for(cli, job.pid, "stalled", timeout=50)
+    # then: a stall against its own step times, where the main thread is; not yet hung
+    assert finding["severity"] == "warning"
+    assert "this job's own p99 step time" in finding["message"] and "faults.py" in finding["message"], finding
+    assert finding["evidence"]["idle_s"] > 10 and finding["evidence"]["ratio"] > 50, finding
+    assert not [f for f in findings if f["rule"] == "hung"], findings
+
+
 def test_process_stuck_in_c_with_the_gil_is_reported_from_outside(spawn, cli):
     # given: the server cannot answer (the GIL is held in a C call)
     job = spawn(TARGETS / "hang_gil.py", env={"TARGET_WITH_PROBE": "1"})

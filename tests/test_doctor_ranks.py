@@ -5,7 +5,8 @@ Rank 1 reads a corrupt shard (targets unrelated to its inputs) and waits 0.15 s 
 read every step: the doctor must name it as the straggler and as the rank whose loss is far from
 the others'. Then the test makes rank 1 stop in its data read, before its backward, while ranks 0
 and 2 wait in DDP's all_reduce: the doctor must name rank 1 as the one the others wait for, where
-it is, and not report the waiting ranks as hung. The findings are also a table, across ranks.
+it is, and not report the waiting ranks as hung; first against the job's own pace (stalled_rank, seconds
+after the stall), then after PROBE_HUNG_AFTER (hung_rank). The findings are also a table, across ranks.
 Ranks in step (DDP synchronises every step) are never `desync`, the slow rank included.
 
 Then a job whose script forgot DDP: two probed plain loops (tests/targets/faults.py) started as ranks
@@ -80,7 +81,17 @@ def test_the_doctor_names_the_odd_rank_of_a_plain_ddp_job(tmp_path):
         # when: rank 1 stops in its data read (before its backward); ranks 0 and 2 wait in DDP's all_reduce
         stall.touch()
         assert poll(lambda: job.saw("stalling rank=1"), 60), "\n".join(job.lines[-20:])
+        # then, long before PROBE_HUNG_AFTER: the flight recorder against the job's own pace names rank 1
+        findings = until(job, "600", lambda fs: named(fs, "stalled_rank"))
+        (stalled,) = named(findings, "stalled_rank")
+        assert stalled["rank"] == 1 and stalled["severity"] == "critical", stalled
+        assert "ranks 0,2 have waited" in stalled["message"] and "which rank 1 has not issued" in stalled["message"], stalled
+        assert "read_batch (ddp_plain.py:" in stalled["message"], stalled
+        assert not named(findings, "hung_rank") and not named(findings, "hung"), findings
+        assert not named(findings, "stalled"), findings  # the ranks waiting in the collective are no news of their own
+        # and once PROBE_HUNG_AFTER has passed, hung_rank says it (and stalled_rank no longer repeats it)
         findings = until(job, "3", lambda fs: named(fs, "hung_rank"))
+        assert not named(findings, "stalled_rank"), findings
         # then: rank 1 is the culprit, where it stopped and who waits for it; the waiting ranks are no news of their own
         (culprit,) = named(findings, "hung_rank")
         assert culprit["rank"] == 1 and culprit["severity"] == "critical", culprit

@@ -16,6 +16,41 @@ rule(
     next=["probe --rank {rank} backtrace", "probe --rank {rank} backtrace --native", "probe --ranks all backtrace --group"],
 )
 
+# The job's own pace, from the flight recorder: when ranks have waited in a collective for 50x the job's p99
+# step time (5 s at least), the rank that has not issued it is the one they wait for; hung_rank says the same
+# only after PROBE_HUNG_AFTER.
+_PACE = 50
+_PACE_MIN_S = 5
+
+rule(
+    "stalled_rank", family="distributed", severity="critical", scope="job",
+    description=f"Ranks wait in a collective for {_PACE}x the job's p99 step time ({_PACE_MIN_S} s at least) that another rank has not issued (torch.process_groups, the flight recorder): that rank stalls the job; named before PROBE_HUNG_AFTER, when hung_rank would.",
+    sql=f"""
+WITH pace AS (
+  SELECT max(p99) AS p99 FROM (
+    SELECT rank, quantile_cont(duration, 0.99) AS p99
+    FROM (SELECT rank, duration, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+          FROM torch.steps WHERE duration IS NOT NULL)
+    WHERE age <= 200 GROUP BY rank HAVING count(*) >= 20)),
+w AS (SELECT g.rank, g.pg, g.pending_seq, g.pending_op, g.pending_s
+      FROM torch.process_groups AS g, pace
+      WHERE g.pending > 0 AND g.pending_s > greatest({_PACE} * pace.p99, {_PACE_MIN_S})),
+c AS (SELECT o.rank, o.pg, min(w.pending_seq) AS seq, any_value(w.pending_op) AS op, max(w.pending_s) AS waited_s,
+             string_agg(DISTINCT CAST(w.rank AS VARCHAR), ',') AS waiters
+      FROM torch.process_groups AS o JOIN w ON w.pg = o.pg AND w.rank <> o.rank
+      WHERE coalesce(o.last_enqueued, -1) < w.pending_seq
+      GROUP BY o.rank, o.pg)
+SELECT c.rank, l.step, c.pg, c.seq, c.op, c.waited_s, c.waiters, pace.p99 * 1000 AS p99_ms,
+       c.waited_s / pace.p99 AS ratio, coalesce(l.top_frame, 'an unknown frame') AS top_frame,
+       coalesce(printf('%.1f s', l.age_s), 'a while') AS idle
+FROM c CROSS JOIN pace LEFT JOIN ranks.latest AS l ON l.rank = c.rank
+-- once hung_rank names a culprit it says this; a rank that is gone is rank_died's
+WHERE NOT EXISTS (SELECT 1 FROM ranks.hung WHERE culprit)
+  AND coalesce(l.state, '') NOT IN ('dead', 'stopped', 'unreachable')""",
+    message="rank {rank} stalls the job: ranks {waiters} have waited {waited_s:.1f} s ({ratio:.0f}x the job's p99 step time of {p99_ms:.1f} ms) in {op} seq {seq} of process group {pg}, which rank {rank} has not issued; its last step was {idle} ago (step {step}) and it is now in {top_frame}.",
+    next=["probe --rank {rank} backtrace", "probe --rank {rank} backtrace --native", "probe --ranks all backtrace --group"],
+)
+
 rule(
     "straggler", family="distributed", severity="warning", scope="job",
     description="A rank's compute time per step (its step time without the flight recorder) exceeds the other ranks' by PROBE_STRAGGLER_FACTOR.",

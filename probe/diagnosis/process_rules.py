@@ -7,6 +7,7 @@ needs enough steps to compare against and a margin in absolute terms as well as 
 
 from __future__ import annotations
 
+from .naming import human, named
 from .rules import rule
 
 __all__: list = []
@@ -39,6 +40,41 @@ WHERE i.step IS NOT NULL AND i.state IS DISTINCT FROM 'dead'
   -- across ranks, the one the others wait for is hung_rank's finding; the waiting ranks are not news
   AND ((SELECT count(*) FROM process.info) < 2 OR NOT EXISTS (SELECT 1 FROM ranks.hung WHERE culprit))""",
     message="no step has completed for {idle_s:.0f} s since step {step}; the main thread is in {where_main}{where_others}.",
+    next=["probe {target} backtrace", "probe {target} backtrace --native"],
+)
+
+# A job's own pace: no step for many times its recent p99 step time (and _PACE_MIN_S at least) is a stall
+# long before PROBE_HUNG_AFTER, in a job of 10 ms steps; a job of 30 s steps waits 50 x 30 s. A warning, not
+# hung's critical: an evaluation or a checkpoint save between steps is a pause too, and the main thread's frame
+# says which it is.
+_PACE = 50
+_PACE_MIN_S = 10
+_PACE_STEPS = 200  # recent steps the p99 is taken over
+
+_PACE_SQL = f"""pace AS (
+  SELECT rank, quantile_cont(duration, 0.99) AS p99, median(duration) AS med, count(*) AS n
+  FROM (SELECT rank, duration, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+        FROM torch.steps WHERE duration IS NOT NULL)
+  WHERE age <= {_PACE_STEPS} GROUP BY rank HAVING count(*) >= 20)"""
+
+rule(
+    "stalled", family="hang", severity="warning",
+    description=f"No step has completed for {_PACE}x the job's own p99 step time (over its last {_PACE_STEPS} steps) and {_PACE_MIN_S} s at least, though not yet PROBE_HUNG_AFTER (then it is hung's); says where the main thread is; across ranks, only when no rank waits in a collective (then stalled_rank names the one they wait for).",
+    params={"hung_after": "PROBE_HUNG_AFTER"},
+    sql=f"""
+WITH {_PACE_SQL}
+SELECT i.rank, i.step, round(epoch(current_timestamp) - epoch(i.last_step_at), 1) AS idle_s, p.p99 * 1000 AS p99_ms,
+       p.med * 1000 AS med_ms, (epoch(current_timestamp) - epoch(i.last_step_at)) / p.p99 AS ratio,
+       coalesce(b.func || ' (' || b.file || ':' || b.lineno || ')', 'an unknown frame') AS where_main
+FROM process.info AS i
+JOIN pace AS p ON p.rank IS NOT DISTINCT FROM i.rank
+LEFT JOIN (SELECT rank, func, file, lineno FROM python.backtrace WHERE is_main AND depth = 0) AS b
+       ON b.rank IS NOT DISTINCT FROM i.rank
+WHERE i.step IS NOT NULL AND i.state IS DISTINCT FROM 'dead' AND i.state IS DISTINCT FROM 'hung'
+  AND epoch(current_timestamp) - epoch(i.last_step_at) > greatest({_PACE} * p.p99, {_PACE_MIN_S})
+  AND epoch(current_timestamp) - epoch(i.last_step_at) <= {{hung_after}}
+  AND ((SELECT count(*) FROM process.info) < 2 OR NOT EXISTS (SELECT 1 FROM ranks.latest WHERE in_collective))""",
+    message="no step for {idle_s:.1f} s since step {step}, {ratio:.0f}x this job's own p99 step time ({p99_ms:.1f} ms; median {med_ms:.1f} ms): it has stalled; the main thread is in {where_main}.",
     next=["probe {target} backtrace", "probe {target} backtrace --native"],
 )
 
@@ -133,21 +169,27 @@ FROM found""",
 
 rule(
     "grad_nonfinite", family="nan", severity="critical",
-    description="Gradients hold NaN or Inf values right now.",
-    sql="""
-SELECT rank, count(*) AS tensors, sum(grad_nan + grad_inf) AS bad, arg_max(name, grad_nan + grad_inf) AS worst
-FROM torch.parameters WHERE grad_nan + grad_inf > 0 GROUP BY rank""",
-    message="{tensors} parameter tensor(s) have NaN/Inf gradients ({bad} elements), most in {worst}.",
+    description="Gradients hold NaN or Inf values right now; names the tensors by module.",
+    sql=f"""
+WITH {named('bad', 'grad_nan + grad_inf > 0')},
+c AS (SELECT rank, model, count(*) AS tensors, sum(grad_nan + grad_inf) AS bad, arg_max(name, grad_nan + grad_inf) AS worst
+      FROM torch.parameters WHERE grad_nan + grad_inf > 0 GROUP BY rank, model)
+SELECT c.rank, c.model, c.tensors, c.bad, c.worst, b.names
+FROM c JOIN bad AS b ON b.rank IS NOT DISTINCT FROM c.rank AND b.model = c.model""",
+    message="{tensors} parameter tensor(s) of {model} have NaN/Inf gradients ({bad} elements): {names}; most in {worst}.",
     next=["probe {target} query \"SELECT name, grad_nan, grad_inf FROM torch.parameters WHERE grad_nan + grad_inf > 0\""],
 )
 
 rule(
     "params_nonfinite", family="nan", severity="critical",
-    description="Parameter values hold NaN or Inf: the weights are already ruined.",
-    sql="""
-SELECT rank, count(*) AS tensors, sum(nan_count + inf_count) AS bad, arg_max(name, nan_count + inf_count) AS worst
-FROM torch.parameters WHERE nan_count + inf_count > 0 GROUP BY rank""",
-    message="{tensors} parameter tensor(s) hold NaN/Inf values ({bad} elements), most in {worst}: resume from a checkpoint taken before the loss went bad.",
+    description="Parameter values hold NaN or Inf: the weights are already ruined; names the tensors by module.",
+    sql=f"""
+WITH {named('bad', 'nan_count + inf_count > 0')},
+c AS (SELECT rank, model, count(*) AS tensors, sum(nan_count + inf_count) AS bad, arg_max(name, nan_count + inf_count) AS worst
+      FROM torch.parameters WHERE nan_count + inf_count > 0 GROUP BY rank, model)
+SELECT c.rank, c.model, c.tensors, c.bad, c.worst, b.names
+FROM c JOIN bad AS b ON b.rank IS NOT DISTINCT FROM c.rank AND b.model = c.model""",
+    message="{tensors} parameter tensor(s) of {model} hold NaN/Inf values ({bad} elements): {names}; most in {worst}: resume from a checkpoint taken before the loss went bad.",
     next=["probe {target} query \"SELECT step, loss, lr FROM torch.steps ORDER BY step DESC LIMIT 20\""],
 )
 
@@ -245,25 +287,48 @@ SELECT rank, step, now_loss, before_loss FROM m WHERE abs(now_loss - before_loss
     next=["probe {target} query \"SELECT optimizer, param_group, lr, initial_lr FROM torch.optimizer\""],
 )
 
+# Normalization layers: a model where only these train was frozen by a name filter that missed them (or the
+# other way round), the classic "for name, p in model.named_parameters(): if 'bn' not in name" mistake.
+_NORMS = "('BatchNorm1d', 'BatchNorm2d', 'BatchNorm3d', 'SyncBatchNorm', 'LayerNorm', 'GroupNorm', 'InstanceNorm1d', " \
+         "'InstanceNorm2d', 'InstanceNorm3d', 'RMSNorm', 'LlamaRMSNorm', 'T5LayerNorm')"
+
 rule(
     "mostly_frozen", family="parameters", severity="warning",
-    description="More than half of the model's parameter tensors have requires_grad=False.",
-    sql="""
-SELECT rank, model, count(*) AS tensors, count(*) FILTER (WHERE NOT requires_grad) AS frozen,
-       sum(numel) FILTER (WHERE NOT requires_grad) AS frozen_elements
-FROM torch.parameters GROUP BY rank, model
-HAVING count(*) FILTER (WHERE NOT requires_grad) > count(*) / 2""",
-    message="{frozen} of {tensors} parameter tensors of {model} have requires_grad=False ({frozen_elements} elements): frozen by mistake?",
-    next=["probe {target} query \"SELECT name, shape, requires_grad, in_optimizer FROM torch.parameters\""],
+    description="More than half of the model's parameter tensors (or of its elements) have requires_grad=False; names the frozen modules and those that train, and says when only normalization layers train.",
+    sql=f"""
+WITH {named('frozen', 'NOT requires_grad')},
+{named('trains', 'requires_grad')},
+c AS (SELECT rank, model, count(*) AS tensors, count(*) FILTER (WHERE NOT requires_grad) AS frozen,
+             sum(numel) FILTER (WHERE NOT requires_grad) AS frozen_elements, sum(numel) AS elements,
+             count(*) FILTER (WHERE requires_grad) AS trainable,
+             bool_and(module_type IN {_NORMS}) FILTER (WHERE requires_grad) AS norms_only,
+             string_agg(DISTINCT module_type, ', ' ORDER BY module_type) FILTER (WHERE requires_grad) AS train_types
+      FROM torch.parameters GROUP BY rank, model
+      HAVING count(*) FILTER (WHERE NOT requires_grad) > count(*) / 2
+          OR sum(numel) FILTER (WHERE NOT requires_grad) > sum(numel) / 2)
+SELECT c.rank, c.model, c.tensors, c.frozen, c.frozen_elements, {human('c.frozen_elements')} AS frozen_h,
+       {human('c.elements')} AS elements_h, f.names AS frozen_names,
+       CASE WHEN c.trainable = 0 THEN '; nothing trains'
+            ELSE '; what trains: ' || t.names END ||
+       CASE WHEN c.norms_only THEN ': only normalization layers (' || c.train_types || ') train, as when a name filter meant to '
+                                   || 'freeze or unfreeze them matched the rest instead'
+            ELSE '' END AS trains
+FROM c JOIN frozen AS f ON f.rank IS NOT DISTINCT FROM c.rank AND f.model = c.model
+LEFT JOIN trains AS t ON t.rank IS NOT DISTINCT FROM c.rank AND t.model = c.model""",
+    message="{frozen} of {tensors} parameter tensors of {model} ({frozen_h} of {elements_h} elements) have requires_grad=False: {frozen_names}{trains}. Frozen by mistake?",
+    next=["probe {target} query \"SELECT name, module_type, shape, requires_grad, in_optimizer FROM torch.parameters ORDER BY name\""],
 )
 
 rule(
     "grads_not_optimized", family="parameters", severity="warning",
-    description="Parameters that require gradients are held by no optimizer: they get gradients but never change.",
-    sql="""
-SELECT rank, model, count(*) AS tensors, sum(numel) AS elements, min(name) AS example
-FROM torch.parameters WHERE requires_grad AND NOT in_optimizer GROUP BY rank, model""",
-    message="{tensors} trainable parameter tensor(s) of {model} ({elements} elements, e.g. {example}) are in no optimizer.",
+    description="Parameters that require gradients are held by no optimizer: they get gradients but never change; names them by module.",
+    sql=f"""
+WITH {named('lost', 'requires_grad AND NOT in_optimizer')},
+c AS (SELECT rank, model, count(*) AS tensors, sum(numel) AS elements
+      FROM torch.parameters WHERE requires_grad AND NOT in_optimizer GROUP BY rank, model)
+SELECT c.rank, c.model, c.tensors, c.elements, l.names
+FROM c JOIN lost AS l ON l.rank IS NOT DISTINCT FROM c.rank AND l.model = c.model""",
+    message="{tensors} trainable parameter tensor(s) of {model} ({elements} elements) are in no optimizer: {names} (created after the optimizer, or left out of its param groups).",
     next=["probe {target} query \"SELECT name, requires_grad, in_optimizer FROM torch.parameters WHERE NOT in_optimizer\""],
 )
 

@@ -309,6 +309,7 @@ def _num(v):
         Column("numel", "BIGINT", "Number of elements (of the whole parameter, also when it is sharded)."),
         Column("placement", "VARCHAR", "How a sharded parameter (FSDP2/DTensor) is laid out over the ranks, e.g. Shard(dim=0); NULL for an ordinary tensor. The statistics of a sharded parameter are this rank's shard's, read without a collective."),
         Column("local_numel", "BIGINT", "Elements this rank holds: numel for an ordinary tensor, its shard's for a sharded one."),
+        Column("module_type", "VARCHAR", "Class name of the module that holds the parameter (e.g. Linear, BatchNorm2d)."),
         Column("requires_grad", "BOOLEAN", "Whether the parameter is trainable."),
         Column("in_optimizer", "BOOLEAN", "Whether a discovered optimizer holds the parameter."),
         Column("grad_norm", "DOUBLE", "L2 norm of the current .grad (this rank's shard of a sharded parameter), NULL when there is none (e.g. after zero_grad(set_to_none=True))."),
@@ -339,9 +340,12 @@ def parameters(ctx):
         out = []
         with torch.no_grad():
             for model_name, model, _, _ in finder.models():
+                owners = {n: type(m).__name__ for n, m in model.named_modules()}
                 for name, p in list(model.named_parameters()):
                     try:
-                        out.append(_param_row(torch, model_name, finder.module_path(name), p, id(p) in in_opt, stats))
+                        row = _param_row(torch, model_name, finder.module_path(name), p, id(p) in in_opt, stats)
+                        row["module_type"] = owners.get(name.rpartition(".")[0])
+                        out.append(row)
                     except Exception as exc:
                         record_error(f"torch.parameters: {name}", exc)
         return out

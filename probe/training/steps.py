@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 
-from . import cycle as _cycle, finder, memclock, safepoint
+from . import cycle as _cycle, finder, invariants, memclock, safepoint
 from ..util.budget import Budget
 from .capture import Capture, read
 from .._config import setting
@@ -464,6 +464,7 @@ class StepTracker:
             s = t = None
         if measured:
             self._occasional(step, frame, duration_ns, traced)
+            invariants.checks(self.torch).at_boundary(step, optimizer)  # torch.checks: cheap invariants of training
         asked = self._prepare_next(step, t0, traced, step + 1 <= _FORCED or allowed)
         if safepoint._subscribers:
             t1 = _perf_ns()

@@ -6,9 +6,10 @@ Read by tests/test_doctor_faults_model.py and _runtime.py (which assert on them)
 
 FAULTS = [
     # fault, the rule that must name it, words its message must hold (the decisive evidence)
-    ("frozen", "mostly_frozen", ["5 of 6 parameter tensors", "requires_grad=False"]),
+    ("frozen", "mostly_frozen", ["5 of 6 parameter tensors", "requires_grad=False: 2.* (2 tensors, 1056 elements), "
+                                  "0.* (2 tensors, 544 elements), 4.weight; what trains: 4.bias."]),
     ("lr_zero", "lr_zero", ["learning rate 0"]),
-    ("not_in_optimizer", "grads_not_optimized", ["in no optimizer"]),
+    ("not_in_optimizer", "grads_not_optimized", ["in no optimizer: 2.* (2 tensors, 1056 elements), 0.* (2 tensors, 544 elements)"]),
     ("nan_from_data", "params_nonfinite", ["NaN/Inf"]),
     ("memory_growth", "memory_growth", ["memory in use grows"]),
     ("slowdown", "throughput_regression", ["slower"]),
@@ -30,15 +31,24 @@ FAULTS = [
     # a gradient hook multiplies layer 2's weight gradient by Inf (base lr / a layer lr of 0): that step's loss is
     # finite, the update makes the weights, then the loss, NaN; grad_nonfinite names the gradients, as
     # params_nonfinite and loss_nonfinite name what they fed (all three are true: none is NOT_ALSO)
-    ("grad_inf", "grad_nonfinite", ["parameter tensor(s) have NaN/Inf gradients", "most in 2.weight"]),
+    # invariants (torch.checks): the gradient of the last layer's bias, the smallest trainable tensor, still holds the
+    # steps before at every backward
+    ("no_zero_grad", "grads_not_cleared", ["the gradient of 4.bias was never cleared between optimizer steps", "zero_grad()"]),
+    # zero_grad() (set_to_none) between backward and step: the optimizer finds no gradient at all
+    ("zero_grad_misplaced", "step_without_grads", ["stepped with no gradient on any of its 6 trainable tensors"]),
+    # model.eval() for a validation pass and no model.train() after it: dropout and batch norm in eval mode
+    ("eval_mode", "eval_mode_in_training", ["2 module(s) of the model being trained were in eval mode", "1, 3 (",
+                                             "BatchNorm1d, Dropout"]),
+    ("grad_inf", "grad_nonfinite", ["parameter tensor(s) of model have NaN/Inf gradients", "most in 2.weight"]),
 ]
 # faults of the model, its gradients, optimizer and loss; the rest are memory, speed, input and activations
 # (two test files, so that the test workers run the two halves side by side)
 MODEL_FAULTS = ("frozen", "lr_zero", "not_in_optimizer", "nan_from_data", "vanishing", "grad_zero", "loss_spike", "diverging",
-                 "grad_inf")
+                 "grad_inf", "no_zero_grad", "zero_grad_misplaced", "eval_mode")
 
 SETTLE = {"memory_growth": "200", "dead_relu": "30", "collapsed": "30", "host_sync": "30",
-          "grad_zero": "200", "data_wait": "5"}  # steps the fault needs
+          "grad_zero": "200", "data_wait": "5",
+          "no_zero_grad": "10", "zero_grad_misplaced": "10", "eval_mode": "10"}  # steps the fault needs
 TRACE_EVERY = {"dead_relu": "5", "collapsed": "5", "host_sync": "5", "data_wait": "5"}  # rules that read traced steps need a few
 # rules that must not also speak: what the fault feeds, or its look-alike (a spike is not a divergence, nor the reverse);
 # an exact 0 gradient (dead ReLUs, a zeroed layer, a loss masked to nothing) is no vanishing gradient

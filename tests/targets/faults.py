@@ -2,7 +2,8 @@
 
     python faults.py --fault healthy|nan_after_lr_jump|nan_from_data|frozen|lr_zero|not_in_optimizer|
                              slowdown|memory_growth|hang|data_wait|dead_relu|collapsed|host_sync|
-                             vanishing|grad_zero|loss_spike|diverging|grad_inf
+                             vanishing|grad_zero|loss_spike|diverging|grad_inf|
+                             no_zero_grad|zero_grad_misplaced|eval_mode
 
 It never imports probe itself: tests start it with PROBE=1, as a user would. It prints
 "ready" after ``--ready-step`` steps and "planted at step N" once the fault has had ``--settle`` steps to show, then
@@ -63,6 +64,9 @@ loader = iter(torch.utils.data.DataLoader(SlowSamples(), batch_size=64)) if args
 if args.fault == "vanishing":  # 8 sigmoid layers at the default init, no normalization: the first layers get ~nothing
     body = [nn.Linear(DIM, 32), nn.Sigmoid()] + [m for _ in range(6) for m in (nn.Linear(32, 32), nn.Sigmoid())]
     model = nn.Sequential(*body, nn.Linear(32, CLASSES)).to(args.device)
+elif args.fault == "eval_mode":  # the same net with dropout and batch norm after its first layer
+    model = nn.Sequential(nn.Linear(DIM, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, CLASSES)).to(args.device)
 else:
     model = nn.Sequential(nn.Linear(DIM, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, CLASSES)).to(args.device)
 if args.fault == "frozen":  # "fine-tune only the head", with the head frozen by mistake too
@@ -111,7 +115,10 @@ while True:
         # the forward and this step's loss stay finite, the layer's gradient is Inf from this backward on
         ratio = torch.tensor(0.05) / torch.tensor(0.0)
         model[2].weight.register_hook(lambda g: g * ratio)
-    optimizer.zero_grad(set_to_none=False)
+    if args.fault == "eval_mode" and step == args.fault_step:
+        model.eval()  # an evaluation pass that never switched back (model.train() missing)
+    if not (args.fault == "no_zero_grad" and step >= args.fault_step):  # the planted fault: zero_grad() dropped
+        optimizer.zero_grad(set_to_none=False)
     if args.hide_loss_every and step % args.hide_loss_every == 0:
         hidden, loss = loss, None  # nothing named loss, and a backward with explicit gradients: no loss to read
         torch.autograd.backward(hidden, torch.ones_like(hidden))
@@ -120,6 +127,8 @@ while True:
     if args.fault == "nan_after_lr_jump" and step == args.fault_step:
         for g in optimizer.param_groups:
             g["lr"] = 1e4  # a schedule bug: the LR jumps 200 000x
+    if args.fault == "zero_grad_misplaced" and step >= args.fault_step:
+        optimizer.zero_grad()  # clears what backward just computed: the step below has no gradient to follow
     optimizer.step()
     if args.fault == "diverging" and step >= args.fault_step:
         with torch.no_grad():

@@ -1,0 +1,231 @@
+"""Invariant checks of training: relations that hold in every correct run, checked on measured steps and
+recorded in ``torch.checks`` for the doctor's rules (``grads_not_cleared``, ``step_without_grads``,
+``eval_mode_in_training``) to read.
+
+What is checked, each at about the cost of a few attribute reads per measured step:
+
+* ``grads_present``: the lead optimizer's step found a gradient on its trainable tensors (the first one
+  with a ``.grad`` ends the search). None at all: ``zero_grad()`` ran between ``backward()`` and
+  ``step()``, or the step had no backward.
+* ``grads_cleared``: between two measured boundaries, at one of the backward passes, the gradient of one
+  small trainable tensor of the lead optimizer was None or zero before autograd added to it. One tensor
+  hook, armed at a measured boundary and taken out at the next, looks at ``param.grad`` when its gradient
+  arrives; a gradient that is never cleared accumulates across optimizer steps (a missing ``zero_grad()``).
+  It fires on every backward of the window (a GAN's generator backward also reaches the discriminator's
+  tensors; the discriminator's own ``zero_grad()`` clears them before its backward). On CUDA it never
+  synchronises: whether the gradient was zero is copied without blocking and read at the next boundary.
+* ``train_mode``: the dropout and normalization modules of the model being trained are in training mode
+  at the step (``.training``; the list is cached and refreshed as discovery scans are). Modules whose own
+  parameters are all frozen are left out: a frozen batch norm kept in eval mode on purpose is common.
+
+Each check is one row per measured step (ok or not), with what it is about by name (``subject``).
+Nothing here raises into the training loop: errors go to ``probe.errors``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import weakref
+
+from . import finder
+from .._config import setting
+from ..util.errorlog import record_error
+from ..util.ring import Ring
+
+__all__ = ["Invariants", "CHECK_COLUMNS", "checks"]
+
+CHECK_COLUMNS = {"step": "i8", "time": "f8", "invariant": "O", "ok": "b1", "subject": "O", "value": "f8", "detail": "O"}
+_REFRESH_MAX = 500  # steps between refreshes of the cached targets at most (they double from step 1 until then)
+_NAMES_SHOWN = 5
+_PENDING_MAX = 4  # device reads one grads_cleared window keeps at most
+
+
+def _trainable(optimizer):
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                yield p
+
+
+class _GradWatch:
+    """One tensor hook on one parameter, from one measured boundary to the next."""
+
+    __slots__ = ("param", "name", "since", "fired", "clear", "pending", "handle", "torch")
+
+    def __init__(self, torch, param, name: str, since: int):
+        self.torch = torch
+        self.param = weakref.ref(param)
+        self.name = name
+        self.since = since
+        self.fired = 0
+        self.clear = False
+        self.pending: list = []
+        self.handle = param.register_hook(self._on_grad)
+
+    def _on_grad(self, grad):
+        try:
+            self.fired += 1
+            if self.clear:
+                return None
+            p = self.param()
+            g = None if p is None else p.grad
+            if g is None:
+                self.clear = True
+            elif g.is_cuda:
+                if len(self.pending) < _PENDING_MAX:
+                    zero = self.torch.count_nonzero(g) == 0
+                    host = self.torch.empty((), dtype=self.torch.bool, pin_memory=True)
+                    host.copy_(zero, non_blocking=True)
+                    ev = self.torch.cuda.Event()
+                    ev.record()
+                    self.pending.append((host, ev))
+            elif not g.any():
+                self.clear = True
+        except Exception as exc:
+            record_error("torch checks: gradient hook", exc)
+        return None
+
+    def verdict(self):
+        """True (cleared at some backward), False (never), or None (no backward yet, or a device read pending)."""
+        if self.fired == 0:
+            return None
+        if self.clear:
+            return True
+        for host, ev in self.pending:
+            if not ev.query():
+                return None
+            if bool(host.item()):
+                return True
+        return False
+
+    def remove(self) -> None:
+        try:
+            self.handle.remove()
+        except Exception:
+            pass
+
+
+class Invariants:
+    def __init__(self, torch):
+        self.torch = torch
+        self.ring = Ring(CHECK_COLUMNS, setting("PROBE_STEPS_CAPACITY"))
+        self._refresh_at = 1
+        self._names: dict = {}  # id(param) -> name, of the trained model
+        self._modes: list = []  # (name, module) of its dropout and normalization modules
+        self._watch: _GradWatch | None = None
+        self._pick = None  # weakref to the parameter grads_cleared watches
+        self._model = None  # weakref to the trained model
+
+    # -- the one call from the step boundary ---------------------------------------------------------------
+    def at_boundary(self, step: int, optimizer) -> None:
+        """Check the invariants at a measured step's boundary (the lead optimizer just stepped)."""
+        if optimizer is None:
+            return
+        try:
+            if step >= self._refresh_at:
+                self._refresh_at = step + min(step, _REFRESH_MAX)
+                self._refresh(optimizer)
+            now = time.time()
+            self._grads_present(step, now, optimizer)
+            self._grads_cleared(step, now, optimizer)
+            self._train_mode(step, now)
+        except Exception as exc:
+            record_error("torch checks", exc)
+
+    def _record(self, step, now, check, ok, subject, value, detail) -> None:
+        self.ring.append(step, now, check, ok, subject, value, detail)
+
+    # -- targets -----------------------------------------------------------------------------------------------
+    def _refresh(self, optimizer) -> None:
+        """The model holding the optimizer's first tensor, its parameter names and its dropout/norm modules."""
+        groups = optimizer.param_groups
+        first = groups[0]["params"][0] if groups and groups[0]["params"] else None
+        if first is None:
+            return
+        for found in finder.models():
+            model = found.obj
+            names = {id(p): finder.module_path(n) for n, p in model.named_parameters()}
+            if id(first) not in names:
+                continue
+            self._names = names
+            self._model = weakref.ref(model)
+            self._modes = [(finder.module_path(n), m) for n, m in model.named_modules() if self._mode_matters(m)]
+            return
+
+    def _mode_matters(self, m) -> bool:
+        nn = self.torch.nn
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            return m.p > 0
+        if isinstance(m, (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)):
+            if not isinstance(m, nn.modules.batchnorm._NormBase):
+                return False  # layer and group norm behave the same in both modes
+            own = list(m.parameters(recurse=False))
+            return not own or any(p.requires_grad for p in own)  # a frozen batch norm in eval mode is on purpose
+        return False
+
+    # -- the checks ----------------------------------------------------------------------------------------------
+    def _grads_present(self, step, now, optimizer) -> None:
+        first = None
+        for p in _trainable(optimizer):  # the first tensor with a gradient ends the search
+            if first is None:
+                first = p
+            if p.grad is not None:
+                self._record(step, now, "grads_present", True, self._names.get(id(first), "?"), None, None)
+                return
+        if first is not None:
+            n = sum(1 for _ in _trainable(optimizer))
+            self._record(step, now, "grads_present", False, self._names.get(id(first), "?"), float(n),
+                         f"none of the {n} trainable tensors held a gradient at the step")
+
+    def _grads_cleared(self, step, now, optimizer) -> None:
+        watch = self._watch
+        if watch is not None:
+            if watch.fired == 0:
+                return  # no backward since it was armed: keep waiting
+            verdict = watch.verdict()
+            if verdict is None and step - watch.since <= 64:
+                return  # a device read still pending
+            watch.remove()
+            self._watch = None
+            if verdict is not None:
+                self._record(step, now, "grads_cleared", verdict, watch.name, float(watch.fired),
+                             f"{watch.fired} backward pass(es) from step {watch.since} to step {step}"
+                             + ("" if verdict else ", the gradient never None or zero before any of them"))
+        pick = self._pick() if self._pick is not None else None
+        if pick is None or pick.grad is None or not pick.requires_grad:
+            candidates = [p for p in itertools.islice(_trainable(optimizer), 64) if p.grad is not None and id(p) in self._names]
+            if not candidates:
+                return
+            pick = min(candidates, key=lambda p: p.numel())
+            self._pick = weakref.ref(pick)
+        self._watch = _GradWatch(self.torch, pick, self._names.get(id(pick), "?"), step)
+
+    def _train_mode(self, step, now) -> None:
+        modes = self._modes
+        if not modes:
+            return
+        off = [name for name, m in modes if not m.training]
+        shown = ", ".join(off[:_NAMES_SHOWN]) + (f" and {len(off) - _NAMES_SHOWN} more" if len(off) > _NAMES_SHOWN else "")
+        types = sorted({type(m).__name__ for _, m in modes if not m.training})
+        self._record(step, now, "train_mode", not off, shown or None, float(len(off)),
+                     f"{len(off)} of {len(modes)} dropout/batch-norm modules in eval mode ({', '.join(types)})" if off else None)
+
+    # -- the table -------------------------------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        return self.ring.snapshot()
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
+
+
+_instance: list = []
+
+
+def checks(torch=None) -> Invariants | None:
+    """The process's Invariants (made on the first call that passes torch), or None before that."""
+    if not _instance and torch is not None:
+        _instance.append(Invariants(torch))
+    return _instance[0] if _instance else None
