@@ -37,7 +37,8 @@ def test_the_doctor_names_a_real_world_error_and_not_its_healthy_twin(spawn, cli
     seconds, steps = time.time() - onset_time, _step(cli, job.pid) - onset_step
     since = finding["evidence"].get("since")  # an invariant's first failing check: where the job itself showed it
     print(f"\n{error}: {rule} after {steps:.0f} steps, {seconds:.1f} s from onset"
-          + (f"; first failing check at step {since} ({since - onset_step:.0f} steps after onset)" if since else ""))
+          + (f"; first failing check at step {since} ({since - onset_step:.0f} steps after onset)" if since else "")
+          + f"; subject {finding['evidence'].get('subject')}")
     assert finding["severity"] in ("critical", "warning"), finding
     for w in words:
         assert w in finding["message"], finding

@@ -24,7 +24,7 @@ _PACE_MIN_S = 5
 
 rule(
     "stalled_rank", family="distributed", severity="critical", scope="job",
-    description=f"Ranks wait in a collective for {_PACE}x the job's p99 step time ({_PACE_MIN_S} s at least) that another rank has not issued (torch.process_groups, the flight recorder): that rank stalls the job; named before PROBE_HUNG_AFTER, when hung_rank would.",
+    description=f"Ranks wait in a collective for {_PACE}x the job's p99 step time ({_PACE_MIN_S} s at least) that another rank, whose main thread is not running, has not issued (torch.process_groups, the flight recorder): that rank stalls the job; named before PROBE_HUNG_AFTER, when hung_rank would.",
     sql=f"""
 WITH pace AS (
   SELECT max(p99) AS p99 FROM (
@@ -44,9 +44,12 @@ SELECT c.rank, l.step, c.pg, c.seq, c.op, c.waited_s, c.waiters, pace.p99 * 1000
        c.waited_s / pace.p99 AS ratio, coalesce(l.top_frame, 'an unknown frame') AS top_frame,
        coalesce(printf('%.1f s', l.age_s), 'a while') AS idle
 FROM c CROSS JOIN pace LEFT JOIN ranks.latest AS l ON l.rank = c.rank
+LEFT JOIN (SELECT rank, state FROM python.threads WHERE is_main) AS t ON t.rank = c.rank
 -- once hung_rank names a culprit it says this; a rank that is gone is rank_died's
 WHERE NOT EXISTS (SELECT 1 FROM ranks.hung WHERE culprit)
-  AND coalesce(l.state, '') NOT IN ('dead', 'stopped', 'unreachable')""",
+  AND coalesce(l.state, '') NOT IN ('dead', 'stopped', 'unreachable')
+  -- its main thread not running: one that computes (or waits for a CPU on a loaded host) is slow, not stalled
+  AND t.state IS DISTINCT FROM 'running'""",
     message="rank {rank} stalls the job: ranks {waiters} have waited {waited_s:.1f} s ({ratio:.0f}x the job's p99 step time of {p99_ms:.1f} ms) in {op} seq {seq} of process group {pg}, which rank {rank} has not issued; its last step was {idle} ago (step {step}) and it is now in {top_frame}.",
     next=["probe --rank {rank} backtrace", "probe --rank {rank} backtrace --native", "probe --ranks all backtrace --group"],
 )

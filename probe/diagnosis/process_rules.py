@@ -59,7 +59,7 @@ _PACE_SQL = f"""pace AS (
 
 rule(
     "stalled", family="hang", severity="warning",
-    description=f"No step has completed for {_PACE}x the job's own p99 step time (over its last {_PACE_STEPS} steps) and {_PACE_MIN_S} s at least, though not yet PROBE_HUNG_AFTER (then it is hung's); says where the main thread is; across ranks, only when no rank waits in a collective (then stalled_rank names the one they wait for).",
+    description=f"No step has completed for {_PACE}x the job's own p99 step time (over its last {_PACE_STEPS} steps) and {_PACE_MIN_S} s at least while the main thread is not running (sleeping or waiting: a running one computes, or waits for a CPU on a loaded host), though not yet PROBE_HUNG_AFTER (then it is hung's); says where the main thread is; across ranks, only when no rank waits in a collective (then stalled_rank names the one they wait for).",
     params={"hung_after": "PROBE_HUNG_AFTER"},
     sql=f"""
 WITH {_PACE_SQL}
@@ -70,7 +70,10 @@ FROM process.info AS i
 JOIN pace AS p ON p.rank IS NOT DISTINCT FROM i.rank
 LEFT JOIN (SELECT rank, func, file, lineno FROM python.backtrace WHERE is_main AND depth = 0) AS b
        ON b.rank IS NOT DISTINCT FROM i.rank
+LEFT JOIN (SELECT rank, state FROM python.threads WHERE is_main) AS t ON t.rank IS NOT DISTINCT FROM i.rank
 WHERE i.step IS NOT NULL AND i.state IS DISTINCT FROM 'dead' AND i.state IS DISTINCT FROM 'hung'
+  -- a main thread the kernel counts as running computes (or waits for a CPU on a loaded host): slow, not stalled
+  AND t.state IS DISTINCT FROM 'running'
   AND epoch(current_timestamp) - epoch(i.last_step_at) > greatest({_PACE} * p.p99, {_PACE_MIN_S})
   AND epoch(current_timestamp) - epoch(i.last_step_at) <= {{hung_after}}
   AND ((SELECT count(*) FROM process.info) < 2 OR NOT EXISTS (SELECT 1 FROM ranks.latest WHERE in_collective))""",

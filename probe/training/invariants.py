@@ -70,6 +70,8 @@ class _GradWatch:
                 return None
             p = self.param()
             g = None if p is None else p.grad
+            if g is not None and type(g) is not self.torch.Tensor and hasattr(g, "to_local"):
+                g = g.to_local()  # a DTensor's shard: reducing the whole tensor would be a collective
             if g is None:
                 self.clear = True
             elif g.is_cuda:
