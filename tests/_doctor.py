@@ -13,7 +13,7 @@ FOUND_EXIT = 8
 
 
 def doctor(cli, target, *extra, env=None):
-    r = cli(str(target), "doctor", "-f", "json", *extra, env=env, timeout=90)
+    r = cli(str(target), "doctor", "-f", "json", *extra, env=env, timeout=180)  # a deadline: see conftest._cli_runner
     assert r.returncode in (0, FOUND_EXIT), r.stderr
     assert "Traceback" not in r.stderr
     doc = json.loads(r.stdout)

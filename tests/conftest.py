@@ -148,7 +148,8 @@ def shared_spawn(shared_env):
 
 
 def _cli_runner(base_env: dict):
-    def _cli(*args, env=None, timeout: float = 60.0, input: str | None = None):
+    # a deadline, not a speed limit: a `probe` call that hangs fails the test, one slowed by a busy host does not
+    def _cli(*args, env=None, timeout: float = 180.0, input: str | None = None):
         e = dict(base_env)
         e.update(env or {})
         return subprocess.run([PROBE_BIN, *map(str, args)], capture_output=True, text=True, env=e,
