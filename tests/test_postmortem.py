@@ -362,3 +362,23 @@ def test_ranks_all_with_only_ended_jobs_says_no_job_is_running(spawn, cli):
     r = cli("--ranks", "all", "--job", "job-a", "query", "SELECT rank, MAX(step) AS step FROM torch.steps GROUP BY rank",
             "--format", "json")
     assert r.returncode == 0 and json.loads(r.stdout) == [{"rank": 0, "step": 3}], r.stdout + r.stderr
+
+
+def test_a_sigterm_handler_the_program_installs_later_keeps_the_signal(spawn):
+    # given: a probed program that installs its own SIGTERM handler after the probe started (graceful preemption,
+    # as Lightning's and the HF Trainer's do)
+    code = ("import os, signal, sys, time\n"
+            "import probe.auto\n"
+            "stop = []\n"
+            "signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))\n"
+            "print(f'ready pid={os.getpid()}', flush=True)\n"
+            "while not stop:\n"
+            "    time.sleep(0.05)  # ok-sleep: the program idles until its handler runs\n"
+            "print('graceful stop', flush=True)\n"
+            "sys.exit(0)\n")
+    job = spawn([sys.executable, "-c", code])
+    # when
+    os.kill(job.pid, signal.SIGTERM)
+    # then: the program's handler ran and it exited as it chose, not killed by the probe's watcher
+    assert job.popen.wait(60) == 0, job.output()
+    job.wait_for("graceful stop", 10)

@@ -75,6 +75,8 @@ def _watch(rfd: int, stop) -> None:
             return
         if int(signal.SIGTERM) not in data:
             continue  # another signal with a Python handler (SIGINT): the main thread deals with it
+        if signal.getsignal(signal.SIGTERM) is not _state.get("handler"):
+            continue  # the program installed its own handler since (graceful preemption): its call, not ours
         main = sys._current_frames().get(threading.main_thread().ident)
         try:
             if _handle(main, stop):
@@ -101,6 +103,7 @@ def install(stop) -> None:
             _die()
 
         signal.signal(signal.SIGTERM, on_term)
+        _state["handler"] = on_term
         rfd, wfd = os.pipe()
         os.set_blocking(wfd, False)  # set_wakeup_fd requires it; the reader blocks
         try:
