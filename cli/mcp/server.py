@@ -76,7 +76,9 @@ def build_server(allow_actions: bool = False, timeout: float | None = None) -> S
             why = unavailable_reason(params.name)
             return types.CallToolResult(content=[types.TextContent(text=f"probe: {params.name} is not available: {why}.")],
                                         is_error=True)
-        result = await anyio.to_thread.run_sync(lambda: call_tool(spec, params.arguments, timeout=timeout))
+        # abandon_on_cancel: when the client goes, a call still running (a slow query) must not hold the server
+        result = await anyio.to_thread.run_sync(lambda: call_tool(spec, params.arguments, timeout=timeout),
+                                                abandon_on_cancel=True)
         structured = result.data if isinstance(result.data, dict) else ({"result": result.data} if result.data is not None else None)
         return types.CallToolResult(content=[types.TextContent(text=result.text)], structured_content=structured,
                                     is_error=result.is_error)
@@ -96,7 +98,29 @@ def build_server(allow_actions: bool = False, timeout: float | None = None) -> S
                   on_list_resources=list_resources, on_read_resource=read_resource)
 
 
+def _exit_with_parent(parent: int, interval: float = 1.0) -> None:
+    """End this process when the program that started it is gone (its pid is no longer our parent), even
+    if our standard input stays open (it may be shared with a shell): an MCP server without its client
+    has nobody to answer, and must not go on running a query for nobody."""
+    import os
+    import threading
+
+    def watch():
+        while os.getppid() == parent:
+            threading.Event().wait(interval)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="probe-mcp-parent", daemon=True).start()
+
+
 def serve_stdio(allow_actions: bool = False, timeout: float | None = None) -> None:
+    """Serve until standard input ends or the parent process goes; then the process ends at once, even with
+    a tool call still running on a worker thread (its answer has nobody to go to)."""
+    import os
+    import sys
+    import threading
+
+    _exit_with_parent(os.getppid())
     server = build_server(allow_actions, timeout)
 
     async def main():
@@ -104,3 +128,7 @@ def serve_stdio(allow_actions: bool = False, timeout: float | None = None) -> No
             await server.run(read, write, server.create_initialization_options())
 
     anyio.run(main)
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.current_thread()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
