@@ -36,6 +36,17 @@ _SHAPES = {
 }
 
 
+def _redact_locals(doc: dict) -> None:
+    """Frame locals through the same redaction as the server's (an older server, or one not ours, may not have)."""
+    from probe.util.redact import redact
+
+    for thread in doc["threads"]:
+        for frame in (thread.get("frames") or []) if isinstance(thread, dict) else []:
+            if isinstance(frame, dict) and isinstance(frame.get("locals"), dict):
+                frame["locals"] = {str(k): redact(str(k), v if isinstance(v, str) else str(v))
+                                   for k, v in frame["locals"].items()}
+
+
 def check_answer(path: str, doc: dict) -> str | None:
     """Why ``doc`` is not what ``path`` answers, or None when it is.
 
@@ -162,6 +173,8 @@ class Client:
         why = check_answer(path, doc)
         if why is not None:
             raise EndpointError(f"{t.label} did not answer like a probe ({why}); check the endpoint.")
+        if path.startswith("/backtrace"):
+            _redact_locals(doc)
         return doc
 
     def get(self, path: str, timeout: float | None = None, **params) -> dict:
