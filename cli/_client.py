@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import socket
 
-from probe._errors import AuthError, EndpointError, ProbeError, error_from_dict
+from probe._errors import AuthError, EndpointError, error_from_dict
 
 from ._endpoint import Target
 

@@ -13,7 +13,6 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 

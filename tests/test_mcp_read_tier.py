@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from conftest import PROBE_BIN, TARGETS, poll
+from conftest import PROBE_BIN, TARGETS
 
 mcp = pytest.importorskip("mcp")
 anyio = pytest.importorskip("anyio")

@@ -10,7 +10,6 @@ import json
 import re
 import socket
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from conftest import TARGETS, poll, requires_torch
