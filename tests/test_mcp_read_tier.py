@@ -87,7 +87,10 @@ class Listener:
 
 @pytest.fixture
 def hostile(spawn):
-    return spawn(TARGETS / "hostile_names.py", env={"PROBE_PORT": "0", "PROBE_TOKEN": "registry-token-123456"})
+    proc = spawn(TARGETS / "hostile_names.py", env={"PROBE_PORT": "0", "PROBE_TOKEN": "registry-token-123456"})
+    yield proc
+    # whatever the agent did, the process is alive and printed no traceback
+    assert proc.popen.poll() is None and "Traceback" not in proc.output(), proc.output()[-2000:]
 
 
 def test_the_agent_cannot_send_a_token_where_it_likes(hostile, probe_env):
