@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from probe._errors import EndpointError, PartialError, QueryError
+from probe._errors import EndpointError, PartialError, ProbeError, QueryError
 from probe.util.procfs import proc_state
 
 from ._fanout import Answer, fan_out
@@ -244,8 +244,10 @@ def open_database(session, targets, schema: dict, parts: dict, *, single: bool =
         errors = Result(["host", "error"], ["VARCHAR", "VARCHAR"], [[t.entry.get("host"), err] for t, err in failed.values()])
         register_result(ws.con, "__errors", errors, extra={"__rank": [t.rank for t, _ in failed.values()]})
         ws.create_view("ranks.errors", 'SELECT CAST("__rank" AS INTEGER) AS "rank", "host", "error" FROM "__errors"')
-    except BaseException:
+    except BaseException as exc:
         ws.close()
+        if ws.expired and not isinstance(exc, ProbeError):  # DuckDB interrupted by the deadline: say so
+            raise ws.stopped() from None
         raise
     ws.meta = dict(answered[0].value.get("meta", {}), tables=list(requests)) if single and requests else {"tables": requests}
     # which process and schema version each snapshot came from (federated_query checks its cached schema)

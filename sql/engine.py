@@ -226,8 +226,17 @@ class Workspace:
         except Exception:
             pass
 
+    @property
+    def expired(self) -> bool:
+        """Whether the set-up deadline passed (DuckDB was interrupted for it)."""
+        return self._expired.is_set()
+
     def _stopped(self) -> QueryError:
         return QueryError(f"the query ran past its {self._timeout:g} s timeout and was stopped; narrow it or raise --timeout.")
+
+    def stopped(self) -> QueryError:
+        """The one sentence for a workspace whose deadline passed."""
+        return self._stopped()
 
     def run(self, sql: str):
         """One set-up statement (a view, a table computed per rank) under the workspace's deadline."""

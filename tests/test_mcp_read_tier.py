@@ -122,6 +122,9 @@ def test_the_read_tier_writes_no_files(hostile, probe_env, tmp_path):
     r = call(probe_env, "profile", {"endpoint": pid, "seconds": 1, "output": str(victim)})
     assert r.is_error and "writes no files" in data(r), data(r)
     assert victim.read_text() == "echo untouched\n"
+    # trace returns its timeline instead
+    r = call(probe_env, "trace", {"endpoint": pid, "steps": 2})
+    assert not r.is_error and "traceEvents" in data(r), data(r)
     # and profile returns its collapsed stacks, where a thread name cannot start a line of its own
     r = call(probe_env, "profile", {"endpoint": pid, "seconds": 1})
     assert not r.is_error, data(r)

@@ -114,10 +114,9 @@ def tool_specs(allow_actions: bool = False, output_dir: str | None = None) -> li
                 continue
             key = action.dest
             if key == "output" and name in READ_TOOLS:
-                if output_dir is None:
-                    continue
-                props[key] = {"type": "string", "description": _OUTPUT_HELP.format(dir=output_dir)}
-                options.append((key, action))
+                options.append((key, action))  # _argv sends the content to stdout whether or not it is offered
+                if output_dir is not None:
+                    props[key] = {"type": "string", "description": _OUTPUT_HELP.format(dir=output_dir)}
                 continue
             props[key] = _schema_of(action)
             options.append((key, action))
