@@ -11,17 +11,67 @@ from __future__ import annotations
 import json
 import socket
 
-from probe._errors import AuthError, EndpointError, ProbeError, error_from_dict
+from probe._errors import AuthError, EndpointError, error_from_dict
 
 from ._endpoint import Target
 
-__all__ = ["Client", "AGENT_HEADER"]
+__all__ = ["Client", "AGENT_HEADER", "check_answer"]
 
 AGENT_HEADER = "X-Probe-Agent"  # names the program acting for the user; recorded in the audit log and probe.actions
 
 
 class _BadResponse(Exception):
     pass
+
+
+# What each answer must hold before any command reads it: the endpoint may not be ours (a typo'd port, a
+# hostile listener), and its `{}` must give a sentence, not a KeyError. (key, type) pairs, checked one level
+# deep; /tables' names and types are checked against the allow-list too, since they reach SQL here.
+_SHAPES = {
+    "/tables": (("tables", list),),
+    "/backtrace": (("threads", list),),
+    "/profile": (("stacks", list),),
+    "/actions/wait": (("action", dict),),
+    "/profile-steps": (("profile", dict),),
+}
+
+
+def _redact_locals(doc: dict) -> None:
+    """Frame locals through the same redaction as the server's (an older server, or one not ours, may not have)."""
+    from probe.util.redact import redact
+
+    for thread in doc["threads"]:
+        for frame in (thread.get("frames") or []) if isinstance(thread, dict) else []:
+            if isinstance(frame, dict) and isinstance(frame.get("locals"), dict):
+                frame["locals"] = {str(k): redact(str(k), v if isinstance(v, str) else str(v))
+                                   for k, v in frame["locals"].items()}
+
+
+def check_answer(path: str, doc: dict) -> str | None:
+    """Why ``doc`` is not what ``path`` answers, or None when it is.
+
+    >>> check_answer("/tables", {})
+    "its /tables answer has no 'tables' list"
+    >>> check_answer("/tables", {"tables": [{"name": "t.x", "kind": "ring", "description": "", "columns": [{"name": "a", "type": "INT); DROP"}]}]})
+    "its table t.x: column a of t.x declares type 'INT); DROP', which is not one of BIGINT, INTEGER, DOUBLE, VARCHAR, BOOLEAN, TIMESTAMP"
+    """
+    route = path.split("?", 1)[0]
+    for key, typ in _SHAPES.get(route, ()):
+        if not isinstance(doc.get(key), typ):
+            return f"its {route} answer has no {key!r} {typ.__name__}"
+    if route == "/tables":
+        from probe.util.wire import WireError, check_table
+
+        for t in doc["tables"]:
+            try:
+                if not isinstance(t, dict) or not isinstance(t.get("columns"), list):
+                    raise WireError("a table without a list of columns")
+                check_table(t.get("name"), [(c.get("name"), c.get("type")) if isinstance(c, dict) else (None, None)
+                                            for c in t["columns"]])
+            except WireError as exc:
+                name = t.get("name") if isinstance(t, dict) and isinstance(t.get("name"), str) else "?"
+                return f"its table {name[:80]}: {exc}"
+    return None
 
 
 def _exchange(sock: socket.socket, method: str, path: str, headers: dict, body: bytes | None) -> tuple[int, bytes]:
@@ -119,7 +169,12 @@ class Client:
         if status >= 400 or (isinstance(doc, dict) and "error" in doc and "kind" in doc):
             raise error_from_dict(doc if isinstance(doc, dict) else {"error": str(doc)})
         if not isinstance(doc, dict):
-            raise ProbeError(f"{t.label} sent an unexpected answer.")
+            raise EndpointError(f"{t.label} did not answer like a probe (not a JSON object); check the endpoint.")
+        why = check_answer(path, doc)
+        if why is not None:
+            raise EndpointError(f"{t.label} did not answer like a probe ({why}); check the endpoint.")
+        if path.startswith("/backtrace"):
+            _redact_locals(doc)
         return doc
 
     def get(self, path: str, timeout: float | None = None, **params) -> dict:
@@ -141,4 +196,5 @@ class Client:
         except WireError as exc:
             if data[:1] == b"{":
                 raise EndpointError(f"{self.target.label} answers an older protocol; restart it with this version of probe.") from None
-            raise EndpointError(f"{self.target.label} sent a damaged snapshot ({exc}); retry.") from None
+            raise EndpointError(f"{self.target.label} sent a snapshot that is damaged or not a probe's ({exc}); "
+                                "check the endpoint, or retry.") from None

@@ -111,8 +111,17 @@ def _addresses_of(entry: dict) -> set:
     return names
 
 
-def resolve(endpoint: str, token: str | None = None) -> Target:
-    """A pid, ``host:port``, ``[v6]:port`` or a unix-socket path."""
+def _typed(token: str | None, agent: str | None) -> str | None:
+    """The token a request may carry besides the registry's: the one the person typed (``--token``,
+    ``PROBE_TOKEN``) goes where that person pointed the command (the CLI, the REPL, ``probe ui``'s command
+    line); a program choosing endpoints for someone (``agent``: MCP) gets none, only the registry's token
+    for the host and port it was issued for."""
+    return None if agent else token
+
+
+def resolve(endpoint: str, token: str | None = None, *, agent: str | None = None) -> Target:
+    """A pid, ``host:port``, ``[v6]:port`` or a unix-socket path; ``agent``: see ``_typed``."""
+    token = _typed(token, agent)
     endpoint = endpoint.strip()
     if endpoint.isdigit():
         pid = int(endpoint)
@@ -192,8 +201,10 @@ def pick_job(entries: list[dict], job: str | None) -> list[dict]:
     return entries
 
 
-def targets_for_ranks(ranks: list[int] | None, token: str | None = None, job: str | None = None) -> list[Target]:
-    """Targets of the given ranks (None: every rank) of one job from the local and shared registries."""
+def targets_for_ranks(ranks: list[int] | None, token: str | None = None, job: str | None = None, *,
+                      agent: str | None = None) -> list[Target]:
+    """Targets of the given ranks (None: every rank) of one job from the local and shared registries; ``agent``: see ``_typed``."""
+    token = _typed(token, agent)
     entries = [e for e in read_entries(clean=True) if e.get("rank") is not None]
     if entries:
         entries = pick_job(entries, job)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from probe._errors import EndpointError, PartialError, QueryError
+from probe._errors import EndpointError, PartialError, ProbeError, QueryError
 from probe.util.procfs import proc_state
 
 from ._fanout import Answer, fan_out
@@ -223,7 +223,7 @@ def open_database(session, targets, schema: dict, parts: dict, *, single: bool =
         answers = fan_out(targets, ask)
     failed = {id(a.target): (a.target, a.error) for a in answers if not a.ok}
     answered = [a for a in answers if a.ok]
-    ws = Workspace()
+    ws = Workspace(timeout=timeout)  # the timeout bounds everything DuckDB does for this query, not only its last statement
     try:
         if on_workspace is not None:
             on_workspace(ws)
@@ -239,13 +239,15 @@ def open_database(session, targets, schema: dict, parts: dict, *, single: bool =
                 relation = f"__p{j}"
                 query, computed = slot_query(part, ws.tables.get(0, {}))
                 # a part that aggregates (ranks.latest) is computed once; a plain projection stays a view
-                ws.con.execute(f'CREATE {"TABLE" if computed else "VIEW"} "{relation}" AS {query}')
+                ws.run(f'CREATE {"TABLE" if computed else "VIEW"} "{relation}" AS {query}')
             _union_view(ws, name, relation, schema, failed.values() if name == "ranks.latest" else (), j, register_result)
         errors = Result(["host", "error"], ["VARCHAR", "VARCHAR"], [[t.entry.get("host"), err] for t, err in failed.values()])
         register_result(ws.con, "__errors", errors, extra={"__rank": [t.rank for t, _ in failed.values()]})
         ws.create_view("ranks.errors", 'SELECT CAST("__rank" AS INTEGER) AS "rank", "host", "error" FROM "__errors"')
-    except BaseException:
+    except BaseException as exc:
         ws.close()
+        if ws.expired and not isinstance(exc, ProbeError):  # DuckDB interrupted by the deadline: say so
+            raise ws.stopped() from None
         raise
     ws.meta = dict(answered[0].value.get("meta", {}), tables=list(requests)) if single and requests else {"tables": requests}
     # which process and schema version each snapshot came from (federated_query checks its cached schema)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 from probe._errors import AttachError
+from probe.util.collapsed import stack_text
 
 from ._process import EXIT_CODES, explain_ptrace_failure, inspect_process, ptrace_problem
 
@@ -148,5 +149,5 @@ def pyspy_record(pid: int, seconds: float, *, hz: float = 100.0, native: bool = 
     for line in lines:
         stack, _, count = line.rstrip().rpartition(" ")
         if stack and count.isdigit():
-            stacks.append([stack, int(count)])
+            stacks.append([stack_text(stack), int(count)])
     return sorted(stacks, key=lambda s: -s[1])

@@ -157,11 +157,11 @@ _declare("PROBE_QUERY_TIMEOUT", "10", "Seconds a query may run (snapshot, then D
 _declare("PROBE_QUERY_MEMORY", "256MB", "DuckDB memory limit of the client's query engine (DuckDB never runs in the training process).")
 _declare("PROBE_MAX_ROWS", "10000", "Default row cap of a query result; a client can ask for more.", _COUNT)
 _declare("PROBE_SNAPSHOT_BYTES", "64MB", "Training process: largest table snapshot (the columns one query needs, after its pushed-down filters) it hands to a client; larger ones are refused with a hint.", _size)
-_declare("PROBE_SERVE_SHARE", "0.02", "Training process: share of wall time (CPU time of one thread) its snapshots may take, averaged over a second: beyond it, further queries wait in line up to their timeout, so that many clients cannot slow training; 'off' serves them as fast as they come.", _limit("wall time"))
+_declare("PROBE_SERVE_SHARE", "0.02", "Training process: share of wall time its snapshots may take, averaged over ten seconds; each request is charged its thread's whole CPU time (filters, every table it names, encoding), and the next waits until that is earned back, up to its timeout, so that no client, whatever it sends, can slow training more; 'off' serves them as fast as they come.", _limit("wall time"))
 _declare("PROBE_MAX_SNAPSHOTS", "2", "Training process: snapshots taken at the same time; further queries wait in line up to their timeout.", _COUNT)
 _declare("PROBE_MAX_CONNECTIONS", "32", "Training process: open client connections served at once, unix socket and TCP each; more are closed at once with a 503.",
          _number(int, minimum=2, what="a whole number of at least 2"))
-_declare("PROBE_READ_TIMEOUT", "5", "Training process: seconds a client may take per read of its request (headers and body) before the connection is closed.", _SECONDS)
+_declare("PROBE_READ_TIMEOUT", "5", "Training process: seconds a client may take to send its request line and headers, in all (a byte now and then does not keep a connection), then per read of its body, before the connection is closed.", _SECONDS)
 _declare("PROBE_REGISTRY", None, "Shared directory (e.g. on a network file system) where every rank also writes its registry entry, for discovery across nodes.")
 _declare("PROBE_TRACE", None, "Module tracing: 'all' traces every step, 'off' disables it, a number N traces one step in N (default chosen to keep overhead under 1%).", _every)
 _declare("PROBE_TRACE_STATS", "1", "On traced steps, also reduce each module's output on its device (mean, std, std across the batch, zeros, non-finite values: the out_* columns of python.torch_trace); 0 records times and memory only.", _flag)

@@ -13,17 +13,19 @@ cap, and ``interrupt`` stops it from another thread (the REPL's Ctrl-C).
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 
 from probe._errors import QueryError
-from probe.util.wire import object_column
+from probe.util.wire import WireError, check_table, object_column
 
 __all__ = ["Result", "Workspace", "execute", "connect", "register_result", "typed_select", "concat_snapshots", "SLOT"]
 
 _SIMPLE_TYPES = ("BIGINT", "INTEGER", "DOUBLE", "VARCHAR", "BOOLEAN", "TIMESTAMP", "FLOAT", "SMALLINT", "TINYINT",
                  "HUGEINT", "UBIGINT", "UINTEGER", "DATE", "DECIMAL", "TIMESTAMP WITH TIME ZONE")
+_SIMPLE_TYPE = re.compile(r"^[A-Z ]+(\(\d{1,2}(, ?\d{1,2})?\))?$")  # DECIMAL(18,3): a type word, never more SQL
 _FLOAT_TYPES = ("DOUBLE", "FLOAT", "REAL")
 SLOT = "__slot"  # the column saying which rank's snapshot a row of a combined table came from
 GRACE_S = 2.0  # after the timeout interrupts DuckDB, how long it may take to notice before the query is abandoned
@@ -198,16 +200,60 @@ def concat_snapshots(decoded: list) -> dict:
 class Workspace:
     """One query's DuckDB connection holding the snapshots of one or more ranks."""
 
-    def __init__(self, memory_limit: str | None = None):
+    def __init__(self, memory_limit: str | None = None, timeout: float | None = None):
+        """``timeout``: seconds this workspace's set-up may take (loading the snapshots, the views and the tables
+        computed per rank, ``run``); past it DuckDB is interrupted, whatever statement runs. Each query then
+        has its own timeout (``execute``)."""
         self.con = connect(memory_limit)
         self._lock = threading.Lock()
         self._cancelled = False
         self._abandoned = False
         self._locked = False
+        self._expired = threading.Event()
+        self._timeout = timeout
+        self._timer = None
+        if timeout:
+            self._timer = threading.Timer(timeout, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
         self.meta: dict = {}  # what the caller wants to remember about the snapshots (see cli._federation)
         self.tables: dict[int, dict[str, str]] = {}  # rank slot -> {schema.table: typed view name}
 
+    def _expire(self) -> None:
+        self._expired.set()
+        try:
+            self.con.interrupt()
+        except Exception:
+            pass
+
+    @property
+    def expired(self) -> bool:
+        """Whether the set-up deadline passed (DuckDB was interrupted for it)."""
+        return self._expired.is_set()
+
+    def _stopped(self) -> QueryError:
+        return QueryError(f"the query ran past its {self._timeout:g} s timeout and was stopped; narrow it or raise --timeout.")
+
+    def stopped(self) -> QueryError:
+        """The one sentence for a workspace whose deadline passed."""
+        return self._stopped()
+
+    def run(self, sql: str):
+        """One set-up statement (a view, a table computed per rank) under the workspace's deadline."""
+        import duckdb
+
+        if self._expired.is_set():
+            raise self._stopped()
+        try:
+            return self.con.execute(sql)
+        except duckdb.Error:
+            if self._expired.is_set():
+                raise self._stopped() from None
+            raise
+
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         if self._abandoned:
             return
         try:
@@ -222,10 +268,14 @@ class Workspace:
         self.close()
 
     def _register(self, slot: int, full: str, arrays: dict, spec: list) -> str:
+        try:  # names and types reach SQL below: only the allow-list's, whoever sent them (a snapshot, a record)
+            check_table(full, [(name, typ) for name, typ, *_ in spec])
+        except WireError as exc:
+            raise QueryError(f"refused a table from the process: {exc}.") from None
         base = full.replace(".", "__")
         raw, typed = f"__r{slot}__{base}", f"__t{slot}__{base}"
         self.con.register(raw, arrays)
-        self.con.execute(f"CREATE VIEW {_quote(typed)} AS {typed_select(spec, raw)}")
+        self.run(f"CREATE VIEW {_quote(typed)} AS {typed_select(spec, raw)}")
         self.tables.setdefault(slot, {})[full] = typed
         return typed
 
@@ -284,6 +334,10 @@ class Workspace:
         """Run ``sql`` (already guarded) and return at most ``max_rows`` rows; the configuration is locked first."""
         import duckdb
 
+        if self._timer is not None:  # set-up is over: from here each query has its own timeout
+            self._timer.cancel()
+            if self._expired.is_set():
+                raise self._stopped()
         if not self._locked:  # several queries may run on one workspace (probe doctor's rules)
             self.con.execute("SET lock_configuration = true")
             self._locked = True
@@ -375,6 +429,6 @@ def register_result(con, name: str, result: Result, extra: dict | None = None) -
     con.register(raw, arrays)
     exprs = [_quote(c) for c in (extra or {})]
     for col, typ in zip(result.columns, result.types):
-        simple = typ.split("(")[0] in _SIMPLE_TYPES
+        simple = _SIMPLE_TYPE.match(str(typ)) is not None and str(typ).split("(")[0] in _SIMPLE_TYPES
         exprs.append(f"TRY_CAST({_quote(col)} AS {typ}) AS {_quote(col)}" if simple else f"CAST({_quote(col)} AS VARCHAR) AS {_quote(col)}")
     con.execute(f'CREATE OR REPLACE VIEW {_quote(name)} AS SELECT {", ".join(exprs) or "*"} FROM {raw}')

@@ -49,7 +49,13 @@ def session(env, *extra):
 
 
 def text(result) -> str:
-    return "\n".join(c.text for c in result.content if getattr(c, "type", "") == "text")
+    """A tool's output: the block between its data boundaries (the note before it says it is data)."""
+    blocks = [c.text for c in result.content if getattr(c, "type", "") == "text"]
+    for b in blocks:
+        m = re.match(r"^----- begin data (\w+) -----\n(.*)\n----- end data \1 -----$", b, re.S)
+        if m:
+            return m.group(2)
+    return "\n".join(blocks)
 
 
 def test_read_only_tools_answer_from_the_live_process(train, shared_env):

@@ -228,8 +228,11 @@ def test_findings_panel_shows_the_doctor(page, shared_env, train):
 
 
 def test_actions_only_with_allow_actions_and_a_confirmation(browser, train, shared_env, ui):
-    # without --allow-actions the API refuses
-    req = urllib.request.Request(ui.url + "api/action", data=b'{"name": "cleanup", "confirmed": true}', method="POST")
+    # without --allow-actions the API refuses (a request with the page's CSRF header, as the page sends)
+    with urllib.request.urlopen(ui.url + "api/config", timeout=10) as resp:
+        csrf = json.loads(resp.read())["csrf"]
+    req = urllib.request.Request(ui.url + "api/action", data=b'{"name": "cleanup", "confirmed": true}', method="POST",
+                                 headers={"X-Probe-CSRF": csrf})
     with urllib.request.urlopen(req, timeout=10) as resp:
         assert "actions are off" in json.loads(resp.read())["error"]
     server = UI(shared_env, train.pid, "ui", "--port", "0", "--allow-actions", "--refresh", "1")

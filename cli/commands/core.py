@@ -38,7 +38,8 @@ class List(Command):
 
         def health(entry):
             try:
-                return Client(_from_entry(entry, session.token), timeout=min(session.timeout, 2.0)).get("/health")
+                # each entry with its own token: a typed one goes only where the person pointed a command
+                return Client(_from_entry(entry, None), timeout=min(session.timeout, 2.0)).get("/health")
             except ProbeError as exc:
                 return {"unreachable": exc.message, **offline_status(entry)}  # a hang dump explains a silent server
 

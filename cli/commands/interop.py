@@ -19,6 +19,9 @@ class Mcp(Command):
                             "(set PROBE_MCP_TOKEN to choose it).")
         p.add_argument("--expose", action="store_true",
                        help="With --http: allow a non-loopback HOST; anyone who can reach it and has the token can use the tools.")
+        p.add_argument("--output-dir", metavar="DIR",
+                       help="Let the read tools (trace, profile) keep a copy of their result as a new file in DIR; "
+                            "without it they write no files and return the content.")
 
     def run(self, session, args):
         if args.endpoint or args.rank is not None or getattr(args, "ranks", None):
@@ -32,8 +35,15 @@ class Mcp(Command):
                 from ..mcp import serve_stdio
         except ImportError as exc:
             raise ProbeError(f"`probe mcp` needs the MCP SDK ({exc.name} is missing); install it with `pip install mcp`.") from None
+        output_dir = None
+        if args.output_dir:
+            import os
+
+            output_dir = os.path.realpath(os.path.expanduser(args.output_dir))
+            if not os.path.isdir(output_dir):
+                raise ProbeError(f"--output-dir {args.output_dir} is not a directory; create it first.")
         if not args.http:
-            serve_stdio(allow_actions=args.allow_actions, timeout=args.timeout)
+            serve_stdio(allow_actions=args.allow_actions, timeout=args.timeout, output_dir=output_dir)
             return 0
         from probe._config import setting
 
@@ -47,7 +57,8 @@ class Mcp(Command):
                 session.note(f"probe mcp: WARNING: listening on {host}, not loopback, over plain HTTP: anyone who can "
                              "reach it and sees the token can use the tools; prefer loopback and ssh -L.")
 
-        serve_http(host, port, token=token, announce=announce, expose=args.expose, allow_actions=args.allow_actions, timeout=args.timeout)
+        serve_http(host, port, token=token, announce=announce, expose=args.expose, allow_actions=args.allow_actions,
+                   timeout=args.timeout, output_dir=output_dir)
         session.note("probe mcp: stopped.")
         return 0
 

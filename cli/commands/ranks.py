@@ -38,7 +38,7 @@ class Status(Command):
         if not (session.multi or session.args.endpoint or session.args.rank is not None):
             from .._endpoint import targets_for_ranks
 
-            targets = targets_for_ranks(None, session.token, session.args.job)
+            targets = targets_for_ranks(None, session.token, session.args.job, agent=session.agent)
         result = federated_query(session, SQL, targets=targets, params=params)
         session.print(render_result(_rounded(result, session.format), session.format))
         return 0

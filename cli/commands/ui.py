@@ -28,7 +28,8 @@ class Ui(Command):
                        help="Address to listen on (default 127.0.0.1); anything but loopback also needs --expose.")
         p.add_argument("--expose", action="store_true",
                        help="Allow a non-loopback --host: anyone who can reach it and has the URL's token reads the job.")
-        p.add_argument("--open", action="store_true", help="Open the page in this machine's web browser.")
+        p.add_argument("--open", action="store_true",
+                       help="Open the page in this machine's web browser (through a private 0600 file: the token is never on a command line).")
         p.add_argument("--allow-actions", action="store_true",
                        help="Let the page start cleanup, checkpoint and lr changes (each confirmed on the page).")
         p.add_argument("--refresh", type=float, default=3.0, help="Seconds between the page's refreshes (default 3).")
@@ -65,15 +66,13 @@ class Ui(Command):
         if args.allow_actions:
             session.note("probe ui: actions are allowed from the page (each needs a confirmation there).")
         session.print("probe ui: Ctrl-C stops it.")
-        if args.open:
-            if sys.platform == "darwin" or os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"):
-                import webbrowser
-
-                webbrowser.open(url)
-            else:  # a console browser would take over this terminal
-                session.note("probe ui: --open: no graphical display here; open the URL above (or the ssh -L line's) yourself.")
         stop = threading.Event()
         server.start()
+        if args.open:
+            if sys.platform == "darwin" or os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"):
+                server.open_browser(url)
+            else:  # a console browser would take over this terminal
+                session.note("probe ui: --open: no graphical display here; open the URL above (or the ssh -L line's) yourself.")
         try:
             stop.wait()
         except KeyboardInterrupt:
@@ -81,6 +80,7 @@ class Ui(Command):
         finally:
             server.shutdown()
             server.server_close()
+            server.forget_launch_file()
             quiet.close()
         session.note("probe ui: stopped.")
         return 0

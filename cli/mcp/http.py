@@ -138,7 +138,7 @@ def _quiet_logs(server) -> None:
 
 
 def serve_http(host: str, port: int, *, token: str, announce: Callable[[str, bool], None], expose: bool = False,
-               allow_actions: bool = False, timeout: float | None = None) -> None:
+               allow_actions: bool = False, timeout: float | None = None, output_dir: str | None = None) -> None:
     """Listen on ``host:port``, call ``announce(url, loopback)`` once bound, serve until SIGINT or SIGTERM."""
     sock = _listen(host, port, expose)
     bound, port = sock.getsockname()[:2]
@@ -146,7 +146,7 @@ def serve_http(host: str, port: int, *, token: str, announce: Callable[[str, boo
     url_host = names[len(_LOOPBACK_NAMES)] if len(names) > len(_LOOPBACK_NAMES) else (
         f"[{bound}]" if ":" in bound else bound)
     url = f"http://{url_host}:{port}{PATH}"
-    app = build_server(allow_actions, timeout).streamable_http_app(
+    app = build_server(allow_actions, timeout, output_dir).streamable_http_app(
         streamable_http_path=PATH, host=host, transport_security=_security(names, port),
         # Resource-server settings with no OAuth server: the SDK then only checks bearer tokens with the
         # verifier (issuer_url is required by the model but unused without an authorization server).

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 import io
-import re
 import json
+import os
+import re
 import threading
 from dataclasses import dataclass, field
 
@@ -88,8 +89,16 @@ def _query_context() -> str:
             "`tables` what a given process has (user tables included):\n" + "\n".join(lines))
 
 
-def tool_specs(allow_actions: bool = False) -> list[ToolSpec]:
-    """The tools for the commands present in this installation, in a stable order."""
+_OUTPUT_HELP = ("Also keep the result as a new file of this name (a plain name, no directory) in {dir}, the directory "
+                "named when this server started; an existing file is never replaced. The content is returned either way.")
+
+
+def tool_specs(allow_actions: bool = False, output_dir: str | None = None) -> list[ToolSpec]:
+    """The tools for the commands present in this installation, in a stable order.
+
+    The read tier writes no files: a command's ``-o FILE`` is offered only when the person who started
+    the server named a directory (``output_dir``), and then as a new file's name inside it.
+    """
     from ..commands import COMMANDS, load_all
 
     load_all()
@@ -104,6 +113,11 @@ def tool_specs(allow_actions: bool = False) -> list[ToolSpec]:
             if action.dest in _SKIP or action.help is argparse.SUPPRESS:
                 continue
             key = action.dest
+            if key == "output" and name in READ_TOOLS:
+                options.append((key, action))  # _argv sends the content to stdout whether or not it is offered
+                if output_dir is not None:
+                    props[key] = {"type": "string", "description": _OUTPUT_HELP.format(dir=output_dir)}
+                continue
             props[key] = _schema_of(action)
             options.append((key, action))
             if not action.option_strings and action.nargs not in ("?", "*"):
@@ -150,6 +164,13 @@ def _argv(spec: ToolSpec, arguments: dict) -> list[str]:
     positionals = []
     for key, action in spec.options:
         value = arguments.get(key)
+        if key == "output" and spec.read_only:  # the content comes back on stdout; call_tool keeps a copy when asked (see _keep)
+            if spec.name == "trace":
+                argv += ["-o", "-"]
+            if value not in (None, "") and spec.name == "profile" and arguments.get("format") is None:
+                ext = os.path.splitext(str(value))[1].lower()
+                argv += ["--format", {".svg": "svg", ".json": "speedscope"}.get(ext, "collapsed")]
+            continue
         if value is None:
             continue
         if not action.option_strings:
@@ -183,19 +204,52 @@ def _parse(argv: list[str]):
             raise ProbeError(f"{msg}; see the tool's input schema.") from None
 
 
-def call_tool(spec: ToolSpec, arguments: dict | None, *, timeout: float | None = None) -> ToolResult:
-    """Run the tool's command with captured output; a ProbeError becomes an error result."""
+def _output_path(name, output_dir: str | None) -> str:
+    """Where a tool's ``output`` goes: a plain new name inside ``output_dir``; ProbeError otherwise."""
+    name = str(name)
+    if output_dir is None:
+        raise ProbeError("this server writes no files (start it with --output-dir DIR to allow new files there).")
+    if (not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith(".")
+            or any(not ch.isprintable() for ch in name) or len(name) > 200):
+        raise ProbeError(f"output must be a plain file name (no directory, not hidden), not {name[:80]!r}.")
+    return os.path.join(output_dir, name)
+
+
+def _keep(path: str, text: str) -> None:
+    """Write ``text`` to a new file at ``path``: never over an existing file, never through a link."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        raise ProbeError(f"{os.path.basename(path)} already exists in the output directory; pick a new name.") from None
+    except OSError as exc:
+        raise ProbeError(f"cannot create {path} ({exc.strerror}).") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def call_tool(spec: ToolSpec, arguments: dict | None, *, timeout: float | None = None,
+              output_dir: str | None = None) -> ToolResult:
+    """Run the tool's command with captured output; a ProbeError becomes an error result.
+
+    The command writes nothing itself: its output comes back here, and with ``output`` a copy is kept
+    as a new file in ``output_dir`` (``_keep``)."""
     from ..commands import COMMANDS
     from .._session import Session
 
     out, err = io.StringIO(), io.StringIO()
     try:
+        keep = None
+        if spec.read_only and (arguments or {}).get("output") not in (None, ""):
+            keep = _output_path(arguments["output"], output_dir)
         args = _parse(_argv(spec, arguments or {}))
         if timeout and not args.timeout:
             args.timeout = timeout
         session = Session(args, stdout=out, stderr=err)
         session.agent = AGENT
         code = int(COMMANDS[spec.name]().run(session, args) or 0)
+        if keep is not None and code == 0:
+            _keep(keep, out.getvalue())
+            err.write(f"probe: kept a copy in {keep}.\n")
     except ProbeError as exc:
         text = "\n".join(x for x in (out.getvalue().strip(), err.getvalue().strip(), f"probe: {exc.message}") if x)
         return ToolResult(text, is_error=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import html
 import json
 
+from probe.util.collapsed import stack_text
+
 __all__ = ["to_collapsed", "to_speedscope", "to_svg", "FORMATS"]
 
 FORMATS = ("collapsed", "speedscope", "svg")
@@ -21,7 +23,7 @@ def to_collapsed(stacks: list) -> str:
     >>> to_collapsed([["a;b", 2]])
     'a;b 2\\n'
     """
-    return "".join(f"{s} {n}\n" for s, n in stacks)
+    return "".join(f"{stack_text(s)} {int(n)}\n" for s, n in stacks)
 
 
 def to_speedscope(stacks: list, name: str) -> str:

@@ -6,6 +6,13 @@ host who finds the loopback port still cannot read the page. Relative links insi
 page carry the token without any script doing it. Responses forbid caching and, through
 a Content-Security-Policy, any request to another origin: the page works offline and
 cannot leak to a CDN.
+
+Every request must also name this server in its ``Host`` header (a DNS-rebinding page names
+its own domain) and, when a browser sends an ``Origin``, come from this server's origin; every
+POST carries the page's CSRF value (``X-Probe-CSRF``, from ``api/config``), which a page of
+another origin cannot read. At most ``MAX_CONNECTIONS`` connections are served at once (one
+thread each; more are answered 503 and closed without a thread), and a connection that sends
+nothing for ``IDLE_TIMEOUT`` seconds is closed.
 """
 
 from __future__ import annotations
@@ -32,6 +39,11 @@ _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=
 _CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
         "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 MAX_BODY = 1 << 20
+MAX_CONNECTIONS = 32  # a browser opens about six; 3000 idle sockets must not become 3000 threads
+IDLE_TIMEOUT = 15.0  # seconds a connection may stay silent (keep-alive included)
+CSRF_HEADER = "X-Probe-CSRF"
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
+         b"Content-Length: 47\r\n\r\nprobe ui: too many connections; retry shortly.\n")
 
 
 def _static_files() -> dict:
@@ -43,16 +55,71 @@ def _static_files() -> dict:
 class UIServer(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
+    request_queue_size = 128
 
     def __init__(self, session, host: str, port: int, allow_actions: bool = False, refresh: float = 3.0):
         self.session = session
         self.token = secrets.token_urlsafe(24)
+        self.csrf = secrets.token_urlsafe(24)
         self.allow_actions = allow_actions
         self.refresh = refresh
         self.files = _static_files()
         self.started = time.time()
+        self.launch_file: str | None = None  # see open_browser
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         super().__init__((host, port), _Handler)
+        self.hosts = _host_names(host, self.server_address[0], self.port)
+
+    def process_request(self, request, client_address):
+        """A thread per connection, up to MAX_CONNECTIONS; beyond, a 503 and close, no thread."""
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.settimeout(0.5)
+                request.sendall(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def open_browser(self, url: str) -> str:
+        """Open ``url`` in this machine's browser without putting it on any command line (``ps`` shows those to
+        every user): the browser is given a 0600 file in a private directory that redirects to the URL. The
+        file goes once the page has been loaded, or when the server stops. Returns the file's path."""
+        import html as _html
+        import os
+        import tempfile
+        import webbrowser
+
+        folder = tempfile.mkdtemp(prefix="probe-ui-")  # 0700, ours
+        path = os.path.join(folder, "open.html")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            quoted = _html.escape(url, quote=True)
+            f.write(f'<!doctype html><meta charset="utf-8"><meta http-equiv="refresh" content="0; url={quoted}">'
+                    f'<title>probe ui</title><a href="{quoted}">probe ui</a>\n')
+        self.launch_file = path
+        webbrowser.open("file://" + path)
+        return path
+
+    def forget_launch_file(self) -> None:
+        import os
+        import shutil
+
+        path, self.launch_file = self.launch_file, None
+        if path:
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
     @property
     def port(self) -> int:
@@ -65,7 +132,7 @@ class UIServer(ThreadingHTTPServer):
     def config(self) -> dict:
         a = self.session.args
         target = a.endpoint or (f"--rank {a.rank}" if a.rank is not None else f"--ranks {a.ranks}" if a.ranks else "")
-        return {"target": target, "multi": self.session.multi, "allow_actions": self.allow_actions,
+        return {"target": target, "multi": self.session.multi, "allow_actions": self.allow_actions, "csrf": self.csrf,
                 "actions": {k: list(v) for k, v in api.ACTIONS.items()} if self.allow_actions else {},
                 "refresh": self.refresh}
 
@@ -75,11 +142,27 @@ class UIServer(ThreadingHTTPServer):
         return t
 
 
+def _host_names(host: str, bound: str, port: int) -> frozenset:
+    """The ``Host`` header values a request to this server may carry: loopback names, and the address it was
+    bound to (this host's names for a wildcard), each with the port (and without it on port 80).
+
+    >>> sorted(_host_names("127.0.0.1", "127.0.0.1", 8000))
+    ['127.0.0.1:8000', '[::1]:8000', 'localhost:8000']
+    """
+    names = {"127.0.0.1", "localhost", "[::1]"}
+    if bound in ("0.0.0.0", "::"):
+        names.update({socket.gethostname(), socket.getfqdn()})
+    else:
+        names.update({f"[{h}]" if ":" in h else h for h in (host, bound)})
+    return frozenset({f"{n}:{port}" for n in names} | (names if port == 80 else set()))
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: UIServer
     protocol_version = "HTTP/1.1"
     server_version = "probe-ui"
     sys_version = ""
+    timeout = IDLE_TIMEOUT
 
     def log_message(self, format, *args):  # the terminal shows the URL, not every request
         pass
@@ -101,7 +184,22 @@ class _Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, doc) -> None:
         self._send(status, json.dumps(doc, default=str, allow_nan=False).encode(), "application/json")
 
+    def _refused(self) -> str | None:
+        """Why this request is refused before its token is even looked at (DNS rebinding, another origin)."""
+        host = (self.headers.get("Host") or "").strip().lower()
+        if host not in self.server.hosts:
+            return "this page answers only under the address `probe ui` printed (Host header refused)"
+        origin = self.headers.get("Origin")
+        if origin is not None and origin.strip().lower() not in {f"http://{h}" for h in self.server.hosts}:
+            return "requests from another origin are refused"
+        return None
+
     def _route(self, method: str) -> None:
+        why = self._refused()
+        if why is not None:
+            self.close_connection = True
+            self._send(403, f"forbidden: {why}.\n".encode(), "text/plain; charset=utf-8")
+            return
         url = urlparse(self.path)
         token, _, rest = url.path.lstrip("/").partition("/")
         if not hmac.compare_digest(token.encode(), self.server.token.encode()):
@@ -124,9 +222,15 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(404, b"not found\n", "text/plain; charset=utf-8")
                 return
             self._send(200, body, _TYPES.get(name[name.rfind("."):], "application/octet-stream"))
+            if name == "index.html" and self.server.launch_file:
+                self.server.forget_launch_file()  # the browser got here: the file that brought it is not needed
             return
         params = {k: v[-1] for k, v in parse_qs(url.query).items()}
         if method == "POST":
+            given = (self.headers.get(CSRF_HEADER) or "").encode()
+            if not hmac.compare_digest(given, self.server.csrf.encode()):
+                self._json(403, {"error": f"this request lacks the page's {CSRF_HEADER} header; reload the page."})
+                return
             try:
                 length = int(self.headers.get("Content-Length") or 0)
                 if length > MAX_BODY:

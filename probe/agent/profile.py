@@ -20,6 +20,7 @@ import time
 from . import state
 from .._errors import QueryError
 from .server import Request, route
+from ..util.collapsed import frame_text
 
 __all__ = ["sample_stacks", "MAX_SECONDS", "MAX_HZ"]
 
@@ -35,7 +36,7 @@ _running = threading.Lock()
 def _label(code) -> str:
     """``func (file.py:first line)``: one box per function, whichever line it is on."""
     name = getattr(code, "co_qualname", None) or code.co_name
-    return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})".replace(";", ",")
+    return frame_text(f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})")
 
 
 def sample_stacks(seconds: float, hz: float = DEFAULT_HZ, exclude: frozenset = frozenset()) -> dict:
@@ -81,7 +82,7 @@ def sample_stacks(seconds: float, hz: float = DEFAULT_HZ, exclude: frozenset = f
     labels: dict = {}
     stacks: dict[str, int] = {}
     for (ident, codes), n in counts.items():
-        parts = [f"thread {names.get(ident, ident)}".replace(";", ",")]
+        parts = [frame_text(f"thread {names.get(ident, ident)}")]
         for code in reversed(codes):
             text = labels.get(code)
             if text is None:

@@ -14,6 +14,7 @@ from .._errors import QueryError
 from ..tables import builtin  # noqa: F401  (registers the built-in tables)
 from ..tables.python import frame_row, walk_stacks
 from ..tables.registry import all_tables, version
+from ..util.redact import redact
 
 __all__ = ["snapshot", "safe_repr", "schema_identity"]
 
@@ -101,7 +102,7 @@ def backtrace(req: Request) -> dict:
             func, file, lineno, line = frame_row(frame)
             row = {"depth": depth, "func": func, "file": file, "lineno": lineno, "line": line}
             if with_locals:
-                row["locals"] = {k: safe_repr(v) for k, v in list(frame.f_locals.items())[:40]}
+                row["locals"] = {k: redact(k, safe_repr(v)) for k, v in list(frame.f_locals.items())[:40]}
             rows.append(row)
         threads.append({"thread_id": ident, "native_id": getattr(thread, "native_id", None), "name": name,
                         "is_main": is_main, "daemon": getattr(thread, "daemon", None), "frames": rows})

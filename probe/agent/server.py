@@ -9,9 +9,12 @@ training thread: handler errors are answered as JSON and kept in ``probe.errors`
 Limits (each server, unix socket and TCP, has its own, so TCP clients can never use up
 the owner's socket): at most ``PROBE_MAX_CONNECTIONS`` connections are served at once
 (one more is answered 503 and closed at once, without a thread); a client has
-``PROBE_READ_TIMEOUT`` seconds per read to send its request; the TCP token is checked
-right after the headers, before the body is read; bodies are JSON objects of at most
-``MAX_BODY`` bytes and ``MAX_JSON_DEPTH`` levels.
+``PROBE_READ_TIMEOUT`` seconds in all to send its request line and headers (a byte now and
+then does not keep a connection) and then that long per read of its body; the head is at
+most ``MAX_HEAD`` bytes; over TCP the token is checked as soon as its header line arrives,
+and a head with no ``Authorization`` in its first ``MAX_HEAD_BEFORE_AUTH`` bytes is refused
+there, so a client without the token can hold at most that much of the process's memory;
+bodies are JSON objects of at most ``MAX_BODY`` bytes and ``MAX_JSON_DEPTH`` levels.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from typing import Callable
@@ -38,6 +42,45 @@ __all__ = ["Request", "Binary", "route", "ROUTES", "UnixServer", "TCPServer", "c
 
 TIERS = ("read", "action", "eval")
 MAX_BODY = 1024 * 1024
+MAX_HEAD = 16 * 1024  # request line and headers: our clients send a few hundred bytes
+MAX_HEAD_BEFORE_AUTH = 4 * 1024  # over TCP, what a client may send before its Authorization line
+
+
+class _HeadRefused(Exception):
+    def __init__(self, status: int, payload: dict, path: str = ""):
+        super().__init__(status)
+        self.status, self.payload, self.path = status, payload, path
+
+
+def _path_of(head: bytes) -> str:
+    """The target of a head's request line ('' when it has none)."""
+    words = bytes(head).split(b"\n", 1)[0].split()
+    return words[1].decode("latin-1") if len(words) >= 2 else ""
+
+
+class _Head:
+    """The request's head as read by ``_Handler.read_head``, then the rest of the stream: what the stdlib's
+    request parsing reads from (``readline``) and the body reader after it (``read``)."""
+
+    def __init__(self, head: bytes, rest):
+        import io
+
+        self._head, self._rest = io.BytesIO(head), rest
+
+    def readline(self, size: int = -1) -> bytes:
+        line = self._head.readline(size)
+        if line.endswith(b"\n") or (size >= 0 and len(line) >= size):
+            return line
+        return line + self._rest.readline(-1 if size < 0 else size - len(line))
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._head.read(size)
+        if size < 0:
+            return data + self._rest.read()
+        return data + self._rest.read(size - len(data)) if len(data) < size else data
+
+    def close(self) -> None:
+        self._rest.close()
 
 
 @dataclass
@@ -108,6 +151,70 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self):
         self.timeout = self.server.read_timeout
         super().setup()
+
+    def handle(self):
+        """Read the head under its own deadline and byte caps (``read_head``), then serve the one request."""
+        try:
+            head = self.read_head()
+        except _HeadRefused as exc:
+            _count_request(self.server.transport)
+            self.request_version, self.requestline, self.command, self.path = "HTTP/1.1", "", None, exc.path
+            if exc.status == 401:
+                for method in ("GET", "POST"):
+                    if (method, urlparse(exc.path).path) in ROUTES:
+                        _audit_refusal(self, method, {"transport": "tcp", "address": "%s:%s" % self.client_address[:2]},
+                                       AuthError(_WRONG_TOKEN))
+                        break
+            self._send(exc.status, exc.payload)
+            return
+        except OSError:  # timed out, reset: nothing to answer
+            return
+        self.rfile = _Head(head, self.rfile)
+        self.handle_one_request()
+
+    def read_head(self) -> bytes:
+        """The request line and headers, read with one deadline for all of them (``PROBE_READ_TIMEOUT``) and
+        at most ``MAX_HEAD`` bytes; over TCP, the token is checked as soon as its line is complete."""
+        sock = self.connection
+        deadline = time.monotonic() + self.server.read_timeout
+        buf = bytearray()
+        scanned = 0  # the lines before this offset were looked at
+        authorized = self.server.transport != "tcp"
+        while True:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0 and buf.find(b"\n\n") >= 0:
+                end = buf.find(b"\n\n")
+            # look at every complete header line once: the Authorization one decides at once
+            while not authorized:
+                nl = buf.find(b"\n", scanned)
+                if nl < 0:
+                    break
+                line = bytes(buf[scanned:nl]).strip()
+                scanned = nl + 1
+                if line.lower().startswith(b"authorization:"):
+                    if not self.server.check_token(line.split(b":", 1)[1].strip()):
+                        raise _HeadRefused(401, AuthError(_WRONG_TOKEN).to_dict(), _path_of(buf))
+                    authorized = True
+                elif not line and scanned > 2:  # the end of the head, without the token
+                    raise _HeadRefused(401, AuthError(_WRONG_TOKEN).to_dict(), _path_of(buf))
+            if end >= 0:
+                return bytes(buf)
+            first = buf.find(b"\n")
+            if first >= 0 and len(buf[:first].split()) == 2:
+                return bytes(buf)  # HTTP/0.9: no headers follow; parse_request answers it
+            limit = MAX_HEAD if authorized else MAX_HEAD_BEFORE_AUTH
+            if len(buf) > limit:
+                what = "request headers" if authorized else "request headers before the Authorization header"
+                raise _HeadRefused(431, {"error": f"the {what} pass {limit} bytes.", "kind": "request", "exit_code": 2})
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("request head")
+            sock.settimeout(left)
+            chunk = sock.recv(min(4096, limit + 1 - len(buf)))
+            if not chunk:
+                return bytes(buf)  # the client stopped sending: parse what came
+            buf += chunk
+            sock.settimeout(self.server.read_timeout)
 
     def parse_request(self):
         # An HTTP/0.9 request line ("GET /path") has no headers, but the stdlib would wait for
@@ -253,6 +360,7 @@ def _json_default(value):
     return str(value)
 
 
+_WRONG_TOKEN = "missing or wrong token; pass --token or set PROBE_TOKEN to the training process's token."
 _served = {"unix": 0, "tcp": 0}
 _served_lock = threading.Lock()
 
@@ -358,11 +466,14 @@ class TCPServer(_Base, socketserver.TCPServer):
         self._limits()
         super().__init__((host, port), _Handler)
 
+    def check_token(self, value: bytes) -> bool:
+        """Whether an Authorization header's value carries the token (compared in constant time)."""
+        given = value[7:].strip() if value[:7].lower() == b"bearer " else b""
+        return hmac.compare_digest(given, self.token)
+
     def client_info(self, handler) -> dict:
-        header = handler.headers.get("Authorization", "")
-        given = header[7:].strip().encode() if header.startswith("Bearer ") else b""
-        if not hmac.compare_digest(given, self.token):
-            raise AuthError("missing or wrong token; pass --token or set PROBE_TOKEN to the training process's token.")
+        if not self.check_token(handler.headers.get("Authorization", "").encode("latin-1", "replace")):
+            raise AuthError(_WRONG_TOKEN)
         host, port = handler.client_address[:2]
         return {"transport": "tcp", "address": f"{host}:{port}"}
 

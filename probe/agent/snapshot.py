@@ -15,9 +15,11 @@ a value it cannot compare cheaply is kept. No SQL is parsed here.
 
 Limits: at most ``PROBE_MAX_SNAPSHOTS`` snapshots are taken at once (the rest wait
 in line, up to their timeout); together they may take ``PROBE_SERVE_SHARE`` of wall
-time (the CPU time of their requests' threads, a token bucket with a second's burst and at most a
-second's debt: an occasional query never waits, none waits over a second, twenty clients
-asking back to back are paced, and training keeps its core); and
+time, averaged over ``PACE_WINDOW_S`` seconds: each request is charged the CPU time of its
+thread in full (parsing its filter trees, generating every table it names, filtering,
+encoding), however large, and the next snapshot waits until that debt is earned back (an
+occasional query never waits; a client whose snapshots cost a lot waits long, and so do
+twenty clients asking back to back; training keeps its core whatever they send); and
 a snapshot larger than ``PROBE_SNAPSHOT_BYTES`` is refused before it is sent.
 """
 
@@ -39,6 +41,7 @@ __all__ = ["take", "apply_filter", "parse_request", "BusyError"]
 _OPS = ("=", "!=", "<", "<=", ">", ">=", "in", "null", "notnull")
 MAX_FILTER_NODES = 256
 MAX_IN_VALUES = 1000
+PACE_WINDOW_S = 10.0  # PROBE_SERVE_SHARE is kept over this window (its share of it is the credit a process starts with)
 
 _slots_lock = threading.Lock()
 _slots: threading.BoundedSemaphore | None = None
@@ -62,6 +65,17 @@ def _semaphore() -> threading.BoundedSemaphore:
         return _slots
 
 
+def _bucket(now: int) -> Budget:
+    """The pace's bucket (under ``_slots_lock``), made at first use."""
+    global _pace, _pace_at
+    if _pace is None:
+        # every cost charged in full (no cap on one charge nor on the debt): a client chooses what its
+        # snapshot costs (heavy filter trees over every table), so a cap would be its discount
+        _pace = Budget(setting("PROBE_SERVE_SHARE"), burst_s=PACE_WINDOW_S, charge_cap=math.inf, debt_cap=math.inf)
+        _pace_at = now
+    return _pace
+
+
 def _paced(timeout: float) -> None:
     """Wait until the snapshots' share of wall time has credit again (``PROBE_SERVE_SHARE``); BusyError after ``timeout``."""
     global _pace, _pace_at
@@ -69,12 +83,10 @@ def _paced(timeout: float) -> None:
     while True:
         with _slots_lock:
             now = time.monotonic_ns()
-            if _pace is None:
-                _pace = Budget(setting("PROBE_SERVE_SHARE"), charge_cap=math.inf)  # debt stays capped at one burst: no wait over 1 s
-                _pace_at = now
-            _pace.earn(now - _pace_at)
+            pace = _bucket(now)
+            pace.earn(now - _pace_at)
             _pace_at = now
-            wait = _pace.wait_ns() / 1e9
+            wait = pace.wait_ns() / 1e9
         if wait <= 0:
             return
         if time.monotonic() + wait > deadline:
@@ -86,8 +98,7 @@ def _paced(timeout: float) -> None:
 
 def _charge(cpu_ns: int) -> None:
     with _slots_lock:
-        if _pace is not None:
-            _pace.spend(cpu_ns)
+        _bucket(time.monotonic_ns()).spend(cpu_ns)
 
 
 def _check_filter(node, columns: set, depth: int = 0, count: list | None = None) -> dict:
@@ -254,7 +265,18 @@ def _filter_columns(node: dict) -> set:
 
 
 def take(body: dict, meta: dict) -> list:
-    """The encoded snapshot the request asks for (buffers for ``probe.util.wire``)."""
+    """The encoded snapshot the request asks for (buffers for ``probe.util.wire``).
+
+    The request's whole cost is charged to the pace, whether it is answered or refused: the
+    server runs one thread per request, so its thread's CPU time is what it cost (reading
+    and parsing the body included)."""
+    try:
+        return _take(body, meta)
+    finally:
+        _charge(time.thread_time_ns())
+
+
+def _take(body: dict, meta: dict) -> list:
     from ..util.wire import encode
 
     global _waiting
@@ -288,5 +310,4 @@ def take(body: dict, meta: dict) -> list:
             raise QueryError(f"the snapshot of {exc} is larger than PROBE_SNAPSHOT_BYTES ({max_bytes // 1048576} MiB); "
                              "select fewer columns or add a WHERE on its columns (LIMIT is applied after the snapshot).") from None
     finally:
-        _charge(time.thread_time_ns())  # the whole request so far: the server runs one thread per request
         slots.release()

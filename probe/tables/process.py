@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 from ..agent import state
 from .._runtime import process_argv, rank_identity
 from ..util.procfs import rss_bytes
+from ..util.redact import redact
 from .registry import Column, table
-
-SECRET = re.compile(r"TOKEN|SECRET|KEY|PASSWORD|PASSWD|CREDENTIAL|AUTH|COOKIE", re.IGNORECASE)
 
 
 def _info_row(ctx) -> dict:
@@ -93,4 +91,4 @@ def info(ctx):
     examples=["SELECT name, value FROM process.env WHERE name LIKE 'PROBE%' OR name LIKE 'NCCL%' ORDER BY name"],
 )
 def env(ctx):
-    return sorted((k, "<redacted>" if SECRET.search(k) else v) for k, v in os.environ.items())
+    return sorted((k, redact(k, v)) for k, v in os.environ.items())

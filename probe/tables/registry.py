@@ -25,9 +25,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from ..util.wire import TYPES, WireError, check_table
+
 __all__ = ["Column", "Table", "Context", "table", "get_table", "all_tables", "unregister", "to_columns", "version"]
 
-TYPES = ("BIGINT", "INTEGER", "DOUBLE", "VARCHAR", "BOOLEAN", "TIMESTAMP")
 KINDS = ("snapshot", "ring", "client")
 _NAME = re.compile(r"^[a-z_][a-z0-9_]*\.[a-z_][a-z0-9_]*$")
 
@@ -96,6 +97,10 @@ def table(name: str, description: str, *, columns: Iterable[Column], examples: I
     cols = tuple(columns)
     if len({c.name for c in cols}) != len(cols):
         raise ValueError(f"table {name}: duplicate column names")
+    try:  # what a client will accept of a snapshot (probe.util.wire): refuse here what it would refuse there
+        check_table(name, [(c.name, c.type) for c in cols])
+    except WireError as exc:
+        raise ValueError(str(exc)) from None
 
     def register(fn):
         with _LOCK:

@@ -48,17 +48,19 @@ BURST_S = 1.0  # seconds of step time whose share may be spent at once (and the 
 
 
 class Budget:
-    __slots__ = ("share", "credit", "cap", "max_gap_ns", "last_allowed_ns", "charge_cap")
+    __slots__ = ("share", "credit", "cap", "max_gap_ns", "last_allowed_ns", "charge_cap", "floor")
 
     def __init__(self, share: float, burst_s: float = BURST_S, max_gap_s: float | None = None,
-                 charge_cap: float = 0.25):
+                 charge_cap: float = 0.25, debt_cap: float = 1.0):
         """``share``: the fraction of time allowed; ``inf`` allows everything, ``0`` nothing.
 
         ``max_gap_s``: when given, ``allows`` says yes at least once per that many seconds
         whatever the credit (so a value is never left unmeasured for long).
         ``charge_cap``: the largest single charge, as a fraction of the burst (a quarter for
         wall-clock charges, which a lost time slice inflates; CPU-time charges need none: ``inf``).
-        The debt is capped at one burst either way, so nothing waits longer than ``burst_s`` for credit.
+        ``debt_cap``: the largest debt, in bursts (one by default, so nothing waits longer than ``burst_s`` for
+        credit); ``inf`` charges every cost in full, however long the wait it buys (the server's snapshots,
+        whose cost a client chooses).
         """
         self.share = share
         self.cap = share * burst_s * 1e9 if math.isfinite(share) else math.inf
@@ -66,6 +68,7 @@ class Budget:
         self.max_gap_ns = None if max_gap_s is None else int(max_gap_s * 1e9)
         self.last_allowed_ns = 0
         self.charge_cap = charge_cap
+        self.floor = -debt_cap * self.cap if math.isfinite(self.cap) else -math.inf
 
     @property
     def unlimited(self) -> bool:
@@ -80,7 +83,7 @@ class Budget:
         """The probe spent ``ns`` nanoseconds of its own work (charged at most ``charge_cap`` of the burst)."""
         most = self.charge_cap * self.cap
         c = self.credit - (ns if ns < most else most)
-        self.credit = c if c > -self.cap else -self.cap
+        self.credit = c if c > self.floor else self.floor
 
     def tick(self, duration_ns: float, now_ns: int, spent_ns: float, boundaries: int = 1) -> bool:
         """Settle the steps since the last tick in one call: pay ``spent_ns`` (the work of the

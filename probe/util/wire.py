@@ -29,16 +29,44 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 
-__all__ = ["MAGIC", "encode", "decode", "object_column", "WireError"]
+__all__ = ["MAGIC", "TYPES", "encode", "decode", "object_column", "check_table", "WireError"]
 
 MAGIC = b"PRBC"
 _FIXED = {"f8": "<f8", "i8": "<i8", "b1": "|b1"}
+_KINDS = ("f8", "i8", "b1", "str", "dict")
+# The SQL types a table may declare: the one allow-list for the registry (probe.tables.registry) and for
+# whatever arrives from elsewhere (a snapshot, a post-mortem record), since these words are written into SQL.
+TYPES = ("BIGINT", "INTEGER", "DOUBLE", "VARCHAR", "BOOLEAN", "TIMESTAMP")
+_TABLE = re.compile(r"^[a-z_][a-z0-9_]{0,63}\.[a-z_][a-z0-9_]{0,63}$")
+_COLUMN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 
 
 class WireError(ValueError):
-    """The message is not a probe snapshot (or is cut short)."""
+    """The message is not a probe snapshot (or is cut short, or declares a name or type outside the allow-list)."""
+
+
+def check_table(name, columns) -> None:
+    """Refuse (WireError) a table or column name, or a column type, that is not on the allow-list.
+
+    A snapshot or a post-mortem record comes from a process, or a file, that may not be ours:
+    its names and types reach the client's SQL, so they are checked before any of it is built.
+
+    >>> check_table("torch.steps", [("step", "BIGINT")])
+    >>> check_table("torch.steps", [("step", "BIGINT) AS x FROM range(1e14) --")])
+    Traceback (most recent call last):
+    ...
+    probe.util.wire.WireError: column step of torch.steps declares type 'BIGINT) AS x FROM range(1e14) --', which is not one of BIGINT, INTEGER, DOUBLE, VARCHAR, BOOLEAN, TIMESTAMP
+    """
+    if not isinstance(name, str) or not _TABLE.match(name):
+        raise WireError(f"table name {str(name)[:80]!r} is not schema.table in lower-case letters, digits and _")
+    for col, typ in columns:
+        if not isinstance(col, str) or not _COLUMN.match(col):
+            raise WireError(f"column name {str(col)[:80]!r} of {name} is not letters, digits and _")
+        if typ not in TYPES:
+            raise WireError(f"column {col} of {name} declares type {str(typ)[:80]!r}, which is not one of {', '.join(TYPES)}")
 
 
 def object_column(values, typ: str):
@@ -181,8 +209,6 @@ def decode(message: bytes) -> dict:
     ``data`` is a numpy array (an object array of str for text, None where NULL); ``valid``
     is a bool array or None when the column has no NULLs.
     """
-    import numpy as np
-
     if len(message) < 8 or message[:4] != MAGIC:
         raise WireError("not a probe snapshot")
     (hlen,) = struct.unpack_from("<I", message, 4)
@@ -190,18 +216,35 @@ def decode(message: bytes) -> dict:
         header = json.loads(message[8:8 + hlen])
     except ValueError:
         raise WireError("the snapshot header is damaged") from None
-    base = 8 + hlen
+    try:
+        return _decode(message, header, 8 + hlen)
+    except WireError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError):
+        raise WireError("the snapshot header is damaged") from None
+
+
+def _decode(message: bytes, header: dict, base: int) -> dict:
+    import numpy as np
+
+    if not isinstance(header, dict) or not isinstance(header.get("tables"), dict):
+        raise WireError("the snapshot header is damaged")
     view = memoryview(message)
     out: dict = {}
     for name, t in header["tables"].items():
         n = int(t["rows"])
+        if n < 0:
+            raise WireError("the snapshot header is damaged")
+        check_table(name, [(c["name"], c["type"]) for c in t["columns"]])
         cols: dict = {}
         for c in t["columns"]:
             spans = c["buffers"]
+            if c["kind"] not in _KINDS:
+                raise WireError("the snapshot header is damaged (an unknown column kind)")
 
             def buf(span):
-                start, size = span
-                if base + start + size > len(message):
+                start, size = int(span[0]), int(span[1])
+                if start < 0 or size < 0 or base + start + size > len(message):
                     raise WireError("the snapshot is cut short")
                 return view[base + start: base + start + size]
 
@@ -225,4 +268,5 @@ def decode(message: bytes) -> dict:
                 data = np.frombuffer(buf(spans[0]), _FIXED[c["kind"]], n)
             cols[c["name"]] = {"type": c["type"], "kind": c["kind"], "data": data, "valid": valid}
         out[name] = {"rows": n, "columns": cols}
-    return {"meta": header.get("meta", {}), "tables": out}
+    meta = header.get("meta", {})
+    return {"meta": meta if isinstance(meta, dict) else {}, "tables": out}

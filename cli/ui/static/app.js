@@ -9,6 +9,7 @@ const state = { config: {}, tables: {}, timer: null, refresh: 3, busy: false, fl
 async function call(method, path, body) {
   const opts = { method, headers: {} };
   if (body !== undefined) { opts.body = JSON.stringify(body); opts.headers["Content-Type"] = "application/json"; }
+  if (method === "POST") opts.headers["X-Probe-CSRF"] = state.config.csrf || "";  // from api/config: our origin only
   const resp = await fetch(path, opts);
   let doc;
   try { doc = await resp.json(); } catch (e) { throw new Error(`HTTP ${resp.status} from ${path}`); }

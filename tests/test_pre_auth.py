@@ -1,0 +1,197 @@
+"""Issue 25 item 7: what a client without the token, or with expensive snapshots, can take from the training process.
+
+Each test drives a real training loop (tests/targets/actions_train.py, which prints ``step N``) and ends by
+checking that it kept stepping.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from conftest import TARGETS, poll, requires_torch
+
+pytestmark = requires_torch
+
+
+def _entry(pid: int, env: dict) -> dict:
+    with open(f"{env['PROBE_RUNTIME_DIR']}/{pid}.json") as f:
+        return json.load(f)
+
+
+def _last_step(proc) -> int:
+    steps = [int(m.group(1)) for m in map(re.compile(r"^step (\d+)").match, proc.output().splitlines()) if m]
+    return max(steps, default=-1)
+
+
+def _still_stepping(proc) -> None:
+    before = _last_step(proc)
+    assert poll(lambda: _last_step(proc) > before + 3, 60), f"training stopped at step {before}"
+    assert proc.popen.poll() is None and "Traceback" not in proc.output(), proc.output()[-2000:]
+
+
+def _rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(l for l in f if l.startswith("VmRSS:")).split()[1])
+
+
+def _train(spawn, **env):
+    return spawn([TARGETS / "actions_train.py", "--sched", "none", "--step-sleep", "0.01"],
+                 env={"PROBE_PORT": "0", "PROBE_TOKEN": "the-right-token-1234", **env})
+
+
+def test_trickling_tcp_clients_are_cut_off_and_never_lock_the_owner_out(spawn, cli, probe_env):
+    # given a training process on TCP too, each request head allowed 2 s in all
+    target = _train(spawn, PROBE_READ_TIMEOUT="2")
+    port = _entry(target.pid, probe_env)["tcp_port"]
+    # when 32 TCP clients (every connection slot) each send a header byte twice a second, forever
+    held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(32)]
+    cut = [False] * len(held)
+    stop = threading.Event()
+
+    def trickle():
+        for s in held:
+            s.sendall(b"GET /health HTTP/1.1\r\nX-Slow: ")
+        while not stop.is_set() and not all(cut):
+            for i, s in enumerate(held):
+                if cut[i]:
+                    continue
+                try:
+                    s.sendall(b"a")
+                    s.setblocking(False)
+                    try:
+                        if s.recv(4096) == b"":
+                            cut[i] = True
+                    except BlockingIOError:
+                        pass
+                    finally:
+                        s.setblocking(True)
+                except OSError:
+                    cut[i] = True
+            stop.wait(0.5)  # ok-sleep: the attacker's pace, one byte per client twice a second
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    try:
+        # then the owner, over the unix socket, is answered while they hold their connections
+        r = cli(target.pid, "query", "SELECT max(step) AS s FROM torch.steps", "-f", "csv")
+        assert r.returncode == 0, r.stderr
+        # and every trickling client is cut off, however steadily it sends (the head has one deadline)
+        assert poll(lambda: all(cut), 60), f"{cut.count(False)} trickling clients still hold a connection"
+        # and a client with the token is served again
+        ok = cli(f"127.0.0.1:{port}", "--token", "the-right-token-1234", "query", "SELECT 1 AS one", "-f", "csv")
+        assert ok.returncode == 0, ok.stderr
+    finally:
+        stop.set()
+        t.join(10)
+        for s in held:
+            s.close()
+    _still_stepping(target)
+
+
+N_ATTACKS = 96
+
+
+def test_large_headers_without_the_token_cost_the_process_no_memory(spawn, cli, probe_env):
+    # given a training process on TCP
+    target = _train(spawn)
+    port = _entry(target.pid, probe_env)["tcp_port"]
+    assert cli(target.pid, "query", "SELECT 1", "-f", "csv").returncode == 0  # warm: the CLI's first query's memory
+    before = _rss_kb(target.pid)
+    head = b"POST /snapshot HTTP/1.1\r\nHost: x\r\n" + (b"X-Pad: " + b"a" * 60_000 + b"\r\n") * 99
+    refused = []
+    together = threading.Barrier(32, timeout=120)
+
+    def attack(_):
+        s = socket.create_connection(("127.0.0.1", port), timeout=60)
+        try:
+            try:
+                s.sendall(head)
+            except OSError:
+                pass  # cut off mid-head: what should happen
+            try:
+                together.wait()  # all 32 heads are in the server at once before any ends
+            except threading.BrokenBarrierError:
+                pass
+            try:
+                s.sendall(b"Authorization: Bearer wrong\r\n\r\n")
+            except OSError:
+                pass
+            try:
+                answer = s.recv(65536)
+                refused.append(answer.split(b" ", 2)[1] if answer.startswith(b"HTTP/1.1 ") else b"closed")
+            except OSError:
+                refused.append(b"closed")
+        finally:
+            s.close()
+
+    # when 32 clients at a time, N_ATTACKS in all, each send 99 headers of 60 KB and a wrong token
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(attack, range(N_ATTACKS)))
+    # then none was served, and the process holds no more than a few MB more than before
+    assert len(refused) == N_ATTACKS and b"200" not in refused, refused
+    grown_mb = (_rss_kb(target.pid) - before) / 1024
+    print(f"RSS grew by {grown_mb:.1f} MB")
+    assert grown_mb < 24, f"the training process grew by {grown_mb:.0f} MB"
+    # and the right token still works, over TCP, with ordinary headers
+    ok = cli(f"127.0.0.1:{port}", "--token", "the-right-token-1234", "query", "SELECT 1 AS one", "-f", "csv")
+    assert ok.returncode == 0, ok.stderr
+    _still_stepping(target)
+
+
+def _heavy_body(timeout: float) -> bytes:
+    """A snapshot of every table's columns, each with a filter tree of OR'd comparisons (256 nodes in all)."""
+    from probe.tables import builtin  # noqa: F401
+    from probe.tables.registry import all_tables
+
+    tables = {}
+    nodes = 0
+    for t in all_tables():
+        if t.kind == "client":
+            continue
+        col = t.columns[0].name
+        tables[t.name] = {"columns": [c.name for c in t.columns],
+                          "filter": {"or": [{"op": "!=", "col": col, "value": i} for i in range(10)]}}
+        nodes += 11
+        if nodes > 230:
+            break
+    return json.dumps({"tables": tables, "timeout": timeout}).encode()
+
+
+def _snapshot(path: str, body: bytes) -> tuple[int, bytes]:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(60)
+    s.connect(path)
+    try:
+        s.sendall(f"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        data = b""
+        while True:
+            chunk = s.recv(1 << 20)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        s.close()
+    return int(data.split(b" ", 2)[1]), data.partition(b"\r\n\r\n")[2]
+
+
+def test_expensive_snapshots_are_charged_their_whole_cost(spawn, probe_env):
+    # given a training process whose snapshots may take half a percent of its time
+    target = _train(spawn, PROBE_SERVE_SHARE="0.005")
+    sock = _entry(target.pid, probe_env)["socket"]
+    # when a client sends snapshots with heavy filter trees over every table, each willing to wait 2 s
+    statuses, refusal = [], None
+    for _ in range(60):
+        status, body = _snapshot(sock, _heavy_body(2.0))
+        statuses.append(status)
+        if status == 503:
+            refusal = json.loads(body)["error"]
+            break
+    # then, once they have spent the share, the next one would wait longer than it may and is told so:
+    # a debt capped at one burst (the old pacing) never made one wait over a second, whatever it cost
+    assert refusal is not None, f"{len(statuses)} heavy snapshots were all served: {statuses}"
+    assert "PROBE_SERVE_SHARE" in refusal and refusal.endswith("."), refusal
+    _still_stepping(target)
