@@ -59,7 +59,7 @@ def names_the_planted_fault(spawn, cli, fault, rule, words):
     assert str(job.pid) in " ".join(finding["next"])
     # the human form: the most severe finding comes first, with its next command
     text = cli(job.pid, "doctor")
-    assert text.returncode == FOUND_EXIT and "next: probe" in text.stdout
+    assert text.returncode == FOUND_EXIT and "next: probe" in text.stdout, (text.returncode, text.stdout, text.stderr)
 
 
 def rule_rows(name: str, tables: dict, *, messages: bool = False) -> list:

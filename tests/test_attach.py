@@ -174,5 +174,5 @@ def test_after_inject_into_an_hf_trainer_its_own_step_shows_beside_probes(spawn,
     assert row, cli("list", "--json").stdout
     assert row["framework_counter"].endswith(".global_step"), row
     assert row["framework_step"] >= 30 and row["framework_step"] > row["step"], row
-    table = cli("list")
+    table = cli("list", env={"COLUMNS": "400"})  # wide enough that no header is cut
     assert "framework_step" in table.stdout, table.stdout

@@ -226,7 +226,10 @@ rule(
 WITH s AS (
   SELECT rank, step, file, line, any_value(coalesce(code, '')) AS code, any_value(function) AS function, sum(count) AS n
   FROM torch.syncs WHERE origin = 'user' GROUP BY rank, step, file, line),
-t AS (SELECT rank, step, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age FROM torch.steps WHERE traced),
+t AS (SELECT rank, step, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age FROM torch.steps
+      -- traced steps up to the newest one torch.syncs has seen: the tables are snapshotted one after the other, so a
+      -- traced step may be in torch.steps before its syncs are in torch.syncs
+      WHERE traced AND step <= (SELECT max(x.step) FROM torch.syncs x WHERE x.rank IS NOT DISTINCT FROM torch.steps.rank)),
 j AS (SELECT s.* FROM s JOIN t ON t.rank IS NOT DISTINCT FROM s.rank AND t.step = s.step WHERE t.age <= 3)
 SELECT rank, max(step) AS step, file, regexp_extract(file, '[^/]+$') AS base, line, any_value(code) AS code,
        any_value(function) AS function, count(*) AS steps, sum(n) / count(*) AS per_step

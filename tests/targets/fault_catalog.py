@@ -63,6 +63,9 @@ NOT_ALSO = {"dead_relu": ("collapsed_output", "grads_by_layer"), "collapsed": ("
 # measured, what the doctor reads at "planted" is fixed by the target's step count. (A real job trains long before
 # it diverges; the budget's own sampling is tested in test_torch_budget.py and the doctor's in test_doctor.py.)
 STEP_BUDGET = {"diverging": "off", "loss_spike": "off", "memory_growth": "off", "grad_zero": "off"}
+# memory_growth reads the memory of the last 30 s and needs 3 s of them after step 100: a floor under each step's time
+# makes the 140 leaking steps before "planted" last 4 s or more however fast the machine is
+STEP_SLEEP = {"memory_growth": "0.03"}
 # a slowdown is judged against the earlier steps' median: enough fast steps first keep it visible for ~20 s, not ~5 s
 FAULT_STEP = {"slowdown": "150"}
 
@@ -71,6 +74,8 @@ def plant(fault: str) -> tuple[list, dict]:
     """``(arguments after the script, environment)`` that start faults.py with ``fault`` planted (PROBE=1)."""
     args = ["--fault", fault, "--settle", SETTLE.get(fault, "60"), "--fault-step", FAULT_STEP.get(fault, "40")]
     env = {"PROBE": "1"}
+    if fault in STEP_SLEEP:
+        args += ["--step-sleep", STEP_SLEEP[fault]]
     if fault in TRACE_EVERY:
         env["PROBE_TRACE"] = TRACE_EVERY[fault]
     if fault in STEP_BUDGET:
