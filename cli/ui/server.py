@@ -29,6 +29,7 @@ from importlib import resources
 from urllib.parse import parse_qs, urlparse
 
 from probe._errors import ProbeError
+from probe.util.slots import BoundedThreads
 
 from . import api
 
@@ -52,7 +53,7 @@ def _static_files() -> dict:
     return {f.name: f.read_bytes() for f in root.iterdir() if f.is_file()}
 
 
-class UIServer(ThreadingHTTPServer):
+class UIServer(BoundedThreads, ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
     request_queue_size = 128
@@ -66,32 +67,14 @@ class UIServer(ThreadingHTTPServer):
         self.files = _static_files()
         self.started = time.time()
         self.launch_file: str | None = None  # see open_browser
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.bound_threads(MAX_CONNECTIONS)
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         super().__init__((host, port), _Handler)
         self.hosts = _host_names(host, self.server_address[0], self.port)
 
-    def process_request(self, request, client_address):
-        """A thread per connection, up to MAX_CONNECTIONS; beyond, a 503 and close, no thread."""
-        if not self._slots.acquire(blocking=False):
-            try:
-                request.settimeout(0.5)
-                request.sendall(_BUSY)
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
+    def busy_reply(self) -> bytes:
+        """What a connection past MAX_CONNECTIONS is sent (``BoundedThreads``) before it is closed."""
+        return _BUSY
 
     def open_browser(self, url: str) -> str:
         """Open ``url`` in this machine's browser without putting it on any command line (``ps`` shows those to

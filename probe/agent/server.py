@@ -35,6 +35,7 @@ from urllib.parse import parse_qs, urlparse
 from .._config import setting
 from .._errors import AuthError, ProbeError
 from ..util.errorlog import record_error
+from ..util.slots import BoundedThreads
 from ..util.validate import BadRequest, json_body
 from .audit import audit
 
@@ -380,7 +381,7 @@ _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\
          b"Content-Length: %d\r\n\r\n%s")
 
 
-class _Base(socketserver.ThreadingMixIn):
+class _Base(BoundedThreads, socketserver.ThreadingMixIn):
     daemon_threads = True
     block_on_close = False
     # socketserver's default backlog is 5; a unix socket refuses with EAGAIN (instead of
@@ -391,32 +392,14 @@ class _Base(socketserver.ThreadingMixIn):
     def _limits(self) -> None:
         self.read_timeout = setting("PROBE_READ_TIMEOUT")
         self.max_connections = setting("PROBE_MAX_CONNECTIONS")
-        self._slots = threading.BoundedSemaphore(self.max_connections)
+        self.bound_threads(self.max_connections)
 
-    def process_request(self, request, client_address):
-        """A thread per connection, up to ``max_connections``; beyond, a 503 and close, no thread."""
-        if not self._slots.acquire(blocking=False):
-            body = json.dumps({"error": f"the probe serves {self.max_connections} connections at once and all are busy; "
-                                        "retry in a moment (PROBE_MAX_CONNECTIONS raises the limit).",
-                               "kind": "busy", "exit_code": 3}).encode()
-            try:
-                request.settimeout(0.5)
-                request.sendall(_BUSY % (len(body), body))
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
+    def busy_reply(self) -> bytes:
+        """What a connection past ``max_connections`` is sent (``BoundedThreads``) before it is closed."""
+        body = json.dumps({"error": f"the probe serves {self.max_connections} connections at once and all are busy; "
+                                    "retry in a moment (PROBE_MAX_CONNECTIONS raises the limit).",
+                           "kind": "busy", "exit_code": 3}).encode()
+        return _BUSY % (len(body), body)
 
     def handle_error(self, request, client_address):
         record_error("server connection")

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import fully_shard
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=2000)
+p.add_argument("--step-sleep", type=float, default=0.0, help="Seconds to sleep each step: a floor under the job's length.")
 p.add_argument("--linger", action="store_true", help="After the last step, wait (in Python) until killed.")
 p.add_argument("--resume", default=None, help="Load probe.load_checkpoint(PATH) first, {rank} expanded; print what it held.")
 args = p.parse_args()
@@ -54,6 +55,8 @@ for step in range(1, args.steps + 1):
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
+    if args.step_sleep:
+        time.sleep(args.step_sleep)  # ok-sleep: a floor under the step time, so the job outlasts a round of queries
     if step == 1:
         say(f"ready rank={rank} pid={os.getpid()} world={world}")
     if step % 500 == 0:
