@@ -1,8 +1,10 @@
 """The documentation stays true: docs/reference.md is what the registries generate (so no
-command, setting, rule, table or column exists undocumented), and the generator catches a stale file."""
+command, setting, rule, table or column exists undocumented), the generator catches a stale
+file, the README stays a newcomer's page, and every relative link in the docs resolves."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -52,3 +54,25 @@ def test_the_reference_names_every_table_column_and_command():
         section = text.split(f"### `{t.name}`\n", 1)[1].split("\n### ", 1)[0]
         for c in t.columns:
             assert f"| `{c.name}` | {c.type} |" in section, (t.name, c.name)
+
+
+def test_readme_is_a_newcomers_page():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) < 250
+    first_block = readme.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    assert [line.split()[0] for line in first_block[:2]] == ["./run-demo", "./run-tests"]
+    assert "docs/reference.md" in readme and "docs/architecture.md" in readme
+
+
+def test_relative_links_in_the_docs_resolve():
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # links only, not code
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path = target.split("#", 1)[0]
+            if not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
