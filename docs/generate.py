@@ -72,7 +72,8 @@ def rules_md() -> str:
     from probe.diagnosis import builtin  # noqa: F401  (declares the built-in rules)
     from probe.diagnosis.rules import all_rules
 
-    lines = ["## Doctor rules", "", "What `probe doctor` checks; [doctor.md](doctor.md) has an example message of each.", "",
+    lines = ["## Doctor rules", "",
+             "What `probe doctor` checks; [doctor.md](doctor.md) has an example message of each.", "",
              "| rule | family | severity | finds |", "|---|---|---|---|"]
     lines += [f"| `{r.name}` | {r.family} | {r.severity} | {_cell(r.description)} |" for r in all_rules()]
     return "\n".join(lines)
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="rewrite the reference file")
     mode.add_argument("--check", action="store_true", help="exit 1 when the reference file is stale")
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="the reference file (default: docs/reference.md)")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT,
+                        help="the reference file (default: docs/reference.md)")
     args = parser.parse_args(argv)
     text = reference()
     if not (args.write or args.check):
