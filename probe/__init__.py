@@ -1,7 +1,7 @@
 """probe: live-attach debugging for running PyTorch training jobs.
 
 ``import probe`` has no side effects; ``import probe.auto`` (or ``PROBE=1``) starts
-the in-process server. See the README for the CLI and the table reference.
+the in-process server. See the README for the CLI and docs/reference.md for the tables.
 
 Public names are resolved lazily (PEP 562), so the CLI, which needs only the error
 classes, does not pay for the server, table or torch-hook modules at start-up.

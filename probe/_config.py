@@ -5,7 +5,7 @@ Every setting is parsed here and only here: ``setting(name)`` returns the typed 
 ``all``/``off``/N). A value that does not parse gives one sentence saying what was
 expected: ``strict=True`` (the CLI) raises it as a ProbeError; otherwise (inside the
 training process, where nothing may raise) it is recorded in ``probe.errors`` and the
-default is used. The README's settings reference is generated from ``SETTINGS`` (and a
+default is used. docs/reference.md's settings are generated from ``SETTINGS`` (and a
 test checks it), so a setting cannot exist undocumented.
 """
 

@@ -1,8 +1,8 @@
 """The doctor's built-in rules, one declaration each: ``process_rules`` (one process's training),
 ``runtime_rules`` (its memory, speed, input and activations), ``invariant_rules`` (the invariant checks
 of torch.checks) and ``job_rules`` (across ranks,
-dead ranks). Importing this module registers them all, in the order docs/doctor.md and the
-README list them.
+dead ranks). Importing this module registers them all, in the order docs/doctor.md and
+docs/reference.md list them.
 """
 
 from __future__ import annotations

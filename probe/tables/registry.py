@@ -9,7 +9,7 @@ A table is declared once, with its generator::
         return [(t.ident,) for t in threading.enumerate()]
 
 The declaration drives query execution, completion, ``probe.tables`` and
-``probe.columns``, the README reference and the test suite (every example runs).
+``probe.columns``, docs/reference.md and the test suite (every example runs).
 Built-in tables register exactly the way a user's own table would.
 
 A generator receives a :class:`Context` and returns either rows (tuples in column
