@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from _procs import stop_groups
+from harness import stop_groups
 from conftest import PROBE_BIN, TARGETS, poll, requires_torch
 
 pytestmark = requires_torch

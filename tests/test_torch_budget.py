@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from datetime import datetime
 
 import pytest
 
-from conftest import TARGETS, requires_torch
+from conftest import TARGETS, poll, requires_torch
 
 pytestmark = requires_torch
 LOOP = TARGETS / "budget_loop.py"
@@ -104,13 +103,12 @@ def test_tiny_budget_keeps_count_and_times_exact_and_flags_unmeasured_steps(tiny
 def test_a_starved_budget_still_measures_a_step_every_second(tiny, shared_cli):
     # given: the tiny budget's job stepping every 5 ms after its measured run (the fixed part alone exceeds
     # the budget, so the quick path runs until the one-second floor comes round)
-    rows, deadline = [], time.monotonic() + 90
-    while time.monotonic() < deadline:
+    def three_measured() -> list:
         rows = query(shared_cli, tiny.pid, f"SELECT step, ended_at, measured FROM torch.steps WHERE step > {FAST} "
                      "ORDER BY step")
-        if sum(r["measured"] for r in rows[1:]) >= 3:
-            break
-        time.sleep(0.5)  # ok-sleep: the job needs wall time to pass
+        return rows if sum(r["measured"] for r in rows[1:]) >= 3 else []
+
+    rows = poll(three_measured, 90, interval=0.5)  # the job needs wall time to pass
     # then: measured steps keep coming, each allowed once the floor came round: boundary n, which allows step
     # n + 1, ends a second or more after the boundary that allowed the last measured step, and at most a few
     # boundaries after the first that did (the jitter puts a due step off by a coin toss a boundary, so that
@@ -132,11 +130,11 @@ def test_lr_action_takes_effect_at_the_next_step_under_sampling(tiny, shared_cli
     assert r.returncode == 0, r.stderr
     first = int(re.search(r"from step (\d+)", r.stdout).group(1))
     # then: every step from the next one on used it, measured or not
-    rows, deadline = [], time.monotonic() + 60
-    while time.monotonic() < deadline:  # the loop steps every 5 ms
+    def twenty_steps() -> list:  # the loop steps every 5 ms
         rows = query(shared_cli, tiny.pid, f"SELECT step, lr, measured FROM torch.steps WHERE step >= {first} ORDER BY step")
-        if len(rows) >= 20 and any(not x["measured"] for x in rows):
-            break
+        return rows if len(rows) >= 20 and any(not x["measured"] for x in rows) else []
+
+    rows = poll(twenty_steps, 60)
     assert len(rows) >= 20 and any(not x["measured"] for x in rows)
     assert all(x["lr"] == pytest.approx(0.0123) for x in rows)
     before = query(shared_cli, tiny.pid, f"SELECT lr FROM torch.steps WHERE step = {first - 1}")
