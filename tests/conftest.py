@@ -6,11 +6,17 @@ for its ready line with a deadline (no fixed sleeps); ``cli`` runs the installed
 ``probe`` console script against it. ``shared_env``, ``shared_spawn`` and
 ``shared_cli`` are the same for a whole test file: a target that the file's tests
 only read is started once.
+
+tests/unit holds the tests that start no process and run in seconds (``pytest tests/unit``); a test
+there that starts one fails at once, naming what it started (it belongs beside the integration tests).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +83,24 @@ def shared_cli(shared_env):
 
 
 requires_torch = pytest.mark.skipif(not has_torch(), reason="torch is not installed")
+
+
+UNIT = Path(__file__).resolve().parent / "unit"
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    """Under tests/unit, starting a process (subprocess, fork, spawn, system) fails the test."""
+    if UNIT not in Path(request.node.path).parents:
+        return
+
+    def refused(what):
+        def start(*args, **kwargs):
+            raise AssertionError(f"a unit test starts no process ({what}); move it out of tests/unit")
+
+        return start
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refused("subprocess.Popen"))
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, refused(f"os.{name}"))

@@ -43,16 +43,6 @@ def slow(shared_spawn):
     return shared_spawn([LOOP, "--steps", str(SLOW), "--step-sleep", "0.02"], ready=None)
 
 
-def test_budget_bucket_arithmetic():
-    """The bucket's own examples (spending, earning back, the per-charge cap) run as doctests."""
-    import doctest
-
-    from probe.util import budget
-
-    failed, attempted = doctest.testmod(budget)
-    assert attempted >= 6 and failed == 0
-
-
 def test_an_expensive_gradient_norm_stays_within_its_share():
     """A large model's norm on CPU (11 ms every 145 ms step) at PROBE_GRAD_NORM's 0.1 %: the norm budget
     the tracker uses must run it about share * time / cost times, not every few steps (a capped charge
