@@ -14,17 +14,15 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 
 import pytest
 
-from harness import stop_groups
-from conftest import PROBE_BIN, TARGETS, poll, requires_torch
+from conftest import TARGETS, poll, requires_torch
+from harness import clean_env, run_probe, start, stop_groups
 
 pytestmark = requires_torch
 
@@ -35,15 +33,19 @@ TARGET = str(TARGETS / "ddp_plain.py")
 
 
 class Job:
-    def __init__(self, env, procs, lines):
-        self.env, self.procs, self.lines, self.pids = env, procs, lines, {}
+    def __init__(self, env, procs):
+        self.env, self.procs, self.pids = env, procs, {}
+
+    @property
+    def lines(self) -> list[str]:
+        return [line for p in self.procs for line in p.lines]
 
     def ready(self, world: int) -> bool:
         for line in list(self.lines):
             for m in re.finditer(r"ready rank=(\d+) pid=(\d+)", line):  # ranks share one pipe
                 self.pids[int(m.group(1))] = int(m.group(2))
         for p in self.procs:
-            if p.poll() is not None and len(self.pids) < world:
+            if p.popen.poll() is not None and len(self.pids) < world:
                 raise AssertionError("the job exited:\n" + "\n".join(self.lines))
         return len(self.pids) == world
 
@@ -51,8 +53,7 @@ class Job:
         return any(text in line for line in list(self.lines))
 
     def cli(self, *args, env=None, timeout=60):
-        return subprocess.run([PROBE_BIN, *map(str, args)], capture_output=True, text=True,
-                              env=dict(self.env, **(env or {})), timeout=timeout)
+        return run_probe(*args, env=dict(self.env, **(env or {})), timeout=timeout)
 
 
 def _free_port() -> int:
@@ -66,11 +67,10 @@ def ddp_job(*args, world=3, direct=False, rt=None, extra_env=None, target=TARGET
     """A probed job of ``world`` ranks running ``target`` (tests/targets/ddp_plain.py) with ``args`` (and ``extra_env``)."""
     own_rt = rt is None
     rt = rt or tempfile.mkdtemp(prefix="prc-", dir="/tmp")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROBE", "TORCH_FR"))}
-    env.update(PROBE_RUNTIME_DIR=rt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PROBE_HUNG_AFTER=HUNG_AFTER)
+    env = {k: v for k, v in clean_env(rt, OMP_NUM_THREADS="1", PROBE_HUNG_AFTER=HUNG_AFTER).items()
+           if not k.startswith("TORCH_FR")}
     env.update(extra_env or {})
     job_env = dict(env, PROBE="1")
-    lines: list[str] = []
     if direct:  # each rank its own process: a dead rank does not take the others down with it
         port = _free_port()
         cmds = [([sys.executable, target, *args], dict(job_env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -78,15 +78,11 @@ def ddp_job(*args, world=3, direct=False, rt=None, extra_env=None, target=TARGET
                 for r in range(world)]
     else:
         cmds = [([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), target, *args], job_env)]
-    procs = []
-    for cmd, e in cmds:
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e, cwd=rt,
-                             start_new_session=True)
-        threading.Thread(target=lambda p=p: [lines.append(l.rstrip()) for l in p.stdout], daemon=True).start()
-        procs.append(p)
-    job = Job(env, procs, lines)
+    job = Job(env, [])
     try:
-        assert poll(lambda: job.ready(world), 120), "ranks did not get ready:\n" + "\n".join(lines)
+        for cmd, e in cmds:
+            job.procs.append(start(cmd, e, ready=None))
+        assert poll(lambda: job.ready(world), 120), "ranks did not get ready:\n" + "\n".join(job.lines)
         yield job
     finally:
         for pid in job.pids.values():  # ranks stopped by a test (torchrun's ranks are not group leaders)
@@ -94,7 +90,7 @@ def ddp_job(*args, world=3, direct=False, rt=None, extra_env=None, target=TARGET
                 os.kill(pid, signal.SIGCONT)
             except OSError:
                 pass
-        stop_groups(procs, grace=15)
+        stop_groups([p.popen for p in job.procs], grace=15)
         if own_rt:
             shutil.rmtree(rt, ignore_errors=True)
 
