@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import pytest
 
 from conftest import EXAMPLES, PROBE_BIN, ROOT, requires_torch
-from harness import clean_env, start, stop_groups
+from harness import clean_env, run_probe, start, stop_groups
 from probe.tables import builtin  # noqa: F401  (registers the built-in tables)
 from probe.tables.registry import all_tables
 
@@ -156,13 +156,15 @@ def test_parameter_queries_during_training_read_at_the_step_boundary(training_fl
     pid, env = training_flat_out
     sql = "SELECT count(*) AS n, count(grad_norm) AS with_grad, sum(nan_count) AS nans FROM torch.parameters"
 
-    def burst(_):
-        out = []
-        for _ in range(8):
-            r = subprocess.run([PROBE_BIN, str(pid), "query", sql, "-f", "json"], capture_output=True, text=True,
-                               env=env, timeout=60)
-            assert r.returncode == 0, r.stderr
-            out.append(json.loads(r.stdout)[0])
+    def burst(_):  # one client running 8 queries in a row (the REPL reading a script: one `probe` start-up, not 8)
+        r = run_probe("--format", "json", pid, env=env, timeout=120, input=f"{sql};\n" * 8)
+        assert r.returncode == 0, r.stderr
+        decoder, text, at, out = json.JSONDecoder(), r.stdout.strip(), 0, []
+        while at < len(text):
+            (row,), at = decoder.raw_decode(text, at)
+            out.append(row)
+            at = len(text) - len(text[at:].lstrip())
+        assert len(out) == 8, r.stdout
         return out
 
     from concurrent.futures import ThreadPoolExecutor
