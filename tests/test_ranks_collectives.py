@@ -63,8 +63,9 @@ def _free_port() -> int:
 
 
 @contextmanager
-def ddp_job(*args, world=3, direct=False, rt=None, extra_env=None, target=TARGET):
-    """A probed job of ``world`` ranks running ``target`` (tests/targets/ddp_plain.py) with ``args`` (and ``extra_env``)."""
+def ddp_job(*args, world=3, direct=False, rt=None, extra_env=None, target=TARGET, wait=True):
+    """A probed job of ``world`` ranks running ``target`` (tests/targets/ddp_plain.py) with ``args`` (and ``extra_env``),
+    its ranks ready (``wait=False``: just started; ``job.ready(world)`` says when they are)."""
     own_rt = rt is None
     rt = rt or tempfile.mkdtemp(prefix="prc-", dir="/tmp")
     env = {k: v for k, v in clean_env(rt, OMP_NUM_THREADS="1", PROBE_HUNG_AFTER=HUNG_AFTER).items()
@@ -82,7 +83,7 @@ def ddp_job(*args, world=3, direct=False, rt=None, extra_env=None, target=TARGET
     try:
         for cmd, e in cmds:
             job.procs.append(start(cmd, e, ready=None))
-        assert poll(lambda: job.ready(world), 120), "ranks did not get ready:\n" + "\n".join(job.lines)
+        assert not wait or poll(lambda: job.ready(world), 120), "ranks did not get ready:\n" + "\n".join(job.lines)
         yield job
     finally:
         for pid in job.pids.values():  # ranks stopped by a test (torchrun's ranks are not group leaders)
@@ -230,7 +231,11 @@ def test_killed_rank_is_the_culprit_the_survivors_wait_for():
 def test_two_jobs_on_one_host_are_never_mixed():
     rt = tempfile.mkdtemp(prefix="prj-", dir="/tmp")
     try:
-        with ddp_job(world=2, rt=rt) as first, ddp_job("--slow-rank", "1", "--slow-compute", "0.15", world=2, rt=rt) as second:
+        with ddp_job(world=2, rt=rt, wait=False) as first, \
+                ddp_job("--slow-rank", "1", "--slow-compute", "0.15", world=2, rt=rt, wait=False) as second:
+            # (both jobs start at once: one start-up's wait, not two)
+            assert poll(lambda: first.ready(2) & second.ready(2), 120), "ranks did not get ready:\n" + "\n".join(
+                first.lines + second.lines)
             since = time.monotonic()
             listed = json.loads(first.cli("list", "--json").stdout)
             jobs = {}
