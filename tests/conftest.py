@@ -112,13 +112,13 @@ def _unit_tests_start_no_process(request, monkeypatch):
 # in a `./run-tests --durations=0` run on a loaded 2-core host (setup, call and teardown summed); only the order
 # matters, and a file not listed runs after these in collection order.
 LONGEST_FIRST = {
-    "test_doctor_corpus.py": 325, "test_ranks_collectives.py": 281, "test_doctor_faults_runtime.py": 228,
+    "test_doctor_corpus.py": 325, "test_doctor_faults_runtime.py": 228, "test_ranks_collectives.py": 165,
     "test_doctor_ranks.py": 183, "test_doctor_faults_model.py": 183, "test_torch_hooks.py": 179,
     "test_torch_setups.py": 145, "test_doctor.py": 138, "test_invariants.py": 137, "test_actions_checkpoint.py": 136,
     "test_frameworks.py": 126, "test_every_step.py": 124, "test_fsdp2.py": 103, "test_actions_core.py": 103,
     "test_postmortem.py": 99, "test_timeline.py": 95, "test_torch_tables.py": 92, "test_mcp_read_tier.py": 86,
     "test_security_edges.py": 84, "test_tables.py": 75, "test_ranks.py": 64, "test_pre_auth.py": 62,
-    "test_torch_gan.py": 57, "test_repl.py": 47, "test_timeline_profiler.py": 46, "test_actions_lr.py": 46,
+    "test_torch_gan.py": 57, "test_repl.py": 47, "test_ranks_culprits.py": 115, "test_timeline_profiler.py": 46, "test_actions_lr.py": 46,
 }
 
 
