@@ -56,15 +56,12 @@ def poll(fn, timeout: float = 30.0, interval: float = 0.2):
 class Proc:
     """A started process whose combined stdout/stderr lines are collected as they come (``lines``)."""
 
-    def __init__(self, popen: subprocess.Popen, lines: list[str] | None = None):
+    def __init__(self, popen: subprocess.Popen):
         self.popen = popen
         self.pid = popen.pid
-        self._reader = None
-        if lines is None:
-            lines = []
-            self._reader = threading.Thread(target=self._pump, args=(popen, lines), daemon=True)
-            self._reader.start()
-        self.lines = lines
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._pump, args=(popen, self.lines), daemon=True)
+        self._reader.start()
 
     @staticmethod
     def _pump(popen: subprocess.Popen, lines: list[str]) -> None:
@@ -96,7 +93,7 @@ class Proc:
         deadline = time.monotonic() + timeout
         while True:
             exited = self.popen.poll() is not None  # read before the lines: its last lines are in by then
-            if exited and self._reader is not None:
+            if exited:
                 self._reader.join(5)  # the pipe's last lines are in once the reader has seen its end
             if until is not None:
                 if until():
