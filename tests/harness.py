@@ -169,7 +169,7 @@ class Spawner:
     def __call__(self, args, *, env=None, ready: str | None = "ready", timeout: float = 90.0, cwd=None) -> Proc:
         e = dict(self.env)
         e.update(env or {})
-        proc = start(args, e, cwd=cwd, ready=None)
+        proc = start(args, e, cwd=cwd or self.env["PROBE_RUNTIME_DIR"], ready=None)  # a test may point env's elsewhere
         self.procs.append(proc)  # before waiting: a target that never gets ready is still stopped by close()
         if ready:
             proc.wait_for(ready, timeout)

@@ -31,7 +31,8 @@ class UI:
     """A running `probe ui` and the URL it printed."""
 
     def __init__(self, env, *args):
-        self.proc = start([PROBE_BIN, *args], env, ready="serving http", timeout=30)
+        # its last line before serving: the URL lines (the 127.0.0.1 one comes after "serving") are in by then
+        self.proc = start([PROBE_BIN, *args], env, ready="Ctrl-C stops it", timeout=30)
         self.lines = self.proc.lines
         urls = [m.group(0) for l in self.lines for m in [re.search(r"http://127\.0\.0\.1:\d+/\S+/", l)] if m]
         assert urls, "probe ui did not print its URL:\n" + "\n".join(self.lines)
