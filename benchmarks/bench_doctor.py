@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from harness import clean_env  # noqa: E402  (tests/harness.py: the one harness tests and benchmarks share)
 PROBE = str(Path(sys.executable).with_name("probe"))
 
 
@@ -99,8 +101,7 @@ def main() -> int:
     ap.add_argument("--faults-only", action="store_true", help="only the planted faults")
     args = ap.parse_args()
     rt = tempfile.mkdtemp(prefix="pr-doctor-", dir="/tmp")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
-    env.update(PROBE_RUNTIME_DIR=rt, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = clean_env(rt)  # no PROBE* setting of ours, its own runtime dir, unbuffered, one OpenMP thread
     wolf = []
     if args.faults or args.faults_only:
         planted_faults(env)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from _procs import stop_groups  # noqa: E402  (tests/_procs.py: the one way to stop what a benchmark started)
+from harness import clean_env, stop_groups  # noqa: E402  (tests/harness.py: the one harness tests and benchmarks share)
 PROBE = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
 
 
@@ -42,8 +42,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=5)
     a = ap.parse_args()
     rt = tempfile.mkdtemp(prefix="pbf-", dir="/tmp")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
-    env.update(PROBE_RUNTIME_DIR=rt, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = clean_env(rt)  # no PROBE* setting of ours, its own runtime dir, unbuffered, one OpenMP thread
     procs = []
     try:
         for r in range(a.ranks):

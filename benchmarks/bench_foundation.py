@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from harness import clean_env  # noqa: E402  (tests/harness.py: the one harness tests and benchmarks share)
 TARGET = ROOT / "tests" / "targets" / "idle.py"
 PROBE = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
 PYSPY = str(Path(sys.executable).with_name("py-spy")) if Path(sys.executable).with_name("py-spy").exists() else shutil.which("py-spy")
@@ -69,8 +71,7 @@ def main() -> int:
     ap.add_argument("--idle-seconds", type=float, default=10.0)
     args = ap.parse_args()
     rt = tempfile.mkdtemp(prefix="pr-bench-")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
-    env.update(PROBE_RUNTIME_DIR=rt, OMP_NUM_THREADS="1")
+    env = clean_env(rt)  # no PROBE* setting of ours, its own runtime dir, unbuffered, one OpenMP thread
 
     print(f"# probe foundation benchmark ({args.runs} runs each, medians)")
     target = start(env)

@@ -50,6 +50,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from harness import clean_env  # noqa: E402  (tests/harness.py: the one harness tests and benchmarks share)
 PROBE = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
 
 TRAIN = r"""
@@ -241,8 +243,7 @@ def main() -> int:
     print(f"layout: " + (f"training on CPU {cpus[0]}, clients and the control process on CPU(s) "
                          f"{','.join(map(str, cpus[1:]))}" if pin else f"everything shares CPUs {','.join(map(str, cpus))}"))
     rt = tempfile.mkdtemp(prefix="pbh-", dir="/tmp")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
-    env.update(PROBE_RUNTIME_DIR=rt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env = clean_env(rt)  # no PROBE* setting of ours, its own runtime dir, unbuffered, one OpenMP thread
     os.environ.update(PROBE_RUNTIME_DIR=rt)
     settings = dict(kv.split("=", 1) for kv in args.env)
     train = Proc(TRAIN, dict(env, **settings), train_cpus)

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from harness import clean_env  # noqa: E402  (tests/harness.py: the one harness tests and benchmarks share)
 PROBE = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
 
 SPAN_BENCH = r"""
@@ -58,8 +60,7 @@ def main():
     ap.add_argument("--spans", type=int, default=200000, help="Span blocks per timing.")
     args = ap.parse_args()
     rt = tempfile.mkdtemp(prefix="pb-", dir="/tmp")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
-    env.update(PROBE_RUNTIME_DIR=rt, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = clean_env(rt)  # no PROBE* setting of ours, its own runtime dir, unbuffered, one OpenMP thread
 
     for mode in ("off", "on"):
         out = subprocess.run([sys.executable, "-c", SPAN_BENCH, str(args.spans), mode], capture_output=True, text=True,

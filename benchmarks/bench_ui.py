@@ -17,38 +17,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from harness import clean_env, start, stop_groups  # noqa: E402  (tests/harness.py: the one harness tests and benchmarks share)
 PROBE = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
-
-
-def _spawn(args, env):
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: [lines.append(l.rstrip()) for l in p.stdout], daemon=True).start()
-    return p, lines
-
-
-def _wait_line(p, lines, pattern, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for l in lines:
-            m = re.search(pattern, l)
-            if m:
-                return m
-        if p.poll() is not None:
-            break
-        time.sleep(0.05)  # ok-sleep: polling with a deadline
-    raise SystemExit(f"no line matching {pattern!r}:\n" + "\n".join(lines))
 
 
 def _query(env, pid, sql):
@@ -94,14 +74,13 @@ def main() -> int:
     from playwright.sync_api import sync_playwright
 
     rt = tempfile.mkdtemp(prefix="pbui-", dir="/tmp")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
-    env.update(PROBE_RUNTIME_DIR=rt, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    train, tl = _spawn([sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--print-every", "1000000"], env)
+    env = clean_env(rt)  # no PROBE* setting of ours, its own runtime dir, unbuffered, one OpenMP thread
+    train = start([ROOT / "examples" / "train_gpt.py", "--print-every", "1000000"], env, ready=None)
     ui = None
     try:
-        pid = int(_wait_line(train, tl, r"ready pid=(\d+)", 180).group(1))
-        ui, ul = _spawn([PROBE, str(pid), "ui", "--port", "0", "--refresh", str(args.refresh)], env)
-        url = _wait_line(ui, ul, r"http://127\.0\.0\.1:\d+/\S+/", 30).group(0)
+        pid = int(train.wait_match(r"ready pid=(\d+)", timeout=180)[0].group(1))
+        ui = start([PROBE, pid, "ui", "--port", "0", "--refresh", args.refresh], env, ready=None)
+        url = ui.wait_match(r"http://127\.0\.0\.1:\d+/\S+/", timeout=30)[0].group(0)
         _window(env, pid, 3.0)  # warm-up: first steps, tracing switched on, caches
         closed, opened, requests = [], [], 0
         with sync_playwright() as p:
@@ -134,13 +113,7 @@ def main() -> int:
                 page.close()
             browser.close()
     finally:
-        for proc in (ui, train):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        stop_groups([proc.popen for proc in (ui, train) if proc is not None])
         shutil.rmtree(rt, ignore_errors=True)
 
     med = statistics.median

@@ -4,9 +4,8 @@ planted-fault test body (tests/test_doctor_faults_*.py split the catalog so xdis
 from __future__ import annotations
 
 import json
-import time
 
-from conftest import TARGETS
+from conftest import TARGETS, poll
 from targets.fault_catalog import NOT_ALSO, plant
 
 FOUND_EXIT = 8
@@ -33,14 +32,15 @@ def find(cli, target, rule, env=None):
 def poll_for(cli, target, rule, timeout=60.0, env=None):
     """Run the doctor until ``rule`` is among its findings; return (that finding, all findings). Only for rules
     that wait on wall time (a hang: no step for PROBE_HUNG_AFTER seconds); the others use ``find``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        doc = doctor(cli, target, env=env)
-        hit = [f for f in doc["findings"] if f["rule"] == rule]
-        if hit or time.monotonic() > deadline:
-            assert hit, f"{rule} not found; the doctor said: {json.dumps(doc['findings'], indent=1)}"
-            return hit[0], doc["findings"]
-        time.sleep(0.5)  # ok-sleep: polling with a deadline
+    said = {}
+
+    def hit() -> list:
+        said.update(doctor(cli, target, env=env))
+        return [f for f in said["findings"] if f["rule"] == rule]
+
+    found = poll(hit, timeout, interval=0.5)
+    assert found, f"{rule} not found; the doctor said: {json.dumps(said['findings'], indent=1)}"
+    return found[0], said["findings"]
 
 
 def names_the_planted_fault(spawn, cli, fault, rule, words):

@@ -1,4 +1,4 @@
-"""Shared fixtures: real target processes and the real `probe` command.
+"""Shared fixtures over tests/harness.py (the one harness tests and benchmarks share): real target processes and the real `probe` command.
 
 ``probe_env`` gives each test its own runtime directory (short, so unix-socket
 paths stay under the 108-byte limit). ``spawn`` starts a target script and waits
@@ -6,6 +6,9 @@ for its ready line with a deadline (no fixed sleeps); ``cli`` runs the installed
 ``probe`` console script against it. ``shared_env``, ``shared_spawn`` and
 ``shared_cli`` are the same for a whole test file: a target that the file's tests
 only read is started once.
+
+tests/unit holds the tests that start no process and run in seconds (``pytest tests/unit``); a test
+there that starts one fails at once, naming what it started (it belongs beside the integration tests).
 """
 
 from __future__ import annotations
@@ -13,30 +16,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
-import tempfile
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from _procs import stop_groups
-
-ROOT = Path(__file__).resolve().parents[1]
-TARGETS = ROOT / "tests" / "targets"
-EXAMPLES = ROOT / "examples"
-PROBE_BIN = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
-
-
-def poll(fn, timeout: float = 30.0):
-    """Call fn until it returns a truthy value or ``timeout`` seconds pass; its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.2)  # ok-sleep: polling with a deadline
+from harness import EXAMPLES, PROBE_BIN, ROOT, TARGETS, Proc, Spawner, clean_env, poll, run_probe  # noqa: F401  (re-exported)
 
 
 def has_torch() -> bool:
@@ -48,20 +32,10 @@ def has_torch() -> bool:
         return False
 
 
-def _fresh_env(prefix: str = "pr-"):
-    """A private runtime dir (short path: unix sockets have a 108-byte limit), no inherited PROBE settings."""
-    rt = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
-    env["PROBE_RUNTIME_DIR"] = rt
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
 @pytest.fixture
 def probe_env():
     """Environment for targets and CLI: a private runtime dir per test."""
-    env = _fresh_env()
+    env = clean_env()
     yield env
     shutil.rmtree(env["PROBE_RUNTIME_DIR"], ignore_errors=True)
 
@@ -69,67 +43,9 @@ def probe_env():
 @pytest.fixture(scope="module")
 def shared_env():
     """One runtime dir for a whole test file, for targets the file's tests only read."""
-    env = _fresh_env("prm-")
+    env = clean_env(prefix="prm-")
     yield env
     shutil.rmtree(env["PROBE_RUNTIME_DIR"], ignore_errors=True)
-
-
-class Proc:
-    def __init__(self, popen: subprocess.Popen, lines: list[str]):
-        self.popen = popen
-        self.lines = lines
-        self.pid = popen.pid
-
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def wait_for(self, text: str, timeout: float = 60.0) -> str:
-        """Wait until a line containing ``text`` has been printed; return that line."""
-        deadline = time.monotonic() + timeout
-        seen = 0
-        while time.monotonic() < deadline:
-            for line in self.lines[seen:]:
-                if text in line:
-                    return line
-            seen = max(0, len(self.lines) - 1)
-            if self.popen.poll() is not None and not any(text in l for l in self.lines):
-                raise AssertionError(f"target exited ({self.popen.returncode}) before printing {text!r}:\n{self.output()}")
-            time.sleep(0.02)  # ok-sleep: polling with a deadline
-        raise AssertionError(f"target did not print {text!r} within {timeout} s:\n{self.output()}")
-
-
-class Spawner:
-    """Start target scripts with ``env``; ``close()`` stops them (SIGCONT, terminate, then kill)."""
-
-    def __init__(self, env: dict):
-        self.env = env
-        self.procs: list[Proc] = []
-
-    def __call__(self, args, *, env=None, ready: str | None = "ready", timeout: float = 90.0, cwd=None) -> Proc:
-        if isinstance(args, (str, Path)):
-            args = [str(args)]
-        args = [str(a) for a in args]
-        if args[0].endswith(".py"):
-            args = [sys.executable] + args
-        e = dict(self.env)
-        e.update(env or {})
-        p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
-                             cwd=cwd or self.env["PROBE_RUNTIME_DIR"], start_new_session=True)
-        lines: list[str] = []
-
-        def pump():
-            for line in p.stdout:
-                lines.append(line.rstrip("\n"))
-
-        threading.Thread(target=pump, daemon=True).start()
-        proc = Proc(p, lines)
-        self.procs.append(proc)
-        if ready:
-            proc.wait_for(ready, timeout)
-        return proc
-
-    def close(self) -> None:
-        stop_groups([proc.popen for proc in self.procs], grace=5)
 
 
 @pytest.fixture
@@ -148,12 +64,8 @@ def shared_spawn(shared_env):
 
 
 def _cli_runner(base_env: dict):
-    # a deadline, not a speed limit: a `probe` call that hangs fails the test, one slowed by a busy host does not
     def _cli(*args, env=None, timeout: float = 180.0, input: str | None = None):
-        e = dict(base_env)
-        e.update(env or {})
-        return subprocess.run([PROBE_BIN, *map(str, args)], capture_output=True, text=True, env=e,
-                              timeout=timeout, input=input)
+        return run_probe(*args, env={**base_env, **(env or {})}, timeout=timeout, input=input)
 
     return _cli
 
@@ -171,3 +83,45 @@ def shared_cli(shared_env):
 
 
 requires_torch = pytest.mark.skipif(not has_torch(), reason="torch is not installed")
+
+
+UNIT = Path(__file__).resolve().parent / "unit"
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    """Under tests/unit, starting a process (subprocess, fork, spawn, system) fails the test."""
+    if UNIT not in Path(request.node.path).parents:
+        return
+
+    def refused(what):
+        def start(*args, **kwargs):
+            raise AssertionError(f"a unit test starts no process ({what}); move it out of tests/unit")
+
+        return start
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refused("subprocess.Popen"))
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, refused(f"os.{name}"))
+
+
+# The order the xdist workers take test files in (run-tests: --dist loadfile --no-loadscope-reorder): the longest
+# first, so the short files fill the end of the run instead of a long one starting last and running alone
+# (xdist's own order, the most tests first, put the few-but-long multi-rank files last). Seconds a file took
+# in a `./run-tests --durations=0` run on a loaded 2-core host (setup, call and teardown summed); only the order
+# matters, and a file not listed runs after these in collection order.
+LONGEST_FIRST = {
+    "test_doctor_corpus.py": 325, "test_doctor_faults_runtime.py": 228, "test_ranks_collectives.py": 165,
+    "test_doctor_ranks.py": 183, "test_doctor_faults_model.py": 183, "test_torch_hooks.py": 179,
+    "test_torch_setups.py": 145, "test_doctor.py": 138, "test_invariants.py": 137, "test_actions_checkpoint.py": 136,
+    "test_frameworks.py": 126, "test_every_step.py": 124, "test_fsdp2.py": 103, "test_actions_core.py": 103,
+    "test_postmortem.py": 99, "test_timeline.py": 95, "test_torch_tables.py": 92, "test_mcp_read_tier.py": 86,
+    "test_security_edges.py": 84, "test_tables.py": 75, "test_ranks.py": 64, "test_pre_auth.py": 62,
+    "test_torch_gan.py": 57, "test_repl.py": 47, "test_ranks_culprits.py": 115, "test_timeline_profiler.py": 46, "test_actions_lr.py": 46,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest files first (see LONGEST_FIRST); the tests within a file keep their order."""
+    items.sort(key=lambda item: -LONGEST_FIRST.get(Path(str(item.path)).name, 0))

@@ -96,13 +96,3 @@ def test_group_errors_once_and_reset(spawn, cli):
     q = cli(p.pid, "query", "SELECT lr, loop_lr, lr_override FROM torch.optimizer", "--format", "json")
     row = json.loads(q.stdout)[0]
     assert row["lr_override"] is None and row["lr"] == row["loop_lr"]
-
-
-def test_lr_module_doctests():
-    """Rates that differ only past 6 digits are printed apart ("from 0.05 to 0.04999999", never "0.05 to 0.05")."""
-    import doctest
-
-    from probe.actions import lr
-
-    failed, attempted = doctest.testmod(lr)
-    assert attempted and not failed

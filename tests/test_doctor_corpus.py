@@ -12,7 +12,7 @@ import time
 import pytest
 
 from _doctor import doctor, poll_for
-from _procs import stop_groups
+from harness import stop_groups
 from conftest import ROOT, poll, requires_torch
 
 from faults.corpus import ERRORS

@@ -13,15 +13,13 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import threading
 
 import pytest
 
-from conftest import PROBE_BIN, TARGETS, Proc, has_torch
+from conftest import PROBE_BIN, TARGETS, has_torch
+from harness import clean_env, poll, start, stop_groups
 
 
 def _has(module: str) -> bool:
@@ -48,9 +46,8 @@ LINE = re.compile(r"^(?:hf |pl )?step (\d+) loss (\S+) lr (\S+) used (\S+)")
 class Loop:
     def __init__(self, name: str, extra_env: dict | None = None):
         self.name = name
-        self.rt = tempfile.mkdtemp(prefix="pr-", dir="/tmp")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
-        env.update(PROBE="1", PROBE_RUNTIME_DIR=self.rt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        env = clean_env(PROBE="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        self.rt = env["PROBE_RUNTIME_DIR"]
         env.update(extra_env or {})
         self.env = env
         # paced: the tests need a few dozen steps, and a loop stepping flat out (a framework's ~1 ms steps)
@@ -58,12 +55,8 @@ class Loop:
         args = [sys.executable, str(TARGETS / LOOPS[name][0][0]), *LOOPS[name][0][1:], "--step-sleep", "0.01"]
         if name in ("hf", "lightning"):
             args += ["--out", self.rt]
-        self.popen = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                      cwd=self.rt, start_new_session=True)
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: [self.lines.append(l.rstrip("\n")) for l in self.popen.stdout], daemon=True).start()
-        self.proc = Proc(self.popen, self.lines)
-        self.pid = self.popen.pid
+        self.proc = start(args, env, ready=None)
+        self.popen, self.lines, self.pid = self.proc.popen, self.proc.lines, self.proc.pid
         self.proc.wait_for("ready", 120)
 
     def steps(self) -> dict[int, dict]:
@@ -80,15 +73,8 @@ class Loop:
 
     def wait_new(self, pattern: str, start: int, timeout: float = 60.0) -> str:
         """The first line printed after line ``start`` that matches ``pattern`` (polled with a deadline)."""
-        import time
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.lines[start:]:
-                if re.match(pattern, line):
-                    return line
-            time.sleep(0.02)  # ok-sleep: polling with a deadline
-        raise AssertionError(f"no line matching {pattern!r} after line {start}: {self.lines[start:][:10]}")
+        return self.proc.wait_line(lambda line: re.match(pattern, line), f"a line matching {pattern!r}", start=start,
+                                   timeout=timeout)
 
     def cli(self, *args, timeout: float = 60.0):
         return subprocess.run([PROBE_BIN, str(self.pid), *map(str, args)], capture_output=True, text=True,
@@ -100,13 +86,7 @@ class Loop:
         return json.loads(r.stdout)
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            os.killpg(self.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.pid, signal.SIGKILL)
-                self.popen.wait(5)
+        stop_groups([self.popen], grace=10)
         shutil.rmtree(self.rt, ignore_errors=True)
 
 
@@ -234,8 +214,7 @@ def test_trainer_resumes_from_a_probe_checkpoint_file_to_the_same_next_steps(loo
     saved = re.search(r"wrote (\S+)", r.stdout).group(1).rstrip(":")
     step = int(re.search(r"ck-(\d+)\.pt", saved).group(1))
     want = loop.wait_step(step + 3)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env = clean_env(str(tmp_path), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     # Lightning's schedule does not depend on the run's length; the Trainer's linear one does: keep it, stop early
     stop = ["--max-steps", str(step + 2)] if loop.name == "lightning" else ["--stop-at", str(step + 2)]
     out = subprocess.run([sys.executable, str(TARGETS / LOOPS[loop.name][0][0]), "--out", str(tmp_path), "--resume", saved,
@@ -297,9 +276,4 @@ def test_checkpoint_has_the_scheduler_and_step_counters_and_loads_back(loop):
             seen = [int(m.group(2)) for m in (re.match(r"(hf |pl )step (\d+) ", l) for l in list(loop.lines)) if m]
             return any(n == step + 1 and max(seen[:i], default=0) > step + 2 for i, n in enumerate(seen))
 
-        import time
-
-        deadline = time.monotonic() + 60
-        while not back_to_step_after_checkpoint():
-            assert time.monotonic() < deadline, loop.lines[-10:]
-            time.sleep(0.02)  # ok-sleep: polling with a deadline
+        assert poll(back_to_step_after_checkpoint, 60, interval=0.02), loop.lines[-10:]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TARGETS
+from conftest import TARGETS, poll
 
 pytestmark = pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy is not installed")
 
@@ -67,12 +67,9 @@ def test_blocked_on_queue_and_lock_names_the_lines(spawn, cli):
 
 
 def _wait_file(path: Path, text: str, deadline_s: float) -> str:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text():
-            return path.read_text()
-        time.sleep(0.05)  # ok-sleep: polling for the dump with a deadline
-    raise AssertionError(f"{path} did not get {text!r} within {deadline_s} s")
+    got = poll(lambda: path.exists() and text in (dump := path.read_text()) and dump, deadline_s, interval=0.05)
+    assert got, f"{path} did not get {text!r} within {deadline_s} s"
+    return got
 
 
 @pytest.mark.parametrize("mode", ["gil", "sleep"])

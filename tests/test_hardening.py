@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from conftest import PROBE_BIN, TARGETS, requires_torch
+from conftest import PROBE_BIN, TARGETS, poll, requires_torch
+from harness import start
 
 
 def _socket_of(pid: int, env: dict) -> str:
@@ -282,14 +283,13 @@ def test_a_prepared_runtime_dir_never_breaks_the_training_script(spawn, cli, tmp
 
 
 def _action_id(cli, pid, code_fragment: str) -> int:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def running() -> list:
         rows = json.loads(cli(pid, "query", "SELECT id, state, args FROM probe.actions WHERE command = 'eval'", "-f", "json").stdout)
-        for row in rows:
-            if row["state"] == "running" and code_fragment in row["args"]:
-                return row["id"]
-        time.sleep(0.05)  # ok-sleep: polling with a deadline
-    raise AssertionError("the eval never showed up as running")
+        return [row["id"] for row in rows if row["state"] == "running" and code_fragment in row["args"]]
+
+    ids = poll(running, 30, interval=0.05)
+    assert ids, "the eval never showed up as running"
+    return ids[0]
 
 
 def test_evals_are_answered_and_can_be_cancelled(spawn, cli, probe_env):
@@ -308,13 +308,14 @@ def test_evals_are_answered_and_can_be_cancelled(spawn, cli, probe_env):
     out, err = looping.communicate(timeout=30)
     assert looping.returncode != 0 and "cancelled" in out + err, out + err
     # ... or by Ctrl-C in the CLI that started it
-    looping = subprocess.Popen([PROBE_BIN, str(target.pid), "eval", "n = 0\nwhile True: n += 1  # second"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=probe_env)
+    # (once the CLI holds the id: it says so itself, "action N running for 5 s", from inside its wait loop)
+    looping = start([PROBE_BIN, target.pid, "eval", "n = 0\nwhile True: n += 1  # second"], probe_env,
+                    ready=" running for ", timeout=60)
     second = _action_id(cli, target.pid, "# second")
-    time.sleep(1.0)  # ok-sleep: the CLI's submit is answered at once with the id; give it time to read it
-    looping.send_signal(signal.SIGINT)
-    out, err = looping.communicate(timeout=30)
-    assert looping.returncode == 130 and "interrupted" in err, out + err
+    looping.popen.send_signal(signal.SIGINT)
+    looping.popen.wait(30)
+    looping.wait_line(lambda line: "interrupted" in line, "'interrupted'", timeout=30)
+    assert looping.popen.returncode == 130, looping.output()
     states = dict((row["id"], row["state"]) for row in json.loads(
         cli(target.pid, "query", "SELECT id, state FROM probe.actions", "-f", "json").stdout))
     assert states[action] == "cancelled" and states[second] == "cancelled", states

@@ -139,15 +139,6 @@ def test_refusals_come_from_the_tool_registries():
     assert unavailable_reason("nonsense") == "there is no such tool"
 
 
-def test_server_doctests():
-    import doctest
-
-    import probe.cli.mcp.server as server
-
-    failed, attempted = doctest.testmod(server)
-    assert attempted and not failed
-
-
 def test_other_commands_do_not_import_the_mcp_sdk(shared_env):
     code = ("import sys; from probe.cli._main import main; main(['list']); "
             "print(sorted(m for m in sys.modules if m == 'mcp' or m.startswith(('mcp.', 'mcp_types', 'anyio'))))")
@@ -293,12 +284,3 @@ def test_http_refuses_a_bad_address_or_a_weak_token(call, expected):
 
     with pytest.raises(ProbeError, match=re.escape(expected)):
         call(http)
-
-
-def test_http_address_doctests():
-    import doctest
-
-    import probe.cli.mcp.http as http
-
-    failed, attempted = doctest.testmod(http)
-    assert attempted and not failed

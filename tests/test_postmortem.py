@@ -24,15 +24,17 @@ from conftest import TARGETS, poll, requires_torch
 
 def dead(cli, pid, timeout=60.0):
     """Poll `probe list --dead --json` until ``pid`` is there; its row."""
-    deadline = time.monotonic() + timeout
-    while True:
+    listed = {}
+
+    def row() -> list:
         r = cli("list", "--dead", "--json")
         assert r.returncode == 0, r.stderr
-        rows = [row for row in json.loads(r.stdout) if row["pid"] == pid]
-        if rows or time.monotonic() > deadline:
-            assert rows, f"pid {pid} not listed as dead: {r.stdout}"
-            return rows[0]
-        time.sleep(0.2)  # ok-sleep: polling with a deadline
+        listed["out"] = r.stdout
+        return [row for row in json.loads(r.stdout) if row["pid"] == pid]
+
+    rows = poll(row, timeout)
+    assert rows, f"pid {pid} not listed as dead: {listed['out']}"
+    return rows[0]
 
 
 def steps_of(record: str) -> np.ndarray:

@@ -9,40 +9,30 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
-import tempfile
-import threading
 
 import pytest
 
-from conftest import EXAMPLES, PROBE_BIN, TARGETS, poll, requires_torch
+from conftest import EXAMPLES, TARGETS, poll, requires_torch
+from harness import clean_env, run_probe, start, stop_groups
 
 PARTIAL = 7
 
 
-def _env(rt: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
-    env.update(PROBE_RUNTIME_DIR=rt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return env
-
-
 def run_cli(env, *args, timeout=60):
-    return subprocess.run([PROBE_BIN, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout)
+    return run_probe(*args, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def ddp():
-    rt = tempfile.mkdtemp(prefix="prk-", dir="/tmp")
-    env = _env(rt)
+    env = clean_env(prefix="prk-", OMP_NUM_THREADS="1")
+    rt = env["PROBE_RUNTIME_DIR"]
     job_env = dict(env, PROBE="1")
     # this interpreter's torchrun: a `torchrun` on PATH may run another installation of probe
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(EXAMPLES / "train_ddp.py"),
            "--steps", "0", "--step-sleep", "0.02", "--slow-rank", "2", "--slow-sleep", "0.25"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=job_env,
-                         cwd=rt, start_new_session=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: [lines.append(l.rstrip()) for l in p.stdout], daemon=True).start()
+    job = start(cmd, job_env, ready=None)
+    p, lines = job.popen, job.lines
     pids = {}
 
     def ready():
@@ -57,17 +47,7 @@ def ddp():
         assert poll(ready, 120), "ranks did not get ready:\n" + "\n".join(lines)
         yield env, pids
     finally:
-        for pid in pids.values():
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except OSError:
-                pass
-        os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(5)
+        stop_groups([p], grace=15)  # SIGCONT first: a test stops a rank
         shutil.rmtree(rt, ignore_errors=True)
 
 

@@ -1,6 +1,6 @@
-"""The rank the others wait for, in plain DDP (no explicit collective in the loop), from torch's
-flight recorder: a rank stalled in its data read, a slow rank, a collective mismatch, a stopped
-rank, a killed rank, and two jobs on one host. Every job is real: gloo on CPU, 3 ranks started by
+"""Ranks in plain DDP (no explicit collective in the loop), from torch's flight recorder: a slow rank,
+a collective mismatch, and two jobs on one host (the rank the others wait for, stalled, stopped or
+killed, is tests/test_ranks_culprits.py, which starts its jobs with ``ddp_job`` from here). Every job is real: gloo on CPU, 3 ranks started by
 torchrun (or, where torchrun would tear the job down, directly with the rendezvous variables).
 
 For each condition, `status` must come to name the rank (PROBE_HUNG_AFTER=2; polled with a deadline, not
@@ -14,17 +14,15 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 
 import pytest
 
-from _procs import stop_groups
-from conftest import PROBE_BIN, TARGETS, poll, requires_torch
+from conftest import TARGETS, poll, requires_torch
+from harness import clean_env, run_probe, start, stop_groups
 
 pytestmark = requires_torch
 
@@ -35,15 +33,19 @@ TARGET = str(TARGETS / "ddp_plain.py")
 
 
 class Job:
-    def __init__(self, env, procs, lines):
-        self.env, self.procs, self.lines, self.pids = env, procs, lines, {}
+    def __init__(self, env, procs):
+        self.env, self.procs, self.pids = env, procs, {}
+
+    @property
+    def lines(self) -> list[str]:
+        return [line for p in self.procs for line in p.lines]
 
     def ready(self, world: int) -> bool:
         for line in list(self.lines):
             for m in re.finditer(r"ready rank=(\d+) pid=(\d+)", line):  # ranks share one pipe
                 self.pids[int(m.group(1))] = int(m.group(2))
         for p in self.procs:
-            if p.poll() is not None and len(self.pids) < world:
+            if p.popen.poll() is not None and len(self.pids) < world:
                 raise AssertionError("the job exited:\n" + "\n".join(self.lines))
         return len(self.pids) == world
 
@@ -51,8 +53,7 @@ class Job:
         return any(text in line for line in list(self.lines))
 
     def cli(self, *args, env=None, timeout=60):
-        return subprocess.run([PROBE_BIN, *map(str, args)], capture_output=True, text=True,
-                              env=dict(self.env, **(env or {})), timeout=timeout)
+        return run_probe(*args, env=dict(self.env, **(env or {})), timeout=timeout)
 
 
 def _free_port() -> int:
@@ -62,15 +63,15 @@ def _free_port() -> int:
 
 
 @contextmanager
-def ddp_job(*args, world=3, direct=False, rt=None, extra_env=None, target=TARGET):
-    """A probed job of ``world`` ranks running ``target`` (tests/targets/ddp_plain.py) with ``args`` (and ``extra_env``)."""
+def ddp_job(*args, world=3, direct=False, rt=None, extra_env=None, target=TARGET, wait=True):
+    """A probed job of ``world`` ranks running ``target`` (tests/targets/ddp_plain.py) with ``args`` (and ``extra_env``),
+    its ranks ready (``wait=False``: just started; ``job.ready(world)`` says when they are)."""
     own_rt = rt is None
     rt = rt or tempfile.mkdtemp(prefix="prc-", dir="/tmp")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROBE", "TORCH_FR"))}
-    env.update(PROBE_RUNTIME_DIR=rt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PROBE_HUNG_AFTER=HUNG_AFTER)
+    env = {k: v for k, v in clean_env(rt, OMP_NUM_THREADS="1", PROBE_HUNG_AFTER=HUNG_AFTER).items()
+           if not k.startswith("TORCH_FR")}
     env.update(extra_env or {})
     job_env = dict(env, PROBE="1")
-    lines: list[str] = []
     if direct:  # each rank its own process: a dead rank does not take the others down with it
         port = _free_port()
         cmds = [([sys.executable, target, *args], dict(job_env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -78,15 +79,11 @@ def ddp_job(*args, world=3, direct=False, rt=None, extra_env=None, target=TARGET
                 for r in range(world)]
     else:
         cmds = [([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), target, *args], job_env)]
-    procs = []
-    for cmd, e in cmds:
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e, cwd=rt,
-                             start_new_session=True)
-        threading.Thread(target=lambda p=p: [lines.append(l.rstrip()) for l in p.stdout], daemon=True).start()
-        procs.append(p)
-    job = Job(env, procs, lines)
+    job = Job(env, [])
     try:
-        assert poll(lambda: job.ready(world), 120), "ranks did not get ready:\n" + "\n".join(lines)
+        for cmd, e in cmds:
+            job.procs.append(start(cmd, e, ready=None))
+        assert not wait or poll(lambda: job.ready(world), 120), "ranks did not get ready:\n" + "\n".join(job.lines)
         yield job
     finally:
         for pid in job.pids.values():  # ranks stopped by a test (torchrun's ranks are not group leaders)
@@ -94,7 +91,7 @@ def ddp_job(*args, world=3, direct=False, rt=None, extra_env=None, target=TARGET
                 os.kill(pid, signal.SIGCONT)
             except OSError:
                 pass
-        stop_groups(procs, grace=15)
+        stop_groups([p.popen for p in job.procs], grace=15)
         if own_rt:
             shutil.rmtree(rt, ignore_errors=True)
 
@@ -134,28 +131,6 @@ def states(rows):
 
 def culprits(rows):
     return {k for k, v in rows.items() if v["culprit"]}
-
-
-def test_stalled_data_read_is_the_culprit_and_the_others_wait_in_the_collective():
-    with ddp_job("--stall-rank", "1", "--stall-at", "8") as job:
-        assert poll(lambda: job.saw("stalling rank=1"), 60)
-        since = time.monotonic()
-        # when / then: status names rank 1, the others wait in DDP's all_reduce for it
-        r, rows = until_status(job, since, lambda rows: states(rows) == {0: "waiting", 1: "hung", 2: "waiting"})
-        assert r.returncode == 0, r.stderr
-        assert culprits(rows) == {1}
-        assert "ranks 0,2 wait for it" in rows[1]["reason"]
-        assert rows[0]["reason"].startswith("waits in all_reduce seq") and rows[0]["reason"].endswith("for ranks 1")
-        assert "read_batch" in rows[1]["top_frame"]
-        # and the views agree
-        coll = {row["rank"]: row for row in view(job, "SELECT * FROM ranks.collectives")}
-        assert coll[1]["role"] == "culprit" and coll[1]["waited_by"] == "0,2" and coll[1]["behind"] >= 1
-        assert coll[0]["role"] == coll[2]["role"] == "waiting" and coll[0]["waits_for"] == "1"
-        assert coll[0]["pending_op"] == "all_reduce" and coll[0]["pending_seq"] == coll[1]["last_enqueued"] + 1
-        hung = view(job, "SELECT rank, state, culprit FROM ranks.hung")
-        assert hung[0] == {"rank": 1, "state": "hung", "culprit": True}
-        assert {h["rank"]: h["state"] for h in hung[1:]} == {0: "waiting", 2: "waiting"}
-        assert view(job, "SELECT rank FROM ranks.stragglers") == []
 
 
 def test_slow_rank_is_the_straggler_by_its_compute_time():
@@ -201,40 +176,14 @@ def test_extra_all_reduce_on_one_rank_is_a_collective_mismatch():
         assert 0 not in {s["rank"] for s in view(job, "SELECT rank FROM ranks.stragglers")}
 
 
-def test_stopped_rank_is_hung_and_the_others_wait():
-    with ddp_job() as job:
-        os.kill(job.pids[1], signal.SIGSTOP)
-        since = time.monotonic()
-        r, rows = until_status(job, since, lambda rows: states(rows) == {0: "waiting", 1: "hung", 2: "waiting"})
-        assert r.returncode == PARTIAL
-        assert culprits(rows) == {1} and "process stopped" in rows[1]["reason"]
-        assert "stopped" in r.stderr
-        coll = {c["rank"]: c for c in view(job, "SELECT rank, role, waits_for FROM ranks.collectives")}
-        assert coll[1]["role"] == "culprit" and coll[0]["role"] == "waiting" and "1" in coll[0]["waits_for"].split(",")
-        hung = view(job, "SELECT rank, state, culprit FROM ranks.hung")
-        assert hung[0] == {"rank": 1, "state": "hung", "culprit": True}
-        assert view(job, "SELECT rank FROM ranks.stragglers") == []
-
-
-def test_killed_rank_is_the_culprit_the_survivors_wait_for():
-    with ddp_job("--survive", direct=True) as job:
-        os.kill(job.pids[1], signal.SIGKILL)
-        since = time.monotonic()
-        r, rows = until_status(job, since, lambda rows: states(rows) == {0: "waiting", 1: "unreachable", 2: "waiting"})
-        assert r.returncode == PARTIAL
-        assert culprits(rows) == {1} and "ranks 0,2 wait for it" in rows[1]["reason"]
-        coll = {c["rank"]: c for c in view(job, "SELECT rank, role FROM ranks.collectives")}
-        # a survivor's failed collective may stay unfinished in its recorder (waiting) or not (ok): never the culprit
-        assert coll[1]["role"] == "culprit" and {coll[0]["role"], coll[2]["role"]} <= {"ok", "waiting"}
-        hung = view(job, "SELECT rank, state, culprit FROM ranks.hung")
-        assert hung[0] == {"rank": 1, "state": "unreachable", "culprit": True}
-        assert view(job, "SELECT rank FROM ranks.stragglers") == []
-
-
 def test_two_jobs_on_one_host_are_never_mixed():
     rt = tempfile.mkdtemp(prefix="prj-", dir="/tmp")
     try:
-        with ddp_job(world=2, rt=rt) as first, ddp_job("--slow-rank", "1", "--slow-compute", "0.15", world=2, rt=rt) as second:
+        with ddp_job(world=2, rt=rt, wait=False) as first, \
+                ddp_job("--slow-rank", "1", "--slow-compute", "0.15", world=2, rt=rt, wait=False) as second:
+            # (both jobs start at once: one start-up's wait, not two)
+            assert poll(lambda: first.ready(2) & second.ready(2), 120), "ranks did not get ready:\n" + "\n".join(
+                first.lines + second.lines)
             since = time.monotonic()
             listed = json.loads(first.cli("list", "--json").stdout)
             jobs = {}

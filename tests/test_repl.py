@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import EXAMPLES, PROBE_BIN, TARGETS, requires_torch
+from conftest import EXAMPLES, PROBE_BIN, TARGETS, poll, requires_torch
 
 pexpect = pytest.importorskip("pexpect")
 
@@ -128,14 +128,10 @@ def _wait_until_grinding(child, cpu_s: float = 0.7, timeout: float = 8.0) -> Non
     """Wait until the REPL runs the statement: its terminal is out of prompt-toolkit's raw mode (so
     Ctrl-C is a SIGINT, not a keystroke read later) and it has burnt ``cpu_s`` of CPU since (far
     more than planning costs: DuckDB is grinding). CPU time, not wall time, so load cannot fool it."""
-    end = time.monotonic() + timeout
-    while not termios.tcgetattr(child.child_fd)[3] & termios.ISIG:
-        assert time.monotonic() < end, "the REPL never left its prompt"
-        time.sleep(0.02)  # ok-sleep: polling the terminal's mode
+    assert poll(lambda: termios.tcgetattr(child.child_fd)[3] & termios.ISIG, timeout, interval=0.02), \
+        "the REPL never left its prompt"
     start = _cpu_s(child.pid)
-    while _cpu_s(child.pid) - start < cpu_s:
-        assert time.monotonic() < end, "the REPL never started the query"
-        time.sleep(0.02)  # ok-sleep: polling the process's CPU time
+    assert poll(lambda: _cpu_s(child.pid) - start >= cpu_s, timeout, interval=0.02), "the REPL never started the query"
 
 
 def test_ctrl_c_cancels_a_long_query_in_the_repl(spawn, repl, cli):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PROBE_BIN as PROBE_BIN_PATH, TARGETS, poll, requires_torch
+from harness import clean_env
 
 PLAIN = TARGETS / "plain_loop.py"
 ACTIONS = TARGETS / "actions_train.py"
@@ -326,8 +327,7 @@ def test_crafted_post_mortem_records_cannot_crash_or_bloat_probe_list_dead(cli, 
     assert len(bomb) < 2 << 20
     _record(reg, "node-x-17", dict(good, pid=17), npz=bomb)
     # when the CLI lists the dead (its peak memory measured from the kernel's accounting of that one child)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
-    env.update(PROBE_REGISTRY=str(reg), PROBE_RUNTIME_DIR=str(tmp_path / "rt"))
+    env = clean_env(str(tmp_path / "rt"), PROBE_REGISTRY=str(reg))
     wrapper = ("import resource, subprocess, sys\n"
                "r = subprocess.run(sys.argv[1:])\n"
                "print('maxrss_kib=%d' % resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"

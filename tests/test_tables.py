@@ -6,18 +6,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
-import tempfile
-import threading
-import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 
 from conftest import EXAMPLES, PROBE_BIN, ROOT, requires_torch
+from harness import clean_env, run_probe, start, stop_groups
 from probe.tables import builtin  # noqa: F401  (registers the built-in tables)
 from probe.tables.registry import all_tables
 
@@ -27,24 +22,14 @@ EXAMPLES_SQL = [(t.name, sql) for t in all_tables() for sql in t.examples]
 @contextmanager
 def _train_gpt(*extra):
     """examples/train_gpt.py with ``extra`` arguments, past its first steps; yields (pid, env), stops it after."""
-    rt = tempfile.mkdtemp(prefix="pr-", dir="/tmp")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
-    env.update(PROBE_RUNTIME_DIR=rt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    p = subprocess.Popen([sys.executable, str(EXAMPLES / "train_gpt.py"), "--print-every", "10", *extra], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, env=env, cwd=rt, start_new_session=True)
-    lines = []
-    threading.Thread(target=lambda: [lines.append(l) for l in p.stdout], daemon=True).start()
+    env = clean_env()
+    job = start([EXAMPLES / "train_gpt.py", "--print-every", "10", *extra], env, ready=None)
     try:
-        deadline = time.monotonic() + 120
-        while not any(l.startswith("step 20 ") for l in lines):
-            assert p.poll() is None, "".join(lines)
-            assert time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.05)  # ok-sleep: polling with a deadline
-        yield p.pid, env
+        job.wait_match(r"^step 20 ", timeout=120)
+        yield job.pid, env
     finally:
-        os.killpg(p.pid, signal.SIGTERM)
-        p.wait(10)
-        shutil.rmtree(rt, ignore_errors=True)
+        stop_groups([job.popen], grace=10)
+        shutil.rmtree(env["PROBE_RUNTIME_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -162,13 +147,15 @@ def test_parameter_queries_during_training_read_at_the_step_boundary(training_fl
     pid, env = training_flat_out
     sql = "SELECT count(*) AS n, count(grad_norm) AS with_grad, sum(nan_count) AS nans FROM torch.parameters"
 
-    def burst(_):
-        out = []
-        for _ in range(8):
-            r = subprocess.run([PROBE_BIN, str(pid), "query", sql, "-f", "json"], capture_output=True, text=True,
-                               env=env, timeout=60)
-            assert r.returncode == 0, r.stderr
-            out.append(json.loads(r.stdout)[0])
+    def burst(_):  # one client running 8 queries in a row (the REPL reading a script: one `probe` start-up, not 8)
+        r = run_probe("--format", "json", pid, env=env, timeout=120, input=f"{sql};\n" * 8)
+        assert r.returncode == 0, r.stderr
+        decoder, text, at, out = json.JSONDecoder(), r.stdout.strip(), 0, []
+        while at < len(text):
+            (row,), at = decoder.raw_decode(text, at)
+            out.append(row)
+            at = len(text) - len(text[at:].lstrip())
+        assert len(out) == 8, r.stdout
         return out
 
     from concurrent.futures import ThreadPoolExecutor

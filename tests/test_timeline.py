@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import TARGETS, requires_torch
+from conftest import TARGETS, poll, requires_torch
 
 pytestmark = requires_torch
 SPANS = TARGETS / "spans_train.py"
@@ -29,15 +29,8 @@ def _query(cli, pid, sql):
 
 
 def wait_for_steps(cli, pid, n):
-    import time
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        rows = _query(cli, pid, "SELECT MAX(step) AS s FROM torch.steps")
-        if rows[0]["s"] and rows[0]["s"] >= n:
-            return
-        time.sleep(0.1)  # ok-sleep: polling with a deadline
-    raise AssertionError(f"fewer than {n} steps within 60 s")
+    assert poll(lambda: (_query(cli, pid, "SELECT MAX(step) AS s FROM torch.steps")[0]["s"] or 0) >= n, 60,
+                interval=0.1), f"fewer than {n} steps within 60 s"
 
 
 def test_spans_record_nesting_threads_and_decorated_functions(ranks, shared_cli):
@@ -149,16 +142,14 @@ def test_trace_bad_input_is_one_sentence(ranks, shared_cli, tmp_path):
 
 
 def test_doctor_names_an_input_bound_job_from_its_data_spans(spawn, cli):
-    import time
-
     job = spawn([SPANS, "--data-sleep", "0.05"])
-    deadline = time.monotonic() + 90
-    while True:
-        r = cli(job.pid, "doctor", "--format", "json", timeout=90)
+    said = {}
+
+    def data_spans() -> list:
+        said["r"] = r = cli(job.pid, "doctor", "--format", "json", timeout=90)
         assert "Traceback" not in r.stderr, r.stderr
-        hit = [f for f in json.loads(r.stdout)["findings"] if f["rule"] == "data_spans"] if r.stdout.strip() else []
-        if hit or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)  # ok-sleep: polling with a deadline
-    assert hit, r.stdout + r.stderr
+        return [f for f in json.loads(r.stdout)["findings"] if f["rule"] == "data_spans"] if r.stdout.strip() else []
+
+    hit = poll(data_spans, 90, interval=0.5)
+    assert hit, said["r"].stdout + said["r"].stderr
     assert "probe.span('data')" in hit[0]["message"] and "input pipeline" in hit[0]["message"]

@@ -102,34 +102,3 @@ def test_watching_the_last_optimizer_gives_the_same_iteration(spawn, cli):
     for _ in range(2):
         r = cli(p.pid, "eval", "--at-step", 'stepped["d"] - stepped["g"]')
         assert r.returncode == 0 and r.stdout.strip() == "0", (r.stdout, r.stderr)
-
-
-class _Opt:
-    """A stand-in optimizer: the cycle only keeps identities."""
-
-
-def _closes(seq, opts) -> list:
-    from probe.training.cycle import OptimizerCycle
-
-    cycle = OptimizerCycle(opts[seq[0]], True)  # the lead's first step is where the tracker starts the cycle
-    return [cycle.see(opts[k]) for k in seq[1:]]
-
-
-def test_the_iteration_is_recognised_from_the_order_of_optimizer_steps():
-    d, g, e = _Opt(), _Opt(), _Opt()
-    opts = {"D": d, "G": g, "E": e}
-    # a GAN: D G, recognised at the second G, then every G ends an iteration
-    assert _closes("DGDGDGDG", opts) == [None, None, True, False, True, False, True]
-    # a WGAN's five critic steps per generator step
-    got = _closes("DDDDDG" * 3, opts)
-    assert got[10] is True and got[11:] == [False] * 5 + [True]
-    # three optimizers
-    assert _closes("DGEDGEDGE", opts)[-4:] == [True, False, False, True]
-    # a step out of turn drops the cycle: the lead's steps end steps again (None) until a cycle is seen again
-    assert _closes("DGDGDGDD", opts)[-2:] == [False, None]
-    assert _closes("DGDGDDDD", opts)[-1] is None
-    # probe.watch named G before anything stepped: the iteration still starts with the first optimizer to step
-    from probe.training.cycle import OptimizerCycle
-
-    cycle = OptimizerCycle(d, False)
-    assert [cycle.see(opts[k]) for k in "DGDGDG"] == [None, None, None, True, False, True]

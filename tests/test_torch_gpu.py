@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import pytest
 
-from conftest import EXAMPLES, TARGETS, requires_torch
+from conftest import EXAMPLES, TARGETS, poll, requires_torch
 from _doctor import poll_for
 
 
@@ -27,13 +26,13 @@ pytestmark = [requires_torch, pytest.mark.gpu, pytest.mark.skipif(not _cuda(), r
 def test_cuda_trace_durations_and_memory(spawn, cli):
     proc = spawn([EXAMPLES / "train_gpt.py", "--print-every", "10", "--device", "cuda"], env={"PROBE_TRACE": "all"})
     proc.wait_for("step 20 ")
-    deadline = time.monotonic() + 30
-    while True:  # durations appear once the CUDA events have completed
+
+    def traced() -> list:  # durations appear once the CUDA events have completed
         r = cli(proc.pid, "query", "SELECT step, module, stage, duration, allocated FROM python.torch_trace WHERE step <= 10", "-f", "json")
         rows = json.loads(r.stdout)
-        if rows and all(x["duration"] is not None for x in rows) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)  # ok-sleep: polling with a deadline
+        return rows if rows and all(x["duration"] is not None for x in rows) else []
+
+    rows = poll(traced, 30)
     assert rows and all(x["duration"] is not None and x["duration"] > 0 for x in rows)
     assert all(x["allocated"] > 0 for x in rows)  # CUDA allocated bytes, not RSS
     r = cli(proc.pid, "query", "SELECT step, loss, peak_allocated FROM torch.steps WHERE step <= 10", "-f", "json")

@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -19,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, PROBE_BIN, TARGETS, requires_torch
+from conftest import EXAMPLES, PROBE_BIN, TARGETS, poll, requires_torch
+from harness import start, stop_groups
 
 CHROMIUM = os.environ.get("PROBE_TEST_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(os.environ.get("PROBE_UI_ARTIFACTS", "/tmp/probe-ui-artifacts"))
@@ -28,37 +27,20 @@ playwright = pytest.importorskip("playwright.sync_api", reason="playwright is no
 pytestmark = requires_torch
 
 
-def poll(fn, timeout=30.0, interval=0.2):
-    """Call fn until it returns a truthy value or the deadline passes; return the last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)  # ok-sleep: polling with a deadline
-
-
 class UI:
     """A running `probe ui` and the URL it printed."""
 
     def __init__(self, env, *args):
-        self.proc = subprocess.Popen([PROBE_BIN, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, start_new_session=True)
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: [self.lines.append(l.rstrip()) for l in self.proc.stdout], daemon=True).start()
-        found = poll(lambda: self.proc.poll() is not None or any("serving http" in l for l in self.lines), 30, 0.05)
+        # its last line before serving: the URL lines (the 127.0.0.1 one comes after "serving") are in by then
+        self.proc = start([PROBE_BIN, *args], env, ready="Ctrl-C stops it", timeout=30)
+        self.lines = self.proc.lines
         urls = [m.group(0) for l in self.lines for m in [re.search(r"http://127\.0\.0\.1:\d+/\S+/", l)] if m]
-        assert found and urls, "probe ui did not print its URL:\n" + "\n".join(self.lines)
+        assert urls, "probe ui did not print its URL:\n" + "\n".join(self.lines)
         self.url = urls[0]
         self.origin = re.match(r"http://127\.0\.0\.1:\d+", self.url).group(0)
 
     def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        stop_groups([self.proc.popen], grace=5)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import os
 import re
 import socket
 import stat
-import subprocess
 import threading
 import urllib.error
 import urllib.request
@@ -21,26 +20,19 @@ import urllib.request
 import pytest
 
 from conftest import PROBE_BIN, TARGETS, poll
+from harness import start, stop_groups
 
 
 class UI:
     def __init__(self, env, *args):
-        self.proc = subprocess.Popen([PROBE_BIN, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, start_new_session=True)
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: [self.lines.append(l.rstrip()) for l in self.proc.stdout], daemon=True).start()
-        assert poll(lambda: any("Ctrl-C" in l for l in self.lines) or self.proc.poll() is not None, 60), self.lines
+        self.proc = start([PROBE_BIN, *args], env, ready="Ctrl-C", timeout=60)
+        self.lines = self.proc.lines
         self.url = next(m.group(0) for l in self.lines for m in [re.search(r"http://127\.0\.0\.1:\d+/\S+/", l)] if m)
         self.port = int(re.match(r"http://127\.0\.0\.1:(\d+)/", self.url).group(1))
         self.token = self.url.rstrip("/").rsplit("/", 1)[1]
 
     def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        stop_groups([self.proc.popen], grace=5)
 
 
 @pytest.fixture

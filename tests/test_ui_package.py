@@ -33,12 +33,3 @@ def test_wheel_contains_the_assets(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"probe/cli/ui/static/{a}" for a in ASSETS} <= names, sorted(n for n in names if "/ui/" in n)
     assert "probe/cli/ui/server.py" in names and "probe/cli/commands/ui.py" in names
-
-
-def test_doctests():
-    import doctest
-
-    import probe.cli.ui.flame as flame
-
-    failed, attempted = doctest.testmod(flame)
-    assert attempted and not failed

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE_DIRS = {"probe": "probe", "probe.sql": "sql", "probe.cli": "cli", "probe.injector": "injector"}
 
 

@@ -4,7 +4,6 @@ query); both sides must return the same rows."""
 
 from __future__ import annotations
 
-import doctest
 
 import pytest
 
@@ -106,13 +105,3 @@ def test_unknown_table_is_refused_with_the_known_names():
 
     with pytest.raises(QueryError, match="known tables"):
         federate.plan("SELECT * FROM torch.nothing", SCHEMA)
-
-
-def test_doctests():
-    from probe.training import collectives
-    from probe.cli import _fanout, _stacks
-    from probe.sql import ranks
-
-    for mod in (federate, ranks, _fanout, _stacks, collectives):
-        failed, attempted = doctest.testmod(mod)
-        assert attempted and not failed

@@ -1,0 +1,208 @@
+"""The one harness for the processes tests and benchmarks drive: a clean environment, starting a
+target and waiting for its ready line, polling with a deadline, running the real ``probe`` command,
+and stopping process groups. No pytest here: ``tests/conftest.py`` wraps it in fixtures, and
+benchmarks import it directly::
+
+    sys.path.insert(0, str(ROOT / "tests")); from harness import Spawner, clean_env, poll
+
+Nothing here waits on a fixed time: every wait has a deadline and ends as soon as its condition holds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["ROOT", "TARGETS", "EXAMPLES", "PROBE_BIN", "clean_env", "poll", "Proc", "start", "Spawner",
+           "run_probe", "stop_groups", "ptrace_refused"]
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = ROOT / "tests" / "targets"
+EXAMPLES = ROOT / "examples"
+_beside = Path(sys.executable).with_name("probe")
+PROBE_BIN = str(_beside) if _beside.exists() else shutil.which("probe")
+
+
+def clean_env(runtime_dir: str | None = None, *, prefix: str = "pr-", **extra: str) -> dict:
+    """This process's environment without any ``PROBE*`` setting, unbuffered output, one OpenMP thread
+    (unless set), and its own runtime dir: ``runtime_dir``, or a new short one under /tmp (unix-socket
+    paths have a 108-byte limit). ``extra`` is applied last (``PROBE="1"`` to start the probe)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
+    env["PROBE_RUNTIME_DIR"] = runtime_dir or tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
+def poll(fn, timeout: float = 30.0, interval: float = 0.2):
+    """Call ``fn`` until it returns a truthy value or ``timeout`` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)  # ok-sleep: polling with a deadline
+
+
+class Proc:
+    """A started process whose combined stdout/stderr lines are collected as they come (``lines``)."""
+
+    def __init__(self, popen: subprocess.Popen):
+        self.popen = popen
+        self.pid = popen.pid
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._pump, args=(popen, self.lines), daemon=True)
+        self._reader.start()
+
+    @staticmethod
+    def _pump(popen: subprocess.Popen, lines: list[str]) -> None:
+        for line in popen.stdout:
+            lines.append(line.rstrip("\n"))
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float = 60.0) -> str:
+        """Wait until a line containing ``text`` has been printed; return that line."""
+        return self.wait_line(lambda line: text in line, repr(text), timeout=timeout)
+
+    def wait_match(self, pattern: str, *, start: int = 0, count: int = 1, timeout: float = 60.0) -> list[re.Match]:
+        """Wait until ``count`` lines from line ``start`` on match ``pattern`` (``re.search``); their matches."""
+        rx = re.compile(pattern)
+        found: list[re.Match] = []
+
+        def enough() -> bool:
+            found[:] = [m for line in list(self.lines[start:]) if (m := rx.search(line))]
+            return len(found) >= count
+
+        self.wait_line(None, f"{count} line(s) matching {pattern!r} after line {start}", timeout=timeout, until=enough)
+        return found[:count]
+
+    def wait_line(self, match, what: str, *, start: int = 0, timeout: float = 60.0, until=None) -> str:
+        """Wait for the first line from line ``start`` on that ``match(line)`` accepts (or for ``until()``),
+        failing with the output when the deadline passes or the process exits first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            exited = self.popen.poll() is not None  # read before the lines: its last lines are in by then
+            if exited:
+                self._reader.join(5)  # the pipe's last lines are in once the reader has seen its end
+            if until is not None:
+                if until():
+                    return ""
+            else:
+                for line in list(self.lines[start:]):
+                    if match(line):
+                        return line
+            if exited:
+                raise AssertionError(f"process exited ({self.popen.returncode}) before printing {what}:\n"
+                                     f"{self.output()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"process did not print {what} within {timeout} s:\n{self.output()}")
+            time.sleep(0.02)  # ok-sleep: polling with a deadline
+
+
+_ATTACH = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+pid = int(sys.argv[1])
+if libc.ptrace(16, pid, None, None) != 0:  # PTRACE_ATTACH
+    sys.exit("ptrace: " + os.strerror(ctypes.get_errno()))
+os.waitpid(pid, 0)
+libc.ptrace(17, pid, None, None)  # PTRACE_DETACH
+"""
+_ptrace: list[str] = []
+
+
+def ptrace_refused() -> str | None:
+    """Why this host refuses one process ptrace-attaching another of the same user that it did not start
+    (as py-spy or gdb attach to a training job: yama's ptrace_scope, a container without CAP_SYS_PTRACE, a
+    seccomp filter), or None when it allows it. Checked once, by trying it on a sleeping sibling."""
+    if not _ptrace:
+        victim = subprocess.Popen(["sleep", "30"], start_new_session=True)
+        try:
+            r = subprocess.run([sys.executable, "-c", _ATTACH, str(victim.pid)], capture_output=True, text=True,
+                               timeout=30)
+            _ptrace.append(r.stderr.strip() or f"the attach exited {r.returncode}" if r.returncode else "")
+        finally:
+            stop_groups([victim], grace=5)
+    return _ptrace[0] or None
+
+
+def start(args, env: dict, *, cwd=None, ready: str | None = "ready", timeout: float = 90.0, **popen) -> Proc:
+    """Start ``args`` (a ``.py`` first argument runs with this Python) in its own process group, with
+    ``env``, in ``cwd`` (default: the env's runtime dir); wait for a line containing ``ready``."""
+    if isinstance(args, (str, Path)):
+        args = [str(args)]
+    args = [str(a) for a in args]
+    if args[0].endswith(".py"):
+        args = [sys.executable] + args
+    popen.setdefault("stdout", subprocess.PIPE)
+    popen.setdefault("stderr", subprocess.STDOUT)
+    p = subprocess.Popen(args, text=True, env=env, cwd=cwd or env.get("PROBE_RUNTIME_DIR"),
+                         start_new_session=True, **popen)
+    proc = Proc(p)
+    if ready:
+        try:
+            proc.wait_for(ready, timeout)
+        except BaseException:
+            stop_groups([p], grace=5)
+            raise
+    return proc
+
+
+class Spawner:
+    """Start targets with ``env`` (see ``start``); ``close()`` stops them all (SIGCONT, SIGTERM, SIGKILL)."""
+
+    def __init__(self, env: dict):
+        self.env = env
+        self.procs: list[Proc] = []
+
+    def __call__(self, args, *, env=None, ready: str | None = "ready", timeout: float = 90.0, cwd=None) -> Proc:
+        e = dict(self.env)
+        e.update(env or {})
+        proc = start(args, e, cwd=cwd or self.env["PROBE_RUNTIME_DIR"], ready=None)  # a test may point env's elsewhere
+        self.procs.append(proc)  # before waiting: a target that never gets ready is still stopped by close()
+        if ready:
+            proc.wait_for(ready, timeout)
+        return proc
+
+    def close(self) -> None:
+        stop_groups([proc.popen for proc in self.procs], grace=5)
+
+
+def run_probe(*args, env: dict, timeout: float = 180.0, input: str | None = None) -> subprocess.CompletedProcess:
+    """Run the real ``probe`` command; its CompletedProcess (text). The timeout is a deadline, not a speed
+    limit: a call that hangs fails, one slowed by a busy host does not."""
+    return subprocess.run([PROBE_BIN, *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=timeout, input=input)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except OSError:  # already gone
+        pass
+
+
+def stop_groups(popens: list, grace: float = 10.0) -> None:
+    """Stop each Popen's process group (started with ``start_new_session=True``): SIGCONT for the
+    stopped ones, SIGTERM to every group first, then SIGKILL to the groups that outlive ``grace`` seconds."""
+    live = [p for p in popens if p.poll() is None]
+    for p in live:
+        _signal_group(p.pid, signal.SIGCONT)
+        _signal_group(p.pid, signal.SIGTERM)
+    for p in live:
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            _signal_group(p.pid, signal.SIGKILL)
+            p.wait(5)
