@@ -1,0 +1,136 @@
+"""The doctor on distributed errors from public reports (tests/faults/real_world_ddp.py cites each): 2 ranks
+on gloo started by `python -m torch.distributed.run`, several errors per job where they do not interact,
+`probe --ranks all doctor` names each with the rule tests/faults/corpus_ddp.py gives, and the healthy twin (the
+same script with --fixed, past an epoch's end-of-epoch barrier) gets nothing, not even info. Then a healthy
+plain DDP job (no collective of its own in the loop) gets nothing above info, and its ranks' weight
+checksums agree at the same steps. Each error prints the steps and seconds from its onset to the doctor
+naming it (docs/doctor.md has the table)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+from conftest import ROOT, poll, requires_torch
+from faults.corpus_ddp import DDP_ERRORS
+from test_ranks_collectives import ddp_job
+
+pytestmark = requires_torch
+SCRIPT = str(ROOT / "tests" / "faults" / "real_world_ddp.py")
+LOUD = ("critical", "warning")
+QUIET = {"PROBE_HUNG_AFTER": "600"}  # ddp_job's default is 2 s: a loaded host pauses a healthy rank that long
+
+
+def doctor(job) -> list:
+    r = job.cli("--timeout", "10", "--ranks", "all", "--format", "json", "doctor", "--all", timeout=120)
+    assert r.returncode in (0, 8), r.stderr
+    assert "Traceback" not in r.stderr
+    return json.loads(r.stdout)["findings"]
+
+
+def steps(job) -> int:
+    r = job.cli("--ranks", "all", "--format", "json", "query", "SELECT max(step) AS step FROM torch.steps")
+    return json.loads(r.stdout)[0]["step"] or 0
+
+
+def onset(job, pattern: str) -> tuple[int, float]:
+    """The step and time of the first line matching ``pattern`` (step=S time=T), waited for."""
+    found: list = []
+
+    def look():
+        found[:] = [m for line in list(job.lines) for m in [re.search(pattern, line)] if m]
+        return found
+
+    assert poll(look, 120), "\n".join(job.lines[-20:])
+    return int(found[0].group("step")), float(found[0].group("time") or time.time())
+
+
+def named(job, errors: list, since: tuple[int, float], timeout: float = 120.0) -> dict:
+    """Poll the doctor until the rules of ``errors`` have all named them; check each finding and print the steps
+    and seconds from ``since`` (the onset) to the doctor run that first named it. The findings, by error."""
+    first: dict = {}
+    last: list = []
+
+    def look():
+        last[:] = doctor(job)
+        now = time.time()  # the doctor run that named it has just ended
+        new = [e for e in errors if e not in first and any(f["rule"] == DDP_ERRORS[e][0] for f in last)]
+        if new:
+            n = steps(job) - since[0]
+            for error in new:
+                first[error] = ([f for f in last if f["rule"] == DDP_ERRORS[error][0]][0], n, now - since[1])
+        return len(first) == len(errors)
+
+    assert poll(look, timeout), (f"named only {sorted(first)} of {errors}:\n" + json.dumps(last, indent=1) + "\n"
+                                 + "\n".join(job.lines[-20:]))
+    out = {}
+    for error in errors:
+        rule, rank, severity, words = DDP_ERRORS[error]
+        finding, n, s = first[error]
+        print(f"\n{error}: {rule} after {n} steps, {s:.1f} s from onset (at step {since[0]})")
+        assert sum(f["rule"] == rule for f in last) == 1, last  # one finding for the job, not one per rank
+        assert finding["severity"] == severity and finding["rank"] == rank, finding
+        for w in words:
+            assert w in finding["message"], finding
+        assert finding["next"] and all(n.startswith("probe ") for n in finding["next"]), finding
+        out[error] = finding
+    return out
+
+
+def test_replicas_that_drift_apart_and_a_ddp_set_up_that_cannot_agree():
+    # given: the model called without its DDP wrapper on odd steps from step 40, broadcast_buffers=False with
+    # batch norm, find_unused_parameters=True with nothing unused (none of them acts on the others' signal)
+    with ddp_job("--error", "no_wrapper", "--error", "buffers", "--error", "unused", "--batches", "100000",
+                 world=2, target=SCRIPT, extra_env=QUIET) as job:
+        at = onset(job, r"onset rank=\d+ step=(?P<step>\d+) time=(?P<time>[\d.]+)")
+        # then: each named by its own rule, the drift with the tensors that differ first
+        found = named(job, ["no_wrapper", "buffers", "unused"], at)
+        drift = found["no_wrapper"]["evidence"]
+        assert drift["since"] > at[0] - 32 and drift["agreed_at"] != "no step compared", drift  # agreed before the onset
+
+
+def test_a_rank_local_change_then_a_rank_whose_data_runs_out():
+    # given: rank 0 alone loads a checkpoint of the head at step 40, after wrapping; rank 1's shard has one
+    # batch fewer than rank 0's, so at step 200 it reaches the end-of-epoch barrier while rank 0 waits in DDP's
+    # collectives of its last batch
+    with ddp_job("--error", "rank_local", "--error", "uneven", "--batches", "200", world=2, target=SCRIPT,
+                 extra_env=QUIET) as job:
+        at = onset(job, r"onset rank=0 step=(?P<step>\d+) time=(?P<time>[\d.]+)")
+        local = named(job, ["rank_local"], at)["rank_local"]
+        assert local["evidence"]["differ"] == 2, local  # the head alone: DDP averages every gradient since
+        # when: rank 1 runs out of batches
+        out = onset(job, r"epoch done rank=1 step=(?P<step>\d+)(?P<time>)")
+        # then: the rank whose data ran out, long before PROBE_HUNG_AFTER, where it is and where the other waits
+        named(job, ["uneven"], out)
+
+
+def test_the_healthy_twin_gets_nothing():
+    # given: the same script with every error fixed, past the onset and an end-of-epoch barrier
+    with ddp_job("--fixed", "--error", "no_wrapper", "--error", "buffers", "--error", "unused", "--error", "rank_local",
+                 "--error", "uneven", "--batches", "60", world=2, target=SCRIPT, extra_env=QUIET) as job:
+        onset(job, r"onset rank=\d+ step=(?P<step>\d+) time=(?P<time>[\d.]+)")
+        assert poll(lambda: steps(job) >= 200, 120), "\n".join(job.lines[-20:])
+        # then: not even an info finding, and the checksums were compared after the onset
+        assert doctor(job) == []
+        r = job.cli("--ranks", "all", "--format", "json", "query",
+                    "SELECT step, count(DISTINCT rank) AS ranks, count(DISTINCT checksum) AS sums FROM torch.weight_sums "
+                    "GROUP BY step HAVING count(DISTINCT rank) = 2 ORDER BY step")
+        rows = json.loads(r.stdout)
+        assert rows and max(row["step"] for row in rows) > 60, rows
+
+
+def test_a_healthy_plain_ddp_job_gets_nothing_above_info():
+    # given: plain DDP with no collective of its own in the loop (tests/targets/ddp_plain.py), a few hundred steps in
+    with ddp_job(world=2, extra_env=QUIET) as job:
+        assert poll(lambda: steps(job) >= 300, 120), "\n".join(job.lines[-20:])
+        # then: nothing above info
+        findings = doctor(job)
+        assert not [f for f in findings if f["severity"] in LOUD], findings
+        # and: both ranks took checksums at the same steps, and every one agrees
+        r = job.cli("--ranks", "all", "--format", "json", "query",
+                    "SELECT step, position, count(DISTINCT rank) AS ranks, max(checksum) - min(checksum) AS spread "
+                    "FROM torch.weight_sums GROUP BY step, position HAVING count(DISTINCT rank) = 2")
+        rows = json.loads(r.stdout)
+        assert len({row["step"] for row in rows}) >= 3, rows
+        assert all(row["spread"] == 0 for row in rows), [row for row in rows if row["spread"]]
