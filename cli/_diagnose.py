@@ -195,8 +195,10 @@ def _user_rules(con, builtin_names: set) -> list:
 def _plans(rules: list, schema: dict, answering: int):
     """``[(rule, plan)]`` for the rules that can run here, and ``[{rule, why}]`` for the rest."""
     from probe.sql.federate import plan, view_params
+    from probe.sql.plan_cache import PlanCache
 
     params = view_params(strict=True)
+    cache = PlanCache(schema, params)  # the same rules over the same tables plan the same: not again each run
     plans, skipped = [], []
     for r in rules:
         if r.scope == "job" and answering < 2:
@@ -205,7 +207,10 @@ def _plans(rules: list, schema: dict, answering: int):
         try:
             if r.params:
                 sql = sql.format(**{k: setting(name, strict=True) for k, name in r.params})
-            p = plan(sql, schema, params)
+            p = cache.get(sql)
+            if p is None:
+                p = plan(sql, schema, params)
+                cache.put(sql, p)
             if "diagnosis.findings" in p.parts:
                 skipped.append({"rule": r.name, "why": "it reads diagnosis.findings, which the doctor itself makes"})
                 continue
@@ -213,6 +218,7 @@ def _plans(rules: list, schema: dict, answering: int):
         except ProbeError as exc:
             why = exc.message
             skipped.append({"rule": r.name, "why": why})
+    cache.save()
     return plans, skipped
 
 
