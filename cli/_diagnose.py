@@ -230,7 +230,7 @@ def diagnose(session, targets=None) -> Diagnosis:
     """
     from probe.sql.federate import FEDERATED_VIEWS, per_rank_query
 
-    from ._federation import add_views, fetch_schema, open_database, run_outer
+    from ._federation import fetch_schema, materialize_views, open_database, run_outer
 
     started = time.perf_counter()
     targets = session.targets() if targets is None else targets
@@ -257,7 +257,7 @@ def diagnose(session, targets=None) -> Diagnosis:
         try:
             for r, p in plans:
                 try:
-                    add_views(con, {k: v for k, v in p.views.items() if made.get(k) != v})
+                    materialize_views(con, {k: v for k, v in p.views.items() if made.get(k) != v})  # once for all rules
                     made.update(p.views)
                     res = run_outer(con, p.outer, 1000)
                 except ProbeError as exc:
