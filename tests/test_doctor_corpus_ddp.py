@@ -4,7 +4,8 @@ on gloo started by `python -m torch.distributed.run`, several errors per job whe
 same script with --fixed, past an epoch's end-of-epoch barrier) gets nothing, not even info. Then a healthy
 plain DDP job (no collective of its own in the loop) gets nothing above info, and its ranks' weight
 checksums agree at the same steps. Each error prints the steps and seconds from its onset to the doctor
-naming it (docs/doctor.md has the table)."""
+naming it (docs/doctor.md has the table). Last, the two rules that compare ranks, on hand-made tables of
+three ranks (no job here has three): the rank outside the majority is named."""
 
 from __future__ import annotations
 
@@ -134,3 +135,52 @@ def test_a_healthy_plain_ddp_job_gets_nothing_above_info():
         rows = json.loads(r.stdout)
         assert len({row["step"] for row in rows}) >= 3, rows
         assert all(row["spread"] == 0 for row in rows), [row for row in rows if row["spread"]]
+
+
+def _sums(rows):
+    cols = "rank INTEGER, step BIGINT, time DOUBLE, model VARCHAR, position BIGINT, name VARCHAR, numel BIGINT, checksum DOUBLE"
+    return {"torch.weight_sums": (cols, rows)}
+
+
+def test_weights_diverged_names_the_rank_outside_the_majority_and_waits_for_every_rank():
+    from _doctor import rule_rows
+
+    names = ["enc.0.weight", "enc.0.bias", "head.weight"]
+
+    def at(step, rank, values):
+        return [(rank, step, 0.0, "model", i, n, 10, v) for i, (n, v) in enumerate(zip(names, values))]
+
+    # given: 3 ranks agree at step 16; at step 32 rank 2's head differs; rank 1 has not taken step 48's yet
+    rows = [r for rank in range(3) for r in at(16, rank, [1.0, 2.0, 3.0])]
+    rows += at(32, 0, [1.5, 2.0, 3.5]) + at(32, 1, [1.5, 2.0, 3.5]) + at(32, 2, [1.5, 2.0, 3.25])
+    rows += at(48, 0, [1.6, 2.0, 3.6]) + at(48, 2, [1.6, 2.0, 3.1])
+    (found,) = rule_rows("weights_diverged", _sums(rows))
+    # then: compared at the last step every rank has, naming the tensor and the rank apart from the others
+    assert found["step"] == 32 and found["since"] == 32 and found["agreed_at"] == "step 16", found
+    assert found["differ"] == 1 and found["tensors"] == 3 and found["modules"] == "head.weight", found
+    assert found["who"] == "rank(s) 2 differ from the others", found
+    # and: replicas that agree (a float64 rounding apart) are not a finding
+    same = [r for rank in range(2) for r in at(16, rank, [1.0, 2.0, 3.0 + rank * 1e-15])]
+    assert rule_rows("weights_diverged", _sums(same)) == []
+
+
+def test_collective_mismatch_names_the_odd_rank_of_three_and_waits_for_the_jobs_pace():
+    from _doctor import rule_rows
+
+    def tables(waited):
+        steps = [(r, s, 0.01) for r in range(3) for s in range(1, 41)]
+        groups = [(0, "0", 1, 184, "allreduce", waited, "train (t.py:10)", 184),
+                  (1, "0", 1, 184, "barrier", waited, "<module> (t.py:20)", 184),
+                  (2, "0", 1, 184, "allreduce", waited, "train (t.py:10)", 184)]
+        return {"torch.steps": ("rank INTEGER, step BIGINT, duration DOUBLE", steps),
+                "torch.process_groups": ("rank INTEGER, pg VARCHAR, pending BIGINT, pending_seq BIGINT, pending_op VARCHAR, "
+                                         "pending_s DOUBLE, pending_site VARCHAR, last_enqueued BIGINT", groups),
+                "ranks.latest": ("rank INTEGER, step BIGINT", [(r, 40) for r in range(3)])}
+
+    # given: ranks 0 and 2 in an all_reduce, rank 1 in a barrier, at the same seq, for 6 s (600x the 10 ms steps)
+    (found,) = rule_rows("collective_mismatch", tables(6.0), messages=True)
+    # then: rank 1, where it issued its barrier and where the others issued theirs
+    assert found.startswith("rank 1 left the other ranks' path: at seq 184 of process group 0 it issued barrier at "
+                            "<module> (t.py:20), where rank 0 issued allreduce at train (t.py:10); rank 2 issued allreduce"), found
+    # and: not before 5 s, whatever the pace
+    assert rule_rows("collective_mismatch", tables(4.0)) == []
