@@ -9,7 +9,13 @@
    ``python -m torch.distributed.run``): the doctor across all ranks and on rank 0 alone,
    alternating, so that their ratio is measured under the same load. Goal: all ranks in <= 10 s.
 
-3. With ``--faults``: every planted fault of tests/targets/faults.py (the table the tests
+3. Side by side (``--side-by-side`` runs only this): the healthy train_gpt.py and the ``--world``-rank DDP job
+   train flat out at the same time (``--world`` + 1 training processes on this host's cores: a harder load
+   than either alone), and the doctor alternates between the one process and all the ranks, each with the
+   rules' plans cached from the run before (``sql/plan_cache.py``, the normal case) and with the cache
+   removed first (a first run). Goals: one process <= 5 s, all ranks <= 10 s.
+
+4. With ``--faults``: every planted fault of tests/targets/faults.py (the table the tests
    assert on, tests/targets/fault_catalog.py), one job at a time: how long after the job
    says the fault is planted the doctor first names it, that finding's first line, and one
    doctor run's wall time. ``--faults-only`` skips 1 and 2.
@@ -99,10 +105,13 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--faults", action="store_true", help="also time the doctor on every planted fault")
     ap.add_argument("--faults-only", action="store_true", help="only the planted faults")
+    ap.add_argument("--side-by-side", action="store_true", help="only the two jobs at once, the doctor alternating")
     args = ap.parse_args()
     rt = tempfile.mkdtemp(prefix="pr-doctor-", dir="/tmp")
     env = clean_env(rt)  # no PROBE* setting of ours, its own runtime dir, unbuffered, one OpenMP thread
     wolf = []
+    if args.side_by_side:
+        return side_by_side(env, rt, args.world, args.pairs)
     if args.faults or args.faults_only:
         planted_faults(env)
         if args.faults_only:
@@ -135,6 +144,45 @@ def main() -> int:
         print(f"  all ranks / one rank, paired runs: median wall ratio {ratio:.2f}; load average {os.getloadavg()[0]:.1f}")
     finally:
         stop(proc)
+    for where, f in wolf:
+        print(f"CRIED WOLF ({where}): {f['severity']} {f['rule']}: {f['message']}")
+    return 1 if wolf else 0
+
+
+def side_by_side(env: dict, rt: str, world: int, pairs: int) -> int:
+    """train_gpt.py and a ``world``-rank DDP job flat out at once; the doctor on each, alternating, with the
+    plan cache warm and cold. Returns 1 when a finding above info came up (a healthy job)."""
+    one, found, _ = start([sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--print-every", "1000000"], env,
+                      r"ready pid=(\d+)")
+    ddp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+           str(ROOT / "examples" / "train_ddp.py"), "--steps", "0", "--step-sleep", "0"]
+    wolf, times = [], {}
+    try:
+        job, _, _ = start(ddp, dict(env, PROBE="1"), r"ready rank=(\d+)", count=world)
+        try:
+            pid = found[0].group(1)
+            cache = os.path.join(rt, "doctor-plans.json")
+            for _ in range(pairs):
+                for cold in (False, True):
+                    for label, where in (("one process", (pid,)), (f"{world} ranks", ("--ranks", "all"))):
+                        if cold and os.path.exists(cache):
+                            os.unlink(cache)
+                        wall, doc = doctor(env, *where)
+                        key = (label, "cold" if cold else "warm")
+                        times.setdefault(key, []).append((wall, CPU[-1], os.getloadavg()[0]))
+                        wolf += [(label, f) for f in loud(doc)]
+        finally:
+            stop(job)
+    finally:
+        stop(one)
+    print(f"side by side: train_gpt.py and train_ddp.py x{world} flat out at once on {os.cpu_count()} CPUs; "
+          f"the doctor alternating, {pairs} runs each:")
+    print("| | plans | wall, median (max) | CPU of the CLI, median | load average, median |")
+    print("|---|---|---|---|---|")
+    for (label, plans), rows in times.items():
+        walls = [w for w, _, _ in rows]
+        print(f"| {label} | {plans} | {statistics.median(walls):.2f} s ({max(walls):.2f} s) | "
+              f"{statistics.median(c for _, c, _ in rows):.2f} s | {statistics.median(l for _, _, l in rows):.1f} |")
     for where, f in wolf:
         print(f"CRIED WOLF ({where}): {f['severity']} {f['rule']}: {f['message']}")
     return 1 if wolf else 0

@@ -195,8 +195,10 @@ def _user_rules(con, builtin_names: set) -> list:
 def _plans(rules: list, schema: dict, answering: int):
     """``[(rule, plan)]`` for the rules that can run here, and ``[{rule, why}]`` for the rest."""
     from probe.sql.federate import plan, view_params
+    from probe.sql.plan_cache import PlanCache
 
     params = view_params(strict=True)
+    cache = PlanCache(schema, params)  # the same rules over the same tables plan the same: not again each run
     plans, skipped = [], []
     for r in rules:
         if r.scope == "job" and answering < 2:
@@ -205,7 +207,10 @@ def _plans(rules: list, schema: dict, answering: int):
         try:
             if r.params:
                 sql = sql.format(**{k: setting(name, strict=True) for k, name in r.params})
-            p = plan(sql, schema, params)
+            p = cache.get(sql)
+            if p is None:
+                p = plan(sql, schema, params)
+                cache.put(sql, p)
             if "diagnosis.findings" in p.parts:
                 skipped.append({"rule": r.name, "why": "it reads diagnosis.findings, which the doctor itself makes"})
                 continue
@@ -213,6 +218,7 @@ def _plans(rules: list, schema: dict, answering: int):
         except ProbeError as exc:
             why = exc.message
             skipped.append({"rule": r.name, "why": why})
+    cache.save()
     return plans, skipped
 
 
@@ -224,7 +230,7 @@ def diagnose(session, targets=None) -> Diagnosis:
     """
     from probe.sql.federate import FEDERATED_VIEWS, per_rank_query
 
-    from ._federation import add_views, fetch_schema, open_database, run_outer
+    from ._federation import fetch_schema, materialize_views, open_database, run_outer
 
     started = time.perf_counter()
     targets = session.targets() if targets is None else targets
@@ -251,7 +257,7 @@ def diagnose(session, targets=None) -> Diagnosis:
         try:
             for r, p in plans:
                 try:
-                    add_views(con, {k: v for k, v in p.views.items() if made.get(k) != v})
+                    materialize_views(con, {k: v for k, v in p.views.items() if made.get(k) != v})  # once for all rules
                     made.update(p.views)
                     res = run_outer(con, p.outer, 1000)
                 except ProbeError as exc:

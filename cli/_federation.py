@@ -272,6 +272,21 @@ def add_views(ws, views: dict) -> None:
         ws.create_view(name, text)
 
 
+def materialize_views(ws, views: dict) -> None:
+    """As ``add_views``, but each view is computed once into a table, under the query timeout: the doctor's rules
+    read the same ``ranks.*`` views over one fixed snapshot, and a view is recomputed by every query that reads it."""
+    from probe.sql.engine import _quote
+
+    for name, text in views.items():
+        if "." in name:
+            schema, short = name.split(".", 1)
+            ws.con.execute(f"CREATE SCHEMA IF NOT EXISTS {_quote(schema)}")
+            target = f"{_quote(schema)}.{_quote(short)}"
+        else:
+            target = _quote(name)
+        run_outer(ws, f"CREATE OR REPLACE TABLE {target} AS {text}", 1)
+
+
 def run_outer(ws, sql: str, max_rows: int, timeout: float | None = None):
     """The outer query on the workspace: row cap, timeout (PROBE_QUERY_TIMEOUT by default), interruptible."""
     from probe._config import setting

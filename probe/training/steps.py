@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 
-from . import cycle as _cycle, finder, invariants, memclock, safepoint
+from . import cycle as _cycle, finder, invariants, memclock, replicas, safepoint
 from ..util.budget import Budget
 from .capture import Capture, read
 from .._config import setting
@@ -115,6 +115,7 @@ class StepTracker:
         self._token_dtypes = {getattr(torch, n) for n in ("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32",
                                                              "uint64") if hasattr(torch, n)}
         self.capture = Capture(torch)
+        self._replicas = replicas.replicas(torch)  # DDP weight checksums (their due steps take the full boundary)
         self.budget = Budget(setting("PROBE_STEP_BUDGET"), max_gap_s=_MAX_GAP_S)
         self.norm_budget = norm_budget()
         self._norm_earned_ns = time.perf_counter_ns()  # the norm's budget earns the time between measured steps
@@ -176,7 +177,7 @@ class StepTracker:
         the optimizer's work, so it is kept to a handful; anything unusual falls through to
         ``boundary``."""
         t0 = _perf_ns()
-        if self._quick and t0 < self._check_at:
+        if self._quick and t0 < self._check_at and self.step + 1 < self._replicas.due:
             lead = self.lead
             if lead is not None and lead() is optimizer:
                 lr = optimizer.param_groups[0]["lr"]
@@ -465,6 +466,9 @@ class StepTracker:
         if measured:
             self._occasional(step, frame, duration_ns, traced)
             invariants.checks(self.torch).at_boundary(step, optimizer)  # torch.checks: cheap invariants of training
+        sums = self._replicas
+        if step >= sums._refresh_at or step >= sums.due:  # torch.weight_sums: DDP replicas' checksums, the same steps on every rank
+            sums.at_boundary(step, duration_ns * 1e-9)
         asked = self._prepare_next(step, t0, traced, step + 1 <= _FORCED or allowed)
         if safepoint._subscribers:
             t1 = _perf_ns()
