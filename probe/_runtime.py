@@ -314,9 +314,10 @@ def job_token() -> str:
 def registry_listen(host: str | None, token: str | None) -> tuple[str, str, str]:
     """(port, bind address, token) for a rank that must be reachable through PROBE_REGISTRY.
 
-    A free port, every interface unless PROBE_HOST is set, and the job's token.
+    A free port on PROBE_HOST (loopback unless set: ranks on other nodes reach it only
+    where the user opened it, e.g. PROBE_HOST=0.0.0.0), and the job's token.
     """
-    bind = host or (os.environ.get("PROBE_HOST") or "0.0.0.0")
+    bind = host or setting("PROBE_HOST")
     return "0", bind, token or job_token()
 
 
