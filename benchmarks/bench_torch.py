@@ -277,9 +277,7 @@ def stats_cost(rounds: int) -> None:
 def stats_rules() -> None:
     import numpy as np
 
-    from probe.diagnosis import builtin  # noqa: F401
     from probe.diagnosis.rules import get_rule
-    from probe.tables import builtin as tables  # noqa: F401  (registers the tables the rules read)
     from probe.tables.registry import all_tables
     from probe.sql.engine import execute
 

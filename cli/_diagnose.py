@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 from probe._config import setting
 from probe._errors import ProbeError
-from probe.diagnosis import builtin  # noqa: F401  (declares the built-in rules)
 from probe.diagnosis.rules import SEVERITIES, Rule, all_rules
 from probe.util.procfs import proc_state
 

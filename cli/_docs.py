@@ -41,7 +41,6 @@ def settings_md() -> str:
 
 
 def tables_md() -> str:
-    from probe.tables import builtin  # noqa: F401  (registers the built-in tables)
     from probe.tables.registry import all_tables
 
     out = ["### Tables", ""]
@@ -64,7 +63,6 @@ def tables_md() -> str:
 
 
 def rules_md() -> str:
-    from probe.diagnosis import builtin  # noqa: F401  (declares the built-in rules)
     from probe.diagnosis.rules import all_rules
 
     lines = ["### Doctor rules (docs/doctor.md has an example message of each)", "",

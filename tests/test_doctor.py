@@ -246,7 +246,6 @@ def test_user_rule_declared_in_the_script_runs_too(spawn, cli):
 
 
 def test_every_rule_is_documented_with_an_example():
-    from probe.diagnosis import builtin  # noqa: F401
     from probe.diagnosis.rules import all_rules
 
     from conftest import ROOT

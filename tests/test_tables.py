@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from conftest import EXAMPLES, PROBE_BIN, ROOT, requires_torch
-from probe.tables import builtin  # noqa: F401  (registers the built-in tables)
 from probe.tables.registry import all_tables
 
 EXAMPLES_SQL = [(t.name, sql) for t in all_tables() for sql in t.examples]
