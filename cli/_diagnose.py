@@ -193,7 +193,8 @@ def _user_rules(con, builtin_names: set) -> list:
 
 def _plans(rules: list, schema: dict, answering: int):
     """``[(rule, plan)]`` for the rules that can run here, and ``[{rule, why}]`` for the rest."""
-    from probe.sql.federate import plan, view_params
+    from probe.sql.federate import plan
+    from probe.sql.ranks import view_params
 
     params = view_params(strict=True)
     plans, skipped = [], []
@@ -221,7 +222,8 @@ def diagnose(session, targets=None) -> Diagnosis:
     Each table a rule reads is fetched once from every answering process (whole, so one
     snapshot serves every rule); the rules then run here, in one private DuckDB database.
     """
-    from probe.sql.federate import FEDERATED_VIEWS, per_rank_query
+    from probe.sql.federate import per_rank_query
+    from probe.sql.ranks import FEDERATED_VIEWS
 
     from ._federation import add_views, fetch_schema, open_database, run_outer
 
