@@ -212,7 +212,7 @@ def targets_for_ranks(ranks: list[int] | None, token: str | None = None, job: st
         entries = pick_job(entries, job)
         entries += _record_entries(next((e.get("job") for e in entries if e.get("job")), None), entries)
     else:  # every rank is gone: the job's post-mortem records answer for it
-        from probe.postmortem.record import list_records
+        from probe.postmortem.reader import list_records
 
         dead = [m for m in list_records() if m.get("rank") is not None and m.get("job")]
         jobs = sorted({str(m["job"]) for m in dead})
