@@ -216,7 +216,7 @@ class Workspace:
             self._timer = threading.Timer(timeout, self._expire)
             self._timer.daemon = True
             self._timer.start()
-        self.meta: dict = {}  # what the caller wants to remember about the snapshots (see cli._federation)
+        self.meta: dict = {}  # what the caller wants to remember about the snapshots (the CLI's federation, which runs the query)
         self.tables: dict[int, dict[str, str]] = {}  # rank slot -> {schema.table: typed view name}
 
     def _expire(self) -> None:
