@@ -102,7 +102,7 @@ def test_lr_module_doctests():
     """Rates that differ only past 6 digits are printed apart ("from 0.05 to 0.04999999", never "0.05 to 0.05")."""
     import doctest
 
-    from probe.actions import lr
+    from probe.actions import lrgroup
 
-    failed, attempted = doctest.testmod(lr)
+    failed, attempted = doctest.testmod(lrgroup)
     assert attempted and not failed

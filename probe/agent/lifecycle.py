@@ -20,8 +20,9 @@ import time
 from .. import __version__
 from .._config import setting
 from .._errors import ProbeError
-from .._runtime import (job_identity, process_argv, rank_identity, registry_listen, remove_entry, runtime_dir,
-                        shared_registry, sweep_stale, use_private_dir, write_entry)
+from .._identity import job_identity, process_argv, rank_identity
+from .._runtime import (registry_listen, remove_entry, runtime_dir, shared_registry, sweep_stale, use_private_dir,
+                        write_entry)
 from ..postmortem import hooks as postmortem
 from ..tables import registry as tables
 from ..training import collectives, hooks
