@@ -18,14 +18,14 @@ scalar read at once, a device one copied without blocking and read when ready), 
 before the step's first forward call (``data_wait``) and the safe-point queue; memory is read
 every 100 ms by a thread of its own (``memclock``) and joined to the steps by time. The
 optional values (the grad norm, input counts, the frame-variable loss fallback) and the
-occasional work (discovery scans, module-trace scheduling) run on the steps the
-``PROBE_STEP_BUDGET`` bucket allows, and the row's ``measured`` flag says which. Which steps
-are measured is jittered (a coin at each allowed step), so a job's own period (two DataLoader
-workers: fast and slow steps in turn) cannot line up with them. Each boundary's own cost is timed and kept
-(``probe_us``). A step that is not measured, traced or waited on by an action takes a quick
-path (in ``on_optimizer_step``): the exact values and nothing else, in a handful of operations,
-because on a fast loop that path is most steps and every operation in it is paid per step. Values derived from others (``started_at``, the rates, ``rank``) are
-computed when a query asks, not at the boundary.
+occasional work (discovery scans, module-trace scheduling) run on the steps the ``PROBE_STEP_BUDGET``
+bucket allows, and the row's ``measured`` flag says which. Which steps are measured is jittered (a coin
+at each allowed step), so a job's own period (two DataLoader workers: fast and slow steps in turn)
+cannot line up with them. Each boundary's own cost is timed and kept (``probe_us``). A step that is
+not measured, traced or waited on by an action takes a quick path (in ``on_optimizer_step``): the
+exact values and nothing else, in a handful of operations, because on a fast loop that path is most
+steps and every operation in it is paid per step. Values derived from others (``started_at``, the
+rates, ``rank``) are computed when a query asks, not at the boundary.
 
 The hot path never synchronises with a device: a device loss and the gradient norm
 (a foreach norm launched on the device) are kept as pinned host copies with an event and
@@ -114,9 +114,9 @@ class StepTracker:
     a measured step; ``_quick_rate``: their charged cost per ns of step time; ``_norm_earned_ns``: the
     norm's budget earns the time between measured steps; ``_coin``: the measured steps' jitter), the
     clock (``_last_ns``: perf_counter_ns of the last boundary, None when it restarts; ``_started_ns``;
-    ``_fwd_ns``: this step's first forward call, 0 before it), the loop's frame (``_frame_code``,
-    ``_frame_depth``: checked before walking), ``_scan_due`` (the next discovery scan), ``cpu_wait``
-    (``util.procfs.CpuWait``), ``_lead_name``.
+    ``_fwd_ns``: this step's first forward call, 0 before it), ``_frame_code`` and ``_frame_depth`` (the
+    loop's frame, checked before walking), ``_hard_trace_at`` (``trace_pacing.hard_at``, for the quick
+    path), ``_scan_due`` (the next scan), ``cpu_wait`` (``util.procfs.CpuWait``), ``_lead_name``.
     """
 
     def __init__(self, torch, tracer):
@@ -124,8 +124,7 @@ class StepTracker:
         self.tracer = tracer
         self.ring = Ring(RING_COLUMNS, setting("PROBE_STEPS_CAPACITY"))
         self._spent = 0  # the budget is settled at full boundaries only: the quick ones add their cost meanwhile
-        self._quick_ns = 0
-        self._quick_n = 0
+        self._quick_ns = self._quick_n = 0
         self._settled_ns: int | None = None
         self._check_at = 0
         self._quick_rate = 0.0
@@ -135,6 +134,7 @@ class StepTracker:
         self.norm_budget = norm_budget()
         self._norm_earned_ns = time.perf_counter_ns()
         self.trace_pacing = TracePacing(tracer)
+        self._hard_trace_at = math.inf
         self.step = 0
         self.explicit = False
         self.lead = None
@@ -148,8 +148,7 @@ class StepTracker:
         self.wall_offset = time.time() - time.perf_counter()
         self.memory = memclock.MemoryClock(torch, lambda: self.step)
         self.cpu_wait = CpuWait()
-        self._frame_code = None
-        self._frame_depth = 0
+        self._frame_code, self._frame_depth = None, 0
         self.step_lr = None
         self.quick = False
         self._lead_name = None
@@ -194,7 +193,7 @@ class StepTracker:
                     fwd = self._fwd_ns
                     if fwd:
                         self._fwd_ns = 0
-                    if step >= self.trace_pacing.hard_at:
+                    if step >= self._hard_trace_at:
                         self._prepare_next(step, t0, False, False)
                     safepoint.last_step = step
                     ring = self.ring
@@ -397,6 +396,7 @@ class StepTracker:
         tracer = self.tracer
         pacing = self.trace_pacing
         asked = pacing.turn(step, traced, measure, self.wall_offset) if pacing.wants_turn(step, traced, measure) else 0
+        self._hard_trace_at = pacing.hard_at
         self.quick = not (measure or self.explicit or tracer.handles or tracer.pending_events
                            or tracer.active_step is not None)
         return asked
