@@ -8,7 +8,7 @@ command end to end: `--ranks all status` (the ranks.status view: ranks.latest, t
 and ranks.issued from every rank), a federated query, and `backtrace --group`. Goal: status <= 3 s
 for 256 ranks on the 2-core test machine. Refuses to start when the host lacks memory for N
 processes. A query costs each rank one request (its snapshot); the client plans it once and runs
-each per-rank part once for all ranks (``sql.federate.slot_query``).
+each per-rank part once for all ranks (``sql.pushdown.slot_query``).
 """
 
 from __future__ import annotations

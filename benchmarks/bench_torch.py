@@ -91,10 +91,10 @@ def interleaved(make, block: int, rounds: int) -> dict:
         return wrapper
 
     tk.on_optimizer_step = timed(tk.on_optimizer_step)
-    tk._root_pre_hook = timed(tk._root_pre_hook)
+    tk.inputs.pre_hook = timed(tk.inputs.pre_hook)
     tk.capture.saw_backward = timed(tk.capture.saw_backward)
-    tk.close_root_hooks()
-    tk._watch_roots()
+    tk.inputs.close()
+    tk.watch_roots()
     n = len(arms["on"])
     wall = sum(train(model, opt, data, n))
     arms["direct"] = inside[0] / n
@@ -195,7 +195,8 @@ def run_query(sql: str):
     from probe.tables.registry import all_tables
     from probe.util.wire import decode
     from probe.sql.engine import Workspace
-    from probe.sql.federate import plan, rename_tables_sql, snapshot_requests
+    from probe.sql.federate import plan
+    from probe.sql.pushdown import rename_tables_sql, snapshot_requests
 
     schema = {t.name: {c.name: c.type for c in t.columns} for t in all_tables()}
     p = plan(sql, schema)
@@ -277,9 +278,7 @@ def stats_cost(rounds: int) -> None:
 def stats_rules() -> None:
     import numpy as np
 
-    from probe.diagnosis import builtin  # noqa: F401
     from probe.diagnosis.rules import get_rule
-    from probe.tables import builtin as tables  # noqa: F401  (registers the tables the rules read)
     from probe.tables.registry import all_tables
     from probe.sql.engine import execute
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 from probe._config import setting
 from probe._errors import ProbeError
-from probe.diagnosis import builtin  # noqa: F401  (declares the built-in rules)
 from probe.diagnosis.rules import SEVERITIES, Rule, all_rules
 from probe.util.procfs import proc_state
 
@@ -194,8 +193,9 @@ def _user_rules(con, builtin_names: set) -> list:
 
 def _plans(rules: list, schema: dict, answering: int):
     """``[(rule, plan)]`` for the rules that can run here, and ``[{rule, why}]`` for the rest."""
-    from probe.sql.federate import plan, view_params
+    from probe.sql.federate import plan
     from probe.sql.plan_cache import PlanCache
+    from probe.sql.ranks import view_params
 
     params = view_params(strict=True)
     cache = PlanCache(schema, params)  # the same rules over the same tables plan the same: not again each run
@@ -228,7 +228,8 @@ def diagnose(session, targets=None) -> Diagnosis:
     Each table a rule reads is fetched once from every answering process (whole, so one
     snapshot serves every rule); the rules then run here, in one private DuckDB database.
     """
-    from probe.sql.federate import FEDERATED_VIEWS, per_rank_query
+    from probe.sql.federate import per_rank_query
+    from probe.sql.ranks import FEDERATED_VIEWS
 
     from ._federation import fetch_schema, materialize_views, open_database, run_outer
 

@@ -84,6 +84,8 @@ def _from_entry(entry: dict, token: str | None) -> Target:
         host = entry.get("tcp_host") or entry.get("host")
         if host in ("0.0.0.0", "::"):
             host = entry.get("host")
+        elif host in _LOOPBACK and entry.get("host") not in (None, _s.gethostname()):
+            raise EndpointError(f"{label} on {entry['host']} listens on its loopback only; start the job with PROBE_HOST set to that node's address (or 0.0.0.0) so other hosts can reach it.")
         return Target(label, host=host, port=int(entry["tcp_port"]), token=token or entry.get("token"),
                       pid=entry["pid"], rank=entry.get("rank"), entry=entry)
     raise EndpointError(f"{label} on {entry.get('host')} has no reachable endpoint; start it with PROBE_PORT set so other hosts can reach it.")
@@ -210,7 +212,7 @@ def targets_for_ranks(ranks: list[int] | None, token: str | None = None, job: st
         entries = pick_job(entries, job)
         entries += _record_entries(next((e.get("job") for e in entries if e.get("job")), None), entries)
     else:  # every rank is gone: the job's post-mortem records answer for it
-        from probe.postmortem.record import list_records
+        from probe.postmortem.reader import list_records
 
         dead = [m for m in list_records() if m.get("rank") is not None and m.get("job")]
         jobs = sorted({str(m["job"]) for m in dead})

@@ -88,7 +88,8 @@ _plans: dict = {}  # (sql, parameters, endpoint, schema identity) -> (Plan, snap
 def _plan(sql: str, schema: dict, values: dict, cached: tuple | None):
     """The plan of ``sql`` and what each rank must snapshot for it; kept for a cached schema, so a client
     repeating a query (the web page's panels, a watch loop) parses and rewrites it once."""
-    from probe.sql.federate import plan, snapshot_requests
+    from probe.sql.federate import plan
+    from probe.sql.pushdown import snapshot_requests
 
     key = (sql, tuple(sorted(values.items())), cached) if cached is not None else None
     with _schemas_lock:
@@ -120,7 +121,7 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
     read here for each rank (``query --native``'s python.backtrace) instead of being asked for.
     """
     from probe._config import setting
-    from probe.sql.federate import view_params
+    from probe.sql.ranks import view_params
 
     single = targets is not None and len(targets) == 1
     targets = targets if targets is not None else session.targets()
@@ -202,7 +203,7 @@ def open_database(session, targets, schema: dict, parts: dict, *, single: bool =
     is raised as is (with its own exit code) instead. ``local_tables``: see ``federated_query``.
     """
     from probe.sql.engine import Result, Workspace, register_result
-    from probe.sql.federate import slot_query, snapshot_requests
+    from probe.sql.pushdown import slot_query, snapshot_requests
 
     requests = snapshot_requests(parts, schema) if requests is None else requests
     local = {name: read for name, read in (local_tables or {}).items() if name in requests}
@@ -310,7 +311,8 @@ def _union_view(ws, name: str, relation: str | None, schema: dict, failed, j: in
     """View ``name``: ``relation`` (every answering rank's rows of one part, ``__rank`` first; None when no rank
     answered) with a ``rank`` column, plus a row for each silent rank where the view keeps one."""
     from probe.sql.engine import Result
-    from probe.sql.federate import VIEW_COLUMNS, union_columns
+    from probe.sql.federate import union_columns
+    from probe.sql.ranks import VIEW_COLUMNS
 
     declared = [c for c, _, _ in VIEW_COLUMNS[name]] if name in VIEW_COLUMNS else list(schema[name])
     types = {c: t for c, t, _ in VIEW_COLUMNS[name]} if name in VIEW_COLUMNS else dict(schema[name])

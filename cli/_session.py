@@ -6,9 +6,9 @@ nothing of the CLI at start-up, so any of them may import it.
 
 from __future__ import annotations
 
-import os
 import sys
 
+from probe._config import setting
 from probe._errors import ProbeError
 
 __all__ = ["Session"]
@@ -22,7 +22,7 @@ class Session:
         self.stdout = stdout or sys.stdout
         self.stderr = stderr or sys.stderr
         self.timeout = args.timeout or 10.0
-        self.token = args.token or os.environ.get("PROBE_TOKEN") or None
+        self.token = args.token or setting("PROBE_TOKEN", strict=True)
         self.format = args.format or "table"
         self.agent: str | None = None  # set by front ends acting for the user (MCP): sent with every request
 

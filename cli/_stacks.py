@@ -12,10 +12,9 @@ import os
 import time
 
 from probe._errors import ProbeError
+from probe.util.usercode import is_user_file
 
 __all__ = ["backtrace_doc", "backtrace_table", "main_thread", "top_frame", "user_frame", "stack_key", "group_stacks", "group_text"]
-
-_LIBRARY_MARKERS = ("site-packages", "dist-packages", "/lib/python", "<frozen")
 
 
 def main_thread(doc: dict, thread: str | None = None) -> dict | None:
@@ -42,8 +41,9 @@ def top_frame(doc: dict) -> str | None:
 
 
 def user_frame(frames: list) -> dict | None:
-    """The innermost frame outside the standard library and installed packages."""
-    return next((f for f in frames if not any(m in str(f.get("file")) for m in _LIBRARY_MARKERS)), None)
+    """The innermost frame of the user's code (``probe.util.usercode``: not the standard library, probe, torch
+    or a training framework)."""
+    return next((f for f in frames if is_user_file(str(f.get("file")))), None)
 
 
 def stack_key(frames: list) -> tuple:

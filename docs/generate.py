@@ -69,7 +69,6 @@ def settings_md() -> str:
 
 
 def rules_md() -> str:
-    from probe.diagnosis import builtin  # noqa: F401  (declares the built-in rules)
     from probe.diagnosis.rules import all_rules
 
     lines = ["## Doctor rules", "",
@@ -80,7 +79,6 @@ def rules_md() -> str:
 
 
 def tables_md() -> str:
-    from probe.tables import builtin  # noqa: F401  (registers the built-in tables)
     from probe.tables.registry import all_tables
 
     tables = list(all_tables())

@@ -8,7 +8,7 @@ Layout of the directory (mode 0700, owned by the user)::
     hang-<pid>.txt stacks written by the hang watchdog (read back by offline_status)
 
 With ``PROBE_REGISTRY`` set, entries are also written to that shared directory so
-ranks on other nodes can be found.
+ranks on other nodes can be found. Who a process is (rank, job, argv) is ``_identity``'s.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import sys
 from ._config import setting
 from ._errors import EndpointError
 
-__all__ = ["runtime_dir", "default_runtime_dir", "check_private_dir", "use_private_dir", "sweep_stale", "rank_identity",
-           "job_identity", "write_entry", "read_entries", "remove_entry", "pid_alive", "shared_registry", "job_token",
+__all__ = ["runtime_dir", "default_runtime_dir", "check_private_dir", "use_private_dir", "sweep_stale",
+           "write_entry", "read_entries", "remove_entry", "pid_alive", "shared_registry", "job_token",
            "registry_listen", "offline_status", "read_private"]
 
 
@@ -117,58 +117,6 @@ def sweep_stale(path: str) -> int:
         except OSError:
             pass
     return removed
-
-
-def _int_env(*names: str) -> int | None:
-    for name in names:
-        value = os.environ.get(name)
-        if value not in (None, ""):
-            try:
-                return int(value)
-            except ValueError:
-                continue
-    return None
-
-
-def rank_identity() -> dict:
-    """Rank, local rank, world size and node rank: torchrun's variables, else SLURM's, else Open MPI's."""
-    return {
-        "rank": _int_env("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"),
-        "local_rank": _int_env("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"),
-        "world_size": _int_env("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"),
-        "node_rank": _int_env("GROUP_RANK", "NODE_RANK", "SLURM_NODEID"),
-        "host": socket.gethostname(),
-    }
-
-
-def job_identity(environ: dict | None = None) -> str | None:
-    """Which job this process belongs to, so that several jobs on one host are told apart.
-
-    Slurm's job (and step) id; else torchrun's run id (TORCHELASTIC_RUN_ID, unless it is
-    the default ``none``); else the rendezvous endpoint MASTER_ADDR:MASTER_PORT (unique
-    while the job runs: its port is bound); else, for a process with a rank but none of
-    these, its launcher (parent pid and host). None outside a distributed job.
-
-    >>> job_identity({"TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "node1", "MASTER_PORT": "29500"})
-    'node1:29500'
-    >>> job_identity({"SLURM_JOB_ID": "812", "SLURM_STEP_ID": "0", "TORCHELASTIC_RUN_ID": "x"})
-    'slurm-812.0'
-    """
-    env = os.environ if environ is None else environ
-    if env.get("SLURM_JOB_ID"):
-        step = env.get("SLURM_STEP_ID")
-        return f"slurm-{env['SLURM_JOB_ID']}" + (f".{step}" if step else "")
-    run_id = env.get("TORCHELASTIC_RUN_ID")
-    if run_id and run_id.lower() != "none":
-        return run_id
-    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-        return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
-    for name in ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"):
-        if env.get(name):
-            return f"mpi-{env[name]}"
-    if any(env.get(n) not in (None, "") for n in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")):
-        return f"ppid-{os.getppid()}@{socket.gethostname()}"
-    return None
 
 
 _registry_refused: dict = {}  # path -> the sentence saying why this process does not use it (said once)
@@ -314,9 +262,10 @@ def job_token() -> str:
 def registry_listen(host: str | None, token: str | None) -> tuple[str, str, str]:
     """(port, bind address, token) for a rank that must be reachable through PROBE_REGISTRY.
 
-    A free port, every interface unless PROBE_HOST is set, and the job's token.
+    A free port on PROBE_HOST (loopback unless set: ranks on other nodes reach it only
+    where the user opened it, e.g. PROBE_HOST=0.0.0.0), and the job's token.
     """
-    bind = host or (os.environ.get("PROBE_HOST") or "0.0.0.0")
+    bind = host or setting("PROBE_HOST")
     return "0", bind, token or job_token()
 
 
@@ -427,16 +376,6 @@ def read_entries(clean: bool = False) -> list[dict]:
             if key not in entries or not entry.get("shared"):
                 entries[key] = entry
     return sorted(entries.values(), key=lambda e: (e.get("rank") is None, e.get("rank") or 0, e["pid"]))
-
-
-def process_argv() -> list[str]:
-    """This process's argv from /proc (usable before ``sys.argv`` is set), else sys.argv."""
-    try:
-        with open("/proc/self/cmdline", "rb") as f:
-            parts = f.read().split(b"\0")
-        return [p.decode(errors="replace") for p in parts if p]
-    except OSError:
-        return list(getattr(sys, "argv", []) or [])
 
 
 def offline_status(entry: dict) -> dict:

@@ -5,7 +5,7 @@ takes the snapshots, see ``probe.agent.snapshot``). A :class:`Workspace` is one 
 in-memory DuckDB connection for one query: one thread, a memory limit, external access,
 Python replacement scans and extension auto-loading off, then the configuration locked.
 Each rank's snapshot is registered under private names (``__t<i>__schema__table``, typed
-views casting to the declared column types); ``federate.rename_tables`` points a
+views casting to the declared column types); ``pushdown.rename_tables`` points a
 per-rank query at them. ``execute`` runs the final query with a timeout (DuckDB is
 interrupted; a query that ignores the interrupt is abandoned on its thread) and a row
 cap, and ``interrupt`` stops it from another thread (the REPL's Ctrl-C).
@@ -216,7 +216,7 @@ class Workspace:
             self._timer = threading.Timer(timeout, self._expire)
             self._timer.daemon = True
             self._timer.start()
-        self.meta: dict = {}  # what the caller wants to remember about the snapshots (see cli._federation)
+        self.meta: dict = {}  # what the caller wants to remember about the snapshots (the CLI's federation, which runs the query)
         self.tables: dict[int, dict[str, str]] = {}  # rank slot -> {schema.table: typed view name}
 
     def _expire(self) -> None:
@@ -406,7 +406,7 @@ def execute(sql: str, tables: dict, *, max_rows: int = 10000, timeout: float = 1
     The tables are visible under their own names. Used by tests and benchmarks; the CLI
     goes through ``federate`` with snapshots received from the ranks.
     """
-    from .federate import rename_tables_sql
+    from .pushdown import rename_tables_sql
 
     with Workspace(memory_limit) as ws:
         ws.load_tables(0, tables)

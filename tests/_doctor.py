@@ -71,7 +71,6 @@ def rule_rows(name: str, tables: dict, *, messages: bool = False) -> list:
     import duckdb
 
     from probe.cli._diagnose import _fill
-    from probe.diagnosis import builtin  # noqa: F401  (declares the built-in rules)
     from probe.diagnosis.rules import get_rule
 
     rule = get_rule(name)

@@ -144,7 +144,6 @@ def test_large_headers_without_the_token_cost_the_process_no_memory(spawn, cli, 
 
 def _heavy_body(timeout: float) -> bytes:
     """A snapshot of every table's columns, each with a filter tree of OR'd comparisons (256 nodes in all)."""
-    from probe.tables import builtin  # noqa: F401
     from probe.tables.registry import all_tables
 
     tables = {}

@@ -57,3 +57,42 @@ def test_ranks_found_through_the_shared_registry_over_tcp(spawn, cli, dirs):
     # and without the shared registry the CLI finds nobody, and says how to fix it
     alone = cli("--ranks", "all", "query", "SELECT 1", env={"PROBE_RUNTIME_DIR": dirs["cli"]})
     assert alone.returncode == 3 and "PROBE_REGISTRY" in alone.stderr
+
+
+def _listening(pid: int, port: int) -> set[str]:
+    """The IPv4 addresses process ``pid`` listens on at ``port``, read from its /proc/<pid>/net/tcp."""
+    found = set()
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        addr, hexport = local.split(":")
+        if state == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
+            found.add(".".join(str(b) for b in reversed(bytes.fromhex(addr))))
+    return found
+
+
+def test_a_rank_in_a_shared_registry_binds_loopback_unless_probe_host_opens_it(spawn, dirs):
+    # given: a rank that writes to a shared registry, with PROBE_HOST unset
+    env = {"PROBE_RUNTIME_DIR": dirs["a"], "PROBE_REGISTRY": dirs["shared"], "RANK": "0", "WORLD_SIZE": "1",
+           "PROBE_HOST": ""}  # blank is unset (and overrides one exported where the tests run)
+    proc = spawn(TARGETS / "idle.py", env=env)
+
+    # then: its TCP listener is on 127.0.0.1, as PROBE_HOST's declared default says, and its entry says so
+    entry = json.loads(next(Path(dirs["shared"]).glob("*.json")).read_text())
+    assert entry["tcp_host"] == "127.0.0.1" and entry["tcp_port"]
+    assert _listening(proc.pid, entry["tcp_port"]) == {"127.0.0.1"}
+
+
+def test_a_loopback_rank_on_another_node_gets_a_sentence_not_a_connection(cli, dirs):
+    # given: a shared registry naming a rank on another node that listens on its loopback only
+    fake = {"pid": 4242, "rank": 0, "world_size": 1, "job": "j", "host": "node-elsewhere", "tcp_host": "127.0.0.1",
+            "tcp_port": 1, "started_at": 1.0, "shared": True}
+    entry = Path(dirs["shared"]) / "node-elsewhere-4242.json"
+    entry.write_text(json.dumps(fake))
+    entry.chmod(0o600)
+
+    # when: the CLI asks that rank
+    r = cli("--rank", "0", "query", "SELECT 1", env={"PROBE_RUNTIME_DIR": dirs["cli"], "PROBE_REGISTRY": dirs["shared"]})
+
+    # then: one sentence that names the fix, no traceback, no connection to this host's port 1
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert "loopback only" in r.stderr and "PROBE_HOST" in r.stderr, r.stderr

@@ -13,7 +13,6 @@ import pytest
 
 from conftest import EXAMPLES, PROBE_BIN, ROOT, requires_torch
 from harness import clean_env, run_probe, start, stop_groups
-from probe.tables import builtin  # noqa: F401  (registers the built-in tables)
 from probe.tables.registry import all_tables
 
 EXAMPLES_SQL = [(t.name, sql) for t in all_tables() for sql in t.examples]

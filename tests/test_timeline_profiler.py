@@ -24,7 +24,7 @@ def test_profile_steps_writes_a_chrome_trace_and_removes_the_profiler(spawn, cli
     # the profiler exists only during those steps
     r = cli(train.pid, "eval", "import torch; from probe.training import safepoint; "
                                "print(torch.autograd.profiler._is_profiler_enabled, "
-                               "any('profiler' in getattr(f, '__module__', '') for f in safepoint._subscribers))")
+                               "any('profiler' in getattr(f, '__module__', '') for f in safepoint.subscribers))")
     assert r.returncode == 0 and r.stdout.split() == ["False", "False"], r.stdout + r.stderr
     # audited like every action
     rows = json.loads(cli(train.pid, "--format", "json", "query",

@@ -86,7 +86,7 @@ def _print_rows(session, args, rows: list, shown: dict, empty: str) -> int:
 
 def _list_dead(session, args) -> int:
     """``probe list --dead``: the post-mortem records of processes that are gone."""
-    from probe.postmortem.record import dead_records
+    from probe.postmortem.reader import dead_records
 
     rows = [{"pid": m["pid"], "rank": m.get("rank"), "job": m.get("job"), "cause": m["cause"],
              "when": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(m["time"]))),

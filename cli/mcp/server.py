@@ -31,7 +31,6 @@ INSTRUCTIONS = (
 
 
 def _tables_doc() -> str:
-    from probe.tables import builtin  # noqa: F401
     from probe.tables.registry import all_tables
 
     return json.dumps([{"name": t.name, "description": t.description, "kind": t.kind,

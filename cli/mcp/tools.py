@@ -81,7 +81,6 @@ def _command_parser(cls) -> argparse.ArgumentParser:
 
 def _query_context() -> str:
     """The built-in tables and their descriptions, for the query tool's description."""
-    from probe.tables import builtin  # noqa: F401  (registers the built-in tables; imports no torch)
     from probe.tables.registry import all_tables
 
     lines = [f"- {t.name}: {t.description}" for t in all_tables()]

@@ -1,8 +1,8 @@
 """What the page asks for, answered through the CLI's session, client and fan-out.
 
 Each function takes the ``Session`` of the ``probe ui`` invocation (its ENDPOINT, --rank
-or --ranks) and returns plain JSON-able data. Queries go through ``run_sql`` only, so the
-query path can be re-pointed in one place.
+or --ranks) and returns plain JSON-able data. Queries go through the CLI's federation
+(``run_sql`` for the page's own SQL, ``job_doc`` for ``probe status``'s).
 """
 
 from __future__ import annotations

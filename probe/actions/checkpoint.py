@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 from .._errors import ActionError
 from ..agent import state as agent_state
 from ..training.counters import framework_counters, restore_counters
-from ..training.finder import grad_scalers, models, objects_of, optimizers, scheduler_for, schedulers
+from ..training.finder import grad_scalers, models, optimizers, scheduler_for, schedulers
+from ..training.frameworks import objects_of
 from ..training.shards import is_sharded, placement
 
 if TYPE_CHECKING:

@@ -47,42 +47,18 @@ from .._errors import ActionError
 from ..training import hooks
 from ..training.finder import optimizers
 from ..util.errorlog import record_error
+from . import lrcheck
+from .lrgroup import Rescaled, dtype_limit, rescalable, rescale, value, write
 from .queue import Context
 
 __all__ = ["change_lr", "check_rate", "reset_lr", "describe", "around_step"]
 
 _lock = threading.Lock()
-_overrides: dict[int, "_Override"] = {}  # id(optimizer) -> its override (groups inside)
+overrides: dict[int, "_Override"] = {}  # id(optimizer) -> its override; empty: the step hooks skip lr
 
-
-def _apart(a: float, b: float) -> tuple[str, str]:
-    """Two different rates printed with as many digits as it takes to tell them apart.
-
-    >>> _apart(0.05, 0.0499999871)
-    ('0.05', '0.04999999')
-    >>> _apart(0.1, 0.2)
-    ('0.1', '0.2')
-    """
-    for digits in range(6, 18):
-        x, y = f"{a:.{digits}g}", f"{b:.{digits}g}"
-        if x != y:
-            return x, y
-    return f"{a!r}", f"{b!r}"
 
 def _tracker():
     return hooks.tracker()
-
-
-def _value(lr) -> float:
-    return float(lr)  # a tensor lr (capturable optimizers) is read here; it lives on the CPU in practice
-
-
-def _write(group: dict, value: float) -> None:
-    current = group["lr"]
-    if hasattr(current, "fill_"):  # a tensor lr: change it in place, the optimizer holds that tensor
-        current.fill_(value)
-    else:
-        group["lr"] = value
 
 
 class _Group:
@@ -120,61 +96,6 @@ class _Group:
         return f"scale {self.value:g}" if self.mode == "scale" else f"set {self.value:g}"
 
 
-class _Rescaled:
-    """A group whose scheduler computes from scaled base rates (no hold: the scheduler makes the rate)."""
-    __slots__ = ("sched", "factor", "since", "label")
-
-    def __init__(self, sched, factor: float, since: int | None, label: str):
-        self.sched, self.factor, self.since, self.label = weakref.ref(sched), factor, since, label
-
-    def text(self) -> str:
-        return f"{self.label} (scheduler base)"
-
-
-_SCHED_KEYS = ("initial_lr", "max_lr", "min_lr")  # the group's own copies of rates some schedulers compute from
-
-
-def _schedulers_in(sched) -> list:
-    """``sched`` and the schedulers it chains (SequentialLR, ChainedScheduler)."""
-    out = [sched]
-    for child in getattr(sched, "_schedulers", None) or ():
-        out += _schedulers_in(child)
-    return out
-
-
-def _rescalable(opt, i: int):
-    """The torch LR scheduler that drives group ``i`` of ``opt`` from base rates, else None (the hold applies)."""
-    from ..training.finder import scheduler_for
-
-    if type(opt.param_groups[i]["lr"]) is not float:
-        return None
-    for f in scheduler_for(opt):
-        sched = f.obj
-        inner = getattr(sched, "scheduler", None)
-        if inner is not None and not hasattr(sched, "base_lrs") and hasattr(inner, "optimizer"):
-            sched = inner  # accelerate's AcceleratedScheduler: the scheduler it drives
-        for one in (_schedulers_in(sched) if sched is not None else ()):  # SequentialLR: its chained ones'
-            base = getattr(one, "base_lrs", None)
-            if isinstance(base, list) and len(base) > i and isinstance(base[i], float):
-                return sched
-        if isinstance(getattr(sched, "min_lrs", None), list):  # ReduceLROnPlateau: multiplies the group's own rate
-            return sched
-    return None
-
-
-def _rescale(sched, group: dict, i: int, factor: float) -> None:
-    """Scale what ``sched`` computes group ``i``'s rate from, and the rate in effect now."""
-    group["lr"] = group["lr"] * factor
-    for key in _SCHED_KEYS:
-        if isinstance(group.get(key), float):
-            group[key] = group[key] * factor
-    for s in _schedulers_in(sched):
-        for attr in ("base_lrs", "max_lrs", "_last_lr"):
-            values = getattr(s, attr, None)
-            if isinstance(values, list) and len(values) > i and isinstance(values[i], (float, int)):
-                values[i] = values[i] * factor
-
-
 class _Override:
     """The state of each overridden group of one optimizer, applied by probe's global step hooks."""
 
@@ -182,7 +103,7 @@ class _Override:
         self.ref = weakref.ref(opt)
         self.name = name
         self.groups: dict[int, _Group] = {}
-        self.rescaled: dict[int, _Rescaled] = {}  # groups whose scheduler's base rates were scaled instead
+        self.rescaled: dict[int, Rescaled] = {}  # groups whose scheduler's base rates were scaled instead
         self.pending: list = []  # (settle, result, once, rows) waiting for the next step
 
     # -- around every step of this optimizer (training thread) ------------------------------------
@@ -192,7 +113,7 @@ class _Override:
         for i, g in list(self.groups.items()):
             if i >= len(pgs):
                 continue
-            loop = _value(pgs[i]["lr"])
+            loop = value(pgs[i]["lr"])
             if g.held and loop != g.loop:
                 g.rewrites += 1
                 g.last_rewrite = step
@@ -203,10 +124,10 @@ class _Override:
                                                         f"its parameters can take ({g.limit:.3g}); this step uses the loop's rate"))
                 target = loop
             g.used = g.written = target  # before the write: describe() reads g.loop/g.used from here on
-            _write(pgs[i], g.used)
+            write(pgs[i], g.used)
         for item in list(self.pending):
-            _check_once(item, pgs, step)
-            _check_rescaled(self, item, pgs, step)
+            lrcheck.check_once(item, pgs, step)
+            lrcheck.check_rescaled(self.rescaled, item, pgs, step)
 
     def after(self, opt) -> None:
         step = _step() + 1
@@ -219,8 +140,8 @@ class _Override:
                 status = g.status()
                 for row in g.rows:
                     row["status"] = status
-            if _value(pgs[i]["lr"]) == g.written:  # nobody changed it during the step: put the loop's back
-                _write(pgs[i], g.loop)
+            if value(pgs[i]["lr"]) == g.written:  # nobody changed it during the step: put the loop's back
+                write(pgs[i], g.loop)
             g.written = None
         tk = _tracker()
         g0 = self.groups.get(0)
@@ -231,17 +152,17 @@ class _Override:
                 tk.used_lr = (opt, g0.used)  # for torch.optimizer_steps when several optimizers step
         pending, self.pending = self.pending, []
         for item in pending:
-            _settle(self, item, step)
+            lrcheck.settle(self.groups, item, step)
         if not self.groups and not self.rescaled and not self.pending:
             with _lock:
-                if _overrides.get(id(opt)) is self:
-                    del _overrides[id(opt)]
+                if overrides.get(id(opt)) is self:
+                    del overrides[id(opt)]
 
 
 def around_step(opt, before: bool) -> None:
     """probe's global optimizer step hooks: apply ``opt``'s overrides before its step, put the loop's
     rates back after it (before the step boundary reads them)."""
-    ov = _overrides.get(id(opt))
+    ov = overrides.get(id(opt))
     if ov is not None and ov.ref() is opt:
         try:
             (ov.before if before else ov.after)(opt)
@@ -254,71 +175,16 @@ def _step() -> int:
     return tk.step if tk is not None else 0
 
 
-def _check_once(item, pgs, step) -> None:
-    """--once: the value written at the action must still be there when the step starts."""
-    _, result, once, rows = item
-    if not once:
-        return
-    for g in rows:
-        i = g["group"]
-        now = _value(pgs[i]["lr"])
-        g["used"] = now
-        g["status"] = f"used by step {step}" if now == g["after"] else f"rewritten by the loop before step {step}"
-        if now != g["after"]:
-            result["error"] = (f"the loop rewrote group {i}'s lr to {now:.6g} before step {step} used {g['after']:.6g} "
-                                   "(its scheduler or its own code sets the rate each step); run `lr` without --once "
-                                   "to hold the change.")
-
-
-def _check_rescaled(ov: _Override, item, pgs, step: int) -> None:
-    """A scheduler-scaled group, before the next step: is the rate in param_groups the scheduler's?"""
-    _, result, once, rows = item
-    for g in rows:
-        r = ov.rescaled.get(g["group"])
-        if once or g.get("via") != "scheduler" or r is None or "used" in g:
-            continue
-        sched = r.sched()
-        now = _value(pgs[g["group"]]["lr"])
-        g["used"] = now
-        last = getattr(sched, "_last_lr", None) if sched is not None else None
-        made = last[g["group"]] if isinstance(last, list) and len(last) > g["group"] else None
-        if made is not None and abs(now - made) <= 1e-12 * max(abs(made), 1e-300):
-            g["status"] = (f"the scheduler computes from the scaled base rate: step {step} used its rate; "
-                           "param_groups, get_last_lr() and the loop's own logs show the rate in effect")
-        else:
-            g["status"] = (f"step {step} used {now:.6g} but the scheduler made {made if made is None else f'{made:.6g}'}: "
-                           "something rewrote the rate after the scheduler; use `lr --reset` then `lr` again after "
-                           "stopping that code, or --once")
-            result["error"] = f"group {g['group']}'s rate was rewritten after its scheduler before step {step} ran"
-
-
-def _settle(ov: _Override, item, step: int) -> None:
-    settle, result, once, rows = item
-    result["checked_at_step"] = step
-    if not once:
-        for g in rows:
-            og = ov.groups.get(g["group"])
-            if og is None:
-                continue
-            g["used"] = og.used
-            g["loop_lr"] = og.loop
-            if og.loop != g["loop_before"]:
-                before, after = _apart(g["loop_before"], og.loop)
-                g["note"] = (f"re-applied: the loop rewrote its lr from {before} to {after} at step {step}; the "
-                             "loop's own logs show its value, torch.steps.lr what each step used")
-    settle(result.get("error"))
-
-
 def describe(opt) -> dict:
     """The override of ``opt``'s groups for torch.optimizer: ``{group: {override, lr, loop_lr, status}}``, the two
     rates read at one moment (never the held rate taken for the loop's between the hold and the loop's rewrite)."""
-    ov = _overrides.get(id(opt))
+    ov = overrides.get(id(opt))
     if ov is None or ov.ref() is not opt:
         return {}
     out = {}
     for i, r in list(ov.rescaled.items()):
         try:
-            lr = _value(opt.param_groups[i]["lr"])
+            lr = value(opt.param_groups[i]["lr"])
         except Exception:
             continue
         out[i] = {"override": r.text(), "lr": lr, "loop_lr": lr,
@@ -328,7 +194,7 @@ def describe(opt) -> dict:
             loop, lr = g.loop, g.used  # param_groups may hold the override or the loop's rate; these are one moment's
         else:
             try:
-                loop = _value(opt.param_groups[i]["lr"])
+                loop = value(opt.param_groups[i]["lr"])
             except Exception:
                 continue
             lr = g.target(loop)
@@ -365,34 +231,13 @@ def _pick(which: int | str | None, group: int | None) -> list:
 
 
 MAX_JUMP = 10.0  # a new rate past this many times the largest rate in use needs --force
-_HEADROOM = 0.01  # of the dtype's largest value: room for weight decay, momentum and bias-correction factors
 
 
 def _next_rate(ov, i: int, group: dict) -> float:
     """The rate group ``i``'s next step uses: the loop's, or the override's on top of it."""
-    loop = _value(group["lr"])
+    loop = value(group["lr"])
     g = ov.groups.get(i) if ov is not None else None
     return g.target(loop) if g is not None else loop
-
-
-def _dtype_limit(group: dict) -> tuple[float, str] | None:
-    """The largest rate a step of ``group`` can use without overflowing its parameters' dtype, and that dtype.
-
-    An optimizer multiplies the rate into a value of the parameters' dtype (``-lr`` for SGD,
-    ``lr / (1 - beta1**t)`` for Adam), and torch raises when that value does not fit: the
-    training loop then dies at ``optimizer.step()``.
-    """
-    import torch
-
-    dtypes = {p.dtype for p in group.get("params", ()) if getattr(p, "is_floating_point", lambda: False)()}
-    if not dtypes:
-        return None
-    dtype = min(dtypes, key=lambda d: torch.finfo(d).max)
-    betas = group.get("betas")
-    factor = 1.0
-    if isinstance(betas, (tuple, list)) and betas and 0 <= float(betas[0]) < 1:
-        factor = 1.0 - float(betas[0])  # Adam's first step divides the rate by 1 - beta1
-    return torch.finfo(dtype).max * factor * _HEADROOM, str(dtype).replace("torch.", "")
 
 
 def check_rate(*, set_to: float | None, scale: float | None, group: int | None, optimizer_index: int | None,
@@ -409,7 +254,7 @@ def check_rate(*, set_to: float | None, scale: float | None, group: int | None, 
     for f in _pick(optimizer_index, group):
         opt = f.obj
         with _lock:
-            ov = _overrides.get(id(opt))
+            ov = overrides.get(id(opt))
         if ov is not None and ov.ref() is not opt:
             ov = None
         pgs = list(opt.param_groups)
@@ -424,7 +269,7 @@ def check_rate(*, set_to: float | None, scale: float | None, group: int | None, 
             if not math.isfinite(new):
                 raise ActionError(f"the new learning rate of {where} ({rates[i]:g} x {scale:g}) is not a finite number; "
                                   "give a smaller --scale or use --set.")
-            limit = _dtype_limit(pgs[i])
+            limit = dtype_limit(pgs[i])
             if limit is not None and new > limit[0]:
                 raise ActionError(f"a learning rate of {new:g} for {where} would overflow its {limit[1]} parameters in "
                                   f"{type(opt).__name__}'s update (the most a step can take is about {limit[0]:.3g}) and "
@@ -463,23 +308,23 @@ def change_lr(ctx: Context, *, set_to: float | None, scale: float | None, group:
         groups = list(range(len(opt.param_groups))) if group is None else [group]
         rows = []
         with _lock:
-            ov = _overrides.get(id(opt))
+            ov = overrides.get(id(opt))
             if ov is not None and ov.ref() is not opt:
                 ov = None  # a dead optimizer's id reused
             if ov is None:
-                ov = _overrides[id(opt)] = _Override(opt, f.name)
+                ov = overrides[id(opt)] = _Override(opt, f.name)
             for i in groups:
-                loop = _value(opt.param_groups[i]["lr"])
+                loop = value(opt.param_groups[i]["lr"])
                 g = ov.groups.get(i)
-                sched = _rescalable(opt, i) if not once and g is None else None
+                sched = rescalable(opt, i) if not once and g is None else None
                 if sched is not None and (set_to is None or loop > 0):
                     factor = scale if set_to is None else set_to / loop
-                    _rescale(sched, opt.param_groups[i], i, factor)
+                    rescale(sched, opt.param_groups[i], i, factor)
                     r = ov.rescaled.get(i)
                     total = (r.factor if r is not None else 1.0) * factor
-                    ov.rescaled[i] = _Rescaled(sched, total, ctx.step,
+                    ov.rescaled[i] = Rescaled(sched, total, ctx.step,
                                                f"set {set_to:g}" if set_to is not None else f"scale {total:g}")
-                    rows.append({"group": i, "before": loop, "after": _value(opt.param_groups[i]["lr"]),
+                    rows.append({"group": i, "before": loop, "after": value(opt.param_groups[i]["lr"]),
                                  "loop_before": loop, "via": "scheduler",
                                  "status": f"{type(sched).__name__}'s base rate scaled; waiting for the next step"})
                     continue
@@ -490,7 +335,7 @@ def change_lr(ctx: Context, *, set_to: float | None, scale: float | None, group:
                     after = set_to if set_to is not None else before * scale
                     if g is not None:
                         del ov.groups[i]  # a one-off write replaces a held override
-                    _write(opt.param_groups[i], after)
+                    write(opt.param_groups[i], after)
                 elif g is None:
                     g = ov.groups[i] = _Group("set" if set_to is not None else "scale",
                                               set_to if set_to is not None else scale, loop, ctx.step)
@@ -502,7 +347,7 @@ def change_lr(ctx: Context, *, set_to: float | None, scale: float | None, group:
                     g.value = g.value * scale
                     after = g.target(loop)
                 if g is not None:
-                    limit = _dtype_limit(opt.param_groups[i])
+                    limit = dtype_limit(opt.param_groups[i])
                     g.limit = limit[0] if limit is not None else math.inf
                 row = {"group": i, "before": before, "after": after, "loop_before": loop,
                        "status": "waiting for the next step"}
@@ -536,25 +381,25 @@ def reset_lr(ctx: Context, *, group: int | None, optimizer_index: int | None) ->
     removed = []
     for f in opts:
         with _lock:
-            ov = _overrides.get(id(f.obj))
+            ov = overrides.get(id(f.obj))
             if ov is None or ov.ref() is not f.obj:
                 continue
             for i in ([group] if group is not None else sorted(ov.rescaled)):
                 r = ov.rescaled.pop(i, None)
                 sched = r.sched() if r is not None else None
                 if sched is not None:
-                    _rescale(sched, f.obj.param_groups[i], i, 1.0 / r.factor)
+                    rescale(sched, f.obj.param_groups[i], i, 1.0 / r.factor)
                     held = ctx.step - r.since if ctx.step is not None and r.since is not None else None
                     removed.append({"optimizer": f.name, "group": i, "override": r.text(), "held_steps": held,
-                                    "rewrites": 0, "loop_lr": _value(f.obj.param_groups[i]["lr"])})
+                                    "rewrites": 0, "loop_lr": value(f.obj.param_groups[i]["lr"])})
             for i in ([group] if group is not None else list(ov.groups)):
                 g = ov.groups.pop(i, None)
                 if g is not None:
                     g.hand_over(f"removed by action {ctx.action_id} at step {ctx.step}")
                     removed.append({"optimizer": f.name, "group": i, "override": g.text(), "held_steps": g.held,
-                                    "rewrites": g.rewrites, "loop_lr": _value(f.obj.param_groups[i]["lr"])})
+                                    "rewrites": g.rewrites, "loop_lr": value(f.obj.param_groups[i]["lr"])})
             if not ov.groups and not ov.rescaled and not ov.pending:
-                _overrides.pop(id(f.obj), None)
+                overrides.pop(id(f.obj), None)
     if not removed:
         raise ActionError("there is no lr override to remove" + (" for that optimizer/group" if opts else "") + ".")
     return {"step": ctx.step, "removed": removed}

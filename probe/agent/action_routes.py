@@ -23,7 +23,7 @@ from ..actions import profiler
 from ..actions.queue import refuse, submit
 from ..util import validate as _validate
 from . import state
-from .server import Request, check_tier, route
+from .routing import Request, check_tier, route
 
 __all__ = []
 
@@ -174,7 +174,7 @@ def profile_steps_route(req: Request) -> dict:
 
 
 @route("GET", "/profile-steps")
-def profile_steps_route(req: Request) -> dict:
+def profile_steps_state_route(req: Request) -> dict:
     offset = _number(req, "offset", int)
     if offset is not None:
         return profiler.read_chunk(str(req.param("file")), offset)

@@ -42,7 +42,8 @@ def _kind(argv: list[str]) -> tuple[str, bool]:
 
 def _wanted() -> bool:
     from .._config import setting
-    from .._runtime import pid_alive, process_argv
+    from .._identity import process_argv
+    from .._runtime import pid_alive
 
     mode = setting("PROBE")
     if not mode:

@@ -20,13 +20,15 @@ import time
 from .. import __version__
 from .._config import setting
 from .._errors import ProbeError
-from .._runtime import (job_identity, process_argv, rank_identity, registry_listen, remove_entry, runtime_dir,
-                        shared_registry, sweep_stale, use_private_dir, write_entry)
+from .._identity import job_identity, process_argv, rank_identity
+from .._runtime import (registry_listen, remove_entry, runtime_dir, shared_registry, sweep_stale, use_private_dir,
+                        write_entry)
 from ..postmortem import hooks as postmortem
+from ..tables import registry as tables
 from ..training import collectives, hooks
 from . import action_routes  # noqa: F401  (registers the action and eval routes)
 from . import profile  # noqa: F401  (registers GET /profile, the stack sampler)
-from . import routes  # noqa: F401  (registers the read routes and the built-in tables)
+from . import routes  # noqa: F401  (registers the read routes)
 from . import snapshot  # noqa: F401  (the query path, loaded at start: never in a training step later)
 from . import sigterm, state, watchdog
 from .server import TCPServer, UnixServer, serve_in_thread
@@ -106,6 +108,7 @@ def start(*, port: int | None = None, host: str | None = None, token: str | None
         }
         if tcp_port is not None:
             entry["token"] = token
+        tables.load_builtins()  # now: a query, or the record written as the interpreter exits, imports nothing
         write_entry(entry)
         state.set_entry(entry)
         _running.update(servers=servers, threads=threads)

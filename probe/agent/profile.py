@@ -19,7 +19,7 @@ import time
 
 from . import state
 from .._errors import QueryError
-from .server import Request, route
+from .routing import Request, route
 from ..util.collapsed import frame_text
 
 __all__ = ["sample_stacks", "MAX_SECONDS", "MAX_HZ"]

@@ -9,9 +9,9 @@ import reprlib
 import threading
 
 from . import state
-from .server import Binary, Request, requests_served, route
+from .routing import Binary, Request, route
+from .server import requests_served
 from .._errors import QueryError
-from ..tables import builtin  # noqa: F401  (registers the built-in tables)
 from ..tables.python import frame_row, walk_stacks
 from ..tables.registry import all_tables, version
 from ..util.redact import redact

@@ -2,7 +2,7 @@
 
 Requests are served on short-lived daemon threads; a handler holds the GIL only for
 the snapshots it takes (queries run in the client). Routes are registered with
-``@route`` and carry a tier (read < action < eval) that is checked before the
+``routing.route`` and carry a tier (read < action < eval) that is checked before the
 handler runs. Nothing a client does, a disconnect included, raises into the
 training thread: handler errors are answered as JSON and kept in ``probe.errors``.
 
@@ -27,9 +27,7 @@ import socketserver
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
-from typing import Callable
 from urllib.parse import parse_qs, urlparse
 
 from .._config import setting
@@ -38,10 +36,10 @@ from ..util.errorlog import record_error
 from ..util.slots import BoundedThreads
 from ..util.validate import BadRequest, json_body
 from .audit import audit
+from .routing import ROUTES, Binary, Request, check_tier
 
-__all__ = ["Request", "Binary", "route", "ROUTES", "UnixServer", "TCPServer", "check_tier", "send_buffers", "requests_served"]
+__all__ = ["UnixServer", "TCPServer", "serve_in_thread", "send_buffers", "requests_served"]
 
-TIERS = ("read", "action", "eval")
 MAX_BODY = 1024 * 1024
 MAX_HEAD = 16 * 1024  # request line and headers: our clients send a few hundred bytes
 MAX_HEAD_BEFORE_AUTH = 4 * 1024  # over TCP, what a client may send before its Authorization line
@@ -82,63 +80,6 @@ class _Head:
 
     def close(self) -> None:
         self._rest.close()
-
-
-@dataclass
-class Binary:
-    """A non-JSON answer: buffers sent one after the other (no concatenated copy)."""
-
-    parts: list
-    content_type: str = "application/octet-stream"
-
-
-@dataclass
-class Request:
-    method: str
-    path: str
-    params: dict
-    body: dict
-    client: dict = field(default_factory=dict)
-
-    def param(self, name: str, default=None):
-        if name in self.body:
-            return self.body[name]
-        values = self.params.get(name)
-        return values[-1] if values else default
-
-
-@dataclass(frozen=True)
-class Route:
-    fn: Callable[[Request], dict]
-    tier: str
-
-
-ROUTES: dict[tuple[str, str], Route] = {}
-
-
-def route(method: str, path: str, tier: str = "read"):
-    """Register ``fn(request) -> dict`` as the handler of ``method path``."""
-    if tier not in TIERS:
-        raise ValueError(f"tier must be one of {TIERS}")
-
-    def register(fn):
-        ROUTES[(method.upper(), path)] = Route(fn, tier)
-        return fn
-
-    return register
-
-
-def check_tier(client: dict, tier: str) -> None:
-    """Refuse with one sentence naming the setting that would allow it."""
-    if tier == "read":
-        return
-    allow_eval = setting("PROBE_ALLOW_EVAL")
-    if tier == "eval":
-        if allow_eval is False:
-            raise AuthError("eval is disabled in this process (PROBE_ALLOW_EVAL=0); restart it without that setting to allow eval.")
-        if client.get("transport") == "tcp" and allow_eval is not True:
-            raise AuthError("eval over TCP is off; start the training process with PROBE_ALLOW_EVAL=1 to allow it (the token is still required), or use the local unix socket.")
-    # actions: the unix socket is same-user only, and TCP clients have already shown the token.
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -6,7 +6,7 @@ stuck inside a C call with the GIL held (an NCCL collective, a CUDA sync, a
 deadlocked extension), where no Python thread, the probe server's included, can run.
 
 The timer is armed when the probe starts and re-armed at every step boundary
-(``probe._safepoint.on_step``), so it fires only when a whole ``S`` seconds pass
+(a ``probe.training.safepoint.on_step`` subscriber), so it fires only when a whole ``S`` seconds pass
 without a step. Nothing polls: the dump is noticed when someone asks for the
 status (``probe list``, ``/health``, ``process.info``), by one ``fstat`` of the
 dump file, which grows only when faulthandler writes to it.

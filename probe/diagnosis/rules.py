@@ -21,10 +21,16 @@ read the ``ranks.*`` views and run only across several ranks.
 
 from __future__ import annotations
 
+import importlib
 import threading
 from dataclasses import dataclass
 
-__all__ = ["Rule", "rule", "all_rules", "get_rule", "SEVERITIES", "FAMILIES"]
+__all__ = ["Rule", "rule", "all_rules", "get_rule", "load_builtins", "BUILTIN", "SEVERITIES", "FAMILIES"]
+
+# the modules of probe.diagnosis that declare the built-in rules, in the order docs/doctor.md and the
+# README list them: one process's training, its memory/speed/input/activations, the invariant checks
+# of torch.checks, and across ranks (dead ranks); all_rules()/get_rule() import them on first use
+BUILTIN = ("process_rules", "runtime_rules", "invariant_rules", "job_rules", "ddp_rules")
 
 SEVERITIES = ("critical", "warning", "info")  # most severe first
 FAMILIES = ("hang", "crash", "nan", "divergence", "plateau", "parameters", "activations", "optimizer", "memory", "slow",
@@ -78,10 +84,24 @@ def rule(name: str, *, family: str, severity: str, description: str, sql: str, m
     return r
 
 
+_LOADED: list[bool] = []
+
+
+def load_builtins() -> None:
+    """Import the built-in rules' modules (once; each declares its rules with ``rule(...)``)."""
+    if _LOADED:
+        return
+    for mod in BUILTIN:
+        importlib.import_module(f"{__package__}.{mod}")
+    _LOADED.append(True)
+
+
 def all_rules() -> list[Rule]:
+    load_builtins()
     with _LOCK:
         return sorted(_REGISTRY.values(), key=lambda r: (SEVERITIES.index(r.severity), r.family, r.name))
 
 
 def get_rule(name: str) -> Rule | None:
+    load_builtins()
     return _REGISTRY.get(name)

@@ -1,5 +1,5 @@
-"""The table registry (``registry``) and the built-in tables (``builtin`` names them all).
+"""The table registry (``registry``) and the built-in tables (one module per schema).
 
-The registry never imports the built-ins: whoever serves queries (the agent's routes)
-or documents the tables (docs/generate.py) imports ``probe.tables.builtin``.
+``registry.BUILTIN`` names the built-in modules; the registry imports them by name the
+first time it is read, so every reader sees them without importing anything for it.
 """

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 
-from ..diagnosis import builtin  # noqa: F401  (declares the built-in rules)
 from ..diagnosis.rules import all_rules
 from .registry import Column, table
 

@@ -6,7 +6,7 @@ import os
 import sys
 
 from ..agent import state
-from .._runtime import process_argv, rank_identity
+from .._identity import process_argv, rank_identity
 from ..util.procfs import rss_bytes
 from ..util.redact import redact
 from .registry import Column, table

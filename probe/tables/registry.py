@@ -10,7 +10,9 @@ A table is declared once, with its generator::
 
 The declaration drives query execution, completion, ``probe.tables`` and
 ``probe.columns``, docs/reference.md and the test suite (every example runs).
-Built-in tables register exactly the way a user's own table would.
+Built-in tables register exactly the way a user's own table would: ``BUILTIN`` names their
+modules, which the registry imports by name the first time anyone reads it (``all_tables``,
+``get_table``, ``version``), so that no reader has to remember an import for its side effect.
 
 A generator receives a :class:`Context` and returns either rows (tuples in column
 order, or dicts by column name) or columns (a dict of column name to a sequence or
@@ -19,6 +21,7 @@ numpy array, which is what ring buffers return: DuckDB reads those without a cop
 
 from __future__ import annotations
 
+import importlib
 import re
 import threading
 import time
@@ -27,7 +30,12 @@ from typing import Any, Callable, Iterable
 
 from ..util.wire import TYPES, WireError, check_table
 
-__all__ = ["Column", "Table", "Context", "table", "get_table", "all_tables", "unregister", "to_columns", "version"]
+__all__ = ["Column", "Table", "Context", "table", "get_table", "all_tables", "unregister", "to_columns", "version",
+           "load_builtins", "BUILTIN"]
+
+# the modules of probe.tables that declare the built-in tables (the only place they are named)
+BUILTIN = ("actions", "checks", "collectives", "data", "diagnosis", "loss", "meta", "process", "python", "replicas", "spans",
+           "syncs", "torch")
 
 KINDS = ("snapshot", "ring", "client")
 _NAME = re.compile(r"^[a-z_][a-z0-9_]*\.[a-z_][a-z0-9_]*$")
@@ -117,16 +125,35 @@ def unregister(name: str) -> None:
             _VERSION[0] += 1
 
 
+_LOADED: list[bool] = []
+
+
+def load_builtins() -> None:
+    """Import the built-in tables' modules (once; each registers its tables with ``@table``).
+
+    The readers below call it; the agent calls it at start, so that a query, or the post-mortem
+    record written while the interpreter exits, never has to import a module first.
+    """
+    if _LOADED:
+        return
+    for mod in BUILTIN:
+        importlib.import_module(f"{__package__}.{mod}")
+    _LOADED.append(True)
+
+
 def version() -> int:
     """A number that changes whenever a table is registered or removed (the schema's version)."""
+    load_builtins()
     return _VERSION[0]
 
 
 def get_table(name: str) -> Table | None:
+    load_builtins()
     return _REGISTRY.get(name.lower())
 
 
 def all_tables() -> list[Table]:
+    load_builtins()
     with _LOCK:
         return sorted(_REGISTRY.values(), key=lambda t: t.name)
 

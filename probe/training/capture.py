@@ -27,6 +27,8 @@ progress) still gates ``clip_grad_norm_``'s norm.
 from __future__ import annotations
 
 import functools
+import threading
+import time
 import weakref
 
 from .._config import setting
@@ -34,7 +36,7 @@ from ..util.errorlog import record_error
 from ..util.frames import release
 from .shards import is_sharded, local
 
-__all__ = ["Capture", "read", "loss_logits"]
+__all__ = ["Capture", "Pending", "read", "loss_logits"]
 
 _NLL = ("NllLossBackward0", "NllLoss2DBackward0")  # cross_entropy is log_softmax + nll_loss
 _LOSS_LOOK_EVERY = 1000  # noted backward calls between two looks at the loss's graph (the first one looks)
@@ -79,15 +81,58 @@ def read(holder):
     return float(host.item())
 
 
+class Pending:
+    """Holders of a ring's rows whose device values have not landed yet: kept at a boundary (``keep``),
+    read into their rows once ready (``resolve``: a few steps later on the training thread, or when a
+    query asks). A row the ring has since overwritten is dropped."""
+
+    __slots__ = ("ring", "what", "items", "_lock")
+
+    def __init__(self, ring, what: str):
+        self.ring, self.what = ring, what
+        self.items: list = []  # (ring row, column, holder)
+        self._lock = threading.Lock()
+
+    def keep(self, row: int, values) -> int:
+        """Keep the holders among ``values`` (``(column, value)`` pairs) for ``row``; returns how many wait."""
+        with self._lock:
+            for col, v in values:
+                if type(v) is tuple:
+                    self.items.append((row, col, v))
+            return len(self.items)
+
+    def resolve(self, up_to_row: int | None = None) -> None:
+        """Read the values that have landed (of rows up to ``up_to_row`` if given) into their rows."""
+        ring = self.ring
+        with self._lock:
+            keep = []
+            for row, col, holder in self.items:
+                if ring.count - row > ring.capacity:
+                    continue
+                if up_to_row is not None and row > up_to_row:
+                    keep.append((row, col, holder))
+                    continue
+                try:
+                    v = read(holder)
+                except Exception as exc:
+                    record_error(f"{self.what}: reading {col}", exc)
+                    continue
+                if v is None:
+                    keep.append((row, col, holder))
+                else:
+                    ring.set(col, row, v)
+            self.items = keep
+
+
 class Capture:
     def __init__(self, torch):
         self.torch = torch
         self.loss_names = setting("PROBE_LOSS_NAMES") or ["loss"]
         self.wanted = True  # whether the step in progress is measured (its optional values read)
         self.clip_norm = None  # clip_grad_norm_'s result in the step in progress
-        self._losses: list = []  # this step's backpropagated scalars (detached), summed at the boundary
+        self.losses: list = []  # this step's backpropagated scalars (detached), summed at the boundary
         self._scaled = None  # (weakref to GradScaler.scale's output, the loss it scaled)
-        self._closure_step = False  # inside optimizer.step(closure): only the closure's first backward counts
+        self.closure_step = False  # inside optimizer.step(closure): only the closure's first backward counts
         self._closure_taken = False
         self._norm_failed: set = set()
         self.sharded = False  # a gradient norm was this rank's shards' (FSDP2/DTensor), not the model's
@@ -128,11 +173,11 @@ class Capture:
     # -- the loss ----------------------------------------------------------------------------------
     def on_step_start(self, args, kwargs) -> None:
         """The optimizer step pre-hook: note whether this step evaluates a closure."""
-        self._closure_step = bool(args) or kwargs.get("closure") is not None
+        self.closure_step = bool(args) or kwargs.get("closure") is not None
         self._closure_taken = False
 
     def on_step_end(self) -> None:
-        self._closure_step = False
+        self.closure_step = False
 
     def saw_backward(self, tensors, grad_tensors) -> None:
         t = tensors
@@ -144,7 +189,7 @@ class Capture:
             return  # a vector backward with explicit gradients is not a loss
         if grad_tensors is not None and not (type(grad_tensors) in (list, tuple) and all(g is None for g in grad_tensors)):
             return
-        if self._closure_step:
+        if self.closure_step:
             if self._closure_taken:
                 return
             self._closure_taken = True
@@ -158,16 +203,24 @@ class Capture:
             except Exception as exc:
                 record_error("torch steps: the loss's logits", exc)
         self._loss_looks += 1
-        self._losses.append(t.detach())
+        self.losses.append(t.detach())
 
-    def step_loss(self, frame):
-        """This step's loss: the backpropagated scalars (a tensor, summed on their device), else
-        the loop's ``loss`` variable, else None."""
-        losses = self._losses
-        if not losses:
-            return self._find_loss(frame)
-        self._losses = []
-        return losses[0] if len(losses) == 1 else self._sum(losses)
+    def step_loss(self, frame, loss=None, measured: bool = False):
+        """Every step's loss, for the boundary: ``probe.step(loss=)``'s (``loss``), else the backpropagated
+        scalars, else (on a ``measured`` step: it walks frames) the loop's ``loss`` variable. A float, a
+        holder or None; a failure is recorded and gives None."""
+        try:
+            if loss is not None:
+                self.forget()  # probe.step(loss=) overrides what was backpropagated
+                return self.hold(loss)
+            if self.losses:
+                return self.take()
+            if measured:
+                return self.hold(self.find_loss(frame))
+        except Exception as exc:
+            self.forget()
+            record_error("torch steps: loss", exc)
+        return None
 
     def _sum(self, losses):
         try:
@@ -180,19 +233,19 @@ class Capture:
     def take(self):
         """This step's backpropagated loss, taken for the row: a float (a CPU scalar), a holder (a
         device scalar, read later) or None (nothing backpropagated a scalar). Runs on every step."""
-        losses = self._losses
+        losses = self.losses
         if not losses:
             return None
-        self._losses = []
+        self.losses = []
         t = losses[0] if len(losses) == 1 else self._sum(losses)
         return self.hold(t)
 
     def forget(self) -> None:
         """Drop what an unmeasured step captured (a loss noted before the budget said no)."""
-        self._losses = []
+        self.losses = []
         self._scaled = None
 
-    def _find_loss(self, frame):
+    def find_loss(self, frame):
         f, n = frame, 0
         while f is not None and n < 3:
             loc = f.f_locals
@@ -212,6 +265,23 @@ class Capture:
         return None
 
     # -- the gradient norm ----------------------------------------------------------------------------
+    def measured_norm(self, optimizer, budget, now_ns: int, forced: bool = False):
+        """The optional grad norm of a measured step: ``clip_grad_norm_``'s when the loop clipped, else the
+        probe's own when ``budget`` (PROBE_GRAD_NORM, charged its time) allows it or ``forced``. A float, a
+        holder or None; a failure is recorded and gives None."""
+        clipped, self.clip_norm = self.clip_norm, None
+        try:
+            if clipped is not None:
+                return self.hold(clipped)
+            if budget.allows(now_ns) or forced:
+                t0 = time.perf_counter_ns()
+                norm = self.hold(self.grad_norm(optimizer))
+                budget.spend(time.perf_counter_ns() - t0)
+                return norm
+        except Exception as exc:
+            record_error("torch steps: grad norm", exc)
+        return None
+
     def grad_norm(self, optimizer):
         """The total L2 norm of ``optimizer``'s gradients, as a tensor on their device (None: none to measure).
 

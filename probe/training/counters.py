@@ -7,7 +7,8 @@ accelerate ``Accelerator``'s ``step``; the objects come from the one finder.
 from __future__ import annotations
 
 from ..util.errorlog import record_error
-from .finder import framework_of, frameworks
+from .finder import frameworks
+from .frameworks import framework_of
 
 __all__ = ["framework_counters", "restore_counters", "status"]
 

@@ -28,7 +28,7 @@ import weakref
 from .._config import setting
 from ..util.errorlog import record_error
 from ..util.ring import Ring
-from .capture import read
+from .capture import Pending
 
 __all__ = ["OptimizerCycle", "CYCLE_COLUMNS"]
 
@@ -50,7 +50,7 @@ class OptimizerCycle:
         self.pos = 0  # position in ``cycle`` of the last step seen
         self.rows = Ring(CYCLE_COLUMNS, setting("PROBE_STEPS_CAPACITY"))
         self.taken = 0  # loss tensors the capture had noted at the last optimizer step (its list's length)
-        self.pending: list = []  # (row, column, holder): device values read when a query asks
+        self.pending = Pending(self.rows, "torch steps, one of several optimizers")  # read when a query asks
 
     @property
     def period(self) -> int:
@@ -104,7 +104,7 @@ class OptimizerCycle:
         capture = tracker.capture
         loss = norm = None
         if capture.wanted:
-            losses = capture._losses
+            losses = capture.losses
             mine = losses[self.taken:]
             self.taken = len(losses)
             try:
@@ -134,26 +134,12 @@ class OptimizerCycle:
         ring.append(step, self.pos, id(opt), type(opt).__name__, t0 * 1e-9 + tracker.wall_offset,
                     loss if type(loss) is float else None, lr if type(lr) is float else None,
                     norm if type(norm) is float else None)
-        for col, v in (("loss", loss), ("lr", lr), ("grad_norm", norm)):
-            if type(v) is tuple:
-                self.pending.append((row, col, v))
+        if type(loss) is tuple or type(lr) is tuple or type(norm) is tuple:
+            self.pending.keep(row, (("loss", loss), ("lr", lr), ("grad_norm", norm)))
 
     def snapshot(self) -> dict:
         """The ring's columns, device values read where they have landed."""
-        keep = []
-        for row, col, holder in self.pending:
-            if self.rows.count - row > self.rows.capacity:
-                continue
-            try:
-                v = read(holder)
-            except Exception as exc:
-                record_error("torch steps: reading a value of one of several optimizers", exc)
-                continue
-            if v is None:
-                keep.append((row, col, holder))
-            else:
-                self.rows.set(col, row, v)
-        self.pending = keep
+        self.pending.resolve()
         return self.rows.snapshot()
 
 
@@ -167,7 +153,7 @@ def on_step(tracker, optimizer, t0: int) -> None:
     if closes is None:
         tracker.used_lr = None
         if optimizer is lead:
-            tracker.boundary(optimizer, tracker._loop_frame(), t0=t0)
+            tracker.boundary(optimizer, tracker.loop_frame(), t0=t0)
     elif was is None and optimizer is not lead:
         # recognised just now, in an iteration whose lead step already ended a step: that step stands for the
         # iteration (no extra step); what was backpropagated since goes to this row, not to the next step
@@ -181,5 +167,5 @@ def on_step(tracker, optimizer, t0: int) -> None:
         tracker.used_lr = None
         if closes:
             cycle.taken = 0
-            tracker.boundary(lead if lead is not None else optimizer, tracker._loop_frame(), t0=t0)
-    tracker._quick = False  # every optimizer step comes here, the lead's included
+            tracker.boundary(lead if lead is not None else optimizer, tracker.loop_frame(), t0=t0)
+    tracker.quick = False  # every optimizer step comes here, the lead's included

@@ -21,7 +21,9 @@ returns) are found the same way, with no look of their own: as globals, loop loc
 there, and as the frameworks' loaders (Lightning's ``train_dataloader``, the transformers Trainer's
 ``callback_handler.train_dataloader``, accelerate's prepared ``_dataloaders``).
 
-Framework wrappers are unwrapped to the object that owns the state: an optimizer wrapper
+Recognising a framework's types, unwrapping its wrappers and reading the objects it holds is
+``frameworks``'s (the adapters); here are the registry and the scan. Framework wrappers are
+unwrapped to the object that owns the state: an optimizer wrapper
 (accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``, DeepSpeed's ZeRO
 optimizers) whose ``param_groups`` is its inner optimizer's list is replaced by that inner
 optimizer, and ``Found.wrapper`` names the wrapper's class; accelerate's
@@ -36,34 +38,21 @@ and only once their module is imported. A failure while looking is recorded in
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import weakref
 from typing import Any, NamedTuple
 
 from ..util.errorlog import record_error
+from .frameworks import (framework_items, framework_name, framework_of, is_lightning_module, scaler_types,
+                         scheduler_types, unwrap_optimizer, unwrap_scheduler)
 
-__all__ = ["Found", "known", "is_internal", "models", "optimizers", "schedulers", "grad_scalers", "frameworks", "dataloaders",
+__all__ = ["Found", "known", "models", "optimizers", "schedulers", "grad_scalers", "frameworks", "dataloaders",
            "scheduler_for",
-           "optimizer_found", "unwrap_optimizer", "add", "scan",
-           "user_frame", "named", "objects_of", "framework_of", "main_globals", "module_path", "FRAMEWORK_PACKAGES"]
+           "optimizer_found", "add", "scan", "named", "main_globals", "module_path"]
 
 KINDS = ("model", "optimizer", "scheduler", "scaler", "framework", "dataloader")
-# Packages whose frames are the framework's, not the user's loop (for the user's frame and eval).
-FRAMEWORK_PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning", "lightning_utilities", "transformers",
-                      "accelerate", "deepspeed", "trl", "peft", "torchmetrics")
 _PRECEDENCE = {"watch": 0, "__main__": 1, "framework": 2, "frame": 3, "step hook": 4}  # for names
-_FRAMEWORK_TYPES = {
-    ("lightning.pytorch.trainer.trainer", "Trainer"): "lightning",
-    ("pytorch_lightning.trainer.trainer", "Trainer"): "lightning",
-    ("transformers.trainer", "Trainer"): "transformers",
-    ("accelerate.accelerator", "Accelerator"): "accelerate",
-}
-_LIGHTNING_MODULES = {("lightning.pytorch.core.module", "LightningModule"),
-                      ("pytorch_lightning.core.module", "LightningModule")}
-
-
 class Found(NamedTuple):
     """One training object: the name the user knows it by, the object that owns the state,
     the framework wrapper's class name it was reached through (or None), and where it was found."""
@@ -102,81 +91,16 @@ def module_path(name: str) -> str:
     return ".".join(p for p in name.split(".") if p != "_orig_mod")
 
 
-# -- recognising types without importing them -------------------------------------------------------
-def framework_of(obj) -> str | None:
-    try:
-        mro = type(obj).__mro__
-    except Exception:
-        return None
-    for cls in mro:
-        kind = _FRAMEWORK_TYPES.get((cls.__module__, cls.__name__))
-        if kind is not None:
-            return kind
-    return None
-
-
-def _is_lightning_module(obj) -> bool:
-    return any((c.__module__, c.__name__) in _LIGHTNING_MODULES for c in type(obj).__mro__)
-
-
-def _scheduler_types(torch) -> tuple:
-    lrs = torch.optim.lr_scheduler
-    return tuple(c for c in (getattr(lrs, "LRScheduler", None), getattr(lrs, "ReduceLROnPlateau", None)) if c)
-
-
-def _scaler_types(torch) -> tuple:
-    return tuple(t for t in (getattr(getattr(torch, "amp", None), "GradScaler", None),
-                             getattr(getattr(torch.cuda, "amp", None), "GradScaler", None)) if isinstance(t, type))
-
-
-def unwrap_optimizer(opt) -> tuple[Any, str | None]:
-    """``(inner, wrapper class name)``: the optimizer that owns ``opt``'s param_groups.
-
-    A wrapper is recognised by what it does, not by its name: it keeps the inner optimizer
-    as ``optimizer`` or ``_optimizer`` and its ``param_groups`` is the inner one's list.
-    """
-    wrapper = None
-    for _ in range(4):  # wrappers of wrappers (DeepSpeed inside accelerate)
-        try:
-            attrs = vars(opt)
-        except TypeError:
-            break
-        inner = next((attrs[a] for a in ("_optimizer", "optimizer") if a in attrs), None)
-        if inner is None or inner is opt or not hasattr(inner, "param_groups"):
-            break
-        try:
-            same = opt.param_groups is inner.param_groups
-        except Exception:
-            same = False
-        if not same:
-            break
-        wrapper = wrapper or type(opt).__name__
-        opt = inner
-    return opt, wrapper
-
-
-def _unwrap_scheduler(torch, sched):
-    kinds = _scheduler_types(torch)
-    for _ in range(3):
-        if isinstance(sched, kinds):
-            return sched
-        inner = vars(sched).get("scheduler") if hasattr(sched, "__dict__") else None
-        if inner is None:
-            return None
-        sched = inner
-    return sched if isinstance(sched, kinds) else None
-
-
 # -- the registry ---------------------------------------------------------------------------------------
 def _kind_of(torch, obj) -> str | None:
     if isinstance(obj, torch.nn.Module):
         return "model"
     if isinstance(obj, torch.optim.Optimizer):
         return "optimizer"
-    if isinstance(obj, _scheduler_types(torch)) or (_unwrap_scheduler(torch, obj) is not None
+    if isinstance(obj, scheduler_types(torch)) or (unwrap_scheduler(torch, obj) is not None
                                                     and type(obj).__name__ == "AcceleratedScheduler"):
         return "scheduler"
-    kinds = _scaler_types(torch)
+    kinds = scaler_types(torch)
     if kinds and isinstance(obj, kinds):
         return "scaler"
     if framework_of(obj) is not None:
@@ -208,7 +132,7 @@ def add(obj, name: str | None = None, source: str = "frame", kind: str | None = 
     if kind == "optimizer":
         obj, wrapper = unwrap_optimizer(obj)
     elif kind == "scheduler":
-        inner = _unwrap_scheduler(torch, obj)
+        inner = unwrap_scheduler(torch, obj)
         if inner is None:
             return None
         if inner is not obj:
@@ -379,69 +303,11 @@ def _scan_frameworks() -> None:
         _from_framework(f.obj, f.name)
 
 
-def _framework_items(obj, name: str):
-    """``(value, name, kind)`` for the objects a framework object holds, by the framework's own API."""
-    kind = framework_of(obj)
-    if kind == "lightning":
-        yield getattr(obj, "lightning_module", None), f"{name}.lightning_module", "model"
-        for i, opt in enumerate(list(getattr(obj, "optimizers", None) or [])):
-            yield opt, f"{name}.optimizers[{i}]", "optimizer"
-        for i, cfg in enumerate(list(getattr(obj, "lr_scheduler_configs", None) or [])):
-            yield getattr(cfg, "scheduler", None), f"{name}.lr_scheduler_configs[{i}].scheduler", "scheduler"
-        yield from _loaders(_lightning_train_loaders(obj), f"{name}.train_dataloader")
-    elif kind == "transformers":
-        for attr, k in (("model", "model"), ("optimizer", "optimizer"), ("lr_scheduler", "scheduler"),
-                        ("accelerator", "framework")):
-            yield getattr(obj, attr, None), f"{name}.{attr}", k
-        handler = getattr(obj, "callback_handler", None)  # the training loop's loader is set there for callbacks
-        yield getattr(handler, "train_dataloader", None), f"{name}.callback_handler.train_dataloader", "dataloader"
-    elif kind == "accelerate":
-        for attr, k in (("_models", "model"), ("_optimizers", "optimizer"), ("_schedulers", "scheduler"),
-                        ("_dataloaders", "dataloader")):
-            for i, value in enumerate(list(getattr(obj, attr, None) or [])):
-                yield value, f"{name}.{attr}[{i}]", k
-
-
-def _lightning_train_loaders(trainer):
-    """The fit loop's loaders as the user returned them, without asking the LightningModule for new ones
-    (``Trainer.train_dataloader`` reads the fit loop's combined loader; None before fit starts)."""
-    fit_loop = getattr(trainer, "fit_loop", None)
-    combined = getattr(fit_loop, "_combined_loader", None) if fit_loop is not None else None
-    return getattr(combined, "iterables", None) if combined is not None else None
-
-
-def _loaders(value, name: str):
-    """``(loader, name, "dataloader")`` for a loader, or for each loader of a list, tuple or dict of them."""
-    if isinstance(value, dict):
-        for key, v in list(value.items())[:20]:
-            yield v, f"{name}[{key!r}]", "dataloader"
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value[:20]):
-            yield v, f"{name}[{i}]", "dataloader"
-    elif value is not None:
-        yield value, name, "dataloader"
-
-
-def objects_of(framework) -> dict:
-    """The first model, optimizer (unwrapped) and scheduler (unwrapped) a framework object holds."""
-    out: dict = {}
-    torch = _torch()
-    for value, _, kind in _framework_items(framework, "trainer"):
-        if value is None or kind in out or kind in ("framework", "dataloader"):
-            continue
-        if kind == "optimizer":
-            value = unwrap_optimizer(value)[0]
-        elif kind == "scheduler" and torch is not None:
-            value = _unwrap_scheduler(torch, value)
-        out[kind] = value
-    return out
-
-
 def _from_framework(obj, name: str) -> None:
     """Remember the objects a framework object holds (Lightning's optimizer wrappers give their class)."""
     kind = framework_of(obj)
     try:
-        for value, vname, k in _framework_items(obj, name):
+        for value, vname, k in framework_items(obj, name):
             if value is None:
                 continue
             add(value, vname, "framework", k)
@@ -467,7 +333,7 @@ def _classify(torch, obj, name: str, seen: set, depth: int, source: str) -> None
         add(obj, name, source, kind)
         if kind == "framework":
             _from_framework(obj, name)
-        elif kind == "model" and _is_lightning_module(obj):
+        elif kind == "model" and is_lightning_module(obj):
             trainer = vars(obj).get("_trainer")
             if trainer is not None and id(trainer) not in seen:
                 seen.add(id(trainer))
@@ -481,14 +347,6 @@ def _classify(torch, obj, name: str, seen: set, depth: int, source: str) -> None
             return
         for attr, value in attrs[:200]:
             _classify(torch, value, attr, seen, depth + 1, source)
-
-
-def _framework_name(value, name: str) -> str:
-    """A framework object seen as ``self`` is named for what it is (trainer, accelerator)."""
-    if name != "self":
-        return name
-    kind = framework_of(value)
-    return "accelerator" if kind == "accelerate" else "trainer" if kind else name
 
 
 def scan(frame=None, max_frames: int = 4) -> None:
@@ -507,7 +365,7 @@ def scan(frame=None, max_frames: int = 4) -> None:
         loc = f.f_locals
         try:
             for name, value in list(loc.items()):
-                _classify(torch, value, _framework_name(value, name), seen, 0, "frame")
+                _classify(torch, value, framework_name(value, name), seen, 0, "frame")
         finally:
             release(f, loc)  # 3.11/3.12: the snapshot would keep these objects alive until the next read
         f, n = f.f_back, n + 1
@@ -518,49 +376,12 @@ def scan(frame=None, max_frames: int = 4) -> None:
             try:
                 for name, value in list(loc.items()):
                     if id(value) not in seen and (framework_of(value) is not None or (
-                            isinstance(value, torch.nn.Module) and _is_lightning_module(value))):
-                        _classify(torch, value, _framework_name(value, name), seen, 1, "frame")
+                            isinstance(value, torch.nn.Module) and is_lightning_module(value))):
+                        _classify(torch, value, framework_name(value, name), seen, 1, "frame")
             finally:
                 release(f, loc, own=True)
         f = f.f_back
     _scan_main()
-
-
-# -- frames -------------------------------------------------------------------------------------------------
-
-_PROBE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # probe/ (this file is in probe/training)
-_internal: dict = {}  # co_filename -> inside torch, probe, a training framework, or stdlib plumbing
-
-
-def _package_dirs() -> tuple:
-    dirs = [_PROBE_DIR]
-    for pkg in ("torch",) + FRAMEWORK_PACKAGES:
-        mod = sys.modules.get(pkg)
-        path = getattr(mod, "__file__", None) if mod is not None else None
-        if path:
-            dirs.append(os.path.dirname(os.path.abspath(path)))
-    return tuple(d + os.sep for d in dirs)
-
-
-def is_internal(code) -> bool:
-    """Whether ``code`` belongs to torch, probe, a training framework or contextlib/threading (cached per file)."""
-    f = code.co_filename
-    hit = _internal.get(f)
-    if hit is None:
-        if f.startswith("<"):
-            hit = f.startswith("<frozen")
-        else:
-            p = os.path.abspath(f)
-            hit = p.startswith(_package_dirs()) or os.path.basename(p) in ("contextlib.py", "threading.py")
-        _internal[f] = hit
-    return hit
-
-
-def user_frame(frame):
-    """The nearest frame from ``frame`` outwards that is the user's code (see ``is_internal``)."""
-    while frame is not None and is_internal(frame.f_code):
-        frame = frame.f_back
-    return frame
 
 
 def named() -> dict:

@@ -16,6 +16,7 @@ import threading
 
 from ..agent import state as agent_state
 from ..util.errorlog import record_error
+from ..util.usercode import user_frame
 from . import counters, finder
 from .steps import StepTracker
 from .trace import Tracer
@@ -33,10 +34,10 @@ class _TorchWatcher:
     def find_spec(self, name, path=None, target=None):
         if name != "torch" or _state.get("installed"):
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+        for meta_finder in sys.meta_path:
+            if meta_finder is self or not hasattr(meta_finder, "find_spec"):
                 continue
-            spec = finder.find_spec(name, path, target)
+            spec = meta_finder.find_spec(name, path, target)
             if spec is not None:
                 break
         else:
@@ -112,7 +113,7 @@ def _pre_hook(optimizer, args, kwargs):
         except Exception as exc:
             record_error("torch optimizer step pre-hook", exc)
     lr = lr_overrides
-    if lr is not None and lr._overrides:
+    if lr is not None and lr.overrides:
         lr.around_step(optimizer, True)
     return None
 
@@ -120,7 +121,7 @@ def _pre_hook(optimizer, args, kwargs):
 def _post_hook(optimizer, args, kwargs):
     """torch's global optimizer step post-hook: the step boundary."""
     lr = lr_overrides
-    if lr is not None and lr._overrides:
+    if lr is not None and lr.overrides:
         lr.around_step(optimizer, False)  # the loop's own lr back in param_groups before the boundary reads it
     tk = _state.get("tracker")
     if tk is not None:
@@ -210,7 +211,7 @@ def step(loss=None, samples=None, tokens=None) -> int | None:
         if tk is None:
             return None
         tk.explicit = True
-        tk.boundary(None, finder.user_frame(sys._getframe(1)), loss=loss, samples=samples, tokens=tokens)
+        tk.boundary(None, user_frame(sys._getframe(1))[0], loss=loss, samples=samples, tokens=tokens)
         return tk.step
     except Exception as exc:
         record_error("probe.step", exc)
@@ -234,6 +235,6 @@ def watch(model=None, optimizer=None, scheduler=None, scaler=None) -> None:
         if optimizer is not None and tk is not None:
             tk.set_lead(optimizer)
         if tk is not None:
-            tk._watch_roots()
+            tk.watch_roots()
     except Exception as exc:
         record_error("probe.watch", exc)

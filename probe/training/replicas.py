@@ -75,9 +75,14 @@ class Replicas:
         self._models: list[_Model] = []
         self._pending: list = []  # (step, time, model, names, numels, host tensor, event)
 
+    @property
+    def next_step(self) -> float:
+        """The next step whose full boundary calls :meth:`at_boundary` (a refresh of the models or a checksum)."""
+        return min(self._refresh_at, self.due)
+
     # -- the one call from the step boundary ----------------------------------------------------------------
     def at_boundary(self, step: int, step_s: float | None) -> None:
-        """At every full step boundary: refresh the DDP models now and then, read landed device copies, and
+        """At the full step boundary of ``next_step`` and after: refresh the DDP models now and then, read landed device copies, and
         take a checksum when ``step`` is due."""
         try:
             if step >= self._refresh_at:

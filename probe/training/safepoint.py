@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from ..util.errorlog import record_error
 
-__all__ = ["StepEvent", "on_step", "remove", "fire", "last_step", "run_at_next_step"]
+__all__ = ["StepEvent", "on_step", "remove", "fire", "last_step", "run_at_next_step", "subscribers"]
 
 
 class StepEvent:
@@ -39,20 +39,20 @@ class StepEvent:
         return f"StepEvent(step={self.step})"
 
 
-_subscribers: list[Callable[[StepEvent], None]] = []
+subscribers: list[Callable[[StepEvent], None]] = []  # empty: the step tracker's quick path may run
 last_step: int | None = None  # the step of the last boundary passed (set even when nobody subscribes)
 
 
 def on_step(fn: Callable[[StepEvent], None]) -> Callable[[StepEvent], None]:
     """Run ``fn(event)`` at every step boundary, on the training thread. Idempotent."""
-    if fn not in _subscribers:
-        _subscribers.append(fn)
+    if fn not in subscribers:
+        subscribers.append(fn)
     return fn
 
 
 def remove(fn: Callable[[StepEvent], None]) -> None:
     try:
-        _subscribers.remove(fn)
+        subscribers.remove(fn)
     except ValueError:
         pass
 
@@ -60,7 +60,7 @@ def remove(fn: Callable[[StepEvent], None]) -> None:
 def fire(event: StepEvent) -> None:
     global last_step
     last_step = event.step
-    for fn in tuple(_subscribers):
+    for fn in tuple(subscribers):
         try:
             fn(event)
         except Exception as exc:

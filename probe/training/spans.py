@@ -20,7 +20,7 @@ import threading
 import time
 
 from .._config import setting
-from .._runtime import rank_identity
+from .._identity import rank_identity
 from ..util.errorlog import record_error
 from . import safepoint
 

@@ -18,14 +18,14 @@ scalar read at once, a device one copied without blocking and read when ready), 
 before the step's first forward call (``data_wait``) and the safe-point queue; memory is read
 every 100 ms by a thread of its own (``memclock``) and joined to the steps by time. The
 optional values (the grad norm, input counts, the frame-variable loss fallback) and the
-occasional work (discovery scans, module-trace scheduling) run on the steps the
-``PROBE_STEP_BUDGET`` bucket allows, and the row's ``measured`` flag says which. Which steps
-are measured is jittered (a coin at each allowed step), so a job's own period (two DataLoader
-workers: fast and slow steps in turn) cannot line up with them. Each boundary's own cost is timed and kept
-(``probe_us``). A step that is not measured, traced or waited on by an action takes a quick
-path (in ``on_optimizer_step``): the exact values and nothing else, in a handful of operations,
-because on a fast loop that path is most steps and every operation in it is paid per step. Values derived from others (``started_at``, the rates, ``rank``) are
-computed when a query asks, not at the boundary.
+occasional work (discovery scans, module-trace scheduling) run on the steps the ``PROBE_STEP_BUDGET``
+bucket allows, and the row's ``measured`` flag says which. Which steps are measured is jittered (a coin
+at each allowed step), so a job's own period (two DataLoader workers: fast and slow steps in turn)
+cannot line up with them. Each boundary's own cost is timed and kept (``probe_us``). A step that is
+not measured, traced or waited on by an action takes a quick path (in ``on_optimizer_step``): the
+exact values and nothing else, in a handful of operations, because on a fast loop that path is most
+steps and every operation in it is paid per step. Values derived from others (``started_at``, the
+rates, ``rank``) are computed when a query asks, not at the boundary.
 
 The hot path never synchronises with a device: a device loss and the gradient norm
 (a foreach norm launched on the device) are kept as pinned host copies with an event and
@@ -39,20 +39,23 @@ is, so ``isnan(loss)`` finds the step it went bad.
 from __future__ import annotations
 
 import math
-import os
 import random
 import sys
-import threading
 import time
+import weakref
 
 from . import cycle as _cycle, finder, invariants, memclock, replicas, safepoint
+from .frameworks import unwrap_optimizer
+from .inputs import InputCounter
+from .tracepace import TracePacing
 from ..util.budget import Budget
-from .capture import Capture, read
+from .capture import Capture, Pending
 from .._config import setting
-from .._runtime import rank_identity
+from .._identity import rank_identity
 from ..util.errorlog import record_error
-from ..util.procfs import RunDelayReader
+from ..util.procfs import CpuWait
 from ..util.ring import Ring
+from ..util.usercode import user_frame
 
 __all__ = ["StepTracker", "STEP_COLUMNS"]
 
@@ -79,16 +82,6 @@ _CHARGE = 2.0
 _FORCED = 3  # steps 1-3 are always measured (start-up divergence shows there)
 
 
-def _outside(frame):
-    """``(f, hops)``: the first frame from ``frame`` outwards that is the user's (not torch, probe or a
-    training framework's), and how many frames out it is."""
-    hops = 0
-    is_internal = finder.is_internal
-    while frame is not None and is_internal(frame.f_code):
-        frame, hops = frame.f_back, hops + 1
-    return frame, hops
-
-
 def norm_budget() -> Budget:
     """The gradient norm's own budget (PROBE_GRAD_NORM). The norm of a large model's gradients takes
     milliseconds on CPU: each is charged in full (no cap) and may put the budget in debt for up to
@@ -98,65 +91,75 @@ def norm_budget() -> Budget:
 
 
 class StepTracker:
+    """The step count and the step boundary of this process's training loop (one, made by ``hooks``).
+
+    Read and set by other modules (``hooks``, ``cycle``, the lr action, the torch tables):
+
+    * ``step``: steps completed; ``explicit``: ``probe.step()`` owns the count (set by ``hooks``);
+    * ``ring``: the ``torch.steps`` rows (RING_COLUMNS), ``snapshot`` what a query sees;
+      ``pending``: device values of its rows not read yet (``capture.Pending``);
+    * ``capture`` (the loss and grad norm, ``capture.Capture``), ``inputs`` (micro-batches, samples,
+      tokens: ``inputs.InputCounter``), ``memory`` (``memclock.MemoryClock``), ``tracer`` (``trace.Tracer``),
+      ``budget`` and ``norm_budget`` (``util.budget.Budget``: PROBE_STEP_BUDGET, PROBE_GRAD_NORM),
+      ``trace_pacing`` (``tracepace.TracePacing``: which steps are traced);
+    * ``lead``: weakref to the lead optimizer; ``cycle``: ``cycle.OptimizerCycle`` once a second one steps;
+    * ``step_lr``: the lr an override made this step use, and ``used_lr``: ``(optimizer, lr)`` for the
+      cycle's rows, both set by the lr action (``probe.actions.lr``) before the boundary;
+    * ``quick``: the next boundary may take the quick path (unmeasured, untraced, nothing queued);
+    * ``wall_offset``: time.time() minus perf_counter(); ``rank``: this process's (None if not distributed).
+
+    Its own: the budget's settling (``_spent``: ns of the last full boundary's work; ``_quick_ns``,
+    ``_quick_n``: the quick boundaries' cost since, and how many; ``_settled_ns``: when it was settled;
+    ``_check_at``: the quick path runs until this perf_counter_ns, before which the budget cannot allow
+    a measured step; ``_quick_rate``: their charged cost per ns of step time; ``_norm_earned_ns``: the
+    norm's budget earns the time between measured steps; ``_coin``: the measured steps' jitter), the
+    clock (``_last_ns``: perf_counter_ns of the last boundary, None when it restarts; ``_started_ns``;
+    ``_fwd_ns``: this step's first forward call, 0 before it), ``_frame_code`` and ``_frame_depth`` (the
+    loop's frame, checked before walking), ``_hard_trace_at`` (``trace_pacing.hard_at``, for the quick
+    path), ``_scan_due`` (the next scan), ``cpu_wait`` (``util.procfs.CpuWait``), ``_lead_name``.
+    """
+
     def __init__(self, torch, tracer):
         self.torch = torch
         self.tracer = tracer
-        self.torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
         self.ring = Ring(RING_COLUMNS, setting("PROBE_STEPS_CAPACITY"))
-        # The budget is settled at full boundaries only: the quick ones add their cost here meanwhile.
-        self._spent = 0  # ns of the last full boundary's own work
-        self._quick_ns = 0  # ns of the quick boundaries since, and how many
-        self._quick_n = 0
-        self._settled_ns: int | None = None  # when the budget was last settled
-        self._check_at = 0  # quick boundaries until this perf_counter_ns: the budget cannot allow before
-        self._quick_rate = 0.0  # the quick boundaries' charged cost per ns of step time
+        self._spent = 0  # the budget is settled at full boundaries only: the quick ones add their cost meanwhile
+        self._quick_ns = self._quick_n = 0
+        self._settled_ns: int | None = None
+        self._check_at = 0
+        self._quick_rate = 0.0
         self.rank = rank_identity()["rank"]
-        # An integer batch of two or more dimensions is token ids (features are floating point).
-        self._token_dtypes = {getattr(torch, n) for n in ("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32",
-                                                             "uint64") if hasattr(torch, n)}
         self.capture = Capture(torch)
         self._replicas = replicas.replicas(torch)  # DDP weight checksums (their due steps take the full boundary)
         self.budget = Budget(setting("PROBE_STEP_BUDGET"), max_gap_s=_MAX_GAP_S)
         self.norm_budget = norm_budget()
-        self._norm_earned_ns = time.perf_counter_ns()  # the norm's budget earns the time between measured steps
-        self._trace_paced = setting("PROBE_TRACE") is None  # an explicit PROBE_TRACE is kept to the step
-        self._trace_due = tracer.next_sampled(0)
-        self._hard_trace_at = math.inf  # with an explicit PROBE_TRACE: the step before the next traced one
-        self._typical_ns = 0.0  # a running mean of untraced step durations (what tracing a step adds)
+        self._norm_earned_ns = time.perf_counter_ns()
+        self.trace_pacing = TracePacing(tracer)
+        self._hard_trace_at = math.inf
         self.step = 0
         self.explicit = False
-        self.lead = None  # weakref to the lead optimizer
-        self._last_ns: int | None = None  # perf_counter_ns at the last boundary (None: the clock restarts)
+        self.lead = None
+        self._last_ns: int | None = None
         self._started_ns = time.perf_counter_ns()
-        self.samples = 0.0
-        self.tokens = 0.0
-        self.micro_batches = 0
-        self.pending: list = []  # (ring row, column, value holder)
-        self._lock = threading.Lock()
-        self._root = None  # weakref to the primary model, whose forward pre-hook counts the inputs
-        self._root_handle = None  # that hook, installed for measured steps only
-        self._first_handle = None  # the primary model's every-step hook: when the step's first forward began
-        self._fwd_ns = 0  # perf_counter_ns of this step's first forward call (0: none yet)
-        self._coin = random.Random().random  # the jitter of measured steps (its own generator: the job's is not touched)
+        self.pending = Pending(self.ring, "torch steps")
+        self.inputs = InputCounter(torch, self._first_forward)
+        self._fwd_ns = 0
+        self._coin = random.Random().random  # not the job's generator: its random stream is untouched
         self._scan_due = 1
         self.wall_offset = time.time() - time.perf_counter()
         self.memory = memclock.MemoryClock(torch, lambda: self.step)
-        self._run_delay = RunDelayReader()
-        self._waited = None  # (run_delay ns, step) at the last measured step
-        self._frame_code = None  # the loop frame's code, and how far out from the hook it was
-        self._frame_depth = 0
-        self.step_lr = None  # the lr an override made this step use (set by probe._lr before the boundary)
-        self._quick = False  # the next boundary may take the quick path (unmeasured, untraced, nothing queued)
+        self.cpu_wait = CpuWait()
+        self._frame_code, self._frame_depth = None, 0
+        self.step_lr = None
+        self.quick = False
         self._lead_name = None
-        self.cycle = None  # OptimizerCycle, once a second optimizer has stepped
-        self.used_lr = None  # (optimizer, lr its step used) from an lr override, for the cycle's rows
+        self.cycle = None
+        self.used_lr = None
         self.capture.wrap()
 
     # -- the lead optimizer --------------------------------------------------------------------
     def set_lead(self, optimizer) -> None:
-        import weakref
-
-        optimizer, _ = finder.unwrap_optimizer(optimizer)  # the hooks fire with the inner optimizer
+        optimizer, _ = unwrap_optimizer(optimizer)  # the hooks fire with the inner optimizer
         self.lead = weakref.ref(optimizer)
         self._lead_name = type(optimizer).__name__
         finder.add(optimizer, None, "step hook", "optimizer")
@@ -177,17 +180,17 @@ class StepTracker:
         the optimizer's work, so it is kept to a handful; anything unusual falls through to
         ``boundary``."""
         t0 = _perf_ns()
-        if self._quick and t0 < self._check_at and self.step + 1 < self._replicas.due:
+        if self.quick and t0 < self._check_at and self.step + 1 < self._replicas.due:
             lead = self.lead
             if lead is not None and lead() is optimizer:
                 lr = optimizer.param_groups[0]["lr"]
-                if type(lr) is float and self.step_lr is None and not safepoint._subscribers:
+                if type(lr) is float and self.step_lr is None and not safepoint.subscribers:
                     self.step = step = self.step + 1
                     last = self._last_ns
                     self._last_ns = t0
                     capture = self.capture
-                    capture._closure_step = False
-                    loss = capture.take() if capture._losses else None  # the loss: every step
+                    capture.closure_step = False
+                    loss = capture.take() if capture.losses else None  # the loss: every step
                     fwd = self._fwd_ns
                     if fwd:
                         self._fwd_ns = 0
@@ -206,7 +209,7 @@ class StepTracker:
                         self._keep_pending(row, loss, None, None)
                     return
         capture = self.capture
-        if capture._closure_step:
+        if capture.closure_step:
             capture.on_step_end()
         lead = self.lead
         if lead is None or lead() is not optimizer:
@@ -222,9 +225,9 @@ class StepTracker:
         if self.cycle is not None:
             _cycle.on_step(self, optimizer, t0)
             return
-        self.boundary(optimizer, self._loop_frame(), t0=t0)
+        self.boundary(optimizer, self.loop_frame(), t0=t0)
 
-    def _loop_frame(self):
+    def loop_frame(self):
         """The training loop's frame: the first one outside torch and probe above the step hook.
 
         The loop calls ``optimizer.step()`` from the same code at the same depth every
@@ -240,99 +243,25 @@ class StepTracker:
                 f = None
             if f is not None and f.f_code is self._frame_code:
                 return f
-        f, hops = _outside(sys._getframe(1))
+        f, hops = user_frame(sys._getframe(1))
         self._frame_depth = 1 + hops if f is not None else 0
         self._frame_code = f.f_code if f is not None else None
         return f
 
-    # -- inputs: samples and tokens per step -------------------------------------------------
-    def _root_pre_hook(self, module, args, kwargs):
-        torch = self.torch
-        if not torch.is_grad_enabled():
-            return None  # an evaluation pass is not a training micro-batch
-        x = args[0] if args else next(iter(kwargs.values()), None) if kwargs else None
-        if type(x) is dict:
-            x = next((v for v in x.values() if isinstance(v, torch.Tensor)), None)
-        if isinstance(x, torch.Tensor):
-            shape = x.shape
-            if shape:
-                self.micro_batches += 1
-                self.samples += shape[0]
-                if len(shape) >= 2 and x.dtype in self._token_dtypes:
-                    self.tokens += x.numel()
-        return None
-
-    def _primary_model(self):
-        """The root model holding the lead optimizer's parameters, else the first model found."""
-        found = finder.models()
-        lead = self.lead_optimizer()
-        if lead is not None and lead.param_groups and lead.param_groups[0]["params"]:
-            first = lead.param_groups[0]["params"][0]
-            for f in found:
-                if any(p is first for p in f.obj.parameters()):
-                    return f.obj
-        return found[0].obj if found else None
-
-    def _watch_roots(self) -> None:
-        """Count samples and tokens at the primary model's forward (one hook on one module, not global),
-        on the measured steps: a module hook costs every forward call, and the counts are optional values."""
-        import weakref
-
-        model = self._primary_model()
-        if model is None or (self._root is not None and self._root() is model):
-            return
-        self.close_root_hooks()
-        try:
-            self._root = weakref.ref(model)
-            self._first_handle = model.register_forward_pre_hook(self._first_forward)
-        except Exception as exc:
-            record_error("torch steps: root model hook", exc)
-            self._root = None
-            return
-        self._root_hook(self.capture.wanted)
+    # -- inputs: samples and tokens per step (``inputs``), and when the step's first forward began -------
+    def watch_roots(self) -> None:
+        """Hook the primary model (``InputCounter``), counting the inputs if the next step is measured."""
+        self.inputs.watch(self.lead_optimizer(), self.capture.wanted)
 
     def _first_forward(self, module, args):
         """Every step: when the primary model's first forward call of the step began (``data_wait``)."""
         if not self._fwd_ns:
             self._fwd_ns = _perf_ns()
 
-    def _root_hook(self, on: bool) -> None:
-        """Put the primary model's input-counting hook in (``on``) or take it out."""
-        handle = self._root_handle
-        if not on:
-            if handle is not None:
-                self._root_handle = None
-                handle.remove()
-            return
-        model = self._root() if self._root is not None else None
-        if handle is None and model is not None:
-            try:
-                self._root_handle = model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True)
-            except Exception as exc:
-                record_error("torch steps: root model hook", exc)
-                self._root = None
-
     # -- lazily read values ---------------------------------------------------------------------
-    def resolve(self, up_to_row: int | None = None) -> None:
-        """Read pending loss, grad-norm and lr values (those ready; up to a ring row if given)."""
-        with self._lock:
-            keep = []
-            for row, col, holder in self.pending:
-                if self.ring.count - row > self.ring.capacity:
-                    continue
-                if up_to_row is not None and row > up_to_row:
-                    keep.append((row, col, holder))
-                    continue
-                try:
-                    v = read(holder)
-                except Exception as exc:
-                    record_error(f"torch steps: reading {col}", exc)
-                    continue
-                if v is None:
-                    keep.append((row, col, holder))
-                else:
-                    self.ring.set(col, row, v)
-            self.pending = keep
+    def resolve(self) -> None:
+        """Read the pending loss, grad-norm and lr values that have landed."""
+        self.pending.resolve()
 
     def snapshot(self) -> dict:
         """The ``torch.steps`` columns (STEP_COLUMNS), oldest step first: the ring's, plus those derived
@@ -357,50 +286,12 @@ class StepTracker:
                 "cpu_wait": cols["cpu_wait"]}
 
     # -- the boundary -----------------------------------------------------------------------------
-    def _loss(self, frame, loss, measured: bool):
-        """Every step's loss: ``probe.step(loss=)``'s, else the backpropagated scalars, else (on a measured
-        step: it walks frames) the loop's ``loss`` variable. A float, a holder or None."""
-        capture = self.capture
-        try:
-            if loss is not None:
-                capture.forget()  # probe.step(loss=) overrides what was backpropagated
-                return capture.hold(loss)
-            if capture._losses:
-                return capture.take()
-            if measured:
-                return capture.hold(capture._find_loss(frame))
-        except Exception as exc:
-            capture.forget()
-            record_error("torch steps: loss", exc)
-        return None
-
     def _measure(self, optimizer, now_ns: int):
-        """The optional grad norm of a measured step: a float, a holder or None."""
-        capture = self.capture
-        hold = capture.hold
-        norm_v = None
-        clipped, capture.clip_norm = capture.clip_norm, None
-        norm_budget = self.norm_budget
-        norm_budget.earn(now_ns - self._norm_earned_ns)
+        """The optional grad norm of a measured step (its budget earns the time since the last one)."""
+        budget = self.norm_budget
+        budget.earn(now_ns - self._norm_earned_ns)
         self._norm_earned_ns = now_ns
-        try:
-            if clipped is not None:
-                norm_v = hold(clipped)
-            elif norm_budget.allows(now_ns) or (self.step <= _FORCED and norm_budget.share > 0):
-                t0 = time.perf_counter_ns()
-                norm_v = hold(capture.grad_norm(optimizer))
-                norm_budget.spend(time.perf_counter_ns() - t0)
-        except Exception as exc:
-            record_error("torch steps: grad norm", exc)
-        return norm_v
-
-    def _cpu_wait(self, step: int) -> float | None:
-        """Seconds a step waited for a CPU, on average since the last measured step (None on the first)."""
-        ns = self._run_delay()
-        last, self._waited = self._waited, (None if ns is None else (ns, step))
-        if ns is None or last is None or step <= last[1]:
-            return None
-        return (ns - last[0]) * 1e-9 / (step - last[1])
+        return self.capture.measured_norm(optimizer, budget, now_ns, self.step <= _FORCED and budget.share > 0)
 
     def boundary(self, optimizer, frame, *, loss=None, samples=None, tokens=None, t0: int | None = None) -> None:
         """Close step ``self.step + 1``: the optional values if measured, the tracer's and the
@@ -434,12 +325,12 @@ class StepTracker:
             # a period of the job's own. The one-second floor still counts from the last measured step.
             allowed = False
             self.budget.last_allowed_ns = gap_from
-        capture._closure_step = False
+        capture.closure_step = False
         measured = capture.wanted
-        loss_v = self._loss(frame, loss, measured)  # a NaN loss stays NaN
+        loss_v = capture.step_loss(frame, loss, measured)  # a NaN loss stays NaN
         if measured:
             norm_v = self._measure(optimizer, t0)
-            waited = self._cpu_wait(step)
+            waited = self.cpu_wait.per_step(step)
         else:  # None: not measured (SQL NULL)
             norm_v = waited = None
             if capture.clip_norm is not None:
@@ -455,22 +346,14 @@ class StepTracker:
             except Exception as exc:
                 record_error("torch steps: lr", exc)
         traced = self.tracer.active_step == step
-        micro = self.micro_batches
-        if micro or samples is not None or tokens is not None:
-            s = float(samples) if samples is not None else (self.samples or None)
-            t = float(tokens) if tokens is not None else (self.tokens or None)
-            self.samples = self.tokens = 0.0
-            self.micro_batches = 0
-        else:
-            s = t = None
+        micro, s, t = self.inputs.take(samples, tokens)
         if measured:
             self._occasional(step, frame, duration_ns, traced)
             invariants.checks(self.torch).at_boundary(step, optimizer)  # torch.checks: cheap invariants of training
-        sums = self._replicas
-        if step >= sums._refresh_at or step >= sums.due:  # torch.weight_sums: DDP replicas' checksums, the same steps on every rank
-            sums.at_boundary(step, duration_ns * 1e-9)
+        if step >= self._replicas.next_step:  # torch.weight_sums: DDP replicas' checksums, the same steps on every rank
+            self._replicas.at_boundary(step, duration_ns * 1e-9)
         asked = self._prepare_next(step, t0, traced, step + 1 <= _FORCED or allowed)
-        if safepoint._subscribers:
+        if safepoint.subscribers:
             t1 = _perf_ns()
             safepoint.fire(safepoint.StepEvent(step, frame, optimizer))
             t0 += _perf_ns() - t1  # the subscribers' work (queued actions) is not the probe's overhead
@@ -479,7 +362,7 @@ class StepTracker:
         cost = _perf_ns() - t0
         # start-up (first scans, imports, the first traces) is paid once, not paced
         self._spent = cost - asked if step > _FORCED else 0
-        if self._quick:  # the quick path may run until the budget could allow a measured step
+        if self.quick:  # the quick path may run until the budget could allow a measured step
             self._check_at = self.budget.due_ns(t0, self._quick_rate)
         ring = self.ring
         row = ring.count
@@ -508,54 +391,25 @@ class StepTracker:
         """Set up the next step, measured or not (``measure``, from the budget): its backward calls
         and inputs noted or not, and the tracer's turn. Returns the ns of a trace the user asked for
         (PROBE_TRACE set): shown in probe_us, not paced."""
-        nxt = step + 1
         if measure is not self.capture.wanted:
             self.capture.note(measure)
-        if (self._root_handle is None) is measure and self._root is not None:
-            self._root_hook(measure)  # the inputs are counted on measured steps only
-        asked = 0
+        inputs = self.inputs
+        if (inputs.counting is None) is measure and inputs.root is not None:
+            inputs.count(measure)  # the inputs are counted on measured steps only
         tracer = self.tracer
-        if traced or tracer.handles or tracer.pending_events or (
-                nxt >= self._trace_due and (measure or not self._trace_paced)):
-            asked = self._trace_boundary(step, traced, measure)
-        self._quick = not (measure or self.explicit or tracer.handles or tracer.pending_events
+        pacing = self.trace_pacing
+        asked = pacing.turn(step, traced, measure, self.wall_offset) if pacing.wants_turn(step, traced, measure) else 0
+        self._hard_trace_at = pacing.hard_at
+        self.quick = not (measure or self.explicit or tracer.handles or tracer.pending_events
                            or tracer.active_step is not None)
         return asked
 
     def _keep_pending(self, row: int, loss_v, norm_v, lr) -> None:
         """Device values (holders) of this row, read a few steps later or when a query asks."""
         if type(loss_v) is tuple or type(norm_v) is tuple or type(lr) is tuple:
-            with self._lock:
-                for col, v in (("loss", loss_v), ("grad_norm", norm_v), ("lr", lr)):
-                    if type(v) is tuple:
-                        self.pending.append((row, col, v))
-            if len(self.pending) >= _RESOLVE_EVERY:
-                self.resolve(up_to_row=row - _LAG)
-
-    def _trace_boundary(self, step: int, traced: bool, measure: bool) -> int:
-        """The tracer's turn at the boundary: finish a traced step, read its device timings, and
-        prepare the next step (traced or not). Returns the ns of a trace the user asked for."""
-        tracer = self.tracer
-        asked = 0
-        nxt = step + 1
-        try:
-            if traced:
-                t1 = _perf_ns()
-                tracer.finish(step, self.wall_offset)
-                if not self._trace_paced:
-                    asked = _perf_ns() - t1
-            if tracer.pending_events:
-                tracer.resolve()
-            if nxt >= self._trace_due and (measure or not self._trace_paced):
-                self._trace_due = tracer.next_sampled(nxt)
-                if not self._trace_paced:
-                    self._hard_trace_at = self._trace_due - 1
-                tracer.prepare(nxt, True)
-            elif tracer.handles or tracer.active_step is not None:
-                tracer.prepare(nxt, False)
-        except Exception as exc:
-            record_error("torch trace: step boundary", exc)
-        return asked
+            pending = self.pending
+            if pending.keep(row, (("loss", loss_v), ("grad_norm", norm_v), ("lr", lr))) >= _RESOLVE_EVERY:
+                pending.resolve(up_to_row=row - _LAG)
 
     def _occasional(self, step: int, frame, duration_ns: float, traced: bool) -> None:
         """Work a measured step does when it is due: discovery scans (steps 1, 2, 4, 8, ... or the first
@@ -564,16 +418,10 @@ class StepTracker:
             self._scan_due = 2 * step
             try:
                 finder.scan(frame)
-                self._watch_roots()
+                self.watch_roots()
             except Exception as exc:
                 record_error("torch steps: discovery", exc)
-        if traced:
-            if self._typical_ns > 0 and duration_ns > self._typical_ns:
-                self.budget.spend(duration_ns - self._typical_ns)  # what the module hooks added to the step
-        elif self._typical_ns > 0:
-            self._typical_ns += (duration_ns - self._typical_ns) * 0.125
-        else:
-            self._typical_ns = duration_ns
+        self.trace_pacing.charge(self.budget, duration_ns, traced)
 
     def last_end_wall(self) -> float | None:
         """Wall-clock time of the last boundary (None before the first)."""
@@ -592,26 +440,14 @@ class StepTracker:
 
     def close(self) -> None:
         self.capture.unwrap()
-        self.close_root_hooks()
+        self.inputs.close()
         self.memory.stop()
 
     def reopen(self) -> None:
         """Undo ``close``: the loss and clip wrappers and the root model's hook go back; the next step's clock restarts."""
         self.capture.wrap()
-        self._watch_roots()
+        self.watch_roots()
         self._last_ns = None
         self._settled_ns = None  # the paused time earns nothing
-        self._quick = False
+        self.quick = False
         self._started_ns = time.perf_counter_ns()
-
-    def close_root_hooks(self) -> None:
-        try:
-            self._root_hook(False)
-        except Exception:
-            self._root_handle = None
-        handle, self._first_handle = self._first_handle, None
-        if handle is not None:
-            try:
-                handle.remove()
-            except Exception:
-                pass

@@ -7,7 +7,7 @@ from every call that makes the host wait for the device (``.item()``, ``.cpu()``
 ``.tolist()``, ``nonzero``, boolean-mask indexing, a ``print`` of a CUDA tensor...), in
 the Python frame that made the call. While the watch is on, probe's own
 ``warnings.showwarning`` takes those warnings (nothing is printed), walks the stack out
-to the first frame of the user's code (``finder.user_frame``) and counts the call site.
+to the first frame of the user's code (``probe.util.usercode``) and counts the call site.
 Other warnings go to the previous ``showwarning`` untouched.
 
 Why torch's detector rather than sampling the stack for ``.item()`` calls: it is the
@@ -31,7 +31,7 @@ import threading
 import time
 import warnings
 
-from . import finder
+from ..util.usercode import user_frame
 from ..util.errorlog import record_error
 from ..util.ring import Ring
 
@@ -125,7 +125,7 @@ class SyncWatch:
         while frame is not None and frame.f_globals.get("__name__") == "warnings":
             frame = frame.f_back
         inner = frame
-        user = finder.user_frame(frame) or inner
+        user = user_frame(frame)[0] or inner
         if user is None:
             return
         if inner is user:

@@ -28,16 +28,15 @@ anything), and its depth is the depth the same module had in the step's forward.
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
 
-from . import finder
 from .outstats import STATS_COLUMNS, Batch, recorder
 from .syncs import SyncWatch
+from .traceflush import ModuleNames, columns, landed_durations, landed_stats, step_records
 from .._config import setting
-from .._runtime import rank_identity
+from .._identity import rank_identity
 from ..util.errorlog import record_error
 from ..util.procfs import RssReader
 from ..util.ring import Ring
@@ -89,7 +88,7 @@ class Tracer:
         self._open_backward = None  # (root, t0, ev0): the backward row being timed in the current pass
         self._pass_queued = False  # the end-of-pass callback is queued
         self.pending_events: list = []  # (ring row, ev0, ev1) awaiting completion (CUDA)
-        self._names: dict = {}
+        self.names = ModuleNames()
         self._rss = RssReader()
         self._mem = [0.0, float("nan")]  # time of last reading, value
         self._event_pool: list = []
@@ -371,36 +370,8 @@ class Tracer:
         return rows[0][1] if rows else None
 
     # -- flushing -----------------------------------------------------------------------------
-    def _name_of(self, module) -> tuple[str, str]:
-        key = id(module)
-        hit = self._names.get(key)
-        if hit is not None and hit[0]() is module:
-            return hit[1], hit[2]
-        import weakref
-
-        for root_name, root, _, _ in finder.known("model"):
-            if root is module:
-                self._names[key] = (weakref.ref(module), root_name, root_name)
-                return root_name, root_name
-            for name, sub in root.named_modules():
-                try:
-                    self._names[id(sub)] = (weakref.ref(sub), finder.module_path(name) or root_name, root_name)
-                except TypeError:
-                    pass
-            hit = self._names.get(key)
-            if hit is not None and hit[0]() is module:
-                return hit[1], hit[2]
-        name = type(module).__name__
-        try:
-            self._names[key] = (weakref.ref(module), name, "")
-        except TypeError:
-            pass
-        return name, ""
-
     def finish(self, step: int, wall_offset: float) -> None:
         """At the boundary after a traced step: write its rows (``wall_offset`` maps perf_counter to epoch)."""
-        import numpy as np
-
         if self.pending_stats:  # an earlier traced step's device copies landed long ago: into the ring
             self.resolve()
         # The hooks hold these lists: take their contents and empty them in place.
@@ -416,44 +387,11 @@ class Tracer:
         self.syncs.stop(step)
         if not rows and not back and not again:
             return
-        records = []  # (t0, module, model, cls, stage, t1, mem, depth, ev0, ev1, output statistics)
-        for r, st in zip(rows, out):  # (module, t0, t1, mem, depth) on CPU, plus (ev0, ev1) on CUDA
-            m = r[0]
-            name, model = self._name_of(m)
-            evs = r[5:] if len(r) > 5 else (None, None)
-            records.append((r[1], name, model, type(m).__name__, "forward", r[2], r[3], r[4], *evs, st))
-        for m, t0, t1, memv, ev0, ev1 in back:
-            name, model = self._name_of(m)
-            records.append((t0, name, model, type(m).__name__, "backward", t1, memv, 0, ev0, ev1, None))
-        if again:
-            depth_of = {}
-            for r in rows:
-                depth_of.setdefault(id(r[0]), r[4])
-            for r in again:  # (module, t0, t1, mem) on CPU, plus (ev0, ev1) on CUDA
-                m = r[0]
-                name, model = self._name_of(m)
-                evs = r[4:] if len(r) > 4 else (None, None)
-                records.append((r[1], name, model, type(m).__name__, "recompute", r[2], r[3],
-                                depth_of.get(id(m), name.count(".") + 1 if model else 0), *evs, None))
-        records.sort(key=lambda r: r[0])
+        records = step_records(rows, out, back, again, self.names.name_of)
         n = len(records)
-        t0 = np.fromiter((r[0] for r in records), "f8", n)
-        t1 = np.fromiter((r[5] for r in records), "f8", n)
-        memv = np.fromiter((r[6] for r in records), "f8", n)
-        peak = np.fmax.accumulate(memv) if n else memv
-        cols = {
-            "step": np.full(n, step, "i8"), "seq": np.arange(n, dtype="i8"),
-            "module": np.array([r[1] for r in records], dtype=object),
-            "stage": np.array([r[4] for r in records], dtype=object),
-            "duration": t1 - t0, "allocated": memv, "max_allocated": peak, "time": t0 + wall_offset,
-            "rank": np.full(n, np.nan if self.rank is None else self.rank, "f8"),
-            "depth": np.fromiter((r[7] for r in records), "i8", n),
-            "model": np.array([r[2] for r in records], dtype=object),
-            "module_type": np.array([r[3] for r in records], dtype=object),
-        }
+        cols = columns(records, step, wall_offset, self.rank, self.cuda)
         cols.update(self._stats_columns(records))
         if self.cuda:
-            cols["duration"] = np.ma.masked_all(n)  # device time, NULL until the events complete
             base = self.ring.count + max(0, n - self.ring.capacity)
             with self._lock:
                 for i, r in enumerate(records[max(0, n - self.ring.capacity):]):
@@ -492,41 +430,12 @@ class Tracer:
             self._resolve_stats()
 
     def _resolve_stats(self) -> None:
-        if not self.pending_stats:
-            return
-        ring = self.ring
-        keep = []
-        for batch in self.pending_stats:
-            try:
-                if batch.stale(ring.count, ring.capacity) or batch.write(ring):
-                    continue
-            except Exception as exc:
-                record_error("torch trace: output statistics", exc)
-                continue
-            keep.append(batch)
-        self.pending_stats = keep
+        if self.pending_stats:
+            self.pending_stats = landed_stats(self.ring, self.pending_stats)
 
     def _resolve(self) -> None:
-        if not self.pending_events:
-            return
-        keep = []
-        dur, known = self.ring.arrays["duration"], self.ring.valid["duration"]
-        for row, ev0, ev1 in self.pending_events:
-            if self.ring.count - row > self.ring.capacity:
-                self._event_pool.extend((ev0, ev1))
-                continue
-            try:
-                done = ev1.query()
-            except Exception as exc:
-                record_error("torch trace: cuda event", exc)
-                continue
-            if done:
-                dur[row % self.ring.capacity] = ev0.elapsed_time(ev1) / 1000.0
-                known[row % self.ring.capacity] = True
-                self._event_pool.extend((ev0, ev1))
-            else:
-                keep.append((row, ev0, ev1))
-        self.pending_events = keep
+        if self.pending_events:
+            self.pending_events = landed_durations(self.ring, self.pending_events, self._event_pool)
 
     def close(self) -> None:
         self._remove()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["rss_bytes", "RssReader", "RunDelayReader", "proc_state"]
+__all__ = ["rss_bytes", "RssReader", "RunDelayReader", "CpuWait", "proc_state"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -77,3 +77,19 @@ def proc_state(pid: int | None) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
+
+
+class CpuWait:
+    """Seconds a thread waited for a CPU per step, on average between two calls on it (``RunDelayReader``)."""
+
+    def __init__(self):
+        self.read = RunDelayReader()
+        self.last = None  # (run_delay ns, step) at the last call
+
+    def per_step(self, step: int) -> float | None:
+        """The wait per step since the last call (None on the first, or where schedstat is missing)."""
+        ns = self.read()
+        last, self.last = self.last, (None if ns is None else (ns, step))
+        if ns is None or last is None or step <= last[1]:
+            return None
+        return (ns - last[0]) * 1e-9 / (step - last[1])

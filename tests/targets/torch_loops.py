@@ -35,7 +35,6 @@ if args.kind == "broken":
         raise RuntimeError("injected failure in a probe hook")
 
     tc.Capture.grad_norm = broken
-    tc.Capture.step_loss = broken
     tc.Capture.take = broken
 
 torch.manual_seed(0)

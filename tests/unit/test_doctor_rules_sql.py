@@ -106,7 +106,6 @@ def _rule_over_steps(name: str, losses: list) -> list:
 def test_loss_plateau_is_info_on_a_flat_loss_and_quiet_on_a_falling_one():
     import math
 
-    from probe.diagnosis import builtin  # noqa: F401
     from probe.diagnosis.rules import get_rule
 
     assert get_rule("loss_plateau").severity == "info"  # a converged run plateaus too

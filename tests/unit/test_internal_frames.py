@@ -1,5 +1,5 @@
 """Which frames are the training loop's: the first one outside torch, probe and the training frameworks
-(probe.training.finder.is_internal), by normalised path."""
+(probe.util.usercode.is_user_code), by normalised path."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ def test_torch_and_probe_frames_are_told_apart_by_normalised_path():
 
     import torch
 
-    from probe.training import finder
+    from probe.util.usercode import is_user_code
 
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
-    probe_dir = os.path.dirname(os.path.dirname(os.path.abspath(finder.__file__)))  # probe/ (finder is in probe/training)
+    probe_dir = os.path.dirname(os.path.dirname(os.path.abspath(is_user_code.__code__.co_filename)))  # probe/
     other = os.path.join(os.path.dirname(probe_dir), "benchmarks")
 
     def internal(path):
-        return finder.is_internal(compile("pass", path, "exec"))
+        return not is_user_code(compile("pass", path, "exec"))
 
     assert internal(os.path.join(other, "..", "probe", "training", "hooks.py"))
     assert internal(os.path.join(torch_dir, "optim", "optimizer.py"))

@@ -18,7 +18,7 @@ from probe._errors import QueryError
 from probe.agent.snapshot import apply_filter
 from probe.util.wire import decode, encode
 from probe.sql.engine import Workspace, execute
-from probe.sql.federate import filter_tree, rename_tables_sql
+from probe.sql.pushdown import filter_tree, rename_tables_sql
 
 import sqlglot
 

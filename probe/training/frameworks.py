@@ -1,0 +1,162 @@
+"""The framework adapters: recognising training objects' types without importing their packages, and
+what a framework object holds by the framework's own API.
+
+A Lightning ``Trainer``, a transformers ``Trainer`` and an accelerate ``Accelerator`` are
+recognised by module and class name (``framework_of``), so nothing here imports torch or a
+framework; ``framework_items`` lists the model, optimizers, schedulers and loaders each holds;
+``unwrap_optimizer`` and ``unwrap_scheduler`` reach through a framework's wrapper to the object
+that owns the state. The object finder (``finder``) keeps what these find; the checkpoint action
+reads a framework's objects with ``objects_of``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["framework_of", "is_lightning_module", "scheduler_types", "scaler_types", "unwrap_optimizer",
+           "unwrap_scheduler", "framework_items", "objects_of", "framework_name"]
+
+_FRAMEWORK_TYPES = {
+    ("lightning.pytorch.trainer.trainer", "Trainer"): "lightning",
+    ("pytorch_lightning.trainer.trainer", "Trainer"): "lightning",
+    ("transformers.trainer", "Trainer"): "transformers",
+    ("accelerate.accelerator", "Accelerator"): "accelerate",
+}
+_LIGHTNING_MODULES = {("lightning.pytorch.core.module", "LightningModule"),
+                      ("pytorch_lightning.core.module", "LightningModule")}
+
+
+def framework_of(obj) -> str | None:
+    """"lightning", "transformers" or "accelerate" for a framework's Trainer/Accelerator (or a subclass), else None."""
+    try:
+        mro = type(obj).__mro__
+    except Exception:
+        return None
+    for cls in mro:
+        kind = _FRAMEWORK_TYPES.get((cls.__module__, cls.__name__))
+        if kind is not None:
+            return kind
+    return None
+
+
+def is_lightning_module(obj) -> bool:
+    """Whether ``obj`` is a LightningModule (whose ``_trainer`` leads to the Trainer)."""
+    return any((c.__module__, c.__name__) in _LIGHTNING_MODULES for c in type(obj).__mro__)
+
+
+def scheduler_types(torch) -> tuple:
+    """torch's LR scheduler base classes (LRScheduler, ReduceLROnPlateau) present in this torch."""
+    lrs = torch.optim.lr_scheduler
+    return tuple(c for c in (getattr(lrs, "LRScheduler", None), getattr(lrs, "ReduceLROnPlateau", None)) if c)
+
+
+def scaler_types(torch) -> tuple:
+    """torch's GradScaler classes (torch.amp's and torch.cuda.amp's) present in this torch."""
+    return tuple(t for t in (getattr(getattr(torch, "amp", None), "GradScaler", None),
+                             getattr(getattr(torch.cuda, "amp", None), "GradScaler", None)) if isinstance(t, type))
+
+
+def unwrap_optimizer(opt) -> tuple[Any, str | None]:
+    """``(inner, wrapper class name)``: the optimizer that owns ``opt``'s param_groups.
+
+    A wrapper is recognised by what it does, not by its name: it keeps the inner optimizer
+    as ``optimizer`` or ``_optimizer`` and its ``param_groups`` is the inner one's list.
+    """
+    wrapper = None
+    for _ in range(4):  # wrappers of wrappers (DeepSpeed inside accelerate)
+        try:
+            attrs = vars(opt)
+        except TypeError:
+            break
+        inner = next((attrs[a] for a in ("_optimizer", "optimizer") if a in attrs), None)
+        if inner is None or inner is opt or not hasattr(inner, "param_groups"):
+            break
+        try:
+            same = opt.param_groups is inner.param_groups
+        except Exception:
+            same = False
+        if not same:
+            break
+        wrapper = wrapper or type(opt).__name__
+        opt = inner
+    return opt, wrapper
+
+
+def unwrap_scheduler(torch, sched):
+    """The torch scheduler behind ``sched`` (accelerate's AcceleratedScheduler keeps it as ``scheduler``), or None."""
+    kinds = scheduler_types(torch)
+    for _ in range(3):
+        if isinstance(sched, kinds):
+            return sched
+        inner = vars(sched).get("scheduler") if hasattr(sched, "__dict__") else None
+        if inner is None:
+            return None
+        sched = inner
+    return sched if isinstance(sched, kinds) else None
+
+
+def framework_items(obj, name: str):
+    """``(value, name, kind)`` for the objects a framework object holds, by the framework's own API."""
+    kind = framework_of(obj)
+    if kind == "lightning":
+        yield getattr(obj, "lightning_module", None), f"{name}.lightning_module", "model"
+        for i, opt in enumerate(list(getattr(obj, "optimizers", None) or [])):
+            yield opt, f"{name}.optimizers[{i}]", "optimizer"
+        for i, cfg in enumerate(list(getattr(obj, "lr_scheduler_configs", None) or [])):
+            yield getattr(cfg, "scheduler", None), f"{name}.lr_scheduler_configs[{i}].scheduler", "scheduler"
+        yield from _loaders(_lightning_train_loaders(obj), f"{name}.train_dataloader")
+    elif kind == "transformers":
+        for attr, k in (("model", "model"), ("optimizer", "optimizer"), ("lr_scheduler", "scheduler"),
+                        ("accelerator", "framework")):
+            yield getattr(obj, attr, None), f"{name}.{attr}", k
+        handler = getattr(obj, "callback_handler", None)  # the training loop's loader is set there for callbacks
+        yield getattr(handler, "train_dataloader", None), f"{name}.callback_handler.train_dataloader", "dataloader"
+    elif kind == "accelerate":
+        for attr, k in (("_models", "model"), ("_optimizers", "optimizer"), ("_schedulers", "scheduler"),
+                        ("_dataloaders", "dataloader")):
+            for i, value in enumerate(list(getattr(obj, attr, None) or [])):
+                yield value, f"{name}.{attr}[{i}]", k
+
+
+def _lightning_train_loaders(trainer):
+    """The fit loop's loaders as the user returned them, without asking the LightningModule for new ones
+    (``Trainer.train_dataloader`` reads the fit loop's combined loader; None before fit starts)."""
+    fit_loop = getattr(trainer, "fit_loop", None)
+    combined = getattr(fit_loop, "_combined_loader", None) if fit_loop is not None else None
+    return getattr(combined, "iterables", None) if combined is not None else None
+
+
+def _loaders(value, name: str):
+    """``(loader, name, "dataloader")`` for a loader, or for each loader of a list, tuple or dict of them."""
+    if isinstance(value, dict):
+        for key, v in list(value.items())[:20]:
+            yield v, f"{name}[{key!r}]", "dataloader"
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value[:20]):
+            yield v, f"{name}[{i}]", "dataloader"
+    elif value is not None:
+        yield value, name, "dataloader"
+
+
+def objects_of(framework) -> dict:
+    """The first model, optimizer (unwrapped) and scheduler (unwrapped) a framework object holds."""
+    out: dict = {}
+    torch = sys.modules.get("torch")
+    for value, _, kind in framework_items(framework, "trainer"):
+        if value is None or kind in out or kind in ("framework", "dataloader"):
+            continue
+        if kind == "optimizer":
+            value = unwrap_optimizer(value)[0]
+        elif kind == "scheduler" and torch is not None:
+            value = unwrap_scheduler(torch, value)
+        out[kind] = value
+    return out
+
+
+def framework_name(value, name: str) -> str:
+    """A framework object seen as ``self`` is named for what it is (trainer, accelerator)."""
+    if name != "self":
+        return name
+    kind = framework_of(value)
+    return "accelerator" if kind == "accelerate" else "trainer" if kind else name
