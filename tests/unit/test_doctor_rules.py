@@ -56,7 +56,6 @@ def test_a_rule_of_an_unknown_family_is_refused_in_one_sentence():
 
 
 def test_every_rule_is_documented_with_an_example():
-    from probe.diagnosis import builtin  # noqa: F401
     from probe.diagnosis.rules import all_rules
 
     doc = (ROOT / "docs" / "doctor.md").read_text()
