@@ -105,7 +105,9 @@ def main() -> int:
         raise SystemExit("no `probe` command next to this python or on PATH: install the project first.")
     rt = tempfile.mkdtemp(prefix="pbs-", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # an installed probe has its bytecode cached: measure that, not compile()
     env.update(PROBE_RUNTIME_DIR=rt, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPYCACHEPREFIX=os.path.join(rt, "pycache"),  # written by the warm-up run, never into the checkout
                BENCH_TORCH="0" if a.no_torch else "1")
     proc = subprocess.Popen([sys.executable, "-c", TARGET], stdout=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
@@ -123,7 +125,7 @@ def main() -> int:
             cases.insert(0, ("py-spy dump --pid", [PYSPY, "dump", "--pid", str(pid)]))
         else:
             print("py-spy not found: no baseline, ratios omitted")
-        for _, args in cases:  # warm the page cache and the bytecode caches once
+        for _, args in cases:  # warm the page cache and write the bytecode caches once
             timed(args, env)
         walls: dict[str, list[float]] = {name: [] for name, _ in cases}
         cpus: dict[str, list[float]] = {name: [] for name, _ in cases}
