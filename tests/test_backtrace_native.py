@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import TARGETS, requires_torch
-from probe.injector._pyspy import pyspy_path
+from probe.injector import pyspy_path
 
 pytestmark = [requires_torch, pytest.mark.skipif(pyspy_path() is None, reason="py-spy is not installed")]
 

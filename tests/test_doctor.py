@@ -260,12 +260,12 @@ def test_a_message_field_that_does_not_fit_its_format_costs_that_field_only():
     """A NULL or text value where a rule's template says ``{x:.2f}`` prints '?' or the text, never a traceback."""
     import doctest
 
-    from probe.cli import _diagnose
+    from probe.cli import diagnose
 
-    failed, attempted = doctest.testmod(_diagnose)
+    failed, attempted = doctest.testmod(diagnose)
     assert attempted and not failed
     # given a template with numeric specs and a row whose values are NULL, text and numbers
-    msg = _diagnose._fill("{a:.2f} then {b:.1%} on {c} ({d:>4d})", {"a": None, "b": "n/a", "c": 3, "d": 7})
+    msg = diagnose.fill_message("{a:.2f} then {b:.1%} on {c} ({d:>4d})", {"a": None, "b": "n/a", "c": 3, "d": 7})
     # then each field fails or succeeds alone
     assert msg == "? then n/a on 3 (   7)"
 
@@ -282,13 +282,13 @@ def _memory_rows(rows: list) -> list:
 
 
 def test_allocator_fragmentation_needs_retries_and_a_large_unused_reservation():
-    from probe.cli._diagnose import _fill
+    from probe.cli.diagnose import fill_message
     from probe.diagnosis.rules import get_rule
 
     # fragmented: 30 of 70 GiB reserved hold no tensor, and 12 allocations had to flush the cache and retry
     (f,) = _memory_rows([("cuda:0", 40, 70, 12, 0, 80), ("cpu", None, None, None, None, None)])
     assert (f["device"], f["cached_gb"], f["retries"]) == ("cuda:0", 30.0, 12)
-    said = _fill(get_rule("allocator_fragmentation").message, f)
+    said = fill_message(get_rule("allocator_fragmentation").message, f)
     assert said.startswith("cuda:0: the caching allocator reserves 70.0 GiB of 80.0 but tensors hold only 40.0 GiB") and \
         "expandable_segments:True" in said, said
     # an OOM with the cache in pieces counts too
@@ -342,7 +342,7 @@ def test_input_bound_judges_every_step_so_paired_workers_cannot_hide_the_slow_ha
 
 
 def test_input_bound_names_loaders_without_workers_and_where_the_main_thread_loads():
-    from probe.cli._diagnose import _fill
+    from probe.cli.diagnose import fill_message
     from probe.diagnosis.rules import get_rule
 
     data = "/venv/site-packages/torch/utils/data"
@@ -350,18 +350,18 @@ def test_input_bound_names_loaders_without_workers_and_where_the_main_thread_loa
                ("__next__", f"{data}/dataloader.py"), ("<module>", "/job/train.py")]
     # given: a job spending 98% of its steps outside the model, one loader with no workers, the main thread in its dataset
     (f,) = _input_bound([("train_loader", "Shards", 32, 0), ("val_loader", "Shards", 64, 4)], loading)
-    said = _fill(get_rule("input_bound").message, f)
+    said = fill_message(get_rule("input_bound").message, f)
     # then: the loader without workers is named (not the one with workers), and the innermost loading frame
     assert "; DataLoader train_loader (Shards, batch_size 32) has num_workers=0: the training thread loads" in said, said
     assert "val_loader" not in said and said.endswith("; the main thread is in __getitem__ (data.py:10) now."), said
     # several loaders without workers; the main thread in the DataLoader itself (an IterableDataset has no __getitem__)
     (f,) = _input_bound([("a", "Stream", None, 0), ("b", "Shards", 8, 0)], loading[3:])
-    said = _fill(get_rule("input_bound").message, f)
+    said = fill_message(get_rule("input_bound").message, f)
     assert "DataLoaders a (Stream, batch_size none), b (Shards, batch_size 8) have num_workers=0" in said, said
     assert said.endswith("; the main thread is in __next__ (dataloader.py:10) now."), said
     # no evidence at hand: the share alone, as before
     (f,) = _input_bound([("train_loader", "Shards", 32, 4)], [("step", "/venv/site-packages/torch/optim/sgd.py")])
-    assert _fill(get_rule("input_bound").message, f).endswith("the input pipeline or host-side work is the bottleneck."), f
+    assert fill_message(get_rule("input_bound").message, f).endswith("the input pipeline or host-side work is the bottleneck."), f
     # quiet: a loader with no workers and the main thread in it, when the model takes most of the step
     assert not _input_bound([("train_loader", "Shards", 32, 0)], loading, step_ms=50.0, model_ms=40.0)
 

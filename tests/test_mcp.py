@@ -149,7 +149,7 @@ def test_server_doctests():
 
 
 def test_other_commands_do_not_import_the_mcp_sdk(shared_env):
-    code = ("import sys; from probe.cli._main import main; main(['list']); "
+    code = ("import sys; from probe.cli.plumbing.main import main; main(['list']); "
             "print(sorted(m for m in sys.modules if m == 'mcp' or m.startswith(('mcp.', 'mcp_types', 'anyio'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=shared_env, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -289,7 +289,7 @@ def test_http_refuses_a_non_loopback_bind_without_expose(shared_cli):
 ])
 def test_http_refuses_a_bad_address_or_a_weak_token(call, expected):
     import probe.cli.mcp.http as http
-    from probe._errors import ProbeError
+    from probe import ProbeError
 
     with pytest.raises(ProbeError, match=re.escape(expected)):
         call(http)

@@ -102,7 +102,7 @@ def test_views_pull_the_per_rank_aggregate():
 
 
 def test_unknown_table_is_refused_with_the_known_names():
-    from probe._errors import QueryError
+    from probe import QueryError
 
     with pytest.raises(QueryError, match="known tables"):
         federate.plan("SELECT * FROM torch.nothing", SCHEMA)
@@ -110,9 +110,10 @@ def test_unknown_table_is_refused_with_the_known_names():
 
 def test_doctests():
     from probe.training import collectives
-    from probe.cli import _fanout, _stacks
+    from probe.cli import stacks
+    from probe.cli.plumbing import fanout
     from probe.sql import ranks
 
-    for mod in (federate, ranks, _fanout, _stacks, collectives):
+    for mod in (federate, ranks, fanout, stacks, collectives):
         failed, attempted = doctest.testmod(mod)
         assert attempted and not failed

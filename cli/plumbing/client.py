@@ -13,7 +13,7 @@ import socket
 
 from probe._errors import AuthError, EndpointError, error_from_dict
 
-from ._endpoint import Target
+from .endpoint import Target
 
 __all__ = ["Client", "AGENT_HEADER", "check_answer"]
 

@@ -17,8 +17,8 @@ from typing import Callable
 from probe._errors import EndpointError, PartialError, ProbeError, QueryError
 from probe.util.procfs import proc_state
 
-from ._fanout import Answer, fan_out
-from ._postmortem import is_postmortem, refine_refusal
+from .plumbing.fanout import Answer, fan_out
+from .plumbing.postmortem import is_postmortem, refine_refusal
 
 __all__ = ["federated_query", "fetch_schema", "forget_schemas", "open_database", "add_views", "run_outer"]
 
@@ -164,7 +164,7 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
     result.meta = {**ws.meta, "ranks": [t.rank for t in targets],
                    "failed": sorted(t.rank for t, _ in failed.values() if t.rank is not None)}
     if failed:
-        from ._render import render_result
+        from .render import render_result
 
         args = session.args
         session.print(render_result(result, session.format, expanded=getattr(args, "expanded", False),
