@@ -55,7 +55,7 @@ def test_a_query_over_every_rank_costs_each_rank_one_request(ranks, session):
 
 def test_status_asks_each_rank_once(ranks, session):
     from probe.cli.query_runner import federated_query
-    from probe.cli.commands.ranks import SQL
+    from probe.cli.commands.status import SQL
 
     federated_query(session, SQL)
     before = served(session)

@@ -65,7 +65,7 @@ def tables_doc(session) -> dict:
 def job_doc(session) -> dict:
     """One row per process: ``probe status``'s columns and classification (the ``ranks.status`` view)."""
     from ..query_runner import federated_query
-    from ..commands.ranks import SQL
+    from ..commands.status import SQL
 
     res = federated_query(session, SQL)
     cols = ["rank", "host", "pid", "step", "age_s", "step_time", "state", "top_frame"]
