@@ -15,6 +15,11 @@ and prints, per command, the median wall time (process start included) and the m
 time (user + system of the child), and the ratio of each to ``py-spy dump``.
 Goals: ``backtrace`` <= 4x ``py-spy dump``; a one-shot ``query`` <= 0.3 s median wall.
 
+With ``--baseline DIR`` (a checkout or ``git archive`` of an older probe), also runs the
+three probe commands from DIR and from this checkout the same way (``python -c`` with each
+tree assembled on PYTHONPATH, so neither pays the editable install's finder), in the same
+rounds: before and after, side by side.
+
 With ``--imports``, also prints the slowest imports (cumulative, ``python -X importtime``) of
 ``probe PID backtrace`` and of the query, to see what a command pulls in.
 """
@@ -81,6 +86,18 @@ def timed(args: list[str], env: dict) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+def assemble(src: Path, dest: Path) -> Path:
+    """The package-dir mapping of pyproject (probe, probe.sql, probe.cli, probe.injector) as one importable tree."""
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(src / "probe", dest / "probe", ignore=skip)
+    for sub in ("sql", "cli", "injector"):
+        shutil.copytree(src / sub, dest / "probe" / sub, ignore=skip)
+    return dest
+
+
+RUN_CLI = "import sys; from probe.cli import main; sys.exit(main())"
+
+
 def slowest_imports(args: list[str], env: dict, top: int) -> list[tuple[int, str]]:
     r = subprocess.run([sys.executable, "-X", "importtime", *args], capture_output=True, text=True, env=env)
     rows = []
@@ -100,6 +117,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=15, help="Interleaved rounds (each runs every command once).")
     ap.add_argument("--no-torch", action="store_true", help="A plain Python target (no torch import).")
     ap.add_argument("--imports", action="store_true", help="Also print the slowest imports of backtrace and query.")
+    ap.add_argument("--baseline", metavar="DIR", type=Path, help="An older probe checkout to compare with, side by side.")
     a = ap.parse_args()
     if not PROBE:
         raise SystemExit("no `probe` command next to this python or on PATH: install the project first.")
@@ -125,14 +143,25 @@ def main() -> int:
             cases.insert(0, ("py-spy dump --pid", [PYSPY, "dump", "--pid", str(pid)]))
         else:
             print("py-spy not found: no baseline, ratios omitted")
-        for _, args in cases:  # warm the page cache and write the bytecode caches once
-            timed(args, env)
+        trees = {}
+        if a.baseline:
+            trees = {"before": assemble(a.baseline.resolve(), Path(rt) / "before"), "after": assemble(ROOT, Path(rt) / "after")}
+            for label, tree in trees.items():
+                for what, args in (("--help", ["--help"]), ("backtrace", [str(pid), "backtrace"]),
+                                   ("query", [endpoint, "query", "SELECT 1"])):
+                    cases.append((f"{label}: {what}", [sys.executable, "-c", RUN_CLI, *args]))
+        def env_of(name):
+            label = name.split(":")[0]
+            return dict(env, PYTHONPATH=str(trees[label])) if label in trees else env
+
+        for name, args in cases:  # warm the page cache and write the bytecode caches once
+            timed(args, env_of(name))
         walls: dict[str, list[float]] = {name: [] for name, _ in cases}
         cpus: dict[str, list[float]] = {name: [] for name, _ in cases}
         for r in range(a.rounds):
             order = cases[r % len(cases):] + cases[:r % len(cases)]
             for name, args in order:
-                w, c = timed(args, env)
+                w, c = timed(args, env_of(name))
                 walls[name].append(w)
                 cpus[name].append(c)
         base = statistics.median(walls["py-spy dump --pid"]) if "py-spy dump --pid" in walls else None
