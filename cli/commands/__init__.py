@@ -8,6 +8,9 @@ Each command lives in the module named after it (``profile-steps`` in
 other command's imports). ``load_all`` imports every module of this package, for the
 full help, the docs, the REPL, the page and the MCP server. Modules whose name starts
 with ``_`` hold what several commands share and declare no command.
+
+(Once imported, the submodules ``list`` and ``eval`` are attributes of this package and
+shadow those builtins here: this module does not call them.)
 """
 
 from __future__ import annotations
