@@ -70,9 +70,10 @@ def build_parser(names: list[str] | None = None, *, arguments: bool = True) -> t
 
     ``main`` builds only the command being run (argparse's set-up for every command's
     arguments costs more start-up than the rest of a backtrace); ``arguments=False`` builds
-    each subparser with its help line only, enough for ``probe --help``'s list of commands.
+    each subparser with its help line only, enough for ``probe --help``'s list of commands
+    (in alphabetical order, whatever order their modules were imported in).
     """
-    chosen = [find(n) for n in names] if names is not None else list(load_all().values())
+    chosen = [find(n) for n in names] if names is not None else sorted(set(load_all().values()), key=lambda c: c.name)
     parser = argparse.ArgumentParser(
         prog="probe",
         description="Live debugging of running PyTorch training jobs: SQL over live tables, backtraces, guarded actions.",
