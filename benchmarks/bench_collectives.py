@@ -131,7 +131,7 @@ def main():
         return worker(a.steps)
     if a.per_call:
         return per_call(a.per_call)
-    from probe._config import setting
+    from probe.config import setting
 
     size = int(setting("PROBE_COLLECTIVES"))
     off, on, notes = [], [], []

@@ -147,12 +147,12 @@ class Session:
     args = None
 
     def __init__(self, pid: int):
-        from probe.cli._endpoint import resolve
+        from probe.cli.plumbing.endpoint import resolve
 
         self._target = resolve(str(pid))
 
     def client(self, target=None):
-        from probe.cli._client import Client
+        from probe.cli.plumbing.client import Client
 
         return Client(target or self._target, timeout=self.timeout)
 
@@ -171,7 +171,7 @@ class Session:
 
 def small_query_load(pid: int, clients: int, stop: threading.Event, counts: list, errors: list) -> list:
     """``clients`` threads each running small queries the way the CLI does: snapshot, then DuckDB here."""
-    from probe.cli._federation import federated_query
+    from probe.cli.query_runner import federated_query
 
     def worker(i):
         s = Session(pid)
@@ -190,8 +190,8 @@ def small_query_load(pid: int, clients: int, stop: threading.Event, counts: list
 
 def raw_snapshot_load(pid: int, clients: int, stop: threading.Event, counts: list, errors: list) -> list:
     """``clients`` threads asking for the small query's snapshot back to back, with no work of their own."""
-    from probe.cli._client import Client
-    from probe.cli._endpoint import resolve
+    from probe.cli.plumbing.client import Client
+    from probe.cli.plumbing.endpoint import resolve
 
     target = resolve(str(pid))
 
@@ -360,7 +360,7 @@ def main() -> int:
               f"backtrace {bt:.3f} s, py-spy dump {spy:.3f} s")
 
         # 5. a query from a client whose engine is already loaded (the REPL, the page, the MCP server)
-        from probe.cli._federation import federated_query
+        from probe.cli.query_runner import federated_query
 
         session = Session(train.pid)
         federated_query(session, q, targets=[session.target()])  # warm: imports, schema and plan caches

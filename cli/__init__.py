@@ -1,6 +1,6 @@
 """The ``probe`` command. It never imports torch and imports duckdb/sqlglot only
 in the commands that need them, so ``probe PID backtrace`` starts fast."""
 
-from ._main import main
+from .plumbing.main import main
 
 __all__ = ["main"]

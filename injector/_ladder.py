@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from probe._config import setting
+from probe.config import setting
 from probe._errors import AttachError
 from probe._runtime import read_entries, runtime_dir, sweep_stale
 

@@ -20,7 +20,7 @@ import socket
 import stat
 import sys
 
-from ._config import setting
+from .config import setting
 from ._errors import EndpointError
 
 __all__ = ["runtime_dir", "default_runtime_dir", "check_private_dir", "use_private_dir", "sweep_stale",

@@ -53,7 +53,7 @@ def connect(memory_limit: str | None = None):
     import duckdb
 
     if memory_limit is None:
-        from probe._config import setting
+        from probe.config import setting
 
         memory_limit = setting("PROBE_QUERY_MEMORY")
     return duckdb.connect(":memory:", config={
@@ -216,7 +216,7 @@ class Workspace:
             self._timer = threading.Timer(timeout, self._expire)
             self._timer.daemon = True
             self._timer.start()
-        self.meta: dict = {}  # what the caller wants to remember about the snapshots (the CLI's federation, which runs the query)
+        self.meta: dict = {}  # what the caller wants to remember about the snapshots (see cli.query_runner)
         self.tables: dict[int, dict[str, str]] = {}  # rank slot -> {schema.table: typed view name}
 
     def _expire(self) -> None:
@@ -376,7 +376,7 @@ class Workspace:
             self.interrupt()
             self._abandoned = True  # closing the connection would wait for the query: leave it to process exit
             err = QueryError(stopped)
-            err.abandoned = True  # the CLI exits at once instead of waiting for DuckDB (see cli._main)
+            err.abandoned = True  # the CLI exits at once instead of waiting for DuckDB (see cli.plumbing.main)
             raise err
         error = box.get("error")
         if error is not None:

@@ -37,7 +37,7 @@ rank waits in.
 
 from __future__ import annotations
 
-from probe._config import setting
+from probe.config import setting
 
 __all__ = ["FEDERATED_VIEWS", "CLIENT_VIEWS", "VIEW_COLUMNS", "PARAM_SETTINGS", "STATES", "view_params", "view_sql"]
 

@@ -70,7 +70,7 @@ def rule_rows(name: str, tables: dict, *, messages: bool = False) -> list:
     """
     import duckdb
 
-    from probe.cli._diagnose import _fill
+    from probe.cli.diagnose import fill_message
     from probe.diagnosis.rules import get_rule
 
     rule = get_rule(name)
@@ -87,4 +87,4 @@ def rule_rows(name: str, tables: dict, *, messages: bool = False) -> list:
             con.executemany(f"INSERT INTO {table} VALUES ({', '.join('?' * len(rows[0]))})", rows)
     cur = con.execute(rule.sql)
     found = [dict(zip([d[0] for d in cur.description], row)) for row in cur.fetchall()]
-    return [_fill(rule.message, row) for row in found] if messages else found
+    return [fill_message(rule.message, row) for row in found] if messages else found

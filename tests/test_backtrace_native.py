@@ -8,7 +8,7 @@ import pytest
 
 from conftest import TARGETS, requires_torch
 from harness import ptrace_refused
-from probe.injector._pyspy import pyspy_path
+from probe.injector import pyspy_path
 
 pytestmark = [requires_torch, pytest.mark.skipif(pyspy_path() is None, reason="py-spy is not installed")]
 

@@ -129,7 +129,7 @@ def test_a_column_type_carrying_sql_never_reaches_duckdb(fake, cli):
 
 def test_the_workspace_timeout_interrupts_set_up_statements():
     from probe.sql.engine import Workspace
-    from probe._errors import QueryError
+    from probe import QueryError
 
     # given a workspace whose whole set-up may take 0.5 s
     ws = Workspace(timeout=0.5)

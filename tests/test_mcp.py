@@ -140,7 +140,7 @@ def test_refusals_come_from_the_tool_registries():
 
 
 def test_other_commands_do_not_import_the_mcp_sdk(shared_env):
-    code = ("import sys; from probe.cli._main import main; main(['list']); "
+    code = ("import sys; from probe.cli.plumbing.main import main; main(['list']); "
             "print(sorted(m for m in sys.modules if m == 'mcp' or m.startswith(('mcp.', 'mcp_types', 'anyio'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=shared_env, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -280,7 +280,7 @@ def test_http_refuses_a_non_loopback_bind_without_expose(shared_cli):
 ])
 def test_http_refuses_a_bad_address_or_a_weak_token(call, expected):
     import probe.cli.mcp.http as http
-    from probe._errors import ProbeError
+    from probe import ProbeError
 
     with pytest.raises(ProbeError, match=re.escape(expected)):
         call(http)

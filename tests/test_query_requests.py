@@ -23,10 +23,10 @@ def ranks(shared_spawn, shared_env):
 @pytest.fixture
 def session(shared_env, monkeypatch):
     """The CLI's own session and client in this process, as the REPL holds them between queries."""
-    from probe.cli._federation import forget_schemas
-    from probe.cli._main import build_parser
+    from probe.cli.query_runner import forget_schemas
+    from probe.cli.plumbing.main import build_parser
     from probe.cli.commands import load_all
-    from probe.cli._session import Session
+    from probe.cli.plumbing.session import Session
 
     monkeypatch.setenv("PROBE_RUNTIME_DIR", shared_env["PROBE_RUNTIME_DIR"])
     forget_schemas()
@@ -42,7 +42,7 @@ def served(session) -> dict:
 
 
 def test_a_query_over_every_rank_costs_each_rank_one_request(ranks, session):
-    from probe.cli._federation import federated_query
+    from probe.cli.query_runner import federated_query
 
     sql = "SELECT count(*) AS ranks, count(DISTINCT pid) AS pids FROM process.info"
     assert federated_query(session, sql).rows == [[3, 3]]  # the first query also asks for the tables
@@ -54,8 +54,8 @@ def test_a_query_over_every_rank_costs_each_rank_one_request(ranks, session):
 
 
 def test_status_asks_each_rank_once(ranks, session):
-    from probe.cli._federation import federated_query
-    from probe.cli.commands.ranks import SQL
+    from probe.cli.query_runner import federated_query
+    from probe.cli.commands.status import SQL
 
     federated_query(session, SQL)
     before = served(session)
@@ -66,7 +66,7 @@ def test_status_asks_each_rank_once(ranks, session):
 
 
 def test_a_table_registered_after_the_schema_was_cached_is_found(ranks, session, shared_cli):
-    from probe.cli._federation import federated_query
+    from probe.cli.query_runner import federated_query
 
     target = [t for t in session.targets() if t.rank == 1]
     assert federated_query(session, "SELECT count(*) FROM python.threads", targets=target).rows[0][0] >= 2

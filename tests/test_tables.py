@@ -94,9 +94,10 @@ def test_public_api_is_pinned():
 def test_every_command_module_imports():
     import importlib
 
-    from probe.cli.commands import MODULES
+    from probe.cli.commands import command_modules
 
-    for mod in MODULES:
+    assert command_modules()
+    for mod in command_modules():
         importlib.import_module(f"probe.cli.commands.{mod}")
 
 

@@ -117,7 +117,7 @@ def replay_step_budget(rows) -> tuple[list[bool], list[float]]:
     Returns whether each row's step should be measured and the credit (ns) that decided it. Exact while every
     step takes the full path, i.e. up to the first step the budget leaves unmeasured (the quick path after it
     settles several boundaries at once)."""
-    from probe._config import setting
+    from probe.config import setting
     from probe.training.steps import _CHARGE, _FORCED, _MAX_GAP_S
     from probe.util.budget import Budget
 

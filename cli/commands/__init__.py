@@ -1,15 +1,26 @@
 """The command registry. A command is a class registered with ``@command``; its name,
 help and arguments come from the registration, and ``probe --help`` is generated from
-it. Modules listed in ``MODULES`` are imported on demand to fill the registry."""
+it.
+
+Each command lives in the module named after it (``profile-steps`` in
+``profile_steps.py``), so ``find`` imports only the module of the command being run
+(start-up is part of the interface: ``probe PID backtrace`` must not pay for every
+other command's imports). ``load_all`` imports every module of this package, for the
+full help, the docs, the REPL, the page and the MCP server. Modules whose name starts
+with ``_`` hold what several commands share and declare no command.
+
+(Once imported, the submodules ``list`` and ``eval`` are attributes of this package and
+shadow those builtins here: this module does not call them.)
+"""
 
 from __future__ import annotations
 
 import importlib
+import os
 
-__all__ = ["Command", "command", "COMMANDS", "load_all"]
+__all__ = ["Command", "command", "COMMANDS", "find", "load_all", "command_modules"]
 
 COMMANDS: dict[str, type] = {}
-MODULES = ("core", "repl", "attach", "actions", "ranks", "doctor", "profile", "ui", "interop")
 
 
 class Command:
@@ -39,14 +50,30 @@ def command(name: str, help: str, *, aliases: tuple[str, ...] = (), own_format: 
     return register
 
 
+def command_modules() -> list[str]:
+    """The modules of this package that declare commands (every ``*.py`` not starting with ``_``)."""
+    here = os.path.dirname(__file__)
+    return sorted(f[:-3] for f in os.listdir(here) if f.endswith(".py") and not f.startswith("_"))
+
+
+def _module_of(name: str) -> str:
+    return name.replace("-", "_")
+
+
+def find(name: str) -> type | None:
+    """The command class called ``name`` (or aliased so), or None; imports only its own module
+    when ``name`` is a command's name, and every command module only for an alias or an unknown word."""
+    if name in COMMANDS:
+        return COMMANDS[name]
+    mod = _module_of(name)
+    if mod.isidentifier() and not mod.startswith("_") and os.path.exists(os.path.join(os.path.dirname(__file__), mod + ".py")):
+        importlib.import_module(f"{__name__}.{mod}")
+        if name in COMMANDS:
+            return COMMANDS[name]
+    return load_all().get(name)
+
+
 def load_all() -> dict[str, type]:
-    for mod in MODULES:
-        name = f"{__name__}.{mod}"
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:  # a module that exists but fails to import is a bug: show it
-                raise
-            # listed but not present (a partial install): its commands are simply absent;
-            # tests/test_tables.py checks that every listed module imports.
+    for mod in command_modules():
+        importlib.import_module(f"{__name__}.{mod}")  # a module that fails to import is a bug: let it show
     return COMMANDS

@@ -20,7 +20,7 @@ class Doctor(Command):
                        help="Output format: the findings in sentences (table, the default) or json (same as --format).")
 
     def run(self, session, args):
-        from .._diagnose import diagnose
+        from ..diagnose import diagnose
 
         dx = diagnose(session)
         if session.format == "json":

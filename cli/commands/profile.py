@@ -57,7 +57,7 @@ class Profile(Command):
                             "by default taken from -o's extension (.svg, .json).")
 
     def run(self, session, args):
-        from .._fanout import check_partial, fan_out
+        from ..plumbing.fanout import check_partial, fan_out
         from ..ui.flame import to_collapsed, to_speedscope, to_svg
 
         if not 0 < args.seconds <= MAX_SECONDS:

@@ -48,7 +48,7 @@ class Ui(Command):
             raise ProbeError("--refresh must be at least 0.5 seconds.")
         session.targets()  # a wrong ENDPOINT or --ranks fails now, with the CLI's sentence, not on the page
         quiet = open(os.devnull, "w")  # noqa: SIM115  (partial fan-out answers are shown on the page, not here)
-        from .._session import Session
+        from ..plumbing.session import Session
 
         page_session = Session(args, stdout=quiet, stderr=quiet)
         try:

@@ -3,7 +3,7 @@
 A tool's name, description and argument schema come from the command's registration
 (its ``help`` and ``add_arguments``), so an agent reads the same documentation a person
 does. Calling a tool parses the arguments with the command's own parser and runs the
-command with a :class:`~probe.cli._session.Session` whose output is captured, in
+command with a :class:`~probe.cli.plumbing.session.Session` whose output is captured, in
 ``--format json``, marked as coming from an agent (the probe server audits the marker).
 
 This module does not import the MCP SDK: it turns commands into plain dicts and runs
@@ -190,7 +190,7 @@ def _parse(argv: list[str]):
     """Parse with the CLI's own parser; argparse's complaint becomes a ProbeError."""
     from contextlib import redirect_stderr
 
-    from .._main import build_parser
+    from ..plumbing.main import build_parser
 
     err = io.StringIO()
     with _parse_lock, redirect_stderr(err):
@@ -233,7 +233,7 @@ def call_tool(spec: ToolSpec, arguments: dict | None, *, timeout: float | None =
     The command writes nothing itself: its output comes back here, and with ``output`` a copy is kept
     as a new file in ``output_dir`` (``_keep``)."""
     from ..commands import COMMANDS
-    from .._session import Session
+    from ..plumbing.session import Session
 
     out, err = io.StringIO(), io.StringIO()
     try:

@@ -76,7 +76,7 @@ class Executor:
 
     def query(self, sql: str):
         """The Result of ``sql``; raises ProbeError, or Cancelled on Ctrl-C."""
-        from .._federation import federated_query
+        from ..query_runner import federated_query
 
         s = self.session
         targets = None if s.multi else [s.target()]

@@ -66,7 +66,7 @@ class Repl:
 
     def run_sql(self, sql: str) -> bool:
         """Run one statement and print its result; False when it failed or was cancelled."""
-        from .._render import render_result
+        from ..render import render_result
 
         try:
             result = self.executor.query(sql)

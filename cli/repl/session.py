@@ -16,7 +16,7 @@ import time
 
 from probe._errors import ProbeError
 
-from .._session import Session
+from ..plumbing.session import Session
 from .completer import Schema, SqlCompleter, duckdb_function_names
 
 __all__ = ["ReplSession", "Background"]
@@ -41,7 +41,7 @@ class ReplSession(Session):
     # -- targets -------------------------------------------------------------------
     def connect(self, spec=None) -> None:
         """Resolve ``spec`` (kind, value) to targets; raises ProbeError with the reason."""
-        from .._endpoint import parse_rank_spec, resolve, targets_for_ranks
+        from ..plumbing.endpoint import parse_rank_spec, resolve, targets_for_ranks
 
         kind, value = spec or self.spec
         if kind == "ranks":

@@ -24,7 +24,7 @@ def run_sql(session, sql: str, max_rows: int | None = None):
     process is federation with one process (its snapshots, DuckDB here); ``--ranks`` adds
     a ``rank`` column and joins across ranks.
     """
-    from .._federation import federated_query
+    from ..query_runner import federated_query
 
     if session.multi:
         try:
@@ -51,7 +51,7 @@ def query_doc(session, sql: str, max_rows: int | None = None) -> dict:
 
 def tables_doc(session) -> dict:
     """The live schema: the tables of the first process that answers (ranks share one registry)."""
-    from .._fanout import fan_out
+    from ..plumbing.fanout import fan_out
 
     answers = fan_out(session.targets()[:4], lambda t: session.client(t).get("/tables"))
     for a in answers:
@@ -64,8 +64,8 @@ def tables_doc(session) -> dict:
 
 def job_doc(session) -> dict:
     """One row per process: ``probe status``'s columns and classification (the ``ranks.status`` view)."""
-    from .._federation import federated_query
-    from ..commands.ranks import SQL
+    from ..query_runner import federated_query
+    from ..commands.status import SQL
 
     res = federated_query(session, SQL)
     cols = ["rank", "host", "pid", "step", "age_s", "step_time", "state", "top_frame"]
@@ -75,9 +75,9 @@ def job_doc(session) -> dict:
 
 def stacks_doc(session) -> dict:
     """The main thread's stack of every process, identical stacks merged (``backtrace --group``)."""
-    from .._fanout import fan_out
-    from .._stacks import group_stacks
-    from .._stacks import backtrace_doc
+    from ..plumbing.fanout import fan_out
+    from ..stacks import group_stacks
+    from ..stacks import backtrace_doc
 
     args = argparse.Namespace(thread=None, locals=False, native=False, subprocesses=False)
     answers = fan_out(session.targets(), lambda t: backtrace_doc(session, t, args))
@@ -91,7 +91,7 @@ def stacks_doc(session) -> dict:
 
 def profile_doc(session, seconds: float, native: bool = False) -> dict:
     """Sampled stacks of every process over ``seconds``, merged (each rank's under its own root with --ranks)."""
-    from .._fanout import fan_out
+    from ..plumbing.fanout import fan_out
     from ..commands.profile import fetch_profile, merge
 
     targets = session.targets()
@@ -105,7 +105,7 @@ def profile_doc(session, seconds: float, native: bool = False) -> dict:
 
 def findings_doc(session) -> dict:
     """The doctor's findings (``probe doctor --format json``), most severe first."""
-    from .._diagnose import diagnose
+    from ..diagnose import diagnose
 
     return diagnose(session).to_dict()
 
@@ -116,8 +116,8 @@ ACTIONS = {"cleanup": (), "checkpoint": ("path",), "lr": ("scale", "set")}
 
 def action_doc(session, name: str, params: dict) -> dict:
     """Run an action command exactly as the CLI would (``probe ... NAME ... --yes``); return its output."""
-    from .._main import build_parser
-    from .._session import Session
+    from ..plumbing.main import build_parser
+    from ..plumbing.session import Session
     from ..commands import COMMANDS
 
     if name not in ACTIONS:

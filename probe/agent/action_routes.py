@@ -12,7 +12,7 @@ Every route takes the same scheduling fields in its JSON body:
 
 from __future__ import annotations
 
-from .._config import setting
+from ..config import setting
 from .._errors import ActionError, ProbeError
 from ..actions import queue
 from ..actions.checkpoint import check_target, expand_path, save

@@ -41,7 +41,7 @@ def _kind(argv: list[str]) -> tuple[str, bool]:
 
 
 def _wanted() -> bool:
-    from .._config import setting
+    from ..config import setting
     from .._identity import process_argv
     from .._runtime import pid_alive
 

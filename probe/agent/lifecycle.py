@@ -18,7 +18,7 @@ import threading
 import time
 
 from .. import __version__
-from .._config import setting
+from ..config import setting
 from .._errors import ProbeError
 from .._identity import job_identity, process_argv, rank_identity
 from .._runtime import (registry_listen, remove_entry, runtime_dir, shared_registry, sweep_stale, use_private_dir,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .._config import setting
+from ..config import setting
 from .._errors import AuthError
 
 __all__ = ["Request", "Binary", "Route", "route", "ROUTES", "TIERS", "check_tier"]

@@ -30,7 +30,7 @@ import time
 from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlparse
 
-from .._config import setting
+from ..config import setting
 from .._errors import AuthError, ProbeError
 from ..util.errorlog import record_error
 from ..util.slots import BoundedThreads

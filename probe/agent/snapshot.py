@@ -29,7 +29,7 @@ import math
 import threading
 import time
 
-from .._config import setting
+from ..config import setting
 from .._errors import ProbeError, QueryError
 from ..tables.registry import Context, get_table, to_columns
 from ..util import validate as v

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 
-from .._config import setting
+from ..config import setting
 from .._runtime import runtime_dir
 from ..training import safepoint
 from ..util.errorlog import record_error

@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 
-from .._config import setting
+from ..config import setting
 from .._runtime import runtime_dir
 from ..util.errorlog import record_error
 from . import record

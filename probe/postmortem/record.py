@@ -43,7 +43,7 @@ import threading
 import time
 import traceback
 
-from .._config import setting
+from ..config import setting
 from .._errors import ProbeError
 from .._runtime import runtime_dir
 from ..util.errorlog import record_error

@@ -2,7 +2,7 @@
 
 ``diagnosis.findings`` is declared here (so it is listed, described and completed like any
 table) but computed by the client: the doctor runs in the probe CLI over the other tables
-(``probe.cli._diagnose``), never in the training process, whose own snapshot of it is empty.
+(``probe.cli.diagnose``), never in the training process, whose own snapshot of it is empty.
 """
 
 from __future__ import annotations
@@ -56,4 +56,4 @@ FINDING_COLUMNS = [
     kind="client",
 )
 def findings(ctx):
-    return []  # the doctor runs in the client (probe.cli._diagnose), never in the training process
+    return []  # the doctor runs in the client (probe.cli.diagnose), never in the training process

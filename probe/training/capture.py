@@ -31,7 +31,7 @@ import threading
 import time
 import weakref
 
-from .._config import setting
+from ..config import setting
 from ..util.errorlog import record_error
 from ..util.frames import release
 from .shards import is_sharded, local

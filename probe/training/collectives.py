@@ -19,7 +19,7 @@ import os
 import pickle
 import sys
 
-from .._config import setting
+from ..config import setting
 from ..util.errorlog import record_error
 
 __all__ = ["enable", "dump", "entry_rows", "group_rows", "split_op", "step_split"]

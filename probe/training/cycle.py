@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 import weakref
 
-from .._config import setting
+from ..config import setting
 from ..util.errorlog import record_error
 from ..util.ring import Ring
 from .capture import Pending

@@ -29,7 +29,7 @@ import time
 import weakref
 
 from . import finder
-from .._config import setting
+from ..config import setting
 from ..util.errorlog import record_error
 from ..util.ring import Ring
 

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from .._config import setting
+from ..config import setting
 from .._identity import rank_identity
 from ..util.errorlog import record_error
 from . import safepoint

@@ -50,7 +50,7 @@ from .inputs import InputCounter
 from .tracepace import TracePacing
 from ..util.budget import Budget
 from .capture import Capture, Pending
-from .._config import setting
+from ..config import setting
 from .._identity import rank_identity
 from ..util.errorlog import record_error
 from ..util.procfs import CpuWait

@@ -35,7 +35,7 @@ import time
 from .outstats import STATS_COLUMNS, Batch, recorder
 from .syncs import SyncWatch
 from .traceflush import ModuleNames, columns, landed_durations, landed_stats, step_records
-from .._config import setting
+from ..config import setting
 from .._identity import rank_identity
 from ..util.errorlog import record_error
 from ..util.procfs import RssReader

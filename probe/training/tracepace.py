@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 
-from .._config import setting
+from ..config import setting
 from ..util.errorlog import record_error
 
 __all__ = ["TracePacing"]

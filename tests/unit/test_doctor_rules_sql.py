@@ -57,12 +57,12 @@ def test_loss_nonfinite_names_an_lr_jump_as_the_cause_even_when_the_gradients_it
 
 
 def _loss_nonfinite_rows(rows: list) -> list:
-    from probe.cli._diagnose import _next
+    from probe.cli.diagnose import next_commands
     from probe.diagnosis.rules import get_rule
 
     found = rule_rows("loss_nonfinite", {"torch.steps": ("rank INTEGER, step BIGINT, loss DOUBLE, lr DOUBLE, grad_norm DOUBLE",
                                                         [(None, *r) for r in rows])})
-    return [(row, _next(get_rule("loss_nonfinite").next, dict(row, target="7"))) for row in found]
+    return [(row, next_commands(get_rule("loss_nonfinite").next, dict(row, target="7"))) for row in found]
 
 
 def test_loss_nonfinite_says_the_onset_it_knows_and_what_fits_when_the_weights_stayed_nan():

@@ -101,7 +101,7 @@ def test_views_pull_the_per_rank_aggregate():
 
 
 def test_unknown_table_is_refused_with_the_known_names():
-    from probe._errors import QueryError
+    from probe import QueryError
 
     with pytest.raises(QueryError, match="known tables"):
         federate.plan("SELECT * FROM torch.nothing", SCHEMA)

@@ -14,7 +14,7 @@ import weakref
 import numpy as np
 import pytest
 
-from probe._errors import QueryError
+from probe import QueryError
 from probe.agent.snapshot import apply_filter
 from probe.util.wire import decode, encode
 from probe.sql.engine import Workspace, execute

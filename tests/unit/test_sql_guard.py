@@ -2,7 +2,7 @@
 
 import pytest
 
-from probe._errors import QueryError
+from probe import QueryError
 from probe.sql.guard import guard
 
 KNOWN = ["python.backtrace", "python.threads", "probe.tables", "probe.columns"]

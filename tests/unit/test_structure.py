@@ -118,3 +118,69 @@ def test_a_planted_cycle_is_found(tmp_path):
     # when / then
     graph = import_graph(modules({"pkg": "pkg"}, tmp_path))
     assert cycles(graph) == [["pkg.a", "pkg.b"]]
+
+
+# Private modules that code outside their package still imports, each with why it is still allowed; the
+# check below fails on any other, and on an entry here that is no longer needed.
+KNOWN_PRIVATE_IMPORTS: dict[str, str] = {}
+
+
+def _files_outside() -> dict[str, Path]:
+    """tests/ and benchmarks/ files: importers outside every package."""
+    return {str(p.relative_to(ROOT)): p for folder in ("tests", "benchmarks") for p in (ROOT / folder).rglob("*.py")}
+
+
+def private_imports(mods: dict, outside: dict) -> set[tuple[str, str]]:
+    """(importer, private module) for each import of a ``_private`` module from outside its package.
+
+    A module whose name (or a package above it) starts with one underscore is private to the
+    package that holds it: modules in that package and below may import it, nothing else.
+    """
+    found = set()
+    importers = [(m, p, is_pkg) for m, (p, is_pkg) in mods.items()] + [(name, p, False) for name, p in outside.items()]
+    for importer, path, is_pkg in importers:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level and importer not in mods:
+                    continue
+                base = _resolve(importer, is_pkg, node.level, node.module) if node.level else node.module
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] != "probe":
+                    continue
+                k = next((i for i, p in enumerate(parts) if p.startswith("_") and not p.startswith("__")), None)
+                if k is None:
+                    continue
+                private, package = ".".join(parts[: k + 1]), ".".join(parts[:k])
+                if not (importer == package or importer.startswith(package + ".")):
+                    found.add((importer, private))
+    return found
+
+
+def test_no_private_module_is_imported_from_outside_its_package():
+    found = private_imports(modules(), _files_outside())
+    unexpected = sorted(f"  {importer} imports {private}" for importer, private in found if private not in KNOWN_PRIVATE_IMPORTS)
+    assert not unexpected, ("private modules imported from outside their package (give the module a public name, "
+                            "or import what its package exports):\n" + "\n".join(unexpected))
+    stale = set(KNOWN_PRIVATE_IMPORTS) - {private for _, private in found}
+    assert not stale, f"no longer imported from outside their package, drop them from KNOWN_PRIVATE_IMPORTS: {sorted(stale)}"
+
+
+def test_a_planted_private_import_is_found(tmp_path):
+    # given: probe.pkg._impl, imported by its sibling (allowed), by another package and by a test (both not)
+    pkg = tmp_path / "probe"
+    (pkg / "pkg").mkdir(parents=True)
+    (pkg / "other").mkdir()
+    for f in ("__init__.py", "pkg/__init__.py", "pkg/_impl.py", "other/__init__.py"):
+        (pkg / f).write_text("")
+    (pkg / "pkg" / "api.py").write_text("from ._impl import x\n")
+    (pkg / "other" / "use.py").write_text("def f():\n    from ..pkg import _impl\n")
+    (tmp_path / "test_x.py").write_text("from probe.pkg._impl import x\nimport probe.pkg.api\n")
+    # when
+    found = private_imports(modules({"probe": "probe"}, tmp_path), {"test_x.py": tmp_path / "test_x.py"})
+    # then
+    assert found == {("probe.other.use", "probe.pkg._impl"), ("test_x.py", "probe.pkg._impl")}

@@ -8,7 +8,7 @@ import os
 import sys
 
 import probe.util.usercode as usercode
-from probe.cli._stacks import user_frame as cli_user_frame
+from probe.cli.stacks import user_frame as cli_user_frame
 
 
 def test_the_rule_s_examples_hold():

@@ -8,8 +8,9 @@ group for collectives. Every slice is a complete event (``ph: X``) with ``ts`` a
 ``dur`` in microseconds from the earliest event of the file; collectives whose end the
 backend does not report are instant events (``ph: i``).
 
-The input is plain rows (dicts) per rank, so this module needs no client and is a
-pure function of what the queries returned.
+``rank_rows`` asks one process for those rows (its last steps, module trace, spans and
+collectives, through the query runner); ``build_trace`` is a pure function of the rows, so
+it needs no client.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["RankRows", "build_trace"]
+from probe._errors import ProbeError
+
+__all__ = ["RankRows", "rank_rows", "build_trace"]
 
 TRACKS = {"steps": 1, "forward": 2, "backward": 3, "recompute": 4}  # recompute: activation checkpointing
 _SPAN_TID0 = 10
@@ -157,3 +160,61 @@ def build_trace(ranks: list[RankRows], meta: dict | None = None) -> dict:
     _snap(events)
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"producer": "probe", "epoch_origin_s": t0, **(meta or {})}}
+
+
+def _run_sql(session, target, sql: str):
+    """One read-only query on one process; the one place this module asks for rows (a Result).
+
+    Federation with one process: its snapshots, DuckDB here in the client.
+    """
+    from .query_runner import federated_query
+
+    return federated_query(session, sql, targets=[target])
+
+
+def _rows(result) -> list[dict]:
+    return [dict(zip(result.columns, r)) for r in result.rows]
+
+
+def rank_rows(session, target, steps: int) -> tuple[RankRows, list[str]]:
+    """The last ``steps`` steps of one process, with their module trace, spans and collectives."""
+    tables = {t["name"] for t in session.client(target).get("/tables")["tables"]}
+    last = _run_sql(session, target, "SELECT MAX(step) AS s FROM torch.steps").rows[0][0]
+    rank = target.rank if target.rank is not None else target.entry.get("rank")
+    label = " · ".join(x for x in (f"rank {rank}" if rank is not None else None,
+                                   f"pid {target.pid}" if target.pid else None) if x) or target.label
+    rr = RankRows(rank=rank, pid=target.pid, label=label)
+    notes = []
+    if last is None:
+        notes.append(f"{target.label}: no training step recorded yet (torch.steps is empty)")
+        window = "> 0"
+    else:  # the last `steps` completed steps, fixed now: training goes on while we ask
+        window = f"BETWEEN {int(last) - steps + 1} AND {int(last)}"
+        rr.steps = _rows(_run_sql(session, target,
+            f"SELECT step, epoch(started_at) AS start, duration, loss, lr FROM torch.steps WHERE step {window} ORDER BY step"))
+    mod_sql = ("SELECT step, epoch(time) AS start, duration, module, stage, depth, module_type, model "
+               "FROM python.torch_trace WHERE step {} ORDER BY time")
+    rr.modules = _rows(_run_sql(session, target, mod_sql.format(window)))
+    if not rr.modules and last is not None:
+        latest = _run_sql(session, target, "SELECT MAX(step) FROM python.torch_trace").rows[0][0]
+        if latest is not None:
+            rr.modules = _rows(_run_sql(session, target, mod_sql.format(f"= {int(latest)}")))
+            rr.steps += _rows(_run_sql(session, target,
+                f"SELECT step, epoch(started_at) AS start, duration, loss, lr FROM torch.steps WHERE step = {int(latest)}"))
+            notes.append(f"{target.label}: none of the last {steps} steps was traced (PROBE_TRACE samples steps); "
+                         f"included step {int(latest)}, the latest traced one")
+        else:
+            notes.append(f"{target.label}: no module trace recorded (PROBE_TRACE=off?)")
+    if "python.spans" in tables:
+        rr.spans = _rows(_run_sql(session, target,
+            f"SELECT name, step, epoch(time) AS start, duration, depth, parent, thread, thread_id FROM python.spans "
+            f"WHERE step {window} ORDER BY time"))
+    if "torch.collectives" in tables:
+        try:
+            rr.collectives = _rows(_run_sql(session, target,
+                "SELECT pg_desc AS pg, op, seq, state, epoch(COALESCE(started_at, created_at)) AS start, "
+                "epoch(completed_at) AS \"end\", step, input_sizes AS sizes FROM torch.collectives "
+                f"WHERE step {window} ORDER BY created_at"))
+        except ProbeError as exc:  # a recorder table of another shape: the timeline goes on without it
+            notes.append(f"{target.label}: collectives left out ({exc.message.rstrip('.')})")
+    return rr, notes

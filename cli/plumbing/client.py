@@ -13,7 +13,7 @@ import socket
 
 from probe._errors import AuthError, EndpointError, error_from_dict
 
-from ._endpoint import Target
+from .endpoint import Target
 
 __all__ = ["Client", "AGENT_HEADER", "check_answer"]
 
@@ -39,11 +39,11 @@ _SHAPES = {
 
 def _redact_locals(doc: dict) -> None:
     """Frame locals through the same redaction as the server's (an older server, or one not ours, may not have)."""
-    from probe.util.redact import redact
-
     for thread in doc["threads"]:
         for frame in (thread.get("frames") or []) if isinstance(thread, dict) else []:
             if isinstance(frame, dict) and isinstance(frame.get("locals"), dict):
+                from probe.util.redact import redact  # only with --locals: its patterns cost a plain backtrace's start-up
+
                 frame["locals"] = {str(k): redact(str(k), v if isinstance(v, str) else str(v))
                                    for k, v in frame["locals"].items()}
 

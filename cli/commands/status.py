@@ -27,8 +27,8 @@ class Status(Command):
                        help="Hung (or waiting, inside a collective) after this many seconds without a step (default PROBE_HUNG_AFTER).")
 
     def run(self, session, args):
-        from .._federation import federated_query
-        from .._render import render_result
+        from ..query_runner import federated_query
+        from ..render import render_result
 
         for name, value in (("--slow-factor", args.slow_factor), ("--hung-after", args.hung_after)):
             if value is not None and value <= 0:
@@ -36,7 +36,7 @@ class Status(Command):
         params = {"straggler_factor": args.slow_factor, "hung_after": args.hung_after}
         targets = None
         if not (session.multi or session.args.endpoint or session.args.rank is not None):
-            from .._endpoint import targets_for_ranks
+            from ..plumbing.endpoint import targets_for_ranks
 
             targets = targets_for_ranks(None, session.token, session.args.job, agent=session.agent)
         result = federated_query(session, SQL, targets=targets, params=params)

@@ -17,8 +17,8 @@ from typing import Callable
 from probe._errors import EndpointError, PartialError, ProbeError, QueryError
 from probe.util.procfs import proc_state
 
-from ._fanout import Answer, fan_out
-from ._postmortem import is_postmortem, refine_refusal
+from .plumbing.fanout import Answer, fan_out
+from .plumbing.postmortem import is_postmortem, refine_refusal
 
 __all__ = ["federated_query", "fetch_schema", "forget_schemas", "open_database", "add_views", "run_outer"]
 
@@ -120,7 +120,7 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
     a table name to ``read(target) -> ([(column, type)], {column: values})``: that table is
     read here for each rank (``query --native``'s python.backtrace) instead of being asked for.
     """
-    from probe._config import setting
+    from probe.config import setting
     from probe.sql.ranks import view_params
 
     single = targets is not None and len(targets) == 1
@@ -165,7 +165,7 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
     result.meta = {**ws.meta, "ranks": [t.rank for t in targets],
                    "failed": sorted(t.rank for t, _ in failed.values() if t.rank is not None)}
     if failed:
-        from ._render import render_result
+        from .render import render_result
 
         args = session.args
         session.print(render_result(result, session.format, expanded=getattr(args, "expanded", False),
@@ -290,7 +290,7 @@ def materialize_views(ws, views: dict) -> None:
 
 def run_outer(ws, sql: str, max_rows: int, timeout: float | None = None):
     """The outer query on the workspace: row cap, timeout (PROBE_QUERY_TIMEOUT by default), interruptible."""
-    from probe._config import setting
+    from probe.config import setting
 
     return ws.execute(sql, max_rows=int(max_rows), timeout=timeout or setting("PROBE_QUERY_TIMEOUT"))
 

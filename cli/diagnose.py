@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import string
 import time
 from dataclasses import dataclass, field
 
-from probe._config import setting
+from probe.config import setting
 from probe._errors import ProbeError
 from probe.diagnosis.rules import SEVERITIES, Rule, all_rules
 from probe.util.procfs import proc_state
 
-from ._fanout import fan_out
+from .plumbing.fanout import fan_out
 
-__all__ = ["Finding", "Diagnosis", "diagnose", "findings_table"]
+__all__ = ["Finding", "Diagnosis", "diagnose", "findings_table", "fill_message", "next_commands"]
 
 
 @dataclass
@@ -76,11 +75,11 @@ def _clean(value):
     return str(value)
 
 
-def _next(templates, row: dict) -> list:
+def next_commands(templates, row: dict) -> list:
     """The rule's next commands for ``row``; one that names a ``next_*`` column whose value is NULL or
     empty is left out (a rule's SQL says which commands fit what it found).
 
-    >>> _next(["probe {target} backtrace", "probe {target} {next_lr}"], {"target": "42", "next_lr": None})
+    >>> next_commands(["probe {target} backtrace", "probe {target} {next_lr}"], {"target": "42", "next_lr": None})
     ['probe 42 backtrace']
     """
     out = []
@@ -88,17 +87,17 @@ def _next(templates, row: dict) -> list:
         names = [name for _, name, _, _ in string.Formatter().parse(t) if name]
         if any(n.startswith("next_") and row.get(n) in (None, "") for n in names):
             continue
-        out.append(_fill(t, row))
+        out.append(fill_message(t, row))
     return out
 
 
-def _fill(template: str, row: dict) -> str:
+def fill_message(template: str, row: dict) -> str:
     """The rule's template with the row's values; a missing, NULL or ill-fitting value prints as '?'.
 
     Each field is formatted on its own, so one value that does not fit its format spec
     (a NULL where ``{ratio:.2f}`` expects a number) costs that field, never the finding.
 
-    >>> _fill("{a:.2f} of {b} ({c:.0%})", {"a": 1.234, "b": None})
+    >>> fill_message("{a:.2f} of {b} ({c:.0%})", {"a": 1.234, "b": None})
     '1.23 of ? (?)'
     """
     out = []
@@ -152,7 +151,7 @@ def _outside(target, error: str) -> Finding:
         try:
             from probe.injector import pyspy_backtrace
 
-            from ._stacks import main_thread, user_frame
+            from .stacks import main_thread, user_frame
 
             doc = pyspy_backtrace(pid, timeout=5.0)
             frames = (main_thread(doc) or {}).get("frames") or []
@@ -173,7 +172,7 @@ def _outside(target, error: str) -> Finding:
 
 def _user_rules(con, builtin_names: set) -> list:
     """Rules the training script declared itself (listed in its diagnosis.rules table)."""
-    from ._federation import run_outer
+    from .query_runner import run_outer
 
     res = run_outer(con, "SELECT DISTINCT name, family, severity, description, sql, message, next, scope, params "
                          "FROM diagnosis.rules", 1000)
@@ -231,7 +230,7 @@ def diagnose(session, targets=None) -> Diagnosis:
     from probe.sql.federate import per_rank_query
     from probe.sql.ranks import FEDERATED_VIEWS
 
-    from ._federation import fetch_schema, materialize_views, open_database, run_outer
+    from .query_runner import fetch_schema, materialize_views, open_database, run_outer
 
     started = time.perf_counter()
     targets = session.targets() if targets is None else targets
@@ -273,9 +272,9 @@ def diagnose(session, targets=None) -> Diagnosis:
                     rank = d.get("rank")
                     where = _where(session, rank)
                     fields = dict(d, target=where)
-                    findings.append(Finding(r.name, r.family, r.severity, _fill(r.message, fields), rank=rank,
+                    findings.append(Finding(r.name, r.family, r.severity, fill_message(r.message, fields), rank=rank,
                                             step=d.get("step"), target=where, evidence=d,
-                                            next=_next(r.next, fields)))
+                                            next=next_commands(r.next, fields)))
         finally:
             con.close()
     # within a family and rank, the finding with the earliest step first: the cause before its consequences

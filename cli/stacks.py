@@ -66,7 +66,7 @@ def group_stacks(answers: list, thread: str | None = None) -> list:
 
     ``answers`` are fan-out answers whose value is a backtrace doc; unreachable ones are left out.
     """
-    from ._fanout import format_ranks
+    from .plumbing.fanout import format_ranks
 
     groups: dict[tuple, list] = {}
     frames_of: dict[tuple, list] = {}
@@ -108,7 +108,7 @@ def backtrace_doc(session, target, args) -> dict:
     """The server's backtrace; for a local pid whose server is missing or silent, py-spy's (with a note saying why)."""
     from probe._errors import AuthError, QueryError
 
-    from ._postmortem import is_postmortem
+    from .plumbing.postmortem import is_postmortem
 
     if is_postmortem(target):  # a dead process: the stacks its post-mortem record keeps
         doc = session.client(target).get("/backtrace", thread=args.thread)
@@ -160,7 +160,7 @@ def _native_merged(session, target, args) -> dict | None:
         return None  # the py-spy fallback below says why
     from probe.injector import pyspy_backtrace
 
-    from ._native import merge_native
+    from .native_frames import merge_native
 
     started = time.perf_counter()
     spy = pyspy_backtrace(target.local_pid, native=True, thread=args.thread, timeout=max(session.timeout, 5.0))

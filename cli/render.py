@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 
 TYPE_CHECKING = False  # (typing itself costs ~3 ms of start-up)
 if TYPE_CHECKING:  # the renderer is on the start-up path of every command: import only what runs
@@ -37,7 +36,11 @@ def _fit(text: str, width: int) -> str:
 
 def _table(result: "Result", max_width: int | None = None) -> str:
     """A box-drawn table (names, types, rows), numbers right-aligned; wide columns are cut with '…' to fit."""
-    width = max_width or shutil.get_terminal_size((160, 24)).columns
+    width = max_width
+    if not width:
+        import shutil  # here, not at the top: it imports bz2, lzma and zlib, which a backtrace never needs
+
+        width = shutil.get_terminal_size((160, 24)).columns
     cols = list(result.columns)
     types = [str(t).split("(")[0].upper() for t in result.types] + ["VARCHAR"] * (len(cols) - len(result.types))
     cells = [[_cell(v, t) for v, t in zip(row, types)] for row in result.rows]

@@ -1,6 +1,6 @@
 """Dead processes as targets: a pid or a rank that died answers from its post-mortem record.
 
-``cli._endpoint`` turns a dead pid with a record, or a dead rank of a job, into a Target
+``cli.plumbing.endpoint`` turns a dead pid with a record, or a dead rank of a job, into a Target
 (``entry["postmortem"]`` holds the record's folder, ``target.record`` the
 ``probe.postmortem.reader.Record``). ``Session.client`` hands such a target a :class:`RecordClient`, which answers
 the read routes the commands use (``/health``, ``/tables``, ``/backtrace``, the snapshot

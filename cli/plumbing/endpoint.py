@@ -8,7 +8,7 @@ import re
 from probe._errors import EndpointError
 from probe._runtime import pid_alive, read_entries, runtime_dir
 
-__all__ = ["Target", "resolve", "targets_for_ranks", "parse_rank_spec", "pick_job"]
+__all__ = ["Target", "resolve", "from_entry", "targets_for_ranks", "parse_rank_spec", "pick_job"]
 
 
 class Target:
@@ -43,7 +43,7 @@ def _python_cmdline(pid: int) -> str:
 
 
 def _from_record(rec) -> Target:
-    """A Target answered from a dead process's post-mortem record (see cli._postmortem)."""
+    """A Target answered from a dead process's post-mortem record (see cli.plumbing.postmortem)."""
     label = f"rank {rec.rank}" if rec.rank is not None else f"pid {rec.pid}"
     target = Target(label, pid=rec.pid, rank=rec.rank, entry=rec.entry)
     target.record = rec
@@ -72,7 +72,7 @@ def _record_entries(job: str | None, live: list[dict]) -> list[dict]:
     return out
 
 
-def _from_entry(entry: dict, token: str | None) -> Target:
+def from_entry(entry: dict, token: str | None) -> Target:
     if entry.get("record") is not None:
         return _from_record(entry["record"])
     label = f"rank {entry['rank']}" if entry.get("rank") is not None else f"pid {entry['pid']}"
@@ -130,7 +130,7 @@ def resolve(endpoint: str, token: str | None = None, *, agent: str | None = None
         path = os.path.join(runtime_dir(), f"{pid}.json")
         entries = {e["pid"]: e for e in read_entries() if not e.get("shared")}
         if pid in entries:
-            return _from_entry(entries[pid], token)
+            return from_entry(entries[pid], token)
         if not pid_alive(pid):
             from probe.postmortem.reader import find
 
@@ -237,7 +237,7 @@ def targets_for_ranks(ranks: list[int] | None, token: str | None = None, job: st
     out = []
     for r in wanted:
         if r in by_rank:
-            out.append(_from_entry(by_rank[r], token))
+            out.append(from_entry(by_rank[r], token))
         else:
             out.append(Target(f"rank {r}", rank=r, entry={
                 "missing": True, "hint": f"rank {r} is not in the registry: its process exited or never started a probe"}))

@@ -12,8 +12,8 @@ import sys
 
 from probe._errors import ProbeError
 
-from ._session import Session
-from .commands import COMMANDS, load_all
+from ..commands import COMMANDS, find, load_all
+from .session import Session
 
 __all__ = ["main"]
 
@@ -58,14 +58,22 @@ def _split(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
     if not positionals:
         return None, None, argv
     first = argv[positionals[0]]
-    if first in COMMANDS:
+    if not _looks_like_endpoint(first) and find(first) is not None:
         return None, first, argv
     rest = argv[: positionals[0]] + argv[positionals[0] + 1:]
     cmd = argv[positionals[1]] if len(positionals) > 1 else None
     return first, cmd, rest
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+def build_parser(names: list[str] | None = None, *, arguments: bool = True) -> tuple[argparse.ArgumentParser, dict]:
+    """The ``probe`` parser with a subparser for each command in ``names`` (default: every command).
+
+    ``main`` builds only the command being run (argparse's set-up for every command's
+    arguments costs more start-up than the rest of a backtrace); ``arguments=False`` builds
+    each subparser with its help line only, enough for ``probe --help``'s list of commands
+    (in alphabetical order, whatever order their modules were imported in).
+    """
+    chosen = [find(n) for n in names] if names is not None else sorted(set(load_all().values()), key=lambda c: c.name)
     parser = argparse.ArgumentParser(
         prog="probe",
         description="Live debugging of running PyTorch training jobs: SQL over live tables, backtraces, guarded actions.",
@@ -78,12 +86,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     common_own_format = argparse.ArgumentParser(add_help=False)  # for commands with their own --format
     _global_options(common_own_format, suppress=True, output_format=False)
     seen = {}
-    for name, cls in COMMANDS.items():
-        if name != cls.name:
+    for cls in chosen:
+        if cls is None or cls.name in seen:
             continue
-        p = sub.add_parser(name, help=cls.help, description=cls.help, parents=[common_own_format if cls.own_format else common], aliases=list(cls.aliases))
-        cls.add_arguments(p)
-        seen[name] = cls
+        p = sub.add_parser(cls.name, help=cls.help, description=cls.help, parents=[common_own_format if cls.own_format else common], aliases=list(cls.aliases))
+        if arguments:
+            cls.add_arguments(p)
+        seen[cls.name] = cls
     return parser, seen
 
 
@@ -91,23 +100,23 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         _stop_inherited_probe()
-        load_all()
         endpoint, cmd, rest = _split(argv)
         if endpoint is not None and not _looks_like_endpoint(endpoint):
             raise ProbeError(f"unknown command '{endpoint}'; run `probe --help` for the commands, or give an ENDPOINT (pid, host:port or socket path) first.")
         if endpoint is not None and cmd is None:
             if "-h" in rest or "--help" in rest:
                 cmd = None
-            elif "repl" in COMMANDS:
+            elif find("repl") is not None:
                 rest = rest + ["repl"]
                 cmd = "repl"
-        if endpoint is not None and cmd is not None and cmd not in COMMANDS:
-            raise ProbeError(f"unknown command '{cmd}'; commands: {', '.join(sorted(c.name for c in set(COMMANDS.values())))}.")
+        if endpoint is not None and cmd is not None and find(cmd) is None:
+            raise ProbeError(f"unknown command '{cmd}'; commands: {', '.join(sorted(c.name for c in set(load_all().values())))}.")
         if endpoint is None and cmd is None and not any(a in ("-h", "--help") for a in argv):
             first = next((a for a in argv if not a.startswith("-")), None)
             if first is not None:
                 raise ProbeError(f"unknown command '{first}'; run `probe --help` for the commands.")
-        parser, _ = build_parser()
+        # only the command being run gets its arguments; no command: every command's help line, for --help
+        parser, _ = build_parser([cmd]) if cmd is not None else build_parser(arguments=False)
         try:
             args = parser.parse_args(rest)
         except SystemExit as exc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from probe._config import setting
+from probe.config import setting
 from probe._errors import ProbeError
 
 __all__ = ["Session"]
@@ -38,7 +38,7 @@ class Session:
 
     def target(self):
         """The single target of this invocation (ENDPOINT or --rank N)."""
-        from ._endpoint import resolve, targets_for_ranks
+        from .endpoint import resolve, targets_for_ranks
 
         a = self.args
         if getattr(a, "ranks", None):
@@ -53,7 +53,7 @@ class Session:
 
     def targets(self):
         """Every target of this invocation: --ranks SPEC, else the single one."""
-        from ._endpoint import parse_rank_spec, targets_for_ranks
+        from .endpoint import parse_rank_spec, targets_for_ranks
 
         if getattr(self.args, "ranks", None):
             if self.args.endpoint or self.args.rank is not None:
@@ -68,17 +68,17 @@ class Session:
         findings, made by the same code as ``probe doctor``."""
         if name != "diagnosis.findings":
             return None
-        from ._diagnose import findings_table
+        from ..diagnose import findings_table
 
         return findings_table(self, targets)
 
     def client(self, target=None):
         """The client of ``target``: HTTP to its server, or its post-mortem record when it is gone."""
         target = target or self.target()
-        from ._postmortem import RecordClient, is_postmortem
+        from .postmortem import RecordClient, is_postmortem
 
         if is_postmortem(target):
             return RecordClient(target, timeout=self.timeout, agent=self.agent)
-        from ._client import Client
+        from .client import Client
 
         return Client(target, timeout=self.timeout, agent=self.agent)

@@ -1,0 +1,8 @@
+"""The CLI's plumbing: what every front end (commands, REPL, page, MCP server) stands on.
+
+``main`` parses ``probe [GLOBAL OPTIONS] [ENDPOINT] COMMAND`` and runs the command;
+``session`` holds one invocation's options and hands out clients; ``endpoint`` turns a
+pid, host:port, socket path or rank into a Target; ``client`` speaks HTTP to a probed
+process; ``fanout`` is the one thread pool that asks several ranks at once; ``postmortem``
+answers for a process that died, from its record.
+"""
