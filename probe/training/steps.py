@@ -464,7 +464,7 @@ class StepTracker:
             s = t = None
         if measured:
             self._occasional(step, frame, duration_ns, traced)
-            invariants.checks(self.torch).at_boundary(step, optimizer)  # torch.checks: cheap invariants of training
+            invariants.checks(self.torch).at_boundary(step, optimizer, self.capture)  # torch.checks: cheap invariants of training
         asked = self._prepare_next(step, t0, traced, step + 1 <= _FORCED or allowed)
         if safepoint._subscribers:
             t1 = _perf_ns()
