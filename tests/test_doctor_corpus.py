@@ -38,16 +38,28 @@ def _onset(job, error) -> tuple[int, float]:
 
 def _named(cli, pid, rule, words, onset_step):
     """Run the doctor until ``rule`` names this phase's error (its words; an invariant's first failing check after
-    the onset, so that an earlier phase's finding cannot pass); that finding, or None at the deadline."""
+    the onset, so that an earlier phase's finding cannot pass); (that finding or None at the deadline, the last
+    findings)."""
     deadline = time.monotonic() + _DETECT_S
     while True:
-        for f in doctor(cli, pid)["findings"]:
+        findings = doctor(cli, pid)["findings"]
+        for f in findings:
             since = f["evidence"].get("since")  # an invariant rule's first failing check (a step)
             if f["rule"] == rule and all(w in f["message"] for w in words) and (type(since) is not int or since > onset_step):
-                return f
+                return f, findings
         if time.monotonic() > deadline:
-            return None
+            return None, findings
         time.sleep(0.2)  # ok-sleep: polling with a deadline
+
+
+# The twins are held to every rule about what training computes; the rules about the job's speed (input, slow)
+# read the host's load on this shared 2-core machine (a 10 ms sleep a step counts as time outside the model, and
+# so does the time the thread waits for a CPU): their healthy controls are in their own tests.
+_HOST_FAMILIES = ("input", "slow")
+
+
+def _above_info(findings) -> list:
+    return [f for f in findings if f["severity"] in ("critical", "warning") and f.get("family") not in _HOST_FAMILIES]
 
 
 def test_the_corpus_is_grouped_and_cited():
@@ -70,9 +82,9 @@ def test_the_doctor_names_real_world_errors_and_not_their_healthy_twins(spawn, c
         rule, words = RULES[error]
         onset_step, onset_time = _onset(job, error)
         # when / then: the doctor names it, with the names the user needs
-        finding = _named(cli, job.pid, rule, words, onset_step)
+        finding, last = _named(cli, job.pid, rule, words, onset_step)
         if finding is None:
-            missed.append(error)
+            missed.append((error, [(f["rule"], f["message"][:200]) for f in last]))
         else:
             seconds, steps = time.time() - onset_time, _step(cli, job.pid) - onset_step
             since = finding["evidence"].get("since")
@@ -96,5 +108,5 @@ def test_the_doctor_names_real_world_errors_and_not_their_healthy_twins(spawn, c
         onset_step, _ = _onset(twin, error)
         assert poll(lambda: _step(cli, twin.pid) >= onset_step + took[error] + 5, 120)
         findings = doctor(cli, twin.pid)["findings"]
-        assert not [f for f in findings if f["severity"] in ("critical", "warning")], (error, findings)
+        assert not _above_info(findings), (error, findings)
         (fixed / error).touch()

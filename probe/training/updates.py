@@ -31,6 +31,7 @@ __all__ = ["Updates", "grouped"]
 _SAMPLE = 12  # tensors of each kind (trainable, frozen) watched
 _ELEMENTS = 16  # elements read of each
 _PER_STEP = ("OneCycleLR", "CyclicLR")  # schedulers whose schedule counts optimizer steps
+_LOOK_EVERY = 8  # steps between looks for a scheduler while none is known
 _PACE_STEPS = 30  # optimizer steps before a scheduler's pace is judged
 _NAMES_SHOWN = 5
 _RESOLUTION = 1e-5  # an update smaller than this fraction of the value may round away (float32's is ~1e-7)
@@ -94,6 +95,7 @@ class Updates:
         self._opt = None  # weakref to the lead optimizer
         self._sched = None  # weakref to the lead optimizer's scheduler
         self._sched_base = None  # (step, last_epoch) when it was first seen
+        self._look_at = 0  # the step of the next look for a scheduler while none is known
 
     # -- targets -------------------------------------------------------------------------------------------------
     def refresh(self, model, optimizer) -> None:
@@ -131,13 +133,17 @@ class Updates:
         self._sched = self._sched_base = None
         self._find_scheduler()
 
-    def _find_scheduler(self):
-        """The scheduler of the optimizer the targets were picked for, among those found so far (no new look)."""
+    def _find_scheduler(self, step: int | None = None):
+        """The scheduler of the optimizer the targets were picked for: among those found so far, and every
+        ``_LOOK_EVERY`` steps (``step`` given) after a look at __main__'s globals and the frameworks' objects."""
         opt = self._opt() if self._opt is not None else None
         if opt is None:
             return None
         inner, _ = finder.unwrap_optimizer(opt)
-        for f in finder.known("scheduler"):
+        look = step is not None and step >= self._look_at
+        if look:
+            self._look_at = step + _LOOK_EVERY
+        for f in (finder.schedulers() if look else finder.known("scheduler")):
             o = getattr(f.obj, "optimizer", None)
             if o is not None and finder.unwrap_optimizer(o)[0] is inner:
                 self._sched = weakref.ref(f.obj)
@@ -234,7 +240,7 @@ class Updates:
     def _schedule(self, step, now, record) -> None:
         sched = self._sched() if self._sched is not None else None
         if sched is None:
-            sched = self._find_scheduler()  # one made after the optimizer (a stage's own): found by the next scan
+            sched = self._find_scheduler(step)  # one made after the optimizer (a stage's own)
             if sched is None:
                 return
         last = getattr(sched, "last_epoch", None)

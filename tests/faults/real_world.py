@@ -233,6 +233,7 @@ for i, error in enumerate(errors):
         if phase.local == args.onset:
             phase.at_onset()
             print(f"onset error={error} step={steps} time={time.time():.3f}", flush=True)
+        model, optimizer, scheduler = phase.model, phase.optimizer, phase.sched  # a script's globals, as users write them
         phase.step()
         phase.local += 1
         steps += 1
@@ -243,6 +244,6 @@ for i, error in enumerate(errors):
             break
     state = {k: v for k, v in phase.model.state_dict().items() if not k.startswith("adapter.")}
     gone = weakref.ref(phase.optimizer)
-    del phase
+    del phase, model, optimizer, scheduler
     gc.collect()
     print(f"phase-end error={error} optimizer-freed={gone() is None}", flush=True)
