@@ -129,8 +129,9 @@ class Updates:
                 watched.append(_Watched(name, p, opt, gi, idx))
             out.append(watched)
         self._trainable, self._frozen = out
-        self._opt = weakref.ref(optimizer)
-        self._sched = self._sched_base = None
+        if self._opt is None or self._opt() is not optimizer:
+            self._opt = weakref.ref(optimizer)
+            self._sched = self._sched_base = None
         self._find_scheduler()
 
     def _find_scheduler(self, step: int | None = None):
@@ -146,8 +147,9 @@ class Updates:
         for f in (finder.schedulers() if look else finder.known("scheduler")):
             o = getattr(f.obj, "optimizer", None)
             if o is not None and finder.unwrap_optimizer(o)[0] is inner:
-                self._sched = weakref.ref(f.obj)
-                self._sched_base = None
+                if self._sched is None or self._sched() is not f.obj:  # the same one keeps its count
+                    self._sched = weakref.ref(f.obj)
+                    self._sched_base = None
                 return f.obj
         return None
 
