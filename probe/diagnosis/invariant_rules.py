@@ -10,6 +10,7 @@ from .rules import rule
 __all__: list = []
 
 _IN_A_ROW = 2  # failing checks in a row that make a finding (one could be a step caught mid-change)
+_CURRENT = 3  # checked steps (the rank's latest) among which an invariant's last check must be
 
 
 def _failing(check: str) -> str:
@@ -27,7 +28,11 @@ SELECT c.rank, max(c.step) AS step, arg_max(c.subject, c.step) AS subject, arg_m
 FROM c JOIN r ON r.rank IS NOT DISTINCT FROM c.rank
 WHERE c.age <= {_IN_A_ROW}
 GROUP BY c.rank, r.last_ok
-HAVING count(*) = {_IN_A_ROW} AND NOT bool_or(c.ok)"""
+HAVING count(*) = {_IN_A_ROW} AND NOT bool_or(c.ok)
+   -- still checked: its last row is among the rank's last {_CURRENT} checked steps (a check that stopped, as when
+   -- the model it was about is gone, leaves its last rows behind: they are no finding)
+   AND max(c.step) >= (SELECT min(s.step) FROM (SELECT DISTINCT step FROM torch.checks AS k
+                                                 WHERE k.rank IS NOT DISTINCT FROM c.rank ORDER BY step DESC LIMIT {_CURRENT}) AS s)"""
 
 
 rule(

@@ -213,6 +213,10 @@ class Invariants:
 
     def _grads_cleared(self, step, now, optimizer) -> None:
         watch = self._watch
+        if watch is not None and (watch.param() is None or not any(p is watch.param() for p in _trainable(optimizer))):
+            watch.remove()  # its tensor is gone or left the optimizer (a new stage's model): watch another
+            self._watch = watch = None
+            self._pick = None
         if watch is not None:
             if watch.fired == 0:
                 return  # no backward since it was armed: keep waiting
@@ -226,8 +230,9 @@ class Invariants:
                              f"{watch.fired} backward pass(es) from step {watch.since} to step {step}"
                              + ("" if verdict else ", the gradient never None or zero before any of them"))
             steps = step - watch.since
-            if verdict and self._single and steps > 0 and watch.fired > steps and not watch.pending:
-                erased = watch.clears >= watch.fired  # every micro-batch's backward found the gradient cleared
+            if verdict is not None and self._single and steps > 0 and not watch.pending:
+                # one row a window (ok without accumulation), so a finding ends with the accumulation that caused it
+                erased = verdict and watch.fired > steps and watch.clears >= watch.fired
                 self._record(step, now, "accumulation", not erased, watch.name, float(watch.fired) / steps,
                              f"{watch.fired} backward passes in {steps} optimizer step(s) (steps {watch.since + 1}-{step}) and the gradient "
                              f"was cleared before each of them: only the last micro-batch of each step counts" if erased else None)
