@@ -40,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from _procs import stop_groups  # noqa: E402  (tests/_procs.py: the one way to stop what a benchmark started)
+from harness import stop_groups  # noqa: E402  (tests/harness.py: the one way to stop what a benchmark started)
 
 PROBE = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
 

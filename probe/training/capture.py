@@ -138,6 +138,12 @@ class Capture:
         self.sharded = False  # a gradient norm was this rank's shards' (FSDP2/DTensor), not the model's
         self.loss_kind = None  # loss_logits() of a loss seen lately: its class count (torch.loss)
         self._loss_looks = 0
+        # on measured steps, the graphs backpropagated so far (their grad_fn, held until the boundary) and how
+        # many backward calls went through one of them again (torch.checks backward_once)
+        self.graphs: list = []
+        self.backwards = 0
+        self.repeated = 0
+        self.repeated_name = None
 
     # -- holding values without a device sync ---------------------------------------------------
     def hold(self, value):
@@ -197,6 +203,8 @@ class Capture:
         if scaled is not None and scaled[0]() is t:
             t = scaled[1]
             self._scaled = None
+        if self.wanted:
+            self._note_graph(t)
         if self._loss_looks % _LOSS_LOOK_EVERY == 0:
             try:
                 self.loss_kind = loss_logits(t)
@@ -204,6 +212,27 @@ class Capture:
                 record_error("torch steps: the loss's logits", exc)
         self._loss_looks += 1
         self.losses.append(t.detach())
+
+    def _note_graph(self, t) -> None:
+        """A measured step's backward calls: one more, and whether its loss's graph was backpropagated before."""
+        self.backwards += 1
+        fn = t.grad_fn
+        if fn is None:
+            return
+        for seen in self.graphs:
+            if seen is fn:
+                self.repeated += 1
+                self.repeated_name = type(fn).__name__
+                return
+        if len(self.graphs) < 8:
+            self.graphs.append(fn)
+
+    def take_backwards(self) -> tuple:
+        """``(backward calls, repeats on one graph, the repeated graph's node name)`` since the last call; forgets them."""
+        out = (self.backwards, self.repeated, self.repeated_name if self.repeated else None)
+        self.graphs = []
+        self.backwards = self.repeated = 0
+        return out
 
     def step_loss(self, frame, loss=None, measured: bool = False):
         """Every step's loss, for the boundary: ``probe.step(loss=)``'s (``loss``), else the backpropagated

@@ -14,6 +14,13 @@ What is checked, each at about the cost of a few attribute reads per measured st
   It fires on every backward of the window (a GAN's generator backward also reaches the discriminator's
   tensors; the discriminator's own ``zero_grad()`` clears them before its backward). On CUDA it never
   synchronises: whether the gradient was zero is copied without blocking and read at the next boundary.
+* ``accumulation``: with several backward passes per optimizer step (gradient accumulation), the watched
+  gradient was found cleared at fewer of them than there were passes: a ``zero_grad()`` at every micro-batch
+  keeps only the last micro-batch's gradient. Recorded only when a window had more backward passes than
+  optimizer steps, with one optimizer found (a GAN's second optimizer clears its own tensors in between).
+* ``backward_once``: no loss graph was backpropagated twice in one step (``backward(retain_graph=True)``
+  called again on the same loss, or a backward in a helper and again in the loop): its gradients count twice.
+* ``params_move``, ``frozen_still``, ``schedule``: what the step changed (``probe.training.updates``).
 * ``train_mode``: the dropout and normalization modules of the model being trained are in training mode
   at the step (``.training``; the list is cached and refreshed as discovery scans are). Modules whose own
   parameters are all frozen are left out: a frozen batch norm kept in eval mode on purpose is common.
@@ -29,6 +36,7 @@ import time
 import weakref
 
 from . import finder
+from .updates import Updates
 from ..config import setting
 from ..util.errorlog import record_error
 from ..util.ring import Ring
@@ -38,6 +46,7 @@ __all__ = ["Invariants", "CHECK_COLUMNS", "checks"]
 CHECK_COLUMNS = {"step": "i8", "time": "f8", "invariant": "O", "ok": "b1", "subject": "O", "value": "f8", "detail": "O"}
 _REFRESH_MAX = 500  # steps between refreshes of the cached targets at most (they double from step 1 until then)
 _NAMES_SHOWN = 5
+_RETRY = 8  # steps between looks for the trained model while none is known
 _PENDING_MAX = 4  # device reads one grads_cleared window keeps at most
 
 
@@ -51,7 +60,7 @@ def _trainable(optimizer):
 class _GradWatch:
     """One tensor hook on one parameter, from one measured boundary to the next."""
 
-    __slots__ = ("param", "name", "since", "fired", "clear", "pending", "handle", "torch")
+    __slots__ = ("param", "name", "since", "fired", "clear", "clears", "pending", "handle", "torch")
 
     def __init__(self, torch, param, name: str, since: int):
         self.torch = torch
@@ -60,20 +69,24 @@ class _GradWatch:
         self.since = since
         self.fired = 0
         self.clear = False
+        self.clears = 0  # backward passes that found the gradient None or zero (CPU only)
         self.pending: list = []
         self.handle = param.register_hook(self._on_grad)
 
     def _on_grad(self, grad):
         try:
             self.fired += 1
-            if self.clear:
-                return None
             p = self.param()
+            if self.clear:
+                if p is not None and not p.is_cuda and (p.grad is None or not p.grad.any()):
+                    self.clears += 1
+                return None
             g = None if p is None else p.grad
             if g is not None and type(g) is not self.torch.Tensor and hasattr(g, "to_local"):
                 g = g.to_local()  # a DTensor's shard: reducing the whole tensor would be a collective
             if g is None:
                 self.clear = True
+                self.clears += 1
             elif g.is_cuda:
                 if len(self.pending) < _PENDING_MAX:
                     zero = self.torch.count_nonzero(g) == 0
@@ -84,6 +97,7 @@ class _GradWatch:
                     self.pending.append((host, ev))
             elif not g.any():
                 self.clear = True
+                self.clears += 1
         except Exception as exc:
             record_error("torch checks: gradient hook", exc)
         return None
@@ -113,25 +127,38 @@ class Invariants:
         self.torch = torch
         self.ring = Ring(CHECK_COLUMNS, setting("PROBE_STEPS_CAPACITY"))
         self._refresh_at = 1
+        self._retry_at = 1
         self._names: dict = {}  # id(param) -> name, of the trained model
         self._modes: list = []  # (name, module) of its dropout and normalization modules
         self._watch: _GradWatch | None = None
         self._pick = None  # weakref to the parameter grads_cleared watches
         self._model = None  # weakref to the trained model
+        self._opt = None  # weakref to the optimizer the targets were picked for
+        self._single = True  # one optimizer found (the accumulation check needs it)
+        self.updates = Updates(torch)
 
     # -- the one call from the step boundary ---------------------------------------------------------------
-    def at_boundary(self, step: int, optimizer) -> None:
-        """Check the invariants at a measured step's boundary (the lead optimizer just stepped)."""
+    def at_boundary(self, step: int, optimizer, capture=None) -> None:
+        """Check the invariants at a measured step's boundary (the lead optimizer just stepped); ``capture``
+        holds the step's backward calls."""
         if optimizer is None:
             return
         try:
-            if step >= self._refresh_at:
+            lost = self._model is None or self._model() is None  # not found yet (a scan finds it), or gone
+            if (step >= self._refresh_at or self._opt is None or self._opt() is not optimizer
+                    or (lost and step >= self._retry_at)):
                 self._refresh_at = step + min(step, _REFRESH_MAX)
+                self._retry_at = step + _RETRY
                 self._refresh(optimizer)
             now = time.time()
             self._grads_present(step, now, optimizer)
             self._grads_cleared(step, now, optimizer)
             self._train_mode(step, now)
+            if capture is not None:
+                self._backward_once(step, now, capture)
+            model = self._model() if self._model is not None else None
+            if model is not None:
+                self.updates.check(step, now, self._record)
         except Exception as exc:
             record_error("torch checks", exc)
 
@@ -141,10 +168,13 @@ class Invariants:
     # -- targets -----------------------------------------------------------------------------------------------
     def _refresh(self, optimizer) -> None:
         """The model holding the optimizer's first tensor, its parameter names and its dropout/norm modules."""
+        self._opt = weakref.ref(optimizer)
+        self._single = len(finder.optimizers()) <= 1
         groups = optimizer.param_groups
         first = groups[0]["params"][0] if groups and groups[0]["params"] else None
         if first is None:
             return
+        self._model = None
         for found in finder.models():
             model = found.obj
             names = {id(p): finder.module_path(n) for n, p in model.named_parameters()}
@@ -153,6 +183,7 @@ class Invariants:
             self._names = names
             self._model = weakref.ref(model)
             self._modes = [(finder.module_path(n), m) for n, m in model.named_modules() if self._mode_matters(m)]
+            self.updates.refresh(model, optimizer)
             return
 
     def _mode_matters(self, m) -> bool:
@@ -182,6 +213,10 @@ class Invariants:
 
     def _grads_cleared(self, step, now, optimizer) -> None:
         watch = self._watch
+        if watch is not None and (watch.param() is None or not any(p is watch.param() for p in _trainable(optimizer))):
+            watch.remove()  # its tensor is gone or left the optimizer (a new stage's model): watch another
+            self._watch = watch = None
+            self._pick = None
         if watch is not None:
             if watch.fired == 0:
                 return  # no backward since it was armed: keep waiting
@@ -194,6 +229,13 @@ class Invariants:
                 self._record(step, now, "grads_cleared", verdict, watch.name, float(watch.fired),
                              f"{watch.fired} backward pass(es) from step {watch.since} to step {step}"
                              + ("" if verdict else ", the gradient never None or zero before any of them"))
+            steps = step - watch.since
+            if verdict is not None and self._single and steps > 0 and not watch.pending:
+                # one row a window (ok without accumulation), so a finding ends with the accumulation that caused it
+                erased = verdict and watch.fired > steps and watch.clears >= watch.fired
+                self._record(step, now, "accumulation", not erased, watch.name, float(watch.fired) / steps,
+                             f"{watch.fired} backward passes in {steps} optimizer step(s) (steps {watch.since + 1}-{step}) and the gradient "
+                             f"was cleared before each of them: only the last micro-batch of each step counts" if erased else None)
         pick = self._pick() if self._pick is not None else None
         if pick is None or pick.grad is None or not pick.requires_grad:
             candidates = [p for p in itertools.islice(_trainable(optimizer), 64) if p.grad is not None and id(p) in self._names]
@@ -202,6 +244,14 @@ class Invariants:
             pick = min(candidates, key=lambda p: p.numel())
             self._pick = weakref.ref(pick)
         self._watch = _GradWatch(self.torch, pick, self._names.get(id(pick), "?"), step)
+
+    def _backward_once(self, step, now, capture) -> None:
+        n, repeated, graph = capture.take_backwards()
+        if not n:
+            return
+        self._record(step, now, "backward_once", not repeated, graph, float(n),
+                     f"{n} backward calls in step {step}, {repeated} of them through a graph already backpropagated in the step "
+                     f"(the loss behind {graph})" if repeated else None)
 
     def _train_mode(self, step, now) -> None:
         modes = self._modes

@@ -12,11 +12,10 @@ What counts as a step:
 * Once ``probe.step()`` is called, the explicit calls own the count and optimizer steps
   no longer end steps (no double counting).
 
-The boundary's cost is paced (``budget``). The core signals are recorded on every step:
-step count, step time, lr, the loss (the backpropagated scalar ``capture`` noted: a CPU
-scalar read at once, a device one copied without blocking and read when ready), the time
-before the step's first forward call (``data_wait``) and the safe-point queue; memory is read
-every 100 ms by a thread of its own (``memclock``) and joined to the steps by time. The
+The boundary's cost is paced (``budget``). The core signals are recorded on every step: step count,
+step time, lr, the loss (the backpropagated scalar ``capture`` noted: a CPU scalar read at once, a device
+one copied without blocking and read when ready), the time before the step's first forward call
+(``data_wait``) and the safe-point queue; memory is read every 100 ms by ``memclock``'s thread. The
 optional values (the grad norm, input counts, the frame-variable loss fallback) and the
 occasional work (discovery scans, module-trace scheduling) run on the steps the ``PROBE_STEP_BUDGET``
 bucket allows, and the row's ``measured`` flag says which. Which steps are measured is jittered (a coin
@@ -34,7 +33,6 @@ is no such value (a grad norm on a step the budget did not measure), the ring ho
 (SQL NULL: for a device loss, "not ready yet"); a loss that is NaN or infinite is kept as it
 is, so ``isnan(loss)`` finds the step it went bad.
 """
-
 
 from __future__ import annotations
 
@@ -349,7 +347,7 @@ class StepTracker:
         micro, s, t = self.inputs.take(samples, tokens)
         if measured:
             self._occasional(step, frame, duration_ns, traced)
-            invariants.checks(self.torch).at_boundary(step, optimizer)  # torch.checks: cheap invariants of training
+            invariants.checks(self.torch).at_boundary(step, optimizer, self.capture)  # torch.checks: cheap invariants of training
         if step >= self._replicas.next_step:  # torch.weight_sums: DDP replicas' checksums, the same steps on every rank
             self._replicas.at_boundary(step, duration_ns * 1e-9)
         asked = self._prepare_next(step, t0, traced, step + 1 <= _FORCED or allowed)
@@ -360,8 +358,7 @@ class StepTracker:
         else:
             safepoint.last_step = step
         cost = _perf_ns() - t0
-        # start-up (first scans, imports, the first traces) is paid once, not paced
-        self._spent = cost - asked if step > _FORCED else 0
+        self._spent = cost - asked if step > _FORCED else 0  # start-up (first scans, imports, traces) is not paced
         if self.quick:  # the quick path may run until the budget could allow a measured step
             self._check_at = self.budget.due_ns(t0, self._quick_rate)
         ring = self.ring

@@ -1,11 +1,34 @@
-"""The corpus of real-world errors (tests/faults/real_world.py): for each, the doctor rule that must name it and
-words its message must hold (the names the user needs). Read by tests/test_doctor_corpus.py."""
+"""The corpus of real-world errors (tests/faults/real_world.py, each cited there): for each, the doctor rule that
+must name it and words its message must hold (the names the user needs), in the groups that run as phases of one
+process (errors named by different rules, or by words that tell them apart, that do not interact). Read by
+tests/test_doctor_corpus.py."""
 
+# error, the rule that must name it, words of its message
 ERRORS = [
-    # error, the rule that must name it, words of its message
     ("so_60335387", "grads_not_cleared", ["never cleared between optimizer steps", "zero_grad()"]),
+    ("wekws_72", "grads_not_cleared", ["never cleared between optimizer steps"]),
     ("forum_84911", "mostly_frozen", ["requires_grad=False: classifier.* (4 tensors", "what trains: features.bn2.* (2 tensors, 32 elements), features.bn1.*",
                                       "only normalization layers (BatchNorm2d) train"]),
     ("fcn_57", "eval_mode_in_training", ["in eval mode", "features.bn1, features.bn2, classifier.drop"]),
     ("hvpnet_5", "grads_not_optimized", ["in no optimizer: head.* (2 tensors, 110 elements)"]),
+    ("adapters_260", "grads_not_optimized", ["in no optimizer: adapter.* (4 tensors"]),
+    ("nni_4521", "grads_not_optimized", ["in no optimizer: classifier.fc1.* (2 tensors"]),
+    ("pytorch_54765", "grads_not_optimized", ["in no optimizer: all of its tensors"]),
+    ("torchmoji_21", "step_without_grads", ["stepped with no gradient"]),
+    ("forum_153740", "frozen_params_updated", ["features.conv1.* (2 tensors)", "set_to_none"]),
+    ("ivadomed_57", "scheduler_pace", ["CosineAnnealingLR", "past its T_max=100"]),
+    ("pytorch_65417", "scheduler_pace", ["OneCycleLR counts optimizer steps", "once an epoch"]),
+    ("m2_71", "scheduler_pace", ["LambdaLR stepped", "more often than its optimizer"]),
+    ("pytorch_13494", "backward_twice", ["backpropagated twice", "NllLossBackward0"]),
+    ("farm_46", "lr_zero", ["learning rate 0 since step"]),
+    ("prediff_32", "accumulation_erased", ["cleared before each of them"]),
+]
+
+# one process each (and one for the healthy twins of each): a group's errors are named by different rules, or
+# by messages that tell them apart, and none leaves a state the next phase's rules read (prediff_32's 4
+# micro-batches a step come first: after faster phases its slower steps would read as a throughput regression)
+GROUPS = [
+    ["so_60335387", "forum_84911", "hvpnet_5", "ivadomed_57", "pytorch_13494", "fcn_57"],
+    ["prediff_32", "wekws_72", "adapters_260", "forum_153740", "pytorch_65417", "torchmoji_21"],
+    ["nni_4521", "m2_71", "farm_46", "pytorch_54765"],
 ]

@@ -1,20 +1,28 @@
 """Silent training errors from public reports, rewritten small for CPU with synthetic data, each beside its
-healthy twin: the same script with ``--fixed``.
+healthy twin (the same script with ``--fixed``).
 
-    python real_world.py --error NAME [--fixed]
+    python real_world.py --errors NAME[,NAME...] [--fixed] [--next-dir DIR]
 
 A small image classifier (two conv blocks with batch norm, a classifier with dropout, an extra head) on
-generated 12x12 images of 10 classes. It never imports probe: run it with PROBE=1, as a user would. It prints
-``ready`` after a few steps and ``onset step=S time=T`` at the step the error starts to act (the healthy twin
-prints it at the same step), then trains until killed.
+generated 12x12 images of 10 classes. It never imports probe: run it with PROBE=1, as a user would.
 
-The errors (``ERRORS``, with the doctor rule that must name each, are in tests/faults/corpus.py):
+Several errors run in one process, one phase each, in the order given: a phase takes over the model's weights
+from the phase before (so the loss goes on where it was), builds its own optimizer (and scheduler), trains
+``--onset`` optimizer steps healthy, prints ``onset error=NAME step=S time=T`` (S: optimizer steps since the
+process started, as torch.steps counts them), and from then on trains with the error (or, with ``--fixed``,
+without it) until the file ``DIR/NAME`` appears (the test has seen what it waited for); then it prints
+``phase-end error=NAME`` and goes on to the next. After the last phase it trains on until killed. It prints
+``ready`` after a few steps.
+
+The errors (tests/faults/corpus.py gives the doctor rule that must name each, and docs/doctor.md the table):
 
 * ``so_60335387``: ``optimizer.zero_grad()`` missing from the loop: the gradients of every step add up.
   https://stackoverflow.com/questions/60335387/pytorch-mnist-example-not-converge
   (TrainCheck-Evaluation-Workloads: silent-issue-detection/bug-reprod-scripts/stackoverflow-60335387)
-* ``forum_84911``: transfer learning where ``if "bn" not in name: param.requires_grad = False`` froze every layer
-  but the batch norms (and the classifier too): only batch norm trains.
+* ``wekws_72``: the training executor never calls ``zero_grad()`` (there with Adam).
+  https://github.com/wenet-e2e/wekws/pull/73 (fixes #72)
+* ``forum_84911``: transfer learning where ``if "bn" not in name: param.requires_grad = False`` froze every
+  layer but the batch norms (and the classifier too): only batch norm trains.
   https://discuss.pytorch.org/t/obtaining-abnormal-changes-in-loss-and-accuracy/84911
   (TrainCheck-Evaluation-Workloads: silent-issue-detection/bug-reprod-scripts/pytorch-forum-84911)
 * ``fcn_57``: validation in the middle of an epoch sets ``model.eval()`` and training goes on without
@@ -23,28 +31,65 @@ The errors (``ERRORS``, with the doctor rule that must name each, are in tests/f
 * ``hvpnet_5``: the optimizer's parameter list is built part by part and one module's parameters (there the
   CRF and the final fc) were never added: they get gradients and never change.
   https://github.com/zjunlp/HVPNeT/issues/5
+* ``adapters_260``: an adapter added to the model after the optimizer was built: the optimizer never sees it.
+  https://github.com/adapter-hub/adapters/issues/260
+* ``nni_4521``: a pruning "speedup" replaces layers with new, smaller ones (weights copied) after the
+  optimizer was built: the optimizer still holds the old layers' tensors, the new ones never train.
+  https://github.com/microsoft/nni/issues/4521
+* ``pytorch_54765``: the network is replaced by a new one (``net1 = Net2()``) and the optimizer, built over
+  the old one, is kept. https://github.com/pytorch/pytorch/issues/54765
+* ``torchmoji_21``: the loss is re-wrapped as a new leaf (``loss = Variable(loss, requires_grad=True)``) to
+  silence "element 0 of tensors does not require grad": backward reaches no parameter, the loss stays flat.
+  https://github.com/huggingface/torchMoji/issues/21
+* ``forum_153740``: layers frozen (``requires_grad = False``) after the optimizer was built, their gradients
+  zeroed rather than set to None (``zero_grad(set_to_none=False)``, the default then): momentum and weight
+  decay keep moving the "frozen" weights. https://discuss.pytorch.org/t/why-there-is-still-a-small-change-in-frozen-layer-parameters/153740
+* ``ivadomed_57``: ``CosineAnnealingLR(T_max=num_epochs)`` stepped at every batch: the rate runs through
+  many cosine cycles instead of one decay. https://github.com/ivadomed/ivadomed/issues/57
+* ``pytorch_65417``: ``OneCycleLR`` (its schedule in optimizer steps) stepped once an epoch (Lightning's
+  default interval): only a sliver of the warm-up is ever followed. https://github.com/pytorch/pytorch/issues/65417
+* ``m2_71``: the scheduler stepped per batch and again at every epoch's end.
+  https://github.com/aimagelab/meshed-memory-transformer/issues/71
+* ``pytorch_13494``: the same loss backpropagated twice (``retain_graph=True``): its gradients count twice.
+  https://github.com/pytorch/pytorch/issues/13494
+* ``farm_46``: a linear-decay schedule whose total step count was computed too small: the rate reaches 0
+  before training ends (``Training beyond specified 't_total'``). https://github.com/deepset-ai/FARM/issues/46
+* ``prediff_32``: with gradient accumulation, ``zero_grad()`` runs at every micro-batch, outside the
+  ``if`` that steps the optimizer: each step follows only its last micro-batch. https://github.com/gaozhihan/PreDiff/issues/32
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import math
 import os
 import time
+import weakref
 from collections import OrderedDict
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+ERRORS = ("so_60335387", "wekws_72", "forum_84911", "fcn_57", "hvpnet_5", "adapters_260", "nni_4521", "pytorch_54765",
+          "torchmoji_21", "forum_153740", "ivadomed_57", "pytorch_65417", "m2_71", "pytorch_13494", "farm_46", "prediff_32")
+
 p = argparse.ArgumentParser()
-p.add_argument("--error", required=True, choices=["so_60335387", "forum_84911", "fcn_57", "hvpnet_5"])
-p.add_argument("--fixed", action="store_true", help="the healthy twin: the same loop with the error fixed")
-p.add_argument("--onset", type=int, default=20, help="the step the error starts to act at")
+p.add_argument("--errors", required=True, help="comma-separated, run one phase each in this order")
+p.add_argument("--fixed", action="store_true", help="the healthy twin: the same loop with the errors fixed")
+p.add_argument("--onset", type=int, default=20, help="optimizer steps of each phase before its error acts")
+p.add_argument("--next-dir", default=None, help="a phase ends when DIR/NAME exists (without: never)")
 p.add_argument("--step-sleep", type=float, default=0.01)
 args = p.parse_args()
+errors = args.errors.split(",")
+for e in errors:
+    if e not in ERRORS:
+        p.error(f"unknown error {e!r}; known: {', '.join(ERRORS)}")
 
 torch.manual_seed(0)
 CLASSES = 10
+EPOCH = 10  # batches per epoch, for the schedulers
 templates = torch.randn(CLASSES, 1, 12, 12)
 
 
@@ -62,41 +107,143 @@ class Net(nn.Module):
         self.classifier = nn.Sequential(OrderedDict(
             fc1=nn.Linear(256, 64), relu=nn.ReLU(), drop=nn.Dropout(0.2), fc2=nn.Linear(64, CLASSES)))
         self.head = nn.Linear(CLASSES, CLASSES)  # HVPNeT's extra layer on top (a CRF's transitions there)
+        self.adapter = None  # adapters_260: added later
 
     def forward(self, x):
-        return self.head(self.classifier(self.features(x).flatten(1)))
+        h = self.classifier(self.features(x).flatten(1))
+        if self.adapter is not None:
+            h = h + self.adapter(h)
+        return self.head(h)
 
 
-model = Net()
-error, fixed = args.error, args.fixed
-if error == "forum_84911" and not fixed:
-    for name, param in model.named_parameters():
-        if "bn" not in name:  # meant: freeze the backbone; matched everything but the batch norms
-            param.requires_grad = False
-if error == "hvpnet_5" and not fixed:
-    params = list(model.features.parameters()) + list(model.classifier.parameters())  # the head was never added
-else:
-    params = [q for q in model.parameters() if q.requires_grad]
-optimizer = torch.optim.SGD(params, lr=0.02, momentum=0.9)
+class Phase:
+    """One error's phase: its model (the last phase's weights), optimizer, scheduler and loop."""
 
-step = 0
-while True:
-    step += 1
-    if step == args.onset:
-        print(f"onset step={step} time={time.time():.3f}", flush=True)
-    if error == "fcn_57" and step % args.onset == 0:  # validation in the middle of the epoch
-        model.eval()
-        with torch.no_grad():
-            xv, yv = batch(64)
-            F.cross_entropy(model(xv), yv)
-        if fixed:
-            model.train()
-    x, y = batch()
-    if not (error == "so_60335387" and not fixed and step >= args.onset):
-        optimizer.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    time.sleep(args.step_sleep)  # ok-sleep: keeps the loop from starving the test on 2 cores
-    if step == 5:
-        print(f"ready pid={os.getpid()}", flush=True)
+    def __init__(self, error: str, fixed: bool, state):
+        self.error, self.fixed = error, fixed
+        self.model = Net()
+        if state is not None:
+            self.model.load_state_dict(state, strict=False)
+        self.local = 0  # this phase's optimizer steps
+        self.sched = None
+        opt_cls = torch.optim.Adam if error == "wekws_72" else torch.optim.SGD
+        kw = {"lr": 1e-3} if error == "wekws_72" else {"lr": 0.02, "momentum": 0.9}
+        if error == "forum_153740":
+            kw["weight_decay"] = 5e-4
+        self.optimizer = opt_cls(self.model.parameters(), **kw)
+        if error == "ivadomed_57":
+            self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=100)  # 100 epochs
+        if error == "farm_46":  # linear decay to 0 over t_total steps; the bug's t_total ends at the onset
+            total = args.onset if not fixed else 100_000
+            self.sched = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: max(0.0, (total - s) / total))
+
+    @property
+    def bug(self) -> bool:
+        return not self.fixed and self.local >= args.onset
+
+    def at_onset(self) -> None:
+        e, m, fixed = self.error, self.model, self.fixed
+        if e == "forum_84911" and not fixed:
+            for name, param in m.named_parameters():
+                if "bn" not in name:  # meant: freeze the backbone; matched everything but the batch norms
+                    param.requires_grad = False
+        elif e == "hvpnet_5":  # the optimizer rebuilt part by part for the next stage: the head left out
+            params = list(m.features.parameters()) + list(m.classifier.parameters())
+            self.optimizer = torch.optim.SGD(params if not fixed else m.parameters(), lr=0.02, momentum=0.9)
+        elif e == "adapters_260":
+            m.adapter = nn.Sequential(OrderedDict(down=nn.Linear(CLASSES, 4), up=nn.Linear(4, CLASSES)))
+            if fixed:
+                self.optimizer.add_param_group({"params": m.adapter.parameters()})
+        elif e == "nni_4521":  # speedup: new, smaller layers with the kept weights copied in
+            old = m.classifier.fc1
+            m.classifier.fc1 = nn.Linear(256, 64)
+            m.classifier.fc1.load_state_dict(old.state_dict())
+            if fixed:
+                self.optimizer = torch.optim.SGD(m.parameters(), lr=0.02, momentum=0.9)
+        elif e == "pytorch_54765":
+            new = Net()
+            new.load_state_dict(m.state_dict())
+            self.model = new
+            if fixed:
+                self.optimizer = torch.optim.SGD(new.parameters(), lr=0.02, momentum=0.9)
+        elif e == "forum_153740":
+            for param in list(m.features.conv1.parameters()) + list(m.features.bn1.parameters()):
+                param.requires_grad = False
+                if fixed:
+                    param.grad = None  # the thread's fix
+        elif e == "pytorch_65417":
+            self.sched = torch.optim.lr_scheduler.OneCycleLR(self.optimizer, max_lr=0.05, total_steps=EPOCH * 1000)
+        elif e == "m2_71":
+            self.sched = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0 / math.sqrt(max(s, 1)))
+
+    def step(self) -> None:
+        """One optimizer step of the phase's loop."""
+        e, m, opt = self.error, self.model, self.optimizer
+        bug = self.bug
+        if e == "fcn_57" and self.local % args.onset == 0 and self.local:  # validation in the middle of the epoch
+            m.eval()
+            with torch.no_grad():
+                xv, yv = batch(64)
+                F.cross_entropy(m(xv), yv)
+            if self.fixed or self.local < args.onset:
+                m.train()
+        if e == "prediff_32":  # 4 micro-batches per optimizer step
+            for _ in range(4):
+                if bug:
+                    opt.zero_grad()  # outside the `if` that steps: clears each micro-batch's gradient
+                x, y = batch(8)
+                (F.cross_entropy(m(x), y) / 4).backward()
+            opt.step()
+            if not bug:
+                opt.zero_grad()
+            return
+        x, y = batch()
+        if not (bug and e in ("so_60335387", "wekws_72")):
+            opt.zero_grad(set_to_none=e != "forum_153740")
+        loss = F.cross_entropy(m(x), y)
+        if bug and e == "torchmoji_21":
+            loss = loss.detach().requires_grad_()  # Variable(loss, requires_grad=True)
+        if bug and e == "pytorch_13494":
+            loss.backward(retain_graph=True)
+        loss.backward()
+        opt.step()
+        s = self.sched
+        if s is None:
+            return
+        if e == "ivadomed_57":
+            if bug or (self.local + 1) % EPOCH == 0:  # the bug: at every batch; meant: once an epoch
+                s.step()
+        elif e == "pytorch_65417":
+            if self.fixed or (self.local + 1) % EPOCH == 0:  # the bug: once an epoch; meant: every batch
+                s.step()
+        elif e == "m2_71":
+            s.step()
+            if bug and (self.local + 1) % EPOCH == 0:  # and again at the epoch's end
+                s.step()
+        else:
+            s.step()
+
+
+steps = 0
+state = None
+for i, error in enumerate(errors):
+    phase = Phase(error, args.fixed, state)
+    done = os.path.join(args.next_dir, error) if args.next_dir else None
+    while True:
+        if phase.local == args.onset:
+            phase.at_onset()
+            print(f"onset error={error} step={steps} time={time.time():.3f}", flush=True)
+        model, optimizer, scheduler = phase.model, phase.optimizer, phase.sched  # a script's globals, as users write them
+        phase.step()
+        phase.local += 1
+        steps += 1
+        time.sleep(args.step_sleep)  # ok-sleep: keeps the loop from starving the test on 2 cores
+        if steps == 5:
+            print(f"ready pid={os.getpid()}", flush=True)
+        if done is not None and phase.local > args.onset and os.path.exists(done) and i < len(errors) - 1:
+            break
+    state = {k: v for k, v in phase.model.state_dict().items() if not k.startswith("adapter.")}
+    gone = weakref.ref(phase.optimizer)
+    del phase, model, optimizer, scheduler
+    gc.collect()
+    print(f"phase-end error={error} optimizer-freed={gone() is None}", flush=True)
