@@ -6,6 +6,7 @@ probe with no code change. Data files are installed relative to the environment'
 prefix, so the target is site-packages expressed relative to that prefix (this works
 for regular and editable installs alike).
 """
+
 import os
 import sys
 import sysconfig

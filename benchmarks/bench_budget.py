@@ -56,7 +56,7 @@ class Alternation:
 
         self.hooks = hooks
         self.block = block
-        self.plan = [(r, arm) for r in range(rounds) for arm in ARMS[r % 3:] + ARMS[:r % 3]]
+        self.plan = [(r, arm) for r in range(rounds) for arm in ARMS[r % 3 :] + ARMS[: r % 3]]
         self.times = {arm: [[] for _ in range(rounds)] for arm in ARMS}
         self.cpu = {arm: [[] for _ in range(rounds)] for arm in ARMS}  # the training thread's CPU time per step
         self.i = self.n = 0
@@ -108,16 +108,21 @@ class Alternation:
         keep = cols["step"] > self.first_step
         us, measured = cols["probe_us"][keep], cols["measured"][keep]
         # the steps the hooks saw (the "on" blocks): how many carry the core signals
-        loss, memory = np.ma.getmaskarray(np.ma.asarray(cols["loss"])[keep]), np.ma.getmaskarray(np.ma.asarray(cols["memory"])[keep])
+        loss, memory = (
+            np.ma.getmaskarray(np.ma.asarray(cols["loss"])[keep]),
+            np.ma.getmaskarray(np.ma.asarray(cols["memory"])[keep]),
+        )
         on_step = statistics.fmean(t for block in self.times["on"] for t in block)
         n = sum(len(t) for t in self.times["on"])
-        print(f"  {name:<22} step {step * 1e3:7.2f} ms  {n:5d} steps/arm\n"
-              f"    wall: on/off {_fmt(ratios['on'])}  off2/off {_fmt(ratios['off2'])}\n"
-              f"    cpu:  on/off {_fmt(cratios['on'])}  off2/off {_fmt(cratios['off2'])}\n"
-              f"    probe_us per step: mean {us.mean():6.1f} = {100 * us.mean() * 1e-6 / on_step:5.2f} % of the step"
-              f" (median {np.median(us):5.1f}; unmeasured steps {_median(us[~measured])}, measured {_median(us[measured])});"
-              f" measured {100 * measured.mean():5.1f} % of steps\n"
-              f"    core signals on the probed steps: loss {100 * (1 - loss.mean()):5.1f} %, memory {100 * (1 - memory.mean()):5.1f} %")
+        print(
+            f"  {name:<22} step {step * 1e3:7.2f} ms  {n:5d} steps/arm\n"
+            f"    wall: on/off {_fmt(ratios['on'])}  off2/off {_fmt(ratios['off2'])}\n"
+            f"    cpu:  on/off {_fmt(cratios['on'])}  off2/off {_fmt(cratios['off2'])}\n"
+            f"    probe_us per step: mean {us.mean():6.1f} = {100 * us.mean() * 1e-6 / on_step:5.2f} % of the step"
+            f" (median {np.median(us):5.1f}; unmeasured steps {_median(us[~measured])}, measured {_median(us[measured])});"
+            f" measured {100 * measured.mean():5.1f} % of steps\n"
+            f"    core signals on the probed steps: loss {100 * (1 - loss.mean()):5.1f} %, memory {100 * (1 - memory.mean()):5.1f} %"
+        )
 
 
 def _median(values) -> str:
@@ -218,9 +223,21 @@ def hf(rounds: int, block: int = 30) -> None:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
     with tempfile.TemporaryDirectory() as out:
-        targs = TrainingArguments(output_dir=out, max_steps=10**6, per_device_train_batch_size=4, learning_rate=0.05,
-                                  warmup_steps=5, logging_steps=10**6, optim="sgd", save_strategy="no", report_to=[],
-                                  use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=0)
+        targs = TrainingArguments(
+            output_dir=out,
+            max_steps=10**6,
+            per_device_train_batch_size=4,
+            learning_rate=0.05,
+            warmup_steps=5,
+            logging_steps=10**6,
+            optim="sgd",
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+            seed=0,
+        )
         hooks.arm()
         Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=[Alternate()]).train()
     alt.report("HF Trainer GPT-2 tiny")
@@ -260,14 +277,29 @@ def lightning(rounds: int, block: int = 60) -> None:
     x = torch.randn(8192, 8, generator=g)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
     hooks.arm()
-    trainer = pl.Trainer(max_steps=10**6, max_epochs=-1, accelerator="cpu", devices=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        max_steps=10**6,
+        max_epochs=-1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Regression(), loader)
     alt.report("Lightning tiny")
 
 
-WORKLOADS = {"plain0.5": plain(0.0005, 200), "plain1": plain(0.001, 100), "plain2": plain(0.002, 60), "plain10": plain(0.010, 20),
-             "plain100": plain(0.100, 4), "hf": hf, "lightning": lightning}
+WORKLOADS = {
+    "plain0.5": plain(0.0005, 200),
+    "plain1": plain(0.001, 100),
+    "plain2": plain(0.002, 60),
+    "plain10": plain(0.010, 20),
+    "plain100": plain(0.100, 4),
+    "hf": hf,
+    "lightning": lightning,
+}
 
 
 def main() -> int:
@@ -278,15 +310,18 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(1)
     if not args.no_header:
-        print("step-time ratios, median over rounds [25th-75th percentile]; goal on/off <= 1.010; off2/off is the noise")
+        print(
+            "step-time ratios, median over rounds [25th-75th percentile]; goal on/off <= 1.010; off2/off is the noise"
+        )
     for name, fn in WORKLOADS.items():
         if args.only in (None, name):
             if args.only is None:
                 # one workload per process: each arms the probe once, and its optimizer leads the step count
                 import subprocess
 
-                subprocess.run([sys.executable, __file__, "--rounds", str(args.rounds), "--only", name, "--no-header"],
-                               check=False)
+                subprocess.run(
+                    [sys.executable, __file__, "--rounds", str(args.rounds), "--only", name, "--no-header"], check=False
+                )
             else:
                 fn(args.rounds)
     return 0

@@ -62,8 +62,11 @@ def worker(steps: int) -> None:
         dump_ms = f"{costs[0]:.1f}/{costs[2]:.1f}"
     dist.barrier()
     if rank == 0:
-        print(f"RESULT median_step_s={statistics.median(times):.6f} dump_ms={dump_ms} rows={rows} "
-              f"per_step={per_step if dump_ms else 0:.3f}", flush=True)
+        print(
+            f"RESULT median_step_s={statistics.median(times):.6f} dump_ms={dump_ms} rows={rows} "
+            f"per_step={per_step if dump_ms else 0:.3f}",
+            flush=True,
+        )
     dist.destroy_process_group()
 
 
@@ -97,8 +100,9 @@ def _free_port() -> int:
 def run_per_call(buffer: int, n: int) -> float:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PROBE", "TORCH_FR", "TORCH_NCCL_TRACE"))}
     env.update(TORCH_FR_BUFFER_SIZE=str(buffer), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, __file__, "--per-call", str(n)], capture_output=True, text=True, env=env,
-                         cwd=ROOT, timeout=600)
+    out = subprocess.run(
+        [sys.executable, __file__, "--per-call", str(n)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600
+    )
     line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT")), None)
     if line is None:
         raise SystemExit(f"the per-call run failed:\n{out.stderr[-2000:]}")
@@ -108,15 +112,33 @@ def run_per_call(buffer: int, n: int) -> float:
 def run(buffer: int, steps: int, world: int) -> tuple[float, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PROBE", "TORCH_FR", "TORCH_NCCL_TRACE"))}
     env.update(TORCH_FR_BUFFER_SIZE=str(buffer), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-                          __file__, "--worker", "--steps", str(steps)], capture_output=True, text=True, env=env,
-                         cwd=ROOT, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(world),
+            __file__,
+            "--worker",
+            "--steps",
+            str(steps),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
     line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT")), None)
     if line is None:
         raise SystemExit(f"the DDP job failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     fields = dict(kv.split("=") for kv in line.split()[1:])
-    return float(fields["median_step_s"]), (f"a query's dump without/with frames {fields['dump_ms']} ms for {fields['rows']} "
-                                            f"rows; {fields['per_step']} collectives per step")
+    return float(fields["median_step_s"]), (
+        f"a query's dump without/with frames {fields['dump_ms']} ms for {fields['rows']} "
+        f"rows; {fields['per_step']} collectives per step"
+    )
 
 
 def main():
@@ -141,20 +163,26 @@ def main():
         off.append(got[0][0])
         on.append(got[size][0])
         notes.append(got[size][1])
-        print(f"round {i + 1}: off {off[-1] * 1000:.2f} ms, on {on[-1] * 1000:.2f} ms per step ({notes[-1]})", flush=True)
+        print(
+            f"round {i + 1}: off {off[-1] * 1000:.2f} ms, on {on[-1] * 1000:.2f} ms per step ({notes[-1]})", flush=True
+        )
     ratio = statistics.median(on) / statistics.median(off)
-    print(f"DDP step, median: recorder off {statistics.median(off) * 1000:.2f} ms, on ({size} entries) "
-          f"{statistics.median(on) * 1000:.2f} ms; ratio {ratio:.3f} (goal <= 1.01; on a shared machine the "
-          "run-to-run noise exceeds the recorder's cost, hence the per-call figure below)")
+    print(
+        f"DDP step, median: recorder off {statistics.median(off) * 1000:.2f} ms, on ({size} entries) "
+        f"{statistics.median(on) * 1000:.2f} ms; ratio {ratio:.3f} (goal <= 1.01; on a shared machine the "
+        "run-to-run noise exceeds the recorder's cost, hence the per-call figure below)"
+    )
     n = 3000
     c_off, c_on = float("inf"), float("inf")
     for _ in range(5):  # alternated processes, the best of each: the least disturbed by other load
         c_off, c_on = min(c_off, run_per_call(0, n)), min(c_on, run_per_call(size, n))
     per_step = float(notes[-1].rsplit("; ", 1)[1].split()[0])
     extra = max(c_on - c_off, 0.0) * per_step
-    print(f"one all_reduce (1 rank, best of 5 processes x 5 x {n}): off {c_off * 1e6:.1f} us, on {c_on * 1e6:.1f} us: "
-          f"the recorder costs {(c_on - c_off) * 1e6:.1f} us per collective; with {per_step:.1f} collectives per "
-          f"DDP step that is {extra * 1e6:.1f} us, {extra / statistics.median(off):.3%} of the {statistics.median(off) * 1000:.1f} ms step")
+    print(
+        f"one all_reduce (1 rank, best of 5 processes x 5 x {n}): off {c_off * 1e6:.1f} us, on {c_on * 1e6:.1f} us: "
+        f"the recorder costs {(c_on - c_off) * 1e6:.1f} us per collective; with {per_step:.1f} collectives per "
+        f"DDP step that is {extra * 1e6:.1f} us, {extra / statistics.median(off):.3%} of the {statistics.median(off) * 1000:.1f} ms step"
+    )
 
 
 if __name__ == "__main__":

@@ -43,13 +43,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from harness import clean_env  # noqa: E402  (tests/harness.py: the one harness tests and benchmarks share)
+
 PROBE = str(Path(sys.executable).with_name("probe"))
 
 
 def start(cmd: list, env: dict, pattern: str, count: int = 1, timeout: float = 180.0):
     """Start ``cmd``; wait for ``count`` lines matching ``pattern``; (process, the matches, output lines)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True, cwd=env["PROBE_RUNTIME_DIR"])
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+        cwd=env["PROBE_RUNTIME_DIR"],
+    )
     lines: list = []
     threading.Thread(target=lambda: [lines.append(line.rstrip()) for line in proc.stdout], daemon=True).start()
     deadline = time.monotonic() + timeout
@@ -80,7 +88,9 @@ CPU: list = []  # CPU seconds (user + system) of each doctor run: its own cost, 
 def doctor(env: dict, *where) -> tuple[float, dict]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    r = subprocess.run([PROBE, *where, "--format", "json", "doctor"], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [PROBE, *where, "--format", "json", "doctor"], capture_output=True, text=True, env=env, timeout=120
+    )
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     CPU.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
@@ -94,8 +104,10 @@ def loud(doc: dict) -> list:
 
 
 def summary(times: list, cpu: list) -> str:
-    return (f"wall median {statistics.median(times):.2f} s, max {max(times):.2f} s over {len(times)} runs; "
-            f"CPU of the CLI median {statistics.median(cpu):.2f} s")
+    return (
+        f"wall median {statistics.median(times):.2f} s, max {max(times):.2f} s over {len(times)} runs; "
+        f"CPU of the CLI median {statistics.median(cpu):.2f} s"
+    )
 
 
 def main() -> int:
@@ -122,8 +134,19 @@ def main() -> int:
         wolf += healthy_minute(env, args.seconds)
 
     # 2. a healthy local DDP job (no simulated data wait: --step-sleep 0), all ranks vs rank 0, alternating
-    ddp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.world),
-           str(ROOT / "examples" / "train_ddp.py"), "--steps", "0", "--step-sleep", "0"]
+    ddp = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(args.world),
+        str(ROOT / "examples" / "train_ddp.py"),
+        "--steps",
+        "0",
+        "--step-sleep",
+        "0",
+    ]
     proc, _, _ = start(ddp, dict(env, PROBE="1"), r"ready rank=(\d+)", count=args.world)
     try:
         every, one, cpu_every, cpu_one = [], [], [], []
@@ -141,7 +164,9 @@ def main() -> int:
         print(f"healthy train_ddp.py --step-sleep 0, {args.world} ranks:")
         print(f"  doctor, all ranks: {summary(every, cpu_every)} (goal <= 10 s)")
         print(f"  doctor, rank 0:    {summary(one, cpu_one)}")
-        print(f"  all ranks / one rank, paired runs: median wall ratio {ratio:.2f}; load average {os.getloadavg()[0]:.1f}")
+        print(
+            f"  all ranks / one rank, paired runs: median wall ratio {ratio:.2f}; load average {os.getloadavg()[0]:.1f}"
+        )
     finally:
         stop(proc)
     for where, f in wolf:
@@ -152,10 +177,22 @@ def main() -> int:
 def side_by_side(env: dict, rt: str, world: int, pairs: int) -> int:
     """train_gpt.py and a ``world``-rank DDP job flat out at once; the doctor on each, alternating, with the
     plan cache warm and cold. Returns 1 when a finding above info came up (a healthy job)."""
-    one, found, _ = start([sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--print-every", "1000000"], env,
-                      r"ready pid=(\d+)")
-    ddp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           str(ROOT / "examples" / "train_ddp.py"), "--steps", "0", "--step-sleep", "0"]
+    one, found, _ = start(
+        [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--print-every", "1000000"], env, r"ready pid=(\d+)"
+    )
+    ddp = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world),
+        str(ROOT / "examples" / "train_ddp.py"),
+        "--steps",
+        "0",
+        "--step-sleep",
+        "0",
+    ]
     wolf, times = [], {}
     try:
         job, _, _ = start(ddp, dict(env, PROBE="1"), r"ready rank=(\d+)", count=world)
@@ -175,14 +212,18 @@ def side_by_side(env: dict, rt: str, world: int, pairs: int) -> int:
             stop(job)
     finally:
         stop(one)
-    print(f"side by side: train_gpt.py and train_ddp.py x{world} flat out at once on {os.cpu_count()} CPUs; "
-          f"the doctor alternating, {pairs} runs each:")
+    print(
+        f"side by side: train_gpt.py and train_ddp.py x{world} flat out at once on {os.cpu_count()} CPUs; "
+        f"the doctor alternating, {pairs} runs each:"
+    )
     print("| | plans | wall, median (max) | CPU of the CLI, median | load average, median |")
     print("|---|---|---|---|---|")
     for (label, plans), rows in times.items():
         walls = [w for w, _, _ in rows]
-        print(f"| {label} | {plans} | {statistics.median(walls):.2f} s ({max(walls):.2f} s) | "
-              f"{statistics.median(c for _, c, _ in rows):.2f} s | {statistics.median(l for _, _, l in rows):.1f} |")
+        print(
+            f"| {label} | {plans} | {statistics.median(walls):.2f} s ({max(walls):.2f} s) | "
+            f"{statistics.median(c for _, c, _ in rows):.2f} s | {statistics.median(l for _, _, l in rows):.1f} |"
+        )
     for where, f in wolf:
         print(f"CRIED WOLF ({where}): {f['severity']} {f['rule']}: {f['message']}")
     return 1 if wolf else 0
@@ -195,7 +236,9 @@ def planted_faults(env: dict) -> None:
     print("planted fault -> the doctor's first finding (seconds from 'planted' to named; one doctor run's wall time):")
     for fault, rule, _ in FAULTS:
         extra, settings = plant(fault)
-        proc, _, _ = start([sys.executable, str(ROOT / "tests" / "targets" / "faults.py"), *extra], dict(env, **settings), r"planted")
+        proc, _, _ = start(
+            [sys.executable, str(ROOT / "tests" / "targets" / "faults.py"), *extra], dict(env, **settings), r"planted"
+        )
         try:
             t0 = time.perf_counter()
             while True:
@@ -205,7 +248,9 @@ def planted_faults(env: dict) -> None:
                     break
             first = doc["findings"][0] if doc["findings"] else None
             named = f"named after {time.perf_counter() - t0:.1f} s" if hit else "NOT NAMED within 90 s"
-            line = f"{first['severity']} {first['rule']}: {first['message'].splitlines()[0]}" if first else "(no finding)"
+            line = (
+                f"{first['severity']} {first['rule']}: {first['message'].splitlines()[0]}" if first else "(no finding)"
+            )
             print(f"  {fault}: {named}; doctor {wall:.2f} s; first: {line}")
         finally:
             stop(proc)
@@ -214,8 +259,9 @@ def planted_faults(env: dict) -> None:
 def healthy_minute(env: dict, seconds: float) -> list:
     """examples/train_gpt.py for ``seconds``, the doctor back to back; the findings above info."""
     wolf = []
-    proc, found, _ = start([sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--print-every", "50"], env,
-                           r"ready pid=(\d+)")
+    proc, found, _ = start(
+        [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--print-every", "50"], env, r"ready pid=(\d+)"
+    )
     pid = found[0].group(1)
     try:
         times, runs = [], 0
@@ -225,10 +271,16 @@ def healthy_minute(env: dict, seconds: float) -> list:
             times.append(wall)
             runs += 1
             wolf += [(f"train_gpt after {seconds - (end - time.monotonic()):.0f} s", f) for f in loud(doc)]
-        steps = subprocess.run([PROBE, pid, "--format", "json", "query", "SELECT max(step) AS step FROM torch.steps"],
-                               capture_output=True, text=True, env=env).stdout
-        print(f"healthy train_gpt.py for {seconds:.0f} s ({json.loads(steps)[0]['step']} steps): "
-              f"{runs} doctor runs, {len(wolf)} findings above info")
+        steps = subprocess.run(
+            [PROBE, pid, "--format", "json", "query", "SELECT max(step) AS step FROM torch.steps"],
+            capture_output=True,
+            text=True,
+            env=env,
+        ).stdout
+        print(
+            f"healthy train_gpt.py for {seconds:.0f} s ({json.loads(steps)[0]['step']} steps): "
+            f"{runs} doctor runs, {len(wolf)} findings above info"
+        )
         print(f"  doctor, one rank: {summary(times, CPU[-runs:])} (goal <= 5 s); load average {os.getloadavg()[0]:.1f}")
     finally:
         stop(proc)

@@ -22,7 +22,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from harness import clean_env, stop_groups  # noqa: E402  (tests/harness.py: the one harness tests and benchmarks share)
-PROBE = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
+
+PROBE = (
+    str(Path(sys.executable).with_name("probe"))
+    if Path(sys.executable).with_name("probe").exists()
+    else shutil.which("probe")
+)
 
 
 def timed(env, args, repeat):
@@ -46,23 +51,37 @@ def main():
     procs = []
     try:
         for r in range(a.ranks):
-            procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/targets/idle.py")], stdout=subprocess.PIPE,
-                                          text=True, env=dict(env, RANK=str(r), WORLD_SIZE=str(a.ranks)),
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(ROOT / "tests/targets/idle.py")],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env=dict(env, RANK=str(r), WORLD_SIZE=str(a.ranks)),
+                    start_new_session=True,
+                )
+            )
         for p in procs:
             p.stdout.readline()  # the ready line
         sql = "SELECT rank, count(*) AS frames FROM python.backtrace GROUP BY rank"
         cases = [
             ("backtrace", ["--rank", "0", "backtrace"], ["--ranks", "all", "backtrace"]),
             ("backtrace --group", ["--rank", "0", "backtrace"], ["--ranks", "all", "backtrace", "--group"]),
-            ("query", ["--rank", "0", "query", "SELECT count(*) FROM python.backtrace"], ["--ranks", "all", "query", sql]),
+            (
+                "query",
+                ["--rank", "0", "query", "SELECT count(*) FROM python.backtrace"],
+                ["--ranks", "all", "query", sql],
+            ),
             ("status", ["--rank", "0", "status"], ["--ranks", "all", "status"]),
         ]
-        print(f"{a.ranks} local probed processes, median of {a.repeat} runs of the real `probe` command, {os.cpu_count()} cores")
+        print(
+            f"{a.ranks} local probed processes, median of {a.repeat} runs of the real `probe` command, {os.cpu_count()} cores"
+        )
         print(f"{'command':<20} {'1 rank':>9} {'all ranks':>10} {'ratio':>7}")
         for name, one, many in cases:
             t1, tn = timed(env, one, a.repeat), timed(env, many, a.repeat)
-            print(f"{name:<20} {t1 * 1000:>7.0f}ms {tn * 1000:>8.0f}ms {tn / t1:>6.2f}x  {'ok' if tn <= 1.0 else 'OVER 1 s'}")
+            print(
+                f"{name:<20} {t1 * 1000:>7.0f}ms {tn * 1000:>8.0f}ms {tn / t1:>6.2f}x  {'ok' if tn <= 1.0 else 'OVER 1 s'}"
+            )
     finally:
         stop_groups(procs)
         shutil.rmtree(rt, ignore_errors=True)

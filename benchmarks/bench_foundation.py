@@ -22,9 +22,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from harness import clean_env  # noqa: E402  (tests/harness.py: the one harness tests and benchmarks share)
+
 TARGET = ROOT / "tests" / "targets" / "idle.py"
-PROBE = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
-PYSPY = str(Path(sys.executable).with_name("py-spy")) if Path(sys.executable).with_name("py-spy").exists() else shutil.which("py-spy")
+PROBE = (
+    str(Path(sys.executable).with_name("probe"))
+    if Path(sys.executable).with_name("probe").exists()
+    else shutil.which("probe")
+)
+PYSPY = (
+    str(Path(sys.executable).with_name("py-spy"))
+    if Path(sys.executable).with_name("py-spy").exists()
+    else shutil.which("py-spy")
+)
 
 
 def start(env, with_probe=True):
@@ -52,15 +61,21 @@ def cpu_seconds(pid: int) -> float:
 
 
 def import_cost(env, runs: int):
-    code = ("import time, os\n"
-            "def rss(): return int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')\n"
-            "r0 = rss(); t0 = time.perf_counter()\n"
-            "{stmt}\n"
-            "print(time.perf_counter() - t0, rss() - r0)\n")
+    code = (
+        "import time, os\n"
+        "def rss(): return int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')\n"
+        "r0 = rss(); t0 = time.perf_counter()\n"
+        "{stmt}\n"
+        "print(time.perf_counter() - t0, rss() - r0)\n"
+    )
     out = {}
     for label, stmt in (("bare", "pass"), ("probe.auto", "import probe.auto")):
-        samples = [subprocess.run([sys.executable, "-c", code.format(stmt=stmt)], capture_output=True, text=True, env=env).stdout.split()
-                   for _ in range(runs)]
+        samples = [
+            subprocess.run(
+                [sys.executable, "-c", code.format(stmt=stmt)], capture_output=True, text=True, env=env
+            ).stdout.split()
+            for _ in range(runs)
+        ]
         out[label] = (statistics.median(float(s[0]) for s in samples), statistics.median(int(s[1]) for s in samples))
     return out
 
@@ -85,8 +100,10 @@ def main() -> int:
             floor_t.append(timed([sys.executable, "-c", "pass"], env))
         p, s, f = statistics.median(probe_t), statistics.median(spy_t), statistics.median(floor_t)
         print(f"backtrace: probe {p * 1000:.0f} ms vs py-spy dump {s * 1000:.0f} ms -> ratio {p / s:.2f}x (goal <= 4x)")
-        print(f"  floor: a bare `python -c pass` takes {f * 1000:.0f} ms here ({f / s:.2f}x py-spy); "
-              f"probe's own work on top of the interpreter start: {(p - f) * 1000:.0f} ms")
+        print(
+            f"  floor: a bare `python -c pass` takes {f * 1000:.0f} ms here ({f / s:.2f}x py-spy); "
+            f"probe's own work on top of the interpreter start: {(p - f) * 1000:.0f} ms"
+        )
     finally:
         target.terminate()
         target.wait()
@@ -102,8 +119,10 @@ def main() -> int:
         time.sleep(args.idle_seconds)
         c1 = (cpu_seconds(with_probe.pid), cpu_seconds(without.pid))
         a, b = c1[0] - c0[0], c1[1] - c0[1]
-        print(f"idle CPU over {args.idle_seconds:g} s: with probe {a * 1000:.0f} ms, without {b * 1000:.0f} ms "
-              f"-> probe adds {(a - b) * 1000:+.0f} ms ({(a - b) / args.idle_seconds * 100:+.2f}% of a core; goal ~0)")
+        print(
+            f"idle CPU over {args.idle_seconds:g} s: with probe {a * 1000:.0f} ms, without {b * 1000:.0f} ms "
+            f"-> probe adds {(a - b) * 1000:+.0f} ms ({(a - b) / args.idle_seconds * 100:+.2f}% of a core; goal ~0)"
+        )
     finally:
         for p in (with_probe, without):
             p.terminate()

@@ -52,7 +52,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from harness import clean_env  # noqa: E402  (tests/harness.py: the one harness tests and benchmarks share)
-PROBE = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
+
+PROBE = (
+    str(Path(sys.executable).with_name("probe"))
+    if Path(sys.executable).with_name("probe").exists()
+    else shutil.which("probe")
+)
 
 TRAIN = r"""
 import os, sys, time, statistics
@@ -92,8 +97,14 @@ while True:
 
 class Proc:
     def __init__(self, code: str, env: dict, cpus: set | None = None):
-        self.p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, env=env, start_new_session=True)
+        self.p = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         if cpus:
             os.sched_setaffinity(self.p.pid, cpus)  # before it starts its threads: they inherit it
         self.lines: list[str] = []
@@ -177,7 +188,9 @@ def small_query_load(pid: int, clients: int, stop: threading.Event, counts: list
         s = Session(pid)
         while not stop.is_set():
             try:
-                federated_query(s, f"SELECT {i} AS i, count(*) AS n, max(step) AS last FROM torch.steps", targets=[s.target()])
+                federated_query(
+                    s, f"SELECT {i} AS i, count(*) AS n, max(step) AS last FROM torch.steps", targets=[s.target()]
+                )
                 counts[i] += 1
             except Exception as exc:  # counted, shown at the end
                 errors.append(f"{type(exc).__name__}: {exc}")
@@ -228,20 +241,40 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=11)
     ap.add_argument("--baseline", help="directory of another probe (its training side) to measure item 1 against")
-    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                    help="a setting for the probed processes (this probe's, not the baseline's), e.g. PROBE_SERVE_SHARE=off")
-    ap.add_argument("--against", default="PROBE_SERVE_SHARE=off", metavar="NAME=VALUE",
-                    help="item 1 also runs a loop of this probe with this setting, side by side (default: pacing off); '' for none")
+    ap.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a setting for the probed processes (this probe's, not the baseline's), e.g. PROBE_SERVE_SHARE=off",
+    )
+    ap.add_argument(
+        "--against",
+        default="PROBE_SERVE_SHARE=off",
+        metavar="NAME=VALUE",
+        help="item 1 also runs a loop of this probe with this setting, side by side (default: pacing off); '' for none",
+    )
     ap.add_argument("--no-pin", action="store_true", help="let the training loop and the clients share every CPU")
-    ap.add_argument("--stall-width", type=int, default=1024, help="hidden width of item 3's loop (1024: ~10-15 ms steps on a 2-core VM)")
+    ap.add_argument(
+        "--stall-width",
+        type=int,
+        default=1024,
+        help="hidden width of item 3's loop (1024: ~10-15 ms steps on a 2-core VM)",
+    )
     args = ap.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     pin = not args.no_pin and len(cpus) >= 2
     train_cpus, client_cpus = ({cpus[0]}, set(cpus[1:])) if pin else (None, None)
     if pin:
         os.sched_setaffinity(0, client_cpus)  # the clients (threads of this process) and their DuckDB threads
-    print(f"layout: " + (f"training on CPU {cpus[0]}, clients and the control process on CPU(s) "
-                         f"{','.join(map(str, cpus[1:]))}" if pin else f"everything shares CPUs {','.join(map(str, cpus))}"))
+    print(
+        "layout: "
+        + (
+            f"training on CPU {cpus[0]}, clients and the control process on CPU(s) {','.join(map(str, cpus[1:]))}"
+            if pin
+            else f"everything shares CPUs {','.join(map(str, cpus))}"
+        )
+    )
     rt = tempfile.mkdtemp(prefix="pbh-", dir="/tmp")
     env = clean_env(rt)  # no PROBE* setting of ours, its own runtime dir, unbuffered, one OpenMP thread
     os.environ.update(PROBE_RUNTIME_DIR=rt)
@@ -249,8 +282,14 @@ def main() -> int:
     train = Proc(TRAIN, dict(env, **settings), train_cpus)
     idle = Proc(IDLE, env, client_cpus)
     base = Proc(TRAIN, dict(env, PYTHONPATH=args.baseline), train_cpus) if args.baseline else None
-    against = Proc(TRAIN, dict(env, **settings, **dict([args.against.split("=", 1)])), train_cpus) if args.against else None
-    loops = {"this probe": train, **({f"with {args.against}": against} if against else {}), **({"baseline": base} if base else {})}
+    against = (
+        Proc(TRAIN, dict(env, **settings, **dict([args.against.split("=", 1)])), train_cpus) if args.against else None
+    )
+    loops = {
+        "this probe": train,
+        **({f"with {args.against}": against} if against else {}),
+        **({"baseline": base} if base else {}),
+    }
 
     def only(proc):
         """Let ``proc`` run and stop the other training loop (one measured at a time)."""
@@ -275,8 +314,12 @@ def main() -> int:
             return max(s[2] for s in stats), statistics.median(s[1] for s in stats)
 
         def one_query():
-            r = subprocess.run([PROBE, str(stall.pid), "query", "SELECT count(*) FROM torch.steps", "-f", "json"],
-                               capture_output=True, text=True, env=env)
+            r = subprocess.run(
+                [PROBE, str(stall.pid), "query", "SELECT count(*) FROM torch.steps", "-f", "json"],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
             assert r.returncode == 0, r.stderr
 
         quiet = [worst_during(lambda: time.sleep(0.5)) for _ in range(3)]  # ok-sleep: windows without a query
@@ -285,15 +328,21 @@ def main() -> int:
         later, _ = worst_during(one_query)
         stall.stop()
         quiet_worst = max(w for w, _ in quiet)
-        print(f"3. first query ({args.stall_width}-wide loop): worst step {first:.1f} ms; a later query {later:.1f} ms; "
-              f"median step {median_step:.2f} ms; worst step of 3 quiet windows {quiet_worst:.1f} ms   "
-              f"first/median {first / median_step:.2f}x (goal <= 2x), first/quiet {first / quiet_worst:.2f}x")
+        print(
+            f"3. first query ({args.stall_width}-wide loop): worst step {first:.1f} ms; a later query {later:.1f} ms; "
+            f"median step {median_step:.2f} ms; worst step of 3 quiet windows {quiet_worst:.1f} ms   "
+            f"first/median {first / median_step:.2f}x (goal <= 2x), first/quiet {first / quiet_worst:.2f}x"
+        )
 
         only(train)
         wait_stats(train, 2.0)  # warm up
         # 1. step rate under small-query load, aimed at the training process vs at the control, in
         #    interleaved rounds (alone, control, training) so that the machine's drift cancels out
-        arms = (("control", idle, small_query_load), ("training", None, small_query_load), ("raw", None, raw_snapshot_load))
+        arms = (
+            ("control", idle, small_query_load),
+            ("training", None, small_query_load),
+            ("raw", None, raw_snapshot_load),
+        )
         ratios: dict = {name: {arm[0]: [] for arm in arms} for name in loops}
         done: dict = {name: dict.fromkeys(ratios[name], 0) for name in loops}
         failures: list = []
@@ -315,11 +364,13 @@ def main() -> int:
         for name in loops:
             r = {label: statistics.median(v) for label, v in ratios[name].items()}
             q = {label: n / (args.rounds * args.seconds) for label, n in done[name].items()}
-            print(f"1. {name}: {args.clients} clients, median of {args.rounds} rounds (each against its own window alone just before): "
-                  f"step-rate ratio {r['training']:.2f} with CLI-like queries to the training process ({q['training']:.0f}/s; goal >= 0.9), "
-                  f"{r['control']:.2f} with them aimed at another process ({q['control']:.0f}/s; the clients' own CPU), "
-                  f"{r['raw']:.2f} with raw snapshots back to back ({q['raw']:.0f}/s answered)   "
-                  f"[{len(failures)} failed" + (f": {failures[0]}" if failures else "") + "]")
+            print(
+                f"1. {name}: {args.clients} clients, median of {args.rounds} rounds (each against its own window alone just before): "
+                f"step-rate ratio {r['training']:.2f} with CLI-like queries to the training process ({q['training']:.0f}/s; goal >= 0.9), "
+                f"{r['control']:.2f} with them aimed at another process ({q['control']:.0f}/s; the clients' own CPU), "
+                f"{r['raw']:.2f} with raw snapshots back to back ({q['raw']:.0f}/s answered)   "
+                f"[{len(failures)} failed" + (f": {failures[0]}" if failures else "") + "]"
+            )
 
         # 2. RSS during hostile queries
         before = train.rss()
@@ -333,21 +384,29 @@ def main() -> int:
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        hostile = ["SELECT max(len(x)) FROM (SELECT range(100000000) AS x)",
-                   "SELECT max(length(s)) FROM (SELECT repeat('x', 1000000) AS s FROM range(500))",
-                   "SELECT count(*) FROM torch.steps a, torch.steps b, torch.steps c",
-                   "SELECT * FROM python.torch_trace"]
+        hostile = [
+            "SELECT max(len(x)) FROM (SELECT range(100000000) AS x)",
+            "SELECT max(length(s)) FROM (SELECT repeat('x', 1000000) AS s FROM range(500))",
+            "SELECT count(*) FROM torch.steps a, torch.steps b, torch.steps c",
+            "SELECT * FROM python.torch_trace",
+        ]
         outcomes = []
         for sql in hostile:
             t0 = time.perf_counter()
-            r = subprocess.run([PROBE, "--timeout", "3", str(train.pid), "query", sql, "-f", "json"],
-                               capture_output=True, text=True, env=dict(env, PROBE_QUERY_MEMORY="512MB"))
+            r = subprocess.run(
+                [PROBE, "--timeout", "3", str(train.pid), "query", sql, "-f", "json"],
+                capture_output=True,
+                text=True,
+                env=dict(env, PROBE_QUERY_MEMORY="512MB"),
+            )
             outcomes.append(f"{time.perf_counter() - t0:.1f}s rc={r.returncode}")
         done.set()
         sampler.join()
-        print(f"2. hostile queries ({'; '.join(outcomes)}): training RSS {before / 2**20:.0f} MiB before, "
-              f"peak {peak[0] / 2**20:.0f} MiB (+{(peak[0] - before) / 2**20:.1f} MiB; "
-              f"goal: bounded by PROBE_SNAPSHOT_BYTES, 64 MB by default)")
+        print(
+            f"2. hostile queries ({'; '.join(outcomes)}): training RSS {before / 2**20:.0f} MiB before, "
+            f"peak {peak[0] / 2**20:.0f} MiB (+{(peak[0] - before) / 2**20:.1f} MiB; "
+            f"goal: bounded by PROBE_SNAPSHOT_BYTES, 64 MB by default)"
+        )
 
         # 4. CLI latencies side by side
         q = "SELECT func, file, lineno, depth FROM python.backtrace WHERE depth < 3"
@@ -355,9 +414,15 @@ def main() -> int:
         js = cli_median(env, [PROBE, str(train.pid), "query", q, "-f", "json"], args.repeat)
         bt = cli_median(env, [PROBE, str(train.pid), "backtrace"], args.repeat)
         pyspy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-        spy = cli_median(env, [pyspy, "dump", "--pid", str(train.pid)], args.repeat) if Path(pyspy).exists() else float("nan")
-        print(f"4. CLI medians of {args.repeat}: query (table) {table:.3f} s (goal <= 0.45 s), query -f json {js:.3f} s, "
-              f"backtrace {bt:.3f} s, py-spy dump {spy:.3f} s")
+        spy = (
+            cli_median(env, [pyspy, "dump", "--pid", str(train.pid)], args.repeat)
+            if Path(pyspy).exists()
+            else float("nan")
+        )
+        print(
+            f"4. CLI medians of {args.repeat}: query (table) {table:.3f} s (goal <= 0.45 s), query -f json {js:.3f} s, "
+            f"backtrace {bt:.3f} s, py-spy dump {spy:.3f} s"
+        )
 
         # 5. a query from a client whose engine is already loaded (the REPL, the page, the MCP server)
         from probe.cli.query_runner import federated_query
@@ -369,8 +434,10 @@ def main() -> int:
             t0 = time.perf_counter()
             federated_query(session, q, targets=[session.target()])
             warm.append(time.perf_counter() - t0)
-        print(f"5. warm query (engine loaded, as in the REPL/UI), median of {args.repeat}: "
-              f"{statistics.median(warm) * 1000:.1f} ms (goal <= 50 ms), worst {max(warm) * 1000:.1f} ms")
+        print(
+            f"5. warm query (engine loaded, as in the REPL/UI), median of {args.repeat}: "
+            f"{statistics.median(warm) * 1000:.1f} ms (goal <= 50 ms), worst {max(warm) * 1000:.1f} ms"
+        )
     finally:
         for proc in (train, idle, base, against, stall):
             if proc is not None and proc.p.poll() is None:

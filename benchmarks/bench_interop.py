@@ -25,7 +25,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from harness import clean_env  # noqa: E402  (tests/harness.py: the one harness tests and benchmarks share)
-PROBE = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
+
+PROBE = (
+    str(Path(sys.executable).with_name("probe"))
+    if Path(sys.executable).with_name("probe").exists()
+    else shutil.which("probe")
+)
 
 SPAN_BENCH = r"""
 import sys, timeit, contextlib
@@ -63,13 +68,28 @@ def main():
     env = clean_env(rt)  # no PROBE* setting of ours, its own runtime dir, unbuffered, one OpenMP thread
 
     for mode in ("off", "on"):
-        out = subprocess.run([sys.executable, "-c", SPAN_BENCH, str(args.spans), mode], capture_output=True, text=True,
-                             env=env, cwd=rt, timeout=600)
+        out = subprocess.run(
+            [sys.executable, "-c", SPAN_BENCH, str(args.spans), mode],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=rt,
+            timeout=600,
+        )
         base, span = map(float, out.stdout.split())
-        print(f"probe.span, probe {mode:3}: {span:7.1f} ns per block (empty nullcontext block {base:.1f} ns; +{span - base:.1f} ns)")
+        print(
+            f"probe.span, probe {mode:3}: {span:7.1f} ns per block (empty nullcontext block {base:.1f} ns; +{span - base:.1f} ns)"
+        )
 
-    p = subprocess.Popen([sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--print-every", "100000"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=rt, start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--print-every", "100000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=rt,
+        start_new_session=True,
+    )
     try:
         for line in p.stdout:
             if line.startswith("ready"):
@@ -77,7 +97,9 @@ def main():
         pid = p.pid
 
         def last_step():
-            rows = json.loads(probe_cli(env, pid, "--format", "json", "query", "SELECT MAX(step) AS s FROM torch.steps").stdout)
+            rows = json.loads(
+                probe_cli(env, pid, "--format", "json", "query", "SELECT MAX(step) AS s FROM torch.steps").stdout
+            )
             return rows[0]["s"] or 0
 
         while last_step() < 100:  # past warm-up
@@ -89,20 +111,31 @@ def main():
         end = last_step()
         while last_step() < end + 3 * args.steps:
             time.sleep(0.2)  # ok-sleep: polling the job's progress
-        rows = json.loads(probe_cli(env, pid, "--format", "json", "query", f"""
+        rows = json.loads(
+            probe_cli(
+                env,
+                pid,
+                "--format",
+                "json",
+                "query",
+                f"""
             WITH p AS (SELECT step FROM probe.actions WHERE command = 'profile-steps')
             SELECT CASE WHEN s.step <= p.step THEN 'before' WHEN s.step <= p.step + {args.steps} THEN 'during'
                         ELSE 'after' END AS phase, COUNT(*) AS n, MEDIAN(s.duration) AS median_s
             FROM torch.steps s, p
             WHERE s.step > p.step - {3 * args.steps} AND s.step <= p.step + {3 * args.steps}
               AND s.step <> p.step + {args.steps}  -- the step whose boundary exports the trace
-            GROUP BY ALL""").stdout)
+            GROUP BY ALL""",
+            ).stdout
+        )
         by = {r["phase"]: r for r in rows}
         before = by["before"]["median_s"]
         for phase in ("before", "during", "after"):
             r = by[phase]
-            print(f"train_gpt.py median step {phase:6}: {r['median_s'] * 1e3:7.2f} ms over {r['n']:3} steps "
-                  f"(x{r['median_s'] / before:.3f} of before)")
+            print(
+                f"train_gpt.py median step {phase:6}: {r['median_s'] * 1e3:7.2f} ms over {r['n']:3} steps "
+                f"(x{r['median_s'] / before:.3f} of before)"
+            )
         print(f"probe PID trace --steps 10: {trace_s:.2f} s end to end")
     finally:
         os.killpg(p.pid, signal.SIGTERM)

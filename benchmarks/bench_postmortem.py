@@ -41,7 +41,12 @@ from probe.postmortem import record  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--every", type=float, default=30.0, help="The period of the A/B at defaults (PROBE_POSTMORTEM_EVERY's default).")
+    ap.add_argument(
+        "--every",
+        type=float,
+        default=30.0,
+        help="The period of the A/B at defaults (PROBE_POSTMORTEM_EVERY's default).",
+    )
     ap.add_argument("--pairs", type=int, default=3, help="Alternating on/off pairs of each A/B.")
     ap.add_argument("--short", type=float, default=1.0, help="Block length of the per-snapshot A/B, seconds.")
     ap.add_argument("--short-pairs", type=int, default=30, help="Pairs of the per-snapshot A/B.")
@@ -65,9 +70,11 @@ def main() -> None:
         assert record.write("snapshot") is not None
         times.append(time.perf_counter() - t0)
     per = statistics.median(times)
-    print(f"snapshot of full rings ({args.steps} steps traced): median {per * 1000:.1f} ms "
-          f"(min {min(times) * 1000:.1f}, max {max(times) * 1000:.1f}); "
-          f"share of wall time at one snapshot every {args.every:g} s: {100 * per / args.every:.3f} %")
+    print(
+        f"snapshot of full rings ({args.steps} steps traced): median {per * 1000:.1f} ms "
+        f"(min {min(times) * 1000:.1f}, max {max(times) * 1000:.1f}); "
+        f"share of wall time at one snapshot every {args.every:g} s: {100 * per / args.every:.3f} %"
+    )
 
     import threading
 
@@ -98,9 +105,11 @@ def main() -> None:
         return statistics.median(on) / statistics.median(off), statistics.median(on), statistics.median(off)
 
     ratio, on, off = ab(args.every, 1.2 * args.every, args.pairs)
-    print(f"A/B at the default period ({args.every:g} s, {args.pairs} pairs of {1.2 * args.every:g} s blocks, alternating): "
-          f"step time with the periodic snapshot / without: {ratio:.4f}x ({on * 1e3:.3f} ms vs {off * 1e3:.3f} ms; "
-          f"goal <= 1.002x)")
+    print(
+        f"A/B at the default period ({args.every:g} s, {args.pairs} pairs of {1.2 * args.every:g} s blocks, alternating): "
+        f"step time with the periodic snapshot / without: {ratio:.4f}x ({on * 1e3:.3f} ms vs {off * 1e3:.3f} ms; "
+        f"goal <= 1.002x)"
+    )
     # per snapshot: short blocks, alternating, one snapshot written on the side at the start of each "on" block;
     # the extra wall time it costs the training loop, over the default period, is the cost at defaults
     extra, ratios = [], []
@@ -117,9 +126,12 @@ def main() -> None:
         extra.append((on_dt - off_dt) * n)
         ratios.append(on_dt / off_dt)
     per = statistics.median(extra)
-    print(f"per snapshot ({args.short_pairs} pairs of {args.short:g} s blocks, alternating): the training loop loses "
-          f"{per * 1e3:.1f} ms (median; block ratio {statistics.median(ratios):.3f}x); at one every {args.every:g} s: "
-          f"{100 * per / args.every:.3f} % of step time (goal <= 0.2 %)")
+    print(
+        f"per snapshot ({args.short_pairs} pairs of {args.short:g} s blocks, alternating): the training loop loses "
+        f"{per * 1e3:.1f} ms (median; block ratio {statistics.median(ratios):.3f}x); at one every {args.every:g} s: "
+        f"{100 * per / args.every:.3f} % of step time (goal <= 0.2 %)"
+    )
+
 
 if __name__ == "__main__":
     sys.exit(main())

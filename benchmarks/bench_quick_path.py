@@ -52,8 +52,13 @@ def main() -> None:
     print("quick-path probe_us per unmeasured step (us): p10, median, p90")
     for r in range(a.rounds):
         for root in a.checkouts:
-            out = subprocess.run([sys.executable, "-c", _CHILD, os.path.abspath(root), str(a.steps)],
-                                 capture_output=True, text=True, env=env, cwd="/")
+            out = subprocess.run(
+                [sys.executable, "-c", _CHILD, os.path.abspath(root), str(a.steps)],
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd="/",
+            )
             if out.returncode != 0:
                 sys.exit(f"{root}: the training process failed:\n{out.stderr}")
             n, p10, med, p90 = out.stdout.split()

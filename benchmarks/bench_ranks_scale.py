@@ -27,7 +27,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from harness import stop_groups  # noqa: E402  (tests/harness.py: the one harness tests and benchmarks share)
-PROBE = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
+
+PROBE = (
+    str(Path(sys.executable).with_name("probe"))
+    if Path(sys.executable).with_name("probe").exists()
+    else shutil.which("probe")
+)
 PER_RANK_MB = 30  # ~21 MB PSS measured per idle rank, with a margin
 
 
@@ -58,8 +63,10 @@ def main():
     a = ap.parse_args()
     need = a.ranks * PER_RANK_MB + 2048
     if available_mb() < need:
-        raise SystemExit(f"{a.ranks} ranks need about {need} MB of free memory and {available_mb()} MB are available; "
-                         "pass a smaller --ranks.")
+        raise SystemExit(
+            f"{a.ranks} ranks need about {need} MB of free memory and {available_mb()} MB are available; "
+            "pass a smaller --ranks."
+        )
     rt = tempfile.mkdtemp(prefix="pbs-", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PROBE", "TORCHELASTIC", "SLURM", "MASTER_"))}
     env.update(PROBE_RUNTIME_DIR=rt, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -68,15 +75,24 @@ def main():
     t0 = time.perf_counter()
     try:
         for r in range(a.ranks):
-            procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/targets/idle.py")], stdout=subprocess.PIPE,
-                                          stderr=subprocess.DEVNULL, text=True,
-                                          env=dict(job, RANK=str(r), LOCAL_RANK=str(r)), start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(ROOT / "tests/targets/idle.py")],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                    env=dict(job, RANK=str(r), LOCAL_RANK=str(r)),
+                    start_new_session=True,
+                )
+            )
         for p in procs:
             if not p.stdout.readline():
                 raise SystemExit("a rank exited before its ready line")
         started = time.perf_counter() - t0
-        print(f"{a.ranks} probed processes ready in {started:.1f} s; timing the real probe command "
-              f"(median of {a.repeat}, process start-up included):")
+        print(
+            f"{a.ranks} probed processes ready in {started:.1f} s; timing the real probe command "
+            f"(median of {a.repeat}, process start-up included):"
+        )
         sql = "SELECT count(*) AS ranks, count(DISTINCT pid) AS pids, max(threads) AS threads FROM process.info"
         # the first query meets ranks that may still be settling after 256 start-ups: timed once, apart
         cold, _, _ = timed(env, ["--timeout", "300", "--ranks", "all", "--format", "json", "query", sql], 1)
@@ -110,8 +126,10 @@ def main():
         if rss:
             print(f"  memory per rank after the queries: {statistics.median(rss) / 1024:.0f} MB PSS (median)")
         goal = results["status"] <= 3.0
-        print(f"status to {a.ranks} ranks: {results['status']:.2f} s, goal <= 3 s: {'met' if goal else 'NOT met'}; "
-              f"ratio to one rank: {results['status'] / results['one rank: status']:.1f}x")
+        print(
+            f"status to {a.ranks} ranks: {results['status']:.2f} s, goal <= 3 s: {'met' if goal else 'NOT met'}; "
+            f"ratio to one rank: {results['status'] / results['one rank: status']:.1f}x"
+        )
     finally:
         stop_groups(procs)
         shutil.rmtree(rt, ignore_errors=True)

@@ -42,7 +42,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from harness import stop_groups  # noqa: E402  (tests/harness.py: the one way to stop what a benchmark started)
 
-PROBE = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
+PROBE = (
+    str(Path(sys.executable).with_name("probe"))
+    if Path(sys.executable).with_name("probe").exists()
+    else shutil.which("probe")
+)
 
 
 def _pyspy() -> str:
@@ -119,18 +123,25 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=15, help="Interleaved rounds (each runs every command once).")
     ap.add_argument("--no-torch", action="store_true", help="A plain Python target (no torch import).")
     ap.add_argument("--imports", action="store_true", help="Also print the slowest imports of backtrace and query.")
-    ap.add_argument("--baseline", metavar="DIR", type=Path, help="An older probe checkout to compare with, side by side.")
+    ap.add_argument(
+        "--baseline", metavar="DIR", type=Path, help="An older probe checkout to compare with, side by side."
+    )
     a = ap.parse_args()
     if not PROBE:
         raise SystemExit("no `probe` command next to this python or on PATH: install the project first.")
     rt = tempfile.mkdtemp(prefix="pbs-", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # an installed probe has its bytecode cached: measure that, not compile()
-    env.update(PROBE_RUNTIME_DIR=rt, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPYCACHEPREFIX=os.path.join(rt, "pycache"),  # written by the warm-up run, never into the checkout
-               BENCH_TORCH="0" if a.no_torch else "1")
-    proc = subprocess.Popen([sys.executable, "-c", TARGET], stdout=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    env.update(
+        PROBE_RUNTIME_DIR=rt,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPYCACHEPREFIX=os.path.join(rt, "pycache"),  # written by the warm-up run, never into the checkout
+        BENCH_TORCH="0" if a.no_torch else "1",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TARGET], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     try:
         line = proc.stdout.readline()
         if not line.startswith("ready"):
@@ -138,22 +149,31 @@ def main() -> int:
         pid = proc.pid
         sock = next(iter(Path(rt).rglob(f"{pid}.sock")), None)
         endpoint = str(sock) if sock else str(pid)
-        cases = [("probe --help", [PROBE, "--help"]),
-                 ("probe PID backtrace", [PROBE, str(pid), "backtrace"]),
-                 ("probe SOCK query", [PROBE, endpoint, "query", "SELECT 1"]),
-                 ("probe SOCK query table", [PROBE, endpoint, "query", TABLE_QUERY])]
+        cases = [
+            ("probe --help", [PROBE, "--help"]),
+            ("probe PID backtrace", [PROBE, str(pid), "backtrace"]),
+            ("probe SOCK query", [PROBE, endpoint, "query", "SELECT 1"]),
+            ("probe SOCK query table", [PROBE, endpoint, "query", TABLE_QUERY]),
+        ]
         if PYSPY:
             cases.insert(0, ("py-spy dump --pid", [PYSPY, "dump", "--pid", str(pid)]))
         else:
             print("py-spy not found: no baseline, ratios omitted")
         trees = {}
         if a.baseline:
-            trees = {"before": assemble(a.baseline.resolve(), Path(rt) / "before"), "after": assemble(ROOT, Path(rt) / "after")}
+            trees = {
+                "before": assemble(a.baseline.resolve(), Path(rt) / "before"),
+                "after": assemble(ROOT, Path(rt) / "after"),
+            }
             for label in trees:
-                for what, args in (("--help", ["--help"]), ("backtrace", [str(pid), "backtrace"]),
-                                   ("query", [endpoint, "query", "SELECT 1"]),
-                                   ("query table", [endpoint, "query", TABLE_QUERY])):
+                for what, args in (
+                    ("--help", ["--help"]),
+                    ("backtrace", [str(pid), "backtrace"]),
+                    ("query", [endpoint, "query", "SELECT 1"]),
+                    ("query table", [endpoint, "query", TABLE_QUERY]),
+                ):
                     cases.append((f"{label}: {what}", [sys.executable, "-c", RUN_CLI, *args]))
+
         def env_of(name):
             label = name.split(":")[0]
             return dict(env, PYTHONPATH=str(trees[label])) if label in trees else env
@@ -163,14 +183,16 @@ def main() -> int:
         walls: dict[str, list[float]] = {name: [] for name, _ in cases}
         cpus: dict[str, list[float]] = {name: [] for name, _ in cases}
         for r in range(a.rounds):
-            order = cases[r % len(cases):] + cases[:r % len(cases)]
+            order = cases[r % len(cases) :] + cases[: r % len(cases)]
             for name, args in order:
                 w, c = timed(args, env_of(name))
                 walls[name].append(w)
                 cpus[name].append(c)
         base = statistics.median(walls["py-spy dump --pid"]) if "py-spy dump --pid" in walls else None
-        print(f"target: {'plain Python' if a.no_torch else 'torch loop'}, pid {pid}; {a.rounds} interleaved rounds, "
-              f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; endpoint {endpoint}")
+        print(
+            f"target: {'plain Python' if a.no_torch else 'torch loop'}, pid {pid}; {a.rounds} interleaved rounds, "
+            f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; endpoint {endpoint}"
+        )
         print(f"{'command':<22} {'wall':>9} {'cpu':>9} {'vs py-spy':>10}")
         for name, _ in cases:
             w, c = statistics.median(walls[name]), statistics.median(cpus[name])
@@ -180,8 +202,10 @@ def main() -> int:
         if base:
             cbase = statistics.median(cpus["py-spy dump --pid"])
             cbt = statistics.median(cpus["probe PID backtrace"])
-            print(f"goal backtrace <= 4x py-spy dump: {bt / base:.1f}x wall {'ok' if bt <= 4 * base else 'OVER'}, "
-                  f"{cbt / cbase:.1f}x cpu (a loaded host inflates wall times; cpu times less so)")
+            print(
+                f"goal backtrace <= 4x py-spy dump: {bt / base:.1f}x wall {'ok' if bt <= 4 * base else 'OVER'}, "
+                f"{cbt / cbase:.1f}x cpu (a loaded host inflates wall times; cpu times less so)"
+            )
         print(f"goal query <= 0.3 s median: {q:.3f} s {'ok' if q <= 0.3 else 'OVER'}")
         if a.imports:
             for name, args in [c for c in cases if c[0].startswith(("probe PID", "probe SOCK"))]:

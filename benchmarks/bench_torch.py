@@ -40,8 +40,10 @@ def launch_bound():
 
 
 def compute_bound():
-    return nn.Sequential(nn.Linear(1024, 2048), nn.GELU(), nn.Linear(2048, 1024), nn.GELU(), nn.Linear(1024, 1)), \
-        (torch.randn(256, 1024), torch.randn(256, 1))
+    return nn.Sequential(nn.Linear(1024, 2048), nn.GELU(), nn.Linear(2048, 1024), nn.GELU(), nn.Linear(1024, 1)), (
+        torch.randn(256, 1024),
+        torch.randn(256, 1),
+    )
 
 
 def train(model, opt, data, steps: int) -> list[float]:
@@ -88,6 +90,7 @@ def interleaved(make, block: int, rounds: int) -> dict:
                 return fn(*a)
             finally:
                 inside[0] += time.perf_counter() - t0
+
         return wrapper
 
     tk.on_optimizer_step = timed(tk.on_optimizer_step)
@@ -135,19 +138,26 @@ def main() -> int:
 def step_overhead(rounds: int) -> None:
     print("1. step time at the defaults: hooks running (on) vs paused (off); off2 is a second paused arm")
     print("   (an A/A control: its difference from off is this machine's noise in this run)")
-    for name, make, block, n in (("launch-bound 48x16", launch_bound, 6, 12 * rounds),
-                                 ("compute-bound 1024x2048", compute_bound, 3, 8 * rounds)):
+    for name, make, block, n in (
+        ("launch-bound 48x16", launch_bound, 6, 12 * rounds),
+        ("compute-bound 1024x2048", compute_bound, 3, 8 * rounds),
+    ):
         arms = interleaved(make, block, n)
         med = {k: statistics.median(arms[k]) for k in ("on", "off", "off2")}
         avg = {k: statistics.fmean(arms[k]) for k in ("on", "off", "off2")}
         print(f"   {name}: {len(arms['on'])} steps per arm, median step {med['off'] * 1e3:.3f} ms")
-        print(f"      on vs off   median {100 * (med['on'] / med['off'] - 1):+5.2f} %   mean {100 * (avg['on'] / avg['off'] - 1):+5.2f} %"
-              f"   goal <= +1 %")
-        print(f"      off2 vs off median {100 * (med['off2'] / med['off'] - 1):+5.2f} %   mean {100 * (avg['off2'] / avg['off'] - 1):+5.2f} %"
-              f"   (noise)")
-        print(f"      time inside the probe's hooks: {arms['direct'] * 1e6:6.1f} us per step = "
-              f"{100 * arms['direct_share']:4.2f} % of step time")
-
+        print(
+            f"      on vs off   median {100 * (med['on'] / med['off'] - 1):+5.2f} %   mean {100 * (avg['on'] / avg['off'] - 1):+5.2f} %"
+            f"   goal <= +1 %"
+        )
+        print(
+            f"      off2 vs off median {100 * (med['off2'] / med['off'] - 1):+5.2f} %   mean {100 * (avg['off2'] / avg['off'] - 1):+5.2f} %"
+            f"   (noise)"
+        )
+        print(
+            f"      time inside the probe's hooks: {arms['direct'] * 1e6:6.1f} us per step = "
+            f"{100 * arms['direct_share']:4.2f} % of step time"
+        )
 
 
 def tracing_per_call(rounds: int) -> None:
@@ -160,15 +170,17 @@ def tracing_per_call(rounds: int) -> None:
     tracer = Tracer(torch, every=1, capacity=1_000_000)
 
     def empty_pair():
-        return [mm.register_module_forward_pre_hook(lambda m, a: None),
-                mm.register_module_forward_hook(lambda m, a, o: None)]
+        return [
+            mm.register_module_forward_pre_hook(lambda m, a: None),
+            mm.register_module_forward_hook(lambda m, a, o: None),
+        ]
 
     # Rounds of three adjacent measurements (no hooks, empty pair, probe), rotated; each round
     # gives paired differences, so drift between rounds cancels. Ratio of the median differences.
     d_empty, d_probe = [], []
     for r in range(40 * rounds):
         got = {}
-        for arm in ("none", "empty", "probe")[r % 3:] + ("none", "empty", "probe")[:r % 3]:
+        for arm in ("none", "empty", "probe")[r % 3 :] + ("none", "empty", "probe")[: r % 3]:
             if arm == "empty":
                 handles = empty_pair()
                 got[arm] = per_call(model, x, 10)
@@ -184,8 +196,10 @@ def tracing_per_call(rounds: int) -> None:
         d_empty.append((got["empty"] - got["none"]) / calls)
         d_probe.append((got["probe"] - got["none"]) / calls)
     floor, traced = statistics.median(d_empty), statistics.median(d_probe)
-    print(f"   empty hook pair floor {floor * 1e6:5.2f} us/call   probe tracing {traced * 1e6:5.2f} us/call"
-          f"   ratio {traced / floor:4.2f}x  goal <= 1.5x  ({len(d_probe)} paired rounds)")
+    print(
+        f"   empty hook pair floor {floor * 1e6:5.2f} us/call   probe tracing {traced * 1e6:5.2f} us/call"
+        f"   ratio {traced / floor:4.2f}x  goal <= 1.5x  ({len(d_probe)} paired rounds)"
+    )
     print("   (the flush at the step's end is not counted: it runs once per traced step, not per call)")
 
 
@@ -219,21 +233,37 @@ def seed_query() -> None:
     n = tr.ring.capacity
     rng = np.random.default_rng(0)
     names = np.array([f"blocks.{i}.mlp.{j}" for i in range(48) for j in range(3)], dtype=object)
-    tr.ring.extend({"step": np.repeat(np.arange(n // 500), 500)[:n].astype("i8"), "seq": np.arange(n) % 500,
-                     "module": names[np.arange(n) % len(names)], "stage": np.full(n, "forward", dtype=object),
-                     "duration": rng.random(n) * 1e-4, "allocated": rng.random(n) * 1e9, "max_allocated": np.full(n, 1e9),
-                     "time": time.time() + np.arange(n) * 1e-5, "rank": np.full(n, np.nan), "depth": np.ones(n, "i8"),
-                     "model": np.full(n, "model", dtype=object), "module_type": np.full(n, "Linear", dtype=object)}, n)
-    sql = ("SELECT module, stage, COUNT(*) as count, AVG(duration) as avg_time, SUM(duration) as total_time "
-           "FROM python.torch_trace WHERE step > (SELECT MAX(step) - 5 FROM python.torch_trace) "
-           "GROUP BY module, stage ORDER BY total_time DESC LIMIT 10")
+    tr.ring.extend(
+        {
+            "step": np.repeat(np.arange(n // 500), 500)[:n].astype("i8"),
+            "seq": np.arange(n) % 500,
+            "module": names[np.arange(n) % len(names)],
+            "stage": np.full(n, "forward", dtype=object),
+            "duration": rng.random(n) * 1e-4,
+            "allocated": rng.random(n) * 1e9,
+            "max_allocated": np.full(n, 1e9),
+            "time": time.time() + np.arange(n) * 1e-5,
+            "rank": np.full(n, np.nan),
+            "depth": np.ones(n, "i8"),
+            "model": np.full(n, "model", dtype=object),
+            "module_type": np.full(n, "Linear", dtype=object),
+        },
+        n,
+    )
+    sql = (
+        "SELECT module, stage, COUNT(*) as count, AVG(duration) as avg_time, SUM(duration) as total_time "
+        "FROM python.torch_trace WHERE step > (SELECT MAX(step) - 5 FROM python.torch_trace) "
+        "GROUP BY module, stage ORDER BY total_time DESC LIMIT 10"
+    )
     run_query(sql)
     samples = []
     for _ in range(10):
         t0 = time.perf_counter()
         run_query(sql)
         samples.append(time.perf_counter() - t0)
-    print(f"   rows {len(tr.ring)}   median {statistics.median(samples) * 1e3:6.1f} ms   best {min(samples) * 1e3:6.1f} ms (goal 50 ms)")
+    print(
+        f"   rows {len(tr.ring)}   median {statistics.median(samples) * 1e3:6.1f} ms   best {min(samples) * 1e3:6.1f} ms (goal 50 ms)"
+    )
 
 
 def stats_cost(rounds: int) -> None:
@@ -245,13 +275,16 @@ def stats_cost(rounds: int) -> None:
         model, data = make()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         train(model, opt, data, 5)
-        tracers = {"stats": Tracer(torch, every=1, capacity=100_000, stats=True),
-                   "plain": Tracer(torch, every=1, capacity=100_000, stats=False), "untraced": None}
+        tracers = {
+            "stats": Tracer(torch, every=1, capacity=100_000, stats=True),
+            "plain": Tracer(torch, every=1, capacity=100_000, stats=False),
+            "untraced": None,
+        }
         times: dict = {k: [] for k in tracers}
         order = list(tracers)
         step = 0
         for r in range(6 * rounds):
-            for arm in order[r % 3:] + order[:r % 3]:
+            for arm in order[r % 3 :] + order[: r % 3]:
                 tr = tracers[arm]
                 for i in range(block):
                     step += 1
@@ -268,11 +301,15 @@ def stats_cost(rounds: int) -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         calls = sum(1 for _ in model.modules())
         print(f"   {name}: {len(times['stats'])} steps per arm, {calls} module calls a step")
-        print(f"      traced with stats {med['stats'] * 1e3:7.3f} ms   without {med['plain'] * 1e3:7.3f} ms   "
-              f"untraced {med['untraced'] * 1e3:7.3f} ms")
-        print(f"      stats / plain traced step {med['stats'] / med['plain']:5.3f}x   "
-              f"({(med['stats'] - med['plain']) / calls * 1e6:5.1f} us per module call)   "
-              f"plain traced / untraced {med['plain'] / med['untraced']:5.3f}x")
+        print(
+            f"      traced with stats {med['stats'] * 1e3:7.3f} ms   without {med['plain'] * 1e3:7.3f} ms   "
+            f"untraced {med['untraced'] * 1e3:7.3f} ms"
+        )
+        print(
+            f"      stats / plain traced step {med['stats'] / med['plain']:5.3f}x   "
+            f"({(med['stats'] - med['plain']) / calls * 1e6:5.1f} us per module call)   "
+            f"plain traced / untraced {med['plain'] / med['untraced']:5.3f}x"
+        )
 
 
 def stats_rules() -> None:
@@ -290,13 +327,27 @@ def stats_rules() -> None:
     names = np.array([f"blocks.{i // 5}.{i % 5}" for i in range(calls)], dtype=object)
     batch_std = rng.random(n)
     batch_std[seq % 7 == 0] = 0.0  # many outputs constant across the batch: the join's worst case
-    cols = {"step": (np.arange(n) // calls).astype("i8"), "seq": seq, "module": names[seq],
-            "stage": np.full(n, "forward", dtype=object), "duration": rng.random(n) * 1e-4,
-            "allocated": np.full(n, 1e9), "max_allocated": np.full(n, 1e9), "time": time.time() + np.arange(n) * 1e-5,
-            "rank": np.full(n, None, dtype=object), "depth": 1 + (seq % 3), "model": np.full(n, "model", dtype=object),
-            "module_type": types[seq % 5], "out_mean": rng.random(n), "out_std": rng.random(n) + 0.5,
-            "out_batch_std": batch_std, "out_zero_frac": rng.random(n), "out_nonfinite": np.zeros(n),
-            "out_elements": np.full(n, 4096.0), "out_shape": np.full(n, "[64, 64]", dtype=object)}
+    cols = {
+        "step": (np.arange(n) // calls).astype("i8"),
+        "seq": seq,
+        "module": names[seq],
+        "stage": np.full(n, "forward", dtype=object),
+        "duration": rng.random(n) * 1e-4,
+        "allocated": np.full(n, 1e9),
+        "max_allocated": np.full(n, 1e9),
+        "time": time.time() + np.arange(n) * 1e-5,
+        "rank": np.full(n, None, dtype=object),
+        "depth": 1 + (seq % 3),
+        "model": np.full(n, "model", dtype=object),
+        "module_type": types[seq % 5],
+        "out_mean": rng.random(n),
+        "out_std": rng.random(n) + 0.5,
+        "out_batch_std": batch_std,
+        "out_zero_frac": rng.random(n),
+        "out_nonfinite": np.zeros(n),
+        "out_elements": np.full(n, 4096.0),
+        "out_shape": np.full(n, "[64, 64]", dtype=object),
+    }
     table = next(t for t in all_tables() if t.name == "python.torch_trace")
     data = {"python.torch_trace": ([(c.name, c.type) for c in table.columns], cols)}
     for name in ("dead_activations", "collapsed_output"):

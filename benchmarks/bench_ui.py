@@ -28,11 +28,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from harness import clean_env, start, stop_groups  # noqa: E402  (tests/harness.py: the one harness tests and benchmarks share)
-PROBE = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
+
+PROBE = (
+    str(Path(sys.executable).with_name("probe"))
+    if Path(sys.executable).with_name("probe").exists()
+    else shutil.which("probe")
+)
 
 
 def _query(env, pid, sql):
-    r = subprocess.run([PROBE, str(pid), "query", sql, "--format", "json"], capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run(
+        [PROBE, str(pid), "query", sql, "--format", "json"], capture_output=True, text=True, env=env, timeout=60
+    )
     if r.returncode != 0:
         raise SystemExit(r.stderr)
     return json.loads(r.stdout)
@@ -67,7 +74,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--window", type=float, default=12.0, help="Seconds per window (default 12).")
     ap.add_argument("--rounds", type=int, default=3, help="Closed/open pairs (default 3).")
-    ap.add_argument("--refresh", type=float, default=3.0, help="The page's refresh period (default 3, the default of probe ui).")
+    ap.add_argument(
+        "--refresh", type=float, default=3.0, help="The page's refresh period (default 3, the default of probe ui)."
+    )
     ap.add_argument("--loads", type=int, default=5, help="Page loads timed (default 5).")
     ap.add_argument("--chromium", default="/usr/bin/chromium")
     args = ap.parse_args()
@@ -98,8 +107,12 @@ def main() -> int:
             # a 100 Hz profile (GET /profile, the page's flamegraph button) over a whole window
             profiled = []
             for _ in range(args.rounds):
-                prof = subprocess.Popen([PROBE, str(pid), "profile", "--seconds", str(args.window + 2)], env=env,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                prof = subprocess.Popen(
+                    [PROBE, str(pid), "profile", "--seconds", str(args.window + 2)],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
                 time.sleep(1)  # ok-sleep: let the sampler start before the window opens
                 profiled.append(_window(env, pid, args.window, "profile"))
                 prof.wait(60)
@@ -119,8 +132,10 @@ def main() -> int:
     med = statistics.median
     c_all = [d for w in closed for d in w]
     o_all = [d for w in opened for d in w]
-    print(f"train_gpt.py on CPU, OMP_NUM_THREADS=1; {args.rounds} rounds of {args.window:g} s closed / {args.window:g} s open, "
-          f"page refreshing every {args.refresh:g} s")
+    print(
+        f"train_gpt.py on CPU, OMP_NUM_THREADS=1; {args.rounds} rounds of {args.window:g} s closed / {args.window:g} s open, "
+        f"page refreshing every {args.refresh:g} s"
+    )
     print(f"{'window':<10} {'steps':>6} {'median step s':>14}")
     for i, (c, o) in enumerate(zip(closed, opened)):
         print(f"closed {i:<3} {len(c):>6} {med(c):>14.5f}")
@@ -132,15 +147,21 @@ def main() -> int:
         print(f"A/A noise (closed window over the previous closed window): {', '.join(f'{r:.3f}' for r in aa)}")
     cpu_c = med([c for ph, c in CPU_PER_STEP if ph == "closed"])
     cpu_o = med([c for ph, c in CPU_PER_STEP if ph == "open"])
-    print(f"CPU seconds of the training process per step (all its threads, the probe's included): "
-          f"closed {cpu_c * 1000:.2f} ms, open {cpu_o * 1000:.2f} ms, ratio {cpu_o / cpu_c:.3f}")
+    print(
+        f"CPU seconds of the training process per step (all its threads, the probe's included): "
+        f"closed {cpu_c * 1000:.2f} ms, open {cpu_o * 1000:.2f} ms, ratio {cpu_o / cpu_c:.3f}"
+    )
     cpu_p = med([c for ph, c in CPU_PER_STEP if ph == "profile"])
     p_all = [d for w in profiled for d in w]
-    print(f"while a 100 Hz profile samples: median step time ratio {med(p_all) / med(c_all):.3f}, "
-          f"CPU per step {cpu_p * 1000:.2f} ms, ratio {cpu_p / cpu_c:.3f} (against the closed windows)")
+    print(
+        f"while a 100 Hz profile samples: median step time ratio {med(p_all) / med(c_all):.3f}, "
+        f"CPU per step {cpu_p * 1000:.2f} ms, ratio {cpu_p / cpu_c:.3f} (against the closed windows)"
+    )
     print(f"page requests while open: {requests / (args.rounds * args.window):.1f} per second")
-    print(f"page load to first data (goto until every panel answered): median {med(loads):.2f} s, "
-          f"min {min(loads):.2f} s, max {max(loads):.2f} s over {len(loads)} loads")
+    print(
+        f"page load to first data (goto until every panel answered): median {med(loads):.2f} s, "
+        f"min {min(loads):.2f} s, max {max(loads):.2f} s over {len(loads)} loads"
+    )
     return 0
 
 

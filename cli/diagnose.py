@@ -39,9 +39,17 @@ class Finding:
     next: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"rule": self.rule, "family": self.family, "severity": self.severity, "rank": self.rank,
-                "step": self.step, "target": self.target, "message": self.message, "evidence": self.evidence,
-                "next": self.next}
+        return {
+            "rule": self.rule,
+            "family": self.family,
+            "severity": self.severity,
+            "rank": self.rank,
+            "step": self.step,
+            "target": self.target,
+            "message": self.message,
+            "evidence": self.evidence,
+            "next": self.next,
+        }
 
     def to_row(self) -> dict:
         """The finding as a row of ``diagnosis.findings`` (evidence and next as JSON text)."""
@@ -62,9 +70,14 @@ class Diagnosis:
         return min((f.severity for f in self.findings), key=SEVERITIES.index, default=None)
 
     def to_dict(self) -> dict:
-        return {"findings": [f.to_dict() for f in self.findings], "processes": self.processes,
-                "answering": self.answering, "rules_run": self.rules_run, "rules_skipped": self.rules_skipped,
-                "elapsed_s": round(self.elapsed, 3)}
+        return {
+            "findings": [f.to_dict() for f in self.findings],
+            "processes": self.processes,
+            "answering": self.answering,
+            "rules_run": self.rules_run,
+            "rules_skipped": self.rules_skipped,
+            "elapsed_s": round(self.elapsed, 3),
+        }
 
 
 def _clean(value):
@@ -159,23 +172,42 @@ def _outside(target, error: str) -> Finding:
                 top = frames[0]
                 user = user_frame(frames) or top
                 evidence["main_thread"] = frames[:8]
-                facts.append(f"py-spy shows its main thread in {top.get('func')} ({top.get('file')}:{top.get('lineno')})"
-                             + (f", called from {user.get('func')} ({user.get('file')}:{user.get('lineno')})" if user is not top else "")
-                             + ": a thread is probably holding the GIL in a C call")
+                facts.append(
+                    f"py-spy shows its main thread in {top.get('func')} ({top.get('file')}:{top.get('lineno')})"
+                    + (
+                        f", called from {user.get('func')} ({user.get('file')}:{user.get('lineno')})"
+                        if user is not top
+                        else ""
+                    )
+                    + ": a thread is probably holding the GIL in a C call"
+                )
         except ProbeError as exc:
             facts.append(f"py-spy could not read it ({exc.message.rstrip('.')})")
-    message = f"{target.label} is not answering ({error.rstrip('.')})" + ("; " + "; ".join(facts) if facts else "") + "."
+    message = (
+        f"{target.label} is not answering ({error.rstrip('.')})" + ("; " + "; ".join(facts) if facts else "") + "."
+    )
     next_steps = [f"probe {pid} backtrace --native"] if pid is not None and state not in (None, "Z") else []
-    return Finding("not_answering", "hang", "critical", message, rank=target.rank, target=target.label,
-                   evidence=evidence, next=next_steps)
+    return Finding(
+        "not_answering",
+        "hang",
+        "critical",
+        message,
+        rank=target.rank,
+        target=target.label,
+        evidence=evidence,
+        next=next_steps,
+    )
 
 
 def _user_rules(con, builtin_names: set) -> list:
     """Rules the training script declared itself (listed in its diagnosis.rules table)."""
     from .query_runner import run_outer
 
-    res = run_outer(con, "SELECT DISTINCT name, family, severity, description, sql, message, next, scope, params "
-                         "FROM diagnosis.rules", 1000)
+    res = run_outer(
+        con,
+        "SELECT DISTINCT name, family, severity, description, sql, message, next, scope, params FROM diagnosis.rules",
+        1000,
+    )
     out = []
     for row in res.rows:
         d = dict(zip(res.columns, row))
@@ -242,16 +274,28 @@ def diagnose(session, targets=None) -> Diagnosis:
         schema = fetch_schema(session, answering)
         rules = all_rules()
         if "diagnosis.rules" in schema:  # the script's own rules first: they may read other tables
-            con, _ = open_database(session, answering[:1], schema, {"diagnosis.rules": per_rank_query(
-                "diagnosis.rules", [c for c in schema["diagnosis.rules"] if c != "rank"], None)})
+            con, _ = open_database(
+                session,
+                answering[:1],
+                schema,
+                {
+                    "diagnosis.rules": per_rank_query(
+                        "diagnosis.rules", [c for c in schema["diagnosis.rules"] if c != "rank"], None
+                    )
+                },
+            )
             try:
                 rules += _user_rules(con, {r.name for r in rules})
             finally:
                 con.close()
         plans, skipped = _plans(rules, schema, len(answering))
         needed = {name for _, p in plans for name in p.parts}
-        parts = {name: " ".join(FEDERATED_VIEWS[name].split()) if name in FEDERATED_VIEWS
-                 else per_rank_query(name, [c for c in schema[name] if c != "rank"], None) for name in needed}
+        parts = {
+            name: " ".join(FEDERATED_VIEWS[name].split())
+            if name in FEDERATED_VIEWS
+            else per_rank_query(name, [c for c in schema[name] if c != "rank"], None)
+            for name in needed
+        }
         con, _ = open_database(session, answering, schema, parts)
         made: dict = {}  # client views already created (the ranks.* views are the same for every rule)
         try:
@@ -272,14 +316,31 @@ def diagnose(session, targets=None) -> Diagnosis:
                     rank = d.get("rank")
                     where = _where(session, rank)
                     fields = dict(d, target=where)
-                    findings.append(Finding(r.name, r.family, r.severity, fill_message(r.message, fields), rank=rank,
-                                            step=d.get("step"), target=where, evidence=d,
-                                            next=next_commands(r.next, fields)))
+                    findings.append(
+                        Finding(
+                            r.name,
+                            r.family,
+                            r.severity,
+                            fill_message(r.message, fields),
+                            rank=rank,
+                            step=d.get("step"),
+                            target=where,
+                            evidence=d,
+                            next=next_commands(r.next, fields),
+                        )
+                    )
         finally:
             con.close()
     # within a family and rank, the finding with the earliest step first: the cause before its consequences
-    findings.sort(key=lambda f: (SEVERITIES.index(f.severity), f.family, f.rank if f.rank is not None else -1,
-                                 f.step is None, f.step or 0))
+    findings.sort(
+        key=lambda f: (
+            SEVERITIES.index(f.severity),
+            f.family,
+            f.rank if f.rank is not None else -1,
+            f.step is None,
+            f.step or 0,
+        )
+    )
     return Diagnosis(findings, len(targets), len(answering), run, skipped, time.perf_counter() - started)
 
 

@@ -17,7 +17,9 @@ __all__ = ["merge_native"]
 
 
 def _same(ours: dict, spy: dict) -> bool:
-    return ours.get("func") == spy.get("func") and os.path.basename(str(ours.get("file"))) == os.path.basename(str(spy.get("file")))
+    return ours.get("func") == spy.get("func") and os.path.basename(str(ours.get("file"))) == os.path.basename(
+        str(spy.get("file"))
+    )
 
 
 def _merge_thread(ours: dict, spy: dict) -> tuple[dict, int, int]:

@@ -56,7 +56,7 @@ def fetch_schema(session, targets) -> dict:
         return _remember(targets[0], session.client(targets[0]).get("/tables"))
     last = None
     for i in range(0, len(targets), 4):
-        for a in fan_out(targets[i:i + 4], lambda t: session.client(t).get("/tables")):
+        for a in fan_out(targets[i : i + 4], lambda t: session.client(t).get("/tables")):
             if a.ok:
                 return _remember(a.target, a.value)
             last = a
@@ -106,8 +106,16 @@ def _plan(sql: str, schema: dict, values: dict, cached: tuple | None):
     return found
 
 
-def federated_query(session, sql: str, max_rows: int | None = None, targets=None, params: dict | None = None, *,
-                    on_workspace: Callable | None = None, local_tables: dict | None = None):
+def federated_query(
+    session,
+    sql: str,
+    max_rows: int | None = None,
+    targets=None,
+    params: dict | None = None,
+    *,
+    on_workspace: Callable | None = None,
+    local_tables: dict | None = None,
+):
     """Run ``sql`` over one rank or many (``--ranks``, or ``targets``); return the combined Result.
 
     One path for both: every rank hands over snapshots of the columns the query needs
@@ -138,8 +146,16 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
             parts = dict(p.parts)
             computed = _client_tables(session, targets, parts)
             requests = {name: r for name, r in requests.items() if name not in computed}
-            ws, failed = open_database(session, targets, schema, parts, single=single, on_workspace=on_workspace,
-                                       local_tables=local_tables, requests=requests)
+            ws, failed = open_database(
+                session,
+                targets,
+                schema,
+                parts,
+                single=single,
+                on_workspace=on_workspace,
+                local_tables=local_tables,
+                requests=requests,
+            )
         except QueryError as exc:
             # with a cached schema, the error may come from a table registered (or gone) since: ask, and
             # plan again when the process says its schema changed; otherwise the error stands
@@ -153,7 +169,9 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
         schema, cached = _schema(session, targets, fresh=True)
     if targets and len(failed) == len(targets) and not computed:
         ws.close()
-        raise EndpointError("no rank answered the query: " + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + ".")
+        raise EndpointError(
+            "no rank answered the query: " + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + "."
+        )
     try:
         for name, (columns, data) in computed.items():
             ws.load_tables(-1, {name: (columns, data)})
@@ -162,17 +180,24 @@ def federated_query(session, sql: str, max_rows: int | None = None, targets=None
         result = run_outer(ws, p.outer, max_rows or setting("PROBE_MAX_ROWS"), timeout=session.timeout)
     finally:
         ws.close()
-    result.meta = {**ws.meta, "ranks": [t.rank for t in targets],
-                   "failed": sorted(t.rank for t, _ in failed.values() if t.rank is not None)}
+    result.meta = {
+        **ws.meta,
+        "ranks": [t.rank for t in targets],
+        "failed": sorted(t.rank for t, _ in failed.values() if t.rank is not None),
+    }
     if failed:
         from .render import render_result
 
         args = session.args
-        session.print(render_result(result, session.format, expanded=getattr(args, "expanded", False),
-                                    timing=getattr(args, "timing", False)))
-        raise PartialError(f"{len(failed)} of {len(targets)} ranks did not answer, the result above lacks them "
-                           "(SELECT * FROM ranks.errors lists them): "
-                           + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + ".")
+        session.print(
+            render_result(
+                result, session.format, expanded=getattr(args, "expanded", False), timing=getattr(args, "timing", False)
+            )
+        )
+        raise PartialError(
+            f"{len(failed)} of {len(targets)} ranks did not answer, the result above lacks them "
+            "(SELECT * FROM ranks.errors lists them): " + "; ".join(f"{t.label}: {e}" for t, e in failed.values()) + "."
+        )
     return result
 
 
@@ -190,9 +215,17 @@ def _client_tables(session, targets, parts: dict) -> dict:
     return out
 
 
-def open_database(session, targets, schema: dict, parts: dict, *, single: bool = False,
-                  on_workspace: Callable | None = None, local_tables: dict | None = None,
-                  requests: dict | None = None):
+def open_database(
+    session,
+    targets,
+    schema: dict,
+    parts: dict,
+    *,
+    single: bool = False,
+    on_workspace: Callable | None = None,
+    local_tables: dict | None = None,
+    requests: dict | None = None,
+):
     """A private DuckDB workspace here with one view per part (``{table: per-rank SQL}``) over every
     target's snapshots, a ``rank`` column added, and ``ranks.errors`` for the silent ones.
 
@@ -224,7 +257,9 @@ def open_database(session, targets, schema: dict, parts: dict, *, single: bool =
         answers = fan_out(targets, ask)
     failed = {id(a.target): (a.target, a.error) for a in answers if not a.ok}
     answered = [a for a in answers if a.ok]
-    ws = Workspace(timeout=timeout)  # the timeout bounds everything DuckDB does for this query, not only its last statement
+    ws = Workspace(
+        timeout=timeout
+    )  # the timeout bounds everything DuckDB does for this query, not only its last statement
     try:
         if on_workspace is not None:
             on_workspace(ws)
@@ -241,8 +276,12 @@ def open_database(session, targets, schema: dict, parts: dict, *, single: bool =
                 query, computed = slot_query(part, ws.tables.get(0, {}))
                 # a part that aggregates (ranks.latest) is computed once; a plain projection stays a view
                 ws.run(f'CREATE {"TABLE" if computed else "VIEW"} "{relation}" AS {query}')
-            _union_view(ws, name, relation, schema, failed.values() if name == "ranks.latest" else (), j, register_result)
-        errors = Result(["host", "error"], ["VARCHAR", "VARCHAR"], [[t.entry.get("host"), err] for t, err in failed.values()])
+            _union_view(
+                ws, name, relation, schema, failed.values() if name == "ranks.latest" else (), j, register_result
+            )
+        errors = Result(
+            ["host", "error"], ["VARCHAR", "VARCHAR"], [[t.entry.get("host"), err] for t, err in failed.values()]
+        )
         register_result(ws.con, "__errors", errors, extra={"__rank": [t.rank for t, _ in failed.values()]})
         ws.create_view("ranks.errors", 'SELECT CAST("__rank" AS INTEGER) AS "rank", "host", "error" FROM "__errors"')
     except BaseException as exc:
@@ -250,10 +289,15 @@ def open_database(session, targets, schema: dict, parts: dict, *, single: bool =
         if ws.expired and not isinstance(exc, ProbeError):  # DuckDB interrupted by the deadline: say so
             raise ws.stopped() from None
         raise
-    ws.meta = dict(answered[0].value.get("meta", {}), tables=list(requests)) if single and requests else {"tables": requests}
+    ws.meta = (
+        dict(answered[0].value.get("meta", {}), tables=list(requests)) if single and requests else {"tables": requests}
+    )
     # which process and schema version each snapshot came from (federated_query checks its cached schema)
-    ws.reported = {_endpoint(a.target): (a.value["meta"].get("started_at"), a.value["meta"].get("schema_version"))
-                   for a in answered if "schema_version" in a.value.get("meta", {})}
+    ws.reported = {
+        _endpoint(a.target): (a.value["meta"].get("started_at"), a.value["meta"].get("schema_version"))
+        for a in answered
+        if "schema_version" in a.value.get("meta", {})
+    }
     return ws, failed
 
 
@@ -300,8 +344,12 @@ def _silent_rows(columns: list, failed) -> tuple[list, list]:
     rows, ranks = [], []
     for target, error in failed:
         stopped = target.local_pid is not None and proc_state(target.local_pid) in ("T", "t")
-        known = {"pid": target.pid, "host": target.entry.get("host"), "state": "stopped" if stopped else "unreachable",
-                 "top_frame": error}
+        known = {
+            "pid": target.pid,
+            "host": target.entry.get("host"),
+            "state": "stopped" if stopped else "unreachable",
+            "top_frame": error,
+        }
         rows.append([known.get(c) for c in columns])
         ranks.append(target.rank)
     return rows, ranks
@@ -329,7 +377,9 @@ def _union_view(ws, name: str, relation: str | None, schema: dict, failed, j: in
     parts = [f"SELECT {cols} FROM {q(relation)}"] if relation is not None else []
     rows, ranks = _silent_rows([c for c in order if c != "rank"], failed)
     if rows or not parts:
-        silent = Result([c for c in order if c != "rank"], [types.get(c, "VARCHAR") for c in order if c != "rank"], rows)
+        silent = Result(
+            [c for c in order if c != "rank"], [types.get(c, "VARCHAR") for c in order if c != "rank"], rows
+        )
         register_result(ws.con, f"__silent{j}", silent, extra={"__rank": ranks})
         parts.append(f"SELECT {cols} FROM {q(f'__silent{j}')}")
     ws.create_view(name, " UNION ALL ".join(parts))

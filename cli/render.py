@@ -14,8 +14,18 @@ __all__ = ["render_result", "render_backtrace", "FORMATS"]
 FORMATS = ("table", "json", "csv")
 
 
-_TYPE_NAMES = {"BIGINT": "int64", "INTEGER": "int32", "DOUBLE": "double", "VARCHAR": "varchar", "BOOLEAN": "boolean",
-               "TIMESTAMP": "timestamp", "FLOAT": "float", "SMALLINT": "int16", "TINYINT": "int8", "HUGEINT": "int128"}
+_TYPE_NAMES = {
+    "BIGINT": "int64",
+    "INTEGER": "int32",
+    "DOUBLE": "double",
+    "VARCHAR": "varchar",
+    "BOOLEAN": "boolean",
+    "TIMESTAMP": "timestamp",
+    "FLOAT": "float",
+    "SMALLINT": "int16",
+    "TINYINT": "int8",
+    "HUGEINT": "int128",
+}
 _NUMERIC = ("BIGINT", "INTEGER", "DOUBLE", "FLOAT", "SMALLINT", "TINYINT", "HUGEINT", "UBIGINT", "UINTEGER", "DECIMAL")
 
 
@@ -31,7 +41,7 @@ def _cell(value, typ: str) -> str:
 
 
 def _fit(text: str, width: int) -> str:
-    return text if len(text) <= width else text[:max(width - 1, 0)] + "…"
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
 
 
 def _table(result: "Result", max_width: int | None = None) -> str:
@@ -122,12 +132,18 @@ def render_backtrace(doc: dict) -> str:
     who = f"pid {doc.get('pid')}" + (f", rank {doc['rank']}" if doc.get("rank") is not None else "")
     lines.append(f"Backtrace of {who} (innermost frame first):")
     for t in doc.get("threads", []):
-        flags = ", ".join(x for x in ("main" if t.get("is_main") else "", "daemon" if t.get("daemon") else "",
-                                      t.get("state") or "") if x)
+        flags = ", ".join(
+            x
+            for x in ("main" if t.get("is_main") else "", "daemon" if t.get("daemon") else "", t.get("state") or "")
+            if x
+        )
         lines.append("")
         if t.get("pid") not in (None, doc.get("pid")):  # a child process (--subprocesses)
             flags = ", ".join(x for x in (f"pid {t['pid']}", flags) if x)
-        lines.append(f"Thread {t.get('native_id') or t.get('thread_id')} \"{t.get('name') or '?'}\"" + (f" ({flags})" if flags else ""))
+        lines.append(
+            f'Thread {t.get("native_id") or t.get("thread_id")} "{t.get("name") or "?"}"'
+            + (f" ({flags})" if flags else "")
+        )
         frames = t.get("frames") or []
         if not frames:
             lines.append("    (no Python frames)")

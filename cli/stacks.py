@@ -14,7 +14,16 @@ import time
 from probe._errors import ProbeError
 from probe.util.usercode import is_user_file
 
-__all__ = ["backtrace_doc", "backtrace_table", "main_thread", "top_frame", "user_frame", "stack_key", "group_stacks", "group_text"]
+__all__ = [
+    "backtrace_doc",
+    "backtrace_table",
+    "main_thread",
+    "top_frame",
+    "user_frame",
+    "stack_key",
+    "group_stacks",
+    "group_text",
+]
 
 
 def main_thread(doc: dict, thread: str | None = None) -> dict | None:
@@ -78,8 +87,10 @@ def group_stacks(answers: list, thread: str | None = None) -> list:
         key = stack_key(frames)
         groups.setdefault(key, []).append(a.rank if a.rank is not None else a.target.pid)
         frames_of[key] = frames
-    return [(ranks, format_ranks(ranks), _summary(frames_of[key]), frames_of[key])
-            for key, ranks in sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))]
+    return [
+        (ranks, format_ranks(ranks), _summary(frames_of[key]), frames_of[key])
+        for key, ranks in sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))
+    ]
 
 
 def group_text(answers: list, thread: str | None = None) -> str:
@@ -125,8 +136,9 @@ def backtrace_doc(session, target, args) -> dict:
     else:
         wait = min(session.timeout, SERVER_BACKTRACE_TIMEOUT) if local else session.timeout
         try:
-            return session.client(target).get("/backtrace", timeout=wait, thread=args.thread,
-                                              locals=1 if args.locals else None)
+            return session.client(target).get(
+                "/backtrace", timeout=wait, thread=args.thread, locals=1 if args.locals else None
+            )
         except ProbeError as exc:
             if local is None or isinstance(exc, (AuthError, QueryError)):
                 raise
@@ -137,13 +149,16 @@ def backtrace_doc(session, target, args) -> dict:
             else:
                 reason = f"its probe server could not be reached ({exc.message.rstrip('.')})"
     if local is None:
-        raise ProbeError("--native and --subprocesses read the process with py-spy, which works only on its host; "
-                         "run the command on the process's node.")
+        raise ProbeError(
+            "--native and --subprocesses read the process with py-spy, which works only on its host; "
+            "run the command on the process's node."
+        )
     from probe.injector import pyspy_backtrace
 
     started = time.perf_counter()
-    doc = pyspy_backtrace(local, native=args.native, subprocesses=args.subprocesses, thread=args.thread,
-                          timeout=max(session.timeout, 5.0))
+    doc = pyspy_backtrace(
+        local, native=args.native, subprocesses=args.subprocesses, thread=args.thread, timeout=max(session.timeout, 5.0)
+    )
     if doc.get("rank") is None:
         doc["rank"] = target.rank if target.rank is not None else target.entry.get("rank")
     extra = "; locals are not available from py-spy" if args.locals else ""
@@ -154,8 +169,12 @@ def backtrace_doc(session, target, args) -> dict:
 def _native_merged(session, target, args) -> dict | None:
     """The server's backtrace with py-spy's native frames merged in; None when the server does not answer."""
     try:
-        ours = session.client(target).get("/backtrace", timeout=min(session.timeout, SERVER_BACKTRACE_TIMEOUT),
-                                          thread=args.thread, locals=1 if args.locals else None)
+        ours = session.client(target).get(
+            "/backtrace",
+            timeout=min(session.timeout, SERVER_BACKTRACE_TIMEOUT),
+            thread=args.thread,
+            locals=1 if args.locals else None,
+        )
     except ProbeError:
         return None  # the py-spy fallback below says why
     from probe.injector import pyspy_backtrace
@@ -166,14 +185,24 @@ def _native_merged(session, target, args) -> dict | None:
     spy = pyspy_backtrace(target.local_pid, native=True, thread=args.thread, timeout=max(session.timeout, 5.0))
     doc = merge_native(ours, spy)
     m = doc["native_merge"]
-    doc["note"] = (f"[native frames read by py-spy in {time.perf_counter() - started:.2f} s and merged with the probe's; "
-                   f"{m['from_probe']} of {m['python_frames']} Python frames agreed and carry the probe's details]")
+    doc["note"] = (
+        f"[native frames read by py-spy in {time.perf_counter() - started:.2f} s and merged with the probe's; "
+        f"{m['from_probe']} of {m['python_frames']} Python frames agreed and carry the probe's details]"
+    )
     return doc
 
 
-BACKTRACE_COLUMNS = [("thread_id", "BIGINT"), ("thread_name", "VARCHAR"), ("is_main", "BOOLEAN"), ("depth", "INTEGER"),
-                     ("func", "VARCHAR"), ("file", "VARCHAR"), ("lineno", "INTEGER"), ("line", "VARCHAR"),
-                     ("is_native", "BOOLEAN")]
+BACKTRACE_COLUMNS = [
+    ("thread_id", "BIGINT"),
+    ("thread_name", "VARCHAR"),
+    ("is_main", "BOOLEAN"),
+    ("depth", "INTEGER"),
+    ("func", "VARCHAR"),
+    ("file", "VARCHAR"),
+    ("lineno", "INTEGER"),
+    ("line", "VARCHAR"),
+    ("is_native", "BOOLEAN"),
+]
 
 
 def backtrace_table(doc: dict) -> tuple[list, dict]:
@@ -186,9 +215,16 @@ def backtrace_table(doc: dict) -> tuple[list, dict]:
     data: dict = {c: [] for c, _ in BACKTRACE_COLUMNS}
     for t in doc.get("threads") or []:
         for depth, f in enumerate(t.get("frames") or []):
-            for col, value in (("thread_id", t.get("thread_id")), ("thread_name", t.get("name")),
-                               ("is_main", bool(t.get("is_main"))), ("depth", depth), ("func", f.get("func")),
-                               ("file", f.get("file")), ("lineno", f.get("lineno")),
-                               ("line", None if f.get("native") else f.get("line")), ("is_native", bool(f.get("native")))):
+            for col, value in (
+                ("thread_id", t.get("thread_id")),
+                ("thread_name", t.get("name")),
+                ("is_main", bool(t.get("is_main"))),
+                ("depth", depth),
+                ("func", f.get("func")),
+                ("file", f.get("file")),
+                ("lineno", f.get("lineno")),
+                ("line", None if f.get("native") else f.get("line")),
+                ("is_native", bool(f.get("native"))),
+            ):
                 data[col].append(value)
     return list(BACKTRACE_COLUMNS), data

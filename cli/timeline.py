@@ -98,7 +98,9 @@ def build_trace(ranks: list[RankRows], meta: dict | None = None) -> dict:
         return round((t - t0) * 1e6, 3)
 
     events: list[dict] = []
-    for order, rr in enumerate(sorted(ranks, key=lambda r: (r.rank is None, r.rank if r.rank is not None else 0, r.pid or 0))):
+    for order, rr in enumerate(
+        sorted(ranks, key=lambda r: (r.rank is None, r.rank if r.rank is not None else 0, r.pid or 0))
+    ):
         pid = rr.rank if rr.rank is not None else (rr.pid or order)
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": rr.label}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": order}})
@@ -108,38 +110,77 @@ def build_trace(ranks: list[RankRows], meta: dict | None = None) -> dict:
             if name not in tids:
                 tids[name] = number
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": number, "args": {"name": name}})
-                events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": number, "args": {"sort_index": number}})
+                events.append(
+                    {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": number, "args": {"sort_index": number}}
+                )
             return tids[name]
 
         for s in rr.steps:
             start, dur = _num(s["start"]), _num(s["duration"])
             if start is None or dur is None:
                 continue
-            events.append({"ph": "X", "name": f"step {s['step']}", "cat": "step", "pid": pid, "tid": tid("steps", TRACKS["steps"]),
-                           "ts": us(start), "dur": round(dur * 1e6, 3),
-                           "args": _args({"step": s["step"], "loss": _num(s.get("loss")), "lr": _num(s.get("lr"))})})
+            events.append(
+                {
+                    "ph": "X",
+                    "name": f"step {s['step']}",
+                    "cat": "step",
+                    "pid": pid,
+                    "tid": tid("steps", TRACKS["steps"]),
+                    "ts": us(start),
+                    "dur": round(dur * 1e6, 3),
+                    "args": _args({"step": s["step"], "loss": _num(s.get("loss")), "lr": _num(s.get("lr"))}),
+                }
+            )
         for m in rr.modules:
             start, dur = _num(m["start"]), _num(m["duration"])
             if start is None or dur is None:
                 continue  # a CUDA duration not resolved yet
             stage = m["stage"] if m["stage"] in TRACKS else "forward"
-            events.append({"ph": "X", "name": m["module"], "cat": f"module,{stage}", "pid": pid,
-                           "tid": tid(stage, TRACKS[stage]), "ts": us(start), "dur": round(dur * 1e6, 3),
-                           "args": _args({"step": m["step"], "depth": m.get("depth"), "type": m.get("module_type"),
-                                          "model": m.get("model") or None})})
-        threads = sorted({(str(s.get("thread") or "?"), s.get("thread_id") or 0) for s in rr.spans},
-                         key=lambda t: (t[0] != "MainThread", t[0], t[1]))
+            events.append(
+                {
+                    "ph": "X",
+                    "name": m["module"],
+                    "cat": f"module,{stage}",
+                    "pid": pid,
+                    "tid": tid(stage, TRACKS[stage]),
+                    "ts": us(start),
+                    "dur": round(dur * 1e6, 3),
+                    "args": _args(
+                        {
+                            "step": m["step"],
+                            "depth": m.get("depth"),
+                            "type": m.get("module_type"),
+                            "model": m.get("model") or None,
+                        }
+                    ),
+                }
+            )
+        threads = sorted(
+            {(str(s.get("thread") or "?"), s.get("thread_id") or 0) for s in rr.spans},
+            key=lambda t: (t[0] != "MainThread", t[0], t[1]),
+        )
         for i, (name, ident) in enumerate(threads):
-            tid(f"spans: {name}" + (f" ({ident})" if sum(1 for n, _ in threads if n == name) > 1 else ""), _SPAN_TID0 + i)
+            tid(
+                f"spans: {name}" + (f" ({ident})" if sum(1 for n, _ in threads if n == name) > 1 else ""),
+                _SPAN_TID0 + i,
+            )
         span_tid = {key: _SPAN_TID0 + i for i, key in enumerate(threads)}
         for s in rr.spans:
             start, dur = _num(s["start"]), _num(s["duration"])
             if start is None or dur is None:
                 continue
-            events.append({"ph": "X", "name": s["name"], "cat": "span", "pid": pid,
-                           "tid": span_tid[(str(s.get("thread") or "?"), s.get("thread_id") or 0)],
-                           "ts": us(start), "dur": round(dur * 1e6, 3),
-                           "args": _args({"step": s.get("step"), "depth": s.get("depth"), "parent": s.get("parent")})})
+            events.append(
+                {
+                    "ph": "X",
+                    "name": s["name"],
+                    "cat": "span",
+                    "pid": pid,
+                    "tid": span_tid[(str(s.get("thread") or "?"), s.get("thread_id") or 0)],
+                    "ts": us(start),
+                    "dur": round(dur * 1e6, 3),
+                    "args": _args({"step": s.get("step"), "depth": s.get("depth"), "parent": s.get("parent")}),
+                }
+            )
         groups = sorted({str(c.get("pg") or "0") for c in rr.collectives})
         for c in rr.collectives:
             start = _num(c["start"])
@@ -148,8 +189,16 @@ def build_trace(ranks: list[RankRows], meta: dict | None = None) -> dict:
             g = str(c.get("pg") or "0")
             t = tid(f"collectives: {g}", _COLL_TID0 + groups.index(g))
             end = _num(c.get("end"))
-            ev = {"name": str(c.get("op") or "collective"), "cat": "collective", "pid": pid, "tid": t, "ts": us(start),
-                  "args": _args({"seq": c.get("seq"), "state": c.get("state"), "step": c.get("step"), "sizes": c.get("sizes")})}
+            ev = {
+                "name": str(c.get("op") or "collective"),
+                "cat": "collective",
+                "pid": pid,
+                "tid": t,
+                "ts": us(start),
+                "args": _args(
+                    {"seq": c.get("seq"), "state": c.get("state"), "step": c.get("step"), "sizes": c.get("sizes")}
+                ),
+            }
             if end is not None and end >= start:
                 ev.update(ph="X", dur=round((end - start) * 1e6, 3))
             else:
@@ -158,8 +207,11 @@ def build_trace(ranks: list[RankRows], meta: dict | None = None) -> dict:
     # Metadata first, then slices by time with longer (enclosing) slices first at equal starts.
     events.sort(key=lambda e: (e["ph"] != "M", e.get("ts", 0), -e.get("dur", 0)))
     _snap(events)
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"producer": "probe", "epoch_origin_s": t0, **(meta or {})}}
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"producer": "probe", "epoch_origin_s": t0, **(meta or {})},
+    }
 
 
 def _run_sql(session, target, sql: str):
@@ -181,8 +233,12 @@ def rank_rows(session, target, steps: int) -> tuple[RankRows, list[str]]:
     tables = {t["name"] for t in session.client(target).get("/tables")["tables"]}
     last = _run_sql(session, target, "SELECT MAX(step) AS s FROM torch.steps").rows[0][0]
     rank = target.rank if target.rank is not None else target.entry.get("rank")
-    label = " · ".join(x for x in (f"rank {rank}" if rank is not None else None,
-                                   f"pid {target.pid}" if target.pid else None) if x) or target.label
+    label = (
+        " · ".join(
+            x for x in (f"rank {rank}" if rank is not None else None, f"pid {target.pid}" if target.pid else None) if x
+        )
+        or target.label
+    )
     rr = RankRows(rank=rank, pid=target.pid, label=label)
     notes = []
     if last is None:
@@ -190,31 +246,55 @@ def rank_rows(session, target, steps: int) -> tuple[RankRows, list[str]]:
         window = "> 0"
     else:  # the last `steps` completed steps, fixed now: training goes on while we ask
         window = f"BETWEEN {int(last) - steps + 1} AND {int(last)}"
-        rr.steps = _rows(_run_sql(session, target,
-            f"SELECT step, epoch(started_at) AS start, duration, loss, lr FROM torch.steps WHERE step {window} ORDER BY step"))
-    mod_sql = ("SELECT step, epoch(time) AS start, duration, module, stage, depth, module_type, model "
-               "FROM python.torch_trace WHERE step {} ORDER BY time")
+        rr.steps = _rows(
+            _run_sql(
+                session,
+                target,
+                f"SELECT step, epoch(started_at) AS start, duration, loss, lr FROM torch.steps WHERE step {window} ORDER BY step",
+            )
+        )
+    mod_sql = (
+        "SELECT step, epoch(time) AS start, duration, module, stage, depth, module_type, model "
+        "FROM python.torch_trace WHERE step {} ORDER BY time"
+    )
     rr.modules = _rows(_run_sql(session, target, mod_sql.format(window)))
     if not rr.modules and last is not None:
         latest = _run_sql(session, target, "SELECT MAX(step) FROM python.torch_trace").rows[0][0]
         if latest is not None:
             rr.modules = _rows(_run_sql(session, target, mod_sql.format(f"= {int(latest)}")))
-            rr.steps += _rows(_run_sql(session, target,
-                f"SELECT step, epoch(started_at) AS start, duration, loss, lr FROM torch.steps WHERE step = {int(latest)}"))
-            notes.append(f"{target.label}: none of the last {steps} steps was traced (PROBE_TRACE samples steps); "
-                         f"included step {int(latest)}, the latest traced one")
+            rr.steps += _rows(
+                _run_sql(
+                    session,
+                    target,
+                    f"SELECT step, epoch(started_at) AS start, duration, loss, lr FROM torch.steps WHERE step = {int(latest)}",
+                )
+            )
+            notes.append(
+                f"{target.label}: none of the last {steps} steps was traced (PROBE_TRACE samples steps); "
+                f"included step {int(latest)}, the latest traced one"
+            )
         else:
             notes.append(f"{target.label}: no module trace recorded (PROBE_TRACE=off?)")
     if "python.spans" in tables:
-        rr.spans = _rows(_run_sql(session, target,
-            f"SELECT name, step, epoch(time) AS start, duration, depth, parent, thread, thread_id FROM python.spans "
-            f"WHERE step {window} ORDER BY time"))
+        rr.spans = _rows(
+            _run_sql(
+                session,
+                target,
+                f"SELECT name, step, epoch(time) AS start, duration, depth, parent, thread, thread_id FROM python.spans "
+                f"WHERE step {window} ORDER BY time",
+            )
+        )
     if "torch.collectives" in tables:
         try:
-            rr.collectives = _rows(_run_sql(session, target,
-                "SELECT pg_desc AS pg, op, seq, state, epoch(COALESCE(started_at, created_at)) AS start, "
-                "epoch(completed_at) AS \"end\", step, input_sizes AS sizes FROM torch.collectives "
-                f"WHERE step {window} ORDER BY created_at"))
+            rr.collectives = _rows(
+                _run_sql(
+                    session,
+                    target,
+                    "SELECT pg_desc AS pg, op, seq, state, epoch(COALESCE(started_at, created_at)) AS start, "
+                    'epoch(completed_at) AS "end", step, input_sizes AS sizes FROM torch.collectives '
+                    f"WHERE step {window} ORDER BY created_at",
+                )
+            )
         except ProbeError as exc:  # a recorder table of another shape: the timeline goes on without it
             notes.append(f"{target.label}: collectives left out ({exc.message.rstrip('.')})")
     return rr, notes

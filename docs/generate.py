@@ -30,8 +30,11 @@ The same text is live: `probe --help`, `probe COMMAND --help`, and the tables
 
 [Commands](#commands) · [Settings](#settings) · [Doctor rules](#doctor-rules) · [Tables](#tables)"""
 
-KINDS = {"snapshot": "built at query time", "ring": "ring buffer filled by hooks",
-         "client": "computed by the probe CLI when a query reads it"}
+KINDS = {
+    "snapshot": "built at query time",
+    "ring": "ring buffer filled by hooks",
+    "client": "computed by the probe CLI when a query reads it",
+}
 
 
 def _cell(text) -> str:
@@ -60,9 +63,15 @@ def commands_md() -> str:
 def settings_md() -> str:
     from probe.config import SETTINGS
 
-    lines = ["## Settings", "", "Environment variables, read by the training process (and by the `probe` client for",
-             "the query limits). A value that does not parse is named in one sentence with what was expected.", "",
-             "| variable | default | meaning |", "|---|---|---|"]
+    lines = [
+        "## Settings",
+        "",
+        "Environment variables, read by the training process (and by the `probe` client for",
+        "the query limits). A value that does not parse is named in one sentence with what was expected.",
+        "",
+        "| variable | default | meaning |",
+        "|---|---|---|",
+    ]
     for s in SETTINGS.values():
         lines.append(f"| `{s.name}` | {'`' + s.default + '`' if s.default else ''} | {_cell(s.help)} |")
     return "\n".join(lines)
@@ -71,9 +80,14 @@ def settings_md() -> str:
 def rules_md() -> str:
     from probe.diagnosis.rules import all_rules
 
-    lines = ["## Doctor rules", "",
-             "What `probe doctor` checks; [doctor.md](doctor.md) has an example message of each.", "",
-             "| rule | family | severity | finds |", "|---|---|---|---|"]
+    lines = [
+        "## Doctor rules",
+        "",
+        "What `probe doctor` checks; [doctor.md](doctor.md) has an example message of each.",
+        "",
+        "| rule | family | severity | finds |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| `{r.name}` | {r.family} | {r.severity} | {_cell(r.description)} |" for r in all_rules()]
     return "\n".join(lines)
 
@@ -88,8 +102,14 @@ def tables_md() -> str:
         out.append(f"| [{heading}](#{_anchor(heading)}) | {KINDS.get(t.kind, t.kind)} | {_cell(t.description)} |")
     out.append("")
     for t in tables:
-        out += [f"### `{t.name}`", "", f"{t.description} ({KINDS.get(t.kind, t.kind)})", "",
-                "| column | type | description |", "|---|---|---|"]
+        out += [
+            f"### `{t.name}`",
+            "",
+            f"{t.description} ({KINDS.get(t.kind, t.kind)})",
+            "",
+            "| column | type | description |",
+            "|---|---|---|",
+        ]
         out.extend(f"| `{c.name}` | {c.type} | {_cell(c.description)} |" for c in t.columns)
         if t.examples:
             out += ["", "```sql", *t.examples, "```"]
@@ -107,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="rewrite the reference file")
     mode.add_argument("--check", action="store_true", help="exit 1 when the reference file is stale")
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT,
-                        help="the reference file (default: docs/reference.md)")
+    parser.add_argument(
+        "--output", type=Path, default=DEFAULT_OUTPUT, help="the reference file (default: docs/reference.md)"
+    )
     args = parser.parse_args(argv)
     text = reference()
     if not (args.write or args.check):

@@ -20,7 +20,11 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PROBE = str(Path(sys.executable).with_name("probe")) if Path(sys.executable).with_name("probe").exists() else shutil.which("probe")
+PROBE = (
+    str(Path(sys.executable).with_name("probe"))
+    if Path(sys.executable).with_name("probe").exists()
+    else shutil.which("probe")
+)
 
 
 def banner(text: str) -> None:
@@ -41,8 +45,14 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
     env.update(PROBE_RUNTIME_DIR=os.path.join(work, "run"), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     banner("start a training job with `import probe.auto` (examples/train_gpt.py)")
-    train = subprocess.Popen([sys.executable, str(HERE / "train_gpt.py"), "--print-every", "100"], env=env, cwd=work,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    train = subprocess.Popen(
+        [sys.executable, str(HERE / "train_gpt.py"), "--print-every", "100"],
+        env=env,
+        cwd=work,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
 
     def pump():
@@ -69,15 +79,33 @@ def main() -> int:
         banner("where is it right now? (all threads, innermost frame first)")
         failures += run(env, pid, "backtrace", "--thread", "MainThread") != 0
         banner("step health from the live process: loss, grad-norm, lr, throughput")
-        failures += run(env, pid, "query", "SELECT step, round(loss, 4) AS loss, round(grad_norm, 3) AS grad_norm, lr, "
-                                          "round(duration * 1000, 1) AS step_ms FROM torch.steps ORDER BY step DESC LIMIT 5") != 0
+        failures += (
+            run(
+                env,
+                pid,
+                "query",
+                "SELECT step, round(loss, 4) AS loss, round(grad_norm, 3) AS grad_norm, lr, "
+                "round(duration * 1000, 1) AS step_ms FROM torch.steps ORDER BY step DESC LIMIT 5",
+            )
+            != 0
+        )
         banner("where does the time go? (seed playbook query, verbatim)")
-        failures += run(env, pid, "query", "SELECT module, stage, COUNT(*) as count, AVG(duration) as avg_time, "
-                        "SUM(duration) as total_time FROM python.torch_trace WHERE step > (SELECT MAX(step) - 5 FROM "
-                        "python.torch_trace) GROUP BY module, stage ORDER BY total_time DESC LIMIT 10") != 0
+        failures += (
+            run(
+                env,
+                pid,
+                "query",
+                "SELECT module, stage, COUNT(*) as count, AVG(duration) as avg_time, "
+                "SUM(duration) as total_time FROM python.torch_trace WHERE step > (SELECT MAX(step) - 5 FROM "
+                "python.torch_trace) GROUP BY module, stage ORDER BY total_time DESC LIMIT 10",
+            )
+            != 0
+        )
         banner("calm it down: halve the learning rate at the next step boundary (survives the scheduler)")
         failures += run(env, pid, "lr", "--scale", "0.5") != 0
-        failures += run(env, pid, "query", "SELECT optimizer, param_group, lr, initial_lr, scheduler FROM torch.optimizer") != 0
+        failures += (
+            run(env, pid, "query", "SELECT optimizer, param_group, lr, initial_lr, scheduler FROM torch.optimizer") != 0
+        )
         banner("save it: an emergency checkpoint, atomically, without stopping training")
         ckpt = os.path.join(work, "emergency.pt")
         failures += run(env, pid, "checkpoint", ckpt) != 0

@@ -36,11 +36,22 @@ def _env(name, default, cast):
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=200, help="Steps to run (0 = forever).")
-    p.add_argument("--step-sleep", type=float, default=0.02, help="Seconds every rank sleeps per step (simulated data time).")
+    p.add_argument(
+        "--step-sleep", type=float, default=0.02, help="Seconds every rank sleeps per step (simulated data time)."
+    )
     p.add_argument("--slow-rank", type=int, default=_env("DDP_SLOW_RANK", None, int), help="Rank that is slower.")
-    p.add_argument("--slow-sleep", type=float, default=_env("DDP_SLOW_SLEEP", 0.2, float), help="Extra seconds per step on the slow rank.")
-    p.add_argument("--stall-rank", type=int, default=_env("DDP_STALL_RANK", None, int), help="Rank that stops stepping.")
-    p.add_argument("--stall-at-step", type=int, default=_env("DDP_STALL_AT_STEP", 10, int), help="Step at which it stops.")
+    p.add_argument(
+        "--slow-sleep",
+        type=float,
+        default=_env("DDP_SLOW_SLEEP", 0.2, float),
+        help="Extra seconds per step on the slow rank.",
+    )
+    p.add_argument(
+        "--stall-rank", type=int, default=_env("DDP_STALL_RANK", None, int), help="Rank that stops stepping."
+    )
+    p.add_argument(
+        "--stall-at-step", type=int, default=_env("DDP_STALL_AT_STEP", 10, int), help="Step at which it stops."
+    )
     return p.parse_args()
 
 
@@ -78,11 +89,11 @@ def train_step(model, optimizer, x, y):
     return mean_loss.item() / dist.get_world_size()
 
 
-
 def say(line: str) -> None:
     """One write per line: ranks share torchrun's stdout, and print() writes the newline separately."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
+
 
 def main():
     args = parse_args()

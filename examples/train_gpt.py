@@ -112,7 +112,8 @@ def main(argv=None) -> int:
     # linear warm-up, then cosine decay to a floor of 10 % at step 5000, held after (a rate of 0 would
     # leave a run that goes on past its schedule changing nothing: the doctor's lr_zero says so)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s, 5000) / 5000))))
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s, 5000) / 5000)))
+    )
     train_loader = torch.utils.data.DataLoader(ArithmeticSequences(vocab, seq, args.seed), batch_size=args.batch)
     trainer = Trainer(grad_clip=1.0)
 

@@ -13,4 +13,14 @@ from ._ladder import RUNGS, inject
 from ._process import EXIT_CODES, ProcessInfo, inspect_process, ptrace_problem
 from ._pyspy import pyspy_backtrace, pyspy_path, pyspy_record
 
-__all__ = ["inject", "pyspy_backtrace", "pyspy_path", "pyspy_record", "inspect_process", "ptrace_problem", "ProcessInfo", "EXIT_CODES", "RUNGS"]
+__all__ = [
+    "inject",
+    "pyspy_backtrace",
+    "pyspy_path",
+    "pyspy_record",
+    "inspect_process",
+    "ptrace_problem",
+    "ProcessInfo",
+    "EXIT_CODES",
+    "RUNGS",
+]

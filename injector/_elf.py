@@ -73,7 +73,7 @@ def _lookup(fd: int, name: bytes) -> int | None:
                     st_name, st_shndx, st_value, st_size = fields[0], fields[3], fields[4], fields[5]
                 else:
                     st_name, st_value, st_size, st_shndx = fields[0], fields[1], fields[2], fields[5]
-                if strings[st_name:st_name + len(name) + 1] != name + b"\0" or not 0 < st_shndx < shnum:
+                if strings[st_name : st_name + len(name) + 1] != name + b"\0" or not 0 < st_shndx < shnum:
                     continue
                 home = sections[st_shndx]  # (name, type, flags, addr, offset, size, ...)
                 delta = st_value - home[3]

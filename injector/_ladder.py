@@ -36,10 +36,12 @@ __all__ = ["inject", "BOOT_CODE", "RUNGS"]
 RUNGS = ("remote_exec", "gdb")
 
 # The one statement the target runs; only the two paths vary, inserted with repr().
-BOOT_CODE = ("try:\n"
-             "    __import__('runpy').run_path({boot!r}, {{'PROBE_SETTINGS': {settings!r}}}, '_probe_bootstrap')\n"
-             "except BaseException:\n"
-             "    pass\n")
+BOOT_CODE = (
+    "try:\n"
+    "    __import__('runpy').run_path({boot!r}, {{'PROBE_SETTINGS': {settings!r}}}, '_probe_bootstrap')\n"
+    "except BaseException:\n"
+    "    pass\n"
+)
 
 
 def _package_dirs() -> dict:
@@ -70,8 +72,14 @@ class _Payload:
         self.settings, self.code_file, self.status = stem + ".json", stem + ".py", stem + ".status"
         boot = os.path.join(os.path.dirname(os.path.abspath(__import__("probe").__file__)), "agent", "bootstrap.py")
         self.code = BOOT_CODE.format(boot=boot, settings=self.settings)
-        doc = {"runtime_dir": self.dir, "status_file": self.status, "package_dirs": _package_dirs(), "env": env,
-               "cleanup": [self.code_file], "cli_python": "%d.%d" % cli_version()}
+        doc = {
+            "runtime_dir": self.dir,
+            "status_file": self.status,
+            "package_dirs": _package_dirs(),
+            "env": env,
+            "cleanup": [self.code_file],
+            "cli_python": "%d.%d" % cli_version(),
+        }
         _private_file(self.settings, json.dumps(doc).encode())
         _private_file(self.code_file, self.code.encode() + b"\0")
 
@@ -107,11 +115,14 @@ def _remote_exec(info: ProcessInfo, payload: _Payload) -> None:
         sys.remote_exec(info.pid, payload.code_file)  # type: ignore[attr-defined]
     except PermissionError as exc:
         why = explain_ptrace_failure(info.pid, str(exc)) or str(exc)
-        raise AttachError(f"sys.remote_exec was refused for process {info.pid}: {why}.",
-                          exit_code=EXIT_CODES["ptrace_blocked"]) from None
+        raise AttachError(
+            f"sys.remote_exec was refused for process {info.pid}: {why}.", exit_code=EXIT_CODES["ptrace_blocked"]
+        ) from None
     except (OSError, RuntimeError) as exc:
-        raise AttachError(f"sys.remote_exec failed for process {info.pid} ({exc}); retry, or set "
-                          "PROBE_INJECT_VIA=gdb.", exit_code=EXIT_CODES["tool_failed"]) from None
+        raise AttachError(
+            f"sys.remote_exec failed for process {info.pid} ({exc}); retry, or set PROBE_INJECT_VIA=gdb.",
+            exit_code=EXIT_CODES["tool_failed"],
+        ) from None
 
 
 def _gdb_path() -> str | None:
@@ -173,14 +184,31 @@ def gdb_cannot_call() -> str | None:
 
 def _run_canary(gdb: str) -> str | None:
     try:
-        victim = subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
+        victim = subprocess.Popen(
+            ["sleep", "60"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
     except OSError:
         return None  # no sleep to try on: go ahead as before
     try:
-        proc = subprocess.run([gdb, "-nx", "--batch", "-iex", "set auto-load off", "-iex", "set debuginfod enabled off",
-                               "-p", str(victim.pid), "-ex", 'printf "probe-canary=%d\\n", (int) getpid()'],
-                              capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            [
+                gdb,
+                "-nx",
+                "--batch",
+                "-iex",
+                "set auto-load off",
+                "-iex",
+                "set debuginfod enabled off",
+                "-p",
+                str(victim.pid),
+                "-ex",
+                'printf "probe-canary=%d\\n", (int) getpid()',
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            stdin=subprocess.DEVNULL,
+        )
         out = proc.stdout + proc.stderr
     except (OSError, subprocess.TimeoutExpired) as exc:
         out = str(exc)
@@ -192,37 +220,67 @@ def _run_canary(gdb: str) -> str | None:
     if "ptrace" in out.lower():
         return None  # a ptrace refusal is diagnosed on the real target, with its own exit code
     last = next((l for l in reversed(out.splitlines()) if l.strip() and not l.startswith("[Inferior")), "no output")
-    return (f"gdb cannot call a function in a stopped process on this machine (tried on a throw-away process: "
-            f"{last.rstrip('.')}), and doing so would crash the target")
+    return (
+        f"gdb cannot call a function in a stopped process on this machine (tried on a throw-away process: "
+        f"{last.rstrip('.')}), and doing so would crash the target"
+    )
 
 
 def _gdb_script(code_file: str) -> str:
-    return "\n".join([
-        "set pagination off", "set confirm off", "set scheduler-locking off",
-        "set $probe_page = (char *) mmap(0, 65536, 3, 0x22, -1, 0)",  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
-        'printf "probe-page=%ld\\n", (long) $probe_page',
-        "if (long) $probe_page != -1",
-        f"  restore {code_file} binary $probe_page",
-        '  printf "probe-pending=%d\\n", (int) Py_AddPendingCall((int (*)(void *)) PyRun_SimpleString, (void *) $probe_page)',
-        "end",
-        "detach", "quit", ""])
+    return "\n".join(
+        [
+            "set pagination off",
+            "set confirm off",
+            "set scheduler-locking off",
+            "set $probe_page = (char *) mmap(0, 65536, 3, 0x22, -1, 0)",  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
+            'printf "probe-page=%ld\\n", (long) $probe_page',
+            "if (long) $probe_page != -1",
+            f"  restore {code_file} binary $probe_page",
+            '  printf "probe-pending=%d\\n", (int) Py_AddPendingCall((int (*)(void *)) PyRun_SimpleString, (void *) $probe_page)',
+            "end",
+            "detach",
+            "quit",
+            "",
+        ]
+    )
 
 
 def _gdb(info: ProcessInfo, payload: _Payload, timeout: float) -> None:
     if any(c.isspace() or c in "'\"\\" for c in payload.code_file):
-        raise AttachError(f"the runtime directory {payload.dir} has a space or quote in its path, which gdb cannot take; "
-                          "set PROBE_RUNTIME_DIR to a plain path.", exit_code=EXIT_CODES["tool_failed"])
+        raise AttachError(
+            f"the runtime directory {payload.dir} has a space or quote in its path, which gdb cannot take; "
+            "set PROBE_RUNTIME_DIR to a plain path.",
+            exit_code=EXIT_CODES["tool_failed"],
+        )
     script = payload.code_file[:-3] + ".gdb"
     _private_file(script, _gdb_script(payload.code_file).encode())
-    argv = [_gdb_path(), "-nx", "--batch", "-iex", "set auto-load off", "-iex", "set debuginfod enabled off",
-            "-iex", "set auto-solib-add off", "-p", str(info.pid),
-            "-ex", r"sharedlibrary libc\.so", "-ex", r"sharedlibrary libpython", "-x", script]
+    argv = [
+        _gdb_path(),
+        "-nx",
+        "--batch",
+        "-iex",
+        "set auto-load off",
+        "-iex",
+        "set debuginfod enabled off",
+        "-iex",
+        "set auto-solib-add off",
+        "-p",
+        str(info.pid),
+        "-ex",
+        r"sharedlibrary libc\.so",
+        "-ex",
+        r"sharedlibrary libpython",
+        "-x",
+        script,
+    ]
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         os.kill(info.pid, signal.SIGCONT)  # a killed tracer can leave the target stopped
-        raise AttachError(f"gdb did not finish with process {info.pid} within {timeout:g} s; retry with a larger "
-                          "--timeout.", exit_code=EXIT_CODES["tool_failed"]) from None
+        raise AttachError(
+            f"gdb did not finish with process {info.pid} within {timeout:g} s; retry with a larger --timeout.",
+            exit_code=EXIT_CODES["tool_failed"],
+        ) from None
     finally:
         os.unlink(script)
     out = proc.stdout + proc.stderr
@@ -232,11 +290,17 @@ def _gdb(info: ProcessInfo, payload: _Payload, timeout: float) -> None:
     if why:
         raise AttachError(f"gdb could not attach to process {info.pid}: {why}.", exit_code=EXIT_CODES["ptrace_blocked"])
     if "No symbol" in out:
-        raise AttachError(f"gdb found no Python C-API symbols in process {info.pid} ({info.exe}); its interpreter is "
-                          "stripped, so use the read-only `probe PID backtrace` instead.", exit_code=EXIT_CODES["tool_failed"])
+        raise AttachError(
+            f"gdb found no Python C-API symbols in process {info.pid} ({info.exe}); its interpreter is "
+            "stripped, so use the read-only `probe PID backtrace` instead.",
+            exit_code=EXIT_CODES["tool_failed"],
+        )
     last = next((l for l in reversed(out.splitlines()) if l.strip()), "no output")
-    raise AttachError(f"gdb could not schedule the bootstrap in process {info.pid} ({last}); the read-only "
-                      f"`probe {info.pid} backtrace` still works.", exit_code=EXIT_CODES["tool_failed"])
+    raise AttachError(
+        f"gdb could not schedule the bootstrap in process {info.pid} ({last}); the read-only "
+        f"`probe {info.pid} backtrace` still works.",
+        exit_code=EXIT_CODES["tool_failed"],
+    )
 
 
 def _existing(pid: int) -> dict | None:
@@ -256,12 +320,17 @@ def _wait_status(payload: _Payload, info: ProcessInfo, timeout: float) -> dict:
         except (OSError, ValueError):
             pass
         if not os.path.exists(f"/proc/{info.pid}"):
-            raise AttachError(f"process {info.pid} exited before the probe started.", exit_code=EXIT_CODES["no_such_pid"])
+            raise AttachError(
+                f"process {info.pid} exited before the probe started.", exit_code=EXIT_CODES["no_such_pid"]
+            )
         time.sleep(delay)  # ok-sleep: polling for the bootstrap's status file with a deadline
         delay = min(delay * 2, 0.2)
-    raise AttachError(f"process {info.pid} has not run the bootstrap within {timeout:g} s: its main thread has not "
-                      "reached a bytecode boundary (it may be blocked in a C call or a lock); the probe starts when it "
-                      f"does, and `probe {info.pid} backtrace` shows where it waits now.", exit_code=EXIT_CODES["no_answer"])
+    raise AttachError(
+        f"process {info.pid} has not run the bootstrap within {timeout:g} s: its main thread has not "
+        "reached a bytecode boundary (it may be blocked in a C call or a lock); the probe starts when it "
+        f"does, and `probe {info.pid} backtrace` shows where it waits now.",
+        exit_code=EXIT_CODES["no_answer"],
+    )
 
 
 def inject(pid: int, *, via: list | None = None, env: dict | None = None, timeout: float = 10.0) -> dict:
@@ -273,23 +342,31 @@ def inject(pid: int, *, via: list | None = None, env: dict | None = None, timeou
         pass
     info = inspect_process(pid)
     if info.uid != os.geteuid():  # root (or CAP_SYS_PTRACE) may attach, but the bootstrap runs as the target's user
-        raise AttachError(f"process {pid} belongs to uid {info.uid}, and the probe started inside it would run as that "
-                          f"user, who cannot read this CLI's private files in {runtime_dir()} (so it would never start, "
-                          "and inject would only time out); run inject as that user "
-                          f"(`sudo -u '#{info.uid}' probe inject {pid}`), or read its stacks now with "
-                          f"`probe {pid} backtrace`.", exit_code=EXIT_CODES["other_user"])
+        raise AttachError(
+            f"process {pid} belongs to uid {info.uid}, and the probe started inside it would run as that "
+            f"user, who cannot read this CLI's private files in {runtime_dir()} (so it would never start, "
+            "and inject would only time out); run inject as that user "
+            f"(`sudo -u '#{info.uid}' probe inject {pid}`), or read its stacks now with "
+            f"`probe {pid} backtrace`.",
+            exit_code=EXIT_CODES["other_user"],
+        )
     entry = _existing(pid)
     if entry:
         return {"entry": entry, "via": None, "already_running": True, "elapsed": time.monotonic() - started}
     if info.version != cli_version():
-        raise AttachError(f"process {pid} runs Python {info.version_text} but this probe runs on "
-                          f"{'%d.%d' % cli_version()}; run the probe installed in the target's environment "
-                          f"(as the process's owner: {info.exe} -m probe inject {pid}).", exit_code=EXIT_CODES["version_mismatch"])
+        raise AttachError(
+            f"process {pid} runs Python {info.version_text} but this probe runs on "
+            f"{'%d.%d' % cli_version()}; run the probe installed in the target's environment "
+            f"(as the process's owner: {info.exe} -m probe inject {pid}).",
+            exit_code=EXIT_CODES["version_mismatch"],
+        )
     via = list(via or setting("PROBE_INJECT_VIA", strict=True) or [])
     unknown = [r for r in via if r not in RUNGS]
     if unknown:
-        raise AttachError(f"unknown injection method {unknown[0]!r}; use {' or '.join(RUNGS)} (PROBE_INJECT_VIA or --via).",
-                          exit_code=EXIT_CODES["no_rung"])
+        raise AttachError(
+            f"unknown injection method {unknown[0]!r}; use {' or '.join(RUNGS)} (PROBE_INJECT_VIA or --via).",
+            exit_code=EXIT_CODES["no_rung"],
+        )
     reasons, blocked = [], []
     for rung in RUNGS:
         check = _remote_exec_unavailable if rung == "remote_exec" else _gdb_unavailable
@@ -317,18 +394,31 @@ def inject(pid: int, *, via: list | None = None, env: dict | None = None, timeou
         payload.discard()
         return _outcome(info, status, rung, started)
     code = EXIT_CODES["ptrace_blocked"] if blocked else EXIT_CODES["no_rung"]
-    raise AttachError(f"cannot inject into process {pid}: {'; '.join(reasons)}; the read-only "
-                      f"`probe {pid} backtrace` (py-spy) still shows its stacks.", exit_code=code)
+    raise AttachError(
+        f"cannot inject into process {pid}: {'; '.join(reasons)}; the read-only "
+        f"`probe {pid} backtrace` (py-spy) still shows its stacks.",
+        exit_code=code,
+    )
 
 
 def _outcome(info: ProcessInfo, status: dict, rung: str, started: float) -> dict:
     if status.get("ok"):
-        return {"entry": status.get("entry", {}), "via": rung, "already_running": bool(status.get("already_running")),
-                "probe_from": status.get("probe_from"), "elapsed": time.monotonic() - started}
+        return {
+            "entry": status.get("entry", {}),
+            "via": rung,
+            "already_running": bool(status.get("already_running")),
+            "probe_from": status.get("probe_from"),
+            "elapsed": time.monotonic() - started,
+        }
     if status.get("reason") == "missing_dependencies":
         missing = ", ".join(status.get("missing", []))
-        raise AttachError(f"process {info.pid} cannot import {missing}, which the probe needs; install them in the "
-                          f"target's environment ({status.get('executable')} -m pip install {missing.replace(',', '')}).",
-                          exit_code=EXIT_CODES["bootstrap_failed"])
-    raise AttachError(f"the probe failed to start inside process {info.pid} ({status.get('error')}); start the job "
-                      "with `import probe.auto` instead.", exit_code=EXIT_CODES["bootstrap_failed"])
+        raise AttachError(
+            f"process {info.pid} cannot import {missing}, which the probe needs; install them in the "
+            f"target's environment ({status.get('executable')} -m pip install {missing.replace(',', '')}).",
+            exit_code=EXIT_CODES["bootstrap_failed"],
+        )
+    raise AttachError(
+        f"the probe failed to start inside process {info.pid} ({status.get('error')}); start the job "
+        "with `import probe.auto` instead.",
+        exit_code=EXIT_CODES["bootstrap_failed"],
+    )

@@ -89,20 +89,28 @@ def _python_version(pid: int, exe: str) -> tuple | None:
 def inspect_process(pid: int, *, need_python: bool = True) -> ProcessInfo:
     """Check that ``pid`` exists, belongs to us (or we may trace it) and runs Python."""
     if pid <= 0:
-        raise AttachError(f"{pid} is not a process id; pass the pid shown by ps or top.", exit_code=EXIT_CODES["no_such_pid"])
+        raise AttachError(
+            f"{pid} is not a process id; pass the pid shown by ps or top.", exit_code=EXIT_CODES["no_such_pid"]
+        )
     if not os.path.exists(f"/proc/{pid}"):
-        raise AttachError(f"no process with pid {pid} is running; check the pid with `ps -p {pid}` or `probe list`.",
-                          exit_code=EXIT_CODES["no_such_pid"])
+        raise AttachError(
+            f"no process with pid {pid} is running; check the pid with `ps -p {pid}` or `probe list`.",
+            exit_code=EXIT_CODES["no_such_pid"],
+        )
     try:
         uid = _uid_of(pid)
         cmdline = [p.decode(errors="replace") for p in _read(f"/proc/{pid}/cmdline", "rb").split(b"\0") if p]
     except (OSError, ValueError):
-        raise AttachError(f"process {pid} exited or cannot be read; check it with `ps -p {pid}`.",
-                          exit_code=EXIT_CODES["no_such_pid"]) from None
+        raise AttachError(
+            f"process {pid} exited or cannot be read; check it with `ps -p {pid}`.", exit_code=EXIT_CODES["no_such_pid"]
+        ) from None
     me = os.geteuid()
     if uid != me and me != 0 and not _has_cap_sys_ptrace():
-        raise AttachError(f"process {pid} belongs to uid {uid}, not to you (uid {me}); run probe as that user "
-                          f"(e.g. `sudo -u '#{uid}' probe ...`).", exit_code=EXIT_CODES["other_user"])
+        raise AttachError(
+            f"process {pid} belongs to uid {uid}, not to you (uid {me}); run probe as that user "
+            f"(e.g. `sudo -u '#{uid}' probe ...`).",
+            exit_code=EXIT_CODES["other_user"],
+        )
     try:
         exe = os.readlink(f"/proc/{pid}/exe")
     except OSError:
@@ -112,13 +120,19 @@ def inspect_process(pid: int, *, need_python: bool = True) -> ProcessInfo:
     if need_python and version is None:
         what = os.path.basename(exe) or (cmdline[0] if cmdline else "?")
         if re.match(r"python\d?$", what):
-            raise AttachError(f"process {pid} runs a file named {what} that shows no Python version in what probe can "
-                              "read without running it (no libpython mapped, no Py_Version symbol), and probe never "
-                              "runs a target's executable to ask; if it is a static Python older than 3.11, start the "
-                              "job with `import probe.auto` or read its stacks with `py-spy dump --pid "
-                              f"{pid}`.", exit_code=EXIT_CODES["not_python"])
-        raise AttachError(f"process {pid} ({what}) is not a Python process; pass the pid of the python interpreter "
-                          "(for torchrun, a worker's pid from `ps --ppid`).", exit_code=EXIT_CODES["not_python"])
+            raise AttachError(
+                f"process {pid} runs a file named {what} that shows no Python version in what probe can "
+                "read without running it (no libpython mapped, no Py_Version symbol), and probe never "
+                "runs a target's executable to ask; if it is a static Python older than 3.11, start the "
+                "job with `import probe.auto` or read its stacks with `py-spy dump --pid "
+                f"{pid}`.",
+                exit_code=EXIT_CODES["not_python"],
+            )
+        raise AttachError(
+            f"process {pid} ({what}) is not a Python process; pass the pid of the python interpreter "
+            "(for torchrun, a worker's pid from `ps --ppid`).",
+            exit_code=EXIT_CODES["not_python"],
+        )
     return ProcessInfo(pid, uid, exe, cmdline, version)
 
 
@@ -138,7 +152,7 @@ def _is_ancestor_of(pid: int) -> bool:
     while pid > 1:
         try:
             stat = _read(f"/proc/{pid}/stat")
-            pid = int(stat[stat.rindex(")") + 2:].split()[1])
+            pid = int(stat[stat.rindex(")") + 2 :].split()[1])
         except (OSError, ValueError, IndexError):
             return False
         if pid == me:
@@ -154,14 +168,20 @@ def ptrace_problem(pid: int) -> str | None:
         return None
     cap = _has_cap_sys_ptrace()
     if scope == 3:
-        return ("ptrace is disabled on this host (kernel.yama.ptrace_scope=3, which only a reboot resets); "
-                "set it to 0 or 1 at boot to attach")
+        return (
+            "ptrace is disabled on this host (kernel.yama.ptrace_scope=3, which only a reboot resets); "
+            "set it to 0 or 1 at boot to attach"
+        )
     if scope == 2 and not cap:
-        return ("ptrace is limited to administrators (kernel.yama.ptrace_scope=2); run probe with sudo "
-                "or grant CAP_SYS_PTRACE")
+        return (
+            "ptrace is limited to administrators (kernel.yama.ptrace_scope=2); run probe with sudo "
+            "or grant CAP_SYS_PTRACE"
+        )
     if scope == 1 and not cap and not _is_ancestor_of(pid):
-        return ("ptrace is limited to child processes (kernel.yama.ptrace_scope=1); run "
-                "`sudo sysctl kernel.yama.ptrace_scope=0`, or run probe with sudo / CAP_SYS_PTRACE")
+        return (
+            "ptrace is limited to child processes (kernel.yama.ptrace_scope=1); run "
+            "`sudo sysctl kernel.yama.ptrace_scope=0`, or run probe with sudo / CAP_SYS_PTRACE"
+        )
     return None
 
 
@@ -171,7 +191,8 @@ def explain_ptrace_failure(pid: int, text: str) -> str | None:
     if "operation not permitted" in low or "permission denied" in low or "eperm" in low:
         return ptrace_problem(pid) or (
             "ptrace was refused by the system although Yama allows it; in a container, start it with "
-            "`--cap-add=SYS_PTRACE` (docker) or allow ptrace in its seccomp profile")
+            "`--cap-add=SYS_PTRACE` (docker) or allow ptrace in its seccomp profile"
+        )
     return None
 
 

@@ -32,8 +32,10 @@ def _usable_pyspy(pid: int, without: str, verb: str) -> str:
     """py-spy's path, once it is known to exist and to be allowed to ptrace ``pid``; else AttachError."""
     exe = pyspy_path()
     if exe is None:
-        raise AttachError(f"py-spy is not installed, so {without}; `pip install py-spy` in the CLI's environment.",
-                          exit_code=EXIT_CODES["no_rung"])
+        raise AttachError(
+            f"py-spy is not installed, so {without}; `pip install py-spy` in the CLI's environment.",
+            exit_code=EXIT_CODES["no_rung"],
+        )
     blocked = ptrace_problem(pid)
     if blocked:
         raise AttachError(f"py-spy cannot {verb} process {pid}: {blocked}.", exit_code=EXIT_CODES["ptrace_blocked"])
@@ -42,8 +44,13 @@ def _usable_pyspy(pid: int, without: str, verb: str) -> str:
 
 def _frame(depth: int, f: dict) -> dict:
     native = f.get("module") is not None  # py-spy sets `module` (the shared object) only for native frames
-    out = {"depth": depth, "func": f.get("name"), "file": f.get("filename"), "lineno": f.get("line") or None,
-           "line": None}
+    out = {
+        "depth": depth,
+        "func": f.get("name"),
+        "file": f.get("filename"),
+        "lineno": f.get("line") or None,
+        "line": None,
+    }
     if native:
         out["native"] = True
         out["file"] = f.get("module") or f.get("filename")
@@ -76,8 +83,9 @@ def _thread(t: dict) -> dict:
     }
 
 
-def pyspy_backtrace(pid: int, *, native: bool = False, subprocesses: bool = False, thread: str | None = None,
-                    timeout: float = 10.0) -> dict:
+def pyspy_backtrace(
+    pid: int, *, native: bool = False, subprocesses: bool = False, thread: str | None = None, timeout: float = 10.0
+) -> dict:
     """Every thread's stack of ``pid`` read by py-spy, innermost frame first, shaped like GET /backtrace."""
     info = inspect_process(pid)
     exe = _usable_pyspy(pid, "stacks cannot be read without the probe server", "read")
@@ -89,29 +97,38 @@ def pyspy_backtrace(pid: int, *, native: bool = False, subprocesses: bool = Fals
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise AttachError(f"py-spy did not finish reading process {pid} within {timeout:g} s; retry, or use "
-                          "--timeout to wait longer.", exit_code=EXIT_CODES["no_answer"]) from None
+        raise AttachError(
+            f"py-spy did not finish reading process {pid} within {timeout:g} s; retry, or use "
+            "--timeout to wait longer.",
+            exit_code=EXIT_CODES["no_answer"],
+        ) from None
     if proc.returncode != 0:
         text = (proc.stderr or proc.stdout).strip()
         why = explain_ptrace_failure(pid, text)
         if why:
             raise AttachError(f"py-spy cannot read process {pid}: {why}.", exit_code=EXIT_CODES["ptrace_blocked"])
         last = text.splitlines()[-1] if text else f"exit status {proc.returncode}"
-        raise AttachError(f"py-spy could not read process {pid} (Python {info.version_text}): {last}; "
-                          "check that py-spy supports this Python (`pip install -U py-spy`).",
-                          exit_code=EXIT_CODES["tool_failed"])
+        raise AttachError(
+            f"py-spy could not read process {pid} (Python {info.version_text}): {last}; "
+            "check that py-spy supports this Python (`pip install -U py-spy`).",
+            exit_code=EXIT_CODES["tool_failed"],
+        )
     try:
         raw = json.loads(proc.stdout)
     except ValueError:
-        raise AttachError(f"py-spy printed something other than JSON for process {pid}; "
-                          "upgrade it with `pip install -U py-spy`.", exit_code=EXIT_CODES["tool_failed"]) from None
+        raise AttachError(
+            f"py-spy printed something other than JSON for process {pid}; upgrade it with `pip install -U py-spy`.",
+            exit_code=EXIT_CODES["tool_failed"],
+        ) from None
     threads = [_thread(t) for t in raw if isinstance(t, dict)]
     if thread not in (None, ""):
         threads = [t for t in threads if thread in (t["name"], str(t["thread_id"]), str(t["native_id"]))]
         if not threads:
             names = ", ".join(sorted({str(t.get("thread_name")) for t in raw if isinstance(t, dict)}))
-            raise AttachError(f"process {pid} has no thread named or numbered {thread!r}; threads: {names}.",
-                              exit_code=EXIT_CODES["tool_failed"])
+            raise AttachError(
+                f"process {pid} has no thread named or numbered {thread!r}; threads: {names}.",
+                exit_code=EXIT_CODES["tool_failed"],
+            )
     threads.sort(key=lambda t: (t["pid"] != pid, not t["is_main"], t["pid"] or 0, t["name"] or ""))
     return {"source": "py-spy", "pid": pid, "rank": None, "threads": threads}
 
@@ -128,8 +145,23 @@ def pyspy_record(pid: int, seconds: float, *, hz: float = 100.0, native: bool = 
     exe = _usable_pyspy(pid, "native stacks cannot be sampled (or drop --native)", "sample")
     with tempfile.TemporaryDirectory(prefix="probe-profile-") as tmp:
         out = os.path.join(tmp, "stacks.txt")
-        argv = [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", str(int(hz)),
-                "--format", "raw", "--output", out, "--function", "--threads", "--idle"]
+        argv = [
+            exe,
+            "record",
+            "--pid",
+            str(pid),
+            "--duration",
+            str(max(1, round(seconds))),
+            "--rate",
+            str(int(hz)),
+            "--format",
+            "raw",
+            "--output",
+            out,
+            "--function",
+            "--threads",
+            "--idle",
+        ]
         if native:
             argv.append("--native")
         else:
@@ -137,11 +169,15 @@ def pyspy_record(pid: int, seconds: float, *, hz: float = 100.0, native: bool = 
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 30)
         except subprocess.TimeoutExpired:
-            raise AttachError(f"py-spy did not finish sampling process {pid} within {seconds + 30:g} s.",
-                              exit_code=EXIT_CODES["no_answer"]) from None
+            raise AttachError(
+                f"py-spy did not finish sampling process {pid} within {seconds + 30:g} s.",
+                exit_code=EXIT_CODES["no_answer"],
+            ) from None
         if proc.returncode != 0 or not os.path.exists(out):
             text = (proc.stderr or proc.stdout).strip()
-            why = explain_ptrace_failure(pid, text) or (text.splitlines()[-1] if text else f"exit status {proc.returncode}")
+            why = explain_ptrace_failure(pid, text) or (
+                text.splitlines()[-1] if text else f"exit status {proc.returncode}"
+            )
             raise AttachError(f"py-spy could not sample process {pid}: {why}.", exit_code=EXIT_CODES["tool_failed"])
         with open(out) as f:
             lines = f.read().splitlines()

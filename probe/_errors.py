@@ -88,8 +88,9 @@ class PartialError(ProbeError):
     kind = "partial"
 
 
-_KINDS = {cls.kind: cls for cls in (ProbeError, QueryError, EndpointError, AuthError, ActionError, AttachError,
-                                    PartialError)}
+_KINDS = {
+    cls.kind: cls for cls in (ProbeError, QueryError, EndpointError, AuthError, ActionError, AttachError, PartialError)
+}
 
 
 def error_from_dict(d: dict) -> ProbeError:

@@ -66,7 +66,6 @@ def job_identity(environ: dict | None = None) -> str | None:
     return None
 
 
-
 def process_argv() -> list[str]:
     """This process's argv from /proc (usable before ``sys.argv`` is set), else sys.argv."""
     try:

@@ -23,9 +23,22 @@ import sys
 from .config import setting
 from ._errors import EndpointError
 
-__all__ = ["runtime_dir", "default_runtime_dir", "check_private_dir", "use_private_dir", "sweep_stale",
-           "write_entry", "read_entries", "remove_entry", "pid_alive", "shared_registry", "job_token",
-           "registry_listen", "offline_status", "read_private"]
+__all__ = [
+    "runtime_dir",
+    "default_runtime_dir",
+    "check_private_dir",
+    "use_private_dir",
+    "sweep_stale",
+    "write_entry",
+    "read_entries",
+    "remove_entry",
+    "pid_alive",
+    "shared_registry",
+    "job_token",
+    "registry_listen",
+    "offline_status",
+    "read_private",
+]
 
 
 _private: dict = {}  # "path": the private directory a process fell back to when the usual one was unsafe
@@ -40,7 +53,9 @@ def default_runtime_dir() -> str:
     return path
 
 
-def check_private_dir(path: str, what: str = "the runtime directory", fix: str = "set PROBE_RUNTIME_DIR to a directory of your own") -> None:
+def check_private_dir(
+    path: str, what: str = "the runtime directory", fix: str = "set PROBE_RUNTIME_DIR to a directory of your own"
+) -> None:
     """Raise EndpointError unless ``path`` is a real directory (not a symlink) of this user, mode 0700 or stricter.
 
     Never follows a symlink and never changes what it finds: a directory someone else
@@ -55,8 +70,10 @@ def check_private_dir(path: str, what: str = "the runtime directory", fix: str =
     if st.st_uid != os.getuid():
         raise EndpointError(f"{what} {path} belongs to another user (uid {st.st_uid}); {fix}.")
     if stat.S_IMODE(st.st_mode) & 0o077:
-        raise EndpointError(f"{what} {path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}); "
-                            f"`chmod 700 {path}` it, or {fix}.")
+        raise EndpointError(
+            f"{what} {path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}); "
+            f"`chmod 700 {path}` it, or {fix}."
+        )
 
 
 def runtime_dir(create: bool = True) -> str:
@@ -85,8 +102,12 @@ def use_private_dir(reason: str) -> str:
 
     path = tempfile.mkdtemp(prefix=f"probe-{os.getuid()}-")
     _private["path"] = path
-    print(f"[probe] {reason.rstrip('.')}; this process uses the private directory {path} instead "
-          f"(run the CLI with PROBE_RUNTIME_DIR={path} to reach it).", file=sys.stderr, flush=True)
+    print(
+        f"[probe] {reason.rstrip('.')}; this process uses the private directory {path} instead "
+        f"(run the CLI with PROBE_RUNTIME_DIR={path} to reach it).",
+        file=sys.stderr,
+        flush=True,
+    )
     return path
 
 
@@ -152,8 +173,11 @@ def _foreign_file(path: str) -> str | None:
             except OSError:
                 continue
             if stat.S_ISLNK(st.st_mode) or st.st_uid != me or stat.S_IMODE(st.st_mode) & 0o022:
-                return os.path.join(folder, name) + (" (a symbolic link)" if stat.S_ISLNK(st.st_mode)
-                                                     else f" (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
+                return os.path.join(folder, name) + (
+                    " (a symbolic link)"
+                    if stat.S_ISLNK(st.st_mode)
+                    else f" (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})"
+                )
     return None
 
 
@@ -193,8 +217,9 @@ def shared_registry(create: bool = True) -> str | None:
         return None
     foreign = _foreign_file(path)
     if foreign:
-        _refuse_registry(path, f"the shared registry {path} holds a file probe did not write for you: {foreign}; "
-                               f"remove it, or {fix}")
+        _refuse_registry(
+            path, f"the shared registry {path} holds a file probe did not write for you: {foreign}; remove it, or {fix}"
+        )
         return None
     _registry_checked.add(path)
     return path

@@ -14,7 +14,11 @@ def _start_quietly() -> None:
         import sys
 
         message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
-        print(f"[probe] the probe did not start ({message.rstrip('.')}); training goes on without it.", file=sys.stderr, flush=True)
+        print(
+            f"[probe] the probe did not start ({message.rstrip('.')}); training goes on without it.",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 _start_quietly()

@@ -41,16 +41,21 @@ def _declare(name: str, default: str | None, help: str, parse: Callable[[str], A
 
 # -- parsers: each takes the raw text and returns the value, or raises ValueError("expected ...") --
 
+
 def _number(kind=float, minimum: float | None = None, above: float | None = None, what: str = "a number"):
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise ValueError(what) from None
-        if (isinstance(value, float) and not math.isfinite(value)) or (minimum is not None and value < minimum) \
-                or (above is not None and value <= above):
+        if (
+            (isinstance(value, float) and not math.isfinite(value))
+            or (minimum is not None and value < minimum)
+            or (above is not None and value <= above)
+        ):
             raise ValueError(what)
         return value
+
     return parse
 
 
@@ -143,49 +148,195 @@ def _probe_mode(text: str) -> str | None:
         raise ValueError("1 (or workers), all, or 0") from None
 
 
-_declare("PROBE", None, "Start the probe at interpreter start-up with no code change. 1 (or workers): in the launcher's worker processes, not in launchers (torchrun), pip, multiprocessing helpers, or processes started by an already probed process (compile workers, data subprocesses); all: also in those subprocesses; 0: off.", _probe_mode)
-_declare("PROBE_ONLY", None, "With PROBE set: start the probe only in processes whose script name or -m module matches one of these comma-separated shell patterns (e.g. train*.py,my_pkg.train), wherever they are in the launch tree.", _names)
-_declare("PROBE_RUNTIME_DIR", None, "Directory for sockets, registry entries, audit log and hang dumps; default $XDG_RUNTIME_DIR/probe or /tmp/probe-$UID.")
-_declare("PROBE_PORT", None, "Also listen on this TCP port (0 picks a free one); requires a token.",
-         _number(int, minimum=0, what="a TCP port number (0 picks a free one)"))
+_declare(
+    "PROBE",
+    None,
+    "Start the probe at interpreter start-up with no code change. 1 (or workers): in the launcher's worker processes, not in launchers (torchrun), pip, multiprocessing helpers, or processes started by an already probed process (compile workers, data subprocesses); all: also in those subprocesses; 0: off.",
+    _probe_mode,
+)
+_declare(
+    "PROBE_ONLY",
+    None,
+    "With PROBE set: start the probe only in processes whose script name or -m module matches one of these comma-separated shell patterns (e.g. train*.py,my_pkg.train), wherever they are in the launch tree.",
+    _names,
+)
+_declare(
+    "PROBE_RUNTIME_DIR",
+    None,
+    "Directory for sockets, registry entries, audit log and hang dumps; default $XDG_RUNTIME_DIR/probe or /tmp/probe-$UID.",
+)
+_declare(
+    "PROBE_PORT",
+    None,
+    "Also listen on this TCP port (0 picks a free one); requires a token.",
+    _number(int, minimum=0, what="a TCP port number (0 picks a free one)"),
+)
 _declare("PROBE_HOST", "127.0.0.1", "Address the TCP listener binds; a non-loopback address is logged loudly at start.")
-_declare("PROBE_TOKEN", None, "Token TCP clients must send; generated and stored in the 0600 registry entry when unset.")
-_declare("PROBE_MCP_TOKEN", None, "Bearer token clients of `probe mcp --http` must send (at least 16 characters); generated and printed at start when unset. Not PROBE_TOKEN, which opens the training processes themselves.")
-_declare("PROBE_ALLOW_EVAL", None, "1 allows eval and debug over TCP (with the token); 0 disables both everywhere; unset allows them on the unix socket only.", _flag)
-_declare("PROBE_ACTION_TIMEOUT", "60", "Seconds a queued action (checkpoint, lr, cleanup, eval --at-step) waits for a step boundary before it is dropped as timed_out, when the client gives no --timeout.", _SECONDS)
-_declare("PROBE_QUERY_TIMEOUT", "10", "Seconds a query may run (snapshot, then DuckDB in the client) before it is stopped; clients pass --timeout.", _SECONDS)
-_declare("PROBE_QUERY_MEMORY", "256MB", "DuckDB memory limit of the client's query engine (DuckDB never runs in the training process).")
+_declare(
+    "PROBE_TOKEN", None, "Token TCP clients must send; generated and stored in the 0600 registry entry when unset."
+)
+_declare(
+    "PROBE_MCP_TOKEN",
+    None,
+    "Bearer token clients of `probe mcp --http` must send (at least 16 characters); generated and printed at start when unset. Not PROBE_TOKEN, which opens the training processes themselves.",
+)
+_declare(
+    "PROBE_ALLOW_EVAL",
+    None,
+    "1 allows eval and debug over TCP (with the token); 0 disables both everywhere; unset allows them on the unix socket only.",
+    _flag,
+)
+_declare(
+    "PROBE_ACTION_TIMEOUT",
+    "60",
+    "Seconds a queued action (checkpoint, lr, cleanup, eval --at-step) waits for a step boundary before it is dropped as timed_out, when the client gives no --timeout.",
+    _SECONDS,
+)
+_declare(
+    "PROBE_QUERY_TIMEOUT",
+    "10",
+    "Seconds a query may run (snapshot, then DuckDB in the client) before it is stopped; clients pass --timeout.",
+    _SECONDS,
+)
+_declare(
+    "PROBE_QUERY_MEMORY",
+    "256MB",
+    "DuckDB memory limit of the client's query engine (DuckDB never runs in the training process).",
+)
 _declare("PROBE_MAX_ROWS", "10000", "Default row cap of a query result; a client can ask for more.", _COUNT)
-_declare("PROBE_SNAPSHOT_BYTES", "64MB", "Training process: largest table snapshot (the columns one query needs, after its pushed-down filters) it hands to a client; larger ones are refused with a hint.", _size)
-_declare("PROBE_SERVE_SHARE", "0.02", "Training process: share of wall time its snapshots may take, averaged over ten seconds; each request is charged its thread's whole CPU time (filters, every table it names, encoding), and the next waits until that is earned back, up to its timeout, so that no client, whatever it sends, can slow training more; 'off' serves them as fast as they come.", _limit("wall time"))
-_declare("PROBE_MAX_SNAPSHOTS", "2", "Training process: snapshots taken at the same time; further queries wait in line up to their timeout.", _COUNT)
-_declare("PROBE_MAX_CONNECTIONS", "32", "Training process: open client connections served at once, unix socket and TCP each; more are closed at once with a 503.",
-         _number(int, minimum=2, what="a whole number of at least 2"))
-_declare("PROBE_READ_TIMEOUT", "5", "Training process: seconds a client may take to send its request line and headers, in all (a byte now and then does not keep a connection), then per read of its body, before the connection is closed.", _SECONDS)
-_declare("PROBE_REGISTRY", None, "Shared directory (e.g. on a network file system) where every rank also writes its registry entry, for discovery across nodes.")
-_declare("PROBE_TRACE", None, "Module tracing: 'all' traces every step, 'off' disables it, a number N traces one step in N (default chosen to keep overhead under 1%).", _every)
-_declare("PROBE_TRACE_STATS", "1", "On traced steps, also reduce each module's output on its device (mean, std, std across the batch, zeros, non-finite values: the out_* columns of python.torch_trace); 0 records times and memory only.", _flag)
-_declare("PROBE_TRACE_SYNCS", "1", "On traced steps of a CUDA job, turn torch's sync debug mode to warn and count the host-device syncs by call site (torch.syncs); 0 leaves the mode alone.", _flag)
+_declare(
+    "PROBE_SNAPSHOT_BYTES",
+    "64MB",
+    "Training process: largest table snapshot (the columns one query needs, after its pushed-down filters) it hands to a client; larger ones are refused with a hint.",
+    _size,
+)
+_declare(
+    "PROBE_SERVE_SHARE",
+    "0.02",
+    "Training process: share of wall time its snapshots may take, averaged over ten seconds; each request is charged its thread's whole CPU time (filters, every table it names, encoding), and the next waits until that is earned back, up to its timeout, so that no client, whatever it sends, can slow training more; 'off' serves them as fast as they come.",
+    _limit("wall time"),
+)
+_declare(
+    "PROBE_MAX_SNAPSHOTS",
+    "2",
+    "Training process: snapshots taken at the same time; further queries wait in line up to their timeout.",
+    _COUNT,
+)
+_declare(
+    "PROBE_MAX_CONNECTIONS",
+    "32",
+    "Training process: open client connections served at once, unix socket and TCP each; more are closed at once with a 503.",
+    _number(int, minimum=2, what="a whole number of at least 2"),
+)
+_declare(
+    "PROBE_READ_TIMEOUT",
+    "5",
+    "Training process: seconds a client may take to send its request line and headers, in all (a byte now and then does not keep a connection), then per read of its body, before the connection is closed.",
+    _SECONDS,
+)
+_declare(
+    "PROBE_REGISTRY",
+    None,
+    "Shared directory (e.g. on a network file system) where every rank also writes its registry entry, for discovery across nodes.",
+)
+_declare(
+    "PROBE_TRACE",
+    None,
+    "Module tracing: 'all' traces every step, 'off' disables it, a number N traces one step in N (default chosen to keep overhead under 1%).",
+    _every,
+)
+_declare(
+    "PROBE_TRACE_STATS",
+    "1",
+    "On traced steps, also reduce each module's output on its device (mean, std, std across the batch, zeros, non-finite values: the out_* columns of python.torch_trace); 0 records times and memory only.",
+    _flag,
+)
+_declare(
+    "PROBE_TRACE_SYNCS",
+    "1",
+    "On traced steps of a CUDA job, turn torch's sync debug mode to warn and count the host-device syncs by call site (torch.syncs); 0 leaves the mode alone.",
+    _flag,
+)
 _declare("PROBE_TRACE_CAPACITY", "100000", "Rows kept in the python.torch_trace ring buffer.", _COUNT)
-_declare("PROBE_SPANS_CAPACITY", "10000", "Rows kept in the python.spans ring buffer (spans recorded with probe.span).", _COUNT)
+_declare(
+    "PROBE_SPANS_CAPACITY",
+    "10000",
+    "Rows kept in the python.spans ring buffer (spans recorded with probe.span).",
+    _COUNT,
+)
 _declare("PROBE_STEPS_CAPACITY", "10000", "Rows kept in the torch.steps ring buffer.", _COUNT)
-_declare("PROBE_GRAD_NORM", "0.001", "Share of step time the probe's own gradient-norm computation may take (it runs on every N-th step to fit); 'all' computes it every step, 'off' never. A loop that calls clip_grad_norm_ gets its norm on every step for free.", _share)
-_declare("PROBE_STEP_BUDGET", "0.01", "Share of step time the probe's own per-step work may take (measured as it goes): the loss read-back, grad norm, peak memory, discovery scans and module-trace scheduling run on the steps that fit (torch.steps.measured), while step count, step time, lr and actions stay exact on every step; 'off' measures every step.", _budget)
-_declare("PROBE_LOSS_NAMES", "loss", "Comma-separated names of the scalar loss tensor looked up in the training loop's frames at each step.", _names)
-_declare("PROBE_HANG_TIMEOUT", None, "Seconds without a completed step after which every thread's stack is written to the runtime directory.", _seconds_or_off)
-_declare("PROBE_POSTMORTEM_EVERY", "30", "Seconds between the periodic post-mortem snapshots of the tables (written off the training thread, only after new steps), so a process killed with SIGKILL still leaves its last minute; 0 turns them off.", _seconds_or_off)
+_declare(
+    "PROBE_GRAD_NORM",
+    "0.001",
+    "Share of step time the probe's own gradient-norm computation may take (it runs on every N-th step to fit); 'all' computes it every step, 'off' never. A loop that calls clip_grad_norm_ gets its norm on every step for free.",
+    _share,
+)
+_declare(
+    "PROBE_STEP_BUDGET",
+    "0.01",
+    "Share of step time the probe's own per-step work may take (measured as it goes): the loss read-back, grad norm, peak memory, discovery scans and module-trace scheduling run on the steps that fit (torch.steps.measured), while step count, step time, lr and actions stay exact on every step; 'off' measures every step.",
+    _budget,
+)
+_declare(
+    "PROBE_LOSS_NAMES",
+    "loss",
+    "Comma-separated names of the scalar loss tensor looked up in the training loop's frames at each step.",
+    _names,
+)
+_declare(
+    "PROBE_HANG_TIMEOUT",
+    None,
+    "Seconds without a completed step after which every thread's stack is written to the runtime directory.",
+    _seconds_or_off,
+)
+_declare(
+    "PROBE_POSTMORTEM_EVERY",
+    "30",
+    "Seconds between the periodic post-mortem snapshots of the tables (written off the training thread, only after new steps), so a process killed with SIGKILL still leaves its last minute; 0 turns them off.",
+    _seconds_or_off,
+)
 _declare("PROBE_POSTMORTEM_ROWS", "2000", "Rows of each table a post-mortem record keeps (the newest).", _COUNT)
-_declare("PROBE_POSTMORTEM_KEEP", "20", "Post-mortem records kept in the runtime directory; the oldest are removed when a new one is written.", _COUNT)
-_declare("PROBE_INJECT_VIA", "remote_exec,gdb", "Injection methods `probe inject` may use, in order: remote_exec (Python 3.14+), gdb.", _names)
+_declare(
+    "PROBE_POSTMORTEM_KEEP",
+    "20",
+    "Post-mortem records kept in the runtime directory; the oldest are removed when a new one is written.",
+    _COUNT,
+)
+_declare(
+    "PROBE_INJECT_VIA",
+    "remote_exec,gdb",
+    "Injection methods `probe inject` may use, in order: remote_exec (Python 3.14+), gdb.",
+    _names,
+)
 _declare("PROBE_GDB", "gdb", "The gdb executable `probe inject` runs (a name on PATH or an absolute path).")
-_declare("PROBE_STRAGGLER_FACTOR", "1.5", "For --ranks: a rank is a straggler (ranks.stragglers, `status` state slow) when its median compute time per step (step time minus the time it waits for other ranks, from the flight recorder; its step time without one) exceeds the other ranks' median by this factor.",
-         _number(float, above=1.0, what="a factor above 1, such as 1.5"))
-_declare("PROBE_HUNG_AFTER", "60", "For --ranks: seconds without a completed step after which ranks.hung and `status` call a rank hung (or waiting, inside a collective).", _SECONDS)
-_declare("PROBE_COLLECTIVES", "500", "Entries of torch's c10d flight recorder (torch.collectives) turned on when the probe starts before the first process group and TORCH_FR_BUFFER_SIZE is unset; 0 or off leaves it off.",
-         lambda text: 0 if text.strip().lower() in _FALSE + ("none",)
-         else _number(int, minimum=0, what="a number of entries, or off")(text))
-_declare("PROBE_DESYNC_STEPS", "1", "For --ranks: ranks.desync lists ranks more than this many steps behind the most advanced one.",
-         _number(float, minimum=0, what="a number of steps, 0 or more"))
+_declare(
+    "PROBE_STRAGGLER_FACTOR",
+    "1.5",
+    "For --ranks: a rank is a straggler (ranks.stragglers, `status` state slow) when its median compute time per step (step time minus the time it waits for other ranks, from the flight recorder; its step time without one) exceeds the other ranks' median by this factor.",
+    _number(float, above=1.0, what="a factor above 1, such as 1.5"),
+)
+_declare(
+    "PROBE_HUNG_AFTER",
+    "60",
+    "For --ranks: seconds without a completed step after which ranks.hung and `status` call a rank hung (or waiting, inside a collective).",
+    _SECONDS,
+)
+_declare(
+    "PROBE_COLLECTIVES",
+    "500",
+    "Entries of torch's c10d flight recorder (torch.collectives) turned on when the probe starts before the first process group and TORCH_FR_BUFFER_SIZE is unset; 0 or off leaves it off.",
+    lambda text: (
+        0
+        if text.strip().lower() in _FALSE + ("none",)
+        else _number(int, minimum=0, what="a number of entries, or off")(text)
+    ),
+)
+_declare(
+    "PROBE_DESYNC_STEPS",
+    "1",
+    "For --ranks: ranks.desync lists ranks more than this many steps behind the most advanced one.",
+    _number(float, minimum=0, what="a number of steps, 0 or more"),
+)
 
 
 def setting(name: str, environ: dict | None = None, *, strict: bool = False):
@@ -202,8 +353,10 @@ def setting(name: str, environ: dict | None = None, *, strict: bool = False):
     try:
         return decl.parse(raw)
     except ValueError as exc:
-        err = ProbeError(f"{name}={raw!r} is not valid: expected {exc}; fix or unset it"
-                         + (f" (default {decl.default})." if decl.default is not None else "."))
+        err = ProbeError(
+            f"{name}={raw!r} is not valid: expected {exc}; fix or unset it"
+            + (f" (default {decl.default})." if decl.default is not None else ".")
+        )
         if strict:
             raise err from None
         from .util.errorlog import record_error

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 __all__ = ["ALLOWED_FUNCTIONS", "ALLOWED_TABLE_FUNCTIONS"]
 
-ALLOWED_FUNCTIONS = frozenset("""
+ALLOWED_FUNCTIONS = frozenset(
+    """
     coalesce row_number rank dense_rank percent_rank cume_dist ntile lag lead first_value last_value nth_value
     DISTINCT FROM IS NOT abs acos acosh add age aggregate ago alias any_value apply approx_count_distinct
     approx_quantile approx_top_k arbitrary arg_max arg_max_null arg_max_nulls_last arg_min arg_min_null
@@ -96,7 +97,8 @@ ALLOWED_FUNCTIONS = frozenset("""
     union_extract union_tag union_value unnest unpivot_list upper url_decode url_encode uuid
     uuid_extract_timestamp uuid_extract_version uuidv4 uuidv7 var_pop var_samp variance vertex_extract wavg
     week weekday weekofyear weighted_avg xor year yearweek
-""".split())
+""".split()
+)
 
 # table functions a FROM clause may call (they make rows from their arguments, nothing else)
 ALLOWED_TABLE_FUNCTIONS = frozenset(("range", "generate_series", "unnest"))

@@ -23,8 +23,23 @@ from probe.util.wire import WireError, check_table, object_column
 
 __all__ = ["Result", "Workspace", "execute", "connect", "register_result", "typed_select", "concat_snapshots", "SLOT"]
 
-_SIMPLE_TYPES = ("BIGINT", "INTEGER", "DOUBLE", "VARCHAR", "BOOLEAN", "TIMESTAMP", "FLOAT", "SMALLINT", "TINYINT",
-                 "HUGEINT", "UBIGINT", "UINTEGER", "DATE", "DECIMAL", "TIMESTAMP WITH TIME ZONE")
+_SIMPLE_TYPES = (
+    "BIGINT",
+    "INTEGER",
+    "DOUBLE",
+    "VARCHAR",
+    "BOOLEAN",
+    "TIMESTAMP",
+    "FLOAT",
+    "SMALLINT",
+    "TINYINT",
+    "HUGEINT",
+    "UBIGINT",
+    "UINTEGER",
+    "DATE",
+    "DECIMAL",
+    "TIMESTAMP WITH TIME ZONE",
+)
 _SIMPLE_TYPE = re.compile(r"^[A-Z ]+(\(\d{1,2}(, ?\d{1,2})?\))?$")  # DECIMAL(18,3): a type word, never more SQL
 _FLOAT_TYPES = ("DOUBLE", "FLOAT", "REAL")
 SLOT = "__slot"  # the column saying which rank's snapshot a row of a combined table came from
@@ -45,7 +60,9 @@ class Result:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Result":
-        return cls(d["columns"], d["types"], d["rows"], d.get("elapsed", 0.0), d.get("truncated", False), d.get("meta", {}))
+        return cls(
+            d["columns"], d["types"], d["rows"], d.get("elapsed", 0.0), d.get("truncated", False), d.get("meta", {})
+        )
 
 
 def connect(memory_limit: str | None = None):
@@ -56,15 +73,18 @@ def connect(memory_limit: str | None = None):
         from probe.config import setting
 
         memory_limit = setting("PROBE_QUERY_MEMORY")
-    return duckdb.connect(":memory:", config={
-        "threads": 1,
-        "memory_limit": memory_limit,
-        "enable_external_access": False,
-        "python_enable_replacements": False,
-        "autoinstall_known_extensions": False,
-        "autoload_known_extensions": False,
-        "temp_directory": "",  # never spill into the working directory (.tmp/duckdb_temp_*): stay in memory
-    })
+    return duckdb.connect(
+        ":memory:",
+        config={
+            "threads": 1,
+            "memory_limit": memory_limit,
+            "enable_external_access": False,
+            "python_enable_replacements": False,
+            "autoinstall_known_extensions": False,
+            "autoload_known_extensions": False,
+            "temp_directory": "",  # never spill into the working directory (.tmp/duckdb_temp_*): stay in memory
+        },
+    )
 
 
 def _quote(name: str) -> str:
@@ -148,8 +168,12 @@ def _concat_column(cols: list) -> dict:
             datas.append(out)
         return {"type": cols[0]["type"], "kind": "str", "data": np.concatenate(datas), "valid": None}
     if texts:
-        return {"type": cols[0]["type"], "kind": "str" if "str" in kinds else "dict",
-                "data": np.concatenate([c["data"] for c in cols]), "valid": None}
+        return {
+            "type": cols[0]["type"],
+            "kind": "str" if "str" in kinds else "dict",
+            "data": np.concatenate([c["data"] for c in cols]),
+            "valid": None,
+        }
     kind = "f8" if "f8" in kinds else "i8" if "i8" in kinds else "b1"
     dtype = {"f8": "<f8", "i8": "<i8", "b1": "|b1"}[kind]
     data = np.concatenate([np.asarray(c["data"], dtype=dtype) for c in cols])
@@ -188,10 +212,17 @@ def concat_snapshots(decoded: list) -> dict:
             for _, t in present:
                 c = t["columns"].get(col)
                 if c is None:  # an older rank without this column: NULLs
-                    c = {"type": typ, "kind": "f8", "data": np.full(t["rows"], np.nan), "valid": np.zeros(t["rows"], bool)}
+                    c = {
+                        "type": typ,
+                        "kind": "f8",
+                        "data": np.full(t["rows"], np.nan),
+                        "valid": np.zeros(t["rows"], bool),
+                    }
                 parts.append(c)
             cols[col] = _concat_column(parts)
-        slot = np.concatenate([np.full(t["rows"], i, dtype="<i8") for i, t in present]) if present else np.zeros(0, "<i8")
+        slot = (
+            np.concatenate([np.full(t["rows"], i, dtype="<i8") for i, t in present]) if present else np.zeros(0, "<i8")
+        )
         cols[SLOT] = {"type": "BIGINT", "kind": "i8", "data": slot, "valid": None}
         out[name] = {"rows": len(slot), "columns": cols}
     return {"meta": {}, "tables": out}
@@ -232,7 +263,9 @@ class Workspace:
         return self._expired.is_set()
 
     def _stopped(self) -> QueryError:
-        return QueryError(f"the query ran past its {self._timeout:g} s timeout and was stopped; narrow it or raise --timeout.")
+        return QueryError(
+            f"the query ran past its {self._timeout:g} s timeout and was stopped; narrow it or raise --timeout."
+        )
 
     def stopped(self) -> QueryError:
         """The one sentence for a workspace whose deadline passed."""
@@ -297,10 +330,17 @@ class Workspace:
         import numpy as np
 
         self.load_snapshot(0, concat_snapshots(decoded))
-        self.con.register("__slots_raw", {SLOT: np.arange(len(ranks), dtype="<i8"),
-                                          "__rank": np.array([-1 if r is None else int(r) for r in ranks], dtype="<i8")})
-        self.con.execute(f'CREATE VIEW "__slots" AS SELECT {SLOT}, CASE WHEN "__rank" >= 0 THEN CAST("__rank" AS INTEGER) END '
-                         'AS "__rank" FROM "__slots_raw"')
+        self.con.register(
+            "__slots_raw",
+            {
+                SLOT: np.arange(len(ranks), dtype="<i8"),
+                "__rank": np.array([-1 if r is None else int(r) for r in ranks], dtype="<i8"),
+            },
+        )
+        self.con.execute(
+            f'CREATE VIEW "__slots" AS SELECT {SLOT}, CASE WHEN "__rank" >= 0 THEN CAST("__rank" AS INTEGER) END '
+            'AS "__rank" FROM "__slots_raw"'
+        )
 
     def load_tables(self, slot: int, tables: dict) -> None:
         """Register in-memory tables ``{schema.table: ([(column, type)], {column: values})}``."""
@@ -385,22 +425,31 @@ class Workspace:
             if timed_out.is_set() or isinstance(error, duckdb.InterruptException):
                 raise QueryError(stopped) from None
             if isinstance(error, duckdb.OutOfMemoryException):
-                raise QueryError("the query needs more memory than PROBE_QUERY_MEMORY allows (DuckDB runs in this client); "
-                                 "narrow it, or raise PROBE_QUERY_MEMORY.") from None
+                raise QueryError(
+                    "the query needs more memory than PROBE_QUERY_MEMORY allows (DuckDB runs in this client); "
+                    "narrow it, or raise PROBE_QUERY_MEMORY."
+                ) from None
             if isinstance(error, duckdb.Error):
                 msg = str(error).strip().splitlines()[0]
                 raise QueryError(f"DuckDB refused the query: {msg}") from None
             if isinstance(error, MemoryError):
-                raise QueryError("the query ran out of memory; narrow it (PROBE_QUERY_MEMORY sets DuckDB's limit).") from None
+                raise QueryError(
+                    "the query ran out of memory; narrow it (PROBE_QUERY_MEMORY sets DuckDB's limit)."
+                ) from None
             raise error
         desc, rows = box["value"]
-        return Result(columns=[d[0] for d in desc], types=[str(d[1]) for d in desc],
-                      rows=[list(r) for r in rows[:max_rows]], elapsed=time.perf_counter() - t0,
-                      truncated=len(rows) > max_rows)
+        return Result(
+            columns=[d[0] for d in desc],
+            types=[str(d[1]) for d in desc],
+            rows=[list(r) for r in rows[:max_rows]],
+            elapsed=time.perf_counter() - t0,
+            truncated=len(rows) > max_rows,
+        )
 
 
-def execute(sql: str, tables: dict, *, max_rows: int = 10000, timeout: float = 10.0,
-            memory_limit: str | None = None) -> Result:
+def execute(
+    sql: str, tables: dict, *, max_rows: int = 10000, timeout: float = 10.0, memory_limit: str | None = None
+) -> Result:
     """Run ``sql`` (already guarded) over in-memory ``tables`` (``{schema.table: ([(column, type)], {column: values})}``).
 
     The tables are visible under their own names. Used by tests and benchmarks; the CLI
@@ -430,5 +479,9 @@ def register_result(con, name: str, result: Result, extra: dict | None = None) -
     exprs = [_quote(c) for c in (extra or {})]
     for col, typ in zip(result.columns, result.types):
         simple = _SIMPLE_TYPE.match(str(typ)) is not None and str(typ).split("(")[0] in _SIMPLE_TYPES
-        exprs.append(f"TRY_CAST({_quote(col)} AS {typ}) AS {_quote(col)}" if simple else f"CAST({_quote(col)} AS VARCHAR) AS {_quote(col)}")
-    con.execute(f'CREATE OR REPLACE VIEW {_quote(name)} AS SELECT {", ".join(exprs) or "*"} FROM {raw}')
+        exprs.append(
+            f"TRY_CAST({_quote(col)} AS {typ}) AS {_quote(col)}"
+            if simple
+            else f"CAST({_quote(col)} AS VARCHAR) AS {_quote(col)}"
+        )
+    con.execute(f"CREATE OR REPLACE VIEW {_quote(name)} AS SELECT {', '.join(exprs) or '*'} FROM {raw}")

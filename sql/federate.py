@@ -35,6 +35,7 @@ __all__ = ["Plan", "plan", "qualify_query", "table_scans", "table_name", "per_ra
 
 RANK = "rank"
 
+
 @dataclass
 class Plan:
     """What to send to every rank and what to run on the client."""
@@ -63,8 +64,14 @@ def qualify_query(expression: exp.Expression, schema: dict) -> exp.Expression:
         db, name = full.split(".", 1)
         nested.setdefault(db, {})[name] = dict(cols)
     try:
-        return qualify(expression.copy(), schema=nested, dialect="duckdb", quote_identifiers=False,
-                       validate_qualify_columns=False, identify=False)
+        return qualify(
+            expression.copy(),
+            schema=nested,
+            dialect="duckdb",
+            quote_identifiers=False,
+            validate_qualify_columns=False,
+            identify=False,
+        )
     except sqlglot.errors.OptimizeError as exc:
         raise QueryError(f"the query could not be split across ranks ({exc}); check the column names.") from None
 
@@ -91,7 +98,9 @@ def _occurrence_filters(tbl: exp.Table, columns: set) -> list:
     joins = select.args.get("joins") or []
     kinds = [(j.side or "").upper() for j in joins]
     in_from = isinstance(tbl.parent, exp.From)
-    if any(k in ("RIGHT", "FULL") for k in kinds) or (not in_from and isinstance(tbl.parent, exp.Join) and tbl.parent.side):
+    if any(k in ("RIGHT", "FULL") for k in kinds) or (
+        not in_from and isinstance(tbl.parent, exp.Join) and tbl.parent.side
+    ):
         return []
     where = select.args.get("where")
     conds = [c for c in _conjuncts(where.this if where else None) if _pushable(c, alias, columns)]

@@ -38,16 +38,43 @@ READ_ONLY_ROOTS = (exp.Query,)
 
 _FORBIDDEN_NODES = tuple(
     getattr(exp, name)
-    for name in ("Insert", "Update", "Delete", "Merge", "Create", "Drop", "Alter", "AlterTable", "Copy",
-                 "Command", "Pragma", "Set", "SetItem", "Use", "Attach", "Detach", "Install", "Load",
-                 "TruncateTable", "Transaction", "Commit", "Rollback", "Export", "Into", "LoadData", "Analyze")
+    for name in (
+        "Insert",
+        "Update",
+        "Delete",
+        "Merge",
+        "Create",
+        "Drop",
+        "Alter",
+        "AlterTable",
+        "Copy",
+        "Command",
+        "Pragma",
+        "Set",
+        "SetItem",
+        "Use",
+        "Attach",
+        "Detach",
+        "Install",
+        "Load",
+        "TruncateTable",
+        "Transaction",
+        "Commit",
+        "Rollback",
+        "Export",
+        "Into",
+        "LoadData",
+        "Analyze",
+    )
     if hasattr(exp, name)
 )
 
 MAX_SQL_CHARS = 100_000
 _TOO_DEEP = "the query nests too deeply to read (brackets or subqueries hundreds of levels deep); simplify it."
 _CALL = __import__("re").compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\(")
-_ALLOWED_TABLE_FUNCTIONS = (exp.GenerateSeries, exp.Unnest, exp.Explode) if hasattr(exp, "Explode") else (exp.GenerateSeries, exp.Unnest)
+_ALLOWED_TABLE_FUNCTIONS = (
+    (exp.GenerateSeries, exp.Unnest, exp.Explode) if hasattr(exp, "Explode") else (exp.GenerateSeries, exp.Unnest)
+)
 
 
 @dataclass(frozen=True)
@@ -71,7 +98,9 @@ def _parse(sql: str) -> list[exp.Expression]:
         near = first.get("highlight")
         where = f" at line {line}, column {col}" if line else ""
         near_txt = f" near '{near}'" if near else ""
-        raise QueryError(f"SQL syntax error{where}{near_txt}: {desc}; fix the query and retry.", line=line, col=col) from None
+        raise QueryError(
+            f"SQL syntax error{where}{near_txt}: {desc}; fix the query and retry.", line=line, col=col
+        ) from None
     except TokenError as e:
         raise QueryError(f"SQL could not be read ({e}); check quotes and brackets.") from None
     except RecursionError:
@@ -102,8 +131,10 @@ def _check_functions(stmt: exp.Expression) -> None:
         if isinstance(node, (exp.Func, exp.Anonymous)) and not isinstance(node.parent, exp.Table):
             name = _function_name(node)
             if name and name not in ALLOWED_FUNCTIONS:
-                raise QueryError(f"function {name}() is not allowed: queries may call only DuckDB's pure functions "
-                                 "(no files, settings, catalog or SQL strings); query probe's tables instead.")
+                raise QueryError(
+                    f"function {name}() is not allowed: queries may call only DuckDB's pure functions "
+                    "(no files, settings, catalog or SQL strings); query probe's tables instead."
+                )
 
 
 def _check_tables(stmt: exp.Expression, known: set) -> list[str]:
@@ -132,7 +163,9 @@ def _check_tables(stmt: exp.Expression, known: set) -> list[str]:
             fn = _function_name(tbl.this) or type(tbl.this).__name__.lower()
             if isinstance(tbl.this, _ALLOWED_TABLE_FUNCTIONS) or fn in ALLOWED_TABLE_FUNCTIONS:
                 continue
-            raise QueryError(f"table function {fn}() is not allowed; query probe's tables (see `probe ENDPOINT tables`).")
+            raise QueryError(
+                f"table function {fn}() is not allowed; query probe's tables (see `probe ENDPOINT tables`)."
+            )
         if id(tbl) in cte_refs:
             continue
         db, name = tbl.db.lower(), tbl.name.lower()
@@ -158,7 +191,9 @@ def _rewrite_meta(stmt: exp.Expression) -> exp.Expression:
         name = ".".join(p for p in (getattr(target, "db", ""), getattr(target, "name", "")) if p)
         return sqlglot.parse_one(
             "SELECT column_name, type AS column_type, description FROM probe.columns "
-            f"WHERE table_name = {exp.Literal.string(name.lower()).sql()} ORDER BY position", read="duckdb")
+            f"WHERE table_name = {exp.Literal.string(name.lower()).sql()} ORDER BY position",
+            read="duckdb",
+        )
     if isinstance(stmt, exp.Show) and str(stmt.name).upper() == "TABLES":
         return sqlglot.parse_one("SELECT name, description FROM probe.tables ORDER BY name", read="duckdb")
     return stmt
@@ -175,7 +210,9 @@ def guard(sql: str, known_tables: Iterable[str] | Callable[[], Iterable[str]]) -
     stmt = _rewrite_meta(_parse(sql)[0])
     if not isinstance(stmt, READ_ONLY_ROOTS):
         kind = stmt.key.upper() if hasattr(stmt, "key") else type(stmt).__name__
-        raise QueryError(f"only read queries are allowed (SELECT or WITH ... SELECT), not {kind}; probe's tables are read-only.")
+        raise QueryError(
+            f"only read queries are allowed (SELECT or WITH ... SELECT), not {kind}; probe's tables are read-only."
+        )
     try:
         _check_functions(stmt)
         used = _check_tables(stmt, set(known_tables() if callable(known_tables) else known_tables))

@@ -91,8 +91,12 @@ def filter_tree(cond: exp.Expression | None, types: dict) -> dict | None:
         return None
     if isinstance(cond, exp.Is) and isinstance(cond.expression, exp.Null) and column(cond.this):
         return {"op": "null", "col": column(cond.this)}
-    if isinstance(cond, exp.Not) and isinstance(cond.this, exp.Is) and isinstance(cond.this.expression, exp.Null) \
-            and column(cond.this.this):
+    if (
+        isinstance(cond, exp.Not)
+        and isinstance(cond.this, exp.Is)
+        and isinstance(cond.this.expression, exp.Null)
+        and column(cond.this.this)
+    ):
         return {"op": "notnull", "col": column(cond.this.this)}
     return None
 
@@ -103,6 +107,7 @@ def rename_tables(expression: exp.Expression, mapping: dict) -> exp.Expression:
     >>> rename_tables(sqlglot.parse_one("SELECT steps.step FROM torch.steps"), {"torch.steps": "__t0"}).sql("duckdb")
     'SELECT steps.step FROM "__t0" AS steps'
     """
+
     def swap(node):
         if isinstance(node, exp.Table) and node.db and isinstance(node.this, exp.Identifier):
             target = mapping.get(table_name(node))
@@ -149,16 +154,23 @@ def _slot_query(sql: str, items: tuple, slots: str) -> tuple[str, bool]:
         if isinstance(node, exp.Table) and node.db and isinstance(node.this, exp.Identifier):
             target = mapping.get(table_name(node))
             if target is not None:
-                inner = sqlglot.parse_one(f'SELECT * EXCLUDE ("__slot") FROM "{target}" WHERE "__slot" = "__s"."__slot"',
-                                          read="duckdb")
-                return exp.Subquery(this=inner, alias=node.args.get("alias") or exp.TableAlias(this=exp.to_identifier(node.name)))
+                inner = sqlglot.parse_one(
+                    f'SELECT * EXCLUDE ("__slot") FROM "{target}" WHERE "__slot" = "__s"."__slot"', read="duckdb"
+                )
+                return exp.Subquery(
+                    this=inner, alias=node.args.get("alias") or exp.TableAlias(this=exp.to_identifier(node.name))
+                )
         return node
 
     expression = sqlglot.parse_one(sql, read="duckdb")
-    projection = (isinstance(expression, exp.Select)
-                  and not any(expression.args.get(k) for k in ("with", "group", "having", "order", "limit", "offset",
-                                                              "distinct", "joins", "qualify"))
-                  and not expression.find(exp.AggFunc, exp.Window, exp.Subquery))
+    projection = (
+        isinstance(expression, exp.Select)
+        and not any(
+            expression.args.get(k)
+            for k in ("with", "group", "having", "order", "limit", "offset", "distinct", "joins", "qualify")
+        )
+        and not expression.find(exp.AggFunc, exp.Window, exp.Subquery)
+    )
     part = expression.transform(swap).sql("duckdb")
     return f'SELECT "__s"."__rank", "__x".* FROM "{slots}" AS "__s", LATERAL ({part}) AS "__x"', not projection
 
@@ -193,5 +205,7 @@ def snapshot_requests(parts: dict, schema: dict) -> dict:
             else:
                 both = None if prev["filter"] is None or tree is None else {"or": [prev["filter"], tree]}
                 out[name] = {"columns": prev["columns"] | needed, "filter": both}
-    return {name: {"columns": [c for c in schema[name] if c in spec["columns"]], "filter": spec["filter"]}
-            for name, spec in out.items()}
+    return {
+        name: {"columns": [c for c in schema[name] if c in spec["columns"]], "filter": spec["filter"]}
+        for name, spec in out.items()
+    }

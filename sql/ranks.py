@@ -43,8 +43,11 @@ __all__ = ["FEDERATED_VIEWS", "CLIENT_VIEWS", "VIEW_COLUMNS", "PARAM_SETTINGS", 
 
 STATES = ("training", "slow", "waiting", "hung", "idle", "unreachable", "dead")
 
-PARAM_SETTINGS = {"straggler_factor": "PROBE_STRAGGLER_FACTOR", "hung_after": "PROBE_HUNG_AFTER",
-                  "desync_steps": "PROBE_DESYNC_STEPS"}
+PARAM_SETTINGS = {
+    "straggler_factor": "PROBE_STRAGGLER_FACTOR",
+    "hung_after": "PROBE_HUNG_AFTER",
+    "desync_steps": "PROBE_DESYNC_STEPS",
+}
 
 _RECENT_STEPS = 20  # steps the per-rank medians look at
 _RECENT_COLLECTIVES = 256  # collectives per rank compared for mismatches
@@ -234,10 +237,18 @@ VIEW_COLUMNS = {
         ("age_s", "DOUBLE", "Seconds since the last step ended, on the rank's own clock."),
         ("step_time", "DOUBLE", "Median duration of the last 20 steps in seconds."),
         ("steps_seen", "BIGINT", "Rows in the rank's torch.steps ring."),
-        ("state", "VARCHAR", "training, idle, hung or dead (from process.info; dead: read from its post-mortem record); stopped or unreachable for a rank that did not answer."),
+        (
+            "state",
+            "VARCHAR",
+            "training, idle, hung or dead (from process.info; dead: read from its post-mortem record); stopped or unreachable for a rank that did not answer.",
+        ),
         ("hung_since", "TIMESTAMP", "When the hang watchdog saw the last step, if it fired."),
         ("top_frame", "VARCHAR", "Innermost frame of the main thread: func (file:line)."),
-        ("in_collective", "BOOLEAN", "Whether the rank has an unfinished collective (flight recorder), else whether its main thread is inside torch.distributed."),
+        (
+            "in_collective",
+            "BOOLEAN",
+            "Whether the rank has an unfinished collective (flight recorder), else whether its main thread is inside torch.distributed.",
+        ),
         ("recorder", "BOOLEAN", "Whether torch's flight recorder reports process groups on the rank."),
         ("compute", "DOUBLE", "Median torch.steps.compute of the last 20 steps with recorded collectives."),
         ("comm_wait", "DOUBLE", "Median torch.steps.comm_wait of the same steps."),
@@ -267,17 +278,37 @@ VIEW_COLUMNS = {
         ("pg_desc", "VARCHAR", "Process group description."),
         ("last_enqueued", "BIGINT", "Sequence id of the last collective the rank issued in the group."),
         ("last_completed", "BIGINT", "Sequence id of the last one that finished there."),
-        ("behind", "BIGINT", "How many collectives the rank has issued fewer than the most advanced rank of the group."),
+        (
+            "behind",
+            "BIGINT",
+            "How many collectives the rank has issued fewer than the most advanced rank of the group.",
+        ),
         ("pending", "INTEGER", "Its unfinished collectives."),
         ("pending_seq", "BIGINT", "Sequence id of the oldest unfinished one: where the rank waits."),
         ("pending_op", "VARCHAR", "Its operation."),
         ("pending_sizes", "VARCHAR", "Its input shapes."),
         ("pending_s", "DOUBLE", "Seconds it has been unfinished."),
         ("pending_site", "VARCHAR", "Where it was issued."),
-        ("role", "VARCHAR", "waiting (unfinished for PROBE_HUNG_AFTER s), culprit (a waiting rank's seq is beyond its last issued one, or it is silent while others wait or make no step), silent, or ok."),
-        ("waits_for", "VARCHAR", "For a waiting rank: the ranks that have not issued its collective (and silent ranks)."),
-        ("waited_by", "VARCHAR", "For a culprit: the ranks waiting for it (for a silent one: the ranks without a step for PROBE_HUNG_AFTER s)."),
-        ("mismatch", "VARCHAR", "The first recent seq where this rank issued another op, shape or dtype than the other ranks."),
+        (
+            "role",
+            "VARCHAR",
+            "waiting (unfinished for PROBE_HUNG_AFTER s), culprit (a waiting rank's seq is beyond its last issued one, or it is silent while others wait or make no step), silent, or ok.",
+        ),
+        (
+            "waits_for",
+            "VARCHAR",
+            "For a waiting rank: the ranks that have not issued its collective (and silent ranks).",
+        ),
+        (
+            "waited_by",
+            "VARCHAR",
+            "For a culprit: the ranks waiting for it (for a silent one: the ranks without a step for PROBE_HUNG_AFTER s).",
+        ),
+        (
+            "mismatch",
+            "VARCHAR",
+            "The first recent seq where this rank issued another op, shape or dtype than the other ranks.",
+        ),
     ],
     "ranks.status": [
         ("rank", "INTEGER", "Rank."),
@@ -287,9 +318,17 @@ VIEW_COLUMNS = {
         ("age_s", "DOUBLE", "Seconds since its last step, on its own clock."),
         ("step_time", "DOUBLE", "Median step time of the last 20 steps."),
         ("compute", "DOUBLE", "Compute time per step: median step time minus comm_wait."),
-        ("comm_wait", "DOUBLE", "Median time per step waiting for the other ranks: per step, the longest gap between this rank issuing a collective and the last rank issuing the same (pg, seq) (basis collectives)."),
+        (
+            "comm_wait",
+            "DOUBLE",
+            "Median time per step waiting for the other ranks: per step, the longest gap between this rank issuing a collective and the last rank issuing the same (pg, seq) (basis collectives).",
+        ),
         ("wait_share", "DOUBLE", "Share of step time spent waiting for the other ranks."),
-        ("state", "VARCHAR", "training, slow, waiting, hung, idle, unreachable, or dead (gone; its post-mortem record answers) (see docs/ranks.md)."),
+        (
+            "state",
+            "VARCHAR",
+            "training, slow, waiting, hung, idle, unreachable, or dead (gone; its post-mortem record answers) (see docs/ranks.md).",
+        ),
         ("culprit", "BOOLEAN", "Whether this is the rank the others wait for."),
         ("reason", "VARCHAR", "Why, in words: what it waits in and for whom, who waits for it, how much slower it is."),
         ("mismatch", "VARCHAR", "A collective mismatch involving this rank, if one is in the recent collectives."),
@@ -298,9 +337,17 @@ VIEW_COLUMNS = {
         ("pending_seq", "BIGINT", "That op's sequence id."),
         ("work", "DOUBLE", "The time compared for slow: compute, or step_time without recorder timings."),
         ("others", "DOUBLE", "The other ranks' median of the same."),
-        ("basis", "VARCHAR", "How compute was found: collectives (lined up across ranks), steps (this rank's torch.steps split) or step_time (no recorder)."),
+        (
+            "basis",
+            "VARCHAR",
+            "How compute was found: collectives (lined up across ranks), steps (this rank's torch.steps split) or step_time (no recorder).",
+        ),
         ("top_frame", "VARCHAR", "Innermost frame of its main thread."),
-        ("exit_cause", "VARCHAR", "For a dead rank: how it ended (exception, thread_exception, fatal_signal, killed, exit ...)."),
+        (
+            "exit_cause",
+            "VARCHAR",
+            "For a dead rank: how it ended (exception, thread_exception, fatal_signal, killed, exit ...).",
+        ),
         ("exit_reason", "VARCHAR", "For a dead rank: how it ended, in words (its post-mortem record's summary)."),
     ],
     "ranks.stragglers": [
@@ -317,13 +364,25 @@ VIEW_COLUMNS = {
     "ranks.desync": [
         ("rank", "INTEGER", "Rank whose step counter lags."),
         ("step", "BIGINT", "Its last step."),
-        ("behind", "BIGINT", "Steps behind the most advanced rank; above PROBE_DESYNC_STEPS, and more than the steps the leader made after this rank's last step (a rank that answered earlier is not behind)."),
+        (
+            "behind",
+            "BIGINT",
+            "Steps behind the most advanced rank; above PROBE_DESYNC_STEPS, and more than the steps the leader made after this rank's last step (a rank that answered earlier is not behind).",
+        ),
     ],
     "ranks.hung": [
-        ("rank", "INTEGER", "Rank that is hung or waiting (no step for PROBE_HUNG_AFTER s), or silent while others wait."),
+        (
+            "rank",
+            "INTEGER",
+            "Rank that is hung or waiting (no step for PROBE_HUNG_AFTER s), or silent while others wait.",
+        ),
         ("step", "BIGINT", "Its last step."),
         ("age_s", "DOUBLE", "Seconds since its last step."),
-        ("state", "VARCHAR", "hung (the culprit), waiting (inside a collective), or unreachable or dead (a culprit the others wait for): ranks.status's state."),
+        (
+            "state",
+            "VARCHAR",
+            "hung (the culprit), waiting (inside a collective), or unreachable or dead (a culprit the others wait for): ranks.status's state.",
+        ),
         ("culprit", "BOOLEAN", "Whether the others wait for it; culprits come first."),
         ("in_collective", "BOOLEAN", "Whether it has an unfinished collective (flight recorder)."),
         ("pending_op", "VARCHAR", "The op it waits in."),

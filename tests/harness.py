@@ -21,8 +21,20 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["ROOT", "TARGETS", "EXAMPLES", "PROBE_BIN", "clean_env", "poll", "Proc", "start", "Spawner",
-           "run_probe", "stop_groups", "ptrace_refused"]
+__all__ = [
+    "ROOT",
+    "TARGETS",
+    "EXAMPLES",
+    "PROBE_BIN",
+    "clean_env",
+    "poll",
+    "Proc",
+    "start",
+    "Spawner",
+    "run_probe",
+    "stop_groups",
+    "ptrace_refused",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ROOT / "tests" / "targets"
@@ -103,8 +115,9 @@ class Proc:
                     if match(line):
                         return line
             if exited:
-                raise AssertionError(f"process exited ({self.popen.returncode}) before printing {what}:\n"
-                                     f"{self.output()}")
+                raise AssertionError(
+                    f"process exited ({self.popen.returncode}) before printing {what}:\n{self.output()}"
+                )
             if time.monotonic() > deadline:
                 raise AssertionError(f"process did not print {what} within {timeout} s:\n{self.output()}")
             time.sleep(0.02)  # ok-sleep: polling with a deadline
@@ -129,8 +142,9 @@ def ptrace_refused() -> str | None:
     if not _ptrace:
         victim = subprocess.Popen(["sleep", "30"], start_new_session=True)
         try:
-            r = subprocess.run([sys.executable, "-c", _ATTACH, str(victim.pid)], capture_output=True, text=True,
-                               timeout=30)
+            r = subprocess.run(
+                [sys.executable, "-c", _ATTACH, str(victim.pid)], capture_output=True, text=True, timeout=30
+            )
             _ptrace.append(r.stderr.strip() or f"the attach exited {r.returncode}" if r.returncode else "")
         finally:
             stop_groups([victim], grace=5)
@@ -147,8 +161,9 @@ def start(args, env: dict, *, cwd=None, ready: str | None = "ready", timeout: fl
         args = [sys.executable] + args
     popen.setdefault("stdout", subprocess.PIPE)
     popen.setdefault("stderr", subprocess.STDOUT)
-    p = subprocess.Popen(args, text=True, env=env, cwd=cwd or env.get("PROBE_RUNTIME_DIR"),
-                         start_new_session=True, **popen)
+    p = subprocess.Popen(
+        args, text=True, env=env, cwd=cwd or env.get("PROBE_RUNTIME_DIR"), start_new_session=True, **popen
+    )
     proc = Proc(p)
     if ready:
         try:
@@ -182,8 +197,9 @@ class Spawner:
 def run_probe(*args, env: dict, timeout: float = 180.0, input: str | None = None) -> subprocess.CompletedProcess:
     """Run the real ``probe`` command; its CompletedProcess (text). The timeout is a deadline, not a speed
     limit: a call that hangs fails, one slowed by a busy host does not."""
-    return subprocess.run([PROBE_BIN, *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=timeout, input=input)
+    return subprocess.run(
+        [PROBE_BIN, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout, input=input
+    )
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -36,13 +36,19 @@ def test_emergency_checkpoint_resumes_with_the_same_losses(spawn, cli, probe_env
     # when an identical run goes a few steps past that step uninterrupted (its length follows the checkpoint's step,
     # which depends on how fast this machine answered), and a run resumes from the checkpoint to the same end
     steps = str(step + 4)
-    ref = subprocess.run([sys.executable, GPT, "--steps", steps, *SMALL], env=probe_env, capture_output=True,
-                         text=True, timeout=120)
+    ref = subprocess.run(
+        [sys.executable, GPT, "--steps", steps, *SMALL], env=probe_env, capture_output=True, text=True, timeout=120
+    )
     assert ref.returncode == 0, ref.stderr
     ref_losses = losses(ref.stdout)
     ref_done = re.search(r"^done .*$", ref.stdout, re.M).group(0)
-    res = subprocess.run([sys.executable, GPT, "--steps", steps, "--resume", written, *SMALL], env=probe_env,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, GPT, "--steps", steps, "--resume", written, *SMALL],
+        env=probe_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     # then resuming reproduces the next step's loss and the end of the run exactly
     assert res.returncode == 0, res.stderr
     assert f"resumed from {written} at step {step}" in res.stdout
@@ -71,6 +77,15 @@ def test_checkpoint_contents_force_and_plain_torch_load(spawn, cli, tmp_path):
     assert r.returncode == 0 and torch.load(target)["step"] > state["step"]
     # a damaged file is refused by load_checkpoint
     target.write_bytes(target.read_bytes()[:-10] + b"0123456789")
-    check = subprocess.run([sys.executable, "-c", "import probe, sys\ntry:\n    probe.load_checkpoint(sys.argv[1])\n"
-                            "except probe.ActionError as e:\n    print(e)", str(target)], capture_output=True, text=True)
+    check = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import probe, sys\ntry:\n    probe.load_checkpoint(sys.argv[1])\n"
+            "except probe.ActionError as e:\n    print(e)",
+            str(target),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert "does not match its checksum" in check.stdout

@@ -21,7 +21,13 @@ def audit_records(env) -> list[dict]:
 
 
 def actions_rows(cli, pid) -> list[dict]:
-    r = cli(pid, "query", "SELECT id, command, state, step, started_at, error FROM probe.actions ORDER BY id", "--format", "json")
+    r = cli(
+        pid,
+        "query",
+        "SELECT id, command, state, step, started_at, error FROM probe.actions ORDER BY id",
+        "--format",
+        "json",
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -36,7 +42,9 @@ def lr_of(cli, pid) -> float:
 def test_eval_output_value_locals_and_own_traceback(spawn, cli, probe_env):
     p = spawn([TRAIN, "--sched", "none"])
     # given a multi-line snippet: prints, stderr and a final expression
-    r = cli(p.pid, "eval", "import sys\nprint('lr', optimizer.param_groups[0]['lr'])\nprint('warn', file=sys.stderr)\n6 * 7")
+    r = cli(
+        p.pid, "eval", "import sys\nprint('lr', optimizer.param_groups[0]['lr'])\nprint('warn', file=sys.stderr)\n6 * 7"
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["lr 0.05", "42"]
     assert "warn" in r.stderr
@@ -95,7 +103,11 @@ def test_tcp_tiers(spawn, cli, probe_env):
     assert r.returncode == 0, r.stderr
     records = [a for a in audit_records(probe_env) if a["pid"] == p.pid]
     assert [(a["command"], a["outcome"], a["client"]["transport"]) for a in records] == [
-        ("cleanup", "refused", "tcp"), ("eval", "refused", "tcp"), ("cleanup", "queued", "tcp"), ("cleanup", "done", "tcp")]
+        ("cleanup", "refused", "tcp"),
+        ("eval", "refused", "tcp"),
+        ("cleanup", "queued", "tcp"),
+        ("cleanup", "done", "tcp"),
+    ]
     p2, endpoint2 = tcp_target({"PROBE_ALLOW_EVAL": "1"})
     r = cli("-t", endpoint2, "--token", "s3cret", "eval", "import os; os.getpid()")
     assert r.returncode == 0 and r.stdout.strip() == str(p2.pid)
@@ -146,15 +158,21 @@ def test_timed_out_action_never_runs_late_and_audit_agrees(spawn, cli, probe_env
 
 
 def test_several_targets_need_yes_and_act_at_one_step(spawn, cli, probe_env):
-    procs = [spawn([TRAIN, "--sched", "none", "--step-sleep", "0.2"], env={"RANK": str(r), "WORLD_SIZE": "2"})
-             for r in (0, 1)]
+    procs = [
+        spawn([TRAIN, "--sched", "none", "--step-sleep", "0.2"], env={"RANK": str(r), "WORLD_SIZE": "2"})
+        for r in (0, 1)
+    ]
     r = cli("--ranks", "all", "lr", "--scale", "0.5")
     assert r.returncode != 0 and "--yes" in r.stderr
     r = cli("--ranks", "all", "--yes", "--format", "json", "lr", "--scale", "0.5")
     assert r.returncode == 0, r.stderr
     outcomes = json.loads(r.stdout)
     assert len(outcomes) == 2
-    assert {o["action"]["step"] for o in outcomes} == {o["action"]["at_step"] for o in outcomes} == {outcomes[0]["action"]["at_step"]}
+    assert (
+        {o["action"]["step"] for o in outcomes}
+        == {o["action"]["at_step"] for o in outcomes}
+        == {outcomes[0]["action"]["at_step"]}
+    )
     for proc in procs:
         assert lr_of(cli, proc.pid) == pytest.approx(0.025)
     r = cli("--ranks", "all", "--yes", "checkpoint", os.path.join(probe_env["PROBE_RUNTIME_DIR"], "same.pt"))

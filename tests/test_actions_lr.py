@@ -50,8 +50,13 @@ def test_scaled_lr_survives_the_scheduler(name, spawn, cli, probe_env):
     open(stall, "w").close()
     p.wait_for("stalled")
     # then: read through torch.optimizer while the loop is paused; compare with the replayed schedule
-    q = cli(p.pid, "query", "SELECT lr, loop_lr, lr_override, lr_override_status, scheduler FROM torch.optimizer "
-            "WHERE param_group = 0", "--format", "json")
+    q = cli(
+        p.pid,
+        "query",
+        "SELECT lr, loop_lr, lr_override, lr_override_status, scheduler FROM torch.optimizer WHERE param_group = 0",
+        "--format",
+        "json",
+    )
     assert q.returncode == 0, q.stderr
     row = json.loads(q.stdout)[0]
     # a torch scheduler drives the rate: the change went into what it computes from, so param_groups (what the

@@ -33,7 +33,7 @@ def test_debug_listens_on_loopback_once(spawn, cli):
     assert r.returncode == 0, r.stderr
     host, port = re.search(r"listening on (\S+):(\d+)", r.stdout).groups()
     assert host == "127.0.0.1"
-    config = json.loads(r.stdout[r.stdout.index("{"):])
+    config = json.loads(r.stdout[r.stdout.index("{") :])
     assert config["request"] == "attach" and config["connect"] == {"host": "127.0.0.1", "port": int(port)}
     with socket.create_connection((host, int(port)), timeout=5):
         pass

@@ -28,8 +28,12 @@ def _gdb_calls_work() -> bool:
     """
     victim = subprocess.Popen(["sleep", "60"])
     try:
-        out = subprocess.run(["gdb", "-nx", "--batch", "-p", str(victim.pid), "-ex",
-                              'printf "ok=%d\\n", (int) getpid()'], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            ["gdb", "-nx", "--batch", "-p", str(victim.pid), "-ex", 'printf "ok=%d\\n", (int) getpid()'],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return f"ok={victim.pid}" in out.stdout + out.stderr
     finally:
         victim.kill()

@@ -35,13 +35,15 @@ def test_native_frames_merge_with_the_probes_python_frames(spawn, cli, tmp_path)
     text = cli(target.pid, "backtrace", "--native").stdout
     assert "[native]" in text and "merged with the probe's" in text.splitlines()[0]
     # the same frames as SQL: python.backtrace's is_native column says which frames are C/C++
-    sql = ("SELECT depth, func, file, is_native FROM python.backtrace WHERE thread_name = 'MainThread' ORDER BY depth")
+    sql = "SELECT depth, func, file, is_native FROM python.backtrace WHERE thread_name = 'MainThread' ORDER BY depth"
     r = cli(target.pid, "query", "--native", sql, "--format", "json")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     assert [row["depth"] for row in rows] == list(range(len(rows)))
     assert any(row["is_native"] for row in rows) and not all(row["is_native"] for row in rows)
-    assert any(row["func"] == "main" and row["file"].endswith("actions_train.py") and not row["is_native"] for row in rows)
+    assert any(
+        row["func"] == "main" and row["file"].endswith("actions_train.py") and not row["is_native"] for row in rows
+    )
     plain = json.loads(cli(target.pid, "query", sql, "--format", "json").stdout)
     assert plain and not any(row["is_native"] for row in plain)  # without --native: the process's own view, Python only
     assert len(plain) < len(rows)

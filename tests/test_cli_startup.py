@@ -35,7 +35,9 @@ def idle(shared_spawn):
 
 
 def _run(env, *argv) -> tuple[subprocess.CompletedProcess, list[str]]:
-    r = subprocess.run([sys.executable, "-c", RUN, *map(str, argv)], capture_output=True, text=True, env=env, timeout=180)
+    r = subprocess.run(
+        [sys.executable, "-c", RUN, *map(str, argv)], capture_output=True, text=True, env=env, timeout=180
+    )
     head, _, mods = r.stdout.rpartition("MODULES ")
     r.stdout = head
     return r, json.loads(mods) if mods else []
@@ -81,7 +83,9 @@ def test_every_command_lives_in_the_module_named_after_it():
         if name == cls.name:
             assert cls.__module__ == f"probe.cli.commands.{name.replace('-', '_')}", (name, cls.__module__)
     declared = {cls.__module__.rpartition(".")[2] for cls in load_all().values()}
-    assert declared == set(command_modules()), "a command module that declares no command (shared code goes in a _module)"
+    assert declared == set(command_modules()), (
+        "a command module that declares no command (shared code goes in a _module)"
+    )
 
 
 def test_an_unknown_command_is_one_sentence_and_a_failure(idle, shared_env):

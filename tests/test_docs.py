@@ -64,8 +64,12 @@ def test_readme_is_a_newcomers_page():
 
 
 def test_relative_links_in_the_docs_resolve():
-    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "README.md",
-             *sorted((ROOT / "docs").glob("*.md"))]
+    pages = [
+        ROOT / "README.md",
+        ROOT / "CHANGELOG.md",
+        ROOT / "benchmarks" / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+    ]
     broken = []
     for page in pages:
         text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # links only, not code

@@ -23,11 +23,30 @@ HEALTHY_QUIET = ("grads_by_layer", "grad_norm_zero", "loss_spike", "loss_divergi
 def test_a_nan_loss_is_nan_in_sql_at_its_step_and_the_doctor_says_nothing_preceded_it(spawn, cli):
     # given: NaN inputs from step 40 on, and every 7th step's loss unknown to probe (no `loss`, explicit gradients)
     # (every step measured: the values of exact steps are checked here; tests/test_torch_budget.py covers sampling)
-    job = spawn([TARGETS / "faults.py", "--fault", "nan_from_data", "--fault-step", "40", "--hide-loss-every", "7",
-                 "--settle", "5"], env={"PROBE": "1", "PROBE_STEP_BUDGET": "off"}, ready="planted", timeout=180)
+    job = spawn(
+        [
+            TARGETS / "faults.py",
+            "--fault",
+            "nan_from_data",
+            "--fault-step",
+            "40",
+            "--hide-loss-every",
+            "7",
+            "--settle",
+            "5",
+        ],
+        env={"PROBE": "1", "PROBE_STEP_BUDGET": "off"},
+        ready="planted",
+        timeout=180,
+    )
     # when
-    r = cli(job.pid, "query", "SELECT step, loss, isnan(loss) AS nan FROM torch.steps WHERE step <= 44 ORDER BY step",
-            "--format", "json")
+    r = cli(
+        job.pid,
+        "query",
+        "SELECT step, loss, isnan(loss) AS nan FROM torch.steps WHERE step <= 44 ORDER BY step",
+        "--format",
+        "json",
+    )
     # then: NaN from step 40, NULL (not NaN) on the steps whose loss was never read, finite before
     rows = {row["step"]: row for row in json.loads(r.stdout)}
     assert [s for s, row in rows.items() if row["nan"]] == [40, 41, 43, 44], rows
@@ -43,16 +62,26 @@ def test_a_nan_loss_is_nan_in_sql_at_its_step_and_the_doctor_says_nothing_preced
     assert any("nan_count + inf_count > 0" in n for n in finding["next"]), finding["next"]
     assert findings[0]["rule"] == "loss_nonfinite", findings  # the cause first, its consequences (NaN weights) after
     # the same finding as a row of diagnosis.findings, its evidence as JSON
-    r = cli(job.pid, "query", "SELECT step, severity, json_extract_string(evidence, '$.cause') AS cause FROM diagnosis.findings "
-            "WHERE rule = 'loss_nonfinite'", "--format", "json")
+    r = cli(
+        job.pid,
+        "query",
+        "SELECT step, severity, json_extract_string(evidence, '$.cause') AS cause FROM diagnosis.findings "
+        "WHERE rule = 'loss_nonfinite'",
+        "--format",
+        "json",
+    )
     (row,) = json.loads(r.stdout)
     assert row["step"] == 40 and row["severity"] == "critical" and row["cause"].startswith("with neither"), row
 
 
 @requires_torch
 def test_a_nan_loss_after_an_lr_jump_names_the_jump(spawn, cli):
-    job = spawn([TARGETS / "faults.py", "--fault", "nan_after_lr_jump", "--fault-step", "40", "--settle", "10"],
-                env={"PROBE": "1", "PROBE_STEP_BUDGET": "off"}, ready="planted", timeout=180)  # exact steps checked
+    job = spawn(
+        [TARGETS / "faults.py", "--fault", "nan_after_lr_jump", "--fault-step", "40", "--settle", "10"],
+        env={"PROBE": "1", "PROBE_STEP_BUDGET": "off"},
+        ready="planted",
+        timeout=180,
+    )  # exact steps checked
     finding, _ = find(cli, job.pid, "loss_nonfinite")
     assert 40 < finding["step"] <= 45, finding
     assert "the learning rate jumped 2e+05x (0.05 -> 1e+04) at step 40" in finding["message"], finding
@@ -62,8 +91,12 @@ def test_a_nan_loss_after_an_lr_jump_names_the_jump(spawn, cli):
 def test_frozen_model_is_also_at_chance_level(spawn, cli):
     # (every step measured: loss_at_chance reads the last 40 measured losses, which the default budget may take
     # seconds to gather on a loaded host; "planted" is then a state that has them)
-    job = spawn([TARGETS / "faults.py", "--fault", "frozen", "--settle", "60"], env={"PROBE": "1", "PROBE_STEP_BUDGET": "off"},
-                ready="planted", timeout=180)
+    job = spawn(
+        [TARGETS / "faults.py", "--fault", "frozen", "--settle", "60"],
+        env={"PROBE": "1", "PROBE_STEP_BUDGET": "off"},
+        ready="planted",
+        timeout=180,
+    )
     finding, _ = find(cli, job.pid, "loss_at_chance")
     assert "ln(8) = 2.079" in finding["message"], finding
 
@@ -74,26 +107,38 @@ def test_loss_at_chance_takes_the_class_count_from_the_losss_logits(spawn, cli):
     job = spawn([TARGETS / "gpt2_chance.py"], env={"PROBE": "1"}, timeout=180)
     # then: the loss's own logits give the class count, not a parameter's width
     r = cli(job.pid, "query", "SELECT function, classes, logits_shape FROM torch.loss", "--format", "json")
-    assert json.loads(r.stdout) == [{"function": "NllLossBackward0", "classes": 128, "logits_shape": "[64, 128]"}], r.stdout
+    assert json.loads(r.stdout) == [{"function": "NllLossBackward0", "classes": 128, "logits_shape": "[64, 128]"}], (
+        r.stdout
+    )
     finding, _ = poll_for(cli, job.pid, "loss_at_chance")
     assert "ln(128) = 4.852, chance level for 128 classes" in finding["message"], finding
 
 
 @requires_torch
 def test_hung_training_loop_says_where(spawn, cli):
-    job = spawn([TARGETS / "faults.py", "--fault", "hang"], env={"PROBE": "1", "PROBE_HUNG_AFTER": "1"},
-                ready="planted", timeout=120)
+    job = spawn(
+        [TARGETS / "faults.py", "--fault", "hang"],
+        env={"PROBE": "1", "PROBE_HUNG_AFTER": "1"},
+        ready="planted",
+        timeout=120,
+    )
     finding, _ = poll_for(cli, job.pid, "hung", env={"PROBE_HUNG_AFTER": "1"})
     assert finding["severity"] == "critical"
     assert "faults.py" in finding["message"] and "no step has completed" in finding["message"]
-    assert "the other threads: prefetch in wait_for_shard (" in finding["message"], finding  # every thread, not only main
+    assert "the other threads: prefetch in wait_for_shard (" in finding["message"], (
+        finding
+    )  # every thread, not only main
 
 
 @requires_torch
 def test_a_stall_is_judged_against_the_jobs_own_pace_before_hung_after(spawn, cli):
     # given: a job of ~5 ms steps whose main thread stops (PROBE_HUNG_AFTER left at its 60 s default)
-    job = spawn([TARGETS / "faults.py", "--fault", "hang", "--fault-step", "60"], env={"PROBE": "1"},
-                ready="planted", timeout=120)
+    job = spawn(
+        [TARGETS / "faults.py", "--fault", "hang", "--fault-step", "60"],
+        env={"PROBE": "1"},
+        ready="planted",
+        timeout=120,
+    )
     # when: the doctor looks while it is still well under a minute
     finding, findings = poll_for(cli, job.pid, "stalled", timeout=50)
     # then: a stall against its own step times, where the main thread is; not yet hung
@@ -140,8 +185,16 @@ def test_a_job_sharing_its_cpu_is_starved_not_regressed(spawn, cli):
         # when: 60 steps share the core with the hog
         assert poll(lambda: _step(cli, job.pid) >= start + 60, 120)
         doc = doctor(cli, job.pid)
-        rows = json.loads(cli(job.pid, "query", f"SELECT median(duration) AS d, median(cpu_wait) AS w FROM torch.steps "
-                              f"WHERE step > {start + 10} AND cpu_wait IS NOT NULL", "--format", "json").stdout)
+        rows = json.loads(
+            cli(
+                job.pid,
+                "query",
+                f"SELECT median(duration) AS d, median(cpu_wait) AS w FROM torch.steps "
+                f"WHERE step > {start + 10} AND cpu_wait IS NOT NULL",
+                "--format",
+                "json",
+            ).stdout
+        )
     finally:
         hog.kill()
         hog.wait()
@@ -156,8 +209,11 @@ def test_a_job_sharing_its_cpu_is_starved_not_regressed(spawn, cli):
 @requires_torch
 def test_healthy_relu_net_traced_often_has_no_activation_or_sync_finding(spawn, cli):
     # given: the healthy classifier (two ReLU layers, about half of their outputs 0), 30 traced steps
-    job = spawn([TARGETS / "faults.py", "--fault", "healthy", "--ready-step", "150"], env={"PROBE": "1", "PROBE_TRACE": "5"},
-                timeout=180)
+    job = spawn(
+        [TARGETS / "faults.py", "--fault", "healthy", "--ready-step", "150"],
+        env={"PROBE": "1", "PROBE_TRACE": "5"},
+        timeout=180,
+    )
     # when
     doc = doctor(cli, job.pid, "--all")
     # then: the statistics are there, and none of the rules that read them speaks; nor the loss and gradient
@@ -165,8 +221,13 @@ def test_healthy_relu_net_traced_often_has_no_activation_or_sync_finding(spawn, 
     assert not [f for f in doc["findings"] if f["rule"] in ("dead_activations", "collapsed_output", "host_syncs")], doc
     assert not [f for f in doc["findings"] if f["rule"] in HEALTHY_QUIET], doc
     assert not [s for s in doc["rules_skipped"] if s["rule"] in HEALTHY_QUIET], doc
-    r = cli(job.pid, "query", "SELECT count(*) AS n FROM python.torch_trace WHERE module = '1' AND out_zero_frac BETWEEN 0.3 AND 0.7",
-            "-f", "json")
+    r = cli(
+        job.pid,
+        "query",
+        "SELECT count(*) AS n FROM python.torch_trace WHERE module = '1' AND out_zero_frac BETWEEN 0.3 AND 0.7",
+        "-f",
+        "json",
+    )
     assert json.loads(r.stdout)[0]["n"] >= 20
 
 
@@ -175,14 +236,24 @@ def test_healthy_transformer_has_layer_gradients_within_a_few_x(spawn, cli):
     """The healthy control of grads_by_layer on a transformer: 4 pre-LN blocks (examples/train_gpt.py),
     past step 50 so the rule runs; their per-element gradients stay within 100x of each other."""
     # given
-    job = spawn([EXAMPLES / "train_gpt.py", "--layers", "4", "--print-every", "25"], env={"PROBE": "1"}, ready="step 75",
-                timeout=180)
+    job = spawn(
+        [EXAMPLES / "train_gpt.py", "--layers", "4", "--print-every", "25"],
+        env={"PROBE": "1"},
+        ready="step 75",
+        timeout=180,
+    )
     # when
     doc = doctor(cli, job.pid, "--all")
-    r = cli(job.pid, "query", "WITH l AS (SELECT CAST(regexp_extract(name, '^blocks[.](\\d+)[.]', 1) AS INTEGER) AS layer, "
-            "sqrt(sum(grad_norm * grad_norm) / sum(numel)) AS rms FROM torch.parameters WHERE name LIKE 'blocks.%' "
-            "AND grad_norm IS NOT NULL GROUP BY layer) SELECT count(*) AS layers, arg_min(rms, layer) / arg_max(rms, layer) AS ratio "
-            "FROM l", "-f", "json")
+    r = cli(
+        job.pid,
+        "query",
+        "WITH l AS (SELECT CAST(regexp_extract(name, '^blocks[.](\\d+)[.]', 1) AS INTEGER) AS layer, "
+        "sqrt(sum(grad_norm * grad_norm) / sum(numel)) AS rms FROM torch.parameters WHERE name LIKE 'blocks.%' "
+        "AND grad_norm IS NOT NULL GROUP BY layer) SELECT count(*) AS layers, arg_min(rms, layer) / arg_max(rms, layer) AS ratio "
+        "FROM l",
+        "-f",
+        "json",
+    )
     # then: the rule ran, and found nothing to say
     assert r.returncode == 0, r.stderr
     (row,) = json.loads(r.stdout)
@@ -227,12 +298,24 @@ def test_findings_are_a_table_listed_described_and_queryable(healthy, shared_cli
     # listed and described like any table, with its column docs
     tables = json.loads(shared_cli(healthy.pid, "--format", "json", "tables").stdout)
     (t,) = [t for t in tables if t["name"] == "diagnosis.findings"]
-    assert t["kind"] == "client" and [c["name"] for c in t["columns"]][:6] == ["rule", "family", "severity", "rank", "step", "message"]
+    assert t["kind"] == "client" and [c["name"] for c in t["columns"]][:6] == [
+        "rule",
+        "family",
+        "severity",
+        "rank",
+        "step",
+        "message",
+    ]
     described = shared_cli(healthy.pid, "describe", "diagnosis.findings")
     assert described.returncode == 0 and "JSON" in described.stdout, described.stderr
     # the guard takes it anywhere a table goes: joined with the rules, in a subquery
-    r = shared_cli(healthy.pid, "query", "SELECT f.rule, f.severity, r.description FROM diagnosis.findings AS f "
-                   "JOIN diagnosis.rules AS r ON r.name = f.rule WHERE f.severity IN (SELECT 'critical' UNION SELECT 'warning')",
-                   "--format", "json")
+    r = shared_cli(
+        healthy.pid,
+        "query",
+        "SELECT f.rule, f.severity, r.description FROM diagnosis.findings AS f "
+        "JOIN diagnosis.rules AS r ON r.name = f.rule WHERE f.severity IN (SELECT 'critical' UNION SELECT 'warning')",
+        "--format",
+        "json",
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == []  # a healthy job: nothing above info, in the table as in `doctor`

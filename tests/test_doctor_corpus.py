@@ -45,7 +45,11 @@ def _named(cli, pid, rule, words, onset_step):
         findings = doctor(cli, pid)["findings"]
         for f in findings:
             since = f["evidence"].get("since")  # an invariant rule's first failing check (a step)
-            if f["rule"] == rule and all(w in f["message"] for w in words) and (type(since) is not int or since > onset_step):
+            if (
+                f["rule"] == rule
+                and all(w in f["message"] for w in words)
+                and (type(since) is not int or since > onset_step)
+            ):
                 return f, findings
         if time.monotonic() > deadline:
             return None, findings
@@ -61,8 +65,13 @@ _HOST_RULES = ("stalled",)
 
 
 def _above_info(findings) -> list:
-    return [f for f in findings if f["severity"] in ("critical", "warning") and f.get("family") not in _HOST_FAMILIES
-            and f["rule"] not in _HOST_RULES]
+    return [
+        f
+        for f in findings
+        if f["severity"] in ("critical", "warning")
+        and f.get("family") not in _HOST_FAMILIES
+        and f["rule"] not in _HOST_RULES
+    ]
 
 
 def test_the_corpus_is_grouped_and_cited():
@@ -79,7 +88,9 @@ def test_the_doctor_names_real_world_errors_and_not_their_healthy_twins(spawn, c
     nxt = tmp_path / "next"
     nxt.mkdir()
     # given: the group's errors, one phase each
-    job = spawn([SCRIPT, "--errors", ",".join(group), "--next-dir", nxt], env={"PROBE": "1"}, ready="ready", timeout=180)
+    job = spawn(
+        [SCRIPT, "--errors", ",".join(group), "--next-dir", nxt], env={"PROBE": "1"}, ready="ready", timeout=180
+    )
     took, missed = {}, []
     for error in group:
         rule, words = RULES[error]
@@ -95,8 +106,10 @@ def test_the_doctor_names_real_world_errors_and_not_their_healthy_twins(spawn, c
             # what the twin must get past: the steps to the first failing check and two more measured ones (an
             # invariant), or as many steps as it took (a rule over the state at query time)
             took[error] = min(steps, since - onset_step + 30) if since else min(steps, 60)
-            print(f"\n{error}: {rule} after {steps} steps, {seconds:.1f} s from onset"
-                  + (f"; first failing check at step {since} ({since - onset_step} steps after onset)" if since else ""))
+            print(
+                f"\n{error}: {rule} after {steps} steps, {seconds:.1f} s from onset"
+                + (f"; first failing check at step {since} ({since - onset_step} steps after onset)" if since else "")
+            )
             assert finding["severity"] in ("critical", "warning"), finding
         (nxt / error).touch()
         job.wait_for(f"phase-end error={error} optimizer-freed=True", 60) if error != group[-1] else None
@@ -106,7 +119,12 @@ def test_the_doctor_names_real_world_errors_and_not_their_healthy_twins(spawn, c
     # and: the healthy twins, each as far past its onset as its error took to be named, get nothing above info
     fixed = tmp_path / "next-fixed"
     fixed.mkdir()
-    twin = spawn([SCRIPT, "--errors", ",".join(group), "--fixed", "--next-dir", fixed], env={"PROBE": "1"}, ready="ready", timeout=180)
+    twin = spawn(
+        [SCRIPT, "--errors", ",".join(group), "--fixed", "--next-dir", fixed],
+        env={"PROBE": "1"},
+        ready="ready",
+        timeout=180,
+    )
     for error in group:
         onset_step, _ = _onset(twin, error)
         assert poll(lambda: _step(cli, twin.pid) >= onset_step + took[error] + 5, 120)

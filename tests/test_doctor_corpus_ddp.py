@@ -61,8 +61,9 @@ def named(job, errors: list, since: tuple[int, float], timeout: float = 120.0) -
                 first[error] = ([f for f in last if f["rule"] == DDP_ERRORS[error][0]][0], n, now - since[1])
         return len(first) == len(errors)
 
-    assert poll(look, timeout), (f"named only {sorted(first)} of {errors}:\n" + json.dumps(last, indent=1) + "\n"
-                                 + "\n".join(job.lines[-20:]))
+    assert poll(look, timeout), (
+        f"named only {sorted(first)} of {errors}:\n" + json.dumps(last, indent=1) + "\n" + "\n".join(job.lines[-20:])
+    )
     out = {}
     for error in errors:
         rule, rank, severity, words = DDP_ERRORS[error]
@@ -80,21 +81,35 @@ def named(job, errors: list, since: tuple[int, float], timeout: float = 120.0) -
 def test_replicas_that_drift_apart_and_a_ddp_set_up_that_cannot_agree():
     # given: the model called without its DDP wrapper on odd steps from step 40, broadcast_buffers=False with
     # batch norm, find_unused_parameters=True with nothing unused (none of them acts on the others' signal)
-    with ddp_job("--error", "no_wrapper", "--error", "buffers", "--error", "unused", "--batches", "100000",
-                 world=2, target=SCRIPT, extra_env=QUIET) as job:
+    with ddp_job(
+        "--error",
+        "no_wrapper",
+        "--error",
+        "buffers",
+        "--error",
+        "unused",
+        "--batches",
+        "100000",
+        world=2,
+        target=SCRIPT,
+        extra_env=QUIET,
+    ) as job:
         at = onset(job, r"onset rank=\d+ step=(?P<step>\d+) time=(?P<time>[\d.]+)")
         # then: each named by its own rule, the drift with the tensors that differ first
         found = named(job, ["no_wrapper", "buffers", "unused"], at)
         drift = found["no_wrapper"]["evidence"]
-        assert drift["since"] > at[0] - 32 and drift["agreed_at"] != "no step compared", drift  # agreed before the onset
+        assert drift["since"] > at[0] - 32 and drift["agreed_at"] != "no step compared", (
+            drift
+        )  # agreed before the onset
 
 
 def test_a_rank_local_change_then_a_rank_whose_data_runs_out():
     # given: rank 0 alone loads a checkpoint of the head at step 40, after wrapping; rank 1's shard has one
     # batch fewer than rank 0's, so at step 200 it reaches the end-of-epoch barrier while rank 0 waits in DDP's
     # collectives of its last batch
-    with ddp_job("--error", "rank_local", "--error", "uneven", "--batches", "200", world=2, target=SCRIPT,
-                 extra_env=QUIET) as job:
+    with ddp_job(
+        "--error", "rank_local", "--error", "uneven", "--batches", "200", world=2, target=SCRIPT, extra_env=QUIET
+    ) as job:
         at = onset(job, r"onset rank=0 step=(?P<step>\d+) time=(?P<time>[\d.]+)")
         local = named(job, ["rank_local"], at)["rank_local"]
         assert local["evidence"]["differ"] == 2, local  # the head alone: DDP averages every gradient since
@@ -107,16 +122,38 @@ def test_a_rank_local_change_then_a_rank_whose_data_runs_out():
 def test_the_healthy_twin_a_plain_ddp_job_gets_nothing_and_its_replicas_agree():
     # given: the same script with every error fixed: plain DDP, no collective of its own in the loop (the epoch,
     # and its barrier, never ends), past the onset
-    with ddp_job("--fixed", "--error", "no_wrapper", "--error", "buffers", "--error", "unused", "--error", "rank_local",
-                 "--error", "uneven", "--batches", "100000", world=2, target=SCRIPT, extra_env=QUIET) as job:
+    with ddp_job(
+        "--fixed",
+        "--error",
+        "no_wrapper",
+        "--error",
+        "buffers",
+        "--error",
+        "unused",
+        "--error",
+        "rank_local",
+        "--error",
+        "uneven",
+        "--batches",
+        "100000",
+        world=2,
+        target=SCRIPT,
+        extra_env=QUIET,
+    ) as job:
         at = onset(job, r"onset rank=\d+ step=(?P<step>\d+) time=(?P<time>[\d.]+)")
         assert poll(lambda: steps(job) >= at[0] + 200, 120), "\n".join(job.lines[-20:])
         # then: not even an info finding
         assert doctor(job) == []
         # and: both ranks took checksums at the same steps, before and after the onset, and every one agrees
-        r = job.cli("--ranks", "all", "--format", "json", "query",
-                    "SELECT step, position, count(DISTINCT rank) AS ranks, max(checksum) - min(checksum) AS spread "
-                    "FROM torch.weight_sums GROUP BY step, position HAVING count(DISTINCT rank) = 2")
+        r = job.cli(
+            "--ranks",
+            "all",
+            "--format",
+            "json",
+            "query",
+            "SELECT step, position, count(DISTINCT rank) AS ranks, max(checksum) - min(checksum) AS spread "
+            "FROM torch.weight_sums GROUP BY step, position HAVING count(DISTINCT rank) = 2",
+        )
         rows = json.loads(r.stdout)
         assert min(row["step"] for row in rows) < at[0] < max(row["step"] for row in rows), rows
         assert all(row["spread"] == 0 for row in rows), [row for row in rows if row["spread"]]
@@ -154,18 +191,27 @@ def test_collective_mismatch_names_the_odd_rank_of_three_and_waits_for_the_jobs_
 
     def tables(waited):
         steps = [(r, s, 0.01) for r in range(3) for s in range(1, 41)]
-        groups = [(0, "0", 1, 184, "allreduce", waited, "train (t.py:10)", 184),
-                  (1, "0", 1, 184, "barrier", waited, "<module> (t.py:20)", 184),
-                  (2, "0", 1, 184, "allreduce", waited, "train (t.py:10)", 184)]
-        return {"torch.steps": ("rank INTEGER, step BIGINT, duration DOUBLE", steps),
-                "torch.process_groups": ("rank INTEGER, pg VARCHAR, pending BIGINT, pending_seq BIGINT, pending_op VARCHAR, "
-                                         "pending_s DOUBLE, pending_site VARCHAR, last_enqueued BIGINT", groups),
-                "ranks.latest": ("rank INTEGER, step BIGINT", [(r, 40) for r in range(3)])}
+        groups = [
+            (0, "0", 1, 184, "allreduce", waited, "train (t.py:10)", 184),
+            (1, "0", 1, 184, "barrier", waited, "<module> (t.py:20)", 184),
+            (2, "0", 1, 184, "allreduce", waited, "train (t.py:10)", 184),
+        ]
+        return {
+            "torch.steps": ("rank INTEGER, step BIGINT, duration DOUBLE", steps),
+            "torch.process_groups": (
+                "rank INTEGER, pg VARCHAR, pending BIGINT, pending_seq BIGINT, pending_op VARCHAR, "
+                "pending_s DOUBLE, pending_site VARCHAR, last_enqueued BIGINT",
+                groups,
+            ),
+            "ranks.latest": ("rank INTEGER, step BIGINT", [(r, 40) for r in range(3)]),
+        }
 
     # given: ranks 0 and 2 in an all_reduce, rank 1 in a barrier, at the same seq, for 6 s (600x the 10 ms steps)
     (found,) = rule_rows("collective_mismatch", tables(6.0), messages=True)
     # then: rank 1, where it issued its barrier and where the others issued theirs
-    assert found.startswith("rank 1 left the other ranks' path: at seq 184 of process group 0 it issued barrier at "
-                            "<module> (t.py:20), where rank 0 issued allreduce at train (t.py:10); rank 2 issued allreduce"), found
+    assert found.startswith(
+        "rank 1 left the other ranks' path: at seq 184 of process group 0 it issued barrier at "
+        "<module> (t.py:20), where rank 0 issued allreduce at train (t.py:10); rank 2 issued allreduce"
+    ), found
     # and: not before 5 s, whatever the pace
     assert rule_rows("collective_mismatch", tables(4.0)) == []

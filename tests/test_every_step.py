@@ -40,7 +40,9 @@ def test_a_nanogpt_shaped_loop_has_the_loss_and_lr_it_prints_on_every_step(spawn
     assert poll(lambda: max(printed(proc), default=0) >= 400, timeout=180), proc.output()[-2000:]
     logged = printed(proc)
     last = max(logged) + 1  # probe counts steps from 1, the loop its iterations from 0
-    rows = query(cli, proc.pid, f"SELECT step, loss, lr, measured, memory FROM torch.steps WHERE step <= {last} ORDER BY step")
+    rows = query(
+        cli, proc.pid, f"SELECT step, loss, lr, measured, memory FROM torch.steps WHERE step <= {last} ORDER BY step"
+    )
     # then: one row per iteration, the loss on >= 99 % of them whatever was measured, a memory reading on each
     assert [r["step"] for r in rows] == list(range(1, last + 1))
     with_loss = [r for r in rows if r["loss"] is not None]
@@ -60,13 +62,18 @@ def test_a_nanogpt_shaped_loop_has_the_loss_and_lr_it_prints_on_every_step(spawn
 def test_a_leak_is_named_within_a_minute_while_the_budget_measures_few_steps(spawn, cli):
     # given: the loop keeping each micro-step's loss (with its graph) and logits in a list, ~0.4 MB an
     # iteration, under a budget so small that the optional values are measured about once a second
-    proc = spawn([NANOGPT, "--leak", "--batch", "48", "--log-every", "1000", "--step-sleep", "0.005"],
-                 env={"PROBE": "1", "PROBE_STEP_BUDGET": "0.0001"})
+    proc = spawn(
+        [NANOGPT, "--leak", "--batch", "48", "--log-every", "1000", "--step-sleep", "0.005"],
+        env={"PROBE": "1", "PROBE_STEP_BUDGET": "0.0001"},
+    )
     # when / then: the doctor names it within 60 s of the loop's start
     finding, findings = poll_for(cli, proc.pid, "memory_growth", timeout=60)
     assert finding["severity"] == "warning" and "memory in use grows" in finding["message"], finding
-    share = query(cli, proc.pid, "SELECT avg(measured::INT) AS measured, count(memory) AS with_memory, count(*) AS n "
-                                 "FROM torch.steps")[0]
+    share = query(
+        cli,
+        proc.pid,
+        "SELECT avg(measured::INT) AS measured, count(memory) AS with_memory, count(*) AS n FROM torch.steps",
+    )[0]
     assert share["measured"] < 0.5, share  # the finding came from every step's memory, not the measured ones
     assert share["with_memory"] >= 0.99 * share["n"], share
 

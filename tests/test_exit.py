@@ -36,8 +36,9 @@ print("running", "pid", os.getpid(), sorted(os.listdir(os.environ["PROBE_RUNTIME
 @pytest.mark.parametrize("python", interpreters())
 def test_clean_exit_leaves_nothing_behind(python, probe_env):
     rt = probe_env["PROBE_RUNTIME_DIR"]
-    r = subprocess.run([python, "-c", CODE.format(root=str(ROOT))], env=probe_env, capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [python, "-c", CODE.format(root=str(ROOT))], env=probe_env, capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     assert ".sock" in r.stdout and ".json" in r.stdout, r.stdout  # it really was serving
     # On every version, numpy or not: pyenv's 3.10/3.12/3.13 here lack numpy, and then the post-mortem

@@ -28,8 +28,10 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-pytestmark = pytest.mark.skipif(not (has_torch() and _has("transformers") and _has("lightning") and _has("accelerate")),
-                                reason="transformers, lightning and accelerate are not installed")
+pytestmark = pytest.mark.skipif(
+    not (has_torch() and _has("transformers") and _has("lightning") and _has("accelerate")),
+    reason="transformers, lightning and accelerate are not installed",
+)
 
 LOOPS = {
     # name: (script args, optimizer rows: (class, wrapper, scheduler) per group)
@@ -73,12 +75,18 @@ class Loop:
 
     def wait_new(self, pattern: str, start: int, timeout: float = 60.0) -> str:
         """The first line printed after line ``start`` that matches ``pattern`` (polled with a deadline)."""
-        return self.proc.wait_line(lambda line: re.match(pattern, line), f"a line matching {pattern!r}", start=start,
-                                   timeout=timeout)
+        return self.proc.wait_line(
+            lambda line: re.match(pattern, line), f"a line matching {pattern!r}", start=start, timeout=timeout
+        )
 
     def cli(self, *args, timeout: float = 60.0):
-        return subprocess.run([PROBE_BIN, str(self.pid), *map(str, args)], capture_output=True, text=True,
-                              env={k: v for k, v in self.env.items() if k != "PROBE"}, timeout=timeout)
+        return subprocess.run(
+            [PROBE_BIN, str(self.pid), *map(str, args)],
+            capture_output=True,
+            text=True,
+            env={k: v for k, v in self.env.items() if k != "PROBE"},
+            timeout=timeout,
+        )
 
     def query(self, sql: str) -> list[dict]:
         r = self.cli("query", sql, "--format", "json")
@@ -133,7 +141,9 @@ def test_the_loss_is_on_every_step_that_the_budget_does_not_measure(name):
 
 
 def test_one_row_per_param_group_with_its_scheduler(loop):
-    rows = loop.query("SELECT optimizer, wrapper, scheduler, param_group, is_lead FROM torch.optimizer ORDER BY param_group")
+    rows = loop.query(
+        "SELECT optimizer, wrapper, scheduler, param_group, is_lead FROM torch.optimizer ORDER BY param_group"
+    )
     assert [(r["optimizer"], r["wrapper"], r["scheduler"]) for r in rows] == LOOPS[loop.name][1]
     assert [r["param_group"] for r in rows] == list(range(len(rows))) and all(r["is_lead"] for r in rows)
 
@@ -150,11 +160,17 @@ def test_lr_scale_holds_through_the_schedule_and_reset_ends_it(loop):
     reset = None
     try:
         first = int(re.search(r"from step (\d+)", r.stdout).group(1))
-        assert re.search(rf"group 0: \S+ -> \S+; step {first} used \S+", r.stdout), r.stdout  # seen used before the reply
+        assert re.search(rf"group 0: \S+ -> \S+; step {first} used \S+", r.stdout), (
+            r.stdout
+        )  # seen used before the reply
         logged = loop.wait_step(first + 6)
         rows = loop.query(f"SELECT step, lr FROM torch.steps WHERE step BETWEEN {first} AND {first + 5} ORDER BY step")
-        assert [x["lr"] for x in rows] == pytest.approx([logged[s]["used"] for s in range(first, first + 6)], rel=USED_REL)
-        opt = loop.query("SELECT lr, loop_lr, lr_override, lr_override_status FROM torch.optimizer WHERE param_group = 0")[0]
+        assert [x["lr"] for x in rows] == pytest.approx(
+            [logged[s]["used"] for s in range(first, first + 6)], rel=USED_REL
+        )
+        opt = loop.query(
+            "SELECT lr, loop_lr, lr_override, lr_override_status FROM torch.optimizer WHERE param_group = 0"
+        )[0]
         (action,) = loop.query("SELECT state, result FROM probe.actions WHERE command = 'lr'")
         status = json.loads(action["result"])["optimizers"][0]["groups"][0]["status"]
         if loop.name in SCHEDULED:
@@ -167,15 +183,24 @@ def test_lr_scale_holds_through_the_schedule_and_reset_ends_it(loop):
             assert opt["lr_override"] == "scale 0.5 (scheduler base)" and opt["lr"] == opt["loop_lr"], opt
             assert action["state"] == "done" and "the scheduler computes from the scaled base rate" in status, status
             if loop.name == "lightning":  # param_groups read in on_train_batch_end: the rate in effect
-                pg = {int(m.group(1)): float(m.group(2)) for m in (re.match(r"pl pg (\d+) (\S+)", l) for l in loop.lines) if m}
+                pg = {
+                    int(m.group(1)): float(m.group(2))
+                    for m in (re.match(r"pl pg (\d+) (\S+)", l) for l in loop.lines)
+                    if m
+                }
                 for s in range(first + 1, first + 5):
-                    assert pg[s] == pytest.approx(logged[s]["used"], rel=0.02) or \
-                        pg[s] == pytest.approx(logged[s + 1]["used"], rel=0.02), (s, pg[s], logged[s])
+                    assert pg[s] == pytest.approx(logged[s]["used"], rel=0.02) or pg[s] == pytest.approx(
+                        logged[s + 1]["used"], rel=0.02
+                    ), (s, pg[s], logged[s])
         else:
             assert "held at every step" in r.stdout, r.stdout
             for s in range(first, first + 6):
                 # the loop sets its lr (its own code) every step; each step still used half of it
-                assert logged[s]["used"] == pytest.approx(0.5 * logged[s]["lr"], rel=USED_REL), (loop.name, s, logged[s])
+                assert logged[s]["used"] == pytest.approx(0.5 * logged[s]["lr"], rel=USED_REL), (
+                    loop.name,
+                    s,
+                    logged[s],
+                )
             assert opt["lr_override"] == "scale 0.5" and opt["lr"] == pytest.approx(0.5 * opt["loop_lr"])
             assert action["state"] == "done" and re.match(r"held for \d+ step", status), status
             if loop.name == "manual":  # a schedule assigned by hand rewrites the lr every step: said where
@@ -186,20 +211,26 @@ def test_lr_scale_holds_through_the_schedule_and_reset_ends_it(loop):
     assert reset.returncode == 0 and "removed scale 0.5" in reset.stdout, reset.stderr
     after = int(re.search(r"applies from step (\d+)", reset.stdout).group(1))
     logged = loop.wait_step(after + 2)
-    assert [logged[s]["used"] for s in (after, after + 1)] == pytest.approx([logged[s]["lr"] for s in (after, after + 1)],
-                                                                             rel=USED_REL)
+    assert [logged[s]["used"] for s in (after, after + 1)] == pytest.approx(
+        [logged[s]["lr"] for s in (after, after + 1)], rel=USED_REL
+    )
 
 
 def test_eval_at_step_sees_the_loop_and_the_framework_objects(loop):
-    r = loop.cli("eval", "--at-step",
-                 "print(sorted(n for n in ('trainer', 'model', 'optimizer', 'scheduler', 'step', 'accelerator', 'targs', "
-                 "'loader') if n in globals()))")
+    r = loop.cli(
+        "eval",
+        "--at-step",
+        "print(sorted(n for n in ('trainer', 'model', 'optimizer', 'scheduler', 'step', 'accelerator', 'targs', "
+        "'loader') if n in globals()))",
+    )
     assert r.returncode == 0, r.stderr
     names = eval(r.stdout.strip().splitlines()[-1])
     # targs, loader and step are locals of the script's own function that runs the loop (or calls fit/train)
-    want = {"hf": {"trainer", "model", "optimizer", "scheduler", "targs"},
-            "lightning": {"trainer", "model", "optimizer", "scheduler", "loader"},
-            "accelerate": {"accelerator", "model", "optimizer", "scheduler", "step"}}.get(loop.name, {"model", "optimizer", "step"})
+    want = {
+        "hf": {"trainer", "model", "optimizer", "scheduler", "targs"},
+        "lightning": {"trainer", "model", "optimizer", "scheduler", "loader"},
+        "accelerate": {"accelerator", "model", "optimizer", "scheduler", "step"},
+    }.get(loop.name, {"model", "optimizer", "step"})
     assert want <= set(names), (loop.name, names, r.stdout)
 
 
@@ -217,12 +248,30 @@ def test_trainer_resumes_from_a_probe_checkpoint_file_to_the_same_next_steps(loo
     env = clean_env(str(tmp_path), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     # Lightning's schedule does not depend on the run's length; the Trainer's linear one does: keep it, stop early
     stop = ["--max-steps", str(step + 2)] if loop.name == "lightning" else ["--stop-at", str(step + 2)]
-    out = subprocess.run([sys.executable, str(TARGETS / LOOPS[loop.name][0][0]), "--out", str(tmp_path), "--resume", saved,
-                          "--skip", str(step), *stop], capture_output=True, text=True, env=env, timeout=180)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(TARGETS / LOOPS[loop.name][0][0]),
+            "--out",
+            str(tmp_path),
+            "--resume",
+            saved,
+            "--skip",
+            str(step),
+            *stop,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"resumed from step {step} global_step {step}" in out.stdout, out.stdout
-    got = {int(m.group(1)): {"loss": float(m.group(2)), "used": float(m.group(4))}
-           for m in map(LINE.match, out.stdout.splitlines()) if m}
+    got = {
+        int(m.group(1)): {"loss": float(m.group(2)), "used": float(m.group(4))}
+        for m in map(LINE.match, out.stdout.splitlines())
+        if m
+    }
     assert min(got) == step + 1  # the Trainer counts on from the checkpoint
     for s in (step + 1, step + 2):  # the weights (the loss of step + 1) and the scheduler (the lr step + 1 used)
         assert got[s]["loss"] == pytest.approx(want[s]["loss"], rel=1e-6), s
@@ -231,7 +280,9 @@ def test_trainer_resumes_from_a_probe_checkpoint_file_to_the_same_next_steps(loo
 
 def test_checkpoint_has_the_scheduler_and_step_counters_and_loads_back(loop):
     path = os.path.join(loop.rt, "ck-{step}.pt")
-    if loop.name == "accelerate":  # the Accelerator's step (accumulate's counter; this loop does not use it): not 0, to see it saved
+    if (
+        loop.name == "accelerate"
+    ):  # the Accelerator's step (accumulate's counter; this loop does not use it): not 0, to see it saved
         r = loop.cli("eval", "--at-step", "accelerator.step = 3")
         assert r.returncode == 0, r.stderr
     r = loop.cli("checkpoint", path)
@@ -251,18 +302,24 @@ def test_checkpoint_has_the_scheduler_and_step_counters_and_loads_back(loop):
         assert list(state["frameworks"].values()) == [{"step": 3}], state["frameworks"]
     loop.wait_step(step + 3)  # restore a few steps later, so a step counter set back is visible
     # counters moved away from the saved ones before loading, so that loading visibly sets them back
-    away = {"lightning": "ep = trainer.fit_loop.epoch_progress\n"
-                         "for t in (ep.total, ep.current):\n"
-                         "    for k in ('ready', 'started', 'processed', 'completed'): setattr(t, k, getattr(t, k) + 2)\n",
-            "accelerate": "accelerator.step = 9\n"}.get(loop.name, "")
-    after = {"lightning": "ep = trainer.fit_loop.epoch_progress.current\n"
-                          "print('counters', trainer.current_epoch, ep.ready - ep.completed)\n",
-             "accelerate": "print('counters', accelerator.step)\n"}.get(loop.name, "")
-    code = (f"import probe\nfw = globals().get('trainer') or globals().get('accelerator')\n{away}"
-            f"st = probe.load_checkpoint({saved!r}, trainer=fw) if fw is not None else "
-            f"probe.load_checkpoint({saved!r}, model=model, optimizer=optimizer)\n"
-            "sd = st['model']\n"
-            "print('diff', max(float((v - sd[k]).abs().max()) for k, v in model.state_dict().items()))\n" + after)
+    away = {
+        "lightning": "ep = trainer.fit_loop.epoch_progress\n"
+        "for t in (ep.total, ep.current):\n"
+        "    for k in ('ready', 'started', 'processed', 'completed'): setattr(t, k, getattr(t, k) + 2)\n",
+        "accelerate": "accelerator.step = 9\n",
+    }.get(loop.name, "")
+    after = {
+        "lightning": "ep = trainer.fit_loop.epoch_progress.current\n"
+        "print('counters', trainer.current_epoch, ep.ready - ep.completed)\n",
+        "accelerate": "print('counters', accelerator.step)\n",
+    }.get(loop.name, "")
+    code = (
+        f"import probe\nfw = globals().get('trainer') or globals().get('accelerator')\n{away}"
+        f"st = probe.load_checkpoint({saved!r}, trainer=fw) if fw is not None else "
+        f"probe.load_checkpoint({saved!r}, model=model, optimizer=optimizer)\n"
+        "sd = st['model']\n"
+        "print('diff', max(float((v - sd[k]).abs().max()) for k, v in model.state_dict().items()))\n" + after
+    )
     r = loop.cli("eval", "--at-step", code)
     assert r.returncode == 0, r.stderr
     assert "diff 0.0" in r.stdout, r.stdout  # the weights are back

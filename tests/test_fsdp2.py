@@ -7,7 +7,6 @@ collective on one rank that the other never matches hangs the job). Gradient nor
 from __future__ import annotations
 
 import json
-import os
 
 from conftest import TARGETS, poll, requires_torch
 from test_ranks_collectives import ddp_job
@@ -27,24 +26,40 @@ def rows(job, sql, *extra):
 def test_fsdp2_trains_at_defaults_while_probed_and_probe_issues_no_collective(tmp_path):
     ckpt = str(tmp_path / "ck-{rank}.pt")
     # 10 ms of sleep a step: the 2000 steps last 20 s or more on any machine, longer than a round of queries
-    with ddp_job("--steps", str(STEPS), "--step-sleep", "0.01", "--linger", world=2, target=TARGET, extra_env={"PROBE_HUNG_AFTER": "30"}) as job:
+    with ddp_job(
+        "--steps",
+        str(STEPS),
+        "--step-sleep",
+        "0.01",
+        "--linger",
+        world=2,
+        target=TARGET,
+        extra_env={"PROBE_HUNG_AFTER": "30"},
+    ) as job:
         # when: a checkpoint of the sharded model, and queries and doctor calls that keep coming while the
         # job trains (each reads every rank)
         c = job.cli("--ranks", "all", "--yes", "checkpoint", ckpt)
         assert c.returncode == 0, c.stdout + c.stderr
         for r in (0, 1):
-            assert f"the file holds rank {r}'s shards of 2" in c.stdout and "probe.load_checkpoint(" in c.stdout, c.stdout
+            assert f"the file holds rank {r}'s shards of 2" in c.stdout and "probe.load_checkpoint(" in c.stdout, (
+                c.stdout
+            )
         rounds = 0
 
         def busy():
             nonlocal rounds
-            steps = rows(job, "SELECT rank, MAX(step) AS step, COUNT(grad_norm) AS norms FROM torch.steps GROUP BY rank")
+            steps = rows(
+                job, "SELECT rank, MAX(step) AS step, COUNT(grad_norm) AS norms FROM torch.steps GROUP BY rank"
+            )
             assert len(steps) == 2, steps
-            params = rows(job, "SELECT rank, name, numel, local_numel, placement, grad_norm, nan_count FROM torch.parameters")
+            params = rows(
+                job, "SELECT rank, name, numel, local_numel, placement, grad_norm, nan_count FROM torch.parameters"
+            )
             assert {p["rank"] for p in params} == {0, 1} and all(p["placement"] for p in params), params
             # values are read at a step boundary: NULL only once a rank has stopped stepping (its last step done)
-            assert all(p["nan_count"] == 0 or (p["nan_count"] is None and job.saw(f"done rank={p['rank']} "))
-                       for p in params), params
+            assert all(
+                p["nan_count"] == 0 or (p["nan_count"] is None and job.saw(f"done rank={p['rank']} ")) for p in params
+            ), params
             d = job.cli("--ranks", "all", "--format", "json", "doctor")
             doc = json.loads(d.stdout)
             assert doc["answering"] == 2, d.stdout + d.stderr
@@ -69,7 +84,9 @@ def test_fsdp2_trains_at_defaults_while_probed_and_probe_issues_no_collective(tm
         norms = rows(job, "SELECT rank, COUNT(grad_norm) AS n FROM torch.steps GROUP BY rank ORDER BY rank")
         assert [n["n"] > 0 for n in norms] == [True, True], norms
         # parameters: the whole shape, this rank's shard, read without a collective
-        params = rows(job, "SELECT rank, SUM(numel) AS numel, SUM(local_numel) AS local FROM torch.parameters GROUP BY rank")
+        params = rows(
+            job, "SELECT rank, SUM(numel) AS numel, SUM(local_numel) AS local FROM torch.parameters GROUP BY rank"
+        )
         assert all(p["local"] < p["numel"] for p in params), params
         # the optimizer counts this rank's shards: together, the model's elements once
         opt = rows(job, "SELECT rank, elements, state_bytes FROM torch.optimizer")
@@ -82,5 +99,8 @@ def test_fsdp2_trains_at_defaults_while_probed_and_probe_issues_no_collective(tm
     with ddp_job("--steps", "1", "--resume", ckpt, world=2, target=TARGET) as again:
         assert poll(lambda: again.saw("done rank=0") and again.saw("done rank=1"), 120), "\n".join(again.lines)
         resumed = [line for line in again.lines if line.startswith("resumed")]
-        assert sorted(resumed) == [f"resumed rank={r} step={resumed[r].split('step=')[1].split()[0]} sharded=S(0) "
-                                   f"local=(16, 16) of=(32, 16) match=True" for r in (0, 1)], again.lines
+        assert sorted(resumed) == [
+            f"resumed rank={r} step={resumed[r].split('step=')[1].split()[0]} sharded=S(0) "
+            f"local=(16, 16) of=(32, 16) match=True"
+            for r in (0, 1)
+        ], again.lines

@@ -59,7 +59,7 @@ def test_blocked_on_queue_and_lock_names_the_lines(spawn, cli):
     assert ours[0]["func"] == "wait_for_job" and "jobs.get()" in ours[0]["line"]
     files = [f["file"] for f in main["frames"]]
     assert files[0].endswith("threading.py") and main["frames"][0]["func"].endswith("wait")  # innermost: Condition.wait
-    assert any(f.endswith("queue.py") for f in files[:files.index(ours[0]["file"])])  # inside Queue.get
+    assert any(f.endswith("queue.py") for f in files[: files.index(ours[0]["file"])])  # inside Queue.get
     waiter = next(t for t in threads if t["name"] == "lock-waiter")
     assert [f for f in waiter["frames"] if f["file"].endswith("hang_queue.py")][0]["line"].startswith("with lock:")
     one = cli(target.pid, "backtrace", "--thread", "lock-waiter", "--format", "json")
@@ -107,7 +107,8 @@ def test_watchdog_stays_quiet_while_steps_complete(spawn, cli, probe_env):
         "    fire(StepEvent(i)); i += 1\n"
         "    if i == 60: print('stepped 60', flush=True)\n"
         "    time.sleep(0.05)\n"  # ok-sleep: target code
-        "print(f'done gap={gap:.3f}', flush=True)\ntime.sleep(60)\n")  # ok-sleep: target code
+        "print(f'done gap={gap:.3f}', flush=True)\ntime.sleep(60)\n"
+    )  # ok-sleep: target code
     path = Path(probe_env["PROBE_RUNTIME_DIR"]) / "stepping.py"
     path.write_text(script)
     target = spawn(path, env={"PROBE_HANG_TIMEOUT": str(timeout_s)})
@@ -125,7 +126,9 @@ def test_watchdog_stays_quiet_while_steps_complete(spawn, cli, probe_env):
 
 
 def _main_liveness(cli, pid) -> dict:
-    q = cli(pid, "query", "SELECT executing, unchanged_s, state, func FROM python.threads WHERE is_main", "--format", "json")
+    q = cli(
+        pid, "query", "SELECT executing, unchanged_s, state, func FROM python.threads WHERE is_main", "--format", "json"
+    )
     assert q.returncode == 0, q.stderr
     return json.loads(q.stdout)[0]
 

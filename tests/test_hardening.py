@@ -65,9 +65,11 @@ def _eval(cli, pid, code: str) -> str:
 def test_the_training_process_never_imports_duckdb(spawn, cli):
     # given a probed process that answered several queries, a join and an aggregate among them
     target = spawn(TARGETS / "idle.py")
-    for sql in ("SELECT count(*) FROM python.threads",
-                "SELECT t.name, count(*) FROM python.threads t JOIN python.backtrace b ON b.thread_id = t.thread_id GROUP BY ALL",
-                "SELECT name FROM probe.tables WHERE name LIKE 'python.%'"):
+    for sql in (
+        "SELECT count(*) FROM python.threads",
+        "SELECT t.name, count(*) FROM python.threads t JOIN python.backtrace b ON b.thread_id = t.thread_id GROUP BY ALL",
+        "SELECT name FROM probe.tables WHERE name LIKE 'python.%'",
+    ):
         r = cli(target.pid, "query", sql, "-f", "json")
         assert r.returncode == 0, r.stderr
     # then neither DuckDB nor the SQL parser was ever loaded there
@@ -86,7 +88,10 @@ def test_bad_values_and_bodies_get_one_sentence_and_a_4xx(spawn, cli, probe_env)
         (json.dumps({"tables": {"python.threads": {}}, "timeout": "inf"}).encode(), "finite"),
         (json.dumps({"tables": {"python.threads": {}}, "timeout": 1e300}).encode(), "at most"),
         (json.dumps({"tables": {"python.threads": {"columns": ["nope"]}}}).encode(), "no column 'nope'"),
-        (json.dumps({"tables": {"python.threads": {"filter": {"op": "exec", "col": "name"}}}}).encode(), "unknown snapshot filter"),
+        (
+            json.dumps({"tables": {"python.threads": {"filter": {"op": "exec", "col": "name"}}}}).encode(),
+            "unknown snapshot filter",
+        ),
         (b"\xff\xfe", "not valid JSON"),
     ]
     for body, fragment in cases:
@@ -114,8 +119,10 @@ def test_bad_values_and_bodies_get_one_sentence_and_a_4xx(spawn, cli, probe_env)
 
 def test_connections_are_bounded_and_the_owner_is_always_answered(spawn, cli, probe_env):
     # given a process listening on TCP too, with small connection limits
-    target = spawn(TARGETS / "idle.py", env={"PROBE_PORT": "0", "PROBE_TOKEN": "tok-en", "PROBE_MAX_CONNECTIONS": "4",
-                                             "PROBE_READ_TIMEOUT": "1"})
+    target = spawn(
+        TARGETS / "idle.py",
+        env={"PROBE_PORT": "0", "PROBE_TOKEN": "tok-en", "PROBE_MAX_CONNECTIONS": "4", "PROBE_READ_TIMEOUT": "1"},
+    )
     entry = _entry(target.pid, probe_env)
     port = entry["tcp_port"]
     # when 60 TCP clients open connections and never finish their headers
@@ -129,7 +136,9 @@ def test_connections_are_bounded_and_the_owner_is_always_answered(spawn, cli, pr
         r = cli(target.pid, "query", "SELECT count(*) AS n FROM python.threads", "-f", "csv")
         assert r.returncode == 0, r.stderr
         # the server did not grow a thread per connection
-        threads = int(cli(target.pid, "query", "SELECT count(*) AS n FROM python.threads", "-f", "csv").stdout.split()[1])
+        threads = int(
+            cli(target.pid, "query", "SELECT count(*) AS n FROM python.threads", "-f", "csv").stdout.split()[1]
+        )
         assert threads < 20, threads
         # and every slow client is cut off: answered 503 at once (over the limit) or closed after the read timeout
         closed = 0
@@ -284,7 +293,9 @@ def test_a_prepared_runtime_dir_never_breaks_the_training_script(spawn, cli, tmp
 
 def _action_id(cli, pid, code_fragment: str) -> int:
     def running() -> list:
-        rows = json.loads(cli(pid, "query", "SELECT id, state, args FROM probe.actions WHERE command = 'eval'", "-f", "json").stdout)
+        rows = json.loads(
+            cli(pid, "query", "SELECT id, state, args FROM probe.actions WHERE command = 'eval'", "-f", "json").stdout
+        )
         return [row["id"] for row in rows if row["state"] == "running" and code_fragment in row["args"]]
 
     ids = poll(running, 30, interval=0.05)
@@ -300,8 +311,13 @@ def test_evals_are_answered_and_can_be_cancelled(spawn, cli, probe_env):
     r = cli(target.pid, "eval", "raise KeyboardInterrupt")
     assert r.returncode != 0 and "KeyboardInterrupt" in r.stdout + r.stderr, r.stdout + r.stderr
     # an eval that never returns is cancelled by id ...
-    looping = subprocess.Popen([PROBE_BIN, str(target.pid), "eval", "n = 0\nwhile True: n += 1  # first"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=probe_env)
+    looping = subprocess.Popen(
+        [PROBE_BIN, str(target.pid), "eval", "n = 0\nwhile True: n += 1  # first"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=probe_env,
+    )
     action = _action_id(cli, target.pid, "# first")
     r = cli(target.pid, "cancel", action)
     assert r.returncode == 0, r.stderr
@@ -309,15 +325,21 @@ def test_evals_are_answered_and_can_be_cancelled(spawn, cli, probe_env):
     assert looping.returncode != 0 and "cancelled" in out + err, out + err
     # ... or by Ctrl-C in the CLI that started it
     # (once the CLI holds the id: it says so itself, "action N running for 5 s", from inside its wait loop)
-    looping = start([PROBE_BIN, target.pid, "eval", "n = 0\nwhile True: n += 1  # second"], probe_env,
-                    ready=" running for ", timeout=60)
+    looping = start(
+        [PROBE_BIN, target.pid, "eval", "n = 0\nwhile True: n += 1  # second"],
+        probe_env,
+        ready=" running for ",
+        timeout=60,
+    )
     second = _action_id(cli, target.pid, "# second")
     looping.popen.send_signal(signal.SIGINT)
     looping.popen.wait(30)
     looping.wait_line(lambda line: "interrupted" in line, "'interrupted'", timeout=30)
     assert looping.popen.returncode == 130, looping.output()
-    states = dict((row["id"], row["state"]) for row in json.loads(
-        cli(target.pid, "query", "SELECT id, state FROM probe.actions", "-f", "json").stdout))
+    states = dict(
+        (row["id"], row["state"])
+        for row in json.loads(cli(target.pid, "query", "SELECT id, state FROM probe.actions", "-f", "json").stdout)
+    )
     assert states[action] == "cancelled" and states[second] == "cancelled", states
     # and the process is healthy, with no traceback on its stderr
     assert cli(target.pid, "query", "SELECT 1 AS ok", "-f", "csv").returncode == 0
@@ -349,7 +371,9 @@ def test_snapshots_are_paced_to_their_share_of_the_process(spawn, probe_env):
 
     def ask(timeout):
         body = json.dumps({"tables": {"python.backtrace": {"columns": ["func", "depth"]}}, "timeout": timeout}).encode()
-        answer = _raw(sock, f"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        answer = _raw(
+            sock, f"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+        )
         return int(answer.split(b" ", 2)[1]), answer.partition(b"\r\n\r\n")[2]
 
     # when one query comes, it is answered at once (the bucket starts with its burst)
@@ -368,5 +392,7 @@ def test_snapshots_are_paced_to_their_share_of_the_process(spawn, probe_env):
     status, body = answers[-1]
     assert status == 503, answers
     error = json.loads(body)["error"]
-    assert "PROBE_SERVE_SHARE" in error and "within 0.05 s" in error and error.endswith(".") and error.count(". ") == 0, error
+    assert (
+        "PROBE_SERVE_SHARE" in error and "within 0.05 s" in error and error.endswith(".") and error.count(". ") == 0
+    ), error
     assert "Traceback" not in target.output(), target.output()

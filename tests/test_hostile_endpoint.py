@@ -21,15 +21,30 @@ import pytest
 from conftest import PROBE_BIN, poll
 
 # A column type that would turn the client's typed view into a query over range(1e14) (issue 25, item 5).
-EVIL_TYPE = ('BIGINT) AS "step", CAST(0 AS BIGINT) AS "__slot" FROM (SELECT r.range AS step FROM '
-             'range(100000000000000) r, "__r0__torch__steps") --')
-SCHEMA = {"tables": [{"name": "torch.steps", "kind": "ring", "description": "Steps.", "examples": [],
-                      "columns": [{"name": "step", "type": "BIGINT", "description": "Step."}]}]}
+EVIL_TYPE = (
+    'BIGINT) AS "step", CAST(0 AS BIGINT) AS "__slot" FROM (SELECT r.range AS step FROM '
+    'range(100000000000000) r, "__r0__torch__steps") --'
+)
+SCHEMA = {
+    "tables": [
+        {
+            "name": "torch.steps",
+            "kind": "ring",
+            "description": "Steps.",
+            "examples": [],
+            "columns": [{"name": "step", "type": "BIGINT", "description": "Step."}],
+        }
+    ]
+}
 
 
 def _snapshot(column: dict) -> bytes:
-    header = json.dumps({"meta": {}, "tables": {"torch.steps": {"rows": 1, "columns": [
-        dict(column, kind="i8", buffers=[[0, 8], None])]}}}).encode()
+    header = json.dumps(
+        {
+            "meta": {},
+            "tables": {"torch.steps": {"rows": 1, "columns": [dict(column, kind="i8", buffers=[[0, 8], None])]}},
+        }
+    ).encode()
     return b"PRBC" + struct.pack("<I", len(header)) + header + struct.pack("<q", 1)
 
 
@@ -92,8 +107,18 @@ def _json(doc) -> tuple:
     return "application/json", json.dumps(doc).encode()
 
 
-@pytest.mark.parametrize("command", [["status"], ["query", "SELECT 1"], ["tables"], ["describe", "torch.steps"],
-                                     ["backtrace"], ["doctor"], ["profile", "--seconds", "1"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["status"],
+        ["query", "SELECT 1"],
+        ["tables"],
+        ["describe", "torch.steps"],
+        ["backtrace"],
+        ["doctor"],
+        ["profile", "--seconds", "1"],
+    ],
+)
 def test_a_reply_of_empty_json_gives_one_sentence(fake, cli, command):
     # given a listener that answers {} to everything
     f = fake(lambda path: _json({}))
@@ -108,21 +133,40 @@ def test_a_reply_of_empty_json_gives_one_sentence(fake, cli, command):
 
 def test_a_column_type_carrying_sql_never_reaches_duckdb(fake, cli):
     # given a fake whose schema is plausible and whose snapshot declares a type that is SQL
-    f = fake(lambda path: ("application/octet-stream", _snapshot({"name": "step", "type": EVIL_TYPE}))
-             if path.startswith("/snapshot") else _json(SCHEMA))
+    f = fake(
+        lambda path: (
+            ("application/octet-stream", _snapshot({"name": "step", "type": EVIL_TYPE}))
+            if path.startswith("/snapshot")
+            else _json(SCHEMA)
+        )
+    )
     # when a query reads the column (with a long timeout, so that only the refusal can end it early)
-    r = cli("-t", f.endpoint, "--token", "typed-by-the-person", "--timeout", "120", "query",
-            "SELECT max(step) AS m FROM torch.steps", timeout=110)
+    r = cli(
+        "-t",
+        f.endpoint,
+        "--token",
+        "typed-by-the-person",
+        "--timeout",
+        "120",
+        "query",
+        "SELECT max(step) AS m FROM torch.steps",
+        timeout=110,
+    )
     # then the snapshot is refused with a sentence naming the type, before any SQL is built from it
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert "not one of BIGINT" in r.stderr and "timeout" not in r.stderr, r.stderr
     # and so are a column name and a table name that are not identifiers
     for column in ({"name": 'step" FROM x --', "type": "BIGINT"},):
-        g = fake(lambda path, c=column: ("application/octet-stream", _snapshot(c)) if path.startswith("/snapshot")
-                 else _json(SCHEMA))
+        g = fake(
+            lambda path, c=column: (
+                ("application/octet-stream", _snapshot(c)) if path.startswith("/snapshot") else _json(SCHEMA)
+            )
+        )
         r = cli("-t", g.endpoint, "--token", "typed-by-the-person", "query", "SELECT max(step) FROM torch.steps")
         assert r.returncode != 0 and "is not letters, digits and _" in r.stderr, r.stderr
-    h = fake(lambda path: _json({"tables": [dict(SCHEMA["tables"][0], columns=[{"name": "step", "type": "INT); DROP"}])]}))
+    h = fake(
+        lambda path: _json({"tables": [dict(SCHEMA["tables"][0], columns=[{"name": "step", "type": "INT); DROP"}])]})
+    )
     r = cli("-t", h.endpoint, "--token", "typed-by-the-person", "query", "SELECT 1")
     assert r.returncode != 0 and "not one of BIGINT" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
@@ -145,10 +189,22 @@ def test_the_workspace_timeout_interrupts_set_up_statements():
 
 def _mcp(env, *, parent_shell: bool = False):
     if parent_shell:  # probe mcp as the child of a shell we can kill, its stdin a pipe the shell keeps
-        return subprocess.Popen(["sh", "-c", f'exec 3<&0; "{PROBE_BIN}" mcp --timeout 600 0<&3 3<&- & echo $!; wait'], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
-    return subprocess.Popen([PROBE_BIN, "mcp", "--timeout", "600"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+        return subprocess.Popen(
+            ["sh", "-c", f'exec 3<&0; "{PROBE_BIN}" mcp --timeout 600 0<&3 3<&- & echo $!; wait'],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+    return subprocess.Popen(
+        [PROBE_BIN, "mcp", "--timeout", "600"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def _rpc(proc, msgs):
@@ -157,9 +213,15 @@ def _rpc(proc, msgs):
     proc.stdin.flush()
 
 
-_INIT = [{"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}},
-         {"jsonrpc": "2.0", "method": "notifications/initialized"}]
+_INIT = [
+    {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}},
+    },
+    {"jsonrpc": "2.0", "method": "notifications/initialized"},
+]
 
 
 def _alive(pid: int) -> bool:
@@ -204,12 +266,31 @@ def test_probe_mcp_exits_when_its_client_closes_stdin_mid_call(silent, probe_env
     # given `probe mcp` busy with a call to a listener that never answers
     proc = _mcp(probe_env)
     try:
-        _rpc(proc, _INIT + [{"jsonrpc": "2.0", "id": 2, "method": "tools/call",
-                             "params": {"name": "tables", "arguments": {"endpoint": "/nonexistent.sock"}}}])
+        _rpc(
+            proc,
+            _INIT
+            + [
+                {
+                    "jsonrpc": "2.0",
+                    "id": 2,
+                    "method": "tools/call",
+                    "params": {"name": "tables", "arguments": {"endpoint": "/nonexistent.sock"}},
+                }
+            ],
+        )
         assert json.loads(proc.stdout.readline())["id"] == 1
         assert json.loads(proc.stdout.readline())["id"] == 2  # a quick answer: the server is up and serving
-        _rpc(proc, [{"jsonrpc": "2.0", "id": 3, "method": "tools/call",
-                     "params": {"name": "tables", "arguments": {"endpoint": silent.path}}}])
+        _rpc(
+            proc,
+            [
+                {
+                    "jsonrpc": "2.0",
+                    "id": 3,
+                    "method": "tools/call",
+                    "params": {"name": "tables", "arguments": {"endpoint": silent.path}},
+                }
+            ],
+        )
         assert poll(lambda: silent.conns, 30), "the call never reached the listener"
         # when the client goes (its end of stdin closes) while the call hangs
         proc.stdin.close()
@@ -226,8 +307,18 @@ def test_probe_mcp_exits_when_its_parent_dies(silent, probe_env):
     shell = _mcp(probe_env, parent_shell=True)
     mcp_pid = int(shell.stdout.readline())
     try:
-        _rpc(shell, _INIT + [{"jsonrpc": "2.0", "id": 3, "method": "tools/call",
-                              "params": {"name": "tables", "arguments": {"endpoint": silent.path}}}])
+        _rpc(
+            shell,
+            _INIT
+            + [
+                {
+                    "jsonrpc": "2.0",
+                    "id": 3,
+                    "method": "tools/call",
+                    "params": {"name": "tables", "arguments": {"endpoint": silent.path}},
+                }
+            ],
+        )
         assert poll(lambda: silent.conns, 30), "the call never reached the listener"
         # when the parent dies (SIGKILL: it cannot close anything) and stdin stays open in our hands
         os.kill(shell.pid, signal.SIGKILL)

@@ -24,7 +24,9 @@ JOBS = {
 
 
 def _checks(cli, pid) -> list:
-    r = cli(pid, "query", "SELECT step, invariant, ok, subject, detail FROM torch.checks ORDER BY step", "--format", "json")
+    r = cli(
+        pid, "query", "SELECT step, invariant, ok, subject, detail FROM torch.checks ORDER BY step", "--format", "json"
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 

@@ -28,8 +28,10 @@ pytestmark = requires_torch
 @pytest.fixture(scope="module")
 def train(shared_spawn):
     # rank 0 of a one-rank job, so that --ranks (the grouped backtrace) finds it in the registry
-    return shared_spawn([TARGETS / "actions_train.py", "--sched", "none", "--step-sleep", "0.02"],
-                        env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
+    return shared_spawn(
+        [TARGETS / "actions_train.py", "--sched", "none", "--step-sleep", "0.02"],
+        env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"},
+    )
 
 
 def session(env, *extra):
@@ -43,6 +45,7 @@ def session(env, *extra):
                     async with ClientSession(read, write) as s:
                         await s.initialize()
                         return await fn(s)
+
         return anyio.run(main)
 
     return run
@@ -64,7 +67,9 @@ def test_read_only_tools_answer_from_the_live_process(train, shared_env):
     async def go(s):
         tools = {t.name: t for t in (await s.list_tools()).tools}
         listed = await s.call_tool("list", {})
-        steps = await s.call_tool("query", {"endpoint": pid, "sql": "SELECT MAX(step) AS s, COUNT(*) AS n FROM torch.steps"})
+        steps = await s.call_tool(
+            "query", {"endpoint": pid, "sql": "SELECT MAX(step) AS s, COUNT(*) AS n FROM torch.steps"}
+        )
         write = await s.call_tool("query", {"endpoint": pid, "sql": "DROP TABLE torch.steps"})
         described = await s.call_tool("describe", {"endpoint": pid, "table": "torch.steps"})
         bt = await s.call_tool("backtrace", {"endpoint": pid, "thread": "MainThread"})
@@ -105,14 +110,18 @@ def test_actions_need_allow_actions_and_are_audited_as_the_agent(train, shared_e
     answers = session(shared_env)(refused)
     assert "profile-steps" in answers  # every action tool, not a hand-kept subset
     for name, r in answers.items():
-        assert r.is_error and text(r) == (f"probe: {name} is not available: it is an action, and this server "
-                                          "was started without --allow-actions."), (name, text(r))
+        assert r.is_error and text(r) == (
+            f"probe: {name} is not available: it is an action, and this server was started without --allow-actions."
+        ), (name, text(r))
 
     async def allowed(s):
         names = {t.name for t in (await s.list_tools()).tools}
         done = await s.call_tool("cleanup", {"endpoint": pid})
         ev = await s.call_tool("eval", {"endpoint": pid, "code": "1"})
-        rows = await s.call_tool("query", {"endpoint": pid, "sql": "SELECT command, state, client FROM probe.actions WHERE command = 'cleanup'"})
+        rows = await s.call_tool(
+            "query",
+            {"endpoint": pid, "sql": "SELECT command, state, client FROM probe.actions WHERE command = 'cleanup'"},
+        )
         return names, done, ev, rows
 
     names, done, ev, rows = session(shared_env, "--allow-actions")(allowed)
@@ -140,8 +149,10 @@ def test_refusals_come_from_the_tool_registries():
 
 
 def test_other_commands_do_not_import_the_mcp_sdk(shared_env):
-    code = ("import sys; from probe.cli.plumbing.main import main; main(['list']); "
-            "print(sorted(m for m in sys.modules if m == 'mcp' or m.startswith(('mcp.', 'mcp_types', 'anyio'))))")
+    code = (
+        "import sys; from probe.cli.plumbing.main import main; main(['list']); "
+        "print(sorted(m for m in sys.modules if m == 'mcp' or m.startswith(('mcp.', 'mcp_types', 'anyio'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=shared_env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
@@ -153,6 +164,7 @@ def test_mcp_refuses_a_target(shared_cli):
 
 
 # -- streamable HTTP: `probe mcp --http` --
+
 
 def start_http(spawner, *extra):
     """Start `probe mcp --http 127.0.0.1:0`; (process, url, token) read from the one line it prints."""
@@ -172,13 +184,18 @@ def http_session(url, token, fn):
                 async with ClientSession(read, write) as s:
                     await s.initialize()
                     return await fn(s)
+
     return anyio.run(main)
 
 
 def post(url, message, **headers):
     """One raw JSON-RPC POST; (status, headers, body text)."""
-    req = urllib.request.Request(url, data=json.dumps(message).encode(), method="POST", headers={
-        "Content-Type": "application/json", "Accept": "application/json, text/event-stream", **headers})
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(message).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "Accept": "application/json, text/event-stream", **headers},
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, r.headers, r.read().decode()
@@ -242,11 +259,27 @@ def test_http_actions_are_audited_as_the_agent_and_need_the_token(train, shared_
 
     before = len(cleanups())
     # a session opened with the token, then a tool call on it without the token: 401, and nothing runs
-    init = post(url, {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}},
-        Authorization=f"Bearer {token}")
+    init = post(
+        url,
+        {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-06-18",
+                "capabilities": {},
+                "clientInfo": {"name": "raw", "version": "0"},
+            },
+        },
+        Authorization=f"Bearer {token}",
+    )
     assert init[0] == 200 and init[1]["mcp-session-id"], init
-    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "cleanup", "arguments": {"endpoint": pid}}}
+    call = {
+        "jsonrpc": "2.0",
+        "id": 2,
+        "method": "tools/call",
+        "params": {"name": "cleanup", "arguments": {"endpoint": pid}},
+    }
     on_session = {"mcp-session-id": init[1]["mcp-session-id"], "mcp-protocol-version": "2025-06-18"}
     assert post(url, call, **on_session)[0] == 401
     assert post(url, call, **on_session, Authorization=f"Bearer {'x' * len(token)}")[0] == 401
@@ -269,15 +302,20 @@ def test_http_actions_are_audited_as_the_agent_and_need_the_token(train, shared_
 
 def test_http_refuses_a_non_loopback_bind_without_expose(shared_cli):
     r = shared_cli("mcp", "--http", "0.0.0.0:0")
-    assert r.returncode != 0 and r.stderr.startswith("probe: --http 0.0.0.0:0: 0.0.0.0 is not a loopback address; add --expose")
+    assert r.returncode != 0 and r.stderr.startswith(
+        "probe: --http 0.0.0.0:0: 0.0.0.0 is not a loopback address; add --expose"
+    )
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("call, expected", [
-    (lambda m: m.parse_address("::1:0"), "write an IPv6 address in brackets"),
-    (lambda m: m.parse_address("127.0.0.1:70000"), "is not [HOST:]PORT with a port from 0 to 65535"),
-    (lambda m: m.http_token("short"), "PROBE_MCP_TOKEN must be at least 16 characters"),
-])
+@pytest.mark.parametrize(
+    "call, expected",
+    [
+        (lambda m: m.parse_address("::1:0"), "write an IPv6 address in brackets"),
+        (lambda m: m.parse_address("127.0.0.1:70000"), "is not [HOST:]PORT with a port from 0 to 65535"),
+        (lambda m: m.http_token("short"), "PROBE_MCP_TOKEN must be at least 16 characters"),
+    ],
+)
 def test_http_refuses_a_bad_address_or_a_weak_token(call, expected):
     import probe.cli.mcp.http as http
     from probe import ProbeError

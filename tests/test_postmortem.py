@@ -44,17 +44,27 @@ def steps_of(record: str) -> np.ndarray:
 
 
 @requires_torch
-@pytest.mark.parametrize("how, cause, words", [
-    ("exception", "exception", ["RuntimeError: loss exploded at step 30", "dies.py"]),
-    ("thread", "interrupted", ["KeyboardInterrupt", "thread data-prefetch died of RuntimeError: CUDA out of memory"]),
-    ("exit", "exit", ["exited normally"]),
-    ("sysexit", "exit", ["exited with code 3 (sys.exit(3))"]),
-])
+@pytest.mark.parametrize(
+    "how, cause, words",
+    [
+        ("exception", "exception", ["RuntimeError: loss exploded at step 30", "dies.py"]),
+        (
+            "thread",
+            "interrupted",
+            ["KeyboardInterrupt", "thread data-prefetch died of RuntimeError: CUDA out of memory"],
+        ),
+        ("exit", "exit", ["exited normally"]),
+        ("sysexit", "exit", ["exited with code 3 (sys.exit(3))"]),
+    ],
+)
 def test_a_death_leaves_a_record(spawn, cli, probe_env, how, cause, words):
     # given / when: a job that dies (or, for a thread, loses a worker) at step 30
     shared = os.path.join(probe_env["PROBE_RUNTIME_DIR"], "registry")
-    job = spawn([TARGETS / "dies.py", "--how", how, "--steps", "30"], ready="ready",
-                env={"PROBE_REGISTRY": shared} if how == "exit" else None)
+    job = spawn(
+        [TARGETS / "dies.py", "--how", how, "--steps", "30"],
+        ready="ready",
+        env={"PROBE_REGISTRY": shared} if how == "exit" else None,
+    )
     if how == "thread":
         job.wait_for("CUDA out of memory")
         job.popen.send_signal(signal.SIGINT)  # then the job is stopped by hand: its record keeps the thread's death
@@ -90,9 +100,14 @@ def test_a_death_leaves_a_record(spawn, cli, probe_env, how, cause, words):
 
 def asked_dead_pid(cli, pid: int, cause: str, words: str, frame: str | None = "<module>") -> None:
     """The read commands on a dead pid answer from its record: same tables, NULLs and types, source column."""
-    q = cli(str(pid), "--format", "json", "query",
-            "SELECT i.source, i.state, i.exit_cause, i.exit_reason, i.rank, max(s.step) AS last, count(*) AS steps, "
-            "typeof(max(s.step)) AS t FROM process.info i, torch.steps s GROUP BY ALL")
+    q = cli(
+        str(pid),
+        "--format",
+        "json",
+        "query",
+        "SELECT i.source, i.state, i.exit_cause, i.exit_reason, i.rank, max(s.step) AS last, count(*) AS steps, "
+        "typeof(max(s.step)) AS t FROM process.info i, torch.steps s GROUP BY ALL",
+    )
     assert q.returncode == 0, q.stderr
     (row,) = json.loads(q.stdout)
     assert row["source"] == "postmortem" and row["state"] == "dead" and row["exit_cause"] == cause, row
@@ -101,7 +116,9 @@ def asked_dead_pid(cli, pid: int, cause: str, words: str, frame: str | None = "<
     bt = cli(str(pid), "backtrace")
     assert bt.returncode == 0 and "post-mortem record" in bt.stdout, bt.stdout + bt.stderr
     main = bt.stdout.split('"MainThread" (main)', 1)[1] if '"MainThread"' in bt.stdout else bt.stdout
-    assert "dies.py" in main and (frame is None or f"#0   {frame} " in main), bt.stdout  # where it died, not probe's hook
+    assert "dies.py" in main and (frame is None or f"#0   {frame} " in main), (
+        bt.stdout
+    )  # where it died, not probe's hook
     d = cli(str(pid), "--format", "json", "doctor")
     assert d.returncode == 8, d.stdout + d.stderr
     died = [f for f in json.loads(d.stdout)["findings"] if f["rule"] == "rank_died"]
@@ -142,8 +159,13 @@ def test_a_native_crash_is_reported_from_the_fatal_signal_dump(spawn, cli):
     row = dead(cli, job.pid)
     assert row["cause"] == "fatal_signal" and "Segmentation fault" in row["what"], row
     asked_dead_pid(cli, job.pid, "fatal_signal", "Segmentation fault", frame="string_at")
-    q = cli(str(job.pid), "--format", "json", "query",
-            "SELECT func FROM python.backtrace WHERE is_main ORDER BY depth LIMIT 2")
+    q = cli(
+        str(job.pid),
+        "--format",
+        "json",
+        "query",
+        "SELECT func FROM python.backtrace WHERE is_main ORDER BY depth LIMIT 2",
+    )
     assert [r["func"] for r in json.loads(q.stdout)] == ["string_at", "<module>"], q.stdout + q.stderr
 
 
@@ -166,11 +188,15 @@ def test_a_killed_rank_is_dead_in_status_and_the_doctor_names_it():
 
     with ddp_job("--survive", direct=True, extra_env={"PROBE_POSTMORTEM_EVERY": "0.3"}) as job:
         rt = job.env["PROBE_RUNTIME_DIR"]
-        assert poll(lambda: os.path.isdir(os.path.join(rt, "postmortem", str(job.pids[1]))), 60), "no snapshot of rank 1"
+        assert poll(lambda: os.path.isdir(os.path.join(rt, "postmortem", str(job.pids[1]))), 60), (
+            "no snapshot of rank 1"
+        )
         # when: rank 1 is killed without warning while the others train with it
         os.kill(job.pids[1], signal.SIGKILL)
         # then: status shows it dead (how, at which step), the culprit the others wait for
-        r, rows = until_status(job, time.monotonic(), lambda rows: states(rows) == {0: "waiting", 1: "dead", 2: "waiting"})
+        r, rows = until_status(
+            job, time.monotonic(), lambda rows: states(rows) == {0: "waiting", 1: "dead", 2: "waiting"}
+        )
         assert r.returncode == 0, r.stderr
         dead_row = rows[1]
         assert dead_row["culprit"] and dead_row["pid"] == job.pids[1] and dead_row["step"] >= 1, dead_row
@@ -186,16 +212,24 @@ def test_a_killed_rank_is_dead_in_status_and_the_doctor_names_it():
         assert "; ranks 0,2 wait for it" in died[0]["message"], d.stdout
         assert not [f for f in json.loads(d.stdout)["findings"] if f["rule"] == "hung_rank"], d.stdout
         # --ranks all query has its rows, and says where they come from
-        q = job.cli("--ranks", "all", "--format", "json", "query",
-                    "SELECT i.rank, i.source, i.state, max(s.step) AS last FROM process.info i JOIN torch.steps s "
-                    "ON s.rank = i.rank GROUP BY ALL ORDER BY i.rank")
+        q = job.cli(
+            "--ranks",
+            "all",
+            "--format",
+            "json",
+            "query",
+            "SELECT i.rank, i.source, i.state, max(s.step) AS last FROM process.info i JOIN torch.steps s "
+            "ON s.rank = i.rank GROUP BY ALL ORDER BY i.rank",
+        )
         assert q.returncode == 0, q.stderr
         got = {row["rank"]: row for row in json.loads(q.stdout)}
         assert [got[r]["source"] for r in (0, 1, 2)] == ["live", "postmortem", "live"], got
         assert got[1]["state"] == "dead" and got[1]["last"] == dead_row["step"], got
         # and --rank 1 reads its record like any rank
         bt = job.cli("--rank", "1", "backtrace")
-        assert bt.returncode == 0 and "post-mortem record" in bt.stdout and "ddp_plain.py" in bt.stdout, bt.stdout + bt.stderr
+        assert bt.returncode == 0 and "post-mortem record" in bt.stdout and "ddp_plain.py" in bt.stdout, (
+            bt.stdout + bt.stderr
+        )
 
 
 def listed_dead(cli) -> list:
@@ -275,8 +309,11 @@ def test_fatal_dumps_are_bounded_with_the_records(spawn, cli, probe_env):
     rt = probe_env["PROBE_RUNTIME_DIR"]
     env = {"PROBE_POSTMORTEM_KEEP": "2", "PROBE_POSTMORTEM_EVERY": "0"}
     # given: a SIGKILLed process (an empty dump) and three native crashes before any record (dumps alone)
-    killed = spawn([sys.executable, "-c", "import probe.auto, os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
-                   env=env, ready=None)
+    killed = spawn(
+        [sys.executable, "-c", "import probe.auto, os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+        env=env,
+        ready=None,
+    )
     assert killed.popen.wait(60) == -signal.SIGKILL
     crashes = []
     for _ in range(3):
@@ -352,8 +389,10 @@ def test_sigterm_is_recorded_with_the_stacks_at_that_moment(spawn, cli, probe_en
 def test_ranks_all_with_only_ended_jobs_says_no_job_is_running(spawn, cli):
     # given: two jobs that ran here and ended (their ranks left records), none running
     for run in ("job-a", "job-b"):
-        job = spawn([TARGETS / "dies.py", "--how", "exit", "--steps", "3"],
-                    env={"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": run})
+        job = spawn(
+            [TARGETS / "dies.py", "--how", "exit", "--steps", "3"],
+            env={"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": run},
+        )
         assert job.popen.wait(60) == 0
     # when: every rank is asked for
     r = cli("--ranks", "all", "status")
@@ -361,23 +400,33 @@ def test_ranks_all_with_only_ended_jobs_says_no_job_is_running(spawn, cli):
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
     assert "no job is running here" in r.stderr and "job-a, job-b" in r.stderr, r.stderr
     # and one ended job's records are still there to read with --job
-    r = cli("--ranks", "all", "--job", "job-a", "query", "SELECT rank, MAX(step) AS step FROM torch.steps GROUP BY rank",
-            "--format", "json")
+    r = cli(
+        "--ranks",
+        "all",
+        "--job",
+        "job-a",
+        "query",
+        "SELECT rank, MAX(step) AS step FROM torch.steps GROUP BY rank",
+        "--format",
+        "json",
+    )
     assert r.returncode == 0 and json.loads(r.stdout) == [{"rank": 0, "step": 3}], r.stdout + r.stderr
 
 
 def test_a_sigterm_handler_the_program_installs_later_keeps_the_signal(spawn):
     # given: a probed program that installs its own SIGTERM handler after the probe started (graceful preemption,
     # as Lightning's and the HF Trainer's do)
-    code = ("import os, signal, sys, time\n"
-            "import probe.auto\n"
-            "stop = []\n"
-            "signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))\n"
-            "print(f'ready pid={os.getpid()}', flush=True)\n"
-            "while not stop:\n"
-            "    time.sleep(0.05)  # ok-sleep: the program idles until its handler runs\n"
-            "print('graceful stop', flush=True)\n"
-            "sys.exit(0)\n")
+    code = (
+        "import os, signal, sys, time\n"
+        "import probe.auto\n"
+        "stop = []\n"
+        "signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))\n"
+        "print(f'ready pid={os.getpid()}', flush=True)\n"
+        "while not stop:\n"
+        "    time.sleep(0.05)  # ok-sleep: the program idles until its handler runs\n"
+        "print('graceful stop', flush=True)\n"
+        "sys.exit(0)\n"
+    )
     job = spawn([sys.executable, "-c", code])
     # when
     os.kill(job.pid, signal.SIGTERM)

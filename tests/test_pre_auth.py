@@ -39,8 +39,10 @@ def _rss_kb(pid: int) -> int:
 
 
 def _train(spawn, **env):
-    return spawn([TARGETS / "actions_train.py", "--sched", "none", "--step-sleep", "0.01"],
-                 env={"PROBE_PORT": "0", "PROBE_TOKEN": "the-right-token-1234", **env})
+    return spawn(
+        [TARGETS / "actions_train.py", "--sched", "none", "--step-sleep", "0.01"],
+        env={"PROBE_PORT": "0", "PROBE_TOKEN": "the-right-token-1234", **env},
+    )
 
 
 def test_trickling_tcp_clients_are_cut_off_and_never_lock_the_owner_out(spawn, cli, probe_env):
@@ -152,8 +154,10 @@ def _heavy_body(timeout: float) -> bytes:
         if t.kind == "client":
             continue
         col = t.columns[0].name
-        tables[t.name] = {"columns": [c.name for c in t.columns],
-                          "filter": {"or": [{"op": "!=", "col": col, "value": i} for i in range(10)]}}
+        tables[t.name] = {
+            "columns": [c.name for c in t.columns],
+            "filter": {"or": [{"op": "!=", "col": col, "value": i} for i in range(10)]},
+        }
         nodes += 11
         if nodes > 230:
             break

@@ -71,9 +71,11 @@ def test_a_table_registered_after_the_schema_was_cached_is_found(ranks, session,
     target = [t for t in session.targets() if t.rank == 1]
     assert federated_query(session, "SELECT count(*) FROM python.threads", targets=target).rows[0][0] >= 2
     # when: the process registers a table after the client cached its schema
-    code = ("import probe\n"
-            "probe.table('test.extra', 'A table added while the process runs.', "
-            "columns=[probe.Column('x', 'BIGINT', 'A number.')])(lambda ctx: {'x': [41, 42]})")
+    code = (
+        "import probe\n"
+        "probe.table('test.extra', 'A table added while the process runs.', "
+        "columns=[probe.Column('x', 'BIGINT', 'A number.')])(lambda ctx: {'x': [41, 42]})"
+    )
     r = shared_cli(ranks[1].pid, "eval", code)
     assert r.returncode == 0, r.stderr
     # then: the next query of the same client sees it, and the one after costs one request again

@@ -29,8 +29,23 @@ def ddp():
     rt = env["PROBE_RUNTIME_DIR"]
     job_env = dict(env, PROBE="1")
     # this interpreter's torchrun: a `torchrun` on PATH may run another installation of probe
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(EXAMPLES / "train_ddp.py"),
-           "--steps", "0", "--step-sleep", "0.02", "--slow-rank", "2", "--slow-sleep", "0.25"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        str(EXAMPLES / "train_ddp.py"),
+        "--steps",
+        "0",
+        "--step-sleep",
+        "0.02",
+        "--slow-rank",
+        "2",
+        "--slow-sleep",
+        "0.25",
+    ]
     job = start(cmd, job_env, ready=None)
     p, lines = job.popen, job.lines
     pids = {}
@@ -81,15 +96,28 @@ def test_backtrace_and_tables_across_ranks(ddp):
 def test_cross_rank_join_and_straggler(ddp):
     env, pids = ddp
     # when: step times of rank 0 and rank 3 side by side
-    joined = poll(lambda: (lambda r: r if r.returncode == 0 and len(json.loads(r.stdout)) >= 3 else None)(run_cli(
-        env, "--ranks", "all", "--format", "json", "query",
-        "SELECT a.step, a.duration AS r0, b.duration AS r3 FROM torch.steps a JOIN torch.steps b "
-        "ON a.step = b.step AND b.rank = 3 WHERE a.rank = 0 ORDER BY a.step DESC LIMIT 3")))
+    joined = poll(
+        lambda: (lambda r: r if r.returncode == 0 and len(json.loads(r.stdout)) >= 3 else None)(
+            run_cli(
+                env,
+                "--ranks",
+                "all",
+                "--format",
+                "json",
+                "query",
+                "SELECT a.step, a.duration AS r0, b.duration AS r3 FROM torch.steps a JOIN torch.steps b "
+                "ON a.step = b.step AND b.rank = 3 WHERE a.rank = 0 ORDER BY a.step DESC LIMIT 3",
+            )
+        )
+    )
     assert joined, "the cross-rank join returned no rows"
     rows = json.loads(joined.stdout)
     assert all(r["r0"] > 0 and r["r3"] > 0 for r in rows)
-    info = json.loads(run_cli(env, "--ranks", "all", "--format", "json", "query",
-                              "SELECT rank, pid FROM process.info ORDER BY rank").stdout)
+    info = json.loads(
+        run_cli(
+            env, "--ranks", "all", "--format", "json", "query", "SELECT rank, pid FROM process.info ORDER BY rank"
+        ).stdout
+    )
     assert {r["rank"]: r["pid"] for r in info} == pids
     # then: status names rank 2 slow (its compute before the step's last collective is longest), the others train
     status = run_cli(env, "--ranks", "all", "--format", "json", "status")
@@ -104,8 +132,11 @@ def test_actions_fan_out(ddp, tmp_path):
     # when: an LR change on every rank, confirmed, at the same step
     lr = run_cli(env, "--ranks", "all", "--yes", "lr", "--scale", "0.5", timeout=90)
     assert lr.returncode == 0, lr.stdout + lr.stderr
-    got = json.loads(run_cli(env, "--ranks", "all", "--format", "json", "query",
-                             "SELECT rank, lr FROM torch.optimizer ORDER BY rank").stdout)
+    got = json.loads(
+        run_cli(
+            env, "--ranks", "all", "--format", "json", "query", "SELECT rank, lr FROM torch.optimizer ORDER BY rank"
+        ).stdout
+    )
     assert len(got) == 4 and len({round(r["lr"], 8) for r in got}) == 1 and got[0]["lr"] == pytest.approx(0.005)
     ev = run_cli(env, "--ranks", "0,3", "--yes", "eval", "import os; os.getpid()", timeout=90)
     assert ev.returncode == 0, ev.stdout + ev.stderr
@@ -123,6 +154,7 @@ def test_stopped_rank_is_hung_and_others_wait(ddp):
     # given: rank 1 frozen
     os.kill(pids[1], signal.SIGSTOP)
     try:
+
         def look():
             r = run_cli(env, "--timeout", "3", "--ranks", "all", "--format", "json", "status", "--hung-after", "1")
             states = {row["rank"]: row for row in json.loads(r.stdout)}
@@ -135,8 +167,17 @@ def test_stopped_rank_is_hung_and_others_wait(ddp):
         r, states = found
         assert r.returncode == PARTIAL
         assert "stopped" in states[1]["top_frame"] and "all_reduce" in states[0]["top_frame"]
-        hung = run_cli(dict(env, PROBE_HUNG_AFTER="1"), "--timeout", "3", "--ranks", "all", "--format", "json",
-                       "query", "SELECT rank, state, in_collective FROM ranks.hung")
+        hung = run_cli(
+            dict(env, PROBE_HUNG_AFTER="1"),
+            "--timeout",
+            "3",
+            "--ranks",
+            "all",
+            "--format",
+            "json",
+            "query",
+            "SELECT rank, state, in_collective FROM ranks.hung",
+        )
         assert hung.returncode == PARTIAL, hung.stderr
         rows = json.loads(hung.stdout)
         assert rows[0] == {"rank": 1, "state": "hung", "in_collective": None}

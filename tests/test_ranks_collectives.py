@@ -68,17 +68,45 @@ def ddp_job(*args, world=3, direct=False, rt=None, extra_env=None, target=TARGET
     its ranks ready (``wait=False``: just started; ``job.ready(world)`` says when they are)."""
     own_rt = rt is None
     rt = rt or tempfile.mkdtemp(prefix="prc-", dir="/tmp")
-    env = {k: v for k, v in clean_env(rt, OMP_NUM_THREADS="1", PROBE_HUNG_AFTER=HUNG_AFTER).items()
-           if not k.startswith("TORCH_FR")}
+    env = {
+        k: v
+        for k, v in clean_env(rt, OMP_NUM_THREADS="1", PROBE_HUNG_AFTER=HUNG_AFTER).items()
+        if not k.startswith("TORCH_FR")
+    }
     env.update(extra_env or {})
     job_env = dict(env, PROBE="1")
     if direct:  # each rank its own process: a dead rank does not take the others down with it
         port = _free_port()
-        cmds = [([sys.executable, target, *args], dict(job_env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                                                       RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world)))
-                for r in range(world)]
+        cmds = [
+            (
+                [sys.executable, target, *args],
+                dict(
+                    job_env,
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port),
+                    RANK=str(r),
+                    LOCAL_RANK=str(r),
+                    WORLD_SIZE=str(world),
+                ),
+            )
+            for r in range(world)
+        ]
     else:
-        cmds = [([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), target, *args], job_env)]
+        cmds = [
+            (
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    "--nproc-per-node",
+                    str(world),
+                    target,
+                    *args,
+                ],
+                job_env,
+            )
+        ]
     job = Job(env, [])
     try:
         for cmd, e in cmds:
@@ -120,8 +148,10 @@ def until_status(job, since: float, predicate, *extra):
         return (r, rows) if rows and predicate(rows) else None
 
     found = poll(look, max(0.0, since + WITHIN - time.monotonic()))
-    assert found, (f"status did not name the rank within {WITHIN} s: {last.get('rows')}\n"
-                   f"{last.get('r').stderr if last.get('r') else ''}\njob output:\n" + "\n".join(job.lines[-20:]))
+    assert found, (
+        f"status did not name the rank within {WITHIN} s: {last.get('rows')}\n"
+        f"{last.get('r').stderr if last.get('r') else ''}\njob output:\n" + "\n".join(job.lines[-20:])
+    )
     return found
 
 
@@ -149,15 +179,21 @@ def test_slow_rank_is_the_straggler_by_its_compute_time():
         coll = view(job, "SELECT rank, role, mismatch FROM ranks.collectives")
         assert {c["role"] for c in coll} == {"ok"} and all(c["mismatch"] is None for c in coll)
         # the recorder's rows: DDP's gradient all_reduce, issued from the loop's backward call, one seq per step
-        recorded = view(job, "SELECT op, input_dtypes, state, call_site, count(*) AS n, count(DISTINCT step) AS steps, "
-                             "max(seq) - min(seq) + 1 AS span FROM torch.collectives WHERE rank = 0 AND step IS NOT NULL "
-                             "GROUP BY ALL ORDER BY n DESC")
+        recorded = view(
+            job,
+            "SELECT op, input_dtypes, state, call_site, count(*) AS n, count(DISTINCT step) AS steps, "
+            "max(seq) - min(seq) + 1 AS span FROM torch.collectives WHERE rank = 0 AND step IS NOT NULL "
+            "GROUP BY ALL ORDER BY n DESC",
+        )
         assert len(recorded) >= 1 and recorded[0]["op"] == "all_reduce" and recorded[0]["input_dtypes"] == "[Float]"
         assert "main (ddp_plain.py:" in recorded[0]["call_site"] and recorded[0]["n"] >= recorded[0]["steps"] > 5
         groups = view(job, "SELECT rank, pg_desc, ranks, last_enqueued FROM torch.process_groups ORDER BY rank")
         assert [g["ranks"] for g in groups] == ["[0, 1, 2]"] * 3 and groups[0]["pg_desc"] == "default_pg"
-        steps = view(job, "SELECT rank, median(compute) AS compute, median(comm_wait) AS wait FROM torch.steps "
-                          "WHERE compute IS NOT NULL GROUP BY rank ORDER BY rank")
+        steps = view(
+            job,
+            "SELECT rank, median(compute) AS compute, median(comm_wait) AS wait FROM torch.steps "
+            "WHERE compute IS NOT NULL GROUP BY rank ORDER BY rank",
+        )
         assert steps[2]["compute"] > 1.5 * steps[0]["compute"] and steps[0]["wait"] > steps[2]["wait"]
 
 
@@ -179,18 +215,23 @@ def test_extra_all_reduce_on_one_rank_is_a_collective_mismatch():
 def test_two_jobs_on_one_host_are_never_mixed():
     rt = tempfile.mkdtemp(prefix="prj-", dir="/tmp")
     try:
-        with ddp_job(world=2, rt=rt, wait=False) as first, \
-                ddp_job("--slow-rank", "1", "--slow-compute", "0.15", world=2, rt=rt, wait=False) as second:
+        with (
+            ddp_job(world=2, rt=rt, wait=False) as first,
+            ddp_job("--slow-rank", "1", "--slow-compute", "0.15", world=2, rt=rt, wait=False) as second,
+        ):
             # (both jobs start at once: one start-up's wait, not two)
             assert poll(lambda: first.ready(2) & second.ready(2), 120), "ranks did not get ready:\n" + "\n".join(
-                first.lines + second.lines)
+                first.lines + second.lines
+            )
             since = time.monotonic()
             listed = json.loads(first.cli("list", "--json").stdout)
             jobs = {}
             for row in listed:
                 jobs.setdefault(row["job"], set()).add(row["pid"])
             # then: list groups each job's ranks under its own id
-            assert sorted(map(sorted, jobs.values())) == sorted([sorted(first.pids.values()), sorted(second.pids.values())])
+            assert sorted(map(sorted, jobs.values())) == sorted(
+                [sorted(first.pids.values()), sorted(second.pids.values())]
+            )
             assert [r["job"] for r in listed] == sorted(r["job"] for r in listed)
             # --ranks without --job: one sentence, non-zero exit, no mixed answer
             mixed = first.cli("--ranks", "all", "status")
@@ -201,7 +242,9 @@ def test_two_jobs_on_one_host_are_never_mixed():
             assert r.returncode == 0, r.stderr
             assert {k: v["pid"] for k, v in rows.items()} == second.pids
             # and each job's views speak of its own ranks only: the second job's slow rank is named there, never in the first
-            r, rows = until_status(second, since, lambda rows: states(rows) == {0: "training", 1: "slow"}, "--job", second_id)
+            r, rows = until_status(
+                second, since, lambda rows: states(rows) == {0: "training", 1: "slow"}, "--job", second_id
+            )
             assert {k: v["pid"] for k, v in rows.items()} == second.pids
             assert [s["rank"] for s in view(second, "SELECT rank FROM ranks.stragglers", "--job", second_id)] == [1]
             first_id = next(j for j in jobs if j != second_id)

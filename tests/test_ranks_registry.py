@@ -8,7 +8,6 @@ it would reach another node: through the shared registry, over TCP, with the job
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import stat
 import tempfile
@@ -31,9 +30,17 @@ def test_ranks_found_through_the_shared_registry_over_tcp(spawn, cli, dirs):
     # given: two ranks on two "nodes" writing to one shared registry
     procs = {}
     for rank, node in ((0, "a"), (1, "b")):
-        procs[rank] = spawn(TARGETS / "idle.py", env={
-            "PROBE_RUNTIME_DIR": dirs[node], "PROBE_REGISTRY": dirs["shared"], "PROBE_HOST": "127.0.0.1",
-            "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+        procs[rank] = spawn(
+            TARGETS / "idle.py",
+            env={
+                "PROBE_RUNTIME_DIR": dirs[node],
+                "PROBE_REGISTRY": dirs["shared"],
+                "PROBE_HOST": "127.0.0.1",
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": "0",
+            },
+        )
     for node in ("a", "b"):
         for sock in Path(dirs[node]).glob("*.sock"):
             sock.unlink()  # from the CLI's point of view these ranks are on other hosts
@@ -45,7 +52,9 @@ def test_ranks_found_through_the_shared_registry_over_tcp(spawn, cli, dirs):
 
     # when: the CLI, with a runtime directory of its own, asks every rank
     env = {"PROBE_RUNTIME_DIR": dirs["cli"], "PROBE_REGISTRY": dirs["shared"]}
-    r = cli("--ranks", "all", "query", "SELECT rank, pid, world_size FROM process.info ORDER BY rank", "-f", "json", env=env)
+    r = cli(
+        "--ranks", "all", "query", "SELECT rank, pid, world_size FROM process.info ORDER BY rank", "-f", "json", env=env
+    )
 
     # then: both ranks answer over TCP with the job's token
     assert r.returncode == 0, r.stderr
@@ -72,8 +81,13 @@ def _listening(pid: int, port: int) -> set[str]:
 
 def test_a_rank_in_a_shared_registry_binds_loopback_unless_probe_host_opens_it(spawn, dirs):
     # given: a rank that writes to a shared registry, with PROBE_HOST unset
-    env = {"PROBE_RUNTIME_DIR": dirs["a"], "PROBE_REGISTRY": dirs["shared"], "RANK": "0", "WORLD_SIZE": "1",
-           "PROBE_HOST": ""}  # blank is unset (and overrides one exported where the tests run)
+    env = {
+        "PROBE_RUNTIME_DIR": dirs["a"],
+        "PROBE_REGISTRY": dirs["shared"],
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "PROBE_HOST": "",
+    }  # blank is unset (and overrides one exported where the tests run)
     proc = spawn(TARGETS / "idle.py", env=env)
 
     # then: its TCP listener is on 127.0.0.1, as PROBE_HOST's declared default says, and its entry says so
@@ -84,14 +98,25 @@ def test_a_rank_in_a_shared_registry_binds_loopback_unless_probe_host_opens_it(s
 
 def test_a_loopback_rank_on_another_node_gets_a_sentence_not_a_connection(cli, dirs):
     # given: a shared registry naming a rank on another node that listens on its loopback only
-    fake = {"pid": 4242, "rank": 0, "world_size": 1, "job": "j", "host": "node-elsewhere", "tcp_host": "127.0.0.1",
-            "tcp_port": 1, "started_at": 1.0, "shared": True}
+    fake = {
+        "pid": 4242,
+        "rank": 0,
+        "world_size": 1,
+        "job": "j",
+        "host": "node-elsewhere",
+        "tcp_host": "127.0.0.1",
+        "tcp_port": 1,
+        "started_at": 1.0,
+        "shared": True,
+    }
     entry = Path(dirs["shared"]) / "node-elsewhere-4242.json"
     entry.write_text(json.dumps(fake))
     entry.chmod(0o600)
 
     # when: the CLI asks that rank
-    r = cli("--rank", "0", "query", "SELECT 1", env={"PROBE_RUNTIME_DIR": dirs["cli"], "PROBE_REGISTRY": dirs["shared"]})
+    r = cli(
+        "--rank", "0", "query", "SELECT 1", env={"PROBE_RUNTIME_DIR": dirs["cli"], "PROBE_REGISTRY": dirs["shared"]}
+    )
 
     # then: one sentence that names the fix, no traceback, no connection to this host's port 1
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr

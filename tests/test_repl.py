@@ -7,7 +7,6 @@ substrings that a redraw prints whole (result rows, messages), never for screens
 from __future__ import annotations
 
 import os
-import sys
 import termios
 import time
 
@@ -32,8 +31,15 @@ def repl(probe_env, tmp_path):
         env = dict(probe_env, TERM="xterm", XDG_STATE_HOME=str(tmp_path / "state"), COLUMNS="160", LINES="40")
         if not cpr:
             env["PROMPT_TOOLKIT_NO_CPR"] = "1"
-        child = pexpect.spawn(PROBE_BIN, [*extra, str(pid)], env=env, dimensions=(40, 160), encoding="utf-8",
-                              timeout=20, cwd=str(tmp_path))
+        child = pexpect.spawn(
+            PROBE_BIN,
+            [*extra, str(pid)],
+            env=env,
+            dimensions=(40, 160),
+            encoding="utf-8",
+            timeout=20,
+            cwd=str(tmp_path),
+        )
         child.logfile_read = open(tmp_path / "pty.log", "w")
         children.append(child)
         child.expect("probe SQL on")
@@ -128,8 +134,9 @@ def _wait_until_grinding(child, cpu_s: float = 0.7, timeout: float = 8.0) -> Non
     """Wait until the REPL runs the statement: its terminal is out of prompt-toolkit's raw mode (so
     Ctrl-C is a SIGINT, not a keystroke read later) and it has burnt ``cpu_s`` of CPU since (far
     more than planning costs: DuckDB is grinding). CPU time, not wall time, so load cannot fool it."""
-    assert poll(lambda: termios.tcgetattr(child.child_fd)[3] & termios.ISIG, timeout, interval=0.02), \
+    assert poll(lambda: termios.tcgetattr(child.child_fd)[3] & termios.ISIG, timeout, interval=0.02), (
         "the REPL never left its prompt"
+    )
     start = _cpu_s(child.pid)
     assert poll(lambda: _cpu_s(child.pid) - start >= cpu_s, timeout, interval=0.02), "the REPL never started the query"
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ ACTIONS = TARGETS / "actions_train.py"
 
 
 # -- item 1: probe never runs a file the target's owner controls ------------------------------------------
+
 
 def _swap_for_script(path: Path, marker: Path) -> None:
     """What the target's owner can do after start: put a script where the running binary was."""
@@ -67,6 +67,7 @@ def test_a_static_python_without_version_in_its_name_is_recognised_from_its_symb
 
 # -- item 2: a learning rate no step could use (or that cannot train) is refused before anything is queued --
 
+
 def _last_step(proc) -> int:
     steps = [int(l.split()[1]) for l in proc.lines if l.startswith("step ")]
     return steps[-1] if steps else 0
@@ -88,21 +89,25 @@ def _audit(env) -> list:
 
 
 @requires_torch
-@pytest.mark.parametrize("optim, dtype, argv, words", [
-    ("Adam", "float32", ["--set", "1e39"], "would overflow its float32 parameters"),
-    ("Adam", "float32", ["--set", "1e39", "--force"], "would overflow its float32 parameters"),
-    ("SGD", "float32", ["--scale", "1e308"], "would overflow its float32 parameters"),
-    ("SGD", "float32", ["--scale", "1e308", "--force"], "would overflow its float32 parameters"),
-    ("Adam", "float16", ["--set", "100", "--force"], "would overflow its float16 parameters"),
-    ("SGD", "float32", ["--set", "nan"], "must be a finite number"),
-    ("SGD", "float32", ["--scale", "inf"], "must be a finite number"),
-    ("SGD", "float32", ["--set", "0"], "give --allow-zero"),
-    ("SGD", "float32", ["--scale", "0"], "give --allow-zero"),
-    ("SGD", "float32", ["--set", "-0.1"], "must not be negative"),
-    ("SGD", "float32", ["--set", "5"], "give --force if you mean it"),
-])
-def test_a_rate_that_would_kill_or_stall_the_job_is_refused_and_nothing_is_queued(spawn, cli, probe_env, optim,
-                                                                                   dtype, argv, words):
+@pytest.mark.parametrize(
+    "optim, dtype, argv, words",
+    [
+        ("Adam", "float32", ["--set", "1e39"], "would overflow its float32 parameters"),
+        ("Adam", "float32", ["--set", "1e39", "--force"], "would overflow its float32 parameters"),
+        ("SGD", "float32", ["--scale", "1e308"], "would overflow its float32 parameters"),
+        ("SGD", "float32", ["--scale", "1e308", "--force"], "would overflow its float32 parameters"),
+        ("Adam", "float16", ["--set", "100", "--force"], "would overflow its float16 parameters"),
+        ("SGD", "float32", ["--set", "nan"], "must be a finite number"),
+        ("SGD", "float32", ["--scale", "inf"], "must be a finite number"),
+        ("SGD", "float32", ["--set", "0"], "give --allow-zero"),
+        ("SGD", "float32", ["--scale", "0"], "give --allow-zero"),
+        ("SGD", "float32", ["--set", "-0.1"], "must not be negative"),
+        ("SGD", "float32", ["--set", "5"], "give --force if you mean it"),
+    ],
+)
+def test_a_rate_that_would_kill_or_stall_the_job_is_refused_and_nothing_is_queued(
+    spawn, cli, probe_env, optim, dtype, argv, words
+):
     # given a training job (no scheduler: the rate stays 0.05)
     p = spawn([ACTIONS, "--sched", "none", "--optim", optim, "--dtype", dtype, "--step-sleep", "0.05"])
     # when the CLI asks for the rate
@@ -135,8 +140,13 @@ def test_the_http_route_refuses_the_same_rates(spawn, cli, probe_env):
         sock = json.load(f)["socket"]
     from test_hardening import _post
 
-    for body, words in (({"set": 1e39, "force": True}, "would overflow"), ({"scale": 1e308}, "would overflow"),
-                        ({"set": 0.0}, "--allow-zero"), ({"set": 1.0}, "--force"), ({"set": "NaN"}, "finite")):
+    for body, words in (
+        ({"set": 1e39, "force": True}, "would overflow"),
+        ({"scale": 1e308}, "would overflow"),
+        ({"set": 0.0}, "--allow-zero"),
+        ({"set": 1.0}, "--force"),
+        ({"set": "NaN"}, "finite"),
+    ):
         status, doc = _post(sock, "/actions/lr", json.dumps(body).encode())
         assert 400 <= status < 500 and words in json.dumps(doc), (body, status, doc)
     assert _lr_actions(cli, p.pid) == []
@@ -144,6 +154,7 @@ def test_the_http_route_refuses_the_same_rates(spawn, cli, probe_env):
 
 
 # -- item 3: a shared registry is used only when no one else could have written it --------------------------
+
 
 def _other_uid() -> int:
     """A uid no account uses: the other local user (root can become any uid without an account)."""
@@ -158,8 +169,14 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as 
 
 def _as_other(uid: int, script: str) -> None:
     """Run a shell ``script`` as the other local user."""
-    subprocess.run(["/bin/sh", "-c", script], check=True, preexec_fn=lambda: (os.setgid(uid), os.setuid(uid)),
-                   env={"PATH": "/usr/bin:/bin"}, cwd="/", timeout=60)
+    subprocess.run(
+        ["/bin/sh", "-c", script],
+        check=True,
+        preexec_fn=lambda: (os.setgid(uid), os.setuid(uid)),
+        env={"PATH": "/usr/bin:/bin"},
+        cwd="/",
+        timeout=60,
+    )
 
 
 @pytest.fixture
@@ -194,16 +211,19 @@ def test_a_registry_another_user_prepared_is_refused_and_the_job_trains_on(spawn
     uid = _other_uid()
     reg = _planted_registry(open_tmp, uid)
     # when a job starts with PROBE_REGISTRY pointing there
-    p = spawn([ACTIONS, "--sched", "none", "--step-sleep", "0.05"], env={"PROBE_REGISTRY": str(reg), "RANK": "0",
-                                                                         "WORLD_SIZE": "1"})
+    p = spawn(
+        [ACTIONS, "--sched", "none", "--step-sleep", "0.05"],
+        env={"PROBE_REGISTRY": str(reg), "RANK": "0", "WORLD_SIZE": "1"},
+    )
     # then it says why once, writes nothing there, listens on no TCP port with the planted token, and trains on
     said = [l for l in p.lines if "shared registry" in l]
     assert len(said) == 1 and "belongs to another user" in said[0] and "goes on without" in said[0], p.output()
     assert sorted(os.listdir(reg)) == ["token"]
     entry = json.loads(Path(probe_env["PROBE_RUNTIME_DIR"], f"{p.pid}.json").read_text())
     assert entry.get("tcp_port") is None and entry.get("token") != "planted-token", entry
-    assert any("shared registry" in e["source"] and "belongs to another user" in e["message"]
-               for e in _errors(cli, p.pid))
+    assert any(
+        "shared registry" in e["source"] and "belongs to another user" in e["message"] for e in _errors(cli, p.pid)
+    )
     assert _steps_on(p, _last_step(p))
 
 
@@ -260,8 +280,17 @@ def test_the_cli_never_sends_its_token_to_a_planted_entry_nor_lists_it(cli, tmp_
     # given a registry another user can write (theirs, or ours with their entry in it) naming their listener
     uid = _other_uid()
     listener = _Listener()
-    fake = {"pid": 4242, "rank": 0, "world_size": 1, "job": "j", "host": "node-x", "tcp_host": "127.0.0.1",
-            "tcp_port": listener.port, "started_at": 1.0, "shared": True}
+    fake = {
+        "pid": 4242,
+        "rank": 0,
+        "world_size": 1,
+        "job": "j",
+        "host": "node-x",
+        "tcp_host": "127.0.0.1",
+        "tcp_port": listener.port,
+        "started_at": 1.0,
+        "shared": True,
+    }
     theirs = _planted_registry(open_tmp, uid)
     _as_other(uid, f"printf '%s' '{json.dumps(fake)}' > '{theirs}/node-x-4242.json'")
     ours = tmp_path / "ours"
@@ -315,8 +344,16 @@ def test_crafted_post_mortem_records_cannot_crash_or_bloat_probe_list_dead(cli, 
     reg = tmp_path / "registry"
     reg.mkdir(mode=0o700)
     (reg / "postmortem").mkdir(mode=0o700)
-    good = {"pid": 11, "cause": "exception", "time": 1.7e9, "host": "node-x", "rank": 0, "job": "j",
-            "exception": {"type": "RuntimeError", "message": "boom", "traceback": ""}, "tables": ["torch.steps"]}
+    good = {
+        "pid": 11,
+        "cause": "exception",
+        "time": 1.7e9,
+        "host": "node-x",
+        "rank": 0,
+        "job": "j",
+        "exception": {"type": "RuntimeError", "message": "boom", "traceback": ""},
+        "tables": ["torch.steps"],
+    }
     _record(reg, "node-x-11", dict(good))
     _record(reg, "node-x-12", dict(good, pid="12"))  # wrong type
     _record(reg, "node-x-13", {k: v for k, v in good.items() if k != "cause"})  # missing key
@@ -328,12 +365,19 @@ def test_crafted_post_mortem_records_cannot_crash_or_bloat_probe_list_dead(cli, 
     _record(reg, "node-x-17", dict(good, pid=17), npz=bomb)
     # when the CLI lists the dead (its peak memory measured from the kernel's accounting of that one child)
     env = clean_env(str(tmp_path / "rt"), PROBE_REGISTRY=str(reg))
-    wrapper = ("import resource, subprocess, sys\n"
-               "r = subprocess.run(sys.argv[1:])\n"
-               "print('maxrss_kib=%d' % resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
-               "sys.exit(r.returncode)\n")
-    proc = subprocess.run([sys.executable, "-c", wrapper, PROBE_BIN_PATH, "list", "--dead", "--json"], capture_output=True,
-                          env=env, text=True, timeout=120)
+    wrapper = (
+        "import resource, subprocess, sys\n"
+        "r = subprocess.run(sys.argv[1:])\n"
+        "print('maxrss_kib=%d' % resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
+        "sys.exit(r.returncode)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", wrapper, PROBE_BIN_PATH, "list", "--dead", "--json"],
+        capture_output=True,
+        env=env,
+        text=True,
+        timeout=120,
+    )
     out, err = proc.stdout, proc.stderr
     peak_kib = int(err.rpartition("maxrss_kib=")[2])
     # then it lists the sane records, skips the crafted ones, and never holds the bomb in memory
@@ -346,6 +390,7 @@ def test_crafted_post_mortem_records_cannot_crash_or_bloat_probe_list_dead(cli, 
 
 # -- item 8: a checkpoint path that is not text, and inject into another user's process ---------------------
 
+
 @requires_torch
 def test_a_checkpoint_path_that_is_not_text_gets_a_sentence_and_an_audit_line(spawn, cli, probe_env, tmp_path):
     p = spawn([ACTIONS, "--sched", "none", "--step-sleep", "0.05"])
@@ -357,8 +402,13 @@ def test_a_checkpoint_path_that_is_not_text_gets_a_sentence_and_an_audit_line(sp
     status, doc = _post(sock, "/actions/checkpoint", json.dumps({"path": str(tmp_path / "a\ud800.pt")}).encode())
     assert 400 <= status < 500 and "not UTF-8 text at position" in doc.get("error", ""), (status, doc)
     # a byte the shell passes undecoded (the CLI sees it as \udcff)
-    r = subprocess.run([os.fsencode(PROBE_BIN_PATH), str(p.pid).encode(), b"checkpoint", os.fsencode(str(tmp_path)) + b"/b\xff.pt"],
-                       capture_output=True, text=True, env=probe_env, timeout=60)
+    r = subprocess.run(
+        [os.fsencode(PROBE_BIN_PATH), str(p.pid).encode(), b"checkpoint", os.fsencode(str(tmp_path)) + b"/b\xff.pt"],
+        capture_output=True,
+        text=True,
+        env=probe_env,
+        timeout=60,
+    )
     assert r.returncode != 0 and "not UTF-8 text" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert os.listdir(tmp_path) == []
@@ -372,14 +422,22 @@ def test_a_checkpoint_path_that_is_not_text_gets_a_sentence_and_an_audit_line(sp
 def test_root_inject_into_another_users_python_says_why_at_once(cli):
     uid = _other_uid()
     code = "import time\ndef waiting():\n    time.sleep(300)\nprint('ready', flush=True)\nwaiting()\n"
-    target = subprocess.Popen(["/usr/bin/python3.11", "-c", code], stdout=subprocess.PIPE, text=True, cwd="/",
-                              env={"PATH": "/usr/bin:/bin"}, start_new_session=True,
-                              preexec_fn=lambda: (os.setgid(uid), os.setuid(uid)))
+    target = subprocess.Popen(
+        ["/usr/bin/python3.11", "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin"},
+        start_new_session=True,
+        preexec_fn=lambda: (os.setgid(uid), os.setuid(uid)),
+    )
     try:
         assert target.stdout.readline().strip() == "ready"
         r = cli("inject", target.pid)
         assert r.returncode == 12, r.stdout + r.stderr
-        assert f"belongs to uid {uid}" in r.stderr and f"sudo -u '#{uid}' probe inject {target.pid}" in r.stderr, r.stderr
+        assert f"belongs to uid {uid}" in r.stderr and f"sudo -u '#{uid}' probe inject {target.pid}" in r.stderr, (
+            r.stderr
+        )
         assert "bytecode boundary" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert target.poll() is None
     finally:

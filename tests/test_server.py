@@ -63,11 +63,18 @@ def test_formats_table_json_csv(idle, shared_cli):
 
 
 def test_process_info_and_env_redaction(spawn, cli):
-    proc = spawn(TARGETS / "idle.py", env={"MY_API_TOKEN": "hunter2", "HARMLESS": "visible", "RANK": "3", "WORLD_SIZE": "8"})
-    info = json.loads(cli(proc.pid, "query", "SELECT pid, rank, world_size, rss_bytes, torch FROM process.info", "-f", "json").stdout)[0]
+    proc = spawn(
+        TARGETS / "idle.py", env={"MY_API_TOKEN": "hunter2", "HARMLESS": "visible", "RANK": "3", "WORLD_SIZE": "8"}
+    )
+    info = json.loads(
+        cli(proc.pid, "query", "SELECT pid, rank, world_size, rss_bytes, torch FROM process.info", "-f", "json").stdout
+    )[0]
     assert info["pid"] == proc.pid and info["rank"] == 3 and info["world_size"] == 8
     assert info["rss_bytes"] > 1_000_000 and info["torch"] is None
-    env = dict((r["name"], r["value"]) for r in json.loads(cli(proc.pid, "query", "SELECT name, value FROM process.env", "-f", "json").stdout))
+    env = dict(
+        (r["name"], r["value"])
+        for r in json.loads(cli(proc.pid, "query", "SELECT name, value FROM process.env", "-f", "json").stdout)
+    )
     assert env["MY_API_TOKEN"] == "<redacted>" and env["HARMLESS"] == "visible"
     assert "hunter2" not in cli(proc.pid, "query", "SELECT * FROM process.env").stdout
 
@@ -78,22 +85,25 @@ def test_plain_process_without_torch(idle, shared_cli):
     assert json.loads(r.stdout)[0]["n"] >= 3
 
 
-@pytest.mark.parametrize("sql, fragment", [
-    ("DROP TABLE python.threads", "only read queries"),
-    ("COPY (SELECT 1) TO '/tmp/probe-copy.csv'", "only read queries"),
-    ("ATTACH '/tmp/x.db'", "only read queries"),
-    ("INSTALL httpfs", "only read queries"),
-    ("LOAD httpfs", "only read queries"),
-    ("PRAGMA threads=8", "only read queries"),
-    ("SET memory_limit='100GB'", "only read queries"),
-    ("SELECT * FROM read_csv('/etc/passwd')", "not allowed"),
-    ("SELECT * FROM read_parquet('x.parquet')", "not allowed"),
-    ("SELECT * FROM read_text('/etc/passwd')", "not allowed"),
-    ("SELECT * FROM glob('/*')", "not allowed"),
-    ("SELECT 1; SELECT 2", "one statement"),
-    ("SELECT * FROM python.nope", "known tables"),
-    ("SELECT func FROM python.backtrace WHERE", "syntax error"),
-])
+@pytest.mark.parametrize(
+    "sql, fragment",
+    [
+        ("DROP TABLE python.threads", "only read queries"),
+        ("COPY (SELECT 1) TO '/tmp/probe-copy.csv'", "only read queries"),
+        ("ATTACH '/tmp/x.db'", "only read queries"),
+        ("INSTALL httpfs", "only read queries"),
+        ("LOAD httpfs", "only read queries"),
+        ("PRAGMA threads=8", "only read queries"),
+        ("SET memory_limit='100GB'", "only read queries"),
+        ("SELECT * FROM read_csv('/etc/passwd')", "not allowed"),
+        ("SELECT * FROM read_parquet('x.parquet')", "not allowed"),
+        ("SELECT * FROM read_text('/etc/passwd')", "not allowed"),
+        ("SELECT * FROM glob('/*')", "not allowed"),
+        ("SELECT 1; SELECT 2", "one statement"),
+        ("SELECT * FROM python.nope", "known tables"),
+        ("SELECT func FROM python.backtrace WHERE", "syntax error"),
+    ],
+)
 def test_refused_sql_leaves_the_process_unharmed(idle, shared_cli, sql, fragment):
     r = shared_cli(idle.pid, "query", sql)
     assert r.returncode == 2
@@ -118,7 +128,15 @@ def test_row_cap_and_raise(idle, shared_cli):
 
 def test_tables_and_describe(idle, shared_cli):
     r = shared_cli(idle.pid, "tables")
-    for name in ("python.backtrace", "python.threads", "process.info", "process.env", "probe.tables", "probe.columns", "probe.errors"):
+    for name in (
+        "python.backtrace",
+        "python.threads",
+        "process.info",
+        "process.env",
+        "probe.tables",
+        "probe.columns",
+        "probe.errors",
+    ):
         assert name in r.stdout
     d = shared_cli(idle.pid, "describe", "python.backtrace")
     assert "depth" in d.stdout and "innermost" in d.stdout
@@ -159,23 +177,34 @@ def test_import_probe_has_no_side_effects(probe_env):
 
 def test_cli_does_not_import_torch(probe_env):
     code = "import sys; from probe.cli import main; from probe.cli.commands import load_all; load_all(); print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=probe_env).stdout.strip() == "False"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=probe_env).stdout.strip()
+        == "False"
+    )
 
 
 def test_python_dash_m_probe(idle, shared_env):
-    r = subprocess.run([sys.executable, "-m", "probe", str(idle.pid), "query", "SELECT 42 AS answer", "-f", "csv"],
-                       capture_output=True, text=True, env=shared_env, cwd=shared_env["PROBE_RUNTIME_DIR"])
+    r = subprocess.run(
+        [sys.executable, "-m", "probe", str(idle.pid), "query", "SELECT 42 AS answer", "-f", "csv"],
+        capture_output=True,
+        text=True,
+        env=shared_env,
+        cwd=shared_env["PROBE_RUNTIME_DIR"],
+    )
     assert r.stdout.splitlines() == ["answer", "42"], r.stderr
 
 
-@pytest.mark.parametrize("args, fragment, code", [
-    (["999999", "backtrace"], "no process with pid 999999", 3),
-    (["nonsense-endpoint", "backtrace"], "unknown command", 1),
-    (["127.0.0.1:1", "query", "SELECT 1"], "needs a token", 4),
-    (["/tmp/no-such-probe.sock", "tables"], "no socket at", 3),
-    (["query", "SELECT 1"], "needs a process", 1),
-    (["frobnicate"], "unknown command", 1),
-])
+@pytest.mark.parametrize(
+    "args, fragment, code",
+    [
+        (["999999", "backtrace"], "no process with pid 999999", 3),
+        (["nonsense-endpoint", "backtrace"], "unknown command", 1),
+        (["127.0.0.1:1", "query", "SELECT 1"], "needs a token", 4),
+        (["/tmp/no-such-probe.sock", "tables"], "no socket at", 3),
+        (["query", "SELECT 1"], "needs a process", 1),
+        (["frobnicate"], "unknown command", 1),
+    ],
+)
 def test_bad_input_is_one_sentence_and_nonzero(cli, args, fragment, code):
     r = cli(*args)
     assert r.returncode == code, (r.returncode, r.stderr)
@@ -189,6 +218,7 @@ def test_pid_without_probe(spawn, cli):
 
 
 # --- TCP and token -------------------------------------------------------------------------
+
 
 @pytest.fixture
 def tcp_target(spawn):
@@ -206,15 +236,30 @@ def test_tcp_requires_the_token(tcp_target, cli, probe_env):
     port = _tcp_port(cli, tcp_target.pid)
     env = {k: v for k, v in probe_env.items()}
     env["PROBE_RUNTIME_DIR"] = "/tmp/probe-test-empty-registry"  # the CLI must not find the token locally
-    missing = subprocess.run([PROBE_BIN, f"127.0.0.1:{port}", "query", "SELECT 1"], capture_output=True, text=True, env=env)
+    missing = subprocess.run(
+        [PROBE_BIN, f"127.0.0.1:{port}", "query", "SELECT 1"], capture_output=True, text=True, env=env
+    )
     assert missing.returncode == 4 and "token" in missing.stderr
-    wrong = subprocess.run([PROBE_BIN, "--token", "nope", f"127.0.0.1:{port}", "query", "SELECT 1"], capture_output=True, text=True, env=env)
+    wrong = subprocess.run(
+        [PROBE_BIN, "--token", "nope", f"127.0.0.1:{port}", "query", "SELECT 1"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert wrong.returncode == 4 and "wrong token" in wrong.stderr
-    right = subprocess.run([PROBE_BIN, "--token", "s3cret-token", f"127.0.0.1:{port}", "query", "SELECT 7 AS x", "-f", "csv"],
-                           capture_output=True, text=True, env=env)
+    right = subprocess.run(
+        [PROBE_BIN, "--token", "s3cret-token", f"127.0.0.1:{port}", "query", "SELECT 7 AS x", "-f", "csv"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert right.stdout.splitlines() == ["x", "7"], right.stderr
-    via_env = subprocess.run([PROBE_BIN, "-t", f"127.0.0.1:{port}", "backtrace"], capture_output=True, text=True,
-                             env=dict(env, PROBE_TOKEN="s3cret-token"))
+    via_env = subprocess.run(
+        [PROBE_BIN, "-t", f"127.0.0.1:{port}", "backtrace"],
+        capture_output=True,
+        text=True,
+        env=dict(env, PROBE_TOKEN="s3cret-token"),
+    )
     assert via_env.returncode == 0 and "MainThread" in via_env.stdout
 
 
@@ -248,6 +293,7 @@ def test_generated_token_lives_in_a_private_registry_entry(spawn, cli, probe_env
 
 # --- robustness ---------------------------------------------------------------------------
 
+
 def test_client_that_disconnects_mid_response(idle, shared_cli, shared_env):
     sock_path = str(Path(shared_env["PROBE_RUNTIME_DIR"]) / f"{idle.pid}.sock")
     body = json.dumps({"tables": {"python.backtrace": {}, "process.env": {}, "probe.columns": {}}}).encode()
@@ -259,7 +305,7 @@ def test_client_that_disconnects_mid_response(idle, shared_cli, shared_env):
         s.close()  # and we leave
     half = socket.socket(socket.AF_UNIX)
     half.connect(sock_path)
-    half.sendall(b"POST /snapshot HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"tables\"")  # never finishes
+    half.sendall(b'POST /snapshot HTTP/1.1\r\nContent-Length: 100\r\n\r\n{"tables"')  # never finishes
     half.close()
     assert idle.popen.poll() is None
     r = shared_cli(idle.pid, "query", "SELECT COUNT(*) AS n FROM python.threads", "-f", "csv")
@@ -270,8 +316,20 @@ def test_twenty_concurrent_clients(idle, shared_env):
     results = [None] * 20
 
     def run(i):
-        results[i] = subprocess.run([PROBE_BIN, str(idle.pid), "query", f"SELECT {i} AS i, COUNT(*) AS frames FROM python.backtrace", "-f", "json"],
-                                    capture_output=True, text=True, env=shared_env, timeout=120)
+        results[i] = subprocess.run(
+            [
+                PROBE_BIN,
+                str(idle.pid),
+                "query",
+                f"SELECT {i} AS i, COUNT(*) AS frames FROM python.backtrace",
+                "-f",
+                "json",
+            ],
+            capture_output=True,
+            text=True,
+            env=shared_env,
+            timeout=120,
+        )
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(20)]
     for t in threads:

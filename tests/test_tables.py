@@ -52,7 +52,9 @@ def training_flat_out():
 @pytest.mark.parametrize("table, sql", EXAMPLES_SQL, ids=[f"{t}:{i}" for i, (t, _) in enumerate(EXAMPLES_SQL)])
 def test_every_table_example_runs(training, table, sql):
     pid, env = training
-    r = subprocess.run([PROBE_BIN, str(pid), "query", sql, "-f", "json"], capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run(
+        [PROBE_BIN, str(pid), "query", sql, "-f", "json"], capture_output=True, text=True, env=env, timeout=60
+    )
     assert r.returncode == 0, f"{table}: {sql}\n{r.stderr}"
     assert isinstance(json.loads(r.stdout), list)
 
@@ -84,9 +86,28 @@ def test_public_api_is_pinned():
     import probe
 
     # changing the public API is a decision: update this list on purpose, never by accident
-    assert sorted(probe.__all__) == sorted([
-        "__version__", "start", "stop", "is_running", "info", "step", "watch", "span", "load_checkpoint", "table", "Column", "rule",
-        "ProbeError", "QueryError", "EndpointError", "AuthError", "ActionError", "AttachError"])
+    assert sorted(probe.__all__) == sorted(
+        [
+            "__version__",
+            "start",
+            "stop",
+            "is_running",
+            "info",
+            "step",
+            "watch",
+            "span",
+            "load_checkpoint",
+            "table",
+            "Column",
+            "rule",
+            "ProbeError",
+            "QueryError",
+            "EndpointError",
+            "AuthError",
+            "ActionError",
+            "AttachError",
+        ]
+    )
     for name in probe.__all__:
         assert hasattr(probe, name), name
 
@@ -135,7 +156,9 @@ def _readme_playbook_queries():
 @pytest.mark.parametrize("sql", _readme_playbook_queries())
 def test_readme_playbook_queries_run(training, sql):
     pid, env = training
-    r = subprocess.run([PROBE_BIN, str(pid), "query", sql, "-f", "json"], capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run(
+        [PROBE_BIN, str(pid), "query", sql, "-f", "json"], capture_output=True, text=True, env=env, timeout=60
+    )
     assert r.returncode == 0, f"{sql}\n{r.stderr}"
 
 

@@ -19,7 +19,9 @@ def ranks(shared_spawn):
     """Two processes of one (pretend) job, rank 0 and rank 1, tracing every step; the tests only read them, a few
     steps each, so they step every ~50 ms for the whole file rather than keep a core busy."""
     env = {"PROBE_TRACE": "all", "WORLD_SIZE": "2"}
-    return [shared_spawn([SPANS, "--step-sleep", "0.05"], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
+    return [
+        shared_spawn([SPANS, "--step-sleep", "0.05"], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)
+    ]
 
 
 def _query(cli, pid, sql):
@@ -29,15 +31,20 @@ def _query(cli, pid, sql):
 
 
 def wait_for_steps(cli, pid, n):
-    assert poll(lambda: (_query(cli, pid, "SELECT MAX(step) AS s FROM torch.steps")[0]["s"] or 0) >= n, 60,
-                interval=0.1), f"fewer than {n} steps within 60 s"
+    assert poll(
+        lambda: (_query(cli, pid, "SELECT MAX(step) AS s FROM torch.steps")[0]["s"] or 0) >= n, 60, interval=0.1
+    ), f"fewer than {n} steps within 60 s"
 
 
 def test_spans_record_nesting_threads_and_decorated_functions(ranks, shared_cli):
     pid = ranks[0].pid
     wait_for_steps(shared_cli, pid, 4)
-    rows = _query(shared_cli, pid, "SELECT name, step, depth, parent, thread, duration FROM python.spans "
-                                   "WHERE step = (SELECT MAX(step) - 1 FROM torch.steps) ORDER BY time")
+    rows = _query(
+        shared_cli,
+        pid,
+        "SELECT name, step, depth, parent, thread, duration FROM python.spans "
+        "WHERE step = (SELECT MAX(step) - 1 FROM torch.steps) ORDER BY time",
+    )
     main = [(r["name"], r["depth"], r["parent"]) for r in rows if r["thread"] == "MainThread"]
     assert main == [("step", 0, None), ("data", 1, "step"), ("compute", 1, "step"), ("loss", 2, "compute")]
     assert {r["name"] for r in rows if r["thread"] == "prefetcher"} <= {"prefetch"}
@@ -49,17 +56,21 @@ def test_spans_record_nesting_threads_and_decorated_functions(ranks, shared_cli)
 
 
 def test_span_is_a_no_op_without_a_probe():
-    code = ("import sys, probe\n"
-            "@probe.span('f')\n"
-            "def f(x): return x + 1\n"
-            "with probe.span('data') as s:\n"
-            "    y = f(1)\n"
-            "from probe.training import spans\n"
-            "print(y, spans.ring(), 'probe.agent.lifecycle' in sys.modules, repr(s))\n")
+    code = (
+        "import sys, probe\n"
+        "@probe.span('f')\n"
+        "def f(x): return x + 1\n"
+        "with probe.span('data') as s:\n"
+        "    y = f(1)\n"
+        "from probe.training import spans\n"
+        "print(y, spans.ring(), 'probe.agent.lifecycle' in sys.modules, repr(s))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["2", "None", "False", "probe.span('data')"]
-    bad = subprocess.run([sys.executable, "-c", "import probe; probe.span('')"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-c", "import probe; probe.span('')"], capture_output=True, text=True, timeout=60
+    )
     assert "probe.span needs a name" in bad.stderr
 
 
@@ -97,8 +108,9 @@ def _nests(slices: list[dict]) -> None:
                 stack.pop()
             if stack:
                 parent = stack[-1]
-                assert e["ts"] + e["dur"] <= parent["ts"] + parent["dur"] + 1e-3, \
+                assert e["ts"] + e["dur"] <= parent["ts"] + parent["dur"] + 1e-3, (
                     f"{e['name']} overlaps {parent['name']} on track {key} without nesting"
+                )
             stack.append(e)
 
 
@@ -125,11 +137,22 @@ def test_trace_of_two_ranks_is_valid_trace_event_json(ranks, shared_cli, tmp_pat
     assert steps[-1]["dur"] == pytest.approx(row[0]["duration"] * 1e6, rel=1e-6)
     # user spans nest inside their step's slice in time, and the module trace lies inside the trace window
     step_span = [e for e in slices if e["cat"] == "span" and e["name"] == "step" and e["pid"] == 0][-1]
-    inner = [e for e in slices if e["cat"] == "span" and e["pid"] == 0 and e["tid"] == step_span["tid"]
-             and e["args"].get("step") == step_span["args"]["step"] and e["name"] != "step"]
+    inner = [
+        e
+        for e in slices
+        if e["cat"] == "span"
+        and e["pid"] == 0
+        and e["tid"] == step_span["tid"]
+        and e["args"].get("step") == step_span["args"]["step"]
+        and e["name"] != "step"
+    ]
     assert {e["name"] for e in inner} == {"data", "compute", "loss"}
-    assert all(step_span["ts"] <= e["ts"] and e["ts"] + e["dur"] <= step_span["ts"] + step_span["dur"] + 1e-3 for e in inner)
-    assert any(e["cat"] == "module,backward" for e in slices) and any(e["name"] == "0" or "Linear" in str(e["args"]) for e in slices)
+    assert all(
+        step_span["ts"] <= e["ts"] and e["ts"] + e["dur"] <= step_span["ts"] + step_span["dur"] + 1e-3 for e in inner
+    )
+    assert any(e["cat"] == "module,backward" for e in slices) and any(
+        e["name"] == "0" or "Linear" in str(e["args"]) for e in slices
+    )
 
 
 def test_trace_bad_input_is_one_sentence(ranks, shared_cli, tmp_path):

@@ -44,8 +44,12 @@ def slow(shared_spawn):
 
 
 def test_tiny_budget_keeps_count_and_times_exact_and_flags_unmeasured_steps(tiny, shared_cli):
-    rows = query(shared_cli, tiny.pid, "SELECT step, started_at, ended_at, duration, loss, grad_norm, peak_allocated, memory, "
-                 f"samples, micro_batches, lr, optimizer, measured, probe_us FROM torch.steps WHERE step <= {FAST} ORDER BY step")
+    rows = query(
+        shared_cli,
+        tiny.pid,
+        "SELECT step, started_at, ended_at, duration, loss, grad_norm, peak_allocated, memory, "
+        f"samples, micro_batches, lr, optimizer, measured, probe_us FROM torch.steps WHERE step <= {FAST} ORDER BY step",
+    )
     # step count exact: one row per optimizer step, none missing
     assert [r["step"] for r in rows] == list(range(1, FAST + 1))
     # step times exact: every step has its duration, and each starts where the previous one ended
@@ -73,8 +77,9 @@ def test_a_starved_budget_still_measures_a_step_every_second(tiny, shared_cli):
     # given: the tiny budget's job stepping every 5 ms after its measured run (the fixed part alone exceeds
     # the budget, so the quick path runs until the one-second floor comes round)
     def three_measured() -> list:
-        rows = query(shared_cli, tiny.pid, f"SELECT step, ended_at, measured FROM torch.steps WHERE step > {FAST} "
-                     "ORDER BY step")
+        rows = query(
+            shared_cli, tiny.pid, f"SELECT step, ended_at, measured FROM torch.steps WHERE step > {FAST} ORDER BY step"
+        )
         return rows if sum(r["measured"] for r in rows[1:]) >= 3 else []
 
     rows = poll(three_measured, 90, interval=0.5)  # the job needs wall time to pass
@@ -88,9 +93,9 @@ def test_a_starved_budget_still_measures_a_step_every_second(tiny, shared_cli):
     end = [at(r["ended_at"]) for r in rows]
     for a, b in zip(measured, measured[1:]):
         allowed_at, allowed = end[a - 1], b - 1  # the boundaries that allowed step a and step b
-        assert (end[allowed] - allowed_at).total_seconds() >= 1.0 - 2e-6, (rows[a - 1:b + 1])
+        assert (end[allowed] - allowed_at).total_seconds() >= 1.0 - 2e-6, rows[a - 1 : b + 1]
         due = next(i for i in range(a, b) if (end[i] - allowed_at).total_seconds() >= 1.0 - 2e-6)
-        assert allowed - due <= 40, (rows[a - 1:b + 1])
+        assert allowed - due <= 40, rows[a - 1 : b + 1]
 
 
 def test_lr_action_takes_effect_at_the_next_step_under_sampling(tiny, shared_cli):
@@ -98,9 +103,12 @@ def test_lr_action_takes_effect_at_the_next_step_under_sampling(tiny, shared_cli
     r = shared_cli(tiny.pid, "lr", "--set", "0.0123")
     assert r.returncode == 0, r.stderr
     first = int(re.search(r"from step (\d+)", r.stdout).group(1))
+
     # then: every step from the next one on used it, measured or not
     def twenty_steps() -> list:  # the loop steps every 5 ms
-        rows = query(shared_cli, tiny.pid, f"SELECT step, lr, measured FROM torch.steps WHERE step >= {first} ORDER BY step")
+        rows = query(
+            shared_cli, tiny.pid, f"SELECT step, lr, measured FROM torch.steps WHERE step >= {first} ORDER BY step"
+        )
         return rows if len(rows) >= 20 and any(not x["measured"] for x in rows) else []
 
     rows = poll(twenty_steps, 60)
@@ -131,7 +139,9 @@ def replay_step_budget(rows) -> tuple[list[bool], list[float]]:
         allowed = budget.tick(duration_ns, now_ns, spent, 1)
         expected.append(allowed or r["step"] + 1 <= _FORCED)
         credit.append(budget.credit)
-        if r["measured"]:  # what a measured step does after deciding: charge a traced step's hooks, learn the typical step
+        if r[
+            "measured"
+        ]:  # what a measured step does after deciding: charge a traced step's hooks, learn the typical step
             if r["traced"]:
                 if typical > 0 and duration_ns > typical:
                     budget.spend(duration_ns - typical)
@@ -140,7 +150,7 @@ def replay_step_budget(rows) -> tuple[list[bool], list[float]]:
             else:
                 typical = duration_ns
         spent = _CHARGE * r["probe_us"] * 1e3 if r["step"] > _FORCED else 0.0
-    return expected[:len(rows)], credit[:len(rows)]
+    return expected[: len(rows)], credit[: len(rows)]
 
 
 def test_default_budget_measures_slow_steps_while_its_own_accounting_has_credit(slow, shared_cli):
@@ -149,15 +159,19 @@ def test_default_budget_measures_slow_steps_while_its_own_accounting_has_credit(
     the budget's own accounting (each row's probe_us and duration) rather than assuming how fast the machine
     is: each step is measured exactly when the replayed budget had credit for it."""
     slow.wait_for("ready", timeout=90)
-    rows = query(shared_cli, slow.pid, f"SELECT step, ended_at, loss, measured, traced, probe_us, duration FROM torch.steps "
-                 f"WHERE step <= {SLOW} ORDER BY step")
+    rows = query(
+        shared_cli,
+        slow.pid,
+        f"SELECT step, ended_at, loss, measured, traced, probe_us, duration FROM torch.steps "
+        f"WHERE step <= {SLOW} ORDER BY step",
+    )
     assert [r["step"] for r in rows] == list(range(1, SLOW + 1))
     assert all(r["measured"] for r in rows[:3])  # start-up steps always are
     expected, credit = replay_step_budget(rows)
     # up to the first step the budget had no credit for, the decisions are the replay's; a credit within 1 us of
     # zero is left out (the rows keep probe_us to the nanosecond, duration to a double's precision)
     first_short = next((i for i, ok in enumerate(expected) if not ok), len(rows))
-    for r, ok, c in list(zip(rows, expected, credit))[:first_short + 1]:
+    for r, ok, c in list(zip(rows, expected, credit))[: first_short + 1]:
         if abs(c) > 1e3:
             assert r["measured"] == ok, (r, ok, c, rows)
     # on a machine where the probe's boundaries fit the share (the usual case), that is every step
@@ -166,4 +180,5 @@ def test_default_budget_measures_slow_steps_while_its_own_accounting_has_credit(
     # measured: the loop's own loss
     losses = loop_losses(slow)
     assert [r["loss"] for r in rows if r["measured"]] == pytest.approx(
-        [losses[r["step"] - 1] for r in rows if r["measured"]], rel=1e-6)
+        [losses[r["step"] - 1] for r in rows if r["measured"]], rel=1e-6
+    )

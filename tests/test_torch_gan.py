@@ -39,8 +39,12 @@ def test_a_step_holds_one_iteration_of_both_optimizers(spawn, cli):
     opts = _query(cli, p.pid, "SELECT name, is_lead FROM torch.optimizer ORDER BY name")
     assert [(o["name"], o["is_lead"]) for o in opts] == [("opt_d", True), ("opt_g", False)]
     # when: each optimizer's rows of the iterations the loop printed
-    rows = _query(cli, p.pid, "SELECT step, position, optimizer, loss, lr FROM torch.optimizer_steps "
-                              "WHERE loss IS NOT NULL AND step <= 25 ORDER BY step, position")
+    rows = _query(
+        cli,
+        p.pid,
+        "SELECT step, position, optimizer, loss, lr FROM torch.optimizer_steps "
+        "WHERE loss IS NOT NULL AND step <= 25 ORDER BY step, position",
+    )
     iters = _iters(p)
     by_step: dict[int, dict] = {}
     for r in rows:
@@ -77,14 +81,28 @@ def test_lr_applies_to_both_optimizers_and_checks_both(spawn, cli):
     assert re.search(r"'opt_d'.*\n\s+group 0: 0\.02 -> 0\.01; step \d+ used 0\.01\b", r.stdout), r.stdout
     assert re.search(r"'opt_g'.*\n\s+group 0: 0\.01 -> 0\.005; step \d+ used 0\.005\b", r.stdout), r.stdout
     # and the updates the loop measures use them
-    seen = poll(lambda: [v for v in _iters(p).values() if v[2] == pytest.approx(0.01, rel=1e-3)
-                         and v[3] == pytest.approx(0.005, rel=1e-3)])
+    seen = poll(
+        lambda: [
+            v
+            for v in _iters(p).values()
+            if v[2] == pytest.approx(0.01, rel=1e-3) and v[3] == pytest.approx(0.005, rel=1e-3)
+        ]
+    )
     assert seen, p.output()[-2000:]
     # --optimizer takes the name torch.optimizer shows
     r = cli(p.pid, "lr", "--scale", "0.5", "--optimizer", "opt_g")
-    assert r.returncode == 0 and "opt_d" not in r.stdout and re.search(r"0\.005 -> 0\.0025; step \d+ used 0\.0025", r.stdout), r
-    assert poll(lambda: [v for v in _iters(p).values() if v[2] == pytest.approx(0.01, rel=1e-3)
-                         and v[3] == pytest.approx(0.0025, rel=1e-3)])
+    assert (
+        r.returncode == 0
+        and "opt_d" not in r.stdout
+        and re.search(r"0\.005 -> 0\.0025; step \d+ used 0\.0025", r.stdout)
+    ), r
+    assert poll(
+        lambda: [
+            v
+            for v in _iters(p).values()
+            if v[2] == pytest.approx(0.01, rel=1e-3) and v[3] == pytest.approx(0.0025, rel=1e-3)
+        ]
+    )
     r = cli(p.pid, "lr", "--reset", "--optimizer", "1")
     assert r.returncode == 0 and "opt_g" in r.stdout and "opt_d" not in r.stdout, r
     r = cli(p.pid, "lr", "--set", "0.1", "--optimizer", "opt_x")

@@ -28,7 +28,13 @@ def test_cuda_trace_durations_and_memory(spawn, cli):
     proc.wait_for("step 20 ")
 
     def traced() -> list:  # durations appear once the CUDA events have completed
-        r = cli(proc.pid, "query", "SELECT step, module, stage, duration, allocated FROM python.torch_trace WHERE step <= 10", "-f", "json")
+        r = cli(
+            proc.pid,
+            "query",
+            "SELECT step, module, stage, duration, allocated FROM python.torch_trace WHERE step <= 10",
+            "-f",
+            "json",
+        )
         rows = json.loads(r.stdout)
         return rows if rows and all(x["duration"] is not None for x in rows) else []
 
@@ -44,18 +50,28 @@ def test_cuda_trace_durations_and_memory(spawn, cli):
 
 def test_cuda_sync_watch_names_the_item_call_and_the_probe_adds_none(spawn, cli):
     # given: loss.item() on a CUDA loss every step, traced one step in 5
-    job = spawn([TARGETS / "faults.py", "--fault", "host_sync", "--device", "cuda", "--settle", "30"],
-                env={"PROBE": "1", "PROBE_TRACE": "5"}, ready="planted", timeout=180)
+    job = spawn(
+        [TARGETS / "faults.py", "--fault", "host_sync", "--device", "cuda", "--settle", "30"],
+        env={"PROBE": "1", "PROBE_TRACE": "5"},
+        ready="planted",
+        timeout=180,
+    )
     # then: torch's sync debug mode named the line, and nothing of the probe's own synchronised
     finding = poll_for(cli, job.pid, "host_syncs", timeout=90)[0]
     assert "faults.py" in finding["message"] and "loss.item()" in finding["message"]
-    rows = json.loads(cli(job.pid, "query", "SELECT origin, via, count FROM torch.syncs WHERE origin = 'probe'", "-f", "json").stdout)
+    rows = json.loads(
+        cli(job.pid, "query", "SELECT origin, via, count FROM torch.syncs WHERE origin = 'probe'", "-f", "json").stdout
+    )
     assert rows == []
 
 
 def test_cuda_output_statistics_land_without_a_sync(spawn, cli):
-    job = spawn([TARGETS / "faults.py", "--fault", "dead_relu", "--device", "cuda", "--settle", "30"],
-                env={"PROBE": "1", "PROBE_TRACE": "5"}, ready="planted", timeout=180)
+    job = spawn(
+        [TARGETS / "faults.py", "--fault", "dead_relu", "--device", "cuda", "--settle", "30"],
+        env={"PROBE": "1", "PROBE_TRACE": "5"},
+        ready="planted",
+        timeout=180,
+    )
     finding = poll_for(cli, job.pid, "dead_activations", timeout=90)[0]
     assert "module 3 (ReLU" in finding["message"]
     rows = json.loads(cli(job.pid, "query", "SELECT count(*) AS n FROM torch.syncs", "-f", "json").stdout)

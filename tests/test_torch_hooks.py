@@ -27,13 +27,21 @@ def losses_of(lines) -> list[str]:
 
 
 def hooks_by_step(lines) -> dict[int, int]:
-    return {int(m.group(1)): int(m.group(2)) for m in (re.match(r"hooks step=(\d+) forward=(\d+)", l) for l in lines) if m}
+    return {
+        int(m.group(1)): int(m.group(2)) for m in (re.match(r"hooks step=(\d+) forward=(\d+)", l) for l in lines) if m
+    }
 
 
 def run_without_probe(probe_env, kind: str) -> list[str]:
     env = dict(probe_env, TARGET_NO_PROBE="1")
-    out = subprocess.run([sys.executable, str(LOOPS), "--kind", kind, "--steps", "12"], env=env, capture_output=True,
-                         text=True, timeout=120, input="")
+    out = subprocess.run(
+        [sys.executable, str(LOOPS), "--kind", kind, "--steps", "12"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        input="",
+    )
     lines = out.stdout.splitlines()
     assert any(l.startswith("losses ") for l in lines), out.stderr
     return losses_of(lines)
@@ -50,21 +58,31 @@ def test_inplace_relu_two_optimizers_accumulation_trains_unchanged(spawn, cli, r
     # then: the same losses as without the probe, and no error inside the probe
     assert losses_of(proc.lines) == reference
     assert query(cli, proc.pid, "SELECT source, message FROM probe.errors") == []
-    steps = query(cli, proc.pid, "SELECT step, loss, lr, samples, micro_batches, optimizer, traced FROM torch.steps ORDER BY step")
+    steps = query(
+        cli, proc.pid, "SELECT step, loss, lr, samples, micro_batches, optimizer, traced FROM torch.steps ORDER BY step"
+    )
     # the first optimizer to step (Adam, the head's) leads: one row per loop iteration, not per optimizer
     assert [r["step"] for r in steps] == list(range(1, 13))
     assert all(r["optimizer"] == "Adam" and r["lr"] == pytest.approx(0.01) and r["traced"] for r in steps)
     # two micro-batches of 16 per step; the no_grad evaluation pass is not counted
     assert all(r["micro_batches"] == 2 and r["samples"] == 32 for r in steps[1:])
     step_losses = [float(v) for v in next(l for l in proc.lines if l.startswith("step_losses ")).split()[1:]]
-    assert [r["loss"] for r in steps] == pytest.approx(step_losses, rel=1e-6)  # the sum of the backpropagated (loss / 2)
-    opts = query(cli, proc.pid, "SELECT optimizer, momentum, is_lead, step_count, state_bytes, elements FROM torch.optimizer ORDER BY optimizer")
+    assert [r["loss"] for r in steps] == pytest.approx(
+        step_losses, rel=1e-6
+    )  # the sum of the backpropagated (loss / 2)
+    opts = query(
+        cli,
+        proc.pid,
+        "SELECT optimizer, momentum, is_lead, step_count, state_bytes, elements FROM torch.optimizer ORDER BY optimizer",
+    )
     assert [(o["optimizer"], o["is_lead"]) for o in opts] == [("Adam", True), ("SGD", False)]
     adam, sgd = opts
     assert adam["state_bytes"] == adam["elements"] * 8 + 2 * 4 and adam["step_count"] == 12
     assert sgd["momentum"] == pytest.approx(0.9) and sgd["state_bytes"] == sgd["elements"] * 4  # momentum buffers
     trace = query(cli, proc.pid, "SELECT DISTINCT model, module, depth FROM python.torch_trace WHERE stage = 'forward'")
-    assert {("encoder", "1", 1), ("head", "0", 1), ("encoder", "encoder", 0)} <= {(r["model"], r["module"], r["depth"]) for r in trace}
+    assert {("encoder", "1", 1), ("head", "0", 1), ("encoder", "encoder", 0)} <= {
+        (r["model"], r["module"], r["depth"]) for r in trace
+    }
 
 
 @pytest.mark.parametrize("trace", ["all", "5"])
@@ -80,13 +98,17 @@ def test_a_compiled_module_trains_unchanged_without_graph_breaks(spawn, cli, ref
     steps = query(cli, proc.pid, "SELECT step, loss FROM torch.steps ORDER BY step")
     assert [r["step"] for r in steps] == list(range(1, 13))
     # the compiled encoder is one traced call (its inlined layers are not visible); the head's layers are
-    rows = query(cli, proc.pid, "SELECT DISTINCT step, module, module_type FROM python.torch_trace WHERE stage = 'forward'")
+    rows = query(
+        cli, proc.pid, "SELECT DISTINCT step, module, module_type FROM python.torch_trace WHERE stage = 'forward'"
+    )
     assert {r["step"] for r in rows} == ({1, 2, 3, 5, 10} if trace == "5" else set(range(1, 13)))
     types = {r["module_type"] for r in rows}
     assert "OptimizedModule" in types and "Linear" in types
     # torch.compile's `_orig_mod` level is not part of a module's path: the eval pass's plain calls
     # of the encoder's layers are named as the user wrote them
-    assert {("encoder_fwd", "OptimizedModule"), ("0", "Linear"), ("1", "ReLU")} <= {(r["module"], r["module_type"]) for r in rows}
+    assert {("encoder_fwd", "OptimizedModule"), ("0", "Linear"), ("1", "ReLU")} <= {
+        (r["module"], r["module_type"]) for r in rows
+    }
     assert not any("_orig_mod" in r["module"] for r in rows)
     params = query(cli, proc.pid, "SELECT model, name FROM torch.parameters WHERE model = 'encoder_fwd' ORDER BY name")
     assert [p["name"] for p in params] == ["0.bias", "0.weight", "2.bias", "2.weight"]
@@ -141,8 +163,9 @@ def test_reading_the_loop_locals_keeps_nothing_alive_and_changes_nothing(probe_e
 
     def run(**env):
         e = dict(probe_env, **env)
-        out = subprocess.run([sys.executable, str(TARGETS / "torch_locals.py")], capture_output=True, text=True,
-                             env=e, timeout=120)
+        out = subprocess.run(
+            [sys.executable, str(TARGETS / "torch_locals.py")], capture_output=True, text=True, env=e, timeout=120
+        )
         assert out.returncode == 0, out.stdout + out.stderr
         return dict(kv.split("=") for kv in out.stdout.split())
 
@@ -161,8 +184,11 @@ def test_backward_rows_cut_the_pass_without_overlap(spawn, cli):
     reaching that root's output to reaching the next one's, so the rows never overlap (the head's row
     used to repeat the encoder's backward, and a loss module's row the whole pass)."""
     proc = spawn([LOOPS, "--kind", "inplace", "--steps", "4"], env={"PROBE_TRACE": "all"})
-    rows = query(cli, proc.pid, "SELECT step, module, time, duration FROM python.torch_trace WHERE stage = 'backward' "
-                 "ORDER BY time")
+    rows = query(
+        cli,
+        proc.pid,
+        "SELECT step, module, time, duration FROM python.torch_trace WHERE stage = 'backward' ORDER BY time",
+    )
     import datetime
 
     for r in rows:

@@ -49,8 +49,11 @@ def test_recomputed_forwards_are_marked_and_kept_out_of_forward(spawn, cli, reen
     for r in forward:
         per_step[(r["step"], r["module"])] = per_step.get((r["step"], r["module"]), 0) + 1
     assert set(per_step.values()) == {1}, per_step
-    want = {"model": 0, "head": 1} | {f"blocks.{i}": 1 for i in range(3)} | {
-        f"blocks.{i}.{n}": 2 for i in range(3) for n in ("ln", "fc1", "act", "fc2")}
+    want = (
+        {"model": 0, "head": 1}
+        | {f"blocks.{i}": 1 for i in range(3)}
+        | {f"blocks.{i}.{n}": 2 for i in range(3) for n in ("ln", "fc1", "act", "fc2")}
+    )
     assert {r["module"]: r["depth"] for r in forward} == want
     # the recomputation in backward is its own stage, at the depth its module has in the forward
     again = [r for r in rows if r["stage"] == "recompute"]
@@ -67,7 +70,9 @@ def test_recomputed_forwards_are_marked_and_kept_out_of_forward(spawn, cli, reen
 def test_without_checkpointing_nothing_is_recompute(spawn, cli):
     p = spawn([CHECKPOINTED, "--no-checkpoint", "--step-sleep", "0.005"], env={"PROBE": "1", "PROBE_TRACE": "all"})
     p.wait_for("step 5 ")
-    stages = _query(cli, p.pid, "SELECT stage, COUNT(*) AS n, MAX(depth) AS depth FROM python.torch_trace GROUP BY stage")
+    stages = _query(
+        cli, p.pid, "SELECT stage, COUNT(*) AS n, MAX(depth) AS depth FROM python.torch_trace GROUP BY stage"
+    )
     assert {r["stage"] for r in stages} == {"forward", "backward"} and max(r["depth"] for r in stages) == 2
 
 
@@ -85,10 +90,15 @@ def test_queries_and_traced_steps_cause_no_recompilation(spawn, cli, tmp_path):
     assert before["frames"] >= 1 and before["graphs"] >= 1
     start = int(re.search(r"step (\d+) ", [l for l in p.lines if l.startswith("step ")][-1]).group(1))
     # when: what a person or an agent runs against the job
-    for sql in (SLOWEST, "SELECT step, loss, lr, traced FROM torch.steps ORDER BY step DESC LIMIT 20",
-                "SELECT * FROM torch.optimizer", "SELECT name, numel FROM torch.parameters",
-                "SELECT * FROM torch.memory", "SELECT func, depth FROM python.backtrace",
-                "SELECT module, stage, depth FROM python.torch_trace WHERE step > (SELECT MAX(step) - 3 FROM python.torch_trace)"):
+    for sql in (
+        SLOWEST,
+        "SELECT step, loss, lr, traced FROM torch.steps ORDER BY step DESC LIMIT 20",
+        "SELECT * FROM torch.optimizer",
+        "SELECT name, numel FROM torch.parameters",
+        "SELECT * FROM torch.memory",
+        "SELECT func, depth FROM python.backtrace",
+        "SELECT module, stage, depth FROM python.torch_trace WHERE step > (SELECT MAX(step) - 3 FROM python.torch_trace)",
+    ):
         _query(cli, p.pid, sql)
     assert cli(p.pid, "doctor").returncode in (0, 1)
     assert cli(p.pid, "trace", "-o", str(tmp_path / "t.json")).returncode == 0
@@ -98,4 +108,7 @@ def test_queries_and_traced_steps_cause_no_recompilation(spawn, cli, tmp_path):
     # then: dynamo compiled nothing more
     after = _dynamo(cli, p.pid)
     assert (after["frames"], after["graphs"], after["recompiles"]) == (
-        before["frames"], before["graphs"], before["recompiles"]), after["reasons"]
+        before["frames"],
+        before["graphs"],
+        before["recompiles"],
+    ), after["reasons"]

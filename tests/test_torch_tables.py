@@ -14,11 +14,15 @@ from conftest import EXAMPLES, TARGETS, requires_torch
 
 pytestmark = requires_torch
 
-SEED_SLOW = ("SELECT module, stage, COUNT(*) as count, AVG(duration) as avg_time, SUM(duration) as total_time "
-             "FROM python.torch_trace WHERE step > (SELECT MAX(step) - 5 FROM python.torch_trace) "
-             "GROUP BY module, stage ORDER BY total_time DESC LIMIT 10")
-SEED_MEMORY = ("SELECT step, MAX(allocated) as peak_memory, MAX(allocated) - MIN(allocated) as memory_range "
-               "FROM python.torch_trace WHERE step > (SELECT MAX(step) - 20 FROM python.torch_trace) GROUP BY step ORDER BY step")
+SEED_SLOW = (
+    "SELECT module, stage, COUNT(*) as count, AVG(duration) as avg_time, SUM(duration) as total_time "
+    "FROM python.torch_trace WHERE step > (SELECT MAX(step) - 5 FROM python.torch_trace) "
+    "GROUP BY module, stage ORDER BY total_time DESC LIMIT 10"
+)
+SEED_MEMORY = (
+    "SELECT step, MAX(allocated) as peak_memory, MAX(allocated) - MIN(allocated) as memory_range "
+    "FROM python.torch_trace WHERE step > (SELECT MAX(step) - 20 FROM python.torch_trace) GROUP BY step ORDER BY step"
+)
 
 
 def query(cli, pid, sql):
@@ -33,16 +37,17 @@ def scheduled_lr(step: int, base: float = 3e-3, warmup: int = 20) -> float:
     return base * min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s, 5000) / 5000)))
 
 
-
-
 def test_train_gpt_tables(spawn, cli):
     # given: the example, tracing every 10th step, run until step 40 is printed; every step measured
     # (the step budget leaves loss and grad norm NULL on the steps it skips, and a loaded test host
     # makes it skip some: tests/test_torch_budget.py covers that; here the values themselves are checked)
-    proc = spawn([EXAMPLES / "train_gpt.py", "--print-every", "10"], env={"PROBE_TRACE": "10", "PROBE_STEP_BUDGET": "off"})
+    proc = spawn(
+        [EXAMPLES / "train_gpt.py", "--print-every", "10"], env={"PROBE_TRACE": "10", "PROBE_STEP_BUDGET": "off"}
+    )
     proc.wait_for("step 40 ")
-    printed = {int(m.group(1)): float(m.group(2)) for m in
-               (re.match(r"step (\d+) loss ([\d.]+)", l) for l in proc.lines) if m}
+    printed = {
+        int(m.group(1)): float(m.group(2)) for m in (re.match(r"step (\d+) loss ([\d.]+)", l) for l in proc.lines) if m
+    }
 
     # then: torch.steps has one row per step, plausible and matching what the loop printed
     steps = query(cli, proc.pid, "SELECT * FROM torch.steps ORDER BY step")
@@ -65,8 +70,11 @@ def test_train_gpt_tables(spawn, cli):
     assert {r["step"] for r in steps if r["traced"]} == {n for n in nums if n <= 3 or n % 10 == 0}
 
     # then: module traces exist for the sampled steps only, with real module paths
-    trace = query(cli, proc.pid, "SELECT step, module, stage, duration, depth, allocated, seq FROM python.torch_trace "
-                  f"WHERE step <= {nums[-1]}")  # training goes on between queries
+    trace = query(
+        cli,
+        proc.pid,
+        f"SELECT step, module, stage, duration, depth, allocated, seq FROM python.torch_trace WHERE step <= {nums[-1]}",
+    )  # training goes on between queries
     assert {r["step"] for r in trace} <= {n for n in nums if n <= 3 or n % 10 == 0}
     assert {1, 2, 3, 10, 20, 30} <= {r["step"] for r in trace}
     modules = {r["module"] for r in trace}
@@ -101,8 +109,13 @@ def test_train_gpt_tables(spawn, cli):
     # then: the loader, a global, once: the loop's ``data = iter(train_loader)`` is the same loader's iterator
     (loader,) = query(cli, proc.pid, "SELECT * FROM torch.dataloaders")
     assert {k: loader[k] for k in ("name", "loader_type", "dataset_type", "batch_size", "num_workers", "source")} == {
-        "name": "train_loader", "loader_type": "DataLoader", "dataset_type": "ArithmeticSequences", "batch_size": 16,
-        "num_workers": 0, "source": "__main__"}
+        "name": "train_loader",
+        "loader_type": "DataLoader",
+        "dataset_type": "ArithmeticSequences",
+        "batch_size": 16,
+        "num_workers": 0,
+        "source": "__main__",
+    }
 
     (info,) = query(cli, proc.pid, "SELECT step, state, last_step_at FROM process.info")
     assert info["state"] == "training" and info["step"] >= 40
@@ -112,13 +125,29 @@ def test_train_gpt_tables(spawn, cli):
 
 def test_dataloaders_table_describes_a_loader_kept_as_its_iterator(spawn, cli):
     # given: the data_wait fault: ``loader = iter(DataLoader(SlowSamples(), batch_size=64))``, no workers
-    proc = spawn([TARGETS / "faults.py", "--fault", "data_wait", "--settle", "3"], env={"PROBE": "1"}, ready="planted",
-                 timeout=120)
+    proc = spawn(
+        [TARGETS / "faults.py", "--fault", "data_wait", "--settle", "3"],
+        env={"PROBE": "1"},
+        ready="planted",
+        timeout=120,
+    )
     # when
     rows = query(cli, proc.pid, "SELECT * FROM torch.dataloaders")
     # then: one row, described from the iterator's own copy of the loader's settings
-    assert rows == [{"rank": None, "name": "loader", "loader_type": "_SingleProcessDataLoaderIter",
-                     "dataset_type": "SlowSamples", "iterable_dataset": False, "batch_size": 64, "num_workers": 0,
-                     "pin_memory": False, "prefetch_factor": None, "persistent_workers": False, "drop_last": False,
-                     "source": "__main__"}]
+    assert rows == [
+        {
+            "rank": None,
+            "name": "loader",
+            "loader_type": "_SingleProcessDataLoaderIter",
+            "dataset_type": "SlowSamples",
+            "iterable_dataset": False,
+            "batch_size": 64,
+            "num_workers": 0,
+            "pin_memory": False,
+            "prefetch_factor": None,
+            "persistent_workers": False,
+            "drop_last": False,
+            "source": "__main__",
+        }
+    ]
     assert query(cli, proc.pid, "SELECT source, message FROM probe.errors") == []

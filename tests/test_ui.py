@@ -47,8 +47,9 @@ class UI:
 def train(shared_spawn):
     """The training example for the whole file; the page only reads it, so it steps every ~0.1 s
     (--step-sleep) rather than taking a core from the browser and the `probe` calls."""
-    return shared_spawn([EXAMPLES / "train_gpt.py", "--print-every", "100000", "--step-sleep", "0.1"], ready="ready pid=",
-                        timeout=120)
+    return shared_spawn(
+        [EXAMPLES / "train_gpt.py", "--print-every", "100000", "--step-sleep", "0.1"], ready="ready pid=", timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +102,9 @@ def open_page(browser, url):
 
 
 def cli_json(env, *args):
-    r = subprocess.run([PROBE_BIN, *map(str, args), "--format", "json"], capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run(
+        [PROBE_BIN, *map(str, args), "--format", "json"], capture_output=True, text=True, env=env, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -141,7 +144,9 @@ def test_curves_show_the_steps_of_torch_steps(page, shared_env, train):
     assert d.count("L") >= 2
     # the learning-rate chart agrees with the table at its own latest step
     lr = page.query_selector("#chart-lr .legend .latest")
-    rows = cli_json(shared_env, train.pid, "query", f"SELECT lr FROM torch.steps WHERE step = {lr.get_attribute('data-step')}")
+    rows = cli_json(
+        shared_env, train.pid, "query", f"SELECT lr FROM torch.steps WHERE step = {lr.get_attribute('data-step')}"
+    )
     assert rows[0]["lr"] == pytest.approx(float(lr.get_attribute("data-value")), rel=1e-9)
 
 
@@ -189,19 +194,26 @@ def test_page_keeps_updating_as_steps_advance(page, ui):
 
 def test_a_panel_is_shown_exactly_when_its_table_exists(page, shared_env, train):
     names = {t["name"] for t in cli_json(shared_env, train.pid, "tables")}
-    needs = page.eval_on_selector_all(".panel[data-needs]:not([data-needs=''])",
-                                      "ps => ps.map(p => [p.id, p.dataset.needs, !p.hidden])")
+    needs = page.eval_on_selector_all(
+        ".panel[data-needs]:not([data-needs=''])", "ps => ps.map(p => [p.id, p.dataset.needs, !p.hidden])"
+    )
     assert {n for _, n, _ in needs} >= {"torch.steps", "python.torch_trace", "probe.actions"}
     for panel, table, shown in needs:
         assert shown == (table in names), (panel, table, shown)
 
 
 def test_findings_panel_shows_the_doctor(page, shared_env, train):
-    page.wait_for_function("() => document.querySelector('#findings-meta').textContent.includes('rules over')",
-                           timeout=30000)
+    page.wait_for_function(
+        "() => document.querySelector('#findings-meta').textContent.includes('rules over')", timeout=30000
+    )
     assert page.inner_text("#findings .err") == ""
-    r = subprocess.run([PROBE_BIN, str(train.pid), "doctor", "--format", "json"], capture_output=True, text=True,
-                       env=shared_env, timeout=60)
+    r = subprocess.run(
+        [PROBE_BIN, str(train.pid), "doctor", "--format", "json"],
+        capture_output=True,
+        text=True,
+        env=shared_env,
+        timeout=60,
+    )
     doc = json.loads(r.stdout)
     assert f"{doc['rules_run']} rules over 1 of 1 process" in page.inner_text("#findings-meta")
     shown = page.eval_on_selector_all("#findings .finding", "fs => fs.map(f => f.dataset.rule)")
@@ -213,8 +225,12 @@ def test_actions_only_with_allow_actions_and_a_confirmation(browser, train, shar
     # without --allow-actions the API refuses (a request with the page's CSRF header, as the page sends)
     with urllib.request.urlopen(ui.url + "api/config", timeout=10) as resp:
         csrf = json.loads(resp.read())["csrf"]
-    req = urllib.request.Request(ui.url + "api/action", data=b'{"name": "cleanup", "confirmed": true}', method="POST",
-                                 headers={"X-Probe-CSRF": csrf})
+    req = urllib.request.Request(
+        ui.url + "api/action",
+        data=b'{"name": "cleanup", "confirmed": true}',
+        method="POST",
+        headers={"X-Probe-CSRF": csrf},
+    )
     with urllib.request.urlopen(req, timeout=10) as resp:
         assert "actions are off" in json.loads(resp.read())["error"]
     server = UI(shared_env, train.pid, "ui", "--port", "0", "--allow-actions", "--refresh", "1")
@@ -230,8 +246,10 @@ def test_actions_only_with_allow_actions_and_a_confirmation(browser, train, shar
         # confirmed: the action runs at the next step boundary and shows in the log
         accept["yes"] = True
         pg.click("#action-buttons button:text('cleanup')")
-        pg.wait_for_function("() => [...document.querySelectorAll('#actions tbody td')].some(td => td.textContent === 'cleanup')",
-                             timeout=30000)
+        pg.wait_for_function(
+            "() => [...document.querySelectorAll('#actions tbody td')].some(td => td.textContent === 'cleanup')",
+            timeout=30000,
+        )
         after = cli_json(shared_env, train.pid, "query", "SELECT id FROM probe.actions WHERE command = 'cleanup'")
         assert len(after) == len(before) + 1, (before, after)
         assert errors == [], (errors, server.lines)
@@ -241,8 +259,13 @@ def test_actions_only_with_allow_actions_and_a_confirmation(browser, train, shar
 
 
 def test_non_loopback_needs_expose_and_warns(train, shared_env):
-    r = subprocess.run([PROBE_BIN, str(train.pid), "ui", "--host", "0.0.0.0", "--port", "0"], capture_output=True,
-                       text=True, env=shared_env, timeout=30)
+    r = subprocess.run(
+        [PROBE_BIN, str(train.pid), "ui", "--host", "0.0.0.0", "--port", "0"],
+        capture_output=True,
+        text=True,
+        env=shared_env,
+        timeout=30,
+    )
     assert r.returncode != 0 and "not a loopback address; add --expose" in r.stderr and "Traceback" not in r.stderr
     server = UI(shared_env, train.pid, "ui", "--host", "0.0.0.0", "--expose", "--port", "0")
     try:
@@ -280,8 +303,12 @@ def test_ranks_page_federates_every_rank(browser, spawn, probe_env):
 
 def test_findings_panel_names_a_planted_nan(browser, spawn, probe_env):
     # given: a job whose data turns the loss into NaN (started with PROBE=1, no probe code in it)
-    job = spawn([TARGETS / "faults.py", "--fault", "nan_from_data", "--settle", "30"], env={"PROBE": "1"},
-                ready="planted", timeout=180)
+    job = spawn(
+        [TARGETS / "faults.py", "--fault", "nan_from_data", "--settle", "30"],
+        env={"PROBE": "1"},
+        ready="planted",
+        timeout=180,
+    )
     server = UI(probe_env, job.pid, "ui", "--port", "0")
     pg, errors = open_page(browser, server.url)
     try:
@@ -304,6 +331,7 @@ def test_a_fast_job_has_its_loss_curve_drawn_at_every_step_in_view(browser, spaw
     server = UI(probe_env, job.pid, "ui", "--port", "0", "--refresh", "1")
     pg, errors = open_page(browser, server.url)
     try:
+
         def counted():
             c = pg.query_selector("#chart-loss .head .count")
             shown = int(c.get_attribute("data-shown") or 0) if c else 0

@@ -86,16 +86,24 @@ def test_host_and_origin_are_checked_on_every_request(idle, probe_env):
         status, body = _raw(ui.port, ok)
         assert status == 200 and "csrf" in json.loads(body), body
         # a DNS-rebinding page reaches the port under its own name: refused, even with the token
-        status, body = _raw(ui.port, f"GET {path} HTTP/1.1\r\nHost: rebind.example:{ui.port}\r\nConnection: close\r\n\r\n")
+        status, body = _raw(
+            ui.port, f"GET {path} HTTP/1.1\r\nHost: rebind.example:{ui.port}\r\nConnection: close\r\n\r\n"
+        )
         assert status == 403 and b"Host" in body, body
         status, _ = _raw(ui.port, f"GET {path} HTTP/1.1\r\nConnection: close\r\n\r\n")
         assert status == 403
         # a request sent by a page of another origin: refused
-        status, body = _raw(ui.port, f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{ui.port}\r\nOrigin: http://evil.example\r\n"
-                                     "Connection: close\r\n\r\n")
+        status, body = _raw(
+            ui.port,
+            f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{ui.port}\r\nOrigin: http://evil.example\r\n"
+            "Connection: close\r\n\r\n",
+        )
         assert status == 403 and b"origin" in body, body
-        status, _ = _raw(ui.port, f"GET {path} HTTP/1.1\r\nHost: localhost:{ui.port}\r\nOrigin: http://localhost:{ui.port}\r\n"
-                                  "Connection: close\r\n\r\n")
+        status, _ = _raw(
+            ui.port,
+            f"GET {path} HTTP/1.1\r\nHost: localhost:{ui.port}\r\nOrigin: http://localhost:{ui.port}\r\n"
+            "Connection: close\r\n\r\n",
+        )
         assert status == 200
     finally:
         ui.close()
@@ -106,8 +114,10 @@ def test_posts_need_the_pages_csrf_header(idle, probe_env):
     try:
         csrf = json.loads(urllib.request.urlopen(ui.url + "api/config", timeout=20).read())["csrf"]
         body = json.dumps({"sql": "SELECT 1 AS one"}).encode()
-        head = (f"POST /{ui.token}/api/query HTTP/1.1\r\nHost: 127.0.0.1:{ui.port}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n")
+        head = (
+            f"POST /{ui.token}/api/query HTTP/1.1\r\nHost: 127.0.0.1:{ui.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n"
+        )
         # without the header (a form, or a script of another page that cannot read api/config): refused
         status, answer = _raw(ui.port, head + "\r\n", body)
         assert status == 403 and b"X-Probe-CSRF" in answer, answer
@@ -117,8 +127,9 @@ def test_posts_need_the_pages_csrf_header(idle, probe_env):
         status, answer = _raw(ui.port, head + f"X-Probe-CSRF: {csrf}\r\n\r\n", body)
         assert status == 200 and json.loads(answer)["rows"] == [[1]], answer
         action = json.dumps({"name": "cleanup", "confirmed": True}).encode()
-        status, _ = _raw(ui.port, head.replace("api/query", "api/action").replace(str(len(body)), str(len(action)))
-                         + "\r\n", action)
+        status, _ = _raw(
+            ui.port, head.replace("api/query", "api/action").replace(str(len(body)), str(len(action))) + "\r\n", action
+        )
         assert status == 403
     finally:
         ui.close()
@@ -149,12 +160,14 @@ def test_idle_connections_cannot_make_a_thread_each(idle, probe_env):
     finally:
         for s in held:
             s.close()
+
     # and once they are gone the page answers again
     def answers():
         try:
             return urllib.request.urlopen(ui.url + "api/config", timeout=10).status == 200
         except (urllib.error.URLError, OSError):
             return False
+
     try:
         assert poll(answers, 60)
     finally:

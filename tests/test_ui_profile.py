@@ -71,7 +71,9 @@ def test_bad_arguments_and_a_second_profile_are_refused(idle, shared_cli):
     t = threading.Thread(target=lambda: first.setdefault("r", shared_cli(idle.pid, "profile", "--seconds", "6")))
     t.start()
     try:
-        seen = poll(lambda: "r" in first or "sample_stacks" in shared_cli(idle.pid, "backtrace").stdout, 30, interval=0.05)
+        seen = poll(
+            lambda: "r" in first or "sample_stacks" in shared_cli(idle.pid, "backtrace").stdout, 30, interval=0.05
+        )
         assert seen and "r" not in first, "the first profile was never seen sampling"
         r = shared_cli(idle.pid, "profile", "--seconds", "0.2")
         assert r.returncode != 0 and "a profile is already running" in r.stderr, (r.returncode, r.stderr)

@@ -66,7 +66,11 @@ def find(name: str) -> type | None:
     if name in COMMANDS:
         return COMMANDS[name]
     mod = _module_of(name)
-    if mod.isidentifier() and not mod.startswith("_") and os.path.exists(os.path.join(os.path.dirname(__file__), mod + ".py")):
+    if (
+        mod.isidentifier()
+        and not mod.startswith("_")
+        and os.path.exists(os.path.join(os.path.dirname(__file__), mod + ".py"))
+    ):
         importlib.import_module(f"{__name__}.{mod}")
         if name in COMMANDS:
             return COMMANDS[name]

@@ -34,7 +34,10 @@ class _Action(Command):
     queued_by_default = True
 
     @staticmethod
-    def add_common(p, now_help: str = "Run at once on the probe's server thread instead of at the next step boundary (for a hung process).") -> None:
+    def add_common(
+        p,
+        now_help: str = "Run at once on the probe's server thread instead of at the next step boundary (for a hung process).",
+    ) -> None:
         p.add_argument("--now", action="store_true", help=now_help)
 
     def body(self, session, args, target) -> dict:  # pragma: no cover - abstract
@@ -58,8 +61,12 @@ class _Action(Command):
             self.check_many(session, args, targets)
             if self.queued(args) and at_step is None:
                 at_step = _common_step(session, targets)
-            _confirm(session, args, f"`{self.describe(args)}` to {len(targets)} processes ({_labels(targets)})"
-                     + (f" at step {at_step}" if at_step is not None else ""))
+            _confirm(
+                session,
+                args,
+                f"`{self.describe(args)}` to {len(targets)} processes ({_labels(targets)})"
+                + (f" at step {at_step}" if at_step is not None else ""),
+            )
         bodies = []
         for t in targets:
             b = self.body(session, args, t)
@@ -77,17 +84,33 @@ class _Action(Command):
 
             pool = ThreadPoolExecutor(max_workers=min(64, len(targets)))
             try:
-                outcomes = list(pool.map(lambda tb: _drive(session, self.name, tb[0], tb[1], single),
-                                         zip(targets, bodies)))
+                outcomes = list(
+                    pool.map(lambda tb: _drive(session, self.name, tb[0], tb[1], single), zip(targets, bodies))
+                )
             except KeyboardInterrupt:
-                raise ProbeError("interrupted; the actions go on in the training processes (see probe.actions; "
-                                 "`probe --rank N cancel ID` cancels one).", exit_code=130) from None
+                raise ProbeError(
+                    "interrupted; the actions go on in the training processes (see probe.actions; "
+                    "`probe --rank N cancel ID` cancels one).",
+                    exit_code=130,
+                ) from None
             finally:
                 pool.shutdown(wait=False, cancel_futures=True)
         if session.format == "json":
-            session.print(json.dumps([{"target": t.label, "rank": t.rank, "pid": t.pid,
-                                       **({"action": o} if isinstance(o, dict) else {"error": o.message})}
-                                      for t, o in zip(targets, outcomes)], indent=2, default=str))
+            session.print(
+                json.dumps(
+                    [
+                        {
+                            "target": t.label,
+                            "rank": t.rank,
+                            "pid": t.pid,
+                            **({"action": o} if isinstance(o, dict) else {"error": o.message}),
+                        }
+                        for t, o in zip(targets, outcomes)
+                    ],
+                    indent=2,
+                    default=str,
+                )
+            )
         failures = []
         for t, o in zip(targets, outcomes):
             prefix = "" if single else f"[{t.label}] "
@@ -132,6 +155,7 @@ def _confirm(session, args, what: str) -> None:
 
 def _common_step(session, targets) -> int | None:
     """The largest step any target has reached, plus a margin, so every rank acts at the same step."""
+
     def step(t):
         try:
             h = session.client(t).get("/health", timeout=min(session.timeout, 5.0))
@@ -171,15 +195,24 @@ def _drive(session, name: str, target, body: dict, single: bool):
         return action
     except KeyboardInterrupt:
         if action is None:
-            raise ProbeError("interrupted before the process confirmed the action; see probe.actions.", exit_code=130) from None
+            raise ProbeError(
+                "interrupted before the process confirmed the action; see probe.actions.", exit_code=130
+            ) from None
         try:  # Ctrl-C cancels what we started: a queued action is dropped, a running --now eval interrupted
-            done = client.post("/actions/cancel", {"id": action["id"], "wait": 2.0}, timeout=5.0 + session.timeout)["action"]
+            done = client.post("/actions/cancel", {"id": action["id"], "wait": 2.0}, timeout=5.0 + session.timeout)[
+                "action"
+            ]
         except ProbeError as exc:
-            raise ProbeError(f"interrupted; action {action['id']} could not be cancelled ({exc.message.rstrip('.')}) "
-                             "and goes on in the training process (see probe.actions).", exit_code=130) from None
-        raise ProbeError(f"interrupted; action {action['id']} is {done['state']}"
-                         + (" (it stops at its next Python instruction)." if done["state"] == "running" else "."),
-                         exit_code=130) from None
+            raise ProbeError(
+                f"interrupted; action {action['id']} could not be cancelled ({exc.message.rstrip('.')}) "
+                "and goes on in the training process (see probe.actions).",
+                exit_code=130,
+            ) from None
+        raise ProbeError(
+            f"interrupted; action {action['id']} is {done['state']}"
+            + (" (it stops at its next Python instruction)." if done["state"] == "running" else "."),
+            exit_code=130,
+        ) from None
     except ProbeError as exc:
         return exc
 
@@ -188,11 +221,16 @@ def _progress(session, action: dict, waited: float) -> None:
     if action["state"] == "queued":
         where = f"step {action['at_step']}" if action.get("at_step") is not None else "the next step boundary"
         last = action.get("last_step")
-        session.note(f"probe: action {action['id']} queued {waited:.0f} s, waiting for {where}"
-                     + (f" (last step {last})" if last is not None else " (no step seen yet)")
-                     + (f"; it is dropped after {action['timeout']:g} s" if action.get("timeout") else "") + ".")
+        session.note(
+            f"probe: action {action['id']} queued {waited:.0f} s, waiting for {where}"
+            + (f" (last step {last})" if last is not None else " (no step seen yet)")
+            + (f"; it is dropped after {action['timeout']:g} s" if action.get("timeout") else "")
+            + "."
+        )
     else:
-        session.note(f"probe: action {action['id']} running for {time.time() - (action.get('started_at') or time.time()):.0f} s.")
+        session.note(
+            f"probe: action {action['id']} running for {time.time() - (action.get('started_at') or time.time()):.0f} s."
+        )
 
 
 def _local(target) -> bool:

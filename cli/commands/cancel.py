@@ -20,6 +20,8 @@ class Cancel(Command):
             session.print(json.dumps(action, indent=2, default=str))
         else:
             state = action["state"]
-            session.print(f"action {action['id']} ({action['command']}) is {state}"
-                          + (": it stops at its next Python instruction." if state == "running" else "."))
+            session.print(
+                f"action {action['id']} ({action['command']}) is {state}"
+                + (": it stops at its next Python instruction." if state == "running" else ".")
+            )
         return 0

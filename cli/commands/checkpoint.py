@@ -36,11 +36,15 @@ class Checkpoint(_Action):
         if action["state"] != "done":
             return
         step = "" if r.get("step") is None else f" at step {r['step']}"
-        session.print(f"{prefix}wrote {r['path']}{step}: {_bytes(r['bytes'])} in {r['seconds']:.2f} s, "
-                      f"sha256 {r['sha256'][:16]}... ({', '.join(r['contents'])}).")
+        session.print(
+            f"{prefix}wrote {r['path']}{step}: {_bytes(r['bytes'])} in {r['seconds']:.2f} s, "
+            f"sha256 {r['sha256'][:16]}... ({', '.join(r['contents'])})."
+        )
         if r.get("sharded"):
             rank = r.get("rank") if r.get("rank") is not None else 0
-            session.print(f"{prefix}the model is sharded ({r['sharded']}, FSDP2/DTensor): the file holds rank {rank}'s "
-                          f"shards of {r.get('world_size') or '?'}; load it on rank {rank} of a job sharded the same way, "
-                          f"after fully_shard: probe.load_checkpoint(path, model=model, optimizer=optimizer) "
-                          f"(plain torch.load needs `import torch.distributed.tensor` first).")
+            session.print(
+                f"{prefix}the model is sharded ({r['sharded']}, FSDP2/DTensor): the file holds rank {rank}'s "
+                f"shards of {r.get('world_size') or '?'}; load it on rank {rank} of a job sharded the same way, "
+                f"after fully_shard: probe.load_checkpoint(path, model=model, optimizer=optimizer) "
+                f"(plain torch.load needs `import torch.distributed.tensor` first)."
+            )

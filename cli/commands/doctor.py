@@ -11,13 +11,21 @@ from . import Command, command
 FOUND_EXIT = 8
 
 
-@command("doctor", "Say what is wrong with the job: run the diagnosis rules over its tables, most severe finding first, with the evidence and the next command.")
+@command(
+    "doctor",
+    "Say what is wrong with the job: run the diagnosis rules over its tables, most severe finding first, with the evidence and the next command.",
+)
 class Doctor(Command):
     @staticmethod
     def add_arguments(p):
         p.add_argument("--all", action="store_true", help="Also print info findings and the rules that could not run.")
-        p.add_argument("-f", dest="format", choices=("table", "json"), default=argparse.SUPPRESS,
-                       help="Output format: the findings in sentences (table, the default) or json (same as --format).")
+        p.add_argument(
+            "-f",
+            dest="format",
+            choices=("table", "json"),
+            default=argparse.SUPPRESS,
+            help="Output format: the findings in sentences (table, the default) or json (same as --format).",
+        )
 
     def run(self, session, args):
         from ..diagnose import diagnose
@@ -38,13 +46,24 @@ def _text(dx, show_all: bool) -> str:
         who += f" ({dx.answering} answering)"
     lines = []
     if not shown:
-        lines.append(f"probe doctor: nothing wrong found in {who} ({dx.rules_run} rules, {dx.elapsed:.1f} s)"
-                     + (f"; {hidden} info finding(s), --all shows them" if hidden else "") + ".")
+        lines.append(
+            f"probe doctor: nothing wrong found in {who} ({dx.rules_run} rules, {dx.elapsed:.1f} s)"
+            + (f"; {hidden} info finding(s), --all shows them" if hidden else "")
+            + "."
+        )
     else:
-        lines.append(f"probe doctor: {len(shown)} finding(s) in {who} ({dx.rules_run} rules, {dx.elapsed:.1f} s), most severe first:")
+        lines.append(
+            f"probe doctor: {len(shown)} finding(s) in {who} ({dx.rules_run} rules, {dx.elapsed:.1f} s), most severe first:"
+        )
         for f in shown:
-            where = " · ".join(x for x in (f"rank {f.rank}" if f.rank is not None else None,
-                                           f"step {f.step}" if f.step is not None else None) if x)
+            where = " · ".join(
+                x
+                for x in (
+                    f"rank {f.rank}" if f.rank is not None else None,
+                    f"step {f.step}" if f.step is not None else None,
+                )
+                if x
+            )
             lines.append("")
             lines.append(f"{f.severity.upper():<8} {f.family}/{f.rule}" + (f"  ({where})" if where else ""))
             lines.append(f"  {f.message[:1].upper()}{f.message[1:]}")

@@ -10,14 +10,20 @@ from . import command
 from ._action import _Action
 
 
-@command("eval", "Run Python code in the training process (the eval tier); prints its output, final value or traceback.")
+@command(
+    "eval", "Run Python code in the training process (the eval tier); prints its output, final value or traceback."
+)
 class Eval(_Action):
     @staticmethod
     def add_arguments(p):
         p.add_argument("code", nargs="?", help="Python code (several lines allowed); - reads standard input.")
         p.add_argument("-f", "--file", dest="file", help="Read the code from this file.")
-        p.add_argument("--at-step", action="store_true", dest="at_step",
-                       help="Run at the next step boundary, with the training loop's locals (loss, batch, ...).")
+        p.add_argument(
+            "--at-step",
+            action="store_true",
+            dest="at_step",
+            help="Run at the next step boundary, with the training loop's locals (loss, batch, ...).",
+        )
 
     def queued(self, args) -> bool:
         return args.at_step

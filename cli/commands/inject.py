@@ -13,13 +13,28 @@ from . import Command, command
 class Inject(Command):
     @staticmethod
     def add_arguments(p):
-        p.add_argument("pid", nargs="?", type=int, help="Process id of the Python process (e.g. from ps or nvidia-smi).")
-        p.add_argument("--via", choices=("remote_exec", "gdb"), action="append",
-                       help="Use only this method (repeatable); default: PROBE_INJECT_VIA (remote_exec, then gdb).")
-        p.add_argument("--hang-timeout", type=float, metavar="S",
-                       help="Also arm the hang watchdog in the target (PROBE_HANG_TIMEOUT there).")
-        p.add_argument("--wait", type=float, metavar="S", default=10.0,
-                       help="Seconds to wait for the target to run the bootstrap (default 10).")
+        p.add_argument(
+            "pid", nargs="?", type=int, help="Process id of the Python process (e.g. from ps or nvidia-smi)."
+        )
+        p.add_argument(
+            "--via",
+            choices=("remote_exec", "gdb"),
+            action="append",
+            help="Use only this method (repeatable); default: PROBE_INJECT_VIA (remote_exec, then gdb).",
+        )
+        p.add_argument(
+            "--hang-timeout",
+            type=float,
+            metavar="S",
+            help="Also arm the hang watchdog in the target (PROBE_HANG_TIMEOUT there).",
+        )
+        p.add_argument(
+            "--wait",
+            type=float,
+            metavar="S",
+            default=10.0,
+            help="Seconds to wait for the target to run the bootstrap (default 10).",
+        )
 
     def run(self, session, args):
         pid = args.pid
@@ -43,7 +58,9 @@ class Inject(Command):
             where = entry.get("socket")
             session.print(f"process {pid} already runs a probe ({where}); nothing to do.")
         else:
-            session.print(f"probe started in process {pid} via {out['via']} in {out['elapsed']:.2f} s "
-                          f"(socket {entry.get('socket')}).")
-        session.print(f"Try: probe {pid} query \"SELECT name, state, func, lineno FROM python.threads\"")
+            session.print(
+                f"probe started in process {pid} via {out['via']} in {out['elapsed']:.2f} s "
+                f"(socket {entry.get('socket')})."
+            )
+        session.print(f'Try: probe {pid} query "SELECT name, state, func, lineno FROM python.threads"')
         return 0

@@ -10,13 +10,18 @@ from probe._errors import ProbeError
 from . import Command, command
 
 
-@command("list", "List probed processes on this host (and in PROBE_REGISTRY) grouped by job: job, pid, rank, step, endpoint.")
+@command(
+    "list", "List probed processes on this host (and in PROBE_REGISTRY) grouped by job: job, pid, rank, step, endpoint."
+)
 class List(Command):
     @staticmethod
     def add_arguments(p):
         p.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
-        p.add_argument("--dead", action="store_true",
-                       help="List processes that died (post-mortem records): pid, rank, cause, when, last step.")
+        p.add_argument(
+            "--dead",
+            action="store_true",
+            help="List processes that died (post-mortem records): pid, rank, cause, when, last step.",
+        )
 
     def run(self, session, args):
         if args.dead:
@@ -44,19 +49,42 @@ class List(Command):
             if e.get("tcp_port") and not e.get("shared"):
                 endpoint += f" tcp:{e.get('tcp_host')}:{e['tcp_port']}"
             state = h.get("state") or ("unreachable" if "unreachable" in h else "running")
-            rows.append({
-                "job": e.get("job"), "pid": e["pid"], "rank": e.get("rank"), "world_size": e.get("world_size"), "host": e.get("host"),
-                "step": h.get("step"), "framework_step": h.get("framework_step"),
-                "framework_counter": h.get("framework_counter"), "state": state, "hung_since": h.get("hung_since"),
-                "endpoint": endpoint, "command": " ".join(e.get("argv", []))[:80],
-            })
+            rows.append(
+                {
+                    "job": e.get("job"),
+                    "pid": e["pid"],
+                    "rank": e.get("rank"),
+                    "world_size": e.get("world_size"),
+                    "host": e.get("host"),
+                    "step": h.get("step"),
+                    "framework_step": h.get("framework_step"),
+                    "framework_counter": h.get("framework_counter"),
+                    "state": state,
+                    "hung_since": h.get("hung_since"),
+                    "endpoint": endpoint,
+                    "command": " ".join(e.get("argv", []))[:80],
+                }
+            )
         # grouped by job (processes outside a job last), ranks in order within each
         rows.sort(key=lambda r: (r["job"] is None, str(r["job"]), r["rank"] is None, r["rank"] or 0, r["pid"]))
-        return _print_rows(session, args, rows, {"job": "VARCHAR", "pid": "BIGINT", "rank": "INTEGER",
-                                                 "world_size": "INTEGER", "host": "VARCHAR", "step": "BIGINT",
-                                                 **({"framework_step": "BIGINT"} if any(r["framework_step"] is not None for r in rows) else {}),
-                                                 "state": "VARCHAR", "endpoint": "VARCHAR", "command": "VARCHAR"},
-                           "No probed processes found. Start one with `import probe.auto`, PROBE=1, or `probe inject PID`.")
+        return _print_rows(
+            session,
+            args,
+            rows,
+            {
+                "job": "VARCHAR",
+                "pid": "BIGINT",
+                "rank": "INTEGER",
+                "world_size": "INTEGER",
+                "host": "VARCHAR",
+                "step": "BIGINT",
+                **({"framework_step": "BIGINT"} if any(r["framework_step"] is not None for r in rows) else {}),
+                "state": "VARCHAR",
+                "endpoint": "VARCHAR",
+                "command": "VARCHAR",
+            },
+            "No probed processes found. Start one with `import probe.auto`, PROBE=1, or `probe inject PID`.",
+        )
 
 
 def _print_rows(session, args, rows: list, shown: dict, empty: str) -> int:
@@ -72,7 +100,9 @@ def _print_rows(session, args, rows: list, shown: dict, empty: str) -> int:
     from ..render import render_result
 
     cols = list(shown)
-    session.print(render_result(Result(cols, list(shown.values()), [[r[c] for c in cols] for r in rows]), session.format))
+    session.print(
+        render_result(Result(cols, list(shown.values()), [[r[c] for c in cols] for r in rows]), session.format)
+    )
     return 0
 
 
@@ -80,10 +110,30 @@ def _list_dead(session, args) -> int:
     """``probe list --dead``: the post-mortem records of processes that are gone."""
     from probe.postmortem.reader import dead_records
 
-    rows = [{"pid": m["pid"], "rank": m.get("rank"), "job": m.get("job"), "cause": m["cause"],
-             "when": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(m["time"]))),
-             "last_step": m.get("last_step"), "what": m.get("summary"), "record": m["path"]}
-            for m in dead_records()]
-    return _print_rows(session, args, rows, {"pid": "BIGINT", "rank": "INTEGER", "cause": "VARCHAR", "when": "VARCHAR",
-                                             "last_step": "BIGINT", "what": "VARCHAR"},
-                       "No post-mortem records: no probed process has died here (records live in the runtime directory).")
+    rows = [
+        {
+            "pid": m["pid"],
+            "rank": m.get("rank"),
+            "job": m.get("job"),
+            "cause": m["cause"],
+            "when": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(m["time"]))),
+            "last_step": m.get("last_step"),
+            "what": m.get("summary"),
+            "record": m["path"],
+        }
+        for m in dead_records()
+    ]
+    return _print_rows(
+        session,
+        args,
+        rows,
+        {
+            "pid": "BIGINT",
+            "rank": "INTEGER",
+            "cause": "VARCHAR",
+            "when": "VARCHAR",
+            "last_step": "BIGINT",
+            "what": "VARCHAR",
+        },
+        "No post-mortem records: no probed process has died here (records live in the runtime directory).",
+    )

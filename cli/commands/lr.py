@@ -6,8 +6,11 @@ from . import command
 from ._action import _Action
 
 
-@command("lr", "Change the learning rate from the next optimizer step on, held against the loop's scheduler or "
-                "hand-written schedule, and checked at that step.")
+@command(
+    "lr",
+    "Change the learning rate from the next optimizer step on, held against the loop's scheduler or "
+    "hand-written schedule, and checked at that step.",
+)
 class Lr(_Action):
     @staticmethod
     def add_arguments(p):
@@ -16,19 +19,36 @@ class Lr(_Action):
         g.add_argument("--scale", type=float, metavar="F", help="Every step uses the loop's own learning rate times F.")
         g.add_argument("--reset", action="store_true", help="Remove the override: the loop's own rate applies again.")
         p.add_argument("--group", type=int, metavar="N", help="Only param group N (default: every group).")
-        p.add_argument("--optimizer", metavar="NAME", help="Only this optimizer, when there are several: its name in "
-                       "torch.optimizer (opt_d, trainer.optimizer) or its index there (0, 1, ...).")
-        p.add_argument("--once", "--ignore-scheduler", dest="once", action="store_true",
-                       help="Write param_groups once without holding it (the next step is still checked: it fails "
-                            "if the loop rewrote the rate first).")
-        p.add_argument("--force", action="store_true",
-                       help="Allow a rate more than 10x the largest one in use now (never one the parameters' dtype "
-                            "cannot take).")
+        p.add_argument(
+            "--optimizer",
+            metavar="NAME",
+            help="Only this optimizer, when there are several: its name in "
+            "torch.optimizer (opt_d, trainer.optimizer) or its index there (0, 1, ...).",
+        )
+        p.add_argument(
+            "--once",
+            "--ignore-scheduler",
+            dest="once",
+            action="store_true",
+            help="Write param_groups once without holding it (the next step is still checked: it fails "
+            "if the loop rewrote the rate first).",
+        )
+        p.add_argument(
+            "--force",
+            action="store_true",
+            help="Allow a rate more than 10x the largest one in use now (never one the parameters' dtype cannot take).",
+        )
         p.add_argument("--allow-zero", action="store_true", help="Allow a rate of 0 (the weights stop changing).")
         _Action.add_common(p)
 
     def body(self, session, args, target):
-        b = {"now": args.now, "once": args.once, "reset": args.reset, "force": args.force, "allow_zero": args.allow_zero}
+        b = {
+            "now": args.now,
+            "once": args.once,
+            "reset": args.reset,
+            "force": args.force,
+            "allow_zero": args.allow_zero,
+        }
         for k in ("set", "scale", "group", "optimizer"):
             if getattr(args, k) is not None:
                 b[k] = getattr(args, k)
@@ -46,20 +66,33 @@ class Lr(_Action):
         for g in r.get("removed", []):
             when = "the next step" if r.get("step") is None else f"step {r['step'] + 1}"
             after = "" if g.get("held_steps") is None else f" after {g['held_steps']} step(s)"
-            session.print(f"{prefix}optimizer '{g['optimizer']}' group {g['group']}: removed {g['override']}{after}; "
-                          f"the loop's lr {g['loop_lr']:.6g} applies from {when}.")
+            session.print(
+                f"{prefix}optimizer '{g['optimizer']}' group {g['group']}: removed {g['override']}{after}; "
+                f"the loop's lr {g['loop_lr']:.6g} applies from {when}."
+            )
         for opt in r.get("optimizers", []):
             via = f" (through {opt['wrapper']})" if opt.get("wrapper") else ""
-            held = ("written once" if r.get("mode") == "once" else
-                    "through its scheduler's base rates (param_groups and the loop's logs show the new rate)"
-                    if opt.get("via") == "scheduler" else
-                    "held at every step (a loop that writes its own rate: its logs and param_groups show the loop's "
-                    "value, torch.steps.lr what each step used)")
-            session.print(f"{prefix}optimizer '{opt['optimizer']}' {opt.get('type', '')}{via}, {held}"
-                          + ("" if r.get("step") is None else f", from step {r['step'] + 1}") + ":")
+            held = (
+                "written once"
+                if r.get("mode") == "once"
+                else "through its scheduler's base rates (param_groups and the loop's logs show the new rate)"
+                if opt.get("via") == "scheduler"
+                else "held at every step (a loop that writes its own rate: its logs and param_groups show the loop's "
+                "value, torch.steps.lr what each step used)"
+            )
+            session.print(
+                f"{prefix}optimizer '{opt['optimizer']}' {opt.get('type', '')}{via}, {held}"
+                + ("" if r.get("step") is None else f", from step {r['step'] + 1}")
+                + ":"
+            )
             for g in opt["groups"]:
                 used = g.get("used")
-                check = (f"; step {r['checked_at_step']} used {used:.6g}" if used is not None and r.get("checked_at_step")
-                         else "; not yet seen used")
-                session.print(f"{prefix}  group {g['group']}: {g['before']:.6g} -> {g['after']:.6g}{check}"
-                              + (f" ({g['note']})" if g.get("note") else ""))
+                check = (
+                    f"; step {r['checked_at_step']} used {used:.6g}"
+                    if used is not None and r.get("checked_at_step")
+                    else "; not yet seen used"
+                )
+                session.print(
+                    f"{prefix}  group {g['group']}: {g['before']:.6g} -> {g['after']:.6g}{check}"
+                    + (f" ({g['note']})" if g.get("note") else "")
+                )

@@ -24,13 +24,22 @@ def fetch_profile(session, target, seconds: float, native: bool = False, hz: flo
         return session.client(target).get("/profile", timeout=seconds + session.timeout, seconds=seconds, hz=hz)
     pid = target.local_pid
     if pid is None:
-        raise ProbeError("--native samples the process with py-spy, which works only on its host; run the command on the process's node.")
+        raise ProbeError(
+            "--native samples the process with py-spy, which works only on its host; run the command on the process's node."
+        )
     from probe.injector import pyspy_record
 
     started = time.perf_counter()
     stacks = pyspy_record(pid, seconds, hz=hz, native=True)
-    return {"source": "py-spy", "pid": pid, "rank": target.rank, "stacks": stacks, "samples": None,
-            "seconds": round(time.perf_counter() - started, 3), "hz": hz}
+    return {
+        "source": "py-spy",
+        "pid": pid,
+        "rank": target.rank,
+        "stacks": stacks,
+        "samples": None,
+        "seconds": round(time.perf_counter() - started, 3),
+        "hz": hz,
+    }
 
 
 def merge(docs: list, by_rank: bool) -> list:
@@ -43,18 +52,30 @@ def merge(docs: list, by_rank: bool) -> list:
     return sorted(([k, v] for k, v in merged.items()), key=lambda kv: -kv[1])
 
 
-@command("profile", "Sample every thread's stack for N seconds (py-spy with --native); write collapsed stacks, speedscope JSON or an SVG flamegraph.",
-         own_format=True)
+@command(
+    "profile",
+    "Sample every thread's stack for N seconds (py-spy with --native); write collapsed stacks, speedscope JSON or an SVG flamegraph.",
+    own_format=True,
+)
 class Profile(Command):
     @staticmethod
     def add_arguments(p):
         p.add_argument("--seconds", type=float, default=5.0, help="How long to sample (default 5, at most 60).")
         p.add_argument("--hz", type=float, default=100.0, help="Samples per second (default 100, at most 250).")
-        p.add_argument("--native", action="store_true", help="Include native (C/C++) frames: sample with py-spy record (local processes).")
+        p.add_argument(
+            "--native",
+            action="store_true",
+            help="Include native (C/C++) frames: sample with py-spy record (local processes).",
+        )
         p.add_argument("-o", "--output", metavar="FILE", help="Write here instead of standard output.")
-        p.add_argument("--format", dest="format", choices=("collapsed", "speedscope", "svg"), default=None,
-                       help="collapsed (default; flamegraph.pl, inferno), speedscope (JSON for speedscope.app) or svg; "
-                            "by default taken from -o's extension (.svg, .json).")
+        p.add_argument(
+            "--format",
+            dest="format",
+            choices=("collapsed", "speedscope", "svg"),
+            default=None,
+            help="collapsed (default; flamegraph.pl, inferno), speedscope (JSON for speedscope.app) or svg; "
+            "by default taken from -o's extension (.svg, .json).",
+        )
 
     def run(self, session, args):
         from ..plumbing.fanout import check_partial, fan_out
@@ -76,13 +97,18 @@ class Profile(Command):
         stacks = merge(docs, by_rank=len(targets) > 1)
         where = ", ".join(label for label, _ in docs)
         title = f"probe profile: {where}, {args.seconds:g} s" + (" (native, py-spy)" if args.native else "")
-        text = {"collapsed": to_collapsed, "speedscope": lambda s: to_speedscope(s, title),
-                "svg": lambda s: to_svg(s, title)}[fmt](stacks)
+        text = {
+            "collapsed": to_collapsed,
+            "speedscope": lambda s: to_speedscope(s, title),
+            "svg": lambda s: to_svg(s, title),
+        }[fmt](stacks)
         if args.output:
             with open(args.output, "w") as f:
                 f.write(text)
             total = sum(n for _, n in stacks)
-            session.note(f"probe: wrote {fmt} of {total} samples ({len(stacks)} distinct stacks) from {where} to {args.output}.")
+            session.note(
+                f"probe: wrote {fmt} of {total} samples ({len(stacks)} distinct stacks) from {where} to {args.output}."
+            )
         else:
             session.stdout.write(text)
             session.stdout.flush()

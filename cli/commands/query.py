@@ -21,13 +21,27 @@ class Query(Command):
     @staticmethod
     def add_arguments(p):
         p.add_argument("sql", help="The SQL query, or - to read it from standard input.")
-        p.add_argument("-f", dest="format", choices=("table", "json", "csv"), default=argparse.SUPPRESS,
-                       help="Output format (same as --format).")
-        p.add_argument("--max-rows", type=int, default=None, help="Row cap of the result (default PROBE_MAX_ROWS, 10000).")
+        p.add_argument(
+            "-f",
+            dest="format",
+            choices=("table", "json", "csv"),
+            default=argparse.SUPPRESS,
+            help="Output format (same as --format).",
+        )
+        p.add_argument(
+            "--max-rows", type=int, default=None, help="Row cap of the result (default PROBE_MAX_ROWS, 10000)."
+        )
         p.add_argument("--expanded", "-x", action="store_true", help="One column per line, like psql's \\x.")
-        p.add_argument("--timing", action="store_true", help="Print the time DuckDB took (here, in the client) and the snapshot's time in the process.")
-        p.add_argument("--native", action="store_true",
-                       help="python.backtrace includes native (C/C++) frames (is_native), read with py-spy on this host.")
+        p.add_argument(
+            "--timing",
+            action="store_true",
+            help="Print the time DuckDB took (here, in the client) and the snapshot's time in the process.",
+        )
+        p.add_argument(
+            "--native",
+            action="store_true",
+            help="python.backtrace includes native (C/C++) frames (is_native), read with py-spy on this host.",
+        )
 
     def run(self, session, args):
         from probe.util.validate import BadRequest, count
@@ -54,7 +68,9 @@ def _native_backtrace(session, target) -> tuple:
     from ..stacks import backtrace_doc, backtrace_table
 
     if target.local_pid is None:
-        raise ProbeError(f"{target.label} is not on this host: --native reads the process with py-spy, which works only "
-                         "on its host; run the query on the process's node.")
+        raise ProbeError(
+            f"{target.label} is not on this host: --native reads the process with py-spy, which works only "
+            "on its host; run the query on the process's node."
+        )
     doc = backtrace_doc(session, target, argparse.Namespace(native=True, subprocesses=False, thread=None, locals=False))
     return backtrace_table(doc)

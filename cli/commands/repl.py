@@ -5,7 +5,10 @@ from __future__ import annotations
 from . import Command, command
 
 
-@command("repl", "Interactive SQL session with live-schema completion and backslash commands (\\? lists them); `probe ENDPOINT` alone opens it.")
+@command(
+    "repl",
+    "Interactive SQL session with live-schema completion and backslash commands (\\? lists them); `probe ENDPOINT` alone opens it.",
+)
 class Repl(Command):
     def run(self, session, args):
         from ..repl.loop import Repl as ReplLoop

@@ -11,20 +11,43 @@ from probe._errors import ProbeError
 
 from . import Command, command
 
-COLUMNS = ("rank", "host", "pid", "step", "age_s", "step_time", "compute", "wait_share", "state", "culprit", "reason",
-           "top_frame")
+COLUMNS = (
+    "rank",
+    "host",
+    "pid",
+    "step",
+    "age_s",
+    "step_time",
+    "compute",
+    "wait_share",
+    "state",
+    "culprit",
+    "reason",
+    "top_frame",
+)
 SQL = f"SELECT {', '.join(COLUMNS)} FROM ranks.status ORDER BY rank"
 
 
-@command("status", "One line per rank: step, step time, compute, share of time waiting for others, state "
-                   "(training/slow/waiting/hung/idle/unreachable), the culprit the others wait for, and why.")
+@command(
+    "status",
+    "One line per rank: step, step time, compute, share of time waiting for others, state "
+    "(training/slow/waiting/hung/idle/unreachable), the culprit the others wait for, and why.",
+)
 class Status(Command):
     @staticmethod
     def add_arguments(p):
-        p.add_argument("--slow-factor", type=float, default=None,
-                       help="Slow when the compute time per step exceeds the others' median by this factor (default PROBE_STRAGGLER_FACTOR).")
-        p.add_argument("--hung-after", type=float, default=None,
-                       help="Hung (or waiting, inside a collective) after this many seconds without a step (default PROBE_HUNG_AFTER).")
+        p.add_argument(
+            "--slow-factor",
+            type=float,
+            default=None,
+            help="Slow when the compute time per step exceeds the others' median by this factor (default PROBE_STRAGGLER_FACTOR).",
+        )
+        p.add_argument(
+            "--hung-after",
+            type=float,
+            default=None,
+            help="Hung (or waiting, inside a collective) after this many seconds without a step (default PROBE_HUNG_AFTER).",
+        )
 
     def run(self, session, args):
         from ..query_runner import federated_query

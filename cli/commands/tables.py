@@ -21,8 +21,12 @@ class Tables(Command):
         from ..render import render_result
 
         rows = [[t["name"], t["kind"], len(t["columns"]), t["description"]] for t in doc["tables"]]
-        session.print(render_result(Result(["name", "kind", "columns", "description"],
-                                           ["VARCHAR", "VARCHAR", "INTEGER", "VARCHAR"], rows), session.format))
+        session.print(
+            render_result(
+                Result(["name", "kind", "columns", "description"], ["VARCHAR", "VARCHAR", "INTEGER", "VARCHAR"], rows),
+                session.format,
+            )
+        )
         return 0
 
 
@@ -40,13 +44,25 @@ def _tables_ranks(session) -> int:
         for t in a.value["tables"] if a.ok else ():
             seen.setdefault(t["name"], (t, []))[1].append(a.rank)
     answered = [a.rank for a in answers if a.ok]
-    rows = [[name, t["kind"], len(t["columns"]), "all" if ranks == answered else format_ranks(ranks), t["description"]]
-            for name, (t, ranks) in sorted(seen.items())]
+    rows = [
+        [name, t["kind"], len(t["columns"]), "all" if ranks == answered else format_ranks(ranks), t["description"]]
+        for name, (t, ranks) in sorted(seen.items())
+    ]
     rows += [[None, "error", None, a.target.label, a.error] for a in answers if not a.ok]
     if session.format == "json":
-        session.print(json.dumps([dict(zip(["name", "kind", "columns", "ranks", "description"], r)) for r in rows], indent=2))
+        session.print(
+            json.dumps([dict(zip(["name", "kind", "columns", "ranks", "description"], r)) for r in rows], indent=2)
+        )
     else:
-        session.print(render_result(Result(["name", "kind", "columns", "ranks", "description"],
-                                           ["VARCHAR", "VARCHAR", "INTEGER", "VARCHAR", "VARCHAR"], rows), session.format))
+        session.print(
+            render_result(
+                Result(
+                    ["name", "kind", "columns", "ranks", "description"],
+                    ["VARCHAR", "VARCHAR", "INTEGER", "VARCHAR", "VARCHAR"],
+                    rows,
+                ),
+                session.format,
+            )
+        )
     check_partial(answers, "table listing")  # cli.main reports it and exits 7 (partial) or 3 (none answered)
     return 0

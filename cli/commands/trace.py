@@ -7,12 +7,17 @@ from probe._errors import ProbeError
 from . import Command, command
 
 
-@command("trace", "Write a timeline of the last steps (steps, sampled module calls, user spans, collectives) as Chrome trace-event JSON for Perfetto or chrome://tracing.")
+@command(
+    "trace",
+    "Write a timeline of the last steps (steps, sampled module calls, user spans, collectives) as Chrome trace-event JSON for Perfetto or chrome://tracing.",
+)
 class Trace(Command):
     @staticmethod
     def add_arguments(p):
         p.add_argument("--steps", type=int, default=10, help="How many of the latest steps to include (default 10).")
-        p.add_argument("-o", "--output", required=True, help="File to write the trace to; - writes it to standard output.")
+        p.add_argument(
+            "-o", "--output", required=True, help="File to write the trace to; - writes it to standard output."
+        )
 
     def run(self, session, args):
         import json
@@ -42,13 +47,20 @@ class Trace(Command):
             except OSError as exc:
                 raise ProbeError(f"cannot write {args.output} ({exc.strerror}); choose another -o path.") from None
             n = sum(1 for e in doc["traceEvents"] if e["ph"] != "M")
-            summary = {"path": path, "ranks": len(ok), "events": n, "bytes": len(text),
-                       "seconds": round(time.perf_counter() - started, 3)}
+            summary = {
+                "path": path,
+                "ranks": len(ok),
+                "events": n,
+                "bytes": len(text),
+                "seconds": round(time.perf_counter() - started, 3),
+            }
             if session.format == "json":
                 session.print(json.dumps(summary))
             else:
-                session.print(f"wrote {path}: {n} events from {len(ok)} process{'es' if len(ok) != 1 else ''} "
-                              f"in {summary['seconds']:.2f} s; open it at https://ui.perfetto.dev or chrome://tracing.")
+                session.print(
+                    f"wrote {path}: {n} events from {len(ok)} process{'es' if len(ok) != 1 else ''} "
+                    f"in {summary['seconds']:.2f} s; open it at https://ui.perfetto.dev or chrome://tracing."
+                )
         for _, notes in ok:
             for note in notes:
                 session.note(f"probe: {note}.")

@@ -49,8 +49,10 @@ def parse_address(text: str) -> tuple[str, int]:
     elif ":" in host:
         raise ProbeError(f"--http {text}: write an IPv6 address in brackets, e.g. [::1]:8000.")
     if not port.isdigit() or not 0 <= int(port) <= 65535 or (sep and not host):
-        raise ProbeError(f"--http {text} is not [HOST:]PORT with a port from 0 to 65535 (0 picks a free one); "
-                         "e.g. --http 8000 or --http 127.0.0.1:0.")
+        raise ProbeError(
+            f"--http {text} is not [HOST:]PORT with a port from 0 to 65535 (0 picks a free one); "
+            "e.g. --http 8000 or --http 127.0.0.1:0."
+        )
     return host or "127.0.0.1", int(port)
 
 
@@ -60,9 +62,11 @@ def http_token(environ_value: str | None) -> tuple[str, bool]:
         return secrets.token_urlsafe(32), True
     value = environ_value.strip()
     if not _TOKEN_OK.match(value):
-        raise ProbeError("PROBE_MCP_TOKEN must be at least 16 characters of letters, digits and ._~+/=- "
-                         "(e.g. from `python -c 'import secrets; print(secrets.token_urlsafe(32))'`), or unset "
-                         "to have one generated.")
+        raise ProbeError(
+            "PROBE_MCP_TOKEN must be at least 16 characters of letters, digits and ._~+/=- "
+            "(e.g. from `python -c 'import secrets; print(secrets.token_urlsafe(32))'`), or unset "
+            "to have one generated."
+        )
     return value, False
 
 
@@ -88,12 +92,18 @@ def _is_wildcard(host: str) -> bool:
 def _listen(host: str, port: int, expose: bool) -> socket.socket:
     """A listening socket; an address that is not loopback (as resolved, not as spelled) needs ``expose``."""
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+            0
+        ]
     except OSError as exc:
-        raise ProbeError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --http address.") from None
+        raise ProbeError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --http address."
+        ) from None
     if not expose and not ipaddress.ip_address(addr[0].split("%")[0]).is_loopback:
-        raise ProbeError(f"--http {host}:{port}: {host} is not a loopback address; add --expose to serve MCP there "
-                         "(anyone who can reach it and has the token can use the tools), or keep 127.0.0.1 and tunnel with ssh -L.")
+        raise ProbeError(
+            f"--http {host}:{port}: {host} is not a loopback address; add --expose to serve MCP there "
+            "(anyone who can reach it and has the token can use the tools), or keep 127.0.0.1 and tunnel with ssh -L."
+        )
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -101,7 +111,9 @@ def _listen(host: str, port: int, expose: bool) -> socket.socket:
         sock.listen(64)
     except OSError as exc:
         sock.close()
-        raise ProbeError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --http address.") from None
+        raise ProbeError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --http address."
+        ) from None
     sock.setblocking(False)
     return sock
 
@@ -109,7 +121,7 @@ def _listen(host: str, port: int, expose: bool) -> socket.socket:
 def _names(host: str, bound: str) -> list[str]:
     """The Host-header names (without port) this server answers to: loopback, and the exposed address."""
     names = list(_LOOPBACK_NAMES)
-    for h in ([socket.gethostname(), socket.getfqdn()] if _is_wildcard(bound) else [host, bound]):
+    for h in [socket.gethostname(), socket.getfqdn()] if _is_wildcard(bound) else [host, bound]:
         h = f"[{h}]" if ":" in h else h
         if h not in names:
             names.append(h)
@@ -119,8 +131,9 @@ def _names(host: str, bound: str) -> list[str]:
 def _security(names: list[str], port: int):
     """DNS-rebinding protection (the SDK's): a request naming another Host, or a web page of another origin, is refused."""
     hosts = [f"{n}:{port}" for n in names] + (names if port == 80 else [])
-    return TransportSecuritySettings(enable_dns_rebinding_protection=True, allowed_hosts=hosts,
-                                     allowed_origins=[f"http://{h}" for h in hosts])
+    return TransportSecuritySettings(
+        enable_dns_rebinding_protection=True, allowed_hosts=hosts, allowed_origins=[f"http://{h}" for h in hosts]
+    )
 
 
 def _quiet_logs(server) -> None:
@@ -134,25 +147,41 @@ def _quiet_logs(server) -> None:
         sdk.propagate = False
     # an open event stream ends with the session manager when we stop; uvicorn calls that an error
     logging.getLogger("uvicorn.error").addFilter(
-        lambda record: not (server.should_exit and "without completing response" in record.getMessage()))
+        lambda record: not (server.should_exit and "without completing response" in record.getMessage())
+    )
 
 
-def serve_http(host: str, port: int, *, token: str, announce: Callable[[str, bool], None], expose: bool = False,
-               allow_actions: bool = False, timeout: float | None = None, output_dir: str | None = None) -> None:
+def serve_http(
+    host: str,
+    port: int,
+    *,
+    token: str,
+    announce: Callable[[str, bool], None],
+    expose: bool = False,
+    allow_actions: bool = False,
+    timeout: float | None = None,
+    output_dir: str | None = None,
+) -> None:
     """Listen on ``host:port``, call ``announce(url, loopback)`` once bound, serve until SIGINT or SIGTERM."""
     sock = _listen(host, port, expose)
     bound, port = sock.getsockname()[:2]
     names = _names(host, bound)
-    url_host = names[len(_LOOPBACK_NAMES)] if len(names) > len(_LOOPBACK_NAMES) else (
-        f"[{bound}]" if ":" in bound else bound)
+    url_host = (
+        names[len(_LOOPBACK_NAMES)] if len(names) > len(_LOOPBACK_NAMES) else (f"[{bound}]" if ":" in bound else bound)
+    )
     url = f"http://{url_host}:{port}{PATH}"
     app = build_server(allow_actions, timeout, output_dir).streamable_http_app(
-        streamable_http_path=PATH, host=host, transport_security=_security(names, port),
+        streamable_http_path=PATH,
+        host=host,
+        transport_security=_security(names, port),
         # Resource-server settings with no OAuth server: the SDK then only checks bearer tokens with the
         # verifier (issuer_url is required by the model but unused without an authorization server).
-        auth=AuthSettings(issuer_url=url, resource_server_url=None), token_verifier=_Token(token))
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", server_header=False,
-                            timeout_graceful_shutdown=3)
+        auth=AuthSettings(issuer_url=url, resource_server_url=None),
+        token_verifier=_Token(token),
+    )
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="on", server_header=False, timeout_graceful_shutdown=3
+    )
     server = uvicorn.Server(config)
     _quiet_logs(server)
     # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler it found:

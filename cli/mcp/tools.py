@@ -33,7 +33,10 @@ NEVER = ("eval", "debug", "inject", "repl", "mcp")  # code execution, attaching,
 # Options that concern a terminal, not an agent (output is always JSON), or that an agent must not use.
 _SKIP = {"format", "json", "expanded", "timing", "help", "now"}
 _TARGET = {
-    "endpoint": {"type": "string", "description": "pid, host:port or unix-socket path of the probed process (see the list tool)."},
+    "endpoint": {
+        "type": "string",
+        "description": "pid, host:port or unix-socket path of the probed process (see the list tool).",
+    },
     "rank": {"type": "integer", "description": "Talk to rank N (found in the registry) instead of an endpoint."},
     "ranks": {"type": "string", "description": "Several ranks: all, 3, 0-3, 0-3,7 (instead of endpoint or rank)."},
 }
@@ -84,12 +87,16 @@ def _query_context() -> str:
     from probe.tables.registry import all_tables
 
     lines = [f"- {t.name}: {t.description}" for t in all_tables()]
-    return ("\n\nRead-only: one SELECT (DuckDB dialect) over these tables; `describe` gives their columns, "
-            "`tables` what a given process has (user tables included):\n" + "\n".join(lines))
+    return (
+        "\n\nRead-only: one SELECT (DuckDB dialect) over these tables; `describe` gives their columns, "
+        "`tables` what a given process has (user tables included):\n" + "\n".join(lines)
+    )
 
 
-_OUTPUT_HELP = ("Also keep the result as a new file of this name (a plain name, no directory) in {dir}, the directory "
-                "named when this server started; an existing file is never replaced. The content is returned either way.")
+_OUTPUT_HELP = (
+    "Also keep the result as a new file of this name (a plain name, no directory) in {dir}, the directory "
+    "named when this server started; an existing file is never replaced. The content is returned either way."
+)
 
 
 def tool_specs(allow_actions: bool = False, output_dir: str | None = None) -> list[ToolSpec]:
@@ -101,7 +108,9 @@ def tool_specs(allow_actions: bool = False, output_dir: str | None = None) -> li
     from ..commands import COMMANDS, load_all
 
     load_all()
-    names = [n for n in READ_TOOLS if n in COMMANDS] + ([n for n in ACTION_TOOLS if n in COMMANDS] if allow_actions else [])
+    names = [n for n in READ_TOOLS if n in COMMANDS] + (
+        [n for n in ACTION_TOOLS if n in COMMANDS] if allow_actions else []
+    )
     specs = []
     for name in names:
         cls = COMMANDS[name]
@@ -127,7 +136,10 @@ def tool_specs(allow_actions: bool = False, output_dir: str | None = None) -> li
             props.update(_TARGET)
         read_only = name not in ACTION_TOOLS
         if not read_only:
-            props["yes"] = {"type": "boolean", "description": "Confirm an action sent to several ranks (needed with ranks)."}
+            props["yes"] = {
+                "type": "boolean",
+                "description": "Confirm an action sent to several ranks (needed with ranks).",
+            }
         description = cls.help
         if name == "query":
             description += _query_context()
@@ -146,8 +158,10 @@ _parse_lock = threading.Lock()
 def _argv(spec: ToolSpec, arguments: dict) -> list[str]:
     unknown = sorted(set(arguments) - set(spec.input_schema["properties"]))
     if unknown:
-        raise ProbeError(f"{spec.name} does not take {', '.join(unknown)}; its arguments are "
-                         f"{', '.join(spec.input_schema['properties']) or 'none'}.")
+        raise ProbeError(
+            f"{spec.name} does not take {', '.join(unknown)}; its arguments are "
+            f"{', '.join(spec.input_schema['properties']) or 'none'}."
+        )
     # Grouped stacks across ranks exist only as text (identical stacks merged, ranks listed); all else is JSON.
     grouped = spec.name == "backtrace" and arguments.get("group")
     argv = ["--format", "table" if grouped else "json"]
@@ -163,7 +177,9 @@ def _argv(spec: ToolSpec, arguments: dict) -> list[str]:
     positionals = []
     for key, action in spec.options:
         value = arguments.get(key)
-        if key == "output" and spec.read_only:  # the content comes back on stdout; call_tool keeps a copy when asked (see _keep)
+        if (
+            key == "output" and spec.read_only
+        ):  # the content comes back on stdout; call_tool keeps a copy when asked (see _keep)
             if spec.name == "trace":
                 argv += ["-o", "-"]
             if value not in (None, "") and spec.name == "profile" and arguments.get("format") is None:
@@ -208,8 +224,15 @@ def _output_path(name, output_dir: str | None) -> str:
     name = str(name)
     if output_dir is None:
         raise ProbeError("this server writes no files (start it with --output-dir DIR to allow new files there).")
-    if (not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith(".")
-            or any(not ch.isprintable() for ch in name) or len(name) > 200):
+    if (
+        not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or name.startswith(".")
+        or any(not ch.isprintable() for ch in name)
+        or len(name) > 200
+    ):
         raise ProbeError(f"output must be a plain file name (no directory, not hidden), not {name[:80]!r}.")
     return os.path.join(output_dir, name)
 
@@ -226,8 +249,9 @@ def _keep(path: str, text: str) -> None:
         f.write(text)
 
 
-def call_tool(spec: ToolSpec, arguments: dict | None, *, timeout: float | None = None,
-              output_dir: str | None = None) -> ToolResult:
+def call_tool(
+    spec: ToolSpec, arguments: dict | None, *, timeout: float | None = None, output_dir: str | None = None
+) -> ToolResult:
     """Run the tool's command with captured output; a ProbeError becomes an error result.
 
     The command writes nothing itself: its output comes back here, and with ``output`` a copy is kept

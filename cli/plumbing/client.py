@@ -42,10 +42,13 @@ def _redact_locals(doc: dict) -> None:
     for thread in doc["threads"]:
         for frame in (thread.get("frames") or []) if isinstance(thread, dict) else []:
             if isinstance(frame, dict) and isinstance(frame.get("locals"), dict):
-                from probe.util.redact import redact  # only with --locals: its patterns cost a plain backtrace's start-up
+                from probe.util.redact import (
+                    redact,
+                )  # only with --locals: its patterns cost a plain backtrace's start-up
 
-                frame["locals"] = {str(k): redact(str(k), v if isinstance(v, str) else str(v))
-                                   for k, v in frame["locals"].items()}
+                frame["locals"] = {
+                    str(k): redact(str(k), v if isinstance(v, str) else str(v)) for k, v in frame["locals"].items()
+                }
 
 
 def check_answer(path: str, doc: dict) -> str | None:
@@ -70,8 +73,10 @@ def check_answer(path: str, doc: dict) -> str | None:
             try:
                 if not isinstance(t, dict) or not isinstance(t.get("columns"), list):
                     raise WireError("a table without a list of columns")
-                check_table(t.get("name"), [(c.get("name"), c.get("type")) if isinstance(c, dict) else (None, None)
-                                            for c in t["columns"]])
+                check_table(
+                    t.get("name"),
+                    [(c.get("name"), c.get("type")) if isinstance(c, dict) else (None, None) for c in t["columns"]],
+                )
             except WireError as exc:
                 name = t.get("name") if isinstance(t, dict) and isinstance(t.get("name"), str) else "?"
                 return f"its table {name[:80]}: {exc}"
@@ -131,8 +136,9 @@ class Client:
                     raise
         return socket.create_connection((t.host, t.port), timeout=timeout)
 
-    def request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None,
-                raw: bool = False):
+    def request(
+        self, method: str, path: str, body: dict | None = None, timeout: float | None = None, raw: bool = False
+    ):
         """The answer as a dict; with ``raw``, a successful answer's body as bytes (binary routes)."""
         timeout = self.timeout if timeout is None else timeout
         t = self.target
@@ -149,12 +155,18 @@ class Client:
             sock = self._connect(timeout)
             status, data = _exchange(sock, method, path, headers, payload)
         except FileNotFoundError:
-            raise EndpointError(f"the socket of {t.label} is gone; the process probably exited (`probe list` shows live ones).") from None
+            raise EndpointError(
+                f"the socket of {t.label} is gone; the process probably exited (`probe list` shows live ones)."
+            ) from None
         except ConnectionRefusedError:
             where = t.socket or f"{t.host}:{t.port}"
-            raise EndpointError(f"connection refused by {where}; the probe is not listening there (check the port, or `probe list`).") from None
+            raise EndpointError(
+                f"connection refused by {where}; the probe is not listening there (check the port, or `probe list`)."
+            ) from None
         except socket.timeout:
-            raise EndpointError(f"{t.label} did not answer within {timeout:g} s; it may be hung with the GIL held (try `probe {t.pid or 'PID'} backtrace`, which falls back to py-spy, or raise --timeout).") from None
+            raise EndpointError(
+                f"{t.label} did not answer within {timeout:g} s; it may be hung with the GIL held (try `probe {t.pid or 'PID'} backtrace`, which falls back to py-spy, or raise --timeout)."
+            ) from None
         except _BadResponse:
             raise EndpointError(f"{t.label} did not answer like a probe (not HTTP); check the endpoint.") from None
         except OSError as exc:
@@ -199,6 +211,10 @@ class Client:
             return decode(data)
         except WireError as exc:
             if data[:1] == b"{":
-                raise EndpointError(f"{self.target.label} answers an older protocol; restart it with this version of probe.") from None
-            raise EndpointError(f"{self.target.label} sent a snapshot that is damaged or not a probe's ({exc}); "
-                                "check the endpoint, or retry.") from None
+                raise EndpointError(
+                    f"{self.target.label} answers an older protocol; restart it with this version of probe."
+                ) from None
+            raise EndpointError(
+                f"{self.target.label} sent a snapshot that is damaged or not a probe's ({exc}); "
+                "check the endpoint, or retry."
+            ) from None

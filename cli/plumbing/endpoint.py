@@ -14,8 +14,17 @@ __all__ = ["Target", "resolve", "from_entry", "targets_for_ranks", "parse_rank_s
 class Target:
     """One probed process to talk to (a plain class: dataclasses cost start-up time)."""
 
-    def __init__(self, label: str, socket: str | None = None, host: str | None = None, port: int | None = None,
-                 token: str | None = None, pid: int | None = None, rank: int | None = None, entry: dict | None = None):
+    def __init__(
+        self,
+        label: str,
+        socket: str | None = None,
+        host: str | None = None,
+        port: int | None = None,
+        token: str | None = None,
+        pid: int | None = None,
+        rank: int | None = None,
+        entry: dict | None = None,
+    ):
         self.label, self.socket, self.host, self.port = label, socket, host, port
         self.token, self.pid, self.rank = token, pid, rank
         self.entry = entry if entry is not None else {}
@@ -85,10 +94,21 @@ def from_entry(entry: dict, token: str | None) -> Target:
         if host in ("0.0.0.0", "::"):
             host = entry.get("host")
         elif host in _LOOPBACK and entry.get("host") not in (None, _s.gethostname()):
-            raise EndpointError(f"{label} on {entry['host']} listens on its loopback only; start the job with PROBE_HOST set to that node's address (or 0.0.0.0) so other hosts can reach it.")
-        return Target(label, host=host, port=int(entry["tcp_port"]), token=token or entry.get("token"),
-                      pid=entry["pid"], rank=entry.get("rank"), entry=entry)
-    raise EndpointError(f"{label} on {entry.get('host')} has no reachable endpoint; start it with PROBE_PORT set so other hosts can reach it.")
+            raise EndpointError(
+                f"{label} on {entry['host']} listens on its loopback only; start the job with PROBE_HOST set to that node's address (or 0.0.0.0) so other hosts can reach it."
+            )
+        return Target(
+            label,
+            host=host,
+            port=int(entry["tcp_port"]),
+            token=token or entry.get("token"),
+            pid=entry["pid"],
+            rank=entry.get("rank"),
+            entry=entry,
+        )
+    raise EndpointError(
+        f"{label} on {entry.get('host')} has no reachable endpoint; start it with PROBE_PORT set so other hosts can reach it."
+    )
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -154,8 +174,15 @@ def resolve(endpoint: str, token: str | None = None, *, agent: str | None = None
                 if e.get("tcp_port") == port and e.get("token") and host in _addresses_of(e):
                     token, entry = e["token"], e
                     break
-        return Target(endpoint, host=host, port=port, token=token, pid=entry.get("pid"), rank=entry.get("rank"),
-                      entry=entry or None)
+        return Target(
+            endpoint,
+            host=host,
+            port=port,
+            token=token,
+            pid=entry.get("pid"),
+            rank=entry.get("rank"),
+            entry=entry or None,
+        )
     if "/" in endpoint or endpoint.endswith(".sock"):
         if not os.path.exists(endpoint):
             raise EndpointError(f"no socket at {endpoint}; `probe list` shows the probed processes and their sockets.")
@@ -179,7 +206,9 @@ def parse_rank_spec(spec: str) -> list[int] | None:
             elif part:
                 ranks.append(int(part))
     except ValueError:
-        raise EndpointError(f"'{spec}' is not a rank list; use all, a rank (3), a range (0-3) or a list (0-3,7).") from None
+        raise EndpointError(
+            f"'{spec}' is not a rank list; use all, a rank (3), a range (0-3) or a list (0-3,7)."
+        ) from None
     if not ranks:
         raise EndpointError("the rank list is empty; use all, a rank (3), a range (0-3) or a list (0-3,7).")
     return sorted(set(ranks))
@@ -198,13 +227,16 @@ def pick_job(entries: list[dict], job: str | None) -> list[dict]:
             raise EndpointError(f"--job {job} {what}; the jobs are: {', '.join(jobs) or 'none'} (see `probe list`).")
         return [e for e in entries if str(e.get("job")) == chosen[0]]
     if len(jobs) > 1:
-        raise EndpointError(f"ranks of {len(jobs)} jobs are probed here ({', '.join(jobs)}); pick one with --job ID "
-                            "(`probe list` shows each process's job).")
+        raise EndpointError(
+            f"ranks of {len(jobs)} jobs are probed here ({', '.join(jobs)}); pick one with --job ID "
+            "(`probe list` shows each process's job)."
+        )
     return entries
 
 
-def targets_for_ranks(ranks: list[int] | None, token: str | None = None, job: str | None = None, *,
-                      agent: str | None = None) -> list[Target]:
+def targets_for_ranks(
+    ranks: list[int] | None, token: str | None = None, job: str | None = None, *, agent: str | None = None
+) -> list[Target]:
     """Targets of the given ranks (None: every rank) of one job from the local and shared registries; ``agent``: see ``_typed``."""
     token = _typed(token, agent)
     entries = [e for e in read_entries(clean=True) if e.get("rank") is not None]
@@ -217,13 +249,17 @@ def targets_for_ranks(ranks: list[int] | None, token: str | None = None, job: st
         dead = [m for m in list_records() if m.get("rank") is not None and m.get("job")]
         jobs = sorted({str(m["job"]) for m in dead})
         if job is None and len(jobs) > 1:  # not a choice between running jobs: none runs
-            raise EndpointError(f"no job is running here: every probed rank has exited; {len(jobs)} ended jobs left "
-                                f"post-mortem records ({', '.join(jobs)}): `probe list --dead` shows them, and "
-                                "--job ID reads one's records.")
+            raise EndpointError(
+                f"no job is running here: every probed rank has exited; {len(jobs)} ended jobs left "
+                f"post-mortem records ({', '.join(jobs)}): `probe list --dead` shows them, and "
+                "--job ID reads one's records."
+            )
         chosen = pick_job(dead, job)
         entries = _record_entries(chosen[0]["job"], []) if chosen else []
     if not entries:
-        raise EndpointError("no probed ranks were found in the registry; start the job with PROBE=1 (set PROBE_REGISTRY for several nodes) or check `probe list`.")
+        raise EndpointError(
+            "no probed ranks were found in the registry; start the job with PROBE=1 (set PROBE_REGISTRY for several nodes) or check `probe list`."
+        )
     by_rank: dict[int, dict] = {}
     for e in entries:
         by_rank.setdefault(int(e["rank"]), e)
@@ -239,6 +275,14 @@ def targets_for_ranks(ranks: list[int] | None, token: str | None = None, job: st
         if r in by_rank:
             out.append(from_entry(by_rank[r], token))
         else:
-            out.append(Target(f"rank {r}", rank=r, entry={
-                "missing": True, "hint": f"rank {r} is not in the registry: its process exited or never started a probe"}))
+            out.append(
+                Target(
+                    f"rank {r}",
+                    rank=r,
+                    entry={
+                        "missing": True,
+                        "hint": f"rank {r} is not in the registry: its process exited or never started a probe",
+                    },
+                )
+            )
     return out

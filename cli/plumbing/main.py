@@ -23,18 +23,32 @@ _VALUE_OPTIONS = {"-t", "--target", "--rank", "--ranks", "--job", "--timeout", "
 def _global_options(parser: argparse.ArgumentParser, suppress: bool, output_format: bool = True) -> None:
     d = argparse.SUPPRESS if suppress else None
     g = parser.add_argument_group("global options")
-    g.add_argument("-t", "--target", dest="endpoint", metavar="ENDPOINT", default=d,
-                   help="pid, host:port or unix-socket path of the probed process.")
+    g.add_argument(
+        "-t",
+        "--target",
+        dest="endpoint",
+        metavar="ENDPOINT",
+        default=d,
+        help="pid, host:port or unix-socket path of the probed process.",
+    )
     g.add_argument("--rank", type=int, metavar="N", default=d, help="Talk to rank N (found in the registry).")
     g.add_argument("--ranks", metavar="SPEC", default=d, help="Talk to several ranks: all, 3, 0-3, 0-3,7.")
-    g.add_argument("--job", metavar="ID", default=d,
-                   help="With --rank/--ranks when several jobs run here: the job (its id or a prefix, see `probe list`).")
+    g.add_argument(
+        "--job",
+        metavar="ID",
+        default=d,
+        help="With --rank/--ranks when several jobs run here: the job (its id or a prefix, see `probe list`).",
+    )
     g.add_argument("--timeout", type=float, metavar="S", default=d, help="Seconds to wait for an answer (default 10).")
     g.add_argument("--token", default=d, help="Token for TCP endpoints (default: $PROBE_TOKEN, or the local registry).")
     if output_format:
         g.add_argument("--format", choices=("table", "json", "csv"), default=d, help="Output format (default table).")
-    g.add_argument("--yes", action="store_true", default=d if suppress else False,
-                   help="Do not ask before a mutating command to several ranks.")
+    g.add_argument(
+        "--yes",
+        action="store_true",
+        default=d if suppress else False,
+        help="Do not ask before a mutating command to several ranks.",
+    )
 
 
 def _split(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
@@ -60,7 +74,7 @@ def _split(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
     first = argv[positionals[0]]
     if not _looks_like_endpoint(first) and find(first) is not None:
         return None, first, argv
-    rest = argv[: positionals[0]] + argv[positionals[0] + 1:]
+    rest = argv[: positionals[0]] + argv[positionals[0] + 1 :]
     cmd = argv[positionals[1]] if len(positionals) > 1 else None
     return first, cmd, rest
 
@@ -89,7 +103,13 @@ def build_parser(names: list[str] | None = None, *, arguments: bool = True) -> t
     for cls in chosen:
         if cls is None or cls.name in seen:
             continue
-        p = sub.add_parser(cls.name, help=cls.help, description=cls.help, parents=[common_own_format if cls.own_format else common], aliases=list(cls.aliases))
+        p = sub.add_parser(
+            cls.name,
+            help=cls.help,
+            description=cls.help,
+            parents=[common_own_format if cls.own_format else common],
+            aliases=list(cls.aliases),
+        )
         if arguments:
             cls.add_arguments(p)
         seen[cls.name] = cls
@@ -102,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         _stop_inherited_probe()
         endpoint, cmd, rest = _split(argv)
         if endpoint is not None and not _looks_like_endpoint(endpoint):
-            raise ProbeError(f"unknown command '{endpoint}'; run `probe --help` for the commands, or give an ENDPOINT (pid, host:port or socket path) first.")
+            raise ProbeError(
+                f"unknown command '{endpoint}'; run `probe --help` for the commands, or give an ENDPOINT (pid, host:port or socket path) first."
+            )
         if endpoint is not None and cmd is None:
             if "-h" in rest or "--help" in rest:
                 cmd = None
@@ -110,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
                 rest = rest + ["repl"]
                 cmd = "repl"
         if endpoint is not None and cmd is not None and find(cmd) is None:
-            raise ProbeError(f"unknown command '{cmd}'; commands: {', '.join(sorted(c.name for c in set(load_all().values())))}.")
+            raise ProbeError(
+                f"unknown command '{cmd}'; commands: {', '.join(sorted(c.name for c in set(load_all().values())))}."
+            )
         if endpoint is None and cmd is None and not any(a in ("-h", "--help") for a in argv):
             first = next((a for a in argv if not a.startswith("-")), None)
             if first is not None:

@@ -29,8 +29,10 @@ def refine_refusal(exc: QueryError, targets) -> QueryError:
     if len(targets) != 1 or not is_postmortem(targets[0]) or not found:
         return exc
     rec = targets[0].record
-    return QueryError(f"{rec.describe()}; its post-mortem record keeps {', '.join(rec.stored) or 'no tables'} "
-                      f"(and the ranks.* views), not {found.group(1)}.")
+    return QueryError(
+        f"{rec.describe()}; its post-mortem record keeps {', '.join(rec.stored) or 'no tables'} "
+        f"(and the ranks.* views), not {found.group(1)}."
+    )
 
 
 class RecordClient:
@@ -54,7 +56,9 @@ class RecordClient:
     def post(self, path: str, body: dict, timeout: float | None = None) -> dict:
         return self._gone(path)
 
-    def request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None, raw: bool = False):
+    def request(
+        self, method: str, path: str, body: dict | None = None, timeout: float | None = None, raw: bool = False
+    ):
         if method == "GET" and body is None:
             return self.get(path, timeout)
         return self._gone(path)
@@ -63,5 +67,7 @@ class RecordClient:
         return self.record.snapshot(tables)
 
     def _gone(self, route: str):
-        raise EndpointError(f"{self.record.describe()}; its post-mortem record answers only read commands "
-                            f"(query, tables, describe, backtrace, status, doctor), not {route}.")
+        raise EndpointError(
+            f"{self.record.describe()}; its post-mortem record answers only read commands "
+            f"(query, tables, describe, backtrace, status, doctor), not {route}."
+        )

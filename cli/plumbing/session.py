@@ -48,7 +48,9 @@ class Session:
         if a.rank is not None:
             return targets_for_ranks([a.rank], self.token, getattr(a, "job", None), agent=self.agent)[0]
         if not a.endpoint:
-            raise ProbeError(f"`probe {a.command}` needs a process: `probe ENDPOINT {a.command}` with a pid, host:port or socket (see `probe list`), or --rank N.")
+            raise ProbeError(
+                f"`probe {a.command}` needs a process: `probe ENDPOINT {a.command}` with a pid, host:port or socket (see `probe list`), or --rank N."
+            )
         return resolve(a.endpoint, self.token, agent=self.agent)
 
     def targets(self):
@@ -58,8 +60,9 @@ class Session:
         if getattr(self.args, "ranks", None):
             if self.args.endpoint or self.args.rank is not None:
                 raise ProbeError("give --ranks alone, without an ENDPOINT or --rank.")
-            return targets_for_ranks(parse_rank_spec(self.args.ranks), self.token, getattr(self.args, "job", None),
-                                     agent=self.agent)
+            return targets_for_ranks(
+                parse_rank_spec(self.args.ranks), self.token, getattr(self.args, "job", None), agent=self.agent
+            )
         return [self.target()]
 
     def computed_table(self, name: str, targets):

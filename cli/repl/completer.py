@@ -19,16 +19,93 @@ from prompt_toolkit.completion import Completer, Completion
 __all__ = ["Schema", "SqlCompleter", "suggest", "duckdb_function_names", "sql_keywords"]
 
 # Clause keywords after which column names make sense.
-_COLUMN_CLAUSES = {"SELECT", "WHERE", "ON", "GROUP_BY", "ORDER_BY", "HAVING", "QUALIFY", "USING", "DISTINCT", "BY",
-                   "AND", "OR", "NOT", "CASE", "WHEN", "THEN", "ELSE", "BETWEEN", "IN", "IS", "LIKE", "ILIKE"}
+_COLUMN_CLAUSES = {
+    "SELECT",
+    "WHERE",
+    "ON",
+    "GROUP_BY",
+    "ORDER_BY",
+    "HAVING",
+    "QUALIFY",
+    "USING",
+    "DISTINCT",
+    "BY",
+    "AND",
+    "OR",
+    "NOT",
+    "CASE",
+    "WHEN",
+    "THEN",
+    "ELSE",
+    "BETWEEN",
+    "IN",
+    "IS",
+    "LIKE",
+    "ILIKE",
+}
 _TABLE_CLAUSES = {"FROM", "JOIN", "DESCRIBE"}
 # Tokens that end a table reference in FROM (a following word is then not an alias).
-_FROM_ENDERS = {"WHERE", "GROUP_BY", "ORDER_BY", "HAVING", "LIMIT", "ON", "USING", "JOIN", "LEFT", "RIGHT", "INNER",
-                "OUTER", "FULL", "CROSS", "NATURAL", "POSITIONAL", "ASOF", "SEMI", "ANTI", "UNION", "EXCEPT",
-                "INTERSECT", "WINDOW", "QUALIFY", "SEMICOLON", "R_PAREN", "COMMA", "OFFSET", "FETCH"}
-_WRITE_WORDS = {"INSERT", "UPDATE", "DELETE", "DROP", "CREATE", "ALTER", "TRUNCATE", "COPY", "ATTACH", "DETACH",
-                "INSTALL", "LOAD", "PRAGMA", "SET", "COMMIT", "BEGIN", "ROLLBACK", "GRANT", "REVOKE", "MERGE",
-                "REPLACE", "VACUUM", "EXPORT", "IMPORT", "CACHE", "UNCACHE", "USE", "EXECUTE"}
+_FROM_ENDERS = {
+    "WHERE",
+    "GROUP_BY",
+    "ORDER_BY",
+    "HAVING",
+    "LIMIT",
+    "ON",
+    "USING",
+    "JOIN",
+    "LEFT",
+    "RIGHT",
+    "INNER",
+    "OUTER",
+    "FULL",
+    "CROSS",
+    "NATURAL",
+    "POSITIONAL",
+    "ASOF",
+    "SEMI",
+    "ANTI",
+    "UNION",
+    "EXCEPT",
+    "INTERSECT",
+    "WINDOW",
+    "QUALIFY",
+    "SEMICOLON",
+    "R_PAREN",
+    "COMMA",
+    "OFFSET",
+    "FETCH",
+}
+_WRITE_WORDS = {
+    "INSERT",
+    "UPDATE",
+    "DELETE",
+    "DROP",
+    "CREATE",
+    "ALTER",
+    "TRUNCATE",
+    "COPY",
+    "ATTACH",
+    "DETACH",
+    "INSTALL",
+    "LOAD",
+    "PRAGMA",
+    "SET",
+    "COMMIT",
+    "BEGIN",
+    "ROLLBACK",
+    "GRANT",
+    "REVOKE",
+    "MERGE",
+    "REPLACE",
+    "VACUUM",
+    "EXPORT",
+    "IMPORT",
+    "CACHE",
+    "UNCACHE",
+    "USE",
+    "EXECUTE",
+}
 
 
 @dataclass
@@ -77,8 +154,10 @@ def duckdb_function_names() -> list[str]:
 
     con = duckdb.connect(":memory:")
     try:
-        rows = con.execute("SELECT DISTINCT function_name FROM duckdb_functions() "
-                           "WHERE function_type IN ('scalar', 'aggregate', 'macro', 'table', 'table_macro')").fetchall()
+        rows = con.execute(
+            "SELECT DISTINCT function_name FROM duckdb_functions() "
+            "WHERE function_type IN ('scalar', 'aggregate', 'macro', 'table', 'table_macro')"
+        ).fetchall()
     finally:
         con.close()
     return sorted({r[0] for r in rows if r[0] and r[0][0].isalpha() and not r[0].startswith("__")})
@@ -116,12 +195,17 @@ def tables_in_scope(statement: str, schema: Schema) -> dict[str, str]:
     i = 0
     while i < len(tokens):
         if tokens[i].token_type.name not in ("FROM", "JOIN", "COMMA") or (
-                tokens[i].token_type.name == "COMMA" and not _in_from(tokens, i)):
+            tokens[i].token_type.name == "COMMA" and not _in_from(tokens, i)
+        ):
             i += 1
             continue
         j = i + 1
         parts = []
-        while j < len(tokens) and tokens[j].token_type.name not in _FROM_ENDERS and tokens[j].token_type.name not in ("L_PAREN", "ALIAS"):
+        while (
+            j < len(tokens)
+            and tokens[j].token_type.name not in _FROM_ENDERS
+            and tokens[j].token_type.name not in ("L_PAREN", "ALIAS")
+        ):
             if tokens[j].token_type.name == "DOT":
                 j += 1
                 continue
@@ -175,7 +259,16 @@ def _clause(tokens) -> tuple[str | None, str | None]:
                 continue  # inside a call or sub-query: keep looking outward
             depth -= 1
         elif depth == 0 and (name in _TABLE_CLAUSES or name in _COLUMN_CLAUSES or name in ("LIMIT", "ALIAS")):
-            if name in _TABLE_CLAUSES or name in ("SELECT", "WHERE", "ON", "GROUP_BY", "ORDER_BY", "HAVING", "LIMIT", "QUALIFY"):
+            if name in _TABLE_CLAUSES or name in (
+                "SELECT",
+                "WHERE",
+                "ON",
+                "GROUP_BY",
+                "ORDER_BY",
+                "HAVING",
+                "LIMIT",
+                "QUALIFY",
+            ):
                 return name, last
     return None, last
 
@@ -185,8 +278,9 @@ def _match(options, prefix: str, meta: str) -> list[tuple[str, str, int]]:
     return [(o, meta, len(prefix)) for o in options if o.lower().startswith(p) and o.lower() != p]
 
 
-def suggest(text: str, cursor: int | None = None, schema: Schema | None = None,
-            specials: dict[str, str] | None = None) -> list[tuple[str, str, int]]:
+def suggest(
+    text: str, cursor: int | None = None, schema: Schema | None = None, specials: dict[str, str] | None = None
+) -> list[tuple[str, str, int]]:
     """Completions ``[(text, meta, n)]`` for the word ending at ``cursor``; each replaces the ``n`` characters before it."""
     schema = schema or Schema()
     cursor = len(text) if cursor is None else cursor
@@ -196,7 +290,7 @@ def suggest(text: str, cursor: int | None = None, schema: Schema | None = None,
     if stripped.startswith("\\"):
         return _suggest_special(stripped, schema, specials or {})
     start, end = _statement_bounds(text, cursor)
-    head = before[start:cursor - len(word)]
+    head = before[start : cursor - len(word)]
     tokens = _tokens(head)
     if tokens is None:
         return []  # inside a string literal
@@ -214,9 +308,11 @@ def suggest(text: str, cursor: int | None = None, schema: Schema | None = None,
         return []
     clause, last = _clause(tokens)
     if clause in _TABLE_CLAUSES and last in ("FROM", "JOIN", "COMMA", "DESCRIBE"):
-        return (_match(sorted(schema.tables), word, "table")
-                + _match(sorted({f.split(".", 1)[1] for f in schema.tables}), word, "table")
-                + _match(schema.schemas, word, "schema"))
+        return (
+            _match(sorted(schema.tables), word, "table")
+            + _match(sorted({f.split(".", 1)[1] for f in schema.tables}), word, "table")
+            + _match(schema.schemas, word, "schema")
+        )
     if clause is None and not tokens:
         return _match(["SELECT", "WITH", "DESCRIBE", "SHOW TABLES", "SUMMARIZE"], word, "keyword")
     out: list[tuple[str, str, int]] = []

@@ -44,7 +44,7 @@ def split_statements(text: str) -> list[str]:
     out, start = [], 0
     for t in tokens:
         if t.token_type.name == "SEMICOLON":
-            out.append(text[start:t.start])
+            out.append(text[start : t.start])
             start = t.end + 1
     out.append(text[start:])
     return [s.strip() for s in out if s.strip()]
@@ -53,8 +53,12 @@ def split_statements(text: str) -> list[str]:
 def is_complete(text: str) -> bool:
     """Whether Enter should run the input: empty, a special command, or SQL ending with ';'."""
     stripped = text.strip()
-    return (not stripped or stripped.startswith("\\") or stripped.endswith(";")
-            or stripped.lower() in ("quit", "exit", "help"))
+    return (
+        not stripped
+        or stripped.startswith("\\")
+        or stripped.endswith(";")
+        or stripped.lower() in ("quit", "exit", "help")
+    )
 
 
 def describe_error(exc: ProbeError, sql: str | None = None) -> str:
@@ -118,6 +122,9 @@ class Executor:
         in_duckdb = cancel()
         if in_duckdb:
             worker.join(2.0)
-        where = ("stopped in this session's DuckDB" if in_duckdb
-                 else "abandoned while the snapshot was on its way (the process answers it and moves on)")
+        where = (
+            "stopped in this session's DuckDB"
+            if in_duckdb
+            else "abandoned while the snapshot was on its way (the process answers it and moves on)"
+        )
         raise Cancelled(f"cancelled after {waited:.1f} s; the query was {where}.")

@@ -48,8 +48,10 @@ class Repl:
         self.session.note(describe_error(exc, sql))
         if isinstance(exc, EndpointError) or self.session.gone:
             self.session.gone = True
-            self.session.note(f"The target ({self.session.label}) is not answering; it may have exited. "
-                              "\\reconnect tries again, \\connect ENDPOINT picks another process, \\q leaves.")
+            self.session.note(
+                f"The target ({self.session.label}) is not answering; it may have exited. "
+                "\\reconnect tries again, \\connect ENDPOINT picks another process, \\q leaves."
+            )
 
     # -- actions -------------------------------------------------------------------
     def switch(self, spec) -> None:
@@ -61,8 +63,11 @@ class Repl:
             raise ProbeError(f"{exc.message.rstrip('.')}; still connected to {self.session.label}.") from None
         self.background.refresh()
         gone = self.session.record_note()
-        self.print(f"Connected to the post-mortem record of {self.session.label}: {gone}; the same tables, as it "
-                   "left them." if gone else f"Connected to {self.session.label}.")
+        self.print(
+            f"Connected to the post-mortem record of {self.session.label}: {gone}; the same tables, as it left them."
+            if gone
+            else f"Connected to {self.session.label}."
+        )
 
     def run_sql(self, sql: str) -> bool:
         """Run one statement and print its result; False when it failed or was cancelled."""
@@ -76,8 +81,9 @@ class Repl:
         except ProbeError as exc:
             self.error(exc, sql)
             return False
-        self.print(render_result(result, self.session.format, expanded=self.session.expanded,
-                                 timing=self.session.timing))
+        self.print(
+            render_result(result, self.session.format, expanded=self.session.expanded, timing=self.session.timing)
+        )
         return True
 
     def handle(self, text: str) -> None:
@@ -190,7 +196,9 @@ class Repl:
             state = h.get("state")
             if state:
                 since = h.get("hung_since")
-                hung_for = f" for {time.time() - since:.0f} s" if state == "hung" and isinstance(since, (int, float)) else ""
+                hung_for = (
+                    f" for {time.time() - since:.0f} s" if state == "hung" and isinstance(since, (int, float)) else ""
+                )
                 parts.append(f"{state}{hung_for}")
         parts.append(f"format {s.format}" + (", expanded" if s.expanded else "") + (", timing" if s.timing else ""))
         return " " + " | ".join(parts) + "   \\? help  Ctrl-D quits"

@@ -50,7 +50,9 @@ class ReplSession(Session):
             targets = targets_for_ranks([int(value)], self.token, getattr(self.args, "job", None))
         else:
             if not value:
-                raise ProbeError("the REPL needs a process: `probe ENDPOINT` with a pid, host:port or socket (see `probe list`), or --rank N.")
+                raise ProbeError(
+                    "the REPL needs a process: `probe ENDPOINT` with a pid, host:port or socket (see `probe list`), or --rank N."
+                )
             targets = [resolve(str(value), self.token)]
         if len(targets) == 1 and targets[0].entry.get("missing"):
             raise ProbeError(targets[0].entry.get("hint") or f"{targets[0].label} has no probe server.")
@@ -121,8 +123,9 @@ class ReplSession(Session):
 class Background:
     """Refreshes the completion schema and the toolbar status on a daemon thread."""
 
-    def __init__(self, session: ReplSession, specials: dict[str, str], health_every: float = 2.0,
-                 schema_every: float = 30.0):
+    def __init__(
+        self, session: ReplSession, specials: dict[str, str], health_every: float = 2.0, schema_every: float = 30.0
+    ):
         self.session = session
         self.specials = specials
         self.health_every = health_every

@@ -48,7 +48,9 @@ def special_command(name: str, args: str, help: str, aliases: tuple[str, ...] = 
 def help_text() -> str:
     rows = [(f"{s.name} {s.args}".strip(), s.help) for s in SPECIALS.values() if not s.help.startswith("Same as")]
     width = max(len(r[0]) for r in rows)
-    lines = ["SQL statements end with ';' (Enter inside one starts a new line). Tab completes tables, columns, functions."]
+    lines = [
+        "SQL statements end with ';' (Enter inside one starts a new line). Tab completes tables, columns, functions."
+    ]
     lines += [f"  {a.ljust(width)}  {h}" for a, h in rows]
     lines.append("Ctrl-C cancels a running query (in the target too); Ctrl-D leaves.")
     return "\n".join(lines)
@@ -150,7 +152,9 @@ def _eval(repl, arg):
     repl.session.run_command("eval", [arg])
 
 
-@special_command("\\lr", "OPTIONS", "Change the learning rate at the next step, e.g. \\lr --scale 0.1 (same options as `probe lr`).")
+@special_command(
+    "\\lr", "OPTIONS", "Change the learning rate at the next step, e.g. \\lr --scale 0.1 (same options as `probe lr`)."
+)
 def _lr(repl, arg):
     repl.session.run_command("lr", _split(arg))
 
@@ -173,7 +177,9 @@ def _watch(repl, arg):
         if seconds <= 0:
             raise ValueError
     except ValueError:
-        raise ProbeError("\\watch takes a number of seconds and a query, e.g. \\watch 2 SELECT MAX(step) FROM torch.steps.") from None
+        raise ProbeError(
+            "\\watch takes a number of seconds and a query, e.g. \\watch 2 SELECT MAX(step) FROM torch.steps."
+        ) from None
     sql = sql.strip().rstrip(";").strip()
     if not sql:
         raise ProbeError("\\watch needs a query after the seconds, e.g. \\watch 2 SELECT * FROM process.info.")

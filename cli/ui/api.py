@@ -13,8 +13,17 @@ import math
 
 from probe._errors import PartialError, ProbeError
 
-__all__ = ["run_sql", "query_doc", "tables_doc", "job_doc", "stacks_doc", "profile_doc", "findings_doc", "action_doc",
-           "ACTIONS"]
+__all__ = [
+    "run_sql",
+    "query_doc",
+    "tables_doc",
+    "job_doc",
+    "stacks_doc",
+    "profile_doc",
+    "findings_doc",
+    "action_doc",
+    "ACTIONS",
+]
 
 
 def run_sql(session, sql: str, max_rows: int | None = None):
@@ -45,8 +54,13 @@ def _finite(value):
 
 def query_doc(session, sql: str, max_rows: int | None = None) -> dict:
     result = run_sql(session, sql, max_rows=max_rows)
-    return {"columns": result.columns, "types": result.types, "elapsed": result.elapsed, "truncated": result.truncated,
-            "rows": [[_finite(v) for v in row] for row in result.rows]}
+    return {
+        "columns": result.columns,
+        "types": result.types,
+        "elapsed": result.elapsed,
+        "truncated": result.truncated,
+        "rows": [[_finite(v) for v in row] for row in result.rows],
+    }
 
 
 def tables_doc(session) -> dict:
@@ -56,9 +70,16 @@ def tables_doc(session) -> dict:
     answers = fan_out(session.targets()[:4], lambda t: session.client(t).get("/tables"))
     for a in answers:
         if a.ok:
-            return {"tables": [{"name": t["name"], "description": t["description"],
-                                "columns": [{"name": c["name"], "type": c["type"]} for c in t["columns"]]}
-                               for t in a.value["tables"]]}
+            return {
+                "tables": [
+                    {
+                        "name": t["name"],
+                        "description": t["description"],
+                        "columns": [{"name": c["name"], "type": c["type"]} for c in t["columns"]],
+                    }
+                    for t in a.value["tables"]
+                ]
+            }
     raise ProbeError(f"no process answered to list its tables: {answers[0].target.label}: {answers[0].error}.")
 
 
@@ -82,9 +103,15 @@ def stacks_doc(session) -> dict:
     args = argparse.Namespace(thread=None, locals=False, native=False, subprocesses=False)
     answers = fan_out(session.targets(), lambda t: backtrace_doc(session, t, args))
     by_pid = all(a.rank is None for a in answers)  # plain processes: name them by pid, not as ranks
-    groups = [{"ranks": list(ranks), "label": f"pid {', '.join(map(str, ranks))}" if by_pid else label, "summary": summary,
-               "frames": [{k: f.get(k) for k in ("func", "file", "lineno", "line")} for f in frames]}
-              for ranks, label, summary, frames in group_stacks(answers)]
+    groups = [
+        {
+            "ranks": list(ranks),
+            "label": f"pid {', '.join(map(str, ranks))}" if by_pid else label,
+            "summary": summary,
+            "frames": [{k: f.get(k) for k in ("func", "file", "lineno", "line")} for f in frames],
+        }
+        for ranks, label, summary, frames in group_stacks(answers)
+    ]
     failed = [{"label": a.target.label, "error": a.error} for a in answers if not a.ok]
     return {"groups": groups, "failed": failed, "processes": len(answers)}
 
@@ -99,8 +126,12 @@ def profile_doc(session, seconds: float, native: bool = False) -> dict:
     docs = [(a.target.label, a.value) for a in answers if a.ok]
     if not docs:
         raise ProbeError(f"no process answered the profile: {answers[0].target.label}: {answers[0].error}.")
-    return {"stacks": merge(docs, by_rank=len(targets) > 1), "seconds": seconds, "native": native,
-            "failed": [{"label": a.target.label, "error": a.error} for a in answers if not a.ok]}
+    return {
+        "stacks": merge(docs, by_rank=len(targets) > 1),
+        "seconds": seconds,
+        "native": native,
+        "failed": [{"label": a.target.label, "error": a.error} for a in answers if not a.ok],
+    }
 
 
 def findings_doc(session) -> dict:
@@ -151,5 +182,8 @@ def action_doc(session, name: str, params: dict) -> dict:
         code = int(COMMANDS[name]().run(Session(args, stdout=out, stderr=err), args) or 0)
     except ProbeError as exc:
         return {"exit_code": exc.exit_code, "output": out.getvalue() + err.getvalue(), "error": exc.message}
-    return {"exit_code": code, "output": out.getvalue() + err.getvalue(), "command": "probe " + " ".join(
-        x for x in argv if x != session.token)}
+    return {
+        "exit_code": code,
+        "output": out.getvalue() + err.getvalue(),
+        "command": "probe " + " ".join(x for x in argv if x != session.token),
+    }

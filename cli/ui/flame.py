@@ -34,14 +34,25 @@ def to_speedscope(stacks: list, name: str) -> str:
         samples.append([frames.setdefault(f, len(frames)) for f in stack.split(";")])
         weights.append(n)
     total = sum(weights)
-    return json.dumps({
-        "$schema": "https://www.speedscope.app/file-format-schema.json",
-        "name": name,
-        "exporter": "probe",
-        "shared": {"frames": [{"name": f} for f in frames]},
-        "profiles": [{"type": "sampled", "name": name, "unit": "none", "startValue": 0, "endValue": total,
-                      "samples": samples, "weights": weights}],
-    })
+    return json.dumps(
+        {
+            "$schema": "https://www.speedscope.app/file-format-schema.json",
+            "name": name,
+            "exporter": "probe",
+            "shared": {"frames": [{"name": f} for f in frames]},
+            "profiles": [
+                {
+                    "type": "sampled",
+                    "name": name,
+                    "unit": "none",
+                    "startValue": 0,
+                    "endValue": total,
+                    "samples": samples,
+                    "weights": weights,
+                }
+            ],
+        }
+    )
 
 
 def _tree(stacks: list) -> dict:
@@ -82,9 +93,11 @@ def to_svg(stacks: list, title: str, width: int = 1200, row: int = 17) -> str:
     walk(root, 0, 0)
     height = (depth_max + 1) * row + 40
     scale = (width - 20) / total
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'font-family="monospace" font-size="11">',
-           f'<text x="10" y="18" font-size="14">{html.escape(title)}</text>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'font-family="monospace" font-size="11">',
+        f'<text x="10" y="18" font-size="14">{html.escape(title)}</text>',
+    ]
     for node, x, depth in boxes:
         w = node["value"] * scale
         if w < 0.5:
@@ -92,12 +105,14 @@ def to_svg(stacks: list, title: str, width: int = 1200, row: int = 17) -> str:
         y = height - (depth + 1) * row
         share = 100.0 * node["value"] / total
         label = html.escape(node["name"])
-        out.append(f'<g><title>{label} ({node["value"]} samples, {share:.1f}%)</title>'
-                   f'<rect x="{10 + x * scale:.1f}" y="{y}" width="{w:.1f}" height="{row - 1}" '
-                   f'fill="{_color(node["name"])}" rx="2"/>')
+        out.append(
+            f"<g><title>{label} ({node['value']} samples, {share:.1f}%)</title>"
+            f'<rect x="{10 + x * scale:.1f}" y="{y}" width="{w:.1f}" height="{row - 1}" '
+            f'fill="{_color(node["name"])}" rx="2"/>'
+        )
         chars = int(w / 7)
         if chars >= 3:
-            text = node["name"] if len(node["name"]) <= chars else node["name"][:chars - 2] + ".."
+            text = node["name"] if len(node["name"]) <= chars else node["name"][: chars - 2] + ".."
             out.append(f'<text x="{12 + x * scale:.1f}" y="{y + row - 5}">{html.escape(text)}</text>')
         out.append("</g>")
     out.append("</svg>")

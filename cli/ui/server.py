@@ -35,16 +35,25 @@ from . import api
 
 __all__ = ["UIServer"]
 
-_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-          ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".txt": "text/plain; charset=utf-8"}
-_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
-        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+    ".txt": "text/plain; charset=utf-8",
+}
+_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
 MAX_BODY = 1 << 20
 MAX_CONNECTIONS = 32  # a browser opens about six; 3000 idle sockets must not become 3000 threads
 IDLE_TIMEOUT = 15.0  # seconds a connection may stay silent (keep-alive included)
 CSRF_HEADER = "X-Probe-CSRF"
-_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
-         b"Content-Length: 47\r\n\r\nprobe ui: too many connections; retry shortly.\n")
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
+    b"Content-Length: 47\r\n\r\nprobe ui: too many connections; retry shortly.\n"
+)
 
 
 def _static_files() -> dict:
@@ -90,8 +99,10 @@ class UIServer(BoundedThreads, ThreadingHTTPServer):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             quoted = _html.escape(url, quote=True)
-            f.write(f'<!doctype html><meta charset="utf-8"><meta http-equiv="refresh" content="0; url={quoted}">'
-                    f'<title>probe ui</title><a href="{quoted}">probe ui</a>\n')
+            f.write(
+                f'<!doctype html><meta charset="utf-8"><meta http-equiv="refresh" content="0; url={quoted}">'
+                f'<title>probe ui</title><a href="{quoted}">probe ui</a>\n'
+            )
         self.launch_file = path
         webbrowser.open("file://" + path)
         return path
@@ -115,9 +126,14 @@ class UIServer(BoundedThreads, ThreadingHTTPServer):
     def config(self) -> dict:
         a = self.session.args
         target = a.endpoint or (f"--rank {a.rank}" if a.rank is not None else f"--ranks {a.ranks}" if a.ranks else "")
-        return {"target": target, "multi": self.session.multi, "allow_actions": self.allow_actions, "csrf": self.csrf,
-                "actions": {k: list(v) for k, v in api.ACTIONS.items()} if self.allow_actions else {},
-                "refresh": self.refresh}
+        return {
+            "target": target,
+            "multi": self.session.multi,
+            "allow_actions": self.allow_actions,
+            "csrf": self.csrf,
+            "actions": {k: list(v) for k, v in api.ACTIONS.items()} if self.allow_actions else {},
+            "refresh": self.refresh,
+        }
 
     def start(self) -> threading.Thread:
         t = threading.Thread(target=self.serve_forever, name="probe-ui", daemon=True)
@@ -186,8 +202,11 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlparse(self.path)
         token, _, rest = url.path.lstrip("/").partition("/")
         if not hmac.compare_digest(token.encode(), self.server.token.encode()):
-            self._send(403, b"forbidden: this page needs the URL with the token that `probe ui` printed\n",
-                       "text/plain; charset=utf-8")
+            self._send(
+                403,
+                b"forbidden: this page needs the URL with the token that `probe ui` printed\n",
+                "text/plain; charset=utf-8",
+            )
             return
         if method == "GET" and url.path == "/" + token:  # the URL without its last slash: relative links need it
             try:
@@ -204,7 +223,7 @@ class _Handler(BaseHTTPRequestHandler):
             if body is None:
                 self._send(404, b"not found\n", "text/plain; charset=utf-8")
                 return
-            self._send(200, body, _TYPES.get(name[name.rfind("."):], "application/octet-stream"))
+            self._send(200, body, _TYPES.get(name[name.rfind(".") :], "application/octet-stream"))
             if name == "index.html" and self.server.launch_file:
                 self.server.forget_launch_file()  # the browser got here: the file that brought it is not needed
             return

@@ -65,9 +65,13 @@ def check_target(path: str, force: bool) -> None:
     except FileNotFoundError:
         return
     if stat.S_ISLNK(st.st_mode):
-        raise ActionError(f"{path} is a symbolic link; probe writes checkpoints only to regular files, give the real path.")
+        raise ActionError(
+            f"{path} is a symbolic link; probe writes checkpoints only to regular files, give the real path."
+        )
     if not stat.S_ISREG(st.st_mode):
-        raise ActionError(f"{path} is not a regular file (a device, FIFO or socket); give a file path for the checkpoint.")
+        raise ActionError(
+            f"{path} is not a regular file (a device, FIFO or socket); give a file path for the checkpoint."
+        )
     if not force:
         raise ActionError(f"{path} already exists; pass --force to overwrite it, or choose another path.")
 
@@ -82,7 +86,7 @@ def sweep_stale_temps(path: str) -> None:
     except OSError:
         return
     for name in names:
-        pid = name[len(prefix):]
+        pid = name[len(prefix) :]
         if name.startswith(prefix) and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             try:
                 os.unlink(os.path.join(directory, name))
@@ -102,8 +106,13 @@ def _rng_state() -> dict:
     np = sys.modules.get("numpy")
     if np is not None:
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        rng["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                        "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
+        rng["numpy"] = {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(gauss),
+        }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     return rng
@@ -118,7 +127,9 @@ def _scheduler_behind(sched, step: int | None) -> bool:
 def build_state(ctx: "Context") -> dict:
     mods, opts = models(), optimizers()
     if not mods and not opts:
-        raise ActionError("no model or optimizer found in the training process; name them as globals of the training script (model, optimizer) so probe can find them.")
+        raise ActionError(
+            "no model or optimizer found in the training process; name them as globals of the training script (model, optimizer) so probe can find them."
+        )
     step = None if ctx.step is None else ctx.step + _resume["step"]
     state: dict = {"format": FORMAT, "step": step, "time": time.time()}
     if mods:
@@ -148,11 +159,19 @@ def build_state(ctx: "Context") -> dict:
         state["scaler"] = scalers[0].obj.state_dict()
     state["rng"] = _rng_state()
     entry = agent_state.info()
-    state["probe"] = {"pid": os.getpid(), "rank": entry.get("rank"), "world_size": entry.get("world_size"),
-                      "host": socket.gethostname(), "argv": list(entry.get("argv") or sys.argv),
-                      "at_safe_point": not ctx.now,
-                      "objects": {"models": [f.name for f in mods], "optimizers": [f.name for f in opts],
-                                  "schedulers": [f.name for f in scheds]}}
+    state["probe"] = {
+        "pid": os.getpid(),
+        "rank": entry.get("rank"),
+        "world_size": entry.get("world_size"),
+        "host": socket.gethostname(),
+        "argv": list(entry.get("argv") or sys.argv),
+        "at_safe_point": not ctx.now,
+        "objects": {
+            "models": [f.name for f in mods],
+            "optimizers": [f.name for f in opts],
+            "schedulers": [f.name for f in scheds],
+        },
+    }
     return state
 
 
@@ -201,7 +220,9 @@ def save(ctx: "Context", path: str, force: bool) -> dict:
             try:
                 os.link(tmp, path)  # fails, atomically, if the path appeared meanwhile
             except FileExistsError:
-                raise ActionError(f"{path} already exists; pass --force to overwrite it, or choose another path.") from None
+                raise ActionError(
+                    f"{path} already exists; pass --force to overwrite it, or choose another path."
+                ) from None
             os.unlink(tmp)
         try:
             with open(path + ".sha256.tmp", "w") as f:
@@ -212,8 +233,10 @@ def save(ctx: "Context", path: str, force: bool) -> dict:
         except OSError as exc:
             # a checkpoint without its checksum is reported as failed: do not leave it looking complete
             os.unlink(path)
-            raise ActionError(f"the checksum file {path}.sha256 could not be written ({exc}); the checkpoint was removed, "
-                              "free space or choose another directory.") from None
+            raise ActionError(
+                f"the checksum file {path}.sha256 could not be written ({exc}); the checkpoint was removed, "
+                "free space or choose another directory."
+            ) from None
         _fsync_dir(directory)
     except BaseException:
         for leftover in (path + ".sha256.tmp",):
@@ -225,15 +248,32 @@ def save(ctx: "Context", path: str, force: bool) -> dict:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return {"path": path, "bytes": os.path.getsize(path), "sha256": digest, "step": state["step"],
-            "seconds": round(time.perf_counter() - t0, 4),
-            "contents": sorted(k for k in state if k not in ("format", "time")),
-            "scheduler_step_pending": state.get("scheduler_step_pending", False),
-            "sharded": state.get("sharded"), "rank": state["probe"]["rank"], "world_size": state["probe"]["world_size"]}
+    return {
+        "path": path,
+        "bytes": os.path.getsize(path),
+        "sha256": digest,
+        "step": state["step"],
+        "seconds": round(time.perf_counter() - t0, 4),
+        "contents": sorted(k for k in state if k not in ("format", "time")),
+        "scheduler_step_pending": state.get("scheduler_step_pending", False),
+        "sharded": state.get("sharded"),
+        "rank": state["probe"]["rank"],
+        "world_size": state["probe"]["world_size"],
+    }
 
 
-def load_checkpoint(path: str, *, model=None, optimizer=None, scheduler=None, scaler=None, trainer=None,
-                    map_location="cpu", restore_rng: bool = True, verify: bool = True) -> dict:
+def load_checkpoint(
+    path: str,
+    *,
+    model=None,
+    optimizer=None,
+    scheduler=None,
+    scaler=None,
+    trainer=None,
+    map_location="cpu",
+    restore_rng: bool = True,
+    verify: bool = True,
+) -> dict:
     """Restore a checkpoint written by ``probe checkpoint``; return the loaded dict (``step`` included).
 
     ``trainer`` (a Lightning or transformers Trainer, or an accelerate Accelerator) supplies the
@@ -250,12 +290,16 @@ def load_checkpoint(path: str, *, model=None, optimizer=None, scheduler=None, sc
 
     path = os.path.expanduser(path)
     if not os.path.exists(path):
-        raise ActionError(f"no checkpoint at {path}; check the path (a probe checkpoint's {{rank}} is expanded when it is written).")
+        raise ActionError(
+            f"no checkpoint at {path}; check the path (a probe checkpoint's {{rank}} is expanded when it is written)."
+        )
     if verify and os.path.exists(path + ".sha256"):
         with open(path + ".sha256") as f:
             want = f.read().split()[0]
         if sha256(path) != want:
-            raise ActionError(f"{path} does not match its checksum in {path}.sha256; the file is damaged or was changed.")
+            raise ActionError(
+                f"{path} does not match its checksum in {path}.sha256; the file is damaged or was changed."
+            )
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:
@@ -303,7 +347,9 @@ def _restore_rng(rng: dict) -> None:
     np = sys.modules.get("numpy")
     if np is not None and "numpy" in rng:
         s = rng["numpy"]
-        np.random.set_state((s["kind"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["cached_gaussian"]))
+        np.random.set_state(
+            (s["kind"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["cached_gaussian"])
+        )
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
 

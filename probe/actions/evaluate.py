@@ -105,8 +105,13 @@ def run_code(code: str, ctx: Context) -> dict:
     filename = f"<probe-eval-{ctx.action_id}>"
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     frame = _frame(ctx)
-    result = {"stdout": "", "stderr": "", "value": None, "step": ctx.step,
-              "locals_from": f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})" if frame else None}
+    result = {
+        "stdout": "",
+        "stderr": "",
+        "value": None,
+        "step": ctx.step,
+        "locals_from": f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})" if frame else None,
+    }
     try:
         body, last = _compile(code, filename)
     except SyntaxError as exc:

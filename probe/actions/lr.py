@@ -62,7 +62,19 @@ def _tracker():
 
 
 class _Group:
-    __slots__ = ("mode", "value", "loop", "used", "since", "held", "rewrites", "last_rewrite", "written", "rows", "limit")
+    __slots__ = (
+        "mode",
+        "value",
+        "loop",
+        "used",
+        "since",
+        "held",
+        "rewrites",
+        "last_rewrite",
+        "written",
+        "rows",
+        "limit",
+    )
 
     def __init__(self, mode: str, value: float, loop: float, since: int | None):
         self.mode, self.value = mode, value  # "scale" or "set"
@@ -79,8 +91,9 @@ class _Group:
     def status(self) -> str:
         text = f"held for {self.held} step(s)"
         if self.rewrites:
-            text += (f"; re-applied because the loop rewrote lr at step {self.last_rewrite} "
-                     f"({self.rewrites} time(s) so far)")
+            text += (
+                f"; re-applied because the loop rewrote lr at step {self.last_rewrite} ({self.rewrites} time(s) so far)"
+            )
         return text
 
     def hand_over(self, why: str) -> None:
@@ -120,8 +133,13 @@ class _Override:
             g.loop = loop
             target = g.target(loop)
             if not target <= g.limit:  # the loop's own rate grew under a scale: keep the step alive, say why
-                record_error("lr override", ActionError(f"{g.text()} of group {i} would give {target:g}, past what "
-                                                        f"its parameters can take ({g.limit:.3g}); this step uses the loop's rate"))
+                record_error(
+                    "lr override",
+                    ActionError(
+                        f"{g.text()} of group {i} would give {target:g}, past what "
+                        f"its parameters can take ({g.limit:.3g}); this step uses the loop's rate"
+                    ),
+                )
                 target = loop
             g.used = g.written = target  # before the write: describe() reads g.loop/g.used from here on
             write(pgs[i], g.used)
@@ -187,8 +205,12 @@ def describe(opt) -> dict:
             lr = value(opt.param_groups[i]["lr"])
         except Exception:
             continue
-        out[i] = {"override": r.text(), "lr": lr, "loop_lr": lr,
-                  "status": f"the scheduler's base rate scaled at step {r.since}: param_groups shows the rate in effect"}
+        out[i] = {
+            "override": r.text(),
+            "lr": lr,
+            "loop_lr": lr,
+            "status": f"the scheduler's base rate scaled at step {r.since}: param_groups shows the rate in effect",
+        }
     for i, g in list(ov.groups.items()):
         if g.written is not None:  # inside a step (the server thread reads while the training thread steps):
             loop, lr = g.loop, g.used  # param_groups may hold the override or the loop's rate; these are one moment's
@@ -207,15 +229,19 @@ def _pick(which: int | str | None, group: int | None) -> list:
     torch.optimizer's order, or its ``name`` there)."""
     opts = optimizers()
     if not opts:
-        raise ActionError("no optimizer found in the training process; it is found once it has stepped, as a global "
-                          "of the training script, or through a Lightning/HF Trainer or an Accelerator.")
+        raise ActionError(
+            "no optimizer found in the training process; it is found once it has stepped, as a global "
+            "of the training script, or through a Lightning/HF Trainer or an Accelerator."
+        )
     names = ", ".join(f"{i} {f.name}" for i, f in enumerate(opts))
     if which is not None:
         if isinstance(which, str):
             picked = [f for f in opts if f.name == which]
             if len(picked) != 1:
-                raise ActionError(f"no single optimizer is named {which!r}; the optimizers are {names} "
-                                  "(give --optimizer a name or an index from torch.optimizer).")
+                raise ActionError(
+                    f"no single optimizer is named {which!r}; the optimizers are {names} "
+                    "(give --optimizer a name or an index from torch.optimizer)."
+                )
             opts = picked
         elif not 0 <= which < len(opts):
             raise ActionError(f"there are {len(opts)} optimizer(s) ({names}); --optimizer {which} is not one of them.")
@@ -226,7 +252,9 @@ def _pick(which: int | str | None, group: int | None) -> list:
     for f in opts:
         n = len(f.obj.param_groups)
         if group is not None and not 0 <= group < n:
-            raise ActionError(f"the optimizer {f.name} has {n} param group(s), numbered 0 to {n - 1}; --group {group} is not one of them.")
+            raise ActionError(
+                f"the optimizer {f.name} has {n} param group(s), numbered 0 to {n - 1}; --group {group} is not one of them."
+            )
     return opts
 
 
@@ -240,8 +268,16 @@ def _next_rate(ov, i: int, group: dict) -> float:
     return g.target(loop) if g is not None else loop
 
 
-def check_rate(*, set_to: float | None, scale: float | None, group: int | None, optimizer_index: int | None,
-               once: bool = False, force: bool = False, allow_zero: bool = False) -> None:
+def check_rate(
+    *,
+    set_to: float | None,
+    scale: float | None,
+    group: int | None,
+    optimizer_index: int | None,
+    once: bool = False,
+    force: bool = False,
+    allow_zero: bool = False,
+) -> None:
     """Refuse, with one sentence, a rate no step could use or that cannot train.
 
     Called before the action is queued (every tier: CLI, page, MCP, TCP go through the same
@@ -261,45 +297,75 @@ def check_rate(*, set_to: float | None, scale: float | None, group: int | None, 
         rates = [_next_rate(ov, i, g) for i, g in enumerate(pgs)]
         # against the rates in use now and, under a scheduler, the base rates it started from (a warm-up from 0,
         # or a decayed schedule set back to its start, is no jump)
-        largest = max(rates + [float(g["initial_lr"]) for g in pgs if isinstance(g.get("initial_lr"), (int, float))],
-                      default=0.0)
-        for i in (range(len(pgs)) if group is None else [group]):
+        largest = max(
+            rates + [float(g["initial_lr"]) for g in pgs if isinstance(g.get("initial_lr"), (int, float))], default=0.0
+        )
+        for i in range(len(pgs)) if group is None else [group]:
             new = set_to if set_to is not None else rates[i] * scale
             where = f"group {i} of {f.name}"
             if not math.isfinite(new):
-                raise ActionError(f"the new learning rate of {where} ({rates[i]:g} x {scale:g}) is not a finite number; "
-                                  "give a smaller --scale or use --set.")
+                raise ActionError(
+                    f"the new learning rate of {where} ({rates[i]:g} x {scale:g}) is not a finite number; "
+                    "give a smaller --scale or use --set."
+                )
             limit = dtype_limit(pgs[i])
             if limit is not None and new > limit[0]:
-                raise ActionError(f"a learning rate of {new:g} for {where} would overflow its {limit[1]} parameters in "
-                                  f"{type(opt).__name__}'s update (the most a step can take is about {limit[0]:.3g}) and "
-                                  "end the training process at its next step; give a rate that can train.")
+                raise ActionError(
+                    f"a learning rate of {new:g} for {where} would overflow its {limit[1]} parameters in "
+                    f"{type(opt).__name__}'s update (the most a step can take is about {limit[0]:.3g}) and "
+                    "end the training process at its next step; give a rate that can train."
+                )
             if new <= 0 and not allow_zero:
-                raise ActionError(f"a learning rate of 0 for {where} stops training (its weights no longer change); "
-                                  "give --allow-zero if that is what you want.")
+                raise ActionError(
+                    f"a learning rate of 0 for {where} stops training (its weights no longer change); "
+                    "give --allow-zero if that is what you want."
+                )
             if not force and largest > 0 and new > MAX_JUMP * largest:
-                raise ActionError(f"a learning rate of {new:g} for {where} is {new / largest:.3g}x the largest rate "
-                                  f"{f.name} uses now or started from ({largest:g}), past the {MAX_JUMP:g}x a run usually survives; "
-                                  "give --force if you mean it.")
+                raise ActionError(
+                    f"a learning rate of {new:g} for {where} is {new / largest:.3g}x the largest rate "
+                    f"{f.name} uses now or started from ({largest:g}), past the {MAX_JUMP:g}x a run usually survives; "
+                    "give --force if you mean it."
+                )
 
 
-def change_lr(ctx: Context, *, set_to: float | None, scale: float | None, group: int | None,
-              optimizer_index: int | None, once: bool = False, force: bool = False,
-              allow_zero: bool = False) -> dict:
+def change_lr(
+    ctx: Context,
+    *,
+    set_to: float | None,
+    scale: float | None,
+    group: int | None,
+    optimizer_index: int | None,
+    once: bool = False,
+    force: bool = False,
+    allow_zero: bool = False,
+) -> dict:
     """Install (or compose) the override, or write once; the action settles at the next step."""
     opts = _pick(optimizer_index, group)
     if set_to is not None or scale is not None:  # the rates may have moved since the request was checked
-        check_rate(set_to=set_to, scale=scale, group=group, optimizer_index=optimizer_index, once=once, force=force,
-                   allow_zero=allow_zero)
+        check_rate(
+            set_to=set_to,
+            scale=scale,
+            group=group,
+            optimizer_index=optimizer_index,
+            once=once,
+            force=force,
+            allow_zero=allow_zero,
+        )
     for f in opts:
-        for i in (range(len(f.obj.param_groups)) if group is None else [group]):
+        for i in range(len(f.obj.param_groups)) if group is None else [group]:
             if hasattr(f.obj.param_groups[i]["lr"], "fill_") and getattr(f.obj.param_groups[i]["lr"], "is_cuda", False):
-                raise ActionError(f"group {i} of {f.name} keeps its lr as a CUDA tensor; probe changes only CPU rates "
-                                  "(reading it each step would synchronise the GPU).")
+                raise ActionError(
+                    f"group {i} of {f.name} keeps its lr as a CUDA tensor; probe changes only CPU rates "
+                    "(reading it each step would synchronise the GPU)."
+                )
     settle = ctx.defer()
-    result = {"step": ctx.step, "mode": "once" if once else "hold", "optimizers": [], "waiting":
-              "no step of the optimizer followed within the action's timeout, so the new lr was not seen used; "
-              "the override stays installed (torch.optimizer shows it)."}
+    result = {
+        "step": ctx.step,
+        "mode": "once" if once else "hold",
+        "optimizers": [],
+        "waiting": "no step of the optimizer followed within the action's timeout, so the new lr was not seen used; "
+        "the override stays installed (torch.optimizer shows it).",
+    }
     if ctx.action is not None:
         ctx.action.result = result
     done = _settle_once(settle, result, len(opts))  # one count for the action, shared by its optimizers
@@ -322,11 +388,19 @@ def change_lr(ctx: Context, *, set_to: float | None, scale: float | None, group:
                     rescale(sched, opt.param_groups[i], i, factor)
                     r = ov.rescaled.get(i)
                     total = (r.factor if r is not None else 1.0) * factor
-                    ov.rescaled[i] = Rescaled(sched, total, ctx.step,
-                                               f"set {set_to:g}" if set_to is not None else f"scale {total:g}")
-                    rows.append({"group": i, "before": loop, "after": value(opt.param_groups[i]["lr"]),
-                                 "loop_before": loop, "via": "scheduler",
-                                 "status": f"{type(sched).__name__}'s base rate scaled; waiting for the next step"})
+                    ov.rescaled[i] = Rescaled(
+                        sched, total, ctx.step, f"set {set_to:g}" if set_to is not None else f"scale {total:g}"
+                    )
+                    rows.append(
+                        {
+                            "group": i,
+                            "before": loop,
+                            "after": value(opt.param_groups[i]["lr"]),
+                            "loop_before": loop,
+                            "via": "scheduler",
+                            "status": f"{type(sched).__name__}'s base rate scaled; waiting for the next step",
+                        }
+                    )
                     continue
                 before = g.target(loop) if g is not None else loop
                 if g is not None:
@@ -337,8 +411,12 @@ def change_lr(ctx: Context, *, set_to: float | None, scale: float | None, group:
                         del ov.groups[i]  # a one-off write replaces a held override
                     write(opt.param_groups[i], after)
                 elif g is None:
-                    g = ov.groups[i] = _Group("set" if set_to is not None else "scale",
-                                              set_to if set_to is not None else scale, loop, ctx.step)
+                    g = ov.groups[i] = _Group(
+                        "set" if set_to is not None else "scale",
+                        set_to if set_to is not None else scale,
+                        loop,
+                        ctx.step,
+                    )
                     after = g.target(loop)
                 elif set_to is not None:
                     g.mode, g.value = "set", set_to
@@ -349,16 +427,28 @@ def change_lr(ctx: Context, *, set_to: float | None, scale: float | None, group:
                 if g is not None:
                     limit = dtype_limit(opt.param_groups[i])
                     g.limit = limit[0] if limit is not None else math.inf
-                row = {"group": i, "before": before, "after": after, "loop_before": loop,
-                       "status": "waiting for the next step"}
+                row = {
+                    "group": i,
+                    "before": before,
+                    "after": after,
+                    "loop_before": loop,
+                    "status": "waiting for the next step",
+                }
                 if not once:
                     g.rows = [row]
                 rows.append(row)
             ov.pending.append((done, result, once, rows))
-        result["optimizers"].append({"optimizer": f.name, "type": type(opt).__name__, "wrapper": f.wrapper,
-                                     "groups": rows,
-                                     "via": "scheduler" if rows and all(x.get("via") == "scheduler" for x in rows)
-                                     else ("once" if once else "hold")})
+        result["optimizers"].append(
+            {
+                "optimizer": f.name,
+                "type": type(opt).__name__,
+                "wrapper": f.wrapper,
+                "groups": rows,
+                "via": "scheduler"
+                if rows and all(x.get("via") == "scheduler" for x in rows)
+                else ("once" if once else "hold"),
+            }
+        )
     return result
 
 
@@ -384,20 +474,36 @@ def reset_lr(ctx: Context, *, group: int | None, optimizer_index: int | None) ->
             ov = overrides.get(id(f.obj))
             if ov is None or ov.ref() is not f.obj:
                 continue
-            for i in ([group] if group is not None else sorted(ov.rescaled)):
+            for i in [group] if group is not None else sorted(ov.rescaled):
                 r = ov.rescaled.pop(i, None)
                 sched = r.sched() if r is not None else None
                 if sched is not None:
                     rescale(sched, f.obj.param_groups[i], i, 1.0 / r.factor)
                     held = ctx.step - r.since if ctx.step is not None and r.since is not None else None
-                    removed.append({"optimizer": f.name, "group": i, "override": r.text(), "held_steps": held,
-                                    "rewrites": 0, "loop_lr": value(f.obj.param_groups[i]["lr"])})
-            for i in ([group] if group is not None else list(ov.groups)):
+                    removed.append(
+                        {
+                            "optimizer": f.name,
+                            "group": i,
+                            "override": r.text(),
+                            "held_steps": held,
+                            "rewrites": 0,
+                            "loop_lr": value(f.obj.param_groups[i]["lr"]),
+                        }
+                    )
+            for i in [group] if group is not None else list(ov.groups):
                 g = ov.groups.pop(i, None)
                 if g is not None:
                     g.hand_over(f"removed by action {ctx.action_id} at step {ctx.step}")
-                    removed.append({"optimizer": f.name, "group": i, "override": g.text(), "held_steps": g.held,
-                                    "rewrites": g.rewrites, "loop_lr": value(f.obj.param_groups[i]["lr"])})
+                    removed.append(
+                        {
+                            "optimizer": f.name,
+                            "group": i,
+                            "override": g.text(),
+                            "held_steps": g.held,
+                            "rewrites": g.rewrites,
+                            "loop_lr": value(f.obj.param_groups[i]["lr"]),
+                        }
+                    )
             if not ov.groups and not ov.rescaled and not ov.pending:
                 overrides.pop(id(f.obj), None)
     if not removed:

@@ -25,9 +25,11 @@ def check_once(item, pgs, step) -> None:
         g["used"] = now
         g["status"] = f"used by step {step}" if now == g["after"] else f"rewritten by the loop before step {step}"
         if now != g["after"]:
-            result["error"] = (f"the loop rewrote group {i}'s lr to {now:.6g} before step {step} used {g['after']:.6g} "
-                                   "(its scheduler or its own code sets the rate each step); run `lr` without --once "
-                                   "to hold the change.")
+            result["error"] = (
+                f"the loop rewrote group {i}'s lr to {now:.6g} before step {step} used {g['after']:.6g} "
+                "(its scheduler or its own code sets the rate each step); run `lr` without --once "
+                "to hold the change."
+            )
 
 
 def check_rescaled(rescaled: dict, item, pgs, step: int) -> None:
@@ -43,12 +45,16 @@ def check_rescaled(rescaled: dict, item, pgs, step: int) -> None:
         last = getattr(sched, "_last_lr", None) if sched is not None else None
         made = last[g["group"]] if isinstance(last, list) and len(last) > g["group"] else None
         if made is not None and abs(now - made) <= 1e-12 * max(abs(made), 1e-300):
-            g["status"] = (f"the scheduler computes from the scaled base rate: step {step} used its rate; "
-                           "param_groups, get_last_lr() and the loop's own logs show the rate in effect")
+            g["status"] = (
+                f"the scheduler computes from the scaled base rate: step {step} used its rate; "
+                "param_groups, get_last_lr() and the loop's own logs show the rate in effect"
+            )
         else:
-            g["status"] = (f"step {step} used {now:.6g} but the scheduler made {made if made is None else f'{made:.6g}'}: "
-                           "something rewrote the rate after the scheduler; use `lr --reset` then `lr` again after "
-                           "stopping that code, or --once")
+            g["status"] = (
+                f"step {step} used {now:.6g} but the scheduler made {made if made is None else f'{made:.6g}'}: "
+                "something rewrote the rate after the scheduler; use `lr --reset` then `lr` again after "
+                "stopping that code, or --once"
+            )
             result["error"] = f"group {g['group']}'s rate was rewritten after its scheduler before step {step} ran"
 
 
@@ -66,6 +72,8 @@ def settle(groups: dict, item, step: int) -> None:
             g["loop_lr"] = og.loop
             if og.loop != g["loop_before"]:
                 before, after = apart(g["loop_before"], og.loop)
-                g["note"] = (f"re-applied: the loop rewrote its lr from {before} to {after} at step {step}; the "
-                             "loop's own logs show its value, torch.steps.lr what each step used")
+                g["note"] = (
+                    f"re-applied: the loop rewrote its lr from {before} to {after} at step {step}; the "
+                    "loop's own logs show its value, torch.steps.lr what each step used"
+                )
     settle(result.get("error"))

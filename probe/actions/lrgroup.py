@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import weakref
 
-__all__ = ["value", "write", "apart", "Rescaled", "SCHED_KEYS", "schedulers_in", "rescalable", "rescale",
-           "dtype_limit"]
+__all__ = ["value", "write", "apart", "Rescaled", "SCHED_KEYS", "schedulers_in", "rescalable", "rescale", "dtype_limit"]
 
 _HEADROOM = 0.01  # of the dtype's largest value: room for weight decay, momentum and bias-correction factors
 
@@ -45,6 +44,7 @@ def apart(a: float, b: float) -> tuple[str, str]:
 
 class Rescaled:
     """A group whose scheduler computes from scaled base rates (no hold: the scheduler makes the rate)."""
+
     __slots__ = ("sched", "factor", "since", "label")
 
     def __init__(self, sched, factor: float, since: int | None, label: str):
@@ -76,7 +76,7 @@ def rescalable(opt, i: int):
         inner = getattr(sched, "scheduler", None)
         if inner is not None and not hasattr(sched, "base_lrs") and hasattr(inner, "optimizer"):
             sched = inner  # accelerate's AcceleratedScheduler: the scheduler it drives
-        for one in (schedulers_in(sched) if sched is not None else ()):  # SequentialLR: its chained ones'
+        for one in schedulers_in(sched) if sched is not None else ():  # SequentialLR: its chained ones'
             base = getattr(one, "base_lrs", None)
             if isinstance(base, list) and len(base) > i and isinstance(base[i], float):
                 return sched

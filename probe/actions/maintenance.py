@@ -74,23 +74,39 @@ def debug(ctx: Context, port: int) -> dict:
         try:
             import debugpy
         except ImportError:
-            raise ActionError(f"debugpy is not installed in the training environment ({sys.executable}); install it with `{sys.executable} -m pip install debugpy` and retry.") from None
+            raise ActionError(
+                f"debugpy is not installed in the training environment ({sys.executable}); install it with `{sys.executable} -m pip install debugpy` and retry."
+            ) from None
         try:
             host, bound = debugpy.listen(("127.0.0.1", int(port)))
         except Exception as exc:
             raise ActionError(f"debugpy could not listen on 127.0.0.1:{port} ({exc}); choose another --port.") from None
-        _debug.update(host=host, port=int(bound), pid=os.getpid(), debugpy=getattr(debugpy, "__version__", None),
-                      vscode=launch_config(host, int(bound), os.getpid(), os.getcwd()))
+        _debug.update(
+            host=host,
+            port=int(bound),
+            pid=os.getpid(),
+            debugpy=getattr(debugpy, "__version__", None),
+            vscode=launch_config(host, int(bound), os.getpid(), os.getcwd()),
+        )
         # the job's owner should know, even if someone else started it: one line on its stderr
-        print(f"probe: debugpy listens on {host}:{bound} without authentication; any local user who reaches it "
-              "can run code in this process until it exits.", file=sys.stderr, flush=True)
+        print(
+            f"probe: debugpy listens on {host}:{bound} without authentication; any local user who reaches it "
+            "can run code in this process until it exits.",
+            file=sys.stderr,
+            flush=True,
+        )
         return {**_debug, "already": False}
 
 
 def launch_config(host: str, port: int, pid: int, cwd: str | None) -> dict:
     """A VS Code launch configuration that attaches to the listening debugpy."""
-    cfg = {"name": f"Attach to training pid {pid}", "type": "debugpy", "request": "attach",
-           "connect": {"host": host, "port": port}, "justMyCode": False}
+    cfg = {
+        "name": f"Attach to training pid {pid}",
+        "type": "debugpy",
+        "request": "attach",
+        "connect": {"host": host, "port": port},
+        "justMyCode": False,
+    }
     if cwd:
         cfg["pathMappings"] = [{"localRoot": "${workspaceFolder}", "remoteRoot": cwd}]
     return cfg

@@ -55,11 +55,15 @@ def start(ctx: Context, steps: int, with_stack: bool = False, record_shapes: boo
         raise ActionError("profile-steps starts at a step boundary; this process has not reached one yet.")
     with _lock:
         if _profile.get("state") == "running":
-            raise ActionError(f"a profile is already running in this process (steps {_profile['from_step']}"
-                              f"-{_profile['until_step']}); wait for it to finish.")
+            raise ActionError(
+                f"a profile is already running in this process (steps {_profile['from_step']}"
+                f"-{_profile['until_step']}); wait for it to finish."
+            )
         if _user_profiler_active(torch):
-            raise ActionError("a torch profiler is already active in this process (the training script's own?); "
-                              "torch allows one at a time, so stop it first or read its trace.")
+            raise ActionError(
+                "a torch profiler is already active in this process (the training script's own?); "
+                "torch allows one at a time, so stop it first or read its trace."
+            )
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU]
@@ -70,12 +74,27 @@ def start(ctx: Context, steps: int, with_stack: bool = False, record_shapes: boo
         prof.start()
         mark = _mark(torch, ctx.step + 1)
         _profile.clear()
-        _profile.update(state="running", action_id=ctx.action_id, steps=steps, from_step=ctx.step + 1,
-                        until_step=ctx.step + steps, path=path, activities=[a.name for a in activities],
-                        started_at=time.time(), prof=prof, mark=mark, pid=os.getpid())
+        _profile.update(
+            state="running",
+            action_id=ctx.action_id,
+            steps=steps,
+            from_step=ctx.step + 1,
+            until_step=ctx.step + steps,
+            path=path,
+            activities=[a.name for a in activities],
+            started_at=time.time(),
+            prof=prof,
+            mark=mark,
+            pid=os.getpid(),
+        )
         safepoint.on_step(_at_step)
-    return {"state": "running", "from_step": ctx.step + 1, "until_step": ctx.step + steps,
-            "activities": [a.name for a in activities], "path": path}
+    return {
+        "state": "running",
+        "from_step": ctx.step + 1,
+        "until_step": ctx.step + steps,
+        "activities": [a.name for a in activities],
+        "path": path,
+    }
 
 
 def _mark(torch, step: int):
@@ -103,8 +122,13 @@ def _at_step(event: StepEvent) -> None:
             prof.export_chrome_trace(tmp)
             os.chmod(tmp, 0o600)
             os.replace(tmp, path)
-            _profile.update(state="done", ended_step=event.step, finished_at=time.time(), bytes=os.path.getsize(path),
-                            export_s=round(time.perf_counter() - exported, 3))
+            _profile.update(
+                state="done",
+                ended_step=event.step,
+                finished_at=time.time(),
+                bytes=os.path.getsize(path),
+                export_s=round(time.perf_counter() - exported, 3),
+            )
         except Exception as exc:
             record_error("profile-steps", exc)
             _profile.update(state="failed", error=f"{type(exc).__name__}: {exc}", finished_at=time.time())
@@ -122,4 +146,9 @@ def read_chunk(path: str, offset: int) -> dict:
         data = f.read(CHUNK)
         size = os.fstat(f.fileno()).st_size
     end = max(0, int(offset)) + len(data)
-    return {"data": base64.b64encode(data).decode(), "offset": int(offset), "next": end if end < size else None, "size": size}
+    return {
+        "data": base64.b64encode(data).decode(),
+        "offset": int(offset),
+        "next": end if end < size else None,
+        "size": size,
+    }

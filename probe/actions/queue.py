@@ -32,8 +32,19 @@ from .._errors import ActionError, ProbeError
 from ..util.errorlog import record_error
 from ..training.safepoint import StepEvent, on_step, remove
 
-__all__ = ["Action", "Context", "submit", "get", "wait", "actions", "last_step", "refuse", "cancel", "TERMINAL",
-           "ActionCancelled"]
+__all__ = [
+    "Action",
+    "Context",
+    "submit",
+    "get",
+    "wait",
+    "actions",
+    "last_step",
+    "refuse",
+    "cancel",
+    "TERMINAL",
+    "ActionCancelled",
+]
 
 CAPACITY = 1000
 TERMINAL = ("done", "failed", "timed_out", "cancelled")
@@ -93,12 +104,23 @@ class Action:
     settle_by: float | None = None  # a deferred action not settled by then fails
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "command": self.command, "args": self.args, "state": self.state,
-                "now": self.now, "at_step": self.at_step, "timeout": self.timeout,
-                "requested_at": self.requested_at, "started_at": self.started_at,
-                "finished_at": self.finished_at, "step": self.step, "result": self.result,
-                "error": self.error, "queued_for": (self.started_at or time.time()) - self.requested_at,
-                "last_step": safepoint.last_step}
+        return {
+            "id": self.id,
+            "command": self.command,
+            "args": self.args,
+            "state": self.state,
+            "now": self.now,
+            "at_step": self.at_step,
+            "timeout": self.timeout,
+            "requested_at": self.requested_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "step": self.step,
+            "result": self.result,
+            "error": self.error,
+            "queued_for": (self.started_at or time.time()) - self.requested_at,
+            "last_step": safepoint.last_step,
+        }
 
 
 _ids = itertools.count(1)
@@ -123,7 +145,9 @@ def get(action_id: int) -> Action:
         for a in _history:
             if a.id == action_id:
                 return a
-    raise ActionError(f"no action with id {action_id} in this process; `probe ENDPOINT query \"SELECT * FROM probe.actions\"` lists them.")
+    raise ActionError(
+        f'no action with id {action_id} in this process; `probe ENDPOINT query "SELECT * FROM probe.actions"` lists them.'
+    )
 
 
 def refuse(client: dict, command: str, args: dict, reason: str) -> None:
@@ -132,8 +156,16 @@ def refuse(client: dict, command: str, args: dict, reason: str) -> None:
     raise ActionError(reason)
 
 
-def submit(command: str, fn: Callable[[Context], dict], *, args: dict, client: dict, now: bool = False,
-           at_step: int | None = None, timeout: float | None = None) -> Action:
+def submit(
+    command: str,
+    fn: Callable[[Context], dict],
+    *,
+    args: dict,
+    client: dict,
+    now: bool = False,
+    at_step: int | None = None,
+    timeout: float | None = None,
+) -> Action:
     """Queue ``fn`` for the next safe point (or run it now); return the tracked action."""
     action = Action(next(_ids), command, dict(args), dict(client), fn, now=now, at_step=at_step, timeout=timeout)
     with _lock:
@@ -143,8 +175,12 @@ def submit(command: str, fn: Callable[[Context], dict], *, args: dict, client: d
             on_step(_at_step)  # subscribed only while something waits: an idle boundary costs nothing
     audit(client, command, args, "queued" if not now else "running", id=action.id, now=now, at_step=at_step)
     if now:
-        t = threading.Thread(target=_run, args=(action, Context(step=safepoint.last_step, now=True, action_id=action.id)),
-                             name=f"probe-action-{action.id}", daemon=True)
+        t = threading.Thread(
+            target=_run,
+            args=(action, Context(step=safepoint.last_step, now=True, action_id=action.id)),
+            name=f"probe-action-{action.id}",
+            daemon=True,
+        )
         action.state = "running"
         t.start()
     elif timeout is not None:
@@ -178,9 +214,15 @@ def expire() -> None:
             if a.timeout is not None and now - a.requested_at >= a.timeout:
                 _pending.remove(a)
                 a.state, a.finished_at = "timed_out", now
-                a.error = (f"no step boundary was reached within {a.timeout:g} s"
-                           + (f" (waiting for step {a.at_step}, last step {safepoint.last_step})" if a.at_step is not None else "")
-                           + "; the action was dropped and will not run.")
+                a.error = (
+                    f"no step boundary was reached within {a.timeout:g} s"
+                    + (
+                        f" (waiting for step {a.at_step}, last step {safepoint.last_step})"
+                        if a.at_step is not None
+                        else ""
+                    )
+                    + "; the action was dropped and will not run."
+                )
                 expired.append(a)
         if expired:
             _lock.notify_all()
@@ -204,8 +246,10 @@ def cancel(action_id: int, client: dict) -> Action:
         elif action.now and action.thread is None:  # its thread has not started the code yet: it stops there
             action.cancel_requested = True
         elif not action.now:
-            raise ActionError(f"action {action_id} is running on the training thread at a step boundary; it cannot be "
-                              "interrupted there without hurting training, and ends when its code returns.")
+            raise ActionError(
+                f"action {action_id} is running on the training thread at a step boundary; it cannot be "
+                "interrupted there without hurting training, and ends when its code returns."
+            )
         else:
             # raised at the thread's next Python instruction (a blocking C call, e.g. sleep, finishes first)
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(action.thread), ctypes.py_object(ActionCancelled))
@@ -224,8 +268,16 @@ def settle(action_id: int, error: str | None = None) -> None:
         action.settle_by = None
         action.finished_at = time.time()
         _lock.notify_all()
-    audit(action.client, action.command, action.args, action.state, id=action.id, step=action.step,
-          error=action.error, result=_short(action.result))
+    audit(
+        action.client,
+        action.command,
+        action.args,
+        action.state,
+        id=action.id,
+        step=action.step,
+        error=action.error,
+        result=_short(action.result),
+    )
 
 
 def _expire_deferred(now: float) -> None:
@@ -255,8 +307,15 @@ def _run(action: Action, ctx: Context) -> None:
                     if action.result is None:
                         action.result = result
                     _lock.notify_all()
-                audit(action.client, action.command, action.args, "applied", id=action.id, step=action.step,
-                      result=_short(action.result))
+                audit(
+                    action.client,
+                    action.command,
+                    action.args,
+                    "applied",
+                    id=action.id,
+                    step=action.step,
+                    result=_short(action.result),
+                )
                 return
             action.result = result
             action.state = "done"
@@ -278,8 +337,16 @@ def _run(action: Action, ctx: Context) -> None:
                 action.finished_at = time.time()
                 with _lock:
                     _lock.notify_all()
-                audit(action.client, action.command, action.args, action.state, id=action.id, step=action.step,
-                      error=action.error, result=_short(action.result))
+                audit(
+                    action.client,
+                    action.command,
+                    action.args,
+                    action.state,
+                    id=action.id,
+                    step=action.step,
+                    error=action.error,
+                    result=_short(action.result),
+                )
     except ActionCancelled:  # a cancel that landed just as the action ended: it had finished anyway
         pass
 

@@ -39,8 +39,9 @@ def _number(req: Request, name: str, kind=float, default=None, minimum=None, max
     value = req.param(name, default)
     try:
         if kind is int:
-            return _validate.count(value, name, minimum=0 if minimum is None else minimum,
-                                   maximum=10**12 if maximum is None else maximum)
+            return _validate.count(
+                value, name, minimum=0 if minimum is None else minimum, maximum=10**12 if maximum is None else maximum
+            )
         return _validate.number(value, name, minimum=minimum, maximum=maximum)
     except _validate.BadRequest as exc:
         raise ActionError(exc.message) from None
@@ -97,7 +98,9 @@ def checkpoint_route(req: Request) -> dict:
     path, force = req.param("path"), _flag(req, "force")
     args = {"path": path if isinstance(path, str) else repr(path), "force": force}
     if not isinstance(path, str) or not path.strip():
-        refuse(req.client, "checkpoint", args, "no path given; pass the checkpoint file, e.g. /ckpt/emergency-{rank}.pt.")
+        refuse(
+            req.client, "checkpoint", args, "no path given; pass the checkpoint file, e.g. /ckpt/emergency-{rank}.pt."
+        )
     try:  # text every file function takes (a lone surrogate broke os.lstat: 500 and no audit line)
         _validate.file_path(path, "the checkpoint path")
     except _validate.BadRequest as exc:
@@ -109,8 +112,12 @@ def checkpoint_route(req: Request) -> dict:
             check_target(expanded, force)
     except ProbeError as exc:
         refuse(req.client, "checkpoint", {**args, "expanded": expanded}, exc.message)
-    return _submit(req, "checkpoint", {**args, "expanded": expanded},
-                   lambda ctx: save(ctx, expand_path(path, rank, ctx.step), force))
+    return _submit(
+        req,
+        "checkpoint",
+        {**args, "expanded": expanded},
+        lambda ctx: save(ctx, expand_path(path, rank, ctx.step), force),
+    )
 
 
 def _optimizer(req: Request):
@@ -125,8 +132,11 @@ def _optimizer(req: Request):
 
 @route("POST", "/actions/lr", tier="action")
 def lr_route(req: Request) -> dict:
-    args = {k: req.param(k) for k in ("set", "scale", "group", "optimizer", "once", "reset", "force", "allow_zero")
-            if req.param(k) is not None}
+    args = {
+        k: req.param(k)
+        for k in ("set", "scale", "group", "optimizer", "once", "reset", "force", "allow_zero")
+        if req.param(k) is not None
+    }
     once, force, allow_zero = _flag(req, "once"), _flag(req, "force"), _flag(req, "allow_zero")
     try:
         # finite and not negative (NaN or inf would ruin the run for good): checked here, before any queueing
@@ -139,13 +149,32 @@ def lr_route(req: Request) -> dict:
         if (set_to is None) == (scale is None):
             raise ActionError("give exactly one of --set LR, --scale FACTOR or --reset.")
         # what the parameters' dtype can take, 0, and a jump past 10x: refused here, so nothing is queued
-        check_rate(set_to=set_to, scale=scale, group=group, optimizer_index=opt_index, once=once, force=force,
-                   allow_zero=allow_zero)
+        check_rate(
+            set_to=set_to,
+            scale=scale,
+            group=group,
+            optimizer_index=opt_index,
+            once=once,
+            force=force,
+            allow_zero=allow_zero,
+        )
     except ProbeError as exc:
         refuse(req.client, "lr", args, exc.message)
-    return _submit(req, "lr", args, lambda ctx: change_lr(ctx, set_to=set_to, scale=scale, group=group,
-                                                          optimizer_index=opt_index, once=once, force=force,
-                                                          allow_zero=allow_zero))
+    return _submit(
+        req,
+        "lr",
+        args,
+        lambda ctx: change_lr(
+            ctx,
+            set_to=set_to,
+            scale=scale,
+            group=group,
+            optimizer_index=opt_index,
+            once=once,
+            force=force,
+            allow_zero=allow_zero,
+        ),
+    )
 
 
 @route("POST", "/actions/cleanup", tier="action")
@@ -167,8 +196,13 @@ def profile_steps_route(req: Request) -> dict:
         refuse(req.client, "profile-steps", args, exc.message)
     running = profiler.current()
     if running.get("state") == "running":
-        refuse(req.client, "profile-steps", args, f"a profile is already running in this process (steps "
-               f"{running['from_step']}-{running['until_step']}); wait for it to finish.")
+        refuse(
+            req.client,
+            "profile-steps",
+            args,
+            f"a profile is already running in this process (steps "
+            f"{running['from_step']}-{running['until_step']}); wait for it to finish.",
+        )
     stack, shapes = _flag(req, "with_stack"), _flag(req, "record_shapes")
     return _submit(req, "profile-steps", args, lambda ctx: profiler.start(ctx, steps, stack, shapes))
 

@@ -26,8 +26,14 @@ def audit_path() -> str:
 
 
 def audit(client: dict, command: str, args: dict | None, outcome: str, **extra) -> None:
-    record = {"time": time.time(), "pid": os.getpid(), "client": client, "command": command,
-              "args": args or {}, "outcome": outcome}
+    record = {
+        "time": time.time(),
+        "pid": os.getpid(),
+        "client": client,
+        "command": command,
+        "args": args or {},
+        "outcome": outcome,
+    }
     record.update(extra)
     try:
         line = json.dumps(record, default=repr) + "\n"

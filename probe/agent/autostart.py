@@ -21,8 +21,16 @@ import os
 PARENT = "PROBE_PARENT"
 
 _SKIP_SCRIPTS = {"torchrun", "probe", "pip", "pip3", "py-spy", "pytest", "py.test"}
-_SKIP_MODULES = ("torch.distributed.run", "torch.distributed.launch", "torch.distributed.elastic",
-                 "probe", "pip", "py_spy", "debugpy", "pytest")
+_SKIP_MODULES = (
+    "torch.distributed.run",
+    "torch.distributed.launch",
+    "torch.distributed.elastic",
+    "probe",
+    "pip",
+    "py_spy",
+    "debugpy",
+    "pytest",
+)
 
 
 def _kind(argv: list[str]) -> tuple[str, bool]:

@@ -38,8 +38,9 @@ class _PackageDirs(importlib.abc.MetaPathFinder):
         folder = self.dirs.get(name)
         if not folder:
             return None
-        return importlib.util.spec_from_file_location(name, os.path.join(folder, "__init__.py"),
-                                                      submodule_search_locations=[folder])
+        return importlib.util.spec_from_file_location(
+            name, os.path.join(folder, "__init__.py"), submodule_search_locations=[folder]
+        )
 
 
 def _write_status(path: str | None, doc: dict) -> None:
@@ -78,8 +79,16 @@ def main(settings_path: str) -> None:
         origin = _make_importable(settings)
         missing = [m for m in REQUIRED if m not in sys.modules and importlib.util.find_spec(m) is None]
         if missing:
-            _write_status(status, {"ok": False, "reason": "missing_dependencies", "missing": missing,
-                                   "python": sys.version.split()[0], "executable": sys.executable})
+            _write_status(
+                status,
+                {
+                    "ok": False,
+                    "reason": "missing_dependencies",
+                    "missing": missing,
+                    "python": sys.version.split()[0],
+                    "executable": sys.executable,
+                },
+            )
             return
         for key, value in (settings.get("env") or {}).items():
             if key.startswith("PROBE_") and isinstance(value, str):
@@ -89,12 +98,21 @@ def main(settings_path: str) -> None:
         already = lifecycle.is_running()
         entry = lifecycle.start(runtime=None if already else settings.get("runtime_dir"))
         entry.pop("token", None)
-        _write_status(status, {"ok": True, "already_running": already, "probe_from": origin, "entry": entry,
-                               "at": time.time()})
+        _write_status(
+            status, {"ok": True, "already_running": already, "probe_from": origin, "entry": entry, "at": time.time()}
+        )
     except BaseException as exc:  # never into the target
         try:
-            _write_status(status, {"ok": False, "reason": "error", "error": f"{type(exc).__name__}: {exc}",
-                                   "python": sys.version.split()[0], "executable": sys.executable})
+            _write_status(
+                status,
+                {
+                    "ok": False,
+                    "reason": "error",
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "python": sys.version.split()[0],
+                    "executable": sys.executable,
+                },
+            )
         except BaseException:
             pass
 

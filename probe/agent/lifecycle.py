@@ -21,8 +21,15 @@ from .. import __version__
 from ..config import setting
 from .._errors import ProbeError
 from .._identity import job_identity, process_argv, rank_identity
-from .._runtime import (registry_listen, remove_entry, runtime_dir, shared_registry, sweep_stale, use_private_dir,
-                        write_entry)
+from .._runtime import (
+    registry_listen,
+    remove_entry,
+    runtime_dir,
+    shared_registry,
+    sweep_stale,
+    use_private_dir,
+    write_entry,
+)
 from ..postmortem import hooks as postmortem
 from ..tables import registry as tables
 from ..training import collectives, hooks
@@ -51,8 +58,9 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def start(*, port: int | None = None, host: str | None = None, token: str | None = None,
-          runtime: str | None = None) -> dict:
+def start(
+    *, port: int | None = None, host: str | None = None, token: str | None = None, runtime: str | None = None
+) -> dict:
     """Start the probe server in this process; return its registry entry. Starting twice is harmless."""
     with _lock:
         if _running:
@@ -81,13 +89,19 @@ def start(*, port: int | None = None, host: str | None = None, token: str | None
                 tcp = TCPServer(tcp_host, int(port_setting), token)
             except (OSError, ValueError) as exc:
                 servers[0].server_close()
-                raise ProbeError(f"probe could not listen on {tcp_host}:{port_setting} ({exc}); choose another PROBE_PORT or use 0 for a free port.") from None
+                raise ProbeError(
+                    f"probe could not listen on {tcp_host}:{port_setting} ({exc}); choose another PROBE_PORT or use 0 for a free port."
+                ) from None
             tcp_port = tcp.server_address[1]
             servers.append(tcp)
             threads.append(serve_in_thread(tcp, "probe-server-tcp"))
             if not _loopback(tcp_host):
-                print(f"[probe] WARNING: listening on {tcp_host}:{tcp_port}, reachable from other hosts; "
-                      "every request needs the token.", file=sys.stderr, flush=True)
+                print(
+                    f"[probe] WARNING: listening on {tcp_host}:{tcp_port}, reachable from other hosts; "
+                    "every request needs the token.",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         entry = {
             "pid": os.getpid(),

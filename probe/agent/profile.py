@@ -90,8 +90,13 @@ def sample_stacks(seconds: float, hz: float = DEFAULT_HZ, exclude: frozenset = f
             parts.append(text)
         key = ";".join(parts)
         stacks[key] = stacks.get(key, 0) + n
-    return {"samples": samples, "seconds": round(elapsed, 3), "hz": hz, "dropped": dropped,
-            "stacks": sorted(([k, v] for k, v in stacks.items()), key=lambda kv: -kv[1])}
+    return {
+        "samples": samples,
+        "seconds": round(elapsed, 3),
+        "hz": hz,
+        "dropped": dropped,
+        "stacks": sorted(([k, v] for k, v in stacks.items()), key=lambda kv: -kv[1]),
+    }
 
 
 def _number(req: Request, name: str, default: float, low: float, high: float) -> float:

@@ -59,11 +59,19 @@ def tables(req: Request) -> Binary:
     current = (tuple(all_tables()), ident["schema_version"], ident["started_at"])
     cached = _tables_cache.get("body")
     if cached is None or _tables_cache.get("key") != current:
-        doc = {**ident, "tables": [
-            {"name": t.name, "description": t.description, "kind": t.kind, "examples": list(t.examples),
-             "columns": [{"name": c.name, "type": c.type, "description": c.description} for c in t.columns]}
-            for t in current[0]
-        ]}
+        doc = {
+            **ident,
+            "tables": [
+                {
+                    "name": t.name,
+                    "description": t.description,
+                    "kind": t.kind,
+                    "examples": list(t.examples),
+                    "columns": [{"name": c.name, "type": c.type, "description": c.description} for c in t.columns],
+                }
+                for t in current[0]
+            ],
+        }
         cached = json.dumps(doc).encode()
         _tables_cache.update(key=current, body=cached)
     return Binary([cached], "application/json")
@@ -104,8 +112,16 @@ def backtrace(req: Request) -> dict:
             if with_locals:
                 row["locals"] = {k: redact(k, safe_repr(v)) for k, v in list(frame.f_locals.items())[:40]}
             rows.append(row)
-        threads.append({"thread_id": ident, "native_id": getattr(thread, "native_id", None), "name": name,
-                        "is_main": is_main, "daemon": getattr(thread, "daemon", None), "frames": rows})
+        threads.append(
+            {
+                "thread_id": ident,
+                "native_id": getattr(thread, "native_id", None),
+                "name": name,
+                "is_main": is_main,
+                "daemon": getattr(thread, "daemon", None),
+                "frames": rows,
+            }
+        )
     threads.sort(key=lambda t: (not t["is_main"], (t["name"] or "").startswith("probe-"), t["name"] or ""))
     if want not in (None, "") and not threads:
         names = ", ".join(sorted({t.name for t in threading.enumerate()}))

@@ -71,7 +71,11 @@ def check_tier(client: dict, tier: str) -> None:
     allow_eval = setting("PROBE_ALLOW_EVAL")
     if tier == "eval":
         if allow_eval is False:
-            raise AuthError("eval is disabled in this process (PROBE_ALLOW_EVAL=0); restart it without that setting to allow eval.")
+            raise AuthError(
+                "eval is disabled in this process (PROBE_ALLOW_EVAL=0); restart it without that setting to allow eval."
+            )
         if client.get("transport") == "tcp" and allow_eval is not True:
-            raise AuthError("eval over TCP is off; start the training process with PROBE_ALLOW_EVAL=1 to allow it (the token is still required), or use the local unix socket.")
+            raise AuthError(
+                "eval over TCP is off; start the training process with PROBE_ALLOW_EVAL=1 to allow it (the token is still required), or use the local unix socket."
+            )
     # actions: the unix socket is same-user only, and TCP clients have already shown the token.

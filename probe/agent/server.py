@@ -104,8 +104,12 @@ class _Handler(BaseHTTPRequestHandler):
             if exc.status == 401:
                 for method in ("GET", "POST"):
                     if (method, urlparse(exc.path).path) in ROUTES:
-                        _audit_refusal(self, method, {"transport": "tcp", "address": "%s:%s" % self.client_address[:2]},
-                                       AuthError(_WRONG_TOKEN))
+                        _audit_refusal(
+                            self,
+                            method,
+                            {"transport": "tcp", "address": "%s:%s" % self.client_address[:2]},
+                            AuthError(_WRONG_TOKEN),
+                        )
                         break
             self._send(exc.status, exc.payload)
             return
@@ -174,10 +178,13 @@ class _Handler(BaseHTTPRequestHandler):
         """The stdlib's errors (bad request line, HTTP/0.9, long headers) as one JSON sentence, then close."""
         if self.request_version == "HTTP/0.9" or not getattr(self, "requestline", ""):
             self.request_version = "HTTP/1.1"  # answer with a status line the client can read
-        text = {400: "malformed HTTP request; probe speaks HTTP/1.1 (use the probe CLI)",
-                414: "request line too long", 431: "request headers too large",
-                501: "unsupported method; probe answers GET and POST",
-                505: "unsupported HTTP version; probe speaks HTTP/1.1"}.get(code, message or "bad request")
+        text = {
+            400: "malformed HTTP request; probe speaks HTTP/1.1 (use the probe CLI)",
+            414: "request line too long",
+            431: "request headers too large",
+            501: "unsupported method; probe answers GET and POST",
+            505: "unsupported HTTP version; probe speaks HTTP/1.1",
+        }.get(code, message or "bad request")
         self._send(code, {"error": text + ".", "kind": "request", "exit_code": 2})
 
     def _respond(self, status: int, parts: list, content_type: str) -> None:
@@ -187,8 +194,10 @@ class _Handler(BaseHTTPRequestHandler):
         parts = [p for p in parts if (p.nbytes if hasattr(p, "nbytes") else len(p))]
         length = sum(p.nbytes if hasattr(p, "nbytes") else len(p) for p in parts)
         reason = self.responses.get(status, ("",))[0]
-        head = (f"HTTP/1.1 {status} {reason}\r\nServer: probe\r\nContent-Type: {content_type}\r\n"
-                f"Content-Length: {length}\r\nConnection: close\r\n\r\n").encode("latin-1")
+        head = (
+            f"HTTP/1.1 {status} {reason}\r\nServer: probe\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {length}\r\nConnection: close\r\n\r\n"
+        ).encode("latin-1")
         try:
             send_buffers(self.connection, [head, *parts])
         except (BrokenPipeError, ConnectionResetError, socket.timeout, OSError):
@@ -215,7 +224,14 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlparse(self.path)
         entry = ROUTES.get((method, url.path))
         if entry is None:
-            self._send(404, {"error": f"no such endpoint {url.path}; this probe may be older than your CLI.", "kind": "endpoint", "exit_code": 3})
+            self._send(
+                404,
+                {
+                    "error": f"no such endpoint {url.path}; this probe may be older than your CLI.",
+                    "kind": "endpoint",
+                    "exit_code": 3,
+                },
+            )
             return
         try:
             try:
@@ -231,16 +247,40 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._send(200, payload)
         except ProbeError as exc:
-            status = 403 if isinstance(exc, AuthError) else 503 if exc.kind == "busy" else 413 if exc.kind == "too_large" else 400
+            status = (
+                403
+                if isinstance(exc, AuthError)
+                else 503
+                if exc.kind == "busy"
+                else 413
+                if exc.kind == "too_large"
+                else 400
+            )
             self._send(status, exc.to_dict())
         except (BrokenPipeError, ConnectionResetError, socket.timeout):
             pass
         except RecursionError as exc:
             record_error(f"server {method} {url.path}", exc)
-            self._send(400, {"error": "the request nests too deeply to handle; send a simpler request.", "kind": "request", "exit_code": 2})
-        except BaseException as exc:  # a bug of ours, or KeyboardInterrupt/SystemExit from eval'd code: answer, never propagate
+            self._send(
+                400,
+                {
+                    "error": "the request nests too deeply to handle; send a simpler request.",
+                    "kind": "request",
+                    "exit_code": 2,
+                },
+            )
+        except (
+            BaseException
+        ) as exc:  # a bug of ours, or KeyboardInterrupt/SystemExit from eval'd code: answer, never propagate
             record_error(f"server {method} {url.path}", exc)
-            self._send(500, {"error": f"the probe failed internally ({type(exc).__name__}: {exc}); see probe.errors.", "kind": "error", "exit_code": 1})
+            self._send(
+                500,
+                {
+                    "error": f"the probe failed internally ({type(exc).__name__}: {exc}); see probe.errors.",
+                    "kind": "error",
+                    "exit_code": 1,
+                },
+            )
 
     def _read_body(self) -> dict:
         raw_length = self.headers.get("Content-Length")
@@ -275,7 +315,7 @@ def send_buffers(sock: socket.socket, buffers: list) -> None:
     views = [memoryview(b).cast("B") for b in buffers]
     i = 0
     while i < len(views):
-        sent = sock.sendmsg(views[i:i + 512])  # IOV_MAX is 1024 on Linux
+        sent = sock.sendmsg(views[i : i + 512])  # IOV_MAX is 1024 on Linux
         while i < len(views) and sent >= views[i].nbytes:
             sent -= views[i].nbytes
             i += 1
@@ -287,7 +327,9 @@ def _audit_refusal(handler, method: str, client: dict, exc: AuthError) -> None:
     """Refusals of the action and eval tiers go to the audit log like the actions themselves."""
     entry = ROUTES.get((method, urlparse(handler.path).path))
     if entry is not None and entry.tier != "read":
-        audit(client, urlparse(handler.path).path.rsplit("/", 1)[-1], {}, "refused", reason=exc.message, tier=entry.tier)
+        audit(
+            client, urlparse(handler.path).path.rsplit("/", 1)[-1], {}, "refused", reason=exc.message, tier=entry.tier
+        )
 
 
 def _json_default(value):
@@ -318,8 +360,10 @@ def requests_served() -> dict:
         return dict(_served)
 
 
-_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-         b"Content-Length: %d\r\n\r\n%s")
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    b"Content-Length: %d\r\n\r\n%s"
+)
 
 
 class _Base(BoundedThreads, socketserver.ThreadingMixIn):
@@ -337,9 +381,14 @@ class _Base(BoundedThreads, socketserver.ThreadingMixIn):
 
     def busy_reply(self) -> bytes:
         """What a connection past ``max_connections`` is sent (``BoundedThreads``) before it is closed."""
-        body = json.dumps({"error": f"the probe serves {self.max_connections} connections at once and all are busy; "
-                                    "retry in a moment (PROBE_MAX_CONNECTIONS raises the limit).",
-                           "kind": "busy", "exit_code": 3}).encode()
+        body = json.dumps(
+            {
+                "error": f"the probe serves {self.max_connections} connections at once and all are busy; "
+                "retry in a moment (PROBE_MAX_CONNECTIONS raises the limit).",
+                "kind": "busy",
+                "exit_code": 3,
+            }
+        ).encode()
         return _BUSY % (len(body), body)
 
     def handle_error(self, request, client_address):

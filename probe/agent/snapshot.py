@@ -90,9 +90,11 @@ def _paced(timeout: float) -> None:
         if wait <= 0:
             return
         if time.monotonic() + wait > deadline:
-            raise BusyError(f"the probe is pacing its queries: snapshots may take {_pace.share * 100:g} % of the training "
-                            f"process's time (PROBE_SERVE_SHARE) and this one could not start within {timeout:g} s; "
-                            "retry, query less often, or raise PROBE_SERVE_SHARE in the training process.")
+            raise BusyError(
+                f"the probe is pacing its queries: snapshots may take {_pace.share * 100:g} % of the training "
+                f"process's time (PROBE_SERVE_SHARE) and this one could not start within {timeout:g} s; "
+                "retry, query less often, or raise PROBE_SERVE_SHARE in the training process."
+            )
         time.sleep(min(wait, 0.25))  # ok-sleep: waiting for the share to refill
 
 
@@ -105,7 +107,9 @@ def _check_filter(node, columns: set, depth: int = 0, count: list | None = None)
     count = count if count is not None else [0]
     count[0] += 1
     if depth > 32 or count[0] > MAX_FILTER_NODES:
-        raise QueryError(f"the snapshot filter is too large (over {MAX_FILTER_NODES} nodes or 32 levels); send a simpler WHERE.")
+        raise QueryError(
+            f"the snapshot filter is too large (over {MAX_FILTER_NODES} nodes or 32 levels); send a simpler WHERE."
+        )
     if not isinstance(node, dict):
         raise QueryError("a snapshot filter must be a JSON object; see the client's plan.")
     for key in ("and", "or"):
@@ -134,7 +138,7 @@ def parse_request(body: dict) -> tuple[dict, float]:
     """``({table: (columns, filter)}, timeout)`` from a request body, validated; QueryError otherwise."""
     tables = body.get("tables")
     if not isinstance(tables, dict) or not tables:
-        raise QueryError("no tables asked for; send {\"tables\": {\"schema.table\": {\"columns\": [...]}}}.")
+        raise QueryError('no tables asked for; send {"tables": {"schema.table": {"columns": [...]}}}.')
     if len(tables) > 64:
         raise QueryError("a snapshot may name at most 64 tables.")
     out = {}
@@ -175,7 +179,10 @@ def _compare(col, op: str, value, typ: str):
     values = value if op == "in" else [value]
     if typ == "TIMESTAMP" or isinstance(value, bool) and typ != "BOOLEAN":
         return np.ones(n, bool)
-    numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) or typ == "BOOLEAN" and isinstance(x, bool) for x in values)
+    numeric = all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) or typ == "BOOLEAN" and isinstance(x, bool)
+        for x in values
+    )
     if isinstance(col, np.ndarray) and col.dtype.kind in "fiub":
         if not numeric:
             return np.ones(n, bool)
@@ -186,8 +193,14 @@ def _compare(col, op: str, value, typ: str):
             if op == "in":
                 keep = np.isin(arr, np.asarray(values, dtype=float))
             else:
-                keep = {"=": np.equal, "!=": np.not_equal, "<": np.less, "<=": np.less_equal,
-                        ">": np.greater, ">=": np.greater_equal}[op](arr, value)
+                keep = {
+                    "=": np.equal,
+                    "!=": np.not_equal,
+                    "<": np.less,
+                    "<=": np.less_equal,
+                    ">": np.greater,
+                    ">=": np.greater_equal,
+                }[op](arr, value)
         if col.dtype.kind == "f":
             keep |= np.isnan(col)  # DuckDB orders NaN above every number: never drop one here
         return keep
@@ -255,7 +268,11 @@ def _one(name: str, columns: list, flt, ctx: Context) -> tuple:
     n = len(next(iter(data.values()))) if data else 0
     if flt is not None and n:
         data = _select(data, apply_filter(data, types, flt, n))
-    return [(c, types[c]) for c in columns], {c: data[c] for c in columns}, (len(next(iter(data.values()))) if data else n)
+    return (
+        [(c, types[c]) for c in columns],
+        {c: data[c] for c in columns},
+        (len(next(iter(data.values()))) if data else n),
+    )
 
 
 def _filter_columns(node: dict) -> set:
@@ -289,8 +306,10 @@ def _take(body: dict, meta: dict) -> list:
             _waiting += 1
         try:
             if not slots.acquire(timeout=timeout):
-                raise BusyError(f"the probe is busy: {setting('PROBE_MAX_SNAPSHOTS')} snapshots were running "
-                                f"and this one waited {timeout:g} s in line; retry, or raise PROBE_MAX_SNAPSHOTS in the training process.")
+                raise BusyError(
+                    f"the probe is busy: {setting('PROBE_MAX_SNAPSHOTS')} snapshots were running "
+                    f"and this one waited {timeout:g} s in line; retry, or raise PROBE_MAX_SNAPSHOTS in the training process."
+                )
         finally:
             with _slots_lock:
                 _waiting -= 1
@@ -307,7 +326,9 @@ def _take(body: dict, meta: dict) -> list:
         try:
             return encode(tables, meta, max_bytes=max_bytes)
         except OverflowError as exc:
-            raise QueryError(f"the snapshot of {exc} is larger than PROBE_SNAPSHOT_BYTES ({max_bytes // 1048576} MiB); "
-                             "select fewer columns or add a WHERE on its columns (LIMIT is applied after the snapshot).") from None
+            raise QueryError(
+                f"the snapshot of {exc} is larger than PROBE_SNAPSHOT_BYTES ({max_bytes // 1048576} MiB); "
+                "select fewer columns or add a WHERE on its columns (LIMIT is applied after the snapshot)."
+            ) from None
     finally:
         slots.release()

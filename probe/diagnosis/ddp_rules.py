@@ -15,7 +15,10 @@ _TOLERANCE = 1e-7  # relative: float64 sums of the same float32 values agree to 
 _NAMES_SHOWN = 5
 
 rule(
-    "weights_diverged", family="distributed", severity="warning", scope="job",
+    "weights_diverged",
+    family="distributed",
+    severity="warning",
+    scope="job",
     description="The DDP replicas hold different weights: at the last step every rank took a checksum of (torch.weight_sums), some parameter tensors' checksums differ across ranks; names the first tensors that differ, by module, and since which step.",
     sql=f"""
 WITH s AS (SELECT rank, step, model, position, name, numel, checksum FROM torch.weight_sums),
@@ -58,27 +61,33 @@ SELECT b.model, min(l.step) AS step, count(*) AS differ,
 FROM bad AS b JOIN last AS l USING (model)
 GROUP BY b.model""",
     message="the DDP replicas of {model} hold different weights: at step {step}, {differ} of {tensors} parameter tensors differ across the {ranks} ranks ({who}), first {modules}; they agreed last at {agreed_at} and differ since step {since}. DDP keeps every rank's weights identical only when every step's gradients are averaged: a forward through model.module (not the DDP wrapper) averages nothing, a parameter changed or a checkpoint loaded on one rank after wrapping is never sent to the others.",
-    next=["probe --ranks all query \"SELECT step, rank, name, checksum FROM torch.weight_sums WHERE step = {step} ORDER BY position, rank\"",
-          "probe --ranks all backtrace --group"],
+    next=[
+        'probe --ranks all query "SELECT step, rank, name, checksum FROM torch.weight_sums WHERE step = {step} ORDER BY position, rank"',
+        "probe --ranks all backtrace --group",
+    ],
 )
 
 rule(
-    "ddp_buffers_not_broadcast", family="distributed", severity="warning",
+    "ddp_buffers_not_broadcast",
+    family="distributed",
+    severity="warning",
     description="A DistributedDataParallel model with plain BatchNorm modules runs with broadcast_buffers=False (torch.ddp): each rank keeps running statistics of its own shard, so evaluation and a checkpoint differ by the rank that made them.",
     sql="""SELECT min(rank) AS rank, model, any_value(world_size) AS world_size, any_value(norm_modules) AS norm_modules,
                   coalesce('ranks ' || string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank), 'this rank') AS ranks
            FROM torch.ddp WHERE NOT broadcast_buffers AND norm_modules IS NOT NULL AND world_size > 1 GROUP BY model""",
     message="DistributedDataParallel({model}) runs with broadcast_buffers=False and has BatchNorm modules ({norm_modules}) on {ranks}: each of the {world_size} ranks keeps the running mean and variance of its own shard, so a checkpoint saved by rank 0 holds rank 0's statistics alone and ranks evaluate differently; use torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before wrapping, or broadcast_buffers=True.",
-    next=["probe {target} query \"SELECT model, broadcast_buffers, norm_modules FROM torch.ddp\""],
+    next=['probe {target} query "SELECT model, broadcast_buffers, norm_modules FROM torch.ddp"'],
 )
 
 rule(
-    "ddp_unused_search", family="slow", severity="info",
+    "ddp_unused_search",
+    family="slow",
+    severity="info",
     description="A DistributedDataParallel model runs with find_unused_parameters=True, yet DDP's own samples (torch.ddp, 10 iterations on) never found an unused parameter: it walks the autograd graph after every forward for nothing.",
     sql="""SELECT min(rank) AS rank, model, min(iteration) AS iteration FROM torch.ddp
            WHERE find_unused_parameters AND NOT static_graph AND iteration >= 10 AND unused_seen = 0 GROUP BY model""",
     message="DistributedDataParallel({model}) runs with find_unused_parameters=True, but none of DDP's samples up to iteration {iteration} found an unused parameter: every step pays a walk of the autograd graph for nothing; pass find_unused_parameters=False (or static_graph=True when the graph never changes).",
-    next=["probe {target} query \"SELECT model, find_unused_parameters, iteration, unused_seen FROM torch.ddp\""],
+    next=['probe {target} query "SELECT model, find_unused_parameters, iteration, unused_seen FROM torch.ddp"'],
 )
 
 # The same pace as stalled_rank (job_rules): ranks stuck for 50x the job's p99 step time, 5 s at least.
@@ -86,7 +95,10 @@ _PACE = 50
 _PACE_MIN_S = 5
 
 rule(
-    "collective_mismatch", family="distributed", severity="critical", scope="job",
+    "collective_mismatch",
+    family="distributed",
+    severity="critical",
+    scope="job",
     description=f"Every rank of a process group has waited {_PACE}x the job's p99 step time ({_PACE_MIN_S} s at least) at the same sequence number in different collectives (torch.process_groups, the flight recorder): the job hangs because one rank left the others' code path (uneven inputs: its data ran out first); names the rank that issued fewest collectives, else the one whose collective differs from most.",
     sql=f"""
 WITH pace AS (
@@ -118,6 +130,8 @@ FROM pick AS p CROSS JOIN pace LEFT JOIN ranks.latest AS l ON l.rank = p.rank
 GROUP BY p.pg, p.seq, pace.p99
 HAVING count(*) FILTER (WHERE NOT p.odd) > 0""",
     message="rank {culprits} left the other ranks' path: at seq {seq} of process group {pg} it issued {culprit_op}, where {others}, and every rank has waited {waited_s:.1f} s since ({p99_ms:.1f} ms is the job's p99 step time): the job hangs. A rank whose data ran out first (its shard had fewer batches: uneven inputs) leaves the loop while the others wait in DDP's collectives of one more step; give every rank the same number of batches (DistributedSampler pads, or drop_last=True) or train inside model.join(). Its last step was {step}.",
-    next=["probe --ranks all backtrace --group",
-          "probe --ranks all query \"SELECT rank, seq, op, input_sizes, step FROM torch.collectives ORDER BY record_id DESC LIMIT 10\""],
+    next=[
+        "probe --ranks all backtrace --group",
+        'probe --ranks all query "SELECT rank, seq, op, input_sizes, step FROM torch.collectives ORDER BY record_id DESC LIMIT 10"',
+    ],
 )

@@ -16,8 +16,10 @@ _NAMES_SHOWN = 6  # groups a message lists before "and N more"
 
 def human(x: str) -> str:
     """SQL for a count in a few characters: 20480 -> 20.5k."""
-    return (f"CASE WHEN {x} >= 1e9 THEN printf('%.3gG', {x} / 1e9) WHEN {x} >= 1e6 THEN printf('%.3gM', {x} / 1e6) "
-            f"WHEN {x} >= 1e4 THEN printf('%.3gk', {x} / 1e3) ELSE CAST({x} AS VARCHAR) END")
+    return (
+        f"CASE WHEN {x} >= 1e9 THEN printf('%.3gG', {x} / 1e9) WHEN {x} >= 1e6 THEN printf('%.3gM', {x} / 1e6) "
+        f"WHEN {x} >= 1e4 THEN printf('%.3gk', {x} / 1e3) ELSE CAST({x} AS VARCHAR) END"
+    )
 
 
 def named(alias: str, hit: str, among: str = "TRUE") -> str:
@@ -35,7 +37,7 @@ def named(alias: str, hit: str, among: str = "TRUE") -> str:
               FROM {alias}_k GROUP BY rank, model, prefix),
 {alias}_m AS (SELECT g.rank, g.model, g.prefix, g.elements,
                      CASE WHEN g.tensors = 1 THEN g.one
-                          ELSE g.prefix || '.* (' || g.tensors || ' tensors, ' || {human('g.elements')} || ' elements)' END AS label
+                          ELSE g.prefix || '.* (' || g.tensors || ' tensors, ' || {human("g.elements")} || ' elements)' END AS label
               FROM {alias}_g AS g
               LEFT JOIN {alias}_g AS up ON up.rank IS NOT DISTINCT FROM g.rank AND up.model = g.model AND up.prefix = g.parent
               WHERE g.pure AND (up.pure IS NULL OR NOT up.pure)),

@@ -13,7 +13,9 @@ from .rules import rule
 __all__: list = []
 
 rule(
-    "hung", family="hang", severity="critical",
+    "hung",
+    family="hang",
+    severity="critical",
     description="No training step has completed for longer than PROBE_HUNG_AFTER seconds (or the hang watchdog fired); says where the main thread and every other thread outside the standard library are; across ranks, only when hung_rank names no culprit.",
     params={"hung_after": "PROBE_HUNG_AFTER"},
     sql="""
@@ -58,7 +60,9 @@ _PACE_SQL = f"""pace AS (
   WHERE age <= {_PACE_STEPS} GROUP BY rank HAVING count(*) >= 20)"""
 
 rule(
-    "stalled", family="hang", severity="warning",
+    "stalled",
+    family="hang",
+    severity="warning",
     description=f"No step has completed for {_PACE}x the job's own p99 step time (over its last {_PACE_STEPS} steps) and {_PACE_MIN_S} s at least while the main thread is not running (sleeping or waiting: a running one computes, or waits for a CPU on a loaded host), though not yet PROBE_HUNG_AFTER (then it is hung's); says where the main thread is; across ranks, only when no rank waits in a collective (then stalled_rank names the one they wait for).",
     params={"hung_after": "PROBE_HUNG_AFTER"},
     sql=f"""
@@ -82,7 +86,9 @@ WHERE i.step IS NOT NULL AND i.state IS DISTINCT FROM 'dead' AND i.state IS DIST
 )
 
 rule(
-    "loss_nonfinite", family="nan", severity="critical",
+    "loss_nonfinite",
+    family="nan",
+    severity="critical",
     description="The loss became NaN or infinite: the first step measured non-finite and the last measured finite (an onset between unmeasured steps is a range, not a step), whether non-finite gradients, an LR jump or a gradient-norm spike came just before, and whether the loss stayed non-finite since (then the weights are most likely NaN: restore a checkpoint, do not save one).",
     sql="""
 WITH s AS (
@@ -166,38 +172,48 @@ SELECT rank, step, last_ok, finite_again, bad_since, lr_jump, jump_step, gn_scor
        CASE WHEN finite_again IS NOT NULL THEN 'checkpoint /tmp/emergency-{rank}-{step}.pt' END AS next_checkpoint
 FROM found""",
     message="the loss was first seen NaN/Inf at step {step}{onset}, {cause}{weights}.",
-    next=["probe {target} query \"SELECT step, loss, grad_norm, lr FROM torch.steps WHERE step BETWEEN {from_step} AND {step} ORDER BY step\"",
-          "probe {target} {next_params}", "probe {target} {next_lr}", "probe {target} {next_checkpoint}"],
+    next=[
+        'probe {target} query "SELECT step, loss, grad_norm, lr FROM torch.steps WHERE step BETWEEN {from_step} AND {step} ORDER BY step"',
+        "probe {target} {next_params}",
+        "probe {target} {next_lr}",
+        "probe {target} {next_checkpoint}",
+    ],
 )
 
 rule(
-    "grad_nonfinite", family="nan", severity="critical",
+    "grad_nonfinite",
+    family="nan",
+    severity="critical",
     description="Gradients hold NaN or Inf values right now; names the tensors by module.",
     sql=f"""
-WITH {named('bad', 'grad_nan + grad_inf > 0')},
+WITH {named("bad", "grad_nan + grad_inf > 0")},
 c AS (SELECT rank, model, count(*) AS tensors, sum(grad_nan + grad_inf) AS bad, arg_max(name, grad_nan + grad_inf) AS worst
       FROM torch.parameters WHERE grad_nan + grad_inf > 0 GROUP BY rank, model)
 SELECT c.rank, c.model, c.tensors, c.bad, c.worst, b.names
 FROM c JOIN bad AS b ON b.rank IS NOT DISTINCT FROM c.rank AND b.model = c.model""",
     message="{tensors} parameter tensor(s) of {model} have NaN/Inf gradients ({bad} elements): {names}; most in {worst}.",
-    next=["probe {target} query \"SELECT name, grad_nan, grad_inf FROM torch.parameters WHERE grad_nan + grad_inf > 0\""],
+    next=['probe {target} query "SELECT name, grad_nan, grad_inf FROM torch.parameters WHERE grad_nan + grad_inf > 0"'],
 )
 
 rule(
-    "params_nonfinite", family="nan", severity="critical",
+    "params_nonfinite",
+    family="nan",
+    severity="critical",
     description="Parameter values hold NaN or Inf: the weights are already ruined; names the tensors by module.",
     sql=f"""
-WITH {named('bad', 'nan_count + inf_count > 0')},
+WITH {named("bad", "nan_count + inf_count > 0")},
 c AS (SELECT rank, model, count(*) AS tensors, sum(nan_count + inf_count) AS bad, arg_max(name, nan_count + inf_count) AS worst
       FROM torch.parameters WHERE nan_count + inf_count > 0 GROUP BY rank, model)
 SELECT c.rank, c.model, c.tensors, c.bad, c.worst, b.names
 FROM c JOIN bad AS b ON b.rank IS NOT DISTINCT FROM c.rank AND b.model = c.model""",
     message="{tensors} parameter tensor(s) of {model} hold NaN/Inf values ({bad} elements): {names}; most in {worst}: resume from a checkpoint taken before the loss went bad.",
-    next=["probe {target} query \"SELECT step, loss, lr FROM torch.steps ORDER BY step DESC LIMIT 20\""],
+    next=['probe {target} query "SELECT step, loss, lr FROM torch.steps ORDER BY step DESC LIMIT 20"'],
 )
 
 rule(
-    "parameters_unreadable", family="parameters", severity="warning",
+    "parameters_unreadable",
+    family="parameters",
+    severity="warning",
     description="torch.parameters failed to read some parameters in the last 10 minutes (probe.errors): the parameter rules (params_nonfinite, grad_nonfinite) cannot see them, so their silence is no clean bill.",
     sql="""
 SELECT rank, count(*) AS errors, count(DISTINCT source) AS parameters, arg_max(source, time) AS source,
@@ -206,11 +222,15 @@ FROM probe.errors
 WHERE source LIKE 'torch.parameters%' AND time > current_timestamp - INTERVAL 10 MINUTE
 GROUP BY rank""",
     message="torch.parameters could not read {parameters} parameter(s) lately ({source}: {message}): params_nonfinite and grad_nonfinite cannot see them, so finding nothing there proves nothing.",
-    next=["probe {target} query \"SELECT time, source, message FROM probe.errors WHERE source LIKE 'torch.parameters%' ORDER BY time DESC LIMIT 10\""],
+    next=[
+        "probe {target} query \"SELECT time, source, message FROM probe.errors WHERE source LIKE 'torch.parameters%' ORDER BY time DESC LIMIT 10\""
+    ],
 )
 
 rule(
-    "loss_diverging", family="divergence", severity="warning",
+    "loss_diverging",
+    family="divergence",
+    severity="warning",
     description="The loss's 20-step median has risen well above the lowest it reached (by 1.5x and by 0.1 at least): the typical step got worse, not one outlier (that is loss_spike).",
     sql="""
 WITH s AS (
@@ -224,12 +244,16 @@ per AS (
 SELECT rank, step, best, best_step, now_loss FROM per
 WHERE now_loss > 1.5 * best AND now_loss - best > 0.1 AND step - best_step >= 20""",
     message="the loss is diverging: its median over the last 20 measured steps is {now_loss:.4g} at step {step}, up from {best:.4g} at step {best_step}.",
-    next=["probe {target} query \"SELECT step, loss, grad_norm, lr FROM torch.steps ORDER BY step DESC LIMIT 20\"",
-          "probe {target} lr --scale 0.5"],
+    next=[
+        'probe {target} query "SELECT step, loss, grad_norm, lr FROM torch.steps ORDER BY step DESC LIMIT 20"',
+        "probe {target} lr --scale 0.5",
+    ],
 )
 
 rule(
-    "loss_spike", family="divergence", severity="warning",
+    "loss_spike",
+    family="divergence",
+    severity="warning",
     description="One of the last 100 measured steps has a loss more than 3x the median of the 50 steps before it (and 0.5 above it) and 3x the median of the 10 after it, when there are any: an outlier the loss came back from, to within 3x of before (a loss that stays up is loss_diverging).",
     sql="""
 WITH s AS (
@@ -248,11 +272,15 @@ FROM s WHERE n >= 20 AND loss > 3 * med AND loss - med > 0.5 AND age <= 100
   AND (after IS NULL OR (loss > 3 * after AND after < 3 * med + 0.1))
 GROUP BY rank""",
     message="the loss spiked to {loss:.4g} at step {step}, {ratio:.1f}x the median {med:.4g} of the steps before{back}.",
-    next=["probe {target} query \"SELECT step, loss, grad_norm, lr FROM torch.steps WHERE step BETWEEN {step} - 5 AND {step} + 5 ORDER BY step\""],
+    next=[
+        'probe {target} query "SELECT step, loss, grad_norm, lr FROM torch.steps WHERE step BETWEEN {step} - 5 AND {step} + 5 ORDER BY step"'
+    ],
 )
 
 rule(
-    "loss_at_chance", family="plateau", severity="warning",
+    "loss_at_chance",
+    family="plateau",
+    severity="warning",
     description="The loss has stopped moving at ln(C), the loss of uniform guessing over C classes (C = the class count of the loss's own logits, torch.loss; quiet when the loss is not a classification loss).",
     sql="""
 WITH recent AS (
@@ -270,12 +298,16 @@ WHERE d.c >= 2 AND abs(m.now_loss - m.before_loss) < 0.02 * m.now_loss
 GROUP BY m.rank, m.step, m.now_loss
 HAVING abs(ln(arg_min(d.c, abs(ln(d.c) - m.now_loss))) - m.now_loss) < 0.03 * m.now_loss""",
     message="the loss sits at {now_loss:.3f} ~ ln({classes}) = {chance:.3f}, chance level for {classes} classes: the model is not learning.",
-    next=["probe {target} query \"SELECT name, requires_grad, in_optimizer, grad_norm FROM torch.parameters\"",
-          "probe {target} query \"SELECT optimizer, param_group, lr FROM torch.optimizer\""],
+    next=[
+        'probe {target} query "SELECT name, requires_grad, in_optimizer, grad_norm FROM torch.parameters"',
+        'probe {target} query "SELECT optimizer, param_group, lr FROM torch.optimizer"',
+    ],
 )
 
 rule(
-    "loss_plateau", family="plateau", severity="info",
+    "loss_plateau",
+    family="plateau",
+    severity="info",
     description="The 50-step mean loss moved by less than 1% over the last 100 steps.",
     sql="""
 WITH recent AS (
@@ -287,20 +319,24 @@ m AS (
   FROM recent GROUP BY rank HAVING count(*) >= 100)
 SELECT rank, step, now_loss, before_loss FROM m WHERE abs(now_loss - before_loss) < 0.01 * abs(before_loss)""",
     message="the loss has plateaued at {now_loss:.4g} (50-step mean {before_loss:.4g} before): fine if it has converged.",
-    next=["probe {target} query \"SELECT optimizer, param_group, lr, initial_lr FROM torch.optimizer\""],
+    next=['probe {target} query "SELECT optimizer, param_group, lr, initial_lr FROM torch.optimizer"'],
 )
 
 # Normalization layers: a model where only these train was frozen by a name filter that missed them (or the
 # other way round), the classic "for name, p in model.named_parameters(): if 'bn' not in name" mistake.
-_NORMS = "('BatchNorm1d', 'BatchNorm2d', 'BatchNorm3d', 'SyncBatchNorm', 'LayerNorm', 'GroupNorm', 'InstanceNorm1d', " \
-         "'InstanceNorm2d', 'InstanceNorm3d', 'RMSNorm', 'LlamaRMSNorm', 'T5LayerNorm')"
+_NORMS = (
+    "('BatchNorm1d', 'BatchNorm2d', 'BatchNorm3d', 'SyncBatchNorm', 'LayerNorm', 'GroupNorm', 'InstanceNorm1d', "
+    "'InstanceNorm2d', 'InstanceNorm3d', 'RMSNorm', 'LlamaRMSNorm', 'T5LayerNorm')"
+)
 
 rule(
-    "mostly_frozen", family="parameters", severity="warning",
+    "mostly_frozen",
+    family="parameters",
+    severity="warning",
     description="More than half of the model's parameter tensors (or of its elements) have requires_grad=False; names the frozen modules and those that train, and says when only normalization layers train.",
     sql=f"""
-WITH {named('frozen', 'NOT requires_grad')},
-{named('trains', 'requires_grad')},
+WITH {named("frozen", "NOT requires_grad")},
+{named("trains", "requires_grad")},
 c AS (SELECT rank, model, count(*) AS tensors, count(*) FILTER (WHERE NOT requires_grad) AS frozen,
              sum(numel) FILTER (WHERE NOT requires_grad) AS frozen_elements, sum(numel) AS elements,
              count(*) FILTER (WHERE requires_grad) AS trainable,
@@ -309,8 +345,8 @@ c AS (SELECT rank, model, count(*) AS tensors, count(*) FILTER (WHERE NOT requir
       FROM torch.parameters GROUP BY rank, model
       HAVING count(*) FILTER (WHERE NOT requires_grad) > count(*) / 2
           OR sum(numel) FILTER (WHERE NOT requires_grad) > sum(numel) / 2)
-SELECT c.rank, c.model, c.tensors, c.frozen, c.frozen_elements, {human('c.frozen_elements')} AS frozen_h,
-       {human('c.elements')} AS elements_h, f.names AS frozen_names,
+SELECT c.rank, c.model, c.tensors, c.frozen, c.frozen_elements, {human("c.frozen_elements")} AS frozen_h,
+       {human("c.elements")} AS elements_h, f.names AS frozen_names,
        CASE WHEN c.trainable = 0 THEN '; nothing trains'
             ELSE '; what trains: ' || t.names END ||
        CASE WHEN c.norms_only THEN ': only normalization layers (' || c.train_types || ') train, as when a name filter meant to '
@@ -319,24 +355,32 @@ SELECT c.rank, c.model, c.tensors, c.frozen, c.frozen_elements, {human('c.frozen
 FROM c JOIN frozen AS f ON f.rank IS NOT DISTINCT FROM c.rank AND f.model = c.model
 LEFT JOIN trains AS t ON t.rank IS NOT DISTINCT FROM c.rank AND t.model = c.model""",
     message="{frozen} of {tensors} parameter tensors of {model} ({frozen_h} of {elements_h} elements) have requires_grad=False: {frozen_names}{trains}. Frozen by mistake?",
-    next=["probe {target} query \"SELECT name, module_type, shape, requires_grad, in_optimizer FROM torch.parameters ORDER BY name\""],
+    next=[
+        'probe {target} query "SELECT name, module_type, shape, requires_grad, in_optimizer FROM torch.parameters ORDER BY name"'
+    ],
 )
 
 rule(
-    "grads_not_optimized", family="parameters", severity="warning",
+    "grads_not_optimized",
+    family="parameters",
+    severity="warning",
     description="Parameters that require gradients are held by no optimizer: they get gradients but never change; names them by module.",
     sql=f"""
-WITH {named('lost', 'requires_grad AND NOT in_optimizer')},
+WITH {named("lost", "requires_grad AND NOT in_optimizer")},
 c AS (SELECT rank, model, count(*) AS tensors, sum(numel) AS elements
       FROM torch.parameters WHERE requires_grad AND NOT in_optimizer GROUP BY rank, model)
 SELECT c.rank, c.model, c.tensors, c.elements, l.names
 FROM c JOIN lost AS l ON l.rank IS NOT DISTINCT FROM c.rank AND l.model = c.model""",
     message="{tensors} trainable parameter tensor(s) of {model} ({elements} elements) are in no optimizer: {names} (created after the optimizer, or left out of its param groups).",
-    next=["probe {target} query \"SELECT name, requires_grad, in_optimizer FROM torch.parameters WHERE NOT in_optimizer\""],
+    next=[
+        'probe {target} query "SELECT name, requires_grad, in_optimizer FROM torch.parameters WHERE NOT in_optimizer"'
+    ],
 )
 
 rule(
-    "lr_zero", family="optimizer", severity="warning",
+    "lr_zero",
+    family="optimizer",
+    severity="warning",
     description="An optimizer param group has learning rate 0: its parameters never move (and when the job's rate was positive before, since which step: a run that goes on past the end of its schedule).",
     sql="""
 WITH z AS (
@@ -354,7 +398,9 @@ WHERE o.lr = 0""",
 )
 
 rule(
-    "grad_norm_zero", family="parameters", severity="warning",
+    "grad_norm_zero",
+    family="parameters",
+    severity="warning",
     description="The gradient norm was exactly 0 on every one of the last 20 measured steps.",
     sql="""
 WITH g AS (
@@ -368,7 +414,7 @@ SELECT rank, max(step) AS step, count(*) AS steps, max(abs(loss)) AS loss,
 FROM g WHERE age <= 20 GROUP BY rank
 HAVING count(*) = 20 AND max(grad_norm) = 0""",
     message="the gradient norm is exactly 0 on the last {steps} measured steps{cause}.",
-    next=["probe {target} query \"SELECT name, requires_grad, grad_norm FROM torch.parameters\""],
+    next=['probe {target} query "SELECT name, requires_grad, grad_norm FROM torch.parameters"'],
 )
 
 # Vanishing or exploding gradients by layer: the gradient's size per element (RMS, grad_norm / sqrt(numel))
@@ -382,7 +428,9 @@ _GRAD_RATIO = 1e3  # three orders of magnitude between the first and the last la
 _LAYERS_MIN = 3
 
 rule(
-    "grads_by_layer", family="parameters", severity="warning",
+    "grads_by_layer",
+    family="parameters",
+    severity="warning",
     description=f"Gradients vanish or explode across a stack of at least {_LAYERS_MIN} numbered layers (a Sequential or ModuleList): per element (grad_norm / sqrt(numel), torch.parameters, read at a step boundary), the first layer's gradient is under 1/{_GRAD_RATIO:.0f} or over {_GRAD_RATIO:.0f}x the last layer's, after step 50.",
     sql=f"""
 WITH p AS (
@@ -411,6 +459,8 @@ FROM s JOIN t ON t.rank IS NOT DISTINCT FROM s.rank
 WHERE t.step >= 50 AND s.first_rms > 0 AND s.last_rms > 0
   AND (s.first_rms * {_GRAD_RATIO} < s.last_rms OR s.first_rms > {_GRAD_RATIO} * s.last_rms)""",
     message="gradients {direction} toward the input of {stack_name}: per element, layer {first_layer}'s gradient is {ratio:.2g}x layer {last_layer}'s (RMS {first_rms:.2g} against {last_rms:.2g}, over {layers} layers): {advice}.",
-    next=["probe {target} query \"SELECT name, numel, grad_norm, grad_norm / sqrt(numel) AS grad_rms FROM torch.parameters WHERE requires_grad AND name LIKE '{stack}%' ORDER BY name\"",
-          "probe {target} query \"SELECT step, loss, grad_norm FROM torch.steps ORDER BY step DESC LIMIT 20\""],
+    next=[
+        "probe {target} query \"SELECT name, numel, grad_norm, grad_norm / sqrt(numel) AS grad_rms FROM torch.parameters WHERE requires_grad AND name LIKE '{stack}%' ORDER BY name\"",
+        'probe {target} query "SELECT step, loss, grad_norm FROM torch.steps ORDER BY step DESC LIMIT 20"',
+    ],
 )

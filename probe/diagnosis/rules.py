@@ -33,8 +33,21 @@ __all__ = ["Rule", "rule", "all_rules", "get_rule", "load_builtins", "BUILTIN", 
 BUILTIN = ("process_rules", "runtime_rules", "invariant_rules", "job_rules", "ddp_rules")
 
 SEVERITIES = ("critical", "warning", "info")  # most severe first
-FAMILIES = ("hang", "crash", "nan", "divergence", "plateau", "parameters", "activations", "optimizer", "memory", "slow",
-            "input", "distributed", "probe")
+FAMILIES = (
+    "hang",
+    "crash",
+    "nan",
+    "divergence",
+    "plateau",
+    "parameters",
+    "activations",
+    "optimizer",
+    "memory",
+    "slow",
+    "input",
+    "distributed",
+    "probe",
+)
 SCOPES = ("process", "job")
 
 _REGISTRY: dict[str, "Rule"] = {}
@@ -54,18 +67,45 @@ class Rule:
     params: tuple[tuple[str, str], ...] = ()  # (placeholder, setting name) pairs filled before the SQL runs
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "family": self.family, "severity": self.severity,
-                "description": self.description, "sql": self.sql, "message": self.message,
-                "next": list(self.next), "scope": self.scope, "params": dict(self.params)}
+        return {
+            "name": self.name,
+            "family": self.family,
+            "severity": self.severity,
+            "description": self.description,
+            "sql": self.sql,
+            "message": self.message,
+            "next": list(self.next),
+            "scope": self.scope,
+            "params": dict(self.params),
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "Rule":
-        return cls(d["name"], d["family"], d["severity"], d["description"], d["sql"], d["message"],
-                   tuple(d.get("next") or ()), d.get("scope") or "process", tuple((d.get("params") or {}).items()))
+        return cls(
+            d["name"],
+            d["family"],
+            d["severity"],
+            d["description"],
+            d["sql"],
+            d["message"],
+            tuple(d.get("next") or ()),
+            d.get("scope") or "process",
+            tuple((d.get("params") or {}).items()),
+        )
 
 
-def rule(name: str, *, family: str, severity: str, description: str, sql: str, message: str,
-         next: list[str] | tuple[str, ...] = (), scope: str = "process", params: dict | None = None) -> Rule:
+def rule(
+    name: str,
+    *,
+    family: str,
+    severity: str,
+    description: str,
+    sql: str,
+    message: str,
+    next: list[str] | tuple[str, ...] = (),
+    scope: str = "process",
+    params: dict | None = None,
+) -> Rule:
     """Declare (or replace) a doctor rule; returns it. Raises ValueError on a malformed declaration."""
     if not name.replace("_", "").isalnum() or not name[0].isalpha():
         raise ValueError(f"rule name {name!r} must be letters, digits and underscores, starting with a letter")
@@ -77,8 +117,9 @@ def rule(name: str, *, family: str, severity: str, description: str, sql: str, m
         raise ValueError(f"rule {name}: scope must be process or job, not {scope!r}")
     if not description.endswith("."):
         raise ValueError(f"rule {name}: its description must be a sentence ending in a period")
-    r = Rule(name, family, severity, description, sql.strip(), message, tuple(next), scope,
-             tuple((params or {}).items()))
+    r = Rule(
+        name, family, severity, description, sql.strip(), message, tuple(next), scope, tuple((params or {}).items())
+    )
     with _LOCK:
         _REGISTRY[name] = r
     return r

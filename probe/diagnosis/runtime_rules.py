@@ -12,7 +12,9 @@ from .rules import rule
 __all__: list = []
 
 rule(
-    "memory_growth", family="memory", severity="warning",
+    "memory_growth",
+    family="memory",
+    severity="warning",
     description="After the first 100 steps, the memory in use (torch.steps.memory: CUDA allocated, else RSS; read every 0.1 s, on every step) rose by 16 MB or more from each third of the last 30 seconds to the next (each third's lowest reading, so the activations of a step in flight do not count), over at least 3 seconds and 30 steps: it grows step over step.",
     sql="""
 WITH p AS (
@@ -34,13 +36,17 @@ SELECT rank, step, first, secs, low0 / 1e6 AS start_mb, greatest(low2, last) / 1
        (greatest(low2, last) - low0) / 1e6 / greatest(secs, 1e-3) AS mb_per_s
 FROM w WHERE n >= 30 AND secs >= 3 AND low1 - low0 > 16e6 AND low2 - low1 > 16e6 AND low2 > 1.05 * low0""",
     message="memory in use grows step over step: {start_mb:.0f} MB -> {end_mb:.0f} MB from step {first} to step {step} in {secs:.0f} s (~{mb_per_step:.2f} MB a step, {mb_per_s:.1f} MB/s): something keeps tensors alive (a list of losses kept with their graphs, a growing cache).",
-    next=["probe {target} query \"SELECT step, memory, peak_allocated FROM torch.steps ORDER BY step DESC LIMIT 20\"",
-          "probe {target} query \"SELECT * FROM torch.memory\"",
-          "probe {target} cleanup"],
+    next=[
+        'probe {target} query "SELECT step, memory, peak_allocated FROM torch.steps ORDER BY step DESC LIMIT 20"',
+        'probe {target} query "SELECT * FROM torch.memory"',
+        "probe {target} cleanup",
+    ],
 )
 
 rule(
-    "allocator_fragmentation", family="memory", severity="warning",
+    "allocator_fragmentation",
+    family="memory",
+    severity="warning",
     description="On a CUDA device, the caching allocator had to free its cache and retry an allocation (or raised an out-of-memory error) while it held at least 1 GiB and a fifth of its reservation that no tensor used: the free memory is there but in pieces.",
     sql="""
 SELECT rank, device, allocated / 2^30 AS allocated_gb, reserved / 2^30 AS reserved_gb, (reserved - allocated) / 2^30 AS cached_gb,
@@ -49,12 +55,13 @@ FROM torch.memory
 WHERE device LIKE 'cuda%' AND reserved > 0 AND (alloc_retries > 0 OR ooms > 0)
   AND reserved - allocated >= greatest(2^30, 0.2 * reserved)""",
     message="{device}: the caching allocator reserves {reserved_gb:.1f} GiB of {total_gb:.1f} but tensors hold only {allocated_gb:.1f} GiB; {cached_gb:.1f} GiB sit cached in blocks too small to use, and {retries} allocation(s) had to free the cache and retry ({ooms} out-of-memory error(s)): fragmentation. `probe cleanup` returns the cache now; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True at the next start keeps it from coming back.",
-    next=["probe {target} query \"SELECT * FROM torch.memory\"",
-          "probe {target} cleanup"],
+    next=['probe {target} query "SELECT * FROM torch.memory"', "probe {target} cleanup"],
 )
 
 rule(
-    "throughput_regression", family="slow", severity="warning",
+    "throughput_regression",
+    family="slow",
+    severity="warning",
     description="The median step time of the last 50 steps is twice (and 10 ms) above the job's own earlier median, the time the training thread waited for a CPU (torch.steps.cpu_wait: the host's load, not the job's) taken out of both.",
     sql="""
 WITH s AS (
@@ -74,13 +81,17 @@ SELECT rank, step, now_s * 1000 AS now_ms, before_s * 1000 AS before_ms, now_s /
        (now_wait - before_wait) * 1000 AS wait_ms FROM j
 WHERE n_before >= 20 AND now_own > 2 * before_own AND now_own - before_own > 0.01""",
     message="steps got {ratio:.1f}x slower: median {now_ms:.1f} ms over the last 50 steps against {before_ms:.1f} ms before "
-            "(waiting for a CPU accounts for {wait_ms:.1f} ms of it).",
-    next=["probe {target} backtrace",
-          "probe {target} query \"SELECT module, stage, AVG(duration) AS avg_s FROM python.torch_trace WHERE step > (SELECT MAX(step) - 5 FROM python.torch_trace) GROUP BY ALL ORDER BY avg_s DESC LIMIT 10\""],
+    "(waiting for a CPU accounts for {wait_ms:.1f} ms of it).",
+    next=[
+        "probe {target} backtrace",
+        'probe {target} query "SELECT module, stage, AVG(duration) AS avg_s FROM python.torch_trace WHERE step > (SELECT MAX(step) - 5 FROM python.torch_trace) GROUP BY ALL ORDER BY avg_s DESC LIMIT 10"',
+    ],
 )
 
 rule(
-    "cpu_starved", family="slow", severity="info",
+    "cpu_starved",
+    family="slow",
+    severity="info",
     description="Over the last 50 measured steps the training thread waited for a CPU (torch.steps.cpu_wait) for more than a quarter of its step time and 5 ms a step: the host is oversubscribed.",
     sql="""
 WITH s AS (
@@ -91,12 +102,16 @@ SELECT rank, max(step) AS step, median(cpu_wait) * 1000 AS wait_ms, median(durat
 FROM s WHERE age <= 50 GROUP BY rank
 HAVING count(*) >= 10 AND median(cpu_wait) > 0.25 * median(duration) AND median(cpu_wait) > 0.005""",
     message="the training thread waited {wait_ms:.1f} ms a step for a CPU ({pct:.0f}% of its {step_ms:.1f} ms steps): "
-            "other processes, data loader workers or another job share its cores, and the step times include that wait.",
-    next=["probe {target} query \"SELECT step, duration, cpu_wait FROM torch.steps WHERE cpu_wait IS NOT NULL ORDER BY step DESC LIMIT 20\""],
+    "other processes, data loader workers or another job share its cores, and the step times include that wait.",
+    next=[
+        'probe {target} query "SELECT step, duration, cpu_wait FROM torch.steps WHERE cpu_wait IS NOT NULL ORDER BY step DESC LIMIT 20"'
+    ],
 )
 
 rule(
-    "input_bound", family="input", severity="warning",
+    "input_bound",
+    family="input",
+    severity="warning",
     description="Over the last 50 steps (every step: torch.steps.data_wait, the time before each step's first forward call; on traced steps without it, the time outside the root models' forward and backward), more than 70% of the step time (and 20 ms a step) goes outside the model: waiting for data or host-side work (time waiting for other ranks, torch.steps.comm_wait, or for a CPU, torch.steps.cpu_wait, does not count); summed over the steps, so batches that arrive in pairs from two workers (a fast step, then a slow one) count in full; names the DataLoaders with num_workers=0 (torch.dataloaders) and, when the main thread is in one now, the DataLoader's __next__/fetch or Dataset's __getitem__ it is in (python.backtrace).",
     sql="""
 WITH f AS (
@@ -133,13 +148,17 @@ LEFT JOIN d ON d.rank IS NOT DISTINCT FROM m.rank
 LEFT JOIN b ON b.rank IS NOT DISTINCT FROM m.rank
 WHERE m.steps >= 3 AND m.model_s < 0.3 * m.step_s AND m.step_s - m.model_s > 0.02""",
     message="{outside_pct:.0f}% of step time is spent outside forward/backward ({step_ms:.1f} ms a step, {model_ms:.1f} ms in the model): the input pipeline or host-side work is the bottleneck{loaders}{loading}.",
-    next=["probe {target} backtrace",
-          "probe {target} query \"SELECT name, dataset_type, batch_size, num_workers, pin_memory, prefetch_factor FROM torch.dataloaders\"",
-          "probe {target} query \"SELECT name, state, cpu_user_s, func, lineno FROM python.threads\""],
+    next=[
+        "probe {target} backtrace",
+        'probe {target} query "SELECT name, dataset_type, batch_size, num_workers, pin_memory, prefetch_factor FROM torch.dataloaders"',
+        'probe {target} query "SELECT name, state, cpu_user_s, func, lineno FROM python.threads"',
+    ],
 )
 
 rule(
-    "data_spans", family="input", severity="warning",
+    "data_spans",
+    family="input",
+    severity="warning",
     description="Over the last 20 steps, the script's probe.span('data') blocks take more than 40% of the step time (and 10 ms): the input pipeline is the bottleneck.",
     sql="""
 WITH d AS (
@@ -155,8 +174,10 @@ m AS (
 SELECT rank, step, steps, step_s * 1000 AS step_ms, data_s * 1000 AS data_ms, 100 * data_s / step_s AS data_pct FROM m
 WHERE steps >= 3 AND data_s > 0.4 * step_s AND data_s > 0.01""",
     message="{data_pct:.0f}% of step time is spent in probe.span('data') blocks ({data_ms:.1f} ms of {step_ms:.1f} ms a step): the input pipeline is the bottleneck (more DataLoader workers, pin_memory, prefetching).",
-    next=["probe {target} trace --steps 5 -o trace.json",
-          "probe {target} query \"SELECT step, name, duration FROM python.spans WHERE step > (SELECT MAX(step) - 3 FROM python.spans) ORDER BY time\""],
+    next=[
+        "probe {target} trace --steps 5 -o trace.json",
+        'probe {target} query "SELECT step, name, duration FROM python.spans WHERE step > (SELECT MAX(step) - 3 FROM python.spans) ORDER BY time"',
+    ],
 )
 
 # Activations whose output is exactly 0 over part of their range (ReLU-like; GELU underflows to 0 for
@@ -166,7 +187,9 @@ _ZEROING = "('ReLU', 'ReLU6', 'GELU', 'Hardswish', 'Threshold')"
 _DEAD = 0.95  # share of exact zeros that calls a zeroing activation's output dead (healthy ReLU nets sit near 50%)
 
 rule(
-    "dead_activations", family="activations", severity="warning",
+    "dead_activations",
+    family="activations",
+    severity="warning",
     description=f"On each of its last 3 traced steps, at least {_DEAD:.0%} of a ReLU/GELU-family module's output is exactly 0: its units are dead and pass no gradient.",
     sql=f"""
 WITH c AS (
@@ -181,12 +204,16 @@ SELECT rank, max(step) AS step, module, any_value(module_type) AS module_type, c
 FROM r WHERE age <= 3 GROUP BY rank, model, module
 HAVING count(*) = 3 AND min(zeros) >= {_DEAD}""",
     message="{pct:.1f}% of the output of module {module} ({module_type}, shape {shape}) is exactly 0 on each of its last {steps} traced steps (to step {step}): its units are dead and pass no gradient; look at the layer before it (a large negative bias, or an LR that pushed its pre-activations negative).",
-    next=["probe {target} query \"SELECT seq, module, module_type, out_mean, out_std, out_zero_frac FROM python.torch_trace WHERE step = {step} AND stage = 'forward' ORDER BY seq\"",
-          "probe {target} query \"SELECT name, shape, requires_grad, grad_norm FROM torch.parameters\""],
+    next=[
+        "probe {target} query \"SELECT seq, module, module_type, out_mean, out_std, out_zero_frac FROM python.torch_trace WHERE step = {step} AND stage = 'forward' ORDER BY seq\"",
+        'probe {target} query "SELECT name, shape, requires_grad, grad_norm FROM torch.parameters"',
+    ],
 )
 
 rule(
-    "collapsed_output", family="activations", severity="warning",
+    "collapsed_output",
+    family="activations",
+    severity="warning",
     description="A module's output no longer varies across the batch (std across the first dimension ~ 0 on its last 3 traced steps, after it did vary) while the output of the module called just before it does.",
     sql=f"""
 WITH v AS (
@@ -215,12 +242,16 @@ SELECT * FROM hit AS h  -- a container whose output collapsed because a module i
 WHERE NOT EXISTS (SELECT 1 FROM hit AS i WHERE i.rank IS NOT DISTINCT FROM h.rank AND i.model = h.model
                   AND starts_with(i.module, h.module || '.'))""",
     message="the output of module {module} ({module_type}) is the same for every sample of the batch on its last {steps} traced steps (std across the batch {b:.2g}, up to step {step}; it was {was_b:.3g} at step {was_step}), while its input from {prev} varies (std across the batch {prev_b:.3g}): its weights have collapsed (zeroed, or a mask that removes them) or it saturates.",
-    next=["probe {target} query \"SELECT name, shape, requires_grad, grad_norm FROM torch.parameters WHERE name LIKE '{module}.%'\"",
-          "probe {target} query \"SELECT step, module, out_mean, out_std, out_batch_std FROM python.torch_trace WHERE module = '{module}' AND stage = 'forward' ORDER BY step DESC LIMIT 10\""],
+    next=[
+        "probe {target} query \"SELECT name, shape, requires_grad, grad_norm FROM torch.parameters WHERE name LIKE '{module}.%'\"",
+        "probe {target} query \"SELECT step, module, out_mean, out_std, out_batch_std FROM python.torch_trace WHERE module = '{module}' AND stage = 'forward' ORDER BY step DESC LIMIT 10\"",
+    ],
 )
 
 rule(
-    "host_syncs", family="slow", severity="warning",
+    "host_syncs",
+    family="slow",
+    severity="warning",
     description="A line of the training code makes the host wait for the GPU (.item(), .cpu(), .tolist(), printing a CUDA tensor...) on each of the last 3 traced steps (torch.syncs, CUDA only).",
     sql="""
 WITH s AS (
@@ -235,20 +266,26 @@ SELECT rank, max(step) AS step, file, regexp_extract(file, '[^/]+$') AS base, li
        any_value(function) AS function, count(*) AS steps, sum(n) / count(*) AS per_step
 FROM j GROUP BY rank, file, line HAVING count(*) = 3""",
     message="line {line} of {base} (in {function}) makes the host wait for the GPU {per_step:.0f} time(s) a step on each of the last {steps} traced steps: `{code}`; the CPU cannot queue the next kernels meanwhile. Keep the value on the device and read it every N steps.",
-    next=["probe {target} query \"SELECT step, file, line, code, origin, via, count FROM torch.syncs ORDER BY step DESC, count DESC LIMIT 20\"",
-          "probe {target} trace --steps 5 -o trace.json"],
+    next=[
+        'probe {target} query "SELECT step, file, line, code, origin, via, count FROM torch.syncs ORDER BY step DESC, count DESC LIMIT 20"',
+        "probe {target} trace --steps 5 -o trace.json",
+    ],
 )
 
 rule(
-    "probe_errors", family="probe", severity="info",
+    "probe_errors",
+    family="probe",
+    severity="info",
     description="The probe itself caught errors (recorded in probe.errors); training went on.",
     sql="SELECT rank, count(*) AS n, arg_max(source, time) AS last_source, arg_max(message, time) AS last_message FROM probe.errors GROUP BY rank",
     message="the probe recorded {n} error(s) of its own, the last from {last_source}: {last_message}",
-    next=["probe {target} query \"SELECT time, source, type, message FROM probe.errors ORDER BY time DESC LIMIT 10\""],
+    next=['probe {target} query "SELECT time, source, type, message FROM probe.errors ORDER BY time DESC LIMIT 10"'],
 )
 
 rule(
-    "probe_overhead", family="probe", severity="info",
+    "probe_overhead",
+    family="probe",
+    severity="info",
     description="The probe's fixed per-step work (torch.steps.probe_us, median over the last 200 steps) exceeds 2 % of the step time: steps too short for PROBE_STEP_BUDGET.",
     sql="""
 WITH s AS (
@@ -260,6 +297,8 @@ SELECT rank, count(*) AS n, median(probe_us) AS probe_us, median(duration) * 100
 FROM s WHERE age <= 200 GROUP BY rank
 HAVING count(*) >= 50 AND median(probe_us) * 1e-6 / median(duration) > 0.02""",
     message="the probe's own work is {probe_us:.1f} us of every {step_ms:.2f} ms step ({share:.1%}), more than its budget: "
-            "steps this short get their loss, grad norm and peak memory measured on {measured:.1%} of steps.",
-    next=["probe {target} query \"SELECT step, duration, probe_us, measured FROM torch.steps ORDER BY step DESC LIMIT 20\""],
+    "steps this short get their loss, grad norm and peak memory measured on {measured:.1%} of steps.",
+    next=[
+        'probe {target} query "SELECT step, duration, probe_us, measured FROM torch.steps ORDER BY step DESC LIMIT 20"'
+    ],
 )

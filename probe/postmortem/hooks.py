@@ -109,9 +109,13 @@ def terminated(signum: int, frame) -> None:
             return
         _state["died"] = True
         _stop.set()
-        t = threading.Thread(target=record.write, args=("terminated",),
-                             kwargs={"detail": signal.Signals(signum).name, "frame": frame},
-                             name="probe-postmortem-term", daemon=True)
+        t = threading.Thread(
+            target=record.write,
+            args=("terminated",),
+            kwargs={"detail": signal.Signals(signum).name, "frame": frame},
+            name="probe-postmortem-term",
+            daemon=True,
+        )
         t.start()
         t.join(_TERM_WAIT)
     except Exception as exc:

@@ -28,8 +28,17 @@ from .retention import alive, read_meta
 __all__ = ["Record", "find", "job_records", "list_records", "dead_records", "dump_only", "explain"]
 
 _NUMERIC = ("BIGINT", "INTEGER", "SMALLINT", "TINYINT", "UBIGINT", "UINTEGER", "HUGEINT")
-_BACKTRACE = {"thread_id": "BIGINT", "thread_name": "VARCHAR", "is_main": "BOOLEAN", "depth": "INTEGER",
-              "func": "VARCHAR", "file": "VARCHAR", "lineno": "INTEGER", "line": "VARCHAR", "is_native": "BOOLEAN"}
+_BACKTRACE = {
+    "thread_id": "BIGINT",
+    "thread_name": "VARCHAR",
+    "is_main": "BOOLEAN",
+    "depth": "INTEGER",
+    "func": "VARCHAR",
+    "file": "VARCHAR",
+    "lineno": "INTEGER",
+    "line": "VARCHAR",
+    "is_native": "BOOLEAN",
+}
 _PROCESS_OVERLAY = {"source": "VARCHAR", "exit_cause": "VARCHAR", "exited_at": "TIMESTAMP", "exit_reason": "VARCHAR"}
 
 
@@ -72,12 +81,15 @@ def parse_fatal_dump(text: str) -> list:
     for line in text.splitlines():
         head = re.match(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)", line)
         if head:
-            out.append({"thread_id": int(head.group(2), 16), "current": head.group(1) == "Current thread", "frames": []})
+            out.append(
+                {"thread_id": int(head.group(2), 16), "current": head.group(1) == "Current thread", "frames": []}
+            )
             continue
         frame = re.match(r'^\s+File "(.*)", line (\d+) in (.*)$', line)
         if frame and out:
-            out[-1]["frames"].append({"func": frame.group(3), "file": frame.group(1), "lineno": int(frame.group(2)),
-                                      "line": None})
+            out[-1]["frames"].append(
+                {"func": frame.group(3), "file": frame.group(1), "lineno": int(frame.group(2)), "line": None}
+            )
     return out
 
 
@@ -113,8 +125,12 @@ def _column(array, valid, typ: str, n: int) -> dict:
             valid = ~nan if valid is None else (valid & ~nan)
             data = np.where(nan, 0.0, data)
         if typ != "TIMESTAMP":
-            return {"type": typ, "kind": "b1" if typ == "BOOLEAN" else "i8",
-                    "data": data != 0 if typ == "BOOLEAN" else data.astype("<i8"), "valid": valid}
+            return {
+                "type": typ,
+                "kind": "b1" if typ == "BOOLEAN" else "i8",
+                "data": data != 0 if typ == "BOOLEAN" else data.astype("<i8"),
+                "valid": valid,
+            }
     return {"type": typ, "kind": "f8", "data": data, "valid": valid}
 
 
@@ -134,10 +150,20 @@ class Record:
     def entry(self) -> dict:
         """A registry-like entry for the CLI's Target (``postmortem``: the record's folder)."""
         m = self.meta
-        return {"pid": self.pid, "rank": self.rank, "world_size": m.get("world_size"), "job": m.get("job"),
-                "host": m.get("host"), "argv": m.get("argv"), "started_at": m.get("started_at"),
-                "postmortem": m.get("path"), "cause": m.get("cause"), "summary": m.get("summary"),
-                "last_step": m.get("last_step"), "died_at": m.get("time")}
+        return {
+            "pid": self.pid,
+            "rank": self.rank,
+            "world_size": m.get("world_size"),
+            "job": m.get("job"),
+            "host": m.get("host"),
+            "argv": m.get("argv"),
+            "started_at": m.get("started_at"),
+            "postmortem": m.get("path"),
+            "cause": m.get("cause"),
+            "summary": m.get("summary"),
+            "last_step": m.get("last_step"),
+            "died_at": m.get("time"),
+        }
 
     def describe(self) -> str:
         """A clause naming the process and how it ended, e.g. ``pid 41 died (exception: RuntimeError: ...)``."""
@@ -151,8 +177,11 @@ class Record:
         if not cols and table in self.stored:
             arrays = self.arrays()
             prefix = table + "/"
-            cols = [(k[len(prefix):], _type_of(arrays[k])) for k in arrays
-                    if k.startswith(prefix) and not k.endswith(".valid")]
+            cols = [
+                (k[len(prefix) :], _type_of(arrays[k]))
+                for k in arrays
+                if k.startswith(prefix) and not k.endswith(".valid")
+            ]
         if not cols and table == "python.backtrace":
             cols = list(_BACKTRACE.items())
         if table == "process.info":
@@ -177,10 +206,17 @@ class Record:
         for name in self.stored:
             decl = schema.get(name) or {}
             desc = {c[0]: c[2] for c in decl.get("columns", []) if len(c) > 2}
-            out.append({"name": name, "kind": "postmortem",
-                        "description": decl.get("description") or f"{name} as the dead process left it.",
-                        "examples": decl.get("examples") or [],
-                        "columns": [{"name": c, "type": t, "description": desc.get(c, "")} for c, t in self._declared(name)]})
+            out.append(
+                {
+                    "name": name,
+                    "kind": "postmortem",
+                    "description": decl.get("description") or f"{name} as the dead process left it.",
+                    "examples": decl.get("examples") or [],
+                    "columns": [
+                        {"name": c, "type": t, "description": desc.get(c, "")} for c, t in self._declared(name)
+                    ],
+                }
+            )
         return {"tables": out}
 
     def _process_info(self, cols: dict, n: int) -> dict:
@@ -194,8 +230,12 @@ class Record:
                 data[:] = value
                 cols[name] = {"type": "VARCHAR", "kind": "str", "data": data, "valid": None}
         if "exited_at" in cols:
-            cols["exited_at"] = {"type": "TIMESTAMP", "kind": "f8", "data": np.full(n, float(m.get("time") or 0.0)),
-                                 "valid": None}
+            cols["exited_at"] = {
+                "type": "TIMESTAMP",
+                "kind": "f8",
+                "data": np.full(n, float(m.get("time") or 0.0)),
+                "valid": None,
+            }
         return cols
 
     def snapshot(self, requests: dict) -> dict:
@@ -222,12 +262,23 @@ class Record:
             elif name == "python.backtrace" and self.meta.get("fatal_dump"):
                 data = self._backtrace_columns()
                 n = len(data["depth"])
-                cols = {c: _column(data.get(c), None, typ, n) if c in data else _column(None, None, typ, n)
-                        for c, typ in ((c, declared.get(c, "VARCHAR")) for c in wanted)}
+                cols = {
+                    c: _column(data.get(c), None, typ, n) if c in data else _column(None, None, typ, n)
+                    for c, typ in ((c, declared.get(c, "VARCHAR")) for c in wanted)
+                }
             tables[name] = {"rows": n, "columns": cols}
         m = self.meta
-        return {"meta": {"pid": self.pid, "rank": self.rank, "host": m.get("host"), "source": "postmortem",
-                         "cause": m.get("cause"), "died_at": m.get("time")}, "tables": tables}
+        return {
+            "meta": {
+                "pid": self.pid,
+                "rank": self.rank,
+                "host": m.get("host"),
+                "source": "postmortem",
+                "cause": m.get("cause"),
+                "died_at": m.get("time"),
+            },
+            "tables": tables,
+        }
 
     def stacks(self) -> list:
         """Every thread's stack at death: faulthandler's dump after a fatal signal (thread names and the
@@ -241,8 +292,16 @@ class Record:
                     k = known.get(t["thread_id"], {})
                     # without a snapshot's stacks, the thread whose outermost frame is a module's body is the main one
                     main = k.get("is_main") if k else bool(t["frames"]) and t["frames"][-1]["func"] == "<module>"
-                    out.append({"thread_id": t["thread_id"], "name": k.get("name"), "is_main": bool(main),
-                                "daemon": k.get("daemon"), "frames": t["frames"], "crashed": t["current"]})
+                    out.append(
+                        {
+                            "thread_id": t["thread_id"],
+                            "name": k.get("name"),
+                            "is_main": bool(main),
+                            "daemon": k.get("daemon"),
+                            "frames": t["frames"],
+                            "crashed": t["current"],
+                        }
+                    )
                 return sorted(out, key=lambda t: not t["is_main"])
         return list(known.values())
 
@@ -251,8 +310,21 @@ class Record:
         import numpy as np
 
         keys = {k: "str" if t == "VARCHAR" else "b1" if t == "BOOLEAN" else "i8" for k, t in _BACKTRACE.items()}
-        rows = [(t.get("thread_id"), t.get("name"), bool(t.get("is_main")), d, f.get("func"), f.get("file"),
-                 f.get("lineno"), f.get("line"), False) for t in self.stacks() for d, f in enumerate(t.get("frames") or ())]
+        rows = [
+            (
+                t.get("thread_id"),
+                t.get("name"),
+                bool(t.get("is_main")),
+                d,
+                f.get("func"),
+                f.get("file"),
+                f.get("lineno"),
+                f.get("line"),
+                False,
+            )
+            for t in self.stacks()
+            for d, f in enumerate(t.get("frames") or ())
+        ]
         out = {}
         for i, (k, kind) in enumerate(keys.items()):
             values = [r[i] for r in rows]
@@ -274,21 +346,42 @@ class Record:
         for t in self.stacks():
             if thread not in (None, "") and thread not in (t.get("name"), str(t.get("thread_id"))):
                 continue
-            threads.append({"thread_id": t.get("thread_id"), "native_id": None, "name": t.get("name"),
-                            "is_main": t.get("is_main"), "daemon": t.get("daemon"),
-                            "frames": [dict(f, depth=i) for i, f in enumerate(t.get("frames") or ())]})
+            threads.append(
+                {
+                    "thread_id": t.get("thread_id"),
+                    "native_id": None,
+                    "name": t.get("name"),
+                    "is_main": t.get("is_main"),
+                    "daemon": t.get("daemon"),
+                    "frames": [dict(f, depth=i) for i, f in enumerate(t.get("frames") or ())],
+                }
+            )
         if thread not in (None, "") and not threads:
             from .._errors import QueryError
 
             names = ", ".join(sorted({str(t.get("name")) for t in self.stacks()}))
-            raise QueryError(f"the record of pid {self.pid} has no thread named or numbered {thread!r}; threads: {names}.")
+            raise QueryError(
+                f"the record of pid {self.pid} has no thread named or numbered {thread!r}; threads: {names}."
+            )
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(m.get("time") or 0)))
-        what = {"killed": "the stacks of its last periodic snapshot", "fatal_signal": "faulthandler's dump at the crash",
-                "terminated": "the stacks when the signal arrived"}
-        note = (f"[post-mortem record: pid {self.pid} is gone ({m['cause']}, {when}): {m.get('summary')}; "
-                f"{what.get(m['cause'], 'the stacks when it died')}]")
-        doc = {"source": "postmortem", "pid": self.pid, "rank": self.rank, "threads": threads, "note": note,
-               "cause": m.get("cause"), "exception": m.get("exception")}
+        what = {
+            "killed": "the stacks of its last periodic snapshot",
+            "fatal_signal": "faulthandler's dump at the crash",
+            "terminated": "the stacks when the signal arrived",
+        }
+        note = (
+            f"[post-mortem record: pid {self.pid} is gone ({m['cause']}, {when}): {m.get('summary')}; "
+            f"{what.get(m['cause'], 'the stacks when it died')}]"
+        )
+        doc = {
+            "source": "postmortem",
+            "pid": self.pid,
+            "rank": self.rank,
+            "threads": threads,
+            "note": note,
+            "cause": m.get("cause"),
+            "exception": m.get("exception"),
+        }
         if m.get("fatal_dump"):
             doc["fatal_dump"] = m["fatal_dump"]
             doc["note"] += "\n" + m["fatal_dump"].splitlines()[0]
@@ -297,11 +390,21 @@ class Record:
     def health(self) -> dict:
         """What ``GET /health`` answers for a dead process."""
         m = self.meta
-        return {"ok": True, "pid": self.pid, "rank": self.rank, "state": "dead", "source": "postmortem",
-                "step": m.get("last_step"), "cause": m.get("cause"), "summary": m.get("summary"), "died_at": m.get("time")}
+        return {
+            "ok": True,
+            "pid": self.pid,
+            "rank": self.rank,
+            "state": "dead",
+            "source": "postmortem",
+            "step": m.get("last_step"),
+            "cause": m.get("cause"),
+            "summary": m.get("summary"),
+            "died_at": m.get("time"),
+        }
 
 
 # -- listing: the records of this host and of other hosts, and how each process ended -------------------
+
 
 def list_records() -> list[dict]:
     """Every record of this host (runtime directory) and of other hosts (shared registry), newest first.
@@ -371,20 +474,29 @@ def explain(meta: dict) -> dict | None:
         meta["fatal_dump"] = fatal
     elif cause in ("snapshot", "thread_exception"):
         meta["cause"] = "killed"
-        meta["summary"] = ("killed without warning, no exit was recorded (SIGKILL: the OOM killer, preemption, kill -9); "
-                           + ("its tables are from the last periodic snapshot" if cause == "snapshot"
-                              else "its tables are from when its worker thread died"))
+        meta["summary"] = (
+            "killed without warning, no exit was recorded (SIGKILL: the OOM killer, preemption, kill -9); "
+            + (
+                "its tables are from the last periodic snapshot"
+                if cause == "snapshot"
+                else "its tables are from when its worker thread died"
+            )
+        )
     elif cause == "terminated":
         main = next((t for t in meta.get("stacks") or () if t.get("is_main")), {})
-        meta["summary"] = (f"terminated by {meta.get('detail') or 'SIGTERM'} (stopped from outside: torchrun, the "
-                           f"scheduler, kill); the main thread was{_where(main.get('frames')) or ' in an unknown frame'}")
+        meta["summary"] = (
+            f"terminated by {meta.get('detail') or 'SIGTERM'} (stopped from outside: torchrun, the "
+            f"scheduler, kill); the main thread was{_where(main.get('frames')) or ' in an unknown frame'}"
+        )
     elif exc:
         where = ""
         tb = exc.get("traceback") or ""
         lines = [l.strip() for l in tb.splitlines() if l.strip().startswith("File ")]
         if lines:
             where = " at " + lines[-1].replace("File ", "")
-        what = "interrupted (KeyboardInterrupt)" if cause == "interrupted" else f"{exc.get('type')}: {exc.get('message')}"
+        what = (
+            "interrupted (KeyboardInterrupt)" if cause == "interrupted" else f"{exc.get('type')}: {exc.get('message')}"
+        )
         meta["summary"] = f"{what}{where}" + (f" (thread {meta['thread']})" if meta.get("thread") else "")
     elif cause == "interrupted":
         meta["summary"] = "interrupted (KeyboardInterrupt)"
@@ -412,8 +524,15 @@ def dump_only(pid: int) -> dict | None:
         when = os.path.getmtime(path)
     except OSError:
         return None
-    return {"pid": pid, "cause": "snapshot", "time": when, "path": None, "tables": [], "local": True,
-            "host": socket.gethostname()}
+    return {
+        "pid": pid,
+        "cause": "snapshot",
+        "time": when,
+        "path": None,
+        "tables": [],
+        "local": True,
+        "host": socket.gethostname(),
+    }
 
 
 def dead_records() -> list[dict]:

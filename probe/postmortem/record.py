@@ -53,8 +53,18 @@ __all__ = ["write", "records_dir", "shared_records_dir", "load_tables", "MAX_TAB
 
 # The tables a record keeps: the rings (the last minutes of the run), who/what the process was, and where its
 # collectives stood (the flight recorder), so a dead rank still lines up with the live ones in ranks.*.
-TABLES = ("torch.steps", "python.torch_trace", "probe.actions", "probe.errors", "process.info",
-          "torch.optimizer", "torch.memory", "python.backtrace", "torch.collectives", "torch.process_groups")
+TABLES = (
+    "torch.steps",
+    "python.torch_trace",
+    "probe.actions",
+    "probe.errors",
+    "process.info",
+    "torch.optimizer",
+    "torch.memory",
+    "python.backtrace",
+    "torch.collectives",
+    "torch.process_groups",
+)
 _OWN_FILES = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)  # frames of this package: the writer itself
 
 _write_lock = threading.Lock()
@@ -99,8 +109,15 @@ def _stacks(exc: BaseException | None, skip_self: bool, frame=None) -> list:
                 while frames and frames[0]["file"].startswith(_OWN_FILES):
                     frames.pop(0)
         t = names.get(ident)
-        out.append({"thread_id": ident, "name": t.name if t else None, "is_main": ident == main,
-                    "daemon": t.daemon if t else None, "frames": frames})
+        out.append(
+            {
+                "thread_id": ident,
+                "name": t.name if t else None,
+                "is_main": ident == main,
+                "daemon": t.daemon if t else None,
+                "frames": frames,
+            }
+        )
     out.sort(key=lambda t: not t["is_main"])
     return out
 
@@ -111,8 +128,20 @@ def _backtrace_data(stacks: list) -> dict:
     data: dict = {k: [] for k in keys}
     for t in stacks:
         for depth, f in enumerate(t["frames"]):
-            for k, v in zip(keys, (t["thread_id"], t["name"], t["is_main"], depth, f["func"], f["file"], f["lineno"],
-                                   f.get("line"), False)):
+            for k, v in zip(
+                keys,
+                (
+                    t["thread_id"],
+                    t["name"],
+                    t["is_main"],
+                    depth,
+                    f["func"],
+                    f["file"],
+                    f["lineno"],
+                    f.get("line"),
+                    False,
+                ),
+            ):
                 data[k].append(v)
     return data
 
@@ -148,8 +177,10 @@ def _columns(name: str, rows: int, data: dict | None = None) -> dict | None:
         if col.type in ("BIGINT", "INTEGER") and valid.all() and all(isinstance(v, int) for v in values):
             out[col.name] = np.array(values, dtype="i8")  # exact (thread idents pass 2**53 on some systems)
         elif col.type in ("BIGINT", "INTEGER", "DOUBLE", "TIMESTAMP"):
-            out[col.name] = np.array([np.nan if v is None else (v.timestamp() if hasattr(v, "timestamp") else float(v))
-                                      for v in values], dtype="f8")
+            out[col.name] = np.array(
+                [np.nan if v is None else (v.timestamp() if hasattr(v, "timestamp") else float(v)) for v in values],
+                dtype="f8",
+            )
         elif col.type == "BOOLEAN":
             out[col.name] = np.array([bool(v) for v in values], dtype="b1")
         else:
@@ -212,8 +243,11 @@ def load_tables(folder: str) -> dict:
                     raise ValueError(f"{info.filename} inflates {info.file_size} bytes from {info.compress_size}")
                 with z.open(info) as member:
                     version = np.lib.format.read_magic(member)
-                    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                                   else np.lib.format.read_array_header_2_0)
+                    read_header = (
+                        np.lib.format.read_array_header_1_0
+                        if version == (1, 0)
+                        else np.lib.format.read_array_header_2_0
+                    )
                     shape, _, dtype = read_header(member)
                     size = int(np.prod(shape, dtype=object)) * dtype.itemsize
                     if dtype.hasobject or size > info.file_size:
@@ -249,8 +283,15 @@ def _schema() -> dict:
     process did not keep its declared, empty columns beside the live ranks'."""
     from ..tables.registry import all_tables
 
-    return {t.name: {"description": t.description, "kind": t.kind, "examples": list(t.examples),
-                     "columns": [[c.name, c.type, c.description] for c in t.columns]} for t in all_tables()}
+    return {
+        t.name: {
+            "description": t.description,
+            "kind": t.kind,
+            "examples": list(t.examples),
+            "columns": [[c.name, c.type, c.description] for c in t.columns],
+        }
+        for t in all_tables()
+    }
 
 
 def _own_start() -> int | None:
@@ -261,8 +302,16 @@ def _own_start() -> int | None:
     return _process["start"][1]
 
 
-def write(cause: str, exc: BaseException | None = None, *, thread: str | None = None, detail: str | None = None,
-          frame=None, exit_code: int | None = None, tables=TABLES) -> str | None:
+def write(
+    cause: str,
+    exc: BaseException | None = None,
+    *,
+    thread: str | None = None,
+    detail: str | None = None,
+    frame=None,
+    exit_code: int | None = None,
+    tables=TABLES,
+) -> str | None:
     """Write (or replace) this process's record; return its folder, or None when that failed (or when
     ``cause`` is ``snapshot`` and a record of how the process ends is already written).
 
@@ -304,15 +353,30 @@ def write(cause: str, exc: BaseException | None = None, *, thread: str | None = 
             if cause == "thread_exception" and exc is not None:
                 _thread_deaths.append({"thread": thread, "type": type(exc).__name__, "message": str(exc)})
             meta = {
-                "format": 1, "cause": cause, "time": time.time(), "pid": pid, "rank": entry.get("rank"),
-                "world_size": entry.get("world_size"), "job": entry.get("job"), "host": socket.gethostname(),
-                "argv": entry.get("argv") or list(sys.argv), "started_at": entry.get("started_at"),
-                "proc_start": _own_start(), "exit_code": exit_code, "thread": thread, "detail": detail,
-                "tables": written, "schema": _schema(),
+                "format": 1,
+                "cause": cause,
+                "time": time.time(),
+                "pid": pid,
+                "rank": entry.get("rank"),
+                "world_size": entry.get("world_size"),
+                "job": entry.get("job"),
+                "host": socket.gethostname(),
+                "argv": entry.get("argv") or list(sys.argv),
+                "started_at": entry.get("started_at"),
+                "proc_start": _own_start(),
+                "exit_code": exit_code,
+                "thread": thread,
+                "detail": detail,
+                "tables": written,
+                "schema": _schema(),
                 "thread_deaths": list(_thread_deaths),
-                "exception": None if exc is None else {
-                    "type": type(exc).__name__, "message": str(exc),
-                    "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))},
+                "exception": None
+                if exc is None
+                else {
+                    "type": type(exc).__name__,
+                    "message": str(exc),
+                    "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+                },
                 "stacks": stacks,
             }
             fd = os.open(os.path.join(tmp, "meta.json"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -28,10 +28,28 @@ __all__ = ["read_meta", "valid_meta", "proc_start", "alive", "is_clean_exit", "p
 MAX_META_BYTES = 16 << 20  # a record's meta.json (stacks, schema, exception): far more than a real one holds
 
 # The fields readers rely on and the types they may have (None always allowed except for pid and cause).
-_META_TYPES = {"pid": int, "cause": str, "rank": int, "world_size": int, "host": str, "job": str, "time": (int, float),
-               "started_at": (int, float), "proc_start": int, "exit_code": int, "thread": str, "detail": str,
-               "summary": str, "fatal_dump": str, "tables": list, "schema": dict, "thread_deaths": list,
-               "exception": dict, "stacks": list, "argv": list}
+_META_TYPES = {
+    "pid": int,
+    "cause": str,
+    "rank": int,
+    "world_size": int,
+    "host": str,
+    "job": str,
+    "time": (int, float),
+    "started_at": (int, float),
+    "proc_start": int,
+    "exit_code": int,
+    "thread": str,
+    "detail": str,
+    "summary": str,
+    "fatal_dump": str,
+    "tables": list,
+    "schema": dict,
+    "thread_deaths": list,
+    "exception": dict,
+    "stacks": list,
+    "argv": list,
+}
 
 
 def valid_meta(meta) -> bool:
@@ -57,7 +75,9 @@ def valid_meta(meta) -> bool:
             return False
     if not all(isinstance(t, str) for t in meta.get("tables") or ()):
         return False
-    if not all(isinstance(d, dict) and {"thread", "type", "message"} <= d.keys() for d in meta.get("thread_deaths") or ()):
+    if not all(
+        isinstance(d, dict) and {"thread", "type", "message"} <= d.keys() for d in meta.get("thread_deaths") or ()
+    ):
         return False
     for stack in meta.get("stacks") or ():
         if not isinstance(stack, dict) or not isinstance(stack.get("frames") or [], list):
@@ -120,8 +140,7 @@ def alive(meta: dict) -> bool:
 
 def is_clean_exit(meta: dict) -> bool:
     """A normal exit (code 0 or unknown) with no thread death: the first record to evict."""
-    return (meta.get("cause") == "exit" and meta.get("exit_code") in (None, 0)
-            and not meta.get("thread_deaths"))
+    return meta.get("cause") == "exit" and meta.get("exit_code") in (None, 0) and not meta.get("thread_deaths")
 
 
 def _fatal_files(folder: str) -> dict:
@@ -130,8 +149,11 @@ def _fatal_files(folder: str) -> dict:
         names = os.listdir(folder)
     except OSError:
         return {}
-    return {int(n[6:-4]): os.path.join(folder, n) for n in names
-            if n.startswith("fatal-") and n.endswith(".txt") and n[6:-4].isdigit()}
+    return {
+        int(n[6:-4]): os.path.join(folder, n)
+        for n in names
+        if n.startswith("fatal-") and n.endswith(".txt") and n[6:-4].isdigit()
+    }
 
 
 def _remove(path: str) -> None:
@@ -154,8 +176,8 @@ def prune(base: str, keep: int, prefix: str = "", fatal_dir: str | None = None) 
     for name in os.listdir(base):
         path = os.path.join(base, name)
         try:
-            if name.startswith(prefix) and name[len(prefix):].isdigit() and os.path.isdir(path):
-                pid = int(name[len(prefix):])
+            if name.startswith(prefix) and name[len(prefix) :].isdigit() and os.path.isdir(path):
+                pid = int(name[len(prefix) :])
                 meta = read_meta(path) or {"pid": pid}
                 meta.setdefault("pid", pid)
                 order = 2 if pid == me or alive(meta) else 0 if is_clean_exit(meta) else 1

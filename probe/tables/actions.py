@@ -25,7 +25,11 @@ def _json(value) -> str | None:
         Column("command", "VARCHAR", "eval, checkpoint, lr, cleanup or debug."),
         Column("state", "VARCHAR", "queued, running, done, failed, timed_out or cancelled."),
         Column("args", "VARCHAR", "The arguments as JSON."),
-        Column("client", "VARCHAR", "Who asked: unix uid or TCP address, as JSON, with agent set when a program asked for the user (mcp for `probe mcp`)."),
+        Column(
+            "client",
+            "VARCHAR",
+            "Who asked: unix uid or TCP address, as JSON, with agent set when a program asked for the user (mcp for `probe mcp`).",
+        ),
         Column("now", "BOOLEAN", "True when it ran at once on the server thread instead of at a step boundary."),
         Column("at_step", "BIGINT", "The first step it was allowed to run at, when one was asked for."),
         Column("requested_at", "TIMESTAMP", "When the request arrived."),
@@ -43,5 +47,21 @@ def _json(value) -> str | None:
     kind="ring",
 )
 def actions_table(ctx):
-    return [(a.id, a.command, a.state, _json(a.args), _json(a.client), a.now, a.at_step, a.requested_at,
-             a.started_at, a.finished_at, a.step, _json(a.result), a.error) for a in actions()]
+    return [
+        (
+            a.id,
+            a.command,
+            a.state,
+            _json(a.args),
+            _json(a.client),
+            a.now,
+            a.at_step,
+            a.requested_at,
+            a.started_at,
+            a.finished_at,
+            a.step,
+            _json(a.result),
+            a.error,
+        )
+        for a in actions()
+    ]

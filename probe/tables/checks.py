@@ -12,10 +12,22 @@ from .registry import Column, table
     columns=[
         Column("step", "BIGINT", "The measured step at whose boundary the check was made."),
         Column("time", "TIMESTAMP", "When it was made."),
-        Column("invariant", "VARCHAR", "grads_present (the lead optimizer's step found gradients), grads_cleared (a tensor's gradient was None or zero at some backward since the last measured step), accumulation (with more backward passes than optimizer steps, the gradient was not cleared before every one), backward_once (no loss graph backpropagated twice in the step), params_move (sampled trainable tensors with a gradient and a learning rate changed), frozen_still (sampled frozen tensors an optimizer holds did not change), schedule (the lead optimizer's scheduler kept its declared pace), or train_mode (dropout and batch-norm modules in training mode)."),
+        Column(
+            "invariant",
+            "VARCHAR",
+            "grads_present (the lead optimizer's step found gradients), grads_cleared (a tensor's gradient was None or zero at some backward since the last measured step), accumulation (with more backward passes than optimizer steps, the gradient was not cleared before every one), backward_once (no loss graph backpropagated twice in the step), params_move (sampled trainable tensors with a gradient and a learning rate changed), frozen_still (sampled frozen tensors an optimizer holds did not change), schedule (the lead optimizer's scheduler kept its declared pace), or train_mode (dropout and batch-norm modules in training mode).",
+        ),
         Column("ok", "BOOLEAN", "Whether the invariant held."),
-        Column("subject", "VARCHAR", "What the check is about, by name: the parameter watched (grads_cleared, grads_present, accumulation), the tensors that broke it grouped by module prefix (params_move, frozen_still), the scheduler class (schedule), the repeated graph's node (backward_once), or the modules found in eval mode (train_mode)."),
-        Column("value", "DOUBLE", "grads_cleared: backward passes seen; grads_present: trainable tensors of the optimizer when none held a gradient (NULL when ok); accumulation: backward passes per optimizer step; backward_once: backward calls in the step; params_move, frozen_still: tensors that broke it; schedule: scheduler steps per optimizer step; train_mode: modules in eval mode."),
+        Column(
+            "subject",
+            "VARCHAR",
+            "What the check is about, by name: the parameter watched (grads_cleared, grads_present, accumulation), the tensors that broke it grouped by module prefix (params_move, frozen_still), the scheduler class (schedule), the repeated graph's node (backward_once), or the modules found in eval mode (train_mode).",
+        ),
+        Column(
+            "value",
+            "DOUBLE",
+            "grads_cleared: backward passes seen; grads_present: trainable tensors of the optimizer when none held a gradient (NULL when ok); accumulation: backward passes per optimizer step; backward_once: backward calls in the step; params_move, frozen_still: tensors that broke it; schedule: scheduler steps per optimizer step; train_mode: modules in eval mode.",
+        ),
         Column("detail", "VARCHAR", "The evidence in words, NULL when there is nothing to add."),
     ],
     examples=[

@@ -25,7 +25,11 @@ def recorder(ctx, frames: bool = True, only_active: bool = False) -> dict | None
         Column("pg", "VARCHAR", "Process group id as the recorder names it (0 is the default group)."),
         Column("pg_desc", "VARCHAR", "Process group description, e.g. default_pg."),
         Column("record_id", "BIGINT", "Position of the entry in the recorder, counted from 0 since the start."),
-        Column("seq", "BIGINT", "Collective sequence id within the process group (the same collective has the same seq on every rank); NULL for p2p."),
+        Column(
+            "seq",
+            "BIGINT",
+            "Collective sequence id within the process group (the same collective has the same seq on every rank); NULL for p2p.",
+        ),
         Column("p2p_seq", "BIGINT", "Point-to-point sequence id within the process group; NULL for collectives."),
         Column("op_id", "BIGINT", "Operation id within the process group (collectives and p2p together)."),
         Column("is_p2p", "BOOLEAN", "Whether the entry is a send/recv rather than a collective."),
@@ -35,17 +39,37 @@ def recorder(ctx, frames: bool = True, only_active: bool = False) -> dict | None
         Column("input_dtypes", "VARCHAR", "Element types of the input tensors, e.g. [Float]."),
         Column("output_sizes", "VARCHAR", "Shapes of the output tensors."),
         Column("output_dtypes", "VARCHAR", "Element types of the output tensors."),
-        Column("state", "VARCHAR", "scheduled, started or completed: the recorder's state, completed once the work finished (gloo reports no start)."),
+        Column(
+            "state",
+            "VARCHAR",
+            "scheduled, started or completed: the recorder's state, completed once the work finished (gloo reports no start).",
+        ),
         Column("retired", "BOOLEAN", "Whether the work finished and left the recorder's active set."),
         Column("created_at", "TIMESTAMP", "When this rank issued it (enqueued it to the backend)."),
-        Column("started_at", "TIMESTAMP", "When the backend started it, where the backend reports it (NCCL with timing), else NULL."),
+        Column(
+            "started_at",
+            "TIMESTAMP",
+            "When the backend started it, where the backend reports it (NCCL with timing), else NULL.",
+        ),
         Column("completed_at", "TIMESTAMP", "When the backend finished it, where reported, else NULL."),
-        Column("duration", "DOUBLE", "Seconds it ran, where the backend times it (NCCL with TORCH_NCCL_ENABLE_TIMING), else NULL."),
+        Column(
+            "duration",
+            "DOUBLE",
+            "Seconds it ran, where the backend times it (NCCL with TORCH_NCCL_ENABLE_TIMING), else NULL.",
+        ),
         Column("timeout_s", "DOUBLE", "The process group's timeout for it in seconds."),
         Column("thread", "VARCHAR", "Name of the thread that issued it."),
-        Column("call_site", "VARCHAR", "The innermost issuing frame outside torch: func (file:line), e.g. the training loop's backward call; 'probe: func (file:line)' when the probe issued it itself (an eval, an action), never credited to the user's frame below."),
+        Column(
+            "call_site",
+            "VARCHAR",
+            "The innermost issuing frame outside torch: func (file:line), e.g. the training loop's backward call; 'probe: func (file:line)' when the probe issued it itself (an eval, an action), never credited to the user's frame below.",
+        ),
         Column("frames", "VARCHAR", "The Python frames that issued it, innermost first, separated by '; '."),
-        Column("step", "BIGINT", "The training step (torch.steps) in progress when it was issued; NULL before the oldest step kept."),
+        Column(
+            "step",
+            "BIGINT",
+            "The training step (torch.steps) in progress when it was issued; NULL before the oldest step kept.",
+        ),
     ],
     examples=[
         "SELECT pg, seq, op, input_sizes, state, created_at, call_site FROM torch.collectives ORDER BY record_id DESC LIMIT 10",
@@ -92,7 +116,11 @@ def _step_of(times: list) -> list:
         Column("pg_desc", "VARCHAR", "Process group description, e.g. default_pg."),
         Column("ranks", "VARCHAR", "Global ranks in the group, e.g. [0, 1, 2]."),
         Column("last_enqueued", "BIGINT", "Sequence id of the last collective this rank issued in the group."),
-        Column("last_started", "BIGINT", "Sequence id of the last collective the backend started, NULL where not reported (gloo)."),
+        Column(
+            "last_started",
+            "BIGINT",
+            "Sequence id of the last collective the backend started, NULL where not reported (gloo).",
+        ),
         Column("last_completed", "BIGINT", "Sequence id of the last collective that finished."),
         Column("pending", "INTEGER", "Collectives issued in the group that have not finished."),
         Column("pending_seq", "BIGINT", "Sequence id of the oldest unfinished collective: the one this rank waits in."),
@@ -103,8 +131,10 @@ def _step_of(times: list) -> list:
         Column("pending_s", "DOUBLE", "Seconds it has been unfinished, on this rank's clock."),
         Column("pending_site", "VARCHAR", "The innermost issuing frame outside torch: func (file:line)."),
     ],
-    examples=["SELECT pg, pg_desc, ranks, last_enqueued, last_completed, pending, pending_seq, pending_op, pending_s "
-              "FROM torch.process_groups"],
+    examples=[
+        "SELECT pg, pg_desc, ranks, last_enqueued, last_completed, pending, pending_seq, pending_op, pending_s "
+        "FROM torch.process_groups"
+    ],
 )
 def process_groups(ctx):
     read = ctx.hints.get("columns")
@@ -114,8 +144,14 @@ def process_groups(ctx):
     for row in rows:
         mine = sorted((e for e in active if e["pg"] == row["pg"]), key=lambda e: e["seq"] or 0)
         oldest = mine[0] if mine else {}
-        row.update(pending=len(mine), pending_seq=oldest.get("seq"), pending_op=oldest.get("op"),
-                   pending_sizes=oldest.get("input_sizes"), pending_dtypes=oldest.get("input_dtypes"),
-                   pending_since=oldest.get("created_at"), pending_site=oldest.get("call_site"),
-                   pending_s=(ctx.time - oldest["created_at"]) if oldest.get("created_at") else None)
+        row.update(
+            pending=len(mine),
+            pending_seq=oldest.get("seq"),
+            pending_op=oldest.get("op"),
+            pending_sizes=oldest.get("input_sizes"),
+            pending_dtypes=oldest.get("input_dtypes"),
+            pending_since=oldest.get("created_at"),
+            pending_site=oldest.get("call_site"),
+            pending_s=(ctx.time - oldest["created_at"]) if oldest.get("created_at") else None,
+        )
     return rows

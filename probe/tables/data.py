@@ -19,17 +19,43 @@ from .registry import Column, table
     "torch.dataloaders",
     "One row per DataLoader (or DataLoader iterator) the finder sees: in __main__'s globals, the training loop's locals and their attributes, or held by a Lightning or transformers Trainer or an accelerate Accelerator.",
     columns=[
-        Column("name", "VARCHAR", "Name the loader was found under (a global or local such as train_loader, an attribute, or trainer.train_dataloader)."),
-        Column("loader_type", "VARCHAR", "Class of the object found: DataLoader, a subclass (accelerate's DataLoaderShard), or an iterator such as _SingleProcessDataLoaderIter when the loop keeps iter(loader)."),
+        Column(
+            "name",
+            "VARCHAR",
+            "Name the loader was found under (a global or local such as train_loader, an attribute, or trainer.train_dataloader).",
+        ),
+        Column(
+            "loader_type",
+            "VARCHAR",
+            "Class of the object found: DataLoader, a subclass (accelerate's DataLoaderShard), or an iterator such as _SingleProcessDataLoaderIter when the loop keeps iter(loader).",
+        ),
         Column("dataset_type", "VARCHAR", "Class of the dataset the loader reads."),
-        Column("iterable_dataset", "BOOLEAN", "Whether the dataset is an IterableDataset (streamed, no __getitem__ or sampler)."),
-        Column("batch_size", "BIGINT", "Samples per batch (from the batch sampler when one was given), NULL when the loader does not batch."),
-        Column("num_workers", "INTEGER", "Worker processes loading batches; 0 means the main (training) thread loads every batch itself."),
-        Column("pin_memory", "BOOLEAN", "Whether batches are copied into pinned memory (an iterator reports whether it actually pins: false without an accelerator)."),
+        Column(
+            "iterable_dataset",
+            "BOOLEAN",
+            "Whether the dataset is an IterableDataset (streamed, no __getitem__ or sampler).",
+        ),
+        Column(
+            "batch_size",
+            "BIGINT",
+            "Samples per batch (from the batch sampler when one was given), NULL when the loader does not batch.",
+        ),
+        Column(
+            "num_workers",
+            "INTEGER",
+            "Worker processes loading batches; 0 means the main (training) thread loads every batch itself.",
+        ),
+        Column(
+            "pin_memory",
+            "BOOLEAN",
+            "Whether batches are copied into pinned memory (an iterator reports whether it actually pins: false without an accelerator).",
+        ),
         Column("prefetch_factor", "INTEGER", "Batches each worker loads ahead, NULL with no workers."),
         Column("persistent_workers", "BOOLEAN", "Whether the workers are kept between epochs."),
         Column("drop_last", "BOOLEAN", "Whether the last incomplete batch of an epoch is dropped."),
-        Column("source", "VARCHAR", "Where the finder saw it: __main__ (a global), frame (the loop's locals) or framework."),
+        Column(
+            "source", "VARCHAR", "Where the finder saw it: __main__ (a global), frame (the loop's locals) or framework."
+        ),
     ],
     examples=[
         "SELECT name, loader_type, dataset_type, batch_size, num_workers, pin_memory, prefetch_factor, persistent_workers, "
@@ -64,11 +90,19 @@ def _row(found) -> dict:
         batch_size = obj.batch_size if obj.batch_size is not None else getattr(obj.batch_sampler, "batch_size", None)
         workers, pin, prefetch = obj.num_workers, obj.pin_memory, obj.prefetch_factor
         persistent, drop_last = obj.persistent_workers, obj.drop_last
-    return {"name": found.name, "loader_type": type(obj).__name__, "dataset_type": type(dataset).__name__ if dataset is not None else None,
-            "iterable_dataset": isinstance(dataset, data.IterableDataset), "batch_size": _int(batch_size),
-            "num_workers": _int(workers), "pin_memory": _bool(pin),
-            "prefetch_factor": _int(prefetch) if workers else None,  # torch keeps its default 2 with no workers
-            "persistent_workers": _bool(persistent), "drop_last": _bool(drop_last), "source": found.source}
+    return {
+        "name": found.name,
+        "loader_type": type(obj).__name__,
+        "dataset_type": type(dataset).__name__ if dataset is not None else None,
+        "iterable_dataset": isinstance(dataset, data.IterableDataset),
+        "batch_size": _int(batch_size),
+        "num_workers": _int(workers),
+        "pin_memory": _bool(pin),
+        "prefetch_factor": _int(prefetch) if workers else None,  # torch keeps its default 2 with no workers
+        "persistent_workers": _bool(persistent),
+        "drop_last": _bool(drop_last),
+        "source": found.source,
+    }
 
 
 def _int(v):

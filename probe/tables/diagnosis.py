@@ -18,9 +18,15 @@ from .registry import Column, table
     "The doctor's rules declared in this process (built-in and the training script's own, via probe.rule).",
     columns=[
         Column("name", "VARCHAR", "Rule name."),
-        Column("family", "VARCHAR", "Failure family: hang, nan, divergence, plateau, parameters, optimizer, memory, slow, input, distributed, probe."),
+        Column(
+            "family",
+            "VARCHAR",
+            "Failure family: hang, nan, divergence, plateau, parameters, optimizer, memory, slow, input, distributed, probe.",
+        ),
         Column("severity", "VARCHAR", "critical, warning or info."),
-        Column("scope", "VARCHAR", "process (runs on each process's tables) or job (reads the ranks.* views across ranks)."),
+        Column(
+            "scope", "VARCHAR", "process (runs on each process's tables) or job (reads the ranks.* views across ranks)."
+        ),
         Column("description", "VARCHAR", "What the rule finds, in one sentence."),
         Column("sql", "VARCHAR", "The query whose rows are the findings."),
         Column("message", "VARCHAR", "Message template over the query's columns."),
@@ -30,16 +36,36 @@ from .registry import Column, table
     examples=["SELECT name, family, severity, description FROM diagnosis.rules ORDER BY family, name"],
 )
 def rules(ctx):
-    return [(r.name, r.family, r.severity, r.scope, r.description, r.sql, r.message, json.dumps(list(r.next)),
-             json.dumps(dict(r.params))) for r in all_rules()]
+    return [
+        (
+            r.name,
+            r.family,
+            r.severity,
+            r.scope,
+            r.description,
+            r.sql,
+            r.message,
+            json.dumps(list(r.next)),
+            json.dumps(dict(r.params)),
+        )
+        for r in all_rules()
+    ]
 
 
 FINDING_COLUMNS = [
-    Column("rule", "VARCHAR", "Name of the rule that found it (a row of diagnosis.rules), or not_answering for a process that did not answer."),
+    Column(
+        "rule",
+        "VARCHAR",
+        "Name of the rule that found it (a row of diagnosis.rules), or not_answering for a process that did not answer.",
+    ),
     Column("family", "VARCHAR", "Failure family of the rule (hang, nan, divergence, distributed, ...)."),
     Column("severity", "VARCHAR", "critical, warning or info."),
     Column("rank", "INTEGER", "Rank the finding is about, NULL outside a distributed job."),
-    Column("step", "BIGINT", "Step the finding is about (where the loss went NaN, the last step of a window), NULL when none."),
+    Column(
+        "step",
+        "BIGINT",
+        "Step the finding is about (where the loss went NaN, the last step of a window), NULL when none.",
+    ),
     Column("message", "VARCHAR", "The finding in one sentence, with the numbers that prove it."),
     Column("evidence", "VARCHAR", "The rule's result row as a JSON object (json_extract reads it)."),
     Column("next", "VARCHAR", "Next commands to run, as a JSON list."),
@@ -51,8 +77,10 @@ FINDING_COLUMNS = [
     "diagnosis.findings",
     "What probe doctor finds now: one row per finding of its rules, most severe first, the same as `probe doctor` prints.",
     columns=FINDING_COLUMNS,
-    examples=["SELECT severity, rule, rank, step, message FROM diagnosis.findings",
-              "SELECT rule, json_extract_string(evidence, '$.cause') AS cause FROM diagnosis.findings WHERE family = 'nan'"],
+    examples=[
+        "SELECT severity, rule, rank, step, message FROM diagnosis.findings",
+        "SELECT rule, json_extract_string(evidence, '$.cause') AS cause FROM diagnosis.findings WHERE family = 'nan'",
+    ],
     kind="client",
 )
 def findings(ctx):

@@ -13,7 +13,11 @@ from .registry import Column, all_tables, table
         Column("name", "VARCHAR", "Full name, schema.table."),
         Column("schema", "VARCHAR", "Schema part of the name."),
         Column("table_name", "VARCHAR", "Table part of the name."),
-        Column("kind", "VARCHAR", "snapshot (built at query time), ring (a ring buffer filled by hooks) or client (computed by the probe CLI, e.g. diagnosis.findings)."),
+        Column(
+            "kind",
+            "VARCHAR",
+            "snapshot (built at query time), ring (a ring buffer filled by hooks) or client (computed by the probe CLI, e.g. diagnosis.findings).",
+        ),
         Column("description", "VARCHAR", "What one row is."),
         Column("columns", "INTEGER", "Number of columns."),
     ],

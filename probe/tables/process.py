@@ -58,7 +58,11 @@ def _info_row(ctx) -> dict:
         Column("local_rank", "INTEGER", "Rank on this node from LOCAL_RANK (or SLURM_LOCALID)."),
         Column("world_size", "INTEGER", "Number of ranks from WORLD_SIZE (or SLURM_NTASKS)."),
         Column("node_rank", "INTEGER", "Node index from GROUP_RANK/NODE_RANK (or SLURM_NODEID)."),
-        Column("job", "VARCHAR", "Job identity: Slurm job id, torchrun's run id, the rendezvous endpoint MASTER_ADDR:MASTER_PORT, or the launcher's pid; NULL outside a distributed job."),
+        Column(
+            "job",
+            "VARCHAR",
+            "Job identity: Slurm job id, torchrun's run id, the rendezvous endpoint MASTER_ADDR:MASTER_PORT, or the launcher's pid; NULL outside a distributed job.",
+        ),
         Column("rss_bytes", "BIGINT", "Resident memory of the process in bytes."),
         Column("threads", "INTEGER", "Number of Python threads."),
         Column("probe_started_at", "TIMESTAMP", "When the probe server started in this process."),
@@ -67,15 +71,37 @@ def _info_row(ctx) -> dict:
         Column("tcp_port", "INTEGER", "TCP port of the probe, NULL when it listens on the unix socket only."),
         Column("step", "BIGINT", "Last completed training step, NULL before the first one."),
         Column("last_step_at", "TIMESTAMP", "When the last step completed."),
-        Column("state", "VARCHAR", "training, idle (no step seen yet), hung (the hang watchdog fired), or dead (read from the post-mortem record of a process that is gone)."),
+        Column(
+            "state",
+            "VARCHAR",
+            "training, idle (no step seen yet), hung (the hang watchdog fired), or dead (read from the post-mortem record of a process that is gone).",
+        ),
         Column("hung_since", "TIMESTAMP", "When the hang watchdog saw the last step, if it fired; else NULL."),
-        Column("source", "VARCHAR", "live (answered by the running process) or postmortem (read from the record a dead process left, see docs/postmortem.md)."),
-        Column("exit_cause", "VARCHAR", "How a dead process ended: exception, thread_exception, interrupted, terminated (SIGTERM), exit, fatal_signal or killed; NULL while it runs."),
-        Column("exited_at", "TIMESTAMP", "When a dead process's record was written (its death, or its last periodic snapshot when killed); NULL while it runs."),
-        Column("exit_reason", "VARCHAR", "How a dead process ended, in words: the exception and where it was raised, the fatal signal, a SIGTERM, the code of sys.exit(N), or a kill without warning; NULL while it runs."),
+        Column(
+            "source",
+            "VARCHAR",
+            "live (answered by the running process) or postmortem (read from the record a dead process left, see docs/postmortem.md).",
+        ),
+        Column(
+            "exit_cause",
+            "VARCHAR",
+            "How a dead process ended: exception, thread_exception, interrupted, terminated (SIGTERM), exit, fatal_signal or killed; NULL while it runs.",
+        ),
+        Column(
+            "exited_at",
+            "TIMESTAMP",
+            "When a dead process's record was written (its death, or its last periodic snapshot when killed); NULL while it runs.",
+        ),
+        Column(
+            "exit_reason",
+            "VARCHAR",
+            "How a dead process ended, in words: the exception and where it was raised, the fatal signal, a SIGTERM, the code of sys.exit(N), or a kill without warning; NULL while it runs.",
+        ),
     ],
-    examples=["SELECT pid, rank, world_size, rss_bytes / 1e6 AS rss_mb FROM process.info",
-              "SELECT pid, source, state, exit_cause, exit_reason FROM process.info"],
+    examples=[
+        "SELECT pid, rank, world_size, rss_bytes / 1e6 AS rss_mb FROM process.info",
+        "SELECT pid, source, state, exit_cause, exit_reason FROM process.info",
+    ],
 )
 def info(ctx):
     return [_info_row(ctx)]
@@ -86,7 +112,11 @@ def info(ctx):
     "Environment variables of this process; values of names that look secret are redacted.",
     columns=[
         Column("name", "VARCHAR", "Variable name."),
-        Column("value", "VARCHAR", "Its value, or '<redacted>' when the name looks like a token, key, password or credential."),
+        Column(
+            "value",
+            "VARCHAR",
+            "Its value, or '<redacted>' when the name looks like a token, key, password or credential.",
+        ),
     ],
     examples=["SELECT name, value FROM process.env WHERE name LIKE 'PROBE%' OR name LIKE 'NCCL%' ORDER BY name"],
 )

@@ -51,8 +51,12 @@ def frame_row(frame) -> tuple:
         Column("file", "VARCHAR", "Source file of the frame."),
         Column("lineno", "INTEGER", "Line being executed in that file."),
         Column("line", "VARCHAR", "Source text of that line, when the file is readable."),
-        Column("is_native", "BOOLEAN", "True for a C/C++ frame. The process sees only its Python frames (false); "
-                                       "`probe PID query --native` reads the native ones with py-spy on the process's host."),
+        Column(
+            "is_native",
+            "BOOLEAN",
+            "True for a C/C++ frame. The process sees only its Python frames (false); "
+            "`probe PID query --native` reads the native ones with py-spy on the process's host.",
+        ),
     ],
     examples=[
         "SELECT func, file, lineno, depth FROM python.backtrace ORDER BY depth LIMIT 10",
@@ -76,14 +80,22 @@ def _task_stat(native_id) -> tuple:
     try:
         with open(f"/proc/self/task/{native_id}/stat") as f:
             data = f.read()
-        fields = data[data.rindex(")") + 2:].split()
+        fields = data[data.rindex(")") + 2 :].split()
         return fields[0], int(fields[11]) / _CLK_TCK, int(fields[12]) / _CLK_TCK
     except (OSError, ValueError, IndexError):
         return None, None, None
 
 
-_STATES = {"R": "running", "S": "sleeping", "D": "disk-wait", "Z": "zombie", "T": "stopped", "t": "traced",
-           "I": "idle", "X": "dead"}
+_STATES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "disk-wait",
+    "Z": "zombie",
+    "T": "stopped",
+    "t": "traced",
+    "I": "idle",
+    "X": "dead",
+}
 
 
 @table(
@@ -102,8 +114,16 @@ _STATES = {"R": "running", "S": "sleeping", "D": "disk-wait", "Z": "zombie", "T"
         Column("func", "VARCHAR", "Function the thread is executing now."),
         Column("file", "VARCHAR", "Source file of that function."),
         Column("lineno", "INTEGER", "Line being executed."),
-        Column("executing", "BOOLEAN", "Whether the thread ran Python bytecode during a 50 ms window of this query (its instruction moved, or it used CPU while the GIL was busy); false means it sits in one C call, sleep, lock or I/O."),
-        Column("unchanged_s", "DOUBLE", "Seconds the thread has shown no progress (same Python instruction, no wake-up from a wait) in probe's samples, which are taken only when this table is queried; 0 while executing."),
+        Column(
+            "executing",
+            "BOOLEAN",
+            "Whether the thread ran Python bytecode during a 50 ms window of this query (its instruction moved, or it used CPU while the GIL was busy); false means it sits in one C call, sleep, lock or I/O.",
+        ),
+        Column(
+            "unchanged_s",
+            "DOUBLE",
+            "Seconds the thread has shown no progress (same Python instruction, no wake-up from a wait) in probe's samples, which are taken only when this table is queried; 0 while executing.",
+        ),
     ],
     examples=[
         "SELECT name FROM python.threads WHERE NOT daemon",
@@ -132,8 +152,24 @@ def threads(ctx):
         # share such as 20 % reads a spinning thread on a loaded host, which gets a few ms in 50, as stopped)
         moved = before.get(t.ident) != _position(frame) or (gil_busy and cpu_share > _SPIN_SHARE)
         executing, unchanged = _liveness(t.ident, moved, _position(frame), _wakeups(native), now)
-        rows.append((t.ident, native, t.name, t.daemon, t.is_alive(), t is main, _STATES.get(state, state),
-                     utime, stime, func, file, lineno, executing, unchanged))
+        rows.append(
+            (
+                t.ident,
+                native,
+                t.name,
+                t.daemon,
+                t.is_alive(),
+                t is main,
+                _STATES.get(state, state),
+                utime,
+                stime,
+                func,
+                file,
+                lineno,
+                executing,
+                unchanged,
+            )
+        )
     for ident in set(_last_change) - set(frames):
         del _last_change[ident]  # threads that ended
     return rows

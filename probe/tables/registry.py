@@ -30,12 +30,36 @@ from typing import Any, Callable, Iterable
 
 from ..util.wire import TYPES, WireError, check_table
 
-__all__ = ["Column", "Table", "Context", "table", "get_table", "all_tables", "unregister", "to_columns", "version",
-           "load_builtins", "BUILTIN"]
+__all__ = [
+    "Column",
+    "Table",
+    "Context",
+    "table",
+    "get_table",
+    "all_tables",
+    "unregister",
+    "to_columns",
+    "version",
+    "load_builtins",
+    "BUILTIN",
+]
 
 # the modules of probe.tables that declare the built-in tables (the only place they are named)
-BUILTIN = ("actions", "checks", "collectives", "data", "diagnosis", "loss", "meta", "process", "python", "replicas", "spans",
-           "syncs", "torch")
+BUILTIN = (
+    "actions",
+    "checks",
+    "collectives",
+    "data",
+    "diagnosis",
+    "loss",
+    "meta",
+    "process",
+    "python",
+    "replicas",
+    "spans",
+    "syncs",
+    "torch",
+)
 
 KINDS = ("snapshot", "ring", "client")
 _NAME = re.compile(r"^[a-z_][a-z0-9_]*\.[a-z_][a-z0-9_]*$")
@@ -94,7 +118,9 @@ _LOCK = threading.Lock()
 _VERSION = [0]  # bumped by every (un)registration: clients key their cached schema on it
 
 
-def table(name: str, description: str, *, columns: Iterable[Column], examples: Iterable[str] = (), kind: str = "snapshot"):
+def table(
+    name: str, description: str, *, columns: Iterable[Column], examples: Iterable[str] = (), kind: str = "snapshot"
+):
     """Register the decorated generator as table ``name`` (``schema.table``, lower case)."""
     if not _NAME.match(name):
         raise ValueError(f"table name {name!r} must look like schema.table in lower case")

@@ -15,9 +15,15 @@ from .registry import Column, table
         Column("time", "TIMESTAMP", "When it was taken."),
         Column("model", "VARCHAR", "The DDP-wrapped model, by the name probe found it under."),
         Column("position", "BIGINT", "The tensor's place in the model's named_parameters order, from 0."),
-        Column("name", "VARCHAR", "The parameter's dotted name inside the wrapped module (without DDP's module. prefix)."),
+        Column(
+            "name", "VARCHAR", "The parameter's dotted name inside the wrapped module (without DDP's module. prefix)."
+        ),
         Column("numel", "BIGINT", "The tensor's number of elements."),
-        Column("checksum", "DOUBLE", "A weighted sum, in float64, of at most 64 of its elements at fixed, evenly strided positions: equal on every rank while the replicas agree."),
+        Column(
+            "checksum",
+            "DOUBLE",
+            "A weighted sum, in float64, of at most 64 of its elements at fixed, evenly strided positions: equal on every rank while the replicas agree.",
+        ),
     ],
     examples=[
         "SELECT step, name, checksum FROM torch.weight_sums ORDER BY step DESC, position LIMIT 10",
@@ -38,13 +44,33 @@ def weight_sums(ctx):
     columns=[
         Column("model", "VARCHAR", "The DDP-wrapped model, by the name probe found it under."),
         Column("world_size", "BIGINT", "Ranks in the default process group."),
-        Column("broadcast_buffers", "BOOLEAN", "Whether DDP broadcasts rank 0's buffers (batch-norm running statistics) at each forward."),
-        Column("find_unused_parameters", "BOOLEAN", "Whether DDP walks the autograd graph after each forward to find parameters that will get no gradient."),
+        Column(
+            "broadcast_buffers",
+            "BOOLEAN",
+            "Whether DDP broadcasts rank 0's buffers (batch-norm running statistics) at each forward.",
+        ),
+        Column(
+            "find_unused_parameters",
+            "BOOLEAN",
+            "Whether DDP walks the autograd graph after each forward to find parameters that will get no gradient.",
+        ),
         Column("static_graph", "BOOLEAN", "Whether DDP was told the graph is the same every iteration."),
-        Column("iteration", "BIGINT", "The iteration of DDP's logger's last sample (it samples iterations 10, 20, ..., 100, 1000, ...)."),
-        Column("unused_parameter_size", "BIGINT", "Bytes of parameters DDP found unused at that sample (with find_unused_parameters)."),
+        Column(
+            "iteration",
+            "BIGINT",
+            "The iteration of DDP's logger's last sample (it samples iterations 10, 20, ..., 100, 1000, ...).",
+        ),
+        Column(
+            "unused_parameter_size",
+            "BIGINT",
+            "Bytes of parameters DDP found unused at that sample (with find_unused_parameters).",
+        ),
         Column("unused_seen", "BIGINT", "The most unused bytes any sample probe read has shown."),
-        Column("norm_modules", "VARCHAR", "The model's BatchNorm modules that keep running statistics and are not SyncBatchNorm, by name (NULL when none)."),
+        Column(
+            "norm_modules",
+            "VARCHAR",
+            "The model's BatchNorm modules that keep running statistics and are not SyncBatchNorm, by name (NULL when none).",
+        ),
         Column("every", "BIGINT", "Steps between weight checksums (torch.weight_sums) on this rank."),
         Column("tensors", "BIGINT", "Parameter tensors each checksum covers."),
     ],

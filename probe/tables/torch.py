@@ -31,26 +31,84 @@ _STEP_EXTRA = ("compute", "comm_wait")
         Column("step", "BIGINT", "Step number, counted from 1 since the probe started."),
         Column("started_at", "TIMESTAMP", "When the step started (the end of the previous step)."),
         Column("ended_at", "TIMESTAMP", "When the step ended (its optimizer step returned)."),
-        Column("duration", "DOUBLE", "Wall-clock seconds from the previous step boundary to this one, data loading included."),
-        Column("loss", "DOUBLE", "The step's loss, on every step: the sum of the scalars the loop backpropagated in it (a detached reference is kept; a CPU loss is read at the step's end, a device loss is copied without blocking and filled in once the copy has landed: NULL means not ready yet), else on measured steps the loop's loss variable (PROBE_LOSS_NAMES) for loops that never backpropagate a scalar; NULL when none was found."),
-        Column("grad_norm", "DOUBLE", "Total gradient L2 norm, read lazily: clip_grad_norm_'s result (before clipping) when the loop clips, else the lead optimizer's gradients at its step, computed on enough steps to cost at most PROBE_GRAD_NORM (default 0.1 %) of the step time (NULL on the others); NULL on a step that was not measured. Per rank under FSDP2/DTensor: the norm of this rank's shards, computed without a collective (the model's norm is SQRT(SUM(grad_norm * grad_norm)) over the ranks at one step, see docs/torch.md)."),
+        Column(
+            "duration",
+            "DOUBLE",
+            "Wall-clock seconds from the previous step boundary to this one, data loading included.",
+        ),
+        Column(
+            "loss",
+            "DOUBLE",
+            "The step's loss, on every step: the sum of the scalars the loop backpropagated in it (a detached reference is kept; a CPU loss is read at the step's end, a device loss is copied without blocking and filled in once the copy has landed: NULL means not ready yet), else on measured steps the loop's loss variable (PROBE_LOSS_NAMES) for loops that never backpropagate a scalar; NULL when none was found.",
+        ),
+        Column(
+            "grad_norm",
+            "DOUBLE",
+            "Total gradient L2 norm, read lazily: clip_grad_norm_'s result (before clipping) when the loop clips, else the lead optimizer's gradients at its step, computed on enough steps to cost at most PROBE_GRAD_NORM (default 0.1 %) of the step time (NULL on the others); NULL on a step that was not measured. Per rank under FSDP2/DTensor: the norm of this rank's shards, computed without a collective (the model's norm is SQRT(SUM(grad_norm * grad_norm)) over the ranks at one step, see docs/torch.md).",
+        ),
         Column("lr", "DOUBLE", "Learning rate of the lead optimizer's first param group used by this step."),
-        Column("samples_per_s", "DOUBLE", "Samples per second: batch dimension of the root model's training inputs (or probe.step(samples=)) over duration."),
-        Column("tokens_per_s", "DOUBLE", "Tokens per second: elements of integer inputs of rank 2 or more (or probe.step(tokens=)) over duration."),
-        Column("peak_allocated", "BIGINT", "Peak memory so far in bytes: the CUDA allocator's max_memory_allocated on GPU runs, else the process's peak RSS; from the reading nearest the step's end (see memory)."),
-        Column("memory", "BIGINT", "Memory in use in bytes near the step's end, on every step: the CUDA allocator's memory_allocated on GPU runs, else the process's resident set size; read every 0.1 s by a thread of the probe's own (not the training thread) and joined to the step nearest in time, so steps shorter than 0.1 s share a reading; NULL with no reading within 1 s."),
-        Column("data_wait", "DOUBLE", "Seconds from the previous step's end to this step's first forward call of the primary model, on every step: loading the batch (plus zero_grad and moving it to the device); NULL before the primary model is found or when it had no forward call."),
+        Column(
+            "samples_per_s",
+            "DOUBLE",
+            "Samples per second: batch dimension of the root model's training inputs (or probe.step(samples=)) over duration.",
+        ),
+        Column(
+            "tokens_per_s",
+            "DOUBLE",
+            "Tokens per second: elements of integer inputs of rank 2 or more (or probe.step(tokens=)) over duration.",
+        ),
+        Column(
+            "peak_allocated",
+            "BIGINT",
+            "Peak memory so far in bytes: the CUDA allocator's max_memory_allocated on GPU runs, else the process's peak RSS; from the reading nearest the step's end (see memory).",
+        ),
+        Column(
+            "memory",
+            "BIGINT",
+            "Memory in use in bytes near the step's end, on every step: the CUDA allocator's memory_allocated on GPU runs, else the process's resident set size; read every 0.1 s by a thread of the probe's own (not the training thread) and joined to the step nearest in time, so steps shorter than 0.1 s share a reading; NULL with no reading within 1 s.",
+        ),
+        Column(
+            "data_wait",
+            "DOUBLE",
+            "Seconds from the previous step's end to this step's first forward call of the primary model, on every step: loading the batch (plus zero_grad and moving it to the device); NULL before the primary model is found or when it had no forward call.",
+        ),
         Column("rank", "INTEGER", "Global rank, NULL outside a distributed job."),
         Column("traced", "BOOLEAN", "Whether module tracing (python.torch_trace) was on during this step."),
-        Column("samples", "DOUBLE", "Samples processed in this step; NULL when unknown or not measured (see measured)."),
+        Column(
+            "samples", "DOUBLE", "Samples processed in this step; NULL when unknown or not measured (see measured)."
+        ),
         Column("tokens", "DOUBLE", "Tokens processed in this step; NULL when unknown or not measured (see measured)."),
-        Column("micro_batches", "BIGINT", "Training forward passes of the root model in this step (more than 1 under gradient accumulation); 0 when not measured."),
+        Column(
+            "micro_batches",
+            "BIGINT",
+            "Training forward passes of the root model in this step (more than 1 under gradient accumulation); 0 when not measured.",
+        ),
         Column("optimizer", "VARCHAR", "Class of the lead optimizer."),
-        Column("measured", "BOOLEAN", "Whether the probe measured this step's optional values (grad_norm, samples, tokens, micro_batches, cpu_wait, module traces): false on the steps it skipped to stay within PROBE_STEP_BUDGET, where those are NULL (micro_batches 0) because they were not measured. Which steps are measured is jittered so that it cannot follow a job's own period. step, durations, loss, lr, data_wait, memory, optimizer and traced are recorded on every step."),
-        Column("probe_us", "DOUBLE", "Microseconds the probe's own work took at this step's boundary (queued actions excluded): what PROBE_STEP_BUDGET paces (the row is written when the boundary ends)."),
-        Column("cpu_wait", "DOUBLE", "Seconds per step the training thread was ready to run but waited for a CPU (the kernel's run-queue delay: other processes, data loader workers, a neighbour's job), averaged since the previous measured step; on measured steps only (Linux), else NULL. A step time that grows with it is the host's, not the job's."),
-        Column("compute", "DOUBLE", "Seconds of the step this rank spent on its own work (data, forward, backward) before it issued the step's last collective, from torch.collectives; NULL without a recorded collective in the step."),
-        Column("comm_wait", "DOUBLE", "Seconds from the step's last collective to its end: waiting for the other ranks (and the optimizer step); NULL without a recorded collective."),
+        Column(
+            "measured",
+            "BOOLEAN",
+            "Whether the probe measured this step's optional values (grad_norm, samples, tokens, micro_batches, cpu_wait, module traces): false on the steps it skipped to stay within PROBE_STEP_BUDGET, where those are NULL (micro_batches 0) because they were not measured. Which steps are measured is jittered so that it cannot follow a job's own period. step, durations, loss, lr, data_wait, memory, optimizer and traced are recorded on every step.",
+        ),
+        Column(
+            "probe_us",
+            "DOUBLE",
+            "Microseconds the probe's own work took at this step's boundary (queued actions excluded): what PROBE_STEP_BUDGET paces (the row is written when the boundary ends).",
+        ),
+        Column(
+            "cpu_wait",
+            "DOUBLE",
+            "Seconds per step the training thread was ready to run but waited for a CPU (the kernel's run-queue delay: other processes, data loader workers, a neighbour's job), averaged since the previous measured step; on measured steps only (Linux), else NULL. A step time that grows with it is the host's, not the job's.",
+        ),
+        Column(
+            "compute",
+            "DOUBLE",
+            "Seconds of the step this rank spent on its own work (data, forward, backward) before it issued the step's last collective, from torch.collectives; NULL without a recorded collective in the step.",
+        ),
+        Column(
+            "comm_wait",
+            "DOUBLE",
+            "Seconds from the step's last collective to its end: waiting for the other ranks (and the optimizer step); NULL without a recorded collective.",
+        ),
     ],
     examples=[
         "SELECT step, duration, loss, grad_norm, lr, tokens_per_s FROM torch.steps ORDER BY step DESC LIMIT 10",
@@ -97,22 +155,58 @@ def _comm_split(ctx, cols):
     columns=[
         Column("step", "BIGINT", "Step the call belongs to (the step in progress)."),
         Column("seq", "BIGINT", "Order of the call's start within its step, from 0."),
-        Column("module", "VARCHAR", "Dotted path of the module from its root model (e.g. blocks.3.attn); the root's own name for the root; the class name for modules outside any known model."),
-        Column("stage", "VARCHAR", "forward; backward (traced for each root model as a whole); or recompute: a module call made while autograd runs the backward pass, i.e. activation checkpointing (torch.utils.checkpoint) running the forward again, so that forward totals count each call once."),
-        Column("duration", "DOUBLE", "Seconds the call took: CUDA event time on GPU runs (NULL until the events complete), else wall-clock time."),
-        Column("allocated", "BIGINT", "Bytes in use when the call ended: CUDA allocated memory on GPU runs, else the process RSS (read at most every 0.5 ms)."),
+        Column(
+            "module",
+            "VARCHAR",
+            "Dotted path of the module from its root model (e.g. blocks.3.attn); the root's own name for the root; the class name for modules outside any known model.",
+        ),
+        Column(
+            "stage",
+            "VARCHAR",
+            "forward; backward (traced for each root model as a whole); or recompute: a module call made while autograd runs the backward pass, i.e. activation checkpointing (torch.utils.checkpoint) running the forward again, so that forward totals count each call once.",
+        ),
+        Column(
+            "duration",
+            "DOUBLE",
+            "Seconds the call took: CUDA event time on GPU runs (NULL until the events complete), else wall-clock time.",
+        ),
+        Column(
+            "allocated",
+            "BIGINT",
+            "Bytes in use when the call ended: CUDA allocated memory on GPU runs, else the process RSS (read at most every 0.5 ms).",
+        ),
         Column("max_allocated", "BIGINT", "Largest allocated value seen so far in this step."),
         Column("time", "TIMESTAMP", "When the call started."),
         Column("rank", "INTEGER", "Global rank, NULL outside a distributed job."),
-        Column("depth", "INTEGER", "Nesting depth: 0 for a root model call, 1 for its children, and so on; a recompute row has the depth its module had in the step's forward."),
+        Column(
+            "depth",
+            "INTEGER",
+            "Nesting depth: 0 for a root model call, 1 for its children, and so on; a recompute row has the depth its module had in the step's forward.",
+        ),
         Column("model", "VARCHAR", "Name of the root model the module belongs to, empty when unknown."),
         Column("module_type", "VARCHAR", "Class name of the module."),
-        Column("out_mean", "DOUBLE", "Mean of the call's output tensor (the output itself, else the first tensor of its tuple, list or dict), reduced on its device and read back lazily (PROBE_TRACE_STATS); NULL for backward rows, non-floating or non-CPU/CUDA outputs, and on CUDA until the copy lands."),
+        Column(
+            "out_mean",
+            "DOUBLE",
+            "Mean of the call's output tensor (the output itself, else the first tensor of its tuple, list or dict), reduced on its device and read back lazily (PROBE_TRACE_STATS); NULL for backward rows, non-floating or non-CPU/CUDA outputs, and on CUDA until the copy lands.",
+        ),
         Column("out_std", "DOUBLE", "Standard deviation (population) of all the output's elements; NULL as out_mean."),
-        Column("out_batch_std", "DOUBLE", "Standard deviation across the output's first (batch) dimension, averaged over the other positions: 0 when every sample gets the same output. NULL as out_mean, and when the first dimension has fewer than 2 entries."),
-        Column("out_zero_frac", "DOUBLE", "Fraction of the output's elements that are exactly 0 (dead ReLU units show here); NULL as out_mean."),
+        Column(
+            "out_batch_std",
+            "DOUBLE",
+            "Standard deviation across the output's first (batch) dimension, averaged over the other positions: 0 when every sample gets the same output. NULL as out_mean, and when the first dimension has fewer than 2 entries.",
+        ),
+        Column(
+            "out_zero_frac",
+            "DOUBLE",
+            "Fraction of the output's elements that are exactly 0 (dead ReLU units show here); NULL as out_mean.",
+        ),
         Column("out_nonfinite", "BIGINT", "Count of NaN and infinite elements of the output; NULL as out_mean."),
-        Column("out_elements", "BIGINT", "Elements the out_* statistics cover: all of the output, or a strided sample of about 4 Mi elements of a larger one."),
+        Column(
+            "out_elements",
+            "BIGINT",
+            "Elements the out_* statistics cover: all of the output, or a strided sample of about 4 Mi elements of a larger one.",
+        ),
         Column("out_shape", "VARCHAR", "Shape of the output tensor the statistics describe, e.g. [64, 32]."),
     ],
     examples=[
@@ -137,9 +231,14 @@ def torch_trace(ctx):
     return tr.ring.snapshot()
 
 
-_MEMORY_KEYS = (("allocated", "allocated_bytes.all.current"), ("max_allocated", "allocated_bytes.all.peak"),
-                ("reserved", "reserved_bytes.all.current"), ("max_reserved", "reserved_bytes.all.peak"),
-                ("alloc_retries", "num_alloc_retries"), ("ooms", "num_ooms"))
+_MEMORY_KEYS = (
+    ("allocated", "allocated_bytes.all.current"),
+    ("max_allocated", "allocated_bytes.all.peak"),
+    ("reserved", "reserved_bytes.all.current"),
+    ("max_reserved", "reserved_bytes.all.peak"),
+    ("alloc_retries", "num_alloc_retries"),
+    ("ooms", "num_ooms"),
+)
 
 
 @table(
@@ -151,12 +250,16 @@ _MEMORY_KEYS = (("allocated", "allocated_bytes.all.current"), ("max_allocated", 
         Column("max_allocated", "BIGINT", "Peak of allocated since start or the last reset_peak_memory_stats (CUDA)."),
         Column("reserved", "BIGINT", "Bytes reserved by the caching allocator (CUDA)."),
         Column("max_reserved", "BIGINT", "Peak of reserved (CUDA)."),
-        Column("alloc_retries", "BIGINT", "Allocations that failed once and succeeded after freeing cached blocks (CUDA)."),
+        Column(
+            "alloc_retries", "BIGINT", "Allocations that failed once and succeeded after freeing cached blocks (CUDA)."
+        ),
         Column("ooms", "BIGINT", "Out-of-memory errors raised by the allocator (CUDA)."),
         Column("total", "BIGINT", "Device memory in bytes (CUDA), NULL on the cpu row."),
         Column("rss", "BIGINT", "Resident memory of the process in bytes (cpu row only)."),
     ],
-    examples=["SELECT device, allocated / 1e6 AS allocated_mb, reserved / 1e6 AS reserved_mb, ooms, rss / 1e6 AS rss_mb FROM torch.memory"],
+    examples=[
+        "SELECT device, allocated / 1e6 AS allocated_mb, reserved / 1e6 AS reserved_mb, ooms, rss / 1e6 AS rss_mb FROM torch.memory"
+    ],
 )
 def memory(ctx):
     rows = [{"device": "cpu", "rss": rss_bytes()}]
@@ -195,15 +298,43 @@ def _step_count(state: dict):
     "torch.optimizer",
     "One row per param group of each optimizer found: hyperparameters, size and state memory.",
     columns=[
-        Column("optimizer", "VARCHAR", "Class of the optimizer that owns the param groups (a framework's wrapper is looked through)."),
-        Column("name", "VARCHAR", "Name the optimizer was found under (a global such as optimizer, or trainer.optimizer, trainer.optimizers[0])."),
-        Column("wrapper", "VARCHAR", "Class of the framework wrapper the training loop steps (AcceleratedOptimizer, LightningSGD, ...), NULL when it steps the optimizer itself."),
+        Column(
+            "optimizer",
+            "VARCHAR",
+            "Class of the optimizer that owns the param groups (a framework's wrapper is looked through).",
+        ),
+        Column(
+            "name",
+            "VARCHAR",
+            "Name the optimizer was found under (a global such as optimizer, or trainer.optimizer, trainer.optimizers[0]).",
+        ),
+        Column(
+            "wrapper",
+            "VARCHAR",
+            "Class of the framework wrapper the training loop steps (AcceleratedOptimizer, LightningSGD, ...), NULL when it steps the optimizer itself.",
+        ),
         Column("optimizer_id", "BIGINT", "Python id of the optimizer, to tell several apart."),
         Column("param_group", "INTEGER", "Index of the param group."),
-        Column("lr", "DOUBLE", "Learning rate the group's next step uses: the loop's own (loop_lr), or what a `probe lr` override makes of it."),
-        Column("loop_lr", "DOUBLE", "The group's lr in param_groups: what the loop or its scheduler set (a held override is applied only during each step; one put into the scheduler's base rates is in it), read at the same moment as lr."),
-        Column("lr_override", "VARCHAR", "The `probe lr` override on the group: scale F or set LR held at each step, or 'scale F (scheduler base)' / 'set LR (scheduler base)' when a torch scheduler's base rates were changed instead (then lr = loop_lr); NULL when none."),
-        Column("lr_override_status", "VARCHAR", "How the override has held: for how many steps, and when the loop rewrote its lr and the override was re-applied."),
+        Column(
+            "lr",
+            "DOUBLE",
+            "Learning rate the group's next step uses: the loop's own (loop_lr), or what a `probe lr` override makes of it.",
+        ),
+        Column(
+            "loop_lr",
+            "DOUBLE",
+            "The group's lr in param_groups: what the loop or its scheduler set (a held override is applied only during each step; one put into the scheduler's base rates is in it), read at the same moment as lr.",
+        ),
+        Column(
+            "lr_override",
+            "VARCHAR",
+            "The `probe lr` override on the group: scale F or set LR held at each step, or 'scale F (scheduler base)' / 'set LR (scheduler base)' when a torch scheduler's base rates were changed instead (then lr = loop_lr); NULL when none.",
+        ),
+        Column(
+            "lr_override_status",
+            "VARCHAR",
+            "How the override has held: for how many steps, and when the loop rewrote its lr and the override was re-applied.",
+        ),
         Column("initial_lr", "DOUBLE", "Learning rate the scheduler started from, NULL without a scheduler."),
         Column("weight_decay", "DOUBLE", "Weight decay of the group."),
         Column("momentum", "DOUBLE", "Momentum (SGD, RMSprop), NULL when the optimizer has none."),
@@ -211,14 +342,36 @@ def _step_count(state: dict):
         Column("beta2", "DOUBLE", "Second beta (Adam-like optimizers)."),
         Column("eps", "DOUBLE", "Epsilon of the group."),
         Column("params", "INTEGER", "Number of parameter tensors in the group."),
-        Column("elements", "BIGINT", "Number of parameter elements in the group held by this rank (under FSDP2/DTensor, its shards: the model's count is the sum over the ranks)."),
-        Column("state_bytes", "BIGINT", "Bytes of optimizer state (e.g. Adam's exp_avg and exp_avg_sq) held by this rank for the group's parameters (under FSDP2, its shards)."),
-        Column("step_count", "BIGINT", "The optimizer's own step counter for the group (from its state), NULL before the first step."),
-        Column("scheduler", "VARCHAR", "Class of the LR scheduler attached to the optimizer (found globally or through the framework: Lightning's lr_scheduler_configs, the Trainer's lr_scheduler, accelerate's AcceleratedScheduler looked through), NULL if none was found."),
-        Column("is_lead", "BOOLEAN", "Whether this optimizer's steps are the ones counted in torch.steps (with several optimizers in each iteration: the one that starts it, whose lr torch.steps shows)."),
+        Column(
+            "elements",
+            "BIGINT",
+            "Number of parameter elements in the group held by this rank (under FSDP2/DTensor, its shards: the model's count is the sum over the ranks).",
+        ),
+        Column(
+            "state_bytes",
+            "BIGINT",
+            "Bytes of optimizer state (e.g. Adam's exp_avg and exp_avg_sq) held by this rank for the group's parameters (under FSDP2, its shards).",
+        ),
+        Column(
+            "step_count",
+            "BIGINT",
+            "The optimizer's own step counter for the group (from its state), NULL before the first step.",
+        ),
+        Column(
+            "scheduler",
+            "VARCHAR",
+            "Class of the LR scheduler attached to the optimizer (found globally or through the framework: Lightning's lr_scheduler_configs, the Trainer's lr_scheduler, accelerate's AcceleratedScheduler looked through), NULL if none was found.",
+        ),
+        Column(
+            "is_lead",
+            "BOOLEAN",
+            "Whether this optimizer's steps are the ones counted in torch.steps (with several optimizers in each iteration: the one that starts it, whose lr torch.steps shows).",
+        ),
     ],
-    examples=["SELECT optimizer, param_group, lr, initial_lr, weight_decay, beta1, beta2, params, elements, "
-              "state_bytes / 1e6 AS state_mb, step_count, scheduler FROM torch.optimizer"],
+    examples=[
+        "SELECT optimizer, param_group, lr, initial_lr, weight_decay, beta1, beta2, params, elements, "
+        "state_bytes / 1e6 AS state_mb, step_count, scheduler FROM torch.optimizer"
+    ],
 )
 def optimizer(ctx):
     tk = hooks.tracker()
@@ -236,21 +389,31 @@ def optimizer(ctx):
             params = list(group.get("params", ()))
             states = [state.get(p) or {} for p in params]
             betas = group.get("betas") or (None, None)
-            rows.append({
-                "optimizer": type(opt).__name__, "name": found.name, "wrapper": found.wrapper,
-                "optimizer_id": id(opt), "param_group": i,
-                "lr": overrides[i]["lr"] if i in overrides else _num(group.get("lr")),
-                "loop_lr": overrides[i]["loop_lr"] if i in overrides else _num(group.get("lr")),
-                "lr_override": overrides[i]["override"] if i in overrides else None,
-                "lr_override_status": overrides[i]["status"] if i in overrides else None,
-                "initial_lr": _num(group.get("initial_lr")),
-                "weight_decay": _num(group.get("weight_decay")), "momentum": _num(group.get("momentum")),
-                "beta1": _num(betas[0]), "beta2": _num(betas[1]), "eps": _num(group.get("eps")),
-                "params": len(params), "elements": sum(shards.local(p).numel() for p in params),
-                "state_bytes": sum(_tensor_bytes(v) for st in states for v in list(st.values())),
-                "step_count": _step_count(states), "scheduler": type(sched).__name__ if sched is not None else None,
-                "is_lead": opt is lead,
-            })
+            rows.append(
+                {
+                    "optimizer": type(opt).__name__,
+                    "name": found.name,
+                    "wrapper": found.wrapper,
+                    "optimizer_id": id(opt),
+                    "param_group": i,
+                    "lr": overrides[i]["lr"] if i in overrides else _num(group.get("lr")),
+                    "loop_lr": overrides[i]["loop_lr"] if i in overrides else _num(group.get("lr")),
+                    "lr_override": overrides[i]["override"] if i in overrides else None,
+                    "lr_override_status": overrides[i]["status"] if i in overrides else None,
+                    "initial_lr": _num(group.get("initial_lr")),
+                    "weight_decay": _num(group.get("weight_decay")),
+                    "momentum": _num(group.get("momentum")),
+                    "beta1": _num(betas[0]),
+                    "beta2": _num(betas[1]),
+                    "eps": _num(group.get("eps")),
+                    "params": len(params),
+                    "elements": sum(shards.local(p).numel() for p in params),
+                    "state_bytes": sum(_tensor_bytes(v) for st in states for v in list(st.values())),
+                    "step_count": _step_count(states),
+                    "scheduler": type(sched).__name__ if sched is not None else None,
+                    "is_lead": opt is lead,
+                }
+            )
     return rows
 
 
@@ -259,18 +422,44 @@ def optimizer(ctx):
     "One row per optimizer step of an iteration that steps several optimizers (a GAN's discriminator and "
     "generator): each optimizer's loss, lr and gradient norm; empty while one optimizer steps.",
     columns=[
-        Column("step", "BIGINT", "The torch.steps step this optimizer step belongs to (the step ends after the iteration's last optimizer step)."),
-        Column("position", "INTEGER", "Place of this optimizer step in the iteration, from 0 (the lead optimizer's first step)."),
-        Column("optimizer", "VARCHAR", "The optimizer's name in torch.optimizer (opt_d, opt_g, trainer.optimizers[1]), else its class."),
+        Column(
+            "step",
+            "BIGINT",
+            "The torch.steps step this optimizer step belongs to (the step ends after the iteration's last optimizer step).",
+        ),
+        Column(
+            "position",
+            "INTEGER",
+            "Place of this optimizer step in the iteration, from 0 (the lead optimizer's first step).",
+        ),
+        Column(
+            "optimizer",
+            "VARCHAR",
+            "The optimizer's name in torch.optimizer (opt_d, opt_g, trainer.optimizers[1]), else its class.",
+        ),
         Column("optimizer_class", "VARCHAR", "Class of the optimizer."),
         Column("ended_at", "TIMESTAMP", "When the optimizer's step returned."),
-        Column("loss", "DOUBLE", "The loss backpropagated since the previous optimizer step (the scalars summed), read lazily; NULL on a step that was not measured (torch.steps.measured) or when none was noted."),
-        Column("lr", "DOUBLE", "Learning rate of the optimizer's first param group used by this step (a `probe lr` override included)."),
-        Column("grad_norm", "DOUBLE", "L2 norm of the optimizer's gradients at its step, on the steps the gradient norm's budget allows (PROBE_GRAD_NORM, as torch.steps.grad_norm); NULL on the others."),
+        Column(
+            "loss",
+            "DOUBLE",
+            "The loss backpropagated since the previous optimizer step (the scalars summed), read lazily; NULL on a step that was not measured (torch.steps.measured) or when none was noted.",
+        ),
+        Column(
+            "lr",
+            "DOUBLE",
+            "Learning rate of the optimizer's first param group used by this step (a `probe lr` override included).",
+        ),
+        Column(
+            "grad_norm",
+            "DOUBLE",
+            "L2 norm of the optimizer's gradients at its step, on the steps the gradient norm's budget allows (PROBE_GRAD_NORM, as torch.steps.grad_norm); NULL on the others.",
+        ),
     ],
-    examples=["SELECT step, optimizer, loss, lr, grad_norm FROM torch.optimizer_steps ORDER BY step DESC, position LIMIT 10",
-              "SELECT step, MAX(loss) FILTER (WHERE optimizer = 'opt_d') AS d_loss, MAX(loss) FILTER (WHERE optimizer = 'opt_g') "
-              "AS g_loss FROM torch.optimizer_steps GROUP BY step ORDER BY step DESC LIMIT 10"],
+    examples=[
+        "SELECT step, optimizer, loss, lr, grad_norm FROM torch.optimizer_steps ORDER BY step DESC, position LIMIT 10",
+        "SELECT step, MAX(loss) FILTER (WHERE optimizer = 'opt_d') AS d_loss, MAX(loss) FILTER (WHERE optimizer = 'opt_g') "
+        "AS g_loss FROM torch.optimizer_steps GROUP BY step ORDER BY step DESC LIMIT 10",
+    ],
     kind="ring",
 )
 def optimizer_steps(ctx):
@@ -282,10 +471,16 @@ def optimizer_steps(ctx):
     cols = cycle.snapshot()
     names = {id(f.obj): f.name for f in finder.optimizers()}
     ids = cols["optimizer_id"].tolist()
-    return {"step": cols["step"], "position": cols["position"],
-            "optimizer": [names.get(i) or c for i, c in zip(ids, cols["optimizer"].tolist())],
-            "optimizer_class": cols["optimizer"], "ended_at": cols["ended_at"], "loss": cols["loss"],
-            "lr": cols["lr"], "grad_norm": cols["grad_norm"]}
+    return {
+        "step": cols["step"],
+        "position": cols["position"],
+        "optimizer": [names.get(i) or c for i, c in zip(ids, cols["optimizer"].tolist())],
+        "optimizer_class": cols["optimizer"],
+        "ended_at": cols["ended_at"],
+        "loss": cols["loss"],
+        "lr": cols["lr"],
+        "grad_norm": cols["grad_norm"],
+    }
 
 
 def _num(v):
@@ -307,13 +502,31 @@ def _num(v):
         Column("dtype", "VARCHAR", "Element type, e.g. float32."),
         Column("device", "VARCHAR", "Device, e.g. cpu or cuda:0."),
         Column("numel", "BIGINT", "Number of elements (of the whole parameter, also when it is sharded)."),
-        Column("placement", "VARCHAR", "How a sharded parameter (FSDP2/DTensor) is laid out over the ranks, e.g. Shard(dim=0); NULL for an ordinary tensor. The statistics of a sharded parameter are this rank's shard's, read without a collective."),
-        Column("local_numel", "BIGINT", "Elements this rank holds: numel for an ordinary tensor, its shard's for a sharded one."),
-        Column("module_type", "VARCHAR", "Class name of the module that holds the parameter (e.g. Linear, BatchNorm2d)."),
+        Column(
+            "placement",
+            "VARCHAR",
+            "How a sharded parameter (FSDP2/DTensor) is laid out over the ranks, e.g. Shard(dim=0); NULL for an ordinary tensor. The statistics of a sharded parameter are this rank's shard's, read without a collective.",
+        ),
+        Column(
+            "local_numel",
+            "BIGINT",
+            "Elements this rank holds: numel for an ordinary tensor, its shard's for a sharded one.",
+        ),
+        Column(
+            "module_type", "VARCHAR", "Class name of the module that holds the parameter (e.g. Linear, BatchNorm2d)."
+        ),
         Column("requires_grad", "BOOLEAN", "Whether the parameter is trainable."),
         Column("in_optimizer", "BOOLEAN", "Whether a discovered optimizer holds the parameter."),
-        Column("grad_norm", "DOUBLE", "L2 norm of the current .grad (this rank's shard of a sharded parameter), NULL when there is none (e.g. after zero_grad(set_to_none=True))."),
-        Column("nan_count", "BIGINT", "NaN elements in the parameter's values (NULL when no step boundary came within 5 s to read them safely)."),
+        Column(
+            "grad_norm",
+            "DOUBLE",
+            "L2 norm of the current .grad (this rank's shard of a sharded parameter), NULL when there is none (e.g. after zero_grad(set_to_none=True)).",
+        ),
+        Column(
+            "nan_count",
+            "BIGINT",
+            "NaN elements in the parameter's values (NULL when no step boundary came within 5 s to read them safely).",
+        ),
         Column("inf_count", "BIGINT", "Infinite elements in the parameter's values."),
         Column("grad_nan", "BIGINT", "NaN elements in the gradient, NULL without a gradient."),
         Column("grad_inf", "BIGINT", "Infinite elements in the gradient, NULL without a gradient."),
@@ -365,9 +578,18 @@ def _param_row(torch, model_name, name, p, in_opt, stats: bool = True) -> dict:
     """One parameter's row; a sharded one (FSDP2) is read on its local shard: a reduction of the DTensor
     itself would be a collective issued on this rank alone."""
     data = shards.local(p.detach())
-    row = {"model": model_name, "name": name, "shape": str(list(p.shape)), "dtype": str(p.dtype).replace("torch.", ""),
-           "device": str(data.device), "numel": p.numel(), "placement": shards.placement(p),
-           "local_numel": data.numel(), "requires_grad": p.requires_grad, "in_optimizer": in_opt}
+    row = {
+        "model": model_name,
+        "name": name,
+        "shape": str(list(p.shape)),
+        "dtype": str(p.dtype).replace("torch.", ""),
+        "device": str(data.device),
+        "numel": p.numel(),
+        "placement": shards.placement(p),
+        "local_numel": data.numel(),
+        "requires_grad": p.requires_grad,
+        "in_optimizer": in_opt,
+    }
     if not stats:
         return row
     floating = data.is_floating_point() or data.is_complex()

@@ -72,7 +72,6 @@ def loss_logits(loss, limit: int = 64):
     return None
 
 
-
 def read(holder):
     """The value behind a holder from ``Capture.hold``, or None while its device copy has not landed."""
     host, ev = holder
@@ -193,7 +192,9 @@ class Capture:
             t = t[0]
         if not isinstance(t, self.torch.Tensor) or t.numel() != 1:
             return  # a vector backward with explicit gradients is not a loss
-        if grad_tensors is not None and not (type(grad_tensors) in (list, tuple) and all(g is None for g in grad_tensors)):
+        if grad_tensors is not None and not (
+            type(grad_tensors) in (list, tuple) and all(g is None for g in grad_tensors)
+        ):
             return
         if self.closure_step:
             if self._closure_taken:
@@ -393,6 +394,7 @@ class Capture:
         original = autograd.backward
         capture = self
         if getattr(original, "_probe_original", None) is None:
+
             @functools.wraps(original)
             def backward(tensors, grad_tensors=None, *args, **kwargs):
                 try:

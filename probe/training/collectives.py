@@ -35,9 +35,13 @@ def enable() -> None:
     if size <= 0:
         return
     if _group_exists():  # torch reads the variable when the first group is made: too late now
-        record_error("torch.collectives", RuntimeError(
-            "the flight recorder is off: the process group existed before the probe started; import probe.auto "
-            f"before init_process_group, run with PROBE=1, or set {_ENV} yourself"))
+        record_error(
+            "torch.collectives",
+            RuntimeError(
+                "the flight recorder is off: the process group existed before the probe started; import probe.auto "
+                f"before init_process_group, run with PROBE=1, or set {_ENV} yourself"
+            ),
+        )
         return
     os.environ[_ENV] = str(size)
 
@@ -98,8 +102,13 @@ def _frame_text(f: dict) -> str:
 
 # probe's wrappers that a user's call passes through on its way to torch (its backward, GradScaler.scale,
 # clip_grad_norm_, a probe.span): a collective below them is the user's
-_PASS_THROUGH = {("capture.py", "backward"), ("capture.py", "scale_"), ("capture.py", "clip_grad_norm_"),
-                 ("spans.py", "wrapper"), ("spans.py", "async_wrapper")}
+_PASS_THROUGH = {
+    ("capture.py", "backward"),
+    ("capture.py", "scale_"),
+    ("capture.py", "clip_grad_norm_"),
+    ("spans.py", "wrapper"),
+    ("spans.py", "async_wrapper"),
+}
 
 
 def call_site(frames: list, tdir: str | None = None) -> str | None:
@@ -142,20 +151,33 @@ def entry_rows(doc: dict | None) -> list[dict]:
         frames = e.get("frames") or []
         site = call_site(frames, tdir)
         state = e.get("state")
-        rows.append({
-            "pg": str(pg[0]), "pg_desc": str(pg[1]) if len(pg) > 1 else None, "record_id": e.get("record_id"),
-            "seq": None if e.get("is_p2p") else e.get("collective_seq_id"),
-            "p2p_seq": e.get("p2p_seq_id") if e.get("is_p2p") else None, "op_id": e.get("op_id"),
-            "is_p2p": bool(e.get("is_p2p")), "backend": backend, "op": op,
-            "input_sizes": _text(e.get("input_sizes")), "input_dtypes": _text(e.get("input_dtypes")),
-            "output_sizes": _text(e.get("output_sizes")), "output_dtypes": _text(e.get("output_dtypes")),
-            "state": "completed" if e.get("retired") and state != "completed" else state,
-            "retired": bool(e.get("retired")), "created_at": _ns(e.get("time_created_ns")),
-            "started_at": started, "completed_at": completed, "duration": duration,
-            "timeout_s": (e.get("timeout_ms") or 0) / 1000.0 or None, "thread": e.get("thread_name"),
-            "call_site": site,
-            "frames": "; ".join(_frame_text(f) for f in frames) if frames else None,
-        })
+        rows.append(
+            {
+                "pg": str(pg[0]),
+                "pg_desc": str(pg[1]) if len(pg) > 1 else None,
+                "record_id": e.get("record_id"),
+                "seq": None if e.get("is_p2p") else e.get("collective_seq_id"),
+                "p2p_seq": e.get("p2p_seq_id") if e.get("is_p2p") else None,
+                "op_id": e.get("op_id"),
+                "is_p2p": bool(e.get("is_p2p")),
+                "backend": backend,
+                "op": op,
+                "input_sizes": _text(e.get("input_sizes")),
+                "input_dtypes": _text(e.get("input_dtypes")),
+                "output_sizes": _text(e.get("output_sizes")),
+                "output_dtypes": _text(e.get("output_dtypes")),
+                "state": "completed" if e.get("retired") and state != "completed" else state,
+                "retired": bool(e.get("retired")),
+                "created_at": _ns(e.get("time_created_ns")),
+                "started_at": started,
+                "completed_at": completed,
+                "duration": duration,
+                "timeout_s": (e.get("timeout_ms") or 0) / 1000.0 or None,
+                "thread": e.get("thread_name"),
+                "call_site": site,
+                "frames": "; ".join(_frame_text(f) for f in frames) if frames else None,
+            }
+        )
     return rows
 
 
@@ -179,13 +201,16 @@ def group_rows(doc: dict | None) -> list[dict]:
         cfg = config.get(str(pg_id)) or {}
         if not cfg and len(config) == 1 and len(status) == 1:  # torch names the default group '' in pg_config
             cfg = next(iter(config.values())) or {}
-        rows.append({
-            "pg": str(pg_id), "pg_desc": cfg.get("desc") or descs.get(str(pg_id)),
-            "ranks": str(cfg.get("ranks")) if cfg.get("ranks") is not None else None,
-            "last_enqueued": _int(st.get("last_enqueued_collective")),
-            "last_started": _int(st.get("last_started_collective")),
-            "last_completed": _int(st.get("last_completed_collective")),
-        })
+        rows.append(
+            {
+                "pg": str(pg_id),
+                "pg_desc": cfg.get("desc") or descs.get(str(pg_id)),
+                "ranks": str(cfg.get("ranks")) if cfg.get("ranks") is not None else None,
+                "last_enqueued": _int(st.get("last_enqueued_collective")),
+                "last_started": _int(st.get("last_started_collective")),
+                "last_completed": _int(st.get("last_completed_collective")),
+            }
+        )
     return rows
 
 

@@ -32,8 +32,16 @@ from .capture import Pending
 
 __all__ = ["OptimizerCycle", "CYCLE_COLUMNS"]
 
-CYCLE_COLUMNS = {"step": "i8", "position": "i8", "optimizer_id": "i8", "optimizer": "O", "ended_at": "f8",
-                 "loss": "f8", "lr": "f8", "grad_norm": "f8"}
+CYCLE_COLUMNS = {
+    "step": "i8",
+    "position": "i8",
+    "optimizer_id": "i8",
+    "optimizer": "O",
+    "ended_at": "f8",
+    "loss": "f8",
+    "lr": "f8",
+    "grad_norm": "f8",
+}
 _MAX_PERIOD = 16  # optimizer steps in one iteration, at most
 
 
@@ -83,7 +91,7 @@ class OptimizerCycle:
         h = self.history
         for p in range(2, len(h) // 2 + 1):
             last = h[-p:]
-            if last != h[-2 * p:-p] or len(set(last)) < 2 or self.anchor not in last:
+            if last != h[-2 * p : -p] or len(set(last)) < 2 or self.anchor not in last:
                 continue
             # the iteration starts at a lead step that follows another optimizer's step
             starts = [i for i in range(p) if last[i] == self.anchor and last[i - 1] != self.anchor]
@@ -105,12 +113,15 @@ class OptimizerCycle:
         loss = norm = None
         if capture.wanted:
             losses = capture.losses
-            mine = losses[self.taken:]
+            mine = losses[self.taken :]
             self.taken = len(losses)
             try:
                 if mine:
-                    loss = capture.hold(mine[0] if len(mine) == 1 else
-                                        tracker.torch.stack([x.reshape(()).to(mine[0].device) for x in mine]).sum())
+                    loss = capture.hold(
+                        mine[0]
+                        if len(mine) == 1
+                        else tracker.torch.stack([x.reshape(()).to(mine[0].device) for x in mine]).sum()
+                    )
             except Exception as exc:
                 record_error("torch steps: loss", exc)
             budget = tracker.norm_budget  # paced like the step's own norm (PROBE_GRAD_NORM)
@@ -131,9 +142,16 @@ class OptimizerCycle:
                 lr = None
         ring = self.rows
         row = ring.count
-        ring.append(step, self.pos, id(opt), type(opt).__name__, t0 * 1e-9 + tracker.wall_offset,
-                    loss if type(loss) is float else None, lr if type(lr) is float else None,
-                    norm if type(norm) is float else None)
+        ring.append(
+            step,
+            self.pos,
+            id(opt),
+            type(opt).__name__,
+            t0 * 1e-9 + tracker.wall_offset,
+            loss if type(loss) is float else None,
+            lr if type(lr) is float else None,
+            norm if type(norm) is float else None,
+        )
         if type(loss) is tuple or type(lr) is tuple or type(norm) is tuple:
             self.pending.keep(row, (("loss", loss), ("lr", lr), ("grad_norm", norm)))
 

@@ -44,15 +44,39 @@ import weakref
 from typing import Any, NamedTuple
 
 from ..util.errorlog import record_error
-from .frameworks import (framework_items, framework_name, framework_of, is_lightning_module, scaler_types,
-                         scheduler_types, unwrap_optimizer, unwrap_scheduler)
+from .frameworks import (
+    framework_items,
+    framework_name,
+    framework_of,
+    is_lightning_module,
+    scaler_types,
+    scheduler_types,
+    unwrap_optimizer,
+    unwrap_scheduler,
+)
 
-__all__ = ["Found", "known", "models", "optimizers", "schedulers", "grad_scalers", "frameworks", "dataloaders",
-           "scheduler_for",
-           "optimizer_found", "add", "scan", "named", "main_globals", "module_path"]
+__all__ = [
+    "Found",
+    "known",
+    "models",
+    "optimizers",
+    "schedulers",
+    "grad_scalers",
+    "frameworks",
+    "dataloaders",
+    "scheduler_for",
+    "optimizer_found",
+    "add",
+    "scan",
+    "named",
+    "main_globals",
+    "module_path",
+]
 
 KINDS = ("model", "optimizer", "scheduler", "scaler", "framework", "dataloader")
 _PRECEDENCE = {"watch": 0, "__main__": 1, "framework": 2, "frame": 3, "step hook": 4}  # for names
+
+
 class Found(NamedTuple):
     """One training object: the name the user knows it by, the object that owns the state,
     the framework wrapper's class name it was reached through (or None), and where it was found."""
@@ -67,7 +91,13 @@ class _Entry:
     __slots__ = ("ref", "name", "wrapper", "source", "framework")
 
     def __init__(self, obj, name, wrapper, source, framework=None):
-        self.ref, self.name, self.wrapper, self.source, self.framework = weakref.ref(obj), name, wrapper, source, framework
+        self.ref, self.name, self.wrapper, self.source, self.framework = (
+            weakref.ref(obj),
+            name,
+            wrapper,
+            source,
+            framework,
+        )
 
 
 _lock = threading.RLock()
@@ -97,8 +127,9 @@ def _kind_of(torch, obj) -> str | None:
         return "model"
     if isinstance(obj, torch.optim.Optimizer):
         return "optimizer"
-    if isinstance(obj, scheduler_types(torch)) or (unwrap_scheduler(torch, obj) is not None
-                                                    and type(obj).__name__ == "AcceleratedScheduler"):
+    if isinstance(obj, scheduler_types(torch)) or (
+        unwrap_scheduler(torch, obj) is not None and type(obj).__name__ == "AcceleratedScheduler"
+    ):
         return "scheduler"
     kinds = scaler_types(torch)
     if kinds and isinstance(obj, kinds):
@@ -115,8 +146,11 @@ def _is_dataloader(obj) -> bool:
     data = sys.modules.get("torch.utils.data.dataloader")
     if data is None:
         return False
-    kinds = tuple(t for t in (getattr(data, "DataLoader", None), getattr(data, "_BaseDataLoaderIter", None))
-                  if isinstance(t, type))
+    kinds = tuple(
+        t
+        for t in (getattr(data, "DataLoader", None), getattr(data, "_BaseDataLoaderIter", None))
+        if isinstance(t, type)
+    )
     return bool(kinds) and isinstance(obj, kinds)
 
 
@@ -264,7 +298,7 @@ def frameworks(refresh: bool = True) -> list[Found]:
     the framework's name (lightning, transformers, accelerate). ``refresh=False``: those found already,
     without a new look (for a frequent caller such as the status)."""
     out = []
-    for f in (_refreshed("framework") if refresh else _live("framework")):
+    for f in _refreshed("framework") if refresh else _live("framework"):
         e = _found["framework"].get(id(f.obj))
         out.append(f._replace(wrapper=e.framework if e is not None else None))
     return out
@@ -375,8 +409,10 @@ def scan(frame=None, max_frames: int = 4) -> None:
             loc = f.f_locals
             try:
                 for name, value in list(loc.items()):
-                    if id(value) not in seen and (framework_of(value) is not None or (
-                            isinstance(value, torch.nn.Module) and is_lightning_module(value))):
+                    if id(value) not in seen and (
+                        framework_of(value) is not None
+                        or (isinstance(value, torch.nn.Module) and is_lightning_module(value))
+                    ):
                         _classify(torch, value, framework_name(value, name), seen, 1, "frame")
             finally:
                 release(f, loc, own=True)

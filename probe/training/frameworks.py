@@ -14,8 +14,17 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["framework_of", "is_lightning_module", "scheduler_types", "scaler_types", "unwrap_optimizer",
-           "unwrap_scheduler", "framework_items", "objects_of", "framework_name"]
+__all__ = [
+    "framework_of",
+    "is_lightning_module",
+    "scheduler_types",
+    "scaler_types",
+    "unwrap_optimizer",
+    "unwrap_scheduler",
+    "framework_items",
+    "objects_of",
+    "framework_name",
+]
 
 _FRAMEWORK_TYPES = {
     ("lightning.pytorch.trainer.trainer", "Trainer"): "lightning",
@@ -23,12 +32,14 @@ _FRAMEWORK_TYPES = {
     ("transformers.trainer", "Trainer"): "transformers",
     ("accelerate.accelerator", "Accelerator"): "accelerate",
 }
-_LIGHTNING_MODULES = {("lightning.pytorch.core.module", "LightningModule"),
-                      ("pytorch_lightning.core.module", "LightningModule")}
+_LIGHTNING_MODULES = {
+    ("lightning.pytorch.core.module", "LightningModule"),
+    ("pytorch_lightning.core.module", "LightningModule"),
+}
 
 
 def framework_of(obj) -> str | None:
-    """"lightning", "transformers" or "accelerate" for a framework's Trainer/Accelerator (or a subclass), else None."""
+    """ "lightning", "transformers" or "accelerate" for a framework's Trainer/Accelerator (or a subclass), else None."""
     try:
         mro = type(obj).__mro__
     except Exception:
@@ -53,8 +64,14 @@ def scheduler_types(torch) -> tuple:
 
 def scaler_types(torch) -> tuple:
     """torch's GradScaler classes (torch.amp's and torch.cuda.amp's) present in this torch."""
-    return tuple(t for t in (getattr(getattr(torch, "amp", None), "GradScaler", None),
-                             getattr(getattr(torch.cuda, "amp", None), "GradScaler", None)) if isinstance(t, type))
+    return tuple(
+        t
+        for t in (
+            getattr(getattr(torch, "amp", None), "GradScaler", None),
+            getattr(getattr(torch.cuda, "amp", None), "GradScaler", None),
+        )
+        if isinstance(t, type)
+    )
 
 
 def unwrap_optimizer(opt) -> tuple[Any, str | None]:
@@ -107,14 +124,22 @@ def framework_items(obj, name: str):
             yield getattr(cfg, "scheduler", None), f"{name}.lr_scheduler_configs[{i}].scheduler", "scheduler"
         yield from _loaders(_lightning_train_loaders(obj), f"{name}.train_dataloader")
     elif kind == "transformers":
-        for attr, k in (("model", "model"), ("optimizer", "optimizer"), ("lr_scheduler", "scheduler"),
-                        ("accelerator", "framework")):
+        for attr, k in (
+            ("model", "model"),
+            ("optimizer", "optimizer"),
+            ("lr_scheduler", "scheduler"),
+            ("accelerator", "framework"),
+        ):
             yield getattr(obj, attr, None), f"{name}.{attr}", k
         handler = getattr(obj, "callback_handler", None)  # the training loop's loader is set there for callbacks
         yield getattr(handler, "train_dataloader", None), f"{name}.callback_handler.train_dataloader", "dataloader"
     elif kind == "accelerate":
-        for attr, k in (("_models", "model"), ("_optimizers", "optimizer"), ("_schedulers", "scheduler"),
-                        ("_dataloaders", "dataloader")):
+        for attr, k in (
+            ("_models", "model"),
+            ("_optimizers", "optimizer"),
+            ("_schedulers", "scheduler"),
+            ("_dataloaders", "dataloader"),
+        ):
             for i, value in enumerate(list(getattr(obj, attr, None) or [])):
                 yield value, f"{name}.{attr}[{i}]", k
 

@@ -223,10 +223,11 @@ def watch(model=None, optimizer=None, scheduler=None, scaler=None) -> None:
     try:
         caller = sys._getframe(1).f_locals
         tk = _ready_tracker()
+
         def name(obj):
             return next((k for k, v in caller.items() if v is obj), None)
 
-        for m in (model if isinstance(model, (list, tuple)) else [model]):
+        for m in model if isinstance(model, (list, tuple)) else [model]:
             if m is not None:
                 finder.add(m, name(m), "watch", "model")
         for obj, kind in ((optimizer, "optimizer"), (scheduler, "scheduler"), (scaler, "scaler")):

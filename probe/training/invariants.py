@@ -145,8 +145,12 @@ class Invariants:
             return
         try:
             lost = self._model is None or self._model() is None  # not found yet (a scan finds it), or gone
-            if (step >= self._refresh_at or self._opt is None or self._opt() is not optimizer
-                    or (lost and step >= self._retry_at)):
+            if (
+                step >= self._refresh_at
+                or self._opt is None
+                or self._opt() is not optimizer
+                or (lost and step >= self._retry_at)
+            ):
                 self._refresh_at = step + min(step, _REFRESH_MAX)
                 self._retry_at = step + _RETRY
                 self._refresh(optimizer)
@@ -208,8 +212,15 @@ class Invariants:
                 return
         if first is not None:
             n = sum(1 for _ in _trainable(optimizer))
-            self._record(step, now, "grads_present", False, self._names.get(id(first), "?"), float(n),
-                         f"none of the {n} trainable tensors held a gradient at the step")
+            self._record(
+                step,
+                now,
+                "grads_present",
+                False,
+                self._names.get(id(first), "?"),
+                float(n),
+                f"none of the {n} trainable tensors held a gradient at the step",
+            )
 
     def _grads_cleared(self, step, now, optimizer) -> None:
         watch = self._watch
@@ -226,19 +237,37 @@ class Invariants:
             watch.remove()
             self._watch = None
             if verdict is not None:
-                self._record(step, now, "grads_cleared", verdict, watch.name, float(watch.fired),
-                             f"{watch.fired} backward pass(es) from step {watch.since} to step {step}"
-                             + ("" if verdict else ", the gradient never None or zero before any of them"))
+                self._record(
+                    step,
+                    now,
+                    "grads_cleared",
+                    verdict,
+                    watch.name,
+                    float(watch.fired),
+                    f"{watch.fired} backward pass(es) from step {watch.since} to step {step}"
+                    + ("" if verdict else ", the gradient never None or zero before any of them"),
+                )
             steps = step - watch.since
             if verdict is not None and self._single and steps > 0 and not watch.pending:
                 # one row a window (ok without accumulation), so a finding ends with the accumulation that caused it
                 erased = verdict and watch.fired > steps and watch.clears >= watch.fired
-                self._record(step, now, "accumulation", not erased, watch.name, float(watch.fired) / steps,
-                             f"{watch.fired} backward passes in {steps} optimizer step(s) (steps {watch.since + 1}-{step}) and the gradient "
-                             f"was cleared before each of them: only the last micro-batch of each step counts" if erased else None)
+                self._record(
+                    step,
+                    now,
+                    "accumulation",
+                    not erased,
+                    watch.name,
+                    float(watch.fired) / steps,
+                    f"{watch.fired} backward passes in {steps} optimizer step(s) (steps {watch.since + 1}-{step}) and the gradient "
+                    f"was cleared before each of them: only the last micro-batch of each step counts"
+                    if erased
+                    else None,
+                )
         pick = self._pick() if self._pick is not None else None
         if pick is None or pick.grad is None or not pick.requires_grad:
-            candidates = [p for p in itertools.islice(_trainable(optimizer), 64) if p.grad is not None and id(p) in self._names]
+            candidates = [
+                p for p in itertools.islice(_trainable(optimizer), 64) if p.grad is not None and id(p) in self._names
+            ]
             if not candidates:
                 return
             pick = min(candidates, key=lambda p: p.numel())
@@ -249,19 +278,37 @@ class Invariants:
         n, repeated, graph = capture.take_backwards()
         if not n:
             return
-        self._record(step, now, "backward_once", not repeated, graph, float(n),
-                     f"{n} backward calls in step {step}, {repeated} of them through a graph already backpropagated in the step "
-                     f"(the loss behind {graph})" if repeated else None)
+        self._record(
+            step,
+            now,
+            "backward_once",
+            not repeated,
+            graph,
+            float(n),
+            f"{n} backward calls in step {step}, {repeated} of them through a graph already backpropagated in the step "
+            f"(the loss behind {graph})"
+            if repeated
+            else None,
+        )
 
     def _train_mode(self, step, now) -> None:
         modes = self._modes
         if not modes:
             return
         off = [name for name, m in modes if not m.training]
-        shown = ", ".join(off[:_NAMES_SHOWN]) + (f" and {len(off) - _NAMES_SHOWN} more" if len(off) > _NAMES_SHOWN else "")
+        shown = ", ".join(off[:_NAMES_SHOWN]) + (
+            f" and {len(off) - _NAMES_SHOWN} more" if len(off) > _NAMES_SHOWN else ""
+        )
         types = sorted({type(m).__name__ for _, m in modes if not m.training})
-        self._record(step, now, "train_mode", not off, shown or None, float(len(off)),
-                     f"{len(off)} of {len(modes)} dropout/batch-norm modules in eval mode ({', '.join(types)})" if off else None)
+        self._record(
+            step,
+            now,
+            "train_mode",
+            not off,
+            shown or None,
+            float(len(off)),
+            f"{len(off)} of {len(modes)} dropout/batch-norm modules in eval mode ({', '.join(types)})" if off else None,
+        )
 
     # -- the table -------------------------------------------------------------------------------------------------
     def snapshot(self) -> dict:

@@ -42,8 +42,15 @@ import weakref
 
 __all__ = ["STATS_COLUMNS", "MAX_ELEMENTS", "recorder", "Batch"]
 
-STATS_COLUMNS = {"out_mean": "f8", "out_std": "f8", "out_batch_std": "f8", "out_zero_frac": "f8",
-                 "out_nonfinite": "f8", "out_elements": "f8", "out_shape": "O"}
+STATS_COLUMNS = {
+    "out_mean": "f8",
+    "out_std": "f8",
+    "out_batch_std": "f8",
+    "out_zero_frac": "f8",
+    "out_nonfinite": "f8",
+    "out_elements": "f8",
+    "out_shape": "O",
+}
 MAX_ELEMENTS = 1 << 22
 SMALL = 1 << 12  # outputs up to this many elements are copied in the hook and reduced in bulk at the boundary
 COPY_BUDGET = 1 << 22  # elements copied that way per traced step; past it, small outputs are reduced in the hook too
@@ -141,8 +148,13 @@ def _reduce(x, dim: int):
     m = x.mean(dim, keepdim=True)
     flat = m.flatten(dim)
     var, mean = torch.var_mean(flat, dim=dim, correction=0)
-    return (torch.linalg.vector_norm((x - m).flatten(dim), dim=dim), mean, var,
-            torch.count_nonzero(x.flatten(dim), dim=dim), torch.count_nonzero((x - x).flatten(dim), dim=dim))
+    return (
+        torch.linalg.vector_norm((x - m).flatten(dim), dim=dim),
+        mean,
+        var,
+        torch.count_nonzero(x.flatten(dim), dim=dim),
+        torch.count_nonzero((x - x).flatten(dim), dim=dim),
+    )
 
 
 class Batch:
@@ -220,8 +232,8 @@ class Batch:
         k = len(idx)
         n, batch = self.elements[idx], self.batch[idx]
         within = f[:k] ** 2 / n  # the variance across the batch, averaged over positions
-        cols["out_mean"][idx] = f[k:2 * k]  # the mean of the per-position batch means is the output's mean
-        cols["out_std"][idx] = np.sqrt(within + f[2 * k:])  # total variance = within positions + between them
+        cols["out_mean"][idx] = f[k : 2 * k]  # the mean of the per-position batch means is the output's mean
+        cols["out_std"][idx] = np.sqrt(within + f[2 * k :])  # total variance = within positions + between them
         cols["out_batch_std"][idx] = np.ma.masked_where(batch <= 1, np.sqrt(within))  # one sample: no spread
         cols["out_zero_frac"][idx] = (n - c[:k]) / n
         cols["out_nonfinite"][idx] = c[k:]
@@ -237,8 +249,10 @@ class Batch:
                 keep.append(part)
                 continue
             n = len(self.rows)
-            cols = {name: np.ma.masked_all(n) for name in ("out_std", "out_mean", "out_batch_std", "out_zero_frac",
-                                                           "out_nonfinite")}
+            cols = {
+                name: np.ma.masked_all(n)
+                for name in ("out_std", "out_mean", "out_batch_std", "out_zero_frac", "out_nonfinite")
+            }
             self._fill(cols, part)
             idx = part[0]
             rows = self.rows[idx]

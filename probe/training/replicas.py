@@ -37,9 +37,19 @@ from ..util.ring import Ring
 __all__ = ["Replicas", "SUM_COLUMNS", "DDP_COLUMNS", "replicas"]
 
 SUM_COLUMNS = {"step": "i8", "time": "f8", "model": "O", "position": "i8", "name": "O", "numel": "i8", "checksum": "f8"}
-DDP_COLUMNS = {"model": "O", "world_size": "i8", "broadcast_buffers": "b1", "find_unused_parameters": "b1",
-               "static_graph": "b1", "iteration": "i8", "unused_parameter_size": "i8", "unused_seen": "i8",
-               "norm_modules": "O", "every": "i8", "tensors": "i8"}
+DDP_COLUMNS = {
+    "model": "O",
+    "world_size": "i8",
+    "broadcast_buffers": "b1",
+    "find_unused_parameters": "b1",
+    "static_graph": "b1",
+    "iteration": "i8",
+    "unused_parameter_size": "i8",
+    "unused_seen": "i8",
+    "norm_modules": "O",
+    "every": "i8",
+    "tensors": "i8",
+}
 _SAMPLE = 64  # elements of each tensor in its checksum
 _EVERY_MIN = 16  # steps between checksums at least (a power of two)
 _EVERY_MAX = 4096
@@ -163,13 +173,20 @@ class Replicas:
         unused = int(data.get("unused_parameter_size", 0) or 0)
         m.unused_seen = max(m.unused_seen, unused)
         bn = torch.nn.modules.batchnorm._BatchNorm
-        norms = [finder.module_path(n) for n, mod in ddp.module.named_modules()
-                 if isinstance(mod, bn) and not isinstance(mod, torch.nn.SyncBatchNorm) and mod.track_running_stats]
-        m.config = {"world_size": world, "broadcast_buffers": bool(getattr(ddp, "broadcast_buffers", True)),
-                    "find_unused_parameters": bool(getattr(ddp, "find_unused_parameters", False)),
-                    "static_graph": bool(getattr(ddp, "static_graph", False)),
-                    "iteration": int(data.get("iteration", 0) or 0), "unused_parameter_size": unused,
-                    "norm_modules": ", ".join(norms) or None}
+        norms = [
+            finder.module_path(n)
+            for n, mod in ddp.module.named_modules()
+            if isinstance(mod, bn) and not isinstance(mod, torch.nn.SyncBatchNorm) and mod.track_running_stats
+        ]
+        m.config = {
+            "world_size": world,
+            "broadcast_buffers": bool(getattr(ddp, "broadcast_buffers", True)),
+            "find_unused_parameters": bool(getattr(ddp, "find_unused_parameters", False)),
+            "static_graph": bool(getattr(ddp, "static_graph", False)),
+            "iteration": int(data.get("iteration", 0) or 0),
+            "unused_parameter_size": unused,
+            "norm_modules": ", ".join(norms) or None,
+        }
 
     # -- the checksum -------------------------------------------------------------------------------------------
     def _checksum(self, step: int, m: _Model) -> None:
@@ -183,7 +200,7 @@ class Replicas:
                     if p is None:
                         return  # the model was rebuilt: the next refresh plans it again
                     flat = p.detach().reshape(-1)
-                    parts.append(flat[stride // 2::stride][:k] if stride > 1 else flat)
+                    parts.append(flat[stride // 2 :: stride][:k] if stride > 1 else flat)
                 vals = torch.cat(parts).to(torch.float64)
                 sums = torch.zeros(len(entries), dtype=torch.float64, device=device).index_add_(0, seg, vals * w)
                 names = [m.names[i] for i, _, _ in entries]
@@ -229,8 +246,15 @@ class Replicas:
         cols: dict = {name: [] for name in DDP_COLUMNS}
         for label, cfg, seen, tensors in rows:
             cols["model"].append(label)
-            for key in ("world_size", "broadcast_buffers", "find_unused_parameters", "static_graph", "iteration",
-                        "unused_parameter_size", "norm_modules"):
+            for key in (
+                "world_size",
+                "broadcast_buffers",
+                "find_unused_parameters",
+                "static_graph",
+                "iteration",
+                "unused_parameter_size",
+                "norm_modules",
+            ):
                 cols[key].append(cfg.get(key))
             cols["unused_seen"].append(seen)
             cols["every"].append(self.every)

@@ -26,8 +26,18 @@ from . import safepoint
 
 __all__ = ["span", "SPAN_COLUMNS", "ring"]
 
-SPAN_COLUMNS = {"name": "O", "step": "i8", "time": "f8", "duration": "f8", "depth": "i8", "parent": "O",
-                "thread_id": "i8", "thread": "O", "rank": "f8"}
+SPAN_COLUMNS = {
+    "name": "O",
+    "step": "i8",
+    "time": "f8",
+    "duration": "f8",
+    "depth": "i8",
+    "parent": "O",
+    "thread_id": "i8",
+    "thread": "O",
+    "rank": "f8",
+}
+
 
 class _Stack(threading.local):
     def __init__(self):
@@ -106,19 +116,31 @@ class span:
         r = _state.get("ring") or _make_ring()
         last = safepoint.last_step
         t = threading.current_thread()
-        r.append(self.name, (last or 0) + 1, t0 + _state["wall_offset"], t1 - t0, depth, parent,
-                 t.ident or 0, t.name, _state["rank"])
+        r.append(
+            self.name,
+            (last or 0) + 1,
+            t0 + _state["wall_offset"],
+            t1 - t0,
+            depth,
+            parent,
+            t.ident or 0,
+            t.name,
+            _state["rank"],
+        )
 
     def __call__(self, fn):
         if inspect.iscoroutinefunction(fn):
+
             @functools.wraps(fn)
             async def async_wrapper(*args, **kwargs):
                 with self:
                     return await fn(*args, **kwargs)
+
             return async_wrapper
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             with self:
                 return fn(*args, **kwargs)
+
         return wrapper

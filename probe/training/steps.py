@@ -60,15 +60,47 @@ __all__ = ["StepTracker", "STEP_COLUMNS"]
 _perf_ns = time.perf_counter_ns
 
 # What the boundary writes per step (the ring's columns)...
-RING_COLUMNS = {"step": "i8", "ended_at": "f8", "duration": "f8", "loss": "f8", "grad_norm": "f8", "lr": "f8",
-                "traced": "b1", "measured": "b1", "samples": "f8", "tokens": "f8",
-                "micro_batches": "i8", "optimizer": "O", "cpu_wait": "f8", "probe_us": "f8", "data_wait": "f8"}
+RING_COLUMNS = {
+    "step": "i8",
+    "ended_at": "f8",
+    "duration": "f8",
+    "loss": "f8",
+    "grad_norm": "f8",
+    "lr": "f8",
+    "traced": "b1",
+    "measured": "b1",
+    "samples": "f8",
+    "tokens": "f8",
+    "micro_batches": "i8",
+    "optimizer": "O",
+    "cpu_wait": "f8",
+    "probe_us": "f8",
+    "data_wait": "f8",
+}
 # ...and what a query sees (``StepTracker.snapshot``): the rest is derived when asked.
-STEP_COLUMNS = {"step": "i8", "started_at": "f8", "ended_at": "f8", "duration": "f8", "loss": "f8",
-                "grad_norm": "f8", "lr": "f8", "samples_per_s": "f8", "tokens_per_s": "f8",
-                "peak_allocated": "f8", "rank": "f8", "traced": "b1", "samples": "f8", "tokens": "f8",
-                "micro_batches": "i8", "optimizer": "O", "measured": "b1", "probe_us": "f8", "cpu_wait": "f8",
-                "memory": "f8", "data_wait": "f8"}
+STEP_COLUMNS = {
+    "step": "i8",
+    "started_at": "f8",
+    "ended_at": "f8",
+    "duration": "f8",
+    "loss": "f8",
+    "grad_norm": "f8",
+    "lr": "f8",
+    "samples_per_s": "f8",
+    "tokens_per_s": "f8",
+    "peak_allocated": "f8",
+    "rank": "f8",
+    "traced": "b1",
+    "samples": "f8",
+    "tokens": "f8",
+    "micro_batches": "i8",
+    "optimizer": "O",
+    "measured": "b1",
+    "probe_us": "f8",
+    "cpu_wait": "f8",
+    "memory": "f8",
+    "data_wait": "f8",
+}
 _LAG = 2  # steps after which a pending value is read on the training thread
 _RESOLVE_EVERY = 8  # pending device values read at the boundary once this many are waiting
 _NORM_BURST_S = 30.0  # seconds of step time whose norm share may be spent at once (and waited for)
@@ -200,9 +232,23 @@ class StepTracker:
                     cost = _perf_ns() - t0
                     self._quick_ns += cost
                     self._quick_n += 1
-                    ring.append(step, t0 * 1e-9 + self.wall_offset, (t0 - last) * 1e-9,
-                                loss if type(loss) is float else None, None, lr, False, False, None, None, 0,
-                                self._lead_name, None, cost * 1e-3, (fwd - last) * 1e-9 if fwd > last else None)
+                    ring.append(
+                        step,
+                        t0 * 1e-9 + self.wall_offset,
+                        (t0 - last) * 1e-9,
+                        loss if type(loss) is float else None,
+                        None,
+                        lr,
+                        False,
+                        False,
+                        None,
+                        None,
+                        0,
+                        self._lead_name,
+                        None,
+                        cost * 1e-3,
+                        (fwd - last) * 1e-9 if fwd > last else None,
+                    )
                     if type(loss) is tuple:  # a device loss: read when its copy has landed
                         self._keep_pending(row, loss, None, None)
                     return
@@ -274,14 +320,29 @@ class StepTracker:
             per_s = np.ma.masked_where(duration <= 0, 1.0 / duration)  # NULL, not NaN, for a step of no length
         n = len(rows)
         memory, peak = self.memory.at(cols["ended_at"])
-        return {"step": cols["step"], "started_at": cols["ended_at"] - duration, "ended_at": cols["ended_at"],
-                "duration": duration, "loss": cols["loss"], "grad_norm": cols["grad_norm"], "lr": cols["lr"],
-                "samples_per_s": cols["samples"] * per_s, "tokens_per_s": cols["tokens"] * per_s,
-                "peak_allocated": peak, "memory": memory, "data_wait": cols["data_wait"],
-                "rank": np.full(n, np.nan if self.rank is None else float(self.rank)), "traced": cols["traced"],
-                "samples": cols["samples"], "tokens": cols["tokens"], "micro_batches": cols["micro_batches"],
-                "optimizer": cols["optimizer"], "measured": cols["measured"], "probe_us": cols["probe_us"],
-                "cpu_wait": cols["cpu_wait"]}
+        return {
+            "step": cols["step"],
+            "started_at": cols["ended_at"] - duration,
+            "ended_at": cols["ended_at"],
+            "duration": duration,
+            "loss": cols["loss"],
+            "grad_norm": cols["grad_norm"],
+            "lr": cols["lr"],
+            "samples_per_s": cols["samples"] * per_s,
+            "tokens_per_s": cols["tokens"] * per_s,
+            "peak_allocated": peak,
+            "memory": memory,
+            "data_wait": cols["data_wait"],
+            "rank": np.full(n, np.nan if self.rank is None else float(self.rank)),
+            "traced": cols["traced"],
+            "samples": cols["samples"],
+            "tokens": cols["tokens"],
+            "micro_batches": cols["micro_batches"],
+            "optimizer": cols["optimizer"],
+            "measured": cols["measured"],
+            "probe_us": cols["probe_us"],
+            "cpu_wait": cols["cpu_wait"],
+        }
 
     # -- the boundary -----------------------------------------------------------------------------
     def _measure(self, optimizer, now_ns: int):
@@ -347,7 +408,9 @@ class StepTracker:
         micro, s, t = self.inputs.take(samples, tokens)
         if measured:
             self._occasional(step, frame, duration_ns, traced)
-            invariants.checks(self.torch).at_boundary(step, optimizer, self.capture)  # torch.checks: cheap invariants of training
+            invariants.checks(self.torch).at_boundary(
+                step, optimizer, self.capture
+            )  # torch.checks: cheap invariants of training
         if step >= self._replicas.next_step:  # torch.weight_sums: DDP replicas' checksums, the same steps on every rank
             self._replicas.at_boundary(step, duration_ns * 1e-9)
         asked = self._prepare_next(step, t0, traced, step + 1 <= _FORCED or allowed)
@@ -363,12 +426,27 @@ class StepTracker:
             self._check_at = self.budget.due_ns(t0, self._quick_rate)
         ring = self.ring
         row = ring.count
-        ring.append(step, t0 * 1e-9 + self.wall_offset, duration_ns * 1e-9,
-                    loss_v if type(loss_v) is float else None, norm_v if type(norm_v) is float else None,
-                    lr if type(lr) is float else None, traced, measured, s, t, micro,
-                    type(optimizer).__name__ if optimizer is not None else None, waited, cost * 1e-3, data_wait)
+        ring.append(
+            step,
+            t0 * 1e-9 + self.wall_offset,
+            duration_ns * 1e-9,
+            loss_v if type(loss_v) is float else None,
+            norm_v if type(norm_v) is float else None,
+            lr if type(lr) is float else None,
+            traced,
+            measured,
+            s,
+            t,
+            micro,
+            type(optimizer).__name__ if optimizer is not None else None,
+            waited,
+            cost * 1e-3,
+            data_wait,
+        )
         self.memory.tick()
-        if type(loss_v) is tuple or measured or type(lr) is tuple:  # after the row is in: a query's resolve may fill it at once
+        if (
+            type(loss_v) is tuple or measured or type(lr) is tuple
+        ):  # after the row is in: a query's resolve may fill it at once
             self._keep_pending(row, loss_v, norm_v, lr)
 
     def _settle(self, t0: int, last: int) -> bool:
@@ -397,8 +475,9 @@ class StepTracker:
         pacing = self.trace_pacing
         asked = pacing.turn(step, traced, measure, self.wall_offset) if pacing.wants_turn(step, traced, measure) else 0
         self._hard_trace_at = pacing.hard_at
-        self.quick = not (measure or self.explicit or tracer.handles or tracer.pending_events
-                           or tracer.active_step is not None)
+        self.quick = not (
+            measure or self.explicit or tracer.handles or tracer.pending_events or tracer.active_step is not None
+        )
         return asked
 
     def _keep_pending(self, row: int, loss_v, norm_v, lr) -> None:
@@ -432,8 +511,12 @@ class StepTracker:
 
         n = min(len(self.ring), 20)
         recent = self.ring.snapshot()["duration"][-n:] if n else []
-        return {"step": self.step, "last_step_at": self.last_end_wall(),
-                "step_time": float(np.median(recent)) if n else None, "state": "training"}
+        return {
+            "step": self.step,
+            "last_step_at": self.last_end_wall(),
+            "step_time": float(np.median(recent)) if n else None,
+            "state": "training",
+        }
 
     def close(self) -> None:
         self.capture.unwrap()

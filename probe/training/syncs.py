@@ -38,8 +38,18 @@ from ..util.ring import Ring
 __all__ = ["SyncWatch", "SYNC_MESSAGE", "SYNC_COLUMNS"]
 
 SYNC_MESSAGE = "called a synchronizing CUDA operation"
-SYNC_COLUMNS = {"step": "i8", "time": "f8", "rank": "f8", "file": "O", "line": "i8", "function": "O",
-                "code": "O", "count": "i8", "origin": "O", "via": "O"}
+SYNC_COLUMNS = {
+    "step": "i8",
+    "time": "f8",
+    "rank": "f8",
+    "file": "O",
+    "line": "i8",
+    "function": "O",
+    "code": "O",
+    "count": "i8",
+    "origin": "O",
+    "via": "O",
+}
 _PROBE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _PATTERN = re.escape(SYNC_MESSAGE)
 

@@ -46,9 +46,21 @@ __all__ = ["Tracer", "DEFAULT_EVERY", "TRACE_COLUMNS"]
 DEFAULT_EVERY = 100
 MEM_PERIOD = 0.0005
 MAX_STATS_CALLS = 20000  # module calls of one traced step that get output statistics (small ones hold a copy)
-TRACE_COLUMNS = {"step": "i8", "seq": "i8", "module": "O", "stage": "O", "duration": "f8", "allocated": "f8",
-                 "max_allocated": "f8", "time": "f8", "rank": "f8", "depth": "i8", "model": "O", "module_type": "O",
-                 **STATS_COLUMNS}
+TRACE_COLUMNS = {
+    "step": "i8",
+    "seq": "i8",
+    "module": "O",
+    "stage": "O",
+    "duration": "f8",
+    "allocated": "f8",
+    "max_allocated": "f8",
+    "time": "f8",
+    "rank": "f8",
+    "depth": "i8",
+    "model": "O",
+    "module_type": "O",
+    **STATS_COLUMNS,
+}
 
 
 _quieted = False
@@ -66,8 +78,9 @@ def _quiet_compile_warning() -> None:
         return
     import warnings
 
-    warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks",
-                            category=UserWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks", category=UserWarning
+    )
     _quieted = True
 
 
@@ -77,7 +90,9 @@ class Tracer:
         if every is None:
             every = setting("PROBE_TRACE")
         self.every = DEFAULT_EVERY if every is None else every
-        self.jittered = every is None  # the default sampling is jittered; an explicit PROBE_TRACE=N is kept to every Nth step
+        self.jittered = (
+            every is None
+        )  # the default sampling is jittered; an explicit PROBE_TRACE=N is kept to every Nth step
         self.ring = Ring(TRACE_COLUMNS, int(capacity or setting("PROBE_TRACE_CAPACITY")))
         self.rank = rank_identity()["rank"]
         self.cuda = bool(torch.cuda.is_available() and torch.cuda.is_initialized()) if hasattr(torch, "cuda") else False
@@ -288,8 +303,10 @@ class Tracer:
         _quiet_compile_warning()
         try:
             if self.cuda:
-                self.handles = [mm.register_module_forward_pre_hook(pre_cuda),
-                                mm.register_module_forward_hook(post_cuda)]
+                self.handles = [
+                    mm.register_module_forward_pre_hook(pre_cuda),
+                    mm.register_module_forward_hook(post_cuda),
+                ]
             else:
                 self.handles = [mm.register_module_forward_pre_hook(pre), mm.register_module_forward_hook(post)]
         except Exception as exc:
@@ -376,9 +393,9 @@ class Tracer:
             self.resolve()
         # The hooks hold these lists: take their contents and empty them in place.
         rows, back, again = self.rows[:], self.backward[:], self.recomputed[:]
-        del self.rows[:len(rows)], self.backward[:len(back)], self.recomputed[:len(again)]
+        del self.rows[: len(rows)], self.backward[: len(back)], self.recomputed[: len(again)]
         self._rstack.clear()
-        out = self.out_stats[:len(rows)]
+        out = self.out_stats[: len(rows)]
         del self.out_stats[:]
         if self._stats_new_step is not None:
             self._stats_new_step()
@@ -394,7 +411,7 @@ class Tracer:
         if self.cuda:
             base = self.ring.count + max(0, n - self.ring.capacity)
             with self._lock:
-                for i, r in enumerate(records[max(0, n - self.ring.capacity):]):
+                for i, r in enumerate(records[max(0, n - self.ring.capacity) :]):
                     if r[8] is not None and r[9] is not None:
                         self.pending_events.append((base + i, r[8], r[9]))
         self.ring.extend(cols, n)
@@ -411,13 +428,19 @@ class Tracer:
             record_error("torch trace: output statistics", exc)
             import numpy as np
 
-            return {name: np.ma.masked_all(n) if dt == "f8" else np.full(n, None, dtype=object)
-                    for name, dt in STATS_COLUMNS.items()}
+            return {
+                name: np.ma.masked_all(n) if dt == "f8" else np.full(n, None, dtype=object)
+                for name, dt in STATS_COLUMNS.items()
+            }
         if keep:
             import numpy as np
 
-            cols = {k: np.ma.concatenate((np.ma.masked_all(keep), v)) if v.dtype.kind == "f"
-                    else np.concatenate((np.full(keep, None, dtype=v.dtype), v)) for k, v in cols.items()}
+            cols = {
+                k: np.ma.concatenate((np.ma.masked_all(keep), v))
+                if v.dtype.kind == "f"
+                else np.concatenate((np.full(keep, None, dtype=v.dtype), v))
+                for k, v in cols.items()
+            }
         if batch.parts:
             with self._lock:
                 self.pending_stats.append(batch)

@@ -71,8 +71,20 @@ def step_records(rows, out, back, again, name_of) -> list:
             m = r[0]
             name, model = name_of(m)
             evs = r[4:] if len(r) > 4 else (None, None)
-            records.append((r[1], name, model, type(m).__name__, "recompute", r[2], r[3],
-                            depth_of.get(id(m), name.count(".") + 1 if model else 0), *evs, None))
+            records.append(
+                (
+                    r[1],
+                    name,
+                    model,
+                    type(m).__name__,
+                    "recompute",
+                    r[2],
+                    r[3],
+                    depth_of.get(id(m), name.count(".") + 1 if model else 0),
+                    *evs,
+                    None,
+                )
+            )
     records.sort(key=lambda r: r[0])
     return records
 
@@ -88,10 +100,14 @@ def columns(records: list, step: int, wall_offset: float, rank, cuda: bool = Fal
     memv = np.fromiter((r[6] for r in records), "f8", n)
     peak = np.fmax.accumulate(memv) if n else memv
     cols = {
-        "step": np.full(n, step, "i8"), "seq": np.arange(n, dtype="i8"),
+        "step": np.full(n, step, "i8"),
+        "seq": np.arange(n, dtype="i8"),
         "module": np.array([r[1] for r in records], dtype=object),
         "stage": np.array([r[4] for r in records], dtype=object),
-        "duration": t1 - t0, "allocated": memv, "max_allocated": peak, "time": t0 + wall_offset,
+        "duration": t1 - t0,
+        "allocated": memv,
+        "max_allocated": peak,
+        "time": t0 + wall_offset,
         "rank": np.full(n, np.nan if rank is None else rank, "f8"),
         "depth": np.fromiter((r[7] for r in records), "i8", n),
         "model": np.array([r[2] for r in records], dtype=object),

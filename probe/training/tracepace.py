@@ -37,8 +37,9 @@ class TracePacing:
         """Whether the boundary closing ``step`` has tracer work: a traced step to finish, hooks or device
         events outstanding, or the next step due for a trace (paced: only if it is measured)."""
         tracer = self.tracer
-        return bool(traced or tracer.handles or tracer.pending_events
-                    or (step + 1 >= self.due and (measure or not self.paced)))
+        return bool(
+            traced or tracer.handles or tracer.pending_events or (step + 1 >= self.due and (measure or not self.paced))
+        )
 
     def turn(self, step: int, traced: bool, measure: bool, wall_offset: float) -> int:
         """The tracer's turn at the boundary: finish a traced step, read its device timings, and prepare

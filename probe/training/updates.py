@@ -144,7 +144,7 @@ class Updates:
         look = step is not None and step >= self._look_at
         if look:
             self._look_at = step + _LOOK_EVERY
-        for f in (finder.schedulers() if look else finder.known("scheduler")):
+        for f in finder.schedulers() if look else finder.known("scheduler"):
             o = getattr(f.obj, "optimizer", None)
             if o is not None and finder.unwrap_optimizer(o)[0] is inner:
                 if self._sched is None or self._sched() is not f.obj:  # the same one keeps its count
@@ -231,13 +231,29 @@ class Updates:
                 if not changed:
                     still.append(w.name)
         if watched_t:
-            record(step, now, "params_move", not still, grouped(still, self._every) if still else None, float(len(still)),
-                   f"{len(still)} of {watched_t} sampled tensors with a non-zero gradient and learning rate did not change at the step"
-                   if still else None)
+            record(
+                step,
+                now,
+                "params_move",
+                not still,
+                grouped(still, self._every) if still else None,
+                float(len(still)),
+                f"{len(still)} of {watched_t} sampled tensors with a non-zero gradient and learning rate did not change at the step"
+                if still
+                else None,
+            )
         if watched_f:
-            record(step, now, "frozen_still", not moved, grouped(moved, self._every) if moved else None, float(len(moved)),
-                   f"{len(moved)} of {watched_f} sampled tensors with requires_grad=False that an optimizer holds changed since the last measured step"
-                   if moved else None)
+            record(
+                step,
+                now,
+                "frozen_still",
+                not moved,
+                grouped(moved, self._every) if moved else None,
+                float(len(moved)),
+                f"{len(moved)} of {watched_f} sampled tensors with requires_grad=False that an optimizer holds changed since the last measured step"
+                if moved
+                else None,
+            )
 
     def _schedule(self, step, now, record) -> None:
         sched = self._sched() if self._sched is not None else None
@@ -256,14 +272,20 @@ class Updates:
         kind = type(sched).__name__
         problem = None
         if stepped > steps + 1 and steps >= 10:
-            problem = (f"{kind} stepped {stepped} times in {steps} optimizer steps: more often than its optimizer "
-                       "(stepped per batch and again per epoch, or twice a step?)")
+            problem = (
+                f"{kind} stepped {stepped} times in {steps} optimizer steps: more often than its optimizer "
+                "(stepped per batch and again per epoch, or twice a step?)"
+            )
         elif steps >= _PACE_STEPS and stepped * 4 < steps and self._per_step(sched):
-            problem = (f"{kind} counts optimizer steps ({self._horizon(sched)}) but stepped {stepped} times in {steps} "
-                       "optimizer steps: it is stepped once an epoch, so its schedule hardly moves (warm-up never ends)")
+            problem = (
+                f"{kind} counts optimizer steps ({self._horizon(sched)}) but stepped {stepped} times in {steps} "
+                "optimizer steps: it is stepped once an epoch, so its schedule hardly moves (warm-up never ends)"
+            )
         elif kind == "CosineAnnealingLR" and last > getattr(sched, "T_max", last) and stepped * 2 > steps:
-            problem = (f"CosineAnnealingLR is at step {last}, past its T_max={sched.T_max}, where its rate climbs back up "
-                       f"(stepped {stepped} times in {steps} optimizer steps: stepped per batch while T_max counts epochs?)")
+            problem = (
+                f"CosineAnnealingLR is at step {last}, past its T_max={sched.T_max}, where its rate climbs back up "
+                f"(stepped {stepped} times in {steps} optimizer steps: stepped per batch while T_max counts epochs?)"
+            )
         record(step, now, "schedule", problem is None, kind, float(stepped) / steps if steps else None, problem)
 
     @staticmethod

@@ -50,8 +50,14 @@ BURST_S = 1.0  # seconds of step time whose share may be spent at once (and the 
 class Budget:
     __slots__ = ("share", "credit", "cap", "max_gap_ns", "last_allowed_ns", "charge_cap", "floor")
 
-    def __init__(self, share: float, burst_s: float = BURST_S, max_gap_s: float | None = None,
-                 charge_cap: float = 0.25, debt_cap: float = 1.0):
+    def __init__(
+        self,
+        share: float,
+        burst_s: float = BURST_S,
+        max_gap_s: float | None = None,
+        charge_cap: float = 0.25,
+        debt_cap: float = 1.0,
+    ):
         """``share``: the fraction of time allowed; ``inf`` allows everything, ``0`` nothing.
 
         ``max_gap_s``: when given, ``allows`` says yes at least once per that many seconds

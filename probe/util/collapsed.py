@@ -18,7 +18,9 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 def _escape(m) -> str:
     ch = m.group(0)
-    return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(ch, f"\\x{ord(ch):02x}" if ord(ch) < 256 else f"\\u{ord(ch):04x}")
+    return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(
+        ch, f"\\x{ord(ch):02x}" if ord(ch) < 256 else f"\\u{ord(ch):04x}"
+    )
 
 
 def frame_text(text) -> str:

@@ -26,8 +26,14 @@ def record_error(source: str, exc: BaseException | None = None) -> None:
         if exc is None:
             exc = sys.exc_info()[1]
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=8)) if exc else ""
-        row = (time.time(), source, type(exc).__name__ if exc else "", str(exc) if exc else "", tb,
-               threading.current_thread().name)
+        row = (
+            time.time(),
+            source,
+            type(exc).__name__ if exc else "",
+            str(exc) if exc else "",
+            tb,
+            threading.current_thread().name,
+        )
         with _lock:
             _total += 1
             _rows.append(row)

@@ -15,12 +15,12 @@ __all__ = ["SECRET_NAME", "REDACTED", "redact", "looks_secret"]
 REDACTED = "<redacted>"
 SECRET_NAME = re.compile(r"TOKEN|SECRET|KEY|PASSWORD|PASSWD|CREDENTIAL|AUTH|COOKIE", re.IGNORECASE)
 _SHAPES = re.compile(
-    r"hf_[A-Za-z0-9]{20,}"                      # Hugging Face
-    r"|sk-[A-Za-z0-9_\-]{20,}"                  # OpenAI and alike
-    r"|gh[pousr]_[A-Za-z0-9]{20,}"              # GitHub
+    r"hf_[A-Za-z0-9]{20,}"  # Hugging Face
+    r"|sk-[A-Za-z0-9_\-]{20,}"  # OpenAI and alike
+    r"|gh[pousr]_[A-Za-z0-9]{20,}"  # GitHub
     r"|github_pat_[A-Za-z0-9_]{20,}"
-    r"|xox[abprs]-[A-Za-z0-9\-]{10,}"           # Slack
-    r"|(?:AKIA|ASIA)[A-Z0-9]{16}"               # AWS access key id
+    r"|xox[abprs]-[A-Za-z0-9\-]{10,}"  # Slack
+    r"|(?:AKIA|ASIA)[A-Z0-9]{16}"  # AWS access key id
     r"|(?i:bearer)\s+[A-Za-z0-9._~+/=\-]{16,}"  # an Authorization header's value
 )
 

@@ -125,6 +125,7 @@ class Ring:
         with self._lock:
             n = self._stored
             if n <= self.capacity:
+
                 def live(arr):
                     return arr[:n].copy()
             else:
@@ -132,11 +133,12 @@ class Ring:
 
                 def live(arr):
                     return np.concatenate((arr[start:], arr[:start]))
+
             out = {}
             for name, arr in self.arrays.items():
                 out[name] = live(arr)
                 valid = self.valid.get(name)
-                if valid is not None and not valid[:min(n, self.capacity)].all():
+                if valid is not None and not valid[: min(n, self.capacity)].all():
                     out[name] = np.ma.masked_array(out[name], mask=~live(valid))
             return out
 

@@ -36,8 +36,18 @@ import sys
 __all__ = ["FRAMEWORK_PACKAGES", "LIBRARY_PACKAGES", "is_user_file", "is_user_code", "user_frame"]
 
 # packages whose frames are the framework's, not the user's loop
-FRAMEWORK_PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning", "lightning_utilities", "transformers",
-                      "accelerate", "deepspeed", "trl", "peft", "torchmetrics")
+FRAMEWORK_PACKAGES = (
+    "lightning",
+    "lightning_fabric",
+    "pytorch_lightning",
+    "lightning_utilities",
+    "transformers",
+    "accelerate",
+    "deepspeed",
+    "trl",
+    "peft",
+    "torchmetrics",
+)
 LIBRARY_PACKAGES = frozenset(("probe", "torch") + FRAMEWORK_PACKAGES)
 
 _INSTALLED = re.compile(r"[/\\](?:site|dist)-packages[/\\]([A-Za-z0-9_.]+)")

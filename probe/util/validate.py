@@ -13,7 +13,17 @@ import math
 
 from .._errors import ProbeError
 
-__all__ = ["BadRequest", "number", "seconds", "count", "text", "file_path", "json_body", "MAX_SECONDS", "MAX_JSON_DEPTH"]
+__all__ = [
+    "BadRequest",
+    "number",
+    "seconds",
+    "count",
+    "text",
+    "file_path",
+    "json_body",
+    "MAX_SECONDS",
+    "MAX_JSON_DEPTH",
+]
 
 MAX_SECONDS = 7 * 24 * 3600.0  # a week: anything longer is a typo, and timers overflow past ~1e9 s
 MAX_JSON_DEPTH = 32
@@ -26,8 +36,15 @@ class BadRequest(ProbeError):
     exit_code = 2
 
 
-def number(value, name: str, *, default=None, minimum: float | None = None, maximum: float | None = None,
-           exclusive_minimum: bool = False) -> float | None:
+def number(
+    value,
+    name: str,
+    *,
+    default=None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_minimum: bool = False,
+) -> float | None:
     """A finite float within bounds.
 
     >>> number("0.5", "lr")
@@ -49,14 +66,20 @@ def number(value, name: str, *, default=None, minimum: float | None = None, maxi
         raise BadRequest(f"{name} must be a finite number, not {_show(value)}.")
     if minimum is not None and (out <= minimum if exclusive_minimum else out < minimum):
         if minimum == 0:
-            raise BadRequest(f"{name} must {'be positive' if exclusive_minimum else 'not be negative'}, not {_show(value)}.")
-        raise BadRequest(f"{name} must be {'above' if exclusive_minimum else 'at least'} {minimum:g}, not {_show(value)}.")
+            raise BadRequest(
+                f"{name} must {'be positive' if exclusive_minimum else 'not be negative'}, not {_show(value)}."
+            )
+        raise BadRequest(
+            f"{name} must be {'above' if exclusive_minimum else 'at least'} {minimum:g}, not {_show(value)}."
+        )
     if maximum is not None and out > maximum:
         raise BadRequest(f"{name} must be at most {maximum:g}, not {_show(value)}.")
     return out
 
 
-def seconds(value, name: str = "timeout", *, default: float | None = None, maximum: float = MAX_SECONDS) -> float | None:
+def seconds(
+    value, name: str = "timeout", *, default: float | None = None, maximum: float = MAX_SECONDS
+) -> float | None:
     """A positive, finite duration of at most a week (by default).
 
     >>> seconds("1e300", "timeout")
@@ -121,8 +144,10 @@ def file_path(value, name: str = "path", *, max_len: int = 4096) -> str:
         raise BadRequest(f"no {name} given; pass a file path, e.g. /ckpt/emergency-{{rank}}.pt.")
     for i, ch in enumerate(out):
         if 0xD800 <= ord(ch) <= 0xDFFF:
-            raise BadRequest(f"{name} has a character that is not UTF-8 text at position {i} (U+{ord(ch):04X}, a lone "
-                             "surrogate, e.g. a byte the shell passed undecoded); give the path in UTF-8.")
+            raise BadRequest(
+                f"{name} has a character that is not UTF-8 text at position {i} (U+{ord(ch):04X}, a lone "
+                "surrogate, e.g. a byte the shell passed undecoded); give the path in UTF-8."
+            )
     if "\0" in out:
         raise BadRequest(f"{name} has a NUL character at position {out.index(chr(0))}; give a plain file path.")
     if len(out.encode()) > max_len:
@@ -160,7 +185,9 @@ def json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
     except RecursionError:
         raise deep from None
     except ValueError:
-        raise BadRequest("the request body is not valid JSON (UTF-8); send a JSON object such as {\"tables\": {...}}.") from None
+        raise BadRequest(
+            'the request body is not valid JSON (UTF-8); send a JSON object such as {"tables": {...}}.'
+        ) from None
     if _too_deep(body, max_depth):
         raise deep
     if not isinstance(body, dict):

@@ -66,7 +66,9 @@ def check_table(name, columns) -> None:
         if not isinstance(col, str) or not _COLUMN.match(col):
             raise WireError(f"column name {str(col)[:80]!r} of {name} is not letters, digits and _")
         if typ not in TYPES:
-            raise WireError(f"column {col} of {name} declares type {str(typ)[:80]!r}, which is not one of {', '.join(TYPES)}")
+            raise WireError(
+                f"column {col} of {name} declares type {str(typ)[:80]!r}, which is not one of {', '.join(TYPES)}"
+            )
 
 
 def object_column(values, typ: str):
@@ -85,7 +87,11 @@ def object_column(values, typ: str):
     if typ in ("BIGINT", "INTEGER", "DOUBLE", "TIMESTAMP"):
         try:
             conv = (lambda v: v.timestamp()) if typ == "TIMESTAMP" else float
-            data = np.fromiter((math.nan if v is None else (conv(v) if hasattr(v, "timestamp") else float(v)) for v in values), "<f8", n)
+            data = np.fromiter(
+                (math.nan if v is None else (conv(v) if hasattr(v, "timestamp") else float(v)) for v in values),
+                "<f8",
+                n,
+            )
             return "f8", data, valid
         except (TypeError, ValueError, OverflowError, AttributeError):
             pass
@@ -213,7 +219,7 @@ def decode(message: bytes) -> dict:
         raise WireError("not a probe snapshot")
     (hlen,) = struct.unpack_from("<I", message, 4)
     try:
-        header = json.loads(message[8:8 + hlen])
+        header = json.loads(message[8 : 8 + hlen])
     except ValueError:
         raise WireError("the snapshot header is damaged") from None
     try:
@@ -246,14 +252,18 @@ def _decode(message: bytes, header: dict, base: int) -> dict:
                 start, size = int(span[0]), int(span[1])
                 if start < 0 or size < 0 or base + start + size > len(message):
                     raise WireError("the snapshot is cut short")
-                return view[base + start: base + start + size]
+                return view[base + start : base + start + size]
 
             valid = None
             if c["kind"] == "dict":
                 codes = np.frombuffer(buf(spans[0]), "<i4", n)
                 nkeys = spans[1][1] // 8
-                keys = _texts(buf(spans[1]), buf(spans[2]), nkeys,
-                              None if spans[3] is None else np.frombuffer(buf(spans[3]), np.uint8, nkeys).astype(bool))
+                keys = _texts(
+                    buf(spans[1]),
+                    buf(spans[2]),
+                    nkeys,
+                    None if spans[3] is None else np.frombuffer(buf(spans[3]), np.uint8, nkeys).astype(bool),
+                )
                 if n and (codes.min() < 0 or codes.max() >= nkeys):
                     raise WireError("the snapshot is damaged (a text code out of range)")
                 data = keys[codes]

@@ -72,8 +72,24 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ERRORS = ("so_60335387", "wekws_72", "forum_84911", "fcn_57", "hvpnet_5", "adapters_260", "nni_4521", "pytorch_54765",
-          "torchmoji_21", "forum_153740", "ivadomed_57", "pytorch_65417", "m2_71", "pytorch_13494", "farm_46", "prediff_32")
+ERRORS = (
+    "so_60335387",
+    "wekws_72",
+    "forum_84911",
+    "fcn_57",
+    "hvpnet_5",
+    "adapters_260",
+    "nni_4521",
+    "pytorch_54765",
+    "torchmoji_21",
+    "forum_153740",
+    "ivadomed_57",
+    "pytorch_65417",
+    "m2_71",
+    "pytorch_13494",
+    "farm_46",
+    "prediff_32",
+)
 
 p = argparse.ArgumentParser()
 p.add_argument("--errors", required=True, help="comma-separated, run one phase each in this order")
@@ -101,11 +117,20 @@ def batch(n=32):
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.features = nn.Sequential(OrderedDict(
-            conv1=nn.Conv2d(1, 8, 3, padding=1), bn1=nn.BatchNorm2d(8), relu1=nn.ReLU(),
-            conv2=nn.Conv2d(8, 16, 3, padding=1), bn2=nn.BatchNorm2d(16), relu2=nn.ReLU(), pool=nn.AdaptiveAvgPool2d(4)))
-        self.classifier = nn.Sequential(OrderedDict(
-            fc1=nn.Linear(256, 64), relu=nn.ReLU(), drop=nn.Dropout(0.2), fc2=nn.Linear(64, CLASSES)))
+        self.features = nn.Sequential(
+            OrderedDict(
+                conv1=nn.Conv2d(1, 8, 3, padding=1),
+                bn1=nn.BatchNorm2d(8),
+                relu1=nn.ReLU(),
+                conv2=nn.Conv2d(8, 16, 3, padding=1),
+                bn2=nn.BatchNorm2d(16),
+                relu2=nn.ReLU(),
+                pool=nn.AdaptiveAvgPool2d(4),
+            )
+        )
+        self.classifier = nn.Sequential(
+            OrderedDict(fc1=nn.Linear(256, 64), relu=nn.ReLU(), drop=nn.Dropout(0.2), fc2=nn.Linear(64, CLASSES))
+        )
         self.head = nn.Linear(CLASSES, CLASSES)  # HVPNeT's extra layer on top (a CRF's transitions there)
         self.adapter = None  # adapters_260: added later
 
@@ -233,7 +258,11 @@ for i, error in enumerate(errors):
         if phase.local == args.onset:
             phase.at_onset()
             print(f"onset error={error} step={steps} time={time.time():.3f}", flush=True)
-        model, optimizer, scheduler = phase.model, phase.optimizer, phase.sched  # a script's globals, as users write them
+        model, optimizer, scheduler = (
+            phase.model,
+            phase.optimizer,
+            phase.sched,
+        )  # a script's globals, as users write them
         phase.step()
         phase.local += 1
         steps += 1

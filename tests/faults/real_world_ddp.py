@@ -76,16 +76,18 @@ def shard(n_batches: int, seed: int, n: int = 32) -> list:
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.encoder = nn.Sequential(OrderedDict(fc1=nn.Linear(DIM, 32), bn=nn.BatchNorm1d(32), relu=nn.ReLU(),
-                                                 fc2=nn.Linear(32, 32)))
+        self.encoder = nn.Sequential(
+            OrderedDict(fc1=nn.Linear(DIM, 32), bn=nn.BatchNorm1d(32), relu=nn.ReLU(), fc2=nn.Linear(32, 32))
+        )
         self.head = nn.Linear(32, CLASSES)
 
     def forward(self, x):
         return self.head(F.relu(self.encoder(x)))
 
 
-model = DDP(Net(), broadcast_buffers="buffers" not in args.error or args.fixed,
-            find_unused_parameters="unused" in errors)
+model = DDP(
+    Net(), broadcast_buffers="buffers" not in args.error or args.fixed, find_unused_parameters="unused" in errors
+)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 head_ckpt = {k: v.clone() * 0.5 for k, v in model.module.head.state_dict().items()}  # "a checkpoint" of the head
 

@@ -5,6 +5,7 @@
 SGD update as -(dp . g) / (g . g) over all parameters), ``ready`` after step 1, and pause
 while the stall file exists (``stalled at step N`` / ``resumed at step N``).
 """
+
 import os
 import time
 

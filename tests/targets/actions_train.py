@@ -7,6 +7,7 @@ OneCycleLR, ReduceLROnPlateau, SequentialLR); ``--step-sleep`` slows steps down;
 Steps end at the probe's step boundary: torch's optimizer-step hook when this probe has it,
 else an explicit safepoint fire. Prints ``ready`` after the first step, then ``step N lr X``.
 """
+
 import argparse
 import os
 import sys
@@ -36,8 +37,11 @@ def make_scheduler(name, optimizer):
     if name == "ReduceLROnPlateau":
         return s.ReduceLROnPlateau(optimizer, patience=1000)
     if name == "SequentialLR":
-        return s.SequentialLR(optimizer, [s.ConstantLR(optimizer, factor=0.5, total_iters=2),
-                                          s.ExponentialLR(optimizer, gamma=0.9)], milestones=[2])
+        return s.SequentialLR(
+            optimizer,
+            [s.ConstantLR(optimizer, factor=0.5, total_iters=2), s.ExponentialLR(optimizer, gamma=0.9)],
+            milestones=[2],
+        )
     raise SystemExit(f"unknown scheduler {name}")
 
 

@@ -4,6 +4,7 @@ imports probe: run it with PROBE=1 to probe it.
 
     python blocked_in_c.py [--steps N]
 """
+
 import argparse
 import os
 import sys

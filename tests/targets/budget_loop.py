@@ -5,6 +5,7 @@ Runs ``--steps N`` steps (``--step-sleep`` apart, else as fast as it can), print
 ``--then-sleep`` seconds so actions have steps to land on. Plain SGD, no scheduler: the lr
 changes only when ``probe lr`` changes it.
 """
+
 import argparse
 import os
 import time

@@ -5,6 +5,7 @@ every block through ``torch.utils.checkpoint.checkpoint`` (``--reentrant``: ``us
 else False), so backward runs each block's forward again. ``--no-checkpoint`` is the healthy twin.
 Prints ``step N loss X`` each step, ``ready`` after step 1.
 """
+
 import argparse
 import time
 

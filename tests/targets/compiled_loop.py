@@ -5,6 +5,7 @@ compiler). Prints ``step N loss X`` each step and ``ready`` after step 1. ``dyna
 ``probe eval``) returns dynamo's counters: frames compiled, graphs, and the recompilations seen by
 the recompile log hook (torch._logging's ``recompiles`` artifact), each with its reason.
 """
+
 import argparse
 import logging
 import time
@@ -37,8 +38,12 @@ _log.propagate = False  # kept here, not printed
 def dynamo():
     from torch._dynamo.utils import counters
 
-    return {"frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"],
-            "recompiles": len(recompiles), "reasons": recompiles[-3:]}
+    return {
+        "frames": counters["frames"]["total"],
+        "graphs": counters["stats"]["unique_graphs"],
+        "recompiles": len(recompiles),
+        "reasons": recompiles[-3:],
+    }
 
 
 model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))

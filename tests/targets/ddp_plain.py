@@ -80,11 +80,13 @@ def main():
     step = 0
     try:
         while True:
-            stall = rank == args.stall_rank and (os.path.exists(args.stall_when) if args.stall_when
-                                                  else step == args.stall_at + args.start_at)
+            stall = rank == args.stall_rank and (
+                os.path.exists(args.stall_when) if args.stall_when else step == args.stall_at + args.start_at
+            )
             slow = rank == args.slow_rank and step >= args.start_at
-            x, y = read_batch(gen, stall, args.step_sleep + (args.slow_data if slow else 0.0),
-                              corrupt=rank == args.bad_data_rank)
+            x, y = read_batch(
+                gen, stall, args.step_sleep + (args.slow_data if slow else 0.0), corrupt=rank == args.bad_data_rank
+            )
             if slow and not args.slow_data:
                 extra_compute(args.slow_compute)
             optimizer.zero_grad(set_to_none=True)

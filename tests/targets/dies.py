@@ -4,6 +4,7 @@ exits normally.
 
     python dies.py --how exception|thread|segv|sysexit|wait|exit [--steps N]
 """
+
 import argparse
 import ctypes
 import os

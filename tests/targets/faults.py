@@ -31,8 +31,12 @@ p.add_argument("--ready-step", type=int, default=20)
 p.add_argument("--step-sleep", type=float, default=0.005)
 p.add_argument("--device", default="cpu")
 p.add_argument("--settle", type=int, default=60, help="steps after the fault before printing 'planted'")
-p.add_argument("--hide-loss-every", type=int, default=0,
-               help="every K-th step backpropagates with explicit gradients and no `loss` variable: its loss is unknown (NULL)")
+p.add_argument(
+    "--hide-loss-every",
+    type=int,
+    default=0,
+    help="every K-th step backpropagates with explicit gradients and no `loss` variable: its loss is unknown (NULL)",
+)
 args = p.parse_args()
 
 torch.manual_seed(0)
@@ -65,10 +69,19 @@ if args.fault == "vanishing":  # 8 sigmoid layers at the default init, no normal
     body = [nn.Linear(DIM, 32), nn.Sigmoid()] + [m for _ in range(6) for m in (nn.Linear(32, 32), nn.Sigmoid())]
     model = nn.Sequential(*body, nn.Linear(32, CLASSES)).to(args.device)
 elif args.fault == "eval_mode":  # the same net with dropout and batch norm after its first layer
-    model = nn.Sequential(nn.Linear(DIM, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 32), nn.ReLU(),
-                          nn.Linear(32, CLASSES)).to(args.device)
+    model = nn.Sequential(
+        nn.Linear(DIM, 32),
+        nn.BatchNorm1d(32),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Linear(32, 32),
+        nn.ReLU(),
+        nn.Linear(32, CLASSES),
+    ).to(args.device)
 else:
-    model = nn.Sequential(nn.Linear(DIM, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, CLASSES)).to(args.device)
+    model = nn.Sequential(nn.Linear(DIM, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, CLASSES)).to(
+        args.device
+    )
 if args.fault == "frozen":  # "fine-tune only the head", with the head frozen by mistake too
     for param in model.parameters():
         param.requires_grad_(False)
@@ -82,14 +95,19 @@ total = 0.0
 corrupt = random.Random(1)  # loss_spike: which batches come from the corrupt shard
 # On CPU nothing synchronises: host_sync raises, from its own line, the warning torch's sync debug mode
 # raises there on CUDA (the same text, category and frame), a stand-in for the CUDA path.
-SYNC_WARNING = "called a synchronizing CUDA operation (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:150.)"
+SYNC_WARNING = (
+    "called a synchronizing CUDA operation (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:150.)"
+)
 if args.fault == "host_sync":
     warnings.showwarning = lambda *a, **k: None  # on CUDA the untraced steps raise nothing: print nothing here either
 step = 0
 while True:
     step += 1
     if args.fault == "hang" and step == args.fault_step:
-        def wait_for_shard(ready=threading.Event()):  # a prefetch thread blocked forever, as a dead data source leaves it
+
+        def wait_for_shard(
+            ready=threading.Event(),
+        ):  # a prefetch thread blocked forever, as a dead data source leaves it
             ready.wait()
 
         threading.Thread(target=wait_for_shard, name="prefetch", daemon=True).start()
@@ -97,7 +115,11 @@ while True:
         while True:
             time.sleep(1)  # ok-sleep: the planted hang (the main thread never returns)
     x, y = [t.to(args.device) for t in next(loader)] if loader is not None else batch()  # data_wait: from step 1
-    if args.fault == "loss_spike" and step >= args.fault_step and (step == args.fault_step or corrupt.random() < 1 / 15):
+    if (
+        args.fault == "loss_spike"
+        and step >= args.fault_step
+        and (step == args.fault_step or corrupt.random() < 1 / 15)
+    ):
         y = y.clone()
         y[:8] = (y[:8] + 1) % CLASSES  # a corrupt shard: about one batch in 15 has 8 of its 64 labels wrong
     if args.fault == "dead_relu" and step == args.fault_step:

@@ -21,9 +21,13 @@ from torch.distributed.fsdp import fully_shard
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=2000)
-p.add_argument("--step-sleep", type=float, default=0.0, help="Seconds to sleep each step: a floor under the job's length.")
+p.add_argument(
+    "--step-sleep", type=float, default=0.0, help="Seconds to sleep each step: a floor under the job's length."
+)
 p.add_argument("--linger", action="store_true", help="After the last step, wait (in Python) until killed.")
-p.add_argument("--resume", default=None, help="Load probe.load_checkpoint(PATH) first, {rank} expanded; print what it held.")
+p.add_argument(
+    "--resume", default=None, help="Load probe.load_checkpoint(PATH) first, {rank} expanded; print what it held."
+)
 args = p.parse_args()
 
 dist.init_process_group("gloo")
@@ -38,9 +42,12 @@ if args.resume:
 
     state = probe.load_checkpoint(args.resume.replace("{rank}", str(rank)), model=model, optimizer=optimizer)
     w = model[0].weight
-    print(f"resumed rank={rank} step={state['step']} sharded={state.get('sharded')} "
-          f"local={tuple(w.to_local().shape)} of={tuple(w.shape)} "
-          f"match={bool(torch.equal(w.to_local(), state['model']['0.weight'].to_local()))}", flush=True)
+    print(
+        f"resumed rank={rank} step={state['step']} sharded={state.get('sharded')} "
+        f"local={tuple(w.to_local().shape)} of={tuple(w.shape)} "
+        f"match={bool(torch.equal(w.to_local(), state['model']['0.weight'].to_local()))}",
+        flush=True,
+    )
 
 
 def say(line: str) -> None:

@@ -9,6 +9,7 @@ steps; ``ready`` after iteration 1; ``--stall-file F`` pauses between iterations
 ``stepped`` counts each optimizer's steps, incremented just before its ``step()``: an action
 run between the two optimizers' steps sees ``stepped["d"] - stepped["g"] == 1``, after both 0.
 """
+
 import argparse
 import time
 
@@ -63,8 +64,11 @@ def main():
         opt_g.step()
         g_used = used_lr(g_before)
         it += 1
-        print(f"iter {it} d_loss {float(d_loss)!r} g_loss {float(g_loss)!r} d_lr {d_lr!r} d_used {d_used!r} "
-              f"g_lr {g_lr!r} g_used {g_used!r}", flush=True)
+        print(
+            f"iter {it} d_loss {float(d_loss)!r} g_loss {float(g_loss)!r} d_lr {d_lr!r} d_used {d_used!r} "
+            f"g_lr {g_lr!r} g_used {g_used!r}",
+            flush=True,
+        )
         if args.step_sleep:
             time.sleep(args.step_sleep)  # ok-sleep: pacing
         step_done(it, args.stall_file)

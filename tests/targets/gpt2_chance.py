@@ -2,6 +2,7 @@
 uniformly random tokens, so its loss sits at ln(128), chance level: no probe code (PROBE=1).
 Prints ``ready`` after ``--steps`` steps and trains on, slowly.
 """
+
 import os
 import time
 

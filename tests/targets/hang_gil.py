@@ -1,4 +1,5 @@
 """A main thread stuck in a C call with the GIL held: libc sleep through ctypes.PyDLL (which keeps the GIL)."""
+
 import ctypes
 import os
 import sys

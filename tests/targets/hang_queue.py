@@ -1,4 +1,5 @@
 """A main thread blocked on a queue get and a worker blocked on a lock (the GIL released in both)."""
+
 import os
 import queue
 import threading

@@ -1,5 +1,6 @@
 """A probed loop that completes a few steps, then stops stepping: blocked in C with the GIL held
 (``gil``, the default) or waiting in Python-level sleep (``sleep``). Run with PROBE_HANG_TIMEOUT set."""
+
 import ctypes
 import os
 import sys

@@ -12,6 +12,7 @@ data after the N batches already consumed (the data is a fixed sequence, no drop
 resumed run computes exactly what the first one did) and ``--stop-at N`` ends training
 after step N (``--max-steps`` stays the schedule's length). ``--step-sleep S`` sleeps S seconds after each step.
 """
+
 import argparse
 import os
 import time
@@ -78,20 +79,38 @@ class Report(TrainerCallback):
 
     def on_log(self, a, state, control, logs=None, **kw):
         if logs and "loss" in logs:
-            print(f"hf step {state.global_step} loss {logs['loss']!r} lr {logs.get('learning_rate')!r} "
-                  f"used {self.used.get(state.global_step)!r}", flush=True)
+            print(
+                f"hf step {state.global_step} loss {logs['loss']!r} lr {logs.get('learning_rate')!r} "
+                f"used {self.used.get(state.global_step)!r}",
+                flush=True,
+            )
 
 
 def main():
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no randomness after the data
+    config = GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )  # no randomness after the data
     model = GPT2LMHeadModel(config)
-    targs = TrainingArguments(output_dir=args.out, max_steps=args.max_steps, per_device_train_batch_size=4,
-                              gradient_accumulation_steps=args.accum, learning_rate=0.05, warmup_steps=5,
-                              lr_scheduler_type=args.scheduler, logging_steps=1, optim="sgd", max_grad_norm=0.0, save_strategy="no", report_to=[],
-                              train_sampling_strategy="sequential",
-                              use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=0)
+    targs = TrainingArguments(
+        output_dir=args.out,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=args.accum,
+        learning_rate=0.05,
+        warmup_steps=5,
+        lr_scheduler_type=args.scheduler,
+        logging_steps=1,
+        optim="sgd",
+        max_grad_norm=0.0,
+        save_strategy="no",
+        report_to=[],
+        train_sampling_strategy="sequential",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+    )
     report = Report()
     report.model = model
     skip = args.skip * targs.per_device_train_batch_size * args.accum

@@ -1,6 +1,7 @@
 """A plain Python process (no torch) whose text is hostile to whoever reads it: a thread name carrying a
 newline and a shell command, and a main-thread frame holding a Hugging Face token in its locals (by name and
 inside a dict). Prints ``ready`` and waits."""
+
 import os
 import threading
 import time

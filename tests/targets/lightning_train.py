@@ -7,6 +7,7 @@ logs, the LambdaLR's own lr for the step and the lr the step really used,
 measured from the update (-(dp . g) / (g . g) over all parameters). ``--stall-file F`` pauses between steps
 while F exists (prints ``stalled at step N``); ``--step-sleep S`` sleeps S seconds after each step.
 """
+
 import argparse
 import time
 import warnings
@@ -73,9 +74,17 @@ def main():
     skip = args.skip * 8 % len(x)
     x, y = torch.cat((x[skip:], x[:skip])), torch.cat((y[skip:], y[:skip]))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=False)
-    trainer = pl.Trainer(max_steps=args.max_steps, max_epochs=-1, accelerator="cpu", devices=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=args.out)
+    trainer = pl.Trainer(
+        max_steps=args.max_steps,
+        max_epochs=-1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=args.out,
+    )
     trainer.fit(Regression(), loader)
 
 

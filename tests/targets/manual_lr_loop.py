@@ -10,6 +10,7 @@ each step prints ``step N loss X lr Y used Z`` (X: the step's loss as the loop l
 mean over its micro-batches; Y: the loop's lr; Z: -(dp . g) / (g . g) over all parameters).
 Prints ``ready`` after step 1. ``--stall-file F`` pauses between steps while F exists.
 """
+
 import argparse
 import math
 import time

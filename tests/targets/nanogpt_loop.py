@@ -10,6 +10,7 @@ its backpropagated micro-losses, repr'd) and ``ready`` after iteration 0; ``--le
 micro-step's loss (with its graph) and logits in a list (the classic leak: ``--batch 48``, ~0.4 MB an iteration); ``--iters`` ends the loop, else it
 runs until stopped; ``--step-sleep`` sleeps after each iteration.
 """
+
 import argparse
 import math
 import os
@@ -38,7 +39,9 @@ class TinyLM(torch.nn.Module):
         self.wte = torch.nn.Embedding(vocab, n_embd)
         self.wpe = torch.nn.Embedding(block, n_embd)
         self.ln = torch.nn.LayerNorm(n_embd)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(n_embd, 4 * n_embd), torch.nn.GELU(), torch.nn.Linear(4 * n_embd, n_embd))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(n_embd, 4 * n_embd), torch.nn.GELU(), torch.nn.Linear(4 * n_embd, n_embd)
+        )
         self.head = torch.nn.Linear(n_embd, vocab, bias=False)
 
     def forward(self, idx, targets=None):
@@ -60,8 +63,9 @@ def get_batch():
 model = TinyLM()
 decay = [q for q in model.parameters() if q.dim() >= 2]
 no_decay = [q for q in model.parameters() if q.dim() < 2]
-optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                              lr=6e-4, betas=(0.9, 0.95))
+optimizer = torch.optim.AdamW(
+    [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=6e-4, betas=(0.9, 0.95)
+)
 scaler = torch.amp.GradScaler("cpu", enabled=False)
 learning_rate, min_lr, warmup_iters, lr_decay_iters = 6e-4, 6e-5, 10, 2000
 
@@ -90,7 +94,9 @@ while not args.iters or iter_num < args.iters:
         scaler.scale(loss).backward()
         micro.append(loss.detach())
         if args.leak:
-            hoard.append((loss, logits))  # kept "for logging" with its graph and logits: a leak of batch*block*vocab floats
+            hoard.append(
+                (loss, logits)
+            )  # kept "for logging" with its graph and logits: a leak of batch*block*vocab floats
     scaler.unscale_(optimizer)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     scaler.step(optimizer)

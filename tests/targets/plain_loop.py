@@ -1,4 +1,5 @@
 """A plain Python script that never imports probe: a worker thread and a main loop of short sleeps."""
+
 import os
 import sys
 import threading

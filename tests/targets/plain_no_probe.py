@@ -1,4 +1,5 @@
 """A plain script that never imports probe (for PROBE=1 and inject tests)."""
+
 import os
 import sys
 import time

@@ -1,4 +1,5 @@
 """A probed process whose main thread spins in pure Python (always executing bytecode)."""
+
 import os
 
 import probe.auto  # noqa: F401

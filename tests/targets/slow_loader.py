@@ -5,6 +5,7 @@ persistent_workers=True``: each worker needs ~160 ms a batch, so batches arrive 
 step waits ~160 ms, the next almost nothing) around a model of ~1 ms. Prints ``ready`` after
 ``--ready-step`` steps, then trains until stopped.
 """
+
 import argparse
 import os
 import time

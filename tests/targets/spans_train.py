@@ -5,6 +5,7 @@ Each step: ``step`` (outer) holds ``data`` and ``compute``; ``compute`` holds ``
 after the first step. ``--data-sleep S`` makes the data span S seconds (an input-bound job);
 ``--step-sleep S`` paces the steps (S seconds after each, outside every span).
 """
+
 import argparse
 import os
 import threading

@@ -1,4 +1,5 @@
 """Prints whether a probe runs here; with --spawn, runs itself once more as a child and prints the child's line."""
+
 import subprocess
 import sys
 

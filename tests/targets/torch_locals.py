@@ -6,6 +6,7 @@ function had returned (``alive_fn``: the probe must not keep a finished step's f
 plus checksums of the loop's own variables. STEP_FN=1 runs the second loop. TRACE=1 runs it under a trace
 function (as a debugger would); NO_PROBE=1 runs it without probe.
 """
+
 import os
 import sys
 import weakref
@@ -59,6 +60,7 @@ def train_by_step_function():
 
 
 if os.environ.get("TRACE") == "1":
+
     def tracer(frame, event, arg):
         return tracer
 

@@ -13,7 +13,6 @@ the probe), ``step_losses`` (each step's loss: the mean over its micro-batches, 
 
 import argparse
 import os
-import sys
 import time
 import warnings
 
@@ -54,7 +53,7 @@ for step in range(1, args.steps + 1):
     idx = torch.arange(step * 16, step * 16 + 32) % 256
     step_loss = 0.0
     for micro in range(2):
-        xb, yb = x_all[idx[micro * 16:(micro + 1) * 16]], y_all[idx[micro * 16:(micro + 1) * 16]]
+        xb, yb = x_all[idx[micro * 16 : (micro + 1) * 16]], y_all[idx[micro * 16 : (micro + 1) * 16]]
         loss = nn.functional.mse_loss(head(encoder_fwd(xb)), yb)
         (loss / 2).backward()
         step_loss += loss.item() / 2

@@ -23,7 +23,8 @@ def _modules_with_examples() -> list[str]:
     for package in packages:
         folder = Path(importlib.util.find_spec(package).submodule_search_locations[0])
         for name, path in [(package, folder / "__init__.py")] + [
-                (f"{package}.{m.name}", folder / f"{m.name}.py") for m in pkgutil.iter_modules([str(folder)]) if not m.ispkg]:
+            (f"{package}.{m.name}", folder / f"{m.name}.py") for m in pkgutil.iter_modules([str(folder)]) if not m.ispkg
+        ]:
             if path.exists() and ">>> " in path.read_text(encoding="utf-8"):
                 found.append(name)
     return sorted(found)

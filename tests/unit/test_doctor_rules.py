@@ -11,27 +11,44 @@ from harness import ROOT
 
 def _run_rule(name: str, parameters: list, step: int = 100) -> list:
     """Rule ``name``'s SQL over hand-made torch.parameters rows (name, numel, grad_norm[, requires_grad[, in_optimizer]])."""
-    return rule_rows(name, {
-        "torch.parameters": ("rank INTEGER, model VARCHAR, name VARCHAR, numel BIGINT, grad_norm DOUBLE, requires_grad BOOLEAN, "
-                             "in_optimizer BOOLEAN",
-                             [(None, "model", n, k, g, *(list(rest) + [True, True])[:2]) for n, k, g, *rest in parameters]),
-        "torch.steps": f"SELECT NULL::INTEGER AS rank, range AS step FROM range(1, {step + 1})"})
+    return rule_rows(
+        name,
+        {
+            "torch.parameters": (
+                "rank INTEGER, model VARCHAR, name VARCHAR, numel BIGINT, grad_norm DOUBLE, requires_grad BOOLEAN, "
+                "in_optimizer BOOLEAN",
+                [(None, "model", n, k, g, *(list(rest) + [True, True])[:2]) for n, k, g, *rest in parameters],
+            ),
+            "torch.steps": f"SELECT NULL::INTEGER AS rank, range AS step FROM range(1, {step + 1})",
+        },
+    )
 
 
 def _stack(prefix: str, rms: list) -> list:
     """A numbered stack: layer i has a [32, 32] weight and a [32] bias whose gradients have RMS ``rms[i]``."""
-    return [(f"{prefix}{i}.{p}", k, r * k ** 0.5) for i, r in enumerate(rms) for p, k in (("weight", 1024), ("bias", 32))]
+    return [(f"{prefix}{i}.{p}", k, r * k**0.5) for i, r in enumerate(rms) for p, k in (("weight", 1024), ("bias", 32))]
 
 
 def test_grads_by_layer_compares_the_first_and_last_numbered_layer_either_way():
     # vanishing: the first layer's gradient per element is 1e-5 of the last's, named with both layers
     (f,) = _run_rule("grads_by_layer", _stack("", [1e-7, 1e-5, 1e-3, 1e-2]))
-    assert (f["direction"], f["first_layer"], f["last_layer"], f["layers"], f["stack_name"]) == ("vanish", "0", "3", 4, "model")
+    assert (f["direction"], f["first_layer"], f["last_layer"], f["layers"], f["stack_name"]) == (
+        "vanish",
+        "0",
+        "3",
+        4,
+        "model",
+    )
     assert abs(f["ratio"] - 1e-5) < 1e-9, f
     # exploding, in a ModuleList inside the model, with sub-modules numbered too (blocks.2.mlp.0.weight is block 2)
     rows = _stack("blocks.", [50.0, 1.0, 0.01]) + [("blocks.2.mlp.0.weight", 64, 0.001), ("head.weight", 256, 1.0)]
     (f,) = _run_rule("grads_by_layer", rows)
-    assert (f["direction"], f["first_layer"], f["last_layer"], f["stack_name"]) == ("explode", "blocks.0", "blocks.2", "model.blocks")
+    assert (f["direction"], f["first_layer"], f["last_layer"], f["stack_name"]) == (
+        "explode",
+        "blocks.0",
+        "blocks.2",
+        "model.blocks",
+    )
     assert f["ratio"] > 1e3, f
     # quiet: a spread of 100x; two layers only; names with digits that are no layer number (conv1, conv2, conv3);
     # an exact 0 (dead units: another rule's); before step 50; frozen first layers left out
@@ -40,17 +57,27 @@ def test_grads_by_layer_compares_the_first_and_last_numbered_layer_either_way():
     assert not _run_rule("grads_by_layer", [(f"conv{i}.weight", 9, r) for i, r in ((1, 1e-9), (2, 1.0), (3, 1.0))])
     assert not _run_rule("grads_by_layer", _stack("", [0.0, 1e-3, 1.0]))
     assert not _run_rule("grads_by_layer", _stack("", [1e-7, 1e-5, 1e-3, 1e-2]), step=40)
-    assert not _run_rule("grads_by_layer", [("0.weight", 1024, None, False)] + [(f"{i}.weight", 1024, 32.0) for i in (1, 2, 3)])
+    assert not _run_rule(
+        "grads_by_layer", [("0.weight", 1024, None, False)] + [(f"{i}.weight", 1024, 32.0) for i in (1, 2, 3)]
+    )
     # a first layer no optimizer steps (grads_not_optimized's finding) is not the stack's gradient problem
-    assert not _run_rule("grads_by_layer", [("0.weight", 1024, 5e3, True, False)] + [(f"{i}.weight", 1024, 4.0) for i in (1, 2, 3)])
+    assert not _run_rule(
+        "grads_by_layer", [("0.weight", 1024, 5e3, True, False)] + [(f"{i}.weight", 1024, 4.0) for i in (1, 2, 3)]
+    )
 
 
 def test_a_rule_of_an_unknown_family_is_refused_in_one_sentence():
     from probe.diagnosis.rules import FAMILIES, get_rule, rule
 
     with pytest.raises(ValueError) as caught:
-        rule("misfiled", family="gradients", severity="warning", description="Never registered.", sql="SELECT 1",
-             message="never.")
+        rule(
+            "misfiled",
+            family="gradients",
+            severity="warning",
+            description="Never registered.",
+            sql="SELECT 1",
+            message="never.",
+        )
     assert str(caught.value) == f"rule misfiled: family must be one of {', '.join(FAMILIES)}, not 'gradients'"
     assert get_rule("misfiled") is None
 
@@ -76,12 +103,18 @@ def test_a_message_field_that_does_not_fit_its_format_costs_that_field_only():
 def _memory_rows(rows: list) -> list:
     """allocator_fragmentation's SQL over hand-made torch.memory rows (device, allocated, reserved, retries, ooms,
     total in GiB); CUDA allocators cannot be made to fragment on this CPU-only host."""
-    g = 2 ** 30
-    gib = (lambda v: None if v is None else int(v * g))
-    return rule_rows("allocator_fragmentation", {
-        "torch.memory": ("rank INTEGER, device VARCHAR, allocated BIGINT, reserved BIGINT, alloc_retries BIGINT, ooms BIGINT, "
-                         "total BIGINT, rss BIGINT",
-                         [(None, d, gib(a), gib(r), n, o, gib(t), None) for d, a, r, n, o, t in rows])})
+    g = 2**30
+    gib = lambda v: None if v is None else int(v * g)
+    return rule_rows(
+        "allocator_fragmentation",
+        {
+            "torch.memory": (
+                "rank INTEGER, device VARCHAR, allocated BIGINT, reserved BIGINT, alloc_retries BIGINT, ooms BIGINT, "
+                "total BIGINT, rss BIGINT",
+                [(None, d, gib(a), gib(r), n, o, gib(t), None) for d, a, r, n, o, t in rows],
+            )
+        },
+    )
 
 
 def test_allocator_fragmentation_needs_retries_and_a_large_unused_reservation():
@@ -92,8 +125,10 @@ def test_allocator_fragmentation_needs_retries_and_a_large_unused_reservation():
     (f,) = _memory_rows([("cuda:0", 40, 70, 12, 0, 80), ("cpu", None, None, None, None, None)])
     assert (f["device"], f["cached_gb"], f["retries"]) == ("cuda:0", 30.0, 12)
     said = _fill(get_rule("allocator_fragmentation").message, f)
-    assert said.startswith("cuda:0: the caching allocator reserves 70.0 GiB of 80.0 but tensors hold only 40.0 GiB") and \
-        "expandable_segments:True" in said, said
+    assert (
+        said.startswith("cuda:0: the caching allocator reserves 70.0 GiB of 80.0 but tensors hold only 40.0 GiB")
+        and "expandable_segments:True" in said
+    ), said
     # an OOM with the cache in pieces counts too
     assert _memory_rows([("cuda:1", 10, 20, 0, 1, 24)])
     # quiet: a big cache without retries (the allocator keeping memory is normal), retries with a full reservation
@@ -108,30 +143,53 @@ def _input_bound(loaders: list, main_stack: list, step_ms: float = 50.0, model_m
     """input_bound's SQL over 10 hand-made traced steps of ``step_ms`` (``model_ms`` in the root model),
     torch.dataloaders rows (name, dataset_type, batch_size, num_workers) and the main thread's stack (func, file),
     innermost first."""
-    return rule_rows("input_bound", {
-        "torch.steps": (f"SELECT NULL::INTEGER AS rank, range AS step, {step_ms / 1000} AS duration, NULL::DOUBLE AS comm_wait, "
-                        "NULL::DOUBLE AS cpu_wait, NULL::DOUBLE AS data_wait FROM range(1, 11)"),
-        "python.torch_trace": f"SELECT NULL::INTEGER AS rank, range AS step, 0 AS depth, {model_ms / 1000} AS duration FROM range(1, 11)",
-        "torch.dataloaders": ("rank INTEGER, name VARCHAR, dataset_type VARCHAR, batch_size BIGINT, num_workers INTEGER",
-                              [(None, *row) for row in loaders]),
-        "python.backtrace": ("rank INTEGER, is_main BOOLEAN, depth INTEGER, func VARCHAR, file VARCHAR, lineno INTEGER",
-                             [(None, True, d, f, path, 10) for d, (f, path) in enumerate(main_stack)])})
+    return rule_rows(
+        "input_bound",
+        {
+            "torch.steps": (
+                f"SELECT NULL::INTEGER AS rank, range AS step, {step_ms / 1000} AS duration, NULL::DOUBLE AS comm_wait, "
+                "NULL::DOUBLE AS cpu_wait, NULL::DOUBLE AS data_wait FROM range(1, 11)"
+            ),
+            "python.torch_trace": f"SELECT NULL::INTEGER AS rank, range AS step, 0 AS depth, {model_ms / 1000} AS duration FROM range(1, 11)",
+            "torch.dataloaders": (
+                "rank INTEGER, name VARCHAR, dataset_type VARCHAR, batch_size BIGINT, num_workers INTEGER",
+                [(None, *row) for row in loaders],
+            ),
+            "python.backtrace": (
+                "rank INTEGER, is_main BOOLEAN, depth INTEGER, func VARCHAR, file VARCHAR, lineno INTEGER",
+                [(None, True, d, f, path, 10) for d, (f, path) in enumerate(main_stack)],
+            ),
+        },
+    )
 
 
 def _paired_workers(fast_ms: float, slow_ms: float, model_ms: float = 1.0, traced_every: int = 10) -> list:
     """input_bound over 200 steps whose batches come in pairs (two DataLoader workers): even steps wait
     ``fast_ms`` for data, odd ones ``slow_ms``; the model takes ``model_ms``; every ``traced_every``-th step
     (an even one: the aliasing the jitter prevents) is traced."""
-    return rule_rows("input_bound", {
-        "torch.steps": (f"SELECT NULL::INTEGER AS rank, range AS step, "
-                        f"(CASE WHEN range % 2 = 0 THEN {fast_ms} ELSE {slow_ms} END + {model_ms}) / 1000 AS duration, "
-                        f"NULL::DOUBLE AS comm_wait, NULL::DOUBLE AS cpu_wait, "
-                        f"CASE WHEN range % 2 = 0 THEN {fast_ms} ELSE {slow_ms} END / 1000 AS data_wait FROM range(1, 201)"),
-        "python.torch_trace": (f"SELECT NULL::INTEGER AS rank, range AS step, 0 AS depth, {model_ms / 1000} AS duration "
-                               f"FROM range({traced_every}, 201, {traced_every})"),
-        "torch.dataloaders": ("rank INTEGER, name VARCHAR, dataset_type VARCHAR, batch_size BIGINT, num_workers INTEGER",
-                              [(None, "loader", "Slow", 16, 2)]),
-        "python.backtrace": ("rank INTEGER, is_main BOOLEAN, depth INTEGER, func VARCHAR, file VARCHAR, lineno INTEGER", [])})
+    return rule_rows(
+        "input_bound",
+        {
+            "torch.steps": (
+                f"SELECT NULL::INTEGER AS rank, range AS step, "
+                f"(CASE WHEN range % 2 = 0 THEN {fast_ms} ELSE {slow_ms} END + {model_ms}) / 1000 AS duration, "
+                f"NULL::DOUBLE AS comm_wait, NULL::DOUBLE AS cpu_wait, "
+                f"CASE WHEN range % 2 = 0 THEN {fast_ms} ELSE {slow_ms} END / 1000 AS data_wait FROM range(1, 201)"
+            ),
+            "python.torch_trace": (
+                f"SELECT NULL::INTEGER AS rank, range AS step, 0 AS depth, {model_ms / 1000} AS duration "
+                f"FROM range({traced_every}, 201, {traced_every})"
+            ),
+            "torch.dataloaders": (
+                "rank INTEGER, name VARCHAR, dataset_type VARCHAR, batch_size BIGINT, num_workers INTEGER",
+                [(None, "loader", "Slow", 16, 2)],
+            ),
+            "python.backtrace": (
+                "rank INTEGER, is_main BOOLEAN, depth INTEGER, func VARCHAR, file VARCHAR, lineno INTEGER",
+                [],
+            ),
+        },
+    )
 
 
 def test_input_bound_judges_every_step_so_paired_workers_cannot_hide_the_slow_half():
@@ -149,13 +207,20 @@ def test_input_bound_names_loaders_without_workers_and_where_the_main_thread_loa
     from probe.diagnosis.rules import get_rule
 
     data = "/venv/site-packages/torch/utils/data"
-    loading = [("__getitem__", "/job/data.py"), ("<listcomp>", f"{data}/_utils/fetch.py"), ("fetch", f"{data}/_utils/fetch.py"),
-               ("__next__", f"{data}/dataloader.py"), ("<module>", "/job/train.py")]
+    loading = [
+        ("__getitem__", "/job/data.py"),
+        ("<listcomp>", f"{data}/_utils/fetch.py"),
+        ("fetch", f"{data}/_utils/fetch.py"),
+        ("__next__", f"{data}/dataloader.py"),
+        ("<module>", "/job/train.py"),
+    ]
     # given: a job spending 98% of its steps outside the model, one loader with no workers, the main thread in its dataset
     (f,) = _input_bound([("train_loader", "Shards", 32, 0), ("val_loader", "Shards", 64, 4)], loading)
     said = _fill(get_rule("input_bound").message, f)
     # then: the loader without workers is named (not the one with workers), and the innermost loading frame
-    assert "; DataLoader train_loader (Shards, batch_size 32) has num_workers=0: the training thread loads" in said, said
+    assert "; DataLoader train_loader (Shards, batch_size 32) has num_workers=0: the training thread loads" in said, (
+        said
+    )
     assert "val_loader" not in said and said.endswith("; the main thread is in __getitem__ (data.py:10) now."), said
     # several loaders without workers; the main thread in the DataLoader itself (an IterableDataset has no __getitem__)
     (f,) = _input_bound([("a", "Stream", None, 0), ("b", "Shards", 8, 0)], loading[3:])
@@ -164,6 +229,8 @@ def test_input_bound_names_loaders_without_workers_and_where_the_main_thread_loa
     assert said.endswith("; the main thread is in __next__ (dataloader.py:10) now."), said
     # no evidence at hand: the share alone, as before
     (f,) = _input_bound([("train_loader", "Shards", 32, 4)], [("step", "/venv/site-packages/torch/optim/sgd.py")])
-    assert _fill(get_rule("input_bound").message, f).endswith("the input pipeline or host-side work is the bottleneck."), f
+    assert _fill(get_rule("input_bound").message, f).endswith(
+        "the input pipeline or host-side work is the bottleneck."
+    ), f
     # quiet: a loader with no workers and the main thread in it, when the model takes most of the step
     assert not _input_bound([("train_loader", "Shards", 32, 0)], loading, step_ms=50.0, model_ms=40.0)

@@ -6,10 +6,17 @@ from _doctor import rule_rows
 
 
 def _lr_zero(history: list) -> list:
-    return rule_rows("lr_zero", {
-        "torch.optimizer": ("rank INTEGER, optimizer VARCHAR, param_group INTEGER, params INTEGER, lr DOUBLE",
-                            [(None, "AdamW", 0, 29, 0.0)]),
-        "torch.steps": ("rank INTEGER, step BIGINT, lr DOUBLE", [(None, s, lr) for s, lr in history])}, messages=True)
+    return rule_rows(
+        "lr_zero",
+        {
+            "torch.optimizer": (
+                "rank INTEGER, optimizer VARCHAR, param_group INTEGER, params INTEGER, lr DOUBLE",
+                [(None, "AdamW", 0, 29, 0.0)],
+            ),
+            "torch.steps": ("rank INTEGER, step BIGINT, lr DOUBLE", [(None, s, lr) for s, lr in history]),
+        },
+        messages=True,
+    )
 
 
 def test_lr_zero_says_when_a_schedule_ran_out_before_the_run_did():
@@ -18,14 +25,24 @@ def test_lr_zero_says_when_a_schedule_ran_out_before_the_run_did():
     # a cosine schedule that reached 0 at step 5000 of a run that goes on: since when, and that nothing changes since
     hist = [(s, 3e-3 * (5000 - s) / 5000) for s in range(1, 5001)] + [(s, 0.0) for s in range(5001, 5201)]
     (said,) = _lr_zero(hist)
-    assert said.startswith("AdamW param group 0 (29 tensors) has learning rate 0 since step 5000, where its schedule "
-                           "reached 0 after 4999 steps at a positive rate"), said
+    assert said.startswith(
+        "AdamW param group 0 (29 tensors) has learning rate 0 since step 5000, where its schedule "
+        "reached 0 after 4999 steps at a positive rate"
+    ), said
     assert "its 201 steps since changed nothing" in said
 
 
 def _loss_nonfinite(rows: list) -> list:
-    return rule_rows("loss_nonfinite", {"torch.steps": ("rank INTEGER, step BIGINT, loss DOUBLE, lr DOUBLE, grad_norm DOUBLE",
-                                                        [(None, *r) for r in rows])}, messages=True)
+    return rule_rows(
+        "loss_nonfinite",
+        {
+            "torch.steps": (
+                "rank INTEGER, step BIGINT, loss DOUBLE, lr DOUBLE, grad_norm DOUBLE",
+                [(None, *r) for r in rows],
+            )
+        },
+        messages=True,
+    )
 
 
 def test_loss_nonfinite_names_gradients_that_went_first_and_says_when_nothing_was_measured():
@@ -33,8 +50,10 @@ def test_loss_nonfinite_names_gradients_that_went_first_and_says_when_nothing_wa
     healthy = [(s, 1.0, 0.05, 1.0) for s in range(1, 40)]
     # gradients Inf at step 40 with a finite loss, the loss NaN from step 41: the gradients are named, not the data
     (said,) = _loss_nonfinite(healthy + [(40, 1.0, 0.05, inf), (41, nan, 0.05, nan)])
-    assert said.startswith("the loss was first seen NaN/Inf at step 41 (step 40 was still finite), 1 step(s) after the "
-                           "gradients became NaN/Inf at step 40 while its loss was still finite"), said
+    assert said.startswith(
+        "the loss was first seen NaN/Inf at step 41 (step 40 was still finite), 1 step(s) after the "
+        "gradients became NaN/Inf at step 40 while its loss was still finite"
+    ), said
     # NaN loss and gradients at the same step: nothing came first, so the data is suspected
     (said,) = _loss_nonfinite(healthy + [(40, nan, 0.05, nan)])
     assert "with neither an LR jump nor a gradient-norm spike just before: suspect the data" in said, said
@@ -47,10 +66,14 @@ def test_loss_nonfinite_names_an_lr_jump_as_the_cause_even_when_the_gradients_it
     nan, inf = float("nan"), float("inf")
     healthy = [(s, 1.0, 0.05, 1.0) for s in range(1, 40)]
     # the LR jumps at 40, the gradients go Inf at 42 (measured), the loss NaN at 43: the jump is the root cause
-    (said,) = _loss_nonfinite(healthy + [(40, 1.0, 1e4, 1.0), (41, 3.0, 1e4, None), (42, 9.0, 1e4, inf), (43, nan, 1e4, nan)])
-    assert said.startswith("the loss was first seen NaN/Inf at step 43 (step 42 was still finite), 3 step(s) after the "
-                           "learning rate jumped 2e+05x (0.05 -> 1e+04) at step 40 (the gradients went NaN/Inf at step 42); "
-                           "lower it"), said
+    (said,) = _loss_nonfinite(
+        healthy + [(40, 1.0, 1e4, 1.0), (41, 3.0, 1e4, None), (42, 9.0, 1e4, inf), (43, nan, 1e4, nan)]
+    )
+    assert said.startswith(
+        "the loss was first seen NaN/Inf at step 43 (step 42 was still finite), 3 step(s) after the "
+        "learning rate jumped 2e+05x (0.05 -> 1e+04) at step 40 (the gradients went NaN/Inf at step 42); "
+        "lower it"
+    ), said
     # gradients that went bad before the jump are the cause, not the jump
     (said,) = _loss_nonfinite(healthy + [(40, 1.0, 0.05, inf), (41, 2.0, 1e4, None), (42, nan, 1e4, nan)])
     assert "after the gradients became NaN/Inf at step 40 while its loss was still finite" in said, said
@@ -60,8 +83,15 @@ def _loss_nonfinite_rows(rows: list) -> list:
     from probe.cli.diagnose import next_commands
     from probe.diagnosis.rules import get_rule
 
-    found = rule_rows("loss_nonfinite", {"torch.steps": ("rank INTEGER, step BIGINT, loss DOUBLE, lr DOUBLE, grad_norm DOUBLE",
-                                                        [(None, *r) for r in rows])})
+    found = rule_rows(
+        "loss_nonfinite",
+        {
+            "torch.steps": (
+                "rank INTEGER, step BIGINT, loss DOUBLE, lr DOUBLE, grad_norm DOUBLE",
+                [(None, *r) for r in rows],
+            )
+        },
+    )
     return [(row, next_commands(get_rule("loss_nonfinite").next, dict(row, target="7"))) for row in found]
 
 
@@ -72,8 +102,10 @@ def test_loss_nonfinite_says_the_onset_it_knows_and_what_fits_when_the_weights_s
     ((row, nxt),) = _loss_nonfinite_rows(rows)
     said = _loss_nonfinite(rows)[0]
     # then: a range, not a step stated as fact
-    assert said.startswith("the loss was first seen NaN/Inf at step 2000 (the last finite loss measured was at step 1990: "
-                           "it went bad at one of steps 1991-2000, the 9 between were not measured)"), said
+    assert said.startswith(
+        "the loss was first seen NaN/Inf at step 2000 (the last finite loss measured was at step 1990: "
+        "it went bad at one of steps 1991-2000, the 9 between were not measured)"
+    ), said
     # the cause is the data, the weights most likely NaN: restore, no lr change, no checkpoint of NaN weights
     assert "suspect the data" in said and "Every loss measured since (5 step(s)) is NaN/Inf" in said, said
     assert "restore the last checkpoint written before step 1990 and skip or fix the batch" in said, said
@@ -84,23 +116,41 @@ def test_loss_nonfinite_says_the_onset_it_knows_and_what_fits_when_the_weights_s
     rows = [(s, 1.0, 0.05, 1.0) for s in range(1, 40)] + [(40, 1.0, 5.0, 1.0), (41, inf, 5.0, 2.0), (42, 1.1, 5.0, 1.0)]
     said = _loss_nonfinite(rows)[0]
     ((row, nxt),) = _loss_nonfinite_rows(rows)
-    assert said.startswith("the loss was first seen NaN/Inf at step 41 (step 40 was still finite), 1 step(s) after the "
-                           "learning rate jumped 100x"), said
+    assert said.startswith(
+        "the loss was first seen NaN/Inf at step 41 (step 40 was still finite), 1 step(s) after the "
+        "learning rate jumped 100x"
+    ), said
     assert "finite again from step 42: the weights survived it; lower the learning rate" in said, said
-    assert [n.split(" ", 2)[2] for n in nxt[1:]] == ["lr --scale 0.1", "checkpoint /tmp/emergency-{rank}-{step}.pt"], nxt
+    assert [n.split(" ", 2)[2] for n in nxt[1:]] == ["lr --scale 0.1", "checkpoint /tmp/emergency-{rank}-{step}.pt"], (
+        nxt
+    )
 
 
 def test_loss_nonfinite_names_a_gradient_norm_spike_before_it():
     nan = float("nan")
-    rows = [(s, 1.0, 0.05, 1.0) for s in range(1, 38)] + [(38, 1.2, 0.05, 60.0), (39, 5.0, 0.05, 2.0), (40, nan, 0.05, nan)]
+    rows = [(s, 1.0, 0.05, 1.0) for s in range(1, 38)] + [
+        (38, 1.2, 0.05, 60.0),
+        (39, 5.0, 0.05, 2.0),
+        (40, nan, 0.05, nan),
+    ]
     (said,) = _loss_nonfinite(rows)
-    assert said.startswith("the loss was first seen NaN/Inf at step 40 (step 39 was still finite), 2 step(s) after the gradient norm spiked to 60x its recent "
-                           "median at step 38; clip gradients or lower the LR"), said
+    assert said.startswith(
+        "the loss was first seen NaN/Inf at step 40 (step 39 was still finite), 2 step(s) after the gradient norm spiked to 60x its recent "
+        "median at step 38; clip gradients or lower the LR"
+    ), said
 
 
 def _rule_over_steps(name: str, losses: list) -> list:
-    return rule_rows(name, {"torch.steps": ("rank INTEGER, step BIGINT, loss DOUBLE",
-                                            [(None, s, v) for s, v in enumerate(losses, start=1)])}, messages=True)
+    return rule_rows(
+        name,
+        {
+            "torch.steps": (
+                "rank INTEGER, step BIGINT, loss DOUBLE",
+                [(None, s, v) for s, v in enumerate(losses, start=1)],
+            )
+        },
+        messages=True,
+    )
 
 
 def test_loss_plateau_is_info_on_a_flat_loss_and_quiet_on_a_falling_one():
@@ -119,7 +169,9 @@ def test_loss_plateau_is_info_on_a_flat_loss_and_quiet_on_a_falling_one():
 def test_loss_spike_is_an_outlier_the_loss_came_back_from_not_the_onset_of_a_divergence():
     base = [(None, s, 0.006) for s in range(1, 60)]
     spiked = base + [(None, 60, 0.95)] + [(None, s, 0.007) for s in range(61, 80)]
-    diverged = base + [(None, 60, 0.95)] + [(None, s, 0.31) for s in range(61, 80)]  # up 50x and stays: loss_diverging's
+    diverged = (
+        base + [(None, 60, 0.95)] + [(None, s, 0.31) for s in range(61, 80)]
+    )  # up 50x and stays: loss_diverging's
     tables = lambda rows: {"torch.steps": ("rank INTEGER, step BIGINT, loss DOUBLE", rows)}  # noqa: E731
     (said,) = rule_rows("loss_spike", tables(spiked), messages=True)
     assert said.startswith("the loss spiked to 0.95 at step 60") and "came back to 0.007" in said, said
@@ -130,14 +182,23 @@ def test_parameters_unreadable_warns_that_the_parameter_rules_cannot_see():
     errors = "rank INTEGER, time TIMESTAMP, source VARCHAR, message VARCHAR"
     recent = "SELECT * FROM (VALUES {}) AS t(rank, time, source, message)"
     # given: a table that failed on two parameters just now, another error long ago, and an unrelated error
-    rows = rule_rows("parameters_unreadable", {"probe.errors": recent.format(
-        "(0, (current_timestamp - INTERVAL 1 MINUTE)::TIMESTAMP, 'torch.parameters: 0.weight', 'no such op'), "
-        "(0, current_timestamp::TIMESTAMP, 'torch.parameters: 0.bias', 'Redistribution from one partial type is unsupported'), "
-        "(1, (current_timestamp - INTERVAL 2 HOUR)::TIMESTAMP, 'torch.parameters: 0.weight', 'old'), "
-        "(1, current_timestamp::TIMESTAMP, 'torch steps: grad norm', 'unrelated')")}, messages=True)
+    rows = rule_rows(
+        "parameters_unreadable",
+        {
+            "probe.errors": recent.format(
+                "(0, (current_timestamp - INTERVAL 1 MINUTE)::TIMESTAMP, 'torch.parameters: 0.weight', 'no such op'), "
+                "(0, current_timestamp::TIMESTAMP, 'torch.parameters: 0.bias', 'Redistribution from one partial type is unsupported'), "
+                "(1, (current_timestamp - INTERVAL 2 HOUR)::TIMESTAMP, 'torch.parameters: 0.weight', 'old'), "
+                "(1, current_timestamp::TIMESTAMP, 'torch steps: grad norm', 'unrelated')"
+            )
+        },
+        messages=True,
+    )
     # then: one warning, for the rank whose reads fail now
-    assert rows == ["torch.parameters could not read 2 parameter(s) lately (torch.parameters: 0.bias: Redistribution from one "
-                    "partial type is unsupported): params_nonfinite and grad_nonfinite cannot see them, so finding nothing "
-                    "there proves nothing."], rows
+    assert rows == [
+        "torch.parameters could not read 2 parameter(s) lately (torch.parameters: 0.bias: Redistribution from one "
+        "partial type is unsupported): params_nonfinite and grad_nonfinite cannot see them, so finding nothing "
+        "there proves nothing."
+    ], rows
     # and a healthy control: no errors, no finding
     assert rule_rows("parameters_unreadable", {"probe.errors": (errors, [])}) == []

@@ -9,8 +9,14 @@ import pytest
 from _doctor import rule_rows
 
 COLS = "rank INTEGER, step BIGINT, time DOUBLE, invariant VARCHAR, ok BOOLEAN, subject VARCHAR, value DOUBLE, detail VARCHAR"
-RULES = {"frozen_params_updated": "frozen_still", "params_not_updated": "params_move", "scheduler_pace": "schedule",
-         "backward_twice": "backward_once", "accumulation_erased": "accumulation", "grads_not_cleared": "grads_cleared"}
+RULES = {
+    "frozen_params_updated": "frozen_still",
+    "params_not_updated": "params_move",
+    "scheduler_pace": "schedule",
+    "backward_twice": "backward_once",
+    "accumulation_erased": "accumulation",
+    "grads_not_cleared": "grads_cleared",
+}
 
 
 def _checks(invariant, failing_steps, ok_steps=()):

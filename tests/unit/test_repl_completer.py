@@ -39,8 +39,12 @@ def test_columns_of_joined_tables_and_aliases():
     assert texts(text) == ["name", "daemon", "state"]
     assert texts("SELECT b.li FROM python.backtrace b", len("SELECT b.li")) == ["lineno"]
     assert tables_in_scope("SELECT 1 FROM backtrace, python.threads t", SCHEMA) == {
-        "backtrace": "python.backtrace", "python.backtrace": "python.backtrace",
-        "threads": "python.threads", "python.threads": "python.threads", "t": "python.threads"}
+        "backtrace": "python.backtrace",
+        "python.backtrace": "python.backtrace",
+        "threads": "python.threads",
+        "python.threads": "python.threads",
+        "t": "python.threads",
+    }
 
 
 def test_tables_and_schemas_after_from():
@@ -75,10 +79,17 @@ def test_prompt_toolkit_adapter_yields_completions():
     assert c.start_position == -2
 
 
-@pytest.mark.parametrize("text,complete", [
-    ("SELECT 1", False), ("SELECT 1;", True), ("SELECT 1\n  FROM t;  ", True), ("\\dt", True), ("", True),
-    ("quit", True),
-])
+@pytest.mark.parametrize(
+    "text,complete",
+    [
+        ("SELECT 1", False),
+        ("SELECT 1;", True),
+        ("SELECT 1\n  FROM t;  ", True),
+        ("\\dt", True),
+        ("", True),
+        ("quit", True),
+    ],
+)
 def test_enter_runs_only_a_finished_statement(text, complete):
     assert is_complete(text) is complete
 

@@ -26,7 +26,9 @@ COLUMNS = [("a", "BIGINT"), ("s", "VARCHAR")]
 
 
 def table(values):
-    return {"t.x": (COLUMNS, {"a": np.array(values, dtype="i8"), "s": np.array([f"v{v}" for v in values], dtype=object)})}
+    return {
+        "t.x": (COLUMNS, {"a": np.array(values, dtype="i8"), "s": np.array([f"v{v}" for v in values], dtype=object)})
+    }
 
 
 def test_a_finished_query_keeps_no_snapshot_alive():
@@ -45,7 +47,9 @@ def test_the_configuration_stays_locked():
 
 def test_a_runaway_query_stops_at_its_timeout():
     with pytest.raises(QueryError, match="timeout"):
-        execute("SELECT count(*) FROM range(1000000000) a, range(1000000) b WHERE a.range + b.range < 0", {}, timeout=0.5)
+        execute(
+            "SELECT count(*) FROM range(1000000000) a, range(1000000) b WHERE a.range + b.range < 0", {}, timeout=0.5
+        )
 
 
 def test_the_row_cap_marks_the_result_truncated():
@@ -59,13 +63,21 @@ def test_a_cancel_from_another_thread_stops_the_query():
     with Workspace() as ws:
         threading.Timer(0.3, ws.interrupt).start()
         with pytest.raises(QueryError, match="cancelled"):
-            ws.execute("SELECT count(*) FROM range(1000000000) a, range(1000000) b WHERE a.range + b.range < 0", timeout=60)
+            ws.execute(
+                "SELECT count(*) FROM range(1000000000) a, range(1000000) b WHERE a.range + b.range < 0", timeout=60
+            )
 
 
 # -- the snapshot form ------------------------------------------------------------------
 
-SNAP_COLUMNS = [("step", "BIGINT"), ("loss", "DOUBLE"), ("module", "VARCHAR"), ("at", "TIMESTAMP"),
-                ("flag", "BOOLEAN"), ("n", "BIGINT")]
+SNAP_COLUMNS = [
+    ("step", "BIGINT"),
+    ("loss", "DOUBLE"),
+    ("module", "VARCHAR"),
+    ("at", "TIMESTAMP"),
+    ("flag", "BOOLEAN"),
+    ("n", "BIGINT"),
+]
 
 
 def snapshot_data():
@@ -73,9 +85,13 @@ def snapshot_data():
     n = 40
     return {
         "step": np.arange(n, dtype="i8"),
-        "loss": np.ma.masked_array([math.nan if i % 7 == 0 else math.inf if i == 9 else 1.0 / (i + 1) for i in range(n)],
-                                   mask=[i % 11 == 0 for i in range(n)]),  # NaN and Inf are values, masked is missing
-        "module": np.array([None if i % 5 == 0 else ("encoder.läyer" if i % 2 else "head\n'x'") for i in range(n)], dtype=object),
+        "loss": np.ma.masked_array(
+            [math.nan if i % 7 == 0 else math.inf if i == 9 else 1.0 / (i + 1) for i in range(n)],
+            mask=[i % 11 == 0 for i in range(n)],
+        ),  # NaN and Inf are values, masked is missing
+        "module": np.array(
+            [None if i % 5 == 0 else ("encoder.läyer" if i % 2 else "head\n'x'") for i in range(n)], dtype=object
+        ),
         "at": np.array([1.7e9 + i for i in range(n)]),
         "flag": np.array([i % 3 == 0 for i in range(n)]),
         "n": np.array([None if i % 4 == 0 else i * 10 for i in range(n)], dtype=object),
@@ -99,7 +115,10 @@ def run(sql, decoded):
 
 
 def test_the_snapshot_form_keeps_types_and_nulls():
-    rows = run("SELECT step, loss, module, at, flag, n FROM t.x WHERE step IN (0, 1, 4) ORDER BY step", roundtrip(snapshot_data()))
+    rows = run(
+        "SELECT step, loss, module, at, flag, n FROM t.x WHERE step IN (0, 1, 4) ORDER BY step",
+        roundtrip(snapshot_data()),
+    )
     assert rows[0][2] is None and rows[0][5] is None and rows[0][1] is None  # a masked (missing) float is NULL
     assert rows[1][:3] == [1, 0.5, "encoder.läyer"] and rows[1][5] == 10
     assert rows[2][2] == "head\n'x'" and rows[2][4] is False and rows[2][5] is None
@@ -108,21 +127,44 @@ def test_the_snapshot_form_keeps_types_and_nulls():
 
 def test_nan_and_infinity_stay_values_and_missing_stays_null():
     # given: a float column with NaN (step 7, 14, ...), Inf (step 9) and missing values (step 0, 11, 22, 33)
-    sql = ("SELECT step, isnan(loss) AS nan, isinf(loss) AS inf, loss IS NULL AS missing FROM t.x "
-           "WHERE step IN (7, 9, 11, 12) ORDER BY step")
+    sql = (
+        "SELECT step, isnan(loss) AS nan, isinf(loss) AS inf, loss IS NULL AS missing FROM t.x "
+        "WHERE step IN (7, 9, 11, 12) ORDER BY step"
+    )
     # then: through the wire, and registered in memory (a table generator's numpy and list outputs)
-    assert run(sql, roundtrip(snapshot_data())) == [[7, True, False, False], [9, False, True, False],
-                                                    [11, None, None, True], [12, False, False, False]]
+    assert run(sql, roundtrip(snapshot_data())) == [
+        [7, True, False, False],
+        [9, False, True, False],
+        [11, None, None, True],
+        [12, False, False, False],
+    ]
     listed = dict(snapshot_data(), loss=[None if v is np.ma.masked else float(v) for v in snapshot_data()["loss"]])
     got = execute(sql, {"t.x": (SNAP_COLUMNS, listed)}).rows
     assert got == [[7, True, False, False], [9, False, True, False], [11, None, None, True], [12, False, False, False]]
 
 
 WHERES = [
-    "step > 10", "step >= 10 AND step < 20", "loss < 0.1", "loss > 0.1", "module = 'encoder.läyer'",
-    "module <> 'encoder.läyer'", "module IN ('head\n''x''', 'nope')", "module IS NULL", "module IS NOT NULL",
-    "n > 100", "n IS NULL", "flag", "flag = true", "step = 3 OR module IS NULL", "10 < step", "step = -1",
-    "loss = 0.5 OR step > 35", "step > 5 AND lower(module) = 'head'", "isnan(loss)", "loss IS NULL", "loss > 1",
+    "step > 10",
+    "step >= 10 AND step < 20",
+    "loss < 0.1",
+    "loss > 0.1",
+    "module = 'encoder.läyer'",
+    "module <> 'encoder.läyer'",
+    "module IN ('head\n''x''', 'nope')",
+    "module IS NULL",
+    "module IS NOT NULL",
+    "n > 100",
+    "n IS NULL",
+    "flag",
+    "flag = true",
+    "step = 3 OR module IS NULL",
+    "10 < step",
+    "step = -1",
+    "loss = 0.5 OR step > 35",
+    "step > 5 AND lower(module) = 'head'",
+    "isnan(loss)",
+    "loss IS NULL",
+    "loss > 1",
     "loss IS NULL OR loss < 0.05",
 ]
 

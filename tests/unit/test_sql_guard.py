@@ -30,10 +30,14 @@ REFUSED = {
     "unknown": ("SELECT * FROM nope.nothing", "unknown table"),
     "catalog": ("SELECT * FROM memory.python.threads", "catalog"),
     # a CTE named like a DuckDB catalog view is visible only inside its own subquery (issue 14, item 2)
-    "cte_out_of_scope": ("SELECT * FROM (WITH pg_settings AS (SELECT 1 a) SELECT a FROM pg_settings) s, pg_settings",
-                         "unknown table pg_settings"),
-    "cte_in_union_branch": ("(WITH duckdb_settings AS (SELECT 1 a) SELECT a FROM duckdb_settings) UNION ALL "
-                            "SELECT 1 FROM duckdb_settings", "unknown table duckdb_settings"),
+    "cte_out_of_scope": (
+        "SELECT * FROM (WITH pg_settings AS (SELECT 1 a) SELECT a FROM pg_settings) s, pg_settings",
+        "unknown table pg_settings",
+    ),
+    "cte_in_union_branch": (
+        "(WITH duckdb_settings AS (SELECT 1 a) SELECT a FROM duckdb_settings) UNION ALL SELECT 1 FROM duckdb_settings",
+        "unknown table duckdb_settings",
+    ),
     # functions run on an allow-list: settings, environment, catalog and SQL strings are not on it
     "getenv": ("SELECT getenv('HOME')", "getenv() is not allowed"),
     "current_setting": ("SELECT current_setting('temp_directory')", "current_setting() is not allowed"),
@@ -70,8 +74,11 @@ def test_syntax_error_keeps_line_and_column():
 
 
 def test_accepts_ctes_unions_and_table_functions():
-    g = guard("WITH t AS (SELECT name FROM python.threads) SELECT * FROM t UNION ALL SELECT 'x' "
-              "UNION ALL SELECT CAST(range AS VARCHAR) FROM range(3)", KNOWN)
+    g = guard(
+        "WITH t AS (SELECT name FROM python.threads) SELECT * FROM t UNION ALL SELECT 'x' "
+        "UNION ALL SELECT CAST(range AS VARCHAR) FROM range(3)",
+        KNOWN,
+    )
     assert g.tables == ("python.threads",)
 
 
@@ -91,10 +98,24 @@ def test_a_cte_still_shadows_a_table_inside_its_scope():
     assert g.tables == ()
 
 
-@pytest.mark.parametrize("expr", [
-    "coalesce(NULL, 1)", "count(*)", "median(1)", "row_number() OVER ()", "lag(1) OVER ()", "regexp_replace('a', 'a', 'b')",
-    "epoch(current_timestamp)", "strftime(now(), '%Y')", "list_sum([1, 2])", "CASE WHEN true THEN 1 END",
-    "CAST(1 AS VARCHAR)", "extract(year FROM current_date)", "quantile_cont(1, 0.5)", "string_agg('a', ',')",
-])
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "coalesce(NULL, 1)",
+        "count(*)",
+        "median(1)",
+        "row_number() OVER ()",
+        "lag(1) OVER ()",
+        "regexp_replace('a', 'a', 'b')",
+        "epoch(current_timestamp)",
+        "strftime(now(), '%Y')",
+        "list_sum([1, 2])",
+        "CASE WHEN true THEN 1 END",
+        "CAST(1 AS VARCHAR)",
+        "extract(year FROM current_date)",
+        "quantile_cont(1, 0.5)",
+        "string_agg('a', ',')",
+    ],
+)
 def test_common_functions_are_on_the_allow_list(expr):
     assert guard(f"SELECT {expr}", KNOWN).sql

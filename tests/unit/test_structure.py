@@ -103,8 +103,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles():
     found = cycles(import_graph(modules()))
-    assert not found, "import cycles (each line is one group of modules importing each other):\n" + \
-        "\n".join("  " + " <-> ".join(c) for c in found)
+    assert not found, "import cycles (each line is one group of modules importing each other):\n" + "\n".join(
+        "  " + " <-> ".join(c) for c in found
+    )
 
 
 def test_a_planted_cycle_is_found(tmp_path):
@@ -163,11 +164,17 @@ def private_imports(mods: dict, outside: dict) -> set[tuple[str, str]]:
 
 def test_no_private_module_is_imported_from_outside_its_package():
     found = private_imports(modules(), _files_outside())
-    unexpected = sorted(f"  {importer} imports {private}" for importer, private in found if private not in KNOWN_PRIVATE_IMPORTS)
-    assert not unexpected, ("private modules imported from outside their package (give the module a public name, "
-                            "or import what its package exports):\n" + "\n".join(unexpected))
+    unexpected = sorted(
+        f"  {importer} imports {private}" for importer, private in found if private not in KNOWN_PRIVATE_IMPORTS
+    )
+    assert not unexpected, (
+        "private modules imported from outside their package (give the module a public name, "
+        "or import what its package exports):\n" + "\n".join(unexpected)
+    )
     stale = set(KNOWN_PRIVATE_IMPORTS) - {private for _, private in found}
-    assert not stale, f"no longer imported from outside their package, drop them from KNOWN_PRIVATE_IMPORTS: {sorted(stale)}"
+    assert not stale, (
+        f"no longer imported from outside their package, drop them from KNOWN_PRIVATE_IMPORTS: {sorted(stale)}"
+    )
 
 
 def test_a_planted_private_import_is_found(tmp_path):

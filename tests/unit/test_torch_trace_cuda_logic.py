@@ -45,8 +45,12 @@ class TorchWithFakeCuda:
     def __init__(self, torch):
         self._torch = torch
         self.allocated = 4096
-        self.cuda = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, Event=FakeEvent,
-                                          memory_allocated=lambda: self.allocated)
+        self.cuda = types.SimpleNamespace(
+            is_available=lambda: True,
+            is_initialized=lambda: True,
+            Event=FakeEvent,
+            memory_allocated=lambda: self.allocated,
+        )
 
     def __getattr__(self, name):
         return getattr(self._torch, name)
@@ -78,8 +82,12 @@ def test_durations_wait_for_the_events_then_fill_in(tracer):
     snap = tracer.ring.snapshot()
     # four module calls forward (the root and its three layers) and the root's backward pass
     assert sorted(zip(snap["stage"], snap["module_type"])) == [
-        ("backward", "Sequential"), ("forward", "Linear"), ("forward", "Linear"), ("forward", "ReLU"),
-        ("forward", "Sequential")]
+        ("backward", "Sequential"),
+        ("forward", "Linear"),
+        ("forward", "Linear"),
+        ("forward", "ReLU"),
+        ("forward", "Sequential"),
+    ]
     assert np.ma.getmaskarray(snap["duration"]).all()  # device time is unknown (NULL) until the events complete
     assert set(snap["allocated"]) == {4096.0}  # the allocator's bytes, not the RSS
     assert len(tracer.pending_events) == 5

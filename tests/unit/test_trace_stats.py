@@ -19,7 +19,9 @@ from conftest import requires_torch
 
 pytestmark = requires_torch
 
-SYNC_WARNING = "called a synchronizing CUDA operation (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:150.)"
+SYNC_WARNING = (
+    "called a synchronizing CUDA operation (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:150.)"
+)
 
 
 def traced(model, *inputs, stats=True):
@@ -40,7 +42,9 @@ def traced(model, *inputs, stats=True):
     def value(col, i):
         return None if np.ma.getmaskarray(col)[i] else np.ma.getdata(col)[i]
 
-    return {m: {k: value(snap[k], i) for k in snap} for i, m in enumerate(snap["module"]) if snap["stage"][i] == "forward"}
+    return {
+        m: {k: value(snap[k], i) for k in snap} for i, m in enumerate(snap["module"]) if snap["stage"][i] == "forward"
+    }
 
 
 def test_statistics_are_those_of_the_first_floating_output():
@@ -78,7 +82,9 @@ def test_statistics_are_those_of_the_first_floating_output():
         ref = lin(y)
     assert row["out_mean"] == pytest.approx(float(ref.mean()), abs=1e-6)
     assert row["out_std"] == pytest.approx(float(ref.std(correction=0)), rel=1e-5)
-    assert row["out_batch_std"] == pytest.approx(float(ref.var(0, correction=0).mean().sqrt()), rel=1e-5)  # RMS over units
+    assert row["out_batch_std"] == pytest.approx(
+        float(ref.var(0, correction=0).mean().sqrt()), rel=1e-5
+    )  # RMS over units
     ids = traced(Ids(), x)["Ids"]
     assert ids["out_mean"] is None and ids["out_shape"] is None  # no floating output: NULL, not NaN
 

@@ -19,8 +19,14 @@ def test_the_rule_s_examples_hold():
 def test_the_agent_and_the_cli_pick_the_same_frame_of_one_stack():
     # given: a stack innermost first, as python.backtrace and py-spy give it, through torch and the stdlib
     site = "/opt/venv/lib/python3.12/site-packages"
-    files = [f"{site}/torch/distributed/distributed_c10d.py", "/usr/lib/python3.12/threading.py", "<frozen runpy>",
-             f"{site}/lightning/pytorch/loops/fit_loop.py", f"{site}/mytrainer/loop.py", "/home/me/train.py"]
+    files = [
+        f"{site}/torch/distributed/distributed_c10d.py",
+        "/usr/lib/python3.12/threading.py",
+        "<frozen runpy>",
+        f"{site}/lightning/pytorch/loops/fit_loop.py",
+        f"{site}/mytrainer/loop.py",
+        "/home/me/train.py",
+    ]
     frames = [{"func": f"f{i}", "file": f, "lineno": i} for i, f in enumerate(files)]
 
     # when: the CLI picks the user's frame of the stack, and the agent's rule reads each code object's file
