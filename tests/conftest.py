@@ -112,7 +112,8 @@ def _unit_tests_start_no_process(request, monkeypatch):
 # in a `./run-tests --durations=0` run on a loaded 2-core host (setup, call and teardown summed); only the order
 # matters, and a file not listed runs after these in collection order.
 LONGEST_FIRST = {
-    "test_doctor_corpus.py": 325,
+    "test_doctor_corpus.py": 330,
+    "test_doctor_corpus_ddp.py": 160,
     "test_doctor_faults_runtime.py": 228,
     "test_ranks_collectives.py": 165,
     "test_doctor_ranks.py": 183,
