@@ -19,7 +19,11 @@ rule(
     family="distributed",
     severity="warning",
     scope="job",
-    description="The DDP replicas hold different weights: at the last step every rank took a checksum of (torch.weight_sums), some parameter tensors' checksums differ across ranks; names the first tensors that differ, by module, and since which step.",
+    description=(
+        "The DDP replicas hold different weights: at the last step every rank took a checksum of "
+        "(torch.weight_sums), some parameter tensors' checksums differ across ranks; names the first tensors that "
+        "differ, by module, and since which step."
+    ),
     sql=f"""
 WITH s AS (SELECT rank, step, model, position, name, numel, checksum FROM torch.weight_sums),
 ranks_n AS (SELECT model, count(DISTINCT rank) AS n FROM s GROUP BY model),
@@ -29,7 +33,8 @@ cmp AS (SELECT s.model, s.step, s.position, any_value(s.name) AS name,
                max(s.checksum) - min(s.checksum) > {_TOLERANCE} * greatest(max(abs(s.checksum)), 1e-30) AS differs
         FROM s JOIN common USING (model, step) GROUP BY s.model, s.step, s.position),
 last AS (SELECT model, max(step) AS step FROM common GROUP BY model),
-agreed AS (SELECT model, max(step) AS step FROM (SELECT model, step FROM cmp GROUP BY model, step HAVING NOT bool_or(differs))
+agreed AS (SELECT model, max(step) AS step FROM (SELECT model, step FROM cmp GROUP BY model, step \
+HAVING NOT bool_or(differs))
            GROUP BY model),
 bad AS (SELECT c.* FROM cmp AS c JOIN last USING (model, step) WHERE c.differs),
 -- the module of each differing tensor (its name less the last part), in the model's order
@@ -49,20 +54,33 @@ SELECT b.model, min(l.step) AS step, count(*) AS differ,
        (SELECT count(DISTINCT position) FROM s WHERE s.model = b.model AND s.step = min(l.step)) AS tensors,
        arg_min(b.name, b.position) AS first_tensor,
        coalesce((SELECT min(c.step) FROM cmp AS c WHERE c.model = b.model AND c.differs
-                   AND c.step > coalesce((SELECT a.step FROM agreed AS a WHERE a.model = b.model), -1)), min(l.step)) AS since,
-       coalesce(printf('step %d', (SELECT a.step FROM agreed AS a WHERE a.model = b.model)), 'no step compared') AS agreed_at,
-       (SELECT array_to_string(list_slice(list(CASE WHEN m.tensors = 1 THEN m.one ELSE m.module || '.* (' || m.tensors || ' tensors)' END
+                   AND c.step > coalesce((SELECT a.step FROM agreed AS a \
+WHERE a.model = b.model), -1)), min(l.step)) AS since,
+       coalesce(printf('step %d', (SELECT a.step FROM agreed AS a \
+WHERE a.model = b.model)), 'no step compared') AS agreed_at,
+       (SELECT array_to_string(list_slice(list(CASE WHEN m.tensors = 1 THEN m.one ELSE m.module || '.* (' \
+|| m.tensors || ' tensors)' END
                                                ORDER BY m.first), 1, {_NAMES_SHOWN}), ', ')
-               || CASE WHEN count(*) > {_NAMES_SHOWN} THEN ' and ' || (count(*) - {_NAMES_SHOWN}) || ' more modules' ELSE '' END
+               || CASE WHEN count(*) > {_NAMES_SHOWN} THEN ' and ' || (count(*) - {_NAMES_SHOWN}) \
+|| ' more modules' ELSE '' END
           FROM mods AS m WHERE m.model = b.model) AS modules,
        (SELECT n FROM ranks_n WHERE ranks_n.model = b.model) AS ranks,
        coalesce('rank(s) ' || (SELECT o.ranks FROM odd AS o WHERE o.model = b.model) || ' differ from the others',
                 'the ranks disagree') AS who
 FROM bad AS b JOIN last AS l USING (model)
 GROUP BY b.model""",
-    message="the DDP replicas of {model} hold different weights: at step {step}, {differ} of {tensors} parameter tensors differ across the {ranks} ranks ({who}), first {modules}; they agreed last at {agreed_at} and differ since step {since}. DDP keeps every rank's weights identical only when every step's gradients are averaged: a forward through model.module (not the DDP wrapper) averages nothing, a parameter changed or a checkpoint loaded on one rank after wrapping is never sent to the others.",
+    message=(
+        "the DDP replicas of {model} hold different weights: at step {step}, {differ} of {tensors} parameter tensors "
+        "differ across the {ranks} ranks ({who}), first {modules}; they agreed last at {agreed_at} and differ since "
+        "step {since}. DDP keeps every rank's weights identical only when every step's gradients are averaged: a "
+        "forward through model.module (not the DDP wrapper) averages nothing, a parameter changed or a checkpoint "
+        "loaded on one rank after wrapping is never sent to the others."
+    ),
     next=[
-        'probe --ranks all query "SELECT step, rank, name, checksum FROM torch.weight_sums WHERE step = {step} ORDER BY position, rank"',
+        (
+            'probe --ranks all query "SELECT step, rank, name, checksum FROM torch.weight_sums WHERE step = {step} '
+            'ORDER BY position, rank"'
+        ),
         "probe --ranks all backtrace --group",
     ],
 )
@@ -71,11 +89,21 @@ rule(
     "ddp_buffers_not_broadcast",
     family="distributed",
     severity="warning",
-    description="A DistributedDataParallel model with plain BatchNorm modules runs with broadcast_buffers=False (torch.ddp): each rank keeps running statistics of its own shard, so evaluation and a checkpoint differ by the rank that made them.",
-    sql="""SELECT min(rank) AS rank, model, any_value(world_size) AS world_size, any_value(norm_modules) AS norm_modules,
+    description=(
+        "A DistributedDataParallel model with plain BatchNorm modules runs with broadcast_buffers=False (torch.ddp): "
+        "each rank keeps running statistics of its own shard, so evaluation and a checkpoint differ by the rank that "
+        "made them."
+    ),
+    sql="""SELECT min(rank) AS rank, model, any_value(world_size) AS world_size, \
+any_value(norm_modules) AS norm_modules,
                   coalesce('ranks ' || string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank), 'this rank') AS ranks
            FROM torch.ddp WHERE NOT broadcast_buffers AND norm_modules IS NOT NULL AND world_size > 1 GROUP BY model""",
-    message="DistributedDataParallel({model}) runs with broadcast_buffers=False and has BatchNorm modules ({norm_modules}) on {ranks}: each of the {world_size} ranks keeps the running mean and variance of its own shard, so a checkpoint saved by rank 0 holds rank 0's statistics alone and ranks evaluate differently; use torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before wrapping, or broadcast_buffers=True.",
+    message=(
+        "DistributedDataParallel({model}) runs with broadcast_buffers=False and has BatchNorm modules "
+        "({norm_modules}) on {ranks}: each of the {world_size} ranks keeps the running mean and variance of its own "
+        "shard, so a checkpoint saved by rank 0 holds rank 0's statistics alone and ranks evaluate differently; use "
+        "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before wrapping, or broadcast_buffers=True."
+    ),
     next=['probe {target} query "SELECT model, broadcast_buffers, norm_modules FROM torch.ddp"'],
 )
 
@@ -83,10 +111,18 @@ rule(
     "ddp_unused_search",
     family="slow",
     severity="info",
-    description="A DistributedDataParallel model runs with find_unused_parameters=True, yet DDP's own samples (torch.ddp, 10 iterations on) never found an unused parameter: it walks the autograd graph after every forward for nothing.",
+    description=(
+        "A DistributedDataParallel model runs with find_unused_parameters=True, yet DDP's own samples (torch.ddp, "
+        "10 iterations on) never found an unused parameter: it walks the autograd graph after every forward for "
+        "nothing."
+    ),
     sql="""SELECT min(rank) AS rank, model, min(iteration) AS iteration FROM torch.ddp
            WHERE find_unused_parameters AND NOT static_graph AND iteration >= 10 AND unused_seen = 0 GROUP BY model""",
-    message="DistributedDataParallel({model}) runs with find_unused_parameters=True, but none of DDP's samples up to iteration {iteration} found an unused parameter: every step pays a walk of the autograd graph for nothing; pass find_unused_parameters=False (or static_graph=True when the graph never changes).",
+    message=(
+        "DistributedDataParallel({model}) runs with find_unused_parameters=True, but none of DDP's samples up to "
+        "iteration {iteration} found an unused parameter: every step pays a walk of the autograd graph for nothing; "
+        "pass find_unused_parameters=False (or static_graph=True when the graph never changes)."
+    ),
     next=['probe {target} query "SELECT model, find_unused_parameters, iteration, unused_seen FROM torch.ddp"'],
 )
 
@@ -99,7 +135,12 @@ rule(
     family="distributed",
     severity="critical",
     scope="job",
-    description=f"Every rank of a process group has waited {_PACE}x the job's p99 step time ({_PACE_MIN_S} s at least) at the same sequence number in different collectives (torch.process_groups, the flight recorder): the job hangs because one rank left the others' code path (uneven inputs: its data ran out first); names the rank that issued fewest collectives, else the one whose collective differs from most.",
+    description=(
+        f"Every rank of a process group has waited {_PACE}x the job's p99 step time ({_PACE_MIN_S} s at least) at "
+        "the same sequence number in different collectives (torch.process_groups, the flight recorder): the job "
+        "hangs because one rank left the others' code path (uneven inputs: its data ran out first); names the rank "
+        "that issued fewest collectives, else the one whose collective differs from most."
+    ),
     sql=f"""
 WITH pace AS (
   SELECT max(p99) AS p99 FROM (
@@ -116,22 +157,34 @@ stuck AS (SELECT g.pg, g.seq FROM g JOIN members USING (pg), pace
           HAVING count(DISTINCT g.rank) = members.n AND members.n >= 2 AND count(DISTINCT g.op) > 1
              AND min(g.pending_s) > greatest({_PACE} * pace.p99, {_PACE_MIN_S})),
 w AS (SELECT g.*, count(*) OVER (PARTITION BY g.pg, g.seq, g.op) AS same,
-             min(g.issued) OVER (PARTITION BY g.pg, g.seq) AS fewest, max(g.issued) OVER (PARTITION BY g.pg, g.seq) AS most
+             min(g.issued) OVER (PARTITION BY g.pg, g.seq) AS fewest, max(g.issued) \
+OVER (PARTITION BY g.pg, g.seq) AS most
       FROM g JOIN stuck USING (pg, seq)),
 pick AS (SELECT *, CASE WHEN fewest < most THEN issued = fewest
                         ELSE same = (SELECT min(x.same) FROM w AS x WHERE x.pg = w.pg AND x.seq = w.seq) END AS odd
          FROM w)
 SELECT min(p.rank) FILTER (WHERE p.odd) AS rank, any_value(l.step) FILTER (WHERE p.odd) AS step, p.pg, p.seq,
        min(p.pending_s) AS waited_s, pace.p99 * 1000 AS p99_ms,
-       string_agg(DISTINCT CAST(p.rank AS VARCHAR), ',' ORDER BY CAST(p.rank AS VARCHAR)) FILTER (WHERE p.odd) AS culprits,
+       string_agg(DISTINCT CAST(p.rank AS VARCHAR), ',' ORDER BY CAST(p.rank AS VARCHAR)) \
+FILTER (WHERE p.odd) AS culprits,
        string_agg(p.op || ' at ' || p.site, '; ' ORDER BY p.rank) FILTER (WHERE p.odd) AS culprit_op,
-       string_agg('rank ' || p.rank || ' issued ' || p.op || ' at ' || p.site, '; ' ORDER BY p.rank) FILTER (WHERE NOT p.odd) AS others
+       string_agg('rank ' || p.rank || ' issued ' || p.op || ' at ' || p.site, '; ' ORDER BY p.rank) \
+FILTER (WHERE NOT p.odd) AS others
 FROM pick AS p CROSS JOIN pace LEFT JOIN ranks.latest AS l ON l.rank = p.rank
 GROUP BY p.pg, p.seq, pace.p99
 HAVING count(*) FILTER (WHERE NOT p.odd) > 0""",
-    message="rank {culprits} left the other ranks' path: at seq {seq} of process group {pg} it issued {culprit_op}, where {others}, and every rank has waited {waited_s:.1f} s since ({p99_ms:.1f} ms is the job's p99 step time): the job hangs. A rank whose data ran out first (its shard had fewer batches: uneven inputs) leaves the loop while the others wait in DDP's collectives of one more step; give every rank the same number of batches (DistributedSampler pads, or drop_last=True) or train inside model.join(). Its last step was {step}.",
+    message=(
+        "rank {culprits} left the other ranks' path: at seq {seq} of process group {pg} it issued {culprit_op}, "
+        "where {others}, and every rank has waited {waited_s:.1f} s since ({p99_ms:.1f} ms is the job's p99 step "
+        "time): the job hangs. A rank whose data ran out first (its shard had fewer batches: uneven inputs) leaves "
+        "the loop while the others wait in DDP's collectives of one more step; give every rank the same number of "
+        "batches (DistributedSampler pads, or drop_last=True) or train inside model.join(). Its last step was {step}."
+    ),
     next=[
         "probe --ranks all backtrace --group",
-        'probe --ranks all query "SELECT rank, seq, op, input_sizes, step FROM torch.collectives ORDER BY record_id DESC LIMIT 10"',
+        (
+            'probe --ranks all query "SELECT rank, seq, op, input_sizes, step FROM torch.collectives ORDER BY '
+            'record_id DESC LIMIT 10"'
+        ),
     ],
 )

@@ -13,8 +13,12 @@ rule(
     family="distributed",
     severity="critical",
     scope="job",
-    description="The rank the others wait for (ranks.status culprit): hung outside any collective, stopped, or gone while the others wait.",
-    sql="SELECT rank, step, state, reason, top_frame FROM ranks.hung WHERE culprit AND state <> 'dead'",  # rank_died says it
+    description=(
+        "The rank the others wait for (ranks.status culprit): hung outside any collective, stopped, or gone while "
+        "the others wait."
+    ),
+    # state <> 'dead': rank_died says it
+    sql="SELECT rank, step, state, reason, top_frame FROM ranks.hung WHERE culprit AND state <> 'dead'",
     message="rank {rank} is the one the others wait for (state {state}): {reason}; now in {top_frame}.",
     next=[
         "probe --rank {rank} backtrace",
@@ -34,7 +38,11 @@ rule(
     family="distributed",
     severity="critical",
     scope="job",
-    description=f"Ranks wait in a collective for {_PACE}x the job's p99 step time ({_PACE_MIN_S} s at least) that another rank, whose main thread is not running, has not issued (torch.process_groups, the flight recorder): that rank stalls the job; named before PROBE_HUNG_AFTER, when hung_rank would.",
+    description=(
+        f"Ranks wait in a collective for {_PACE}x the job's p99 step time ({_PACE_MIN_S} s at least) that another "
+        "rank, whose main thread is not running, has not issued (torch.process_groups, the flight recorder): that "
+        "rank stalls the job; named before PROBE_HUNG_AFTER, when hung_rank would."
+    ),
     sql=f"""
 WITH pace AS (
   SELECT max(p99) AS p99 FROM (
@@ -60,7 +68,11 @@ WHERE NOT EXISTS (SELECT 1 FROM ranks.hung WHERE culprit)
   AND coalesce(l.state, '') NOT IN ('dead', 'stopped', 'unreachable')
   -- its main thread not running: one that computes (or waits for a CPU on a loaded host) is slow, not stalled
   AND t.state IS DISTINCT FROM 'running'""",
-    message="rank {rank} stalls the job: ranks {waiters} have waited {waited_s:.1f} s ({ratio:.0f}x the job's p99 step time of {p99_ms:.1f} ms) in {op} seq {seq} of process group {pg}, which rank {rank} has not issued; its last step was {idle} ago (step {step}) and it is now in {top_frame}.",
+    message=(
+        "rank {rank} stalls the job: ranks {waiters} have waited {waited_s:.1f} s ({ratio:.0f}x the job's p99 step "
+        "time of {p99_ms:.1f} ms) in {op} seq {seq} of process group {pg}, which rank {rank} has not issued; its "
+        "last step was {idle} ago (step {step}) and it is now in {top_frame}."
+    ),
     next=[
         "probe --rank {rank} backtrace",
         "probe --rank {rank} backtrace --native",
@@ -73,9 +85,15 @@ rule(
     family="distributed",
     severity="warning",
     scope="job",
-    description="A rank's compute time per step (its step time without the flight recorder) exceeds the other ranks' by PROBE_STRAGGLER_FACTOR.",
+    description=(
+        "A rank's compute time per step (its step time without the flight recorder) exceeds the other ranks' by "
+        "PROBE_STRAGGLER_FACTOR."
+    ),
     sql="SELECT rank, step, ratio, basis, step_time * 1000 AS step_ms, top_frame FROM ranks.stragglers",
-    message="rank {rank} is a straggler: {ratio:.1f}x the other ranks' time per step ({basis}; {step_ms:.1f} ms steps), now in {top_frame}.",
+    message=(
+        "rank {rank} is a straggler: {ratio:.1f}x the other ranks' time per step ({basis}; {step_ms:.1f} ms steps), "
+        "now in {top_frame}."
+    ),
     next=["probe --rank {rank} backtrace", "probe --ranks all status"],
 )
 
@@ -84,9 +102,15 @@ rule(
     family="distributed",
     severity="warning",
     scope="job",
-    description="A rank's step counter lags the most advanced rank by more than PROBE_DESYNC_STEPS, beyond what the ranks answering at slightly different moments explains (ranks.desync).",
+    description=(
+        "A rank's step counter lags the most advanced rank by more than PROBE_DESYNC_STEPS, beyond what the ranks "
+        "answering at slightly different moments explains (ranks.desync)."
+    ),
     sql="SELECT rank, step, behind, step + behind AS lead_step FROM ranks.desync",
-    message="rank {rank} is at step {step}, {behind} step(s) behind the most advanced rank (at step {lead_step}): ranks that synchronise every step stay within a step of each other.",
+    message=(
+        "rank {rank} is at step {step}, {behind} step(s) behind the most advanced rank (at step {lead_step}): ranks "
+        "that synchronise every step stay within a step of each other."
+    ),
     next=["probe --ranks all status", "probe --rank {rank} backtrace"],
 )
 
@@ -94,7 +118,10 @@ rule(
     "rank_died",
     family="crash",
     severity="critical",
-    description="A process (a rank of the job) is gone and its post-mortem record says how: an exception, a fatal signal, or a kill without warning; across ranks, which ranks wait for it and in which collective.",
+    description=(
+        "A process (a rank of the job) is gone and its post-mortem record says how: an exception, a fatal signal, or "
+        "a kill without warning; across ranks, which ranks wait for it and in which collective."
+    ),
     sql="""
 WITH waiters AS (SELECT string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank) AS ranks,
                         string_agg(DISTINCT pending_op, ', ') AS ops
@@ -121,7 +148,11 @@ rule(
     family="distributed",
     severity="warning",
     scope="job",
-    description="Over the last 50 steps all ranks have, one rank's mean loss is far from the ranks' median (by 25% and 0.05, and by 4 standard errors; of two ranks, the higher): ranks training one model should see about the same loss.",
+    description=(
+        "Over the last 50 steps all ranks have, one rank's mean loss is far from the ranks' median (by 25% and 0.05, "
+        "and by 4 standard errors; of two ranks, the higher): ranks training one model should see about the same "
+        "loss."
+    ),
     sql="""
 WITH last AS (SELECT min(top) AS hi FROM (SELECT rank, max(step) AS top FROM torch.steps GROUP BY rank)),
 per AS (
@@ -139,9 +170,16 @@ FROM cmp
 WHERE ranks >= 2
   AND abs(mean - CASE WHEN ranks = 2 THEN low ELSE med END) > 0.25 * abs(med) + 0.05
   AND abs(mean - CASE WHEN ranks = 2 THEN low ELSE med END) > 4 * greatest(sd, med_sd) / sqrt(n)""",
-    message="rank {rank}'s loss averages {mean:.4g} over steps {first}-{step}, {ratio:.3g}x {against} {others:.4g}: ranks that train one model should see about the same loss, so this rank's data differs (a corrupt or mislabeled shard, other preprocessing) or its inputs are broken.",
+    message=(
+        "rank {rank}'s loss averages {mean:.4g} over steps {first}-{step}, {ratio:.3g}x {against} {others:.4g}: "
+        "ranks that train one model should see about the same loss, so this rank's data differs (a corrupt or "
+        "mislabeled shard, other preprocessing) or its inputs are broken."
+    ),
     next=[
-        'probe --ranks all query "SELECT rank, avg(loss) AS mean_loss, count(*) AS steps FROM torch.steps WHERE step > {step} - 50 GROUP BY rank ORDER BY rank"',
+        (
+            'probe --ranks all query "SELECT rank, avg(loss) AS mean_loss, count(*) AS steps FROM torch.steps WHERE '
+            'step > {step} - 50 GROUP BY rank ORDER BY rank"'
+        ),
         'probe --rank {rank} query "SELECT step, loss, samples FROM torch.steps ORDER BY step DESC LIMIT 20"',
     ],
 )

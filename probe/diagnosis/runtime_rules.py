@@ -15,13 +15,19 @@ rule(
     "memory_growth",
     family="memory",
     severity="warning",
-    description="After the first 100 steps, the memory in use (torch.steps.memory: CUDA allocated, else RSS; read every 0.1 s, on every step) rose by 16 MB or more from each third of the last 30 seconds to the next (each third's lowest reading, so the activations of a step in flight do not count), over at least 3 seconds and 30 steps: it grows step over step.",
+    description=(
+        "After the first 100 steps, the memory in use (torch.steps.memory: CUDA allocated, else RSS; read every "
+        "0.1 s, on every step) rose by 16 MB or more from each third of the last 30 seconds to the next (each "
+        "third's lowest reading, so the activations of a step in flight do not count), over at least 3 seconds and "
+        "30 steps: it grows step over step."
+    ),
     sql="""
 WITH p AS (
   SELECT rank, step, epoch(ended_at) AS t, memory FROM torch.steps WHERE memory IS NOT NULL AND step > 100),
 e AS (SELECT rank, max(t) AS t_end FROM p GROUP BY rank),
 q AS (SELECT p.* FROM p JOIN e ON e.rank IS NOT DISTINCT FROM p.rank WHERE p.t >= e.t_end - 30),
-b AS (SELECT rank, min(t) AS t0, max(t) AS t1, min(step) AS first, max(step) AS step, count(*) AS n FROM q GROUP BY rank),
+b AS (SELECT rank, min(t) AS t0, max(t) AS t1, min(step) AS first, max(step) AS step, count(*) AS n FROM q \
+GROUP BY rank),
 th AS (
   SELECT q.rank, least(2, floor(3 * (q.t - b.t0) / greatest(b.t1 - b.t0, 1e-9)))::INTEGER AS third, min(q.memory) AS low
   FROM q JOIN b ON b.rank IS NOT DISTINCT FROM q.rank GROUP BY q.rank, third),
@@ -35,7 +41,11 @@ SELECT rank, step, first, secs, low0 / 1e6 AS start_mb, greatest(low2, last) / 1
        (greatest(low2, last) - low0) / 1e6 / greatest(step - first, 1) AS mb_per_step,
        (greatest(low2, last) - low0) / 1e6 / greatest(secs, 1e-3) AS mb_per_s
 FROM w WHERE n >= 30 AND secs >= 3 AND low1 - low0 > 16e6 AND low2 - low1 > 16e6 AND low2 > 1.05 * low0""",
-    message="memory in use grows step over step: {start_mb:.0f} MB -> {end_mb:.0f} MB from step {first} to step {step} in {secs:.0f} s (~{mb_per_step:.2f} MB a step, {mb_per_s:.1f} MB/s): something keeps tensors alive (a list of losses kept with their graphs, a growing cache).",
+    message=(
+        "memory in use grows step over step: {start_mb:.0f} MB -> {end_mb:.0f} MB from step {first} to step {step} "
+        "in {secs:.0f} s (~{mb_per_step:.2f} MB a step, {mb_per_s:.1f} MB/s): something keeps tensors alive (a list "
+        "of losses kept with their graphs, a growing cache)."
+    ),
     next=[
         'probe {target} query "SELECT step, memory, peak_allocated FROM torch.steps ORDER BY step DESC LIMIT 20"',
         'probe {target} query "SELECT * FROM torch.memory"',
@@ -47,14 +57,25 @@ rule(
     "allocator_fragmentation",
     family="memory",
     severity="warning",
-    description="On a CUDA device, the caching allocator had to free its cache and retry an allocation (or raised an out-of-memory error) while it held at least 1 GiB and a fifth of its reservation that no tensor used: the free memory is there but in pieces.",
+    description=(
+        "On a CUDA device, the caching allocator had to free its cache and retry an allocation (or raised an "
+        "out-of-memory error) while it held at least 1 GiB and a fifth of its reservation that no tensor used: the "
+        "free memory is there but in pieces."
+    ),
     sql="""
-SELECT rank, device, allocated / 2^30 AS allocated_gb, reserved / 2^30 AS reserved_gb, (reserved - allocated) / 2^30 AS cached_gb,
+SELECT rank, device, allocated / 2^30 AS allocated_gb, reserved / 2^30 AS reserved_gb, (reserved - \
+allocated) / 2^30 AS cached_gb,
        total / 2^30 AS total_gb, alloc_retries AS retries, ooms
 FROM torch.memory
 WHERE device LIKE 'cuda%' AND reserved > 0 AND (alloc_retries > 0 OR ooms > 0)
   AND reserved - allocated >= greatest(2^30, 0.2 * reserved)""",
-    message="{device}: the caching allocator reserves {reserved_gb:.1f} GiB of {total_gb:.1f} but tensors hold only {allocated_gb:.1f} GiB; {cached_gb:.1f} GiB sit cached in blocks too small to use, and {retries} allocation(s) had to free the cache and retry ({ooms} out-of-memory error(s)): fragmentation. `probe cleanup` returns the cache now; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True at the next start keeps it from coming back.",
+    message=(
+        "{device}: the caching allocator reserves {reserved_gb:.1f} GiB of {total_gb:.1f} but tensors hold only "
+        "{allocated_gb:.1f} GiB; {cached_gb:.1f} GiB sit cached in blocks too small to use, and {retries} "
+        "allocation(s) had to free the cache and retry ({ooms} out-of-memory error(s)): fragmentation. "
+        "`probe cleanup` returns the cache now; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True at the next start "
+        "keeps it from coming back."
+    ),
     next=['probe {target} query "SELECT * FROM torch.memory"', "probe {target} cleanup"],
 )
 
@@ -62,7 +83,11 @@ rule(
     "throughput_regression",
     family="slow",
     severity="warning",
-    description="The median step time of the last 50 steps is twice (and 10 ms) above the job's own earlier median, the time the training thread waited for a CPU (torch.steps.cpu_wait: the host's load, not the job's) taken out of both.",
+    description=(
+        "The median step time of the last 50 steps is twice (and 10 ms) above the job's own earlier median, the time "
+        "the training thread waited for a CPU (torch.steps.cpu_wait: the host's load, not the job's) taken out of "
+        "both."
+    ),
     sql="""
 WITH s AS (
   SELECT rank, step, duration, cpu_wait, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age,
@@ -80,11 +105,15 @@ j AS (
 SELECT rank, step, now_s * 1000 AS now_ms, before_s * 1000 AS before_ms, now_s / before_s AS ratio,
        (now_wait - before_wait) * 1000 AS wait_ms FROM j
 WHERE n_before >= 20 AND now_own > 2 * before_own AND now_own - before_own > 0.01""",
-    message="steps got {ratio:.1f}x slower: median {now_ms:.1f} ms over the last 50 steps against {before_ms:.1f} ms before "
+    message="steps got {ratio:.1f}x slower: median {now_ms:.1f} ms over the last 50 steps against "
+    "{before_ms:.1f} ms before "
     "(waiting for a CPU accounts for {wait_ms:.1f} ms of it).",
     next=[
         "probe {target} backtrace",
-        'probe {target} query "SELECT module, stage, AVG(duration) AS avg_s FROM python.torch_trace WHERE step > (SELECT MAX(step) - 5 FROM python.torch_trace) GROUP BY ALL ORDER BY avg_s DESC LIMIT 10"',
+        (
+            'probe {target} query "SELECT module, stage, AVG(duration) AS avg_s FROM python.torch_trace WHERE step > '
+            '(SELECT MAX(step) - 5 FROM python.torch_trace) GROUP BY ALL ORDER BY avg_s DESC LIMIT 10"'
+        ),
     ],
 )
 
@@ -92,7 +121,10 @@ rule(
     "cpu_starved",
     family="slow",
     severity="info",
-    description="Over the last 50 measured steps the training thread waited for a CPU (torch.steps.cpu_wait) for more than a quarter of its step time and 5 ms a step: the host is oversubscribed.",
+    description=(
+        "Over the last 50 measured steps the training thread waited for a CPU (torch.steps.cpu_wait) for more than a "
+        "quarter of its step time and 5 ms a step: the host is oversubscribed."
+    ),
     sql="""
 WITH s AS (
   SELECT rank, step, duration, cpu_wait, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
@@ -104,7 +136,10 @@ HAVING count(*) >= 10 AND median(cpu_wait) > 0.25 * median(duration) AND median(
     message="the training thread waited {wait_ms:.1f} ms a step for a CPU ({pct:.0f}% of its {step_ms:.1f} ms steps): "
     "other processes, data loader workers or another job share its cores, and the step times include that wait.",
     next=[
-        'probe {target} query "SELECT step, duration, cpu_wait FROM torch.steps WHERE cpu_wait IS NOT NULL ORDER BY step DESC LIMIT 20"'
+        (
+            'probe {target} query "SELECT step, duration, cpu_wait FROM torch.steps WHERE cpu_wait IS NOT NULL ORDER '
+            'BY step DESC LIMIT 20"'
+        )
     ],
 )
 
@@ -112,7 +147,15 @@ rule(
     "input_bound",
     family="input",
     severity="warning",
-    description="Over the last 50 steps (every step: torch.steps.data_wait, the time before each step's first forward call; on traced steps without it, the time outside the root models' forward and backward), more than 70% of the step time (and 20 ms a step) goes outside the model: waiting for data or host-side work (time waiting for other ranks, torch.steps.comm_wait, or for a CPU, torch.steps.cpu_wait, does not count); summed over the steps, so batches that arrive in pairs from two workers (a fast step, then a slow one) count in full; names the DataLoaders with num_workers=0 (torch.dataloaders) and, when the main thread is in one now, the DataLoader's __next__/fetch or Dataset's __getitem__ it is in (python.backtrace).",
+    description=(
+        "Over the last 50 steps (every step: torch.steps.data_wait, the time before each step's first forward call; "
+        "on traced steps without it, the time outside the root models' forward and backward), more than 70% of the "
+        "step time (and 20 ms a step) goes outside the model: waiting for data or host-side work (time waiting for "
+        "other ranks, torch.steps.comm_wait, or for a CPU, torch.steps.cpu_wait, does not count); summed over the "
+        "steps, so batches that arrive in pairs from two workers (a fast step, then a slow one) count in full; names "
+        "the DataLoaders with num_workers=0 (torch.dataloaders) and, when the main thread is in one now, the "
+        "DataLoader's __next__/fetch or Dataset's __getitem__ it is in (python.backtrace)."
+    ),
     sql="""
 WITH f AS (
   SELECT rank, step, sum(duration) AS model_s FROM python.torch_trace WHERE depth = 0 GROUP BY rank, step),
@@ -141,16 +184,23 @@ SELECT m.rank, m.step, m.steps, m.step_s * 1000 AS step_ms, m.model_s * 1000 AS 
        100 * (1 - m.model_s / m.step_s) AS outside_pct,
        coalesce('; ' || CASE WHEN d.n = 1 THEN 'DataLoader ' ELSE 'DataLoaders ' END || d.names
                 || CASE WHEN d.n = 1 THEN ' has' ELSE ' have' END
-                || ' num_workers=0: the training thread loads every batch itself (give it workers, num_workers=4 or more)', '') AS loaders,
+                || \
+' num_workers=0: the training thread loads every batch itself (give it workers, num_workers=4 or more)', '') AS loaders,
        coalesce('; the main thread is in ' || b.frame || ' now', '') AS loading
 FROM m
 LEFT JOIN d ON d.rank IS NOT DISTINCT FROM m.rank
 LEFT JOIN b ON b.rank IS NOT DISTINCT FROM m.rank
 WHERE m.steps >= 3 AND m.model_s < 0.3 * m.step_s AND m.step_s - m.model_s > 0.02""",
-    message="{outside_pct:.0f}% of step time is spent outside forward/backward ({step_ms:.1f} ms a step, {model_ms:.1f} ms in the model): the input pipeline or host-side work is the bottleneck{loaders}{loading}.",
+    message=(
+        "{outside_pct:.0f}% of step time is spent outside forward/backward ({step_ms:.1f} ms a step, {model_ms:.1f} "
+        "ms in the model): the input pipeline or host-side work is the bottleneck{loaders}{loading}."
+    ),
     next=[
         "probe {target} backtrace",
-        'probe {target} query "SELECT name, dataset_type, batch_size, num_workers, pin_memory, prefetch_factor FROM torch.dataloaders"',
+        (
+            'probe {target} query "SELECT name, dataset_type, batch_size, num_workers, pin_memory, prefetch_factor '
+            'FROM torch.dataloaders"'
+        ),
         'probe {target} query "SELECT name, state, cpu_user_s, func, lineno FROM python.threads"',
     ],
 )
@@ -159,7 +209,10 @@ rule(
     "data_spans",
     family="input",
     severity="warning",
-    description="Over the last 20 steps, the script's probe.span('data') blocks take more than 40% of the step time (and 10 ms): the input pipeline is the bottleneck.",
+    description=(
+        "Over the last 20 steps, the script's probe.span('data') blocks take more than 40% of the step time (and "
+        "10 ms): the input pipeline is the bottleneck."
+    ),
     sql="""
 WITH d AS (
   SELECT rank, step, sum(duration) AS data_s FROM python.spans WHERE name = 'data' GROUP BY rank, step),
@@ -173,10 +226,16 @@ m AS (
   GROUP BY rank)
 SELECT rank, step, steps, step_s * 1000 AS step_ms, data_s * 1000 AS data_ms, 100 * data_s / step_s AS data_pct FROM m
 WHERE steps >= 3 AND data_s > 0.4 * step_s AND data_s > 0.01""",
-    message="{data_pct:.0f}% of step time is spent in probe.span('data') blocks ({data_ms:.1f} ms of {step_ms:.1f} ms a step): the input pipeline is the bottleneck (more DataLoader workers, pin_memory, prefetching).",
+    message=(
+        "{data_pct:.0f}% of step time is spent in probe.span('data') blocks ({data_ms:.1f} ms of {step_ms:.1f} ms a "
+        "step): the input pipeline is the bottleneck (more DataLoader workers, pin_memory, prefetching)."
+    ),
     next=[
         "probe {target} trace --steps 5 -o trace.json",
-        'probe {target} query "SELECT step, name, duration FROM python.spans WHERE step > (SELECT MAX(step) - 3 FROM python.spans) ORDER BY time"',
+        (
+            'probe {target} query "SELECT step, name, duration FROM python.spans WHERE step > (SELECT MAX(step) - '
+            '3 FROM python.spans) ORDER BY time"'
+        ),
     ],
 )
 
@@ -190,7 +249,10 @@ rule(
     "dead_activations",
     family="activations",
     severity="warning",
-    description=f"On each of its last 3 traced steps, at least {_DEAD:.0%} of a ReLU/GELU-family module's output is exactly 0: its units are dead and pass no gradient.",
+    description=(
+        f"On each of its last 3 traced steps, at least {_DEAD:.0%} of a ReLU/GELU-family module's output is exactly "
+        "0: its units are dead and pass no gradient."
+    ),
     sql=f"""
 WITH c AS (
   SELECT rank, model, module, step, any_value(module_type) AS module_type, avg(out_zero_frac) AS zeros,
@@ -203,9 +265,16 @@ SELECT rank, max(step) AS step, module, any_value(module_type) AS module_type, c
        100 * avg(zeros) AS pct, 100 * min(zeros) AS min_pct, arg_max(shape, step) AS shape
 FROM r WHERE age <= 3 GROUP BY rank, model, module
 HAVING count(*) = 3 AND min(zeros) >= {_DEAD}""",
-    message="{pct:.1f}% of the output of module {module} ({module_type}, shape {shape}) is exactly 0 on each of its last {steps} traced steps (to step {step}): its units are dead and pass no gradient; look at the layer before it (a large negative bias, or an LR that pushed its pre-activations negative).",
+    message=(
+        "{pct:.1f}% of the output of module {module} ({module_type}, shape {shape}) is exactly 0 on each of its last "
+        "{steps} traced steps (to step {step}): its units are dead and pass no gradient; look at the layer before it "
+        "(a large negative bias, or an LR that pushed its pre-activations negative)."
+    ),
     next=[
-        "probe {target} query \"SELECT seq, module, module_type, out_mean, out_std, out_zero_frac FROM python.torch_trace WHERE step = {step} AND stage = 'forward' ORDER BY seq\"",
+        (
+            'probe {target} query "SELECT seq, module, module_type, out_mean, out_std, out_zero_frac FROM '
+            "python.torch_trace WHERE step = {step} AND stage = 'forward' ORDER BY seq\""
+        ),
         'probe {target} query "SELECT name, shape, requires_grad, grad_norm FROM torch.parameters"',
     ],
 )
@@ -214,14 +283,18 @@ rule(
     "collapsed_output",
     family="activations",
     severity="warning",
-    description="A module's output no longer varies across the batch (std across the first dimension ~ 0 on its last 3 traced steps, after it did vary) while the output of the module called just before it does.",
+    description=(
+        "A module's output no longer varies across the batch (std across the first dimension ~ 0 on its last "
+        "3 traced steps, after it did vary) while the output of the module called just before it does."
+    ),
     sql=f"""
 WITH v AS (
   SELECT rank, model, step, seq, depth, module, module_type, out_batch_std AS b, out_mean, out_std, out_zero_frac,
          out_batch_std > 1e-3 * (abs(out_mean) + out_std) AS varies,
          out_batch_std <= 1e-6 * (abs(out_mean) + out_std) AS flat,
          dense_rank() OVER (PARTITION BY rank ORDER BY step DESC) AS age
-  FROM python.torch_trace WHERE stage = 'forward' AND out_batch_std IS NOT NULL AND isfinite(out_mean) AND isfinite(out_std)),
+  FROM python.torch_trace WHERE stage = 'forward' AND out_batch_std IS NOT NULL \
+AND isfinite(out_mean) AND isfinite(out_std)),
 f AS (SELECT * FROM v WHERE age <= 3 AND flat AND NOT (module_type IN {_ZEROING} AND out_zero_frac >= {_DEAD})),
 p AS (  -- the call just before each flat one at its depth or deeper: it ended before the flat call began
   SELECT f.rank, f.model, f.module, f.step, f.seq, any_value(f.module_type) AS module_type, any_value(f.b) AS b,
@@ -241,10 +314,21 @@ hit AS (
 SELECT * FROM hit AS h  -- a container whose output collapsed because a module inside it did: name the inner one
 WHERE NOT EXISTS (SELECT 1 FROM hit AS i WHERE i.rank IS NOT DISTINCT FROM h.rank AND i.model = h.model
                   AND starts_with(i.module, h.module || '.'))""",
-    message="the output of module {module} ({module_type}) is the same for every sample of the batch on its last {steps} traced steps (std across the batch {b:.2g}, up to step {step}; it was {was_b:.3g} at step {was_step}), while its input from {prev} varies (std across the batch {prev_b:.3g}): its weights have collapsed (zeroed, or a mask that removes them) or it saturates.",
+    message=(
+        "the output of module {module} ({module_type}) is the same for every sample of the batch on its last {steps} "
+        "traced steps (std across the batch {b:.2g}, up to step {step}; it was {was_b:.3g} at step {was_step}), "
+        "while its input from {prev} varies (std across the batch {prev_b:.3g}): its weights have collapsed (zeroed, "
+        "or a mask that removes them) or it saturates."
+    ),
     next=[
-        "probe {target} query \"SELECT name, shape, requires_grad, grad_norm FROM torch.parameters WHERE name LIKE '{module}.%'\"",
-        "probe {target} query \"SELECT step, module, out_mean, out_std, out_batch_std FROM python.torch_trace WHERE module = '{module}' AND stage = 'forward' ORDER BY step DESC LIMIT 10\"",
+        (
+            'probe {target} query "SELECT name, shape, requires_grad, grad_norm FROM torch.parameters WHERE name '
+            "LIKE '{module}.%'\""
+        ),
+        (
+            'probe {target} query "SELECT step, module, out_mean, out_std, out_batch_std FROM python.torch_trace '
+            "WHERE module = '{module}' AND stage = 'forward' ORDER BY step DESC LIMIT 10\""
+        ),
     ],
 )
 
@@ -252,7 +336,10 @@ rule(
     "host_syncs",
     family="slow",
     severity="warning",
-    description="A line of the training code makes the host wait for the GPU (.item(), .cpu(), .tolist(), printing a CUDA tensor...) on each of the last 3 traced steps (torch.syncs, CUDA only).",
+    description=(
+        "A line of the training code makes the host wait for the GPU (.item(), .cpu(), .tolist(), printing a CUDA "
+        "tensor...) on each of the last 3 traced steps (torch.syncs, CUDA only)."
+    ),
     sql="""
 WITH s AS (
   SELECT rank, step, file, line, any_value(coalesce(code, '')) AS code, any_value(function) AS function, sum(count) AS n
@@ -260,14 +347,22 @@ WITH s AS (
 t AS (SELECT rank, step, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age FROM torch.steps
       -- traced steps up to the newest one torch.syncs has seen: the tables are snapshotted one after the other, so a
       -- traced step may be in torch.steps before its syncs are in torch.syncs
-      WHERE traced AND step <= (SELECT max(x.step) FROM torch.syncs x WHERE x.rank IS NOT DISTINCT FROM torch.steps.rank)),
+      WHERE traced AND step <= (SELECT max(x.step) FROM torch.syncs x \
+WHERE x.rank IS NOT DISTINCT FROM torch.steps.rank)),
 j AS (SELECT s.* FROM s JOIN t ON t.rank IS NOT DISTINCT FROM s.rank AND t.step = s.step WHERE t.age <= 3)
 SELECT rank, max(step) AS step, file, regexp_extract(file, '[^/]+$') AS base, line, any_value(code) AS code,
        any_value(function) AS function, count(*) AS steps, sum(n) / count(*) AS per_step
 FROM j GROUP BY rank, file, line HAVING count(*) = 3""",
-    message="line {line} of {base} (in {function}) makes the host wait for the GPU {per_step:.0f} time(s) a step on each of the last {steps} traced steps: `{code}`; the CPU cannot queue the next kernels meanwhile. Keep the value on the device and read it every N steps.",
+    message=(
+        "line {line} of {base} (in {function}) makes the host wait for the GPU {per_step:.0f} time(s) a step on each "
+        "of the last {steps} traced steps: `{code}`; the CPU cannot queue the next kernels meanwhile. Keep the value "
+        "on the device and read it every N steps."
+    ),
     next=[
-        'probe {target} query "SELECT step, file, line, code, origin, via, count FROM torch.syncs ORDER BY step DESC, count DESC LIMIT 20"',
+        (
+            'probe {target} query "SELECT step, file, line, code, origin, via, count FROM torch.syncs ORDER BY step '
+            'DESC, count DESC LIMIT 20"'
+        ),
         "probe {target} trace --steps 5 -o trace.json",
     ],
 )
@@ -277,7 +372,10 @@ rule(
     family="probe",
     severity="info",
     description="The probe itself caught errors (recorded in probe.errors); training went on.",
-    sql="SELECT rank, count(*) AS n, arg_max(source, time) AS last_source, arg_max(message, time) AS last_message FROM probe.errors GROUP BY rank",
+    sql=(
+        "SELECT rank, count(*) AS n, arg_max(source, time) AS last_source, arg_max(message, time) AS last_message "
+        "FROM probe.errors GROUP BY rank"
+    ),
     message="the probe recorded {n} error(s) of its own, the last from {last_source}: {last_message}",
     next=['probe {target} query "SELECT time, source, type, message FROM probe.errors ORDER BY time DESC LIMIT 10"'],
 )
@@ -286,7 +384,10 @@ rule(
     "probe_overhead",
     family="probe",
     severity="info",
-    description="The probe's fixed per-step work (torch.steps.probe_us, median over the last 200 steps) exceeds 2 % of the step time: steps too short for PROBE_STEP_BUDGET.",
+    description=(
+        "The probe's fixed per-step work (torch.steps.probe_us, median over the last 200 steps) exceeds 2 % of the "
+        "step time: steps too short for PROBE_STEP_BUDGET."
+    ),
     sql="""
 WITH s AS (
   SELECT rank, step, probe_us, duration, measured,
@@ -296,7 +397,8 @@ SELECT rank, count(*) AS n, median(probe_us) AS probe_us, median(duration) * 100
        median(probe_us) * 1e-6 / median(duration) AS share, avg(measured::INT) AS measured
 FROM s WHERE age <= 200 GROUP BY rank
 HAVING count(*) >= 50 AND median(probe_us) * 1e-6 / median(duration) > 0.02""",
-    message="the probe's own work is {probe_us:.1f} us of every {step_ms:.2f} ms step ({share:.1%}), more than its budget: "
+    message="the probe's own work is {probe_us:.1f} us of every {step_ms:.2f} ms step ({share:.1%}), "
+    "more than its budget: "
     "steps this short get their loss, grad norm and peak memory measured on {measured:.1%} of steps.",
     next=[
         'probe {target} query "SELECT step, duration, probe_us, measured FROM torch.steps ORDER BY step DESC LIMIT 20"'
