@@ -134,7 +134,10 @@ def _gdb_path() -> str | None:
 
 def _gdb_unavailable(info: ProcessInfo) -> str | None:
     if _gdb_path() is None:
-        return f"gdb is not installed (looked for {setting('PROBE_GDB')!r}); install it (apt-get install gdb) or set PROBE_GDB"
+        return (
+            f"gdb is not installed (looked for {setting('PROBE_GDB')!r}); install it (apt-get install gdb) or set "
+            "PROBE_GDB"
+        )
     return ptrace_problem(info.pid) or gdb_cannot_call()
 
 
@@ -219,7 +222,9 @@ def _run_canary(gdb: str) -> str | None:
         return None
     if "ptrace" in out.lower():
         return None  # a ptrace refusal is diagnosed on the real target, with its own exit code
-    last = next((l for l in reversed(out.splitlines()) if l.strip() and not l.startswith("[Inferior")), "no output")
+    last = next(
+        (line for line in reversed(out.splitlines()) if line.strip() and not line.startswith("[Inferior")), "no output"
+    )
     return (
         f"gdb cannot call a function in a stopped process on this machine (tried on a throw-away process: "
         f"{last.rstrip('.')}), and doing so would crash the target"
@@ -236,7 +241,8 @@ def _gdb_script(code_file: str) -> str:
             'printf "probe-page=%ld\\n", (long) $probe_page',
             "if (long) $probe_page != -1",
             f"  restore {code_file} binary $probe_page",
-            '  printf "probe-pending=%d\\n", (int) Py_AddPendingCall((int (*)(void *)) PyRun_SimpleString, (void *) $probe_page)',
+            '  printf "probe-pending=%d\\n", (int) Py_AddPendingCall((int (*)(void *)) PyRun_SimpleString, (void *) '
+            "$probe_page)",
             "end",
             "detach",
             "quit",
@@ -295,7 +301,7 @@ def _gdb(info: ProcessInfo, payload: _Payload, timeout: float) -> None:
             "stripped, so use the read-only `probe PID backtrace` instead.",
             exit_code=EXIT_CODES["tool_failed"],
         )
-    last = next((l for l in reversed(out.splitlines()) if l.strip()), "no output")
+    last = next((line for line in reversed(out.splitlines()) if line.strip()), "no output")
     raise AttachError(
         f"gdb could not schedule the bootstrap in process {info.pid} ({last}); the read-only "
         f"`probe {info.pid} backtrace` still works.",

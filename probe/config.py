@@ -151,19 +151,23 @@ def _probe_mode(text: str) -> str | None:
 _declare(
     "PROBE",
     None,
-    "Start the probe at interpreter start-up with no code change. 1 (or workers): in the launcher's worker processes, not in launchers (torchrun), pip, multiprocessing helpers, or processes started by an already probed process (compile workers, data subprocesses); all: also in those subprocesses; 0: off.",
+    "Start the probe at interpreter start-up with no code change. 1 (or workers): in the launcher's worker processes, "
+    "not in launchers (torchrun), pip, multiprocessing helpers, or processes started by an already probed process "
+    "(compile workers, data subprocesses); all: also in those subprocesses; 0: off.",
     _probe_mode,
 )
 _declare(
     "PROBE_ONLY",
     None,
-    "With PROBE set: start the probe only in processes whose script name or -m module matches one of these comma-separated shell patterns (e.g. train*.py,my_pkg.train), wherever they are in the launch tree.",
+    "With PROBE set: start the probe only in processes whose script name or -m module matches one of these "
+    "comma-separated shell patterns (e.g. train*.py,my_pkg.train), wherever they are in the launch tree.",
     _names,
 )
 _declare(
     "PROBE_RUNTIME_DIR",
     None,
-    "Directory for sockets, registry entries, audit log and hang dumps; default $XDG_RUNTIME_DIR/probe or /tmp/probe-$UID.",
+    "Directory for sockets, registry entries, audit log and hang dumps; default $XDG_RUNTIME_DIR/probe or "
+    "/tmp/probe-$UID.",
 )
 _declare(
     "PROBE_PORT",
@@ -178,18 +182,21 @@ _declare(
 _declare(
     "PROBE_MCP_TOKEN",
     None,
-    "Bearer token clients of `probe mcp --http` must send (at least 16 characters); generated and printed at start when unset. Not PROBE_TOKEN, which opens the training processes themselves.",
+    "Bearer token clients of `probe mcp --http` must send (at least 16 characters); generated and printed at start "
+    "when unset. Not PROBE_TOKEN, which opens the training processes themselves.",
 )
 _declare(
     "PROBE_ALLOW_EVAL",
     None,
-    "1 allows eval and debug over TCP (with the token); 0 disables both everywhere; unset allows them on the unix socket only.",
+    "1 allows eval and debug over TCP (with the token); 0 disables both everywhere; unset allows them on the unix "
+    "socket only.",
     _flag,
 )
 _declare(
     "PROBE_ACTION_TIMEOUT",
     "60",
-    "Seconds a queued action (checkpoint, lr, cleanup, eval --at-step) waits for a step boundary before it is dropped as timed_out, when the client gives no --timeout.",
+    "Seconds a queued action (checkpoint, lr, cleanup, eval --at-step) waits for a step boundary before it is dropped "
+    "as timed_out, when the client gives no --timeout.",
     _SECONDS,
 )
 _declare(
@@ -207,13 +214,17 @@ _declare("PROBE_MAX_ROWS", "10000", "Default row cap of a query result; a client
 _declare(
     "PROBE_SNAPSHOT_BYTES",
     "64MB",
-    "Training process: largest table snapshot (the columns one query needs, after its pushed-down filters) it hands to a client; larger ones are refused with a hint.",
+    "Training process: largest table snapshot (the columns one query needs, after its pushed-down filters) it hands to "
+    "a client; larger ones are refused with a hint.",
     _size,
 )
 _declare(
     "PROBE_SERVE_SHARE",
     "0.02",
-    "Training process: share of wall time its snapshots may take, averaged over ten seconds; each request is charged its thread's whole CPU time (filters, every table it names, encoding), and the next waits until that is earned back, up to its timeout, so that no client, whatever it sends, can slow training more; 'off' serves them as fast as they come.",
+    "Training process: share of wall time its snapshots may take, averaged over ten seconds; each request is charged "
+    "its thread's whole CPU time (filters, every table it names, encoding), and the next waits until that is earned "
+    "back, up to its timeout, so that no client, whatever it sends, can slow training more; 'off' serves them as fast "
+    "as they come.",
     _limit("wall time"),
 )
 _declare(
@@ -225,36 +236,42 @@ _declare(
 _declare(
     "PROBE_MAX_CONNECTIONS",
     "32",
-    "Training process: open client connections served at once, unix socket and TCP each; more are closed at once with a 503.",
+    "Training process: open client connections served at once, unix socket and TCP each; more are closed at once with "
+    "a 503.",
     _number(int, minimum=2, what="a whole number of at least 2"),
 )
 _declare(
     "PROBE_READ_TIMEOUT",
     "5",
-    "Training process: seconds a client may take to send its request line and headers, in all (a byte now and then does not keep a connection), then per read of its body, before the connection is closed.",
+    "Training process: seconds a client may take to send its request line and headers, in all (a byte now and then "
+    "does not keep a connection), then per read of its body, before the connection is closed.",
     _SECONDS,
 )
 _declare(
     "PROBE_REGISTRY",
     None,
-    "Shared directory (e.g. on a network file system) where every rank also writes its registry entry, for discovery across nodes.",
+    "Shared directory (e.g. on a network file system) where every rank also writes its registry entry, for discovery "
+    "across nodes.",
 )
 _declare(
     "PROBE_TRACE",
     None,
-    "Module tracing: 'all' traces every step, 'off' disables it, a number N traces one step in N (default chosen to keep overhead under 1%).",
+    "Module tracing: 'all' traces every step, 'off' disables it, a number N traces one step in N (default chosen to "
+    "keep overhead under 1%).",
     _every,
 )
 _declare(
     "PROBE_TRACE_STATS",
     "1",
-    "On traced steps, also reduce each module's output on its device (mean, std, std across the batch, zeros, non-finite values: the out_* columns of python.torch_trace); 0 records times and memory only.",
+    "On traced steps, also reduce each module's output on its device (mean, std, std across the batch, zeros, "
+    "non-finite values: the out_* columns of python.torch_trace); 0 records times and memory only.",
     _flag,
 )
 _declare(
     "PROBE_TRACE_SYNCS",
     "1",
-    "On traced steps of a CUDA job, turn torch's sync debug mode to warn and count the host-device syncs by call site (torch.syncs); 0 leaves the mode alone.",
+    "On traced steps of a CUDA job, turn torch's sync debug mode to warn and count the host-device syncs by call site "
+    "(torch.syncs); 0 leaves the mode alone.",
     _flag,
 )
 _declare("PROBE_TRACE_CAPACITY", "100000", "Rows kept in the python.torch_trace ring buffer.", _COUNT)
@@ -268,13 +285,16 @@ _declare("PROBE_STEPS_CAPACITY", "10000", "Rows kept in the torch.steps ring buf
 _declare(
     "PROBE_GRAD_NORM",
     "0.001",
-    "Share of step time the probe's own gradient-norm computation may take (it runs on every N-th step to fit); 'all' computes it every step, 'off' never. A loop that calls clip_grad_norm_ gets its norm on every step for free.",
+    "Share of step time the probe's own gradient-norm computation may take (it runs on every N-th step to fit); 'all' "
+    "computes it every step, 'off' never. A loop that calls clip_grad_norm_ gets its norm on every step for free.",
     _share,
 )
 _declare(
     "PROBE_STEP_BUDGET",
     "0.01",
-    "Share of step time the probe's own per-step work may take (measured as it goes): the loss read-back, grad norm, peak memory, discovery scans and module-trace scheduling run on the steps that fit (torch.steps.measured), while step count, step time, lr and actions stay exact on every step; 'off' measures every step.",
+    "Share of step time the probe's own per-step work may take (measured as it goes): the loss read-back, grad norm, "
+    "peak memory, discovery scans and module-trace scheduling run on the steps that fit (torch.steps.measured), while "
+    "step count, step time, lr and actions stay exact on every step; 'off' measures every step.",
     _budget,
 )
 _declare(
@@ -292,7 +312,8 @@ _declare(
 _declare(
     "PROBE_POSTMORTEM_EVERY",
     "30",
-    "Seconds between the periodic post-mortem snapshots of the tables (written off the training thread, only after new steps), so a process killed with SIGKILL still leaves its last minute; 0 turns them off.",
+    "Seconds between the periodic post-mortem snapshots of the tables (written off the training thread, only after new "
+    "steps), so a process killed with SIGKILL still leaves its last minute; 0 turns them off.",
     _seconds_or_off,
 )
 _declare("PROBE_POSTMORTEM_ROWS", "2000", "Rows of each table a post-mortem record keeps (the newest).", _COUNT)
@@ -312,19 +333,23 @@ _declare("PROBE_GDB", "gdb", "The gdb executable `probe inject` runs (a name on 
 _declare(
     "PROBE_STRAGGLER_FACTOR",
     "1.5",
-    "For --ranks: a rank is a straggler (ranks.stragglers, `status` state slow) when its median compute time per step (step time minus the time it waits for other ranks, from the flight recorder; its step time without one) exceeds the other ranks' median by this factor.",
+    "For --ranks: a rank is a straggler (ranks.stragglers, `status` state slow) when its median compute time per step "
+    "(step time minus the time it waits for other ranks, from the flight recorder; its step time without one) exceeds "
+    "the other ranks' median by this factor.",
     _number(float, above=1.0, what="a factor above 1, such as 1.5"),
 )
 _declare(
     "PROBE_HUNG_AFTER",
     "60",
-    "For --ranks: seconds without a completed step after which ranks.hung and `status` call a rank hung (or waiting, inside a collective).",
+    "For --ranks: seconds without a completed step after which ranks.hung and `status` call a rank hung (or waiting, "
+    "inside a collective).",
     _SECONDS,
 )
 _declare(
     "PROBE_COLLECTIVES",
     "500",
-    "Entries of torch's c10d flight recorder (torch.collectives) turned on when the probe starts before the first process group and TORCH_FR_BUFFER_SIZE is unset; 0 or off leaves it off.",
+    "Entries of torch's c10d flight recorder (torch.collectives) turned on when the probe starts before the first "
+    "process group and TORCH_FR_BUFFER_SIZE is unset; 0 or off leaves it off.",
     lambda text: (
         0
         if text.strip().lower() in _FALSE + ("none",)

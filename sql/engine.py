@@ -123,7 +123,8 @@ def typed_select(columns, source: str) -> str:
 
 
 def _raw_columns(columns: list, data: dict) -> tuple[dict, list]:
-    """From ``[(name, type)]`` and ``{name: values}`` (a table generator's output): numpy arrays and typed_select's spec."""
+    """From ``[(name, type)]`` and ``{name: values}`` (a table generator's output): numpy arrays and typed_select's
+    spec."""
     import numpy as np
 
     arrays, spec = {}, []
@@ -450,7 +451,8 @@ class Workspace:
 def execute(
     sql: str, tables: dict, *, max_rows: int = 10000, timeout: float = 10.0, memory_limit: str | None = None
 ) -> Result:
-    """Run ``sql`` (already guarded) over in-memory ``tables`` (``{schema.table: ([(column, type)], {column: values})}``).
+    """Run ``sql`` (already guarded) over in-memory ``tables``
+    (``{schema.table: ([(column, type)], {column: values})}``).
 
     The tables are visible under their own names. Used by tests and benchmarks; the CLI
     goes through ``federate`` with snapshots received from the ranks.

@@ -179,7 +179,8 @@ def union_columns(fetched: list, declared: list) -> list:
 def _tables_of(sql: str, known: set) -> list:
     """The known tables and views a built-in view's SQL names (our own text: a word search, no parse).
 
-    >>> _tables_of("SELECT * FROM ranks.latest l JOIN torch.steps USING (rank)", {"torch.steps", "ranks.latest", "torch.step"})
+    >>> _tables_of("SELECT * FROM ranks.latest l JOIN torch.steps USING (rank)",
+    ...            {"torch.steps", "ranks.latest", "torch.step"})
     ['ranks.latest', 'torch.steps']
     """
     import re
@@ -190,7 +191,8 @@ def _tables_of(sql: str, known: set) -> list:
 def plan(sql: str, schema: dict, params: dict | None = None) -> Plan:
     """Split ``sql`` for federation; ``schema`` maps ``schema.table`` to ``{column: type}`` as the ranks report it.
 
-    >>> p = plan("SELECT rank, max(step) FROM torch.steps GROUP BY rank", {"torch.steps": {"step": "BIGINT", "rank": "INTEGER"}})
+    >>> p = plan("SELECT rank, max(step) FROM torch.steps GROUP BY rank",
+    ...          {"torch.steps": {"step": "BIGINT", "rank": "INTEGER"}})
     >>> p.parts
     {'torch.steps': 'SELECT step FROM torch.steps'}
     """

@@ -57,7 +57,8 @@ def filter_tree(cond: exp.Expression | None, types: dict) -> dict | None:
 
     >>> filter_tree(sqlglot.parse_one("step > 10 AND lower(module) = 'x'"), {"step": "BIGINT", "module": "VARCHAR"})
     {'op': '>', 'col': 'step', 'value': 10}
-    >>> filter_tree(sqlglot.parse_one("stage IN ('forward', 'backward') OR step IS NULL"), {"stage": "VARCHAR", "step": "BIGINT"})
+    >>> filter_tree(sqlglot.parse_one("stage IN ('forward', 'backward') OR step IS NULL"),
+    ...             {"stage": "VARCHAR", "step": "BIGINT"})
     {'or': [{'op': 'in', 'col': 'stage', 'value': ['forward', 'backward']}, {'op': 'null', 'col': 'step'}]}
     """
     if cond is None:
@@ -138,8 +139,9 @@ def slot_query(sql: str, mapping: dict, slots: str = "__slots") -> tuple[str, bo
     worth computing once, ahead of an outer query that may read it several times).
 
     >>> q, computed = slot_query("SELECT max(step) AS s FROM torch.steps", {"torch.steps": "__t0__torch__steps"})
-    >>> q
-    'SELECT "__s"."__rank", "__x".* FROM "__slots" AS "__s", LATERAL (SELECT MAX(step) AS s FROM (SELECT * EXCLUDE ("__slot") FROM "__t0__torch__steps" WHERE "__slot" = "__s"."__slot") AS steps) AS "__x"'
+    >>> q  # doctest: +NORMALIZE_WHITESPACE
+    'SELECT "__s"."__rank", "__x".* FROM "__slots" AS "__s", LATERAL (SELECT MAX(step) AS s FROM (SELECT * EXCLUDE
+    ("__slot") FROM "__t0__torch__steps" WHERE "__slot" = "__s"."__slot") AS steps) AS "__x"'
     >>> computed, slot_query("SELECT step FROM torch.steps WHERE step > 1", {"torch.steps": "t"})[1]
     (True, False)
     """
@@ -184,7 +186,8 @@ def snapshot_requests(parts: dict, schema: dict) -> dict:
 
     A table read by several parts gets the union of the columns and the OR of the filters.
 
-    >>> snapshot_requests({"torch.steps": "SELECT step FROM torch.steps WHERE step > 3"}, {"torch.steps": {"step": "BIGINT", "loss": "DOUBLE"}})
+    >>> snapshot_requests({"torch.steps": "SELECT step FROM torch.steps WHERE step > 3"},
+    ...                   {"torch.steps": {"step": "BIGINT", "loss": "DOUBLE"}})
     {'torch.steps': {'columns': ['step'], 'filter': {'op': '>', 'col': 'step', 'value': 3}}}
     """
     out: dict = {}

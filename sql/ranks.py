@@ -117,7 +117,7 @@ SELECT g.rank, g.pg, g.pg_desc, g.last_enqueued, g.last_completed,
         WHERE w.pg = g.pg AND w.pending_seq > coalesce(g.last_enqueued, -1) AND NOT EXISTS (SELECT 1 FROM silent))
            AS waited_by,
        (SELECT 'seq ' || o.seq || ': ' || any_value(i.what) || ' here, '
-               || string_agg(DISTINCT x.what || ' on rank ' || x.rank, ', ') 
+               || string_agg(DISTINCT x.what || ' on rank ' || x.rank, ', ')
         FROM odd o JOIN issued i ON i.rank = o.rank AND i.pg = o.pg AND i.seq = o.seq
         JOIN issued x ON x.pg = o.pg AND x.seq = o.seq AND x.what <> i.what
         WHERE o.rank = g.rank AND o.pg = g.pg GROUP BY o.seq) AS mismatch
@@ -133,7 +133,8 @@ ORDER BY rank, pg""",
 WITH l AS (SELECT *, coalesce(age_s > {hung_after}, false) OR state = 'hung' AS stalled FROM ranks.latest),
 gone AS (SELECT string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank) AS ranks FROM l
          WHERE state IN ('stopped', 'unreachable', 'dead')),
-c AS (SELECT rank, bool_or(role = 'culprit') AS culprit, any_value(waits_for) FILTER (WHERE role = 'waiting') AS waits_for,
+c AS (SELECT rank, bool_or(role = 'culprit') AS culprit,
+             any_value(waits_for) FILTER (WHERE role = 'waiting') AS waits_for,
              any_value(waited_by) FILTER (WHERE role = 'culprit') AS waited_by,
              any_value(mismatch) FILTER (WHERE mismatch IS NOT NULL) AS mismatch
       FROM ranks.collectives GROUP BY rank),
@@ -176,7 +177,8 @@ SELECT rank, host, pid, step, age_s, step_time, compute, comm_wait, comm_wait / 
        CASE WHEN verdict = 'dead' THEN
                  'died at step ' || coalesce(CAST(step AS VARCHAR), '?') || ' (' || coalesce(exit_cause, '?') || '): '
                  || coalesce(exit_reason, 'no record of how')
-                 || CASE WHEN is_culprit THEN '; ranks ' || coalesce(waited_by, (SELECT ranks FROM w), '?') || ' wait for it'
+                 || CASE WHEN is_culprit THEN '; ranks ' || coalesce(waited_by, (SELECT ranks FROM w), '?')
+                                              || ' wait for it'
                          ELSE '' END
             WHEN verdict = 'waiting' AND pending_op IS NULL THEN
                  'no step for ' || CAST(round(age_s, 1) AS VARCHAR) || ' s, outside any collective, while ranks '
@@ -186,8 +188,8 @@ SELECT rank, host, pid, step, age_s, step_time, compute, comm_wait, comm_wait / 
                  -- the collectives view names whom it waits for once pending_s passes hung_after; until then
                  -- (age_s passes it first) the culprits this view found
                  || coalesce(' for ranks ' || nullif(waits_for, ''), ' for ranks ' || (SELECT ranks FROM gone),
-                             ' for ranks ' || (SELECT string_agg(CAST(o.rank AS VARCHAR), ',' ORDER BY o.rank) FROM s AS o
-                                               WHERE o.is_culprit), '')
+                             ' for ranks ' || (SELECT string_agg(CAST(o.rank AS VARCHAR), ',' ORDER BY o.rank)
+                                               FROM s AS o WHERE o.is_culprit), '')
             WHEN is_culprit THEN
                  CASE WHEN verdict = 'unreachable' THEN 'did not answer (exited?); ' ELSE '' END
                  || 'ranks ' || coalesce(waited_by, (SELECT ranks FROM w), '?') || ' wait for it'
@@ -240,14 +242,16 @@ VIEW_COLUMNS = {
         (
             "state",
             "VARCHAR",
-            "training, idle, hung or dead (from process.info; dead: read from its post-mortem record); stopped or unreachable for a rank that did not answer.",
+            "training, idle, hung or dead (from process.info; dead: read from its post-mortem record); stopped or "
+            "unreachable for a rank that did not answer.",
         ),
         ("hung_since", "TIMESTAMP", "When the hang watchdog saw the last step, if it fired."),
         ("top_frame", "VARCHAR", "Innermost frame of the main thread: func (file:line)."),
         (
             "in_collective",
             "BOOLEAN",
-            "Whether the rank has an unfinished collective (flight recorder), else whether its main thread is inside torch.distributed.",
+            "Whether the rank has an unfinished collective (flight recorder), else whether its main thread is inside "
+            "torch.distributed.",
         ),
         ("recorder", "BOOLEAN", "Whether torch's flight recorder reports process groups on the rank."),
         ("compute", "DOUBLE", "Median torch.steps.compute of the last 20 steps with recorded collectives."),
@@ -292,7 +296,8 @@ VIEW_COLUMNS = {
         (
             "role",
             "VARCHAR",
-            "waiting (unfinished for PROBE_HUNG_AFTER s), culprit (a waiting rank's seq is beyond its last issued one, or it is silent while others wait or make no step), silent, or ok.",
+            "waiting (unfinished for PROBE_HUNG_AFTER s), culprit (a waiting rank's seq is beyond its last issued one, "
+            "or it is silent while others wait or make no step), silent, or ok.",
         ),
         (
             "waits_for",
@@ -302,7 +307,8 @@ VIEW_COLUMNS = {
         (
             "waited_by",
             "VARCHAR",
-            "For a culprit: the ranks waiting for it (for a silent one: the ranks without a step for PROBE_HUNG_AFTER s).",
+            "For a culprit: the ranks waiting for it (for a silent one: the ranks without a step for PROBE_HUNG_AFTER "
+            "s).",
         ),
         (
             "mismatch",
@@ -321,13 +327,15 @@ VIEW_COLUMNS = {
         (
             "comm_wait",
             "DOUBLE",
-            "Median time per step waiting for the other ranks: per step, the longest gap between this rank issuing a collective and the last rank issuing the same (pg, seq) (basis collectives).",
+            "Median time per step waiting for the other ranks: per step, the longest gap between this rank issuing a "
+            "collective and the last rank issuing the same (pg, seq) (basis collectives).",
         ),
         ("wait_share", "DOUBLE", "Share of step time spent waiting for the other ranks."),
         (
             "state",
             "VARCHAR",
-            "training, slow, waiting, hung, idle, unreachable, or dead (gone; its post-mortem record answers) (see docs/ranks.md).",
+            "training, slow, waiting, hung, idle, unreachable, or dead (gone; its post-mortem record answers) (see "
+            "docs/ranks.md).",
         ),
         ("culprit", "BOOLEAN", "Whether this is the rank the others wait for."),
         ("reason", "VARCHAR", "Why, in words: what it waits in and for whom, who waits for it, how much slower it is."),
@@ -340,7 +348,8 @@ VIEW_COLUMNS = {
         (
             "basis",
             "VARCHAR",
-            "How compute was found: collectives (lined up across ranks), steps (this rank's torch.steps split) or step_time (no recorder).",
+            "How compute was found: collectives (lined up across ranks), steps (this rank's torch.steps split) or "
+            "step_time (no recorder).",
         ),
         ("top_frame", "VARCHAR", "Innermost frame of its main thread."),
         (
@@ -367,7 +376,8 @@ VIEW_COLUMNS = {
         (
             "behind",
             "BIGINT",
-            "Steps behind the most advanced rank; above PROBE_DESYNC_STEPS, and more than the steps the leader made after this rank's last step (a rank that answered earlier is not behind).",
+            "Steps behind the most advanced rank; above PROBE_DESYNC_STEPS, and more than the steps the leader made "
+            "after this rank's last step (a rank that answered earlier is not behind).",
         ),
     ],
     "ranks.hung": [
@@ -381,7 +391,8 @@ VIEW_COLUMNS = {
         (
             "state",
             "VARCHAR",
-            "hung (the culprit), waiting (inside a collective), or unreachable or dead (a culprit the others wait for): ranks.status's state.",
+            "hung (the culprit), waiting (inside a collective), or unreachable or dead (a culprit the others wait "
+            "for): ranks.status's state.",
         ),
         ("culprit", "BOOLEAN", "Whether the others wait for it; culprits come first."),
         ("in_collective", "BOOLEAN", "Whether it has an unfinished collective (flight recorder)."),

@@ -55,7 +55,8 @@ def expand_path(path: str, rank: int | None, step: int | None) -> str:
 
 
 def check_target(path: str, force: bool) -> None:
-    """Refuse a directory, a symbolic link or a special file (/dev/null, a FIFO) even with --force; an existing file without it."""
+    """Refuse a directory, a symbolic link or a special file (/dev/null, a FIFO) even with --force; an existing file
+    without it."""
     import stat
 
     if os.path.isdir(path) and not os.path.islink(path):
@@ -128,7 +129,8 @@ def build_state(ctx: "Context") -> dict:
     mods, opts = models(), optimizers()
     if not mods and not opts:
         raise ActionError(
-            "no model or optimizer found in the training process; name them as globals of the training script (model, optimizer) so probe can find them."
+            "no model or optimizer found in the training process; name them as globals of the training script (model, "
+            "optimizer) so probe can find them."
         )
     step = None if ctx.step is None else ctx.step + _resume["step"]
     state: dict = {"format": FORMAT, "step": step, "time": time.time()}

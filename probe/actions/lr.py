@@ -253,7 +253,8 @@ def _pick(which: int | str | None, group: int | None) -> list:
         n = len(f.obj.param_groups)
         if group is not None and not 0 <= group < n:
             raise ActionError(
-                f"the optimizer {f.name} has {n} param group(s), numbered 0 to {n - 1}; --group {group} is not one of them."
+                f"the optimizer {f.name} has {n} param group(s), numbered 0 to {n - 1}; --group {group} is not one of "
+                "them."
             )
     return opts
 

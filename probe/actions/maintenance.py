@@ -75,7 +75,8 @@ def debug(ctx: Context, port: int) -> dict:
             import debugpy
         except ImportError:
             raise ActionError(
-                f"debugpy is not installed in the training environment ({sys.executable}); install it with `{sys.executable} -m pip install debugpy` and retry."
+                f"debugpy is not installed in the training environment ({sys.executable}); install it with "
+                f"`{sys.executable} -m pip install debugpy` and retry."
             ) from None
         try:
             host, bound = debugpy.listen(("127.0.0.1", int(port)))

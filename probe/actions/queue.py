@@ -146,7 +146,8 @@ def get(action_id: int) -> Action:
             if a.id == action_id:
                 return a
     raise ActionError(
-        f'no action with id {action_id} in this process; `probe ENDPOINT query "SELECT * FROM probe.actions"` lists them.'
+        f'no action with id {action_id} in this process; `probe ENDPOINT query "SELECT * FROM probe.actions"` lists '
+        "them."
     )
 
 

@@ -79,7 +79,8 @@ def start(
         port_setting = port if port is not None else setting("PROBE_PORT")
         tcp_port = tcp_host = None
         token = token or setting("PROBE_TOKEN")
-        # other nodes find this rank in the shared registry: only one this user alone can write (else refused, said once)
+        # other nodes find this rank in the shared registry: only one this user alone can write (else refused, said
+        # once)
         if port_setting in (None, "") and setting("PROBE_REGISTRY") and shared_registry():
             port_setting, host, token = registry_listen(host, token)
         if port_setting not in (None, ""):
@@ -90,7 +91,8 @@ def start(
             except (OSError, ValueError) as exc:
                 servers[0].server_close()
                 raise ProbeError(
-                    f"probe could not listen on {tcp_host}:{port_setting} ({exc}); choose another PROBE_PORT or use 0 for a free port."
+                    f"probe could not listen on {tcp_host}:{port_setting} ({exc}); choose another PROBE_PORT or use 0 "
+                    "for a free port."
                 ) from None
             tcp_port = tcp.server_address[1]
             servers.append(tcp)

@@ -76,6 +76,7 @@ def check_tier(client: dict, tier: str) -> None:
             )
         if client.get("transport") == "tcp" and allow_eval is not True:
             raise AuthError(
-                "eval over TCP is off; start the training process with PROBE_ALLOW_EVAL=1 to allow it (the token is still required), or use the local unix socket."
+                "eval over TCP is off; start the training process with PROBE_ALLOW_EVAL=1 to allow it (the token is "
+                "still required), or use the local unix socket."
             )
     # actions: the unix socket is same-user only, and TCP clients have already shown the token.

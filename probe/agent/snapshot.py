@@ -77,7 +77,8 @@ def _bucket(now: int) -> Budget:
 
 
 def _paced(timeout: float) -> None:
-    """Wait until the snapshots' share of wall time has credit again (``PROBE_SERVE_SHARE``); BusyError after ``timeout``."""
+    """Wait until the snapshots' share of wall time has credit again (``PROBE_SERVE_SHARE``); BusyError after
+    ``timeout``."""
     global _pace, _pace_at
     deadline = time.monotonic() + timeout
     while True:
@@ -218,7 +219,8 @@ def apply_filter(columns: dict, types: dict, node: dict | None, n: int):
     >>> import numpy as np
     >>> apply_filter({"a": np.array([1, 2, 3])}, {"a": "BIGINT"}, {"op": ">", "col": "a", "value": 1}, 3).tolist()
     [False, True, True]
-    >>> apply_filter({"s": ["x", None, "y"]}, {"s": "VARCHAR"}, {"or": [{"op": "=", "col": "s", "value": "y"}, {"op": "null", "col": "s"}]}, 3).tolist()
+    >>> apply_filter({"s": ["x", None, "y"]}, {"s": "VARCHAR"},
+    ...              {"or": [{"op": "=", "col": "s", "value": "y"}, {"op": "null", "col": "s"}]}, 3).tolist()
     [False, True, True]
     """
     import numpy as np
@@ -308,7 +310,8 @@ def _take(body: dict, meta: dict) -> list:
             if not slots.acquire(timeout=timeout):
                 raise BusyError(
                     f"the probe is busy: {setting('PROBE_MAX_SNAPSHOTS')} snapshots were running "
-                    f"and this one waited {timeout:g} s in line; retry, or raise PROBE_MAX_SNAPSHOTS in the training process."
+                    f"and this one waited {timeout:g} s in line; retry, or raise PROBE_MAX_SNAPSHOTS in the training "
+                    "process."
                 )
         finally:
             with _slots_lock:

@@ -71,7 +71,8 @@ def job_records(job: str) -> list["Record"]:
 def parse_fatal_dump(text: str) -> list:
     """faulthandler's dump as stacks (``[{thread_id, current, frames}]``, frames innermost first).
 
-    >>> parse_fatal_dump('Fatal Python error: Segmentation fault\\n\\nCurrent thread 0x00007f01 (most recent call first):\\n'
+    >>> parse_fatal_dump('Fatal Python error: Segmentation fault\\n\\n'
+    ...                  'Current thread 0x00007f01 (most recent call first):\\n'
     ...                  '  File "/x/t.py", line 3 in boom\\n  File "/x/t.py", line 9 in <module>\\n')[0]["frames"][0]
     {'func': 'boom', 'file': '/x/t.py', 'lineno': 3, 'line': None}
     """
@@ -491,7 +492,7 @@ def explain(meta: dict) -> dict | None:
     elif exc:
         where = ""
         tb = exc.get("traceback") or ""
-        lines = [l.strip() for l in tb.splitlines() if l.strip().startswith("File ")]
+        lines = [line.strip() for line in tb.splitlines() if line.strip().startswith("File ")]
         if lines:
             where = " at " + lines[-1].replace("File ", "")
         what = (

@@ -28,7 +28,8 @@ def _json(value) -> str | None:
         Column(
             "client",
             "VARCHAR",
-            "Who asked: unix uid or TCP address, as JSON, with agent set when a program asked for the user (mcp for `probe mcp`).",
+            "Who asked: unix uid or TCP address, as JSON, with agent set when a program asked for the user (mcp for "
+            "`probe mcp`).",
         ),
         Column("now", "BOOLEAN", "True when it ran at once on the server thread instead of at a step boundary."),
         Column("at_step", "BIGINT", "The first step it was allowed to run at, when one was asked for."),

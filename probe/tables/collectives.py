@@ -20,7 +20,8 @@ def recorder(ctx, frames: bool = True, only_active: bool = False) -> dict | None
 
 @table(
     "torch.collectives",
-    "One row per collective or p2p operation this rank issued, from torch's c10d flight recorder (the last PROBE_COLLECTIVES).",
+    "One row per collective or p2p operation this rank issued, from torch's c10d flight recorder (the last "
+    "PROBE_COLLECTIVES).",
     columns=[
         Column("pg", "VARCHAR", "Process group id as the recorder names it (0 is the default group)."),
         Column("pg_desc", "VARCHAR", "Process group description, e.g. default_pg."),
@@ -28,7 +29,8 @@ def recorder(ctx, frames: bool = True, only_active: bool = False) -> dict | None
         Column(
             "seq",
             "BIGINT",
-            "Collective sequence id within the process group (the same collective has the same seq on every rank); NULL for p2p.",
+            "Collective sequence id within the process group (the same collective has the same seq on every rank); "
+            "NULL for p2p.",
         ),
         Column("p2p_seq", "BIGINT", "Point-to-point sequence id within the process group; NULL for collectives."),
         Column("op_id", "BIGINT", "Operation id within the process group (collectives and p2p together)."),
@@ -42,7 +44,8 @@ def recorder(ctx, frames: bool = True, only_active: bool = False) -> dict | None
         Column(
             "state",
             "VARCHAR",
-            "scheduled, started or completed: the recorder's state, completed once the work finished (gloo reports no start).",
+            "scheduled, started or completed: the recorder's state, completed once the work finished (gloo reports no "
+            "start).",
         ),
         Column("retired", "BOOLEAN", "Whether the work finished and left the recorder's active set."),
         Column("created_at", "TIMESTAMP", "When this rank issued it (enqueued it to the backend)."),
@@ -62,7 +65,9 @@ def recorder(ctx, frames: bool = True, only_active: bool = False) -> dict | None
         Column(
             "call_site",
             "VARCHAR",
-            "The innermost issuing frame outside torch: func (file:line), e.g. the training loop's backward call; 'probe: func (file:line)' when the probe issued it itself (an eval, an action), never credited to the user's frame below.",
+            "The innermost issuing frame outside torch: func (file:line), e.g. the training loop's backward call; "
+            "'probe: func (file:line)' when the probe issued it itself (an eval, an action), never credited to the "
+            "user's frame below.",
         ),
         Column("frames", "VARCHAR", "The Python frames that issued it, innermost first, separated by '; '."),
         Column(
@@ -72,7 +77,8 @@ def recorder(ctx, frames: bool = True, only_active: bool = False) -> dict | None
         ),
     ],
     examples=[
-        "SELECT pg, seq, op, input_sizes, state, created_at, call_site FROM torch.collectives ORDER BY record_id DESC LIMIT 10",
+        "SELECT pg, seq, op, input_sizes, state, created_at, call_site FROM torch.collectives ORDER BY record_id DESC "
+        "LIMIT 10",
         "SELECT op, input_sizes, COUNT(*) AS n FROM torch.collectives GROUP BY ALL ORDER BY n DESC",
         "SELECT pg, seq, op, input_sizes, frames FROM torch.collectives WHERE NOT retired",
     ],
@@ -110,7 +116,8 @@ def _step_of(times: list) -> list:
 
 @table(
     "torch.process_groups",
-    "One row per process group the flight recorder knows: its ranks and the last sequence ids it enqueued, started and completed.",
+    "One row per process group the flight recorder knows: its ranks and the last sequence ids it enqueued, started and "
+    "completed.",
     columns=[
         Column("pg", "VARCHAR", "Process group id (0 is the default group)."),
         Column("pg_desc", "VARCHAR", "Process group description, e.g. default_pg."),

@@ -17,17 +17,20 @@ from .registry import Column, table
 
 @table(
     "torch.dataloaders",
-    "One row per DataLoader (or DataLoader iterator) the finder sees: in __main__'s globals, the training loop's locals and their attributes, or held by a Lightning or transformers Trainer or an accelerate Accelerator.",
+    "One row per DataLoader (or DataLoader iterator) the finder sees: in __main__'s globals, the training loop's "
+    "locals and their attributes, or held by a Lightning or transformers Trainer or an accelerate Accelerator.",
     columns=[
         Column(
             "name",
             "VARCHAR",
-            "Name the loader was found under (a global or local such as train_loader, an attribute, or trainer.train_dataloader).",
+            "Name the loader was found under (a global or local such as train_loader, an attribute, or "
+            "trainer.train_dataloader).",
         ),
         Column(
             "loader_type",
             "VARCHAR",
-            "Class of the object found: DataLoader, a subclass (accelerate's DataLoaderShard), or an iterator such as _SingleProcessDataLoaderIter when the loop keeps iter(loader).",
+            "Class of the object found: DataLoader, a subclass (accelerate's DataLoaderShard), or an iterator such as "
+            "_SingleProcessDataLoaderIter when the loop keeps iter(loader).",
         ),
         Column("dataset_type", "VARCHAR", "Class of the dataset the loader reads."),
         Column(
@@ -48,7 +51,8 @@ from .registry import Column, table
         Column(
             "pin_memory",
             "BOOLEAN",
-            "Whether batches are copied into pinned memory (an iterator reports whether it actually pins: false without an accelerator).",
+            "Whether batches are copied into pinned memory (an iterator reports whether it actually pins: false "
+            "without an accelerator).",
         ),
         Column("prefetch_factor", "INTEGER", "Batches each worker loads ahead, NULL with no workers."),
         Column("persistent_workers", "BOOLEAN", "Whether the workers are kept between epochs."),
@@ -58,7 +62,8 @@ from .registry import Column, table
         ),
     ],
     examples=[
-        "SELECT name, loader_type, dataset_type, batch_size, num_workers, pin_memory, prefetch_factor, persistent_workers, "
+        "SELECT name, loader_type, dataset_type, batch_size, num_workers, pin_memory, prefetch_factor, "
+        "persistent_workers, "
         "iterable_dataset FROM torch.dataloaders",
         "SELECT name, dataset_type, batch_size FROM torch.dataloaders WHERE num_workers = 0",
     ],

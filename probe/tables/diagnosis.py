@@ -21,7 +21,8 @@ from .registry import Column, table
         Column(
             "family",
             "VARCHAR",
-            "Failure family: hang, nan, divergence, plateau, parameters, optimizer, memory, slow, input, distributed, probe.",
+            "Failure family: hang, nan, divergence, plateau, parameters, optimizer, memory, slow, input, distributed, "
+            "probe.",
         ),
         Column("severity", "VARCHAR", "critical, warning or info."),
         Column(
@@ -56,7 +57,8 @@ FINDING_COLUMNS = [
     Column(
         "rule",
         "VARCHAR",
-        "Name of the rule that found it (a row of diagnosis.rules), or not_answering for a process that did not answer.",
+        "Name of the rule that found it (a row of diagnosis.rules), or not_answering for a process that did not "
+        "answer.",
     ),
     Column("family", "VARCHAR", "Failure family of the rule (hang, nan, divergence, distributed, ...)."),
     Column("severity", "VARCHAR", "critical, warning or info."),
@@ -75,7 +77,8 @@ FINDING_COLUMNS = [
 
 @table(
     "diagnosis.findings",
-    "What probe doctor finds now: one row per finding of its rules, most severe first, the same as `probe doctor` prints.",
+    "What probe doctor finds now: one row per finding of its rules, most severe first, the same as `probe doctor` "
+    "prints.",
     columns=FINDING_COLUMNS,
     examples=[
         "SELECT severity, rule, rank, step, message FROM diagnosis.findings",

@@ -16,7 +16,8 @@ from .registry import Column, all_tables, table
         Column(
             "kind",
             "VARCHAR",
-            "snapshot (built at query time), ring (a ring buffer filled by hooks) or client (computed by the probe CLI, e.g. diagnosis.findings).",
+            "snapshot (built at query time), ring (a ring buffer filled by hooks) or client (computed by the probe "
+            "CLI, e.g. diagnosis.findings).",
         ),
         Column("description", "VARCHAR", "What one row is."),
         Column("columns", "INTEGER", "Number of columns."),

@@ -61,7 +61,8 @@ def _info_row(ctx) -> dict:
         Column(
             "job",
             "VARCHAR",
-            "Job identity: Slurm job id, torchrun's run id, the rendezvous endpoint MASTER_ADDR:MASTER_PORT, or the launcher's pid; NULL outside a distributed job.",
+            "Job identity: Slurm job id, torchrun's run id, the rendezvous endpoint MASTER_ADDR:MASTER_PORT, or the "
+            "launcher's pid; NULL outside a distributed job.",
         ),
         Column("rss_bytes", "BIGINT", "Resident memory of the process in bytes."),
         Column("threads", "INTEGER", "Number of Python threads."),
@@ -74,28 +75,33 @@ def _info_row(ctx) -> dict:
         Column(
             "state",
             "VARCHAR",
-            "training, idle (no step seen yet), hung (the hang watchdog fired), or dead (read from the post-mortem record of a process that is gone).",
+            "training, idle (no step seen yet), hung (the hang watchdog fired), or dead (read from the post-mortem "
+            "record of a process that is gone).",
         ),
         Column("hung_since", "TIMESTAMP", "When the hang watchdog saw the last step, if it fired; else NULL."),
         Column(
             "source",
             "VARCHAR",
-            "live (answered by the running process) or postmortem (read from the record a dead process left, see docs/postmortem.md).",
+            "live (answered by the running process) or postmortem (read from the record a dead process left, see "
+            "docs/postmortem.md).",
         ),
         Column(
             "exit_cause",
             "VARCHAR",
-            "How a dead process ended: exception, thread_exception, interrupted, terminated (SIGTERM), exit, fatal_signal or killed; NULL while it runs.",
+            "How a dead process ended: exception, thread_exception, interrupted, terminated (SIGTERM), exit, "
+            "fatal_signal or killed; NULL while it runs.",
         ),
         Column(
             "exited_at",
             "TIMESTAMP",
-            "When a dead process's record was written (its death, or its last periodic snapshot when killed); NULL while it runs.",
+            "When a dead process's record was written (its death, or its last periodic snapshot when killed); NULL "
+            "while it runs.",
         ),
         Column(
             "exit_reason",
             "VARCHAR",
-            "How a dead process ended, in words: the exception and where it was raised, the fatal signal, a SIGTERM, the code of sys.exit(N), or a kill without warning; NULL while it runs.",
+            "How a dead process ended, in words: the exception and where it was raised, the fatal signal, a SIGTERM, "
+            "the code of sys.exit(N), or a kill without warning; NULL while it runs.",
         ),
     ],
     examples=[

@@ -117,12 +117,14 @@ _STATES = {
         Column(
             "executing",
             "BOOLEAN",
-            "Whether the thread ran Python bytecode during a 50 ms window of this query (its instruction moved, or it used CPU while the GIL was busy); false means it sits in one C call, sleep, lock or I/O.",
+            "Whether the thread ran Python bytecode during a 50 ms window of this query (its instruction moved, or it "
+            "used CPU while the GIL was busy); false means it sits in one C call, sleep, lock or I/O.",
         ),
         Column(
             "unchanged_s",
             "DOUBLE",
-            "Seconds the thread has shown no progress (same Python instruction, no wake-up from a wait) in probe's samples, which are taken only when this table is queried; 0 while executing.",
+            "Seconds the thread has shown no progress (same Python instruction, no wake-up from a wait) in probe's "
+            "samples, which are taken only when this table is queried; 0 while executing.",
         ),
     ],
     examples=[

@@ -9,7 +9,9 @@ from .registry import Column, table
 
 @table(
     "torch.weight_sums",
-    "Checksums of each DistributedDataParallel model's parameter tensors on this rank, one row per tensor at the same steps on every rank (multiples of torch.ddp.every): a fixed sample of each tensor's elements, so ranks whose checksums differ at a step hold different weights.",
+    "Checksums of each DistributedDataParallel model's parameter tensors on this rank, one row per tensor at the same "
+    "steps on every rank (multiples of torch.ddp.every): a fixed sample of each tensor's elements, so ranks whose "
+    "checksums differ at a step hold different weights.",
     columns=[
         Column("step", "BIGINT", "The step at whose boundary (after the optimizer step) the checksum was taken."),
         Column("time", "TIMESTAMP", "When it was taken."),
@@ -22,7 +24,8 @@ from .registry import Column, table
         Column(
             "checksum",
             "DOUBLE",
-            "A weighted sum, in float64, of at most 64 of its elements at fixed, evenly strided positions: equal on every rank while the replicas agree.",
+            "A weighted sum, in float64, of at most 64 of its elements at fixed, evenly strided positions: equal on "
+            "every rank while the replicas agree.",
         ),
     ],
     examples=[
@@ -40,7 +43,9 @@ def weight_sums(ctx):
 
 @table(
     "torch.ddp",
-    "The DistributedDataParallel models of this rank and how they are set up (broadcast_buffers, find_unused_parameters, its batch-norm modules), with the sample DDP's own logger last took; read on the training thread at refreshes (steps 1, 2, 4, ... and every 500).",
+    "The DistributedDataParallel models of this rank and how they are set up (broadcast_buffers, "
+    "find_unused_parameters, its batch-norm modules), with the sample DDP's own logger last took; read on the training "
+    "thread at refreshes (steps 1, 2, 4, ... and every 500).",
     columns=[
         Column("model", "VARCHAR", "The DDP-wrapped model, by the name probe found it under."),
         Column("world_size", "BIGINT", "Ranks in the default process group."),
@@ -69,7 +74,8 @@ def weight_sums(ctx):
         Column(
             "norm_modules",
             "VARCHAR",
-            "The model's BatchNorm modules that keep running statistics and are not SyncBatchNorm, by name (NULL when none).",
+            "The model's BatchNorm modules that keep running statistics and are not SyncBatchNorm, by name (NULL when "
+            "none).",
         ),
         Column("every", "BIGINT", "Steps between weight checksums (torch.weight_sums) on this rank."),
         Column("tensors", "BIGINT", "Parameter tensors each checksum covers."),

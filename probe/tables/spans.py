@@ -21,7 +21,8 @@ from .registry import Column, table
         Column("rank", "INTEGER", "Global rank, NULL outside a distributed job."),
     ],
     examples=[
-        "SELECT name, COUNT(*) AS n, AVG(duration) AS avg_s, SUM(duration) AS total_s FROM python.spans GROUP BY name ORDER BY total_s DESC",
+        "SELECT name, COUNT(*) AS n, AVG(duration) AS avg_s, SUM(duration) AS total_s FROM python.spans GROUP BY name "
+        "ORDER BY total_s DESC",
         "SELECT s.step, SUM(s.duration) / ANY_VALUE(t.duration) AS data_share FROM python.spans s "
         "JOIN torch.steps t USING (step) WHERE s.name = 'data' GROUP BY s.step ORDER BY s.step DESC LIMIT 10",
     ],

@@ -26,7 +26,10 @@ _STEP_EXTRA = ("compute", "comm_wait")
 
 @table(
     "torch.steps",
-    "One row per training step (an optimizer step of the lead optimizer; with several optimizers in each iteration, the iteration's last optimizer step; or a probe.step() call): the core signals (loss, lr, duration, data_wait, memory) on every step however short (their few microseconds are kept even where they exceed PROBE_STEP_BUDGET, on steps under ~0.3 ms), the optional ones (grad_norm, samples, tokens, cpu_wait) on the steps measured marks.",
+    "One row per training step (an optimizer step of the lead optimizer; with several optimizers in each iteration, "
+    "the iteration's last optimizer step; or a probe.step() call): the core signals (loss, lr, duration, data_wait, "
+    "memory) on every step however short (their few microseconds are kept even where they exceed PROBE_STEP_BUDGET, on "
+    "steps under ~0.3 ms), the optional ones (grad_norm, samples, tokens, cpu_wait) on the steps measured marks.",
     columns=[
         Column("step", "BIGINT", "Step number, counted from 1 since the probe started."),
         Column("started_at", "TIMESTAMP", "When the step started (the end of the previous step)."),
@@ -39,18 +42,26 @@ _STEP_EXTRA = ("compute", "comm_wait")
         Column(
             "loss",
             "DOUBLE",
-            "The step's loss, on every step: the sum of the scalars the loop backpropagated in it (a detached reference is kept; a CPU loss is read at the step's end, a device loss is copied without blocking and filled in once the copy has landed: NULL means not ready yet), else on measured steps the loop's loss variable (PROBE_LOSS_NAMES) for loops that never backpropagate a scalar; NULL when none was found.",
+            "The step's loss, on every step: the sum of the scalars the loop backpropagated in it (a detached "
+            "reference is kept; a CPU loss is read at the step's end, a device loss is copied without blocking and "
+            "filled in once the copy has landed: NULL means not ready yet), else on measured steps the loop's loss "
+            "variable (PROBE_LOSS_NAMES) for loops that never backpropagate a scalar; NULL when none was found.",
         ),
         Column(
             "grad_norm",
             "DOUBLE",
-            "Total gradient L2 norm, read lazily: clip_grad_norm_'s result (before clipping) when the loop clips, else the lead optimizer's gradients at its step, computed on enough steps to cost at most PROBE_GRAD_NORM (default 0.1 %) of the step time (NULL on the others); NULL on a step that was not measured. Per rank under FSDP2/DTensor: the norm of this rank's shards, computed without a collective (the model's norm is SQRT(SUM(grad_norm * grad_norm)) over the ranks at one step, see docs/torch.md).",
+            "Total gradient L2 norm, read lazily: clip_grad_norm_'s result (before clipping) when the loop clips, else "
+            "the lead optimizer's gradients at its step, computed on enough steps to cost at most PROBE_GRAD_NORM "
+            "(default 0.1 %) of the step time (NULL on the others); NULL on a step that was not measured. Per rank "
+            "under FSDP2/DTensor: the norm of this rank's shards, computed without a collective (the model's norm is "
+            "SQRT(SUM(grad_norm * grad_norm)) over the ranks at one step, see docs/torch.md).",
         ),
         Column("lr", "DOUBLE", "Learning rate of the lead optimizer's first param group used by this step."),
         Column(
             "samples_per_s",
             "DOUBLE",
-            "Samples per second: batch dimension of the root model's training inputs (or probe.step(samples=)) over duration.",
+            "Samples per second: batch dimension of the root model's training inputs (or probe.step(samples=)) over "
+            "duration.",
         ),
         Column(
             "tokens_per_s",
@@ -60,17 +71,23 @@ _STEP_EXTRA = ("compute", "comm_wait")
         Column(
             "peak_allocated",
             "BIGINT",
-            "Peak memory so far in bytes: the CUDA allocator's max_memory_allocated on GPU runs, else the process's peak RSS; from the reading nearest the step's end (see memory).",
+            "Peak memory so far in bytes: the CUDA allocator's max_memory_allocated on GPU runs, else the process's "
+            "peak RSS; from the reading nearest the step's end (see memory).",
         ),
         Column(
             "memory",
             "BIGINT",
-            "Memory in use in bytes near the step's end, on every step: the CUDA allocator's memory_allocated on GPU runs, else the process's resident set size; read every 0.1 s by a thread of the probe's own (not the training thread) and joined to the step nearest in time, so steps shorter than 0.1 s share a reading; NULL with no reading within 1 s.",
+            "Memory in use in bytes near the step's end, on every step: the CUDA allocator's memory_allocated on GPU "
+            "runs, else the process's resident set size; read every 0.1 s by a thread of the probe's own (not the "
+            "training thread) and joined to the step nearest in time, so steps shorter than 0.1 s share a reading; "
+            "NULL with no reading within 1 s.",
         ),
         Column(
             "data_wait",
             "DOUBLE",
-            "Seconds from the previous step's end to this step's first forward call of the primary model, on every step: loading the batch (plus zero_grad and moving it to the device); NULL before the primary model is found or when it had no forward call.",
+            "Seconds from the previous step's end to this step's first forward call of the primary model, on every "
+            "step: loading the batch (plus zero_grad and moving it to the device); NULL before the primary model is "
+            "found or when it had no forward call.",
         ),
         Column("rank", "INTEGER", "Global rank, NULL outside a distributed job."),
         Column("traced", "BOOLEAN", "Whether module tracing (python.torch_trace) was on during this step."),
@@ -81,33 +98,43 @@ _STEP_EXTRA = ("compute", "comm_wait")
         Column(
             "micro_batches",
             "BIGINT",
-            "Training forward passes of the root model in this step (more than 1 under gradient accumulation); 0 when not measured.",
+            "Training forward passes of the root model in this step (more than 1 under gradient accumulation); 0 when "
+            "not measured.",
         ),
         Column("optimizer", "VARCHAR", "Class of the lead optimizer."),
         Column(
             "measured",
             "BOOLEAN",
-            "Whether the probe measured this step's optional values (grad_norm, samples, tokens, micro_batches, cpu_wait, module traces): false on the steps it skipped to stay within PROBE_STEP_BUDGET, where those are NULL (micro_batches 0) because they were not measured. Which steps are measured is jittered so that it cannot follow a job's own period. step, durations, loss, lr, data_wait, memory, optimizer and traced are recorded on every step.",
+            "Whether the probe measured this step's optional values (grad_norm, samples, tokens, micro_batches, "
+            "cpu_wait, module traces): false on the steps it skipped to stay within PROBE_STEP_BUDGET, where those are "
+            "NULL (micro_batches 0) because they were not measured. Which steps are measured is jittered so that it "
+            "cannot follow a job's own period. step, durations, loss, lr, data_wait, memory, optimizer and traced are "
+            "recorded on every step.",
         ),
         Column(
             "probe_us",
             "DOUBLE",
-            "Microseconds the probe's own work took at this step's boundary (queued actions excluded): what PROBE_STEP_BUDGET paces (the row is written when the boundary ends).",
+            "Microseconds the probe's own work took at this step's boundary (queued actions excluded): what "
+            "PROBE_STEP_BUDGET paces (the row is written when the boundary ends).",
         ),
         Column(
             "cpu_wait",
             "DOUBLE",
-            "Seconds per step the training thread was ready to run but waited for a CPU (the kernel's run-queue delay: other processes, data loader workers, a neighbour's job), averaged since the previous measured step; on measured steps only (Linux), else NULL. A step time that grows with it is the host's, not the job's.",
+            "Seconds per step the training thread was ready to run but waited for a CPU (the kernel's run-queue delay: "
+            "other processes, data loader workers, a neighbour's job), averaged since the previous measured step; on "
+            "measured steps only (Linux), else NULL. A step time that grows with it is the host's, not the job's.",
         ),
         Column(
             "compute",
             "DOUBLE",
-            "Seconds of the step this rank spent on its own work (data, forward, backward) before it issued the step's last collective, from torch.collectives; NULL without a recorded collective in the step.",
+            "Seconds of the step this rank spent on its own work (data, forward, backward) before it issued the step's "
+            "last collective, from torch.collectives; NULL without a recorded collective in the step.",
         ),
         Column(
             "comm_wait",
             "DOUBLE",
-            "Seconds from the step's last collective to its end: waiting for the other ranks (and the optimizer step); NULL without a recorded collective.",
+            "Seconds from the step's last collective to its end: waiting for the other ranks (and the optimizer step); "
+            "NULL without a recorded collective.",
         ),
     ],
     examples=[
@@ -116,7 +143,8 @@ _STEP_EXTRA = ("compute", "comm_wait")
         "AVG(measured::INT) AS measured_share FROM torch.steps",
         "SELECT step, duration, compute, comm_wait, comm_wait / duration AS wait_share FROM torch.steps "
         "WHERE comm_wait IS NOT NULL ORDER BY step DESC LIMIT 10",
-        "SELECT COUNT(*) AS steps, AVG(duration) AS avg_step_s, MIN(loss) AS best_loss, MAX(grad_norm) AS max_grad_norm "
+        "SELECT COUNT(*) AS steps, AVG(duration) AS avg_step_s, MIN(loss) AS best_loss, MAX(grad_norm) AS "
+        "max_grad_norm "
         "FROM torch.steps WHERE step > (SELECT MAX(step) - 100 FROM torch.steps)",
     ],
     kind="ring",
@@ -158,22 +186,27 @@ def _comm_split(ctx, cols):
         Column(
             "module",
             "VARCHAR",
-            "Dotted path of the module from its root model (e.g. blocks.3.attn); the root's own name for the root; the class name for modules outside any known model.",
+            "Dotted path of the module from its root model (e.g. blocks.3.attn); the root's own name for the root; the "
+            "class name for modules outside any known model.",
         ),
         Column(
             "stage",
             "VARCHAR",
-            "forward; backward (traced for each root model as a whole); or recompute: a module call made while autograd runs the backward pass, i.e. activation checkpointing (torch.utils.checkpoint) running the forward again, so that forward totals count each call once.",
+            "forward; backward (traced for each root model as a whole); or recompute: a module call made while "
+            "autograd runs the backward pass, i.e. activation checkpointing (torch.utils.checkpoint) running the "
+            "forward again, so that forward totals count each call once.",
         ),
         Column(
             "duration",
             "DOUBLE",
-            "Seconds the call took: CUDA event time on GPU runs (NULL until the events complete), else wall-clock time.",
+            "Seconds the call took: CUDA event time on GPU runs (NULL until the events complete), else wall-clock "
+            "time.",
         ),
         Column(
             "allocated",
             "BIGINT",
-            "Bytes in use when the call ended: CUDA allocated memory on GPU runs, else the process RSS (read at most every 0.5 ms).",
+            "Bytes in use when the call ended: CUDA allocated memory on GPU runs, else the process RSS (read at most "
+            "every 0.5 ms).",
         ),
         Column("max_allocated", "BIGINT", "Largest allocated value seen so far in this step."),
         Column("time", "TIMESTAMP", "When the call started."),
@@ -181,20 +214,25 @@ def _comm_split(ctx, cols):
         Column(
             "depth",
             "INTEGER",
-            "Nesting depth: 0 for a root model call, 1 for its children, and so on; a recompute row has the depth its module had in the step's forward.",
+            "Nesting depth: 0 for a root model call, 1 for its children, and so on; a recompute row has the depth its "
+            "module had in the step's forward.",
         ),
         Column("model", "VARCHAR", "Name of the root model the module belongs to, empty when unknown."),
         Column("module_type", "VARCHAR", "Class name of the module."),
         Column(
             "out_mean",
             "DOUBLE",
-            "Mean of the call's output tensor (the output itself, else the first tensor of its tuple, list or dict), reduced on its device and read back lazily (PROBE_TRACE_STATS); NULL for backward rows, non-floating or non-CPU/CUDA outputs, and on CUDA until the copy lands.",
+            "Mean of the call's output tensor (the output itself, else the first tensor of its tuple, list or dict), "
+            "reduced on its device and read back lazily (PROBE_TRACE_STATS); NULL for backward rows, non-floating or "
+            "non-CPU/CUDA outputs, and on CUDA until the copy lands.",
         ),
         Column("out_std", "DOUBLE", "Standard deviation (population) of all the output's elements; NULL as out_mean."),
         Column(
             "out_batch_std",
             "DOUBLE",
-            "Standard deviation across the output's first (batch) dimension, averaged over the other positions: 0 when every sample gets the same output. NULL as out_mean, and when the first dimension has fewer than 2 entries.",
+            "Standard deviation across the output's first (batch) dimension, averaged over the other positions: 0 when "
+            "every sample gets the same output. NULL as out_mean, and when the first dimension has fewer than 2 "
+            "entries.",
         ),
         Column(
             "out_zero_frac",
@@ -205,7 +243,8 @@ def _comm_split(ctx, cols):
         Column(
             "out_elements",
             "BIGINT",
-            "Elements the out_* statistics cover: all of the output, or a strided sample of about 4 Mi elements of a larger one.",
+            "Elements the out_* statistics cover: all of the output, or a strided sample of about 4 Mi elements of a "
+            "larger one.",
         ),
         Column("out_shape", "VARCHAR", "Shape of the output tensor the statistics describe, e.g. [64, 32]."),
     ],
@@ -214,10 +253,12 @@ def _comm_split(ctx, cols):
         "FROM python.torch_trace WHERE step > (SELECT MAX(step) - 5 FROM python.torch_trace) "
         "GROUP BY module, stage ORDER BY total_time DESC LIMIT 10",
         "SELECT step, MAX(allocated) as peak_memory, MAX(allocated) - MIN(allocated) as memory_range "
-        "FROM python.torch_trace WHERE step > (SELECT MAX(step) - 20 FROM python.torch_trace) GROUP BY step ORDER BY step",
+        "FROM python.torch_trace WHERE step > (SELECT MAX(step) - 20 FROM python.torch_trace) GROUP BY step ORDER BY "
+        "step",
         "SELECT module_type, COUNT(*) AS calls, SUM(duration) AS total_s FROM python.torch_trace "
         "WHERE stage = 'forward' AND depth > 0 GROUP BY module_type ORDER BY total_s DESC",
-        "SELECT module, module_type, AVG(out_zero_frac) AS zeros, AVG(out_batch_std) AS batch_std, SUM(out_nonfinite) AS nonfinite "
+        "SELECT module, module_type, AVG(out_zero_frac) AS zeros, AVG(out_batch_std) AS batch_std, SUM(out_nonfinite) "
+        "AS nonfinite "
         "FROM python.torch_trace WHERE stage = 'forward' AND step > (SELECT MAX(step) - 300 FROM python.torch_trace) "
         "GROUP BY module, module_type ORDER BY zeros DESC LIMIT 10",
     ],
@@ -258,7 +299,8 @@ _MEMORY_KEYS = (
         Column("rss", "BIGINT", "Resident memory of the process in bytes (cpu row only)."),
     ],
     examples=[
-        "SELECT device, allocated / 1e6 AS allocated_mb, reserved / 1e6 AS reserved_mb, ooms, rss / 1e6 AS rss_mb FROM torch.memory"
+        "SELECT device, allocated / 1e6 AS allocated_mb, reserved / 1e6 AS reserved_mb, ooms, rss / 1e6 AS rss_mb FROM "
+        "torch.memory"
     ],
 )
 def memory(ctx):
@@ -306,34 +348,41 @@ def _step_count(state: dict):
         Column(
             "name",
             "VARCHAR",
-            "Name the optimizer was found under (a global such as optimizer, or trainer.optimizer, trainer.optimizers[0]).",
+            "Name the optimizer was found under (a global such as optimizer, or trainer.optimizer, "
+            "trainer.optimizers[0]).",
         ),
         Column(
             "wrapper",
             "VARCHAR",
-            "Class of the framework wrapper the training loop steps (AcceleratedOptimizer, LightningSGD, ...), NULL when it steps the optimizer itself.",
+            "Class of the framework wrapper the training loop steps (AcceleratedOptimizer, LightningSGD, ...), NULL "
+            "when it steps the optimizer itself.",
         ),
         Column("optimizer_id", "BIGINT", "Python id of the optimizer, to tell several apart."),
         Column("param_group", "INTEGER", "Index of the param group."),
         Column(
             "lr",
             "DOUBLE",
-            "Learning rate the group's next step uses: the loop's own (loop_lr), or what a `probe lr` override makes of it.",
+            "Learning rate the group's next step uses: the loop's own (loop_lr), or what a `probe lr` override makes "
+            "of it.",
         ),
         Column(
             "loop_lr",
             "DOUBLE",
-            "The group's lr in param_groups: what the loop or its scheduler set (a held override is applied only during each step; one put into the scheduler's base rates is in it), read at the same moment as lr.",
+            "The group's lr in param_groups: what the loop or its scheduler set (a held override is applied only "
+            "during each step; one put into the scheduler's base rates is in it), read at the same moment as lr.",
         ),
         Column(
             "lr_override",
             "VARCHAR",
-            "The `probe lr` override on the group: scale F or set LR held at each step, or 'scale F (scheduler base)' / 'set LR (scheduler base)' when a torch scheduler's base rates were changed instead (then lr = loop_lr); NULL when none.",
+            "The `probe lr` override on the group: scale F or set LR held at each step, or 'scale F (scheduler base)' "
+            "/ 'set LR (scheduler base)' when a torch scheduler's base rates were changed instead (then lr = loop_lr); "
+            "NULL when none.",
         ),
         Column(
             "lr_override_status",
             "VARCHAR",
-            "How the override has held: for how many steps, and when the loop rewrote its lr and the override was re-applied.",
+            "How the override has held: for how many steps, and when the loop rewrote its lr and the override was "
+            "re-applied.",
         ),
         Column("initial_lr", "DOUBLE", "Learning rate the scheduler started from, NULL without a scheduler."),
         Column("weight_decay", "DOUBLE", "Weight decay of the group."),
@@ -345,12 +394,14 @@ def _step_count(state: dict):
         Column(
             "elements",
             "BIGINT",
-            "Number of parameter elements in the group held by this rank (under FSDP2/DTensor, its shards: the model's count is the sum over the ranks).",
+            "Number of parameter elements in the group held by this rank (under FSDP2/DTensor, its shards: the model's "
+            "count is the sum over the ranks).",
         ),
         Column(
             "state_bytes",
             "BIGINT",
-            "Bytes of optimizer state (e.g. Adam's exp_avg and exp_avg_sq) held by this rank for the group's parameters (under FSDP2, its shards).",
+            "Bytes of optimizer state (e.g. Adam's exp_avg and exp_avg_sq) held by this rank for the group's "
+            "parameters (under FSDP2, its shards).",
         ),
         Column(
             "step_count",
@@ -360,12 +411,15 @@ def _step_count(state: dict):
         Column(
             "scheduler",
             "VARCHAR",
-            "Class of the LR scheduler attached to the optimizer (found globally or through the framework: Lightning's lr_scheduler_configs, the Trainer's lr_scheduler, accelerate's AcceleratedScheduler looked through), NULL if none was found.",
+            "Class of the LR scheduler attached to the optimizer (found globally or through the framework: Lightning's "
+            "lr_scheduler_configs, the Trainer's lr_scheduler, accelerate's AcceleratedScheduler looked through), NULL "
+            "if none was found.",
         ),
         Column(
             "is_lead",
             "BOOLEAN",
-            "Whether this optimizer's steps are the ones counted in torch.steps (with several optimizers in each iteration: the one that starts it, whose lr torch.steps shows).",
+            "Whether this optimizer's steps are the ones counted in torch.steps (with several optimizers in each "
+            "iteration: the one that starts it, whose lr torch.steps shows).",
         ),
     ],
     examples=[
@@ -425,7 +479,8 @@ def optimizer(ctx):
         Column(
             "step",
             "BIGINT",
-            "The torch.steps step this optimizer step belongs to (the step ends after the iteration's last optimizer step).",
+            "The torch.steps step this optimizer step belongs to (the step ends after the iteration's last optimizer "
+            "step).",
         ),
         Column(
             "position",
@@ -442,7 +497,8 @@ def optimizer(ctx):
         Column(
             "loss",
             "DOUBLE",
-            "The loss backpropagated since the previous optimizer step (the scalars summed), read lazily; NULL on a step that was not measured (torch.steps.measured) or when none was noted.",
+            "The loss backpropagated since the previous optimizer step (the scalars summed), read lazily; NULL on a "
+            "step that was not measured (torch.steps.measured) or when none was noted.",
         ),
         Column(
             "lr",
@@ -452,12 +508,14 @@ def optimizer(ctx):
         Column(
             "grad_norm",
             "DOUBLE",
-            "L2 norm of the optimizer's gradients at its step, on the steps the gradient norm's budget allows (PROBE_GRAD_NORM, as torch.steps.grad_norm); NULL on the others.",
+            "L2 norm of the optimizer's gradients at its step, on the steps the gradient norm's budget allows "
+            "(PROBE_GRAD_NORM, as torch.steps.grad_norm); NULL on the others.",
         ),
     ],
     examples=[
         "SELECT step, optimizer, loss, lr, grad_norm FROM torch.optimizer_steps ORDER BY step DESC, position LIMIT 10",
-        "SELECT step, MAX(loss) FILTER (WHERE optimizer = 'opt_d') AS d_loss, MAX(loss) FILTER (WHERE optimizer = 'opt_g') "
+        "SELECT step, MAX(loss) FILTER (WHERE optimizer = 'opt_d') AS d_loss, MAX(loss) FILTER (WHERE optimizer = "
+        "'opt_g') "
         "AS g_loss FROM torch.optimizer_steps GROUP BY step ORDER BY step DESC LIMIT 10",
     ],
     kind="ring",
@@ -494,7 +552,8 @@ def _num(v):
 
 @table(
     "torch.parameters",
-    "One row per named parameter of each model found, with gradient and NaN/Inf health read on the training thread at the next step boundary (NULL statistics when none comes within 5 s).",
+    "One row per named parameter of each model found, with gradient and NaN/Inf health read on the training thread at "
+    "the next step boundary (NULL statistics when none comes within 5 s).",
     columns=[
         Column("model", "VARCHAR", "Name of the root model."),
         Column("name", "VARCHAR", "Dotted parameter name within the model."),
@@ -505,7 +564,9 @@ def _num(v):
         Column(
             "placement",
             "VARCHAR",
-            "How a sharded parameter (FSDP2/DTensor) is laid out over the ranks, e.g. Shard(dim=0); NULL for an ordinary tensor. The statistics of a sharded parameter are this rank's shard's, read without a collective.",
+            "How a sharded parameter (FSDP2/DTensor) is laid out over the ranks, e.g. Shard(dim=0); NULL for an "
+            "ordinary tensor. The statistics of a sharded parameter are this rank's shard's, read without a "
+            "collective.",
         ),
         Column(
             "local_numel",
@@ -520,7 +581,8 @@ def _num(v):
         Column(
             "grad_norm",
             "DOUBLE",
-            "L2 norm of the current .grad (this rank's shard of a sharded parameter), NULL when there is none (e.g. after zero_grad(set_to_none=True)).",
+            "L2 norm of the current .grad (this rank's shard of a sharded parameter), NULL when there is none (e.g. "
+            "after zero_grad(set_to_none=True)).",
         ),
         Column(
             "nan_count",
@@ -535,7 +597,8 @@ def _num(v):
         "SELECT name, shape, numel, requires_grad, in_optimizer FROM torch.parameters ORDER BY numel DESC LIMIT 10",
         "SELECT model, name, nan_count, inf_count, grad_nan, grad_inf FROM torch.parameters "
         "WHERE nan_count + inf_count > 0 OR grad_nan + grad_inf > 0",
-        "SELECT model, COUNT(*) AS tensors, SUM(numel) AS elements, SUM(numel) FILTER (WHERE NOT in_optimizer) AS not_optimized "
+        "SELECT model, COUNT(*) AS tensors, SUM(numel) AS elements, SUM(numel) FILTER (WHERE NOT in_optimizer) AS "
+        "not_optimized "
         "FROM torch.parameters GROUP BY model",
     ],
 )

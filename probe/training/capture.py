@@ -229,7 +229,8 @@ class Capture:
             self.graphs.append(fn)
 
     def take_backwards(self) -> tuple:
-        """``(backward calls, repeats on one graph, the repeated graph's node name)`` since the last call; forgets them."""
+        """``(backward calls, repeats on one graph, the repeated graph's node name)`` since the last call; forgets
+        them."""
         out = (self.backwards, self.repeated, self.repeated_name if self.repeated else None)
         self.graphs = []
         self.backwards = self.repeated = 0

@@ -421,7 +421,8 @@ def scan(frame=None, max_frames: int = 4) -> None:
 
 
 def named() -> dict:
-    """Found objects under their names and the usual ones (for eval): model, optimizer, scheduler, scaler, trainer, accelerator."""
+    """Found objects under their names and the usual ones (for eval): model, optimizer, scheduler, scaler, trainer,
+    accelerator."""
     out = {}
     groups = (("model", models()), ("optimizer", optimizers()), ("scheduler", schedulers()), ("scaler", grad_scalers()))
     for key, found in groups:

@@ -258,7 +258,8 @@ class Invariants:
                     not erased,
                     watch.name,
                     float(watch.fired) / steps,
-                    f"{watch.fired} backward passes in {steps} optimizer step(s) (steps {watch.since + 1}-{step}) and the gradient "
+                    f"{watch.fired} backward passes in {steps} optimizer step(s) (steps {watch.since + 1}-{step}) and "
+                    "the gradient "
                     f"was cleared before each of them: only the last micro-batch of each step counts"
                     if erased
                     else None,

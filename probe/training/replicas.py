@@ -92,8 +92,8 @@ class Replicas:
 
     # -- the one call from the step boundary ----------------------------------------------------------------
     def at_boundary(self, step: int, step_s: float | None) -> None:
-        """At the full step boundary of ``next_step`` and after: refresh the DDP models now and then, read landed device copies, and
-        take a checksum when ``step`` is due."""
+        """At the full step boundary of ``next_step`` and after: refresh the DDP models now and then, read landed device
+        copies, and take a checksum when ``step`` is due."""
         try:
             if step >= self._refresh_at:
                 self._refresh_at = step + min(step, _REFRESH_MAX)

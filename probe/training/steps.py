@@ -524,7 +524,8 @@ class StepTracker:
         self.memory.stop()
 
     def reopen(self) -> None:
-        """Undo ``close``: the loss and clip wrappers and the root model's hook go back; the next step's clock restarts."""
+        """Undo ``close``: the loss and clip wrappers and the root model's hook go back; the next step's clock
+        restarts."""
         self.capture.wrap()
         self.watch_roots()
         self._last_ns = None

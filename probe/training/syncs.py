@@ -17,7 +17,8 @@ torch documents: ``torch.cuda.synchronize()`` itself and syncs inside ``torch.di
 
 One ``warnings`` filter ("always" for that message only) is added once per process (again
 only if something removed it) so that repeated syncs at the same line are all counted (the
-"default" action shows a warning once per line). A job that set its own sync debug mode is left alone (the watch stays off).
+"default" action shows a warning once per line). A job that set its own sync debug mode is left alone (the watch
+stays off).
 On CPU there is nothing to synchronise with; the watch still takes the warning's path on
 traced steps, so a warning of the same form (a test stand-in) is counted the same way.
 """

@@ -3,8 +3,8 @@ calls these at its boundary):
 
 * ``params_move``: a sample of the trained model's tensors that an optimizer holds, requires_grad, with a
   gradient at the step whose plain update (lr x grad) is well above the float's resolution at their value,
-  changed since the last measured step. One that did not is held by an optimizer that never steps, or one whose update is
-  skipped.
+  changed since the last measured step. One that did not is held by an optimizer that never steps, or one whose
+  update is skipped.
 * ``frozen_still``: a sample of the tensors an optimizer holds with ``requires_grad=False`` did not change: a
   frozen tensor that moves is moved by momentum or weight decay on a stale zero gradient (frozen after the
   optimizer was built, its gradient zeroed instead of set to None).
@@ -40,7 +40,8 @@ _RESOLUTION = 1e-5  # an update smaller than this fraction of the value may roun
 def grouped(hit: list, every: list) -> str:
     """``hit`` (dotted tensor names) under the largest module prefixes of ``every`` that hold only hit ones.
 
-    >>> grouped(["enc.0.weight", "enc.0.bias", "enc.1.weight"], ["enc.0.weight", "enc.0.bias", "enc.1.weight", "head.weight"])
+    >>> grouped(["enc.0.weight", "enc.0.bias", "enc.1.weight"],
+    ...         ["enc.0.weight", "enc.0.bias", "enc.1.weight", "head.weight"])
     'enc.* (3 tensors)'
     >>> grouped(["enc.0.weight", "head.weight"], ["enc.0.weight", "enc.0.bias", "head.weight"])
     'enc.0.weight, head.weight'
@@ -99,7 +100,8 @@ class Updates:
 
     # -- targets -------------------------------------------------------------------------------------------------
     def refresh(self, model, optimizer) -> None:
-        """Pick the tensors to watch in ``model`` (those an optimizer found holds) and the scheduler of ``optimizer``."""
+        """Pick the tensors to watch in ``model`` (those an optimizer found holds) and the scheduler of
+        ``optimizer``."""
         torch = self.torch
         held: dict = {}
         for f in finder.optimizers():
@@ -238,7 +240,8 @@ class Updates:
                 not still,
                 grouped(still, self._every) if still else None,
                 float(len(still)),
-                f"{len(still)} of {watched_t} sampled tensors with a non-zero gradient and learning rate did not change at the step"
+                f"{len(still)} of {watched_t} sampled tensors with a non-zero gradient and learning rate did not "
+                "change at the step"
                 if still
                 else None,
             )
@@ -250,7 +253,8 @@ class Updates:
                 not moved,
                 grouped(moved, self._every) if moved else None,
                 float(len(moved)),
-                f"{len(moved)} of {watched_f} sampled tensors with requires_grad=False that an optimizer holds changed since the last measured step"
+                f"{len(moved)} of {watched_f} sampled tensors with requires_grad=False that an optimizer holds changed "
+                "since the last measured step"
                 if moved
                 else None,
             )

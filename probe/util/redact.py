@@ -35,7 +35,8 @@ def looks_secret(name: str) -> bool:
 
 
 def redact(name: str, value: str) -> str:
-    """``value`` as probe may show it: all of it hidden under a secret-looking name, else only its credential-shaped parts.
+    """``value`` as probe may show it: all of it hidden under a secret-looking name, else only its credential-shaped
+    parts.
 
     >>> redact("api_token", "hf_abcdefghijklmnopqrstuvwx")
     '<redacted>'

@@ -134,10 +134,11 @@ def file_path(value, name: str = "path", *, max_len: int = 4096) -> str:
 
     >>> file_path("/ckpt/emergency-{rank}.pt")
     '/ckpt/emergency-{rank}.pt'
-    >>> file_path("/tmp/a\\ud800.pt")
+    >>> file_path("/tmp/a\\ud800.pt")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    probe.util.validate.BadRequest: path has a character that is not UTF-8 text at position 6 (U+D800, a lone surrogate, e.g. a byte the shell passed undecoded); give the path in UTF-8.
+    probe.util.validate.BadRequest: path has a character that is not UTF-8 text at position 6 (U+D800, a lone
+    surrogate, e.g. a byte the shell passed undecoded); give the path in UTF-8.
     """
     out = text(value, name, max_len=max_len)
     if out is None or not out.strip():

@@ -55,10 +55,11 @@ def check_table(name, columns) -> None:
     its names and types reach the client's SQL, so they are checked before any of it is built.
 
     >>> check_table("torch.steps", [("step", "BIGINT")])
-    >>> check_table("torch.steps", [("step", "BIGINT) AS x FROM range(1e14) --")])
+    >>> check_table("torch.steps", [("step", "BIGINT) AS x FROM range(1e14) --")])  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    probe.util.wire.WireError: column step of torch.steps declares type 'BIGINT) AS x FROM range(1e14) --', which is not one of BIGINT, INTEGER, DOUBLE, VARCHAR, BOOLEAN, TIMESTAMP
+    probe.util.wire.WireError: column step of torch.steps declares type 'BIGINT) AS x FROM range(1e14) --', which is
+    not one of BIGINT, INTEGER, DOUBLE, VARCHAR, BOOLEAN, TIMESTAMP
     """
     if not isinstance(name, str) or not _TABLE.match(name):
         raise WireError(f"table name {str(name)[:80]!r} is not schema.table in lower-case letters, digits and _")
@@ -162,7 +163,8 @@ def encode(tables: dict, meta: dict, max_bytes: int | None = None) -> list:
     Raises ``OverflowError`` naming the table when the buffers would pass ``max_bytes``.
 
     >>> import numpy as np
-    >>> msg = b"".join(bytes(b) for b in encode({"t.x": ([("a", "BIGINT"), ("b", "VARCHAR")], {"a": np.arange(2), "b": ["x", None]})}, {}))
+    >>> tables = {"t.x": ([("a", "BIGINT"), ("b", "VARCHAR")], {"a": np.arange(2), "b": ["x", None]})}
+    >>> msg = b"".join(bytes(b) for b in encode(tables, {}))
     >>> t = decode(msg)["tables"]["t.x"]
     >>> t["rows"], t["columns"]["a"]["data"].tolist(), t["columns"]["b"]["data"].tolist()
     (2, [0, 1], ['x', None])
