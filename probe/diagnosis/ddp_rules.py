@@ -33,8 +33,8 @@ cmp AS (SELECT s.model, s.step, s.position, any_value(s.name) AS name,
                max(s.checksum) - min(s.checksum) > {_TOLERANCE} * greatest(max(abs(s.checksum)), 1e-30) AS differs
         FROM s JOIN common USING (model, step) GROUP BY s.model, s.step, s.position),
 last AS (SELECT model, max(step) AS step FROM common GROUP BY model),
-agreed AS (SELECT model, max(step) AS step FROM (SELECT model, step FROM cmp GROUP BY model, step \
-HAVING NOT bool_or(differs))
+agreed AS (SELECT model, max(step) AS step FROM (SELECT model, step FROM cmp GROUP BY model, step
+    HAVING NOT bool_or(differs))
            GROUP BY model),
 bad AS (SELECT c.* FROM cmp AS c JOIN last USING (model, step) WHERE c.differs),
 -- the module of each differing tensor (its name less the last part), in the model's order
@@ -54,15 +54,15 @@ SELECT b.model, min(l.step) AS step, count(*) AS differ,
        (SELECT count(DISTINCT position) FROM s WHERE s.model = b.model AND s.step = min(l.step)) AS tensors,
        arg_min(b.name, b.position) AS first_tensor,
        coalesce((SELECT min(c.step) FROM cmp AS c WHERE c.model = b.model AND c.differs
-                   AND c.step > coalesce((SELECT a.step FROM agreed AS a \
-WHERE a.model = b.model), -1)), min(l.step)) AS since,
-       coalesce(printf('step %d', (SELECT a.step FROM agreed AS a \
-WHERE a.model = b.model)), 'no step compared') AS agreed_at,
-       (SELECT array_to_string(list_slice(list(CASE WHEN m.tensors = 1 THEN m.one ELSE m.module || '.* (' \
-|| m.tensors || ' tensors)' END
+                   AND c.step > coalesce((SELECT a.step FROM agreed AS a
+                       WHERE a.model = b.model), -1)), min(l.step)) AS since,
+       coalesce(printf('step %d', (SELECT a.step FROM agreed AS a
+           WHERE a.model = b.model)), 'no step compared') AS agreed_at,
+       (SELECT array_to_string(list_slice(list(CASE WHEN m.tensors = 1 THEN m.one ELSE m.module || '.* ('
+           || m.tensors || ' tensors)' END
                                                ORDER BY m.first), 1, {_NAMES_SHOWN}), ', ')
-               || CASE WHEN count(*) > {_NAMES_SHOWN} THEN ' and ' || (count(*) - {_NAMES_SHOWN}) \
-|| ' more modules' ELSE '' END
+               || CASE WHEN count(*) > {_NAMES_SHOWN} THEN ' and ' || (count(*) - {_NAMES_SHOWN})
+                   || ' more modules' ELSE '' END
           FROM mods AS m WHERE m.model = b.model) AS modules,
        (SELECT n FROM ranks_n WHERE ranks_n.model = b.model) AS ranks,
        coalesce('rank(s) ' || (SELECT o.ranks FROM odd AS o WHERE o.model = b.model) || ' differ from the others',
@@ -94,8 +94,8 @@ rule(
         "each rank keeps running statistics of its own shard, so evaluation and a checkpoint differ by the rank that "
         "made them."
     ),
-    sql="""SELECT min(rank) AS rank, model, any_value(world_size) AS world_size, \
-any_value(norm_modules) AS norm_modules,
+    sql="""SELECT min(rank) AS rank, model, any_value(world_size) AS world_size,
+        any_value(norm_modules) AS norm_modules,
                   coalesce('ranks ' || string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank), 'this rank') AS ranks
            FROM torch.ddp WHERE NOT broadcast_buffers AND norm_modules IS NOT NULL AND world_size > 1 GROUP BY model""",
     message=(
@@ -157,19 +157,19 @@ stuck AS (SELECT g.pg, g.seq FROM g JOIN members USING (pg), pace
           HAVING count(DISTINCT g.rank) = members.n AND members.n >= 2 AND count(DISTINCT g.op) > 1
              AND min(g.pending_s) > greatest({_PACE} * pace.p99, {_PACE_MIN_S})),
 w AS (SELECT g.*, count(*) OVER (PARTITION BY g.pg, g.seq, g.op) AS same,
-             min(g.issued) OVER (PARTITION BY g.pg, g.seq) AS fewest, max(g.issued) \
-OVER (PARTITION BY g.pg, g.seq) AS most
+             min(g.issued) OVER (PARTITION BY g.pg, g.seq) AS fewest, max(g.issued)
+                 OVER (PARTITION BY g.pg, g.seq) AS most
       FROM g JOIN stuck USING (pg, seq)),
 pick AS (SELECT *, CASE WHEN fewest < most THEN issued = fewest
                         ELSE same = (SELECT min(x.same) FROM w AS x WHERE x.pg = w.pg AND x.seq = w.seq) END AS odd
          FROM w)
 SELECT min(p.rank) FILTER (WHERE p.odd) AS rank, any_value(l.step) FILTER (WHERE p.odd) AS step, p.pg, p.seq,
        min(p.pending_s) AS waited_s, pace.p99 * 1000 AS p99_ms,
-       string_agg(DISTINCT CAST(p.rank AS VARCHAR), ',' ORDER BY CAST(p.rank AS VARCHAR)) \
-FILTER (WHERE p.odd) AS culprits,
+       string_agg(DISTINCT CAST(p.rank AS VARCHAR), ',' ORDER BY CAST(p.rank AS VARCHAR))
+           FILTER (WHERE p.odd) AS culprits,
        string_agg(p.op || ' at ' || p.site, '; ' ORDER BY p.rank) FILTER (WHERE p.odd) AS culprit_op,
-       string_agg('rank ' || p.rank || ' issued ' || p.op || ' at ' || p.site, '; ' ORDER BY p.rank) \
-FILTER (WHERE NOT p.odd) AS others
+       string_agg('rank ' || p.rank || ' issued ' || p.op || ' at ' || p.site, '; ' ORDER BY p.rank)
+           FILTER (WHERE NOT p.odd) AS others
 FROM pick AS p CROSS JOIN pace LEFT JOIN ranks.latest AS l ON l.rank = p.rank
 GROUP BY p.pg, p.seq, pace.p99
 HAVING count(*) FILTER (WHERE NOT p.odd) > 0""",

@@ -16,8 +16,8 @@ _CURRENT = 3  # checked steps (the rank's latest) among which an invariant's las
 def _failing(check: str) -> str:
     """SQL: per rank, the ``check`` whose last _IN_A_ROW checks all failed, since which step, and its evidence."""
     return f"""
-WITH c AS (SELECT rank, step, ok, subject, value, detail, row_number() OVER (PARTITION BY rank \
-ORDER BY step DESC) AS age
+WITH c AS (SELECT rank, step, ok, subject, value, detail, row_number() OVER (PARTITION BY rank
+    ORDER BY step DESC) AS age
            FROM torch.checks WHERE invariant = '{check}'),
 r AS (SELECT rank, max(step) FILTER (WHERE ok) AS last_ok FROM c GROUP BY rank)
 SELECT c.rank, max(c.step) AS step, arg_max(c.subject, c.step) AS subject, arg_max(c.value, c.step) AS value,
@@ -33,8 +33,8 @@ HAVING count(*) = {_IN_A_ROW} AND NOT bool_or(c.ok)
    -- still checked: its last row is among the rank's last {_CURRENT} checked steps (a check that stopped, as when
    -- the model it was about is gone, leaves its last rows behind: they are no finding)
    AND max(c.step) >= (SELECT min(s.step) FROM (SELECT DISTINCT step FROM torch.checks AS k
-                                                 WHERE k.rank IS NOT DISTINCT FROM c.rank ORDER BY step DESC \
-LIMIT {_CURRENT}) AS s)"""
+                                                 WHERE k.rank IS NOT DISTINCT FROM c.rank ORDER BY step DESC
+                                                     LIMIT {_CURRENT}) AS s)"""
 
 
 rule(

@@ -33,24 +33,24 @@ def named(alias: str, hit: str, among: str = "TRUE") -> str:
               FROM {alias}_t),
 {alias}_g AS (SELECT rank, model, array_to_string(list_slice(parts, 1, k), '.') AS prefix,
                      any_value(array_to_string(list_slice(parts, 1, k - 1), '.')) AS parent,
-                     bool_and(hit) AS pure, count(*) AS tensors, sum(numel) AS elements, \
-any_value(array_to_string(parts, '.')) AS one
+                     bool_and(hit) AS pure, count(*) AS tensors, sum(numel) AS elements,
+                         any_value(array_to_string(parts, '.')) AS one
               FROM {alias}_k GROUP BY rank, model, prefix),
 {alias}_m AS (SELECT g.rank, g.model, g.prefix, g.elements,
                      CASE WHEN g.tensors = 1 THEN g.one
-                          ELSE g.prefix || '.* (' || g.tensors || ' tensors, ' || {human("g.elements")} \
-|| ' elements)' END AS label
+                          ELSE g.prefix || '.* (' || g.tensors || ' tensors, ' || {human("g.elements")}
+                              || ' elements)' END AS label
               FROM {alias}_g AS g
-              LEFT JOIN {alias}_g AS up ON up.rank IS NOT DISTINCT FROM g.rank \
-AND up.model = g.model AND up.prefix = g.parent
+              LEFT JOIN {alias}_g AS up ON up.rank IS NOT DISTINCT FROM g.rank
+                  AND up.model = g.model AND up.prefix = g.parent
               WHERE g.pure AND (up.pure IS NULL OR NOT up.pure)),
-{alias}_l AS (SELECT rank, model, list(label ORDER BY elements DESC, prefix) AS labels \
-FROM {alias}_m GROUP BY rank, model),
+{alias}_l AS (SELECT rank, model, list(label ORDER BY elements DESC, prefix) AS labels
+    FROM {alias}_m GROUP BY rank, model),
 {alias}_all AS (SELECT rank, model, bool_and(hit) AS every FROM {alias}_t GROUP BY rank, model),
 {alias} AS (SELECT l.rank, l.model, len(l.labels) AS groups,
                    CASE WHEN a.every THEN 'all of its tensors'
                         ELSE array_to_string(list_slice(l.labels, 1, {_NAMES_SHOWN}), ', ') ||
-                             CASE WHEN len(l.labels) > {_NAMES_SHOWN} THEN ' and ' \
-|| (len(l.labels) - {_NAMES_SHOWN}) || ' more'
+                             CASE WHEN len(l.labels) > {_NAMES_SHOWN} THEN ' and '
+                                 || (len(l.labels) - {_NAMES_SHOWN}) || ' more'
                                   ELSE '' END END AS names
             FROM {alias}_l AS l JOIN {alias}_all AS a ON a.rank IS NOT DISTINCT FROM l.rank AND a.model = l.model)"""

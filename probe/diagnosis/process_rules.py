@@ -31,8 +31,8 @@ LEFT JOIN (SELECT rank, func, file, lineno FROM python.backtrace WHERE is_main A
        ON b.rank IS NOT DISTINCT FROM i.rank
 LEFT JOIN (-- each other thread at its innermost frame outside the standard library (a thread is rarely news for
            -- being in threading.wait), threads with no such frame (idle pools) left out
-           SELECT rank, string_agg(coalesce(thread_name, 'thread ' || thread_id) || ' in ' || func || ' (' \
-|| file || ':' || lineno || ')',
+           SELECT rank, string_agg(coalesce(thread_name, 'thread ' || thread_id) || ' in ' || func || ' ('
+               || file || ':' || lineno || ')',
                                    ', ' ORDER BY thread_name) AS threads
            FROM (SELECT rank, thread_id, thread_name, arg_min(func, depth) AS func, arg_min(file, depth) AS file,
                         arg_min(lineno, depth) AS lineno
@@ -118,8 +118,8 @@ WITH s AS (
          lag(lr) OVER (PARTITION BY rank ORDER BY step) AS prev_lr,
          -- the median over finite values only (a windowed median over a NaN fails in DuckDB 2.0)
          grad_norm / nullif(median(CASE WHEN isfinite(grad_norm) THEN grad_norm END)
-                            OVER (PARTITION BY rank ORDER BY step ROWS BETWEEN 50 PRECEDING \
-AND 1 PRECEDING), 0) AS gn_score
+                            OVER (PARTITION BY rank ORDER BY step ROWS BETWEEN 50 PRECEDING
+                                AND 1 PRECEDING), 0) AS gn_score
   FROM torch.steps),
 bad AS (SELECT rank, min(step) AS step FROM s WHERE isnan(loss) OR isinf(loss) GROUP BY rank),
 around AS (
@@ -152,8 +152,8 @@ found AS (
          -- every loss measured since the onset is non-finite: the weights are most likely NaN already
          a.finite_again IS NULL AND a.bad_since > 0 AS stuck
   FROM near AS n JOIN around AS a ON a.rank IS NOT DISTINCT FROM n.rank)
-SELECT rank, step, last_ok, finite_again, bad_since, lr_jump, jump_step, gn_score, spike_step, \
-grad_bad_step, kind, stuck,
+SELECT rank, step, last_ok, finite_again, bad_since, lr_jump, jump_step, gn_score, spike_step,
+    grad_bad_step, kind, stuck,
        coalesce(least(last_ok, step - 10), step - 10) AS from_step,
        CASE WHEN last_ok IS NULL THEN ' (no finite loss was measured before it)'
             WHEN last_ok = step - 1 THEN printf(' (step %d was still finite)', last_ok)
@@ -166,39 +166,39 @@ grad_bad_step, kind, stuck,
                      CASE WHEN grad_bad_step IS NOT NULL
                           THEN printf(' (the gradients went NaN/Inf at step %d)', grad_bad_step) ELSE '' END)
             WHEN kind = 'grad' THEN
-              printf('%d step(s) after the gradients became NaN/Inf at step %d while its loss was \
-still finite: a backward '
-                     'overflowed or divided by zero (look for the tensor in \
-torch.parameters.grad_norm, or a hook that scales '
+              printf('%d step(s) after the gradients became NaN/Inf at step %d while its loss was ' ||
+                  'still finite: a backward '
+                     'overflowed or divided by zero (look for the tensor in ' ||
+                         'torch.parameters.grad_norm, or a hook that scales '
                      'gradients)', step - grad_bad_step, grad_bad_step)
             WHEN kind = 'spike' THEN
               printf('%d step(s) after the gradient norm spiked to %.3gx its recent median at step %d',
                      step - spike_step, gn_score, spike_step)
             ELSE 'with neither an LR jump nor a gradient-norm spike just before' ||
-                 CASE WHEN grad_measured = 0 \
-THEN ' (the gradient norm was not measured on those steps: PROBE_STEP_BUDGET)' ELSE '' END ||
-                 ': suspect the data (NaN/Inf inputs or labels) or a numerics bug (log(0), \
-division by zero, fp16 overflow)'
+                 CASE WHEN grad_measured = 0
+                     THEN ' (the gradient norm was not measured on those steps: PROBE_STEP_BUDGET)' ELSE '' END ||
+                 ': suspect the data (NaN/Inf inputs or labels) or a numerics bug (log(0), ' ||
+                     'division by zero, fp16 overflow)'
        END AS cause,
        CASE WHEN stuck THEN
               printf('. Every loss measured since (%d step(s)) is NaN/Inf: the weights are most likely NaN already '
-                     '(torch.parameters nan_count says; params_nonfinite when they are), so a \
-checkpoint now would save '
+                     '(torch.parameters nan_count says; params_nonfinite when they are), so a ' ||
+                         'checkpoint now would save '
                      'them and a lower LR cannot repair them: restore the last checkpoint written before step %d%s',
                      bad_since, coalesce(last_ok, step),
                      CASE WHEN kind = 'data' THEN ' and skip or fix the batch that did it' ELSE '' END)
             WHEN finite_again IS NOT NULL THEN
               printf('. The loss is finite again from step %d: the weights survived it%s', finite_again,
-                     CASE WHEN kind = 'lr' THEN '; lower the learning rate' WHEN kind = 'spike' \
-THEN '; clip gradients or lower the LR'
+                     CASE WHEN kind = 'lr' THEN '; lower the learning rate' WHEN kind = 'spike'
+                         THEN '; clip gradients or lower the LR'
                           ELSE '' END)
-            ELSE CASE WHEN kind = 'lr' THEN '; lower it' WHEN kind = 'spike' \
-THEN '; clip gradients or lower the LR' ELSE '' END ||
+            ELSE CASE WHEN kind = 'lr' THEN '; lower it' WHEN kind = 'spike'
+                THEN '; clip gradients or lower the LR' ELSE '' END ||
                  '. No loss measured since yet: whether the weights are NaN, torch.parameters says'
        END AS weights,
        CASE WHEN stuck OR finite_again IS NULL
-            THEN 'query "SELECT name, nan_count, inf_count FROM torch.parameters WHERE nan_count + inf_count > 0"' \
-END AS next_params,
+            THEN 'query "SELECT name, nan_count, inf_count FROM torch.parameters WHERE nan_count + inf_count > 0"'
+                END AS next_params,
        CASE WHEN NOT stuck AND kind IN ('lr', 'spike') THEN 'lr --scale 0.1' END AS next_lr,
        CASE WHEN finite_again IS NOT NULL THEN 'checkpoint /tmp/emergency-{rank}-{step}.pt' END AS next_checkpoint
 FROM found""",
@@ -221,8 +221,8 @@ rule(
     description="Gradients hold NaN or Inf values right now; names the tensors by module.",
     sql=f"""
 WITH {named("bad", "grad_nan + grad_inf > 0")},
-c AS (SELECT rank, model, count(*) AS tensors, sum(grad_nan + grad_inf) AS bad, arg_max(name, \
-grad_nan + grad_inf) AS worst
+c AS (SELECT rank, model, count(*) AS tensors, sum(grad_nan + grad_inf) AS bad, arg_max(name,
+    grad_nan + grad_inf) AS worst
       FROM torch.parameters WHERE grad_nan + grad_inf > 0 GROUP BY rank, model)
 SELECT c.rank, c.model, c.tensors, c.bad, c.worst, b.names
 FROM c JOIN bad AS b ON b.rank IS NOT DISTINCT FROM c.rank AND b.model = c.model""",
@@ -239,8 +239,8 @@ rule(
     description="Parameter values hold NaN or Inf: the weights are already ruined; names the tensors by module.",
     sql=f"""
 WITH {named("bad", "nan_count + inf_count > 0")},
-c AS (SELECT rank, model, count(*) AS tensors, sum(nan_count + inf_count) AS bad, arg_max(name, \
-nan_count + inf_count) AS worst
+c AS (SELECT rank, model, count(*) AS tensors, sum(nan_count + inf_count) AS bad, arg_max(name,
+    nan_count + inf_count) AS worst
       FROM torch.parameters WHERE nan_count + inf_count > 0 GROUP BY rank, model)
 SELECT c.rank, c.model, c.tensors, c.bad, c.worst, b.names
 FROM c JOIN bad AS b ON b.rank IS NOT DISTINCT FROM c.rank AND b.model = c.model""",
@@ -425,8 +425,8 @@ SELECT c.rank, c.model, c.tensors, c.frozen, c.frozen_elements, {human("c.frozen
        {human("c.elements")} AS elements_h, f.names AS frozen_names,
        CASE WHEN c.trainable = 0 THEN '; nothing trains'
             ELSE '; what trains: ' || t.names END ||
-       CASE WHEN c.norms_only THEN ': only normalization layers (' || c.train_types \
-|| ') train, as when a name filter meant to '
+       CASE WHEN c.norms_only THEN ': only normalization layers (' || c.train_types
+           || ') train, as when a name filter meant to '
                                    || 'freeze or unfreeze them matched the rest instead'
             ELSE '' END AS trains
 FROM c JOIN frozen AS f ON f.rank IS NOT DISTINCT FROM c.rank AND f.model = c.model
@@ -479,10 +479,10 @@ WITH z AS (
   SELECT rank, max(step) FILTER (WHERE lr > 0) AS last_positive, max(step) AS last FROM torch.steps GROUP BY rank)
 SELECT o.rank, o.optimizer, o.param_group, o.params,
        CASE WHEN z.last_positive IS NULL THEN ''
-            ELSE ' since step ' || (z.last_positive + 1) \
-|| ', where its schedule reached 0 after ' || z.last_positive ||
-                 ' steps at a positive rate: the run goes on past the end of its schedule (more steps \
-than the scheduler''s' ||
+            ELSE ' since step ' || (z.last_positive + 1)
+                || ', where its schedule reached 0 after ' || z.last_positive ||
+                 ' steps at a positive rate: the run goes on past the end of its schedule (more steps ' ||
+                     'than the scheduler''s' ||
                  ' total?) and its ' || (z.last - z.last_positive) || ' steps since changed nothing'
        END AS since
 FROM torch.optimizer AS o LEFT JOIN z ON z.rank IS NOT DISTINCT FROM o.rank
@@ -502,10 +502,11 @@ WITH g AS (
   FROM torch.steps WHERE grad_norm IS NOT NULL)
 SELECT rank, max(step) AS step, count(*) AS steps, max(abs(loss)) AS loss,
        CASE WHEN max(abs(loss)) = 0
-            THEN ', and so is the loss: a mask or weight removes every sample (a padding mask or ignore_index the \
-wrong way round), or the model already fits every sample exactly'
-            ELSE \
-': the loss does not depend on the trained parameters (detached graph, frozen model, or zero-grad after backward)'
+            THEN ', and so is the loss: a mask or weight removes every sample (a padding mask or ignore_index the ' ||
+                'wrong way round), or the model already fits every sample exactly'
+            ELSE
+                ': the loss does not depend on the trained parameters (detached graph, frozen model, or zero-grad '
+                'after backward)'
        END AS cause
 FROM g WHERE age <= 20 GROUP BY rank
 HAVING count(*) = 20 AND max(grad_norm) = 0""",
@@ -552,11 +553,11 @@ SELECT s.rank, t.step, s.model, s.stack, s.stack || s.first AS first_layer, s.st
        CASE WHEN s.stack = '' THEN s.model ELSE s.model || '.' || rtrim(s.stack, '.') END AS stack_name,
        CASE WHEN s.first_rms < s.last_rms THEN 'vanish' ELSE 'explode' END AS direction,
        CASE WHEN s.first_rms < s.last_rms
-            THEN 'the first layers barely learn (saturating activations such as sigmoid or tanh, or too small an init, \
-in a deep stack without normalization or residual connections): use ReLU/GELU, LayerNorm/BatchNorm, residual \
-connections or a He/Xavier init'
-            ELSE 'the first layers take far larger steps than the last (a blown-up layer, unnormalized inputs or too \
-large an init): clip gradients (clip_grad_norm_), normalize the inputs, check the init scale'
+            THEN 'the first layers barely learn (saturating activations such as sigmoid or tanh, or too small an '
+                 'init, in a deep stack without normalization or residual connections): use ReLU/GELU, '
+                 'LayerNorm/BatchNorm, residual connections or a He/Xavier init'
+            ELSE 'the first layers take far larger steps than the last (a blown-up layer, unnormalized inputs or '
+                 'too large an init): clip gradients (clip_grad_norm_), normalize the inputs, check the init scale'
        END AS advice
 FROM s JOIN t ON t.rank IS NOT DISTINCT FROM s.rank
 WHERE t.step >= 50 AND s.first_rms > 0 AND s.last_rms > 0

@@ -26,8 +26,8 @@ WITH p AS (
   SELECT rank, step, epoch(ended_at) AS t, memory FROM torch.steps WHERE memory IS NOT NULL AND step > 100),
 e AS (SELECT rank, max(t) AS t_end FROM p GROUP BY rank),
 q AS (SELECT p.* FROM p JOIN e ON e.rank IS NOT DISTINCT FROM p.rank WHERE p.t >= e.t_end - 30),
-b AS (SELECT rank, min(t) AS t0, max(t) AS t1, min(step) AS first, max(step) AS step, count(*) AS n FROM q \
-GROUP BY rank),
+b AS (SELECT rank, min(t) AS t0, max(t) AS t1, min(step) AS first, max(step) AS step, count(*) AS n FROM q
+    GROUP BY rank),
 th AS (
   SELECT q.rank, least(2, floor(3 * (q.t - b.t0) / greatest(b.t1 - b.t0, 1e-9)))::INTEGER AS third, min(q.memory) AS low
   FROM q JOIN b ON b.rank IS NOT DISTINCT FROM q.rank GROUP BY q.rank, third),
@@ -63,8 +63,8 @@ rule(
         "free memory is there but in pieces."
     ),
     sql="""
-SELECT rank, device, allocated / 2^30 AS allocated_gb, reserved / 2^30 AS reserved_gb, (reserved - \
-allocated) / 2^30 AS cached_gb,
+SELECT rank, device, allocated / 2^30 AS allocated_gb, reserved / 2^30 AS reserved_gb, (reserved -
+    allocated) / 2^30 AS cached_gb,
        total / 2^30 AS total_gb, alloc_retries AS retries, ooms
 FROM torch.memory
 WHERE device LIKE 'cuda%' AND reserved > 0 AND (alloc_retries > 0 OR ooms > 0)
@@ -184,8 +184,8 @@ SELECT m.rank, m.step, m.steps, m.step_s * 1000 AS step_ms, m.model_s * 1000 AS 
        100 * (1 - m.model_s / m.step_s) AS outside_pct,
        coalesce('; ' || CASE WHEN d.n = 1 THEN 'DataLoader ' ELSE 'DataLoaders ' END || d.names
                 || CASE WHEN d.n = 1 THEN ' has' ELSE ' have' END
-                || \
-' num_workers=0: the training thread loads every batch itself (give it workers, num_workers=4 or more)', '') AS loaders,
+                || ' num_workers=0: the training thread loads every batch itself '
+                   '(give it workers, num_workers=4 or more)', '') AS loaders,
        coalesce('; the main thread is in ' || b.frame || ' now', '') AS loading
 FROM m
 LEFT JOIN d ON d.rank IS NOT DISTINCT FROM m.rank
@@ -293,8 +293,8 @@ WITH v AS (
          out_batch_std > 1e-3 * (abs(out_mean) + out_std) AS varies,
          out_batch_std <= 1e-6 * (abs(out_mean) + out_std) AS flat,
          dense_rank() OVER (PARTITION BY rank ORDER BY step DESC) AS age
-  FROM python.torch_trace WHERE stage = 'forward' AND out_batch_std IS NOT NULL \
-AND isfinite(out_mean) AND isfinite(out_std)),
+  FROM python.torch_trace WHERE stage = 'forward' AND out_batch_std IS NOT NULL
+      AND isfinite(out_mean) AND isfinite(out_std)),
 f AS (SELECT * FROM v WHERE age <= 3 AND flat AND NOT (module_type IN {_ZEROING} AND out_zero_frac >= {_DEAD})),
 p AS (  -- the call just before each flat one at its depth or deeper: it ended before the flat call began
   SELECT f.rank, f.model, f.module, f.step, f.seq, any_value(f.module_type) AS module_type, any_value(f.b) AS b,
@@ -347,8 +347,8 @@ WITH s AS (
 t AS (SELECT rank, step, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age FROM torch.steps
       -- traced steps up to the newest one torch.syncs has seen: the tables are snapshotted one after the other, so a
       -- traced step may be in torch.steps before its syncs are in torch.syncs
-      WHERE traced AND step <= (SELECT max(x.step) FROM torch.syncs x \
-WHERE x.rank IS NOT DISTINCT FROM torch.steps.rank)),
+      WHERE traced AND step <= (SELECT max(x.step) FROM torch.syncs x
+          WHERE x.rank IS NOT DISTINCT FROM torch.steps.rank)),
 j AS (SELECT s.* FROM s JOIN t ON t.rank IS NOT DISTINCT FROM s.rank AND t.step = s.step WHERE t.age <= 3)
 SELECT rank, max(step) AS step, file, regexp_extract(file, '[^/]+$') AS base, line, any_value(code) AS code,
        any_value(function) AS function, count(*) AS steps, sum(n) / count(*) AS per_step

@@ -1,6 +1,7 @@
 """A loop in the shape of nanoGPT's train.py (our own code; run it with PROBE=1, no probe code).
 
-A tiny causal LM from a config, random token ids from a fixed generator, AdamW with a decay and a
+A tiny causal LM from a config, token ids from a fixed generator (a random start, then each token's
+fixed successor: a text it can learn), AdamW with a decay and a
 no-decay param group, a warmup-then-cosine learning rate that the loop writes into every group
 itself each iteration, gradient accumulation (``loss / accum`` backpropagated per micro-step,
 through a disabled GradScaler as nanoGPT does on CPU), the next batch fetched while the
@@ -55,8 +56,15 @@ class TinyLM(torch.nn.Module):
 gen = torch.Generator().manual_seed(0)
 
 
+successor = torch.randperm(vocab, generator=gen)  # the text: each token is followed by its successor (learnable)
+
+
 def get_batch():
-    data = torch.randint(0, vocab, (batch_size, block + 1), generator=gen)
+    first = torch.randint(0, vocab, (batch_size, 1), generator=gen)
+    data = [first]
+    for _ in range(block):
+        data.append(successor[data[-1]])
+    data = torch.cat(data, 1)
     return data[:, :-1], data[:, 1:]
 
 
