@@ -98,7 +98,7 @@ def main() -> int:
                 closed.append(_window(env, pid, args.window, "closed"))
                 page = browser.new_page(viewport={"width": 1400, "height": 1600})
                 seen = []
-                page.on("request", lambda r: seen.append(r.url))
+                page.on("request", lambda r, seen=seen: seen.append(r.url))  # this page only: closed in this round
                 page.goto(url)
                 page.wait_for_selector("body[data-loaded='1']", timeout=60000)
                 opened.append(_window(env, pid, args.window, "open"))

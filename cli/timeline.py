@@ -106,7 +106,7 @@ def build_trace(ranks: list[RankRows], meta: dict | None = None) -> dict:
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": order}})
         tids: dict[str, int] = {}
 
-        def tid(name: str, number: int) -> int:
+        def tid(name: str, number: int, tids: dict = tids, pid: int = pid) -> int:  # this rank's, used below
             if name not in tids:
                 tids[name] = number
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": number, "args": {"name": name}})

@@ -25,7 +25,7 @@ def test_gil_held_in_c_without_probe(spawn, cli):
     lines = r.stdout.splitlines()
     assert lines[0].startswith("[stacks read by py-spy") and f"process {target.pid} has no probe server" in lines[0]
     assert "holds the GIL" in r.stdout
-    frame0 = next(l for l in lines if "#0 " in l)
+    frame0 = next(line for line in lines if "#0 " in line)
     assert "stuck_in_c" in frame0 and "hang_gil.py:10" in frame0
 
 

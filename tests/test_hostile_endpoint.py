@@ -127,7 +127,7 @@ def test_a_reply_of_empty_json_gives_one_sentence(fake, cli, command):
     # then one sentence and a non-zero exit, never a traceback
     assert r.returncode != 0, r.stdout
     assert "Traceback" not in r.stderr and "KeyError" not in r.stderr, r.stderr
-    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines and "did not answer like a probe" in lines[-1], r.stderr
 
 

@@ -28,7 +28,7 @@ def at(ts) -> datetime:
 
 
 def loop_losses(proc) -> list[float]:
-    return [float(v) for v in next(l for l in proc.lines if l.startswith("losses ")).split()[1:]]
+    return [float(v) for v in next(line for line in proc.lines if line.startswith("losses ")).split()[1:]]
 
 
 @pytest.fixture(scope="module")

@@ -88,7 +88,7 @@ def test_queries_and_traced_steps_cause_no_recompilation(spawn, cli, tmp_path):
     p.wait_for("step 10 ", timeout=120)  # both variants (hooks in, hooks out) compiled by now
     before = _dynamo(cli, p.pid)
     assert before["frames"] >= 1 and before["graphs"] >= 1
-    start = int(re.search(r"step (\d+) ", [l for l in p.lines if l.startswith("step ")][-1]).group(1))
+    start = int(re.search(r"step (\d+) ", [line for line in p.lines if line.startswith("step ")][-1]).group(1))
     # when: what a person or an agent runs against the job
     for sql in (
         SLOWEST,

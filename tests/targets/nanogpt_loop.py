@@ -87,7 +87,7 @@ while not args.iters or iter_num < args.iters:
     for param_group in optimizer.param_groups:
         param_group["lr"] = lr
     micro = []
-    for micro_step in range(args.accum):
+    for _micro_step in range(args.accum):
         logits, loss = model(X, Y)
         loss = loss / args.accum
         X, Y = get_batch()  # the next batch, fetched while the backward would run on a GPU

@@ -104,7 +104,10 @@ def _memory_rows(rows: list) -> list:
     """allocator_fragmentation's SQL over hand-made torch.memory rows (device, allocated, reserved, retries, ooms,
     total in GiB); CUDA allocators cannot be made to fragment on this CPU-only host."""
     g = 2**30
-    gib = lambda v: None if v is None else int(v * g)
+
+    def gib(v):
+        return None if v is None else int(v * g)
+
     return rule_rows(
         "allocator_fragmentation",
         {
