@@ -181,7 +181,8 @@ def main():
     print(
         f"one all_reduce (1 rank, best of 5 processes x 5 x {n}): off {c_off * 1e6:.1f} us, on {c_on * 1e6:.1f} us: "
         f"the recorder costs {(c_on - c_off) * 1e6:.1f} us per collective; with {per_step:.1f} collectives per "
-        f"DDP step that is {extra * 1e6:.1f} us, {extra / statistics.median(off):.3%} of the {statistics.median(off) * 1000:.1f} ms step"
+        f"DDP step that is {extra * 1e6:.1f} us, {extra / statistics.median(off):.3%} of the "
+        f"{statistics.median(off) * 1000:.1f} ms step"
     )
 
 

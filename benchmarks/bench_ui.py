@@ -133,7 +133,8 @@ def main() -> int:
     c_all = [d for w in closed for d in w]
     o_all = [d for w in opened for d in w]
     print(
-        f"train_gpt.py on CPU, OMP_NUM_THREADS=1; {args.rounds} rounds of {args.window:g} s closed / {args.window:g} s open, "
+        f"train_gpt.py on CPU, OMP_NUM_THREADS=1; {args.rounds} rounds of {args.window:g} s closed / {args.window:g} s "
+        "open, "
         f"page refreshing every {args.refresh:g} s"
     )
     print(f"{'window':<10} {'steps':>6} {'median step s':>14}")

@@ -100,7 +100,8 @@ def test_watchdog_stays_quiet_while_steps_complete(spawn, cli, probe_env):
     timeout_s = 2.0
     stop = Path(probe_env["PROBE_RUNTIME_DIR"]) / "stop"
     script = (
-        "import os, time\nt = time.monotonic()\nimport probe.auto\nfrom probe.training.safepoint import StepEvent, fire\n"
+        "import os, time\nt = time.monotonic()\nimport probe.auto\n"
+        "from probe.training.safepoint import StepEvent, fire\n"
         "print('ready', os.getpid(), flush=True)\ngap, i = 0.0, 0\n"
         f"while not os.path.exists({str(stop)!r}):\n"
         "    now = time.monotonic(); gap = max(gap, now - t); t = now\n"

@@ -49,7 +49,8 @@ def _snapshot(column: dict) -> bytes:
 
 
 class Fake:
-    """A listener on 127.0.0.1 answering every route as ``answer(path) -> (content type, body)`` (None: never answer)."""
+    """A listener on 127.0.0.1 answering every route as ``answer(path) -> (content type, body)`` (None: never
+    answer)."""
 
     def __init__(self, answer):
         outer = self

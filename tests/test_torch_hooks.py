@@ -75,7 +75,8 @@ def test_inplace_relu_two_optimizers_accumulation_trains_unchanged(spawn, cli, r
     opts = query(
         cli,
         proc.pid,
-        "SELECT optimizer, momentum, is_lead, step_count, state_bytes, elements FROM torch.optimizer ORDER BY optimizer",
+        "SELECT optimizer, momentum, is_lead, step_count, state_bytes, elements "
+        "FROM torch.optimizer ORDER BY optimizer",
     )
     assert [(o["optimizer"], o["is_lead"]) for o in opts] == [("Adam", True), ("SGD", False)]
     adam, sgd = opts

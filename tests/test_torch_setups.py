@@ -97,7 +97,8 @@ def test_queries_and_traced_steps_cause_no_recompilation(spawn, cli, tmp_path):
         "SELECT name, numel FROM torch.parameters",
         "SELECT * FROM torch.memory",
         "SELECT func, depth FROM python.backtrace",
-        "SELECT module, stage, depth FROM python.torch_trace WHERE step > (SELECT MAX(step) - 3 FROM python.torch_trace)",
+        "SELECT module, stage, depth FROM python.torch_trace "
+        "WHERE step > (SELECT MAX(step) - 3 FROM python.torch_trace)",
     ):
         _query(cli, p.pid, sql)
     assert cli(p.pid, "doctor").returncode in (0, 1)

@@ -7,8 +7,8 @@ through a disabled GradScaler as nanoGPT does on CPU), the next batch fetched wh
 backward runs, and gradient clipping. Every ``--log-every`` iterations it prints
 ``iter N: loss X, lr Y`` (N counted from 0 as nanoGPT does; X the iteration's loss, the sum of
 its backpropagated micro-losses, repr'd) and ``ready`` after iteration 0; ``--leak`` keeps every
-micro-step's loss (with its graph) and logits in a list (the classic leak: ``--batch 48``, ~0.4 MB an iteration); ``--iters`` ends the loop, else it
-runs until stopped; ``--step-sleep`` sleeps after each iteration.
+micro-step's loss (with its graph) and logits in a list (the classic leak: ``--batch 48``, ~0.4 MB an
+iteration); ``--iters`` ends the loop, else it runs until stopped; ``--step-sleep`` sleeps after each iteration.
 """
 
 import argparse
