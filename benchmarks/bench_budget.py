@@ -19,7 +19,8 @@ thread, and CPU time leaves out the waits for a core that dominate a shared mach
 noise), then the probe's own figure:
 ``probe_us`` from torch.steps (its boundary work per step, timed by itself) as a share of
 step time, the share of steps it measured (the optional values), and the share of the "on"
-steps that carry the loss and a memory reading (the core signals, on every step). Goal: on/off <= 1.01 at every step time.
+steps that carry the loss and a memory reading (the core signals, on every step). Goal: on/off <= 1.01
+at every step time.
 Where the A/A spread is wider than 1 %, the machine cannot resolve the goal and the
 probe_us share is the steady figure.
 
@@ -119,9 +120,11 @@ class Alternation:
             f"    wall: on/off {_fmt(ratios['on'])}  off2/off {_fmt(ratios['off2'])}\n"
             f"    cpu:  on/off {_fmt(cratios['on'])}  off2/off {_fmt(cratios['off2'])}\n"
             f"    probe_us per step: mean {us.mean():6.1f} = {100 * us.mean() * 1e-6 / on_step:5.2f} % of the step"
-            f" (median {np.median(us):5.1f}; unmeasured steps {_median(us[~measured])}, measured {_median(us[measured])});"
+            f" (median {np.median(us):5.1f}; unmeasured steps {_median(us[~measured])}, measured "
+            f"{_median(us[measured])});"
             f" measured {100 * measured.mean():5.1f} % of steps\n"
-            f"    core signals on the probed steps: loss {100 * (1 - loss.mean()):5.1f} %, memory {100 * (1 - memory.mean()):5.1f} %"
+            f"    core signals on the probed steps: loss {100 * (1 - loss.mean()):5.1f} %, memory "
+            f"{100 * (1 - memory.mean()):5.1f} %"
         )
 
 

@@ -103,7 +103,7 @@ def run_per_call(buffer: int, n: int) -> float:
     out = subprocess.run(
         [sys.executable, __file__, "--per-call", str(n)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600
     )
-    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT")), None)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")), None)
     if line is None:
         raise SystemExit(f"the per-call run failed:\n{out.stderr[-2000:]}")
     return float(line.split("=")[1])
@@ -131,7 +131,7 @@ def run(buffer: int, steps: int, world: int) -> tuple[float, str]:
         cwd=ROOT,
         timeout=600,
     )
-    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT")), None)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")), None)
     if line is None:
         raise SystemExit(f"the DDP job failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     fields = dict(kv.split("=") for kv in line.split()[1:])
@@ -181,7 +181,8 @@ def main():
     print(
         f"one all_reduce (1 rank, best of 5 processes x 5 x {n}): off {c_off * 1e6:.1f} us, on {c_on * 1e6:.1f} us: "
         f"the recorder costs {(c_on - c_off) * 1e6:.1f} us per collective; with {per_step:.1f} collectives per "
-        f"DDP step that is {extra * 1e6:.1f} us, {extra / statistics.median(off):.3%} of the {statistics.median(off) * 1000:.1f} ms step"
+        f"DDP step that is {extra * 1e6:.1f} us, {extra / statistics.median(off):.3%} of the "
+        f"{statistics.median(off) * 1000:.1f} ms step"
     )
 
 

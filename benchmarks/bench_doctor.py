@@ -222,7 +222,7 @@ def side_by_side(env: dict, rt: str, world: int, pairs: int) -> int:
         walls = [w for w, _, _ in rows]
         print(
             f"| {label} | {plans} | {statistics.median(walls):.2f} s ({max(walls):.2f} s) | "
-            f"{statistics.median(c for _, c, _ in rows):.2f} s | {statistics.median(l for _, _, l in rows):.1f} |"
+            f"{statistics.median(c for _, c, _ in rows):.2f} s | {statistics.median(load for _, _, load in rows):.1f} |"
         )
     for where, f in wolf:
         print(f"CRIED WOLF ({where}): {f['severity']} {f['rule']}: {f['message']}")

@@ -74,13 +74,15 @@ def main():
             ("status", ["--rank", "0", "status"], ["--ranks", "all", "status"]),
         ]
         print(
-            f"{a.ranks} local probed processes, median of {a.repeat} runs of the real `probe` command, {os.cpu_count()} cores"
+            f"{a.ranks} local probed processes, median of {a.repeat} runs of the real `probe` command, "
+            f"{os.cpu_count()} cores"
         )
         print(f"{'command':<20} {'1 rank':>9} {'all ranks':>10} {'ratio':>7}")
         for name, one, many in cases:
             t1, tn = timed(env, one, a.repeat), timed(env, many, a.repeat)
             print(
-                f"{name:<20} {t1 * 1000:>7.0f}ms {tn * 1000:>8.0f}ms {tn / t1:>6.2f}x  {'ok' if tn <= 1.0 else 'OVER 1 s'}"
+                f"{name:<20} {t1 * 1000:>7.0f}ms {tn * 1000:>8.0f}ms {tn / t1:>6.2f}x  "
+                f"{'ok' if tn <= 1.0 else 'OVER 1 s'}"
             )
     finally:
         stop_groups(procs)

@@ -365,8 +365,10 @@ def main() -> int:
             r = {label: statistics.median(v) for label, v in ratios[name].items()}
             q = {label: n / (args.rounds * args.seconds) for label, n in done[name].items()}
             print(
-                f"1. {name}: {args.clients} clients, median of {args.rounds} rounds (each against its own window alone just before): "
-                f"step-rate ratio {r['training']:.2f} with CLI-like queries to the training process ({q['training']:.0f}/s; goal >= 0.9), "
+                f"1. {name}: {args.clients} clients, median of {args.rounds} rounds "
+                "(each against its own window alone just before): "
+                f"step-rate ratio {r['training']:.2f} with CLI-like queries to the training process "
+                f"({q['training']:.0f}/s; goal >= 0.9), "
                 f"{r['control']:.2f} with them aimed at another process ({q['control']:.0f}/s; the clients' own CPU), "
                 f"{r['raw']:.2f} with raw snapshots back to back ({q['raw']:.0f}/s answered)   "
                 f"[{len(failures)} failed" + (f": {failures[0]}" if failures else "") + "]"

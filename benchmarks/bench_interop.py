@@ -78,7 +78,8 @@ def main():
         )
         base, span = map(float, out.stdout.split())
         print(
-            f"probe.span, probe {mode:3}: {span:7.1f} ns per block (empty nullcontext block {base:.1f} ns; +{span - base:.1f} ns)"
+            f"probe.span, probe {mode:3}: {span:7.1f} ns per block (empty nullcontext block {base:.1f} ns; "
+            f"+{span - base:.1f} ns)"
         )
 
     p = subprocess.Popen(

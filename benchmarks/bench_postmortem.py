@@ -81,7 +81,8 @@ def main() -> None:
     from probe.postmortem import hooks
 
     def block(every: float | None, seconds: float) -> float:
-        """Mean step time over ``seconds`` of training, with the snapshot thread writing every ``every`` s (None: off)."""
+        """Mean step time over ``seconds`` of training, with the snapshot thread writing every ``every`` s
+        (None: off)."""
         t = None
         if every is not None:
             hooks._stop.clear()
@@ -106,7 +107,8 @@ def main() -> None:
 
     ratio, on, off = ab(args.every, 1.2 * args.every, args.pairs)
     print(
-        f"A/B at the default period ({args.every:g} s, {args.pairs} pairs of {1.2 * args.every:g} s blocks, alternating): "
+        f"A/B at the default period ({args.every:g} s, {args.pairs} pairs of {1.2 * args.every:g} s blocks, "
+        "alternating): "
         f"step time with the periodic snapshot / without: {ratio:.4f}x ({on * 1e3:.3f} ms vs {off * 1e3:.3f} ms; "
         f"goal <= 1.002x)"
     )

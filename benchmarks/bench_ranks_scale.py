@@ -120,7 +120,7 @@ def main():
         for p in procs:
             try:
                 with open(f"/proc/{p.pid}/smaps_rollup") as f:
-                    rss += [int(l.split()[1]) for l in f if l.startswith("Pss:")]
+                    rss += [int(line.split()[1]) for line in f if line.startswith("Pss:")]
             except OSError:
                 pass
         if rss:

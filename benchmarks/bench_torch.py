@@ -147,11 +147,13 @@ def step_overhead(rounds: int) -> None:
         avg = {k: statistics.fmean(arms[k]) for k in ("on", "off", "off2")}
         print(f"   {name}: {len(arms['on'])} steps per arm, median step {med['off'] * 1e3:.3f} ms")
         print(
-            f"      on vs off   median {100 * (med['on'] / med['off'] - 1):+5.2f} %   mean {100 * (avg['on'] / avg['off'] - 1):+5.2f} %"
+            f"      on vs off   median {100 * (med['on'] / med['off'] - 1):+5.2f} %   mean "
+            f"{100 * (avg['on'] / avg['off'] - 1):+5.2f} %"
             f"   goal <= +1 %"
         )
         print(
-            f"      off2 vs off median {100 * (med['off2'] / med['off'] - 1):+5.2f} %   mean {100 * (avg['off2'] / avg['off'] - 1):+5.2f} %"
+            f"      off2 vs off median {100 * (med['off2'] / med['off'] - 1):+5.2f} %   mean "
+            f"{100 * (avg['off2'] / avg['off'] - 1):+5.2f} %"
             f"   (noise)"
         )
         print(
@@ -262,7 +264,8 @@ def seed_query() -> None:
         run_query(sql)
         samples.append(time.perf_counter() - t0)
     print(
-        f"   rows {len(tr.ring)}   median {statistics.median(samples) * 1e3:6.1f} ms   best {min(samples) * 1e3:6.1f} ms (goal 50 ms)"
+        f"   rows {len(tr.ring)}   median {statistics.median(samples) * 1e3:6.1f} ms   "
+        f"best {min(samples) * 1e3:6.1f} ms (goal 50 ms)"
     )
 
 

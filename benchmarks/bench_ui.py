@@ -98,7 +98,7 @@ def main() -> int:
                 closed.append(_window(env, pid, args.window, "closed"))
                 page = browser.new_page(viewport={"width": 1400, "height": 1600})
                 seen = []
-                page.on("request", lambda r: seen.append(r.url))
+                page.on("request", lambda r, seen=seen: seen.append(r.url))  # this page only: closed in this round
                 page.goto(url)
                 page.wait_for_selector("body[data-loaded='1']", timeout=60000)
                 opened.append(_window(env, pid, args.window, "open"))
@@ -133,7 +133,8 @@ def main() -> int:
     c_all = [d for w in closed for d in w]
     o_all = [d for w in opened for d in w]
     print(
-        f"train_gpt.py on CPU, OMP_NUM_THREADS=1; {args.rounds} rounds of {args.window:g} s closed / {args.window:g} s open, "
+        f"train_gpt.py on CPU, OMP_NUM_THREADS=1; {args.rounds} rounds of {args.window:g} s closed / {args.window:g} s "
+        "open, "
         f"page refreshing every {args.refresh:g} s"
     )
     print(f"{'window':<10} {'steps':>6} {'median step s':>14}")

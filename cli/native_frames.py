@@ -28,7 +28,7 @@ def _merge_thread(ours: dict, spy: dict) -> tuple[dict, int, int]:
     python_at = [i for i, f in enumerate(spy_frames) if not f.get("native")]
     our_frames = ours.get("frames") or []
     taken: dict[int, dict] = {}
-    for k, (i, j) in enumerate(zip(reversed(python_at), range(len(our_frames) - 1, -1, -1))):
+    for i, j in zip(reversed(python_at), range(len(our_frames) - 1, -1, -1)):
         if not _same(our_frames[j], spy_frames[i]):
             break
         taken[i] = our_frames[j]

@@ -106,7 +106,7 @@ def build_trace(ranks: list[RankRows], meta: dict | None = None) -> dict:
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": order}})
         tids: dict[str, int] = {}
 
-        def tid(name: str, number: int) -> int:
+        def tid(name: str, number: int, tids: dict = tids, pid: int = pid) -> int:  # this rank's, used below
             if name not in tids:
                 tids[name] = number
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": number, "args": {"name": name}})
@@ -250,7 +250,8 @@ def rank_rows(session, target, steps: int) -> tuple[RankRows, list[str]]:
             _run_sql(
                 session,
                 target,
-                f"SELECT step, epoch(started_at) AS start, duration, loss, lr FROM torch.steps WHERE step {window} ORDER BY step",
+                "SELECT step, epoch(started_at) AS start, duration, loss, lr FROM torch.steps "
+                f"WHERE step {window} ORDER BY step",
             )
         )
     mod_sql = (
@@ -266,7 +267,8 @@ def rank_rows(session, target, steps: int) -> tuple[RankRows, list[str]]:
                 _run_sql(
                     session,
                     target,
-                    f"SELECT step, epoch(started_at) AS start, duration, loss, lr FROM torch.steps WHERE step = {int(latest)}",
+                    "SELECT step, epoch(started_at) AS start, duration, loss, lr FROM torch.steps WHERE step = "
+                    f"{int(latest)}",
                 )
             )
             notes.append(
@@ -280,7 +282,8 @@ def rank_rows(session, target, steps: int) -> tuple[RankRows, list[str]]:
             _run_sql(
                 session,
                 target,
-                f"SELECT name, step, epoch(time) AS start, duration, depth, parent, thread, thread_id FROM python.spans "
+                "SELECT name, step, epoch(time) AS start, duration, depth, parent, thread, thread_id "
+                "FROM python.spans "
                 f"WHERE step {window} ORDER BY time",
             )
         )

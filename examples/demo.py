@@ -63,7 +63,7 @@ def main() -> int:
     failures = 0
     try:
         deadline = time.monotonic() + 180
-        while not any(l.startswith("step 100 ") for l in lines):
+        while not any(line.startswith("step 100 ") for line in lines):
             if train.poll() is not None or time.monotonic() > deadline:
                 print("\n".join(lines))
                 print("demo: the training example did not start; see its output above.", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Shared fixtures over tests/harness.py (the one harness tests and benchmarks share): real target processes and the real `probe` command.
+"""Shared fixtures over tests/harness.py (the one harness tests and benchmarks share): real target processes and
+the real `probe` command.
 
 ``probe_env`` gives each test its own runtime directory (short, so unix-socket
 paths stay under the 108-byte limit). ``spawn`` starts a target script and waits

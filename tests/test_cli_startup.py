@@ -76,7 +76,8 @@ def test_an_alias_and_a_command_name_run_the_same_command(idle, shared_env):
 
 
 def test_every_command_lives_in_the_module_named_after_it():
-    """``find`` imports only ``commands/<name>.py`` for command ``name``: that holds only if each command is declared there."""
+    """``find`` imports only ``commands/<name>.py`` for command ``name``: that holds only if each command is
+    declared there."""
     from probe.cli.commands import command_modules, load_all
 
     for name, cls in load_all().items():

@@ -249,7 +249,8 @@ def test_healthy_transformer_has_layer_gradients_within_a_few_x(spawn, cli):
         "query",
         "WITH l AS (SELECT CAST(regexp_extract(name, '^blocks[.](\\d+)[.]', 1) AS INTEGER) AS layer, "
         "sqrt(sum(grad_norm * grad_norm) / sum(numel)) AS rms FROM torch.parameters WHERE name LIKE 'blocks.%' "
-        "AND grad_norm IS NOT NULL GROUP BY layer) SELECT count(*) AS layers, arg_min(rms, layer) / arg_max(rms, layer) AS ratio "
+        "AND grad_norm IS NOT NULL GROUP BY layer) "
+        "SELECT count(*) AS layers, arg_min(rms, layer) / arg_max(rms, layer) AS ratio "
         "FROM l",
         "-f",
         "json",

@@ -127,7 +127,9 @@ def test_the_doctor_names_real_world_errors_and_not_their_healthy_twins(spawn, c
     )
     for error in group:
         onset_step, _ = _onset(twin, error)
-        assert poll(lambda: _step(cli, twin.pid) >= onset_step + took[error] + 5, 120)
+        assert poll(
+            lambda onset_step=onset_step, error=error: _step(cli, twin.pid) >= onset_step + took[error] + 5, 120
+        )
         findings = doctor(cli, twin.pid)["findings"]
         assert not _above_info(findings), (error, findings)
         (fixed / error).touch()

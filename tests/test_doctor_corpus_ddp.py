@@ -2,9 +2,10 @@
 on gloo started by `python -m torch.distributed.run`, several errors per job where they do not interact,
 `probe --ranks all doctor` names each with the rule tests/faults/corpus_ddp.py gives, and the healthy twin (the
 same script with --fixed: a plain DDP job with no collective of its own in the loop) gets nothing, not even
-info, while its ranks' weight checksums agree exactly at the same steps. Each error prints the steps and seconds from its onset to the doctor
-naming it (docs/doctor.md has the table). Last, the two rules that compare ranks, on hand-made tables of
-three ranks (no job here has three): the rank outside the majority is named."""
+info, while its ranks' weight checksums agree exactly at the same steps. Each error prints the steps and
+seconds from its onset to the doctor naming it (docs/doctor.md has the table). Last, the two rules that
+compare ranks, on hand-made tables of three ranks (no job here has three): the rank outside the majority
+is named."""
 
 from __future__ import annotations
 
@@ -160,7 +161,10 @@ def test_the_healthy_twin_a_plain_ddp_job_gets_nothing_and_its_replicas_agree():
 
 
 def _sums(rows):
-    cols = "rank INTEGER, step BIGINT, time DOUBLE, model VARCHAR, position BIGINT, name VARCHAR, numel BIGINT, checksum DOUBLE"
+    cols = (
+        "rank INTEGER, step BIGINT, time DOUBLE, model VARCHAR, position BIGINT, "
+        "name VARCHAR, numel BIGINT, checksum DOUBLE"
+    )
     return {"torch.weight_sums": (cols, rows)}
 
 

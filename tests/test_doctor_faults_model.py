@@ -1,4 +1,5 @@
-"""`probe doctor` names each planted fault of the model, its gradients, its optimizer and its loss (tests/targets/faults.py, PROBE=1, no probe code).
+"""`probe doctor` names each planted fault of the model, its gradients, its optimizer and its loss
+(tests/targets/faults.py, PROBE=1, no probe code).
 
 The catalog (tests/targets/fault_catalog.py) is split between two files only so that the test
 workers run them side by side; each fault job is its own process either way.

@@ -185,7 +185,7 @@ def test_lr_scale_holds_through_the_schedule_and_reset_ends_it(loop):
             if loop.name == "lightning":  # param_groups read in on_train_batch_end: the rate in effect
                 pg = {
                     int(m.group(1)): float(m.group(2))
-                    for m in (re.match(r"pl pg (\d+) (\S+)", l) for l in loop.lines)
+                    for m in (re.match(r"pl pg (\d+) (\S+)", line) for line in loop.lines)
                     if m
                 }
                 for s in range(first + 1, first + 5):
@@ -330,7 +330,9 @@ def test_checkpoint_has_the_scheduler_and_step_counters_and_loads_back(loop):
     if loop.name in ("hf", "lightning"):
         # the Trainer counts on from the checkpoint's step: its next step is step + 1 again
         def back_to_step_after_checkpoint() -> bool:
-            seen = [int(m.group(2)) for m in (re.match(r"(hf |pl )step (\d+) ", l) for l in list(loop.lines)) if m]
+            seen = [
+                int(m.group(2)) for m in (re.match(r"(hf |pl )step (\d+) ", line) for line in list(loop.lines)) if m
+            ]
             return any(n == step + 1 and max(seen[:i], default=0) > step + 2 for i, n in enumerate(seen))
 
         assert poll(back_to_step_after_checkpoint, 60, interval=0.02), loop.lines[-10:]

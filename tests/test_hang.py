@@ -25,7 +25,7 @@ def test_gil_held_in_c_without_probe(spawn, cli):
     lines = r.stdout.splitlines()
     assert lines[0].startswith("[stacks read by py-spy") and f"process {target.pid} has no probe server" in lines[0]
     assert "holds the GIL" in r.stdout
-    frame0 = next(l for l in lines if "#0 " in l)
+    frame0 = next(line for line in lines if "#0 " in line)
     assert "stuck_in_c" in frame0 and "hang_gil.py:10" in frame0
 
 
@@ -100,7 +100,8 @@ def test_watchdog_stays_quiet_while_steps_complete(spawn, cli, probe_env):
     timeout_s = 2.0
     stop = Path(probe_env["PROBE_RUNTIME_DIR"]) / "stop"
     script = (
-        "import os, time\nt = time.monotonic()\nimport probe.auto\nfrom probe.training.safepoint import StepEvent, fire\n"
+        "import os, time\nt = time.monotonic()\nimport probe.auto\n"
+        "from probe.training.safepoint import StepEvent, fire\n"
         "print('ready', os.getpid(), flush=True)\ngap, i = 0.0, 0\n"
         f"while not os.path.exists({str(stop)!r}):\n"
         "    now = time.monotonic(); gap = max(gap, now - t); t = now\n"

@@ -67,7 +67,8 @@ def test_the_training_process_never_imports_duckdb(spawn, cli):
     target = spawn(TARGETS / "idle.py")
     for sql in (
         "SELECT count(*) FROM python.threads",
-        "SELECT t.name, count(*) FROM python.threads t JOIN python.backtrace b ON b.thread_id = t.thread_id GROUP BY ALL",
+        "SELECT t.name, count(*) FROM python.threads t "
+        "JOIN python.backtrace b ON b.thread_id = t.thread_id GROUP BY ALL",
         "SELECT name FROM probe.tables WHERE name LIKE 'python.%'",
     ):
         r = cli(target.pid, "query", sql, "-f", "json")

@@ -49,7 +49,8 @@ def _snapshot(column: dict) -> bytes:
 
 
 class Fake:
-    """A listener on 127.0.0.1 answering every route as ``answer(path) -> (content type, body)`` (None: never answer)."""
+    """A listener on 127.0.0.1 answering every route as ``answer(path) -> (content type, body)`` (None: never
+    answer)."""
 
     def __init__(self, answer):
         outer = self
@@ -127,7 +128,7 @@ def test_a_reply_of_empty_json_gives_one_sentence(fake, cli, command):
     # then one sentence and a non-zero exit, never a traceback
     assert r.returncode != 0, r.stdout
     assert "Traceback" not in r.stderr and "KeyError" not in r.stderr, r.stderr
-    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines and "did not answer like a probe" in lines[-1], r.stderr
 
 

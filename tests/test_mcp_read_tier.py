@@ -129,9 +129,9 @@ def test_the_read_tier_writes_no_files(hostile, probe_env, tmp_path):
     r = call(probe_env, "profile", {"endpoint": pid, "seconds": 1})
     assert not r.is_error, data(r)
     lines = data(r).splitlines()
-    assert lines and all(re.match(r"^\S.* \d+$", l) for l in lines), lines
-    assert not any(l.startswith("rm -rf") for l in lines)
-    assert any("evil\\nrm -rf ~" in l for l in lines), lines
+    assert lines and all(re.match(r"^\S.* \d+$", line) for line in lines), lines
+    assert not any(line.startswith("rm -rf") for line in lines)
+    assert any("evil\\nrm -rf ~" in line for line in lines), lines
     # given a directory the person named: a new file there, never over one, never elsewhere
     out = tmp_path / "out"
     out.mkdir()
@@ -140,7 +140,7 @@ def test_the_read_tier_writes_no_files(hostile, probe_env, tmp_path):
     r = call(probe_env, "profile", {"endpoint": pid, "seconds": 1, "output": "stacks.txt"}, *extra)
     assert not r.is_error, data(r)
     kept = (out / "stacks.txt").read_text()
-    assert kept and all(re.match(r"^\S.* \d+$", l) for l in kept.splitlines())
+    assert kept and all(re.match(r"^\S.* \d+$", line) for line in kept.splitlines())
     for name in ("taken.txt", "../victim.sh", str(victim), ".bashrc"):
         r = call(probe_env, "profile", {"endpoint": pid, "seconds": 1, "output": name}, *extra)
         assert r.is_error, (name, data(r))

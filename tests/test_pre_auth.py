@@ -35,7 +35,7 @@ def _still_stepping(proc) -> None:
 
 def _rss_kb(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
-        return int(next(l for l in f if l.startswith("VmRSS:")).split()[1])
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1])
 
 
 def _train(spawn, **env):

@@ -51,8 +51,8 @@ def ddp():
     pids = {}
 
     def ready():
-        for l in lines:  # ranks share one pipe: two ready lines can land on one line
-            for m in re.finditer(r"ready rank=(\d+) pid=(\d+)", l):
+        for line in lines:  # ranks share one pipe: two ready lines can land on one line
+            for m in re.finditer(r"ready rank=(\d+) pid=(\d+)", line):
                 pids[int(m.group(1))] = int(m.group(2))
         if p.poll() is not None:
             raise AssertionError("torchrun exited:\n" + "\n".join(lines))

@@ -1,7 +1,8 @@
 """Ranks in plain DDP (no explicit collective in the loop), from torch's flight recorder: a slow rank,
 a collective mismatch, and two jobs on one host (the rank the others wait for, stalled, stopped or
-killed, is tests/test_ranks_culprits.py, which starts its jobs with ``ddp_job`` from here). Every job is real: gloo on CPU, 3 ranks started by
-torchrun (or, where torchrun would tear the job down, directly with the rendezvous variables).
+killed, is tests/test_ranks_culprits.py, which starts its jobs with ``ddp_job`` from here). Every job is
+real: gloo on CPU, 3 ranks started by torchrun (or, where torchrun would tear the job down, directly with the
+rendezvous variables).
 
 For each condition, `status` must come to name the rank (PROBE_HUNG_AFTER=2; polled with a deadline, not
 timed), and ranks.collectives, ranks.hung and ranks.stragglers must say the same."""
@@ -64,8 +65,8 @@ def _free_port() -> int:
 
 @contextmanager
 def ddp_job(*args, world=3, direct=False, rt=None, extra_env=None, target=TARGET, wait=True):
-    """A probed job of ``world`` ranks running ``target`` (tests/targets/ddp_plain.py) with ``args`` (and ``extra_env``),
-    its ranks ready (``wait=False``: just started; ``job.ready(world)`` says when they are)."""
+    """A probed job of ``world`` ranks running ``target`` (tests/targets/ddp_plain.py) with ``args`` (and
+    ``extra_env``), its ranks ready (``wait=False``: just started; ``job.ready(world)`` says when they are)."""
     own_rt = rt is None
     rt = rt or tempfile.mkdtemp(prefix="prc-", dir="/tmp")
     env = {
@@ -241,7 +242,8 @@ def test_two_jobs_on_one_host_are_never_mixed():
             r, rows = status(second, "--job", second_id[:8])
             assert r.returncode == 0, r.stderr
             assert {k: v["pid"] for k, v in rows.items()} == second.pids
-            # and each job's views speak of its own ranks only: the second job's slow rank is named there, never in the first
+            # and each job's views speak of its own ranks only: the second job's slow rank is named there, never in
+            # the first
             r, rows = until_status(
                 second, since, lambda rows: states(rows) == {0: "training", 1: "slow"}, "--job", second_id
             )

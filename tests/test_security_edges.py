@@ -69,7 +69,7 @@ def test_a_static_python_without_version_in_its_name_is_recognised_from_its_symb
 
 
 def _last_step(proc) -> int:
-    steps = [int(l.split()[1]) for l in proc.lines if l.startswith("step ")]
+    steps = [int(line.split()[1]) for line in proc.lines if line.startswith("step ")]
     return steps[-1] if steps else 0
 
 
@@ -129,7 +129,7 @@ def test_asked_for_a_zero_or_a_big_jump_is_applied_and_the_job_steps_on(spawn, c
     assert r.returncode == 0 and "0.05 -> 2" in r.stdout, r.stdout + r.stderr
     r = cli(p.pid, "--yes", "lr", "--set", "0", "--allow-zero")
     assert r.returncode == 0 and "2 -> 0" in r.stdout, r.stdout + r.stderr
-    assert poll(lambda: any(l.startswith("step ") for l in p.lines)) and _steps_on(p, _last_step(p))
+    assert poll(lambda: any(line.startswith("step ") for line in p.lines)) and _steps_on(p, _last_step(p))
 
 
 @requires_torch
@@ -216,7 +216,7 @@ def test_a_registry_another_user_prepared_is_refused_and_the_job_trains_on(spawn
         env={"PROBE_REGISTRY": str(reg), "RANK": "0", "WORLD_SIZE": "1"},
     )
     # then it says why once, writes nothing there, listens on no TCP port with the planted token, and trains on
-    said = [l for l in p.lines if "shared registry" in l]
+    said = [line for line in p.lines if "shared registry" in line]
     assert len(said) == 1 and "belongs to another user" in said[0] and "goes on without" in said[0], p.output()
     assert sorted(os.listdir(reg)) == ["token"]
     entry = json.loads(Path(probe_env["PROBE_RUNTIME_DIR"], f"{p.pid}.json").read_text())
@@ -240,7 +240,7 @@ def test_a_registry_open_to_others_or_holding_a_symlink_is_refused_even_when_it_
         # when a job starts with it
         p = spawn([ACTIONS, "--sched", "none", "--step-sleep", "0.05"], env={"PROBE_REGISTRY": str(reg)})
         # then it is refused with one sentence, and the job trains on
-        said = [l for l in p.lines if "shared registry" in l]
+        said = [line for line in p.lines if "shared registry" in line]
         assert len(said) == 1 and words in said[0], p.output()
         assert not (tmp_path / "somewhere-the-planter-reads").exists()
         assert not [n for n in os.listdir(reg) if n.endswith(".json") and not os.path.islink(reg / n)]

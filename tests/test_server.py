@@ -169,14 +169,20 @@ def test_without_probe_env_nothing_starts(spawn, cli):
 
 
 def test_import_probe_has_no_side_effects(probe_env):
-    code = "import sys, threading, probe; print(probe.is_running(), threading.active_count(), 'torch' in sys.modules, 'duckdb' in sys.modules, 'numpy' in sys.modules)"
+    code = (
+        "import sys, threading, probe; print(probe.is_running(), threading.active_count(), 'torch' in sys.modules, "
+        "'duckdb' in sys.modules, 'numpy' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=probe_env).stdout.split()
     assert out == ["False", "1", "False", "False", "False"]
     assert os.listdir(probe_env["PROBE_RUNTIME_DIR"]) == []
 
 
 def test_cli_does_not_import_torch(probe_env):
-    code = "import sys; from probe.cli import main; from probe.cli.commands import load_all; load_all(); print('torch' in sys.modules)"
+    code = (
+        "import sys; from probe.cli import main; "
+        "from probe.cli.commands import load_all; load_all(); print('torch' in sys.modules)"
+    )
     assert (
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=probe_env).stdout.strip()
         == "False"

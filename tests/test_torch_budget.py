@@ -28,7 +28,7 @@ def at(ts) -> datetime:
 
 
 def loop_losses(proc) -> list[float]:
-    return [float(v) for v in next(l for l in proc.lines if l.startswith("losses ")).split()[1:]]
+    return [float(v) for v in next(line for line in proc.lines if line.startswith("losses ")).split()[1:]]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,8 @@ def test_tiny_budget_keeps_count_and_times_exact_and_flags_unmeasured_steps(tiny
         shared_cli,
         tiny.pid,
         "SELECT step, started_at, ended_at, duration, loss, grad_norm, peak_allocated, memory, "
-        f"samples, micro_batches, lr, optimizer, measured, probe_us FROM torch.steps WHERE step <= {FAST} ORDER BY step",
+        "samples, micro_batches, lr, optimizer, measured, probe_us "
+        f"FROM torch.steps WHERE step <= {FAST} ORDER BY step",
     )
     # step count exact: one row per optimizer step, none missing
     assert [r["step"] for r in rows] == list(range(1, FAST + 1))

@@ -23,12 +23,14 @@ def query(cli, pid, sql):
 
 
 def losses_of(lines) -> list[str]:
-    return next(l for l in lines if l.startswith("losses ")).split()[1:]
+    return next(line for line in lines if line.startswith("losses ")).split()[1:]
 
 
 def hooks_by_step(lines) -> dict[int, int]:
     return {
-        int(m.group(1)): int(m.group(2)) for m in (re.match(r"hooks step=(\d+) forward=(\d+)", l) for l in lines) if m
+        int(m.group(1)): int(m.group(2))
+        for m in (re.match(r"hooks step=(\d+) forward=(\d+)", line) for line in lines)
+        if m
     }
 
 
@@ -43,7 +45,7 @@ def run_without_probe(probe_env, kind: str) -> list[str]:
         input="",
     )
     lines = out.stdout.splitlines()
-    assert any(l.startswith("losses ") for l in lines), out.stderr
+    assert any(line.startswith("losses ") for line in lines), out.stderr
     return losses_of(lines)
 
 
@@ -66,14 +68,15 @@ def test_inplace_relu_two_optimizers_accumulation_trains_unchanged(spawn, cli, r
     assert all(r["optimizer"] == "Adam" and r["lr"] == pytest.approx(0.01) and r["traced"] for r in steps)
     # two micro-batches of 16 per step; the no_grad evaluation pass is not counted
     assert all(r["micro_batches"] == 2 and r["samples"] == 32 for r in steps[1:])
-    step_losses = [float(v) for v in next(l for l in proc.lines if l.startswith("step_losses ")).split()[1:]]
+    step_losses = [float(v) for v in next(line for line in proc.lines if line.startswith("step_losses ")).split()[1:]]
     assert [r["loss"] for r in steps] == pytest.approx(
         step_losses, rel=1e-6
     )  # the sum of the backpropagated (loss / 2)
     opts = query(
         cli,
         proc.pid,
-        "SELECT optimizer, momentum, is_lead, step_count, state_bytes, elements FROM torch.optimizer ORDER BY optimizer",
+        "SELECT optimizer, momentum, is_lead, step_count, state_bytes, elements "
+        "FROM torch.optimizer ORDER BY optimizer",
     )
     assert [(o["optimizer"], o["is_lead"]) for o in opts] == [("Adam", True), ("SGD", False)]
     adam, sgd = opts

@@ -88,7 +88,7 @@ def test_queries_and_traced_steps_cause_no_recompilation(spawn, cli, tmp_path):
     p.wait_for("step 10 ", timeout=120)  # both variants (hooks in, hooks out) compiled by now
     before = _dynamo(cli, p.pid)
     assert before["frames"] >= 1 and before["graphs"] >= 1
-    start = int(re.search(r"step (\d+) ", [l for l in p.lines if l.startswith("step ")][-1]).group(1))
+    start = int(re.search(r"step (\d+) ", [line for line in p.lines if line.startswith("step ")][-1]).group(1))
     # when: what a person or an agent runs against the job
     for sql in (
         SLOWEST,
@@ -97,7 +97,8 @@ def test_queries_and_traced_steps_cause_no_recompilation(spawn, cli, tmp_path):
         "SELECT name, numel FROM torch.parameters",
         "SELECT * FROM torch.memory",
         "SELECT func, depth FROM python.backtrace",
-        "SELECT module, stage, depth FROM python.torch_trace WHERE step > (SELECT MAX(step) - 3 FROM python.torch_trace)",
+        "SELECT module, stage, depth FROM python.torch_trace "
+        "WHERE step > (SELECT MAX(step) - 3 FROM python.torch_trace)",
     ):
         _query(cli, p.pid, sql)
     assert cli(p.pid, "doctor").returncode in (0, 1)

@@ -46,7 +46,9 @@ def test_train_gpt_tables(spawn, cli):
     )
     proc.wait_for("step 40 ")
     printed = {
-        int(m.group(1)): float(m.group(2)) for m in (re.match(r"step (\d+) loss ([\d.]+)", l) for l in proc.lines) if m
+        int(m.group(1)): float(m.group(2))
+        for m in (re.match(r"step (\d+) loss ([\d.]+)", line) for line in proc.lines)
+        if m
     }
 
     # then: torch.steps has one row per step, plausible and matching what the loop printed

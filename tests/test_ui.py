@@ -34,7 +34,7 @@ class UI:
         # its last line before serving: the URL lines (the 127.0.0.1 one comes after "serving") are in by then
         self.proc = start([PROBE_BIN, *args], env, ready="Ctrl-C stops it", timeout=30)
         self.lines = self.proc.lines
-        urls = [m.group(0) for l in self.lines for m in [re.search(r"http://127\.0\.0\.1:\d+/\S+/", l)] if m]
+        urls = [m.group(0) for line in self.lines for m in [re.search(r"http://127\.0\.0\.1:\d+/\S+/", line)] if m]
         assert urls, "probe ui did not print its URL:\n" + "\n".join(self.lines)
         self.url = urls[0]
         self.origin = re.match(r"http://127\.0\.0\.1:\d+", self.url).group(0)
@@ -269,8 +269,8 @@ def test_non_loopback_needs_expose_and_warns(train, shared_env):
     assert r.returncode != 0 and "not a loopback address; add --expose" in r.stderr and "Traceback" not in r.stderr
     server = UI(shared_env, train.pid, "ui", "--host", "0.0.0.0", "--expose", "--port", "0")
     try:
-        assert poll(lambda: any("WARNING: listening on 0.0.0.0" in l for l in server.lines), 10), server.lines
-        assert any(l.startswith("probe ui: from a laptop: ssh -N -L ") for l in server.lines), server.lines
+        assert poll(lambda: any("WARNING: listening on 0.0.0.0" in line for line in server.lines), 10), server.lines
+        assert any(line.startswith("probe ui: from a laptop: ssh -N -L ") for line in server.lines), server.lines
     finally:
         server.close()
 

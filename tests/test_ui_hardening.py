@@ -27,7 +27,9 @@ class UI:
     def __init__(self, env, *args):
         self.proc = start([PROBE_BIN, *args], env, ready="Ctrl-C", timeout=60)
         self.lines = self.proc.lines
-        self.url = next(m.group(0) for l in self.lines for m in [re.search(r"http://127\.0\.0\.1:\d+/\S+/", l)] if m)
+        self.url = next(
+            m.group(0) for line in self.lines for m in [re.search(r"http://127\.0\.0\.1:\d+/\S+/", line)] if m
+        )
         self.port = int(re.match(r"http://127\.0\.0\.1:(\d+)/", self.url).group(1))
         self.token = self.url.rstrip("/").rsplit("/", 1)[1]
 
@@ -137,7 +139,7 @@ def test_posts_need_the_pages_csrf_header(idle, probe_env):
 
 def _threads(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
-        return int(next(l for l in f if l.startswith("Threads:")).split()[1])
+        return int(next(line for line in f if line.startswith("Threads:")).split()[1])
 
 
 def test_idle_connections_cannot_make_a_thread_each(idle, probe_env):

@@ -20,10 +20,22 @@ STEP_MARGIN = 2
 POLL = 2.0
 
 _NOW_RISK = {
-    "checkpoint": "--now writes the checkpoint from the server thread while training may be mid-step: weights and optimizer state can come from different sides of an update.",
-    "lr": "--now changes the learning rate from the server thread: an optimizer step running right now may use the old rate for some parameters and the new one for others.",
-    "cleanup": "--now runs gc and empty_cache from the server thread while training runs; --zero-grad may drop gradients a step is about to use.",
-    "eval": "--now runs the code on the server thread while training runs: reading is fine, but changing state can race with the step in progress.",
+    "checkpoint": (
+        "--now writes the checkpoint from the server thread while training may be mid-step: weights and optimizer "
+        "state can come from different sides of an update."
+    ),
+    "lr": (
+        "--now changes the learning rate from the server thread: an optimizer step running right now may use the old "
+        "rate for some parameters and the new one for others."
+    ),
+    "cleanup": (
+        "--now runs gc and empty_cache from the server thread while training runs; --zero-grad may drop gradients a "
+        "step is about to use."
+    ),
+    "eval": (
+        "--now runs the code on the server thread while training runs: reading is fine, but changing state can race "
+        "with the step in progress."
+    ),
     "debug": "",
 }
 
@@ -36,7 +48,9 @@ class _Action(Command):
     @staticmethod
     def add_common(
         p,
-        now_help: str = "Run at once on the probe's server thread instead of at the next step boundary (for a hung process).",
+        now_help: str = (
+            "Run at once on the probe's server thread instead of at the next step boundary (for a hung process)."
+        ),
     ) -> None:
         p.add_argument("--now", action="store_true", help=now_help)
 

@@ -13,7 +13,8 @@ FOUND_EXIT = 8
 
 @command(
     "doctor",
-    "Say what is wrong with the job: run the diagnosis rules over its tables, most severe finding first, with the evidence and the next command.",
+    "Say what is wrong with the job: run the diagnosis rules over its tables, most severe finding first, with the "
+    "evidence and the next command.",
 )
 class Doctor(Command):
     @staticmethod
@@ -53,7 +54,8 @@ def _text(dx, show_all: bool) -> str:
         )
     else:
         lines.append(
-            f"probe doctor: {len(shown)} finding(s) in {who} ({dx.rules_run} rules, {dx.elapsed:.1f} s), most severe first:"
+            f"probe doctor: {len(shown)} finding(s) in {who} ({dx.rules_run} rules, {dx.elapsed:.1f} s), most severe "
+            "first:"
         )
         for f in shown:
             where = " · ".join(

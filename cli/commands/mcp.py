@@ -9,7 +9,8 @@ from . import Command, command
 
 @command(
     "mcp",
-    "Serve probe's read commands (and, with --allow-actions, lr/checkpoint/cleanup/profile-steps) to an AI agent over MCP on stdio, or with --http over HTTP on loopback behind a token.",
+    "Serve probe's read commands (and, with --allow-actions, lr/checkpoint/cleanup/profile-steps) to an AI agent over "
+    "MCP on stdio, or with --http over HTTP on loopback behind a token.",
 )
 class Mcp(Command):
     @staticmethod
@@ -17,7 +18,10 @@ class Mcp(Command):
         p.add_argument(
             "--allow-actions",
             action="store_true",
-            help="Also offer lr, checkpoint, cleanup and profile-steps (audited as the agent's); eval and debug are never offered.",
+            help=(
+                "Also offer lr, checkpoint, cleanup and profile-steps (audited as the agent's); eval and debug are "
+                "never offered."
+            ),
         )
         p.add_argument(
             "--http",
@@ -41,7 +45,8 @@ class Mcp(Command):
     def run(self, session, args):
         if args.endpoint or args.rank is not None or getattr(args, "ranks", None):
             raise ProbeError(
-                "`probe mcp` serves every probed process; the agent picks one per call, so give no ENDPOINT, --rank or --ranks."
+                "`probe mcp` serves every probed process; the agent picks one per call, so give no ENDPOINT, --rank or "
+                "--ranks."
             )
         if args.expose and not args.http:
             raise ProbeError(
@@ -74,7 +79,8 @@ class Mcp(Command):
         def announce(url, loopback):
             session.note(
                 f"probe mcp: {url} token {token if generated else '$PROBE_MCP_TOKEN'}"
-                f" (send 'Authorization: Bearer <token>'){'; actions allowed' if args.allow_actions else ''}; Ctrl-C stops it."
+                f" (send 'Authorization: Bearer <token>'){'; actions allowed' if args.allow_actions else ''}; Ctrl-C "
+                "stops it."
             )
             if not loopback:
                 session.note(

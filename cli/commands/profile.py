@@ -25,7 +25,8 @@ def fetch_profile(session, target, seconds: float, native: bool = False, hz: flo
     pid = target.local_pid
     if pid is None:
         raise ProbeError(
-            "--native samples the process with py-spy, which works only on its host; run the command on the process's node."
+            "--native samples the process with py-spy, which works only on its host; run the command on the process's "
+            "node."
         )
     from probe.injector import pyspy_record
 
@@ -54,7 +55,8 @@ def merge(docs: list, by_rank: bool) -> list:
 
 @command(
     "profile",
-    "Sample every thread's stack for N seconds (py-spy with --native); write collapsed stacks, speedscope JSON or an SVG flamegraph.",
+    "Sample every thread's stack for N seconds (py-spy with --native); write collapsed stacks, speedscope JSON or an "
+    "SVG flamegraph.",
     own_format=True,
 )
 class Profile(Command):

@@ -9,7 +9,8 @@ from . import Command, command
 
 @command(
     "profile-steps",
-    "Run torch.profiler over the next N steps of a live job and write its Chrome trace (CPU, and CUDA where used) to a file.",
+    "Run torch.profiler over the next N steps of a live job and write its Chrome trace (CPU, and CUDA where used) to "
+    "a file.",
 )
 class ProfileSteps(Command):
     @staticmethod

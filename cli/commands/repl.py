@@ -7,7 +7,8 @@ from . import Command, command
 
 @command(
     "repl",
-    "Interactive SQL session with live-schema completion and backslash commands (\\? lists them); `probe ENDPOINT` alone opens it.",
+    "Interactive SQL session with live-schema completion and backslash commands (\\? lists them); `probe ENDPOINT` "
+    "alone opens it.",
 )
 class Repl(Command):
     def run(self, session, args):

@@ -40,13 +40,19 @@ class Status(Command):
             "--slow-factor",
             type=float,
             default=None,
-            help="Slow when the compute time per step exceeds the others' median by this factor (default PROBE_STRAGGLER_FACTOR).",
+            help=(
+                "Slow when the compute time per step exceeds the others' median by this factor (default "
+                "PROBE_STRAGGLER_FACTOR)."
+            ),
         )
         p.add_argument(
             "--hung-after",
             type=float,
             default=None,
-            help="Hung (or waiting, inside a collective) after this many seconds without a step (default PROBE_HUNG_AFTER).",
+            help=(
+                "Hung (or waiting, inside a collective) after this many seconds without a step (default "
+                "PROBE_HUNG_AFTER)."
+            ),
         )
 
     def run(self, session, args):

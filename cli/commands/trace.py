@@ -9,7 +9,8 @@ from . import Command, command
 
 @command(
     "trace",
-    "Write a timeline of the last steps (steps, sampled module calls, user spans, collectives) as Chrome trace-event JSON for Perfetto or chrome://tracing.",
+    "Write a timeline of the last steps (steps, sampled module calls, user spans, collectives) as Chrome trace-event "
+    "JSON for Perfetto or chrome://tracing.",
 )
 class Trace(Command):
     @staticmethod

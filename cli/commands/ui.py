@@ -21,7 +21,8 @@ def _is_loopback(host: str) -> bool:
 
 @command(
     "ui",
-    "Serve a live web page of the job (ranks, curves, time per module, stacks, flamegraph, SQL) on loopback, behind a token.",
+    "Serve a live web page of the job (ranks, curves, time per module, stacks, flamegraph, SQL) on loopback, behind a "
+    "token.",
 )
 class Ui(Command):
     @staticmethod
@@ -40,7 +41,10 @@ class Ui(Command):
         p.add_argument(
             "--open",
             action="store_true",
-            help="Open the page in this machine's web browser (through a private 0600 file: the token is never on a command line).",
+            help=(
+                "Open the page in this machine's web browser (through a private 0600 file: the token is never on a "
+                "command line)."
+            ),
         )
         p.add_argument(
             "--allow-actions",

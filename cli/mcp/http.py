@@ -129,7 +129,8 @@ def _names(host: str, bound: str) -> list[str]:
 
 
 def _security(names: list[str], port: int):
-    """DNS-rebinding protection (the SDK's): a request naming another Host, or a web page of another origin, is refused."""
+    """DNS-rebinding protection (the SDK's): a request naming another Host, or a web page of another origin, is
+    refused."""
     hosts = [f"{n}:{port}" for n in names] + (names if port == 80 else [])
     return TransportSecuritySettings(
         enable_dns_rebinding_protection=True, allowed_hosts=hosts, allowed_origins=[f"http://{h}" for h in hosts]

@@ -139,7 +139,9 @@ def build_server(allow_actions: bool = False, timeout: float | None = None, outp
                     uri="probe://tables",
                     name="tables",
                     mime_type="application/json",
-                    description="Every built-in table with its description, typed and described columns, and example queries.",
+                    description=(
+                        "Every built-in table with its description, typed and described columns, and example queries."
+                    ),
                 )
             ]
         )

@@ -214,7 +214,7 @@ def _parse(argv: list[str]):
         try:
             return parser.parse_args(argv)
         except SystemExit:
-            lines = [l for l in err.getvalue().splitlines() if l.strip()]
+            lines = [line for line in err.getvalue().splitlines() if line.strip()]
             msg = lines[-1].split("error:", 1)[-1].strip() if lines else "bad arguments"
             raise ProbeError(f"{msg}; see the tool's input schema.") from None
 

@@ -56,8 +56,10 @@ def check_answer(path: str, doc: dict) -> str | None:
 
     >>> check_answer("/tables", {})
     "its /tables answer has no 'tables' list"
-    >>> check_answer("/tables", {"tables": [{"name": "t.x", "kind": "ring", "description": "", "columns": [{"name": "a", "type": "INT); DROP"}]}]})
-    "its table t.x: column a of t.x declares type 'INT); DROP', which is not one of BIGINT, INTEGER, DOUBLE, VARCHAR, BOOLEAN, TIMESTAMP"
+    >>> table = {"name": "t.x", "kind": "ring", "description": "", "columns": [{"name": "a", "type": "INT); DROP"}]}
+    >>> print(check_answer("/tables", {"tables": [table]}))  # doctest: +NORMALIZE_WHITESPACE
+    its table t.x: column a of t.x declares type 'INT); DROP', which is not one of BIGINT, INTEGER, DOUBLE, VARCHAR,
+    BOOLEAN, TIMESTAMP
     >>> check_answer("/profile-steps?file=/x&offset=0", {"data": "", "next": None}) is None
     True
     """
@@ -165,7 +167,8 @@ class Client:
             ) from None
         except socket.timeout:
             raise EndpointError(
-                f"{t.label} did not answer within {timeout:g} s; it may be hung with the GIL held (try `probe {t.pid or 'PID'} backtrace`, which falls back to py-spy, or raise --timeout)."
+                f"{t.label} did not answer within {timeout:g} s; it may be hung with the GIL held "
+                f"(try `probe {t.pid or 'PID'} backtrace`, which falls back to py-spy, or raise --timeout)."
             ) from None
         except _BadResponse:
             raise EndpointError(f"{t.label} did not answer like a probe (not HTTP); check the endpoint.") from None
@@ -203,7 +206,8 @@ class Client:
         return self.request("POST", path, body, timeout=timeout)
 
     def snapshot(self, tables: dict, timeout: float) -> dict:
-        """The decoded snapshot of ``tables`` (``{name: {"columns": [...], "filter": ...}}``); see ``probe.util.wire``."""
+        """The decoded snapshot of ``tables`` (``{name: {"columns": [...], "filter": ...}}``); see
+        ``probe.util.wire``."""
         from probe.util.wire import WireError, decode
 
         data = self.request("POST", "/snapshot", {"tables": tables, "timeout": timeout}, timeout=timeout, raw=True)

@@ -95,7 +95,8 @@ def from_entry(entry: dict, token: str | None) -> Target:
             host = entry.get("host")
         elif host in _LOOPBACK and entry.get("host") not in (None, _s.gethostname()):
             raise EndpointError(
-                f"{label} on {entry['host']} listens on its loopback only; start the job with PROBE_HOST set to that node's address (or 0.0.0.0) so other hosts can reach it."
+                f"{label} on {entry['host']} listens on its loopback only; start the job with PROBE_HOST set to that "
+                "node's address (or 0.0.0.0) so other hosts can reach it."
             )
         return Target(
             label,
@@ -107,7 +108,8 @@ def from_entry(entry: dict, token: str | None) -> Target:
             entry=entry,
         )
     raise EndpointError(
-        f"{label} on {entry.get('host')} has no reachable endpoint; start it with PROBE_PORT set so other hosts can reach it."
+        f"{label} on {entry.get('host')} has no reachable endpoint; start it with PROBE_PORT set so other hosts can "
+        "reach it."
     )
 
 
@@ -237,7 +239,8 @@ def pick_job(entries: list[dict], job: str | None) -> list[dict]:
 def targets_for_ranks(
     ranks: list[int] | None, token: str | None = None, job: str | None = None, *, agent: str | None = None
 ) -> list[Target]:
-    """Targets of the given ranks (None: every rank) of one job from the local and shared registries; ``agent``: see ``_typed``."""
+    """Targets of the given ranks (None: every rank) of one job from the local and shared registries; ``agent``:
+    see ``_typed``."""
     token = _typed(token, agent)
     entries = [e for e in read_entries(clean=True) if e.get("rank") is not None]
     if entries:
@@ -258,7 +261,8 @@ def targets_for_ranks(
         entries = _record_entries(chosen[0]["job"], []) if chosen else []
     if not entries:
         raise EndpointError(
-            "no probed ranks were found in the registry; start the job with PROBE=1 (set PROBE_REGISTRY for several nodes) or check `probe list`."
+            "no probed ranks were found in the registry; start the job with PROBE=1 (set PROBE_REGISTRY for several "
+            "nodes) or check `probe list`."
         )
     by_rank: dict[int, dict] = {}
     for e in entries:

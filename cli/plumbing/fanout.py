@@ -116,5 +116,6 @@ def check_partial(answers: list[Answer], what: str) -> None:
     if len(failed) == len(answers):
         raise EndpointError(f"no rank answered the {what}: {_errors_text(failed)}.")
     raise PartialError(
-        f"{len(failed)} of {len(answers)} ranks did not answer the {what}, the output above is partial: {_errors_text(failed)}."
+        f"{len(failed)} of {len(answers)} ranks did not answer the {what}, the output above is partial: "
+        f"{_errors_text(failed)}."
     )

@@ -90,7 +90,9 @@ def build_parser(names: list[str] | None = None, *, arguments: bool = True) -> t
     chosen = [find(n) for n in names] if names is not None else sorted(set(load_all().values()), key=lambda c: c.name)
     parser = argparse.ArgumentParser(
         prog="probe",
-        description="Live debugging of running PyTorch training jobs: SQL over live tables, backtraces, guarded actions.",
+        description=(
+            "Live debugging of running PyTorch training jobs: SQL over live tables, backtraces, guarded actions."
+        ),
         epilog="ENDPOINT is a pid, host:port or unix-socket path; `probe ENDPOINT` alone opens the SQL REPL.",
     )
     _global_options(parser, suppress=False)
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         endpoint, cmd, rest = _split(argv)
         if endpoint is not None and not _looks_like_endpoint(endpoint):
             raise ProbeError(
-                f"unknown command '{endpoint}'; run `probe --help` for the commands, or give an ENDPOINT (pid, host:port or socket path) first."
+                f"unknown command '{endpoint}'; run `probe --help` for the commands, or give an ENDPOINT (pid, "
+                "host:port or socket path) first."
             )
         if endpoint is not None and cmd is None:
             if "-h" in rest or "--help" in rest:

@@ -49,7 +49,8 @@ class Session:
             return targets_for_ranks([a.rank], self.token, getattr(a, "job", None), agent=self.agent)[0]
         if not a.endpoint:
             raise ProbeError(
-                f"`probe {a.command}` needs a process: `probe ENDPOINT {a.command}` with a pid, host:port or socket (see `probe list`), or --rank N."
+                f"`probe {a.command}` needs a process: `probe ENDPOINT {a.command}` with a pid, host:port or socket "
+                "(see `probe list`), or --rank N."
             )
         return resolve(a.endpoint, self.token, agent=self.agent)
 

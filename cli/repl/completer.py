@@ -281,7 +281,8 @@ def _match(options, prefix: str, meta: str) -> list[tuple[str, str, int]]:
 def suggest(
     text: str, cursor: int | None = None, schema: Schema | None = None, specials: dict[str, str] | None = None
 ) -> list[tuple[str, str, int]]:
-    """Completions ``[(text, meta, n)]`` for the word ending at ``cursor``; each replaces the ``n`` characters before it."""
+    """Completions ``[(text, meta, n)]`` for the word ending at ``cursor``; each replaces the ``n`` characters
+    before it."""
     schema = schema or Schema()
     cursor = len(text) if cursor is None else cursor
     before = text[:cursor]

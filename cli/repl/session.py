@@ -51,7 +51,8 @@ class ReplSession(Session):
         else:
             if not value:
                 raise ProbeError(
-                    "the REPL needs a process: `probe ENDPOINT` with a pid, host:port or socket (see `probe list`), or --rank N."
+                    "the REPL needs a process: `probe ENDPOINT` with a pid, host:port or socket (see `probe list`), or "
+                    "--rank N."
                 )
             targets = [resolve(str(value), self.token)]
         if len(targets) == 1 and targets[0].entry.get("missing"):

@@ -2,7 +2,8 @@
 beside its healthy twin: the same script with ``--fixed``. Several errors can share one job when they do not
 interact (``--error`` repeats).
 
-    PROBE=1 python -m torch.distributed.run --standalone --nproc-per-node 2 real_world_ddp.py --error NAME [--error NAME2] [--fixed]
+    PROBE=1 python -m torch.distributed.run --standalone --nproc-per-node 2 real_world_ddp.py \
+        --error NAME [--error NAME2] [--fixed]
 
 A small classifier (an encoder with batch norm, a head) wrapped in DistributedDataParallel, on generated
 vectors of 4 classes, each rank its own shard. It never imports probe: run it with PROBE=1, as a user would.

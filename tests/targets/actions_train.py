@@ -1,7 +1,8 @@
 """A small seeded training loop for the guarded-action tests.
 
-``--optim`` (SGD, Adam) and ``--dtype`` pick the optimizer and the parameters' dtype; ``--sched NAME`` picks the LR scheduler (none, StepLR, CosineAnnealingLR, LambdaLR, LinearLR,
-OneCycleLR, ReduceLROnPlateau, SequentialLR); ``--step-sleep`` slows steps down;
+``--optim`` (SGD, Adam) and ``--dtype`` pick the optimizer and the parameters' dtype; ``--sched NAME`` picks
+the LR scheduler (none, StepLR, CosineAnnealingLR, LambdaLR, LinearLR, OneCycleLR, ReduceLROnPlateau,
+SequentialLR); ``--step-sleep`` slows steps down;
 ``--hang-after N`` makes the main thread sleep forever in time.sleep after N steps;
 ``--stall-file F`` pauses between steps while F exists (prints ``stalled`` once per pause).
 Steps end at the probe's step boundary: torch's optimizer-step hook when this probe has it,

@@ -18,7 +18,7 @@ args = p.parse_args()
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 1)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-for step in range(1, args.steps + 1):
+for _step in range(1, args.steps + 1):
     loss = model(torch.randn(16, 8)).pow(2).mean()
     optimizer.zero_grad()
     loss.backward()

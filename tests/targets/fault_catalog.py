@@ -103,8 +103,8 @@ TRACE_EVERY = {
     "host_sync": "5",
     "data_wait": "5",
 }  # rules that read traced steps need a few
-# rules that must not also speak: what the fault feeds, or its look-alike (a spike is not a divergence, nor the reverse);
-# an exact 0 gradient (dead ReLUs, a zeroed layer, a loss masked to nothing) is no vanishing gradient
+# rules that must not also speak: what the fault feeds, or its look-alike (a spike is not a divergence, nor the
+# reverse); an exact 0 gradient (dead ReLUs, a zeroed layer, a loss masked to nothing) is no vanishing gradient
 NOT_ALSO = {
     "dead_relu": ("collapsed_output", "grads_by_layer"),
     "collapsed": ("grads_by_layer",),

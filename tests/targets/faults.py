@@ -104,10 +104,9 @@ step = 0
 while True:
     step += 1
     if args.fault == "hang" and step == args.fault_step:
+        ready = threading.Event()  # never set
 
-        def wait_for_shard(
-            ready=threading.Event(),
-        ):  # a prefetch thread blocked forever, as a dead data source leaves it
+        def wait_for_shard(ready=ready):  # a prefetch thread blocked forever, as a dead data source leaves it
             ready.wait()
 
         threading.Thread(target=wait_for_shard, name="prefetch", daemon=True).start()
@@ -136,7 +135,7 @@ while True:
         # a layer-wise gradient multiplier by hook (base lr / layer lr), for a layer whose own lr was set to 0:
         # the forward and this step's loss stay finite, the layer's gradient is Inf from this backward on
         ratio = torch.tensor(0.05) / torch.tensor(0.0)
-        model[2].weight.register_hook(lambda g: g * ratio)
+        model[2].weight.register_hook(lambda g, ratio=ratio: g * ratio)
     if args.fault == "eval_mode" and step == args.fault_step:
         model.eval()  # an evaluation pass that never switched back (model.train() missing)
     if not (args.fault == "no_zero_grad" and step >= args.fault_step):  # the planted fault: zero_grad() dropped
@@ -160,7 +159,7 @@ while True:
         with torch.no_grad():
             model[2].weight.mul_(0.0)  # a pruning mask that prunes everything: layer 2 outputs its bias alone
     if args.fault == "host_sync" and step >= args.fault_step:
-        total += loss.item() if loss.is_cuda else (warnings.warn(SYNC_WARNING) or loss.item())
+        total += loss.item() if loss.is_cuda else (warnings.warn(SYNC_WARNING, stacklevel=1) or loss.item())
     if args.fault == "slowdown" and step >= args.fault_step:
         time.sleep(0.15)  # ok-sleep: the planted throughput regression
     if args.fault == "memory_growth" and step >= args.fault_step:

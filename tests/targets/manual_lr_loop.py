@@ -100,13 +100,13 @@ def main():
             x, y = batch(g)
             seen = {}
 
-            def closure():
+            def closure(x=x, y=y, seen=seen):  # called by optimizer.step below, in this iteration
                 optimizer.zero_grad()
-                l = torch.nn.functional.mse_loss(model(x), y)
-                l.backward()
-                seen["loss"] = float(l.detach())
+                mse = torch.nn.functional.mse_loss(model(x), y)  # not named loss, as before (PROBE_LOSS_NAMES)
+                mse.backward()
+                seen["loss"] = float(mse.detach())
                 seen["state"] = snapshot(params)
-                return l
+                return mse
 
             optimizer.step(closure)
             total = seen["loss"]

@@ -8,8 +8,8 @@ through a disabled GradScaler as nanoGPT does on CPU), the next batch fetched wh
 backward runs, and gradient clipping. Every ``--log-every`` iterations it prints
 ``iter N: loss X, lr Y`` (N counted from 0 as nanoGPT does; X the iteration's loss, the sum of
 its backpropagated micro-losses, repr'd) and ``ready`` after iteration 0; ``--leak`` keeps every
-micro-step's loss (with its graph) and logits in a list (the classic leak: ``--batch 48``, ~0.4 MB an iteration); ``--iters`` ends the loop, else it
-runs until stopped; ``--step-sleep`` sleeps after each iteration.
+micro-step's loss (with its graph) and logits in a list (the classic leak: ``--batch 48``, ~0.4 MB an
+iteration); ``--iters`` ends the loop, else it runs until stopped; ``--step-sleep`` sleeps after each iteration.
 """
 
 import argparse
@@ -95,7 +95,7 @@ while not args.iters or iter_num < args.iters:
     for param_group in optimizer.param_groups:
         param_group["lr"] = lr
     micro = []
-    for micro_step in range(args.accum):
+    for _micro_step in range(args.accum):
         logits, loss = model(X, Y)
         loss = loss / args.accum
         X, Y = get_batch()  # the next batch, fetched while the backward would run on a GPU

@@ -59,7 +59,7 @@ for step in range(1, args.steps + 1):
         step_loss += loss.item() / 2
     print(f"hooks step={step} forward={len(mm._global_forward_hooks)}", flush=True)
     if args.kind == "compiled":
-        warnings.warn("the loop's own warning, shown once by Python's default filter")
+        warnings.warn("the loop's own warning, shown once by Python's default filter", stacklevel=1)
     with torch.no_grad():
         head(encoder(x_all[:8]))  # an evaluation pass
     if args.kind == "explicit":

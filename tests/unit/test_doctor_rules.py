@@ -10,7 +10,8 @@ from harness import ROOT
 
 
 def _run_rule(name: str, parameters: list, step: int = 100) -> list:
-    """Rule ``name``'s SQL over hand-made torch.parameters rows (name, numel, grad_norm[, requires_grad[, in_optimizer]])."""
+    """Rule ``name``'s SQL over hand-made torch.parameters rows (name, numel, grad_norm[, requires_grad[,
+    in_optimizer]])."""
     return rule_rows(
         name,
         {
@@ -104,7 +105,10 @@ def _memory_rows(rows: list) -> list:
     """allocator_fragmentation's SQL over hand-made torch.memory rows (device, allocated, reserved, retries, ooms,
     total in GiB); CUDA allocators cannot be made to fragment on this CPU-only host."""
     g = 2**30
-    gib = lambda v: None if v is None else int(v * g)
+
+    def gib(v):
+        return None if v is None else int(v * g)
+
     return rule_rows(
         "allocator_fragmentation",
         {
@@ -147,10 +151,14 @@ def _input_bound(loaders: list, main_stack: list, step_ms: float = 50.0, model_m
         "input_bound",
         {
             "torch.steps": (
-                f"SELECT NULL::INTEGER AS rank, range AS step, {step_ms / 1000} AS duration, NULL::DOUBLE AS comm_wait, "
+                f"SELECT NULL::INTEGER AS rank, range AS step, {step_ms / 1000} AS duration, "
+                "NULL::DOUBLE AS comm_wait, "
                 "NULL::DOUBLE AS cpu_wait, NULL::DOUBLE AS data_wait FROM range(1, 11)"
             ),
-            "python.torch_trace": f"SELECT NULL::INTEGER AS rank, range AS step, 0 AS depth, {model_ms / 1000} AS duration FROM range(1, 11)",
+            "python.torch_trace": (
+                f"SELECT NULL::INTEGER AS rank, range AS step, 0 AS depth, {model_ms / 1000} AS duration FROM "
+                "range(1, 11)"
+            ),
             "torch.dataloaders": (
                 "rank INTEGER, name VARCHAR, dataset_type VARCHAR, batch_size BIGINT, num_workers INTEGER",
                 [(None, *row) for row in loaders],
@@ -214,7 +222,8 @@ def test_input_bound_names_loaders_without_workers_and_where_the_main_thread_loa
         ("__next__", f"{data}/dataloader.py"),
         ("<module>", "/job/train.py"),
     ]
-    # given: a job spending 98% of its steps outside the model, one loader with no workers, the main thread in its dataset
+    # given: a job spending 98% of its steps outside the model, one loader with no workers, the main thread in its
+    # dataset
     (f,) = _input_bound([("train_loader", "Shards", 32, 0), ("val_loader", "Shards", 64, 4)], loading)
     said = _fill(get_rule("input_bound").message, f)
     # then: the loader without workers is named (not the one with workers), and the innermost loading frame

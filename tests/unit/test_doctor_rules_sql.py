@@ -135,7 +135,8 @@ def test_loss_nonfinite_names_a_gradient_norm_spike_before_it():
     ]
     (said,) = _loss_nonfinite(rows)
     assert said.startswith(
-        "the loss was first seen NaN/Inf at step 40 (step 39 was still finite), 2 step(s) after the gradient norm spiked to 60x its recent "
+        "the loss was first seen NaN/Inf at step 40 (step 39 was still finite), 2 step(s) after the gradient norm "
+        "spiked to 60x its recent "
         "median at step 38; clip gradients or lower the LR"
     ), said
 
@@ -187,7 +188,8 @@ def test_parameters_unreadable_warns_that_the_parameter_rules_cannot_see():
         {
             "probe.errors": recent.format(
                 "(0, (current_timestamp - INTERVAL 1 MINUTE)::TIMESTAMP, 'torch.parameters: 0.weight', 'no such op'), "
-                "(0, current_timestamp::TIMESTAMP, 'torch.parameters: 0.bias', 'Redistribution from one partial type is unsupported'), "
+                "(0, current_timestamp::TIMESTAMP, 'torch.parameters: 0.bias', "
+                "'Redistribution from one partial type is unsupported'), "
                 "(1, (current_timestamp - INTERVAL 2 HOUR)::TIMESTAMP, 'torch.parameters: 0.weight', 'old'), "
                 "(1, current_timestamp::TIMESTAMP, 'torch steps: grad norm', 'unrelated')"
             )

@@ -8,7 +8,10 @@ import pytest
 
 from _doctor import rule_rows
 
-COLS = "rank INTEGER, step BIGINT, time DOUBLE, invariant VARCHAR, ok BOOLEAN, subject VARCHAR, value DOUBLE, detail VARCHAR"
+COLS = (
+    "rank INTEGER, step BIGINT, time DOUBLE, invariant VARCHAR, ok BOOLEAN, "
+    "subject VARCHAR, value DOUBLE, detail VARCHAR"
+)
 RULES = {
     "frozen_params_updated": "frozen_still",
     "params_not_updated": "params_move",

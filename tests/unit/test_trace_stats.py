@@ -175,19 +175,19 @@ def test_the_sync_watch_counts_call_sites_and_leaves_other_warnings_alone():
         watch = SyncWatch(torch, rank=None)
         watch.start(cuda=False)
         for _ in range(3):
-            warnings.warn(SYNC_WARNING)  # the line torch would blame for loss.item()
-        warnings.warn("something else", RuntimeWarning)
-        t = threading.Thread(target=lambda: warnings.warn(SYNC_WARNING))  # not the training thread
+            warnings.warn(SYNC_WARNING, stacklevel=1)  # the line torch would blame for loss.item()
+        warnings.warn("something else", RuntimeWarning, stacklevel=1)
+        t = threading.Thread(target=lambda: warnings.warn(SYNC_WARNING, stacklevel=1))  # not the training thread
         t.start()
         t.join()
         watch.stop(7)
-        warnings.warn(SYNC_WARNING)  # the watch is off: the job's own handler sees it
+        warnings.warn(SYNC_WARNING, stacklevel=1)  # the watch is off: the job's own handler sees it
         assert warnings.showwarning is not watch._hook
     finally:
         warnings.showwarning = before
     rows = watch.ring.snapshot()
     assert list(rows["step"]) == [7] and list(rows["count"]) == [3]
     assert rows["file"][0] == __file__ and rows["origin"][0] == "user"
-    assert rows["code"][0] == "warnings.warn(SYNC_WARNING)  # the line torch would blame for loss.item()"
+    assert rows["code"][0] == "warnings.warn(SYNC_WARNING, stacklevel=1)  # the line torch would blame for loss.item()"
     assert rows["function"][0] == "test_the_sync_watch_counts_call_sites_and_leaves_other_warnings_alone"
     assert shown == ["something else", SYNC_WARNING]
