@@ -165,6 +165,11 @@ def _step(cli, pid) -> int:
     return json.loads(r.stdout)[0]["step"]
 
 
+def _waited_steps(cli, pid, since: int) -> int:
+    sql = f"SELECT count(*) AS n FROM torch.steps WHERE step > {since} AND cpu_wait IS NOT NULL"
+    return json.loads(cli(pid, "query", sql, "--format", "json").stdout)[0]["n"]
+
+
 @requires_torch
 def test_a_job_sharing_its_cpu_is_starved_not_regressed(spawn, cli):
     """A CPU hog on the job's own core doubles its step time: the doctor says the host is
@@ -182,8 +187,9 @@ def test_a_job_sharing_its_cpu_is_starved_not_regressed(spawn, cli):
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
     try:
         os.sched_setaffinity(hog.pid, {cpu})
-        # when: 60 steps share the core with the hog
-        assert poll(lambda: _step(cli, job.pid) >= start + 60, 120)
+        # when: the job shares the core with the hog until most of the last 50 steps the rule reads waited for it (a
+        # step's CPU wait is read on the steps the budget measures: how many those are depends on the host's speed)
+        assert poll(lambda: _waited_steps(cli, job.pid, start + 10) >= 30, 240)
         doc = doctor(cli, job.pid)
         rows = json.loads(
             cli(
