@@ -108,7 +108,7 @@ def _print_rows(session, args, rows: list, shown: dict, empty: str) -> int:
 
 def _list_dead(session, args) -> int:
     """``probe list --dead``: the post-mortem records of processes that are gone."""
-    from probe.postmortem.reader import dead_records
+    from probe.postmortem.listing import dead_records
 
     rows = [
         {

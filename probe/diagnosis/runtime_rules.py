@@ -1,5 +1,6 @@
 """The doctor's rules about how one process runs: memory, speed, the input pipeline, activations, and
-the probe itself (docs/doctor.md lists them; ``process_rules`` has hangs, NaNs, the loss and gradients).
+the probe itself (docs/doctor.md lists them; ``process_rules`` has hangs, NaNs and the loss, ``param_rules``
+what trains).
 
 Thresholds are chosen so that a healthy run gets no finding above ``info``: every rule
 needs enough steps to compare against and a margin in absolute terms as well as a ratio.

@@ -53,6 +53,7 @@ BUILTIN = (
     "diagnosis",
     "loss",
     "meta",
+    "optim",
     "process",
     "python",
     "replicas",

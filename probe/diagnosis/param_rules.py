@@ -1,0 +1,194 @@
+"""The doctor's rules about what trains: frozen parameters, gradients the optimizer never applies, a rate or a
+gradient of zero, and layers whose gradients differ by orders of magnitude (docs/doctor.md lists them).
+
+Thresholds are chosen so that a healthy run gets no finding above ``info``; findings name the tensors by
+module prefix (``naming``).
+"""
+
+from __future__ import annotations
+
+from .naming import human, named
+from .rules import rule
+
+__all__: list = []
+
+# Normalization layers: a model where only these train was frozen by a name filter that missed them (or the
+# other way round), the classic "for name, p in model.named_parameters(): if 'bn' not in name" mistake.
+_NORMS = (
+    "('BatchNorm1d', 'BatchNorm2d', 'BatchNorm3d', 'SyncBatchNorm', 'LayerNorm', 'GroupNorm', 'InstanceNorm1d', "
+    "'InstanceNorm2d', 'InstanceNorm3d', 'RMSNorm', 'LlamaRMSNorm', 'T5LayerNorm')"
+)
+
+rule(
+    "mostly_frozen",
+    family="parameters",
+    severity="warning",
+    description=(
+        "More than half of the model's parameter tensors (or of its elements) have requires_grad=False; names the "
+        "frozen modules and those that train, and says when only normalization layers train."
+    ),
+    sql=f"""
+WITH {named("frozen", "NOT requires_grad")},
+{named("trains", "requires_grad")},
+c AS (SELECT rank, model, count(*) AS tensors, count(*) FILTER (WHERE NOT requires_grad) AS frozen,
+             sum(numel) FILTER (WHERE NOT requires_grad) AS frozen_elements, sum(numel) AS elements,
+             count(*) FILTER (WHERE requires_grad) AS trainable,
+             bool_and(module_type IN {_NORMS}) FILTER (WHERE requires_grad) AS norms_only,
+             string_agg(DISTINCT module_type, ', ' ORDER BY module_type) FILTER (WHERE requires_grad) AS train_types
+      FROM torch.parameters GROUP BY rank, model
+      HAVING count(*) FILTER (WHERE NOT requires_grad) > count(*) / 2
+          OR sum(numel) FILTER (WHERE NOT requires_grad) > sum(numel) / 2)
+SELECT c.rank, c.model, c.tensors, c.frozen, c.frozen_elements, {human("c.frozen_elements")} AS frozen_h,
+       {human("c.elements")} AS elements_h, f.names AS frozen_names,
+       CASE WHEN c.trainable = 0 THEN '; nothing trains'
+            ELSE '; what trains: ' || t.names END ||
+       CASE WHEN c.norms_only THEN ': only normalization layers (' || c.train_types
+           || ') train, as when a name filter meant to '
+                                   || 'freeze or unfreeze them matched the rest instead'
+            ELSE '' END AS trains
+FROM c JOIN frozen AS f ON f.rank IS NOT DISTINCT FROM c.rank AND f.model = c.model
+LEFT JOIN trains AS t ON t.rank IS NOT DISTINCT FROM c.rank AND t.model = c.model""",
+    message=(
+        "{frozen} of {tensors} parameter tensors of {model} ({frozen_h} of {elements_h} elements) have "
+        "requires_grad=False: {frozen_names}{trains}. Frozen by mistake?"
+    ),
+    next=[
+        (
+            'probe {target} query "SELECT name, module_type, shape, requires_grad, in_optimizer FROM '
+            'torch.parameters ORDER BY name"'
+        )
+    ],
+)
+
+rule(
+    "grads_not_optimized",
+    family="parameters",
+    severity="warning",
+    description=(
+        "Parameters that require gradients are held by no optimizer: they get gradients but never change; names them "
+        "by module."
+    ),
+    sql=f"""
+WITH {named("lost", "requires_grad AND NOT in_optimizer")},
+c AS (SELECT rank, model, count(*) AS tensors, sum(numel) AS elements
+      FROM torch.parameters WHERE requires_grad AND NOT in_optimizer GROUP BY rank, model)
+SELECT c.rank, c.model, c.tensors, c.elements, l.names
+FROM c JOIN lost AS l ON l.rank IS NOT DISTINCT FROM c.rank AND l.model = c.model""",
+    message=(
+        "{tensors} trainable parameter tensor(s) of {model} ({elements} elements) are in no optimizer: {names} "
+        "(created after the optimizer, or left out of its param groups)."
+    ),
+    next=[
+        'probe {target} query "SELECT name, requires_grad, in_optimizer FROM torch.parameters WHERE NOT in_optimizer"'
+    ],
+)
+
+rule(
+    "lr_zero",
+    family="optimizer",
+    severity="warning",
+    description=(
+        "An optimizer param group has learning rate 0: its parameters never move (and when the job's rate was "
+        "positive before, since which step: a run that goes on past the end of its schedule)."
+    ),
+    sql="""
+WITH z AS (
+  SELECT rank, max(step) FILTER (WHERE lr > 0) AS last_positive, max(step) AS last FROM torch.steps GROUP BY rank)
+SELECT o.rank, o.optimizer, o.param_group, o.params,
+       CASE WHEN z.last_positive IS NULL THEN ''
+            ELSE ' since step ' || (z.last_positive + 1)
+                || ', where its schedule reached 0 after ' || z.last_positive ||
+                 ' steps at a positive rate: the run goes on past the end of its schedule (more steps ' ||
+                     'than the scheduler''s' ||
+                 ' total?) and its ' || (z.last - z.last_positive) || ' steps since changed nothing'
+       END AS since
+FROM torch.optimizer AS o LEFT JOIN z ON z.rank IS NOT DISTINCT FROM o.rank
+WHERE o.lr = 0""",
+    message="{optimizer} param group {param_group} ({params} tensors) has learning rate 0{since}.",
+    next=["probe {target} lr --set 1e-3 --group {param_group}"],
+)
+
+rule(
+    "grad_norm_zero",
+    family="parameters",
+    severity="warning",
+    description="The gradient norm was exactly 0 on every one of the last 20 measured steps.",
+    sql="""
+WITH g AS (
+  SELECT rank, step, grad_norm, loss, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+  FROM torch.steps WHERE grad_norm IS NOT NULL)
+SELECT rank, max(step) AS step, count(*) AS steps, max(abs(loss)) AS loss,
+       CASE WHEN max(abs(loss)) = 0
+            THEN ', and so is the loss: a mask or weight removes every sample (a padding mask or ignore_index the ' ||
+                'wrong way round), or the model already fits every sample exactly'
+            ELSE
+                ': the loss does not depend on the trained parameters (detached graph, frozen model, or zero-grad '
+                'after backward)'
+       END AS cause
+FROM g WHERE age <= 20 GROUP BY rank
+HAVING count(*) = 20 AND max(grad_norm) = 0""",
+    message="the gradient norm is exactly 0 on the last {steps} measured steps{cause}.",
+    next=['probe {target} query "SELECT name, requires_grad, grad_norm FROM torch.parameters"'],
+)
+
+# Vanishing or exploding gradients by layer: the gradient's size per element (RMS, grad_norm / sqrt(numel))
+# of the first and the last layer of a stack of numbered layers (a Sequential or ModuleList: ``0.weight``,
+# ``blocks.7.mlp.0.weight``, the first whole-number component of the name). Healthy nets measured 0.02
+# (8-layer ReLU MLP at PyTorch's default init, before it learns) to 6 (a 12-block pre-LN GPT); 8 sigmoid
+# layers measure 5e-6. Layers without a gradient (frozen) are left out, and an exact 0 is another rule's
+# (grad_norm_zero, dead_activations): a ratio needs both ends measured.
+_LAYER = "^((?:[^.]+\\.)*?)(\\d+)\\."  # prefix of whole components, then the first all-digit component
+_GRAD_RATIO = 1e3  # three orders of magnitude between the first and the last layer, either way
+_LAYERS_MIN = 3
+
+rule(
+    "grads_by_layer",
+    family="parameters",
+    severity="warning",
+    description=(
+        f"Gradients vanish or explode across a stack of at least {_LAYERS_MIN} numbered layers (a Sequential or "
+        "ModuleList): per element (grad_norm / sqrt(numel), torch.parameters, read at a step boundary), the first "
+        f"layer's gradient is under 1/{_GRAD_RATIO:.0f} or over {_GRAD_RATIO:.0f}x the last layer's, after step 50."
+    ),
+    sql=f"""
+WITH p AS (
+  SELECT rank, model, regexp_extract(name, '{_LAYER}', 1) AS stack,
+         CAST(regexp_extract(name, '{_LAYER}', 2) AS BIGINT) AS layer, grad_norm, numel
+  FROM torch.parameters
+  -- a tensor no optimizer steps is grads_not_optimized's finding: its gradient says nothing of the stack's learning
+  WHERE requires_grad AND in_optimizer AND isfinite(grad_norm) AND numel > 0 AND regexp_matches(name, '{_LAYER}')),
+l AS (
+  SELECT rank, model, stack, layer, sqrt(sum(grad_norm * grad_norm) / sum(numel)) AS rms
+  FROM p GROUP BY rank, model, stack, layer),
+s AS (
+  SELECT rank, model, stack, count(*) AS layers, min(layer) AS first, max(layer) AS last,
+         arg_min(rms, layer) AS first_rms, arg_max(rms, layer) AS last_rms
+  FROM l GROUP BY rank, model, stack HAVING count(*) >= {_LAYERS_MIN}),
+t AS (SELECT rank, max(step) AS step FROM torch.steps GROUP BY rank)
+SELECT s.rank, t.step, s.model, s.stack, s.stack || s.first AS first_layer, s.stack || s.last AS last_layer,
+       s.layers, s.first_rms, s.last_rms, s.first_rms / s.last_rms AS ratio,
+       CASE WHEN s.stack = '' THEN s.model ELSE s.model || '.' || rtrim(s.stack, '.') END AS stack_name,
+       CASE WHEN s.first_rms < s.last_rms THEN 'vanish' ELSE 'explode' END AS direction,
+       CASE WHEN s.first_rms < s.last_rms
+            THEN 'the first layers barely learn (saturating activations such as sigmoid or tanh, or too small an '
+                 'init, in a deep stack without normalization or residual connections): use ReLU/GELU, '
+                 'LayerNorm/BatchNorm, residual connections or a He/Xavier init'
+            ELSE 'the first layers take far larger steps than the last (a blown-up layer, unnormalized inputs or '
+                 'too large an init): clip gradients (clip_grad_norm_), normalize the inputs, check the init scale'
+       END AS advice
+FROM s JOIN t ON t.rank IS NOT DISTINCT FROM s.rank
+WHERE t.step >= 50 AND s.first_rms > 0 AND s.last_rms > 0
+  AND (s.first_rms * {_GRAD_RATIO} < s.last_rms OR s.first_rms > {_GRAD_RATIO} * s.last_rms)""",
+    message=(
+        "gradients {direction} toward the input of {stack_name}: per element, layer {first_layer}'s gradient is "
+        "{ratio:.2g}x layer {last_layer}'s (RMS {first_rms:.2g} against {last_rms:.2g}, over {layers} layers): "
+        "{advice}."
+    ),
+    next=[
+        (
+            'probe {target} query "SELECT name, numel, grad_norm, grad_norm / sqrt(numel) AS grad_rms FROM '
+            "torch.parameters WHERE requires_grad AND name LIKE '{stack}%' ORDER BY name\""
+        ),
+        'probe {target} query "SELECT step, loss, grad_norm FROM torch.steps ORDER BY step DESC LIMIT 20"',
+    ],
+)
