@@ -320,7 +320,7 @@ def add_views(ws, views: dict) -> None:
 def materialize_views(ws, views: dict) -> None:
     """As ``add_views``, but each view is computed once into a table, under the query timeout: the doctor's rules
     read the same ``ranks.*`` views over one fixed snapshot, and a view is recomputed by every query that reads it."""
-    from probe.sql.engine import _quote
+    from probe.sql.columns import quote as _quote
 
     for name, text in views.items():
         if "." in name:

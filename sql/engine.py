@@ -13,36 +13,17 @@ cap, and ``interrupt`` stops it from another thread (the REPL's Ctrl-C).
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 
 from probe._errors import QueryError
-from probe.util.wire import WireError, check_table, object_column
+from probe.util.wire import WireError, check_table
 
-__all__ = ["Result", "Workspace", "execute", "connect", "register_result", "typed_select", "concat_snapshots", "SLOT"]
+from .columns import SLOT, concat_snapshots, is_simple_type, quote, raw_columns, typed_select
 
-_SIMPLE_TYPES = (
-    "BIGINT",
-    "INTEGER",
-    "DOUBLE",
-    "VARCHAR",
-    "BOOLEAN",
-    "TIMESTAMP",
-    "FLOAT",
-    "SMALLINT",
-    "TINYINT",
-    "HUGEINT",
-    "UBIGINT",
-    "UINTEGER",
-    "DATE",
-    "DECIMAL",
-    "TIMESTAMP WITH TIME ZONE",
-)
-_SIMPLE_TYPE = re.compile(r"^[A-Z ]+(\(\d{1,2}(, ?\d{1,2})?\))?$")  # DECIMAL(18,3): a type word, never more SQL
-_FLOAT_TYPES = ("DOUBLE", "FLOAT", "REAL")
-SLOT = "__slot"  # the column saying which rank's snapshot a row of a combined table came from
+__all__ = ["Result", "Workspace", "execute", "connect", "register_result"]
+
 GRACE_S = 2.0  # after the timeout interrupts DuckDB, how long it may take to notice before the query is abandoned
 
 
@@ -85,148 +66,6 @@ def connect(memory_limit: str | None = None):
             "temp_directory": "",  # never spill into the working directory (.tmp/duckdb_temp_*): stay in memory
         },
     )
-
-
-def _quote(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
-
-
-def typed_select(columns, source: str) -> str:
-    """SELECT casting the raw columns of ``source`` to their declared types.
-
-    ``columns`` is ``[(name, type, kind, has_nulls)]``; a numeric column with NULLs reads its
-    ``__valid__<name>`` companion. TIMESTAMP columns arrive as epoch seconds.
-
-    DuckDB's numpy scan reads NaN as NULL; a float array here has no NULLs of its own (those
-    are in the companion), so a NULL read from a DOUBLE column is a NaN and is put back.
-
-    >>> typed_select([("t", "TIMESTAMP", "f8", False), ("s", "VARCHAR", "str", True)], "raw")
-    'SELECT make_timestamp(CAST(round("t" * 1000000) AS BIGINT)) AS "t", CAST("s" AS VARCHAR) AS "s" FROM "raw"'
-    >>> print(typed_select([("x", "DOUBLE", "f8", True)], "raw"))
-    SELECT CASE WHEN "__valid__x" THEN coalesce(CAST("x" AS DOUBLE), CAST('NaN' AS DOUBLE)) END AS "x" FROM "raw"
-    """
-    exprs = []
-    for name, typ, kind, has_nulls in columns:
-        q = _quote(name)
-        if kind == "str" and typ not in ("VARCHAR",):
-            expr = f"TRY_CAST({q} AS {typ})"
-        elif typ == "TIMESTAMP":
-            expr = f"make_timestamp(CAST(round({q} * 1000000) AS BIGINT))"
-        elif kind == "f8" and typ in _FLOAT_TYPES:
-            expr = f"coalesce(CAST({q} AS {typ}), CAST('NaN' AS {typ}))"
-        else:
-            expr = f"CAST({q} AS {typ})"
-        if has_nulls and kind != "str":
-            expr = f"CASE WHEN {_quote('__valid__' + name)} THEN {expr} END"
-        exprs.append(f"{expr} AS {q}")
-    return f"SELECT {', '.join(exprs) or '1 AS _empty'} FROM {_quote(source)}"
-
-
-def _raw_columns(columns: list, data: dict) -> tuple[dict, list]:
-    """From ``[(name, type)]`` and ``{name: values}`` (a table generator's output): numpy arrays and typed_select's
-    spec."""
-    import numpy as np
-
-    arrays, spec = {}, []
-    for name, typ in columns:
-        values = data[name]
-        kind, valid = None, None
-        if isinstance(values, np.ndarray) and values.dtype.kind in "fiub":
-            kind, data_, mask = "f8" if values.dtype.kind == "f" else "i8", np.ma.getdata(values), np.ma.getmask(values)
-            valid = None if mask is np.ma.nomask else ~mask
-        elif typ != "VARCHAR":  # Python values: None is NULL, NaN stays a value (as on the wire)
-            kind, data_, valid = object_column(list(values), typ)
-        if kind is not None and kind != "str":
-            has_nulls = valid is not None and not valid.all()
-            arrays[name] = data_
-            if has_nulls:
-                arrays["__valid__" + name] = valid
-            spec.append((name, typ, kind, has_nulls))
-            continue
-        arr = np.empty(len(values), dtype=object)
-        arr[:] = list(values)
-        arrays[name] = arr
-        spec.append((name, typ, "obj", False))
-    return arrays, spec
-
-
-def _concat_column(cols: list) -> dict:
-    """One decoded column (``{"type", "kind", "data", "valid"}``) from the same column of several snapshots."""
-    import numpy as np
-
-    kinds = {c["kind"] for c in cols}
-    texts = kinds & {"str", "dict"}
-    if texts and kinds - texts:  # numbers on some ranks, text on others: all as text (typed_select casts it back)
-        datas = []
-        for c in cols:
-            if c["kind"] in ("str", "dict"):
-                datas.append(c["data"])
-                continue
-            out = np.empty(len(c["data"]), dtype=object)
-            out[:] = [str(x) for x in c["data"].tolist()]
-            if c["valid"] is not None:
-                out[~c["valid"]] = None
-            datas.append(out)
-        return {"type": cols[0]["type"], "kind": "str", "data": np.concatenate(datas), "valid": None}
-    if texts:
-        return {
-            "type": cols[0]["type"],
-            "kind": "str" if "str" in kinds else "dict",
-            "data": np.concatenate([c["data"] for c in cols]),
-            "valid": None,
-        }
-    kind = "f8" if "f8" in kinds else "i8" if "i8" in kinds else "b1"
-    dtype = {"f8": "<f8", "i8": "<i8", "b1": "|b1"}[kind]
-    data = np.concatenate([np.asarray(c["data"], dtype=dtype) for c in cols])
-    valid = None
-    if any(c["valid"] is not None for c in cols):
-        valid = np.concatenate([c["valid"] if c["valid"] is not None else np.ones(len(c["data"]), bool) for c in cols])
-    return {"type": cols[0]["type"], "kind": kind, "data": data, "valid": valid}
-
-
-def concat_snapshots(decoded: list) -> dict:
-    """Several ranks' decoded snapshots (``probe.util.wire.decode``) as one, each table with a ``__slot`` column.
-
-    Row ``k`` of a combined table came from ``decoded[slot[k]]``; a table or column that some
-    snapshots lack is taken from those that have it. One registration per table then serves
-    every rank (``Workspace.load_snapshot``), however many ranks answered.
-
-    >>> import numpy as np
-    >>> one = lambda v: {"tables": {"t.x": {"rows": len(v), "columns": {"a": {"type": "BIGINT", "kind": "i8",
-    ...                  "data": np.array(v), "valid": None}}}}}
-    >>> t = concat_snapshots([one([1, 2]), one([3])])["tables"]["t.x"]
-    >>> t["rows"], t["columns"]["a"]["data"].tolist(), t["columns"]["__slot"]["data"].tolist()
-    (3, [1, 2, 3], [0, 0, 1])
-    """
-    import numpy as np
-
-    names: dict = {}
-    for d in decoded:
-        for name, t in d["tables"].items():
-            names.setdefault(name, {}).update({c: v["type"] for c, v in t["columns"].items()})
-    out = {}
-    for name, columns in names.items():
-        present = [(i, d["tables"][name]) for i, d in enumerate(decoded) if name in d["tables"]]
-        cols = {}
-        for col, typ in columns.items():
-            parts = []
-            for _, t in present:
-                c = t["columns"].get(col)
-                if c is None:  # an older rank without this column: NULLs
-                    c = {
-                        "type": typ,
-                        "kind": "f8",
-                        "data": np.full(t["rows"], np.nan),
-                        "valid": np.zeros(t["rows"], bool),
-                    }
-                parts.append(c)
-            cols[col] = _concat_column(parts)
-        slot = (
-            np.concatenate([np.full(t["rows"], i, dtype="<i8") for i, t in present]) if present else np.zeros(0, "<i8")
-        )
-        cols[SLOT] = {"type": "BIGINT", "kind": "i8", "data": slot, "valid": None}
-        out[name] = {"rows": len(slot), "columns": cols}
-    return {"meta": {}, "tables": out}
 
 
 class Workspace:
@@ -309,7 +148,7 @@ class Workspace:
         base = full.replace(".", "__")
         raw, typed = f"__r{slot}__{base}", f"__t{slot}__{base}"
         self.con.register(raw, arrays)
-        self.run(f"CREATE VIEW {_quote(typed)} AS {typed_select(spec, raw)}")
+        self.run(f"CREATE VIEW {quote(typed)} AS {typed_select(spec, raw)}")
         self.tables.setdefault(slot, {})[full] = typed
         return typed
 
@@ -346,17 +185,17 @@ class Workspace:
     def load_tables(self, slot: int, tables: dict) -> None:
         """Register in-memory tables ``{schema.table: ([(column, type)], {column: values})}``."""
         for full, (columns, data) in tables.items():
-            arrays, spec = _raw_columns(columns, data)
+            arrays, spec = raw_columns(columns, data)
             self._register(slot, full, arrays, spec)
 
     def create_view(self, name: str, sql: str) -> None:
         """``schema.table`` (or a bare name) as a view over ``sql``."""
         if "." in name:
             schema, short = name.split(".", 1)
-            self.con.execute(f"CREATE SCHEMA IF NOT EXISTS {_quote(schema)}")
-            self.con.execute(f"CREATE OR REPLACE VIEW {_quote(schema)}.{_quote(short)} AS {sql}")
+            self.con.execute(f"CREATE SCHEMA IF NOT EXISTS {quote(schema)}")
+            self.con.execute(f"CREATE OR REPLACE VIEW {quote(schema)}.{quote(short)} AS {sql}")
         else:
-            self.con.execute(f"CREATE OR REPLACE VIEW {_quote(name)} AS {sql}")
+            self.con.execute(f"CREATE OR REPLACE VIEW {quote(name)} AS {sql}")
 
     def columns_of(self, relation: str) -> list[tuple[str, str]]:
         cur = self.con.execute(f"SELECT * FROM {relation} LIMIT 0")
@@ -478,12 +317,12 @@ def register_result(con, name: str, result: Result, extra: dict | None = None) -
         arrays[col] = np.array([r[i] for r in result.rows], dtype=object) if result.rows else np.array([], dtype=object)
     raw = f"__raw_{abs(hash(name))}"
     con.register(raw, arrays)
-    exprs = [_quote(c) for c in (extra or {})]
+    exprs = [quote(c) for c in (extra or {})]
     for col, typ in zip(result.columns, result.types):
-        simple = _SIMPLE_TYPE.match(str(typ)) is not None and str(typ).split("(")[0] in _SIMPLE_TYPES
+        simple = is_simple_type(typ)
         exprs.append(
-            f"TRY_CAST({_quote(col)} AS {typ}) AS {_quote(col)}"
+            f"TRY_CAST({quote(col)} AS {typ}) AS {quote(col)}"
             if simple
-            else f"CAST({_quote(col)} AS VARCHAR) AS {_quote(col)}"
+            else f"CAST({quote(col)} AS VARCHAR) AS {quote(col)}"
         )
-    con.execute(f"CREATE OR REPLACE VIEW {_quote(name)} AS SELECT {', '.join(exprs) or '*'} FROM {raw}")
+    con.execute(f"CREATE OR REPLACE VIEW {quote(name)} AS SELECT {', '.join(exprs) or '*'} FROM {raw}")

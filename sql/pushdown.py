@@ -128,7 +128,7 @@ def rename_tables_sql(sql: str, mapping: dict) -> str:
 
 
 def slot_query(sql: str, mapping: dict, slots: str = "__slots") -> tuple[str, bool]:
-    """Per-rank SQL run for every rank at once over combined tables (``engine.concat_snapshots``).
+    """Per-rank SQL run for every rank at once over combined tables (``columns.concat_snapshots``).
 
     ``mapping`` points each registered table at a relation holding every rank's rows with a
     ``__slot`` column; ``slots`` lists the slots (``__slot``, ``__rank``). Each table becomes

@@ -38,7 +38,7 @@ from . import profile  # noqa: F401  (registers GET /profile, the stack sampler)
 from . import routes  # noqa: F401  (registers the read routes)
 from . import snapshot  # noqa: F401  (the query path, loaded at start: never in a training step later)
 from . import sigterm, state, watchdog
-from .server import TCPServer, UnixServer, serve_in_thread
+from .listeners import TCPServer, UnixServer, serve_in_thread
 from .state import info
 
 __all__ = ["start", "stop", "is_running", "info"]

@@ -1,0 +1,121 @@
+"""The probe's listeners: a unix socket (same user only: a 0700 directory and the peer's uid checked) and, when
+asked, TCP behind a token; each with its own connection bound and read timeout (``server`` handles requests).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import socket
+import socketserver
+import struct
+import threading
+
+from ..config import setting
+from .._errors import AuthError
+from ..util.errorlog import record_error
+from ..util.slots import BoundedThreads
+from .server import _WRONG_TOKEN, _Handler
+
+__all__ = ["UnixServer", "TCPServer", "serve_in_thread"]
+
+
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    b"Content-Length: %d\r\n\r\n%s"
+)
+
+
+class _Base(BoundedThreads, socketserver.ThreadingMixIn):
+    daemon_threads = True
+    block_on_close = False
+    # socketserver's default backlog is 5; a unix socket refuses with EAGAIN (instead of
+    # queueing) once it is full, so a burst of clients (`--ranks all` fan-outs, watch loops)
+    # would see spurious failures.
+    request_queue_size = 128
+
+    def _limits(self) -> None:
+        self.read_timeout = setting("PROBE_READ_TIMEOUT")
+        self.max_connections = setting("PROBE_MAX_CONNECTIONS")
+        self.bound_threads(self.max_connections)
+
+    def busy_reply(self) -> bytes:
+        """What a connection past ``max_connections`` is sent (``BoundedThreads``) before it is closed."""
+        body = json.dumps(
+            {
+                "error": f"the probe serves {self.max_connections} connections at once and all are busy; "
+                "retry in a moment (PROBE_MAX_CONNECTIONS raises the limit).",
+                "kind": "busy",
+                "exit_code": 3,
+            }
+        ).encode()
+        return _BUSY % (len(body), body)
+
+    def handle_error(self, request, client_address):
+        record_error("server connection")
+
+
+class UnixServer(_Base, socketserver.UnixStreamServer):
+    """Same-user clients only: the directory is 0700 and the peer uid is checked."""
+
+    transport = "unix"
+
+    def __init__(self, path: str):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        self._limits()
+        old = os.umask(0o177)
+        try:
+            super().__init__(path, _Handler)
+        finally:
+            os.umask(old)
+
+    def client_info(self, handler) -> dict:
+        pid = uid = None
+        try:
+            creds = handler.request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid, uid, _gid = struct.unpack("3i", creds)
+        except (OSError, AttributeError):
+            pass
+        if uid is not None and uid not in (os.getuid(), 0):
+            raise AuthError("only the user who runs the training process (or root) may use its probe socket.")
+        return {"transport": "unix", "uid": uid, "pid": pid}
+
+    def describe_client(self, handler) -> str:
+        return "unix"
+
+
+class TCPServer(_Base, socketserver.TCPServer):
+    """Every request must carry ``Authorization: Bearer <token>``."""
+
+    transport = "tcp"
+    allow_reuse_address = True
+
+    def __init__(self, host: str, port: int, token: str):
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.token = token.encode()
+        self._limits()
+        super().__init__((host, port), _Handler)
+
+    def check_token(self, value: bytes) -> bool:
+        """Whether an Authorization header's value carries the token (compared in constant time)."""
+        given = value[7:].strip() if value[:7].lower() == b"bearer " else b""
+        return hmac.compare_digest(given, self.token)
+
+    def client_info(self, handler) -> dict:
+        if not self.check_token(handler.headers.get("Authorization", "").encode("latin-1", "replace")):
+            raise AuthError(_WRONG_TOKEN)
+        host, port = handler.client_address[:2]
+        return {"transport": "tcp", "address": f"{host}:{port}"}
+
+    def describe_client(self, handler) -> str:
+        return str(handler.client_address[0])
+
+
+def serve_in_thread(server, name: str) -> threading.Thread:
+    t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 3600}, name=name, daemon=True)
+    t.start()
+    return t
