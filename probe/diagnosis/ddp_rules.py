@@ -7,6 +7,7 @@ rank ran out of batches. docs/doctor.md lists them.
 
 from __future__ import annotations
 
+from .job_rules import _PACE, _PACE_MIN_S, PACE_CTE
 from .rules import rule
 
 __all__: list = []
@@ -127,8 +128,6 @@ rule(
 )
 
 # The same pace as stalled_rank (job_rules): ranks stuck for 50x the job's p99 step time, 5 s at least.
-_PACE = 50
-_PACE_MIN_S = 5
 
 rule(
     "collective_mismatch",
@@ -142,12 +141,7 @@ rule(
         "that issued fewest collectives, else the one whose collective differs from most."
     ),
     sql=f"""
-WITH pace AS (
-  SELECT max(p99) AS p99 FROM (
-    SELECT rank, quantile_cont(duration, 0.99) AS p99
-    FROM (SELECT rank, duration, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
-          FROM torch.steps WHERE duration IS NOT NULL)
-    WHERE age <= 200 GROUP BY rank HAVING count(*) >= 20)),
+WITH {PACE_CTE},
 g AS (SELECT rank, pg, pending_seq AS seq, pending_op AS op, pending_s, coalesce(pending_site, '?') AS site,
              coalesce(last_enqueued, -1) AS issued
       FROM torch.process_groups WHERE pending > 0),

@@ -32,6 +32,13 @@ rule(
 # only after PROBE_HUNG_AFTER.
 _PACE = 50
 _PACE_MIN_S = 5
+# the job's p99 step time: the slowest rank's p99 over its last 200 steps (20 at least); ddp_rules reads it too
+PACE_CTE = """pace AS (
+  SELECT max(p99) AS p99 FROM (
+    SELECT rank, quantile_cont(duration, 0.99) AS p99
+    FROM (SELECT rank, duration, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+          FROM torch.steps WHERE duration IS NOT NULL)
+    WHERE age <= 200 GROUP BY rank HAVING count(*) >= 20))"""
 
 rule(
     "stalled_rank",
@@ -44,12 +51,7 @@ rule(
         "rank stalls the job; named before PROBE_HUNG_AFTER, when hung_rank would."
     ),
     sql=f"""
-WITH pace AS (
-  SELECT max(p99) AS p99 FROM (
-    SELECT rank, quantile_cont(duration, 0.99) AS p99
-    FROM (SELECT rank, duration, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
-          FROM torch.steps WHERE duration IS NOT NULL)
-    WHERE age <= 200 GROUP BY rank HAVING count(*) >= 20)),
+WITH {PACE_CTE},
 w AS (SELECT g.rank, g.pg, g.pending_seq, g.pending_op, g.pending_s
       FROM torch.process_groups AS g, pace
       WHERE g.pending > 0 AND g.pending_s > greatest({_PACE} * pace.p99, {_PACE_MIN_S})),
