@@ -269,16 +269,7 @@ def settle(action_id: int, error: str | None = None) -> None:
         action.settle_by = None
         action.finished_at = time.time()
         _lock.notify_all()
-    audit(
-        action.client,
-        action.command,
-        action.args,
-        action.state,
-        id=action.id,
-        step=action.step,
-        error=action.error,
-        result=_short(action.result),
-    )
+    _audit_end(action)
 
 
 def _expire_deferred(now: float) -> None:
@@ -338,16 +329,7 @@ def _run(action: Action, ctx: Context) -> None:
                 action.finished_at = time.time()
                 with _lock:
                     _lock.notify_all()
-                audit(
-                    action.client,
-                    action.command,
-                    action.args,
-                    action.state,
-                    id=action.id,
-                    step=action.step,
-                    error=action.error,
-                    result=_short(action.result),
-                )
+                _audit_end(action)
     except ActionCancelled:  # a cancel that landed just as the action ended: it had finished anyway
         pass
 
@@ -358,6 +340,20 @@ def _short(result: dict | None) -> Any:
     except Exception:
         return repr(result)[:2000]
     return result if len(text) <= 2000 else text[:2000] + "..."
+
+
+def _audit_end(action) -> None:
+    """The audit line of an action that ended: its state, step, error and (shortened) result."""
+    audit(
+        action.client,
+        action.command,
+        action.args,
+        action.state,
+        id=action.id,
+        step=action.step,
+        error=action.error,
+        result=_short(action.result),
+    )
 
 
 def _at_step(event: StepEvent) -> None:
