@@ -54,8 +54,10 @@ class Alternation:
 
     def __init__(self, block: int, rounds: int):
         from probe.training import hooks
+        from probe.training.steps import snapshot
 
         self.hooks = hooks
+        self.snapshot = snapshot
         self.block = block
         self.plan = [(r, arm) for r in range(rounds) for arm in ARMS[r % 3 :] + ARMS[: r % 3]]
         self.times = {arm: [[] for _ in range(rounds)] for arm in ARMS}
@@ -105,7 +107,7 @@ class Alternation:
         cmed = {arm: [statistics.median(t) for t in self.cpu[arm] if t] for arm in ARMS}
         cratios = {k: sorted(a / b for a, b in zip(cmed[k], cmed["off"])) for k in ("on", "off2")}
         step = statistics.median(med["off"])
-        cols = self.hooks.tracker().snapshot()
+        cols = self.snapshot(self.hooks.tracker())
         keep = cols["step"] > self.first_step
         us, measured = cols["probe_us"][keep], cols["measured"][keep]
         # the steps the hooks saw (the "on" blocks): how many carry the core signals

@@ -96,13 +96,14 @@ def collectives(ctx):
 def _step_of(times: list) -> list:
     """The training step in progress at each time: the first step (torch.steps) that ended after it."""
     from ..training import hooks
+    from ..training.steps import snapshot
 
     tk = hooks.tracker()
     if tk is None or not times:
         return [None] * len(times)
     import numpy as np
 
-    cols = tk.snapshot()
+    cols = snapshot(tk)
     ended, started, numbers = cols["ended_at"], cols["started_at"], cols["step"]
     n = len(numbers)
     out = []

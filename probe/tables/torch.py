@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from ..training import hooks
-from ..training.steps import STEP_COLUMNS
+from ..training.steps import STEP_COLUMNS, snapshot
 from ..training.trace import TRACE_COLUMNS
 from ..util.procfs import rss_bytes
 from .registry import Column, table
@@ -152,7 +152,7 @@ def steps(ctx):
     tk = hooks.tracker()
     if tk is None:
         return _empty(list(STEP_COLUMNS) + list(_STEP_EXTRA))
-    cols = tk.snapshot()
+    cols = snapshot(tk)
     cols["compute"], cols["comm_wait"] = _comm_split(ctx, cols)
     return cols
 

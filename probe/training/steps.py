@@ -55,7 +55,7 @@ from ..util.procfs import CpuWait
 from ..util.ring import Ring
 from ..util.usercode import user_frame
 
-__all__ = ["StepTracker", "STEP_COLUMNS"]
+__all__ = ["StepTracker", "STEP_COLUMNS", "snapshot"]
 
 _perf_ns = time.perf_counter_ns
 
@@ -77,7 +77,7 @@ RING_COLUMNS = {
     "probe_us": "f8",
     "data_wait": "f8",
 }
-# ...and what a query sees (``StepTracker.snapshot``): the rest is derived when asked.
+# ...and what a query sees (``snapshot``): the rest is derived when asked.
 STEP_COLUMNS = {
     "step": "i8",
     "started_at": "f8",
@@ -126,7 +126,7 @@ class StepTracker:
     Read and set by other modules (``hooks``, ``cycle``, the lr action, the torch tables):
 
     * ``step``: steps completed; ``explicit``: ``probe.step()`` owns the count (set by ``hooks``);
-    * ``ring``: the ``torch.steps`` rows (RING_COLUMNS), ``snapshot`` what a query sees;
+    * ``ring``: the ``torch.steps`` rows (RING_COLUMNS; ``snapshot(tracker)`` is what a query sees);
       ``pending``: device values of its rows not read yet (``capture.Pending``);
     * ``capture`` (the loss and grad norm, ``capture.Capture``), ``inputs`` (micro-batches, samples,
       tokens: ``inputs.InputCounter``), ``memory`` (``memclock.MemoryClock``), ``tracer`` (``trace.Tracer``),
@@ -306,43 +306,6 @@ class StepTracker:
     def resolve(self) -> None:
         """Read the pending loss, grad-norm and lr values that have landed."""
         self.pending.resolve()
-
-    def snapshot(self) -> dict:
-        """The ``torch.steps`` columns (STEP_COLUMNS), oldest step first: the ring's, plus those derived
-        from them now rather than at every boundary."""
-        import numpy as np
-
-        self.resolve()
-        cols = self.ring.snapshot()
-        rows = cols["step"] - 1  # one ring row per step, in order
-        duration = cols["duration"]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            per_s = np.ma.masked_where(duration <= 0, 1.0 / duration)  # NULL, not NaN, for a step of no length
-        n = len(rows)
-        memory, peak = self.memory.at(cols["ended_at"])
-        return {
-            "step": cols["step"],
-            "started_at": cols["ended_at"] - duration,
-            "ended_at": cols["ended_at"],
-            "duration": duration,
-            "loss": cols["loss"],
-            "grad_norm": cols["grad_norm"],
-            "lr": cols["lr"],
-            "samples_per_s": cols["samples"] * per_s,
-            "tokens_per_s": cols["tokens"] * per_s,
-            "peak_allocated": peak,
-            "memory": memory,
-            "data_wait": cols["data_wait"],
-            "rank": np.full(n, np.nan if self.rank is None else float(self.rank)),
-            "traced": cols["traced"],
-            "samples": cols["samples"],
-            "tokens": cols["tokens"],
-            "micro_batches": cols["micro_batches"],
-            "optimizer": cols["optimizer"],
-            "measured": cols["measured"],
-            "probe_us": cols["probe_us"],
-            "cpu_wait": cols["cpu_wait"],
-        }
 
     # -- the boundary -----------------------------------------------------------------------------
     def _measure(self, optimizer, now_ns: int):
@@ -532,3 +495,41 @@ class StepTracker:
         self._settled_ns = None  # the paused time earns nothing
         self.quick = False
         self._started_ns = time.perf_counter_ns()
+
+
+def snapshot(tracker) -> dict:
+    """The ``torch.steps`` columns (STEP_COLUMNS) of ``tracker`` (a ``StepTracker``), oldest step first: the
+    ring's, plus those derived from them now rather than at every boundary."""
+    import numpy as np
+
+    tracker.resolve()
+    cols = tracker.ring.snapshot()
+    rows = cols["step"] - 1  # one ring row per step, in order
+    duration = cols["duration"]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        per_s = np.ma.masked_where(duration <= 0, 1.0 / duration)  # NULL, not NaN, for a step of no length
+    n = len(rows)
+    memory, peak = tracker.memory.at(cols["ended_at"])
+    return {
+        "step": cols["step"],
+        "started_at": cols["ended_at"] - duration,
+        "ended_at": cols["ended_at"],
+        "duration": duration,
+        "loss": cols["loss"],
+        "grad_norm": cols["grad_norm"],
+        "lr": cols["lr"],
+        "samples_per_s": cols["samples"] * per_s,
+        "tokens_per_s": cols["tokens"] * per_s,
+        "peak_allocated": peak,
+        "memory": memory,
+        "data_wait": cols["data_wait"],
+        "rank": np.full(n, np.nan if tracker.rank is None else float(tracker.rank)),
+        "traced": cols["traced"],
+        "samples": cols["samples"],
+        "tokens": cols["tokens"],
+        "micro_batches": cols["micro_batches"],
+        "optimizer": cols["optimizer"],
+        "measured": cols["measured"],
+        "probe_us": cols["probe_us"],
+        "cpu_wait": cols["cpu_wait"],
+    }

@@ -151,7 +151,7 @@ def test_a_device_loss_is_copied_without_a_sync_and_filled_in_when_its_event_com
     event and writes NULL; the row is filled in once the event has completed, never by waiting for it."""
     import torch
 
-    from probe.training.steps import StepTracker
+    from probe.training.steps import StepTracker, snapshot
     from probe.training.trace import Tracer
 
     FakeEvent.done = False
@@ -170,12 +170,12 @@ def test_a_device_loss_is_copied_without_a_sync_and_filled_in_when_its_event_com
             tk.on_optimizer_step(opt)
         assert fake.pinned == len(losses)  # one pinned copy per step, quick path included
         # the GPU has not got there yet: the rows hold NULL (not ready), and a query does not wait for it
-        snap = tk.snapshot()
+        snap = snapshot(tk)
         assert list(snap["step"]) == list(range(1, 13)) and snap["loss"].mask.all()
         assert not snap["measured"][5:].any()  # the later steps took the quick path
         # when: the events complete; then: every step's loss is there
         FakeEvent.done = True
-        snap = tk.snapshot()
+        snap = snapshot(tk)
         assert list(snap["loss"]) == pytest.approx(losses)
     finally:
         tk.close()
