@@ -54,7 +54,7 @@ class Alternation:
 
     def __init__(self, block: int, rounds: int):
         from probe.training import hooks
-        from probe.training.steps import snapshot
+        from probe.training.stepcolumns import snapshot
 
         self.hooks = hooks
         self.snapshot = snapshot
