@@ -49,6 +49,7 @@ from .tracepace import TracePacing
 from ..util.budget import Budget
 from .capture import Capture, Pending
 from .stepcolumns import RING_COLUMNS
+from .steplife import StepLife
 from ..config import setting
 from .._identity import rank_identity
 from ..util.errorlog import record_error
@@ -79,7 +80,7 @@ def norm_budget() -> Budget:
     return Budget(setting("PROBE_GRAD_NORM"), burst_s=_NORM_BURST_S, charge_cap=math.inf)
 
 
-class StepTracker:
+class StepTracker(StepLife):
     """The step count and the step boundary of this process's training loop (one, made by ``hooks``).
 
     Read and set by other modules (``hooks``, ``cycle``, the lr action, the torch tables):
@@ -420,37 +421,3 @@ class StepTracker:
             except Exception as exc:
                 record_error("torch steps: discovery", exc)
         self.trace_pacing.charge(self.budget, duration_ns, traced)
-
-    def last_end_wall(self) -> float | None:
-        """Wall-clock time of the last boundary (None before the first)."""
-        return None if self._last_ns is None else self._last_ns * 1e-9 + self.wall_offset
-
-    # -- status -------------------------------------------------------------------------------------
-    def status(self) -> dict:
-        if self.step == 0:
-            return {"state": "idle"}
-        import numpy as np
-
-        n = min(len(self.ring), 20)
-        recent = self.ring.snapshot()["duration"][-n:] if n else []
-        return {
-            "step": self.step,
-            "last_step_at": self.last_end_wall(),
-            "step_time": float(np.median(recent)) if n else None,
-            "state": "training",
-        }
-
-    def close(self) -> None:
-        self.capture.unwrap()
-        self.inputs.close()
-        self.memory.stop()
-
-    def reopen(self) -> None:
-        """Undo ``close``: the loss and clip wrappers and the root model's hook go back; the next step's clock
-        restarts."""
-        self.capture.wrap()
-        self.watch_roots()
-        self._last_ns = None
-        self._settled_ns = None  # the paused time earns nothing
-        self.quick = False
-        self._started_ns = time.perf_counter_ns()

@@ -1,0 +1,46 @@
+"""The step tracker's life outside its loop's steps: its status, and closing and reopening it around a pause."""
+
+from __future__ import annotations
+
+import time
+
+__all__ = ["StepLife"]
+
+
+class StepLife:
+    """``StepTracker``'s base class: its methods that run outside the training loop's steps (``probe status``,
+    ``hooks.pause`` and ``hooks.resume``), on the state ``StepTracker.__init__`` sets."""
+
+    def last_end_wall(self) -> float | None:
+        """Wall-clock time of the last boundary (None before the first)."""
+        return None if self._last_ns is None else self._last_ns * 1e-9 + self.wall_offset
+
+    # -- status -------------------------------------------------------------------------------------
+    def status(self) -> dict:
+        if self.step == 0:
+            return {"state": "idle"}
+        import numpy as np
+
+        n = min(len(self.ring), 20)
+        recent = self.ring.snapshot()["duration"][-n:] if n else []
+        return {
+            "step": self.step,
+            "last_step_at": self.last_end_wall(),
+            "step_time": float(np.median(recent)) if n else None,
+            "state": "training",
+        }
+
+    def close(self) -> None:
+        self.capture.unwrap()
+        self.inputs.close()
+        self.memory.stop()
+
+    def reopen(self) -> None:
+        """Undo ``close``: the loss and clip wrappers and the root model's hook go back; the next step's clock
+        restarts."""
+        self.capture.wrap()
+        self.watch_roots()
+        self._last_ns = None
+        self._settled_ns = None  # the paused time earns nothing
+        self.quick = False
+        self._started_ns = time.perf_counter_ns()
