@@ -53,15 +53,17 @@ from .queue import Context
 
 __all__ = ["change_lr", "check_rate", "reset_lr", "describe", "around_step"]
 
-_lock = threading.Lock()
-overrides: dict[int, "_Override"] = {}  # id(optimizer) -> its override; empty: the step hooks skip lr
+lock = threading.Lock()  # guards overrides: the action adds and removes, the step post-hook removes a finished one
+overrides: dict[int, "Override"] = {}  # id(optimizer) -> its override; empty: the step hooks skip lr
 
 
 def _tracker():
     return hooks.tracker()
 
 
-class _Group:
+class Group:
+    """The override held on one param group: its mode and value, the rates around the last step, what it did."""
+
     __slots__ = (
         "mode",
         "value",
@@ -109,13 +111,13 @@ class _Group:
         return f"scale {self.value:g}" if self.mode == "scale" else f"set {self.value:g}"
 
 
-class _Override:
+class Override:
     """The state of each overridden group of one optimizer, applied by probe's global step hooks."""
 
     def __init__(self, opt, name: str):
         self.ref = weakref.ref(opt)
         self.name = name
-        self.groups: dict[int, _Group] = {}
+        self.groups: dict[int, Group] = {}
         self.rescaled: dict[int, Rescaled] = {}  # groups whose scheduler's base rates were scaled instead
         self.pending: list = []  # (settle, result, once, rows) waiting for the next step
 
@@ -172,7 +174,7 @@ class _Override:
         for item in pending:
             lrcheck.settle(self.groups, item, step)
         if not self.groups and not self.rescaled and not self.pending:
-            with _lock:
+            with lock:
                 if overrides.get(id(opt)) is self:
                     del overrides[id(opt)]
 
@@ -262,11 +264,19 @@ def _pick(which: int | str | None, group: int | None) -> list:
 MAX_JUMP = 10.0  # a new rate past this many times the largest rate in use needs --force
 
 
-def _next_rate(ov, i: int, group: dict) -> float:
-    """The rate group ``i``'s next step uses: the loop's, or the override's on top of it."""
-    loop = value(group["lr"])
-    g = ov.groups.get(i) if ov is not None else None
-    return g.target(loop) if g is not None else loop
+def next_rates(opt, groups: list) -> list:
+    """The rate each of ``groups`` (``opt``'s param groups) uses at its next step: the loop's, or the
+    override's on top of it."""
+    with lock:
+        ov = overrides.get(id(opt))
+    if ov is not None and ov.ref() is not opt:
+        ov = None  # a dead optimizer's id reused
+    rates = []
+    for i, group in enumerate(groups):
+        loop = value(group["lr"])
+        g = ov.groups.get(i) if ov is not None else None
+        rates.append(g.target(loop) if g is not None else loop)
+    return rates
 
 
 def check_rate(
@@ -290,12 +300,8 @@ def check_rate(
     """
     for f in _pick(optimizer_index, group):
         opt = f.obj
-        with _lock:
-            ov = overrides.get(id(opt))
-        if ov is not None and ov.ref() is not opt:
-            ov = None
         pgs = list(opt.param_groups)
-        rates = [_next_rate(ov, i, g) for i, g in enumerate(pgs)]
+        rates = next_rates(opt, pgs)
         # against the rates in use now and, under a scheduler, the base rates it started from (a warm-up from 0,
         # or a decayed schedule set back to its start, is no jump)
         largest = max(
@@ -374,12 +380,12 @@ def change_lr(
         opt = f.obj
         groups = list(range(len(opt.param_groups))) if group is None else [group]
         rows = []
-        with _lock:
+        with lock:
             ov = overrides.get(id(opt))
             if ov is not None and ov.ref() is not opt:
                 ov = None  # a dead optimizer's id reused
             if ov is None:
-                ov = overrides[id(opt)] = _Override(opt, f.name)
+                ov = overrides[id(opt)] = Override(opt, f.name)
             for i in groups:
                 loop = value(opt.param_groups[i]["lr"])
                 g = ov.groups.get(i)
@@ -412,7 +418,7 @@ def change_lr(
                         del ov.groups[i]  # a one-off write replaces a held override
                     write(opt.param_groups[i], after)
                 elif g is None:
-                    g = ov.groups[i] = _Group(
+                    g = ov.groups[i] = Group(
                         "set" if set_to is not None else "scale",
                         set_to if set_to is not None else scale,
                         loop,
@@ -471,7 +477,7 @@ def reset_lr(ctx: Context, *, group: int | None, optimizer_index: int | None) ->
     opts = _pick(optimizer_index, group) if optimizer_index is not None or group is not None else optimizers()
     removed = []
     for f in opts:
-        with _lock:
+        with lock:
             ov = overrides.get(id(f.obj))
             if ov is None or ov.ref() is not f.obj:
                 continue
