@@ -133,7 +133,7 @@ def optimizer(ctx):
     tk = hooks.tracker()
     lead = tk.lead_optimizer() if tk is not None else None
     rows = []
-    from ..actions.lr import describe
+    from ..actions.lroverride import describe
 
     for found in finder.optimizers():
         opt = found.obj

@@ -25,7 +25,7 @@ __all__ = ["arm", "disarm", "pause", "resume", "tracker", "tracer", "step", "wat
 
 _lock = threading.RLock()
 _state: dict = {}
-lr_overrides = None  # probe.actions.lr puts itself here when imported: its overrides apply around each step
+lr_overrides = None  # probe.actions.lroverride puts itself here when imported: its overrides apply around each step
 
 
 class _TorchWatcher:
