@@ -33,7 +33,8 @@ then (the override was re-applied). Afterwards the result keeps counting: ``held
 and ``rewrites`` (steps at which the loop changed its rate and the override was applied on
 top). ``--once`` writes ``param_groups`` without holding it; it is still checked at the
 next step, and fails if the loop rewrote the rate before that step ran. ``--reset`` removes
-overrides. Overrides live in this process only: a checkpoint stores the loop's rates.
+overrides. Overrides live in this process only: a checkpoint stores the loop's rates. The overrides
+themselves, and what the step hooks do with them, are in ``lroverride``; this module is the action.
 """
 
 from __future__ import annotations
