@@ -85,6 +85,14 @@ def _quiet_compile_warning() -> None:
 
 
 class Tracer:
+    """The module tracer of this process (one, made by ``hooks``): hooks on its sampled steps, and their rows.
+
+    The hooks (``call_hooks``) keep the open calls on ``stack`` (``rstack``: those recomputed during backward),
+    append to ``rows``, ``recomputed`` and ``out_stats``, read memory through ``read_mem`` at most every
+    ``MEM_PERIOD`` into ``mem`` (time of the reading, value), CUDA events from ``new_event``, and hand each
+    root's output to ``watch_backward``.
+    """
+
     def __init__(self, torch, every: int | None = None, capacity: int | None = None, stats: bool | None = None):
         self.torch = torch
         if every is None:
@@ -105,11 +113,11 @@ class Tracer:
         self.pending_events: list = []  # (ring row, ev0, ev1) awaiting completion (CUDA)
         self.names = ModuleNames()
         self._rss = RssReader()
-        self._mem = [0.0, float("nan")]  # time of last reading, value
+        self.mem = [0.0, float("nan")]  # time of last reading, value
         self._event_pool: list = []
         self._failed = False
-        self._stack: list = []  # the hooks' open calls; emptied at each boundary (a raise can strand one)
-        self._rstack: list = []  # the open calls of a recomputation during backward (activation checkpointing)
+        self.stack: list = []  # the hooks' open calls; emptied at each boundary (a raise can strand one)
+        self.rstack: list = []  # the open calls of a recomputation during backward (activation checkpointing)
         self.recomputed: list = []  # (module, t0, t1, mem[, ev0, ev1]) per recomputed call
         self._lock = threading.Lock()
         self.stats_on = setting("PROBE_TRACE_STATS") if stats is None else stats
@@ -143,8 +151,8 @@ class Tracer:
         default whether it is sampled), else make sure none are."""
         if want is None:
             want = self.sampled(step)
-        self._stack.clear()
-        self._rstack.clear()
+        self.stack.clear()
+        self.rstack.clear()
         if not self.cuda and want and self.torch.cuda.is_initialized():
             self.cuda = True  # CUDA came up after the probe: time device work from now on
             self._remove()
@@ -159,156 +167,25 @@ class Tracer:
             self.syncs.stop(None)
 
     # -- hooks ---------------------------------------------------------------------------------
-    def _read_mem(self) -> float:
+    def read_mem(self) -> float:
         if self.cuda:
             return float(self.torch.cuda.memory_allocated())
         return self._rss()
 
     def _install(self) -> None:
-        """Install the global forward pre/post hook pair for one sampled step.
-
-        Every module call of the step runs these two functions, so they do the least
-        that keeps a call's record: a perf_counter reading each side, a stack push and
-        pop, one tuple appended; names, sequence numbers and the ring write wait for the
-        boundary. Two variants (CPU, CUDA) keep a device test out of the hot path. While
-        dynamo traces a compiled module the hooks do nothing (``is_dynamo_compiling`` is
-        False in eager code and constant-folded to True by dynamo), so a ``fullgraph``
-        compile sees no side effect to break on. No ``always_call``: a post hook that a
-        raising module skips leaves its entry on the stack, and the next post hook pops
-        past it.
-        """
-        torch = self.torch
-        mm = torch.nn.modules.module
-        stack = self._stack
-        push, pop = stack.append, stack.pop
-        add = self.rows.append
-        rstack = self._rstack
-        add_recomputed = self.recomputed.append
-        graph_task = getattr(torch._C, "_current_graph_task_id", None) or (lambda: -1)  # -1: not in a backward pass
-        perf = time.perf_counter
-        mem = self._mem
-        read_mem = self._read_mem
-        new_event = self._new_event
-        tc = getattr(torch, "compiler", None)
-        compiling = getattr(tc, "is_dynamo_compiling", None) or getattr(tc, "is_compiling", None) or (lambda: False)
-        grad_enabled = torch.is_grad_enabled
-        watch_backward = self._watch_backward
-        period = MEM_PERIOD
+        """Install the global forward pre/post hook pair for one sampled step (``call_hooks``: what they record)."""
         stat = None
         if self.stats_on:
             try:
-                stat = recorder(torch, self.cuda)
+                stat = recorder(self.torch, self.cuda)
                 self._stats_new_step = stat.new_step
             except Exception as exc:
                 record_error("torch trace: output statistics", exc)
-        out_stats = self.out_stats
-        failures = [0]
-        keep = out_stats.append
-
-        def stats(output):  # the output statistics of the call just added; never raises into the forward
-            if len(out_stats) >= MAX_STATS_CALLS:  # a step that never ends (no boundary): keep no more
-                keep(None)
-                return
-            nonlocal stat
-            try:
-                keep(stat(output))
-            except Exception as exc:
-                keep(None)
-                failures[0] += 1
-                record_error("torch trace: output statistics", exc)
-                if failures[0] >= 10:  # something in this job's outputs we cannot reduce: stop trying
-                    self.stats_on, stat = False, None
-
-        def recompute_post(module, ev1):
-            """The end of a recomputed call: its own stack, its own rows, no statistics or backward watch."""
-            t1 = perf()
-            while rstack:
-                entry = rstack.pop()
-                if entry[0] is module:
-                    add_recomputed((module, entry[1], t1, mem[1]) + ((entry[2], ev1) if ev1 is not None else ()))
-                    return
-
-        def pre(module, args):
-            if compiling():
-                return
-            if graph_task() != -1:
-                rstack.append((module, perf()))
-                return
-            push((module, perf()))
-
-        def post(module, args, output):
-            if compiling():
-                return
-            if graph_task() != -1:
-                recompute_post(module, None)
-                return
-            if not stack:
-                return
-            t1 = perf()
-            m, t0 = pop()
-            while m is not module and stack:  # a call that raised past its own post hook
-                m, t0 = pop()
-            if m is not module:
-                return
-            if t1 - mem[0] > period:
-                mem[0] = t1
-                mem[1] = read_mem()
-            if stack:
-                add((module, t0, t1, mem[1], len(stack)))
-            else:
-                add((module, t0, t1, mem[1], 0))
-                if grad_enabled():
-                    watch_backward(module, output)
-            if stat is not None:
-                stats(output)
-
-        def pre_cuda(module, args):
-            if compiling():
-                return
-            ev = new_event()
-            ev.record()
-            if graph_task() != -1:
-                rstack.append((module, perf(), ev))
-                return
-            push((module, perf(), ev))
-
-        def post_cuda(module, args, output):
-            if compiling():
-                return
-            if graph_task() != -1:
-                ev1 = new_event()
-                ev1.record()
-                recompute_post(module, ev1)
-                return
-            if not stack:
-                return
-            ev1 = new_event()
-            ev1.record()
-            t1 = perf()
-            m, t0, ev0 = pop()
-            while m is not module and stack:
-                m, t0, ev0 = pop()
-            if m is not module:
-                return
-            if t1 - mem[0] > period:
-                mem[0] = t1
-                mem[1] = read_mem()
-            depth = len(stack)
-            add((module, t0, t1, mem[1], depth, ev0, ev1))
-            if not depth and grad_enabled():
-                watch_backward(module, output)
-            if stat is not None:
-                stats(output)
-
+        pre, post = call_hooks(self, stat)
+        mm = self.torch.nn.modules.module
         _quiet_compile_warning()
         try:
-            if self.cuda:
-                self.handles = [
-                    mm.register_module_forward_pre_hook(pre_cuda),
-                    mm.register_module_forward_hook(post_cuda),
-                ]
-            else:
-                self.handles = [mm.register_module_forward_pre_hook(pre), mm.register_module_forward_hook(post)]
+            self.handles = [mm.register_module_forward_pre_hook(pre), mm.register_module_forward_hook(post)]
         except Exception as exc:
             self._failed = True
             record_error("torch trace: installing hooks", exc)
@@ -321,11 +198,11 @@ class Tracer:
                 record_error("torch trace: removing hooks", exc)
         self.handles = []
 
-    def _new_event(self):
+    def new_event(self):
         pool = self._event_pool
         return pool.pop() if pool else self.torch.cuda.Event(enable_timing=True)
 
-    def _watch_backward(self, root, output) -> None:
+    def watch_backward(self, root, output) -> None:
         """Time the backward pass of a root model: autograd reaching its output, to the pass's end."""
         try:
             t = output
@@ -352,7 +229,7 @@ class Tracer:
             now = time.perf_counter()
             ev = None
             if self.cuda:
-                ev = self._new_event()
+                ev = self.new_event()
                 ev.record()
             self._close_backward(now)
             self._open_backward = (root, now, ev)
@@ -370,9 +247,9 @@ class Tracer:
         root, t0, ev0 = opened
         ev1 = None
         if self.cuda:
-            ev1 = self._new_event()
+            ev1 = self.new_event()
             ev1.record()
-        self.backward.append((root, t0, now, self._read_mem(), ev0, ev1))
+        self.backward.append((root, t0, now, self.read_mem(), ev0, ev1))
 
     def _backward_finished(self) -> None:
         try:
@@ -394,7 +271,7 @@ class Tracer:
         # The hooks hold these lists: take their contents and empty them in place.
         rows, back, again = self.rows[:], self.backward[:], self.recomputed[:]
         del self.rows[: len(rows)], self.backward[: len(back)], self.recomputed[: len(again)]
-        self._rstack.clear()
+        self.rstack.clear()
         out = self.out_stats[: len(rows)]
         del self.out_stats[:]
         if self._stats_new_step is not None:
@@ -464,3 +341,135 @@ class Tracer:
         self._remove()
         self.syncs.stop(None)
         self.active_step = None
+
+
+def call_hooks(tracer, stat) -> tuple:
+    """The global forward pre/post hook pair that records each module call of ``tracer``'s sampled step
+    (``stat``: a call's output statistics, from ``outstats.recorder``; None: none).
+
+    Every module call of the step runs these two functions, so they do the least
+    that keeps a call's record: a perf_counter reading each side, a stack push and
+    pop, one tuple appended; names, sequence numbers and the ring write wait for the
+    boundary. Two variants (CPU, CUDA) keep a device test out of the hot path. While
+    dynamo traces a compiled module the hooks do nothing (``is_dynamo_compiling`` is
+    False in eager code and constant-folded to True by dynamo), so a ``fullgraph``
+    compile sees no side effect to break on. No ``always_call``: a post hook that a
+    raising module skips leaves its entry on the stack, and the next post hook pops
+    past it.
+    """
+    torch = tracer.torch
+    stack = tracer.stack
+    push, pop = stack.append, stack.pop
+    add = tracer.rows.append
+    rstack = tracer.rstack
+    add_recomputed = tracer.recomputed.append
+    graph_task = getattr(torch._C, "_current_graph_task_id", None) or (lambda: -1)  # -1: not in a backward pass
+    perf = time.perf_counter
+    mem = tracer.mem
+    read_mem = tracer.read_mem
+    new_event = tracer.new_event
+    tc = getattr(torch, "compiler", None)
+    compiling = getattr(tc, "is_dynamo_compiling", None) or getattr(tc, "is_compiling", None) or (lambda: False)
+    grad_enabled = torch.is_grad_enabled
+    watch_backward = tracer.watch_backward
+    period = MEM_PERIOD
+    out_stats = tracer.out_stats
+    failures = [0]
+    keep = out_stats.append
+
+    def stats(output):  # the output statistics of the call just added; never raises into the forward
+        if len(out_stats) >= MAX_STATS_CALLS:  # a step that never ends (no boundary): keep no more
+            keep(None)
+            return
+        nonlocal stat
+        try:
+            keep(stat(output))
+        except Exception as exc:
+            keep(None)
+            failures[0] += 1
+            record_error("torch trace: output statistics", exc)
+            if failures[0] >= 10:  # something in this job's outputs we cannot reduce: stop trying
+                tracer.stats_on, stat = False, None
+
+    def recompute_post(module, ev1):
+        """The end of a recomputed call: its own stack, its own rows, no statistics or backward watch."""
+        t1 = perf()
+        while rstack:
+            entry = rstack.pop()
+            if entry[0] is module:
+                add_recomputed((module, entry[1], t1, mem[1]) + ((entry[2], ev1) if ev1 is not None else ()))
+                return
+
+    def pre(module, args):
+        if compiling():
+            return
+        if graph_task() != -1:
+            rstack.append((module, perf()))
+            return
+        push((module, perf()))
+
+    def post(module, args, output):
+        if compiling():
+            return
+        if graph_task() != -1:
+            recompute_post(module, None)
+            return
+        if not stack:
+            return
+        t1 = perf()
+        m, t0 = pop()
+        while m is not module and stack:  # a call that raised past its own post hook
+            m, t0 = pop()
+        if m is not module:
+            return
+        if t1 - mem[0] > period:
+            mem[0] = t1
+            mem[1] = read_mem()
+        if stack:
+            add((module, t0, t1, mem[1], len(stack)))
+        else:
+            add((module, t0, t1, mem[1], 0))
+            if grad_enabled():
+                watch_backward(module, output)
+        if stat is not None:
+            stats(output)
+
+    def pre_cuda(module, args):
+        if compiling():
+            return
+        ev = new_event()
+        ev.record()
+        if graph_task() != -1:
+            rstack.append((module, perf(), ev))
+            return
+        push((module, perf(), ev))
+
+    def post_cuda(module, args, output):
+        if compiling():
+            return
+        if graph_task() != -1:
+            ev1 = new_event()
+            ev1.record()
+            recompute_post(module, ev1)
+            return
+        if not stack:
+            return
+        ev1 = new_event()
+        ev1.record()
+        t1 = perf()
+        m, t0, ev0 = pop()
+        while m is not module and stack:
+            m, t0, ev0 = pop()
+        if m is not module:
+            return
+        if t1 - mem[0] > period:
+            mem[0] = t1
+            mem[1] = read_mem()
+        depth = len(stack)
+        add((module, t0, t1, mem[1], depth, ev0, ev1))
+        if not depth and grad_enabled():
+            watch_backward(module, output)
+        if stat is not None:
+            stats(output)
+
+    return (pre_cuda, post_cuda) if tracer.cuda else (pre, post)
