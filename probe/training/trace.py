@@ -12,7 +12,8 @@ Sampling is deterministic by step number (the same steps on every rank): steps 1
 Durations: perf_counter on CPU; on CUDA a pair of CUDA events per call, resolved
 when the events have completed (a later boundary or query), never synchronising.
 ``allocated`` is the CUDA allocator's current bytes on GPU runs, else the process
-RSS; it is read at most every ``MEM_PERIOD`` seconds (the last reading is reused).
+RSS; it is read at most every ``tracecalls.MEM_PERIOD`` seconds (the last reading is
+reused).
 Backward is traced per root model (a module called at top level, a loss module
 included), as a cut of the backward pass: a root's row runs from the moment autograd
 reaches its output to the moment it reaches the next root's output, or to the end of the
@@ -86,10 +87,10 @@ def _quiet_compile_warning() -> None:
 class Tracer:
     """The module tracer of this process (one, made by ``hooks``): hooks on its sampled steps, and their rows.
 
-    The hooks (``call_hooks``) keep the open calls on ``stack`` (``rstack``: those recomputed during backward),
-    append to ``rows``, ``recomputed`` and ``out_stats``, read memory through ``read_mem`` at most every
-    ``MEM_PERIOD`` into ``mem`` (time of the reading, value), CUDA events from ``new_event``, and hand each
-    root's output to ``watch_backward``.
+    The hooks (``tracecalls.call_hooks``) keep the open calls on ``stack`` (``rstack``: those recomputed
+    during backward), append to ``rows``, ``recomputed`` and ``out_stats``, read memory through ``read_mem``
+    at most every ``MEM_PERIOD`` into ``mem`` (time of the reading, value), CUDA events from ``new_event``,
+    and hand each root's output to ``watch_backward``.
     """
 
     def __init__(self, torch, every: int | None = None, capacity: int | None = None, stats: bool | None = None):
