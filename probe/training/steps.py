@@ -94,7 +94,7 @@ class StepTracker(StepLife):
       ``trace_pacing`` (``tracepace.TracePacing``: which steps are traced);
     * ``lead``: weakref to the lead optimizer; ``cycle``: ``cycle.OptimizerCycle`` once a second one steps;
     * ``step_lr``: the lr an override made this step use, and ``used_lr``: ``(optimizer, lr)`` for the
-      cycle's rows, both set by the lr action (``probe.actions.lr``) before the boundary;
+      cycle's rows, both set by the lr overrides (``probe.actions.lroverride``) before the boundary;
     * ``quick``: the next boundary may take the quick path (unmeasured, untraced, nothing queued);
     * ``wall_offset``: time.time() minus perf_counter(); ``rank``: this process's (None if not distributed).
 
