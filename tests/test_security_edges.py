@@ -84,8 +84,28 @@ def _lr_actions(cli, pid) -> list:
 
 
 def _audit(env) -> list:
-    with open(os.path.join(env["PROBE_RUNTIME_DIR"], "audit.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The audit log's lines ([] before the first action wrote one)."""
+    try:
+        with open(os.path.join(env["PROBE_RUNTIME_DIR"], "audit.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+@pytest.fixture(scope="module")
+def rate_jobs(shared_spawn):
+    """One training job per optimizer and dtype (no scheduler: the rate stays 0.05), shared by the refusals: a
+    refused rate queues nothing and changes nothing, so each case meets the job as the first one did."""
+    jobs: dict = {}
+
+    def job(optim: str, dtype: str):
+        if (optim, dtype) not in jobs:
+            jobs[optim, dtype] = shared_spawn(
+                [ACTIONS, "--sched", "none", "--optim", optim, "--dtype", dtype, "--step-sleep", "0.05"]
+            )
+        return jobs[optim, dtype]
+
+    return job
 
 
 @requires_torch
@@ -106,19 +126,20 @@ def _audit(env) -> list:
     ],
 )
 def test_a_rate_that_would_kill_or_stall_the_job_is_refused_and_nothing_is_queued(
-    spawn, cli, probe_env, optim, dtype, argv, words
+    rate_jobs, shared_cli, shared_env, optim, dtype, argv, words
 ):
-    # given a training job (no scheduler: the rate stays 0.05)
-    p = spawn([ACTIONS, "--sched", "none", "--optim", optim, "--dtype", dtype, "--step-sleep", "0.05"])
+    # given a training job (no scheduler: the rate stays 0.05), and the audit log so far
+    p = rate_jobs(optim, dtype)
+    audited = len(_audit(shared_env))
     # when the CLI asks for the rate
-    r = cli(p.pid, "--yes", "lr", *argv)
+    r = shared_cli(p.pid, "--yes", "lr", *argv)
     # then one sentence, a non-zero exit, nothing queued, a refusal in the audit log, and the job steps on
     assert r.returncode != 0, r.stdout + r.stderr
     assert words in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert _lr_actions(cli, p.pid) == []
-    refused = [a for a in _audit(probe_env) if a.get("command") == "lr"]
-    assert refused and all(a.get("outcome") == "refused" for a in refused), refused
+    assert _lr_actions(shared_cli, p.pid) == []
+    refused = [a for a in _audit(shared_env)[audited:] if a.get("command") == "lr"]
+    assert refused and all(a.get("outcome") == "refused" and a.get("pid") in (p.pid, None) for a in refused), refused
     assert _steps_on(p, _last_step(p)), p.output()[-2000:]
 
 
