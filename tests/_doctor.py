@@ -43,7 +43,9 @@ def poll_for(cli, target, rule, timeout=60.0, env=None):
     return found[0], said["findings"]
 
 
-def names_the_planted_fault(spawn, cli, fault, rule, words):
+def names_the_planted_fault(spawn, cli, fault, rule, words, *, human: bool = False):
+    """``human``: also check the human form (one fault a file: it renders every finding alike, and a doctor run
+    is ~0.8 s of CPU the suite's other jobs share)."""
     # given: a job with one planted fault, past the point where it shows
     args, env = plant(fault)
     job = spawn([TARGETS / "faults.py", *args], env=env, ready="planted", timeout=180)
@@ -57,6 +59,8 @@ def names_the_planted_fault(spawn, cli, fault, rule, words):
         assert w in finding["message"], finding
     assert finding["next"] and all(n.startswith("probe ") for n in finding["next"])
     assert str(job.pid) in " ".join(finding["next"])
+    if not human:
+        return
     # the human form: the most severe finding comes first, with its next command
     text = cli(job.pid, "doctor")
     assert text.returncode == FOUND_EXIT and "next: probe" in text.stdout, (text.returncode, text.stdout, text.stderr)

@@ -43,4 +43,8 @@ class StepLife:
         self._last_ns = None
         self._settled_ns = None  # the paused time earns nothing
         self.quick = False
-        self._started_ns = time.perf_counter_ns()
+        self._started_ns = now = time.perf_counter_ns()
+        # nor does it count towards the budget's floor (a measured step at least once a second of probed training):
+        # counted, a benchmark pausing two blocks in three would measure a step at every resume past a second,
+        # three times as often per probed step as a job that never pauses
+        self.budget.last_allowed_ns = now
