@@ -29,16 +29,17 @@ def find(cli, target, rule, env=None):
     return hit[0], doc["findings"]
 
 
-def poll_for(cli, target, rule, timeout=60.0, env=None):
+def poll_for(cli, target, rule, timeout=60.0, env=None, interval=2.0):
     """Run the doctor until ``rule`` is among its findings; return (that finding, all findings). Only for rules
-    that wait on wall time (a hang: no step for PROBE_HUNG_AFTER seconds); the others use ``find``."""
+    that wait on wall time (a hang: no step for PROBE_HUNG_AFTER seconds); the others use ``find``. Every 2 s:
+    those rules wait for seconds, and each doctor run is ~0.8 s of CPU the job and the suite's other jobs share."""
     said = {}
 
     def hit() -> list:
         said.update(doctor(cli, target, env=env))
         return [f for f in said["findings"] if f["rule"] == rule]
 
-    found = poll(hit, timeout, interval=0.5)
+    found = poll(hit, timeout, interval=interval)
     assert found, f"{rule} not found; the doctor said: {json.dumps(said['findings'], indent=1)}"
     return found[0], said["findings"]
 
