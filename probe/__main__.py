@@ -1,5 +1,3 @@
-import sys
+from probe.cli import entry
 
-from probe.cli import main
-
-sys.exit(main())
+entry()

@@ -174,6 +174,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def entry() -> None:
+    """The ``probe`` console script (and ``python -m probe``): ``main``, then out at once with its exit code.
+
+    The streams are flushed, and the interpreter's teardown is skipped: with DuckDB loaded, a daemon
+    thread that takes the GIL back while the interpreter finalizes is ended by ``pthread_exit``
+    through DuckDB's C++ frames, and the process aborted (exit -6, "FATAL: exception not rethrown")
+    after printing a correct answer. Nothing of the CLI needs the teardown: it writes its files as it
+    goes, and its temporary directories are removed by the code that made them."""
+    import os
+
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away (`probe ... | head`), or a closed stream
+            pass
+    os._exit(code)
+
+
 def _looks_like_endpoint(word: str) -> bool:
     return word.isdigit() or ":" in word or "/" in word or word.endswith(".sock")
 

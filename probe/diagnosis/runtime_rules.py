@@ -152,7 +152,8 @@ rule(
         "Over the last 50 steps (every step: torch.steps.data_wait, the time before each step's first forward call; "
         "on traced steps without it, the time outside the root models' forward and backward), more than 70% of the "
         "step time (and 20 ms a step) goes outside the model: waiting for data or host-side work (time waiting for "
-        "other ranks, torch.steps.comm_wait, or for a CPU, torch.steps.cpu_wait, does not count); summed over the "
+        "other ranks, torch.steps.comm_wait, or for a CPU, torch.steps.cpu_wait, does not count: on the steps the "
+        "budget did not measure, the CPU wait is the last 50 measured steps' share of step time); summed over the "
         "steps, so batches that arrive in pairs from two workers (a fast step, then a slow one) count in full; names "
         "the DataLoaders with num_workers=0 (torch.dataloaders) and, when the main thread is in one now, the "
         "DataLoader's __next__/fetch or Dataset's __getitem__ it is in (python.backtrace)."
@@ -160,11 +161,19 @@ rule(
     sql="""
 WITH f AS (
   SELECT rank, step, sum(duration) AS model_s FROM python.torch_trace WHERE depth = 0 GROUP BY rank, step),
-j AS (  -- each step's time in the model: all but its data_wait, else (traced steps) its root modules' time
-  SELECT s.rank, s.step, s.duration - coalesce(s.comm_wait, 0) - coalesce(s.cpu_wait, 0) AS duration,
+w AS (  -- the share of step time the training thread waited for a CPU, over the last 50 steps that read it
+  SELECT rank, least(sum(cpu_wait) / nullif(sum(duration), 0), 1) AS share
+  FROM (SELECT rank, duration, cpu_wait, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+        FROM torch.steps WHERE cpu_wait IS NOT NULL AND duration > 0)
+  WHERE age <= 50 GROUP BY rank),
+j AS (  -- each step's time in the model: all but its data_wait, else (traced steps) its root modules' time; a
+        -- step's CPU wait is its own where it was read, else the recent steps' share of it (a loaded host)
+  SELECT s.rank, s.step,
+         s.duration - coalesce(s.comm_wait, 0) - coalesce(s.cpu_wait, s.duration * coalesce(w.share, 0)) AS duration,
          coalesce(s.duration - s.data_wait, f.model_s) AS model_s
   FROM torch.steps AS s
   LEFT JOIN f ON f.rank IS NOT DISTINCT FROM s.rank AND f.step = s.step
+  LEFT JOIN w ON w.rank IS NOT DISTINCT FROM s.rank
   WHERE s.duration IS NOT NULL AND coalesce(s.duration - s.data_wait, f.model_s) IS NOT NULL),
 m AS (
   SELECT rank, max(step) AS step, count(*) AS steps, avg(duration) AS step_s, avg(least(model_s, duration)) AS model_s
