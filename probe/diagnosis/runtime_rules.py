@@ -12,6 +12,14 @@ from .rules import rule
 
 __all__: list = []
 
+# The last 50 steps per rank that read the training thread's CPU wait (torch.steps.cpu_wait, on measured steps):
+# cpu_starved's evidence, and input_bound's estimate of the wait on the steps that did not read it.
+WAITED_CTE = """waited AS (
+  SELECT rank, step, duration, cpu_wait
+  FROM (SELECT rank, step, duration, cpu_wait, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+        FROM torch.steps WHERE cpu_wait IS NOT NULL AND duration > 0)
+  WHERE age <= 50)"""
+
 rule(
     "memory_growth",
     family="memory",
@@ -126,13 +134,11 @@ rule(
         "Over the last 50 measured steps the training thread waited for a CPU (torch.steps.cpu_wait) for more than a "
         "quarter of its step time and 5 ms a step: the host is oversubscribed."
     ),
-    sql="""
-WITH s AS (
-  SELECT rank, step, duration, cpu_wait, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
-  FROM torch.steps WHERE cpu_wait IS NOT NULL AND duration > 0)
+    sql=f"""
+WITH {WAITED_CTE}
 SELECT rank, max(step) AS step, median(cpu_wait) * 1000 AS wait_ms, median(duration) * 1000 AS step_ms,
        100 * median(cpu_wait) / median(duration) AS pct
-FROM s WHERE age <= 50 GROUP BY rank
+FROM waited GROUP BY rank
 HAVING count(*) >= 10 AND median(cpu_wait) > 0.25 * median(duration) AND median(cpu_wait) > 0.005""",
     message="the training thread waited {wait_ms:.1f} ms a step for a CPU ({pct:.0f}% of its {step_ms:.1f} ms steps): "
     "other processes, data loader workers or another job share its cores, and the step times include that wait.",
@@ -158,14 +164,12 @@ rule(
         "the DataLoaders with num_workers=0 (torch.dataloaders) and, when the main thread is in one now, the "
         "DataLoader's __next__/fetch or Dataset's __getitem__ it is in (python.backtrace)."
     ),
-    sql="""
+    sql=f"""
 WITH f AS (
   SELECT rank, step, sum(duration) AS model_s FROM python.torch_trace WHERE depth = 0 GROUP BY rank, step),
-w AS (  -- the share of step time the training thread waited for a CPU, over the last 50 steps that read it
-  SELECT rank, least(sum(cpu_wait) / nullif(sum(duration), 0), 1) AS share
-  FROM (SELECT rank, duration, cpu_wait, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
-        FROM torch.steps WHERE cpu_wait IS NOT NULL AND duration > 0)
-  WHERE age <= 50 GROUP BY rank),
+{WAITED_CTE},
+w AS (  -- the share of step time the training thread waited for a CPU, over those steps
+  SELECT rank, least(sum(cpu_wait) / nullif(sum(duration), 0), 1) AS share FROM waited GROUP BY rank),
 j AS (  -- each step's time in the model: all but its data_wait, else (traced steps) its root modules' time; a
         -- step's CPU wait is its own where it was read, else the recent steps' share of it (a loaded host)
   SELECT s.rank, s.step,
