@@ -10,10 +10,14 @@ Nothing here waits on a fixed time: every wait has a deadline and ends as soon a
 
 from __future__ import annotations
 
+import array
+import json
 import os
 import re
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +38,7 @@ __all__ = [
     "run_probe",
     "stop_groups",
     "ptrace_refused",
+    "use_fork_server",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,9 +156,150 @@ def ptrace_refused() -> str | None:
     return _ptrace[0] or None
 
 
+_FORKABLE = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+# What the interpreter, the C libraries and torch read from the environment when they are imported: a target
+# whose environment differs from the fork server's here gets a real spawn (a fork has imported them already).
+# TORCHELASTIC_* (a launcher's run id, read when the job asks) is not among them.
+_IMPORT_TIME_ENV = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA", "NCCL", "LD_", "MALLOC")
+_TORCH_SCRIPT = re.compile(rb"^(import torch\b|from torch\b)", re.M)
+_ARGV_ROOM = 8192  # bytes of the server's argv area that a child's command line may fill (see forkserver.py)
+
+
+class _Forked:
+    """A target forked by the fork server, with the part of ``subprocess.Popen``'s interface the suite uses
+    (``pid``, ``args``, ``stdout``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate``,
+    ``kill``). Its exit code comes from the server, which reaps it."""
+
+    def __init__(self, pid: int, args: list, stdout, conn: socket.socket):
+        self.pid, self.args, self.stdout, self._conn = pid, args, stdout, conn
+        self.returncode: int | None = None
+
+    def _read_exit(self) -> None:
+        data = self._conn.recv(64)
+        self._conn.close()
+        # no exit code: the server is gone (it outlives every child it forked unless it is killed)
+        self.returncode = int(data) if data.strip() else -signal.SIGKILL
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self._read_exit()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select.select([self._conn], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._read_exit()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _ForkServer:
+    """This process's fork server (tests/forkserver.py), started on first use, when ``use_fork_server(True)``
+    turned it on (the suite's conftest does; benchmarks do not: they measure spawned processes)."""
+
+    def __init__(self):
+        self.enabled = False
+        self.server: subprocess.Popen | None = None
+        self.path = ""
+        self.env: dict = {}
+        self.failed = ""
+        self.lock = threading.Lock()  # tests start ranks from threads: one server
+
+    def _start_server(self) -> bool:
+        with self.lock:
+            return self._start_server_locked()
+
+    def _start_server_locked(self) -> bool:
+        if self.server is not None:
+            return self.server.poll() is None
+        if self.failed or not hasattr(os, "pidfd_open"):
+            return False
+        directory = tempfile.mkdtemp(prefix="pfs-", dir="/tmp")
+        self.path = os.path.join(directory, "s")
+        self.env = clean_env(directory)
+        self.server = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "forkserver.py"), self.path, "-" * _ARGV_ROOM],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=self.env,
+            start_new_session=True,
+        )
+        line = self.server.stdout.readline()  # the preload's import time; EOF if it failed
+        if line.strip() != b"ready":
+            self.failed = f"the fork server did not start ({self.server.wait()}); targets are spawned"
+            print(self.failed, file=sys.stderr)
+            return False
+        return True
+
+    def fits(self, args: list, env: dict) -> bool:
+        """A ``python SCRIPT.py`` whose script imports torch at its top (a script that does not is left a
+        process without torch) and whose environment matches the server's at import time."""
+        if not (self.enabled and len(args) >= 2 and args[0] == sys.executable and args[1].endswith(".py")):
+            return False
+        if len(b"\0".join(a.encode() for a in args)) >= _ARGV_ROOM:
+            return False
+        try:
+            with open(args[1], "rb") as f:
+                if not _TORCH_SCRIPT.search(f.read()):
+                    return False
+        except OSError:
+            return False
+        if not self._start_server():
+            return False
+
+        def at_import(e: dict) -> dict:
+            return {k: v for k, v in e.items() if k.startswith(_IMPORT_TIME_ENV) and not k.startswith("TORCHELASTIC_")}
+
+        return at_import(env) == at_import(self.env)
+
+    def start(self, args: list, env: dict, cwd: str) -> _Forked | None:
+        """Fork ``args`` (``[python, script, ...]``) from the server, or None where a fork cannot stand in
+        for a spawn (see ``fits``)."""
+        if not self.fits(args, env):
+            return None
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        read, write = os.pipe()
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        try:
+            conn.connect(self.path)
+            request = json.dumps({"argv": args[1:], "env": env, "cwd": cwd}).encode()
+            conn.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [stdin, write, write]))])
+            pid = int(conn.recv(64))
+        except (OSError, ValueError) as e:
+            conn.close()
+            os.close(read)
+            self.failed = f"the fork server failed ({e}); targets are spawned"
+            print(self.failed, file=sys.stderr)
+            return None
+        finally:
+            os.close(write)
+            os.close(stdin)
+        return _Forked(pid, args, open(read, encoding=None), conn)
+
+
+_fork_server = _ForkServer()
+
+
+def use_fork_server(on: bool) -> None:
+    """Start ``python SCRIPT.py`` targets that import torch as forks of a server that imported torch once
+    (tests/forkserver.py), where a fork can stand in for a spawn; off by default."""
+    _fork_server.enabled = on
+
+
 def start(args, env: dict, *, cwd=None, ready: str | None = "ready", timeout: float = 90.0, **popen) -> Proc:
     """Start ``args`` (a ``.py`` first argument runs with this Python) in its own process group, with
-    ``env``, in ``cwd`` (default: the env's runtime dir); wait for a line containing ``ready``."""
+    ``env``, in ``cwd`` (default: the env's runtime dir); wait for a line containing ``ready``. With the fork
+    server on (``use_fork_server``), a target script that imports torch is forked from it where it can be."""
     if isinstance(args, (str, Path)):
         args = [str(args)]
     args = [str(a) for a in args]
@@ -161,9 +307,10 @@ def start(args, env: dict, *, cwd=None, ready: str | None = "ready", timeout: fl
         args = [sys.executable] + args
     popen.setdefault("stdout", subprocess.PIPE)
     popen.setdefault("stderr", subprocess.STDOUT)
-    p = subprocess.Popen(
-        args, text=True, env=env, cwd=cwd or env.get("PROBE_RUNTIME_DIR"), start_new_session=True, **popen
-    )
+    cwd = str(cwd or env.get("PROBE_RUNTIME_DIR") or os.getcwd())
+    p = _fork_server.start(args, env, cwd) if popen == _FORKABLE else None
+    if p is None:
+        p = subprocess.Popen(args, text=True, env=env, cwd=cwd, start_new_session=True, **popen)
     proc = Proc(p)
     if ready:
         try:
