@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import EXAMPLES, PROBE_BIN, ROOT, TARGETS, Proc, Spawner, clean_env, poll, run_probe  # noqa: F401  (re-exported)
+from harness import EXAMPLES, PROBE_BIN, ROOT, TARGETS, Proc, Spawner, clean_env, poll, run_probe, run_target  # noqa: F401  (re-exported)
 from harness import use_fork_server
 
 # Target scripts that import torch start as forks of a server that imported it once (tests/harness.py,

@@ -34,6 +34,7 @@ __all__ = [
     "poll",
     "Proc",
     "start",
+    "run_target",
     "Spawner",
     "run_probe",
     "stop_groups",
@@ -172,6 +173,7 @@ class _Forked:
 
     def __init__(self, pid: int, args: list, stdout, conn: socket.socket):
         self.pid, self.args, self.stdout, self._conn = pid, args, stdout, conn
+        self.stderr = None
         self.returncode: int | None = None
 
     def _read_exit(self) -> None:
@@ -262,29 +264,36 @@ class _ForkServer:
 
         return at_import(env) == at_import(self.env)
 
-    def start(self, args: list, env: dict, cwd: str) -> _Forked | None:
+    def start(self, args: list, env: dict, cwd: str, *, apart: bool = False) -> _Forked | None:
         """Fork ``args`` (``[python, script, ...]``) from the server, or None where a fork cannot stand in
-        for a spawn (see ``fits``)."""
+        for a spawn (see ``fits``). Its stdin is /dev/null; its stdout and stderr one pipe (``stdout``), or
+        two with ``apart`` (``stdout`` and ``stderr``)."""
         if not self.fits(args, env):
             return None
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        read, write = os.pipe()
+        out = os.pipe()
+        err = os.pipe() if apart else (None, out[1])
         stdin = os.open(os.devnull, os.O_RDONLY)
         try:
             conn.connect(self.path)
             request = json.dumps({"argv": args[1:], "env": env, "cwd": cwd}).encode()
-            conn.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [stdin, write, write]))])
+            fds = array.array("i", [stdin, out[1], err[1]])
+            conn.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
             pid = int(conn.recv(64))
         except (OSError, ValueError) as e:
             conn.close()
-            os.close(read)
+            for fd in (out[0], err[0]):
+                if fd is not None:
+                    os.close(fd)
             self.failed = f"the fork server failed ({e}); targets are spawned"
             print(self.failed, file=sys.stderr)
             return None
         finally:
-            os.close(write)
-            os.close(stdin)
-        return _Forked(pid, args, open(read, encoding=None), conn)
+            for fd in {out[1], err[1], stdin}:
+                os.close(fd)
+        child = _Forked(pid, args, open(out[0], encoding=None), conn)
+        child.stderr = open(err[0], encoding=None) if apart else None
+        return child
 
 
 _fork_server = _ForkServer()
@@ -319,6 +328,40 @@ def start(args, env: dict, *, cwd=None, ready: str | None = "ready", timeout: fl
             stop_groups([p], grace=5)
             raise
     return proc
+
+
+def run_target(args, env: dict, *, cwd=None, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """Run a target to its end (as ``start`` does: a ``.py`` first argument runs with this Python, forked where
+    it can be), stdin empty; its CompletedProcess (text, stdout and stderr apart). ``timeout`` is a deadline:
+    past it the process is killed and ``subprocess.TimeoutExpired`` raised."""
+    if isinstance(args, (str, Path)):
+        args = [str(args)]
+    args = [str(a) for a in args]
+    if args[0].endswith(".py"):
+        args = [sys.executable] + args
+    cwd = str(cwd or env.get("PROBE_RUNTIME_DIR") or os.getcwd())
+    child = _fork_server.start(args, env, cwd, apart=True)
+    if child is None:
+        return subprocess.run(
+            args, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout, stdin=subprocess.DEVNULL
+        )
+    texts: dict = {}
+    readers = [
+        threading.Thread(target=lambda name=name, f=f: texts.__setitem__(name, f.read()), daemon=True)
+        for name, f in (("stdout", child.stdout), ("stderr", child.stderr))
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        child.wait(timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait(10)
+        raise
+    finally:
+        for reader in readers:
+            reader.join(10)
+    return subprocess.CompletedProcess(args, child.returncode, texts.get("stdout", ""), texts.get("stderr", ""))
 
 
 class Spawner:

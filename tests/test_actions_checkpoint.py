@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from conftest import EXAMPLES, requires_torch
+from conftest import EXAMPLES, requires_torch, run_target
 
 pytestmark = requires_torch
 GPT = EXAMPLES / "train_gpt.py"
@@ -36,19 +36,11 @@ def test_emergency_checkpoint_resumes_with_the_same_losses(spawn, cli, probe_env
     # when an identical run goes a few steps past that step uninterrupted (its length follows the checkpoint's step,
     # which depends on how fast this machine answered), and a run resumes from the checkpoint to the same end
     steps = str(step + 4)
-    ref = subprocess.run(
-        [sys.executable, GPT, "--steps", steps, *SMALL], env=probe_env, capture_output=True, text=True, timeout=120
-    )
+    ref = run_target([GPT, "--steps", steps, *SMALL], probe_env)
     assert ref.returncode == 0, ref.stderr
     ref_losses = losses(ref.stdout)
     ref_done = re.search(r"^done .*$", ref.stdout, re.M).group(0)
-    res = subprocess.run(
-        [sys.executable, GPT, "--steps", steps, "--resume", written, *SMALL],
-        env=probe_env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    res = run_target([GPT, "--steps", steps, "--resume", written, *SMALL], probe_env)
     # then resuming reproduces the next step's loss and the end of the run exactly
     assert res.returncode == 0, res.stderr
     assert f"resumed from {written} at step {step}" in res.stdout

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from conftest import PROBE_BIN, TARGETS, has_torch
+from conftest import PROBE_BIN, TARGETS, has_torch, run_target
 from harness import clean_env, poll, start, stop_groups
 
 
@@ -248,21 +248,9 @@ def test_trainer_resumes_from_a_probe_checkpoint_file_to_the_same_next_steps(loo
     env = clean_env(str(tmp_path), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     # Lightning's schedule does not depend on the run's length; the Trainer's linear one does: keep it, stop early
     stop = ["--max-steps", str(step + 2)] if loop.name == "lightning" else ["--stop-at", str(step + 2)]
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(TARGETS / LOOPS[loop.name][0][0]),
-            "--out",
-            str(tmp_path),
-            "--resume",
-            saved,
-            "--skip",
-            str(step),
-            *stop,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
+    out = run_target(
+        [TARGETS / LOOPS[loop.name][0][0], "--out", tmp_path, "--resume", saved, "--skip", step, *stop],
+        env,
         timeout=180,
     )
     assert out.returncode == 0, out.stdout + out.stderr

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
-from conftest import TARGETS, requires_torch
+from conftest import TARGETS, requires_torch, run_target
 
 pytestmark = requires_torch
 LOOPS = TARGETS / "torch_loops.py"
@@ -36,14 +34,7 @@ def hooks_by_step(lines) -> dict[int, int]:
 
 def run_without_probe(probe_env, kind: str) -> list[str]:
     env = dict(probe_env, TARGET_NO_PROBE="1")
-    out = subprocess.run(
-        [sys.executable, str(LOOPS), "--kind", kind, "--steps", "12"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        input="",
-    )
+    out = run_target([LOOPS, "--kind", kind, "--steps", "12"], env)
     lines = out.stdout.splitlines()
     assert any(line.startswith("losses ") for line in lines), out.stderr
     return losses_of(lines)
@@ -162,13 +153,10 @@ def test_reading_the_loop_locals_keeps_nothing_alive_and_changes_nothing(probe_e
     """The loss look-up reads the loop frame's locals each step; on 3.11/3.12 that snapshot must
     not keep the previous step's tensors alive, and the loop's variables must stay intact,
     also under a trace function (a debugger)."""
-    import subprocess
 
     def run(**env):
         e = dict(probe_env, **env)
-        out = subprocess.run(
-            [sys.executable, str(TARGETS / "torch_locals.py")], capture_output=True, text=True, env=e, timeout=120
-        )
+        out = run_target([TARGETS / "torch_locals.py"], e)
         assert out.returncode == 0, out.stdout + out.stderr
         return dict(kv.split("=") for kv in out.stdout.split())
 
