@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -47,3 +48,36 @@ def test_native_frames_merge_with_the_probes_python_frames(spawn, cli, tmp_path)
     plain = json.loads(cli(target.pid, "query", sql, "--format", "json").stdout)
     assert plain and not any(row["is_native"] for row in plain)  # without --native: the process's own view, Python only
     assert len(plain) < len(rows)
+
+
+FORKED = """
+import os, sys, threading, time
+pid = os.fork()  # threading is imported: the child's main thread keeps this process's thread id (CPython)
+if pid:
+    print(f"child {pid}", flush=True)
+    os.waitpid(pid, 0)
+    sys.exit(0)
+import probe.auto
+def train():
+    while True:
+        time.sleep(0.01)  # ok-sleep: a loop for the probe to read
+print("ready", flush=True)
+train()
+"""
+
+
+def test_a_forked_process_main_thread_is_its_own(spawn, cli):
+    """A process started by fork (a rank started with start_method="fork"): its main thread's id is its own pid,
+    not the parent's that CPython leaves on threading.main_thread(), so /proc, py-spy and the threads agree."""
+    parent = spawn([sys.executable, "-c", FORKED], ready="ready")
+    child = int(parent.wait_for("child ").split()[1])
+    r = cli(child, "query", "SELECT native_id, state, cpu_user_s FROM python.threads WHERE is_main", "-f", "json")
+    assert r.returncode == 0, r.stderr
+    (main,) = json.loads(r.stdout)
+    assert main["native_id"] == child and main["state"] is not None and main["cpu_user_s"] is not None, main
+    r = cli(child, "--format", "json", "backtrace", "--native", "--thread", "MainThread")
+    if r.returncode != 0 and (why := ptrace_refused()):
+        pytest.skip(f"this host refuses ptrace ({why}): {r.stderr.strip()}")
+    assert r.returncode == 0, r.stderr
+    (thread,) = json.loads(r.stdout)["threads"]  # one main thread: py-spy's and the probe's merged
+    assert thread["native_id"] == child and any(f["func"] == "train" for f in thread["frames"]), thread

@@ -14,6 +14,7 @@ from .server import requests_served
 from .._errors import QueryError
 from ..tables.python import frame_row, walk_stacks
 from ..tables.registry import all_tables, version
+from ..util.procfs import native_id
 from ..util.redact import redact
 
 __all__ = ["snapshot", "safe_repr", "schema_identity"]
@@ -103,7 +104,7 @@ def backtrace(req: Request) -> dict:
     threads = []
     for ident, thread, is_main, frames in walk_stacks(frozenset({threading.get_ident()})):
         name = thread.name if thread else None
-        if want not in (None, "") and want not in (name, str(ident), str(getattr(thread, "native_id", ""))):
+        if want not in (None, "") and want not in (name, str(ident), str(native_id(thread) or "")):
             continue
         rows = []
         for depth, frame in enumerate(frames):
@@ -115,7 +116,7 @@ def backtrace(req: Request) -> dict:
         threads.append(
             {
                 "thread_id": ident,
-                "native_id": getattr(thread, "native_id", None),
+                "native_id": native_id(thread),
                 "name": name,
                 "is_main": is_main,
                 "daemon": getattr(thread, "daemon", None),

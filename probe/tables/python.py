@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 
+from ..util.procfs import native_id
 from .registry import Column, table
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -136,7 +137,7 @@ _STATES = {
 def threads(ctx):
     live = [t for t in threading.enumerate() if t.ident not in ctx.exclude_threads]
     before = _positions(ctx.exclude_threads)
-    cpu_before = {t.ident: _cpu_ns(getattr(t, "native_id", None)) for t in live}
+    cpu_before = {t.ident: _cpu_ns(native_id(t)) for t in live}
     gil_busy = _gil_busy(_LIVENESS_WINDOW_S)
     frames = sys._current_frames()
     now = time.time()
@@ -145,7 +146,7 @@ def threads(ctx):
     for t in threading.enumerate():
         if t.ident in ctx.exclude_threads:
             continue
-        native = getattr(t, "native_id", None)
+        native = native_id(t)
         state, utime, stime = _task_stat(native)
         frame = frames.get(t.ident)
         func, file, lineno, _ = frame_row(frame) if frame is not None else (None, None, None, None)

@@ -1,10 +1,11 @@
-"""What /proc says about a process: resident memory and scheduler state (Linux; None elsewhere)."""
+"""What /proc says about a process: resident memory, scheduler state and its threads' ids (Linux; None elsewhere)."""
 
 from __future__ import annotations
 
 import os
+import threading
 
-__all__ = ["rss_bytes", "RssReader", "RunDelayReader", "CpuWait", "proc_state"]
+__all__ = ["rss_bytes", "RssReader", "RunDelayReader", "CpuWait", "proc_state", "native_id"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -93,3 +94,15 @@ class CpuWait:
         if ns is None or last is None or step <= last[1]:
             return None
         return (ns - last[0]) * 1e-9 / (step - last[1])
+
+
+def native_id(thread) -> int | None:
+    """``thread``'s OS thread id (the TID of /proc/self/task, top and py-spy). In a process started by fork
+    (a rank started with ``start_method="fork"``, Lightning's ``ddp_fork``), CPython 3.11-3.13 keep the
+    parent's id on ``threading.main_thread()``, another process's thread: the main thread's id is then this
+    process's id, as on Linux the thread that forked is the child's first thread."""
+    native = getattr(thread, "native_id", None)
+    if native is not None and native != os.getpid() and thread is threading.main_thread():
+        if not os.path.exists(f"/proc/self/task/{native}"):
+            return os.getpid()
+    return native
