@@ -105,11 +105,12 @@ def _install(torch) -> None:
 
 
 def _pre_hook(optimizer, args, kwargs):
-    """torch's global optimizer step pre-hook: whether the step evaluates a closure (for the loss)."""
+    """torch's global optimizer step pre-hook: whether the step evaluates a closure (for the loss). Runs on
+    every step: a step called with no arguments, after one that closed normally, has nothing to note."""
     tk = _state.get("tracker")
-    if tk is not None:  # every step's loss needs to know about a closure (only its first backward counts)
+    if tk is not None and (args or kwargs or tk.capture.closure_step):  # only a closure's first backward counts
         try:
-            tk.on_step_start(optimizer, args, kwargs)
+            tk.capture.on_step_start(args, kwargs)
         except Exception as exc:
             record_error("torch optimizer step pre-hook", exc)
     lr = lr_overrides
