@@ -178,10 +178,10 @@ class Capture:
             return None
 
     # -- the loss ----------------------------------------------------------------------------------
-    def on_step_start(self, args, kwargs) -> None:
-        """The optimizer step pre-hook: note whether this step evaluates a closure (given by position or by
-        keyword; accelerate's optimizer passes ``None`` by position)."""
-        self.closure_step = (args[0] if args else kwargs.get("closure")) is not None
+    def on_step_start(self, closure) -> None:
+        """The optimizer step pre-hook, on a step given a closure (or after one that raised): note whether this
+        step evaluates one."""
+        self.closure_step = closure is not None
         self._closure_taken = False
 
     def on_step_end(self) -> None:

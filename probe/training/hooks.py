@@ -106,13 +106,15 @@ def _install(torch) -> None:
 
 def _pre_hook(optimizer, args, kwargs):
     """torch's global optimizer step pre-hook: whether the step evaluates a closure (for the loss). Runs on
-    every step: a step called with no arguments, after one that closed normally, has nothing to note."""
+    every step: a step given no closure, after one that closed normally, has nothing to note."""
     tk = _state.get("tracker")
-    if tk is not None and (args or kwargs or tk.capture.closure_step):  # only a closure's first backward counts
-        try:
-            tk.capture.on_step_start(args, kwargs)
-        except Exception as exc:
-            record_error("torch optimizer step pre-hook", exc)
+    if tk is not None:  # only a closure's first backward counts (accelerate passes closure=None by position)
+        closure = args[0] if args else kwargs.get("closure") if kwargs else None
+        if closure is not None or tk.capture.closure_step:
+            try:
+                tk.capture.on_step_start(closure)
+            except Exception as exc:
+                record_error("torch optimizer step pre-hook", exc)
     lr = lr_overrides
     if lr is not None and lr.overrides:
         lr.around_step(optimizer, True)
