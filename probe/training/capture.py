@@ -133,6 +133,7 @@ class Capture:
         self.clip_norm = None  # clip_grad_norm_'s result in the step in progress
         self.losses: list = []  # this step's backpropagated scalars (floats, or detached tensors), summed at its end
         self._scaled = None  # (weakref to GradScaler.scale's output, the loss it scaled)
+        self._clip = None  # the clip_grad_norm_ wrapper, in torch.nn.utils on measured steps only (``note``)
         self.closure_step = False  # inside optimizer.step(closure): only the closure's first backward counts
         self._closure_taken = False
         self._norm_failed: set = set()
@@ -375,14 +376,24 @@ class Capture:
 
     def note(self, on: bool) -> None:
         """Whether the next step is measured (the optional values: ``clip_grad_norm_``'s norm is kept
-        on those). The loss wrappers stay in on every step: the loss is a core signal."""
+        on those, so its wrapper is in for those steps only: a call through it is paid on every step it is
+        in). The loss wrappers stay in on every step: the loss is a core signal."""
         self.wanted = on
+        clip = self._clip
+        if clip is not None:
+            utils = self.torch.nn.utils
+            now = utils.clip_grad_norm_
+            if on and now is clip._probe_original:
+                utils.clip_grad_norm_ = clip
+            elif not on and now is clip:  # never over another library's wrapper put in since
+                utils.clip_grad_norm_ = clip._probe_original
 
     def unwrap(self) -> None:
         utils = self.torch.nn.utils
         original = getattr(utils.clip_grad_norm_, "_probe_original", None)
         if original is not None:
             utils.clip_grad_norm_ = original
+        self._clip = None
         autograd = self.torch.autograd
         original = getattr(autograd.backward, "_probe_original", None)
         if original is not None:
@@ -394,7 +405,8 @@ class Capture:
         self.forget()
 
     def _wrap_clip(self) -> None:
-        """Keep the total norm that torch.nn.utils.clip_grad_norm_ computes anyway (the norm before clipping)."""
+        """Keep the total norm that torch.nn.utils.clip_grad_norm_ computes anyway (the norm before clipping);
+        ``note`` puts the wrapper in for measured steps."""
         utils = self.torch.nn.utils
         original = utils.clip_grad_norm_
         if getattr(original, "_probe_original", None) is not None:
@@ -409,7 +421,7 @@ class Capture:
             return total
 
         clip_grad_norm_._probe_original = original
-        utils.clip_grad_norm_ = clip_grad_norm_
+        self._clip = clip_grad_norm_
 
     def _wrap_backward(self) -> None:
         """See every ``torch.autograd.backward`` call (``Tensor.backward`` goes through it) and

@@ -102,3 +102,32 @@ def test_a_tensor_subclass_is_kept_detached_for_the_boundary_never_read_in_the_b
     # a step that noted a CPU float and a kept tensor sums both
     capture.losses = [1.5, torch.tensor(2.0)]
     assert capture.take() == 3.5
+
+
+def test_the_clip_wrapper_is_in_on_measured_steps_only_and_keeps_their_norm(capture):
+    """clip_grad_norm_'s norm is an optional value: its wrapper is not paid on the steps the budget skips."""
+    import torch
+
+    original = capture._clip._probe_original
+    model = _model()
+    torch.nn.functional.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1)).backward()
+
+    capture.note(False)  # an unmeasured step: torch's own function, nothing kept
+    assert torch.nn.utils.clip_grad_norm_ is original
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    assert capture.clip_norm is None
+
+    capture.note(True)  # a measured step: its norm (before clipping) is kept
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    assert torch.nn.utils.clip_grad_norm_ is capture._clip and capture.clip_norm is total
+
+    # another library's wrapper put in since is never taken out
+    def theirs(*a, **k):
+        return capture._clip(*a, **k)
+
+    torch.nn.utils.clip_grad_norm_ = theirs
+    try:
+        capture.note(False)
+        assert torch.nn.utils.clip_grad_norm_ is theirs
+    finally:
+        torch.nn.utils.clip_grad_norm_ = capture._clip
