@@ -109,7 +109,7 @@ def _pre_hook(optimizer, args, kwargs):
     every step: a step given no closure, after one that closed normally, has nothing to note."""
     tk = _state.get("tracker")
     if tk is not None:  # only a closure's first backward counts (accelerate passes closure=None by position)
-        closure = args[0] if args else kwargs.get("closure") if kwargs else None
+        closure = args[1] if len(args) > 1 else kwargs.get("closure") if kwargs else None  # args[0]: the optimizer
         if closure is not None or tk.capture.closure_step:
             try:
                 tk.capture.on_step_start(closure)

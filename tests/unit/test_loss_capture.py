@@ -131,3 +131,35 @@ def test_the_clip_wrapper_is_in_on_measured_steps_only_and_keeps_their_norm(capt
         assert torch.nn.utils.clip_grad_norm_ is theirs
     finally:
         torch.nn.utils.clip_grad_norm_ = capture._clip
+
+
+def test_the_optimizer_pre_hook_marks_a_step_given_a_closure_and_no_other():
+    """torch hands the pre-hook the step's args with the optimizer first: step(), accelerate's step(None), a
+    closure by position (LBFGS) and by keyword (Lightning)."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from probe.training import hooks
+
+    hooks.arm()
+    tk = hooks.tracker()
+    seen = []
+    after = register_optimizer_step_pre_hook(lambda opt, args, kwargs: seen.append(tk.capture.closure_step))
+    try:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def closure():
+            loss = torch.nn.functional.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1))
+            loss.backward()
+            return loss
+
+        closure()
+        opt.step()
+        opt.step(None)
+        opt.step(closure)
+        opt.step(closure=closure)
+        assert seen == [False, False, True, True]
+    finally:
+        after.remove()
+        hooks.disarm()
