@@ -41,10 +41,11 @@ _STEP_EXTRA = ("compute", "comm_wait")
         Column(
             "loss",
             "DOUBLE",
-            "The step's loss, on every step: the sum of the scalars the loop backpropagated in it (a detached "
-            "reference is kept; a CPU loss is read at the step's end, a device loss is copied without blocking and "
-            "filled in once the copy has landed: NULL means not ready yet), else on measured steps the loop's loss "
-            "variable (PROBE_LOSS_NAMES) for loops that never backpropagate a scalar; NULL when none was found.",
+            "The step's loss, on every step: the sum of the scalars the loop backpropagated in it (a CPU loss is "
+            "read when backward is called on it, nothing of it kept; a device loss is kept detached, copied without "
+            "blocking and filled in once the copy has landed: NULL means not ready yet), else on measured steps the "
+            "loop's loss variable (PROBE_LOSS_NAMES) for loops that never backpropagate a scalar; NULL when none was "
+            "found.",
         ),
         Column(
             "grad_norm",

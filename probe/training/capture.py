@@ -15,13 +15,14 @@ The gradient norm is ``clip_grad_norm_``'s result when the loop clips (kept at n
 else a foreach norm of the lead optimizer's gradients launched on the device. Under FSDP2
 (DTensor gradients) both are this rank's: the norm of its local shards, never a collective.
 
-The loss is a core signal, noted on every step: the backward wrapper keeps a detached
-reference to each backpropagated scalar (the graph is not kept alive), and the step boundary
-reads it (``take``): a CPU scalar as a float at once (no device to wait for), a device
-scalar as a pinned host copy and an event (``hold``), read later by ``read`` once the event
-has completed. Nothing here synchronises with a device. The frame-variable fallback walks
-frames and runs on measured steps only; ``wanted`` (whether the budget measures the step in
-progress) still gates ``clip_grad_norm_``'s norm.
+The loss is a core signal, noted on every step, and its cost is paid on every step: the
+backward wrapper reads a CPU scalar as a float when backward is called on it (one ``item()``:
+there is no device to wait for, and nothing of the tensor or its graph is kept), and keeps any
+other scalar detached (the graph is not kept alive); the step boundary takes the step's sum
+(``take``): a float, or for a device scalar a pinned host copy and an event (``hold``), read
+later by ``read`` once the event has completed. Nothing here synchronises with a device. The
+frame-variable fallback walks frames and runs on measured steps only; ``wanted`` (whether the
+budget measures the step in progress) still gates ``clip_grad_norm_``'s norm.
 """
 
 from __future__ import annotations
@@ -126,11 +127,13 @@ class Pending:
 class Capture:
     def __init__(self, torch):
         self.torch = torch
+        self.Tensor = torch.Tensor
         self.loss_names = setting("PROBE_LOSS_NAMES") or ["loss"]
         self.wanted = True  # whether the step in progress is measured (its optional values read)
         self.clip_norm = None  # clip_grad_norm_'s result in the step in progress
-        self.losses: list = []  # this step's backpropagated scalars (detached), summed at the boundary
+        self.losses: list = []  # this step's backpropagated scalars (floats, or detached tensors), summed at its end
         self._scaled = None  # (weakref to GradScaler.scale's output, the loss it scaled)
+        self._clip = None  # the clip_grad_norm_ wrapper, in torch.nn.utils on measured steps only (``note``)
         self.closure_step = False  # inside optimizer.step(closure): only the closure's first backward counts
         self._closure_taken = False
         self._norm_failed: set = set()
@@ -176,25 +179,35 @@ class Capture:
             return None
 
     # -- the loss ----------------------------------------------------------------------------------
-    def on_step_start(self, args, kwargs) -> None:
-        """The optimizer step pre-hook: note whether this step evaluates a closure."""
-        self.closure_step = bool(args) or kwargs.get("closure") is not None
+    def on_step_start(self, closure) -> None:
+        """The optimizer step pre-hook, on a step given a closure (or after one that raised): note whether this
+        step evaluates one."""
+        self.closure_step = closure is not None
         self._closure_taken = False
 
     def on_step_end(self) -> None:
         self.closure_step = False
 
     def saw_backward(self, tensors, grad_tensors) -> None:
+        """A ``torch.autograd.backward`` call (the wrapper's, before the backward runs): note its scalar as part of
+        the step's loss. Runs on every backward call of the loop, so the common case (``loss.backward()`` on a
+        plain tensor) is checked first and read in one operation: a CPU scalar as a float at once (no device to
+        wait for, nothing kept), any other one detached (the graph is not kept alive) for ``hold`` at the
+        boundary. A tensor subclass (a DTensor: its ``item`` would be a collective) is always detached."""
         t = tensors
-        if type(t) in (list, tuple):
-            if len(t) != 1:
+        Tensor = self.Tensor
+        if type(t) is not Tensor:
+            if type(t) in (list, tuple):
+                if len(t) != 1:
+                    return
+                t = t[0]
+            if not isinstance(t, Tensor):
                 return
-            t = t[0]
-        if not isinstance(t, self.torch.Tensor) or t.numel() != 1:
-            return  # a vector backward with explicit gradients is not a loss
         if grad_tensors is not None and not (
             type(grad_tensors) in (list, tuple) and all(g is None for g in grad_tensors)
         ):
+            return  # a vector backward with explicit gradients is not a loss
+        if t.numel() != 1:
             return
         if self.closure_step:
             if self._closure_taken:
@@ -206,13 +219,14 @@ class Capture:
             self._scaled = None
         if self.wanted:
             self._note_graph(t)
-        if self._loss_looks % _LOSS_LOOK_EVERY == 0:
+        looks = self._loss_looks
+        self._loss_looks = looks + 1
+        if not looks % _LOSS_LOOK_EVERY:
             try:
                 self.loss_kind = loss_logits(t)
             except Exception as exc:
                 record_error("torch steps: the loss's logits", exc)
-        self._loss_looks += 1
-        self.losses.append(t.detach())
+        self.losses.append(t.item() if type(t) is Tensor and t.is_cpu else t.detach())
 
     def _note_graph(self, t) -> None:
         """A measured step's backward calls: one more, and whether its loss's graph was backpropagated before."""
@@ -253,23 +267,33 @@ class Capture:
             record_error("torch steps: loss", exc)
         return None
 
-    def _sum(self, losses):
-        try:
-            first = losses[0]
-            return self.torch.stack([x.reshape(()).to(first.device, first.dtype) for x in losses]).sum()
-        except Exception as exc:
-            record_error("torch steps: summing the step's losses", exc)
-            return losses[-1]
+    def total(self, losses: list):
+        """The sum of a step's noted losses (``saw_backward``'s floats and detached tensors): a float when all
+        were read at once, else a tensor (the floats added as a scalar: no copy to the device)."""
+        floats = [x for x in losses if type(x) is float]
+        if len(floats) == len(losses):
+            return sum(floats)
+        tensors = [x for x in losses if type(x) is not float]
+        if len(tensors) == 1:
+            t = tensors[0]
+        else:
+            try:
+                first = tensors[0]
+                t = self.torch.stack([x.reshape(()).to(first.device, first.dtype) for x in tensors]).sum()
+            except Exception as exc:
+                record_error("torch steps: summing the step's losses", exc)
+                return tensors[-1]
+        return t + sum(floats) if floats else t
 
     def take(self):
-        """This step's backpropagated loss, taken for the row: a float (a CPU scalar), a holder (a
-        device scalar, read later) or None (nothing backpropagated a scalar). Runs on every step."""
+        """This step's backpropagated loss, taken for the row: a float (CPU scalars, read when noted), a holder
+        (a device scalar, read later) or None (nothing backpropagated a scalar). Runs on every step."""
         losses = self.losses
         if not losses:
             return None
         self.losses = []
-        t = losses[0] if len(losses) == 1 else self._sum(losses)
-        return self.hold(t)
+        v = losses[0] if len(losses) == 1 else self.total(losses)
+        return v if type(v) is float else self.hold(v)
 
     def forget(self) -> None:
         """Drop what an unmeasured step captured (a loss noted before the budget said no)."""
@@ -352,14 +376,24 @@ class Capture:
 
     def note(self, on: bool) -> None:
         """Whether the next step is measured (the optional values: ``clip_grad_norm_``'s norm is kept
-        on those). The loss wrappers stay in on every step: the loss is a core signal."""
+        on those, so its wrapper is in for those steps only: a call through it is paid on every step it is
+        in). The loss wrappers stay in on every step: the loss is a core signal."""
         self.wanted = on
+        clip = self._clip
+        if clip is not None:
+            utils = self.torch.nn.utils
+            now = utils.clip_grad_norm_
+            if on and now is clip._probe_original:
+                utils.clip_grad_norm_ = clip
+            elif not on and now is clip:  # never over another library's wrapper put in since
+                utils.clip_grad_norm_ = clip._probe_original
 
     def unwrap(self) -> None:
         utils = self.torch.nn.utils
         original = getattr(utils.clip_grad_norm_, "_probe_original", None)
         if original is not None:
             utils.clip_grad_norm_ = original
+        self._clip = None
         autograd = self.torch.autograd
         original = getattr(autograd.backward, "_probe_original", None)
         if original is not None:
@@ -371,7 +405,8 @@ class Capture:
         self.forget()
 
     def _wrap_clip(self) -> None:
-        """Keep the total norm that torch.nn.utils.clip_grad_norm_ computes anyway (the norm before clipping)."""
+        """Keep the total norm that torch.nn.utils.clip_grad_norm_ computes anyway (the norm before clipping);
+        ``note`` puts the wrapper in for measured steps."""
         utils = self.torch.nn.utils
         original = utils.clip_grad_norm_
         if getattr(original, "_probe_original", None) is not None:
@@ -386,7 +421,7 @@ class Capture:
             return total
 
         clip_grad_norm_._probe_original = original
-        utils.clip_grad_norm_ = clip_grad_norm_
+        self._clip = clip_grad_norm_
 
     def _wrap_backward(self) -> None:
         """See every ``torch.autograd.backward`` call (``Tensor.backward`` goes through it) and

@@ -117,11 +117,7 @@ class OptimizerCycle:
             self.taken = len(losses)
             try:
                 if mine:
-                    loss = capture.hold(
-                        mine[0]
-                        if len(mine) == 1
-                        else tracker.torch.stack([x.reshape(()).to(mine[0].device) for x in mine]).sum()
-                    )
+                    loss = capture.hold(mine[0] if len(mine) == 1 else capture.total(mine))
             except Exception as exc:
                 record_error("torch steps: loss", exc)
             budget = tracker.norm_budget  # paced like the step's own norm (PROBE_GRAD_NORM)

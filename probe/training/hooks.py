@@ -105,13 +105,16 @@ def _install(torch) -> None:
 
 
 def _pre_hook(optimizer, args, kwargs):
-    """torch's global optimizer step pre-hook: whether the step evaluates a closure (for the loss)."""
+    """torch's global optimizer step pre-hook: whether the step evaluates a closure (for the loss). Runs on
+    every step: a step given no closure, after one that closed normally, has nothing to note."""
     tk = _state.get("tracker")
-    if tk is not None:  # every step's loss needs to know about a closure (only its first backward counts)
-        try:
-            tk.on_step_start(optimizer, args, kwargs)
-        except Exception as exc:
-            record_error("torch optimizer step pre-hook", exc)
+    if tk is not None:  # only a closure's first backward counts (accelerate passes closure=None by position)
+        closure = args[1] if len(args) > 1 else kwargs.get("closure") if kwargs else None  # args[0]: the optimizer
+        if closure is not None or tk.capture.closure_step:
+            try:
+                tk.capture.on_step_start(closure)
+            except Exception as exc:
+                record_error("torch optimizer step pre-hook", exc)
     lr = lr_overrides
     if lr is not None and lr.overrides:
         lr.around_step(optimizer, True)

@@ -157,10 +157,6 @@ class StepTracker(StepLife):
     def lead_optimizer(self):
         return self.lead() if self.lead is not None else None
 
-    def on_step_start(self, optimizer, args, kwargs) -> None:
-        """torch's global optimizer step pre-hook: note whether this step evaluates a closure."""
-        self.capture.on_step_start(args, kwargs)
-
     def on_optimizer_step(self, optimizer) -> None:
         """torch's global optimizer step post-hook lands here.
 
@@ -180,7 +176,7 @@ class StepTracker(StepLife):
                     self._last_ns = t0
                     capture = self.capture
                     capture.closure_step = False
-                    loss = capture.take() if capture.losses else None  # the loss: every step
+                    loss = capture.take() if capture.losses else None  # every step (CPU scalars read when noted)
                     fwd = self._fwd_ns
                     if fwd:
                         self._fwd_ns = 0
