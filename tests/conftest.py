@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -23,6 +24,13 @@ import pytest
 
 from harness import EXAMPLES, PROBE_BIN, ROOT, TARGETS, Proc, Spawner, clean_env, poll, run_probe, run_target  # noqa: F401  (re-exported)
 from harness import use_fork_server
+
+# The processes the tests start take Ctrl-C (SIGINT) and SIGQUIT as they would from a terminal, also when the run
+# was started in the background by a shell without job control, which starts it with both ignored (an ignored
+# signal stays ignored across exec; a handled one is reset to the default). Tests that send them rely on it.
+for _sig, _handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGQUIT, signal.SIG_DFL)):
+    if signal.getsignal(_sig) == signal.SIG_IGN:
+        signal.signal(_sig, _handler)
 
 # Target scripts that import torch start as forks of a server that imported it once (tests/harness.py,
 # tests/forkserver.py): ~2 s of CPU less per target. PROBE_TEST_FORKSERVER=0 spawns every target instead.
