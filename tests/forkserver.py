@@ -1,23 +1,23 @@
-"""A fork server for the suite's target scripts: torch imported once per test worker, each target a fork of it.
+"""A fork server for the processes the suite starts: their imports made once per test worker, each process a fork.
 
 Every target script the suite starts imports torch and builds an optimizer, which imports ``torch._dynamo``:
-~2.2 s of CPU per process before its first line of training, ~275 times a run on a 2-core host. This server
-imports both once, then forks a child per request that becomes ``python SCRIPT ARGS...`` as closely as a fork
-can: its own session, the requested stdin/stdout/stderr, working directory, environment (``os.environ`` and
-the C environment), ``sys.argv``/``sys.orig_argv``, ``sys.path[0]``, a fresh ``__main__`` module, the
-``probe-autostart.pth`` hook that ``site`` runs at start-up (for ``PROBE=1``), only fds 0-2 open, and its
-``/proc/PID/cmdline`` rewritten in place (the server's own argv area is padded for it, as ``setproctitle``
-does), so ``probe`` reads the target's command line as it would a spawned one's. The harness
-(``tests/harness.py``) starts one server per test worker and falls back to a real spawn for what a fork
-cannot reproduce: an environment that differs where the interpreter or torch read it at import time.
+~2.2 s of CPU per process before its first line of training, ~275 times a run on a 2-core host; every ``probe``
+call imports duckdb and sqlglot, ~800 times. A server imports the modules it is given once, then forks a child
+per request that becomes ``python SCRIPT ARGS...`` (a target script, or the ``probe`` console script) as
+closely as a fork can: its own session, the requested stdin/stdout/stderr, working directory, environment
+(``os.environ`` and the C environment), ``sys.argv``/``sys.orig_argv``, ``sys.path[0]``, a fresh ``__main__``
+module, the ``probe-autostart.pth`` hook that ``site`` runs at start-up (for ``PROBE=1``), only fds 0-2 open,
+and its ``/proc/PID/cmdline`` rewritten in place (the server's own argv area is padded for it, as
+``setproctitle`` does), so ``probe`` reads the target's command line as it would a spawned one's. The harness
+(``tests/harness.py``) starts the servers and falls back to a real spawn for what a fork cannot reproduce: an
+environment that differs where the interpreter or the preloaded modules read it at import time.
 
 Protocol (a unix seqpacket socket, one connection per child): the client sends one JSON request with three
-fds (SCM_RIGHTS: stdin, stdout, stderr); the server answers the child's pid on a line, and, when the child
-has exited and been reaped, its exit code on a second line (``os.waitstatus_to_exitcode``: ``-N`` for a
-signal), then closes the connection. The server exits when its stdin reaches end of file (the test worker
-that started it is gone).
+fds (SCM_RIGHTS: stdin, stdout, stderr); the server answers the child's pid, and, when the child has exited
+and been reaped, its exit code (``os.waitstatus_to_exitcode``: ``-N`` for a signal), then closes the
+connection. The server exits when its stdin reaches end of file (the test worker that started it is gone).
 
-    python tests/forkserver.py SOCKET_PATH PADDING
+    python tests/forkserver.py SOCKET_PATH PADDING MODULE...
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import socket
 import sys
 import types
 
-PRELOAD = ("torch", "torch._dynamo")
 MAX_REQUEST = 1 << 20
 
 
@@ -158,7 +157,7 @@ def run(main: types.ModuleType) -> None:
 
 
 if __name__ == "__main__":
-    for name in PRELOAD:
+    for name in sys.argv[3:]:
         __import__(name)
     os.close(os.pidfd_open(os.getpid()))  # a kernel without pidfds (before 5.3) fails here: the harness spawns
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

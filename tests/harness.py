@@ -49,6 +49,25 @@ _beside = Path(sys.executable).with_name("probe")
 PROBE_BIN = str(_beside) if _beside.exists() else shutil.which("probe")
 
 
+def _runs_with_this_python(script: str | None) -> bool:
+    """Whether ``script``'s ``#!`` line names this interpreter (the same file, in the same environment's bin)."""
+    try:
+        with open(script, "rb") as f:
+            line = f.readline()
+    except (OSError, TypeError):
+        return False
+    if not line.startswith(b"#!"):
+        return False
+    named = os.fsdecode(line[2:].strip())
+    here = sys.executable
+    return named == here or (
+        os.path.dirname(named) == os.path.dirname(here) and os.path.realpath(named) == os.path.realpath(here)
+    )
+
+
+_PROBE_SCRIPT = _runs_with_this_python(PROBE_BIN)  # pip's console script: a Python file run by this interpreter
+
+
 def clean_env(runtime_dir: str | None = None, *, prefix: str = "pr-", **extra: str) -> dict:
     """This process's environment without any ``PROBE*`` setting, unbuffered output, one OpenMP thread
     (unless set), and its own runtime dir: ``runtime_dir``, or a new short one under /tmp (unix-socket
@@ -206,10 +225,12 @@ class _Forked:
 
 
 class _ForkServer:
-    """This process's fork server (tests/forkserver.py), started on first use, when ``use_fork_server(True)``
-    turned it on (the suite's conftest does; benchmarks do not: they measure spawned processes)."""
+    """A fork server (tests/forkserver.py) that imported ``preload``, started on first use, when
+    ``use_fork_server(True)`` turned it on (the suite's conftest does; benchmarks do not: they measure spawned
+    processes). ``accepts(args)`` says which ``[python, script, ...]`` it may stand in for."""
 
-    def __init__(self):
+    def __init__(self, preload: tuple, accepts):
+        self.preload, self.accepts = preload, accepts
         self.enabled = False
         self.server: subprocess.Popen | None = None
         self.path = ""
@@ -230,7 +251,7 @@ class _ForkServer:
         self.path = os.path.join(directory, "s")
         self.env = clean_env(directory)
         self.server = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "forkserver.py"), self.path, "-" * _ARGV_ROOM],
+            [sys.executable, str(ROOT / "tests" / "forkserver.py"), self.path, "-" * _ARGV_ROOM, *self.preload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=self.env,
@@ -238,23 +259,17 @@ class _ForkServer:
         )
         line = self.server.stdout.readline()  # the preload's import time; EOF if it failed
         if line.strip() != b"ready":
-            self.failed = f"the fork server did not start ({self.server.wait()}); targets are spawned"
+            self.failed = f"the fork server for {self.preload} did not start ({self.server.wait()}): spawning instead"
             print(self.failed, file=sys.stderr)
             return False
         return True
 
     def fits(self, args: list, env: dict) -> bool:
-        """A ``python SCRIPT.py`` whose script imports torch at its top (a script that does not is left a
-        process without torch) and whose environment matches the server's at import time."""
-        if not (self.enabled and len(args) >= 2 and args[0] == sys.executable and args[1].endswith(".py")):
+        """``[python, script, ...]`` that ``accepts`` takes, whose environment matches the server's where it is
+        read at import time."""
+        if not (self.enabled and len(args) >= 2 and args[0] == sys.executable):
             return False
-        if len(b"\0".join(a.encode() for a in args)) >= _ARGV_ROOM:
-            return False
-        try:
-            with open(args[1], "rb") as f:
-                if not _TORCH_SCRIPT.search(f.read()):
-                    return False
-        except OSError:
+        if len(b"\0".join(a.encode() for a in args)) >= _ARGV_ROOM or not self.accepts(args):
             return False
         if not self._start_server():
             return False
@@ -264,16 +279,17 @@ class _ForkServer:
 
         return at_import(env) == at_import(self.env)
 
-    def start(self, args: list, env: dict, cwd: str, *, apart: bool = False) -> _Forked | None:
-        """Fork ``args`` (``[python, script, ...]``) from the server, or None where a fork cannot stand in
-        for a spawn (see ``fits``). Its stdin is /dev/null; its stdout and stderr one pipe (``stdout``), or
-        two with ``apart`` (``stdout`` and ``stderr``)."""
+    def start(self, args: list, env: dict, cwd: str, *, apart: bool = False, input: str | None = None):
+        """Fork ``args`` (``[python, script, ...]``) from the server: a ``_Forked``, or None where a fork cannot
+        stand in for a spawn (see ``fits``). Its stdin is ``input`` (or empty); its stdout and stderr one pipe
+        (``stdout``), or two with ``apart`` (``stdout`` and ``stderr``)."""
         if not self.fits(args, env):
             return None
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         out = os.pipe()
         err = os.pipe() if apart else (None, out[1])
-        stdin = os.open(os.devnull, os.O_RDONLY)
+        feed = os.pipe() if input else None
+        stdin = feed[0] if feed else os.open(os.devnull, os.O_RDONLY)
         try:
             conn.connect(self.path)
             request = json.dumps({"argv": args[1:], "env": env, "cwd": cwd}).encode()
@@ -282,27 +298,94 @@ class _ForkServer:
             pid = int(conn.recv(64))
         except (OSError, ValueError) as e:
             conn.close()
-            for fd in (out[0], err[0]):
+            for fd in (out[0], err[0], feed[1] if feed else None):
                 if fd is not None:
                     os.close(fd)
-            self.failed = f"the fork server failed ({e}); targets are spawned"
+            self.failed = f"the fork server for {self.preload} failed ({e}): spawning instead"
             print(self.failed, file=sys.stderr)
             return None
         finally:
             for fd in {out[1], err[1], stdin}:
                 os.close(fd)
+        if feed:
+            threading.Thread(target=_feed, args=(feed[1], input.encode()), daemon=True).start()
         child = _Forked(pid, args, open(out[0], encoding=None), conn)
         child.stderr = open(err[0], encoding=None) if apart else None
         return child
 
 
-_fork_server = _ForkServer()
+def _feed(fd: int, data: bytes) -> None:
+    try:
+        with open(fd, "wb") as f:
+            f.write(data)
+    except OSError:  # the child did not read it all: as with subprocess.run, not an error
+        pass
+
+
+def _imports_torch(args: list) -> bool:
+    """A ``.py`` script that imports torch at its top (one that does not is left a process without torch)."""
+    if not args[1].endswith(".py"):
+        return False
+    try:
+        with open(args[1], "rb") as f:
+            return bool(_TORCH_SCRIPT.search(f.read()))
+    except OSError:
+        return False
+
+
+def _is_probe_command(args: list) -> bool:
+    """The ``probe`` console script beside this Python (a Python script run by this interpreter)."""
+    return _PROBE_SCRIPT and args[1] == PROBE_BIN
+
+
+# The targets' server has torch imported, and torch._dynamo (building any optimizer imports it); the probe
+# command's has what a query and the doctor import.
+_fork_server = _ForkServer(("torch", "torch._dynamo"), _imports_torch)
+_cli_server = _ForkServer(
+    (
+        "duckdb",
+        "sqlglot",
+        "sqlglot.optimizer.qualify",
+        "probe.cli",
+        "probe.cli.query_runner",
+        "probe.cli.diagnose",
+        "probe.cli.commands.query",
+        "probe.cli.commands.doctor",
+    ),
+    _is_probe_command,
+)
 
 
 def use_fork_server(on: bool) -> None:
-    """Start ``python SCRIPT.py`` targets that import torch as forks of a server that imported torch once
-    (tests/forkserver.py), where a fork can stand in for a spawn; off by default."""
-    _fork_server.enabled = on
+    """Start ``python SCRIPT.py`` targets that import torch, and the ``probe`` command, as forks of servers that
+    imported torch (or the command's modules) once (tests/forkserver.py), where a fork can stand in for a spawn;
+    off by default."""
+    _fork_server.enabled = _cli_server.enabled = on
+
+
+def _run(server: _ForkServer, args: list, env: dict, cwd: str, timeout: float, input: str | None):
+    """``args`` forked from ``server`` and run to its end: its CompletedProcess (text, stdout and stderr apart),
+    or None where the server cannot stand in for a spawn."""
+    child = server.start(args, env, cwd, apart=True, input=input)
+    if child is None:
+        return None
+    texts: dict = {}
+    readers = [
+        threading.Thread(target=lambda name=name, f=f: texts.__setitem__(name, f.read()), daemon=True)
+        for name, f in (("stdout", child.stdout), ("stderr", child.stderr))
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        child.wait(timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait(10)
+        raise
+    finally:
+        for reader in readers:
+            reader.join(10)
+    return subprocess.CompletedProcess(args, child.returncode, texts.get("stdout", ""), texts.get("stderr", ""))
 
 
 def start(args, env: dict, *, cwd=None, ready: str | None = "ready", timeout: float = 90.0, **popen) -> Proc:
@@ -340,28 +423,12 @@ def run_target(args, env: dict, *, cwd=None, timeout: float = 120.0) -> subproce
     if args[0].endswith(".py"):
         args = [sys.executable] + args
     cwd = str(cwd or env.get("PROBE_RUNTIME_DIR") or os.getcwd())
-    child = _fork_server.start(args, env, cwd, apart=True)
-    if child is None:
-        return subprocess.run(
+    done = _run(_fork_server, args, env, cwd, timeout, None)
+    if done is None:
+        done = subprocess.run(
             args, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout, stdin=subprocess.DEVNULL
         )
-    texts: dict = {}
-    readers = [
-        threading.Thread(target=lambda name=name, f=f: texts.__setitem__(name, f.read()), daemon=True)
-        for name, f in (("stdout", child.stdout), ("stderr", child.stderr))
-    ]
-    for reader in readers:
-        reader.start()
-    try:
-        child.wait(timeout)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait(10)
-        raise
-    finally:
-        for reader in readers:
-            reader.join(10)
-    return subprocess.CompletedProcess(args, child.returncode, texts.get("stdout", ""), texts.get("stderr", ""))
+    return done
 
 
 class Spawner:
@@ -387,9 +454,11 @@ class Spawner:
 def run_probe(*args, env: dict, timeout: float = 180.0, input: str | None = None) -> subprocess.CompletedProcess:
     """Run the real ``probe`` command; its CompletedProcess (text). The timeout is a deadline, not a speed
     limit: a call that hangs fails, one slowed by a busy host does not."""
-    return subprocess.run(
-        [PROBE_BIN, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout, input=input
-    )
+    argv = [PROBE_BIN, *map(str, args)]
+    done = _run(_cli_server, [sys.executable, *argv], env, os.getcwd(), timeout, input)
+    if done is None:
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout, input=input)
+    return done
 
 
 def _signal_group(pid: int, sig: int) -> None:
