@@ -20,7 +20,7 @@ backward wrapper reads a CPU scalar as a float when backward is called on it (on
 there is no device to wait for, and nothing of the tensor or its graph is kept), and keeps any
 other scalar detached (the graph is not kept alive); the step boundary takes the step's sum
 (``take``): a float, or for a device scalar a pinned host copy and an event (``hold``), read
-later by ``read`` once the event has completed. Nothing here synchronises with a device. The
+later by ``pending.read`` once the event has completed. Nothing here synchronises with a device. The
 frame-variable fallback walks frames and runs on measured steps only; ``wanted`` (whether the
 budget measures the step in progress) still gates ``clip_grad_norm_``'s norm.
 """
@@ -28,7 +28,6 @@ budget measures the step in progress) still gates ``clip_grad_norm_``'s norm.
 from __future__ import annotations
 
 import functools
-import threading
 import time
 import weakref
 
@@ -37,7 +36,7 @@ from ..util.errorlog import record_error
 from ..util.frames import release
 from .shards import is_sharded, local
 
-__all__ = ["Capture", "Pending", "read", "loss_logits"]
+__all__ = ["Capture", "loss_logits"]
 
 _NLL = ("NllLossBackward0", "NllLoss2DBackward0")  # cross_entropy is log_softmax + nll_loss
 _LOSS_LOOK_EVERY = 1000  # noted backward calls between two looks at the loss's graph (the first one looks)
@@ -73,57 +72,6 @@ def loss_logits(loss, limit: int = 64):
     return None
 
 
-def read(holder):
-    """The value behind a holder from ``Capture.hold``, or None while its device copy has not landed."""
-    host, ev = holder
-    if ev is not None and not ev.query():
-        return None
-    return float(host.item())
-
-
-class Pending:
-    """Holders of a ring's rows whose device values have not landed yet: kept at a boundary (``keep``),
-    read into their rows once ready (``resolve``: a few steps later on the training thread, or when a
-    query asks). A row the ring has since overwritten is dropped."""
-
-    __slots__ = ("ring", "what", "items", "_lock")
-
-    def __init__(self, ring, what: str):
-        self.ring, self.what = ring, what
-        self.items: list = []  # (ring row, column, holder)
-        self._lock = threading.Lock()
-
-    def keep(self, row: int, values) -> int:
-        """Keep the holders among ``values`` (``(column, value)`` pairs) for ``row``; returns how many wait."""
-        with self._lock:
-            for col, v in values:
-                if type(v) is tuple:
-                    self.items.append((row, col, v))
-            return len(self.items)
-
-    def resolve(self, up_to_row: int | None = None) -> None:
-        """Read the values that have landed (of rows up to ``up_to_row`` if given) into their rows."""
-        ring = self.ring
-        with self._lock:
-            keep = []
-            for row, col, holder in self.items:
-                if ring.count - row > ring.capacity:
-                    continue
-                if up_to_row is not None and row > up_to_row:
-                    keep.append((row, col, holder))
-                    continue
-                try:
-                    v = read(holder)
-                except Exception as exc:
-                    record_error(f"{self.what}: reading {col}", exc)
-                    continue
-                if v is None:
-                    keep.append((row, col, holder))
-                else:
-                    ring.set(col, row, v)
-            self.items = keep
-
-
 class Capture:
     def __init__(self, torch):
         self.torch = torch
@@ -149,7 +97,7 @@ class Capture:
 
     # -- holding values without a device sync ---------------------------------------------------
     def hold(self, value):
-        """A float now when that costs no device sync, else a holder (a tuple) for ``read``; None: missing."""
+        """A float now when that costs no device sync, else a holder (a tuple) for ``pending.read``; None: missing."""
         if type(value) is float or value is None:
             return value
         torch = self.torch

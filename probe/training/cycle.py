@@ -28,7 +28,7 @@ import weakref
 from ..config import setting
 from ..util.errorlog import record_error
 from ..util.ring import Ring
-from .capture import Pending
+from .pending import Pending
 
 __all__ = ["OptimizerCycle", "CYCLE_COLUMNS"]
 

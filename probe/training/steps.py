@@ -47,7 +47,8 @@ from .frameworks import unwrap_optimizer
 from .inputs import InputCounter
 from .tracepace import TracePacing
 from ..util.budget import Budget
-from .capture import Capture, Pending
+from .capture import Capture
+from .pending import Pending
 from .stepcolumns import RING_COLUMNS
 from .steplife import StepLife
 from ..config import setting
@@ -87,7 +88,7 @@ class StepTracker(StepLife):
 
     * ``step``: steps completed; ``explicit``: ``probe.step()`` owns the count (set by ``hooks``);
     * ``ring``: the ``torch.steps`` rows (``stepcolumns``: RING_COLUMNS; its ``snapshot`` is what a query sees);
-      ``pending``: device values of its rows not read yet (``capture.Pending``);
+      ``pending``: device values of its rows not read yet (``pending.Pending``);
     * ``capture`` (the loss and grad norm, ``capture.Capture``), ``inputs`` (micro-batches, samples,
       tokens: ``inputs.InputCounter``), ``memory`` (``memclock.MemoryClock``), ``tracer`` (``trace.Tracer``),
       ``budget`` and ``norm_budget`` (``util.budget.Budget``: PROBE_STEP_BUDGET, PROBE_GRAD_NORM),
