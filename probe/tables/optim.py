@@ -199,8 +199,8 @@ def optimizer(ctx):
         Column(
             "loss",
             "DOUBLE",
-            "The loss backpropagated since the previous optimizer step (the scalars summed), read lazily; NULL on a "
-            "step that was not measured (torch.steps.measured) or when none was noted.",
+            "The loss backpropagated since the previous optimizer step (the scalars summed), on every step as "
+            "torch.steps.loss; NULL while a device copy has not landed (read without a sync) or when none was noted.",
         ),
         Column(
             "lr",

@@ -16,7 +16,7 @@ the lead's steps end training steps again until a cycle is seen again.
 
 Each optimizer step of a recognised iteration is also one row of ``torch.optimizer_steps``
 (``rows``): its position in the iteration, the optimizer, the loss backpropagated since the
-previous optimizer step (on measured steps: what ``Capture`` noted), the lr it used, and its
+previous optimizer step (on every step: what ``Capture`` noted), the lr it used, and its
 gradient norm (on measured steps, within the gradient norm's budget, PROBE_GRAD_NORM).
 """
 
@@ -108,18 +108,18 @@ class OptimizerCycle:
 
     def record(self, tracker, opt, t0: int, step: int) -> None:
         """``opt``'s row for the training step in progress: the loss backpropagated since the previous
-        optimizer step and its gradient norm (on a measured step), and the lr it used."""
+        optimizer step, the lr it used, and its gradient norm (on a measured step)."""
         capture = tracker.capture
         loss = norm = None
+        losses = capture.losses  # noted on every step: the loss is a core signal, as in torch.steps
+        mine = losses[self.taken :]
+        self.taken = len(losses)
+        try:
+            if mine:
+                loss = capture.hold(mine[0] if len(mine) == 1 else capture.total(mine))
+        except Exception as exc:
+            record_error("torch steps: loss", exc)
         if capture.wanted:
-            losses = capture.losses
-            mine = losses[self.taken :]
-            self.taken = len(losses)
-            try:
-                if mine:
-                    loss = capture.hold(mine[0] if len(mine) == 1 else capture.total(mine))
-            except Exception as exc:
-                record_error("torch steps: loss", exc)
             budget = tracker.norm_budget  # paced like the step's own norm (PROBE_GRAD_NORM)
             if budget.allows(t0):
                 try:
