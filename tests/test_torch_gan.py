@@ -33,7 +33,8 @@ def _query(cli, pid, sql):
 
 
 def test_a_step_holds_one_iteration_of_both_optimizers(spawn, cli):
-    p = spawn([GAN, "--step-sleep", "0.005"], env={"PROBE": "1"})
+    # a budget that measures few steps: each optimizer's loss is on every step all the same
+    p = spawn([GAN, "--step-sleep", "0.005"], env={"PROBE": "1", "PROBE_STEP_BUDGET": "0.0001"})
     p.wait_for("iter 30 ")
     # given: the optimizers, named as the finder knows them
     opts = _query(cli, p.pid, "SELECT name, is_lead FROM torch.optimizer ORDER BY name")
@@ -50,7 +51,8 @@ def test_a_step_holds_one_iteration_of_both_optimizers(spawn, cli):
     for r in rows:
         by_step.setdefault(r["step"], {})[r["optimizer"]] = r
     both = {s: v for s, v in by_step.items() if set(v) == {"opt_d", "opt_g"}}
-    assert len(both) >= 10, rows
+    # every step from the one the iteration was recognised at carries both losses: core signals, never sampled
+    assert len(both) >= 10 and sorted(both) == list(range(min(both), 26)), rows
     # then: D's and G's losses of one step are those of one iteration (never D's with G's previous), in order
     offsets = set()
     for s, v in both.items():
