@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
+import types
 
 import pytest
 
@@ -23,7 +25,17 @@ def reference_lr(name: str, epoch: int) -> float:
 
     spec = importlib.util.spec_from_file_location("actions_train_ref", TRAIN)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # its `import probe.auto` starts a harmless probe in the test process
+    # its `import probe.auto` must start nothing in the test process: a probe there would wrap torch for every
+    # later test of this worker (tests/unit/test_loss_capture.py's own wrapper then saw no backward call)
+    started = sys.modules.get("probe.auto")
+    sys.modules["probe.auto"] = types.ModuleType("probe.auto")
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        if started is None:
+            del sys.modules["probe.auto"]
+        else:
+            sys.modules["probe.auto"] = started
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.05, momentum=0.9)
     sched = mod.make_scheduler(name, opt)
     for i in range(epoch):
