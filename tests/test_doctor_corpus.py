@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from _doctor import doctor
+from _doctor import above_info, doctor
 from harness import stop_groups
 from conftest import ROOT, poll, requires_torch
 
@@ -54,24 +54,6 @@ def _named(cli, pid, rule, words, onset_step):
         if time.monotonic() > deadline:
             return None, findings
         time.sleep(1.0)  # ok-sleep: polling with a deadline; a doctor run is ~0.8 s of CPU the job would share
-
-
-# The twins are held to every rule about what training computes; the rules about the job's speed (input, slow)
-# and its pace (stalled: no step for 50x its p99) read the host's load on this shared 2-core machine (a 10 ms
-# sleep a step counts as time outside the model, so does the time the thread waits for a CPU, and a starved
-# process can go 10 s without a step): their healthy controls are in their own tests.
-_HOST_FAMILIES = ("input", "slow")
-_HOST_RULES = ("stalled",)
-
-
-def _above_info(findings) -> list:
-    return [
-        f
-        for f in findings
-        if f["severity"] in ("critical", "warning")
-        and f.get("family") not in _HOST_FAMILIES
-        and f["rule"] not in _HOST_RULES
-    ]
 
 
 def test_the_corpus_is_grouped_and_cited():
@@ -133,5 +115,5 @@ def test_the_doctor_names_real_world_errors_and_not_their_healthy_twins(spawn, c
             interval=0.5,
         )
         findings = doctor(cli, twin.pid)["findings"]
-        assert not _above_info(findings), (error, findings)
+        assert not above_info(findings), (error, findings)
         (fixed / error).touch()
