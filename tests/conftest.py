@@ -33,8 +33,8 @@ for _sig, _handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGQ
         signal.signal(_sig, _handler)
 
 # Target scripts that import torch, and the probe command, start as forks of servers that imported torch (or the
-# command's modules) once (tests/harness.py,
-# tests/forkserver.py): ~2 s of CPU less per target, ~0.1 s per command. PROBE_TEST_FORKSERVER=0 spawns them all.
+# command's modules) once (tests/harness.py, tests/forkserver.py): ~2 s of CPU less per target, ~0.1 s per
+# command. PROBE_TEST_FORKSERVER=0 spawns them all.
 use_fork_server(os.environ.get("PROBE_TEST_FORKSERVER", "1") != "0")
 
 

@@ -6,6 +6,9 @@ benchmarks import it directly::
     sys.path.insert(0, str(ROOT / "tests")); from harness import Spawner, clean_env, poll
 
 Nothing here waits on a fixed time: every wait has a deadline and ends as soon as its condition holds.
+With ``use_fork_server(True)`` (the suite's conftest; never the benchmarks), target scripts that import
+torch and the ``probe`` command start as forks of servers that imported them once (``tests/forkserver.py``),
+where a fork can stand in for a spawn.
 """
 
 from __future__ import annotations
