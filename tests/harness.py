@@ -391,15 +391,19 @@ def _run(server: _ForkServer, args: list, env: dict, cwd: str, timeout: float, i
     return subprocess.CompletedProcess(args, child.returncode, texts.get("stdout", ""), texts.get("stderr", ""))
 
 
+def _argv(args) -> list[str]:
+    """``args`` (one path or a list) as strings; a ``.py`` first argument runs with this Python."""
+    if isinstance(args, (str, Path)):
+        args = [args]
+    args = [str(a) for a in args]
+    return [sys.executable, *args] if args[0].endswith(".py") else args
+
+
 def start(args, env: dict, *, cwd=None, ready: str | None = "ready", timeout: float = 90.0, **popen) -> Proc:
     """Start ``args`` (a ``.py`` first argument runs with this Python) in its own process group, with
     ``env``, in ``cwd`` (default: the env's runtime dir); wait for a line containing ``ready``. With the fork
     server on (``use_fork_server``), a target script that imports torch is forked from it where it can be."""
-    if isinstance(args, (str, Path)):
-        args = [str(args)]
-    args = [str(a) for a in args]
-    if args[0].endswith(".py"):
-        args = [sys.executable] + args
+    args = _argv(args)
     popen.setdefault("stdout", subprocess.PIPE)
     popen.setdefault("stderr", subprocess.STDOUT)
     cwd = str(cwd or env.get("PROBE_RUNTIME_DIR") or os.getcwd())
@@ -420,11 +424,7 @@ def run_target(args, env: dict, *, cwd=None, timeout: float = 120.0) -> subproce
     """Run a target to its end (as ``start`` does: a ``.py`` first argument runs with this Python, forked where
     it can be), stdin empty; its CompletedProcess (text, stdout and stderr apart). ``timeout`` is a deadline:
     past it the process is killed and ``subprocess.TimeoutExpired`` raised."""
-    if isinstance(args, (str, Path)):
-        args = [str(args)]
-    args = [str(a) for a in args]
-    if args[0].endswith(".py"):
-        args = [sys.executable] + args
+    args = _argv(args)
     cwd = str(cwd or env.get("PROBE_RUNTIME_DIR") or os.getcwd())
     done = _run(_fork_server, args, env, cwd, timeout, None)
     if done is None:
