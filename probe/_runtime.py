@@ -408,7 +408,8 @@ def offline_status(entry: dict) -> dict:
 
     Read by the CLI from the runtime directory: a dump written after the process
     started means the watchdog fired; ``hung_since`` is the firing time minus the
-    timeout from faulthandler's ``Timeout (H:MM:SS)!`` header, i.e. the last step.
+    timeout from faulthandler's ``Timeout (H:MM:SS.ffffff)!`` header, i.e. its last re-arm (at most
+    about a second before the last step).
     """
     try:
         path = os.path.join(runtime_dir(create=False), f"hang-{int(entry['pid'])}.txt")
@@ -420,9 +421,9 @@ def offline_status(entry: dict) -> dict:
             tail = f.read().decode(errors="replace")
     except (OSError, KeyError, ValueError, TypeError):
         return {}
-    stamps = re.findall(r"Timeout \((\d+):(\d\d):(\d\d)(?:\.\d+)?\)!", tail)
+    stamps = re.findall(r"Timeout \((\d+):(\d\d):(\d\d(?:\.\d+)?)\)!", tail)
     timeout = 0.0
     if stamps:
         h, m, s = stamps[-1]
-        timeout = int(h) * 3600 + int(m) * 60 + int(s)
+        timeout = int(h) * 3600 + int(m) * 60 + float(s)
     return {"state": "hung", "hung_since": st.st_mtime - timeout, "hang_dump": path}

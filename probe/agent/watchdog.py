@@ -5,11 +5,14 @@ the stacks without taking the GIL, so it works even when the training thread is
 stuck inside a C call with the GIL held (an NCCL collective, a CUDA sync, a
 deadlocked extension), where no Python thread, the probe server's included, can run.
 
-The timer is armed when the probe starts and re-armed at every step boundary
-(a ``probe.training.safepoint.on_step`` subscriber), so it fires only when a whole ``S`` seconds pass
-without a step. Nothing polls: the dump is noticed when someone asks for the
-status (``probe list``, ``/health``, ``process.info``), by one ``fstat`` of the
-dump file, which grows only when faulthandler writes to it.
+The timer is armed when the probe starts and re-armed as steps complete, from a
+``probe.training.safepoint`` heartbeat: at least once a second while steps come, not at every
+step (re-arming stops faulthandler's timer thread and starts a new one: tens of microseconds,
+and a full step boundary, at every step of a fast loop). So that a heartbeat's lag can never make
+it fire early, it is re-armed at most every ``REARM_S`` and for ``S + LATE_S`` seconds: it fires
+when ``S`` to ``S + LATE_S`` seconds pass without a step. Nothing polls: the dump is noticed when
+someone asks for the status (``probe list``, ``/health``, ``process.info``), by one ``fstat`` of
+the dump file, which grows only when faulthandler writes to it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,13 @@ from ..training import safepoint
 from ..util.errorlog import record_error
 from . import state
 
-__all__ = ["install", "uninstall", "status", "dump_path"]
+__all__ = ["install", "uninstall", "status", "dump_path", "REARM_S", "LATE_S"]
+
+REARM_S = 0.25  # heartbeats closer than this to the last re-arm leave the timer as it is
+# how late, after S seconds without a step, the timer may fire: a heartbeat comes at most a second (and one step)
+# after the last step it follows, and the re-arm may have been skipped for REARM_S before that
+LATE_S = 1.5
+_clock = time.monotonic
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -37,14 +46,17 @@ def dump_path() -> str | None:
 
 
 def _arm() -> None:
-    faulthandler.dump_traceback_later(_state["timeout"], repeat=False, file=_state["file"], exit=False)
-    _state["armed_at"] = time.time()
+    faulthandler.dump_traceback_later(_state["timeout"] + LATE_S, repeat=False, file=_state["file"], exit=False)
+    _state["armed_at"] = _state["beat_at"] = time.time()
+    _state["armed_mono"] = _clock()
     _state["armed_size"] = os.fstat(_state["file"].fileno()).st_size
 
 
-def _on_step(event) -> None:
+def _on_heartbeat(step: int) -> None:
     if _state:
-        _arm()
+        _state["beat_at"] = time.time()
+        if _clock() - _state["armed_mono"] >= REARM_S:
+            _arm()
 
 
 def install() -> bool:
@@ -61,7 +73,7 @@ def install() -> bool:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             _state.update(pid=os.getpid(), timeout=seconds, path=path, file=os.fdopen(fd, "a"))
             _arm()
-        safepoint.on_step(_on_step)
+        safepoint.on_heartbeat(_on_heartbeat)
         state.add_status_provider(status)
         return True
     except Exception as exc:
@@ -74,7 +86,7 @@ def uninstall() -> None:
     with _lock:
         if not _state:
             return
-        safepoint.remove(_on_step)
+        safepoint.remove_heartbeat(_on_heartbeat)
         if _state.get("pid") == os.getpid():
             faulthandler.cancel_dump_traceback_later()
         try:
@@ -85,7 +97,8 @@ def uninstall() -> None:
 
 
 def status() -> dict:
-    """``state="hung"`` and ``hung_since`` (the last step, or the arming) once the timer has written stacks."""
+    """``state="hung"`` and ``hung_since`` (the last heartbeat: within a second of the last step, or the arming)
+    once the timer has written stacks."""
     if not _state or _state.get("pid") != os.getpid():
         return {}
     try:
@@ -94,7 +107,7 @@ def status() -> dict:
         return {}
     out = {"hang_timeout": _state["timeout"], "hang_dump": _state["path"]}
     if st.st_size > _state["armed_size"]:
-        out.update(state="hung", hung_since=_state["armed_at"], hang_detected_at=st.st_mtime)
+        out.update(state="hung", hung_since=_state["beat_at"], hang_detected_at=st.st_mtime)
     return out
 
 
@@ -107,7 +120,7 @@ def _before_fork() -> None:
 
 def _after_fork_in_parent() -> None:
     if _state and _state.get("pid") == os.getpid():
-        remaining = _state["timeout"] - (time.time() - _state["armed_at"])
+        remaining = _state["timeout"] + LATE_S - (_clock() - _state["armed_mono"])
         faulthandler.dump_traceback_later(max(remaining, 0.001), repeat=False, file=_state["file"], exit=False)
 
 

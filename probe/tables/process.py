@@ -78,7 +78,11 @@ def _info_row(ctx) -> dict:
             "training, idle (no step seen yet), hung (the hang watchdog fired), or dead (read from the post-mortem "
             "record of a process that is gone).",
         ),
-        Column("hung_since", "TIMESTAMP", "When the hang watchdog saw the last step, if it fired; else NULL."),
+        Column(
+            "hung_since",
+            "TIMESTAMP",
+            "When the hang watchdog last heard a step (within a second of the last one), if it fired; else NULL.",
+        ),
         Column(
             "source",
             "VARCHAR",

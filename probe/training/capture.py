@@ -74,20 +74,21 @@ def loss_logits(loss, limit: int = 64):
 
 class Capture:
     def __init__(self, torch):
-        self.torch = torch
+        # what ``saw_backward`` reads on every backward call first: they share a cache line (see StepTracker)
         self.Tensor = torch.Tensor
-        self.loss_names = setting("PROBE_LOSS_NAMES") or ["loss"]
-        self.wanted = True  # whether the step in progress is measured (its optional values read)
-        self.clip_norm = None  # clip_grad_norm_'s result in the step in progress
-        self.losses: list = []  # this step's backpropagated scalars (floats, or detached tensors), summed at its end
-        self._scaled = None  # (weakref to GradScaler.scale's output, the loss it scaled)
-        self._clip = None  # the clip_grad_norm_ wrapper, in torch.nn.utils on measured steps only (``note``)
+        self.losses: list = []  # this step's backpropagated scalars (floats, or detached tensors), emptied in place
         self.closure_step = False  # inside optimizer.step(closure): only the closure's first backward counts
+        self._scaled = None  # (weakref to GradScaler.scale's output, the loss it scaled)
+        self.wanted = True  # whether the step in progress is measured (its optional values read)
+        self._loss_looks = 0
+        self.torch = torch
+        self.loss_names = setting("PROBE_LOSS_NAMES") or ["loss"]
+        self.clip_norm = None  # clip_grad_norm_'s result in the step in progress
+        self._clip = None  # the clip_grad_norm_ wrapper, in torch.nn.utils on measured steps only (``note``)
         self._closure_taken = False
         self._norm_failed: set = set()
         self.sharded = False  # a gradient norm was this rank's shards' (FSDP2/DTensor), not the model's
         self.loss_kind = None  # loss_logits() of a loss seen lately: its class count (torch.loss)
-        self._loss_looks = 0
         # on measured steps, the graphs backpropagated so far (their grad_fn, held until the boundary) and how
         # many backward calls went through one of them again (torch.checks backward_once)
         self.graphs: list = []
@@ -155,8 +156,6 @@ class Capture:
             type(grad_tensors) in (list, tuple) and all(g is None for g in grad_tensors)
         ):
             return  # a vector backward with explicit gradients is not a loss
-        if t.numel() != 1:
-            return
         if self.closure_step:
             if self._closure_taken:
                 return
@@ -174,7 +173,16 @@ class Capture:
                 self.loss_kind = loss_logits(t)
             except Exception as exc:
                 record_error("torch steps: the loss's logits", exc)
-        self.losses.append(t.item() if type(t) is Tensor and t.is_cpu else t.detach())
+        if type(t) is Tensor and t.is_cpu:
+            try:
+                value = t.item()
+            except RuntimeError:  # not a scalar: torch's backward, given no gradient, refuses it too
+                return
+        elif t.numel() != 1:  # not a scalar (read before anything of it is kept)
+            return
+        else:
+            value = t.detach()
+        self.losses.append(value)
 
     def _note_graph(self, t) -> None:
         """A measured step's backward calls: one more, and whether its loss's graph was backpropagated before."""
@@ -239,13 +247,13 @@ class Capture:
         losses = self.losses
         if not losses:
             return None
-        self.losses = []
-        v = losses[0] if len(losses) == 1 else self.total(losses)
+        v = losses[0] if len(losses) == 1 else self.total(list(losses))
+        losses.clear()  # in place: the step tracker's quick path holds this list
         return v if type(v) is float else self.hold(v)
 
     def forget(self) -> None:
-        """Drop what an unmeasured step captured (a loss noted before the budget said no)."""
-        self.losses = []
+        """Drop what was noted for the step (``probe.step(loss=)`` gave the loss, or the probe pauses)."""
+        self.losses.clear()
         self._scaled = None
 
     def find_loss(self, frame):

@@ -8,7 +8,13 @@ the hang watchdog's re-arm, step bookkeeping. A subscriber that raises is record
 
 Subscribers come and go: the action queue subscribes only while an action waits, so
 a boundary with nobody subscribed only records ``last_step`` (the torch step tracker
-skips building the event then).
+skips building the event then, and takes its quick path).
+
+Work that needs to know that steps still come, but not at every step, registers with
+``on_heartbeat`` instead (the hang watchdog): ``beat(step)`` runs it at every ``fire`` and at
+every boundary the step tracker runs in full, which it does at least once a second while
+steps complete (its budget's floor, ``steps._MAX_GAP_S``), so heartbeats leave the quick
+path in place.
 """
 
 from __future__ import annotations
@@ -18,7 +24,19 @@ from typing import Any, Callable
 
 from ..util.errorlog import record_error
 
-__all__ = ["StepEvent", "on_step", "remove", "fire", "last_step", "run_at_next_step", "subscribers"]
+__all__ = [
+    "StepEvent",
+    "on_step",
+    "remove",
+    "fire",
+    "last_step",
+    "run_at_next_step",
+    "subscribers",
+    "heartbeats",
+    "on_heartbeat",
+    "remove_heartbeat",
+    "beat",
+]
 
 
 class StepEvent:
@@ -65,6 +83,35 @@ def fire(event: StepEvent) -> None:
             fn(event)
         except Exception as exc:
             record_error(f"step subscriber {getattr(fn, '__qualname__', fn)}", exc)
+    if heartbeats:
+        beat(event.step)
+
+
+heartbeats: list[Callable[[int], None]] = []  # run by ``beat``: not at every step, and never in the quick path's way
+
+
+def on_heartbeat(fn: Callable[[int], None]) -> Callable[[int], None]:
+    """Run ``fn(step)`` on the training thread at least once a second while steps complete (see the module's
+    docstring), not necessarily at every step. Idempotent."""
+    if fn not in heartbeats:
+        heartbeats.append(fn)
+    return fn
+
+
+def remove_heartbeat(fn: Callable[[int], None]) -> None:
+    try:
+        heartbeats.remove(fn)
+    except ValueError:
+        pass
+
+
+def beat(step: int) -> None:
+    """The heartbeat subscribers' turn (``fire``, and the step tracker's full boundaries)."""
+    for fn in tuple(heartbeats):
+        try:
+            fn(step)
+        except Exception as exc:
+            record_error(f"step heartbeat {getattr(fn, '__qualname__', fn)}", exc)
 
 
 def run_at_next_step(fn: Callable[[], Any], timeout: float) -> Any:

@@ -61,6 +61,7 @@ from ..util.usercode import user_frame
 __all__ = ["StepTracker"]
 
 _perf_ns = time.perf_counter_ns
+_subscribers = safepoint.subscribers  # the list itself (never rebound): one global read on the quick path
 
 _LAG = 2  # steps after which a pending value is read on the training thread
 _RESOLVE_EVERY = 8  # pending device values read at the boundary once this many are waiting
@@ -99,54 +100,72 @@ class StepTracker(StepLife):
     * ``quick``: the next boundary may take the quick path (unmeasured, untraced, nothing queued);
     * ``wall_offset``: time.time() minus perf_counter(); ``rank``: this process's (None if not distributed).
 
-    Its own: the budget's settling (``_spent``: ns of the last full boundary's work; ``_quick_ns``,
-    ``_quick_n``: the quick boundaries' cost since, and how many; ``_settled_ns``: when it was settled;
+    Its own: the budget's settling (``_spent``: ns of the last full boundary's work; ``_quick_ns``: the
+    quick boundaries' cost since; ``_settled_ns`` and ``_settled_step``: when, and at which step, it was settled;
     ``_check_at``: the quick path runs until this perf_counter_ns, before which the budget cannot allow
     a measured step; ``_quick_rate``: their charged cost per ns of step time; ``_norm_earned_ns``: the
     norm's budget earns the time between measured steps; ``_coin``: the measured steps' jitter), the
     clock (``_last_ns``: perf_counter_ns of the last boundary, None when it restarts; ``_started_ns``;
     ``_fwd_ns``: this step's first forward call, 0 before it), ``_frame_code`` and ``_frame_depth`` (the
-    loop's frame, checked before walking), ``_hard_trace_at`` (``trace_pacing.hard_at``, for the quick
-    path), ``_scan_due`` (the next scan), ``cpu_wait`` (``util.procfs.CpuWait``), ``_lead_name``.
-    """
+    loop's frame, checked before walking), ``_hard_trace_at`` (``trace_pacing.hard_at``), ``_full_at`` (the
+    first step the quick path leaves to the full boundary: a replica checksum or a trace the user asked for is
+    due), ``_scan_due`` (the next scan), ``cpu_wait`` (``util.procfs.CpuWait``), ``_lead_name``, and ``_append``
+    and ``_losses`` (the ring's ``append`` and the capture's ``losses`` list, held for the quick path)."""
 
     def __init__(self, torch, tracer):
+        # What the quick path reads and writes comes first: an instance's attributes are stored in the order they
+        # are first set, so these few share a couple of cache lines, which that path finds evicted by the step.
+        self._check_at = 0
+        self._full_at = math.inf
+        self.step = 0
+        self.lead = None
+        self.step_lr = None
+        self._last_ns: int | None = None
+        self._fwd_ns = 0
+        self._quick_ns = 0
+        self.wall_offset = time.time() - time.perf_counter()
+        self._lead_name = None
+        self.ring = Ring(RING_COLUMNS, setting("PROBE_STEPS_CAPACITY"))
+        self._append = self.ring.append
+        self.capture = Capture(torch)
+        self._losses = self.capture.losses  # the same list, emptied in place
         self.torch = torch
         self.tracer = tracer
-        self.ring = Ring(RING_COLUMNS, setting("PROBE_STEPS_CAPACITY"))
         self._spent = 0  # the budget is settled at full boundaries only: the quick ones add their cost meanwhile
-        self._quick_ns = self._quick_n = 0
+        self._settled_step = 0  # the step whose boundary settled the budget last: the quick ones came after
         self._settled_ns: int | None = None
-        self._check_at = 0
         self._quick_rate = 0.0
         self.rank = rank_identity()["rank"]
-        self.capture = Capture(torch)
         self._replicas = replicas.replicas(torch)  # DDP weight checksums (their due steps take the full boundary)
         self.budget = Budget(setting("PROBE_STEP_BUDGET"), max_gap_s=_MAX_GAP_S)
         self.norm_budget = norm_budget()
         self._norm_earned_ns = time.perf_counter_ns()
         self.trace_pacing = TracePacing(tracer)
         self._hard_trace_at = math.inf
-        self.step = 0
         self.explicit = False
-        self.lead = None
-        self._last_ns: int | None = None
         self._started_ns = time.perf_counter_ns()
         self.pending = Pending(self.ring, "torch steps")
         self.inputs = InputCounter(torch, self._first_forward)
-        self._fwd_ns = 0
         self._coin = random.Random().random  # not the job's generator: its random stream is untouched
         self._scan_due = 1
-        self.wall_offset = time.time() - time.perf_counter()
         self.memory = memclock.MemoryClock(torch, lambda: self.step)
         self.cpu_wait = CpuWait()
         self._frame_code, self._frame_depth = None, 0
-        self.step_lr = None
-        self.quick = False
-        self._lead_name = None
+        self._quick_next = False  # what the boundary in progress found for the next ones (``_check_at``)
         self.cycle = None
         self.used_lr = None
         self.capture.wrap()
+
+    @property
+    def quick(self) -> bool:
+        """Whether the next boundary may take the quick path (``_check_at``, set by the last full boundary); set
+        False by whatever needs the next boundary to be a full one."""
+        return self._check_at > 0
+
+    @quick.setter
+    def quick(self, on: bool) -> None:
+        if not on:
+            self._check_at = 0
 
     # -- the lead optimizer --------------------------------------------------------------------
     def set_lead(self, optimizer) -> None:
@@ -167,29 +186,30 @@ class StepTracker(StepLife):
         the optimizer's work, so it is kept to a handful; anything unusual falls through to
         ``boundary``."""
         t0 = _perf_ns()
-        if self.quick and t0 < self._check_at and self.step + 1 < self._replicas.due:
+        if t0 < self._check_at:  # 0 unless the last full boundary found the next ones may be quick
+            step = self.step + 1
             lead = self.lead
-            if lead is not None and lead() is optimizer:
+            if step < self._full_at and lead is not None and lead() is optimizer:
                 lr = optimizer.param_groups[0]["lr"]
-                if type(lr) is float and self.step_lr is None and not safepoint.subscribers:
-                    self.step = step = self.step + 1
+                if type(lr) is float and self.step_lr is None and not _subscribers:
+                    self.step = step
                     last = self._last_ns
                     self._last_ns = t0
-                    capture = self.capture
-                    capture.closure_step = False
-                    loss = capture.take() if capture.losses else None  # every step (CPU scalars read when noted)
+                    losses = self._losses
+                    loss = None
+                    if losses:  # every step: a CPU scalar was read when noted
+                        loss = losses[0]
+                        if type(loss) is float and len(losses) == 1:
+                            losses.clear()
+                        else:  # several backward calls, or a device scalar
+                            loss = self.capture.take()
                     fwd = self._fwd_ns
                     if fwd:
                         self._fwd_ns = 0
-                    if step >= self._hard_trace_at:
-                        self._prepare_next(step, t0, False, False)
                     safepoint.last_step = step
-                    ring = self.ring
-                    row = ring.count
                     cost = _perf_ns() - t0
                     self._quick_ns += cost
-                    self._quick_n += 1
-                    ring.append(
+                    self._append(
                         step,
                         t0 * 1e-9 + self.wall_offset,
                         (t0 - last) * 1e-9,
@@ -207,7 +227,7 @@ class StepTracker(StepLife):
                         (fwd - last) * 1e-9 if fwd > last else None,
                     )
                     if type(loss) is tuple:  # a device loss: read when its copy has landed
-                        self._keep_pending(row, loss, None, None)
+                        self._keep_pending(self.ring.count - 1, loss, None, None)
                     return
         capture = self.capture
         if capture.closure_step:
@@ -340,10 +360,14 @@ class StepTracker(StepLife):
             t0 += _perf_ns() - t1  # the subscribers' work (queued actions) is not the probe's overhead
         else:
             safepoint.last_step = step
+            if safepoint.heartbeats:  # the probe's own (the hang watchdog): its cost is the probe's
+                safepoint.beat(step)
         cost = _perf_ns() - t0
         self._spent = cost - asked if step > _FORCED else 0  # start-up (first scans, imports, traces) is not paced
-        if self.quick:  # the quick path may run until the budget could allow a measured step
-            self._check_at = self.budget.due_ns(t0, self._quick_rate)
+        # the quick path may run until the budget could allow a measured step, and short of the next step due for
+        # a replica checksum or a trace the user asked for
+        self._check_at = self.budget.due_ns(t0, self._quick_rate) if self._quick_next else 0
+        self._full_at = min(self._replicas.due, self._hard_trace_at)
         ring = self.ring
         row = ring.count
         ring.append(
@@ -374,12 +398,13 @@ class StepTracker(StepLife):
         predecessor and the quick ones after it, at ``_CHARGE`` times their own timing), credit
         the time their steps took, and say whether the next step may be measured."""
         since = self._settled_ns if self._settled_ns is not None else last
-        n = self._quick_n
+        n = max(0, self.step - self._settled_step - 1)  # quick boundaries since
+        self._settled_step = self.step
         if n:
             self._quick_rate = _CHARGE * self._quick_ns / n / max(1, (t0 - since) / (n + 1))
         allowed = self.budget.tick(t0 - since, t0, _CHARGE * (self._spent + self._quick_ns), 1 + n)
         self._settled_ns = t0
-        self._spent = self._quick_ns = self._quick_n = 0
+        self._spent = self._quick_ns = 0
         return allowed
 
     def _prepare_next(self, step: int, t0: int, traced: bool, measure: bool) -> int:
@@ -395,7 +420,7 @@ class StepTracker(StepLife):
         pacing = self.trace_pacing
         asked = pacing.turn(step, traced, measure, self.wall_offset) if pacing.wants_turn(step, traced, measure) else 0
         self._hard_trace_at = pacing.hard_at
-        self.quick = not (
+        self._quick_next = not (
             measure or self.explicit or tracer.handles or tracer.pending_events or tracer.active_step is not None
         )
         return asked

@@ -100,7 +100,7 @@ def test_a_tensor_subclass_is_kept_detached_for_the_boundary_never_read_in_the_b
     assert isinstance(kept, torch.Tensor) and kept.grad_fn is None and not kept.requires_grad
     assert capture.take() == 6.0
     # a step that noted a CPU float and a kept tensor sums both
-    capture.losses = [1.5, torch.tensor(2.0)]
+    capture.losses[:] = [1.5, torch.tensor(2.0)]
     assert capture.take() == 3.5
 
 
