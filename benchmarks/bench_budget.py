@@ -19,8 +19,11 @@ thread, and CPU time leaves out the waits for a core that dominate a shared mach
 noise), then the probe's own figure:
 ``probe_us`` from torch.steps (its boundary work per step, timed by itself) as a share of
 step time, the share of steps it measured (the optional values), and the share of the "on"
-steps that carry the loss and a memory reading (the core signals, on every step). Goal: on/off <= 1.01
-at every step time.
+steps that carry the loss and a memory reading (the core signals, on every step). For the plain
+loops it also times the probe inside the step, at its entry points (``Edges``: the optimizer
+step's pre- and post-hooks, the backward call up to autograd's engine and back, the forward
+call), on minus off: intervals of microseconds that the machine's load barely moves, so they
+resolve what the step-time ratio cannot. Goal: on/off <= 1.01 at every step time.
 Where the A/A spread is wider than 1 %, the machine cannot resolve the goal and the
 probe_us share is the steady figure.
 
@@ -45,6 +48,54 @@ ARMS = ("on", "off", "off2")
 WARMUP = 200  # framework steps before measuring: start-up, and most of the budget's initial burst
 
 
+class Edges:
+    """The probe's time inside a plain step, at its entry points: timestamps on both sides of each.
+
+    Timing hooks that run in every arm: a global optimizer pre-hook registered before the probe's (the probe's
+    are put back at the end of torch's hook dicts at each resume) and the optimizer's own pre- and post-hooks,
+    which torch runs after every global pre-hook and before every global post-hook; ``torch.autograd``'s engine
+    call, timed on both sides. Per step (``note``): the optimizer step's pre-hooks, its post-hooks and its
+    return, the backward call up to autograd's engine and back from it, and the whole forward call (the root
+    model's forward pre-hook puts it on torch's slower module call path). The per-step medians of the "on"
+    and "off" blocks are compared round by round, like the step times: these intervals are microseconds wide
+    and barely move with the machine's load, so they resolve what the step-time ratio cannot. What they leave
+    out: the caches the probe's work evicts, which the step's own work pays for later."""
+
+    PARTS = ("optimizer pre-hooks", "post-hooks", "backward in", "backward out", "forward call")
+
+    def __init__(self):
+        import torch.autograd as autograd
+        import torch.optim.optimizer as topt
+
+        self.marks = {}
+        self.last = None
+        ns = time.perf_counter_ns
+        marks = self.marks
+        topt.register_optimizer_step_pre_hook(lambda o, a, k: marks.__setitem__("pre", ns()))
+        engine = getattr(autograd, "_engine_run_backward", None)  # torch's own name: a global of torch.autograd
+        if engine is not None:
+
+            def timed(*args, **kwargs):
+                marks["engine_in"] = ns()
+                try:
+                    return engine(*args, **kwargs)
+                finally:
+                    marks["engine_out"] = ns()
+
+            autograd._engine_run_backward = timed
+
+    def watch(self, opt) -> None:
+        ns, marks = time.perf_counter_ns, self.marks
+        opt.register_step_pre_hook(lambda o, a, k: marks.__setitem__("pre_end", ns()))
+        opt.register_step_post_hook(lambda o, a, k: marks.__setitem__("post", ns()))
+
+    def note(self, t0, t1, t2, t3, t4) -> None:
+        m = self.marks
+        if "engine_in" not in m:
+            m["engine_in"] = m["engine_out"] = t2
+        self.last = (m["pre_end"] - m["pre"], t4 - m["post"], m["engine_in"] - t2, t3 - m["engine_out"], t1 - t0)
+
+
 class Alternation:
     """Blocks of ``block`` steps rotating through ARMS over ``rounds`` rounds; ``tick()`` at every step's end.
 
@@ -52,7 +103,7 @@ class Alternation:
     step-end callback calls ``tick``). ``times[arm][round]`` are the kept step times.
     """
 
-    def __init__(self, block: int, rounds: int):
+    def __init__(self, block: int, rounds: int, edges: Edges | None = None):
         from probe.training import hooks
         from probe.training.stepcolumns import snapshot
 
@@ -62,6 +113,8 @@ class Alternation:
         self.plan = [(r, arm) for r in range(rounds) for arm in ARMS[r % 3 :] + ARMS[: r % 3]]
         self.times = {arm: [[] for _ in range(rounds)] for arm in ARMS}
         self.cpu = {arm: [[] for _ in range(rounds)] for arm in ARMS}  # the training thread's CPU time per step
+        self.edges = edges
+        self.edge = {arm: [[] for _ in range(rounds)] for arm in ARMS}  # Edges.last of each kept step
         self.i = self.n = 0
         self.last = self.last_cpu = None
 
@@ -82,6 +135,8 @@ class Alternation:
         if self.n:  # the block's first step pays for the switch
             self.times[arm][r].append(now - self.last)
             self.cpu[arm][r].append(cpu - self.last_cpu)
+            if self.edges is not None:
+                self.edge[arm][r].append(self.edges.last)
         self.n += 1
         self.last, self.last_cpu = now, cpu
         if self.n > self.block:
@@ -128,6 +183,27 @@ class Alternation:
             f"    core signals on the probed steps: loss {100 * (1 - loss.mean()):5.1f} %, memory "
             f"{100 * (1 - memory.mean()):5.1f} %"
         )
+        if self.edges is not None:
+            self._report_edges(step)
+
+    def _report_edges(self, step: float) -> None:
+        """The probe's time at its entry points in the step (``Edges``): on minus off, per part."""
+        parts, total = [], 0.0
+        for i, part in enumerate(Edges.PARTS):
+            diffs = sorted(
+                (statistics.median(e[i] for e in on) - statistics.median(e[i] for e in off)) * 1e-3
+                for on, off in zip(self.edge["on"], self.edge["off"])
+                if on and off
+            )
+            q = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else [diffs[0]] * 3
+            med = statistics.median(diffs)
+            if i < len(Edges.PARTS) - 1:
+                total += med
+            parts.append(f"{part} {med:+.2f} [{q[0]:+.2f} {q[2]:+.2f}]")
+        print(
+            f"    in the step, on-off at the probe's entry points (us, median [25th-75th]): {', '.join(parts[:-1])};"
+            f" sum {total:.2f} us = {100 * total * 1e-6 / step:.2f} % of the step; {parts[-1]}"
+        )
 
 
 def _median(values) -> str:
@@ -142,7 +218,8 @@ def _fmt(ratios: list[float]) -> str:
 
 
 # -- plain loops --------------------------------------------------------------------------------------
-def mlp(width: int):
+def mlp(width: int, edges: Edges | None = None):
+    """A plain training step; with ``edges``, timed at the probe's entry points (``Edges``)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -156,7 +233,26 @@ def mlp(width: int):
         opt.step()
         sched.step()
 
-    return step
+    if edges is None:
+        return step
+    edges.watch(opt)
+    ns = time.perf_counter_ns
+
+    def timed_step():
+        t0 = ns()
+        out = model(x)
+        t1 = ns()
+        loss = nn.functional.mse_loss(out, y)
+        opt.zero_grad(set_to_none=True)
+        t2 = ns()
+        loss.backward()
+        t3 = ns()
+        opt.step()
+        t4 = ns()
+        sched.step()
+        edges.note(t0, t1, t2, t3, t4)
+
+    return timed_step
 
 
 def median_step(step, n: int) -> float:
@@ -183,11 +279,13 @@ def plain(target: float, block: int):
     def run(rounds: int) -> None:
         from probe.training import hooks
 
-        step, width = calibrated(target)
+        _, width = calibrated(target)
+        edges = Edges()  # its global pre-hook goes in before the probe's
+        step = mlp(width, edges)
         hooks.arm()
         for _ in range(max(20, int(2.0 / target))):  # start-up, and 2 s to spend the budget's initial burst
             step()
-        alt = Alternation(block, rounds if target < 0.05 else max(4, rounds // 2))
+        alt = Alternation(block, rounds if target < 0.05 else max(4, rounds // 2), edges)
         alt.run(step)
         alt.report(f"plain ~{target * 1e3:g} ms (w={width})")
 
