@@ -118,13 +118,14 @@ class StepTracker(StepLife):
         self._check_at = 0
         self._full_at = math.inf
         self.step = 0
-        self.lead = None
+        self._lead_id = None  # id() of the lead optimizer while it lives (its weakref's callback clears it)
         self.step_lr = None
         self._last_ns: int | None = None
         self._fwd_ns = 0
         self._quick_ns = 0
         self.wall_offset = time.time() - time.perf_counter()
         self._lead_name = None
+        self.lead = None
         self.ring = Ring(RING_COLUMNS, setting("PROBE_STEPS_CAPACITY"))
         self._append = self.ring.append
         self.capture = Capture(torch)
@@ -170,9 +171,15 @@ class StepTracker(StepLife):
     # -- the lead optimizer --------------------------------------------------------------------
     def set_lead(self, optimizer) -> None:
         optimizer, _ = unwrap_optimizer(optimizer)  # the hooks fire with the inner optimizer
-        self.lead = weakref.ref(optimizer)
+        self.lead = weakref.ref(optimizer, self._lead_gone)
+        self._lead_id = id(optimizer)  # a number the quick path compares: calling a weakref costs it ~0.5 us
         self._lead_name = type(optimizer).__name__
         finder.add(optimizer, None, "step hook", "optimizer")
+
+    def _lead_gone(self, ref) -> None:
+        """The lead optimizer was freed: its id may be reused (before its memory is, the quick path forgets it)."""
+        if ref is self.lead:
+            self._lead_id = None
 
     def lead_optimizer(self):
         return self.lead() if self.lead is not None else None
@@ -188,8 +195,7 @@ class StepTracker(StepLife):
         t0 = _perf_ns()
         if t0 < self._check_at:  # 0 unless the last full boundary found the next ones may be quick
             step = self.step + 1
-            lead = self.lead
-            if step < self._full_at and lead is not None and lead() is optimizer:
+            if step < self._full_at and id(optimizer) == self._lead_id:
                 lr = optimizer.param_groups[0]["lr"]
                 if type(lr) is float and self.step_lr is None and not _subscribers:
                     self.step = step
