@@ -113,7 +113,7 @@ def _pre_hook(optimizer, args, kwargs):
         if closure is not None or tk.capture.closure_step:
             try:
                 tk.capture.on_step_start(closure)
-                tk.quick = False  # the full boundary ends the closure's step (``on_step_end``)
+                tk.closure_step = closure is not None  # the boundary ends it (Lightning: every step has one)
             except Exception as exc:
                 record_error("torch optimizer step pre-hook", exc)
     lr = lr_overrides

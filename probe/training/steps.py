@@ -125,6 +125,7 @@ class StepTracker(StepLife):
         self._quick_ns = 0
         self.wall_offset = time.time() - time.perf_counter()
         self._lead_name = None
+        self.closure_step = False  # the step in progress evaluates a closure (the capture's flag, set in the pre-hook)
         self.lead = None
         self.ring = Ring(RING_COLUMNS, setting("PROBE_STEPS_CAPACITY"))
         self._append = self.ring.append
@@ -201,6 +202,9 @@ class StepTracker(StepLife):
                     self.step = step
                     last = self._last_ns
                     self._last_ns = t0
+                    if self.closure_step:
+                        self.closure_step = False
+                        self.capture.on_step_end()
                     losses = self._losses
                     loss = None
                     if losses:  # every step: a CPU scalar was read when noted
@@ -238,6 +242,7 @@ class StepTracker(StepLife):
         capture = self.capture
         if capture.closure_step:
             capture.on_step_end()
+        self.closure_step = False
         lead = self.lead
         if lead is None or lead() is not optimizer:
             if lead is None or lead() is None:

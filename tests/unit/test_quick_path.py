@@ -1,0 +1,107 @@
+"""The step tracker's quick path (issue 29): most boundaries of a fast loop take it, with the exact loss, also when
+every step evaluates a closure (Lightning) and when the hang watchdog is armed. In the test process, with the
+probe's own optimizer hooks on one optimizer (not torch's global ones, which would outlive the test)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import requires_torch
+
+pytestmark = requires_torch
+
+STEPS = 400
+
+
+@pytest.fixture
+def tracker(monkeypatch):
+    """A step tracker fed by the probe's pre- and post-hooks on the optimizer ``hook(opt)`` is given; ``full`` lists
+    the steps whose boundary took the full path."""
+    import torch
+
+    from probe.training import hooks
+    from probe.training.steps import StepTracker
+    from probe.training.trace import Tracer
+
+    monkeypatch.setenv("PROBE_STEP_BUDGET", "0.0001")  # few measured steps: the rest may take the quick path
+    tracer = Tracer(torch)
+    tk = StepTracker(torch, tracer)
+    monkeypatch.setitem(hooks._state, "tracker", tk)
+    tk.full = []
+    boundary = tk.boundary
+    tk.boundary = lambda *a, **kw: (tk.full.append(tk.step + 1), boundary(*a, **kw))
+
+    def hook(opt):
+        opt.register_step_pre_hook(hooks._pre_hook)
+        opt.register_step_post_hook(hooks._post_hook)
+
+    tk.hook = hook
+    try:
+        yield tk
+    finally:
+        tk.close()
+        tracer.close()
+
+
+def _model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 1), torch.randn(8, 4)
+
+
+def _losses(tk) -> list:
+    return [float(v) for v in tk.ring.snapshot()["loss"]]
+
+
+def test_closure_steps_take_the_quick_path_with_the_closures_loss(tracker):
+    import torch
+
+    model, x = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    tracker.hook(opt)
+    seen = []
+
+    def closure():  # Lightning's shape: the whole micro-step inside optimizer.step(closure)
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        seen.append(loss.item())
+        return loss
+
+    for _ in range(STEPS):
+        opt.step(closure)
+    assert tracker.step == STEPS
+    assert _losses(tracker) == pytest.approx(seen, rel=1e-6)
+    assert len(tracker.full) < STEPS // 4, f"{len(tracker.full)} of {STEPS} boundaries were full: {tracker.full[:20]}"
+
+
+def test_the_hang_watchdog_leaves_the_quick_path_in_place(tracker, monkeypatch, tmp_path):
+    import torch
+
+    from probe.agent import watchdog
+    from probe.training import safepoint
+
+    monkeypatch.setenv("PROBE_HANG_TIMEOUT", "60")
+    monkeypatch.setenv("PROBE_RUNTIME_DIR", str(tmp_path))
+    assert watchdog.install()
+    try:
+        model, x = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        tracker.hook(opt)
+        beat_before = watchdog._state["beat_at"]
+        seen = []
+        for _ in range(STEPS):
+            loss = model(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            seen.append(loss.item())
+        assert tracker.step == STEPS and _losses(tracker) == pytest.approx(seen, rel=1e-6)
+        assert watchdog.status()["hang_timeout"] == 60
+        assert not safepoint.subscribers  # nothing runs at every step
+        # the steps were heard (the full boundaries' heartbeats), and most boundaries were quick ones
+        assert watchdog._state["beat_at"] > beat_before
+        assert len(tracker.full) < STEPS // 4, f"{len(tracker.full)} of {STEPS} were full: {tracker.full[:20]}"
+    finally:
+        watchdog.uninstall()
