@@ -375,9 +375,10 @@ class StepTracker(StepLife):
                 safepoint.beat(step)
         cost = _perf_ns() - t0
         self._spent = cost - asked if step > _FORCED else 0  # start-up (first scans, imports, traces) is not paced
-        # the quick path may run until the budget could allow a measured step, and short of the next step due for
-        # a replica checksum or a trace the user asked for
-        self._check_at = self.budget.due_ns(t0, self._quick_rate) if self._quick_next else 0
+        # the quick path may run until the budget could allow a measured step (once it has paid for this boundary,
+        # which the next full one charges), and short of the next step due for a replica checksum or a trace the
+        # user asked for
+        self._check_at = self.budget.due_ns(t0, self._quick_rate, _CHARGE * self._spent) if self._quick_next else 0
         self._full_at = min(self._replicas.due, self._hard_trace_at)
         ring = self.ring
         row = ring.count

@@ -36,6 +36,8 @@ True
 False
 >>> b.due_ns(4_000, 0.005)            # at 0.5 % spent, the other 0.5 % earns 15 us back in 3 ms of steps
 3004000
+>>> b.due_ns(4_000, 0.005, 10_000)    # and 10 us more in 2 ms when 10 us of work is yet to be charged
+5004000
 """
 
 from __future__ import annotations
@@ -108,17 +110,22 @@ class Budget:
             return self.share > 0
         return False
 
-    def due_ns(self, now_ns: int, spend_rate: float) -> float:
-        """When ``allows`` may next say yes if the steps keep costing ``spend_rate`` of their time:
-        now when in credit, else when the rest of the share has earned the debt back, and at the
-        latest when ``max_gap_s`` runs out (infinity if never). Lets a caller skip asking until then."""
-        if self.credit > 0:
+    def due_ns(self, now_ns: int, spend_rate: float, pending_ns: float = 0.0) -> float:
+        """When ``allows`` may next say yes if the steps keep costing ``spend_rate`` of their time and
+        ``pending_ns`` is charged first (work done but not settled yet, such as the asking boundary's own:
+        left out, asking as soon as the credit is back to zero finds it in debt again by that much, and
+        a caller whose asking costs more than a step earns would ask again at every other step): now
+        when in credit, else when the rest of the share has earned the debt back, and at the latest when
+        ``max_gap_s`` runs out (infinity if never). Lets a caller skip asking until then."""
+        most = self.charge_cap * self.cap
+        credit = self.credit - (pending_ns if pending_ns < most else most)
+        if credit > 0:
             return now_ns
         latest = math.inf if self.max_gap_ns is None else self.last_allowed_ns + self.max_gap_ns
         net = self.share - spend_rate
         if net <= 0 or not math.isfinite(net):
             return latest
-        return min(now_ns + int(-self.credit / net), latest)
+        return min(now_ns + int(-credit / net), latest)
 
     def wait_ns(self) -> float:
         """How long, earning at ``share`` of wall time, until the credit is positive again (0 when it is)."""

@@ -105,3 +105,37 @@ def test_the_hang_watchdog_leaves_the_quick_path_in_place(tracker, monkeypatch, 
         assert len(tracker.full) < STEPS // 4, f"{len(tracker.full)} of {STEPS} were full: {tracker.full[:20]}"
     finally:
         watchdog.uninstall()
+
+
+def test_the_budget_is_not_asked_again_before_it_can_pay_for_the_asking(tracker, monkeypatch):
+    """At the default budget on ~1 ms steps, a full boundary that finds the budget short costs more than a step earns:
+    asked again as soon as the credit was back to zero, it was short again by its own cost, and every other
+    boundary of a fast loop went the full way (1 in 5 here) without measuring anything. It now asks once the credit
+    covers that cost too."""
+    import time
+
+    import torch
+
+    monkeypatch.setenv("PROBE_STEP_BUDGET", "0.01")
+    from probe.training.steps import StepTracker
+    from probe.training.trace import Tracer
+
+    tk = StepTracker(torch, Tracer(torch))  # the fixture's was built at a budget of 0.0001
+    full = []
+    boundary = tk.boundary
+    tk.boundary = lambda *a, **kw: (full.append(tk.step + 1), boundary(*a, **kw))
+    try:
+        model, x = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt.register_step_post_hook(lambda o, args, kwargs: tk.on_optimizer_step(o))
+        for _ in range(STEPS):
+            loss = model(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            time.sleep(0.001)  # ok-sleep: a ~1 ms step
+        measured = int(tk.ring.snapshot()["measured"].sum())
+        # the full boundaries are the measured steps', the ones that tell the next step to measure and a few checks
+        assert len(full) <= 3 * measured + 20, f"{len(full)} full boundaries for {measured} measured steps"
+    finally:
+        tk.close()
