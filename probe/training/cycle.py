@@ -182,4 +182,4 @@ def on_step(tracker, optimizer, t0: int) -> None:
         if closes:
             cycle.taken = 0
             tracker.boundary(lead if lead is not None else optimizer, tracker.loop_frame(), t0=t0)
-    tracker.quick = False  # every optimizer step comes here, the lead's included
+    tracker.full_next()  # every optimizer step comes here, the lead's included

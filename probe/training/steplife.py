@@ -42,7 +42,7 @@ class StepLife:
         self.watch_roots()
         self._last_ns = None
         self._settled_ns = None  # the paused time earns nothing
-        self.quick = False
+        self.full_next()
         self._started_ns = now = time.perf_counter_ns()
         # nor does it count towards the budget's floor (a measured step at least once a second of probed training):
         # counted, a benchmark pausing two blocks in three would measure a step at every resume past a second,

@@ -97,7 +97,8 @@ class StepTracker(StepLife):
     * ``lead``: weakref to the lead optimizer; ``cycle``: ``cycle.OptimizerCycle`` once a second one steps;
     * ``step_lr``: the lr an override made this step use, and ``used_lr``: ``(optimizer, lr)`` for the
       cycle's rows, both set by the lr overrides (``probe.actions.lroverride``) before the boundary;
-    * ``quick``: the next boundary may take the quick path (unmeasured, untraced, nothing queued);
+    * ``full_next()``: the next boundary takes the full path; ``closure_step``: the step evaluates a closure (set
+      in ``hooks``' pre-hook);
     * ``wall_offset``: time.time() minus perf_counter(); ``rank``: this process's (None if not distributed).
 
     Its own: the budget's settling (``_spent``: ns of the last full boundary's work; ``_quick_ns``: the
@@ -113,8 +114,7 @@ class StepTracker(StepLife):
     and ``_losses`` (the ring's ``append`` and the capture's ``losses`` list, held for the quick path)."""
 
     def __init__(self, torch, tracer):
-        # What the quick path reads and writes comes first: an instance's attributes are stored in the order they
-        # are first set, so these few share a couple of cache lines, which that path finds evicted by the step.
+        # The quick path's attributes first: stored in the order first set, they share a cache line or two
         self._check_at = 0
         self._full_at = math.inf
         self.step = 0
@@ -158,16 +158,9 @@ class StepTracker(StepLife):
         self.used_lr = None
         self.capture.wrap()
 
-    @property
-    def quick(self) -> bool:
-        """Whether the next boundary may take the quick path (``_check_at``, set by the last full boundary); set
-        False by whatever needs the next boundary to be a full one."""
-        return self._check_at > 0
-
-    @quick.setter
-    def quick(self, on: bool) -> None:
-        if not on:
-            self._check_at = 0
+    def full_next(self) -> None:
+        """The next boundary takes the full path (a cycle's optimizer steps, a resume)."""
+        self._check_at = 0
 
     # -- the lead optimizer --------------------------------------------------------------------
     def set_lead(self, optimizer) -> None:
