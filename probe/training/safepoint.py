@@ -63,26 +63,17 @@ last_step: int | None = None  # the step of the last boundary passed (set even w
 
 def on_step(fn: Callable[[StepEvent], None]) -> Callable[[StepEvent], None]:
     """Run ``fn(event)`` at every step boundary, on the training thread. Idempotent."""
-    if fn not in subscribers:
-        subscribers.append(fn)
-    return fn
+    return _add(subscribers, fn)
 
 
 def remove(fn: Callable[[StepEvent], None]) -> None:
-    try:
-        subscribers.remove(fn)
-    except ValueError:
-        pass
+    _drop(subscribers, fn)
 
 
 def fire(event: StepEvent) -> None:
     global last_step
     last_step = event.step
-    for fn in tuple(subscribers):
-        try:
-            fn(event)
-        except Exception as exc:
-            record_error(f"step subscriber {getattr(fn, '__qualname__', fn)}", exc)
+    _call_each(subscribers, event, "step subscriber")
     if heartbeats:
         beat(event.step)
 
@@ -93,25 +84,38 @@ heartbeats: list[Callable[[int], None]] = []  # run by ``beat``: not at every st
 def on_heartbeat(fn: Callable[[int], None]) -> Callable[[int], None]:
     """Run ``fn(step)`` on the training thread at least once a second while steps complete (see the module's
     docstring), not necessarily at every step. Idempotent."""
-    if fn not in heartbeats:
-        heartbeats.append(fn)
-    return fn
+    return _add(heartbeats, fn)
 
 
 def remove_heartbeat(fn: Callable[[int], None]) -> None:
-    try:
-        heartbeats.remove(fn)
-    except ValueError:
-        pass
+    _drop(heartbeats, fn)
 
 
 def beat(step: int) -> None:
     """The heartbeat subscribers' turn (``fire``, and the step tracker's full boundaries)."""
-    for fn in tuple(heartbeats):
+    _call_each(heartbeats, step, "step heartbeat")
+
+
+def _add(registry: list, fn):
+    if fn not in registry:
+        registry.append(fn)
+    return fn
+
+
+def _drop(registry: list, fn) -> None:
+    try:
+        registry.remove(fn)
+    except ValueError:
+        pass
+
+
+def _call_each(registry: list, arg, what: str) -> None:
+    """Call each of ``registry`` with ``arg``; one that raises is recorded and the others still run."""
+    for fn in tuple(registry):
         try:
-            fn(step)
+            fn(arg)
         except Exception as exc:
-            record_error(f"step heartbeat {getattr(fn, '__qualname__', fn)}", exc)
+            record_error(f"{what} {getattr(fn, '__qualname__', fn)}", exc)
 
 
 def run_at_next_step(fn: Callable[[], Any], timeout: float) -> Any:
