@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 
 import pytest
 
@@ -122,3 +123,24 @@ def test_watching_the_last_optimizer_gives_the_same_iteration(spawn, cli):
     for _ in range(2):
         r = cli(p.pid, "eval", "--at-step", 'stepped["d"] - stepped["g"]')
         assert r.returncode == 0 and r.stdout.strip() == "0", (r.stdout, r.stderr)
+
+
+def test_a_stopped_gan_keeps_each_optimizers_steps_in_its_record(spawn, cli):
+    # given: a GAN training under PROBE=1, past the iterations where its cycle is recognised
+    p = spawn([GAN, "--step-sleep", "0.005"], env={"PROBE": "1", "PROBE_POSTMORTEM_EVERY": "0"})
+    p.wait_for("iter 30 ")
+    # when: it is stopped as schedulers do
+    p.popen.send_signal(signal.SIGTERM)
+    p.popen.wait(30)
+    # then: the dead pid still answers with each optimizer's rows, their losses those the loop printed
+    listed = poll(lambda: [r for r in json.loads(cli("list", "--dead", "--json").stdout) if r["pid"] == p.pid], 60)
+    assert listed and listed[0]["cause"] == "terminated", listed
+    rows = _query(
+        cli, p.pid, "SELECT optimizer, count(*) AS n, count(loss) AS losses FROM torch.optimizer_steps GROUP BY ALL"
+    )
+    by_opt = {r["optimizer"]: r for r in rows}
+    assert set(by_opt) == {"opt_d", "opt_g"}, rows
+    assert all(r["n"] >= 20 and r["losses"] == r["n"] for r in rows), rows
+    printed = {round(v[0], 5) for v in _iters(p).values()}
+    kept = _query(cli, p.pid, "SELECT loss FROM torch.optimizer_steps WHERE optimizer = 'opt_d' AND loss IS NOT NULL")
+    assert len({round(r["loss"], 5) for r in kept} & printed) >= 20, (kept[:5], sorted(printed)[:5])

@@ -55,6 +55,7 @@ __all__ = ["write", "records_dir", "shared_records_dir", "load_tables", "MAX_TAB
 # collectives stood (the flight recorder), so a dead rank still lines up with the live ones in ranks.*.
 TABLES = (
     "torch.steps",
+    "torch.optimizer_steps",  # each optimizer's loss and lr when several step per iteration (a GAN)
     "python.torch_trace",
     "probe.actions",
     "probe.errors",
