@@ -47,7 +47,7 @@ def dump_path() -> str | None:
 
 def _arm() -> None:
     faulthandler.dump_traceback_later(_state["timeout"] + LATE_S, repeat=False, file=_state["file"], exit=False)
-    _state["armed_at"] = _state["beat_at"] = time.time()
+    _state["beat_at"] = time.time()  # the arming counts as the last sign of life until a step is heard
     _state["armed_mono"] = _clock()
     _state["armed_size"] = os.fstat(_state["file"].fileno()).st_size
 
