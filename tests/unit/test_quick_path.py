@@ -23,6 +23,8 @@ def tracker(monkeypatch):
     from probe.training.steps import StepTracker
     from probe.training.trace import Tracer
 
+    # torch's global hooks, if a probe armed them in this process, would feed this tracker a second time
+    assert not hooks._state.get("installed"), "a probe is armed in the test process"
     monkeypatch.setenv("PROBE_STEP_BUDGET", "0.0001")  # few measured steps: the rest may take the quick path
     tracer = Tracer(torch)
     tk = StepTracker(torch, tracer)
