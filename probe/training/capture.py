@@ -76,7 +76,7 @@ class Capture:
     def __init__(self, torch):
         # what ``saw_backward`` reads on every backward call first: they share a cache line (see StepTracker)
         self.Tensor = torch.Tensor
-        self.losses: list = []  # this step's backpropagated scalars (floats, or detached tensors), emptied in place
+        self.losses: list = []  # this step's backpropagated scalars (floats, or detached tensors), summed at its end
         self.closure_step = False  # inside optimizer.step(closure): only the closure's first backward counts
         self._scaled = None  # (weakref to GradScaler.scale's output, the loss it scaled)
         self.wanted = True  # whether the step in progress is measured (its optional values read)
@@ -248,7 +248,7 @@ class Capture:
         if not losses:
             return None
         v = losses[0] if len(losses) == 1 else self.total(list(losses))
-        losses.clear()  # in place: the step tracker's quick path holds this list
+        losses.clear()
         return v if type(v) is float else self.hold(v)
 
     def forget(self) -> None:

@@ -112,8 +112,7 @@ def _pre_hook(optimizer, args, kwargs):
         closure = args[1] if len(args) > 1 else kwargs.get("closure") if kwargs else None  # args[0]: the optimizer
         if closure is not None or tk.capture.closure_step:
             try:
-                tk.capture.on_step_start(closure)
-                tk.closure_step = closure is not None  # the boundary ends it (Lightning: every step has one)
+                tk.capture.on_step_start(closure)  # the boundary ends it (Lightning: every step has one)
             except Exception as exc:
                 record_error("torch optimizer step pre-hook", exc)
     lr = lr_overrides

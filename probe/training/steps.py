@@ -97,8 +97,7 @@ class StepTracker(StepLife):
     * ``lead``: weakref to the lead optimizer; ``cycle``: ``cycle.OptimizerCycle`` once a second one steps;
     * ``step_lr``: the lr an override made this step use, and ``used_lr``: ``(optimizer, lr)`` for the
       cycle's rows, both set by the lr overrides (``probe.actions.lroverride``) before the boundary;
-    * ``full_next()``: the next boundary takes the full path; ``closure_step``: the step evaluates a closure (set
-      in ``hooks``' pre-hook);
+    * ``full_next()``: the next boundary takes the full path;
     * ``wall_offset``: time.time() minus perf_counter(); ``rank``: this process's (None if not distributed).
 
     Its own: the budget's settling (``_spent``: ns of the last full boundary's work; ``_quick_ns``: the
@@ -110,8 +109,8 @@ class StepTracker(StepLife):
     ``_fwd_ns``: this step's first forward call, 0 before it), ``_frame_code`` and ``_frame_depth`` (the
     loop's frame, checked before walking), ``_hard_trace_at`` (``trace_pacing.hard_at``), ``_full_at`` (the
     first step the quick path leaves to the full boundary: a replica checksum or a trace the user asked for is
-    due), ``_scan_due`` (the next scan), ``cpu_wait`` (``util.procfs.CpuWait``), ``_lead_name``, and ``_append``
-    and ``_losses`` (the ring's ``append`` and the capture's ``losses`` list, held for the quick path)."""
+    due), ``_scan_due`` (the next scan), ``cpu_wait`` (``util.procfs.CpuWait``), ``_lead_name``, and ``_append`` (the
+    ring's ``append``, held for the quick path)."""
 
     def __init__(self, torch, tracer):
         # The quick path's attributes first: stored in the order first set, they share a cache line or two
@@ -125,12 +124,10 @@ class StepTracker(StepLife):
         self._quick_ns = 0
         self.wall_offset = time.time() - time.perf_counter()
         self._lead_name = None
-        self.closure_step = False  # the step in progress evaluates a closure (the capture's flag, set in the pre-hook)
         self.lead = None
         self.ring = Ring(RING_COLUMNS, setting("PROBE_STEPS_CAPACITY"))
         self._append = self.ring.append
         self.capture = Capture(torch)
-        self._losses = self.capture.losses  # the same list, emptied in place
         self.torch = torch
         self.tracer = tracer
         self._spent = 0  # the budget is settled at full boundaries only: the quick ones add their cost meanwhile
@@ -195,17 +192,10 @@ class StepTracker(StepLife):
                     self.step = step
                     last = self._last_ns
                     self._last_ns = t0
-                    if self.closure_step:
-                        self.closure_step = False
-                        self.capture.on_step_end()
-                    losses = self._losses
-                    loss = None
-                    if losses:  # every step: a CPU scalar was read when noted
-                        loss = losses[0]
-                        if type(loss) is float and len(losses) == 1:
-                            losses.clear()
-                        else:  # several backward calls, or a device scalar
-                            loss = self.capture.take()
+                    capture = self.capture
+                    if capture.closure_step:  # Lightning: a closure at every step
+                        capture.on_step_end()
+                    loss = capture.take() if capture.losses else None  # every step (CPU scalars read when noted)
                     fwd = self._fwd_ns
                     if fwd:
                         self._fwd_ns = 0
@@ -235,7 +225,6 @@ class StepTracker(StepLife):
         capture = self.capture
         if capture.closure_step:
             capture.on_step_end()
-        self.closure_step = False
         lead = self.lead
         if lead is None or lead() is not optimizer:
             if lead is None or lead() is None:
