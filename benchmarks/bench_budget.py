@@ -195,11 +195,10 @@ class Alternation:
                 for on, off in zip(self.edge["on"], self.edge["off"])
                 if on and off
             )
-            q = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else [diffs[0]] * 3
-            med = statistics.median(diffs)
+            lo, med, hi = _quartiles(diffs)
             if i < len(Edges.PARTS) - 1:
                 total += med
-            parts.append(f"{part} {med:+.2f} [{q[0]:+.2f} {q[2]:+.2f}]")
+            parts.append(f"{part} {med:+.2f} [{lo:+.2f} {hi:+.2f}]")
         print(
             f"    in the step, on-off at the probe's entry points (us, median [25th-75th]): {', '.join(parts[:-1])};"
             f" sum {total:.2f} us = {100 * total * 1e-6 / step:.2f} % of the step; {parts[-1]}"
@@ -212,9 +211,15 @@ def _median(values) -> str:
     return f"{np.median(values):5.1f}" if len(values) else "  n/a"
 
 
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    """(25th percentile, median, 75th percentile) of ``values``."""
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return q[0], statistics.median(values), q[2]
+
+
 def _fmt(ratios: list[float]) -> str:
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    return f"{statistics.median(ratios):.3f} [{q[0]:.3f}-{q[2]:.3f}]"
+    lo, med, hi = _quartiles(ratios)
+    return f"{med:.3f} [{lo:.3f}-{hi:.3f}]"
 
 
 # -- plain loops --------------------------------------------------------------------------------------

@@ -117,8 +117,8 @@ def test_watchdog_stays_quiet_while_steps_complete(spawn, cli, probe_env):
         "    fire(StepEvent(i)); i += 1\n"
         "    if i == 60: print('stepped 60', flush=True)\n"
         "    time.sleep(0.05)\n"  # ok-sleep: target code
-        "print(f'done gap={gap:.3f}', flush=True)\ntime.sleep(60)\n"
-    )  # ok-sleep: target code
+        "print(f'done gap={gap:.3f}', flush=True)\ntime.sleep(60)\n"  # ok-sleep: target code
+    )
     path = Path(probe_env["PROBE_RUNTIME_DIR"]) / "stepping.py"
     path.write_text(script)
     target = spawn(path, env={"PROBE_HANG_TIMEOUT": str(timeout_s)})

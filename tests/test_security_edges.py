@@ -57,7 +57,7 @@ def test_a_static_python_without_version_in_its_name_is_recognised_from_its_symb
     # given Debian's static interpreter (no libpython) copied under the bare name `python`
     exe = tmp_path / "python"
     shutil.copy2("/usr/bin/python3.11", exe)
-    code = "import time\ndef wait_here():\n    time.sleep(100)\nprint('ready', flush=True)\nwait_here()\n"
+    code = "import time\ndef wait_here():\n    time.sleep(100)\nprint('ready', flush=True)\nwait_here()\n"  # ok-sleep
     target = spawn([str(exe), "-S", "-c", code])
     # when / then its version is read from its Py_Version symbol and py-spy reads its stacks
     r = cli(target.pid, "backtrace")
@@ -442,7 +442,7 @@ def test_a_checkpoint_path_that_is_not_text_gets_a_sentence_and_an_audit_line(sp
 @pytest.mark.skipif(not os.path.exists("/usr/bin/python3.11"), reason="no system Python another user can run")
 def test_root_inject_into_another_users_python_says_why_at_once(cli):
     uid = _other_uid()
-    code = "import time\ndef waiting():\n    time.sleep(300)\nprint('ready', flush=True)\nwaiting()\n"
+    code = "import time\ndef waiting():\n    time.sleep(300)\nprint('ready', flush=True)\nwaiting()\n"  # ok-sleep
     target = subprocess.Popen(
         ["/usr/bin/python3.11", "-c", code],
         stdout=subprocess.PIPE,
