@@ -36,7 +36,8 @@ class ProfileSteps(Command):
 
         from probe._errors import ActionError
 
-        from ._action import POLL, _drive, _failure_text
+        from ..plumbing.actions import POLL, drive
+        from ._action import _failure_text
 
         target = session.target()
         out = os.path.abspath(os.path.expanduser(args.output))
@@ -45,7 +46,7 @@ class ProfileSteps(Command):
         body = {"steps": args.steps, "with_stack": args.with_stack, "record_shapes": args.record_shapes}
         if args.timeout:
             body["timeout"] = args.timeout
-        action = _drive(session, "profile-steps", target, body, True)
+        action = drive(session, "profile-steps", target, body, True)
         if isinstance(action, ProbeError):
             raise action
         if action["state"] != "done":

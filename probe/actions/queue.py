@@ -5,7 +5,9 @@ run by the training thread at the next safe point (after ``optimizer.step()``), 
 they never see a half-applied update. Each action moves through
 ``queued -> running -> done | failed | timed_out | cancelled``. A queued action that has not
 started by its deadline becomes ``timed_out`` under the same lock the training
-thread takes to start it, so a timed-out action can never run late. ``now=True``
+thread takes to start it, so a timed-out action can never run late. One given a step
+(``at_step``, the same on every rank asked) runs at that step's safe point or not at all: if
+the step has passed it fails with ``missed`` set, and can be asked again. ``now=True``
 runs the action at once on a thread of its own (``probe-action-ID``), for a hung
 process; the request that submitted it waits for it like for a queued one, so the
 client always learns the id and can cancel it (``cancel``): a queued action is
@@ -102,6 +104,7 @@ class Action:
     thread: int | None = field(default=None, repr=False)  # ident of the thread running a ``now`` action
     cancel_requested: bool = field(default=False, repr=False)  # a cancel that came before that thread started
     settle_by: float | None = None  # a deferred action not settled by then fails
+    missed: bool = False  # failed because its ``at_step`` had passed: never ran, safe to ask again
 
     def to_dict(self) -> dict:
         return {
@@ -120,6 +123,7 @@ class Action:
             "error": self.error,
             "queued_for": (self.started_at or time.time()) - self.requested_at,
             "last_step": safepoint.last_step,
+            "missed_step": self.missed,
         }
 
 
@@ -171,10 +175,16 @@ def submit(
     action = Action(next(_ids), command, dict(args), dict(client), fn, now=now, at_step=at_step, timeout=timeout)
     with _lock:
         _history.append(action)
-        if not now:
+        passed = not now and at_step is not None and (safepoint.last_step or 0) >= at_step
+        if passed:
+            _miss(action, safepoint.last_step)
+        elif not now:
             _pending.append(action)
             on_step(_at_step)  # subscribed only while something waits: an idle boundary costs nothing
     audit(client, command, args, "queued" if not now else "running", id=action.id, now=now, at_step=at_step)
+    if passed:
+        _audit_end(action)
+        return action
     if now:
         t = threading.Thread(
             target=_run,
@@ -278,6 +288,17 @@ def _expire_deferred(now: float) -> None:
             settle(a.id, (a.result or {}).get("waiting") or "its effect could not be checked before the timeout.")
 
 
+def _miss(action: Action, last: int | None) -> None:
+    """End an action whose ``at_step`` has passed (caller holds ``_lock``): it is never run at another step,
+    since the other ranks asked run it at that one."""
+    action.state, action.finished_at, action.missed = "failed", time.time(), True
+    action.error = (
+        f"it was to run at step {action.at_step}, which this process had passed (last step {last}); it did not "
+        "run, so it can be asked again at a later step."
+    )
+    _lock.notify_all()
+
+
 def _run(action: Action, ctx: Context) -> None:
     action.state, action.started_at, action.step = "running", time.time(), ctx.step
     ctx.action = action
@@ -359,10 +380,14 @@ def _audit_end(action) -> None:
 def _at_step(event: StepEvent) -> None:
     """The training thread's side: start every due action, in submission order."""
     now = time.time()
-    due = []
+    due, missed = [], []
     with _lock:
         for a in list(_pending):
-            if a.at_step is not None and event.step is not None and event.step < a.at_step:
+            if a.at_step is not None and event.step is not None and event.step != a.at_step:
+                if event.step > a.at_step:  # its step went by unseen (submitted as it passed): never late
+                    _pending.remove(a)
+                    _miss(a, event.step)
+                    missed.append(a)
                 continue
             _pending.remove(a)
             if a.timeout is not None and now - a.requested_at >= a.timeout:
@@ -373,5 +398,7 @@ def _at_step(event: StepEvent) -> None:
         if not _pending:
             remove(_at_step)  # under the lock, so a submit cannot slip in between the test and the removal
     expire()
+    for a in missed:
+        _audit_end(a)
     for a in due:
         _run(a, Context(step=event.step, frame=event.frame, optimizer=event.optimizer, action_id=a.id))

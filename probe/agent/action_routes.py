@@ -3,8 +3,9 @@
 Every route takes the same scheduling fields in its JSON body:
 
 - ``now`` (bool): run on the server thread at once instead of at the next safe point;
-- ``at_step`` (int): run at the first safe point whose step is at least this (several
-  ranks then act at the same step);
+- ``at_step`` (int): run at the safe point of exactly this step, so that several ranks act at
+  the same one; an action whose step has passed fails with ``missed_step`` set, never having
+  run (the CLI then asks every rank again, later);
 - ``timeout`` (seconds): a queued action not started by then is dropped (timed_out);
 - ``wait`` (seconds): how long this request waits for the outcome before answering
   with the current state (the CLI then polls ``/actions/wait``).

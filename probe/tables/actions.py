@@ -32,7 +32,12 @@ def _json(value) -> str | None:
             "`probe mcp`).",
         ),
         Column("now", "BOOLEAN", "True when it ran at once on the server thread instead of at a step boundary."),
-        Column("at_step", "BIGINT", "The first step it was allowed to run at, when one was asked for."),
+        Column(
+            "at_step",
+            "BIGINT",
+            "The step it was asked to run at (every rank asked alike): it runs at that step's safe point or, if the "
+            "step had passed, fails without running.",
+        ),
         Column("requested_at", "TIMESTAMP", "When the request arrived."),
         Column("started_at", "TIMESTAMP", "When it started running; NULL if it never did."),
         Column("finished_at", "TIMESTAMP", "When it ended (done, failed or timed out)."),
