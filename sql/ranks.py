@@ -52,10 +52,12 @@ PARAM_SETTINGS = {
 _RECENT_STEPS = 20  # steps the per-rank medians look at
 _RECENT_COLLECTIVES = 256  # collectives per rank compared for mismatches
 
-# Per-rank: computed on the rank's own clock (no clock skew between hosts).
+# Per-rank: computed on the rank's own clock (no clock skew between hosts). The step-time medians leave out step 1,
+# which runs from its first module call only (torch.steps.duration).
 FEDERATED_VIEWS = {
     "ranks.latest": f"""
-WITH recent AS (SELECT duration, compute, comm_wait FROM torch.steps ORDER BY step DESC LIMIT {_RECENT_STEPS}),
+WITH recent AS (SELECT duration, compute, comm_wait FROM torch.steps WHERE step > 1 ORDER BY step DESC
+                LIMIT {_RECENT_STEPS}),
 s AS (SELECT max(step) AS step, max(ended_at) AS last_step_at, epoch(current_timestamp) - epoch(max(ended_at)) AS age_s,
              count(*) AS steps_seen FROM torch.steps),
 r AS (SELECT median(duration) AS step_time,

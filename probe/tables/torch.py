@@ -36,7 +36,9 @@ _STEP_EXTRA = ("compute", "comm_wait")
         Column(
             "duration",
             "DOUBLE",
-            "Wall-clock seconds from the previous step boundary to this one, data loading included.",
+            "Wall-clock seconds from the previous step boundary to this one, data loading included. Step 1 runs "
+            "from its first module call instead: its data loading is not in it, and the step-time medians "
+            "(`ranks.latest`, `probe status`) leave it out.",
         ),
         Column(
             "loss",
