@@ -164,6 +164,10 @@ def test_several_targets_need_yes_and_act_at_one_step(spawn, cli, probe_env):
     ]
     r = cli("--ranks", "all", "lr", "--scale", "0.5")
     assert r.returncode != 0 and "--yes" in r.stderr
+    # the pace the common step is chosen by counts whole steps only: step 1 runs from its first module call (~3 ms
+    # here, against 200 ms steps), and counted it made the CLI aim a hundred steps ahead
+    status = cli("--ranks", "all", "--format", "json", "status")
+    assert all(s["step_time"] is None or s["step_time"] > 0.15 for s in json.loads(status.stdout)), status.stdout
     r = cli("--ranks", "all", "--yes", "--format", "json", "lr", "--scale", "0.5")
     assert r.returncode == 0, r.stderr
     outcomes = json.loads(r.stdout)
