@@ -149,6 +149,8 @@ def _failure_text(action: dict) -> str:
         return f"action {action['id']} timed out: {action.get('error')}"
     if action["state"] in ("queued", "running"):
         return f"action {action['id']} is still {action['state']}."
+    if action["state"] == "cancelled":
+        return f"action {action['id']} ({action['command']}) was cancelled: {action.get('error')}"
     return f"action {action['id']} ({action['command']}) failed: {action.get('error')}"
 
 

@@ -56,7 +56,8 @@ def drive_many(session, name: str, targets, bodies, queued: bool) -> list:
 
     A rank that had passed the step before its request came fails it with ``missed_step``, having
     done nothing; the ranks that accepted it are then cancelled and all are asked again at a later
-    step (up to ``RETRIES`` times), so the action never runs at different steps on different ranks.
+    step (up to ``RETRIES`` times, then none does it), so the action never runs at different steps
+    on different ranks, nor on some ranks only because one missed.
     """
     from concurrent.futures import ThreadPoolExecutor  # not on the CLI's start-up path
 
@@ -67,20 +68,18 @@ def drive_many(session, name: str, targets, bodies, queued: bool) -> list:
             sent = [dict(b, at_step=at_step) if at_step is not None else b for b in bodies]
             first = list(pool.map(lambda tb: send(session, name, tb[0], tb[1]), zip(targets, sent)))
             missed = [t.label for t, a in zip(targets, first) if isinstance(a, dict) and a.get("missed_step")]
-            if not missed or attempt == RETRIES:
+            if not missed:
                 break
             accepted = [(t, a) for t, a in zip(targets, first) if isinstance(a, dict) and not a.get("missed_step")]
             dropped = list(pool.map(lambda ta: cancel(session, ta[0], ta[1]), accepted))
+            passed = f"probe: {', '.join(missed)} had passed step {at_step} before the request came; "
             if not all(dropped):  # one already ran at the step: asking again would run it twice there
-                session.note(
-                    f"probe: {', '.join(missed)} had passed step {at_step} before the request came; "
-                    "the others could not all be cancelled, so it is not asked again."
-                )
+                session.note(passed + "the others could not all be cancelled, so it is not asked again.")
                 break
-            session.note(
-                f"probe: {', '.join(missed)} had passed step {at_step} before the request came; "
-                "cancelled on the others, asking every rank again at a later step."
-            )
+            if attempt == RETRIES:  # all or none: a change on some ranks only (an lr) would set them apart
+                session.note(passed + f"cancelled on the others after {RETRIES + 1} tries: no rank did it.")
+                break
+            session.note(passed + "cancelled on the others, asking every rank again at a later step.")
         return list(pool.map(lambda ta: wait_for(session, ta[0], ta[1], False), zip(targets, first)))
     except KeyboardInterrupt:
         raise ProbeError(

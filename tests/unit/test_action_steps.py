@@ -68,7 +68,7 @@ class Target:
         self.rank, self.label, self.pid = rank, f"rank {rank}", 1000 + rank
         self.step, self.step_time = step, step_time
         self.actions: dict[int, dict] = {}
-        self.miss_first = False  # this rank passes the first step it is asked for before the request comes
+        self.misses = 0  # this rank passes the first steps it is asked for (so many) before the request comes
         self.cancellable = True
 
 
@@ -96,8 +96,8 @@ class FakeClient:
             return {"action": dict(a)}
         a = {"id": next(self.ids), "state": "queued", "at_step": body.get("at_step"), "step": None}
         a["missed_step"] = False
-        if self.t.miss_first:
-            self.t.miss_first = False
+        if self.t.misses:
+            self.t.misses -= 1
             a.update(state="failed", missed_step=True, error="it was to run at step ..., which this process had passed")
         self.t.actions[a["id"]] = a
         return {"action": dict(a)}
@@ -136,7 +136,7 @@ def test_the_common_step_is_ahead_by_the_lead_time_at_the_fastest_ranks_pace():
 
 def test_a_rank_that_missed_the_step_makes_every_rank_try_again_later_at_one_step():
     targets = [Target(0, 100), Target(1, 100)]
-    targets[1].miss_first = True
+    targets[1].misses = 1
     session, outcomes = drive(targets)
     first, second = (sorted(t.actions.values(), key=lambda a: a["id"]) for t in targets)
     assert [a["state"] for a in first] == ["cancelled", "done"]  # rank 0's first request was dropped before it ran
@@ -149,12 +149,23 @@ def test_a_rank_that_missed_the_step_makes_every_rank_try_again_later_at_one_ste
 
 def test_when_the_others_cannot_be_cancelled_it_is_not_asked_again():
     targets = [Target(0, 100), Target(1, 100)]
-    targets[1].miss_first = True
+    targets[1].misses = 1
     targets[0].cancellable = False  # rank 0 had already run it
     session, outcomes = drive(targets)
     assert [len(t.actions) for t in targets] == [1, 1]  # asked once: a second request would run it twice on rank 0
     assert outcomes[1]["missed_step"] and outcomes[1]["state"] == "failed"
     assert any("could not all be cancelled" in n for n in session.notes), session.notes
+
+
+def test_a_rank_that_misses_every_try_leaves_no_rank_changed():
+    from probe.cli.plumbing.actions import RETRIES
+
+    targets = [Target(0, 100), Target(1, 100)]
+    targets[1].misses = RETRIES + 1
+    session, outcomes = drive(targets)
+    assert [a["state"] for a in targets[0].actions.values()] == ["cancelled"] * (RETRIES + 1)
+    assert outcomes[0]["state"] == "cancelled" and outcomes[1]["missed_step"]
+    assert any(f"after {RETRIES + 1} tries: no rank did it" in n for n in session.notes), session.notes
 
 
 def test_an_unreachable_rank_is_its_error_not_a_retry():
