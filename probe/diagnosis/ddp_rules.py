@@ -50,7 +50,8 @@ odd AS (  -- with three ranks or more, the ranks whose checksum is not the most 
           ON k.model = s2.model AND k.step = s2.step AND k.position = s2.position AND k.checksum = s2.checksum
         GROUP BY s2.model, s2.position) AS u ON u.model = s.model AND u.position = s.position
   WHERE s.checksum <> u.usual AND u.off < (SELECT n FROM ranks_n WHERE ranks_n.model = s.model) / 2.0
-  GROUP BY s.model)
+  GROUP BY s.model),
+found AS (
 SELECT b.model, min(l.step) AS step, count(*) AS differ,
        (SELECT count(DISTINCT position) FROM s WHERE s.model = b.model AND s.step = min(l.step)) AS tensors,
        arg_min(b.name, b.position) AS first_tensor,
@@ -59,6 +60,7 @@ SELECT b.model, min(l.step) AS step, count(*) AS differ,
                        WHERE a.model = b.model), -1)), min(l.step)) AS since,
        coalesce(printf('step %d', (SELECT a.step FROM agreed AS a
            WHERE a.model = b.model)), 'no step compared') AS agreed_at,
+       (SELECT a.step FROM agreed AS a WHERE a.model = b.model) AS agreed_step,
        (SELECT array_to_string(list_slice(list(CASE WHEN m.tensors = 1 THEN m.one ELSE m.module || '.* ('
            || m.tensors || ' tensors)' END
                                                ORDER BY m.first), 1, {_NAMES_SHOWN}), ', ')
@@ -69,13 +71,18 @@ SELECT b.model, min(l.step) AS step, count(*) AS differ,
        coalesce('rank(s) ' || (SELECT o.ranks FROM odd AS o WHERE o.model = b.model) || ' differ from the others',
                 'the ranks disagree') AS who
 FROM bad AS b JOIN last AS l USING (model)
-GROUP BY b.model""",
+GROUP BY b.model)
+SELECT * EXCLUDE (agreed_step),
+       coalesce(printf('they agreed last at step %d and differ since step %d', agreed_step, since),
+                printf('they differ at every step compared, from step %d on', since)) AS history
+FROM found""",
     message=(
         "the DDP replicas of {model} hold different weights: at step {step}, {differ} of {tensors} parameter tensors "
-        "differ across the {ranks} ranks ({who}), first {modules}; they agreed last at {agreed_at} and differ since "
-        "step {since}. DDP keeps every rank's weights identical only when every step's gradients are averaged: a "
-        "forward through model.module (not the DDP wrapper) averages nothing, a parameter changed or a checkpoint "
-        "loaded on one rank after wrapping is never sent to the others."
+        "differ across the {ranks} ranks ({who}), first {modules}; {history}. DDP keeps every rank's weights "
+        "identical only when every step's gradients are averaged: a forward through model.module (not the DDP "
+        "wrapper) averages nothing, a parameter changed or a checkpoint loaded on one rank after wrapping is never "
+        "sent to the others, and a collective issued on some ranks only pairs each later all-reduce with another "
+        "step's gradients (gloo need not hang on it)."
     ),
     next=[
         (

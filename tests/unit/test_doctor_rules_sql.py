@@ -204,3 +204,31 @@ def test_parameters_unreadable_warns_that_the_parameter_rules_cannot_see():
     ], rows
     # and a healthy control: no errors, no finding
     assert rule_rows("parameters_unreadable", {"probe.errors": (errors, [])}) == []
+
+
+def _weights(sums: dict) -> list:
+    """weights_diverged over checksums {step: [rank 0's, rank 1's, rank 2's]} of one tensor, "0.weight"."""
+    rows = [(r, step, "model", 0, "0.weight", 64, c) for step, per_rank in sums.items() for r, c in enumerate(per_rank)]
+    return rule_rows(
+        "weights_diverged",
+        {
+            "torch.weight_sums": (
+                "rank INTEGER, step BIGINT, model VARCHAR, position BIGINT, name VARCHAR, numel BIGINT, "
+                "checksum DOUBLE",
+                rows,
+            )
+        },
+        messages=True,
+    )
+
+
+def test_weights_diverged_says_when_they_last_agreed_or_that_they_never_did_in_what_it_kept():
+    (said,) = _weights({16: [1.0, 1.0, 1.0], 32: [2.5, 2.0, 2.0], 48: [3.5, 3.0, 3.0]})
+    assert (
+        "(rank(s) 0 differ from the others)" in said and "they agreed last at step 16 and differ since step 32" in said
+    )
+    # the oldest checksum kept already differs: said so, not "agreed last at no step compared"
+    (said,) = _weights({16: [1.5, 1.0, 1.0], 32: [2.5, 2.0, 2.0]})
+    assert "they differ at every step compared, from step 16 on" in said and "no step compared" not in said, said
+    assert "a collective issued on some ranks only" in said
+    assert _weights({16: [1.0, 1.0, 1.0], 32: [2.0, 2.0, 2.0]}) == []
