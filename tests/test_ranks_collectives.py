@@ -211,6 +211,20 @@ def test_extra_all_reduce_on_one_rank_is_a_collective_mismatch():
         assert said.endswith(coll[0]["mismatch"]) and coll[1]["mismatch"] is None and coll[2]["mismatch"] is None
         assert view(job, "SELECT rank FROM ranks.hung") == []
         assert 0 not in {s["rank"] for s in view(job, "SELECT rank FROM ranks.stragglers")}
+        # and the job goes on (gloo pairs the extra int32 all_reduce with the others' next one, and so on): once the
+        # recorder's window has moved past it, the doctor still names rank 0 from the count of collectives each rank
+        # had issued at the weight-checksum steps (every 16 steps)
+        said = {}
+
+        def named():
+            d = job.cli("--ranks", "all", "--format", "json", "doctor")
+            said.update(json.loads(d.stdout) if d.stdout.startswith("{") else {"out": d.stdout + d.stderr})
+            return [f for f in said.get("findings", []) if f["rule"] == "collectives_out_of_step"]
+
+        found = poll(named, WITHIN, interval=2.0)
+        assert found, said
+        assert "(rank(s) 0 differ from the others)" in found[0]["message"], found
+        assert found[0]["severity"] == "critical" and "rank 0 " in found[0]["message"], found
 
 
 def test_two_jobs_on_one_host_are_never_mixed():

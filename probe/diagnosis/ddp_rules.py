@@ -94,6 +94,62 @@ FROM found""",
 )
 
 rule(
+    "collectives_out_of_step",
+    family="distributed",
+    severity="critical",
+    scope="job",
+    description=(
+        "The ranks of a DDP model's process group had issued different numbers of collectives by the same step "
+        "(torch.weight_sums.collectives, read at the checksum steps): some ranks ran a collective the others did "
+        "not, so every later collective pairs with a different one on the other ranks (NCCL usually hangs, gloo "
+        "can go on with wrong sums); names the odd ranks and the steps between which it happened."
+    ),
+    sql="""
+WITH c AS (SELECT rank, step, model, CAST(any_value(collectives) AS BIGINT) AS issued FROM torch.weight_sums
+           WHERE collectives IS NOT NULL GROUP BY rank, step, model),
+n AS (SELECT model, count(DISTINCT rank) AS n FROM c GROUP BY model),
+k AS (SELECT c.* FROM c JOIN (SELECT c.model, c.step FROM c JOIN n USING (model) GROUP BY c.model, c.step, n.n
+                              HAVING count(DISTINCT c.rank) = n.n AND n.n >= 2) AS common USING (model, step)),
+per AS (SELECT model, step, min(issued) <> max(issued) AS differs, mode(issued) AS usual FROM k GROUP BY model, step),
+last AS (SELECT model, max(step) AS step FROM per GROUP BY model),
+agreed AS (SELECT model, max(step) AS step FROM per WHERE NOT differs GROUP BY model),
+since AS (SELECT p.model, min(p.step) AS step FROM per AS p LEFT JOIN agreed AS a USING (model)
+          WHERE p.differs AND p.step > coalesce(a.step, -1) GROUP BY p.model),
+now AS (SELECT k.model, k.step, k.rank, k.issued, p.usual, n.n,
+               count(*) FILTER (WHERE k.issued = p.usual) OVER (PARTITION BY k.model) AS usual_ranks
+        FROM k JOIN last USING (model, step) JOIN per AS p USING (model, step) JOIN n USING (model)
+        WHERE p.differs)
+SELECT now.model, any_value(now.step) AS step, any_value(s.step) AS since, any_value(a.step) AS agreed_step,
+       CASE WHEN any_value(now.usual_ranks) > any_value(now.n) / 2.0
+            THEN 'rank(s) ' || string_agg(CAST(now.rank AS VARCHAR), ',' ORDER BY now.rank)
+                     FILTER (WHERE now.issued <> now.usual) || ' differ from the others'
+            ELSE 'the ranks disagree' END AS who,
+       string_agg('rank ' || now.rank || ' ' || now.issued, ', ' ORDER BY now.rank) AS counts,
+       coalesce(printf('they had issued as many at step %d and differ since step %d', any_value(a.step),
+                       any_value(s.step)),
+                printf('they differ at every step compared, from step %d on', any_value(s.step))) AS history
+FROM now JOIN since AS s USING (model) LEFT JOIN agreed AS a USING (model)
+GROUP BY now.model""",
+    message=(
+        "the ranks of {model}'s process group ran different collectives ({who}): by step {step} they had issued "
+        "{counts} collectives; {history}. From then on every collective pairs with a different one on the other "
+        "ranks: NCCL usually hangs, gloo can go on averaging the wrong tensors (the replicas drift apart). Look "
+        "between those steps for a collective that not every rank runs: an all_reduce or barrier under "
+        "`if rank == 0:`, or a branch only some ranks take."
+    ),
+    next=[
+        (
+            'probe --ranks all query "SELECT step, rank, any_value(collectives) AS collectives FROM torch.weight_sums '
+            'GROUP BY ALL ORDER BY step DESC, rank LIMIT 24"'
+        ),
+        (
+            'probe --ranks all query "SELECT rank, step, seq, op, input_dtypes, call_site FROM torch.collectives '
+            'WHERE step <= {since} ORDER BY seq DESC, rank LIMIT 24"'
+        ),
+    ],
+)
+
+rule(
     "ddp_buffers_not_broadcast",
     family="distributed",
     severity="warning",

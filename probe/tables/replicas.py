@@ -27,6 +27,13 @@ from .registry import Column, table
             "A weighted sum, in float64, of at most 64 of its elements at fixed, evenly strided positions: equal on "
             "every rank while the replicas agree.",
         ),
+        Column(
+            "collectives",
+            "BIGINT",
+            "How many collectives the DDP model's process group had issued on this rank by this step (its sequence "
+            "number; the same on every row of the step): equal on every rank while they run the same collectives. "
+            "NULL where the group does not count them.",
+        ),
     ],
     examples=[
         "SELECT step, name, checksum FROM torch.weight_sums ORDER BY step DESC, position LIMIT 10",

@@ -13,7 +13,10 @@ elements (evenly strided, the same positions on every rank) summed with fixed we
 parameter's device. One ``torch.cat`` per device and one ``index_add_`` make all the sums; on a GPU they are
 copied to the host without blocking and read at a later boundary once their event has completed (no device
 sync). No collective is issued: each rank records its own sums in ``torch.weight_sums`` and the doctor
-compares ranks in the client.
+compares ranks in the client. Beside them goes the number of collectives DDP's process group has issued on
+the rank by then (its sequence number, a counter read): ranks that differ there at the same step ran
+different collectives in between, and every later one pairs with another on the other ranks
+(``collectives_out_of_step``).
 
 The same steps on every rank: a checksum is taken at the step boundary (after the optimizer step) of every
 step that is a multiple of ``every``, a power of two from ``_EVERY_MIN`` up, doubled while one checksum
@@ -36,7 +39,16 @@ from ..util.ring import Ring
 
 __all__ = ["Replicas", "SUM_COLUMNS", "DDP_COLUMNS", "replicas"]
 
-SUM_COLUMNS = {"step": "i8", "time": "f8", "model": "O", "position": "i8", "name": "O", "numel": "i8", "checksum": "f8"}
+SUM_COLUMNS = {
+    "step": "i8",
+    "time": "f8",
+    "model": "O",
+    "position": "i8",
+    "name": "O",
+    "numel": "i8",
+    "checksum": "f8",
+    "collectives": "f8",  # a count, NULL (None) where the process group cannot say
+}
 DDP_COLUMNS = {
     "model": "O",
     "world_size": "i8",
@@ -83,7 +95,7 @@ class Replicas:
         self.every = _EVERY_MIN
         self._refresh_at = 1
         self._models: list[_Model] = []
-        self._pending: list = []  # (step, time, model, names, numels, host tensor, event)
+        self._pending: list = []  # (step, time, model, positions, names, numels, issued, host tensor, event)
 
     @property
     def next_step(self) -> float:
@@ -192,6 +204,7 @@ class Replicas:
     def _checksum(self, step: int, m: _Model) -> None:
         torch = self.torch
         now = time.time()
+        issued = _issued(m.ddp())
         with torch.no_grad():
             for device, (entries, seg, w) in m.plans.items():
                 parts = []
@@ -213,21 +226,21 @@ class Replicas:
                     host.copy_(sums, non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record()
-                    self._pending.append((step, now, m.label, positions, names, numels, host, ev))
+                    self._pending.append((step, now, m.label, positions, names, numels, issued, host, ev))
                 else:
-                    self._store(step, now, m.label, positions, names, numels, sums.tolist())
+                    self._store(step, now, m.label, positions, names, numels, issued, sums.tolist())
 
-    def _store(self, step, now, label, positions, names, numels, values) -> None:
+    def _store(self, step, now, label, positions, names, numels, issued, values) -> None:
         append = self.sums.append
         for pos, name, n, v in zip(positions, names, numels, values):
-            append(step, now, label, pos, name, n, v)
+            append(step, now, label, pos, name, n, v, issued)
 
     def _resolve(self) -> None:
         keep = []
         for item in self._pending:
-            step, now, label, positions, names, numels, host, ev = item
+            step, now, label, positions, names, numels, issued, host, ev = item
             if ev.query():
-                self._store(step, now, label, positions, names, numels, host.tolist())
+                self._store(step, now, label, positions, names, numels, issued, host.tolist())
             else:
                 keep.append(item)
         self._pending = keep
@@ -260,6 +273,15 @@ class Replicas:
             cols["every"].append(self.every)
             cols["tensors"].append(tensors)
         return cols
+
+
+def _issued(ddp) -> int | None:
+    """How many collectives DDP's process group has issued on this rank (its sequence number): the same on every
+    rank at the same step while they run the same collectives. None where the group cannot say."""
+    try:
+        return int(ddp.process_group._get_sequence_number_for_group())
+    except Exception:  # no model (rebuilt), a group without sequence numbers, an older torch
+        return None
 
 
 _instance: list = []

@@ -232,3 +232,40 @@ def test_weights_diverged_says_when_they_last_agreed_or_that_they_never_did_in_w
     assert "they differ at every step compared, from step 16 on" in said and "no step compared" not in said, said
     assert "a collective issued on some ranks only" in said
     assert _weights({16: [1.0, 1.0, 1.0], 32: [2.0, 2.0, 2.0]}) == []
+
+
+def _collectives(counts: dict) -> list:
+    """collectives_out_of_step over {step: [rank 0's count, rank 1's, ...]} (two tensors a step, as a model has)."""
+    rows = [
+        (r, step, "model", pos, f"{pos}.weight", 64, 1.0, c)
+        for step, per_rank in counts.items()
+        for r, c in enumerate(per_rank)
+        for pos in (0, 1)
+    ]
+    return rule_rows(
+        "collectives_out_of_step",
+        {
+            "torch.weight_sums": (
+                "rank INTEGER, step BIGINT, model VARCHAR, position BIGINT, name VARCHAR, numel BIGINT, "
+                "checksum DOUBLE, collectives DOUBLE",
+                rows,
+            )
+        },
+        messages=True,
+    )
+
+
+def test_collectives_out_of_step_names_the_rank_that_ran_one_more_and_between_which_steps():
+    (said,) = _collectives({16: [16, 16, 16], 32: [33, 32, 32], 48: [49, 48, 48]})
+    assert said.startswith(
+        "the ranks of model's process group ran different collectives (rank(s) 0 differ from the others): by step 48 "
+        "they had issued rank 0 49, rank 1 48, rank 2 48 collectives; they had issued as many at step 16 and differ "
+        "since step 32."
+    ), said
+    # two ranks: which one is odd cannot be told; the oldest count kept already differs
+    (said,) = _collectives({16: [17, 16], 32: [33, 32]})
+    assert "(the ranks disagree)" in said and "they differ at every step compared, from step 16 on" in said, said
+    # ranks in step, a group that does not count (NULL), and a step not every rank reached yet: nothing
+    assert _collectives({16: [16, 16, 16], 32: [32, 32, 32]}) == []
+    assert _collectives({16: [None, None], 32: [None, None]}) == []
+    assert _collectives({16: [16, 16], 32: [32]}) == []
