@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from ..plumbing.actions import cancel
 from . import Command, command
 
 
@@ -14,8 +15,7 @@ class Cancel(Command):
         p.add_argument("id", type=int, help="The action id (printed when it was sent; also in probe.actions).")
 
     def run(self, session, args):
-        doc = session.client().post("/actions/cancel", {"id": args.id, "wait": 2.0}, timeout=5.0 + session.timeout)
-        action = doc["action"]
+        action = cancel(session, None, {"id": args.id})  # None: the one target of the command line
         if session.format == "json":
             session.print(json.dumps(action, indent=2, default=str))
         else:

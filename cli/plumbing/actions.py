@@ -27,7 +27,7 @@ def common_step(session, targets, attempt: int = 0) -> int | None:
 
     The largest step any rank has reached, plus the steps the fastest rank makes in the lead time:
     ``LEAD_S``, or three times what asking every rank took if that is longer, doubled at each
-    ``attempt``; never fewer than ``STEP_MARGIN``. None when no rank says its step.
+    ``attempt``; never fewer than ``STEP_MARGIN``. None when no rank answers.
     """
 
     def step(t):
@@ -37,7 +37,7 @@ def common_step(session, targets, attempt: int = 0) -> int | None:
             return None
         s = h.get("step")
         s = s if isinstance(s, int) else h.get("safepoint_step")
-        return (s, h.get("step_time")) if isinstance(s, int) else None
+        return (s if isinstance(s, int) else 0, h.get("step_time"))  # 0: no step yet
 
     from .fanout import parallel
 
@@ -71,7 +71,7 @@ def drive_many(session, name: str, targets, bodies, queued: bool) -> list:
             if not missed:
                 break
             accepted = [(t, a) for t, a in zip(targets, first) if isinstance(a, dict) and not a.get("missed_step")]
-            dropped = list(pool.map(lambda ta: cancel(session, ta[0], ta[1]), accepted))
+            dropped = list(pool.map(lambda ta: _dropped(session, ta[0], ta[1]), accepted))
             passed = f"probe: {', '.join(missed)} had passed step {at_step} before the request came; "
             if not all(dropped):  # one already ran at the step: asking again would run it twice there
                 session.note(passed + "the others could not all be cancelled, so it is not asked again.")
@@ -99,15 +99,20 @@ def send(session, name: str, target, body: dict):
         return exc
 
 
-def cancel(session, target, action: dict) -> bool:
-    """Drop a queued action; True when it is cancelled (it never ran)."""
+def cancel(session, target, action: dict) -> dict:
+    """Ask the process to cancel the action (a queued one is dropped, a running ``--now`` one interrupted);
+    the action as it is afterwards. Raises ProbeError when the process cannot be asked or refuses."""
+    return session.client(target).post(
+        "/actions/cancel", {"id": action["id"], "wait": 2.0}, timeout=5.0 + session.timeout
+    )["action"]
+
+
+def _dropped(session, target, action: dict) -> bool:
+    """True when the queued action is cancelled: it never ran."""
     try:
-        done = session.client(target).post(
-            "/actions/cancel", {"id": action["id"], "wait": 2.0}, timeout=5.0 + session.timeout
-        )["action"]
+        return cancel(session, target, action)["state"] == "cancelled"
     except ProbeError:
         return False
-    return done["state"] == "cancelled"
 
 
 def wait_for(session, target, action, single: bool):
@@ -129,7 +134,6 @@ def wait_for(session, target, action, single: bool):
 
 def drive(session, name: str, target, body: dict, single: bool):
     """Submit and wait; return the final action dict, or the ProbeError that stopped it. Ctrl-C cancels it."""
-    client = session.client(target)
     action = None
     try:
         # answered at once with the action's id (so Ctrl-C can cancel it from then on), then waited for below
@@ -141,9 +145,7 @@ def drive(session, name: str, target, body: dict, single: bool):
                 "interrupted before the process confirmed the action; see probe.actions.", exit_code=130
             ) from None
         try:  # Ctrl-C cancels what we started: a queued action is dropped, a running --now eval interrupted
-            done = client.post("/actions/cancel", {"id": action["id"], "wait": 2.0}, timeout=5.0 + session.timeout)[
-                "action"
-            ]
+            done = cancel(session, target, action)
         except ProbeError as exc:
             raise ProbeError(
                 f"interrupted; action {action['id']} could not be cancelled ({exc.message.rstrip('.')}) "

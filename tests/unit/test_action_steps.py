@@ -132,6 +132,8 @@ def test_the_common_step_is_ahead_by_the_lead_time_at_the_fastest_ranks_pace():
     assert 102 + LEAD_S / 0.01 <= step < 102 + LEAD_S / 0.01 + 10  # plus whatever asking took, tripled
     slow = [Target(0, 7, step_time=30.0)]
     assert common_step(Session(), slow) == 9  # never fewer than STEP_MARGIN steps ahead
+    fresh = [Target(0, None, step_time=None), Target(1, None, step_time=None)]
+    assert common_step(Session(), fresh) == 2  # no step yet: still one step for all, not each rank's next
 
 
 def test_a_rank_that_missed_the_step_makes_every_rank_try_again_later_at_one_step():
