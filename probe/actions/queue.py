@@ -181,10 +181,10 @@ def submit(
         elif not now:
             _pending.append(action)
             on_step(_at_step)  # subscribed only while something waits: an idle boundary costs nothing
-    audit(client, command, args, "queued" if not now else "running", id=action.id, now=now, at_step=at_step)
-    if passed:
+    if passed:  # never queued: its one audit line says it failed, and why
         _audit_end(action)
         return action
+    audit(client, command, args, "queued" if not now else "running", id=action.id, now=now, at_step=at_step)
     if now:
         t = threading.Thread(
             target=_run,

@@ -29,7 +29,9 @@ def submit(queue, at_step, ran):
     )
 
 
-def test_a_step_already_passed_fails_at_once_as_missed_and_never_runs(queue):
+def test_a_step_already_passed_fails_at_once_as_missed_and_never_runs(queue, tmp_path):
+    import json
+
     from probe.training.safepoint import StepEvent, fire
 
     ran = []
@@ -38,6 +40,8 @@ def test_a_step_already_passed_fails_at_once_as_missed_and_never_runs(queue):
     assert "step 40, which this process had passed (last step 40)" in a.error and a.to_dict()["missed_step"]
     fire(StepEvent(41))
     assert ran == []
+    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["outcome"]) for r in audit] == [(a.id, "failed")]  # never queued: one line, the failure
 
 
 def test_it_waits_for_its_step_and_runs_there(queue):
