@@ -206,20 +206,25 @@ def test_parameters_unreadable_warns_that_the_parameter_rules_cannot_see():
     assert rule_rows("parameters_unreadable", {"probe.errors": (errors, [])}) == []
 
 
+def _weight_sums(rule: str, per_step: dict, column: str) -> list:
+    """``rule`` over torch.weight_sums rows of two tensors, with ``column`` (checksum or collectives) set from
+    {step: [rank 0's value, rank 1's, ...]} and the other one equal everywhere."""
+    rows = [
+        (r, step, "model", pos, f"{pos}.weight", 64, *((v, 1.0) if column == "checksum" else (1.0, v)))
+        for step, per_rank in per_step.items()
+        for r, v in enumerate(per_rank)
+        for pos in (0, 1)
+    ]
+    columns = "rank INTEGER, step BIGINT, model VARCHAR, position BIGINT, name VARCHAR, numel BIGINT, checksum DOUBLE"
+    return rule_rows(rule, {"torch.weight_sums": (columns + ", collectives DOUBLE", rows)}, messages=True)
+
+
 def _weights(sums: dict) -> list:
-    """weights_diverged over checksums {step: [rank 0's, rank 1's, rank 2's]} of one tensor, "0.weight"."""
-    rows = [(r, step, "model", 0, "0.weight", 64, c) for step, per_rank in sums.items() for r, c in enumerate(per_rank)]
-    return rule_rows(
-        "weights_diverged",
-        {
-            "torch.weight_sums": (
-                "rank INTEGER, step BIGINT, model VARCHAR, position BIGINT, name VARCHAR, numel BIGINT, "
-                "checksum DOUBLE",
-                rows,
-            )
-        },
-        messages=True,
-    )
+    return _weight_sums("weights_diverged", sums, "checksum")
+
+
+def _collectives(counts: dict) -> list:
+    return _weight_sums("collectives_out_of_step", counts, "collectives")
 
 
 def test_weights_diverged_says_when_they_last_agreed_or_that_they_never_did_in_what_it_kept():
@@ -232,27 +237,6 @@ def test_weights_diverged_says_when_they_last_agreed_or_that_they_never_did_in_w
     assert "they differ at every step compared, from step 16 on" in said and "no step compared" not in said, said
     assert "a collective issued on some ranks only" in said
     assert _weights({16: [1.0, 1.0, 1.0], 32: [2.0, 2.0, 2.0]}) == []
-
-
-def _collectives(counts: dict) -> list:
-    """collectives_out_of_step over {step: [rank 0's count, rank 1's, ...]} (two tensors a step, as a model has)."""
-    rows = [
-        (r, step, "model", pos, f"{pos}.weight", 64, 1.0, c)
-        for step, per_rank in counts.items()
-        for r, c in enumerate(per_rank)
-        for pos in (0, 1)
-    ]
-    return rule_rows(
-        "collectives_out_of_step",
-        {
-            "torch.weight_sums": (
-                "rank INTEGER, step BIGINT, model VARCHAR, position BIGINT, name VARCHAR, numel BIGINT, "
-                "checksum DOUBLE, collectives DOUBLE",
-                rows,
-            )
-        },
-        messages=True,
-    )
 
 
 def test_collectives_out_of_step_names_the_rank_that_ran_one_more_and_between_which_steps():
