@@ -23,7 +23,7 @@ from probe.util.procfs import proc_state
 
 from .plumbing.fanout import fan_out
 
-__all__ = ["Finding", "Diagnosis", "diagnose", "findings_table", "fill_message", "next_commands"]
+__all__ = ["Finding", "Diagnosis", "diagnose", "fold", "findings_table", "fill_message", "next_commands"]
 
 
 @dataclass
@@ -205,7 +205,8 @@ def _user_rules(con, builtin_names: set) -> list:
 
     res = run_outer(
         con,
-        "SELECT DISTINCT name, family, severity, description, sql, message, next, scope, params FROM diagnosis.rules",
+        "SELECT DISTINCT name, family, severity, description, sql, message, next, scope, params, explains "
+        "FROM diagnosis.rules",
         1000,
     )
     out = []
@@ -216,6 +217,7 @@ def _user_rules(con, builtin_names: set) -> list:
         try:
             d["next"] = json.loads(d["next"] or "[]")
             d["params"] = json.loads(d["params"] or "{}")
+            d["explains"] = json.loads(d["explains"] or "[]")
             out.append(Rule.from_dict(d))
         except (ValueError, TypeError, KeyError):
             continue
@@ -269,7 +271,7 @@ def diagnose(session, targets=None) -> Diagnosis:
     health = fan_out(targets, lambda t: session.client(t).get("/health", timeout=min(session.timeout, 3.0)))
     findings = [_outside(a.target, a.error) for a in health if not a.ok]
     answering = [a.target for a in health if a.ok]
-    skipped, run = [], 0
+    skipped, run, rules = [], 0, []
     if answering:
         schema = fetch_schema(session, answering)
         rules = all_rules()
@@ -331,6 +333,7 @@ def diagnose(session, targets=None) -> Diagnosis:
                     )
         finally:
             con.close()
+    findings = fold(findings, {r.name: r.explains for r in rules if r.explains})
     # within a family and rank, the finding with the earliest step first: the cause before its consequences
     findings.sort(
         key=lambda f: (
@@ -342,6 +345,39 @@ def diagnose(session, targets=None) -> Diagnosis:
         )
     )
     return Diagnosis(findings, len(targets), len(answering), run, skipped, time.perf_counter() - started)
+
+
+def fold(findings: list, explains: dict) -> list:
+    """Fold the findings a rule explains into that rule's finding: a job whose ranks all wait in mismatched
+    collectives is one finding, not one more per rank that no step completes on. The folded ones are named at
+    the end of its message and kept whole in its evidence (``explains``).
+
+    >>> cause = Finding("collective_mismatch", "distributed", "critical", "rank 1 left the path.")
+    >>> hung = [Finding("hung", "hang", "critical", f"no step for 70 s.", rank=r) for r in (0, 1, 2)]
+    >>> other = Finding("loss_spike", "divergence", "warning", "a spike.", rank=0)
+    >>> [f.rule for f in fold([cause, *hung, other], {"collective_mismatch": ("hung",)})]
+    ['collective_mismatch', 'loss_spike']
+    >>> cause.message
+    'rank 1 left the path. It explains: hung on ranks 0, 1, 2.'
+    """
+    causes = [f for f in findings if explains.get(f.rule)]
+    if not causes:
+        return findings
+    folded: set = set()
+    for cause in causes:
+        effects = [f for f in findings if f.rule in explains[cause.rule] and f is not cause and id(f) not in folded]
+        if not effects:
+            continue
+        folded.update(id(f) for f in effects)
+        said = []
+        for rule in dict.fromkeys(f.rule for f in effects):
+            ranks = sorted({f.rank for f in effects if f.rule == rule and f.rank is not None})
+            said.append(
+                rule + (f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else "")
+            )
+        cause.message += f" It explains: {'; '.join(said)}."
+        cause.evidence = dict(cause.evidence, explains=[f.to_dict() for f in effects])
+    return [f for f in findings if id(f) not in folded]
 
 
 def findings_table(session, targets) -> tuple:

@@ -118,6 +118,13 @@ def test_a_rank_local_change_then_a_rank_whose_data_runs_out():
         out = onset(job, r"epoch done rank=1 step=(?P<step>\d+)(?P<time>)")
         # then: the rank whose data ran out, long before PROBE_HUNG_AFTER, where it is and where the other waits
         named(job, ["uneven"], out)
+        # and once PROBE_HUNG_AFTER has passed too (1 s here), the ranks that complete no step are not a finding
+        # each beside it: the mismatch explains them, and says so
+        r = job.cli("--ranks", "all", "--format", "json", "doctor", env={"PROBE_HUNG_AFTER": "1"}, timeout=120)
+        found = [f for f in json.loads(r.stdout)["findings"] if f["severity"] == "critical"]
+        assert [f["rule"] for f in found] == ["collective_mismatch"], found
+        assert found[0]["message"].endswith("It explains: hung on ranks 0, 1."), found[0]["message"]
+        assert {e["rule"] for e in found[0]["evidence"]["explains"]} == {"hung"}, found[0]["evidence"]
 
 
 def test_the_healthy_twin_a_plain_ddp_job_gets_nothing_and_its_replicas_agree():

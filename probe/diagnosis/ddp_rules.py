@@ -98,6 +98,7 @@ rule(
     family="distributed",
     severity="critical",
     scope="job",
+    explains=["weights_diverged"],  # the mispaired all-reduces average other steps' gradients: the replicas drift
     description=(
         "The ranks of a DDP model's process group had issued different numbers of collectives by the same step "
         "(torch.weight_sums.collectives, read at the checksum steps): some ranks ran a collective the others did "
@@ -197,6 +198,7 @@ rule(
     family="distributed",
     severity="critical",
     scope="job",
+    explains=["hung"],  # every rank waits in it: no step completes on any of them
     description=(
         f"Every rank of a process group has waited {_PACE}x the job's p99 step time ({_PACE_MIN_S} s at least) at "
         "the same sequence number in different collectives (torch.process_groups, the flight recorder): the job "

@@ -65,6 +65,7 @@ class Rule:
     next: tuple[str, ...] = ()
     scope: str = "process"
     params: tuple[tuple[str, str], ...] = ()  # (placeholder, setting name) pairs filled before the SQL runs
+    explains: tuple[str, ...] = ()  # rules whose findings are this one's consequences: folded into it when both fire
 
     def to_dict(self) -> dict:
         return {
@@ -77,6 +78,7 @@ class Rule:
             "next": list(self.next),
             "scope": self.scope,
             "params": dict(self.params),
+            "explains": list(self.explains),
         }
 
     @classmethod
@@ -91,6 +93,7 @@ class Rule:
             tuple(d.get("next") or ()),
             d.get("scope") or "process",
             tuple((d.get("params") or {}).items()),
+            tuple(d.get("explains") or ()),
         )
 
 
@@ -105,6 +108,7 @@ def rule(
     next: list[str] | tuple[str, ...] = (),
     scope: str = "process",
     params: dict | None = None,
+    explains: list[str] | tuple[str, ...] = (),
 ) -> Rule:
     """Declare (or replace) a doctor rule; returns it. Raises ValueError on a malformed declaration."""
     if not name.replace("_", "").isalnum() or not name[0].isalpha():
@@ -118,7 +122,16 @@ def rule(
     if not description.endswith("."):
         raise ValueError(f"rule {name}: its description must be a sentence ending in a period")
     r = Rule(
-        name, family, severity, description, sql.strip(), message, tuple(next), scope, tuple((params or {}).items())
+        name,
+        family,
+        severity,
+        description,
+        sql.strip(),
+        message,
+        tuple(next),
+        scope,
+        tuple((params or {}).items()),
+        tuple(explains),
     )
     with _LOCK:
         _REGISTRY[name] = r

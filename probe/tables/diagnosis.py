@@ -33,6 +33,12 @@ from .registry import Column, table
         Column("message", "VARCHAR", "Message template over the query's columns."),
         Column("next", "VARCHAR", "Next commands to run, as a JSON list of templates."),
         Column("params", "VARCHAR", "Placeholders in the SQL filled from settings, as JSON."),
+        Column(
+            "explains",
+            "VARCHAR",
+            "Rules whose findings are this one's consequences, as a JSON list: when both fire, the doctor folds them "
+            "into this rule's finding.",
+        ),
     ],
     examples=["SELECT name, family, severity, description FROM diagnosis.rules ORDER BY family, name"],
 )
@@ -48,6 +54,7 @@ def rules(ctx):
             r.message,
             json.dumps(list(r.next)),
             json.dumps(dict(r.params)),
+            json.dumps(list(r.explains)),
         )
         for r in all_rules()
     ]
