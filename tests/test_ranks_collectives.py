@@ -167,8 +167,16 @@ def culprits(rows):
 def test_slow_rank_is_the_straggler_by_its_compute_time():
     with ddp_job("--slow-rank", "2", "--slow-compute", "0.15") as job:
         since = time.monotonic()
-        # under synchronous DDP every rank has the same step time: only the compute split tells them apart
-        r, rows = until_status(job, since, lambda rows: states(rows) == {0: "training", 1: "training", 2: "slow"})
+        # under synchronous DDP every rank has the same step time: only the compute split tells them apart (a step
+        # time once a rank has a whole step: step 1 runs from its first module call, and the median leaves it out)
+        r, rows = until_status(
+            job,
+            since,
+            lambda rows: (
+                states(rows) == {0: "training", 1: "training", 2: "slow"}
+                and all(row["step_time"] is not None for row in rows.values())
+            ),
+        )
         assert r.returncode == 0, r.stderr
         assert rows[2]["reason"].startswith("compute ") and not culprits(rows)
         assert rows[2]["step_time"] == pytest.approx(rows[0]["step_time"], rel=0.5)

@@ -32,7 +32,8 @@ from .registry import Column, table
             "BIGINT",
             "How many collectives the DDP model's process group had issued on this rank by this step (its sequence "
             "number; the same on every row of the step): equal on every rank while they run the same collectives. "
-            "NULL where the group does not count them.",
+            "NULL where the group does not count them, or is smaller than the job (data parallel inside pipeline or "
+            "tensor parallel, whose other groups run other collectives).",
         ),
     ],
     examples=[

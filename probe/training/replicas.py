@@ -204,7 +204,7 @@ class Replicas:
     def _checksum(self, step: int, m: _Model) -> None:
         torch = self.torch
         now = time.time()
-        issued = _issued(m.ddp())
+        issued = _issued(m.ddp(), m.config.get("world_size", 0))
         with torch.no_grad():
             for device, (entries, seg, w) in m.plans.items():
                 parts = []
@@ -275,11 +275,16 @@ class Replicas:
         return cols
 
 
-def _issued(ddp) -> int | None:
+def _issued(ddp, world: int) -> int | None:
     """How many collectives DDP's process group has issued on this rank (its sequence number): the same on every
-    rank at the same step while they run the same collectives. None where the group cannot say."""
+    rank at the same step while they run the same collectives. None where the group cannot say, and for a group
+    smaller than the job (data parallel inside pipeline or tensor parallel): the ranks of other groups run other
+    collectives, and the doctor compares every rank's count."""
     try:
-        return int(ddp.process_group._get_sequence_number_for_group())
+        group = ddp.process_group
+        if group.size() != world:
+            return None
+        return int(group._get_sequence_number_for_group())
     except Exception:  # no model (rebuilt), a group without sequence numbers, an older torch
         return None
 
