@@ -83,7 +83,7 @@ class _Action(Command):
             bodies.append(b)
         single = len(targets) == 1
         if single:  # on the main thread, where Ctrl-C lands: it cancels the action (see drive)
-            outcomes = [drive(session, self.name, targets[0], bodies[0], True)]
+            outcomes = [drive(session, self.name, targets[0], bodies[0])]
         else:
             outcomes = drive_many(session, self.name, targets, bodies, self.queued(args))
         if session.format == "json":

@@ -46,7 +46,7 @@ class ProfileSteps(Command):
         body = {"steps": args.steps, "with_stack": args.with_stack, "record_shapes": args.record_shapes}
         if args.timeout:
             body["timeout"] = args.timeout
-        action = drive(session, "profile-steps", target, body, True)
+        action = drive(session, "profile-steps", target, body)
         if isinstance(action, ProbeError):
             raise action
         if action["state"] != "done":

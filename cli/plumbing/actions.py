@@ -132,13 +132,14 @@ def wait_for(session, target, action, single: bool):
         return exc
 
 
-def drive(session, name: str, target, body: dict, single: bool):
-    """Submit and wait; return the final action dict, or the ProbeError that stopped it. Ctrl-C cancels it."""
+def drive(session, name: str, target, body: dict):
+    """Submit to one process and wait, with progress notes; return the final action dict, or the ProbeError that
+    stopped it. Ctrl-C cancels it."""
     action = None
     try:
         # answered at once with the action's id (so Ctrl-C can cancel it from then on), then waited for below
         action = send(session, name, target, body)
-        return wait_for(session, target, action, single)
+        return wait_for(session, target, action, True)
     except KeyboardInterrupt:
         if not isinstance(action, dict):
             raise ProbeError(
