@@ -353,7 +353,7 @@ def fold(findings: list, explains: dict) -> list:
     the end of its message and kept whole in its evidence (``explains``).
 
     >>> cause = Finding("collective_mismatch", "distributed", "critical", "rank 1 left the path.")
-    >>> hung = [Finding("hung", "hang", "critical", f"no step for 70 s.", rank=r) for r in (0, 1, 2)]
+    >>> hung = [Finding("hung", "hang", "critical", "no step for 70 s.", rank=r) for r in (0, 1, 2)]
     >>> other = Finding("loss_spike", "divergence", "warning", "a spike.", rank=0)
     >>> [f.rule for f in fold([cause, *hung, other], {"collective_mismatch": ("hung",)})]
     ['collective_mismatch', 'loss_spike']
