@@ -1,4 +1,4 @@
-"""A tiny FSDP2 (``torch.distributed.fsdp.fully_shard``) job on CPU (gloo), as people write it now.
+"""A tiny FSDP2 (``torch.distributed.fsdp.fully_shard``) job on CPU (gloo), or one GPU per rank (``--backend nccl``).
 
 Run under torchrun with PROBE=1 and no probe code:
 ``PROBE=1 python -m torch.distributed.run --nproc-per-node 2 fsdp2_train.py --steps 2000``.
@@ -24,19 +24,24 @@ p.add_argument("--steps", type=int, default=2000)
 p.add_argument(
     "--step-sleep", type=float, default=0.0, help="Seconds to sleep each step: a floor under the job's length."
 )
+p.add_argument("--backend", default="gloo", help="gloo (CPU) or nccl (CUDA, one GPU per rank).")
 p.add_argument("--linger", action="store_true", help="After the last step, wait (in Python) until killed.")
 p.add_argument(
     "--resume", default=None, help="Load probe.load_checkpoint(PATH) first, {rank} expanded; print what it held."
 )
 args = p.parse_args()
 
-dist.init_process_group("gloo")
+dev = torch.device("cpu")
+if args.backend == "nccl":
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(dev)
+dist.init_process_group(args.backend)
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)).to(dev)
 fully_shard(model)  # one unit: one all_gather and one reduce-scatter a step keep 2000 steps quick on gloo
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-gen = torch.Generator().manual_seed(rank)
+gen = torch.Generator(dev).manual_seed(rank)
 if args.resume:
     import probe
 
@@ -56,8 +61,8 @@ def say(line: str) -> None:
 
 
 for step in range(1, args.steps + 1):
-    x = torch.randn(8, 16, generator=gen)
-    y = torch.randint(0, 4, (8,), generator=gen)
+    x = torch.randn(8, 16, generator=gen, device=dev)
+    y = torch.randint(0, 4, (8,), generator=gen, device=dev)
     loss = nn.functional.cross_entropy(model(x), y)
     optimizer.zero_grad()
     loss.backward()
