@@ -51,10 +51,10 @@ class ProfileSteps(Command):
             raise action
         if action["state"] != "done":
             raise ActionError(_failure_text(action))
-        started = action["result"]
+        started = action.get("result") if isinstance(action.get("result"), dict) else {}
         session.note(
-            f"probe: profiling steps {started['from_step']}-{started['until_step']} "
-            f"({', '.join(started['activities'])})."
+            f"probe: profiling steps {started.get('from_step')}-{started.get('until_step')} "
+            f"({', '.join(map(str, started.get('activities') or []))})."
         )
         client = session.client(target)
         deadline = time.monotonic() + args.wait
@@ -64,47 +64,86 @@ class ProfileSteps(Command):
                 raise ActionError(
                     "the process no longer knows this profile (another one replaced it); run profile-steps again."
                 )
-            if prof["state"] != "running":
+            if prof.get("state") != "running":
                 break
             if time.monotonic() > deadline:
                 raise ActionError(
                     f"the {args.steps} steps did not finish within {args.wait:g} s; the trace will be written "
-                    f"to {prof['path']} on the training host when they do."
+                    f"to {prof.get('path')} on the training host when they do."
                 )
             time.sleep(min(POLL / 4, 0.5))  # ok-sleep: polling the profile's state with a deadline
-        if prof["state"] != "done":
+        if prof.get("state") != "done":
             raise ActionError(f"the profile failed: {prof.get('error')}.")
-        _fetch(session, client, target, prof["path"], out)
+        _fetch(session, client, target, prof, out)
         size = os.path.getsize(out)
+        export_s = prof.get("export_s") if type(prof.get("export_s")) in (int, float) else 0.0
         if session.format == "json":
             import json
 
             session.print(json.dumps({**prof, "output": out}, default=str))
         else:
             session.print(
-                f"wrote {out}: torch.profiler trace of steps {prof['from_step']}-{prof['ended_step']} "
-                f"({size / 1e6:.1f} MB, export {prof.get('export_s', 0):.2f} s); open it at https://ui.perfetto.dev."
+                f"wrote {out}: torch.profiler trace of steps {prof.get('from_step')}-{prof.get('ended_step')} "
+                f"({size / 1e6:.1f} MB, export {export_s:.2f} s); open it at https://ui.perfetto.dev."
             )
         return 0
 
 
-def _fetch(session, client, target, remote: str, out: str) -> None:
-    """Copy the trace: from the runtime directory on this host, else in chunks over the connection."""
-    import base64
-    import os
-    import shutil
+MAX_TRACE = 2 << 30  # bytes: more than a trace viewer opens; a profile that says it is larger is refused
+MIN_CHUNK = 1 << 20  # every chunk but the last carries at least this (the server sends 4 MiB): bounds their count
 
-    tmp = out + ".tmp"
+
+def _fetch(session, client, target, prof: dict, out: str) -> None:
+    """Write the trace to ``out`` from the content of the process's answers, read in chunks.
+
+    Never from a path the answer names: the endpoint may not be the job (a socket or port another
+    user holds), and a file it names could be one only this user may read. The chunks must follow
+    on from each other and add up to the size the profile declared, which is at most MAX_TRACE.
+    """
+    import base64
+    import binascii
+    import os
+    import tempfile
+
+    size = prof.get("bytes")
+    if type(size) is not int or size < 0:
+        raise _malformed(target, "a finished profile without its size")
+    if size > MAX_TRACE:
+        raise ProbeError(
+            f"the trace is {size / 1e9:.1f} GB, more than the {MAX_TRACE >> 30} GiB probe copies; profile fewer "
+            f"steps, or copy {prof.get('path')} from the training host."
+        )
     try:
-        if target.socket and os.path.exists(remote):
-            shutil.copyfile(remote, tmp)
-        else:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=os.path.dirname(out))
+    except OSError as exc:
+        raise ProbeError(f"cannot write {out} ({exc.strerror}); choose another -o path.") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
             offset = 0
-            with open(tmp, "wb") as f:
-                while offset is not None:
-                    chunk = client.get("/profile-steps", timeout=session.timeout + 30, file=remote, offset=offset)
-                    f.write(base64.b64decode(chunk["data"]))
-                    offset = chunk["next"]
+            while offset is not None:
+                chunk = client.get("/profile-steps", timeout=session.timeout + 30, file=prof.get("path"), offset=offset)
+                try:
+                    data = base64.b64decode(chunk["data"], validate=True)
+                except (binascii.Error, ValueError):
+                    raise _malformed(target, "a trace chunk that is not base64") from None
+                following = chunk.get("next")
+                if following is not None and (type(following) is not int or following != offset + len(data)):
+                    raise _malformed(target, "a trace chunk that does not follow on from the last")
+                if offset + len(data) > size or (following is None and offset + len(data) != size):
+                    raise _malformed(target, f"a trace longer or shorter than the {size} bytes it declared")
+                if following is not None and len(data) < MIN_CHUNK:
+                    raise _malformed(target, "a trace in chunks too small to be a probe's")
+                f.write(data)
+                offset = following
         os.replace(tmp, out)
     except OSError as exc:
         raise ProbeError(f"cannot write {out} ({exc.strerror}); choose another -o path.") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _malformed(target, what: str):
+    from probe._errors import EndpointError
+
+    return EndpointError(f"{target.label} did not answer like a probe ({what}); check the endpoint.")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 from probe._errors import AuthError, EndpointError, error_from_dict
 
@@ -22,6 +23,18 @@ AGENT_HEADER = "X-Probe-Agent"  # names the program acting for the user; recorde
 
 class _BadResponse(Exception):
     pass
+
+
+class _TooLarge(Exception):
+    pass
+
+
+# The most an answer may hold, head included: a JSON answer (the largest are a backtrace of thousands of threads,
+# a profile's stacks, a 4 MiB profile-steps chunk in base64), and a snapshot, which the training process keeps under
+# its PROBE_SNAPSHOT_BYTES; a larger answer is not a probe's, and reading it would only grow this process.
+MAX_JSON_ANSWER = 32 * 1024 * 1024
+SNAPSHOT_ANSWER_FACTOR = 4  # times this shell's PROBE_SNAPSHOT_BYTES
+GRACE_S = 1.0  # beyond a request's timeout, for the server's own refusal at that timeout to arrive
 
 
 # What each answer must hold before any command reads it: the endpoint may not be ours (a typo'd port, a
@@ -85,24 +98,63 @@ def check_answer(path: str, doc: dict) -> str | None:
     return None
 
 
-def _exchange(sock: socket.socket, method: str, path: str, headers: dict, body: bytes | None) -> tuple[int, bytes]:
-    """Send one request on a connected socket; return (status, body)."""
+def _exchange(
+    sock: socket.socket, method: str, path: str, headers: dict, body: bytes | None, deadline: float, limit: int
+) -> tuple[int, bytearray]:
+    """Send one request on a connected socket; return (status, body).
+
+    The whole exchange ends by ``deadline`` (time.monotonic), however the server paces its bytes, and reads
+    at most ``limit`` bytes: ``socket.timeout`` and ``_TooLarge`` otherwise."""
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise socket.timeout()
+        return remaining
+
     lines = [f"{method} {path} HTTP/1.1", "Host: probe"]
     lines += [f"{k}: {v}" for k, v in headers.items()]
     lines.append(f"Content-Length: {len(body or b'')}")
+    sock.settimeout(left())
     sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b""))
-    chunks = []
+    data = bytearray()
     while True:
+        sock.settimeout(left())
         chunk = sock.recv(262144)
         if not chunk:
             break
-        chunks.append(chunk)
-    data = b"".join(chunks)
-    head, sep, payload = data.partition(b"\r\n\r\n")
-    status_line = head.split(b"\r\n", 1)[0].split()
-    if not sep or len(status_line) < 2 or not status_line[0].startswith(b"HTTP/") or not status_line[1].isdigit():
+        data += chunk
+        if len(data) > limit:
+            raise _TooLarge()
+    end = data.find(b"\r\n\r\n")
+    status_line = data[: max(end, 0)].split(b"\r\n", 1)[0].split()
+    if end < 0 or len(status_line) < 2 or not status_line[0].startswith(b"HTTP/") or not status_line[1].isdigit():
         raise _BadResponse()
-    return int(status_line[1]), payload
+    del data[: end + 4]  # in place: a snapshot is not copied again
+    return int(status_line[1]), data
+
+
+def _error_from_answer(label: str, status: int, doc):
+    """The ProbeError an error answer stands for; an error answer not shaped like a probe's is an EndpointError."""
+    exit_code = doc.get("exit_code") if isinstance(doc, dict) else None
+    if (
+        not isinstance(doc, dict)
+        or not isinstance(doc.get("error"), str)
+        or not isinstance(doc.get("kind", ""), str)
+        or not (exit_code is None or (type(exit_code) is int and 1 <= exit_code <= 125))  # never 0: no false success
+    ):
+        return EndpointError(
+            f"{label} did not answer like a probe (a malformed HTTP {status} error); check the endpoint."
+        )
+    if status == 401:
+        return AuthError(doc["error"])
+    return error_from_dict(doc)
+
+
+def _snapshot_answer_limit() -> int:
+    from probe.config import setting
+
+    return SNAPSHOT_ANSWER_FACTOR * setting("PROBE_SNAPSHOT_BYTES", strict=True) + (1 << 20)  # + its header
 
 
 class Client:
@@ -117,7 +169,6 @@ class Client:
             raise EndpointError(t.entry.get("hint", f"{t.label} has no probe server."))
         if t.socket:
             import errno
-            import time
 
             deadline = time.monotonic() + min(timeout, 2.0)
             delay = 0.005
@@ -152,10 +203,12 @@ class Client:
                 raise AuthError(f"{t.label} listens on TCP and needs a token; pass --token or set PROBE_TOKEN.")
             headers["Authorization"] = f"Bearer {t.token}"
         payload = json.dumps(body).encode() if body is not None else None
+        deadline = time.monotonic() + timeout + GRACE_S  # the whole request, however slowly the answer comes
+        limit = _snapshot_answer_limit() if raw else MAX_JSON_ANSWER
         sock = None
         try:
             sock = self._connect(timeout)
-            status, data = _exchange(sock, method, path, headers, payload)
+            status, data = _exchange(sock, method, path, headers, payload, deadline, limit)
         except FileNotFoundError:
             raise EndpointError(
                 f"the socket of {t.label} is gone; the process probably exited (`probe list` shows live ones)."
@@ -172,6 +225,16 @@ class Client:
             ) from None
         except _BadResponse:
             raise EndpointError(f"{t.label} did not answer like a probe (not HTTP); check the endpoint.") from None
+        except _TooLarge:
+            raise EndpointError(
+                f"{t.label} sent an answer larger than {limit >> 20} MiB, more than a probe sends"
+                + (
+                    f" ({SNAPSHOT_ANSWER_FACTOR} times PROBE_SNAPSHOT_BYTES; if the job's is larger, set the same here)"
+                    if raw
+                    else ""
+                )
+                + "; check the endpoint."
+            ) from None
         except OSError as exc:
             raise EndpointError(f"could not talk to {t.label} ({exc}); check the endpoint with `probe list`.") from None
         finally:
@@ -181,12 +244,10 @@ class Client:
             return data
         try:
             doc = json.loads(data or b"{}")
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than Python's stack
             raise EndpointError(f"{t.label} did not answer like a probe (HTTP {status}); check the endpoint.") from None
-        if status == 401:
-            raise AuthError(doc.get("error") or "missing or wrong token; pass --token or set PROBE_TOKEN.")
         if status >= 400 or (isinstance(doc, dict) and "error" in doc and "kind" in doc):
-            raise error_from_dict(doc if isinstance(doc, dict) else {"error": str(doc)})
+            raise _error_from_answer(t.label, status, doc)
         if not isinstance(doc, dict):
             raise EndpointError(f"{t.label} did not answer like a probe (not a JSON object); check the endpoint.")
         why = check_answer(path, doc)

@@ -5,7 +5,8 @@
 boundary after that stops the profiler and exports the Chrome trace into the runtime
 directory (mode 0600). The profiler exists only during those N steps: before and after,
 the loop runs without it. ``current()`` reports the profile's state for the CLI, which
-waits for ``done`` and then copies the file (local) or reads it in chunks (TCP).
+waits for ``done`` and then reads the trace in chunks through the connection (never by its
+path: a client cannot tell that a path an endpoint names is the job's).
 
 One profile at a time: a second request, or one while the user's own profiler is
 active, is refused with a sentence saying why.
@@ -135,7 +136,7 @@ def _at_step(event: StepEvent) -> None:
 
 
 def read_chunk(path: str, offset: int) -> dict:
-    """Up to CHUNK bytes of a finished profile's trace, base64-encoded, for clients over TCP."""
+    """Up to CHUNK bytes of a finished profile's trace, base64-encoded, for the client to write."""
     import base64
 
     with _lock:

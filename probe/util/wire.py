@@ -203,6 +203,9 @@ def _texts(ends_buf, blob_buf, n: int, valid):
 
     ends = np.frombuffer(ends_buf, "<i8", n)
     blob = bytes(blob_buf)
+    if n and (ends[0] < 0 or ends[-1] > len(blob) or (n > 1 and bool((ends[1:] < ends[:-1]).any()))):
+        # offsets that go back would hand out the same bytes again: the decoded text could pass the message many times
+        raise WireError("the snapshot is damaged (text offsets out of order or past their bytes)")
     starts = np.concatenate(([0], ends[:-1])) if n else ends
     data = np.empty(n, dtype=object)
     data[:] = [blob[s:e].decode("utf-8", "surrogatepass") for s, e in zip(starts.tolist(), ends.tolist())]
@@ -222,7 +225,7 @@ def decode(message: bytes) -> dict:
     (hlen,) = struct.unpack_from("<I", message, 4)
     try:
         header = json.loads(message[8 : 8 + hlen])
-    except ValueError:
+    except (ValueError, RecursionError):
         raise WireError("the snapshot header is damaged") from None
     try:
         return _decode(message, header, 8 + hlen)
@@ -241,7 +244,7 @@ def _decode(message: bytes, header: dict, base: int) -> dict:
     out: dict = {}
     for name, t in header["tables"].items():
         n = int(t["rows"])
-        if n < 0:
+        if n < 0 or (n and not t["columns"]):  # rows are bounded by their columns' buffers; none without columns
             raise WireError("the snapshot header is damaged")
         check_table(name, [(c["name"], c["type"]) for c in t["columns"]])
         cols: dict = {}
