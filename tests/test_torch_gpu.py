@@ -214,6 +214,8 @@ def test_nccl_world_of_one_fsdp2_trains_checkpoints_and_shows_its_collectives(tm
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
 def test_mixed_precision_losses_norms_and_a_scaler_that_skips(spawn, cli, tmp_path, amp):
+    if DEVICE != "cuda" and amp == "fp16":
+        pytest.skip("fp16 matrix products are emulated on the CPU: far too slow to dry-run")
     rep = tmp_path / "r.json"
     # under fp16, the scaler's scale is pushed to 2**40 before step 150: the gradients overflow and it skips updates
     job = _loop(spawn, "--amp", amp, "--steps", 400, "--overflow-at", 150, "--report", rep, "--linger")
