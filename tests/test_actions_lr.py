@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -113,3 +114,48 @@ def test_group_errors_once_and_reset(spawn, cli):
     q = cli(p.pid, "query", "SELECT lr, loop_lr, lr_override FROM torch.optimizer", "--format", "json")
     row = json.loads(q.stdout)[0]
     assert row["lr_override"] is None and row["lr"] == row["loop_lr"]
+
+
+def _steps_after(cli, pid, step: int) -> list:
+    q = cli(
+        pid, "query", f"SELECT step, lr, loss FROM torch.steps WHERE step > {step} ORDER BY step", "--format", "json"
+    )
+    assert q.returncode == 0, q.stderr
+    return json.loads(q.stdout)
+
+
+def test_a_rate_the_parameters_dtype_cannot_hold_is_refused_and_never_reaches_the_schedule(spawn, cli):
+    p = spawn([TRAIN, "--sched", "StepLR", "--step-sleep", "0.01"])
+    # 5e-324 passes "> 0" but is 0 in float32; a scale whose product is below float32's smallest normal likewise
+    for args in (["--set", "5e-324"], ["--scale", "1e-40"]):
+        r = cli(p.pid, "lr", *args)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, (args, r.stdout, r.stderr)
+        assert "float32" in r.stderr and "1.17549e-38" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    # nothing was installed: a reset has nothing to divide out, and the steps that follow keep a finite rate and loss
+    r = cli(p.pid, "lr", "--reset")
+    assert r.returncode == 5 and "no lr override" in r.stderr, r.stderr
+    # the smallest rate float32 holds is taken, and going back to a normal rate from there is no jump
+    r = cli(p.pid, "lr", "--set", "1.2e-38")
+    assert r.returncode == 0, r.stderr
+    r = cli(p.pid, "lr", "--set", "0.05")
+    assert r.returncode == 0 and "through its scheduler's base rates" in r.stdout, r.stderr
+    # a rate of 0 (asked for) then a reset leaves the schedule where it was, never at 0 or NaN
+    r = cli(p.pid, "lr", "--set", "0", "--allow-zero")
+    assert r.returncode == 0, r.stderr
+    r = cli(p.pid, "lr", "--reset")
+    assert r.returncode == 0, r.stderr
+    reset_at = int(re.search(r"applies from step (\d+)", r.stdout).group(1))
+    p.wait_for(f"step {reset_at + 4} ")
+    rows = _steps_after(cli, p.pid, reset_at)
+    assert len(rows) >= 3, rows
+    for row in rows:
+        assert row["lr"] is not None and 0 < row["lr"] < 1 and math.isfinite(row["loss"]), rows
+    assert rows[-1]["lr"] == pytest.approx(reference_lr("StepLR", rows[-1]["step"] - 1), rel=1e-5), rows
+
+
+def test_lr_on_a_loop_that_never_writes_its_rate_says_the_change_is_simply_kept(spawn, cli):
+    p = spawn([TRAIN, "--sched", "none", "--step-sleep", "0.01"])
+    r = cli(p.pid, "lr", "--scale", "0.5")
+    assert r.returncode == 0, r.stderr
+    assert "writes its own rate" not in r.stdout and "nothing rewrote" in r.stdout, r.stdout
+    assert re.search(r"group 0: 0\.05 -> 0\.025; step \d+ used 0\.025", r.stdout), r.stdout

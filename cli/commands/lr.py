@@ -72,14 +72,7 @@ class Lr(_Action):
             )
         for opt in r.get("optimizers", []):
             via = f" (through {opt['wrapper']})" if opt.get("wrapper") else ""
-            held = (
-                "written once"
-                if r.get("mode") == "once"
-                else "through its scheduler's base rates (param_groups and the loop's logs show the new rate)"
-                if opt.get("via") == "scheduler"
-                else "held at every step (a loop that writes its own rate: its logs and param_groups show the loop's "
-                "value, torch.steps.lr what each step used)"
-            )
+            held = _how_held(r, opt)
             session.print(
                 f"{prefix}optimizer '{opt['optimizer']}' {opt.get('type', '')}{via}, {held}"
                 + ("" if r.get("step") is None else f", from step {r['step'] + 1}")
@@ -96,3 +89,24 @@ class Lr(_Action):
                     f"{prefix}  group {g['group']}: {g['before']:.6g} -> {g['after']:.6g}{check}"
                     + (f" ({g['note']})" if g.get("note") else "")
                 )
+
+
+def _how_held(r: dict, opt: dict) -> str:
+    """How the change holds, as far as the first step that used it showed: through the scheduler's base rates,
+    held against a loop or scheduler that rewrites the rate, or simply kept where nothing rewrote it."""
+    if r.get("mode") == "once":
+        return "written once"
+    if opt.get("via") == "scheduler":
+        return "through its scheduler's base rates (param_groups and the loop's logs show the new rate)"
+    shown = (
+        "param_groups and the loop's own logs show the loop's value between steps, torch.steps.lr what each step used"
+    )
+    rewrote = any(g.get("note") for g in opt.get("groups", ()))
+    if r.get("checked_at_step") and not rewrote and not opt.get("scheduler"):
+        return (
+            f"kept: nothing rewrote the loop's rate before step {r['checked_at_step']} and no scheduler drives it, so "
+            "the new rate stays in use; probe applies it again on top only if the loop or a scheduler rewrites the "
+            f"rate ({shown})"
+        )
+    who = f"its {opt['scheduler']}" if opt.get("scheduler") else "the loop"
+    return f"held at every step ({who} rewrites the rate; the override is applied on top of each new value: {shown})"

@@ -42,8 +42,8 @@ from __future__ import annotations
 import math
 
 from .._errors import ActionError
-from ..training.finder import optimizers
-from .lrgroup import Rescaled, dtype_limit, rescalable, rescale, value, write
+from ..training.finder import optimizers, scheduler_for
+from .lrgroup import Rescaled, dtype_floor, dtype_limit, invertible, ratio, rescalable, rescale, value, write
 from .lroverride import Group, Override, lock, next_rates, overrides
 from .queue import Context
 
@@ -101,27 +101,27 @@ def check_rate(
     """Refuse, with one sentence, a rate no step could use or that cannot train.
 
     Called before the action is queued (every tier: CLI, page, MCP, TCP go through the same
-    route) and again when it runs. Always refused: a rate that is not finite or that the
+    route) and again when it runs. Always refused: a rate that is not finite, one that the
     parameters' dtype cannot take in a step (float16's 65504, float32's and bfloat16's 3.4e38,
-    less the optimizer's factors). Refused unless asked: 0 (``allow_zero``: the weights stop
-    changing) and more than ``MAX_JUMP`` times the largest rate the optimizer uses now or its scheduler
-    started from (``initial_lr``) (``force``).
+    less the optimizer's factors), and one that is not 0 but below the smallest normal number of
+    the dtype the update is computed in (float32's 1.18e-38: 5e-324 passes ``> 0`` and is 0 there),
+    whether it is given (``set_to``) or the product of the rate in use and ``scale``. Refused unless
+    asked: 0 (``allow_zero``: the weights stop changing) and more than ``MAX_JUMP`` times the largest
+    rate the optimizer uses now, its loop would use without probe's override, or its scheduler started
+    from (``initial_lr``) (``force``).
     """
     for f in _pick(optimizer_index, group):
         opt = f.obj
         pgs = list(opt.param_groups)
         rates = next_rates(opt, pgs)
-        # against the rates in use now and, under a scheduler, the base rates it started from (a warm-up from 0,
-        # or a decayed schedule set back to its start, is no jump)
-        largest = max(
-            rates + [float(g["initial_lr"]) for g in pgs if isinstance(g.get("initial_lr"), (int, float))], default=0.0
-        )
+        largest = _reference(opt, pgs, rates)
         for i in range(len(pgs)) if group is None else [group]:
             new = set_to if set_to is not None else rates[i] * scale
+            asked = f"{new:g}" if set_to is not None else f"{rates[i]:g} x {scale:g} = {new:g}"
             where = f"group {i} of {f.name}"
             if not math.isfinite(new):
                 raise ActionError(
-                    f"the new learning rate of {where} ({rates[i]:g} x {scale:g}) is not a finite number; "
+                    f"the new learning rate of {where} ({asked}) is not a finite number; "
                     "give a smaller --scale or use --set."
                 )
             limit = dtype_limit(pgs[i])
@@ -131,17 +131,51 @@ def check_rate(
                     f"{type(opt).__name__}'s update (the most a step can take is about {limit[0]:.3g}) and "
                     "end the training process at its next step; give a rate that can train."
                 )
-            if new <= 0 and not allow_zero:
+            zero = set_to <= 0 if set_to is not None else scale <= 0 or rates[i] <= 0  # asked for, not underflowed
+            if zero and not allow_zero:
                 raise ActionError(
                     f"a learning rate of 0 for {where} stops training (its weights no longer change); "
                     "give --allow-zero if that is what you want."
                 )
-            if not force and largest > 0 and new > MAX_JUMP * largest:
+            floor, computed, own = dtype_floor(pgs[i])
+            if not zero and new < floor:
                 raise ActionError(
-                    f"a learning rate of {new:g} for {where} is {new / largest:.3g}x the largest rate "
-                    f"{f.name} uses now or started from ({largest:g}), past the {MAX_JUMP:g}x a run usually survives; "
-                    "give --force if you mean it."
+                    f"a learning rate of {asked} for {where} is below {floor:g}, the smallest normal {computed} "
+                    "number"
+                    + (f" (the dtype its {own} parameters' update is computed in)" if own != computed else "")
+                    + f", so the update would take it as 0 or lose its precision; give a rate of at least {floor:g}."
                 )
+            jump = ratio(new, largest) if largest > 0 else None
+            if not force and largest > 0 and (jump is None or jump > MAX_JUMP):
+                raise ActionError(
+                    f"a learning rate of {new:g} for {where} is "
+                    + (f"{jump:.3g}x" if jump is not None else "many times")
+                    + f" the largest rate {f.name} uses now or started from ({largest:g}), past the {MAX_JUMP:g}x a "
+                    "run usually survives; give --force if you mean it."
+                )
+
+
+def _reference(opt, pgs: list, rates: list) -> float:
+    """The largest rate a new one is compared with for a jump: the rates the next step uses, the loop's own
+    (between steps ``param_groups`` holds it; a scheduler's scaled rate with the scale divided back out), and
+    the rate its scheduler started from (``initial_lr``, likewise). A rate below the smallest normal number
+    of its group's dtype counts as 0 (no rate to compare with, as a warm-up from 0), so no ratio is taken
+    over a denormal or zero, and going back to the loop's own rate after a tiny one is no jump."""
+    with lock:
+        ov = overrides.get(id(opt))
+    rescaled = ov.rescaled if ov is not None and ov.ref() is opt else {}
+    largest = 0.0
+    for i, g in enumerate(pgs):
+        found = [rates[i]]
+        for v in (g.get("lr"), g.get("initial_lr")):
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                found.append(float(v))
+                r = rescaled.get(i)
+                if r is not None:
+                    found.append(ratio(float(v), r.factor) or 0.0)
+        floor = dtype_floor(g)[0]
+        largest = max([largest] + [x for x in found if math.isfinite(x) and x >= floor])
+    return largest
 
 
 def change_lr(
@@ -199,11 +233,15 @@ def change_lr(
                 loop = value(opt.param_groups[i]["lr"])
                 g = ov.groups.get(i)
                 sched = rescalable(opt, i) if not once and g is None else None
-                if sched is not None and (set_to is None or loop > 0):
-                    factor = scale if set_to is None else set_to / loop
-                    rescale(sched, opt.param_groups[i], i, factor)
-                    r = ov.rescaled.get(i)
-                    total = (r.factor if r is not None else 1.0) * factor
+                # into the scheduler's numbers only by a factor that can be divided out again and that keeps
+                # every one of them a usable number (a 0 or a denormal would stay there: StepLR multiplies it on)
+                factor = (scale if set_to is None else ratio(set_to, loop)) if sched is not None else None
+                r = ov.rescaled.get(i)
+                total = factor * (r.factor if r is not None else 1.0) if invertible(factor) else None
+                limit = dtype_limit(opt.param_groups[i])
+                if invertible(total) and rescale(
+                    sched, opt.param_groups[i], i, factor, limit=limit[0] if limit is not None else math.inf
+                ):
                     ov.rescaled[i] = Rescaled(
                         sched, total, ctx.step, f"set {set_to:g}" if set_to is not None else f"scale {total:g}"
                     )
@@ -263,6 +301,8 @@ def change_lr(
                 "via": "scheduler"
                 if rows and all(x.get("via") == "scheduler" for x in rows)
                 else ("once" if once else "hold"),
+                # whether anything but the loop's own code rewrites the rate: the reply says why a hold holds
+                "scheduler": next((type(s.obj).__name__ for s in scheduler_for(opt)), None),
             }
         )
     return result
@@ -294,7 +334,7 @@ def reset_lr(ctx: Context, *, group: int | None, optimizer_index: int | None) ->
                 r = ov.rescaled.pop(i, None)
                 sched = r.sched() if r is not None else None
                 if sched is not None:
-                    rescale(sched, f.obj.param_groups[i], i, 1.0 / r.factor)
+                    rescale(sched, f.obj.param_groups[i], i, r.factor, undo=True)
                     held = ctx.step - r.since if ctx.step is not None and r.since is not None else None
                     removed.append(
                         {

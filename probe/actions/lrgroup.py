@@ -3,14 +3,30 @@
 Reading and writing a rate (a float, or a tensor that capturable optimizers keep and that is
 changed in place); the torch LR scheduler that computes a group's rate from base rates, whose
 bases are scaled (``rescale``) instead of the rate being held; the largest rate a step of a
-group can take without overflowing its parameters' dtype; and two rates printed apart.
+group can take without overflowing its parameters' dtype, and the smallest it can take without being 0
+there; ratios of rates that never divide by a denormal or zero; and two rates printed apart.
 """
 
 from __future__ import annotations
 
+import math
+import sys
 import weakref
 
-__all__ = ["value", "write", "apart", "Rescaled", "SCHED_KEYS", "schedulers_in", "rescalable", "rescale", "dtype_limit"]
+__all__ = [
+    "value",
+    "write",
+    "apart",
+    "ratio",
+    "invertible",
+    "Rescaled",
+    "SCHED_KEYS",
+    "schedulers_in",
+    "rescalable",
+    "rescale",
+    "dtype_limit",
+    "dtype_floor",
+]
 
 _HEADROOM = 0.01  # of the dtype's largest value: room for weight decay, momentum and bias-correction factors
 
@@ -40,6 +56,38 @@ def apart(a: float, b: float) -> tuple[str, str]:
         if x != y:
             return x, y
     return f"{a!r}", f"{b!r}"
+
+
+def ratio(a: float, b: float) -> float | None:
+    """``a / b`` where that is a usable number: ``b`` a normal float (never 0, a denormal, NaN or infinite) and the
+    quotient finite and either 0 or normal; else None.
+
+    >>> ratio(0.05, 0.5)
+    0.1
+    >>> ratio(0.05, 5e-324) is None, ratio(0.05, 0.0) is None, ratio(1e300, 1e-300) is None
+    (True, True, True)
+    >>> ratio(0.0, 0.5), ratio(1e-300, 1e10) is None, ratio(1e-300, 1e100) is None
+    (0.0, True, True)
+    """
+    if not (math.isfinite(b) and abs(b) >= sys.float_info.min) or not math.isfinite(a):
+        return None
+    q = a / b
+    return q if _usable(q, a) else None
+
+
+def invertible(x: float | None) -> bool:
+    """A positive normal float whose inverse is one too: a factor that can be divided out again.
+
+    >>> invertible(0.5), invertible(1e-320), invertible(0.0), invertible(float("nan")), invertible(1e308)
+    (True, False, False, False, False)
+    """
+    return x is not None and x > 0 and ratio(x, 1.0) is not None and ratio(1.0, x) is not None
+
+
+def _usable(x: float, source: float) -> bool:
+    """``x``, computed from ``source``, is finite, and a normal float or a 0 that ``source`` was too (a denormal has
+    lost its precision and its inverse is infinite; a 0 from a nonzero number is an underflow)."""
+    return math.isfinite(x) and (abs(x) >= sys.float_info.min or x == 0 == source)
 
 
 class Rescaled:
@@ -85,17 +133,40 @@ def rescalable(opt, i: int):
     return None
 
 
-def rescale(sched, group: dict, i: int, factor: float) -> None:
-    """Scale what ``sched`` computes group ``i``'s rate from, and the rate in effect now."""
-    group["lr"] = group["lr"] * factor
-    for key in SCHED_KEYS:
+def rescale(sched, group: dict, i: int, factor: float, *, limit: float = math.inf, undo: bool = False) -> bool:
+    """Scale what ``sched`` computes group ``i``'s rate from, and the rate in effect now, by ``factor``
+    (``undo``: divide it back out).
+
+    A factor whose inverse is not a usable number (0, a denormal) could never be divided out again, and
+    a chainable scheduler (StepLR, ExponentialLR, ReduceLROnPlateau) multiplies the group's current rate
+    for ever after, so a 0, a NaN or an infinity written there stays. So nothing is changed, and False
+    returned, when ``factor`` or its inverse is not a normal float or any scaled value would not be finite,
+    would pass ``limit``, or would be a denormal. Undoing never writes a value that is not finite (it
+    keeps that one as it is).
+    """
+    if not undo and not invertible(factor):
+        return False
+
+    def scaled(v: float) -> float | None:
+        if undo:
+            return ratio(v, factor)
+        return v * factor if _usable(v * factor, v) else None
+
+    changes = []  # (container, key, new value)
+    for key in ("lr",) + SCHED_KEYS:
         if isinstance(group.get(key), float):
-            group[key] = group[key] * factor
+            changes.append((group, key, scaled(group[key])))
     for s in schedulers_in(sched):
         for attr in ("base_lrs", "max_lrs", "_last_lr"):
             values = getattr(s, attr, None)
             if isinstance(values, list) and len(values) > i and isinstance(values[i], (float, int)):
-                values[i] = values[i] * factor
+                changes.append((values, i, scaled(values[i])))
+    if not undo and any(new is None or new > limit for _, _, new in changes):
+        return False
+    for where, key, new in changes:
+        if new is not None:
+            where[key] = new
+    return True
 
 
 def dtype_limit(group: dict) -> tuple[float, str] | None:
@@ -107,7 +178,7 @@ def dtype_limit(group: dict) -> tuple[float, str] | None:
     """
     import torch
 
-    dtypes = {p.dtype for p in group.get("params", ()) if getattr(p, "is_floating_point", lambda: False)()}
+    dtypes = _float_dtypes(group)
     if not dtypes:
         return None
     dtype = min(dtypes, key=lambda d: torch.finfo(d).max)
@@ -115,4 +186,31 @@ def dtype_limit(group: dict) -> tuple[float, str] | None:
     factor = 1.0
     if isinstance(betas, (tuple, list)) and betas and 0 <= float(betas[0]) < 1:
         factor = 1.0 - float(betas[0])  # Adam's first step divides the rate by 1 - beta1
-    return torch.finfo(dtype).max * factor * _HEADROOM, str(dtype).replace("torch.", "")
+    return torch.finfo(dtype).max * factor * _HEADROOM, _name(dtype)
+
+
+def dtype_floor(group: dict) -> tuple[float, str, str]:
+    """The smallest rate a step of ``group`` can use without it being 0 or losing its precision: the smallest
+    normal number (``torch.finfo(dtype).tiny``) of the dtype the update is computed in, that dtype, and the
+    parameters' own dtype.
+
+    A rate is a Python float until the optimizer multiplies it into the update, where it becomes a
+    number of the parameters' dtype, or float32 for narrower ones (torch's optimizers compute float16
+    and bfloat16 parameters' updates in float32): 5e-324 is 0 in float32. Without floating parameters,
+    float32's.
+    """
+    import torch
+
+    dtypes = _float_dtypes(group)
+    own = max(dtypes, key=lambda d: torch.finfo(d).tiny) if dtypes else torch.float32
+    wide = {d if torch.finfo(d).bits >= 32 else torch.float32 for d in dtypes} or {torch.float32}
+    compute = max(wide, key=lambda d: torch.finfo(d).tiny)
+    return torch.finfo(compute).tiny, _name(compute), _name(own)
+
+
+def _float_dtypes(group: dict) -> set:
+    return {p.dtype for p in group.get("params", ()) if getattr(p, "is_floating_point", lambda: False)()}
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
