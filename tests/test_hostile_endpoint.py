@@ -461,9 +461,14 @@ class Silent:
 
 @pytest.fixture
 def silent(probe_env):
+    """The silent socket, listed in the registry as this test's own process (an agent reaches only those)."""
     s = Silent(os.path.join(probe_env["PROBE_RUNTIME_DIR"], "silent.sock"))
+    entry = os.path.join(probe_env["PROBE_RUNTIME_DIR"], f"{os.getpid()}.json")
+    with os.fdopen(os.open(entry, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "socket": s.path}, f)
     yield s
     s.close()
+    os.unlink(entry)
 
 
 def test_probe_mcp_exits_when_its_client_closes_stdin_mid_call(silent, probe_env):
