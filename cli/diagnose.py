@@ -224,14 +224,15 @@ def _user_rules(con, builtin_names: set) -> list:
     return out
 
 
-def _plans(rules: list, schema: dict, answering: int):
-    """``[(rule, plan)]`` for the rules that can run here, and ``[{rule, why}]`` for the rest."""
+def _plans(rules: list, schema: dict, answering: int, write: bool = True):
+    """``[(rule, plan)]`` for the rules that can run here, and ``[{rule, why}]`` for the rest; the plans are
+    cached in the runtime directory, or in memory only when ``write`` is false."""
     from probe.sql.federate import plan
     from probe.sql.plan_cache import PlanCache
     from probe.sql.ranks import view_params
 
     params = view_params(strict=True)
-    cache = PlanCache(schema, params)  # the same rules over the same tables plan the same: not again each run
+    cache = PlanCache(schema, params, write=write)  # the same rules over the same tables plan the same: once
     plans, skipped = [], []
     for r in rules:
         if r.scope == "job" and answering < 2:
@@ -290,7 +291,7 @@ def diagnose(session, targets=None) -> Diagnosis:
                 rules += _user_rules(con, {r.name for r in rules})
             finally:
                 con.close()
-        plans, skipped = _plans(rules, schema, len(answering))
+        plans, skipped = _plans(rules, schema, len(answering), write=session.writes_files)
         needed = {name for _, p in plans for name in p.parts}
         parts = {
             name: " ".join(FEDERATED_VIEWS[name].split())

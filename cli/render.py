@@ -1,15 +1,25 @@
-"""Rendering of results: box-drawn tables, JSON, CSV, and backtraces (no DuckDB: the CLI starts fast)."""
+"""Rendering of results: box-drawn tables, JSON, CSV, and backtraces (no DuckDB: the CLI starts fast).
+
+Every string a process or an endpoint chose (thread, function and file names, table cells, argv, exception
+messages, a server's error text) reaches a terminal with its control characters escaped: C0 and C1 controls,
+DEL and the bidirectional overrides would otherwise let the process write the user's clipboard (OSC 52), move
+the cursor over lines or reorder what is shown. ``escape_controls`` escapes one value (newlines and tabs
+too: they break a table's layout); ``terminal_text`` is the net every human-readable line goes through
+(``Session.print``/``note`` and the CLI's error line), which keeps the newlines and tabs of the layout. JSON
+stays exact: ``json.dumps`` escapes controls itself.
+"""
 
 from __future__ import annotations
 
 import io
 import json
+import re
 
 TYPE_CHECKING = False  # (typing itself costs ~3 ms of start-up)
 if TYPE_CHECKING:  # the renderer is on the start-up path of every command: import only what runs
     from probe.sql.engine import Result
 
-__all__ = ["render_result", "render_backtrace", "FORMATS"]
+__all__ = ["render_result", "render_backtrace", "frame_line", "escape_controls", "terminal_text", "FORMATS"]
 
 FORMATS = ("table", "json", "csv")
 
@@ -26,6 +36,37 @@ _TYPE_NAMES = {
     "TINYINT": "int8",
     "HUGEINT": "int128",
 }
+_BIDI = "\u202a-\u202e\u2066-\u2069"  # embeddings, overrides and isolates: they reorder what a line shows
+_CONTROLS = re.compile(f"[\x00-\x1f\x7f-\x9f{_BIDI}]")
+_CONTROLS_BUT_LAYOUT = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f{_BIDI}]")  # keeps \n and \t
+_NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _escaped(match: re.Match) -> str:
+    c = match.group()
+    return _NAMED.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
+def escape_controls(text) -> str:
+    r"""One value for a terminal: every control character, DEL and bidi override escaped, newlines included.
+
+    >>> print(escape_controls("a\x1b]52;c;SGk=\x07b\nc\u202e"))
+    a\x1b]52;c;SGk=\x07b\nc\u202e
+    """
+    text = str(text)
+    return _CONTROLS.sub(_escaped, text) if _CONTROLS.search(text) else text
+
+
+def terminal_text(text) -> str:
+    r"""Lines for a terminal: like ``escape_controls`` but the layout's newlines and tabs stay.
+
+    >>> terminal_text("one\x1b[1A\x1b[2K\r\ntwo\tthree\x9b").split("\n")
+    ['one\\x1b[1A\\x1b[2K\\r', 'two\tthree\\x9b']
+    """
+    text = str(text)
+    return _CONTROLS_BUT_LAYOUT.sub(_escaped, text) if _CONTROLS_BUT_LAYOUT.search(text) else text
+
+
 _NUMERIC = ("BIGINT", "INTEGER", "DOUBLE", "FLOAT", "SMALLINT", "TINYINT", "HUGEINT", "UBIGINT", "UINTEGER", "DECIMAL")
 
 
@@ -36,8 +77,7 @@ def _cell(value, typ: str) -> str:
         return repr(value)  # shortest round-trip form; nan and inf as Python spells them
     if hasattr(value, "isoformat") and not isinstance(value, str):
         return str(value)
-    text = str(value)
-    return text.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+    return escape_controls(value)
 
 
 def _fit(text: str, width: int) -> str:
@@ -51,7 +91,7 @@ def _table(result: "Result", max_width: int | None = None) -> str:
         import shutil  # here, not at the top: it imports bz2, lzma and zlib, which a backtrace never needs
 
         width = shutil.get_terminal_size((160, 24)).columns
-    cols = list(result.columns)
+    cols = [escape_controls(c) for c in result.columns]
     types = [str(t).split("(")[0].upper() for t in result.types] + ["VARCHAR"] * (len(cols) - len(result.types))
     cells = [[_cell(v, t) for v, t in zip(row, types)] for row in result.rows]
     tnames = [_TYPE_NAMES.get(t, t.lower()) for t in types]
@@ -92,15 +132,16 @@ def render_result(result: "Result", fmt: str = "table", *, expanded: bool = Fals
 
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
-        w.writerow(result.columns)
-        w.writerows(result.rows)
+        w.writerow([escape_controls(c) for c in result.columns])  # every value kept, its controls escaped
+        w.writerows([escape_controls(v) if isinstance(v, str) else v for v in row] for row in result.rows)
         return buf.getvalue().rstrip("\n")
     if expanded:
-        width = max((len(c) for c in result.columns), default=0)
+        cols = [escape_controls(c) for c in result.columns]
+        width = max((len(c) for c in cols), default=0)
         parts = []
         for i, r in enumerate(result.rows, 1):
             parts.append(f"-[ RECORD {i} ]" + "-" * 20)
-            parts.extend(f"{c.ljust(width)} | {'NULL' if v is None else v}" for c, v in zip(result.columns, r))
+            parts.extend(f"{c.ljust(width)} | {_cell(v, '')}" for c, v in zip(cols, r))
         text = "\n".join(parts) or "(0 rows)"
     else:
         text = _table(result)
@@ -112,15 +153,17 @@ def render_result(result: "Result", fmt: str = "table", *, expanded: bool = Fals
     return text + ("\n(" + "; ".join(notes) + ")" if notes else "")
 
 
-def _frame_line(f: dict, show_line: bool = True) -> str:
-    where = f"{f.get('file')}:{f.get('lineno')}" if f.get("lineno") else f"{f.get('file')}"
-    text = f"    #{f.get('depth', 0):<3} {f.get('func')} ({where})"
+def frame_line(f: dict, show_line: bool = True) -> str:
+    """One frame: ``#depth func (file:line)``, its source line and locals below, every field escaped."""
+    e = escape_controls
+    where = f"{e(f.get('file'))}:{e(f.get('lineno'))}" if f.get("lineno") else e(f.get("file"))
+    text = f"    #{e(f.get('depth', 0)):<3} {e(f.get('func'))} ({where})"
     if show_line and f.get("line"):
-        text += f"\n          {f['line']}"
+        text += f"\n          {e(f['line'])}"
     if f.get("native"):
         text += "  [native]"
     for k, v in (f.get("locals") or {}).items():
-        text += f"\n          {k} = {v}"
+        text += f"\n          {e(k)} = {e(v)}"
     return text
 
 
@@ -137,15 +180,14 @@ def render_backtrace(doc: dict) -> str:
             for x in ("main" if t.get("is_main") else "", "daemon" if t.get("daemon") else "", t.get("state") or "")
             if x
         )
+        flags = escape_controls(flags)
         lines.append("")
         if t.get("pid") not in (None, doc.get("pid")):  # a child process (--subprocesses)
             flags = ", ".join(x for x in (f"pid {t['pid']}", flags) if x)
-        lines.append(
-            f'Thread {t.get("native_id") or t.get("thread_id")} "{t.get("name") or "?"}"'
-            + (f" ({flags})" if flags else "")
-        )
+        ident, name = escape_controls(t.get("native_id") or t.get("thread_id")), escape_controls(t.get("name") or "?")
+        lines.append(f'Thread {ident} "{name}"' + (f" ({flags})" if flags else ""))
         frames = t.get("frames") or []
         if not frames:
             lines.append("    (no Python frames)")
-        lines.extend(_frame_line(f) for f in frames)
+        lines.extend(frame_line(f) for f in frames)
     return "\n".join(lines)

@@ -98,13 +98,14 @@ def group_text(answers: list, thread: str | None = None) -> str:
 
     ``answers`` are fan-out answers whose value is a backtrace doc.
     """
+    from .render import frame_line
+
     which = f"thread {thread}" if thread else "main thread"
     lines = [f"Stacks of the {which} across {len(answers)} ranks, identical stacks merged (innermost frame first):"]
     for _ranks, label, summary, frames in group_stacks(answers, thread):
         lines.append("")
         lines.append(f"{label}: {summary}")
-        for f in frames:
-            lines.append(f"    #{f.get('depth', 0):<3} {f.get('func')} ({f.get('file')}:{f.get('lineno')})")
+        lines.extend(frame_line(f, show_line=False) for f in frames)
     for a in answers:
         if not a.ok:
             lines.append("")

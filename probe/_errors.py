@@ -17,7 +17,16 @@ Every message is one plain sentence that says what was wrong and how to fix it.
 
 from __future__ import annotations
 
-__all__ = ["ProbeError", "QueryError", "EndpointError", "AuthError", "ActionError", "AttachError", "PartialError"]
+__all__ = [
+    "ProbeError",
+    "QueryError",
+    "EndpointError",
+    "AuthError",
+    "ActionError",
+    "AttachError",
+    "PartialError",
+    "exception_text",
+]
 
 
 class ProbeError(Exception):
@@ -102,3 +111,16 @@ def error_from_dict(d: dict) -> ProbeError:
     if d.get("exit_code") is not None:
         err.exit_code = int(d["exit_code"])
     return err
+
+
+def exception_text(exc: BaseException, limit: int = 160) -> str:
+    """Another library's exception as a short phrase for a sentence: its type and the first line of its message
+    (messages such as sqlglot's quote the query on further lines).
+
+    >>> exception_text(IndexError("list index out of range"))
+    'IndexError: list index out of range'
+    >>> exception_text(ValueError("one\\ntwo")), exception_text(KeyError())
+    ('ValueError: one', 'KeyError')
+    """
+    first = (str(exc).strip().splitlines() or [""])[0][:limit]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from probe._errors import QueryError
+from probe._errors import QueryError, exception_text
 from probe.util.wire import WireError, check_table
 
 from .columns import SLOT, concat_snapshots, is_simple_type, quote, raw_columns, typed_select
@@ -276,6 +276,8 @@ class Workspace:
                 raise QueryError(
                     "the query ran out of memory; narrow it (PROBE_QUERY_MEMORY sets DuckDB's limit)."
                 ) from None
+            if isinstance(error, Exception):  # e.g. a value Python cannot hold: the query's doing, one sentence
+                raise QueryError(f"the query's result could not be read ({exception_text(error)}).") from None
             raise error
         desc, rows = box["value"]
         return Result(

@@ -28,7 +28,7 @@ from sqlglot.optimizer.qualify import qualify
 
 from probe._errors import QueryError
 
-from .guard import guard
+from .guard import guard, unreadable
 from .ranks import CLIENT_VIEWS, FEDERATED_VIEWS, VIEW_COLUMNS, view_sql
 
 __all__ = ["Plan", "plan", "qualify_query", "table_scans", "table_name", "per_rank_query", "union_columns"]
@@ -191,11 +191,23 @@ def _tables_of(sql: str, known: set) -> list:
 def plan(sql: str, schema: dict, params: dict | None = None) -> Plan:
     """Split ``sql`` for federation; ``schema`` maps ``schema.table`` to ``{column: type}`` as the ranks report it.
 
+    Whatever fails in reading, checking or rewriting the query is a QueryError (one sentence), never
+    sqlglot's own exception.
+
     >>> p = plan("SELECT rank, max(step) FROM torch.steps GROUP BY rank",
     ...          {"torch.steps": {"step": "BIGINT", "rank": "INTEGER"}})
     >>> p.parts
     {'torch.steps': 'SELECT step FROM torch.steps'}
     """
+    try:
+        return _plan(sql, schema, params)
+    except QueryError:
+        raise
+    except Exception as exc:
+        raise unreadable(exc) from None
+
+
+def _plan(sql: str, schema: dict, params: dict | None) -> Plan:
     known = set(schema) | set(FEDERATED_VIEWS) | set(CLIENT_VIEWS) | {"ranks.errors"}
     guarded = guard(sql, known)
     needed = list(guarded.tables)

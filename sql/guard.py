@@ -26,11 +26,11 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.errors import ParseError, TokenError
 
-from probe._errors import QueryError
+from probe._errors import QueryError, exception_text
 
 from ._functions import ALLOWED_FUNCTIONS, ALLOWED_TABLE_FUNCTIONS
 
-__all__ = ["Guarded", "guard", "READ_ONLY_ROOTS", "MAX_SQL_CHARS"]
+__all__ = ["Guarded", "guard", "unreadable", "READ_ONLY_ROOTS", "MAX_SQL_CHARS"]
 
 logging.getLogger("sqlglot").setLevel(logging.ERROR)
 
@@ -103,8 +103,6 @@ def _parse(sql: str) -> list[exp.Expression]:
         ) from None
     except TokenError as e:
         raise QueryError(f"SQL could not be read ({e}); check quotes and brackets.") from None
-    except RecursionError:
-        raise QueryError(_TOO_DEEP) from None
     if not statements:
         raise QueryError("the query is empty; pass a SELECT statement.")
     if len(statements) > 1:
@@ -112,12 +110,36 @@ def _parse(sql: str) -> list[exp.Expression]:
     return statements
 
 
+def unreadable(exc: BaseException, name: str | None = None) -> QueryError:
+    """The refusal of a query that sqlglot failed on in a way of its own (not a syntax error it reports):
+    usually a function called with arguments it cannot translate, e.g. ``date()`` or ``datetime('a')``.
+
+    >>> unreadable(IndexError("list index out of range")).message
+    'the query could not be read (IndexError: list index out of range); check the arguments of its function calls.'
+    """
+    if isinstance(exc, RecursionError):
+        return QueryError(_TOO_DEEP)
+    what = f"{name}() with these arguments" if name else "the query"
+    return QueryError(f"{what} could not be read ({exception_text(exc)}); check the arguments of its function calls.")
+
+
+def _sql_name(node: exp.Func) -> str:
+    try:
+        return node.sql_name().lower()
+    except Exception:  # an abstract function class: its key is still its name
+        return node.key
+
+
 def _function_name(node: exp.Expression) -> str:
     """The name DuckDB would see for a function call node ("" for syntax such as CURRENT_DATE)."""
     if isinstance(node, exp.Anonymous):
         return str(node.this).lower()
     if isinstance(node, exp.Func):
-        m = _CALL.match(node.sql(dialect="duckdb"))
+        try:
+            text = node.sql(dialect="duckdb")
+        except Exception as exc:  # e.g. DATE() with no argument: sqlglot cannot write it back
+            raise unreadable(exc, _sql_name(node)) from None
+        m = _CALL.match(text)
         return m.group(1).lower() if m else ""
     return ""
 
@@ -207,7 +229,12 @@ def guard(sql: str, known_tables: Iterable[str] | Callable[[], Iterable[str]]) -
     >>> guard("SELECT name FROM threads", ["python.threads"]).tables
     ('python.threads',)
     """
-    stmt = _rewrite_meta(_parse(sql)[0])
+    try:
+        stmt = _rewrite_meta(_parse(sql)[0])
+    except QueryError:
+        raise
+    except Exception as exc:  # sqlglot's own builders fail on some calls (var_map('a')): the query is the cause
+        raise unreadable(exc) from None
     if not isinstance(stmt, READ_ONLY_ROOTS):
         kind = stmt.key.upper() if hasattr(stmt, "key") else type(stmt).__name__
         raise QueryError(
@@ -217,6 +244,8 @@ def guard(sql: str, known_tables: Iterable[str] | Callable[[], Iterable[str]]) -
         _check_functions(stmt)
         used = _check_tables(stmt, set(known_tables() if callable(known_tables) else known_tables))
         text = stmt.sql(dialect="duckdb")
-    except RecursionError:
-        raise QueryError(_TOO_DEEP) from None
+    except QueryError:
+        raise
+    except Exception as exc:  # whatever sqlglot raises on a query it accepted reading: refused, one sentence
+        raise unreadable(exc) from None
     return Guarded(text, tuple(used), stmt)

@@ -7,6 +7,10 @@ package's code, so its key is a hash of all four (the code by the size and mtime
 edited guard or view invalidates every entry). The file is read only when it is a private file of this user
 (``read_private``: never a symlink, never writable by others) and replaced atomically; a file that cannot be
 read or parsed is an empty cache, never an error. It keeps the ``_KEEP`` most recent plans.
+
+A front end that promises to write no files (the MCP read tier) keeps its plans in this process's memory
+instead (``write=False``): it still reads the file the CLI wrote, and creates nothing, not even the runtime
+directory.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ __all__ = ["PlanCache"]
 _FILE = "doctor-plans.json"
 _KEEP = 400
 _LIMIT = 8 << 20  # bytes read at most
+_MEMORY: dict = {}  # the plans of this process, for caches that write no file
 
 
 def _code_stamp() -> str:
@@ -41,17 +46,18 @@ def _code_stamp() -> str:
 class PlanCache:
     """``get(sql)`` / ``put(sql, plan)`` for one schema and one set of view parameters; ``save()`` writes it back."""
 
-    def __init__(self, schema: dict, params: dict, directory: str | None = None):
+    def __init__(self, schema: dict, params: dict, directory: str | None = None, *, write: bool = True):
         base = json.dumps([_code_stamp(), schema, params], sort_keys=True, default=str)
         self._base = hashlib.sha256(base.encode()).hexdigest()
         self._path = None
         self._plans: dict = {}
         self._dirty = False
+        self._write = write
         try:
             if directory is None:
                 from probe._runtime import runtime_dir
 
-                directory = runtime_dir(create=True)
+                directory = runtime_dir(create=write)
             self._path = os.path.join(directory, _FILE)
             from probe._runtime import read_private
 
@@ -62,6 +68,8 @@ class PlanCache:
             pass
         except Exception:  # no runtime directory here: the cache is off, never the doctor
             self._path = None
+        if not write:
+            self._plans.update(_MEMORY)
 
     def _key(self, sql: str) -> str:
         return hashlib.sha256(f"{self._base}\n{sql}".encode()).hexdigest()
@@ -82,9 +90,16 @@ class PlanCache:
         self._dirty = True
 
     def save(self) -> None:
-        if not self._dirty or self._path is None:
+        if not self._dirty:
             return
         keep = dict(list(self._plans.items())[-_KEEP:])
+        if not self._write:
+            _MEMORY.clear()
+            _MEMORY.update(keep)
+            self._dirty = False
+            return
+        if self._path is None:
+            return
         try:
             fd, tmp = tempfile.mkstemp(prefix=f".{_FILE}.", suffix=".tmp", dir=os.path.dirname(self._path))
             try:

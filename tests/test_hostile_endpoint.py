@@ -461,9 +461,14 @@ class Silent:
 
 @pytest.fixture
 def silent(probe_env):
+    """The silent socket, listed in the registry as this test's own process (an agent reaches only those)."""
     s = Silent(os.path.join(probe_env["PROBE_RUNTIME_DIR"], "silent.sock"))
+    entry = os.path.join(probe_env["PROBE_RUNTIME_DIR"], f"{os.getpid()}.json")
+    with os.fdopen(os.open(entry, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "socket": s.path}, f)
     yield s
     s.close()
+    os.unlink(entry)
 
 
 def test_probe_mcp_exits_when_its_client_closes_stdin_mid_call(silent, probe_env):
@@ -535,3 +540,15 @@ def test_probe_mcp_exits_when_its_parent_dies(silent, probe_env):
         except OSError:
             pass
         shell.stdin.close()
+
+
+def test_an_endpoints_error_text_reaches_the_terminal_escaped(fake, cli):
+    # given a listener whose error answer carries a clipboard write, cursor moves, a C1 CSI and a bidi override
+    evil = "no\x1b]52;c;SGVsbG8=\x07\x1b[1A\x1b[2K\x9b2J\u202e such table"
+    f = fake(lambda path: _json({"error": evil, "kind": "query"}))
+    # when the CLI shows it
+    r = cli("-t", f.endpoint, "--token", "typed-by-the-person", "status")
+    # then it is one error line with each escape as text, never the bytes a terminal obeys
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert not [c for c in ("\x1b", "\x07", "\x9b", "\u202e") if c in r.stdout + r.stderr], r.stderr
+    assert "probe: no\\x1b]52;c;SGVsbG8=\\x07\\x1b[1A\\x1b[2K\\x9b2J\\u202e such table" in r.stderr, r.stderr

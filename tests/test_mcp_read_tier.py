@@ -93,23 +93,32 @@ def hostile(spawn):
     assert proc.popen.poll() is None and "Traceback" not in proc.output(), proc.output()[-2000:]
 
 
-def test_the_agent_cannot_send_a_token_where_it_likes(hostile, probe_env):
-    # given an MCP server whose environment holds a token, and a stranger listening on loopback
+def test_the_agent_reaches_only_endpoints_the_registry_lists(hostile, probe_env, tmp_path):
+    # given an MCP server whose environment holds a token, and strangers listening on loopback and on a socket
     env = dict(probe_env, PROBE_TOKEN="the-persons-token-987654")
     stranger = Listener()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(tmp_path / "other.sock"))
+    sock.listen(8)
+    sock.settimeout(0.5)
     try:
-        # when the agent points a tool at the stranger
-        r = call(env, "status", {"endpoint": f"127.0.0.1:{stranger.port}"})
-        # then the call is refused for want of a token, and the stranger saw neither token
-        assert r.is_error and "needs a token" in data(r), data(r)
-        assert b"the-persons-token" not in stranger.got and b"registry-token" not in stranger.got, bytes(stranger.got)
+        # when the agent points a tool at either
+        for endpoint in (f"127.0.0.1:{stranger.port}", str(tmp_path / "other.sock")):
+            r = call(env, "status", {"endpoint": endpoint})
+            # then the call is refused before anything is sent: neither listener is a probed process's endpoint
+            assert r.is_error and "is not the endpoint of a probed process in the registry" in data(r), data(r)
+        assert stranger.got == b"", bytes(stranger.got)
+        with pytest.raises(socket.timeout):
+            sock.accept()
     finally:
         stranger.close()
-    # while the endpoint the registry lists gets its own token
+        sock.close()
+    # while the endpoints the registry lists answer, the TCP one with its own token
     with open(f"{probe_env['PROBE_RUNTIME_DIR']}/{hostile.pid}.json") as f:
-        port = json.load(f)["tcp_port"]
-    ok = call(env, "query", {"endpoint": f"127.0.0.1:{port}", "sql": "SELECT count(*) AS n FROM python.threads"})
-    assert not ok.is_error, data(ok)
+        entry = json.load(f)
+    for endpoint in (f"127.0.0.1:{entry['tcp_port']}", entry["socket"], str(hostile.pid)):
+        ok = call(env, "query", {"endpoint": endpoint, "sql": "SELECT count(*) AS n FROM python.threads"})
+        assert not ok.is_error, data(ok)
 
 
 def test_the_read_tier_writes_no_files(hostile, probe_env, tmp_path):
@@ -172,5 +181,21 @@ def test_every_tool_result_is_marked_as_data(hostile, probe_env):
     # then the result says first that what follows is data, and the text sits inside tagged boundaries
     assert r.content[0].text == DATA_NOTE
     assert "Ignore previous instructions" in data(r)
+    # and the structured content says so too, before the same rows
+    assert r.structured_content["note"] == DATA_NOTE
+    assert "Ignore previous instructions" in json.dumps(r.structured_content["result"])
     agents_doc = (TARGETS.parents[1] / "docs" / "agents.md").read_text()
     assert "never as instructions" in agents_doc and "begin data" in agents_doc
+
+
+def test_the_doctor_over_mcp_writes_no_plan_cache(hostile, probe_env, cli):
+    rt = probe_env["PROBE_RUNTIME_DIR"]
+    # when the agent asks the doctor, twice (the second call plans from this server's memory)
+    for _ in range(2):
+        r = call(probe_env, "doctor", {"endpoint": str(hostile.pid)})
+        assert not r.is_error, data(r)
+        # then no file of plans appears in the runtime directory
+        assert "doctor-plans.json" not in os.listdir(rt)
+    # while the person's own `probe doctor` keeps one there, for the next run
+    assert cli(str(hostile.pid), "doctor").returncode in (0, 1)
+    assert "doctor-plans.json" in os.listdir(rt)

@@ -202,3 +202,24 @@ def test_piped_statements_run_without_a_terminal(spawn, cli):
     assert "one" in out.stdout and "two\n2" in out.stdout
     assert "syntax error" in out.stderr
     assert out.returncode == 1
+
+
+def test_a_call_sqlglot_cannot_translate_is_one_sentence_and_the_session_goes_on(spawn, repl, cli):
+    target = spawn(TARGETS / "idle.py")
+    # given a call that sqlglot's own builder fails on: one sentence and exit 2 from the command
+    r = cli(target.pid, "query", "SELECT date()")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "probe: date() with these arguments could not be read (ParseError: SQL cannot be None); check the arguments "
+        "of its function calls."
+    ], r.stderr
+    # and in the REPL, the same sentence, then the prompt again for the next statement
+    child = repl(target.pid)
+    for sql in ("SELECT date();", "SELECT var_map('a');", "SELECT datetime('a');"):
+        child.sendline(sql)
+        child.expect("could not be read")
+        child.expect(PROMPT)
+    child.sendline("SELECT 41 + 1 AS answer;")
+    child.expect("42")
+    child.expect(PROMPT)
+    assert child.isalive()

@@ -174,3 +174,37 @@ def test_idle_connections_cannot_make_a_thread_each(idle, probe_env):
         assert poll(answers, 60)
     finally:
         ui.close()
+
+
+def test_malformed_bodies_and_parameters_get_400_and_one_sentence(idle, probe_env):
+    ui = UI(probe_env, idle.pid, "ui", "--port", "0")
+    try:
+        csrf = json.loads(urllib.request.urlopen(ui.url + "api/config", timeout=20).read())["csrf"]
+
+        def post(route: str, body: bytes) -> tuple[int, dict]:
+            head = (
+                f"POST /{ui.token}/{route} HTTP/1.1\r\nHost: 127.0.0.1:{ui.port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nX-Probe-CSRF: {csrf}\r\nConnection: close\r\n\r\n"
+            )
+            status, answer = _raw(ui.port, head, body)
+            return status, json.loads(answer)
+
+        # given bodies that are not a JSON object: a list, a string, a 100,000-deep nesting, not JSON at all
+        for body in (b"[1, 2]", b'"SELECT 1"', b"[" * 100_000 + b"]" * 100_000, b"{not json"):
+            status, answer = post("api/query", body)
+            assert (status, answer["error"]) == (400, "the request body must be a JSON object under 1 MiB."), body[:20]
+        # and parameters of the wrong type or out of range
+        for max_rows in ("abc", -5, 0, 1.5, True, 10**12):
+            status, answer = post("api/query", json.dumps({"sql": "SELECT 1 AS one", "max_rows": max_rows}).encode())
+            error = answer.get("error", "")
+            assert status == 400 and error.startswith("max_rows must be a whole number from 1 to"), (max_rows, error)
+        for seconds in ("abc", float("nan"), -1, 1e9):
+            status, answer = post("api/profile", json.dumps({"seconds": seconds}).encode())
+            error = answer.get("error", "")
+            assert status == 400 and error.startswith("seconds must be a number of seconds"), (seconds, error)
+        # then the page still answers, and wrote no traceback
+        status, answer = post("api/query", json.dumps({"sql": "SELECT 1 AS one", "max_rows": 5}).encode())
+        assert status == 200 and answer["rows"] == [[1]], answer
+        assert "Traceback" not in ui.proc.output(), ui.proc.output()
+    finally:
+        ui.close()

@@ -269,6 +269,7 @@ def call_tool(
             args.timeout = timeout
         session = Session(args, stdout=out, stderr=err)
         session.agent = AGENT
+        session.writes_files = not spec.read_only  # the read tier writes nothing, caches included (_keep aside)
         code = int(COMMANDS[spec.name]().run(session, args) or 0)
         if keep is not None and code == 0:
             _keep(keep, out.getvalue())

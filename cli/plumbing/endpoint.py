@@ -143,8 +143,18 @@ def _typed(token: str | None, agent: str | None) -> str | None:
     return None if agent else token
 
 
+def _unregistered(endpoint: str) -> str:
+    return (
+        f"{endpoint} is not the endpoint of a probed process in the registry; an agent may use only a pid or the "
+        "socket or address that `list` shows for it."
+    )
+
+
 def resolve(endpoint: str, token: str | None = None, *, agent: str | None = None) -> Target:
-    """A pid, ``host:port``, ``[v6]:port`` or a unix-socket path; ``agent``: see ``_typed``."""
+    """A pid, ``host:port``, ``[v6]:port`` or a unix-socket path; ``agent``: see ``_typed``.
+
+    For an ``agent`` (a program choosing endpoints for someone), a socket path or address must be one that a
+    registry entry names: a tool is never pointed at any other listener on the host."""
     token = _typed(token, agent)
     endpoint = endpoint.strip()
     if endpoint.isdigit():
@@ -176,6 +186,13 @@ def resolve(endpoint: str, token: str | None = None, *, agent: str | None = None
                 if e.get("tcp_port") == port and e.get("token") and host in _addresses_of(e):
                     token, entry = e["token"], e
                     break
+        if agent and not entry:
+            for e in read_entries():
+                if e.get("tcp_port") == port and host in _addresses_of(e):
+                    entry = e
+                    break
+            else:
+                raise EndpointError(_unregistered(endpoint))
         return Target(
             endpoint,
             host=host,
@@ -188,6 +205,12 @@ def resolve(endpoint: str, token: str | None = None, *, agent: str | None = None
     if "/" in endpoint or endpoint.endswith(".sock"):
         if not os.path.exists(endpoint):
             raise EndpointError(f"no socket at {endpoint}; `probe list` shows the probed processes and their sockets.")
+        if agent:
+            real = os.path.realpath(endpoint)
+            for e in read_entries():
+                if e.get("socket") and os.path.realpath(e["socket"]) == real:
+                    return from_entry(e, token)
+            raise EndpointError(_unregistered(endpoint))
         return Target(endpoint, socket=endpoint)
     raise EndpointError(f"'{endpoint}' is not an endpoint; give a pid, host:port, or a socket path (see `probe list`).")
 

@@ -159,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         session = Session(args)
         return int(cls().run(session, args) or 0)
     except ProbeError as exc:
-        print(f"probe: {exc.message}", file=sys.stderr)
+        from ..render import terminal_text  # an endpoint's error text or a process's exception: escaped
+
+        print(f"probe: {terminal_text(exc.message)}", file=sys.stderr)
         if getattr(exc, "abandoned", False):  # a DuckDB query that ignored its interrupt still runs: do not wait for it
             import os
 

@@ -25,12 +25,18 @@ class Session:
         self.token = args.token or setting("PROBE_TOKEN", strict=True)
         self.format = args.format or "table"
         self.agent: str | None = None  # set by front ends acting for the user (MCP): sent with every request
+        self.writes_files = True  # False for a front end that promises to write no files (the MCP read tier)
 
     def print(self, text: str = "") -> None:
-        print(text, file=self.stdout, flush=True)
+        """``text`` on standard output; control characters a process or endpoint put in it are escaped."""
+        from ..render import terminal_text
+
+        print(terminal_text(text), file=self.stdout, flush=True)
 
     def note(self, text: str) -> None:
-        print(text, file=self.stderr, flush=True)
+        from ..render import terminal_text
+
+        print(terminal_text(text), file=self.stderr, flush=True)
 
     @property
     def multi(self) -> bool:

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from probe._errors import EndpointError, ProbeError
+from probe._errors import EndpointError, ProbeError, QueryError, exception_text
 
 from .executor import Cancelled, Executor, describe_error, is_complete, split_statements
 from .special import SPECIALS, Quit, dispatch
@@ -80,6 +80,9 @@ class Repl:
             return False
         except ProbeError as exc:
             self.error(exc, sql)
+            return False
+        except Exception as exc:  # a statement never ends the session, whatever it ran into
+            self.error(QueryError(f"the statement failed ({exception_text(exc)}); the session goes on."))
             return False
         self.print(
             render_result(result, self.session.format, expanded=self.session.expanded, timing=self.session.timing)

@@ -33,7 +33,7 @@ from probe.util.slots import BoundedThreads
 
 from . import api
 
-__all__ = ["UIServer"]
+__all__ = ["UIServer", "BadRequest"]
 
 _TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -235,18 +235,24 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             try:
                 length = int(self.headers.get("Content-Length") or 0)
-                if length > MAX_BODY:
+                if not 0 <= length <= MAX_BODY:
                     raise ValueError
-                params.update(json.loads(self.rfile.read(length) or b"{}"))
-            except ValueError:
+                body = json.loads(self.rfile.read(length) or b"{}")
+                if not isinstance(body, dict):
+                    raise ValueError
+            except (ValueError, RecursionError):  # not JSON, not an object, or nested past what Python reads
+                self.close_connection = True  # (a body left unread must not be taken for the next request)
                 self._json(400, {"error": "the request body must be a JSON object under 1 MiB."})
                 return
+            params.update(body)
         handler = _API.get((method, rest))
         if handler is None:
             self._json(404, {"error": f"no such API {method} /{rest}."})
             return
         try:
             self._json(200, handler(self.server, params))
+        except BadRequest as exc:  # a parameter the page would never send: one sentence, 400
+            self._json(400, {"error": str(exc)})
         except ProbeError as exc:  # the probe's own refusals are answers, shown in the panel (not HTTP errors)
             self._json(200, {"error": exc.message, "kind": exc.kind})
         except Exception as exc:  # a bug of ours: show it on the page and in the terminal, keep serving
@@ -262,19 +268,45 @@ class _Handler(BaseHTTPRequestHandler):
         self._route("POST")
 
 
+class BadRequest(ValueError):
+    """A request parameter of the wrong type or out of range: answered 400 with this sentence."""
+
+
+MAX_ROWS = 1_000_000
+
+
+def _number(p: dict, name: str, default, kind, low, high):
+    """``p[name]`` as a ``kind`` (int or float) in [low, high], ``default`` when absent; else BadRequest.
+
+    >>> _number({"max_rows": "abc"}, "max_rows", 2000, int, 1, MAX_ROWS)
+    Traceback (most recent call last):
+    ...
+    probe.cli.ui.server.BadRequest: max_rows must be a whole number from 1 to 1,000,000, not 'abc'.
+    """
+    value = p.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
+    if kind is int:
+        ok = ok and value == int(value)
+    if not ok:
+        what = "a whole number" if kind is int else "a number of seconds"
+        raise BadRequest(f"{name} must be {what} from {low:,} to {high:,}, not {value!r}.")
+    return kind(value)
+
+
 def _query(srv: UIServer, p: dict):
     sql = p.get("sql")
     if not isinstance(sql, str) or not sql.strip():
         raise ProbeError("no SQL given; type a query such as SELECT * FROM torch.steps.")
-    max_rows = p.get("max_rows")
-    return api.query_doc(srv.session, sql, max_rows=int(max_rows) if max_rows else 2000)
+    max_rows = _number(p, "max_rows", 2000, int, 1, MAX_ROWS)
+    return api.query_doc(srv.session, sql, max_rows=max_rows)
 
 
 def _profile(srv: UIServer, p: dict):
-    try:
-        seconds = float(p.get("seconds", 3))
-    except (TypeError, ValueError):
-        raise ProbeError("seconds must be a number.") from None
+    from ..commands.profile import MAX_SECONDS
+
+    seconds = _number(p, "seconds", 3.0, float, 0, MAX_SECONDS)
     return api.profile_doc(srv.session, seconds, native=bool(p.get("native")))
 
 
@@ -283,7 +315,10 @@ def _action(srv: UIServer, p: dict):
         raise ProbeError("actions are off on this page; start it with `probe ui --allow-actions` or use the CLI.")
     if p.get("confirmed") is not True:
         raise ProbeError("an action needs a confirmation on the page.")
-    return api.action_doc(srv.session, str(p.get("name")), p.get("params") or {})
+    params = p.get("params") or {}
+    if not isinstance(params, dict) or not isinstance(p.get("name"), str):
+        raise BadRequest("an action is a name and an object of parameters.")
+    return api.action_doc(srv.session, p["name"], params)
 
 
 _API = {

@@ -119,3 +119,54 @@ def test_a_cte_still_shadows_a_table_inside_its_scope():
 )
 def test_common_functions_are_on_the_allow_list(expr):
     assert guard(f"SELECT {expr}", KNOWN).sql
+
+
+def _every_function_name() -> list[str]:
+    """Every function name sqlglot knows: its expression classes' SQL names and every dialect's parser map."""
+    import sqlglot
+    from sqlglot import exp
+    from sqlglot.dialects.dialect import Dialect
+
+    names = set()
+    for cls in vars(exp).values():
+        if isinstance(cls, type) and issubclass(cls, exp.Func):
+            try:
+                names.update(cls.sql_names())
+            except NotImplementedError:  # an abstract class of functions, not one that SQL can name
+                pass
+    names.update(sqlglot.parser.Parser.FUNCTIONS)
+    for dialect in set(Dialect.classes.values()):
+        names.update(dialect.parser_class.FUNCTIONS)
+    return sorted({n.lower() for n in names if n.replace("_", "").isalnum()})
+
+
+def test_every_function_sqlglot_knows_is_answered_or_refused_in_one_sentence():
+    from probe.cli.query_runner import run_outer
+    from probe.sql.engine import Workspace
+    from probe.sql.federate import plan
+
+    # given the CLI's path: plan (guard, rewrite), then the outer query on a DuckDB workspace (the calls read no
+    # table: splitting a query over a table costs milliseconds each, and the call is the subject here)
+    schema = {"python.threads": {"name": "VARCHAR", "thread_id": "BIGINT"}}
+    ws = Workspace(timeout=60)
+    try:
+        names = _every_function_name()
+        assert len(names) > 500 and {"date", "datetime", "var_map", "time"} <= set(names)
+        answered = 0
+        # when every function is called with no, one and two string arguments
+        for name in names:
+            for args in ("", "'a'", "'a', 'b'"):
+                sql = f"SELECT {name}({args})"
+                try:
+                    p = plan(sql, schema)
+                    run_outer(ws, p.outer, 10, timeout=10)
+                    answered += 1
+                except QueryError as err:
+                    # then a refusal is a QueryError (exit 2) with one sentence, nothing else
+                    assert err.exit_code == 2 and err.message and "\n" not in err.message, (sql, err)
+        assert answered > 50  # the allowed functions still run
+    finally:
+        ws.close()
+    # and the calls that broke sqlglot's own builders say which function to check
+    with pytest.raises(QueryError, match=r"^date\(\) with these arguments could not be read"):
+        guard("SELECT date()", KNOWN)
