@@ -114,16 +114,17 @@ def _temp_pattern(name: str) -> re.Pattern:
     return re.compile(re.escape(temp_prefix(name)) + r"[0-9a-f]{16}\.(\d+)\.tmp")
 
 
-def _open_directory(directory: str, error) -> int:
-    shown = printable(directory)
+def _open_directory(path: str, error, fix: str) -> int:
+    """The directory of ``path``, open and checked (``check_directory``)."""
+    directory, shown = os.path.dirname(path), printable(path)
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise error(f"the directory {shown} does not exist; create it first or choose another path.") from None
+        raise error(f"cannot write {shown}: its directory does not exist; create it first or {fix}.") from None
     except NotADirectoryError:
-        raise error(f"{shown} is not a directory; give a path in an existing directory.") from None
+        raise error(f"cannot write {shown}: a part of its directory is not a directory; {fix}.") from None
     except OSError as exc:
-        raise error(f"cannot open the directory {shown} ({exc.strerror}); choose another path.") from None
+        raise error(f"cannot write {shown}: its directory cannot be opened ({exc.strerror}); {fix}.") from None
     try:
         check_directory(os.fstat(fd), directory, error)
     except BaseException:
@@ -152,8 +153,8 @@ def write_file(
     if path.endswith(os.sep):
         raise error(f"{shown} ends with {os.sep}, which names a directory; give the path of a file.")
     path = os.path.abspath(path)
-    directory, name = os.path.split(path)
-    dfd = _open_directory(directory, error)
+    name = os.path.basename(path)
+    dfd = _open_directory(path, error, fix)
     tmp = None
     try:
         check_target(path, replace=replace, error=error, dir_fd=dfd)

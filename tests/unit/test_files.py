@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from probe._errors import ProbeError
+from probe import ProbeError
 from probe.util import files
 
 DEAD_PID = 4194305  # above the largest pid_max Linux allows: no process has it
