@@ -143,7 +143,9 @@ def test_a_directory_others_could_swap_files_in_and_odd_paths_get_one_sentence(s
     group.mkdir()
     group.chmod(0o775)  # a group-shared project folder, not sticky: a member could replace the file once written
     (tmp_path / "file").write_text("x")
+    (tmp_path / "d.pt.sha256").symlink_to(tmp_path / "file")
     cases = [
+        (tmp_path / "d.pt", "d.pt.sha256 is a symbolic link"),
         (group / "c.pt", "is writable by other users (mode 775) and not sticky"),
         (f"{tmp_path}/new/", "ends with /, which names a directory"),
         (f"{tmp_path}/a\nb.pt", "control character at position"),
@@ -159,7 +161,10 @@ def test_a_directory_others_could_swap_files_in_and_odd_paths_get_one_sentence(s
         assert r.returncode == 5 and fragment in r.stderr, (path, r.stdout + r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1 and "Error" not in r.stderr, r.stderr
     assert os.listdir(group) == [] and not (tmp_path / "new").exists()
-    assert sorted(os.listdir(tmp_path)) == sorted(["group", "file"] + (["theirs"] if os.geteuid() == 0 else []))
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["group", "file", "d.pt.sha256"] + (["theirs"] if os.geteuid() == 0 else [])
+    )
+    assert (tmp_path / "file").read_text() == "x"
 
 
 def test_load_checkpoint_refuses_files_of_another_user_and_a_directory_in_one_sentence(tmp_path):

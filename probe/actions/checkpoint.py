@@ -59,11 +59,13 @@ def expand_path(path: str, rank: int | None, step: int | None) -> str:
 
 def check_target(path: str, force: bool) -> None:
     """Refuse a directory, a symbolic link or a special file (/dev/null, a FIFO) even with --force, an existing file
-    without it, and a directory where other users could replace the checkpoint (``probe.util.files``)."""
+    without it, and a directory where other users could replace the checkpoint (``probe.util.files``); the same
+    for the checksum file beside it, which is always replaced."""
     try:
         files.check_target(path, replace=force, error=ActionError)
     except FileExistsError:
         raise ActionError(_exists(path)) from None
+    files.check_target(path + ".sha256", replace=True, error=ActionError)
 
 
 def _exists(path: str) -> str:

@@ -75,7 +75,8 @@ def check_directory(st: os.stat_result, directory: str, error=ProbeError) -> Non
 
 def check_target(path: str, *, replace: bool, error=ProbeError, dir_fd: int | None = None) -> None:
     """Raise ``error`` when ``path`` cannot be written: a directory, a symbolic link or a special file (even with
-    ``replace``), an existing file without it (``FileExistsError``), or a directory others could swap files in.
+    ``replace``), an existing file without it (``FileExistsError``) or another user's with it, or a directory
+    others could swap files in.
 
     With ``dir_fd`` the name is looked up in that open directory (already checked); a missing directory is not
     an error here (the writer creates it or says so)."""
@@ -102,6 +103,10 @@ def check_target(path: str, *, replace: bool, error=ProbeError, dir_fd: int | No
         raise error(f"{shown} is not a regular file (a device, FIFO or socket); give a file path.")
     if not replace:
         raise FileExistsError(path)
+    if st.st_uid != _me():
+        raise error(
+            f"{shown} belongs to another user (uid {st.st_uid}); probe does not replace it, choose another path."
+        )
 
 
 def temp_prefix(name: str) -> str:

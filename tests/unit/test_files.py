@@ -97,7 +97,7 @@ def test_the_sweep_removes_only_this_users_temporaries_of_writers_that_died(shar
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
-def test_a_file_of_another_user_is_not_read_back(tmp_path):
+def test_a_file_of_another_user_is_neither_replaced_nor_read_back(tmp_path):
     path = tmp_path / "c.pt"
     path.write_bytes(b"weights")
     with files.open_own(str(path)) as f:
@@ -105,3 +105,6 @@ def test_a_file_of_another_user_is_not_read_back(tmp_path):
     os.chown(path, _other_uid(), _other_uid())
     with pytest.raises(ProbeError, match=r"belongs to another user \(uid \d+\)"):
         files.open_own(str(path))
+    with pytest.raises(ProbeError, match=r"belongs to another user \(uid \d+\); probe does not replace it"):
+        files.write_file(str(path), lambda f: f.write(b"ours"))
+    assert path.read_bytes() == b"weights" and os.listdir(tmp_path) == ["c.pt"]
