@@ -223,7 +223,7 @@ def test_debug_needs_the_eval_tier(spawn, cli):
 
 
 @requires_torch
-def test_checkpoint_refuses_special_files_and_links_and_sweeps_dead_temps(spawn, cli, tmp_path):
+def test_checkpoint_refuses_special_files_and_links_and_sweeps_only_its_dead_temps(spawn, cli, tmp_path):
     import os
 
     target = spawn(TARGETS / "actions_train.py")
@@ -235,14 +235,31 @@ def test_checkpoint_refuses_special_files_and_links_and_sweeps_dead_temps(spawn,
         assert r.returncode != 0 and fragment in (r.stdout + r.stderr), r.stdout + r.stderr
     assert os.path.isfile(victim) and victim.read_text() == "keep me"
     assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
-    # a temp file left by a writer that was killed (its pid is gone) is swept by the next checkpoint there
+    # temp files left by a writer that was killed (its pid is gone) are swept by the next checkpoint there; a file
+    # only named like one (another user's, a link, a live writer's, a name the writer never uses) stays
     dead = subprocess.Popen(["true"])
     dead.wait()
-    stale = tmp_path / f".ck.pt.tmp-{dead.pid}"
-    stale.write_bytes(b"half a checkpoint")
+    stale = [
+        tmp_path / f".ck.pt.0123456789abcdef.{dead.pid}.tmp",
+        tmp_path / f".ck.pt.sha256.fedcba9876543210.{dead.pid}.tmp",
+    ]
+    kept = [
+        tmp_path / f".ck.pt.tmp-{dead.pid}",
+        tmp_path / f".ck.pt.0123456789abcdef.{target.pid}.tmp",
+        tmp_path / f".ck.pt.0123456789abcdeX.{dead.pid}.tmp",
+    ]
+    for path in stale + kept:
+        path.write_bytes(b"half a checkpoint")
+    kept.append(tmp_path / f".ck.pt.aaaaaaaaaaaaaaaa.{dead.pid}.tmp")
+    kept[-1].symlink_to(victim)
+    if os.geteuid() == 0:
+        kept.append(tmp_path / f".ck.pt.bbbbbbbbbbbbbbbb.{dead.pid}.tmp")
+        kept[-1].write_bytes(b"theirs")
+        os.chown(kept[-1], 47123, 47123)
     r = cli(target.pid, "--yes", "checkpoint", str(tmp_path / "ck.pt"))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert not stale.exists() and (tmp_path / "ck.pt").is_file()
+    assert not any(p.exists() for p in stale) and (tmp_path / "ck.pt").is_file()
+    assert all(os.path.lexists(p) for p in kept) and victim.read_text() == "keep me"
 
 
 def test_sigterm_removes_the_socket_and_registry_entry(spawn, probe_env):

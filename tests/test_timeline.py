@@ -164,6 +164,31 @@ def test_trace_bad_input_is_one_sentence(ranks, shared_cli, tmp_path):
     assert r.returncode == 0 and json.loads(r.stdout)["traceEvents"]
 
 
+def test_trace_output_is_never_written_through_a_planted_name(ranks, shared_cli, tmp_path):
+    import os
+
+    # given a link planted at the output's old temporary name, one at the output itself, and a folder others may write
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (tmp_path / "t.json.tmp").symlink_to(victim)
+    (tmp_path / "link.json").symlink_to(victim)
+    group = tmp_path / "group"
+    group.mkdir()
+    group.chmod(0o775)
+    # when the trace is written under each name
+    r = shared_cli(ranks[0].pid, "trace", "--steps", "1", "-o", tmp_path / "t.json")
+    # then the output is a new file of its own, and the link's target is untouched
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"] and victim.read_text() == "keep me"
+    assert not (tmp_path / "t.json").is_symlink() and (tmp_path / "t.json.tmp").is_symlink()
+    # and a link at the output, or a folder where others could swap the file, is refused with one sentence
+    for out, fragment in ((tmp_path / "link.json", "is a symbolic link"), (group / "t.json", "not sticky")):
+        r = shared_cli(ranks[0].pid, "trace", "--steps", "1", "-o", out)
+        assert r.returncode == 1 and fragment in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    assert victim.read_text() == "keep me" and os.listdir(group) == []
+    assert sorted(os.listdir(tmp_path)) == ["group", "link.json", "t.json", "t.json.tmp", "victim.txt"]
+
+
 def test_doctor_names_an_input_bound_job_from_its_data_spans(spawn, cli):
     job = spawn([SPANS, "--data-sleep", "0.05"])
     said = {}

@@ -60,6 +60,21 @@ def test_svg_and_speedscope_files(idle, shared_cli, tmp_path):
     assert any(n.startswith("main_loop (idle.py:") for n in names)
 
 
+def test_profile_output_is_never_written_through_a_planted_link(idle, shared_cli, tmp_path):
+    # given a link planted where the profile is to be written
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (tmp_path / "p.txt").symlink_to(victim)
+    # when a profile is asked to go there
+    r = shared_cli(idle.pid, "profile", "--seconds", "0.2", "-o", tmp_path / "p.txt")
+    # then it is refused with one sentence before sampling, and the link's target is untouched
+    assert r.returncode == 1 and "is a symbolic link" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    assert victim.read_text() == "keep me" and (tmp_path / "p.txt").is_symlink()
+    # and a new name in the same folder gets the profile
+    r = shared_cli(idle.pid, "profile", "--seconds", "0.2", "-o", tmp_path / "p2.txt")
+    assert r.returncode == 0 and "main_loop (idle.py:" in (tmp_path / "p2.txt").read_text(), r.stderr
+
+
 def test_bad_arguments_and_a_second_profile_are_refused(idle, shared_cli):
     r = shared_cli(idle.pid, "profile", "--seconds", "0")
     assert r.returncode != 0 and "--seconds must be above 0" in r.stderr and "Traceback" not in r.stderr

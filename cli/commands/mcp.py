@@ -68,6 +68,9 @@ class Mcp(Command):
             output_dir = os.path.realpath(os.path.expanduser(args.output_dir))
             if not os.path.isdir(output_dir):
                 raise ProbeError(f"--output-dir {args.output_dir} is not a directory; create it first.")
+            from probe.util.files import check_directory
+
+            check_directory(os.stat(output_dir), output_dir)  # one where no one else can swap the files kept there
         if not args.http:
             serve_stdio(allow_actions=args.allow_actions, timeout=args.timeout, output_dir=output_dir)
             return 0

@@ -81,6 +81,8 @@ class Profile(Command):
 
     def run(self, session, args):
         from ..plumbing.fanout import check_partial, fan_out
+        from probe.util.files import check_target, printable, write_file
+
         from ..ui.flame import to_collapsed, to_speedscope, to_svg
 
         if not 0 < args.seconds <= MAX_SECONDS:
@@ -91,6 +93,8 @@ class Profile(Command):
         if fmt is None:
             ext = os.path.splitext(args.output or "")[1].lower()
             fmt = {".svg": "svg", ".json": "speedscope"}.get(ext, "collapsed")
+        if args.output:
+            check_target(os.path.expanduser(args.output), replace=True)  # before sampling, not after
         targets = session.targets()
         answers = fan_out(targets, lambda t: fetch_profile(session, t, args.seconds, args.native, args.hz))
         docs = [(a.target.label, a.value) for a in answers if a.ok]
@@ -105,11 +109,11 @@ class Profile(Command):
             "svg": lambda s: to_svg(s, title),
         }[fmt](stacks)
         if args.output:
-            with open(args.output, "w") as f:
-                f.write(text)
+            write_file(os.path.expanduser(args.output), lambda f: f.write(text.encode()), fix="choose another -o path")
             total = sum(n for _, n in stacks)
             session.note(
-                f"probe: wrote {fmt} of {total} samples ({len(stacks)} distinct stacks) from {where} to {args.output}."
+                f"probe: wrote {fmt} of {total} samples ({len(stacks)} distinct stacks) from {where} to "
+                f"{printable(args.output)}."
             )
         else:
             session.stdout.write(text)

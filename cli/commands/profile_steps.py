@@ -35,6 +35,7 @@ class ProfileSteps(Command):
         import time
 
         from probe._errors import ActionError
+        from probe.util.files import check_target, printable
 
         from ..plumbing.actions import POLL, drive
         from ._action import _failure_text
@@ -42,7 +43,10 @@ class ProfileSteps(Command):
         target = session.target()
         out = os.path.abspath(os.path.expanduser(args.output))
         if not os.path.isdir(os.path.dirname(out)):
-            raise ProbeError(f"cannot write {args.output}: its directory does not exist; choose another -o path.")
+            raise ProbeError(
+                f"cannot write {printable(args.output)}: its directory does not exist; choose another -o path."
+            )
+        check_target(out, replace=True)  # before the steps are profiled, not after
         body = {"steps": args.steps, "with_stack": args.with_stack, "record_shapes": args.record_shapes}
         if args.timeout:
             body["timeout"] = args.timeout
@@ -83,7 +87,8 @@ class ProfileSteps(Command):
             session.print(json.dumps({**prof, "output": out}, default=str))
         else:
             session.print(
-                f"wrote {out}: torch.profiler trace of steps {prof.get('from_step')}-{prof.get('ended_step')} "
+                f"wrote {printable(out)}: torch.profiler trace of steps "
+                f"{prof.get('from_step')}-{prof.get('ended_step')} "
                 f"({size / 1e6:.1f} MB, export {export_s:.2f} s); open it at https://ui.perfetto.dev."
             )
         return 0
@@ -102,8 +107,8 @@ def _fetch(session, client, target, prof: dict, out: str) -> None:
     """
     import base64
     import binascii
-    import os
-    import tempfile
+
+    from probe.util.files import write_file
 
     size = prof.get("bytes")
     if type(size) is not int or size < 0:
@@ -113,34 +118,26 @@ def _fetch(session, client, target, prof: dict, out: str) -> None:
             f"the trace is {size / 1e9:.1f} GB, more than the {MAX_TRACE >> 30} GiB probe copies; profile fewer "
             f"steps, or copy {prof.get('path')} from the training host."
         )
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=os.path.dirname(out))
-    except OSError as exc:
-        raise ProbeError(f"cannot write {out} ({exc.strerror}); choose another -o path.") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            offset = 0
-            while offset is not None:
-                chunk = client.get("/profile-steps", timeout=session.timeout + 30, file=prof.get("path"), offset=offset)
-                try:
-                    data = base64.b64decode(chunk["data"], validate=True)
-                except (binascii.Error, ValueError):
-                    raise _malformed(target, "a trace chunk that is not base64") from None
-                following = chunk.get("next")
-                if following is not None and (type(following) is not int or following != offset + len(data)):
-                    raise _malformed(target, "a trace chunk that does not follow on from the last")
-                if offset + len(data) > size or (following is None and offset + len(data) != size):
-                    raise _malformed(target, f"a trace longer or shorter than the {size} bytes it declared")
-                if following is not None and len(data) < MIN_CHUNK:
-                    raise _malformed(target, "a trace in chunks too small to be a probe's")
-                f.write(data)
-                offset = following
-        os.replace(tmp, out)
-    except OSError as exc:
-        raise ProbeError(f"cannot write {out} ({exc.strerror}); choose another -o path.") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+
+    def copy(f) -> None:
+        offset = 0
+        while offset is not None:
+            chunk = client.get("/profile-steps", timeout=session.timeout + 30, file=prof.get("path"), offset=offset)
+            try:
+                data = base64.b64decode(chunk["data"], validate=True)
+            except (binascii.Error, ValueError):
+                raise _malformed(target, "a trace chunk that is not base64") from None
+            following = chunk.get("next")
+            if following is not None and (type(following) is not int or following != offset + len(data)):
+                raise _malformed(target, "a trace chunk that does not follow on from the last")
+            if offset + len(data) > size or (following is None and offset + len(data) != size):
+                raise _malformed(target, f"a trace longer or shorter than the {size} bytes it declared")
+            if following is not None and len(data) < MIN_CHUNK:
+                raise _malformed(target, "a trace in chunks too small to be a probe's")
+            f.write(data)
+            offset = following
+
+    write_file(out, copy, fix="choose another -o path")
 
 
 def _malformed(target, what: str):

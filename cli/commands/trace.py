@@ -25,11 +25,15 @@ class Trace(Command):
         import os
         import time
 
+        from probe.util.files import check_target, printable, write_file
+
         from ..plumbing.fanout import check_partial, fan_out
         from ..timeline import build_trace, rank_rows
 
         if args.steps < 1:
             raise ProbeError("--steps must be at least 1.")
+        if args.output != "-":
+            check_target(os.path.expanduser(args.output), replace=True)  # before the queries, not after
         started = time.perf_counter()
         answers = fan_out(session.targets(), lambda t: rank_rows(session, t, args.steps))
         ok = [a.value for a in answers if a.ok]
@@ -41,12 +45,7 @@ class Trace(Command):
             session.print(text)
         else:
             path = os.path.abspath(os.path.expanduser(args.output))
-            try:
-                with open(path + ".tmp", "w") as f:
-                    f.write(text)
-                os.replace(path + ".tmp", path)
-            except OSError as exc:
-                raise ProbeError(f"cannot write {args.output} ({exc.strerror}); choose another -o path.") from None
+            write_file(path, lambda f: f.write(text.encode()), fix="choose another -o path")
             n = sum(1 for e in doc["traceEvents"] if e["ph"] != "M")
             summary = {
                 "path": path,
@@ -59,7 +58,7 @@ class Trace(Command):
                 session.print(json.dumps(summary))
             else:
                 session.print(
-                    f"wrote {path}: {n} events from {len(ok)} process{'es' if len(ok) != 1 else ''} "
+                    f"wrote {printable(path)}: {n} events from {len(ok)} process{'es' if len(ok) != 1 else ''} "
                     f"in {summary['seconds']:.2f} s; open it at https://ui.perfetto.dev or chrome://tracing."
                 )
         for _, notes in ok:

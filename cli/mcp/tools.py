@@ -238,15 +238,14 @@ def _output_path(name, output_dir: str | None) -> str:
 
 
 def _keep(path: str, text: str) -> None:
-    """Write ``text`` to a new file at ``path``: never over an existing file, never through a link."""
+    """Write ``text`` to a new file at ``path``: never over an existing file, never through a link
+    (``probe.util.files.write_file``)."""
+    from probe.util.files import write_file
+
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        write_file(path, lambda f: f.write(text.encode()), replace=False, mode=0o600, fix="pick another name")
     except FileExistsError:
         raise ProbeError(f"{os.path.basename(path)} already exists in the output directory; pick a new name.") from None
-    except OSError as exc:
-        raise ProbeError(f"cannot create {path} ({exc.strerror}).") from None
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
 
 
 def call_tool(

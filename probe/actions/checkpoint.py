@@ -8,8 +8,9 @@ accelerate Accelerator's ``step``) and ``probe`` metadata;
 ``schedulers`` holds every scheduler by name when there are several. With several
 models or optimizers in the process, ``models``/``optimizers`` hold all of them by
 name and ``model``/``optimizer`` the first. It is written to a temporary file in
-the same directory, fsynced and renamed (never over an existing file without
-``force``), and a ``PATH.sha256`` file holds its checksum.
+the same directory under a name no one can predict, fsynced and renamed (never over
+an existing file without ``force``), and a ``PATH.sha256`` file holds its checksum;
+a directory where other users could replace them is refused (``probe.util.files``).
 
 A sharded model (FSDP2's ``fully_shard``, DTensors) is saved as it is held: the file holds this
 rank's shards (``sharded`` says how), written without a collective; it is loaded on the same rank
@@ -37,6 +38,8 @@ from ..training.counters import framework_counters, restore_counters
 from ..training.finder import grad_scalers, models, optimizers, scheduler_for, schedulers
 from ..training.frameworks import objects_of
 from ..training.shards import is_sharded, placement
+from ..util import files
+from ..util.files import printable
 
 if TYPE_CHECKING:
     from .queue import Context
@@ -55,44 +58,18 @@ def expand_path(path: str, rank: int | None, step: int | None) -> str:
 
 
 def check_target(path: str, force: bool) -> None:
-    """Refuse a directory, a symbolic link or a special file (/dev/null, a FIFO) even with --force; an existing file
-    without it."""
-    import stat
-
-    if os.path.isdir(path) and not os.path.islink(path):
-        raise ActionError(f"{path} is a directory; give a file name such as {os.path.join(path, 'emergency.pt')}.")
+    """Refuse a directory, a symbolic link or a special file (/dev/null, a FIFO) even with --force, an existing file
+    without it, and a directory where other users could replace the checkpoint (``probe.util.files``); the same
+    for the checksum file beside it, which is always replaced."""
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISLNK(st.st_mode):
-        raise ActionError(
-            f"{path} is a symbolic link; probe writes checkpoints only to regular files, give the real path."
-        )
-    if not stat.S_ISREG(st.st_mode):
-        raise ActionError(
-            f"{path} is not a regular file (a device, FIFO or socket); give a file path for the checkpoint."
-        )
-    if not force:
-        raise ActionError(f"{path} already exists; pass --force to overwrite it, or choose another path.")
+        files.check_target(path, replace=force, error=ActionError)
+    except FileExistsError:
+        raise ActionError(_exists(path)) from None
+    files.check_target(path + ".sha256", replace=True, error=ActionError)
 
 
-def sweep_stale_temps(path: str) -> None:
-    """Remove ``.<name>.tmp-<pid>`` files that a killed writer of ``path`` left behind (its pid is gone)."""
-    from .._runtime import pid_alive
-
-    directory, prefix = os.path.dirname(path), f".{os.path.basename(path)}.tmp-"
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
-        pid = name[len(prefix) :]
-        if name.startswith(prefix) and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            try:
-                os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
+def _exists(path: str) -> str:
+    return f"{printable(path)} already exists; pass --force to overwrite it, or choose another path."
 
 
 def _unwrap(model):
@@ -178,78 +155,58 @@ def build_state(ctx: "Context") -> dict:
 
 
 def sha256(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+        return _digest(f)
+
+
+def _digest(f) -> str:
+    h = hashlib.sha256()
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+        h.update(chunk)
     return h.hexdigest()
 
 
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save(ctx: "Context", path: str, force: bool) -> dict:
-    """Write the checkpoint of this process to ``path`` (already expanded); return what was written."""
+    """Write the checkpoint of this process to ``path`` (already expanded); return what was written.
+
+    The file and its ``.sha256`` go through ``probe.util.files.write_file``: new files under names no one can
+    predict, renamed into place only in a directory no other user can swap files in."""
     import torch
 
     t0 = time.perf_counter()
     check_target(path, force)
     directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    sweep_stale_temps(path)
-    state = build_state(ctx)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        digest = sha256(tmp)
-        check_target(path, force)  # again: a link or device may have appeared while the state was written
-        if force:
-            os.replace(tmp, path)
-        else:
-            try:
-                os.link(tmp, path)  # fails, atomically, if the path appeared meanwhile
-            except FileExistsError:
-                raise ActionError(
-                    f"{path} already exists; pass --force to overwrite it, or choose another path."
-                ) from None
-            os.unlink(tmp)
-        try:
-            with open(path + ".sha256.tmp", "w") as f:
-                f.write(f"{digest}  {os.path.basename(path)}\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(path + ".sha256.tmp", path + ".sha256")
-        except OSError as exc:
-            # a checkpoint without its checksum is reported as failed: do not leave it looking complete
-            os.unlink(path)
-            raise ActionError(
-                f"the checksum file {path}.sha256 could not be written ({exc}); the checkpoint was removed, "
-                "free space or choose another directory."
-            ) from None
-        _fsync_dir(directory)
-    except BaseException:
-        for leftover in (path + ".sha256.tmp",):
-            try:
-                os.unlink(leftover)
-            except OSError:
-                pass
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise ActionError(
+            f"cannot create the directory {printable(directory)} ({exc.strerror or exc}); choose another path."
+        ) from None
+    for name in (path, path + ".sha256"):
+        files.sweep_temps(name)
+    state = build_state(ctx)
+
+    def checkpoint(f) -> str:
+        torch.save(state, f)
+        f.flush()
+        f.seek(0)
+        return _digest(f)
+
+    try:
+        digest = files.write_file(path, checkpoint, replace=force, error=ActionError)
+    except FileExistsError:
+        raise ActionError(_exists(path)) from None
+    line = f"{digest}  {os.path.basename(path)}\n".encode()
+    try:
+        files.write_file(
+            path + ".sha256",
+            lambda f: f.write(line),
+            error=ActionError,
+            fix="the checkpoint was removed, free space or choose another directory",
+        )
+    except (ActionError, FileExistsError):
+        os.unlink(path)  # a checkpoint without its checksum is reported as failed: do not leave it looking complete
         raise
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return {
         "path": path,
         "bytes": os.path.getsize(path),
@@ -287,29 +244,37 @@ def load_checkpoint(
     A sharded model's file (FSDP2) holds one rank's shards: load it on that rank, after
     ``init_process_group`` and ``fully_shard`` with the same world size, each rank its own file
     (``ckpt-{rank}.pt``).
+
+    The file and its ``.sha256`` must belong to this user or root: one another user could have put in a
+    shared directory is refused, as is a directory or a special file at ``path``.
     """
     import torch
 
     path = os.path.expanduser(path)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise ActionError(
-            f"no checkpoint at {path}; check the path (a probe checkpoint's {{rank}} is expanded when it is written)."
+            f"no checkpoint at {printable(path)}; check the path (a probe checkpoint's {{rank}} is expanded when it "
+            "is written)."
         )
-    if verify and os.path.exists(path + ".sha256"):
-        with open(path + ".sha256") as f:
-            want = f.read().split()[0]
-        if sha256(path) != want:
-            raise ActionError(
-                f"{path} does not match its checksum in {path}.sha256; the file is damaged or was changed."
-            )
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:
-        if "torch.distributed.tensor" not in str(exc):
-            raise
-        import torch.distributed.tensor  # noqa: F401  (registers DTensor with the weights-only loader)
+    with files.open_own(path, ActionError, "checkpoint") as f:
+        if verify and os.path.lexists(path + ".sha256"):
+            with files.open_own(path + ".sha256", ActionError, "checksum file") as sums:
+                want = (sums.read(4096).split() or [b""])[0].decode(errors="replace")
+            if _digest(f) != want:
+                raise ActionError(
+                    f"{printable(path)} does not match its checksum in {printable(path)}.sha256; the file is damaged "
+                    "or was changed."
+                )
+            f.seek(0)
+        try:
+            state = torch.load(f, map_location=map_location, weights_only=True)
+        except Exception as exc:
+            if "torch.distributed.tensor" not in str(exc):
+                raise
+            import torch.distributed.tensor  # noqa: F401  (registers DTensor with the weights-only loader)
 
-        state = torch.load(path, map_location=map_location, weights_only=True)  # a sharded model's (FSDP2) file
+            f.seek(0)
+            state = torch.load(f, map_location=map_location, weights_only=True)  # a sharded model's (FSDP2) file
     if trainer is not None:
         held = objects_of(trainer)
         model = model if model is not None else held.get("model")

@@ -12,6 +12,7 @@ import json
 import math
 
 from .._errors import ProbeError
+from .files import printable
 
 __all__ = [
     "BadRequest",
@@ -127,10 +128,12 @@ def text(value, name: str, *, default: str | None = None, max_len: int = 1 << 20
 
 
 def file_path(value, name: str = "path", *, max_len: int = 4096) -> str:
-    """A file path that every file function and text file can take: UTF-8 text, no NUL, at most ``max_len`` bytes.
+    """A file path that every file function and text file can take: UTF-8 text, no NUL or other control character,
+    not ending in ``/``, at most ``max_len`` bytes.
 
     A lone surrogate (``\\udcff``: a byte the CLI could not decode, or ``\\ud800`` sent as JSON) passes
-    ``json.loads`` but breaks ``os.lstat`` or the text files written beside the checkpoint later.
+    ``json.loads`` but breaks ``os.lstat`` or the text files written beside the checkpoint later; a newline or an
+    escape would split or recolour every line that shows the path; a trailing ``/`` names a directory.
 
     >>> file_path("/ckpt/emergency-{rank}.pt")
     '/ckpt/emergency-{rank}.pt'
@@ -151,6 +154,13 @@ def file_path(value, name: str = "path", *, max_len: int = 4096) -> str:
             )
     if "\0" in out:
         raise BadRequest(f"{name} has a NUL character at position {out.index(chr(0))}; give a plain file path.")
+    control = next((i for i, ch in enumerate(out) if ch < " " or "\x7f" <= ch <= "\x9f"), None)
+    if control is not None:
+        raise BadRequest(
+            f"{name} has a control character at position {control} ({printable(out[control])}); give a plain file path."
+        )
+    if out.endswith("/"):
+        raise BadRequest(f"{name} {printable(out)} ends with /, which names a directory; give the path of a file.")
     if len(out.encode()) > max_len:
         raise BadRequest(f"{name} is {len(out.encode())} bytes long; a path has at most {max_len}.")
     return out
