@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import io
 import json
-import re
+
+from probe.util.printable import escape_controls, terminal_text
 
 TYPE_CHECKING = False  # (typing itself costs ~3 ms of start-up)
 if TYPE_CHECKING:  # the renderer is on the start-up path of every command: import only what runs
@@ -36,37 +37,6 @@ _TYPE_NAMES = {
     "TINYINT": "int8",
     "HUGEINT": "int128",
 }
-_BIDI = "\u202a-\u202e\u2066-\u2069"  # embeddings, overrides and isolates: they reorder what a line shows
-_CONTROLS = re.compile(f"[\x00-\x1f\x7f-\x9f{_BIDI}]")
-_CONTROLS_BUT_LAYOUT = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f{_BIDI}]")  # keeps \n and \t
-_NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
-
-
-def _escaped(match: re.Match) -> str:
-    c = match.group()
-    return _NAMED.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
-
-
-def escape_controls(text) -> str:
-    r"""One value for a terminal: every control character, DEL and bidi override escaped, newlines included.
-
-    >>> print(escape_controls("a\x1b]52;c;SGk=\x07b\nc\u202e"))
-    a\x1b]52;c;SGk=\x07b\nc\u202e
-    """
-    text = str(text)
-    return _CONTROLS.sub(_escaped, text) if _CONTROLS.search(text) else text
-
-
-def terminal_text(text) -> str:
-    r"""Lines for a terminal: like ``escape_controls`` but the layout's newlines and tabs stay.
-
-    >>> terminal_text("one\x1b[1A\x1b[2K\r\ntwo\tthree\x9b").split("\n")
-    ['one\\x1b[1A\\x1b[2K\\r', 'two\tthree\\x9b']
-    """
-    text = str(text)
-    return _CONTROLS_BUT_LAYOUT.sub(_escaped, text) if _CONTROLS_BUT_LAYOUT.search(text) else text
-
-
 _NUMERIC = ("BIGINT", "INTEGER", "DOUBLE", "FLOAT", "SMALLINT", "TINYINT", "HUGEINT", "UBIGINT", "UINTEGER", "DECIMAL")
 
 

@@ -8,6 +8,7 @@ import time
 from probe._errors import ProbeError
 
 from . import Command, command
+from probe.util.printable import printable
 
 MAX_SECONDS = 60.0  # the agent's own bound (probe.agent.profile.MAX_SECONDS); the CLI does not import the agent
 
@@ -81,7 +82,7 @@ class Profile(Command):
 
     def run(self, session, args):
         from ..plumbing.fanout import check_partial, fan_out
-        from probe.util.files import check_target, printable, write_file
+        from probe.util.files import check_target, write_file
 
         from ..ui.flame import to_collapsed, to_speedscope, to_svg
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from probe._errors import ProbeError
 
 from . import Command, command
+from probe.util.printable import printable
 
 
 @command(
@@ -35,7 +36,7 @@ class ProfileSteps(Command):
         import time
 
         from probe._errors import ActionError
-        from probe.util.files import check_target, printable
+        from probe.util.files import check_target
 
         from ..plumbing.actions import POLL, drive
         from ._action import _failure_text

@@ -5,6 +5,7 @@ from __future__ import annotations
 from probe._errors import ProbeError
 
 from . import Command, command
+from probe.util.printable import printable
 
 
 @command(
@@ -25,7 +26,7 @@ class Trace(Command):
         import os
         import time
 
-        from probe.util.files import check_target, printable, write_file
+        from probe.util.files import check_target, write_file
 
         from ..plumbing.fanout import check_partial, fan_out
         from ..timeline import build_trace, rank_rows

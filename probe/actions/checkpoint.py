@@ -39,7 +39,7 @@ from ..training.finder import grad_scalers, models, optimizers, scheduler_for, s
 from ..training.frameworks import objects_of
 from ..training.shards import is_sharded, placement
 from ..util import files
-from ..util.files import printable
+from ..util.printable import printable
 
 if TYPE_CHECKING:
     from .queue import Context

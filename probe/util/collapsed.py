@@ -9,18 +9,9 @@ and every other control character, are written as escapes instead.
 
 from __future__ import annotations
 
-import re
+from .printable import escape_controls
 
 __all__ = ["frame_text", "stack_text"]
-
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-
-
-def _escape(m) -> str:
-    ch = m.group(0)
-    return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(
-        ch, f"\\x{ord(ch):02x}" if ord(ch) < 256 else f"\\u{ord(ch):04x}"
-    )
 
 
 def frame_text(text) -> str:
@@ -29,7 +20,7 @@ def frame_text(text) -> str:
     >>> frame_text("thread evil\\nrm -rf ~ #;x")
     'thread evil\\\\nrm -rf ~ #,x'
     """
-    return _CONTROL.sub(_escape, str(text)).replace(";", ",")
+    return escape_controls(text).replace(";", ",")
 
 
 def stack_text(stack) -> str:
@@ -38,4 +29,4 @@ def stack_text(stack) -> str:
     >>> stack_text("main;f\\x1b[31m")
     'main;f\\\\x1b[31m'
     """
-    return ";".join(_CONTROL.sub(_escape, part) for part in str(stack).split(";"))
+    return ";".join(escape_controls(part) for part in str(stack).split(";"))

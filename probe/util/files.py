@@ -26,29 +26,13 @@ import stat
 from typing import IO, Callable, TypeVar
 
 from .._errors import ProbeError
+from .printable import printable
 
-__all__ = ["printable", "check_directory", "check_target", "write_file", "sweep_temps", "open_own", "temp_prefix"]
+__all__ = ["check_directory", "check_target", "write_file", "sweep_temps", "open_own", "temp_prefix"]
 
 T = TypeVar("T")
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 _NAME_BYTES = 200  # of the final name kept in a temp name: NAME_MAX is 255 bytes, the rest is ".<16 hex>.<pid>.tmp"
-
-
-def _escape(m) -> str:
-    ch = m.group(0)
-    return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(
-        ch, f"\\x{ord(ch):02x}" if ord(ch) < 256 else f"\\u{ord(ch):04x}"
-    )
-
-
-def printable(path) -> str:
-    """``path`` with control characters (and undecodable bytes) written as escapes, for one line of a message.
-
-    >>> printable("/ckpt/a\\nb\\x1b[31m.pt")
-    '/ckpt/a\\\\nb\\\\x1b[31m.pt'
-    """
-    return _CONTROL.sub(_escape, os.fsdecode(path) if isinstance(path, bytes) else str(path))
 
 
 def _me() -> int:

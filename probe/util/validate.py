@@ -12,7 +12,7 @@ import json
 import math
 
 from .._errors import ProbeError
-from .files import printable
+from .printable import printable
 
 __all__ = [
     "BadRequest",
