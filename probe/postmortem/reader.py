@@ -70,7 +70,18 @@ def _type_of(array) -> str:
 
 
 def _column(array, valid, typ: str, n: int) -> dict:
-    """One column in ``wire.decode``'s form (``type``, ``kind``, ``data``, ``valid``) with its NULLs restored."""
+    """One column in ``wire.decode``'s form (``type``, ``kind``, ``data``, ``valid``) with its NULLs restored.
+
+    Only valid cells are cast to an integer type: whatever lies under a NULL (an older record kept a ring's
+    unwritten slots) is never read as a number.
+
+    >>> import numpy as np, warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("error")  # numpy's "invalid value encountered in cast" would raise here
+    ...     c = _column(np.array([7.0, 3.6e174, np.nan]), np.array([True, False, True]), "BIGINT", 3)
+    >>> c["data"].tolist(), c["valid"].tolist()
+    ([7, 0, 0], [True, False, False])
+    """
     import numpy as np
 
     if array is None:  # a column the record does not have: NULL in every row
