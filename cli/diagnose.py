@@ -22,6 +22,7 @@ from probe.diagnosis.rules import SEVERITIES, Rule, all_rules
 from probe.util.procfs import proc_state
 
 from .plumbing.fanout import fan_out
+from .plumbing.postmortem import is_postmortem
 
 __all__ = ["Finding", "Diagnosis", "diagnose", "fold", "findings_table", "fill_message", "next_commands"]
 
@@ -64,10 +65,24 @@ class Diagnosis:
     rules_run: int
     rules_skipped: list
     elapsed: float
+    lacking: str = "the process does not have"  # who lacks a table a skipped rule reads (see skipped_lines)
 
     @property
     def worst(self) -> str | None:
         return min((f.severity for f in self.findings), key=SEVERITIES.index, default=None)
+
+    def skipped_lines(self) -> list:
+        """The rules that could not run, one line each, except those that read a table the process (or its
+        post-mortem record) lacks: one line for all of them, naming the tables."""
+        tables = list(dict.fromkeys(s["table"] for s in self.rules_skipped if s.get("table")))
+        lines = [f"{s['rule']}: {s['why']}" for s in self.rules_skipped if not s.get("table")]
+        if tables:
+            n = sum(1 for s in self.rules_skipped if s.get("table"))
+            lines.append(
+                f"{n} rule{'s' if n != 1 else ''} read tables {self.lacking}: {', '.join(sorted(tables))} "
+                "(--format json names each rule)."
+            )
+        return lines
 
     def to_dict(self) -> dict:
         return {
@@ -224,9 +239,10 @@ def _user_rules(con, builtin_names: set) -> list:
     return out
 
 
-def _plans(rules: list, schema: dict, answering: int, write: bool = True):
-    """``[(rule, plan)]`` for the rules that can run here, and ``[{rule, why}]`` for the rest; the plans are
-    cached in the runtime directory, or in memory only when ``write`` is false."""
+def _plans(rules: list, schema: dict, answering: int, lacking: str, write: bool = True):
+    """``[(rule, plan)]`` for the rules that can run here, and ``[{rule, why}]`` for the rest (with ``table``
+    when the rule reads a table that ``lacking`` names the owner of); the plans are cached in the runtime
+    directory, or in memory only when ``write`` is false."""
     from probe.sql.federate import plan
     from probe.sql.plan_cache import PlanCache
     from probe.sql.ranks import view_params
@@ -250,8 +266,11 @@ def _plans(rules: list, schema: dict, answering: int, write: bool = True):
                 continue
             plans.append((r, p))
         except ProbeError as exc:
-            why = exc.message
-            skipped.append({"rule": r.name, "why": why})
+            table = getattr(exc, "table", None)
+            if table:
+                skipped.append({"rule": r.name, "why": f"it reads {table}, which {lacking}", "table": table})
+            else:
+                skipped.append({"rule": r.name, "why": exc.message})
     cache.save()
     return plans, skipped
 
@@ -273,6 +292,13 @@ def diagnose(session, targets=None) -> Diagnosis:
     findings = [_outside(a.target, a.error) for a in health if not a.ok]
     answering = [a.target for a in health if a.ok]
     skipped, run, rules = [], 0, []
+    lacking = (
+        "the post-mortem record does not keep"
+        if answering and all(is_postmortem(t) for t in answering)
+        else "the process does not have"
+        if len(answering) == 1
+        else "the processes do not have"
+    )
     if answering:
         schema = fetch_schema(session, answering)
         rules = all_rules()
@@ -291,7 +317,7 @@ def diagnose(session, targets=None) -> Diagnosis:
                 rules += _user_rules(con, {r.name for r in rules})
             finally:
                 con.close()
-        plans, skipped = _plans(rules, schema, len(answering), write=session.writes_files)
+        plans, skipped = _plans(rules, schema, len(answering), lacking, write=session.writes_files)
         needed = {name for _, p in plans for name in p.parts}
         parts = {
             name: " ".join(FEDERATED_VIEWS[name].split())
@@ -345,7 +371,7 @@ def diagnose(session, targets=None) -> Diagnosis:
             f.step or 0,
         )
     )
-    return Diagnosis(findings, len(targets), len(answering), run, skipped, time.perf_counter() - started)
+    return Diagnosis(findings, len(targets), len(answering), run, skipped, time.perf_counter() - started, lacking)
 
 
 def fold(findings: list, explains: dict) -> list:

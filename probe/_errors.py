@@ -46,15 +46,17 @@ class ProbeError(Exception):
 
 
 class QueryError(ProbeError):
-    """Refused or failed SQL. ``line``/``col`` come from sqlglot when it could not parse."""
+    """Refused or failed SQL. ``line``/``col`` come from sqlglot when it could not parse; ``table`` names the
+    table the query asked for and the process does not have, when that is why it was refused."""
 
     exit_code = 2
     kind = "query"
 
-    def __init__(self, message: str, *, line: int | None = None, col: int | None = None):
+    def __init__(self, message: str, *, line: int | None = None, col: int | None = None, table: str | None = None):
         super().__init__(message)
         self.line = line
         self.col = col
+        self.table = table
 
     def to_dict(self) -> dict:
         d = super().to_dict()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from probe.util.wire import object_column
+from probe.util.wire import column_arrays
 
 __all__ = ["SLOT", "typed_select", "concat_snapshots", "raw_columns", "quote", "is_simple_type"]
 
@@ -78,11 +78,8 @@ def raw_columns(columns: list, data: dict) -> tuple[dict, list]:
     for name, typ in columns:
         values = data[name]
         kind, valid = None, None
-        if isinstance(values, np.ndarray) and values.dtype.kind in "fiub":
-            kind, data_, mask = "f8" if values.dtype.kind == "f" else "i8", np.ma.getdata(values), np.ma.getmask(values)
-            valid = None if mask is np.ma.nomask else ~mask
-        elif typ != "VARCHAR":  # Python values: None is NULL, NaN stays a value (as on the wire)
-            kind, data_, valid = object_column(list(values), typ)
+        if typ != "VARCHAR" or isinstance(values, np.ndarray) and values.dtype.kind in "fiub":
+            kind, data_, valid = column_arrays(values, typ)  # as on the wire: None or masked is NULL, NaN a value
         if kind is not None and kind != "str":
             has_nulls = valid is not None and not valid.all()
             arrays[name] = data_

@@ -200,7 +200,7 @@ def _check_tables(stmt: exp.Expression, known: set) -> list[str]:
         if full not in known or id(tbl) not in in_scope:
             listing = ", ".join(sorted(known))
             shown = tbl.sql(dialect="duckdb")
-            raise QueryError(f"unknown table {shown}; known tables: {listing}.")
+            raise QueryError(f"unknown table {shown}; known tables: {listing}.", table=shown)
         if full not in used:
             used.append(full)
     return used

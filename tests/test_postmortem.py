@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -433,3 +434,103 @@ def test_a_sigterm_handler_the_program_installs_later_keeps_the_signal(spawn):
     # then: the program's handler ran and it exited as it chose, not killed by the probe's watcher
     assert job.popen.wait(60) == 0, job.output()
     job.wait_for("graceful stop", 10)
+
+
+def _rows(cli, pid: int, table: str) -> list:
+    r = cli(str(pid), "--format", "json", "query", "--max-rows", "100000", f"SELECT * FROM {table}")
+    assert r.returncode == 0 and "Warning" not in r.stderr, (table, r.stderr)
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def live_then_dead(shared_spawn, shared_cli):
+    """A training loop (two optimizers, module traces, steps measured and not) that has stopped stepping: every
+    table the process serves (probe.tables, less those the client computes) read live, then the process stopped
+    with SIGTERM (its record written at death)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    job = shared_spawn([TARGETS / "torch_loops.py", "--steps", "40"], env={"PROBE_POSTMORTEM_EVERY": "0"})
+    listed = json.loads(
+        shared_cli(
+            str(job.pid), "--format", "json", "query", "SELECT name, kind FROM probe.tables WHERE kind <> 'client'"
+        ).stdout
+    )
+    with ThreadPoolExecutor(2) as pool:
+        live = dict(zip([t["name"] for t in listed], pool.map(lambda t: _rows(shared_cli, job.pid, t["name"]), listed)))
+    os.kill(job.pid, signal.SIGTERM)
+    job.popen.wait(30)
+    return job.pid, live, {t["name"]: t["kind"] for t in listed}
+
+
+def _ordered(rows: list, ids: list) -> list:
+    return sorted(rows, key=lambda r: json.dumps([r[c] for c in ids]))
+
+
+def _same(a, b) -> bool:
+    return a == b or isinstance(a, float) and isinstance(b, float) and a != a and b != b
+
+
+@requires_torch
+def test_a_record_holds_what_the_live_tables_held(live_then_dead, shared_cli):
+    # given: every table read live, then the process dead
+    pid, live, kinds = live_then_dead
+    kept = json.loads(shared_cli(str(pid), "--format", "json", "tables").stdout)
+    kept = [t["name"] for t in kept]
+    assert {"torch.steps", "python.torch_trace", "torch.optimizer_steps", "process.info"} <= set(kept), kept
+    # the loop left NULLs to keep: unmeasured steps, backward traces without output statistics
+    assert any(r["grad_norm"] is None for r in live["torch.steps"]), live["torch.steps"][-1]
+    assert any(r["grad_norm"] is not None for r in live["torch.steps"]), live["torch.steps"][0]
+    assert any(r["out_std"] is None for r in live["python.torch_trace"]), live["python.torch_trace"][:2]
+    overlay = {"source", "state", "exit_cause", "exited_at", "exit_reason"}  # process.info says how it ended
+    for table in kept:
+        # when: the record is read as the dead process's table
+        dead = _rows(shared_cli, pid, table)
+        before = live[table]
+        if before and dead:
+            assert list(dead[0]) == list(before[0]), table  # the same columns in the same order
+        if kinds[table] == "ring":
+            # then: the rows the loop wrote (it stepped no more) come back cell for cell, NULL for NULL; rows are
+            # matched by their whole numbers and texts that are never NULL (step, seq, module, ...)
+            ids = [c for c in (before[0] if before else ()) if all(isinstance(r[c], (int, str)) for r in before)]
+            for was, now in zip(_ordered(before, ids), _ordered(dead, ids)):
+                bad = {c: (was[c], now[c]) for c in was if not _same(was[c], now[c])}
+                assert not bad, (table, was, bad)
+            assert len(dead) == len(before), (table, len(before), len(dead))
+            continue
+        # a point-in-time table is read again at death: a column NULL in every live row is NULL in every row of
+        # the record, one never NULL live is never NULL there, and no NULL came back as NaN
+        for c in before[0] if before and dead else ():
+            if c in overlay and table == "process.info":
+                continue
+            nulls_live = {r[c] is None for r in before}
+            nulls_dead = {r[c] is None for r in dead}
+            assert nulls_live == nulls_dead or len(nulls_live) == 2, (table, c, nulls_live, nulls_dead)
+            assert not any(isinstance(r[c], float) and r[c] != r[c] for r in dead), (table, c)
+
+
+@requires_torch
+def test_the_doctor_on_a_dead_pid_reads_nulls_as_unknown_and_names_the_missing_tables_once(live_then_dead, shared_cli):
+    # given: a dead process whose unmeasured steps have no CPU wait (NULL)
+    pid, _, _ = live_then_dead
+    # when: the doctor reads its record, info findings and skipped rules included
+    d = shared_cli(str(pid), "doctor", "--all")
+    # then: no rule read a NULL as a number ("waited nan ms"), and the tables the record does not keep are one line
+    assert d.returncode in (0, 8) and "Traceback" not in d.stderr, d.stdout + d.stderr
+    assert not re.search(r"\bnan\b", d.stdout + d.stderr, re.IGNORECASE), d.stdout
+    skipped = d.stdout.split("Rules that could not run here:\n", 1)[1].splitlines()
+    lacking = [line for line in skipped if "the post-mortem record does not keep" in line]
+    assert len(lacking) == 1 and "torch.parameters" in lacking[0] and "torch.checks" in lacking[0], d.stdout
+    assert "known tables" not in d.stdout and len(skipped) <= 3, d.stdout
+    # and --format json still names each rule with the table it reads
+    doc = json.loads(shared_cli(str(pid), "doctor", "-f", "json").stdout)
+    reads = {s["rule"]: s.get("table") for s in doc["rules_skipped"]}
+    assert reads.get("grads_by_layer") == "torch.parameters", doc["rules_skipped"]
+
+
+@requires_torch
+def test_list_dead_takes_f_json_like_format_json(live_then_dead, shared_cli):
+    pid, _, _ = live_then_dead
+    short = shared_cli("list", "--dead", "-f", "json")
+    assert short.returncode == 0, short.stderr
+    assert short.stdout == shared_cli("list", "--dead", "--format", "json").stdout
+    assert pid in [row["pid"] for row in json.loads(short.stdout)], short.stdout

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 import os
 
-__all__ = ["Command", "command", "COMMANDS", "find", "load_all", "command_modules"]
+__all__ = ["Command", "command", "COMMANDS", "find", "load_all", "command_modules", "format_flag"]
 
 COMMANDS: dict[str, type] = {}
 
@@ -48,6 +48,15 @@ def command(name: str, help: str, *, aliases: tuple[str, ...] = (), own_format: 
         return cls
 
     return register
+
+
+def format_flag(
+    parser, choices: tuple = ("table", "json", "csv"), help: str = "Output format (same as --format)."
+) -> None:
+    """``-f FORMAT``, the short form of the global ``--format``, for the commands that print results."""
+    import argparse
+
+    parser.add_argument("-f", dest="format", choices=choices, default=argparse.SUPPRESS, help=help)
 
 
 def command_modules() -> list[str]:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
-from . import Command, command
+from . import Command, command, format_flag
 
 # Exit code when the doctor finds a warning or worse (0 means nothing above info).
 FOUND_EXIT = 8
@@ -20,12 +19,10 @@ class Doctor(Command):
     @staticmethod
     def add_arguments(p):
         p.add_argument("--all", action="store_true", help="Also print info findings and the rules that could not run.")
-        p.add_argument(
-            "-f",
-            dest="format",
-            choices=("table", "json"),
-            default=argparse.SUPPRESS,
-            help="Output format: the findings in sentences (table, the default) or json (same as --format).",
+        format_flag(
+            p,
+            ("table", "json"),
+            "Output format: the findings in sentences (table, the default) or json (same as --format).",
         )
 
     def run(self, session, args):
@@ -77,5 +74,5 @@ def _text(dx, show_all: bool) -> str:
     if show_all and dx.rules_skipped:
         lines.append("")
         lines.append("Rules that could not run here:")
-        lines += [f"  {s['rule']}: {s['why']}" for s in dx.rules_skipped]
+        lines += [f"  {line}" for line in dx.skipped_lines()]
     return "\n".join(lines)

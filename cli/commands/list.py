@@ -7,7 +7,7 @@ import time
 
 from probe._errors import ProbeError
 
-from . import Command, command
+from . import Command, command, format_flag
 
 
 @command(
@@ -17,6 +17,7 @@ class List(Command):
     @staticmethod
     def add_arguments(p):
         p.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+        format_flag(p)
         p.add_argument(
             "--dead",
             action="store_true",

@@ -7,7 +7,7 @@ import sys
 
 from probe._errors import ProbeError
 
-from . import Command, command
+from . import Command, command, format_flag
 
 
 def _read_sql(text: str) -> str:
@@ -21,13 +21,7 @@ class Query(Command):
     @staticmethod
     def add_arguments(p):
         p.add_argument("sql", help="The SQL query, or - to read it from standard input.")
-        p.add_argument(
-            "-f",
-            dest="format",
-            choices=("table", "json", "csv"),
-            default=argparse.SUPPRESS,
-            help="Output format (same as --format).",
-        )
+        format_flag(p)
         p.add_argument(
             "--max-rows", type=int, default=None, help="Row cap of the result (default PROBE_MAX_ROWS, 10000)."
         )

@@ -23,15 +23,13 @@ def is_postmortem(target) -> bool:
 
 def refine_refusal(exc: QueryError, targets) -> QueryError:
     """A query refused on one dead process's record: say which tables its record keeps."""
-    import re
-
-    found = re.match(r"unknown table (\S+?);", exc.message)
-    if len(targets) != 1 or not is_postmortem(targets[0]) or not found:
+    if len(targets) != 1 or not is_postmortem(targets[0]) or not exc.table:
         return exc
     rec = targets[0].record
     return QueryError(
         f"{rec.describe()}; its post-mortem record keeps {', '.join(rec.stored) or 'no tables'} "
-        f"(and the ranks.* views), not {found.group(1)}."
+        f"(and the ranks.* views), not {exc.table}.",
+        table=exc.table,
     )
 
 

@@ -70,7 +70,18 @@ def _type_of(array) -> str:
 
 
 def _column(array, valid, typ: str, n: int) -> dict:
-    """One column in ``wire.decode``'s form (``type``, ``kind``, ``data``, ``valid``) with its NULLs restored."""
+    """One column in ``wire.decode``'s form (``type``, ``kind``, ``data``, ``valid``) with its NULLs restored.
+
+    Only valid cells are cast to an integer type: whatever lies under a NULL (an older record kept a ring's
+    unwritten slots) is never read as a number.
+
+    >>> import numpy as np, warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("error")  # numpy's "invalid value encountered in cast" would raise here
+    ...     c = _column(np.array([7.0, 3.6e174, np.nan]), np.array([True, False, True]), "BIGINT", 3)
+    >>> c["data"].tolist(), c["valid"].tolist()
+    ([7, 0, 0], [True, False, False])
+    """
     import numpy as np
 
     if array is None:  # a column the record does not have: NULL in every row
@@ -78,6 +89,8 @@ def _column(array, valid, typ: str, n: int) -> dict:
             return {"type": typ, "kind": "str", "data": np.full(n, None, dtype=object), "valid": None}
         return {"type": typ, "kind": "f8", "data": np.zeros(n, dtype="<f8"), "valid": np.zeros(n, dtype=bool)}
     kind = array.dtype.kind
+    if valid is not None and (valid.dtype.kind != "b" or valid.shape != array.shape):
+        valid = None  # not a mask of this column (a damaged record): its values as they are
     if kind in "USO":
         data = np.empty(len(array), dtype=object)
         data[:] = array.tolist()
@@ -89,11 +102,12 @@ def _column(array, valid, typ: str, n: int) -> dict:
     if kind in "iu":
         return {"type": typ, "kind": "i8", "data": array.astype("<i8"), "valid": valid}
     data = array.astype("<f8")
-    if typ in _NUMERIC or typ == "TIMESTAMP" or typ == "BOOLEAN":  # NaN can only mean NULL there
-        nan = np.isnan(data)
-        if nan.any():
-            valid = ~nan if valid is None else (valid & ~nan)
-            data = np.where(nan, 0.0, data)
+    if typ in _NUMERIC or typ == "TIMESTAMP" or typ == "BOOLEAN":  # NaN, infinity, past int64: NULL there
+        fits = np.abs(data) < 2.0**63
+        bad = ~fits if valid is None else ~(valid & fits)
+        if bad.any():
+            valid = ~bad
+            data = np.where(bad, 0.0, data)
         if typ != "TIMESTAMP":
             return {
                 "type": typ,

@@ -150,12 +150,14 @@ def _backtrace_data(stacks: list) -> dict:
 def _columns(name: str, rows: int, data: dict | None = None) -> dict | None:
     """``{column: numpy array}`` of table ``name`` (its last ``rows`` rows), or None when absent.
 
-    Arrays of numbers and booleans are kept as they are; values a generator built in
-    Python are stored by declared type, and a column with NULLs gets ``<column>.valid``.
+    Each column is read as the wire reads it (``wire.column_arrays``: a masked entry or a None is
+    NULL, a NaN is a value), text stored as a unicode array, and a column with NULLs gets
+    ``<column>.valid`` (false where NULL): a reader restores exactly what a live query returns.
     """
     import numpy as np
 
     from ..tables.registry import Context, get_table, to_columns
+    from ..util.wire import column_arrays
 
     tbl = get_table(name)
     if tbl is None:
@@ -170,23 +172,9 @@ def _columns(name: str, rows: int, data: dict | None = None) -> dict | None:
             values = [None] * rows_in
         if not isinstance(values, np.ndarray):
             values = list(values)
-        values = values[-rows:]
-        if isinstance(values, np.ndarray) and values.dtype != object:
-            out[col.name] = values
-            continue
-        valid = np.array([v is not None for v in values], dtype="b1")
-        if col.type in ("BIGINT", "INTEGER") and valid.all() and all(isinstance(v, int) for v in values):
-            out[col.name] = np.array(values, dtype="i8")  # exact (thread idents pass 2**53 on some systems)
-        elif col.type in ("BIGINT", "INTEGER", "DOUBLE", "TIMESTAMP"):
-            out[col.name] = np.array(
-                [np.nan if v is None else (v.timestamp() if hasattr(v, "timestamp") else float(v)) for v in values],
-                dtype="f8",
-            )
-        elif col.type == "BOOLEAN":
-            out[col.name] = np.array([bool(v) for v in values], dtype="b1")
-        else:
-            out[col.name] = np.array(["" if v is None else str(v) for v in values], dtype=str)
-        if not valid.all():
+        kind, array, valid = column_arrays(values[-rows:], col.type)
+        out[col.name] = np.array(array, dtype=str) if kind == "str" else array
+        if valid is not None:
             out[col.name + ".valid"] = valid
     return out
 

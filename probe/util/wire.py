@@ -32,7 +32,7 @@ import math
 import re
 import struct
 
-__all__ = ["MAGIC", "TYPES", "encode", "decode", "object_column", "check_table", "WireError"]
+__all__ = ["MAGIC", "TYPES", "encode", "decode", "column_arrays", "object_column", "check_table", "WireError"]
 
 MAGIC = b"PRBC"
 _FIXED = {"f8": "<f8", "i8": "<i8", "b1": "|b1"}
@@ -132,29 +132,53 @@ def _dictionary(seq: list):
     return dense, keys
 
 
-def _column_buffers(values, typ: str) -> tuple[str, list]:
-    """The column's kind and its buffers (bytes-like), valid mask last when there are NULLs."""
+def column_arrays(values, typ: str):
+    """(kind, data, valid) of one column, the one reading of a table's values for the wire and for a
+    post-mortem record: ``kind`` is ``f8``, ``i8``, ``b1`` or ``str``; ``data`` a contiguous numpy array (a
+    list of str for ``str``); ``valid`` a bool array, False where NULL, or None when no value is NULL.
+
+    A numpy array keeps its dtype and a masked entry is NULL; a cell under the mask holds 0 (a ring slot
+    no one wrote, ``numpy.ma.masked_all``'s uninitialised memory, never leaves the process). Other values
+    go by the declared type (``object_column``), None being NULL.
+
+    >>> import numpy as np
+    >>> kind, data, valid = column_arrays(np.ma.masked_array([1.5, 7e300], mask=[False, True]), "DOUBLE")
+    >>> kind, data.tolist(), valid.tolist()
+    ('f8', [1.5, 0.0], [True, False])
+    >>> column_arrays([3, None], "BIGINT")[0], column_arrays(np.arange(2), "BIGINT")[2]
+    ('i8', None)
+    """
     import numpy as np
 
     if isinstance(values, np.ndarray) and values.dtype.kind in "fiub":
         kind = {"f": "f8", "i": "i8", "u": "i8", "b": "b1"}[values.dtype.kind]
         data = np.ascontiguousarray(np.ma.getdata(values), dtype=_FIXED[kind])
         mask = np.ma.getmask(values)
-        valid = None if mask is np.ma.nomask or not mask.any() else (~mask).view(np.uint8)
-        return kind, [data, valid]
+        if mask is np.ma.nomask or not mask.any():
+            return kind, data, None
+        data = np.where(mask, np.zeros((), dtype=data.dtype), data)
+        return kind, data, ~np.asarray(mask, dtype=bool)
     seq = values.tolist() if isinstance(values, np.ndarray) else list(values)
-    if typ == "VARCHAR":
-        found = _dictionary(seq)
+    kind, data, valid = object_column(seq, typ)
+    return kind, data, None if valid.all() else valid
+
+
+def _column_buffers(values, typ: str) -> tuple[str, list]:
+    """The column's kind and its buffers (bytes-like), valid mask last when there are NULLs."""
+    import numpy as np
+
+    if typ == "VARCHAR" and not (isinstance(values, np.ndarray) and values.dtype.kind in "fiub"):
+        found = _dictionary(values.tolist() if isinstance(values, np.ndarray) else list(values))
         if found is not None:
             codes, keys = found
             texts = [k if isinstance(k, str) else "" if k is None or k != k else str(k) for k in keys]
             valid = np.fromiter((k is not None and k == k for k in keys), bool, len(keys))
             return "dict", [codes, *_strings(texts), None if valid.all() else valid.view(np.uint8)]
-    kind, data, valid = object_column(seq, typ)
-    mask = None if valid.all() else valid.view(np.uint8)
-    if kind != "str":
-        return kind, [np.ascontiguousarray(data, dtype=_FIXED[kind]), mask]
-    return kind, [*_strings(data), mask]
+    kind, data, valid = column_arrays(values, typ)
+    mask = None if valid is None else valid.view(np.uint8)
+    if kind == "str":
+        return kind, [*_strings(data), mask]
+    return kind, [data, mask]
 
 
 def encode(tables: dict, meta: dict, max_bytes: int | None = None) -> list:
