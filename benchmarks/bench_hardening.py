@@ -1,4 +1,4 @@
-"""What queries cost a training process, now that DuckDB runs in the client (issue 14).
+"""What queries cost a training process, now that DuckDB runs in the client.
 
     python benchmarks/bench_hardening.py [--seconds 3] [--clients 20] [--repeat 11] [--baseline DIR] [--no-pin]
 

@@ -1,4 +1,4 @@
-"""Start-up of the one-shot `probe` command against `py-spy dump`, side by side (issue 26).
+"""Start-up of the one-shot `probe` command against `py-spy dump`, side by side.
 
     python benchmarks/bench_startup.py [--rounds 15] [--no-torch] [--imports]
 

@@ -1,4 +1,4 @@
-"""Every step's core signals (issue 29): the loss, lr, duration and a memory reading on every step,
+"""Every step's core signals: the loss, lr, duration and a memory reading on every step,
 whatever the step budget measured, and the doctor's rules that read them (memory_growth by time,
 input_bound from every step's data_wait, so that two DataLoader workers cannot hide the slow half)."""
 

@@ -1,4 +1,4 @@
-"""Issue 14: no query, request or action can hurt the training process or let anyone in.
+"""No query, request or action can hurt the training process or let anyone in.
 
 Each test reproduces one class of the red-team findings against a real target process
 and the real CLI (or a raw socket, for what the CLI would never send).

@@ -1,4 +1,4 @@
-"""Issue 25 item 4: what the MCP read tier lets an agent reach.
+"""What the MCP read tier lets an agent reach.
 
 (a) a token goes only to an endpoint the registry issued it for, never to one the agent names; (b) the read
 tier writes no files unless the person named a directory, and then only new files there, and the collapsed

@@ -1,4 +1,4 @@
-"""Issue 25 item 7: what a client without the token, or with expensive snapshots, can take from the training process.
+"""What a client without the token, or with expensive snapshots, can take from the training process.
 
 Each test drives a real training loop (tests/targets/actions_train.py, which prints ``step N``) and ends by
 checking that it kept stepping.

@@ -1,5 +1,5 @@
-"""Hardening, round 3 (issue 25, items 1, 2, 3 and 8): who runs what, what a rate may be, what a shared
-registry may hold, and the edges of checkpoint paths and injection, each against a real process."""
+"""Who runs what, what a rate may be, what a shared registry may hold, and the edges of checkpoint paths and
+injection, each against a real process."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 25 item 6: the page's server against other local users and other web pages.
+"""The page's server against other local users and other web pages.
 
 `probe ui --open` never puts the token on a command line; every request must name this server
 (Host: DNS rebinding) and come from its origin; POSTs need the page's CSRF header; idle

@@ -1,4 +1,4 @@
-"""The step tracker's quick path (issue 29): most boundaries of a fast loop take it, with the exact loss, also when
+"""The step tracker's quick path: most boundaries of a fast loop take it, with the exact loss, also when
 every step evaluates a closure (Lightning) and when the hang watchdog is armed. In the test process, with the
 probe's own optimizer hooks on one optimizer (not torch's global ones, which would outlive the test)."""
 

@@ -29,7 +29,7 @@ REFUSED = {
     "multi": ("SELECT 1; SELECT 2", "one statement"),
     "unknown": ("SELECT * FROM nope.nothing", "unknown table"),
     "catalog": ("SELECT * FROM memory.python.threads", "catalog"),
-    # a CTE named like a DuckDB catalog view is visible only inside its own subquery (issue 14, item 2)
+    # a CTE named like a DuckDB catalog view is visible only inside its own subquery
     "cte_out_of_scope": (
         "SELECT * FROM (WITH pg_settings AS (SELECT 1 a) SELECT a FROM pg_settings) s, pg_settings",
         "unknown table pg_settings",

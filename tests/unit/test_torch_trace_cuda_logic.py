@@ -147,7 +147,7 @@ class TorchWithPinnedStandIn(TorchWithFakeCuda):
 
 
 def test_a_device_loss_is_copied_without_a_sync_and_filled_in_when_its_event_completes():
-    """Every step's loss on CUDA (issue 29): the boundary's quick path copies it into a pinned buffer with an
+    """Every step's loss on CUDA: the boundary's quick path copies it into a pinned buffer with an
     event and writes NULL; the row is filled in once the event has completed, never by waiting for it."""
     import torch
 
