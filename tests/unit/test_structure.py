@@ -1,4 +1,5 @@
-"""The package's import graph has no cycles: top-level and in-function imports both.
+"""The package's structure: an import graph without cycles (top-level and in-function imports both), private
+modules used only inside their package, and code that says what and why rather than which issue asked for it.
 
 Every ``import`` and ``from ... import`` in every module of the installed package
 (``probe``, ``probe.sql``, ``probe.cli``, ``probe.injector``: the folders named by
@@ -10,6 +11,7 @@ functions, so any cycle fails the test with the modules that form it.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -191,3 +193,28 @@ def test_a_planted_private_import_is_found(tmp_path):
     found = private_imports(modules({"probe": "probe"}, tmp_path), {"test_x.py": tmp_path / "test_x.py"})
     # then
     assert found == {("probe.other.use", "probe.pkg._impl"), ("test_x.py", "probe.pkg._impl")}
+
+
+_HISTORY = re.compile(r"\b(issue|round) [0-9]+", re.IGNORECASE)
+
+
+def history_mentions(roots) -> list[str]:
+    """``path:line`` of each mention of an issue number or a round in the Python files under ``roots``."""
+    out = []
+    for root in roots:
+        for path in sorted(Path(root).rglob("*.py")):
+            for n, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+                if _HISTORY.search(line):
+                    out.append(f"{path}:{n}")
+    return out
+
+
+def test_code_and_tests_say_what_and_why_not_which_issue_asked():
+    # comments, docstrings and test names carry no history: which issue or round asked for a change is git's
+    found = history_mentions(ROOT / d for d in ("probe", "sql", "cli", "injector", "tests"))
+    assert not found, found
+
+
+def test_a_planted_history_mention_is_found(tmp_path):
+    (tmp_path / "m.py").write_text('"""What it does."""\n# fixed in ' + "ROUND" + " 3\nx = 1\n")
+    assert history_mentions([tmp_path]) == [f"{tmp_path / 'm.py'}:2"]
