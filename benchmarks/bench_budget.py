@@ -27,12 +27,18 @@ resolve what the step-time ratio cannot. Goal: on/off <= 1.01 at every step time
 Where the A/A spread is wider than 1 %, the machine cannot resolve the goal and the
 probe_us share is the steady figure.
 
-    python benchmarks/bench_budget.py [--rounds 12] [--only plain0.5|plain1|plain2|plain10|plain100|hf|lightning]
+Loops shaped as others write them (``shaped_loop``: 3 Linear layers with in-place ReLUs, Adam or SGD, a
+StepLR or none, cross-entropy or MSE, 10 or 100 layers) vary what the plain loops keep fixed; the ``cold``
+row alternates the arms from the probe's first step, so the first 5,000 steps (discovery scans, the budget's
+first burst) are counted too.
+
+    python benchmarks/bench_budget.py [--rounds 12] [--only WORKLOAD]   (--help lists them)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -269,11 +275,12 @@ def median_step(step, n: int) -> float:
     return statistics.median(times)
 
 
-def calibrated(target_s: float):
-    """The plain-loop step function whose median step time first reaches ``target_s`` (widths grow by √2)."""
+def calibrated(target_s: float, build=None):
+    """The plain-loop step function (``build(width)``, default ``mlp``) whose median step time first reaches
+    ``target_s`` (widths grow by √2)."""
     width = 16
     while True:
-        step = mlp(width)
+        step = (build or mlp)(width)
         median_step(step, 3)
         if median_step(step, max(3, min(30, int(0.2 / target_s)))) >= target_s or width >= 8192:
             return step, width
@@ -293,6 +300,64 @@ def plain(target: float, block: int):
         alt = Alternation(block, rounds if target < 0.05 else max(4, rounds // 2), edges)
         alt.run(step)
         alt.report(f"plain ~{target * 1e3:g} ms (w={width})")
+
+    return run
+
+
+# -- loops shaped as others write them --------------------------------------------------------------------
+def shaped_loop(width: int, layers: int, optimizer: str, scheduler: bool, loss: str):
+    """A loop as written outside the project: ``layers`` Linear layers with in-place ReLUs between them, Adam
+    or SGD, a StepLR or none, cross-entropy over 10 classes or MSE, ``zero_grad()`` first (not set_to_none)."""
+    torch.manual_seed(0)
+    mods = []
+    for i in range(layers):
+        mods.append(nn.Linear(width, 10 if i == layers - 1 and loss == "ce" else width))
+        if i < layers - 1:
+            mods.append(nn.ReLU(inplace=True))
+    model = nn.Sequential(*mods)
+    opt = (
+        torch.optim.Adam(model.parameters(), lr=1e-3)
+        if optimizer == "adam"
+        else torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    )
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1000, gamma=0.5) if scheduler else None
+    crit = nn.CrossEntropyLoss() if loss == "ce" else nn.MSELoss()
+    x = torch.randn(32, width)
+    y = torch.randint(0, 10, (32,)) if loss == "ce" else torch.randn(32, width)
+
+    def step():
+        opt.zero_grad()
+        out = model(x)
+        value = crit(out, y)
+        value.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+    return step
+
+
+def shaped(target: float, block: int, layers: int, optimizer: str, scheduler: bool, loss: str, cold: bool = False):
+    """A ``shaped_loop`` at about ``target`` seconds a step; ``cold``: the arms alternate from the probe's first
+    step on, over its first 5,000 steps (start-up, discovery and the budget's first burst counted), not after a
+    warm-up."""
+
+    def run(rounds: int) -> None:
+        from probe.training import hooks
+
+        build = functools.partial(shaped_loop, layers=layers, optimizer=optimizer, scheduler=scheduler, loss=loss)
+        _, width = calibrated(target, build)
+        step = build(width)
+        hooks.arm()
+        if cold:
+            alt = Alternation(block, max(1, 5000 // (3 * block)))
+        else:
+            for _ in range(max(20, int(2.0 / target))):  # start-up, and 2 s to spend the budget's initial burst
+                step()
+            alt = Alternation(block, rounds)
+        alt.run(step)
+        what = f"{layers} Linear, {optimizer}, {'StepLR' if scheduler else 'no scheduler'}, {loss}"
+        alt.report(f"{'first 5000 steps: ' if cold else ''}{what} ~{target * 1e3:g} ms (w={width})")
 
     return run
 
@@ -405,6 +470,14 @@ WORKLOADS = {
     "plain2": plain(0.002, 60),
     "plain10": plain(0.010, 20),
     "plain100": plain(0.100, 4),
+    # loops shaped as others write them: the scheduler, the optimizer, the loss and the number of modules varied
+    "mlp3-adam-steplr-ce0.5": shaped(0.0005, 200, 3, "adam", True, "ce"),
+    "mlp3-adam-ce0.5": shaped(0.0005, 200, 3, "adam", False, "ce"),
+    "mlp3-sgd-steplr-ce0.5": shaped(0.0005, 200, 3, "sgd", True, "ce"),
+    "mlp3-adam-steplr-ce1": shaped(0.001, 100, 3, "adam", True, "ce"),
+    "linear10-sgd-mse0.5": shaped(0.0005, 200, 10, "sgd", False, "mse"),
+    "linear100-adam-steplr-ce2": shaped(0.002, 60, 100, "adam", True, "ce"),
+    "cold-mlp3-adam-steplr-ce0.5": shaped(0.0005, 100, 3, "adam", True, "ce", cold=True),
     "hf": hf,
     "lightning": lightning,
 }
