@@ -376,6 +376,39 @@ HAVING abs(ln(arg_min(d.c, abs(ln(d.c) - m.now_loss))) - m.now_loss) < 0.03 * m.
 )
 
 rule(
+    "loss_input_not_logits",
+    family="plateau",
+    severity="warning",
+    description=(
+        "The loss function is given probabilities where it expects logits (torch.loss made_by, from the loss's "
+        "autograd graph): cross_entropy fed by a softmax, nll_loss fed by a softmax without a log, or "
+        "binary_cross_entropy_with_logits fed by a sigmoid. The loss applies its own (log-)softmax or sigmoid, so "
+        "the outputs are squashed twice: the loss cannot go below a floor and the gradients shrink."
+    ),
+    sql="""
+SELECT rank, function, made_by,
+  CASE WHEN function = 'BinaryCrossEntropyWithLogitsBackward0'
+         THEN 'binary_cross_entropy_with_logits (BCEWithLogitsLoss) is given sigmoid outputs, not logits: it applies '
+              || 'the sigmoid itself, so every prediction is squashed twice and sits between 0.5 and 0.73; remove the '
+              || 'sigmoid before the loss (keep it for predictions only), or use binary_cross_entropy on probabilities'
+       WHEN made_by LIKE 'SoftmaxBackward0%'
+         THEN 'nll_loss (NLLLoss) is given probabilities from a softmax, not log-probabilities: use log_softmax, or '
+              || 'cross_entropy on the logits'
+       ELSE 'cross_entropy (CrossEntropyLoss) is given probabilities from a softmax, not logits: it applies '
+            || 'log_softmax itself, so the outputs are squashed twice, the loss cannot fall far and the gradients '
+            || 'shrink; remove the softmax before the loss (keep it for predictions only)' END AS what
+FROM torch.loss
+WHERE (function LIKE 'NllLoss%'
+       AND (made_by LIKE 'SoftmaxBackward0%' OR made_by LIKE 'LogSoftmaxBackward0 <- SoftmaxBackward0%'))
+   OR (function = 'BinaryCrossEntropyWithLogitsBackward0' AND made_by LIKE 'SigmoidBackward0%')""",
+    message="{what} (the loss's graph: {function} <- {made_by}).",
+    next=[
+        'probe {target} query "SELECT function, classes, logits_shape, made_by FROM torch.loss"',
+        'probe {target} query "SELECT step, loss FROM torch.steps ORDER BY step DESC LIMIT 20"',
+    ],
+)
+
+rule(
     "loss_plateau",
     family="plateau",
     severity="info",

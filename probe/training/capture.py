@@ -39,20 +39,64 @@ from .shards import is_sharded, local
 __all__ = ["Capture", "loss_logits"]
 
 _NLL = ("NllLossBackward0", "NllLoss2DBackward0")  # cross_entropy is log_softmax + nll_loss
+_BCE_LOGITS = "BinaryCrossEntropyWithLogitsBackward0"
+# nodes that only move or retype values: skipped when naming what made a loss term's input
+_SHAPE = frozenset(
+    (
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
+        "TransposeBackward0",
+        "TBackward0",
+        "PermuteBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "UnsqueezeBackward0",
+        "CloneBackward0",
+        "ToCopyBackward0",
+        "ContiguousBackward0",
+        "ExpandBackward0",
+        "SliceBackward0",
+        "SelectBackward0",
+        "FlattenBackward0",
+    )
+)
 _LOSS_LOOK_EVERY = 1000  # noted backward calls between two looks at the loss's graph (the first one looks)
 
 
-def loss_logits(loss, limit: int = 64):
-    """``(node name, classes, logits shape)`` of the classification loss behind ``loss``, or None.
+def _made_by(node, depth: int = 3) -> str | None:
+    """The operations that made a tensor (``node``: its ``grad_fn``), nearest first, up to ``depth`` of them, the
+    ones that only reshape or retype skipped, following each node's first input: ``"A <- B <- C"``."""
+    names = []
+    hops = 0
+    while node is not None and len(names) < depth and hops < 32:
+        hops += 1
+        name = node.name()
+        if name == "torch::autograd::AccumulateGrad":  # a leaf: nothing made it
+            break
+        if name not in _SHAPE:
+            names.append(name)
+        nexts = node.next_functions
+        node = nexts[0][0] if nexts else None
+    return " <- ".join(names) or None
 
-    Walks ``loss.grad_fn`` breadth first (at most ``limit`` nodes) to a negative log-likelihood
-    node and reads the shape of the log-probabilities it saved: classes are its dim 1 (``[N, C]``,
-    ``[N, C, H, W]``) or dim 0 (``[C]``). Must run before the backward frees the saved tensors.
+
+def loss_logits(loss, limit: int = 64):
+    """``(node name, classes, logits shape, made by)`` of the classification term behind ``loss``, or None.
+
+    Walks ``loss.grad_fn`` breadth first (at most ``limit`` nodes) to a negative log-likelihood node (or a
+    ``binary_cross_entropy_with_logits`` one) and reads the shape of the log-probabilities (logits) it saved:
+    classes are its dim 1 (``[N, C]``, ``[N, C, H, W]``) or dim 0 (``[C]``); NULL for the binary term. ``made by``
+    names the operations that made that term's input (``_made_by``): ``LogSoftmaxBackward0 <- SoftmaxBackward0``
+    means cross_entropy was given probabilities. Must run before the backward frees the saved tensors.
 
     >>> import torch
     >>> logits = torch.randn(6, 128, requires_grad=True)
     >>> loss_logits(torch.nn.functional.cross_entropy(logits, torch.zeros(6, dtype=torch.long)) / 2)
-    ('NllLossBackward0', 128, '[6, 128]')
+    ('NllLossBackward0', 128, '[6, 128]', 'LogSoftmaxBackward0')
+    >>> x = torch.randn(6, 3, requires_grad=True)
+    >>> loss_logits(torch.nn.functional.cross_entropy((x * 2).softmax(1), torch.zeros(6, dtype=torch.long)))[3]
+    'LogSoftmaxBackward0 <- SoftmaxBackward0 <- MulBackward0'
     """
     fn = getattr(loss, "grad_fn", None)
     seen, queue = set(), [fn] if fn is not None else []
@@ -62,12 +106,15 @@ def loss_logits(loss, limit: int = 64):
             continue
         seen.add(id(node))
         name = node.name()
-        if name in _NLL:
+        if name in _NLL or name == _BCE_LOGITS:
             x = getattr(node, "_saved_self", None)
             if x is None or not x.dim():
                 return None
+            made = _made_by(node.next_functions[0][0]) if node.next_functions else None
             shape = list(x.shape)
-            return name, int(shape[1] if x.dim() >= 2 else shape[0]), str(shape)
+            if name == _BCE_LOGITS:
+                return name, None, str(shape), made
+            return name, int(shape[1] if x.dim() >= 2 else shape[0]), str(shape), made
         queue.extend(nf[0] for nf in node.next_functions)
     return None
 

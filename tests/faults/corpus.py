@@ -29,6 +29,11 @@ ERRORS = [
     ("pytorch_13494", "backward_twice", ["backpropagated twice", "NllLossBackward0"]),
     ("farm_46", "lr_zero", ["learning rate 0 since step"]),
     ("prediff_32", "accumulation_erased", ["cleared before each of them"]),
+    (
+        "llama_scratch_5",
+        "loss_input_not_logits",
+        ["cross_entropy (CrossEntropyLoss) is given probabilities from a softmax", "SoftmaxBackward0"],
+    ),
 ]
 
 # one process each (and one for the healthy twins of each): a group's errors are named by different rules, or
@@ -37,5 +42,5 @@ ERRORS = [
 GROUPS = [
     ["so_60335387", "forum_84911", "hvpnet_5", "ivadomed_57", "pytorch_13494", "fcn_57"],
     ["prediff_32", "wekws_72", "adapters_260", "forum_153740", "pytorch_65417", "torchmoji_21"],
-    ["nni_4521", "m2_71", "farm_46", "pytorch_54765"],
+    ["nni_4521", "m2_71", "farm_46", "pytorch_54765", "llama_scratch_5"],
 ]

@@ -54,6 +54,9 @@ The errors (tests/faults/corpus.py gives the doctor rule that must name each, an
   https://github.com/pytorch/pytorch/issues/13494
 * ``farm_46``: a linear-decay schedule whose total step count was computed too small: the rate reaches 0
   before training ends (``Training beyond specified 't_total'``). https://github.com/deepset-ai/FARM/issues/46
+* ``llama_scratch_5``: the model's forward ends in ``F.softmax`` and its output goes to ``F.cross_entropy``,
+  which applies log_softmax itself: the outputs are squashed twice and the loss cannot fall far.
+  https://github.com/bkitano/llama-from-scratch/issues/5
 * ``prediff_32``: with gradient accumulation, ``zero_grad()`` runs at every micro-batch, outside the
   ``if`` that steps the optimizer: each step follows only its last micro-batch. https://github.com/gaozhihan/PreDiff/issues/32
 """
@@ -89,6 +92,7 @@ ERRORS = (
     "pytorch_13494",
     "farm_46",
     "prediff_32",
+    "llama_scratch_5",
 )
 
 p = argparse.ArgumentParser()
@@ -225,7 +229,10 @@ class Phase:
         x, y = batch()
         if not (bug and e in ("so_60335387", "wekws_72")):
             opt.zero_grad(set_to_none=e != "forum_153740")
-        loss = F.cross_entropy(m(x), y)
+        out = m(x)
+        if bug and e == "llama_scratch_5":
+            out = F.softmax(out, dim=-1)  # "logits = F.softmax(a, dim=-1)", then cross_entropy(logits, ...)
+        loss = F.cross_entropy(out, y)
         if bug and e == "torchmoji_21":
             loss = loss.detach().requires_grad_()  # Variable(loss, requires_grad=True)
         if bug and e == "pytorch_13494":

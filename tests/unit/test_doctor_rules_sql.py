@@ -253,3 +253,47 @@ def test_collectives_out_of_step_names_the_rank_that_ran_one_more_and_between_wh
     assert _collectives({16: [16, 16, 16], 32: [32, 32, 32]}) == []
     assert _collectives({16: [None, None], 32: [None, None]}) == []
     assert _collectives({16: [16, 16], 32: [32]}) == []
+
+
+def test_loss_input_not_logits_reads_what_made_the_losss_input_from_its_graph():
+    torch = __import__("pytest").importorskip("torch")
+    from probe.training.capture import loss_logits
+
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 5)
+    x, y = torch.randn(16, 8), torch.randint(0, 5, (16,))
+    onehot = F.one_hot(y, 5).float()
+    losses = {
+        "ce on logits": F.cross_entropy(layer(x), y),
+        "ce on a reshaped softmax": F.cross_entropy(layer(x).softmax(-1).view(16, 5), y),
+        "nll on log_softmax": F.nll_loss(layer(x).log_softmax(-1), y),
+        "nll on log(softmax)": F.nll_loss(layer(x).softmax(-1).log(), y),
+        "nll on softmax": F.nll_loss(layer(x).softmax(-1), y),
+        "bce with logits on logits": F.binary_cross_entropy_with_logits(layer(x), onehot),
+        "bce with logits on a sigmoid": F.binary_cross_entropy_with_logits(torch.sigmoid(layer(x)), onehot) * 2,
+        "mse": F.mse_loss(layer(x), onehot),
+    }
+    said = {}
+    for name, loss in losses.items():
+        kind = loss_logits(loss)
+        row = (None, *kind) if kind else (None, None, None, None, None)
+        said[name] = rule_rows(
+            "loss_input_not_logits",
+            {
+                "torch.loss": (
+                    "rank INTEGER, function VARCHAR, classes BIGINT, logits_shape VARCHAR, made_by VARCHAR",
+                    [row],
+                )
+            },
+            messages=True,
+        )
+    assert said["ce on logits"] == said["nll on log_softmax"] == said["nll on log(softmax)"] == []
+    assert said["bce with logits on logits"] == said["mse"] == []
+    (ce,) = said["ce on a reshaped softmax"]
+    assert ce.startswith("cross_entropy (CrossEntropyLoss) is given probabilities from a softmax, not logits"), ce
+    assert "NllLossBackward0 <- LogSoftmaxBackward0 <- SoftmaxBackward0" in ce, ce
+    (nll,) = said["nll on softmax"]
+    assert nll.startswith("nll_loss (NLLLoss) is given probabilities from a softmax, not log-probabilities"), nll
+    (bce,) = said["bce with logits on a sigmoid"]
+    assert "is given sigmoid outputs, not logits" in bce and "<- SigmoidBackward0" in bce, bce
