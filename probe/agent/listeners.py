@@ -1,5 +1,6 @@
 """The probe's listeners: a unix socket (same user only: a 0700 directory and the peer's uid checked) and, when
-asked, TCP behind a per-rank key (``probe.util.handshake``); each with its own connection bound and read timeout (``server`` handles requests).
+asked, TCP behind a per-rank key (``probe.util.handshake``); each with its own connection bound and read timeout
+(``server`` handles requests).
 """
 
 from __future__ import annotations
