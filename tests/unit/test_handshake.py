@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from probe._errors import AuthError
+from probe import AuthError
 from probe.util import handshake
 
 ME = handshake.identity_of(3, "node1", 7341, 100)
