@@ -108,7 +108,7 @@ def from_entry(entry: dict, token: str | None) -> Target:
             pid=entry["pid"],
             rank=entry.get("rank"),
             entry=entry,
-            key=entry.get("key"),
+            key=None if token else entry.get("key"),  # a token the person typed is the one they mean
         )
     raise EndpointError(
         f"{label} on {entry.get('host')} has no reachable endpoint; start it with PROBE_PORT set so other hosts can "
