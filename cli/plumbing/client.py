@@ -189,15 +189,17 @@ class Client:
                     raise
         return socket.create_connection((t.host, t.port), timeout=timeout)
 
-    def _proven(self, request_line: str, timeout: float) -> str:
+    def _proven(self, request_line: str, deadline: float) -> str:
         """The Authorization value of one TCP request, once the endpoint has proved it holds the rank's key (a
-        challenge on a connection of its own, ``probe.util.handshake``): nothing secret goes out before."""
+        challenge on a connection of its own, within the request's ``deadline``, ``probe.util.handshake``):
+        nothing secret goes out before."""
         from probe.util.handshake import client_header
 
         def ask(value: str) -> tuple[int, bytes]:
-            sock = self._connect(timeout)
+            sock = self._connect(max(deadline - time.monotonic(), 0.001))
             try:
-                return _exchange(sock, "GET", "/health", {"Authorization": value, "Connection": "close"}, None)
+                head = {"Authorization": value, "Connection": "close"}
+                return _exchange(sock, "GET", "/health", head, None, deadline, MAX_JSON_ANSWER)
             finally:
                 sock.close()
 
@@ -221,7 +223,7 @@ class Client:
         sock = None
         try:
             if tcp:
-                headers["Authorization"] = self._proven(f"{method} {path}", timeout)
+                headers["Authorization"] = self._proven(f"{method} {path}", deadline)
             sock = self._connect(timeout)
             status, data = _exchange(sock, method, path, headers, payload, deadline, limit)
         except FileNotFoundError:
