@@ -3,7 +3,7 @@
 Layout of the directory (mode 0700, owned by the user)::
 
     <pid>.sock     the unix socket of the probe in process <pid>
-    <pid>.json     its registry entry (mode 0600): identity, endpoints, token
+    <pid>.json     its registry entry (mode 0600): identity, start time, endpoints, the TCP key
     audit.jsonl    every action and eval, one JSON object a line
     hang-<pid>.txt stacks written by the hang watchdog (read back by offline_status)
 
@@ -33,6 +33,8 @@ __all__ = [
     "read_entries",
     "remove_entry",
     "pid_alive",
+    "process_is",
+    "reused_pid",
     "shared_registry",
     "job_token",
     "registry_listen",
@@ -347,9 +349,11 @@ def _valid_entry(entry) -> bool:
     for key in ("rank", "local_rank", "world_size", "tcp_port"):
         if entry.get(key) is not None and type(entry[key]) is not int:
             return False
-    for key in ("host", "socket", "tcp_host", "job", "token"):
+    for key in ("host", "socket", "tcp_host", "job", "key"):
         if entry.get(key) is not None and not isinstance(entry[key], str):
             return False
+    if entry.get("proc_start") is not None and type(entry["proc_start"]) is not int:
+        return False
     return entry.get("started_at") is None or isinstance(entry["started_at"], (int, float))
 
 
@@ -364,6 +368,38 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return proc_state(pid) != "Z"
+
+
+def process_is(pid: int, started: int | None) -> bool:
+    """Whether ``pid`` runs here and is the process that started at ``started`` (``procfs.proc_start``; None when
+    not known): a pid the kernel gave to a later process is not the one an entry or record was written for."""
+    from .util.procfs import proc_start
+
+    return pid_alive(pid) and (started is None or proc_start(pid) in (None, started))
+
+
+def reused_pid(pid: int) -> str | None:
+    """The sentence saying that this host's entry for ``pid`` names a process that is gone while another now has
+    its pid, or None."""
+    from .util.procfs import proc_start, start_time
+
+    try:
+        entry = json.loads(read_private(os.path.join(runtime_dir(create=False), f"{int(pid)}.json")))
+    except (OSError, ValueError, UnicodeDecodeError, EndpointError):
+        return None
+    if not _valid_entry(entry) or entry["pid"] != pid or process_is(pid, entry.get("proc_start")):
+        return None
+    now = proc_start(pid)
+    if now is None:
+        return None
+    import time
+
+    when = start_time(now)
+    since = f"started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))}" if when else "started later"
+    return (
+        f"pid {pid} is now another process ({since}); the job that had it is gone "
+        "(`probe list --dead` shows what it left)."
+    )
 
 
 def read_entries(clean: bool = False) -> list[dict]:
@@ -388,7 +424,7 @@ def read_entries(clean: bool = False) -> list[dict]:
                 continue
             if not _valid_entry(entry):
                 continue
-            if entry.get("host", here) == here and not pid_alive(int(entry["pid"])):
+            if entry.get("host", here) == here and not process_is(int(entry["pid"]), entry.get("proc_start")):
                 if clean:
                     for stale in (path, entry.get("socket")):
                         try:

@@ -177,7 +177,10 @@ _declare(
 )
 _declare("PROBE_HOST", "127.0.0.1", "Address the TCP listener binds; a non-loopback address is logged loudly at start.")
 _declare(
-    "PROBE_TOKEN", None, "Token TCP clients must send; generated and stored in the 0600 registry entry when unset."
+    "PROBE_TOKEN",
+    None,
+    "The job's token, from which each rank's TCP key is derived (clients prove requests with it, never send it); "
+    "generated when unset, and each rank's key stored in its 0600 registry entry.",
 )
 _declare(
     "PROBE_MCP_TOKEN",

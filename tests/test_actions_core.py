@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 
 import pytest
 
@@ -95,8 +96,12 @@ def test_tcp_tiers(spawn, cli, probe_env):
             return p, f"127.0.0.1:{json.load(f)['tcp_port']}"
 
     p, endpoint = tcp_target({})
-    r = cli("-t", endpoint, "--token", "wrong", "cleanup")
-    assert r.returncode == 4 and "token" in r.stderr
+    r = cli("-t", endpoint, "--token", "wrong", "cleanup")  # refused by the CLI itself: the proof does not fit
+    assert r.returncode == 4 and "wrong token" in r.stderr
+    host, port = endpoint.split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:  # a request with a wrong token, sent anyway
+        s.sendall(b"POST /actions/cleanup HTTP/1.1\r\nAuthorization: Bearer wrong\r\nContent-Length: 0\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 401")
     r = cli("-t", endpoint, "--token", "s3cret", "eval", "1")
     assert r.returncode == 4 and "PROBE_ALLOW_EVAL=1" in r.stderr
     r = cli("-t", endpoint, "--token", "s3cret", "cleanup")

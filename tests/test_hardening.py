@@ -194,7 +194,7 @@ def test_a_token_goes_only_to_the_address_it_was_issued_for(spawn, cli, probe_en
         r = cli(f"127.0.0.2:{port}", "query", "SELECT 1")
         # then it refuses for want of a token, and the stranger never saw the job's token
         assert r.returncode == 4 and "needs a token" in r.stderr, r.stderr
-        assert not any(entry["token"].encode() in g for g in got)
+        assert not any(entry["key"].encode() in g for g in got)
         # while the real address still gets it from the registry
         ok = cli(f"127.0.0.1:{port}", "query", "SELECT 1 AS one", "-f", "csv")
         assert ok.returncode == 0, ok.stderr

@@ -23,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from conftest import PROBE_BIN, poll
+from probe.util import handshake
 
 # A column type that would turn the client's typed view into a query over range(1e14).
 EVIL_TYPE = (
@@ -52,10 +53,14 @@ def _snapshot(column: dict) -> bytes:
     return b"PRBC" + struct.pack("<I", len(header)) + header + struct.pack("<q", 1)
 
 
+TYPED = "typed-by-the-person"  # the token the tests type: the fake holds it (a probe gone bad, not a stranger)
+
+
 class Fake:
     """A listener on 127.0.0.1 (or on the unix socket ``unix``) answering every route as ``answer(path)``:
     ``(content type, body)`` or ``(status, content type, body)``, the body bytes or an iterable of bytes sent
-    as they come (with no Content-Length); None: never answer. ``sent`` counts the body bytes it wrote."""
+    as they come (with no Content-Length); None: never answer. ``sent`` counts the body bytes it wrote. Over
+    TCP it first proves it holds the key of ``TYPED``, as a probe does (``probe.util.handshake``)."""
 
     def __init__(self, answer, unix: str | None = None):
         outer = self
@@ -71,6 +76,17 @@ class Fake:
 
             def _any(self):
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                scheme, _, cnonce = self.headers.get("Authorization", "").partition(" ")
+                if scheme == "Probe-Challenge":
+                    me = handshake.identity_of(None, "fake", self.server.server_address[1], 1)
+                    key = handshake.rank_key(TYPED, me)
+                    reply = ("application/json", json.dumps(handshake.challenge_answer(key, me, cnonce, "n" * 24)))
+                    self.send_response(401)
+                    self.send_header("Content-Length", str(len(reply[1])))
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    self.wfile.write(reply[1].encode())
+                    return
                 outer.paths.append(self.path)
                 reply = answer(self.path)
                 if reply is None:  # a listener that takes the request and never answers
@@ -146,7 +162,7 @@ def test_a_reply_of_empty_json_gives_one_sentence(fake, cli, command):
     # given a listener that answers {} to everything
     f = fake(lambda path: _json({}))
     # when the CLI is pointed at it (with a token the person typed)
-    r = cli("-t", f.endpoint, "--token", "typed-by-the-person", *command, timeout=60)
+    r = cli("-t", f.endpoint, "--token", TYPED, *command, timeout=60)
     # then one sentence and a non-zero exit, never a traceback
     assert r.returncode != 0, r.stdout
     assert "Traceback" not in r.stderr and "KeyError" not in r.stderr, r.stderr
@@ -168,7 +184,7 @@ def test_a_column_type_carrying_sql_never_reaches_duckdb(fake, cli):
         "-t",
         f.endpoint,
         "--token",
-        "typed-by-the-person",
+        TYPED,
         "--timeout",
         "120",
         "query",
@@ -185,16 +201,16 @@ def test_a_column_type_carrying_sql_never_reaches_duckdb(fake, cli):
                 ("application/octet-stream", _snapshot(c)) if path.startswith("/snapshot") else _json(SCHEMA)
             )
         )
-        r = cli("-t", g.endpoint, "--token", "typed-by-the-person", "query", "SELECT max(step) FROM torch.steps")
+        r = cli("-t", g.endpoint, "--token", TYPED, "query", "SELECT max(step) FROM torch.steps")
         assert r.returncode != 0 and "is not letters, digits and _" in r.stderr, r.stderr
     h = fake(
         lambda path: _json({"tables": [dict(SCHEMA["tables"][0], columns=[{"name": "step", "type": "INT); DROP"}])]})
     )
-    r = cli("-t", h.endpoint, "--token", "typed-by-the-person", "query", "SELECT 1")
+    r = cli("-t", h.endpoint, "--token", TYPED, "query", "SELECT 1")
     assert r.returncode != 0 and "not one of BIGINT" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-TOKEN = ("--token", "typed-by-the-person")
+TOKEN = ("--token", TYPED)
 
 
 def _last_line(r) -> str:

@@ -464,3 +464,32 @@ def test_root_inject_into_another_users_python_says_why_at_once(cli):
     finally:
         target.kill()
         target.wait()
+
+
+# -- a pid the kernel gave to another process ------------------------------------------------------------
+
+
+def test_a_pid_taken_by_another_process_is_never_read_as_the_job(spawn, cli, probe_env):
+    import socket
+
+    # given a registry entry (and a socket nobody listens on) left by a job that died, whose pid another, unprobed
+    # process now has: it started at another time than the entry says
+    other = spawn(TARGETS / "idle.py", env={"TARGET_NO_PROBE": "1"})
+    rdir = Path(probe_env["PROBE_RUNTIME_DIR"])
+    sock_path = str(rdir / f"{other.pid}.sock")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(sock_path)  # closed without listening: connecting is refused, as with a killed job's socket
+    entry = {"pid": other.pid, "host": socket.gethostname(), "socket": sock_path, "started_at": 1.0}
+    began = int(Path(f"/proc/{other.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])  # clock ticks since boot
+    (rdir / f"{other.pid}.json").write_text(json.dumps(dict(entry, proc_start=began - 100)))
+    (rdir / f"{other.pid}.json").chmod(0o600)
+
+    # when the owner asks for the job's stacks by its pid
+    r = cli(other.pid, "backtrace")
+
+    # then one sentence says the pid is another process now, and nothing of that process is printed as the job's
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert f"pid {other.pid} is now another process (started " in r.stderr and "is gone" in r.stderr, r.stderr
+    assert "data-worker" not in r.stdout, r.stdout
+    # and probe list does not list it
+    assert other.pid not in [row["pid"] for row in json.loads(cli("list", "--json").stdout)]

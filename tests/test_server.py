@@ -285,15 +285,15 @@ def test_tcp_401_reveals_nothing(tcp_target, cli):
     assert b"PATH" not in body and b"python" not in body
 
 
-def test_generated_token_lives_in_a_private_registry_entry(spawn, cli, probe_env):
+def test_the_rank_key_lives_in_a_private_registry_entry(spawn, cli, probe_env):
     proc = spawn(TARGETS / "idle.py", env={"PROBE_PORT": "0"})
     entry = Path(probe_env["PROBE_RUNTIME_DIR"]) / f"{proc.pid}.json"
     assert oct(entry.stat().st_mode & 0o777) == "0o600"
     assert oct(Path(probe_env["PROBE_RUNTIME_DIR"]).stat().st_mode & 0o777) == "0o700"
-    token = json.loads(entry.read_text())["token"]
-    assert len(token) >= 24
+    doc = json.loads(entry.read_text())
+    assert len(doc["key"]) == 64 and "token" not in doc  # the rank's own key, never the job's token
     port = _tcp_port(cli, proc.pid)
-    r = cli(f"127.0.0.1:{port}", "query", "SELECT 1 AS one", "-f", "csv")  # token found in the local registry
+    r = cli(f"127.0.0.1:{port}", "query", "SELECT 1 AS one", "-f", "csv")  # key found in the local registry
     assert r.stdout.splitlines() == ["one", "1"], r.stderr
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from probe._errors import ProbeError
+from probe._errors import AuthError, ProbeError
 
 from . import Command, command, format_flag
 
@@ -38,6 +38,8 @@ class List(Command):
             try:
                 # each entry with its own token: a typed one goes only where the person pointed a command
                 return Client(from_entry(entry, None), timeout=min(session.timeout, 2.0)).get("/health")
+            except AuthError as exc:  # not the process the entry names, or a token that does not fit: say which
+                return {"unreachable": exc.message, "refused": True}
             except ProbeError as exc:
                 return {"unreachable": exc.message, **offline_status(entry)}  # a hang dump explains a silent server
 
@@ -64,8 +66,11 @@ class List(Command):
                     "hung_since": h.get("hung_since"),
                     "endpoint": endpoint,
                     "command": " ".join(e.get("argv", []))[:80],
+                    "reason": h.get("unreachable"),
                 }
             )
+            if h.get("refused") and not (args.json or session.format == "json"):
+                session.note(f"pid {e['pid']}: {h['unreachable']}")
         # grouped by job (processes outside a job last), ranks in order within each
         rows.sort(key=lambda r: (r["job"] is None, str(r["job"]), r["rank"] is None, r["rank"] or 0, r["pid"]))
         return _print_rows(

@@ -189,6 +189,22 @@ class Client:
                     raise
         return socket.create_connection((t.host, t.port), timeout=timeout)
 
+    def _proven(self, request_line: str, deadline: float) -> str:
+        """The Authorization value of one TCP request, once the endpoint has proved it holds the rank's key (a
+        challenge on a connection of its own, within the request's ``deadline``, ``probe.util.handshake``):
+        nothing secret goes out before."""
+        from probe.util.handshake import client_header
+
+        def ask(value: str) -> tuple[int, bytes]:
+            sock = self._connect(max(deadline - time.monotonic(), 0.001))
+            try:
+                head = {"Authorization": value, "Connection": "close"}
+                return _exchange(sock, "GET", "/health", head, None, deadline, MAX_JSON_ANSWER)
+            finally:
+                sock.close()
+
+        return client_header(self.target, request_line, ask)
+
     def request(
         self, method: str, path: str, body: dict | None = None, timeout: float | None = None, raw: bool = False
     ):
@@ -198,15 +214,16 @@ class Client:
         headers = {"Content-Type": "application/json", "Connection": "close"}
         if self.agent:
             headers[AGENT_HEADER] = self.agent
-        if t.port is not None and not t.socket:
-            if not t.token:
-                raise AuthError(f"{t.label} listens on TCP and needs a token; pass --token or set PROBE_TOKEN.")
-            headers["Authorization"] = f"Bearer {t.token}"
+        tcp = t.port is not None and not t.socket
+        if tcp and not (t.token or t.key):
+            raise AuthError(f"{t.label} listens on TCP and needs a token; pass --token or set PROBE_TOKEN.")
         payload = json.dumps(body).encode() if body is not None else None
         deadline = time.monotonic() + timeout + GRACE_S  # the whole request, however slowly the answer comes
         limit = _snapshot_answer_limit() if raw else MAX_JSON_ANSWER
         sock = None
         try:
+            if tcp:
+                headers["Authorization"] = self._proven(f"{method} {path}", deadline)
             sock = self._connect(timeout)
             status, data = _exchange(sock, method, path, headers, payload, deadline, limit)
         except FileNotFoundError:

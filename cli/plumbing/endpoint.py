@@ -6,7 +6,7 @@ import os
 import re
 
 from probe._errors import EndpointError
-from probe._runtime import pid_alive, read_entries, runtime_dir
+from probe._runtime import pid_alive, read_entries, reused_pid
 
 __all__ = ["Target", "resolve", "from_entry", "targets_for_ranks", "parse_rank_spec", "pick_job"]
 
@@ -24,9 +24,11 @@ class Target:
         pid: int | None = None,
         rank: int | None = None,
         entry: dict | None = None,
+        key: str | None = None,
     ):
         self.label, self.socket, self.host, self.port = label, socket, host, port
         self.token, self.pid, self.rank = token, pid, rank
+        self.key = key  # the rank's key from its registry entry (``token``: one the person typed)
         self.entry = entry if entry is not None else {}
 
     def __repr__(self) -> str:
@@ -102,10 +104,11 @@ def from_entry(entry: dict, token: str | None) -> Target:
             label,
             host=host,
             port=int(entry["tcp_port"]),
-            token=token or entry.get("token"),
+            token=token,
             pid=entry["pid"],
             rank=entry.get("rank"),
             entry=entry,
+            key=None if token else entry.get("key"),  # a token the person typed is the one they mean
         )
     raise EndpointError(
         f"{label} on {entry.get('host')} has no reachable endpoint; start it with PROBE_PORT set so other hosts can "
@@ -117,7 +120,7 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def _addresses_of(entry: dict) -> set:
-    """Names under which a registry entry's TCP listener is reached: a token goes only to these (host AND port).
+    """Names under which a registry entry's TCP listener is reached: its key is used only for these (host AND port).
 
     >>> sorted(_addresses_of({"tcp_host": "127.0.0.1", "host": "node1"}))
     ['127.0.0.1', 'localhost']
@@ -136,10 +139,10 @@ def _addresses_of(entry: dict) -> set:
 
 
 def _typed(token: str | None, agent: str | None) -> str | None:
-    """The token a request may carry besides the registry's: the one the person typed (``--token``,
-    ``PROBE_TOKEN``) goes where that person pointed the command (the CLI, the REPL, ``probe ui``'s command
-    line); a program choosing endpoints for someone (``agent``: MCP) gets none, only the registry's token
-    for the host and port it was issued for."""
+    """The token a request may prove itself with besides the registry's key: the one the person typed
+    (``--token``, ``PROBE_TOKEN``) is used where that person pointed the command (the CLI, the REPL, ``probe
+    ui``'s command line); a program choosing endpoints for someone (``agent``: MCP) gets none, only the
+    registry's key for the host and port it was issued for. Neither is ever sent (``probe.util.handshake``)."""
     return None if agent else token
 
 
@@ -159,10 +162,12 @@ def resolve(endpoint: str, token: str | None = None, *, agent: str | None = None
     endpoint = endpoint.strip()
     if endpoint.isdigit():
         pid = int(endpoint)
-        path = os.path.join(runtime_dir(), f"{pid}.json")
         entries = {e["pid"]: e for e in read_entries() if not e.get("shared")}
         if pid in entries:
             return from_entry(entries[pid], token)
+        reused = reused_pid(pid)
+        if reused:  # never read another process (py-spy, the injector) as the job's
+            raise EndpointError(reused)
         if not pid_alive(pid):
             from probe.postmortem.listing import find
 
@@ -173,7 +178,6 @@ def resolve(endpoint: str, token: str | None = None, *, agent: str | None = None
         hint = "run `probe inject %d` to start one, or start the job with `import probe.auto` or PROBE=1" % pid
         if not _python_cmdline(pid):
             hint = "its command line cannot be read; " + hint
-        del path
         target = Target(f"pid {pid}", pid=pid)
         target.entry = {"pid": pid, "missing": True, "hint": f"process {pid} has no probe server; {hint}."}
         return target
@@ -181,10 +185,10 @@ def resolve(endpoint: str, token: str | None = None, *, agent: str | None = None
     if m and "/" not in endpoint:
         host, port = m.group(1), int(m.group(2))
         entry: dict = {}
-        if token is None:
+        if token is None:  # a token the person typed is the one they mean; else the registry's key for this address
             for e in read_entries():
-                if e.get("tcp_port") == port and e.get("token") and host in _addresses_of(e):
-                    token, entry = e["token"], e
+                if e.get("tcp_port") == port and e.get("key") and host in _addresses_of(e):
+                    entry = e
                     break
         if agent and not entry:
             for e in read_entries():
@@ -201,6 +205,7 @@ def resolve(endpoint: str, token: str | None = None, *, agent: str | None = None
             pid=entry.get("pid"),
             rank=entry.get("rank"),
             entry=entry or None,
+            key=entry.get("key"),
         )
     if "/" in endpoint or endpoint.endswith(".sock"):
         if not os.path.exists(endpoint):

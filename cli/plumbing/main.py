@@ -40,7 +40,11 @@ def _global_options(parser: argparse.ArgumentParser, suppress: bool, output_form
         help="With --rank/--ranks when several jobs run here: the job (its id or a prefix, see `probe list`).",
     )
     g.add_argument("--timeout", type=float, metavar="S", default=d, help="Seconds to wait for an answer (default 10).")
-    g.add_argument("--token", default=d, help="Token for TCP endpoints (default: $PROBE_TOKEN, or the local registry).")
+    g.add_argument(
+        "--token",
+        default=d,
+        help="The job's token (or one rank's key) for TCP endpoints, never sent (default: $PROBE_TOKEN, the registry).",
+    )
     if output_format:
         g.add_argument("--format", choices=("table", "json", "csv"), default=d, help="Output format (default table).")
     g.add_argument(

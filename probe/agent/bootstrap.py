@@ -97,7 +97,7 @@ def main(settings_path: str) -> None:
 
         already = lifecycle.is_running()
         entry = lifecycle.start(runtime=None if already else settings.get("runtime_dir"))
-        entry.pop("token", None)
+        entry.pop("key", None)
         _write_status(
             status, {"ok": True, "already_running": already, "probe_from": origin, "entry": entry, "at": time.time()}
         )

@@ -32,6 +32,7 @@ from .._runtime import (
 )
 from ..postmortem import hooks as postmortem
 from ..tables import registry as tables
+from ..util.procfs import proc_start
 from ..training import collectives, hooks
 from . import action_routes  # noqa: F401  (registers the action and eval routes)
 from . import profile  # noqa: F401  (registers GET /profile, the stack sampler)
@@ -87,7 +88,7 @@ def start(
             tcp_host = host or setting("PROBE_HOST")
             token = token or secrets.token_urlsafe(24)
             try:
-                tcp = TCPServer(tcp_host, int(port_setting), token)
+                tcp = TCPServer(tcp_host, int(port_setting), token, rank_identity()["rank"])
             except (OSError, ValueError) as exc:
                 servers[0].server_close()
                 raise ProbeError(
@@ -120,10 +121,11 @@ def start(
             "torch": getattr(sys.modules.get("torch"), "__version__", None),
             "probe": __version__,
             "started_at": time.time(),
+            "proc_start": proc_start(),  # the kernel's start time: a later process given the same pid is not this one
             "uid": os.getuid(),
         }
         if tcp_port is not None:
-            entry["token"] = token
+            entry["key"] = tcp.key  # this rank's key only: it opens no other rank of the job (probe.util.handshake)
         tables.load_builtins()  # now: a query, or the record written as the interpreter exits, imports nothing
         write_entry(entry)
         state.set_entry(entry)

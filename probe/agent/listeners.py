@@ -1,10 +1,10 @@
 """The probe's listeners: a unix socket (same user only: a 0700 directory and the peer's uid checked) and, when
-asked, TCP behind a token; each with its own connection bound and read timeout (``server`` handles requests).
+asked, TCP behind a per-rank key (``probe.util.handshake``); each with its own connection bound and read timeout
+(``server`` handles requests).
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
 import socket
@@ -14,6 +14,7 @@ import threading
 
 from ..config import setting
 from .._errors import AuthError
+from ..util import handshake
 from ..util.errorlog import record_error
 from ..util.slots import BoundedThreads
 from .server import _WRONG_TOKEN, _Handler
@@ -89,24 +90,29 @@ class UnixServer(_Base, socketserver.UnixStreamServer):
 
 
 class TCPServer(_Base, socketserver.TCPServer):
-    """Every request must carry ``Authorization: Bearer <token>``."""
+    """Every request must be authenticated (``probe.util.handshake``): with this rank's key, derived from the job's
+    token and the rank's identity, after the server proved it holds it; or with the token itself (``Bearer``)."""
 
     transport = "tcp"
     allow_reuse_address = True
 
-    def __init__(self, host: str, port: int, token: str):
+    def __init__(self, host: str, port: int, token: str, rank: int | None = None):
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.token = token.encode()
         self._limits()
         super().__init__((host, port), _Handler)
+        self.identity = handshake.identity_of(rank, socket.gethostname(), self.server_address[1], os.getpid())
+        self.token = token
+        self.key = handshake.rank_key(token, self.identity)  # what the registry entry holds: this rank's only
+        self.nonces = handshake.Nonces()
 
-    def check_token(self, value: bytes) -> bool:
-        """Whether an Authorization header's value carries the token (compared in constant time)."""
-        given = value[7:].strip() if value[:7].lower() == b"bearer " else b""
-        return hmac.compare_digest(given, self.token)
+    def authorize(self, value: bytes, request_line: bytes) -> handshake.Verdict:
+        """What an Authorization header's value is worth for the request on ``request_line`` (constant time)."""
+        return handshake.check_header(
+            value, request_line, key=self.key, token=self.token, identity=self.identity, nonces=self.nonces
+        )
 
     def client_info(self, handler) -> dict:
-        if not self.check_token(handler.headers.get("Authorization", "").encode("latin-1", "replace")):
+        if not getattr(handler, "authorized", False):  # read_head checks the header as soon as it arrives
             raise AuthError(_WRONG_TOKEN)
         host, port = handler.client_address[:2]
         return {"transport": "tcp", "address": f"{host}:{port}"}

@@ -12,9 +12,10 @@ the owner's socket): at most ``PROBE_MAX_CONNECTIONS`` connections are served at
 (one more is answered 503 and closed at once, without a thread); a client has
 ``PROBE_READ_TIMEOUT`` seconds in all to send its request line and headers (a byte now and
 then does not keep a connection) and then that long per read of its body; the head is at
-most ``MAX_HEAD`` bytes; over TCP the token is checked as soon as its header line arrives,
+most ``MAX_HEAD`` bytes; over TCP the ``Authorization`` header (``probe.util.handshake``) is checked as soon as
+its line arrives,
 and a head with no ``Authorization`` in its first ``MAX_HEAD_BEFORE_AUTH`` bytes is refused
-there, so a client without the token can hold at most that much of the process's memory;
+there, so a client without the key can hold at most that much of the process's memory;
 bodies are JSON objects of at most ``MAX_BODY`` bytes and ``MAX_JSON_DEPTH`` levels.
 """
 
@@ -115,7 +116,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def read_head(self) -> bytes:
         """The request line and headers, read with one deadline for all of them (``PROBE_READ_TIMEOUT``) and
-        at most ``MAX_HEAD`` bytes; over TCP, the token is checked as soon as its line is complete."""
+        at most ``MAX_HEAD`` bytes; over TCP, the Authorization header is checked as soon as its line is complete
+        (a challenge is answered there with the rank's proof, ``probe.util.handshake``)."""
         sock = self.connection
         deadline = time.monotonic() + self.server.read_timeout
         buf = bytearray()
@@ -133,9 +135,12 @@ class _Handler(BaseHTTPRequestHandler):
                 line = bytes(buf[scanned:nl]).strip()
                 scanned = nl + 1
                 if line.lower().startswith(b"authorization:"):
-                    if not self.server.check_token(line.split(b":", 1)[1].strip()):
+                    verdict = self.server.authorize(line.split(b":", 1)[1].strip(), bytes(buf[: buf.find(b"\n")]))
+                    if verdict.answer is not None:  # a challenge: the proof, and no route is touched
+                        raise _HeadRefused(401, verdict.answer)
+                    if not verdict.ok:
                         raise _HeadRefused(401, AuthError(_WRONG_TOKEN).to_dict(), _path_of(buf))
-                    authorized = True
+                    authorized = self.authorized = True
                 elif not line and scanned > 2:  # the end of the head, without the token
                     raise _HeadRefused(401, AuthError(_WRONG_TOKEN).to_dict(), _path_of(buf))
             if end >= 0:

@@ -44,7 +44,7 @@ def add_status_provider(fn: Callable[[], dict]) -> None:
 
 def status() -> dict:
     out = info()
-    out.pop("token", None)
+    out.pop("key", None)
     out["uptime_s"] = time.time() - out.get("started_at", time.time())
     for fn in list(_status_providers):
         try:

@@ -47,7 +47,8 @@ from ..config import setting
 from .._errors import ProbeError
 from .._runtime import runtime_dir
 from ..util.errorlog import record_error
-from .retention import proc_start, prune
+from ..util.procfs import proc_start
+from .retention import prune
 
 __all__ = ["write", "records_dir", "shared_records_dir", "load_tables", "MAX_TABLES_BYTES", "TABLES"]
 
@@ -284,7 +285,7 @@ def _schema() -> dict:
 
 
 def _own_start() -> int | None:
-    """This process's start time (``retention.proc_start``), read once per process."""
+    """This process's start time (``procfs.proc_start``), read once per process."""
     pid = os.getpid()
     if _process.get("start", (None,))[0] != pid:
         _process["start"] = (pid, proc_start())
@@ -338,7 +339,7 @@ def write(
             with os.fdopen(fd, "wb") as f:
                 np.savez(f, **arrays)
             entry = state.info()
-            entry.pop("token", None)
+            entry.pop("key", None)
             if cause == "thread_exception" and exc is not None:
                 _thread_deaths.append({"thread": thread, "type": type(exc).__name__, "message": str(exc)})
             meta = {

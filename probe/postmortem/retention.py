@@ -22,7 +22,7 @@ import os
 import shutil
 import time
 
-__all__ = ["read_meta", "valid_meta", "proc_start", "alive", "is_clean_exit", "prune"]
+__all__ = ["read_meta", "valid_meta", "alive", "is_clean_exit", "prune"]
 
 
 MAX_META_BYTES = 16 << 20  # a record's meta.json (stacks, schema, exception): far more than a real one holds
@@ -99,15 +99,6 @@ def read_meta(path: str) -> dict | None:
     return meta if valid_meta(meta) else None
 
 
-def proc_start(pid: int | str = "self") -> int | None:
-    """When process ``pid`` started, in clock ticks since boot (/proc's ``starttime``), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def alive(meta: dict) -> bool:
     """Whether the record's own process still runs (not merely its pid).
 
@@ -115,14 +106,11 @@ def alive(meta: dict) -> bool:
     its start time, the running process started then. Another host (the shared registry):
     that host's registry entry for the pid is there, from the same start (``started_at``).
     """
-    from .._runtime import pid_alive
+    from .._runtime import process_is
 
     pid = int(meta["pid"])
     if meta.get("local", True):
-        if not pid_alive(pid):
-            return False
-        started = meta.get("proc_start")
-        return started is None or proc_start(pid) in (None, started)
+        return process_is(pid, meta.get("proc_start"))
     from .._runtime import read_private, shared_registry
 
     base = shared_registry(create=False)

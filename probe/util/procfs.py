@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-__all__ = ["rss_bytes", "RssReader", "RunDelayReader", "CpuWait", "proc_state", "native_id"]
+__all__ = ["rss_bytes", "RssReader", "RunDelayReader", "CpuWait", "proc_state", "proc_start", "start_time", "native_id"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -77,6 +77,25 @@ def proc_state(pid: int | None) -> str | None:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
+        return None
+
+
+def proc_start(pid: int | str = "self") -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (/proc's ``starttime``), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def start_time(ticks: int) -> float | None:
+    """A ``proc_start`` value as seconds since the epoch (the boot time from /proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, StopIteration, ValueError, IndexError):
         return None
 
 
