@@ -9,8 +9,9 @@ from .registry import Column, table
 @table(
     "torch.loss",
     "The loss the training loop backpropagates, as its autograd graph shows it: for a classification loss "
-    "(cross-entropy, NLL, binary cross-entropy with logits) the class count of its logits and what made them. One row once a measured step's loss has been seen, none "
-    "before (or for a loop that never calls backward on a scalar).",
+    "(cross-entropy, NLL, binary cross-entropy with logits) the class count of its logits and what made them. One "
+    "row once a measured step's loss has been seen, none before (or for a loop that never calls backward on a "
+    "scalar).",
     columns=[
         Column(
             "function",
