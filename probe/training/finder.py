@@ -411,8 +411,7 @@ def scan(frame=None, max_frames: int = 4) -> None:
             try:
                 for name, value in list(loc.items()):
                     if id(value) not in seen and (
-                        framework_of(value) is not None
-                        or (is_a(value, torch.nn.Module) and is_lightning_module(value))
+                        framework_of(value) is not None or (is_a(value, torch.nn.Module) and is_lightning_module(value))
                     ):
                         _classify(torch, value, framework_name(value, name), seen, 1, "frame")
             finally:
