@@ -1,21 +1,24 @@
 """What readers can take from a training process: its step rate under three read-route attacks, unattacked beside.
 
-    python benchmarks/bench_read_attacks.py [--seconds 4] [--rounds 2] [--threads 2000] [--huge-mb 300] [--no-pin]
+    python benchmarks/bench_read_attacks.py [--seconds 2.5] [--rounds 2] [--threads 2000] [--huge-mb 300] [--no-pin]
 
 Starts one small probed torch training loop (a few hundred steps/s on a CPU; it prints its step
 rate every half second) that also holds ``--threads`` idle threads and a thread ``holder`` whose
 frame keeps a ``--huge-mb`` MB bytes local, listening on TCP behind a token as well as on its unix
-socket. Then, in interleaved rounds, each arm for ``--seconds``, next to an unattacked window:
+socket. Then, for each arm, a fresh such loop (so that no arm pays for another's debt) is attacked
+``--rounds`` times for ``--seconds``, each attack between two unattacked windows:
 
-(a) 16 clients holding the token ask for snapshots over TCP back to back, while the owner asks for
-    one over the unix socket twice a second: step rate, and how many of the owner's queries were
-    answered (before separate lanes per listener, the flood spent the owner's share too);
-(b) 4 clients loop ``GET /backtrace`` over the unix socket (a backtrace of every thread, which was
-    charged to nothing and bounded by nothing);
-(c) a client loops ``backtrace --locals`` of the ``holder`` thread (its local's repr was built whole:
-    hundreds of MB and a stall per request); also the process's peak RSS growth (VmHWM).
+(a) 16 clients holding the token ask for snapshots of ``python.backtrace`` over TCP back to back, while
+    the owner asks for a small one over the unix socket twice a second: step rate, and how the owner's
+    queries were answered (before separate lanes per listener, the flood spent the owner's share too);
+(b) 4 token holders loop ``GET /backtrace`` over TCP (a backtrace of every thread, which was charged to
+    nothing and bounded by nothing);
+(c) a token holder loops ``backtrace --locals`` of the ``holder`` thread over TCP (its local's repr was built
+    whole: hundreds of MB and a stall per request); also the process's peak RSS growth (VmHWM).
 
-Each arm is printed as its median step rate over the unattacked windows' median, from the same run.
+An arm with no attack (A/A) shows the run's own noise. Each arm is printed as its median step rate over
+the median of the unattacked windows on either side of it, round by round (the host's own load drifts),
+with the rounds' spread.
 The clients speak raw HTTP and import nothing of the probe's, so the same script measures any probe
 version: run it with the interpreter whose ``probe`` is the one to measure (``cd /work/main &&
 python PATH/TO/bench_read_attacks.py`` measures main's). On two CPUs or more the training loop is
@@ -107,8 +110,8 @@ def http(where, method: str, path: str, body: bytes = b"", token: str | None = N
         s.close()
 
 
-def snapshot_body(timeout: float) -> bytes:
-    return json.dumps({"tables": {"torch.steps": {"columns": ["step"]}}, "timeout": timeout}).encode()
+def snapshot_body(table: str, column: str, timeout: float) -> bytes:
+    return json.dumps({"tables": {table: {"columns": [column]}}, "timeout": timeout}).encode()
 
 
 class Target:
@@ -152,17 +155,20 @@ def attack(target: Target, arm: str, stop: threading.Event, counts: dict) -> lis
 
     def owner():
         while not stop.is_set():
-            status = http(target.sock, "POST", "/snapshot", snapshot_body(10.0), timeout=15)
+            status = http(target.sock, "POST", "/snapshot", snapshot_body("torch.steps", "step", 10.0), timeout=15)
             counts[f"owner {status}"] = counts.get(f"owner {status}", 0) + 1
             stop.wait(0.5)  # ok-sleep: the owner's pace, twice a second
 
-    if arm == "a":
-        fns = [lambda: http(target.tcp, "POST", "/snapshot", snapshot_body(2.0), TOKEN)] * 16
+    if arm == "-":
+        fns, extra = [], []
+    elif arm == "a":
+        heavy = snapshot_body("python.backtrace", "func", 2.0)  # every frame of every thread
+        fns = [lambda: http(target.tcp, "POST", "/snapshot", heavy, TOKEN)] * 16
         extra = [owner]
     elif arm == "b":
-        fns, extra = [lambda: http(target.sock, "GET", "/backtrace?wait=2")] * 4, []
+        fns, extra = [lambda: http(target.tcp, "GET", "/backtrace?wait=2", token=TOKEN)] * 4, []
     else:
-        fns, extra = [lambda: http(target.sock, "GET", "/backtrace?locals=1&thread=holder&wait=2")], []
+        fns, extra = [lambda: http(target.tcp, "GET", "/backtrace?locals=1&thread=holder&wait=2", token=TOKEN)], []
     threads = [threading.Thread(target=loop, args=(fn,), daemon=True) for fn in fns]
     threads += [threading.Thread(target=fn, daemon=True) for fn in extra]
     for t in threads:
@@ -171,15 +177,50 @@ def attack(target: Target, arm: str, stop: threading.Event, counts: dict) -> lis
 
 
 ARMS = {
+    "-": "nobody (an A/A arm: the run's own noise)",
     "a": "16 TCP token holders flood snapshots (owner queries twice a second)",
-    "b": "4 clients loop backtrace",
-    "c": "a client loops backtrace --locals of a huge local",
+    "b": "4 TCP token holders loop backtrace",
+    "c": "a TCP token holder loops backtrace --locals of a huge local",
 }
+
+
+def measure_arm(env: dict, cpus, arm: str, args) -> tuple:
+    """A fresh training loop (no debt left by another arm), attacked ``args.rounds`` times between unattacked
+    windows: (ratio per round, answers by status, peak RSS growth in MB, the unattacked rates)."""
+    target = Target(env, cpus)
+    ratios: list[float] = []
+    counts: dict = {}
+    quiet: list[float] = []
+    grown = 0.0
+    try:
+        before = target.rates_during(args.seconds)
+        for _ in range(args.rounds):
+            stop = threading.Event()
+            peak = target.peak_mb()
+            threads = attack(target, arm, stop, counts)
+            during = target.rates_during(args.seconds)
+            stop.set()
+            for t in threads:
+                t.join(20)
+            grown = max(grown, target.peak_mb() - peak)
+            after = target.rates_during(args.seconds)
+            if during and before + after:
+                ratios.append(statistics.median(during) / statistics.median(before + after))
+            quiet += before
+            before = after
+        quiet += before
+    finally:
+        target.p.terminate()
+        try:
+            target.p.wait(10)
+        except subprocess.TimeoutExpired:
+            target.p.kill()
+    return ratios, counts, grown, quiet
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--seconds", type=float, default=2.5)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2000)
     ap.add_argument("--huge-mb", type=int, default=300)
@@ -203,36 +244,21 @@ def main() -> int:
         BENCH_THREADS=str(args.threads),
         BENCH_HUGE_MB=str(args.huge_mb),
     )
-    target = Target(env, {cpus[0]} if pin else None)
-    base: list[float] = []
-    arms: dict = {a: [] for a in ARMS}
-    counts: dict = {a: {} for a in ARMS}
-    grown = 0.0
+    train_cpus = {cpus[0]} if pin else None
+    quiet: list[float] = []
     try:
-        for _ in range(args.rounds):
-            for arm in ARMS:
-                base += target.rates_during(args.seconds)
-                stop = threading.Event()
-                peak = target.peak_mb()
-                threads = attack(target, arm, stop, counts[arm])
-                arms[arm] += target.rates_during(args.seconds)
-                stop.set()
-                for t in threads:
-                    t.join(20)
-                if arm == "c":
-                    grown = max(grown, target.peak_mb() - peak)
-        unattacked = statistics.median(base)
-        print(f"unattacked: {unattacked:.0f} steps/s (median of {len(base)} half-second windows)")
         for arm, what in ARMS.items():
-            rate = statistics.median(arms[arm]) if arms[arm] else 0.0
-            print(f"({arm}) {what}: {rate:.0f} steps/s, ratio {rate / unattacked:.2f}; answers {counts[arm]}")
-        print(f"(c) peak RSS growth during the --locals loop: {grown:.0f} MB")
+            ratios, counts, grown, rates = measure_arm(env, train_cpus, arm, args)
+            quiet += rates
+            r = sorted(ratios) or [0.0]
+            print(
+                f"({arm}) {what}: step-rate ratio {statistics.median(r):.2f} (rounds {r[0]:.2f}-{r[-1]:.2f}); "
+                f"answers {dict(sorted(counts.items(), key=str))}"
+                + (f"; peak RSS growth {grown:.0f} MB" if arm == "c" else ""),
+                flush=True,
+            )
+        print(f"unattacked: {statistics.median(quiet):.0f} steps/s (median of {len(quiet)} half-second windows)")
     finally:
-        target.p.terminate()
-        try:
-            target.p.wait(10)
-        except subprocess.TimeoutExpired:
-            target.p.kill()
         shutil.rmtree(rt, ignore_errors=True)
     return 0
 
