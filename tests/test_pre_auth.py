@@ -288,8 +288,8 @@ def test_backtraces_and_profiles_are_paced_like_snapshots(spawn, probe_env):
     # when one backtrace comes, it is answered (the share starts with its burst)
     status, doc = _get(sock, "/backtrace?wait=0.05")
     assert status == 200 and doc["threads"], doc
-    # then the next ones, which would wait longer than their timeout for the share to refill, are refused when their timeout ends;
-    # the refill runs on wall time, so a loaded host may let one more through: ask again until one is refused
+    # then the next ones, which would wait longer than their timeout for the share to refill, are refused when it
+    # ends; the refill runs on wall time, so a loaded host may let one more through: ask again until one is refused
     answers = []
     for _ in range(20):
         answers.append(_get(sock, "/backtrace?wait=0.05"))
@@ -299,7 +299,7 @@ def test_backtraces_and_profiles_are_paced_like_snapshots(spawn, probe_env):
     assert status == 503, [s for s, _ in answers]
     assert "PROBE_SERVE_SHARE" in doc["error"] and doc["error"].endswith("."), doc
     # and a profile, charged to the same share, waits its turn the same way
-    status, doc = _get(sock, "/profile?seconds=0.2")
+    status, doc = _get(sock, "/profile?seconds=0.2&wait=0.05")
     assert status == 503 and "PROBE_SERVE_SHARE" in doc["error"], (status, doc)
     assert "Traceback" not in target.output(), target.output()
 

@@ -21,6 +21,7 @@ import time
 
 from . import pacing, state
 from ..config import setting
+from ..util import validate as v
 from .._errors import QueryError
 from .routing import Request, route
 from ..util.collapsed import frame_text
@@ -134,11 +135,12 @@ def _number(req: Request, name: str, default: float, low: float, high: float) ->
 def profile(req: Request) -> dict:
     seconds = _number(req, "seconds", 5.0, 0.0, MAX_SECONDS)
     hz = _number(req, "hz", DEFAULT_HZ, 0.0, MAX_HZ)
+    wait = v.seconds(req.param("wait"), "wait", default=setting("PROBE_QUERY_TIMEOUT"))  # for the share, at most
     lane = pacing.lane(req.client.get("transport"))
     if not lane.profiling.acquire(blocking=False):
         raise QueryError("a profile is already running in this process; wait for it to finish and ask again.")
     try:
-        lane.paced(setting("PROBE_QUERY_TIMEOUT"), "profile")
+        lane.paced(wait, "profile")
         doc = sample_stacks(seconds, hz, exclude=frozenset({threading.get_ident()}), lane=lane)
     finally:
         lane.profiling.release()
