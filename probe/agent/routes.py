@@ -107,8 +107,9 @@ def backtrace(req: Request) -> dict:
         doc = {"source": "probe", "pid": entry.get("pid"), "rank": entry.get("rank")}
         doc.update(_stacks(want, with_locals))
     if want is not None and not doc["threads"]:
-        names = ", ".join(sorted({t.name for t in threading.enumerate()}))
-        raise QueryError(f"no thread named or numbered {want!r}; threads: {names}.")
+        names = sorted({t.name for t in threading.enumerate()})
+        more = f" and {len(names) - 20} more" if len(names) > 20 else ""
+        raise QueryError(f"no thread named or numbered {want!r}; threads: {', '.join(names[:20])}{more}.")
     return doc
 
 
