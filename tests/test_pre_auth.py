@@ -288,8 +288,8 @@ def test_backtraces_and_profiles_are_paced_like_snapshots(spawn, probe_env):
     # when one backtrace comes, it is answered (the share starts with its burst)
     status, doc = _get(sock, "/backtrace?wait=0.05")
     assert status == 200 and doc["threads"], doc
-    # then the next ones, which would wait longer than their timeout for the share to refill, are refused when it
-    # ends; the refill runs on wall time, so a loaded host may let one more through: ask again until one is refused
+    # then the next ones, which would wait longer than their timeout for the share to refill, are refused within
+    # it; the refill runs on wall time, so a loaded host may let one more through: ask again until one is refused
     answers = []
     for _ in range(20):
         answers.append(_get(sock, "/backtrace?wait=0.05"))

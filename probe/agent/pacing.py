@@ -8,7 +8,7 @@ wait in line, up to their timeout), and ``PROBE_SERVE_SHARE`` of wall time, aver
 (parsing, generating every table, walking stacks, encoding), however large, and the next one
 waits until that debt is earned back (an occasional request never waits; a client whose
 requests cost a lot waits long, and so do twenty clients asking back to back; one whose timeout
-ends first is refused when it ends, so that asking again at once buys nothing). A profile is
+ends first is refused after half of it, so that asking again at once buys nothing). A profile is
 charged as it samples and slows down when its lane is in debt. Two lanes, two budgets: TCP
 clients holding the token can spend TCP's share and slots, never the owner's, so the process
 gives its readers at most twice the share.
@@ -76,9 +76,9 @@ class Lane:
             if wait <= 0:
                 return
             if time.monotonic() + wait > deadline:
-                # wait out the timeout before refusing, as a request waits in line for a slot: a client that
-                # asks again at once after each refusal then costs the process one request per timeout
-                time.sleep(max(0.0, deadline - time.monotonic()))  # ok-sleep: the request waits in line
+                # wait half the timeout before refusing (a client's own timeout ends with the other half): a client
+                # that asks again at once after each refusal then costs the process one request per half timeout
+                time.sleep(max(0.0, min(deadline - time.monotonic(), timeout / 2)))  # ok-sleep: waits in line
                 raise BusyError(
                     f"the probe is pacing its readers: their {what}s may take {self._pace.share * 100:g} % of the "
                     f"training process's time (PROBE_SERVE_SHARE) and this one could not start within {timeout:g} s; "
