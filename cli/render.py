@@ -160,4 +160,28 @@ def render_backtrace(doc: dict) -> str:
         if not frames:
             lines.append("    (no Python frames)")
         lines.extend(frame_line(f) for f in frames)
+        if t.get("frames_left_out"):
+            lines.append(f"    ... {escape_controls(t['frames_left_out'])} outer frames not shown")
+    lines.extend(_left_out_lines(doc))
     return "\n".join(lines)
+
+
+def _left_out_lines(doc: dict) -> list:
+    """What the process left out of its answer to bound its cost: threads past its limit, locals past its deadline
+    (every field escaped: the answer is the process's)."""
+    e = escape_controls
+    lines = []
+    rest = doc.get("left_out")
+    if isinstance(rest, dict) and rest.get("threads"):
+        count, limit = e(rest["threads"]), e(rest.get("limit"))
+        lines += ["", f"[{count} more threads not shown (a backtrace shows {limit}); by where they are:"]
+        where = rest.get("where")
+        for w in where if isinstance(where, list) else []:
+            if isinstance(w, dict):
+                at = f"{e(w.get('func'))} ({e(w.get('file'))}:{e(w.get('lineno'))})"
+                lines.append(f"    {e(w.get('threads'))} in {at}")
+        lines.append('  `query "SELECT * FROM python.backtrace"` reads every thread\'s stack]')
+    if doc.get("locals_left_out"):
+        within = e(doc["locals_left_out"])
+        lines += ["", f"[locals are shown for the frames read within {within} s; later frames have none]"]
+    return lines

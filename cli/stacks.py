@@ -116,6 +116,12 @@ def group_text(answers: list, thread: str | None = None) -> str:
 SERVER_BACKTRACE_TIMEOUT = 3.0  # a local server that stays silent this long is presumed stuck; py-spy takes over
 
 
+def _paced(wait: float) -> dict:
+    """How long the server may keep a backtrace waiting for its share (``PROBE_SERVE_SHARE``): half of what the
+    client waits, so that a paced request is answered 503 before the client gives up on it."""
+    return {"wait": f"{max(wait / 2, 0.05):g}"}
+
+
 def backtrace_doc(session, target, args) -> dict:
     """The server's backtrace; for a local pid whose server is missing or silent, py-spy's (with a note saying why)."""
     from probe._errors import AuthError, QueryError
@@ -138,11 +144,11 @@ def backtrace_doc(session, target, args) -> dict:
         wait = min(session.timeout, SERVER_BACKTRACE_TIMEOUT) if local else session.timeout
         try:
             return session.client(target).get(
-                "/backtrace", timeout=wait, thread=args.thread, locals=1 if args.locals else None
+                "/backtrace", timeout=wait, thread=args.thread, locals=1 if args.locals else None, **_paced(wait)
             )
         except ProbeError as exc:
-            if local is None or isinstance(exc, (AuthError, QueryError)):
-                raise
+            if local is None or isinstance(exc, (AuthError, QueryError)) or exc.kind == "busy":
+                raise  # a busy server answered: it is alive, and py-spy would only add to its load
             if target.entry.get("missing"):
                 reason = f"process {local} has no probe server"
             elif "did not answer" in exc.message:
@@ -175,6 +181,7 @@ def _native_merged(session, target, args) -> dict | None:
             timeout=min(session.timeout, SERVER_BACKTRACE_TIMEOUT),
             thread=args.thread,
             locals=1 if args.locals else None,
+            **_paced(min(session.timeout, SERVER_BACKTRACE_TIMEOUT)),
         )
     except ProbeError:
         return None  # the py-spy fallback below says why

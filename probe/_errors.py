@@ -110,6 +110,8 @@ def error_from_dict(d: dict) -> ProbeError:
     if cls is QueryError:
         return QueryError(d.get("error", "query failed"), line=d.get("line"), col=d.get("col"))
     err = cls(d.get("error", "the probe reported an error"))
+    if cls is ProbeError and isinstance(d.get("kind"), str):
+        err.kind = d["kind"]  # a kind with no class of its own (``busy``) is kept for the caller to tell
     if d.get("exit_code") is not None:
         err.exit_code = int(d["exit_code"])
     return err

@@ -224,16 +224,18 @@ _declare(
 _declare(
     "PROBE_SERVE_SHARE",
     "0.02",
-    "Training process: share of wall time its snapshots may take, averaged over ten seconds; each request is charged "
-    "its thread's whole CPU time (filters, every table it names, encoding), and the next waits until that is earned "
-    "back, up to its timeout, so that no client, whatever it sends, can slow training more; 'off' serves them as fast "
-    "as they come.",
+    "Training process: share of wall time its snapshots, backtraces and profiles may take, averaged over ten seconds, "
+    "for each listener (the unix socket and TCP apart, so that TCP clients cannot spend the owner's); each request is "
+    "charged its thread's whole CPU time (filters, every table it names, every stack, encoding), and the next waits "
+    "until that is earned back, up to its timeout, so that no client, whatever it sends, can slow training more; "
+    "'off' serves them as fast as they come.",
     _limit("wall time"),
 )
 _declare(
     "PROBE_MAX_SNAPSHOTS",
     "2",
-    "Training process: snapshots taken at the same time; further queries wait in line up to their timeout.",
+    "Training process: snapshots and backtraces taken at the same time, for each listener (the unix socket and TCP "
+    "apart); further ones wait in line up to their timeout.",
     _COUNT,
 )
 _declare(

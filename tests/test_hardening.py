@@ -398,7 +398,7 @@ def test_snapshots_are_paced_to_their_share_of_the_process(spawn, probe_env):
     status, _ = ask(5)
     assert status == 200
     # then the next one, which would have to wait longer than its timeout for the share to refill (the debt is
-    # capped at one burst: up to a second), is told so at once instead of waiting. The refill runs on wall time,
+    # capped at one burst: up to a second), is refused within its timeout. The refill runs on wall time,
     # so a loaded host that delays the second query by most of a second lets it through (200, a correct
     # answer): ask again right after an answered one until the share is spent when one comes
     answers = []

@@ -199,3 +199,124 @@ def test_expensive_snapshots_are_charged_their_whole_cost(spawn, probe_env):
     assert refusal is not None, f"{len(statuses)} heavy snapshots were all served: {statuses}"
     assert "PROBE_SERVE_SHARE" in refusal and refusal.endswith("."), refusal
     _still_stepping(target)
+
+
+def _tcp_snapshot(port: int, body: bytes, token: str = "the-right-token-1234") -> int:
+    """The HTTP status of one snapshot asked over TCP with the token (0: the connection failed)."""
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    except OSError:
+        return 0
+    try:
+        s.sendall(
+            f"POST /snapshot HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        data = s.recv(64)
+        while data and b" " not in data[:12]:
+            more = s.recv(64)
+            if not more:
+                break
+            data += more
+        return int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else 0
+    except OSError:
+        return 0
+    finally:
+        s.close()
+
+
+def test_token_holders_flooding_over_tcp_never_lock_the_owner_out(spawn, cli, probe_env):
+    # given a training process on TCP too, whose readers may take half a percent of its time
+    target = _train(spawn, PROBE_SERVE_SHARE="0.005")
+    port = _entry(target.pid, probe_env)["tcp_port"]
+    body = json.dumps({"tables": {"python.backtrace": {"columns": ["func", "depth"]}}, "timeout": 2}).encode()
+    statuses: list = []
+    stop = threading.Event()
+
+    def flood():
+        while not stop.is_set():
+            statuses.append(_tcp_snapshot(port, body))
+
+    # when 16 clients holding the token ask for snapshots back to back, until TCP's share is spent
+    pool = [threading.Thread(target=flood, daemon=True) for _ in range(16)]
+    for t in pool:
+        t.start()
+    try:
+        assert poll(lambda: 503 in statuses, 60), f"the flood was never paced: {len(statuses)} answers"
+        # then each of the owner's queries over the unix socket, during the flood, is answered
+        answers = [
+            cli(target.pid, "query", "SELECT max(step) AS s FROM torch.steps", "-f", "csv", "--timeout", "10")
+            for _ in range(6)
+        ]
+        failed = [(r.returncode, r.stderr.strip()) for r in answers if r.returncode != 0]
+        assert not failed, f"{len(failed)} of the owner's 6 queries failed: {failed}"
+        # and so is the owner's backtrace
+        bt = cli(target.pid, "backtrace")
+        assert bt.returncode == 0 and "MainThread" in bt.stdout, bt.stderr
+    finally:
+        stop.set()
+        for t in pool:
+            t.join(30)
+    # and right after it, too
+    after = cli(target.pid, "query", "SELECT max(step) AS s FROM torch.steps", "-f", "csv")
+    assert after.returncode == 0, after.stderr
+    _still_stepping(target)
+
+
+def _get(path: str, route: str) -> tuple[int, dict]:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(60)
+    s.connect(path)
+    try:
+        s.sendall(f"GET {route} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        data = b""
+        while True:
+            chunk = s.recv(1 << 20)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        s.close()
+    return int(data.split(b" ", 2)[1]), json.loads(data.partition(b"\r\n\r\n")[2] or b"{}")
+
+
+def test_backtraces_and_profiles_are_paced_like_snapshots(spawn, probe_env):
+    # given a process whose readers may take a millionth of its time (a microsecond a second)
+    target = spawn(TARGETS / "many_threads.py", env={"PROBE_SERVE_SHARE": "0.000001"})
+    sock = _entry(target.pid, probe_env)["socket"]
+    # when one backtrace comes, it is answered (the share starts with its burst)
+    status, doc = _get(sock, "/backtrace?wait=0.05")
+    assert status == 200 and doc["threads"], doc
+    # then the next ones, which would wait longer than their timeout for the share to refill, are refused within
+    # it; the refill runs on wall time, so a loaded host may let one more through: ask again until one is refused
+    answers = []
+    for _ in range(20):
+        answers.append(_get(sock, "/backtrace?wait=0.05"))
+        if answers[-1][0] != 200:
+            break
+    status, doc = answers[-1]
+    assert status == 503, [s for s, _ in answers]
+    assert "PROBE_SERVE_SHARE" in doc["error"] and doc["error"].endswith("."), doc
+    # and a profile, charged to the same share, waits its turn the same way
+    status, doc = _get(sock, "/profile?seconds=0.2&wait=0.05")
+    assert status == 503 and "PROBE_SERVE_SHARE" in doc["error"], (status, doc)
+    assert "Traceback" not in target.output(), target.output()
+
+
+def test_a_backtrace_of_many_threads_shows_a_bounded_number_and_counts_the_rest(spawn, cli):
+    # given a process with 300 threads parked in the same function
+    target = spawn([TARGETS / "many_threads.py", "300"])
+    # when its backtrace is asked for
+    r = cli(target.pid, "--format", "json", "backtrace")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    # then a bounded number of threads come with their stacks, main first, and the rest are counted by where they wait
+    shown = len(doc["threads"])
+    assert shown < 300 and doc["threads"][0]["is_main"], shown
+    left = doc.get("left_out") or {}
+    assert left.get("limit") == shown and left["threads"] + shown >= 301, left
+    assert left["where"][0]["threads"] >= 300 - shown - 1, left  # the parked threads all wait on the same line
+    # and the human rendering says so
+    text = cli(target.pid, "backtrace").stdout
+    assert f"{left['threads']} more threads not shown" in text and "python.backtrace" in text, text[-2000:]

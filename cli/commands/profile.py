@@ -22,7 +22,11 @@ def fetch_profile(session, target, seconds: float, native: bool = False, hz: flo
     if not 0 < seconds <= MAX_SECONDS:
         raise ProbeError(f"--seconds must be above 0 and at most {MAX_SECONDS:g}, got {seconds:g}.")
     if not native:
-        return session.client(target).get("/profile", timeout=seconds + session.timeout, seconds=seconds, hz=hz)
+        # the server may wait half the timeout for its share (PROBE_SERVE_SHARE), so a refusal comes before the timeout
+        wait = f"{session.timeout / 2:g}"
+        return session.client(target).get(
+            "/profile", timeout=seconds + session.timeout, seconds=seconds, hz=hz, wait=wait
+        )
     pid = target.local_pid
     if pid is None:
         raise ProbeError(

@@ -3,8 +3,10 @@
 The sampler runs on the request's server thread: it reads ``sys._current_frames()`` about
 ``hz`` times a second for ``seconds`` (both bounded), keys each stack by its code objects
 (no strings built while sampling) and only turns the distinct stacks into text at the end.
-Between samples it sleeps, so the training thread keeps the GIL. One profile runs at a
-time per process; a second request is refused with a sentence saying so.
+Between samples it sleeps, so the training thread keeps the GIL. A profile is charged to its
+listener's share (``pacing``, ``PROBE_SERVE_SHARE``) as it samples: it starts when the share has
+credit, and while the share is spent it pauses (fewer samples, ``paced_s`` says how long). One
+profile runs at a time per listener; a second request is refused with a sentence saying so.
 
 The answer is collapsed stacks, root first: ``thread MainThread;main (train.py:90);...``
 with a sample count each, the format flamegraph tools read.
@@ -17,7 +19,9 @@ import sys
 import threading
 import time
 
-from . import state
+from . import pacing, state
+from ..config import setting
+from ..util import validate as v
 from .._errors import QueryError
 from .routing import Request, route
 from ..util.collapsed import frame_text
@@ -29,8 +33,7 @@ MAX_HZ = 250.0
 DEFAULT_HZ = 100.0
 MAX_STACKS = 20000  # distinct stacks kept; further new ones are counted as dropped
 MAX_DEPTH = 256
-
-_running = threading.Lock()
+_CHARGE_EVERY = 10  # samples between two charges to the lane
 
 
 def _label(code) -> str:
@@ -39,9 +42,14 @@ def _label(code) -> str:
     return frame_text(f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})")
 
 
-def sample_stacks(seconds: float, hz: float = DEFAULT_HZ, exclude: frozenset = frozenset()) -> dict:
-    """Sample all threads but ``exclude`` for ``seconds`` at ``hz``; return collapsed stacks with counts."""
+def sample_stacks(seconds: float, hz: float = DEFAULT_HZ, exclude: frozenset = frozenset(), lane=None) -> dict:
+    """Sample all threads but ``exclude`` for ``seconds`` at ``hz``; return collapsed stacks with counts.
+
+    With ``lane`` (``pacing.Lane``), the thread's CPU time is charged to it every few samples, and
+    sampling pauses while its share is spent."""
     counts: dict[tuple, int] = {}
+    charged = 0  # CPU time of this thread charged to the lane so far
+    paced = 0.0
     dropped = 0
     names: dict[int, str] = {}
     interval = 1.0 / hz
@@ -72,6 +80,16 @@ def sample_stacks(seconds: float, hz: float = DEFAULT_HZ, exclude: frozenset = f
                 dropped += 1
         del frames, frame
         samples += 1
+        if lane is not None and samples % _CHARGE_EVERY == 0:
+            spent = time.thread_time_ns()
+            lane.charge(spent - charged)
+            charged = spent
+            pause = min(lane.wait_s(), deadline - time.monotonic())
+            if pause > 0:
+                time.sleep(pause)  # ok-sleep: the share is spent; the training thread has the GIL meanwhile
+                paced += pause
+                next_at = time.monotonic()
+                continue
         next_at += interval
         pause = next_at - time.monotonic()
         if pause > 0:
@@ -79,6 +97,8 @@ def sample_stacks(seconds: float, hz: float = DEFAULT_HZ, exclude: frozenset = f
         else:
             next_at = time.monotonic()  # fell behind (a busy GIL): sample again at once, never in a burst
     elapsed = time.monotonic() - start
+    if lane is not None:
+        lane.charge(time.thread_time_ns() - charged)
     labels: dict = {}
     stacks: dict[str, int] = {}
     for (ident, codes), n in counts.items():
@@ -95,6 +115,7 @@ def sample_stacks(seconds: float, hz: float = DEFAULT_HZ, exclude: frozenset = f
         "seconds": round(elapsed, 3),
         "hz": hz,
         "dropped": dropped,
+        "paced_s": round(paced, 3),
         "stacks": sorted(([k, v] for k, v in stacks.items()), key=lambda kv: -kv[1]),
     }
 
@@ -114,12 +135,15 @@ def _number(req: Request, name: str, default: float, low: float, high: float) ->
 def profile(req: Request) -> dict:
     seconds = _number(req, "seconds", 5.0, 0.0, MAX_SECONDS)
     hz = _number(req, "hz", DEFAULT_HZ, 0.0, MAX_HZ)
-    if not _running.acquire(blocking=False):
+    wait = v.seconds(req.param("wait"), "wait", default=setting("PROBE_QUERY_TIMEOUT"))  # for the share, at most
+    lane = pacing.lane(req.client.get("transport"))
+    if not lane.profiling.acquire(blocking=False):
         raise QueryError("a profile is already running in this process; wait for it to finish and ask again.")
     try:
-        doc = sample_stacks(seconds, hz, exclude=frozenset({threading.get_ident()}))
+        lane.paced(wait, "profile")
+        doc = sample_stacks(seconds, hz, exclude=frozenset({threading.get_ident()}), lane=lane)
     finally:
-        _running.release()
+        lane.profiling.release()
     entry = state.info()
     doc.update(source="probe", pid=entry.get("pid"), rank=entry.get("rank"))
     return doc

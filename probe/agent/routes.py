@@ -5,19 +5,23 @@ Other rooms add their own routes (actions, eval) with ``@route`` the same way.
 
 from __future__ import annotations
 
-import reprlib
 import threading
+import time
+from itertools import islice
 
-from . import state
+from . import pacing, state
 from .routing import Binary, Request, route
 from .server import requests_served
 from .._errors import QueryError
-from ..tables.python import frame_row, walk_stacks
+from ..config import setting
+from ..tables.python import frame_row, thread_roots
 from ..tables.registry import all_tables, version
+from ..util import validate as v
+from ..util.objects import bounded_repr
 from ..util.procfs import native_id
 from ..util.redact import redact
 
-__all__ = ["snapshot", "safe_repr", "schema_identity"]
+__all__ = ["snapshot", "schema_identity", "MAX_THREADS", "MAX_DEPTH"]
 
 
 @route("GET", "/health")
@@ -35,7 +39,7 @@ def snapshot(req: Request) -> Binary:
 
     entry = state.info()
     meta = {"pid": entry.get("pid"), "rank": entry.get("rank"), "host": entry.get("host"), **schema_identity(entry)}
-    return Binary(take(req.body, meta), "application/x-probe-columns")
+    return Binary(take(req.body, meta, req.client.get("transport")), "application/x-probe-columns")
 
 
 def schema_identity(entry: dict | None = None) -> dict:
@@ -78,53 +82,100 @@ def tables(req: Request) -> Binary:
     return Binary([cached], "application/json")
 
 
-_repr = reprlib.Repr()
-_repr.maxstring = 80
-_repr.maxother = 80
-_repr.maxlist = _repr.maxtuple = _repr.maxdict = _repr.maxset = 6
-
-
-def safe_repr(value) -> str:
-    """A short repr that never touches tensor data (no device sync) and never raises."""
-    try:
-        mod = type(value).__module__ or ""
-        if mod.startswith("torch") and hasattr(value, "shape") and hasattr(value, "dtype"):
-            return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
-        if mod.startswith("numpy") and hasattr(value, "shape"):
-            return f"ndarray(shape={value.shape}, dtype={value.dtype})"
-        return _repr.repr(value)
-    except Exception as exc:
-        return f"<repr failed: {type(exc).__name__}>"
+# What one backtrace may cost: the threads shown with their stacks (the rest are counted by where they are),
+# the frames shown per thread (the innermost), the locals shown per frame, and the wall time its locals may take.
+MAX_THREADS = 64
+MAX_DEPTH = 128
+MAX_LOCALS = 40
+LOCALS_DEADLINE_S = 1.0
+_SLICE = 16  # threads walked between two releases of the GIL (the training thread takes it meanwhile)
 
 
 @route("GET", "/backtrace")
 def backtrace(req: Request) -> dict:
+    """Every thread's stack, innermost frame first; served and charged on the client's lane (``pacing``).
+
+    Bounded by the thread count: at most ``MAX_THREADS`` threads with ``MAX_DEPTH`` frames each, the
+    others counted by their innermost frame in ``left_out``; locals are bounded reprs
+    (``probe.util.objects``) for ``LOCALS_DEADLINE_S`` at most, and the GIL is let go between threads."""
     want = req.param("thread")
+    want = None if want in (None, "") else str(want)
     with_locals = str(req.param("locals", "")).lower() in ("1", "true", "yes")
-    threads = []
-    for ident, thread, is_main, frames in walk_stacks(frozenset({threading.get_ident()})):
+    timeout = v.seconds(req.param("wait"), "wait", default=setting("PROBE_QUERY_TIMEOUT"))  # in line, at most
+    entry = state.info()
+    with pacing.served(req.client.get("transport"), timeout, "backtrace"):
+        doc = {"source": "probe", "pid": entry.get("pid"), "rank": entry.get("rank")}
+        doc.update(_stacks(want, with_locals))
+    if want is not None and not doc["threads"]:
+        names = sorted({t.name for t in threading.enumerate()})
+        more = f" and {len(names) - 20} more" if len(names) > 20 else ""
+        raise QueryError(f"no thread named or numbered {want!r}; threads: {', '.join(names[:20])}{more}.")
+    return doc
+
+
+def _stacks(want: str | None, with_locals: bool) -> dict:
+    roots = []
+    for ident, thread, is_main, frame in thread_roots(frozenset({threading.get_ident()})):
         name = thread.name if thread else None
-        if want not in (None, "") and want not in (name, str(ident), str(native_id(thread) or "")):
-            continue
+        if want is None or want in (name, str(ident), str(native_id(thread) or "")):
+            roots.append((ident, thread, is_main, frame, name))
+    roots.sort(key=lambda r: (not r[2], (r[4] or "").startswith("probe-"), r[4] or ""))
+    shown, rest = roots[:MAX_THREADS], roots[MAX_THREADS:]
+    deadline = time.monotonic() + LOCALS_DEADLINE_S
+    out: dict = {"threads": []}
+    for i, (ident, thread, is_main, frame, name) in enumerate(shown):
+        if i and i % _SLICE == 0:
+            time.sleep(0)  # ok-sleep: lets the training thread have the GIL between threads
         rows = []
-        for depth, frame in enumerate(frames):
-            func, file, lineno, line = frame_row(frame)
-            row = {"depth": depth, "func": func, "file": file, "lineno": lineno, "line": line}
+        f = frame
+        while f is not None and len(rows) < MAX_DEPTH:
+            func, file, lineno, line = frame_row(f)
+            row = {"depth": len(rows), "func": func, "file": file, "lineno": lineno, "line": line}
             if with_locals:
-                row["locals"] = {k: redact(k, safe_repr(v)) for k, v in list(frame.f_locals.items())[:40]}
+                if time.monotonic() < deadline:
+                    row["locals"] = _locals(f)
+                else:
+                    out["locals_left_out"] = LOCALS_DEADLINE_S
             rows.append(row)
-        threads.append(
-            {
-                "thread_id": ident,
-                "native_id": native_id(thread),
-                "name": name,
-                "is_main": is_main,
-                "daemon": getattr(thread, "daemon", None),
-                "frames": rows,
-            }
-        )
-    threads.sort(key=lambda t: (not t["is_main"], (t["name"] or "").startswith("probe-"), t["name"] or ""))
-    if want not in (None, "") and not threads:
-        names = ", ".join(sorted({t.name for t in threading.enumerate()}))
-        raise QueryError(f"no thread named or numbered {want!r}; threads: {names}.")
-    return {"source": "probe", "pid": state.info().get("pid"), "rank": state.info().get("rank"), "threads": threads}
+            f = f.f_back
+        t = {
+            "thread_id": ident,
+            "native_id": native_id(thread),
+            "name": name,
+            "is_main": is_main,
+            "daemon": getattr(thread, "daemon", None),
+            "frames": rows,
+        }
+        outer = 0
+        while f is not None:
+            outer, f = outer + 1, f.f_back
+        if outer:
+            t["frames_left_out"] = outer
+        out["threads"].append(t)
+    if rest:
+        out["left_out"] = _left_out(rest)
+    return out
+
+
+def _locals(frame) -> dict:
+    loc = frame.f_locals
+    return {str(k): redact(str(k), bounded_repr(value)) for k, value in islice(loc.items(), MAX_LOCALS)}
+
+
+def _left_out(rest: list) -> dict:
+    """The threads past ``MAX_THREADS``, counted by their innermost frame (the ten most common places)."""
+    where: dict = {}
+    for i, (_, _, _, frame, _) in enumerate(rest):
+        if i and i % (_SLICE * 16) == 0:
+            time.sleep(0)  # ok-sleep: lets the training thread have the GIL
+        key = (frame.f_code, frame.f_lineno)
+        where[key] = where.get(key, 0) + 1
+    top = sorted(where.items(), key=lambda kv: -kv[1])[:10]
+    return {
+        "threads": len(rest),
+        "limit": MAX_THREADS,
+        "where": [
+            {"func": code.co_name, "file": code.co_filename, "lineno": lineno or code.co_firstlineno, "threads": n}
+            for (code, lineno), n in top
+        ],
+    }

@@ -13,95 +13,28 @@ narrows what is sent, and conservatively: a row is dropped only when the filter
 surely rejects it (the client runs the full query again over what it receives), so
 a value it cannot compare cheaply is kept. No SQL is parsed here.
 
-Limits: at most ``PROBE_MAX_SNAPSHOTS`` snapshots are taken at once (the rest wait
-in line, up to their timeout); together they may take ``PROBE_SERVE_SHARE`` of wall
-time, averaged over ``PACE_WINDOW_S`` seconds: each request is charged the CPU time of its
-thread in full (parsing its filter trees, generating every table it names, filtering,
-encoding), however large, and the next snapshot waits until that debt is earned back (an
-occasional query never waits; a client whose snapshots cost a lot waits long, and so do
-twenty clients asking back to back; training keeps its core whatever they send); and
-a snapshot larger than ``PROBE_SNAPSHOT_BYTES`` is refused before it is sent.
+Limits (``pacing``): each listener's snapshots take its slots (``PROBE_MAX_SNAPSHOTS`` at once) and
+are charged to its share of wall time (``PROBE_SERVE_SHARE``), whole cost included; a snapshot
+larger than ``PROBE_SNAPSHOT_BYTES`` is refused before it is sent.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 
 from ..config import setting
-from .._errors import ProbeError, QueryError
+from .._errors import QueryError
 from ..tables.registry import Context, get_table, to_columns
 from ..util import validate as v
-from ..util.budget import Budget
 from ..util.errorlog import record_error
+from . import pacing
 
-__all__ = ["take", "apply_filter", "parse_request", "BusyError"]
+__all__ = ["take", "apply_filter", "parse_request"]
 
 _OPS = ("=", "!=", "<", "<=", ">", ">=", "in", "null", "notnull")
 MAX_FILTER_NODES = 256
 MAX_IN_VALUES = 1000
-PACE_WINDOW_S = 10.0  # PROBE_SERVE_SHARE is kept over this window (its share of it is the credit a process starts with)
-
-_slots_lock = threading.Lock()
-_slots: threading.BoundedSemaphore | None = None
-_waiting = 0
-_pace: Budget | None = None  # PROBE_SERVE_SHARE, under _slots_lock
-_pace_at = 0  # when it last earned (time.monotonic_ns())
-
-
-class BusyError(ProbeError):
-    """Too many snapshots waited in line (HTTP 503)."""
-
-    kind = "busy"
-    exit_code = 3
-
-
-def _semaphore() -> threading.BoundedSemaphore:
-    global _slots
-    with _slots_lock:
-        if _slots is None:
-            _slots = threading.BoundedSemaphore(setting("PROBE_MAX_SNAPSHOTS"))
-        return _slots
-
-
-def _bucket(now: int) -> Budget:
-    """The pace's bucket (under ``_slots_lock``), made at first use."""
-    global _pace, _pace_at
-    if _pace is None:
-        # every cost charged in full (no cap on one charge nor on the debt): a client chooses what its
-        # snapshot costs (heavy filter trees over every table), so a cap would be its discount
-        _pace = Budget(setting("PROBE_SERVE_SHARE"), burst_s=PACE_WINDOW_S, charge_cap=math.inf, debt_cap=math.inf)
-        _pace_at = now
-    return _pace
-
-
-def _paced(timeout: float) -> None:
-    """Wait until the snapshots' share of wall time has credit again (``PROBE_SERVE_SHARE``); BusyError after
-    ``timeout``."""
-    global _pace, _pace_at
-    deadline = time.monotonic() + timeout
-    while True:
-        with _slots_lock:
-            now = time.monotonic_ns()
-            pace = _bucket(now)
-            pace.earn(now - _pace_at)
-            _pace_at = now
-            wait = pace.wait_ns() / 1e9
-        if wait <= 0:
-            return
-        if time.monotonic() + wait > deadline:
-            raise BusyError(
-                f"the probe is pacing its queries: snapshots may take {_pace.share * 100:g} % of the training "
-                f"process's time (PROBE_SERVE_SHARE) and this one could not start within {timeout:g} s; "
-                "retry, query less often, or raise PROBE_SERVE_SHARE in the training process."
-            )
-        time.sleep(min(wait, 0.25))  # ok-sleep: waiting for the share to refill
-
-
-def _charge(cpu_ns: int) -> None:
-    with _slots_lock:
-        _bucket(time.monotonic_ns()).spend(cpu_ns)
 
 
 def _check_filter(node, columns: set, depth: int = 0, count: list | None = None) -> dict:
@@ -283,48 +216,24 @@ def _filter_columns(node: dict) -> set:
     return {node["col"]}
 
 
-def take(body: dict, meta: dict) -> list:
-    """The encoded snapshot the request asks for (buffers for ``probe.util.wire``).
-
-    The request's whole cost is charged to the pace, whether it is answered or refused: the
-    server runs one thread per request, so its thread's CPU time is what it cost (reading
-    and parsing the body included)."""
-    try:
-        return _take(body, meta)
-    finally:
-        _charge(time.thread_time_ns())
-
-
-def _take(body: dict, meta: dict) -> list:
+def take(body: dict, meta: dict, transport: str = "unix") -> list:
+    """The encoded snapshot the request asks for (buffers for ``probe.util.wire``), served on ``transport``'s
+    lane (``pacing``: its share of wall time and its slots, charged the request's whole cost)."""
     from ..util.wire import encode
 
-    global _waiting
-    wanted, timeout = parse_request(body)
-    max_bytes = setting("PROBE_SNAPSHOT_BYTES")
-    _paced(timeout)
-    slots = _semaphore()
-    if not slots.acquire(blocking=False):
-        with _slots_lock:
-            _waiting += 1
-        try:
-            if not slots.acquire(timeout=timeout):
-                raise BusyError(
-                    f"the probe is busy: {setting('PROBE_MAX_SNAPSHOTS')} snapshots were running "
-                    f"and this one waited {timeout:g} s in line; retry, or raise PROBE_MAX_SNAPSHOTS in the training "
-                    "process."
-                )
-        finally:
-            with _slots_lock:
-                _waiting -= 1
     try:
+        wanted, timeout = parse_request(body)
+    except BaseException:
+        pacing.lane(transport).charge(time.thread_time_ns())  # a refused request costs its parsing too
+        raise
+    max_bytes = setting("PROBE_SNAPSHOT_BYTES")
+    with pacing.served(transport, timeout, "snapshot"):
         ctx = Context(exclude_threads=frozenset({threading.get_ident()}))
         t0 = time.perf_counter()
         tables = {}
-        rows = {}
         for name, (columns, flt) in wanted.items():
-            cols, data, n = _one(name, columns, flt, ctx)
+            cols, data, _ = _one(name, columns, flt, ctx)
             tables[name] = (cols, data)
-            rows[name] = n
         meta = dict(meta, snapshot_time=ctx.time, snapshot_s=time.perf_counter() - t0)
         try:
             return encode(tables, meta, max_bytes=max_bytes)
@@ -333,5 +242,3 @@ def _take(body: dict, meta: dict) -> list:
                 f"the snapshot of {exc} is larger than PROBE_SNAPSHOT_BYTES ({max_bytes // 1048576} MiB); "
                 "select fewer columns or add a WHERE on its columns (LIMIT is applied after the snapshot)."
             ) from None
-    finally:
-        slots.release()

@@ -18,19 +18,32 @@ def _threads_by_ident() -> dict:
     return {t.ident: t for t in threading.enumerate()}
 
 
-def walk_stacks(exclude: frozenset = frozenset()):
-    """Yield (thread_ident, thread, is_main, [frames innermost first]) for every thread but ``exclude``."""
+_SLICE = 16  # threads walked between two releases of the GIL (the training thread takes it meanwhile)
+
+
+def thread_roots(exclude: frozenset = frozenset()) -> list:
+    """(thread_ident, thread, is_main, innermost frame) of every thread but ``exclude``."""
     threads = _threads_by_ident()
     main_ident = threading.main_thread().ident
-    for ident, frame in sys._current_frames().items():
-        if ident in exclude:
-            continue
+    return [
+        (ident, threads.get(ident), ident == main_ident, frame)
+        for ident, frame in sys._current_frames().items()
+        if ident not in exclude
+    ]
+
+
+def walk_stacks(exclude: frozenset = frozenset()):
+    """Yield (thread_ident, thread, is_main, [frames innermost first]) for every thread but ``exclude``, letting
+    the GIL go every few threads."""
+    for i, (ident, thread, is_main, frame) in enumerate(thread_roots(exclude)):
+        if i and i % _SLICE == 0:
+            time.sleep(0)  # ok-sleep: lets the training thread have the GIL between threads
         frames = []
         f = frame
         while f is not None:
             frames.append(f)
             f = f.f_back
-        yield ident, threads.get(ident), ident == main_ident, frames
+        yield ident, thread, is_main, frames
 
 
 def frame_row(frame) -> tuple:

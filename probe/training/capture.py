@@ -34,6 +34,7 @@ import weakref
 from ..config import setting
 from ..util.errorlog import record_error
 from ..util.frames import release
+from ..util.objects import is_a
 from .shards import is_sharded, local
 
 __all__ = ["Capture", "loss_logits"]
@@ -312,10 +313,10 @@ class Capture:
                     v = loc.get(name)
                     if v is None:
                         continue
-                    if isinstance(v, self.torch.Tensor):
+                    if is_a(v, self.torch.Tensor):  # by type: a local's __class__ property is the job's code
                         if v.numel() == 1:  # not a per-sample loss vector: look further out for the scalar
                             return v
-                    elif isinstance(v, (float, int)):
+                    elif is_a(v, (float, int)):
                         return v
             finally:
                 release(f, loc, own=True)  # else 3.11/3.12's cached snapshot keeps last step's tensors alive

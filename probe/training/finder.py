@@ -41,9 +41,11 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from itertools import islice
 from typing import Any, NamedTuple
 
 from ..util.errorlog import record_error
+from ..util.objects import instance_dict, is_a
 from .frameworks import (
     framework_items,
     framework_name,
@@ -123,16 +125,16 @@ def module_path(name: str) -> str:
 
 # -- the registry ---------------------------------------------------------------------------------------
 def _kind_of(torch, obj) -> str | None:
-    if isinstance(obj, torch.nn.Module):
+    if is_a(obj, torch.nn.Module):
         return "model"
-    if isinstance(obj, torch.optim.Optimizer):
+    if is_a(obj, torch.optim.Optimizer):
         return "optimizer"
-    if isinstance(obj, scheduler_types(torch)) or (
-        unwrap_scheduler(torch, obj) is not None and type(obj).__name__ == "AcceleratedScheduler"
+    if is_a(obj, scheduler_types(torch)) or (
+        type(obj).__name__ == "AcceleratedScheduler" and unwrap_scheduler(torch, obj) is not None
     ):
         return "scheduler"
     kinds = scaler_types(torch)
-    if kinds and isinstance(obj, kinds):
+    if kinds and is_a(obj, kinds):
         return "scaler"
     if framework_of(obj) is not None:
         return "framework"
@@ -151,7 +153,7 @@ def _is_dataloader(obj) -> bool:
         for t in (getattr(data, "DataLoader", None), getattr(data, "_BaseDataLoaderIter", None))
         if isinstance(t, type)
     )
-    return bool(kinds) and isinstance(obj, kinds)
+    return bool(kinds) and is_a(obj, kinds)
 
 
 def add(obj, name: str | None = None, source: str = "frame", kind: str | None = None) -> Found | None:
@@ -325,7 +327,7 @@ def scheduler_for(optimizer) -> list[Found]:
 def _scan_main() -> None:
     torch = _torch()
     for name, value in main_globals().items():
-        if name.startswith("__") or isinstance(value, type):
+        if name.startswith("__") or is_a(value, type):
             continue
         kind = _kind_of(torch, value)
         if kind is not None:
@@ -368,18 +370,17 @@ def _classify(torch, obj, name: str, seen: set, depth: int, source: str) -> None
         if kind == "framework":
             _from_framework(obj, name)
         elif kind == "model" and is_lightning_module(obj):
-            trainer = vars(obj).get("_trainer")
+            trainer = (instance_dict(obj) or {}).get("_trainer")
             if trainer is not None and id(trainer) not in seen:
                 seen.add(id(trainer))
                 add(trainer, "trainer", "framework", "framework")
                 _from_framework(trainer, "trainer")
         return
-    if depth == 0 and hasattr(obj, "__dict__") and not isinstance(obj, type) and type(obj).__module__ != "builtins":
-        try:
-            attrs = list(vars(obj).items())
-        except TypeError:
+    if depth == 0 and not is_a(obj, type) and type(obj).__module__ != "builtins":
+        attrs = instance_dict(obj)
+        if attrs is None:
             return
-        for attr, value in attrs[:200]:
+        for attr, value in list(islice(attrs.items(), 200)):
             _classify(torch, value, attr, seen, depth + 1, source)
 
 
@@ -410,8 +411,7 @@ def scan(frame=None, max_frames: int = 4) -> None:
             try:
                 for name, value in list(loc.items()):
                     if id(value) not in seen and (
-                        framework_of(value) is not None
-                        or (isinstance(value, torch.nn.Module) and is_lightning_module(value))
+                        framework_of(value) is not None or (is_a(value, torch.nn.Module) and is_lightning_module(value))
                     ):
                         _classify(torch, value, framework_name(value, name), seen, 1, "frame")
             finally:

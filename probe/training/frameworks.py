@@ -14,6 +14,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from ..util.objects import instance_dict, is_a
+
 __all__ = [
     "framework_of",
     "is_lightning_module",
@@ -82,9 +84,8 @@ def unwrap_optimizer(opt) -> tuple[Any, str | None]:
     """
     wrapper = None
     for _ in range(4):  # wrappers of wrappers (DeepSpeed inside accelerate)
-        try:
-            attrs = vars(opt)
-        except TypeError:
+        attrs = instance_dict(opt)
+        if attrs is None:
             break
         inner = next((attrs[a] for a in ("_optimizer", "optimizer") if a in attrs), None)
         if inner is None or inner is opt or not hasattr(inner, "param_groups"):
@@ -104,13 +105,13 @@ def unwrap_scheduler(torch, sched):
     """The torch scheduler behind ``sched`` (accelerate's AcceleratedScheduler keeps it as ``scheduler``), or None."""
     kinds = scheduler_types(torch)
     for _ in range(3):
-        if isinstance(sched, kinds):
+        if is_a(sched, kinds):
             return sched
-        inner = vars(sched).get("scheduler") if hasattr(sched, "__dict__") else None
+        inner = (instance_dict(sched) or {}).get("scheduler")
         if inner is None:
             return None
         sched = inner
-    return sched if isinstance(sched, kinds) else None
+    return sched if is_a(sched, kinds) else None
 
 
 def framework_items(obj, name: str):

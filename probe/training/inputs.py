@@ -19,6 +19,7 @@ from __future__ import annotations
 import weakref
 
 from ..util.errorlog import record_error
+from ..util.objects import is_a
 from . import finder
 
 __all__ = ["InputCounter"]
@@ -47,8 +48,8 @@ class InputCounter:
             return None  # an evaluation pass is not a training micro-batch
         x = args[0] if args else next(iter(kwargs.values()), None) if kwargs else None
         if type(x) is dict:
-            x = next((v for v in x.values() if isinstance(v, torch.Tensor)), None)
-        if isinstance(x, torch.Tensor):
+            x = next((v for v in x.values() if is_a(v, torch.Tensor)), None)
+        if is_a(x, torch.Tensor):  # by type: the batch is the job's object
             shape = x.shape
             if shape:
                 self.micro_batches += 1

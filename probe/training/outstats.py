@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import weakref
 
+from ..util.objects import is_a
+
 __all__ = ["STATS_COLUMNS", "MAX_ELEMENTS", "recorder", "Batch"]
 
 STATS_COLUMNS = {
@@ -57,14 +59,14 @@ COPY_BUDGET = 1 << 22  # elements copied that way per traced step; past it, smal
 
 
 def _first_tensor(output, tensor_type):
-    if isinstance(output, (tuple, list)):
+    if is_a(output, (tuple, list)):  # by type: a module's output is the job's object
         values = output
-    elif isinstance(output, dict):
+    elif is_a(output, dict):
         values = output.values()
     else:
         return None
     for v in values:
-        if isinstance(v, tensor_type):
+        if is_a(v, tensor_type):
             return v
     return None
 
