@@ -7,10 +7,12 @@ What is checked, each at about the cost of a few attribute reads per measured st
 * ``grads_present``: the lead optimizer's step found a gradient on its trainable tensors (the first one
   with a ``.grad`` ends the search). None at all: ``zero_grad()`` ran between ``backward()`` and
   ``step()``, or the step had no backward.
-* ``grads_cleared``: between two measured boundaries, at one of the backward passes, the gradient of one
-  small trainable tensor of the lead optimizer was None or zero before autograd added to it. One tensor
-  hook, armed at a measured boundary and taken out at the next, looks at ``param.grad`` when its gradient
-  arrives; a gradient that is never cleared accumulates across optimizer steps (a missing ``zero_grad()``).
+* ``grads_cleared``: in the two optimizer steps after a measured boundary, at one of the backward passes, the
+  gradient of one small trainable tensor of the lead optimizer was None or zero before autograd added to it.
+  One tensor hook, armed at a measured boundary and taken out at the next, looks at ``param.grad`` when its
+  gradient arrives, for the backward passes of those two steps only (``_WINDOW_STEPS``: after them it returns
+  at once, so the steps between measured ones pay a call and no tensor operation); a gradient that is never
+  cleared accumulates across optimizer steps (a missing ``zero_grad()``).
   It fires on every backward of the window (a GAN's generator backward also reaches the discriminator's
   tensors; the discriminator's own ``zero_grad()`` clears them before its backward). On CUDA it never
   synchronises: whether the gradient was zero is copied without blocking and read at the next boundary.
@@ -48,6 +50,7 @@ _REFRESH_MAX = 500  # steps between refreshes of the cached targets at most (the
 _NAMES_SHOWN = 5
 _RETRY = 8  # steps between looks for the trained model while none is known
 _PENDING_MAX = 4  # device reads one grads_cleared window keeps at most
+_WINDOW_STEPS = 2  # optimizer steps whose backward passes one grads_cleared window looks at
 
 
 def _trainable(optimizer):
@@ -60,13 +63,15 @@ def _trainable(optimizer):
 class _GradWatch:
     """One tensor hook on one parameter, from one measured boundary to the next."""
 
-    __slots__ = ("param", "name", "since", "fired", "clear", "clears", "pending", "handle", "torch")
+    __slots__ = ("param", "name", "since", "until", "clock", "fired", "clear", "clears", "pending", "handle", "torch")
 
-    def __init__(self, torch, param, name: str, since: int):
+    def __init__(self, torch, param, name: str, since: int, clock=None):
         self.torch = torch
         self.param = weakref.ref(param)
         self.name = name
         self.since = since
+        self.until = None  # the step the window closed at (``_WINDOW_STEPS`` after ``since``); None while open
+        self.clock = clock  # the number of optimizer steps taken so far (the step tracker's), or None
         self.fired = 0
         self.clear = False
         self.clears = 0  # backward passes that found the gradient None or zero (CPU only)
@@ -74,7 +79,15 @@ class _GradWatch:
         self.handle = param.register_hook(self._on_grad)
 
     def _on_grad(self, grad):
+        if self.until is not None:
+            return None  # the window is closed: nothing to look at until the next measured boundary
         try:
+            clock = self.clock
+            if clock is not None:
+                now = clock()
+                if now - self.since >= _WINDOW_STEPS:  # the first backward after the window's steps
+                    self.until = now
+                    return None
             self.fired += 1
             p = self.param()
             if self.clear:
@@ -132,17 +145,19 @@ class Invariants:
         self._modes: list = []  # (name, module) of its dropout and normalization modules
         self._watch: _GradWatch | None = None
         self._pick = None  # weakref to the parameter grads_cleared watches
+        self._clock = None  # the step tracker's count of optimizer steps (at_boundary's clock)
         self._model = None  # weakref to the trained model
         self._opt = None  # weakref to the optimizer the targets were picked for
         self._single = True  # one optimizer found (the accumulation check needs it)
         self.updates = Updates(torch)
 
     # -- the one call from the step boundary ---------------------------------------------------------------
-    def at_boundary(self, step: int, optimizer, capture=None) -> None:
+    def at_boundary(self, step: int, optimizer, capture=None, clock=None) -> None:
         """Check the invariants at a measured step's boundary (the lead optimizer just stepped); ``capture``
-        holds the step's backward calls."""
+        holds the step's backward calls, ``clock()`` gives the optimizer steps taken so far."""
         if optimizer is None:
             return
+        self._clock = clock
         try:
             lost = self._model is None or self._model() is None  # not found yet (a scan finds it), or gone
             if (
@@ -247,7 +262,7 @@ class Invariants:
                     f"{watch.fired} backward pass(es) from step {watch.since} to step {step}"
                     + ("" if verdict else ", the gradient never None or zero before any of them"),
                 )
-            steps = step - watch.since
+            steps = (watch.until or step) - watch.since
             if verdict is not None and self._single and steps > 0 and not watch.pending:
                 # one row a window (ok without accumulation), so a finding ends with the accumulation that caused it
                 erased = verdict and watch.fired > steps and watch.clears >= watch.fired
@@ -273,7 +288,7 @@ class Invariants:
                 return
             pick = min(candidates, key=lambda p: p.numel())
             self._pick = weakref.ref(pick)
-        self._watch = _GradWatch(self.torch, pick, self._names.get(id(pick), "?"), step)
+        self._watch = _GradWatch(self.torch, pick, self._names.get(id(pick), "?"), step, self._clock)
 
     def _backward_once(self, step, now, capture) -> None:
         n, repeated, graph = capture.take_backwards()

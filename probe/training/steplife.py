@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from . import invariants
+
 __all__ = ["StepLife"]
 
 
@@ -36,6 +38,9 @@ class StepLife:
         self.capture.unwrap()
         self.inputs.close()
         self.memory.stop()
+        checks = invariants.checks()
+        if checks is not None:  # its gradient hook too: a paused probe runs nothing on the loop's steps
+            checks.close()
 
     def reopen(self) -> None:
         """Undo ``close``: the loss and clip wrappers and the root model's hook go back; the next step's clock

@@ -155,6 +155,9 @@ class StepTracker(StepLife):
         self.used_lr = None
         self.capture.wrap()
 
+    def _steps_taken(self) -> int:
+        return self.step
+
     def full_next(self) -> None:
         """The next boundary takes the full path (a cycle's optimizer steps, a resume)."""
         self._check_at = 0
@@ -342,7 +345,7 @@ class StepTracker(StepLife):
         if measured:
             self._occasional(step, frame, duration_ns, traced)
             invariants.checks(self.torch).at_boundary(
-                step, optimizer, self.capture
+                step, optimizer, self.capture, self._steps_taken
             )  # torch.checks: cheap invariants of training
         if step >= self._replicas.next_step:  # torch.weight_sums: DDP replicas' checksums, the same steps on every rank
             self._replicas.at_boundary(step, duration_ns * 1e-9)

@@ -142,3 +142,45 @@ def test_the_budget_is_not_asked_again_before_it_can_pay_for_the_asking(tracker,
         assert len(full) <= 3 * measured + 20, f"{len(full)} full boundaries for {measured} measured steps"
     finally:
         tk.close()
+
+
+def test_the_gradient_watch_looks_at_two_steps_after_a_measured_one_then_costs_no_tensor_operation():
+    import torch
+
+    from probe.training.invariants import _WINDOW_STEPS, _GradWatch
+
+    w = torch.nn.Parameter(torch.ones(3))
+    taken = [10]  # optimizer steps taken: the watch is armed at step 10's boundary
+    watch = _GradWatch(torch, w, "w", 10, lambda: taken[0])
+    looked = []
+    real_any = torch.Tensor.any
+    try:
+        torch.Tensor.any = lambda self, *a, **k: (looked.append(1), real_any(self, *a, **k))[1]
+        for _ in range(_WINDOW_STEPS + 5):  # one backward per step, zero_grad() before each
+            w.grad = None
+            (w * 2).sum().backward()
+            taken[0] += 1
+    finally:
+        torch.Tensor.any = real_any
+        watch.remove()
+    assert watch.until == 10 + _WINDOW_STEPS and watch.fired == _WINDOW_STEPS and watch.clear
+    assert len(looked) <= _WINDOW_STEPS  # the steps after the window ran no reduction of the gradient
+
+
+def test_a_paused_probe_leaves_no_gradient_hook_on_the_model(tracker):
+    import torch
+
+    from probe.training import invariants
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker.hook(opt)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        invariants.checks(torch).at_boundary(tracker.step, opt, tracker.capture, lambda: tracker.step)
+    checks = invariants.checks(torch)
+    assert checks._watch is not None and any(p._backward_hooks for p in model.parameters())
+    tracker.close()
+    assert checks._watch is None and not any(p._backward_hooks for p in model.parameters())
