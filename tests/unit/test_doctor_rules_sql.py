@@ -229,9 +229,7 @@ def _collectives(counts: dict) -> list:
 
 def test_weights_diverged_says_when_they_last_agreed_or_that_they_never_did_in_what_it_kept():
     (said,) = _weights({16: [1.0, 1.0, 1.0], 32: [2.5, 2.0, 2.0], 48: [3.5, 3.0, 3.0]})
-    assert (
-        "(rank(s) 0 differ from the others)" in said and "they agreed last at step 16 and differ since step 32" in said
-    )
+    assert "(rank 0 differs from the others)" in said and "they agreed last at step 16 and differ since step 32" in said
     # the oldest checksum kept already differs: said so, not "agreed last at no step compared"
     (said,) = _weights({16: [1.5, 1.0, 1.0], 32: [2.5, 2.0, 2.0]})
     assert "they differ at every step compared, from step 16 on" in said and "no step compared" not in said, said
@@ -242,7 +240,7 @@ def test_weights_diverged_says_when_they_last_agreed_or_that_they_never_did_in_w
 def test_collectives_out_of_step_names_the_rank_that_ran_one_more_and_between_which_steps():
     (said,) = _collectives({16: [16, 16, 16], 32: [33, 32, 32], 48: [49, 48, 48]})
     assert said.startswith(
-        "the ranks of model's process group ran different collectives (rank(s) 0 differ from the others): by step 48 "
+        "the ranks of model's process group ran different collectives (rank 0 differs from the others): by step 48 "
         "they had issued rank 0 49, rank 1 48, rank 2 48 collectives; they had issued as many at step 16 and differ "
         "since step 32."
     ), said
