@@ -77,7 +77,6 @@ r AS (SELECT median(duration) AS step_time,
 pace AS (SELECT CASE WHEN count(*) >= 20 THEN quantile_cont(duration, 0.99) END AS p99
          FROM (SELECT duration FROM torch.steps WHERE step > 1 AND duration IS NOT NULL ORDER BY step DESC
                LIMIT {_PACE_STEPS})),
-t AS (SELECT any_value(state) AS main_state FROM python.threads WHERE is_main),
 b AS (SELECT any_value(func || ' (' || regexp_replace(file, '.*/', '') || ':' || lineno || ')') FILTER (WHERE depth = 0)
                AS top_frame,
              coalesce(bool_or(file LIKE '%torch/distributed/%'), false) AS in_distributed
@@ -89,8 +88,8 @@ SELECT i.pid, i.host, s.step, s.last_step_at, s.age_s, r.step_time, s.steps_seen
        CASE WHEN g.recorder THEN g.pending ELSE b.in_distributed END AS in_collective, g.recorder,
        r.compute, r.comm_wait, r.wait_share,
        p.pg AS pending_pg, p.pending_seq, p.pending_op, p.pending_sizes, p.pending_s,
-       i.source, i.exit_cause, i.exit_reason, pace.p99, t.main_state
-FROM process.info AS i, s, r, pace, t, b, g LEFT JOIN p ON TRUE""",
+       i.source, i.exit_cause, i.exit_reason, pace.p99, i.main_state
+FROM process.info AS i, s, r, pace, b, g LEFT JOIN p ON TRUE""",
     "ranks.issued": f"""
 SELECT pg, seq, op, input_sizes, input_dtypes, created_at, step
 FROM torch.collectives WHERE seq IS NOT NULL ORDER BY record_id DESC LIMIT {_RECENT_COLLECTIVES}""",
@@ -320,7 +319,7 @@ VIEW_COLUMNS = {
         ("exit_cause", "VARCHAR", "How a dead rank ended (exception, fatal_signal, killed ...); NULL while it runs."),
         ("exit_reason", "VARCHAR", "How it ended, in words (the exception and where it was raised)."),
         ("p99", "DOUBLE", "p99 step time of its last 200 steps in seconds; NULL before 20 steps."),
-        ("main_state", "VARCHAR", "OS scheduler state of its main thread (python.threads.state)."),
+        ("main_state", "VARCHAR", "OS scheduler state of its main thread (process.info.main_state)."),
     ],
     "ranks.issued": [
         ("rank", "INTEGER", "Rank that issued the collective."),
