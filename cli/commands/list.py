@@ -66,11 +66,11 @@ class List(Command):
                     "framework_step": h.get("framework_step"),
                     "framework_counter": h.get("framework_counter"),
                     "state": state,
-                    "reason": said.get("reason"),
                     "hung_since": h.get("hung_since"),
                     "endpoint": endpoint,
                     "command": " ".join(e.get("argv", []))[:80],
-                    "reason": h.get("unreachable"),
+                    # why it is in that state: status's reason, or why it did not answer
+                    "reason": said.get("reason") or h.get("unreachable"),
                 }
             )
             if h.get("refused") and not (args.json or session.format == "json"):
