@@ -115,6 +115,7 @@ def federated_query(
     *,
     on_workspace: Callable | None = None,
     local_tables: dict | None = None,
+    partial: bool = False,
 ):
     """Run ``sql`` over one rank or many (``--ranks``, or ``targets``); return the combined Result.
 
@@ -127,6 +128,8 @@ def federated_query(
     workspace before the query runs (the REPL's Ctrl-C interrupts it). ``local_tables`` maps
     a table name to ``read(target) -> ([(column, type)], {column: values})``: that table is
     read here for each rank (``query --native``'s python.backtrace) instead of being asked for.
+    ``partial``: a result some ranks did not answer is returned as is (``meta["failed"]`` names them), neither
+    printed nor raised.
     """
     from probe.config import setting
     from probe.sql.ranks import view_params
@@ -185,7 +188,7 @@ def federated_query(
         "ranks": [t.rank for t in targets],
         "failed": sorted(t.rank for t, _ in failed.values() if t.rank is not None),
     }
-    if failed:
+    if failed and not partial:
         from .render import render_result
 
         args = session.args

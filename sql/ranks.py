@@ -15,8 +15,12 @@ How a rank is classified (first match wins), from torch's flight recorder
 1. ``hung``: the rank does not answer because it is stopped (SIGSTOP), or it has made
    no step for PROBE_HUNG_AFTER seconds while not waiting inside a collective
    (it sits in its own code: a data read, a deadlock): the culprit.
-2. ``waiting``: no step for PROBE_HUNG_AFTER seconds and an unfinished collective
-   (the recorder's oldest active entry; the Python stack when the recorder is off).
+2. ``waiting``: no step for PROBE_HUNG_AFTER seconds, or for the job's pace (below), and an
+   unfinished collective (the recorder's oldest active entry; the Python stack when the
+   recorder is off).
+   ``stalled``: no step for STALL_PACE times the job's p99 step time (STALL_MIN_S at least:
+   the job's own pace, long before PROBE_HUNG_AFTER in a job of short steps) while its main
+   thread does not run and it is in no collective; the culprit when the others wait.
 3. ``dead``: the rank's process is gone and its post-mortem record answers for it
    (``process.info.source = 'postmortem'``, see docs/postmortem.md): it is the
    culprit when the others wait or make no step, and ``reason`` says how it died
@@ -41,7 +45,7 @@ from probe.config import setting
 
 __all__ = ["FEDERATED_VIEWS", "CLIENT_VIEWS", "VIEW_COLUMNS", "PARAM_SETTINGS", "STATES", "view_params", "view_sql"]
 
-STATES = ("training", "slow", "waiting", "hung", "idle", "unreachable", "dead")
+STATES = ("training", "slow", "waiting", "stalled", "hung", "idle", "unreachable", "dead")
 
 PARAM_SETTINGS = {
     "straggler_factor": "PROBE_STRAGGLER_FACTOR",
@@ -50,6 +54,11 @@ PARAM_SETTINGS = {
 }
 
 _RECENT_STEPS = 20  # steps the per-rank medians look at
+_PACE_STEPS = 200  # steps the per-rank p99 (the job's pace) looks at, 20 at least
+# A rank is stalled after STALL_PACE times the job's p99 step time without a step, STALL_MIN_S at least: a job of
+# 10 ms steps stalls long before PROBE_HUNG_AFTER; one of 30 s steps waits 50 x 30 s.
+STALL_PACE = 50
+STALL_MIN_S = 10
 _RECENT_COLLECTIVES = 256  # collectives per rank compared for mismatches
 
 # Per-rank: computed on the rank's own clock (no clock skew between hosts). The step-time medians leave out step 1,
@@ -65,6 +74,9 @@ r AS (SELECT median(duration) AS step_time,
              median(comm_wait) FILTER (WHERE NOT isnan(comm_wait)) AS comm_wait,
              sum(comm_wait) FILTER (WHERE NOT isnan(comm_wait))
                / nullif(sum(duration) FILTER (WHERE NOT isnan(comm_wait)), 0) AS wait_share FROM recent),
+pace AS (SELECT CASE WHEN count(*) >= 20 THEN quantile_cont(duration, 0.99) END AS p99
+         FROM (SELECT duration FROM torch.steps WHERE step > 1 AND duration IS NOT NULL ORDER BY step DESC
+               LIMIT {_PACE_STEPS})),
 b AS (SELECT any_value(func || ' (' || regexp_replace(file, '.*/', '') || ':' || lineno || ')') FILTER (WHERE depth = 0)
                AS top_frame,
              coalesce(bool_or(file LIKE '%torch/distributed/%'), false) AS in_distributed
@@ -76,12 +88,35 @@ SELECT i.pid, i.host, s.step, s.last_step_at, s.age_s, r.step_time, s.steps_seen
        CASE WHEN g.recorder THEN g.pending ELSE b.in_distributed END AS in_collective, g.recorder,
        r.compute, r.comm_wait, r.wait_share,
        p.pg AS pending_pg, p.pending_seq, p.pending_op, p.pending_sizes, p.pending_s,
-       i.source, i.exit_cause, i.exit_reason
-FROM process.info AS i, s, r, b, g LEFT JOIN p ON TRUE""",
+       i.source, i.exit_cause, i.exit_reason, pace.p99, i.main_state
+FROM process.info AS i, s, r, pace, b, g LEFT JOIN p ON TRUE""",
     "ranks.issued": f"""
 SELECT pg, seq, op, input_sizes, input_dtypes, created_at, step
 FROM torch.collectives WHERE seq IS NOT NULL ORDER BY record_id DESC LIMIT {_RECENT_COLLECTIVES}""",
 }
+
+
+def ranks_phrase(ranks: str, one: str = "", many: str | None = None) -> str:
+    """SQL naming the ranks of ``ranks`` (an expression: a comma-separated list such as ``'0,2'``) in words that
+    agree with their number, followed by ``one`` for a single rank and ``many`` (default ``one``) for several;
+    NULL when ``ranks`` is NULL. Every message that names a list of ranks says it this way.
+
+    >>> ranks_phrase("w", " waits", " wait")
+    "CASE WHEN strpos(w, ',') > 0 THEN 'ranks ' || w || ' wait' ELSE 'rank ' || w || ' waits' END"
+    """
+    many = one if many is None else many
+
+    def tail(words: str) -> str:
+        return f" || '{words}'" if words else ""
+
+    return (
+        f"CASE WHEN strpos({ranks}, ',') > 0 THEN 'ranks ' || {ranks}{tail(many)} "
+        f"ELSE 'rank ' || {ranks}{tail(one)} END"
+    )
+
+
+_WAIT_FOR_IT = ranks_phrase("coalesce(waited_by, (SELECT ranks FROM w), '?')", " waits for it", " wait for it")
+_CULPRITS = "(SELECT string_agg(CAST(o.rank AS VARCHAR), ',' ORDER BY o.rank) FROM s AS o WHERE o.is_culprit)"
 
 CLIENT_VIEWS = {
     # per (process group, rank): where each rank stands, who waits for whom, and mismatches
@@ -131,8 +166,15 @@ SELECT s.rank, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
 FROM silent AS s
 ORDER BY rank, pg""",
     # the one classification of rank states (see the module docstring)
-    "ranks.status": """
-WITH l AS (SELECT *, coalesce(age_s > {hung_after}, false) OR state = 'hung' AS stalled FROM ranks.latest),
+    "ranks.status": f"""
+WITH job AS (SELECT max(p99) AS pace FROM ranks.latest WHERE state NOT IN ('stopped', 'unreachable', 'dead')),
+l AS (SELECT x.*, coalesce(age_s > {{hung_after}}, false) OR state = 'hung' AS stalled,
+             -- the job's own pace: no step for many times its p99 step time while its main thread does not run
+             -- (one that runs computes, or waits for a CPU on a loaded host: slow, not stalled)
+             coalesce(age_s > greatest({{stall_pace}} * job.pace, {{stall_min_s}}), false)
+               AND main_state IS DISTINCT FROM 'running' AS paced,
+             greatest({{stall_pace}} * job.pace, {{stall_min_s}}) AS stall_after, job.pace
+      FROM ranks.latest AS x, job),
 gone AS (SELECT string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank) AS ranks FROM l
          WHERE state IN ('stopped', 'unreachable', 'dead')),
 c AS (SELECT rank, bool_or(role = 'culprit') AS culprit,
@@ -161,51 +203,60 @@ m AS (SELECT a.rank, a.work, a.basis, a.compute AS x_compute, a.comm_wait AS x_w
              (SELECT median(b.work) FROM kw AS b WHERE b.rank <> a.rank AND b.basis = a.basis) AS others FROM kw AS a),
 v AS (SELECT l.* EXCLUDE (compute, comm_wait), m.x_compute AS compute, m.x_wait AS comm_wait,
              c.culprit, c.waits_for, c.waited_by, c.mismatch, m.work, m.basis, m.others,
+             -- a stall in words: how long, against which pace
+             'no step for ' || CAST(round(l.age_s, 1) AS VARCHAR) || ' s, '
+               || CAST(CAST(round(l.age_s / l.pace) AS BIGINT) AS VARCHAR) || 'x the job''s p99 step time of '
+               || CAST(round(l.pace * 1000, 1) AS VARCHAR) || ' ms, outside any collective' AS stall,
              CASE WHEN l.state = 'dead' THEN 'dead'
                   WHEN l.state = 'stopped' THEN 'hung'
                   WHEN l.state = 'unreachable' THEN 'unreachable'
                   -- inside a collective, or stalled while a peer is gone (its collective failed)
                   WHEN l.stalled AND (l.in_collective OR (SELECT ranks FROM gone) IS NOT NULL) THEN 'waiting'
                   WHEN l.stalled THEN 'hung'
-                  WHEN m.work > {straggler_factor} * m.others THEN 'slow'
+                  WHEN l.paced AND (l.in_collective OR (SELECT ranks FROM gone) IS NOT NULL) THEN 'waiting'
+                  WHEN l.paced THEN 'stalled'
+                  WHEN m.work > {{straggler_factor}} * m.others THEN 'slow'
                   WHEN l.step IS NULL THEN 'idle'
                   ELSE 'training' END AS verdict
       FROM l LEFT JOIN c USING (rank) LEFT JOIN m USING (rank)),
 w AS (SELECT string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank) AS ranks FROM v WHERE verdict = 'waiting'),
 s AS (SELECT v.*, coalesce(v.culprit, false) OR v.verdict = 'hung'
-                  OR (v.verdict IN ('unreachable', 'dead') AND (SELECT ranks FROM w) IS NOT NULL) AS is_culprit FROM v)
+                  OR (v.verdict IN ('unreachable', 'dead', 'stalled') AND (SELECT ranks FROM w) IS NOT NULL)
+                  AS is_culprit FROM v)
 SELECT rank, host, pid, step, age_s, step_time, compute, comm_wait, comm_wait / nullif(step_time, 0) AS wait_share,
        verdict AS state, is_culprit AS culprit,
        CASE WHEN verdict = 'dead' THEN
                  'died at step ' || coalesce(CAST(step AS VARCHAR), '?') || ' (' || coalesce(exit_cause, '?') || '): '
                  || coalesce(exit_reason, 'no record of how')
-                 || CASE WHEN is_culprit THEN '; ranks ' || coalesce(waited_by, (SELECT ranks FROM w), '?')
-                                              || ' wait for it'
-                         ELSE '' END
+                 || CASE WHEN is_culprit THEN '; ' || {_WAIT_FOR_IT} ELSE '' END
             WHEN verdict = 'waiting' AND pending_op IS NULL THEN
-                 'no step for ' || CAST(round(age_s, 1) AS VARCHAR) || ' s, outside any collective, while ranks '
-                 || (SELECT ranks FROM gone) || ' did not answer: its collective with them failed or never came'
+                 'no step for ' || CAST(round(age_s, 1) AS VARCHAR) || ' s, outside any collective, while '
+                 || {ranks_phrase("(SELECT ranks FROM gone)", " did not answer")}
+                 || ': its collective with them failed or never came'
             WHEN verdict = 'waiting' THEN
                  'waits in ' || pending_op || ' seq ' || pending_seq
                  -- the collectives view names whom it waits for once pending_s passes hung_after; until then
                  -- (age_s passes it first) the culprits this view found
-                 || coalesce(' for ranks ' || nullif(waits_for, ''), ' for ranks ' || (SELECT ranks FROM gone),
-                             ' for ranks ' || (SELECT string_agg(CAST(o.rank AS VARCHAR), ',' ORDER BY o.rank)
-                                               FROM s AS o WHERE o.is_culprit), '')
+                 || coalesce(' for ' || {ranks_phrase("nullif(waits_for, '')")},
+                             ' for ' || {ranks_phrase("(SELECT ranks FROM gone)")},
+                             ' for ' || {ranks_phrase(_CULPRITS)}, '')
             WHEN is_culprit THEN
                  CASE WHEN verdict = 'unreachable' THEN 'did not answer (exited?); ' ELSE '' END
-                 || 'ranks ' || coalesce(waited_by, (SELECT ranks FROM w), '?') || ' wait for it'
+                 || {_WAIT_FOR_IT}
                  || CASE WHEN state = 'stopped' THEN ' (process stopped)'
+                         WHEN verdict = 'stalled' THEN '; ' || stall
                          WHEN in_collective OR verdict <> 'hung' THEN ''
                          ELSE '; no step for ' || coalesce(CAST(round(age_s, 1) AS VARCHAR) || ' s', 'a while')
                               || ' outside any collective' END
+            WHEN verdict = 'stalled' THEN stall
             WHEN verdict = 'hung' THEN 'no step for ' || coalesce(CAST(round(age_s, 1) AS VARCHAR) || ' s', 'a while')
                  || ' outside any collective'
             WHEN verdict = 'slow' THEN CASE basis WHEN 'step_time' THEN 'step time ' ELSE 'compute ' END
                  || CAST(round(work / others, 2) AS VARCHAR) || 'x the others'
             WHEN mismatch IS NOT NULL THEN 'collective mismatch at ' || mismatch
        END AS reason,
-       mismatch, in_collective, pending_op, pending_seq, work, others, basis, top_frame, exit_cause, exit_reason
+       mismatch, in_collective, pending_op, pending_seq, work, others, basis, top_frame, exit_cause, exit_reason,
+       pace, stall_after
 FROM s
 ORDER BY rank""",
     "ranks.stragglers": """
@@ -267,6 +318,8 @@ VIEW_COLUMNS = {
         ("source", "VARCHAR", "live, or postmortem for a dead rank answered by its post-mortem record."),
         ("exit_cause", "VARCHAR", "How a dead rank ended (exception, fatal_signal, killed ...); NULL while it runs."),
         ("exit_reason", "VARCHAR", "How it ended, in words (the exception and where it was raised)."),
+        ("p99", "DOUBLE", "p99 step time of its last 200 steps in seconds; NULL before 20 steps."),
+        ("main_state", "VARCHAR", "OS scheduler state of its main thread (process.info.main_state)."),
     ],
     "ranks.issued": [
         ("rank", "INTEGER", "Rank that issued the collective."),
@@ -336,8 +389,8 @@ VIEW_COLUMNS = {
         (
             "state",
             "VARCHAR",
-            "training, slow, waiting, hung, idle, unreachable, or dead (gone; its post-mortem record answers) (see "
-            "docs/ranks.md).",
+            "training, slow, waiting, stalled, hung, idle, unreachable, or dead (gone; its post-mortem record "
+            "answers) (see docs/ranks.md).",
         ),
         ("culprit", "BOOLEAN", "Whether this is the rank the others wait for."),
         ("reason", "VARCHAR", "Why, in words: what it waits in and for whom, who waits for it, how much slower it is."),
@@ -360,6 +413,13 @@ VIEW_COLUMNS = {
             "For a dead rank: how it ended (exception, thread_exception, fatal_signal, killed, exit ...).",
         ),
         ("exit_reason", "VARCHAR", "For a dead rank: how it ended, in words (its post-mortem record's summary)."),
+        ("pace", "DOUBLE", "The job's p99 step time: the slowest answering rank's p99 over its last 200 steps."),
+        (
+            "stall_after",
+            "DOUBLE",
+            f"Seconds without a step after which a rank is stalled (or waiting): {STALL_PACE}x pace, "
+            f"{STALL_MIN_S} s at least.",
+        ),
     ],
     "ranks.stragglers": [
         ("rank", "INTEGER", "Rank that is slower than the others."),
@@ -386,7 +446,8 @@ VIEW_COLUMNS = {
         (
             "rank",
             "INTEGER",
-            "Rank that is hung or waiting (no step for PROBE_HUNG_AFTER s), or silent while others wait.",
+            "Rank that is hung (no step for PROBE_HUNG_AFTER s), waiting in a collective (no step for that or for "
+            "the job's pace), or silent while others wait.",
         ),
         ("step", "BIGINT", "Its last step."),
         ("age_s", "DOUBLE", "Seconds since its last step."),
@@ -424,4 +485,4 @@ def view_sql(name: str, params: dict | None = None) -> str:
     """
     values = dict(view_params({}), **(params or {}))
     clean = {k: float(v) for k, v in values.items()}
-    return CLIENT_VIEWS[name].strip().format(**clean)
+    return CLIENT_VIEWS[name].strip().format(**clean, stall_pace=STALL_PACE, stall_min_s=STALL_MIN_S)

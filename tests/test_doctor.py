@@ -148,6 +148,51 @@ def test_a_stall_is_judged_against_the_jobs_own_pace_before_hung_after(spawn, cl
     assert not [f for f in findings if f["rule"] == "hung"], findings
 
 
+def _status_and_listed(cli, pid) -> tuple[dict, dict]:
+    """``probe PID status``'s row and ``probe list``'s row of ``pid``."""
+    status = cli(pid, "--format", "json", "status")
+    assert status.returncode == 0, status.stderr
+    listed = cli("list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    (row,) = json.loads(status.stdout)
+    return row, next(r for r in json.loads(listed.stdout) if r["pid"] == pid)
+
+
+@requires_torch
+def test_status_list_and_the_doctor_tell_one_story_of_a_stall(spawn, cli, tmp_path):
+    # given: a loop of ~20 ms steps that, once told, sleeps 90 s between two steps (its main thread asleep throughout)
+    stall = tmp_path / "stall"
+    job = spawn(
+        [TARGETS / "actions_train.py", "--sched", "none", "--stall-file", stall, "--stall-for", "90"],
+        env={"PROBE_HUNG_AFTER": "600"},
+    )
+    job.wait_for("step 30 lr")  # enough steps for its pace
+    # then, while it trains: every view says training
+    row, listed = _status_and_listed(cli, job.pid)
+    assert row["state"] == listed["state"] == "training", (row, listed)
+    # when: it stalls
+    stall.touch()
+    job.wait_for("stalled at step")
+
+    # then: once status calls it stalled (its own pace: 50x its p99 step time, 10 s at least), list says the same with
+    # the same reason, and the doctor too, while the stall lasts
+    def stalled():
+        row, listed = _status_and_listed(cli, job.pid)
+        return (row, listed) if row["state"] == "stalled" else None
+
+    found = poll(stalled, 60, interval=1.0)
+    assert found, "status never called the stall stalled"
+    row, listed = found
+    # (the same words; the seconds go on between the two answers)
+    for said in (row["reason"], listed["reason"]):
+        assert said.startswith("no step for ") and "x the job's p99 step time of " in said, (row, listed)
+    assert listed["state"] == "stalled", listed
+    finding, findings = find(cli, job.pid, "stalled")
+    assert "it has stalled" in finding["message"], finding
+    assert not [f for f in findings if f["rule"] == "hung"], findings
+    assert not any("resumed at step" in line for line in job.lines), "the stall ended before every view was asked"
+
+
 def test_process_stuck_in_c_with_the_gil_is_reported_from_outside(spawn, cli):
     # given: the server cannot answer (the GIL is held in a C call)
     job = spawn(TARGETS / "hang_gil.py", env={"TARGET_WITH_PROBE": "1"})

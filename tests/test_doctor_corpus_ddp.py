@@ -191,7 +191,7 @@ def test_weights_diverged_names_the_rank_outside_the_majority_and_waits_for_ever
     # then: compared at the last step every rank has, naming the tensor and the rank apart from the others
     assert found["step"] == 32 and found["since"] == 32 and found["agreed_at"] == "step 16", found
     assert found["differ"] == 1 and found["tensors"] == 3 and found["modules"] == "head.weight", found
-    assert found["who"] == "rank(s) 2 differ from the others", found
+    assert found["who"] == "rank 2 differs from the others", found
     # and: replicas that agree (a float64 rounding apart) are not a finding
     same = [r for rank in range(2) for r in at(16, rank, [1.0, 2.0, 3.0 + rank * 1e-15])]
     assert rule_rows("weights_diverged", _sums(same)) == []

@@ -231,7 +231,7 @@ def test_extra_all_reduce_on_one_rank_is_a_collective_mismatch():
 
         found = poll(named, WITHIN, interval=2.0)
         assert found, said
-        assert "(rank(s) 0 differ from the others)" in found[0]["message"], found
+        assert "(rank 0 differs from the others)" in found[0]["message"], found
         assert found[0]["severity"] == "critical" and "rank 0 " in found[0]["message"], found
 
 

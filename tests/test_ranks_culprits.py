@@ -28,7 +28,7 @@ def test_stalled_data_read_is_the_culprit_and_the_others_wait_in_the_collective(
         assert r.returncode == 0, r.stderr
         assert culprits(rows) == {1}
         assert "ranks 0,2 wait for it" in rows[1]["reason"]
-        assert rows[0]["reason"].startswith("waits in all_reduce seq") and rows[0]["reason"].endswith("for ranks 1")
+        assert rows[0]["reason"].startswith("waits in all_reduce seq") and rows[0]["reason"].endswith("for rank 1")
         assert "read_batch" in rows[1]["top_frame"]
         # and the views agree
         coll = {row["rank"]: row for row in view(job, "SELECT * FROM ranks.collectives")}

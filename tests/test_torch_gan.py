@@ -74,6 +74,20 @@ def test_a_step_holds_one_iteration_of_both_optimizers(spawn, cli):
         assert r.returncode == 0 and r.stdout.strip() == "0", (r.stdout, r.stderr)
 
 
+def test_each_step_holds_the_losses_of_its_own_iteration_from_the_first(spawn, cli):
+    # given: the GAN at probe's defaults, its first iterations stepped before probe knew there were two optimizers
+    p = spawn([GAN, "--step-sleep", "0.005"], env={"PROBE": "1"})
+    p.wait_for("iter 30 ")
+    iters = _iters(p)
+    # when: torch.steps' loss of the first 25 steps
+    steps = _query(cli, p.pid, "SELECT step, loss FROM torch.steps WHERE step <= 25 ORDER BY step")
+    # then: step N holds what iteration N backpropagated, D's and G's, from step 1 on (none a step late, none lost)
+    assert [r["step"] for r in steps] == list(range(1, 26)), steps
+    for r in steps:
+        d_loss, g_loss = iters[r["step"]][:2]
+        assert r["loss"] == pytest.approx(d_loss + g_loss, rel=1e-5), (r, iters[r["step"]])
+
+
 def test_lr_applies_to_both_optimizers_and_checks_both(spawn, cli):
     p = spawn([GAN, "--step-sleep", "0.005"], env={"PROBE": "1"})
     p.wait_for("iter 5 ")

@@ -125,6 +125,21 @@ def test_train_gpt_tables(spawn, cli):
     assert errors == []
 
 
+def test_the_demos_step_health_query_shows_measured_grad_norms(spawn, cli):
+    # given: the demo's job (examples/train_gpt.py at probe's defaults: grad norms on the steps the budget allows)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo", EXAMPLES / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    proc = spawn([EXAMPLES / "train_gpt.py", "--print-every", "100"], ready="step 100 ", timeout=180)
+    # when: the demo's step-health query runs, as the demo runs it at step 100
+    rows = query(cli, proc.pid, demo.STEP_HEALTH)
+    # then: it shows steps with a measured norm, latest first
+    assert rows and all(r["grad_norm"] is not None and r["grad_norm"] > 0 for r in rows), rows
+    assert [r["step"] for r in rows] == sorted((r["step"] for r in rows), reverse=True), rows
+
+
 def test_dataloaders_table_describes_a_loader_kept_as_its_iterator(spawn, cli):
     # given: the data_wait fault: ``loader = iter(DataLoader(SlowSamples(), batch_size=64))``, no workers
     proc = spawn(

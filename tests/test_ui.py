@@ -353,3 +353,27 @@ def test_a_fast_job_has_its_loss_curve_drawn_at_every_step_in_view(browser, spaw
     finally:
         pg.close()
         server.close()
+
+
+def test_an_empty_panel_says_why_and_an_axis_keeps_one_format(browser, spawn, probe_env):
+    # given: a classifier on float features (faults.py): its inputs are counted (samples), none holds token ids
+    job = spawn([TARGETS / "faults.py"], env={"PROBE": "1"}, timeout=180)
+    server = UI(probe_env, job.pid, "ui", "--port", "0", "--refresh", "1")
+    pg, errors = open_page(browser, server.url)
+    try:
+        # then: the tokens/s panel, with no value to draw, says why
+        why = pg.wait_for_selector("#chart-tokens_per_s .legend .why", timeout=60000)
+        assert "the model's inputs are not integer token ids" in why.inner_text(), pg.inner_text("#curves")
+        # and: an axis across 0.01 (a learning rate warming up) is labelled in one format, as every chart's is
+        assert pg.evaluate("() => ticks([0.0089, 0.0094, 0.0099, 0.0104])") == ["0.0089", "0.0094", "0.0099", "0.0104"]
+        assert pg.evaluate("() => ticks([0.0021, 0.0042, 0.0063, 0.0084])") == ["2.1e-3", "4.2e-3", "6.3e-3", "8.4e-3"]
+        charts = pg.eval_on_selector_all(
+            ".chart", "cs => cs.map(c => [c.id, [...c.querySelectorAll('text.tick')].map(t => t.textContent)])"
+        )
+        for name, labels in charts:
+            assert len(labels) in (0, 4) and len({"e" in t for t in labels}) <= 1, (name, labels)
+        pg.screenshot(path=str(ARTIFACTS / "ui-empty-panel.png"), full_page=True)
+        assert errors == [], (errors, server.lines)
+    finally:
+        pg.close()
+        server.close()

@@ -46,12 +46,15 @@ class List(Command):
         from ..plumbing.fanout import parallel
 
         states = parallel(entries, health, workers=32)
+        classified = _classified(session, entries, states)
         rows = []
         for e, h in zip(entries, states):
             endpoint = e.get("socket") if not e.get("shared") else f"{e.get('host')}:{e.get('tcp_port')}"
             if e.get("tcp_port") and not e.get("shared"):
                 endpoint += f" tcp:{e.get('tcp_host')}:{e['tcp_port']}"
-            state = h.get("state") or ("unreachable" if "unreachable" in h else "running")
+            # the state status and the doctor give (ranks.status); a process that could not be asked keeps its own
+            said = classified.get(e["pid"]) or {}
+            state = said.get("state") or h.get("state") or ("unreachable" if "unreachable" in h else "running")
             rows.append(
                 {
                     "job": e.get("job"),
@@ -66,7 +69,8 @@ class List(Command):
                     "hung_since": h.get("hung_since"),
                     "endpoint": endpoint,
                     "command": " ".join(e.get("argv", []))[:80],
-                    "reason": h.get("unreachable"),
+                    # why it is in that state: status's reason, or why it did not answer
+                    "reason": said.get("reason") or h.get("unreachable"),
                 }
             )
             if h.get("refused") and not (args.json or session.format == "json"):
@@ -91,6 +95,25 @@ class List(Command):
             },
             "No probed processes found. Start one with `import probe.auto`, PROBE=1, or `probe inject PID`.",
         )
+
+
+def _classified(session, entries: list, health: list) -> dict:
+    """``{pid: ranks.status row}`` for the processes that answered: the ranks of each job together (a rank is
+    judged beside its peers), every other process alone."""
+    from ..plumbing.endpoint import from_entry
+    from .status import states
+
+    jobs: dict = {}
+    for e, h in zip(entries, health):
+        if "unreachable" in h or h.get("step") is None:  # nothing to judge before a step (idle) or without an answer
+            continue
+        try:
+            target = from_entry(e, None)
+        except ProbeError:
+            continue
+        key = e.get("job") if e.get("job") is not None and e.get("rank") is not None else ("pid", e["pid"])
+        jobs.setdefault(key, []).append(target)
+    return states(session, list(jobs.values())) if jobs else {}
 
 
 def _print_rows(session, args, rows: list, shown: dict, empty: str) -> int:

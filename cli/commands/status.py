@@ -2,7 +2,7 @@
 
 The classification is not computed here: ``status`` prints the ``ranks.status`` view
 (``probe.sql.ranks``), the same one ``ranks.hung`` and ``ranks.stragglers`` select from,
-so the command and the views always agree.
+and the doctor, the page and ``probe list`` (through ``states``) read, so they always agree.
 """
 
 from __future__ import annotations
@@ -87,3 +87,25 @@ def _rounded(result, fmt: str):
         share = row[idx["wait_share"]]
         row[idx["wait_share"]] = f"{share:.0%}" if share is not None and share == share else None
     return result
+
+
+def states(session, groups: list) -> dict:
+    """``{pid: {"state": ..., "reason": ...}}`` from ``ranks.status`` for each group of targets (the ranks of one job,
+    or one process alone), the groups asked side by side; a group that cannot be classified is left out (its
+    processes keep what their own ``/health`` says)."""
+    from ..plumbing.fanout import parallel
+    from ..query_runner import federated_query
+
+    def classify(targets):
+        try:
+            result = federated_query(
+                session, "SELECT pid, state, reason FROM ranks.status", targets=targets, partial=True
+            )
+        except ProbeError:
+            return []
+        return [dict(zip(result.columns, row)) for row in result.rows]
+
+    out = {}
+    for rows in parallel(groups, classify, workers=16):
+        out.update({r["pid"]: r for r in rows or () if r["pid"] is not None})
+    return out

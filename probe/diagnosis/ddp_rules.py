@@ -7,8 +7,13 @@ rank ran out of batches. docs/doctor.md lists them.
 
 from __future__ import annotations
 
-from .job_rules import _PACE, _PACE_MIN_S, PACE_CTE
+from probe.sql.ranks import ranks_phrase
+
 from .rules import rule
+
+# the ranks found odd, as a list: in collectives_out_of_step and in collective_mismatch
+_ODD_NOW = "string_agg(CAST(now.rank AS VARCHAR), ',' ORDER BY now.rank) FILTER (WHERE now.issued <> now.usual)"
+_ODD_PICKED = "string_agg(DISTINCT CAST(p.rank AS VARCHAR), ',' ORDER BY CAST(p.rank AS VARCHAR)) FILTER (WHERE p.odd)"
 
 __all__: list = []
 
@@ -68,7 +73,13 @@ SELECT b.model, min(l.step) AS step, count(*) AS differ,
                    || ' more modules' ELSE '' END
           FROM mods AS m WHERE m.model = b.model) AS modules,
        (SELECT n FROM ranks_n WHERE ranks_n.model = b.model) AS ranks,
-       coalesce('rank(s) ' || (SELECT o.ranks FROM odd AS o WHERE o.model = b.model) || ' differ from the others',
+       coalesce({
+        ranks_phrase(
+            "(SELECT o.ranks FROM odd AS o WHERE o.model = b.model)",
+            " differs from the others",
+            " differ from the others",
+        )
+    },
                 'the ranks disagree') AS who
 FROM bad AS b JOIN last AS l USING (model)
 GROUP BY b.model)
@@ -105,7 +116,7 @@ rule(
         "not, so every later collective pairs with a different one on the other ranks (NCCL usually hangs, gloo "
         "can go on with wrong sums); names the odd ranks and the steps between which it happened."
     ),
-    sql="""
+    sql=f"""
 WITH c AS (SELECT rank, step, model, CAST(any_value(collectives) AS BIGINT) AS issued FROM torch.weight_sums
            WHERE collectives IS NOT NULL GROUP BY rank, step, model),
 n AS (SELECT model, count(DISTINCT rank) AS n FROM c GROUP BY model),
@@ -122,8 +133,7 @@ now AS (SELECT k.model, k.step, k.rank, k.issued, p.usual, n.n,
         WHERE p.differs)
 SELECT now.model, any_value(now.step) AS step, any_value(s.step) AS since, any_value(a.step) AS agreed_step,
        CASE WHEN any_value(now.usual_ranks) > any_value(now.n) / 2.0
-            THEN 'rank(s) ' || string_agg(CAST(now.rank AS VARCHAR), ',' ORDER BY now.rank)
-                     FILTER (WHERE now.issued <> now.usual) || ' differ from the others'
+            THEN {ranks_phrase(_ODD_NOW, " differs from the others", " differ from the others")}
             ELSE 'the ranks disagree' END AS who,
        string_agg('rank ' || now.rank || ' ' || now.issued, ', ' ORDER BY now.rank) AS counts,
        coalesce(printf('they had issued as many at step %d and differ since step %d', any_value(a.step),
@@ -159,9 +169,9 @@ rule(
         "each rank keeps running statistics of its own shard, so evaluation and a checkpoint differ by the rank that "
         "made them."
     ),
-    sql="""SELECT min(rank) AS rank, model, any_value(world_size) AS world_size,
+    sql=f"""SELECT min(rank) AS rank, model, any_value(world_size) AS world_size,
         any_value(norm_modules) AS norm_modules,
-                  coalesce('ranks ' || string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank), 'this rank') AS ranks
+                  coalesce({ranks_phrase("string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank)")}, 'this rank') AS ranks
            FROM torch.ddp WHERE NOT broadcast_buffers AND norm_modules IS NOT NULL AND world_size > 1 GROUP BY model""",
     message=(
         "DistributedDataParallel({model}) runs with broadcast_buffers=False and has BatchNorm modules "
@@ -191,7 +201,11 @@ rule(
     next=['probe {target} query "SELECT model, find_unused_parameters, iteration, unused_seen FROM torch.ddp"'],
 )
 
-# The same pace as stalled_rank (job_rules): ranks stuck for 50x the job's p99 step time, 5 s at least.
+# Ranks stuck for 50x the job's p99 step time (ranks.latest's p99: the slowest rank's over its last 200 steps), 5 s
+# at least: every rank waits here, so no rank is stalled (ranks.status) and the pace is this rule's own to judge.
+_PACE = 50
+_PACE_MIN_S = 5
+PACE_CTE = "pace AS (SELECT max(p99) AS p99 FROM ranks.latest)"
 
 rule(
     "collective_mismatch",
@@ -224,8 +238,7 @@ pick AS (SELECT *, CASE WHEN fewest < most THEN issued = fewest
          FROM w)
 SELECT min(p.rank) FILTER (WHERE p.odd) AS rank, any_value(l.step) FILTER (WHERE p.odd) AS step, p.pg, p.seq,
        min(p.pending_s) AS waited_s, pace.p99 * 1000 AS p99_ms,
-       string_agg(DISTINCT CAST(p.rank AS VARCHAR), ',' ORDER BY CAST(p.rank AS VARCHAR))
-           FILTER (WHERE p.odd) AS culprits,
+       {ranks_phrase(_ODD_PICKED)} AS culprits,
        string_agg(p.op || ' at ' || p.site, '; ' ORDER BY p.rank) FILTER (WHERE p.odd) AS culprit_op,
        string_agg('rank ' || p.rank || ' issued ' || p.op || ' at ' || p.site, '; ' ORDER BY p.rank)
            FILTER (WHERE NOT p.odd) AS others
@@ -233,7 +246,7 @@ FROM pick AS p CROSS JOIN pace LEFT JOIN ranks.latest AS l ON l.rank = p.rank
 GROUP BY p.pg, p.seq, pace.p99
 HAVING count(*) FILTER (WHERE NOT p.odd) > 0""",
     message=(
-        "rank {culprits} left the other ranks' path: at seq {seq} of process group {pg} it issued {culprit_op}, "
+        "{culprits} left the other ranks' path: at seq {seq} of process group {pg} it issued {culprit_op}, "
         "where {others}, and every rank has waited {waited_s:.1f} s since ({p99_ms:.1f} ms is the job's p99 step "
         "time): the job hangs. A rank whose data ran out first (its shard had fewer batches: uneven inputs) leaves "
         "the loop while the others wait in DDP's collectives of one more step; give every rank the same number of "

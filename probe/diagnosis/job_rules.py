@@ -4,6 +4,8 @@ straggler, desync, loss dispersion, and a rank's death (docs/doctor.md lists the
 
 from __future__ import annotations
 
+from probe.sql.ranks import STALL_MIN_S, STALL_PACE, ranks_phrase
+
 from .rules import rule
 
 __all__: list = []
@@ -27,53 +29,37 @@ rule(
     ],
 )
 
-# The job's own pace, from the flight recorder: when ranks have waited in a collective for 50x the job's p99
-# step time (5 s at least), the rank that has not issued it is the one they wait for; hung_rank says the same
-# only after PROBE_HUNG_AFTER.
-_PACE = 50
-_PACE_MIN_S = 5
-# the job's p99 step time: the slowest rank's p99 over its last 200 steps (20 at least); ddp_rules reads it too
-PACE_CTE = """pace AS (
-  SELECT max(p99) AS p99 FROM (
-    SELECT rank, quantile_cont(duration, 0.99) AS p99
-    FROM (SELECT rank, duration, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
-          FROM torch.steps WHERE duration IS NOT NULL)
-    WHERE age <= 200 GROUP BY rank HAVING count(*) >= 20))"""
-
 rule(
     "stalled_rank",
     family="distributed",
     severity="critical",
     scope="job",
     description=(
-        f"Ranks wait in a collective for {_PACE}x the job's p99 step time ({_PACE_MIN_S} s at least) that another "
-        "rank, whose main thread is not running, has not issued (torch.process_groups, the flight recorder): that "
-        "rank stalls the job; named before PROBE_HUNG_AFTER, when hung_rank would."
+        f"A rank is stalled and the others wait for it (ranks.status: no step for {STALL_PACE}x the job's p99 step "
+        f"time, {STALL_MIN_S} s at least, while its main thread does not run): they wait in a collective it has not "
+        "issued (torch.process_groups, the flight recorder); named before PROBE_HUNG_AFTER, when hung_rank would."
     ),
     sql=f"""
-WITH {PACE_CTE},
+WITH s AS (SELECT rank, step, age_s, pace, top_frame FROM ranks.status WHERE state = 'stalled' AND culprit),
 w AS (SELECT g.rank, g.pg, g.pending_seq, g.pending_op, g.pending_s
-      FROM torch.process_groups AS g, pace
-      WHERE g.pending > 0 AND g.pending_s > greatest({_PACE} * pace.p99, {_PACE_MIN_S})),
+      FROM torch.process_groups AS g JOIN ranks.status AS x ON x.rank = g.rank
+      WHERE g.pending > 0 AND x.state = 'waiting'),
 c AS (SELECT o.rank, o.pg, min(w.pending_seq) AS seq, any_value(w.pending_op) AS op, max(w.pending_s) AS waited_s,
              string_agg(DISTINCT CAST(w.rank AS VARCHAR), ',') AS waiters
       FROM torch.process_groups AS o JOIN w ON w.pg = o.pg AND w.rank <> o.rank
-      WHERE coalesce(o.last_enqueued, -1) < w.pending_seq
+      WHERE coalesce(o.last_enqueued, -1) < w.pending_seq AND o.rank IN (SELECT rank FROM s)
       GROUP BY o.rank, o.pg)
-SELECT c.rank, l.step, c.pg, c.seq, c.op, c.waited_s, c.waiters, pace.p99 * 1000 AS p99_ms,
-       c.waited_s / pace.p99 AS ratio, coalesce(l.top_frame, 'an unknown frame') AS top_frame,
-       coalesce(printf('%.1f s', l.age_s), 'a while') AS idle
-FROM c CROSS JOIN pace LEFT JOIN ranks.latest AS l ON l.rank = c.rank
-LEFT JOIN (SELECT rank, state FROM python.threads WHERE is_main) AS t ON t.rank = c.rank
--- once hung_rank names a culprit it says this; a rank that is gone is rank_died's
-WHERE NOT EXISTS (SELECT 1 FROM ranks.hung WHERE culprit)
-  AND coalesce(l.state, '') NOT IN ('dead', 'stopped', 'unreachable')
-  -- its main thread not running: one that computes (or waits for a CPU on a loaded host) is slow, not stalled
-  AND t.state IS DISTINCT FROM 'running'""",
+SELECT c.rank, s.step, c.pg, c.seq, c.op, c.waited_s, c.waiters,
+       {ranks_phrase("c.waiters", " has waited", " have waited")} AS waited, s.pace * 1000 AS p99_ms,
+       c.waited_s / s.pace AS ratio, coalesce(s.top_frame, 'an unknown frame') AS top_frame,
+       printf('%.1f s', s.age_s) AS idle
+FROM c JOIN s USING (rank)
+-- once hung_rank names a culprit it says this
+WHERE NOT EXISTS (SELECT 1 FROM ranks.hung WHERE culprit)""",
     message=(
-        "rank {rank} stalls the job: ranks {waiters} have waited {waited_s:.1f} s ({ratio:.0f}x the job's p99 step "
-        "time of {p99_ms:.1f} ms) in {op} seq {seq} of process group {pg}, which rank {rank} has not issued; its "
-        "last step was {idle} ago (step {step}) and it is now in {top_frame}."
+        "rank {rank} stalls the job: {waited} {waited_s:.1f} s ({ratio:.0f}x the job's p99 step time of "
+        "{p99_ms:.1f} ms) in {op} seq {seq} of process group {pg}, which rank {rank} has not issued; its last step "
+        "was {idle} ago (step {step}) and it is now in {top_frame}."
     ),
     next=[
         "probe --rank {rank} backtrace",
@@ -124,13 +110,14 @@ rule(
         "A process (a rank of the job) is gone and its post-mortem record says how: an exception, a fatal signal, or "
         "a kill without warning; across ranks, which ranks wait for it and in which collective."
     ),
-    sql="""
+    sql=f"""
 WITH waiters AS (SELECT string_agg(CAST(rank AS VARCHAR), ',' ORDER BY rank) AS ranks,
                         string_agg(DISTINCT pending_op, ', ') AS ops
                  FROM ranks.status WHERE state = 'waiting')
 SELECT d.rank, d.pid, d.step, d.exit_cause, d.exit_reason, coalesce('rank ' || d.rank, 'pid ' || d.pid) AS who,
        CASE WHEN waiters.ranks IS NULL THEN ''
-            ELSE '; ranks ' || waiters.ranks || ' wait for it' || coalesce(' in ' || waiters.ops, '') END AS waiting
+            ELSE '; ' || {ranks_phrase("waiters.ranks", " waits for it", " wait for it")}
+                 || coalesce(' in ' || waiters.ops, '') END AS waiting
 FROM ranks.status AS d, waiters
 WHERE d.state = 'dead'
   AND (d.exit_cause NOT IN ('exit', 'interrupted', 'terminated') OR waiters.ranks IS NOT NULL

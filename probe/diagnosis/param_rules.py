@@ -19,25 +19,40 @@ _NORMS = (
     "'InstanceNorm2d', 'InstanceNorm3d', 'RMSNorm', 'LlamaRMSNorm', 'T5LayerNorm')"
 )
 
+# A parameter counts for mostly_frozen when an optimizer holds it, or when its module has a parameter that trains:
+# a frozen network no optimizer holds (a distillation teacher, a frozen backbone left out of the optimizer) is
+# frozen on purpose.
+_COUNTED = "(coalesce(rank, -1), model, name) IN (SELECT coalesce(rank, -1), model, name FROM counted)"
+
 rule(
     "mostly_frozen",
     family="parameters",
     severity="warning",
     description=(
-        "More than half of the model's parameter tensors (or of its elements) have requires_grad=False; names the "
-        "frozen modules and those that train, and says when only normalization layers train."
+        "More than half of the parameter tensors (or of their elements) that an optimizer holds or that sit in a "
+        "module with a parameter that trains have requires_grad=False (a network no optimizer holds, such as a "
+        "distillation teacher, is frozen on purpose and left out); names the frozen modules and those that train, "
+        "and says when only normalization layers train."
     ),
     sql=f"""
-WITH {named("frozen", "NOT requires_grad")},
+WITH counted AS (
+  SELECT * FROM (
+    SELECT *, bool_or(requires_grad) OVER (
+                PARTITION BY rank, model, CASE WHEN strpos(name, '.') > 0 THEN regexp_replace(name, '[.][^.]*$', '')
+                                               ELSE '' END) AS beside
+    FROM torch.parameters)
+  WHERE coalesce(in_optimizer, FALSE) OR beside),
+{named("frozen", "NOT requires_grad", _COUNTED)},
 {named("trains", "requires_grad")},
 c AS (SELECT rank, model, count(*) AS tensors, count(*) FILTER (WHERE NOT requires_grad) AS frozen,
              sum(numel) FILTER (WHERE NOT requires_grad) AS frozen_elements, sum(numel) AS elements,
              count(*) FILTER (WHERE requires_grad) AS trainable,
              bool_and(module_type IN {_NORMS}) FILTER (WHERE requires_grad) AS norms_only,
              string_agg(DISTINCT module_type, ', ' ORDER BY module_type) FILTER (WHERE requires_grad) AS train_types
-      FROM torch.parameters GROUP BY rank, model
+      FROM counted GROUP BY rank, model
       HAVING count(*) FILTER (WHERE NOT requires_grad) > count(*) / 2
-          OR sum(numel) FILTER (WHERE NOT requires_grad) > sum(numel) / 2)
+          OR sum(numel) FILTER (WHERE NOT requires_grad) > sum(numel) / 2),
+aside AS (SELECT rank, model, count(*) AS n FROM torch.parameters WHERE NOT {_COUNTED} GROUP BY rank, model)
 SELECT c.rank, c.model, c.tensors, c.frozen, c.frozen_elements, {human("c.frozen_elements")} AS frozen_h,
        {human("c.elements")} AS elements_h, f.names AS frozen_names,
        CASE WHEN c.trainable = 0 THEN '; nothing trains'
@@ -45,12 +60,16 @@ SELECT c.rank, c.model, c.tensors, c.frozen, c.frozen_elements, {human("c.frozen
        CASE WHEN c.norms_only THEN ': only normalization layers (' || c.train_types
            || ') train, as when a name filter meant to '
                                    || 'freeze or unfreeze them matched the rest instead'
-            ELSE '' END AS trains
+            ELSE '' END AS trains,
+       coalesce(' (' || a.n || ' more frozen outside any optimizer and any training module are left out: frozen on '
+                || 'purpose)', '') AS aside
 FROM c JOIN frozen AS f ON f.rank IS NOT DISTINCT FROM c.rank AND f.model = c.model
-LEFT JOIN trains AS t ON t.rank IS NOT DISTINCT FROM c.rank AND t.model = c.model""",
+LEFT JOIN trains AS t ON t.rank IS NOT DISTINCT FROM c.rank AND t.model = c.model
+LEFT JOIN aside AS a ON a.rank IS NOT DISTINCT FROM c.rank AND a.model = c.model""",
     message=(
-        "{frozen} of {tensors} parameter tensors of {model} ({frozen_h} of {elements_h} elements) have "
-        "requires_grad=False: {frozen_names}{trains}. Frozen by mistake?"
+        "{frozen} of {tensors} parameter tensors of {model} that an optimizer holds or that sit beside ones that "
+        "train ({frozen_h} of {elements_h} elements) have requires_grad=False{aside}: {frozen_names}{trains}. "
+        "Frozen by mistake?"
     ),
     next=[
         (

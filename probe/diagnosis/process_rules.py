@@ -7,6 +7,8 @@ needs enough steps to compare against and a margin in absolute terms as well as 
 
 from __future__ import annotations
 
+from probe.sql.ranks import STALL_MIN_S, STALL_PACE
+
 from .naming import named
 from .rules import rule
 
@@ -52,48 +54,28 @@ WHERE i.step IS NOT NULL AND i.state IS DISTINCT FROM 'dead'
     next=["probe {target} backtrace", "probe {target} backtrace --native"],
 )
 
-# A job's own pace: no step for many times its recent p99 step time (and _PACE_MIN_S at least) is a stall
-# long before PROBE_HUNG_AFTER, in a job of 10 ms steps; a job of 30 s steps waits 50 x 30 s. A warning, not
-# hung's critical: an evaluation or a checkpoint save between steps is a pause too, and the main thread's frame
-# says which it is.
-_PACE = 50
-_PACE_MIN_S = 10
-_PACE_STEPS = 200  # recent steps the p99 is taken over
-
-_PACE_SQL = f"""pace AS (
-  SELECT rank, quantile_cont(duration, 0.99) AS p99, median(duration) AS med, count(*) AS n
-  FROM (SELECT rank, duration, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
-        FROM torch.steps WHERE duration IS NOT NULL)
-  WHERE age <= {_PACE_STEPS} GROUP BY rank HAVING count(*) >= 20)"""
-
+# A job's own pace: ranks.status calls a rank stalled long before PROBE_HUNG_AFTER in a job of 10 ms steps (see
+# probe.sql.ranks). A warning, not hung's critical: an evaluation or a checkpoint save between steps is a pause too,
+# and the main thread's frame says which it is.
 rule(
     "stalled",
     family="hang",
     severity="warning",
     description=(
-        f"No step has completed for {_PACE}x the job's own p99 step time (over its last {_PACE_STEPS} steps) and "
-        f"{_PACE_MIN_S} s at least while the main thread is not running (sleeping or waiting: a running one "
-        "computes, or waits for a CPU on a loaded host), though not yet PROBE_HUNG_AFTER (then it is hung's); says "
-        "where the main thread is; across ranks, only when no rank waits in a collective (then stalled_rank names "
-        "the one they wait for)."
+        f"The process is stalled (ranks.status, the state `probe status` and `probe list` show): no step for "
+        f"{STALL_PACE}x the job's own p99 step time (over its last 200 steps) and {STALL_MIN_S} s at least while the "
+        "main thread is not running (sleeping or waiting: a running one computes, or waits for a CPU on a loaded "
+        "host), though not yet PROBE_HUNG_AFTER (then it is hung's); says where the main thread is; across ranks, "
+        "only when no rank waits for it (then stalled_rank names it)."
     ),
-    params={"hung_after": "PROBE_HUNG_AFTER"},
-    sql=f"""
-WITH {_PACE_SQL}
-SELECT i.rank, i.step, round(epoch(current_timestamp) - epoch(i.last_step_at), 1) AS idle_s, p.p99 * 1000 AS p99_ms,
-       p.med * 1000 AS med_ms, (epoch(current_timestamp) - epoch(i.last_step_at)) / p.p99 AS ratio,
+    sql="""
+SELECT s.rank, s.step, round(s.age_s, 1) AS idle_s, s.pace * 1000 AS p99_ms, s.step_time * 1000 AS med_ms,
+       s.age_s / s.pace AS ratio,
        coalesce(b.func || ' (' || b.file || ':' || b.lineno || ')', 'an unknown frame') AS where_main
-FROM process.info AS i
-JOIN pace AS p ON p.rank IS NOT DISTINCT FROM i.rank
+FROM ranks.status AS s
 LEFT JOIN (SELECT rank, func, file, lineno FROM python.backtrace WHERE is_main AND depth = 0) AS b
-       ON b.rank IS NOT DISTINCT FROM i.rank
-LEFT JOIN (SELECT rank, state FROM python.threads WHERE is_main) AS t ON t.rank IS NOT DISTINCT FROM i.rank
-WHERE i.step IS NOT NULL AND i.state IS DISTINCT FROM 'dead' AND i.state IS DISTINCT FROM 'hung'
-  -- a main thread the kernel counts as running computes (or waits for a CPU on a loaded host): slow, not stalled
-  AND t.state IS DISTINCT FROM 'running'
-  AND epoch(current_timestamp) - epoch(i.last_step_at) > greatest({_PACE} * p.p99, {_PACE_MIN_S})
-  AND epoch(current_timestamp) - epoch(i.last_step_at) <= {{hung_after}}
-  AND ((SELECT count(*) FROM process.info) < 2 OR NOT EXISTS (SELECT 1 FROM ranks.latest WHERE in_collective))""",
+       ON b.rank IS NOT DISTINCT FROM s.rank
+WHERE s.state = 'stalled' AND NOT s.culprit""",
     message=(
         "no step for {idle_s:.1f} s since step {step}, {ratio:.0f}x this job's own p99 step time ({p99_ms:.1f} ms; "
         "median {med_ms:.1f} ms): it has stalled; the main thread is in {where_main}."

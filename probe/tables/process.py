@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 from ..agent import state
 from .._identity import process_argv, rank_identity
 from ..util.procfs import rss_bytes
 from ..util.redact import redact
+from .python import thread_state
 from .registry import Column, table
 
 
@@ -36,6 +38,8 @@ def _info_row(ctx) -> dict:
         "socket": entry.get("socket"),
         "tcp_port": entry.get("tcp_port"),
     }
+    # the main thread's scheduler state: a stall is judged only while it does not run (sql.ranks: ranks.status)
+    row["main_state"] = thread_state(threading.main_thread())
     status = state.status()  # status providers: step counter (torch), hang watchdog
     for key in ("step", "last_step_at", "state", "hung_since"):
         row[key] = status.get(key)
@@ -70,6 +74,12 @@ def _info_row(ctx) -> dict:
         Column("uptime_s", "DOUBLE", "Seconds since the probe started."),
         Column("socket", "VARCHAR", "Path of the probe's unix socket."),
         Column("tcp_port", "INTEGER", "TCP port of the probe, NULL when it listens on the unix socket only."),
+        Column(
+            "main_state",
+            "VARCHAR",
+            "OS scheduler state of the main thread from /proc (running, sleeping, disk-wait, ...), as "
+            "python.threads.state.",
+        ),
         Column("step", "BIGINT", "Last completed training step, NULL before the first one."),
         Column("last_step_at", "TIMESTAMP", "When the last step completed."),
         Column(

@@ -87,6 +87,12 @@ def backtrace(ctx):
     return rows
 
 
+def thread_state(thread) -> str | None:
+    """The OS scheduler state of ``thread`` (running, sleeping, disk-wait, ...), or None off Linux."""
+    state = _task_stat(native_id(thread))[0]
+    return _STATES.get(state, state)
+
+
 def _task_stat(native_id) -> tuple:
     """(state letter, user seconds, system seconds) from /proc, or Nones off Linux."""
     if native_id is None:

@@ -12,7 +12,9 @@ ends with the step before that one. The tracker then
 closes a training step after the iteration's last optimizer step, so a step holds every
 optimizer's work, and actions (which run at the boundary) never run between them. A step
 that breaks the cycle (the generator stops training, a loop changes its schedule) drops it:
-the lead's steps end training steps again until a cycle is seen again.
+the lead's steps end training steps again until a cycle is seen again. Without a recognised
+iteration, the lead's step starts an iteration and ends a training step: what the other
+optimizers backpropagate after it is that step's loss too (``StepTracker.add_late_loss``).
 
 Each optimizer step of a recognised iteration is also one row of ``torch.optimizer_steps``
 (``rows``): its position in the iteration, the optimizer, the loss backpropagated since the
@@ -168,14 +170,19 @@ def on_step(tracker, optimizer, t0: int) -> None:
         tracker.used_lr = None
         if optimizer is lead:
             tracker.boundary(optimizer, tracker.loop_frame(), t0=t0)
+        elif lead is not None and cycle.anchor == id(lead):
+            # the lead's step, which starts the iteration, ended the training step: what this optimizer
+            # backpropagated since is that step's too (not the next one's)
+            tracker.add_late_loss()
+            cycle.taken = 0
     elif was is None and optimizer is not lead:
         # recognised just now, in an iteration whose lead step already ended a step: that step stands for the
-        # iteration (no extra step); what was backpropagated since goes to this row, not to the next step
+        # iteration (no extra step); what was backpropagated since goes to this row and to that step's loss
         cycle.record(tracker, optimizer, t0, tracker.step)
         tracker.used_lr = None
         if closes:
             cycle.taken = 0
-            tracker.capture.forget()
+            tracker.add_late_loss()
     else:
         cycle.record(tracker, optimizer, t0, tracker.step + 1)
         tracker.used_lr = None

@@ -48,7 +48,7 @@ from .inputs import InputCounter
 from .tracepace import TracePacing
 from ..util.budget import Budget
 from .capture import Capture
-from .pending import Pending
+from .pending import Pending, landed
 from .stepcolumns import RING_COLUMNS
 from .steplife import StepLife
 from ..config import setting
@@ -421,6 +421,19 @@ class StepTracker(StepLife):
             measure or self.explicit or tracer.handles or tracer.pending_events or tracer.active_step is not None
         )
         return asked
+
+    def add_late_loss(self) -> None:
+        """Add what was backpropagated since the last boundary to the loss of the row it wrote: with several
+        optimizers, the loss of one that steps after the lead in the iteration the lead's step ended. A CPU
+        value is added at once, a device value once its copy has landed (never by waiting for the device)."""
+        late = self.capture.take()
+        row = self.ring.count - 1
+        if late is None or row < 0:
+            return
+        if type(late) is tuple or self.pending.waits(row, "loss"):
+            self.pending.keep(row, (("loss", late if type(late) is tuple else landed(late)),), add=True)
+        else:
+            self.ring.set("loss", row, late + (self.ring.get("loss", row) or 0.0))
 
     def _keep_pending(self, row: int, loss_v, norm_v, lr) -> None:
         """Device values (holders) of this row, read a few steps later or when a query asks."""

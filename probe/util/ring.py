@@ -114,6 +114,18 @@ class Ring:
             self.arrays[name][row % self.capacity] = value
         return True
 
+    def get(self, name: str, row: int):
+        """The value of one cell of row number ``row`` (None: missing, or the row has left the ring)."""
+        if self.count - row > self.capacity or row < 0 or row >= self.count:
+            return None
+        if row >= self._stored:
+            self.flush()
+        with self._lock:
+            valid = self.valid.get(name)
+            if valid is not None and not valid[row % self.capacity]:
+                return None
+            return self.arrays[name][row % self.capacity].item()
+
     def __len__(self) -> int:
         return min(self.count, self.capacity)
 

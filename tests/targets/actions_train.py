@@ -4,7 +4,8 @@
 the LR scheduler (none, StepLR, CosineAnnealingLR, LambdaLR, LinearLR, OneCycleLR, ReduceLROnPlateau,
 SequentialLR); ``--step-sleep`` slows steps down;
 ``--hang-after N`` makes the main thread sleep forever in time.sleep after N steps;
-``--stall-file F`` pauses between steps while F exists (prints ``stalled`` once per pause).
+``--stall-file F`` pauses between steps while F exists (prints ``stalled`` once per pause); with ``--stall-for S``
+the pause is one sleep of S seconds instead (the main thread sleeps throughout, as a stalled job's does).
 Steps end at the probe's step boundary: torch's optimizer-step hook when this probe has it,
 else an explicit safepoint fire. Prints ``ready`` after the first step, then ``step N lr X``.
 """
@@ -59,6 +60,7 @@ def main():
     p.add_argument("--step-sleep", type=float, default=0.02)
     p.add_argument("--hang-after", type=int, default=0)
     p.add_argument("--stall-file")
+    p.add_argument("--stall-for", type=float, default=0.0)
     p.add_argument("--optim", default="SGD", choices=["SGD", "Adam"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = p.parse_args()
@@ -95,6 +97,9 @@ def main():
             time.sleep(3600)  # ok-sleep: the stuck training thread the --now test needs
         if args.stall_file and os.path.exists(args.stall_file):
             print(f"stalled at step {step}", flush=True)
+            if args.stall_for:
+                os.unlink(args.stall_file)
+                time.sleep(args.stall_for)  # ok-sleep: a stalled training thread, bounded
             while os.path.exists(args.stall_file):
                 time.sleep(0.02)  # ok-sleep: a stalled training thread, released by the test
             print(f"resumed at step {step}", flush=True)

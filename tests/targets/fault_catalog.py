@@ -9,10 +9,11 @@ FAULTS = [
     (
         "frozen",
         "mostly_frozen",
+        # the body, held by no optimizer and beside nothing that trains, is frozen on purpose: the head's weight is not
         [
-            "5 of 6 parameter tensors",
-            "requires_grad=False: 2.* (2 tensors, 1056 elements), "
-            "0.* (2 tensors, 544 elements), 4.weight; what trains: 4.bias.",
+            "1 of 2 parameter tensors of model that an optimizer holds or that sit beside ones that train",
+            "(4 more frozen outside any optimizer and any training module are left out: frozen on purpose): "
+            "4.weight; what trains: 4.bias.",
         ],
     ),
     ("lr_zero", "lr_zero", ["learning rate 0"]),

@@ -229,9 +229,7 @@ def _collectives(counts: dict) -> list:
 
 def test_weights_diverged_says_when_they_last_agreed_or_that_they_never_did_in_what_it_kept():
     (said,) = _weights({16: [1.0, 1.0, 1.0], 32: [2.5, 2.0, 2.0], 48: [3.5, 3.0, 3.0]})
-    assert (
-        "(rank(s) 0 differ from the others)" in said and "they agreed last at step 16 and differ since step 32" in said
-    )
+    assert "(rank 0 differs from the others)" in said and "they agreed last at step 16 and differ since step 32" in said
     # the oldest checksum kept already differs: said so, not "agreed last at no step compared"
     (said,) = _weights({16: [1.5, 1.0, 1.0], 32: [2.5, 2.0, 2.0]})
     assert "they differ at every step compared, from step 16 on" in said and "no step compared" not in said, said
@@ -242,7 +240,7 @@ def test_weights_diverged_says_when_they_last_agreed_or_that_they_never_did_in_w
 def test_collectives_out_of_step_names_the_rank_that_ran_one_more_and_between_which_steps():
     (said,) = _collectives({16: [16, 16, 16], 32: [33, 32, 32], 48: [49, 48, 48]})
     assert said.startswith(
-        "the ranks of model's process group ran different collectives (rank(s) 0 differ from the others): by step 48 "
+        "the ranks of model's process group ran different collectives (rank 0 differs from the others): by step 48 "
         "they had issued rank 0 49, rank 1 48, rank 2 48 collectives; they had issued as many at step 16 and differ "
         "since step 32."
     ), said
@@ -297,3 +295,46 @@ def test_loss_input_not_logits_reads_what_made_the_losss_input_from_its_graph():
     assert nll.startswith("nll_loss (NLLLoss) is given probabilities from a softmax, not log-probabilities"), nll
     (bce,) = said["bce with logits on a sigmoid"]
     assert "is given sigmoid outputs, not logits" in bce and "<- SigmoidBackward0" in bce, bce
+
+
+def _frozen(params: list) -> list:
+    """mostly_frozen over torch.parameters rows ``(model, name, numel, requires_grad, in_optimizer, module_type)``."""
+    return rule_rows(
+        "mostly_frozen",
+        {
+            "torch.parameters": (
+                "rank INTEGER, model VARCHAR, name VARCHAR, numel BIGINT, requires_grad BOOLEAN, "
+                "in_optimizer BOOLEAN, module_type VARCHAR",
+                [(None, *p) for p in params],
+            )
+        },
+        messages=True,
+    )
+
+
+def _linear(model: str, prefix: str, n: int, trains: bool, held: bool) -> list:
+    return [(model, f"{prefix}.{w}", n, trains, held, "Linear") for w in ("weight", "bias")]
+
+
+def test_mostly_frozen_leaves_out_a_frozen_network_no_optimizer_holds():
+    student = _linear("student", "0", 100, True, True) + _linear("student", "1", 100, True, True)
+    # a distillation teacher, ten times the student, frozen and held by no optimizer: frozen on purpose
+    teacher = [p for k in range(10) for p in _linear("teacher", str(k), 1000, False, False)]
+    assert _frozen(student + teacher) == []
+    # the same teacher kept inside the student's model: its modules have nothing that trains, nothing holds them
+    inside = [("student", "teacher." + name, n, g, h, t) for _, name, n, g, h, t in teacher]
+    assert _frozen(student + inside) == []
+    # frozen by mistake: tensors the optimizer holds (it was given model.parameters()) with requires_grad=False
+    held = _linear("student", "0", 100, True, True) + _linear("student", "1", 100, False, True)
+    held += _linear("student", "2", 100, False, True)
+    (said,) = _frozen(held + inside)
+    assert said.startswith(
+        "4 of 6 parameter tensors of student that an optimizer holds or that sit beside ones that train (400 of 600 "
+        "elements) have requires_grad=False (20 more frozen outside any optimizer and any training module are left "
+        "out: frozen on purpose): "
+    ), said
+    # and a frozen weight beside a bias that trains counts, held by an optimizer or not
+    (said,) = _frozen(
+        [("m", "4.weight", 256, False, False, "Linear"), ("m", "4.bias", 8, True, True, "Linear")] + inside
+    )
+    assert "1 of 2 parameter tensors of m" in said and ": 4.weight; what trains: 4.bias." in said, said

@@ -163,3 +163,30 @@ def test_the_optimizer_pre_hook_marks_a_step_given_a_closure_and_no_other():
     finally:
         after.remove()
         hooks.disarm()
+
+
+def test_a_late_device_loss_is_added_once_the_value_it_adds_to_has_landed():
+    # given: a step's row whose device loss has not landed, and a loss backpropagated after its boundary (a second
+    # optimizer's, in the iteration the lead's step ended) that has
+    from probe.training.pending import Pending, landed
+    from probe.util.ring import Ring
+
+    class Event:  # torch.cuda.Event's query(), completed when the test says so
+        done = False
+
+        def query(self):
+            return self.done
+
+    ring = Ring({"loss": "f8"}, 8)
+    ring.append(None)
+    base, late = Event(), Event()
+    pending = Pending(ring, "test")
+    pending.keep(0, (("loss", (landed(1.5)[0], base)),))
+    pending.keep(0, (("loss", (landed(0.25)[0], late)),), add=True)
+    # when / then: the late value waits for the one it adds to, then adds to it
+    late.done = True
+    pending.resolve()
+    assert ring.get("loss", 0) is None and pending.waits(0, "loss")
+    base.done = True
+    pending.resolve()
+    assert ring.get("loss", 0) == 1.75 and not pending.waits(0, "loss")

@@ -37,9 +37,23 @@ const METRICS = [
   { col: "grad_norm", title: "grad norm", log: false, nan: true },
   { col: "lr", title: "learning rate", log: false },
   { col: "duration", title: "step time (s)", log: false },
-  { col: "tokens_per_s", title: "tokens/s", log: false },
+  { col: "tokens_per_s", title: "tokens/s", log: false, why: whyNoTokens },
   { col: "memory", title: "memory in use", log: false, bytes: true },
 ];
+
+// why no step in view carries a token count, from what the steps do carry (samples: the inputs were counted)
+function whyNoTokens(rows) {
+  const measured = rows.filter(r => r.measured === true);
+  if (measured.some(r => r.samples !== null && r.samples !== undefined)) {
+    return "no token count: the model's inputs are not integer token ids (tokens are the elements of an integer " +
+      "input of rank 2 or more; floats are features, not tokens); probe.step(tokens=N) gives a count";
+  }
+  if (measured.length) {
+    return "no token count: the model's inputs were not counted on the measured steps (no model found to count " +
+      "them at); probe.step(tokens=N) gives a count";
+  }
+  return "no step in view was measured: tokens are counted on measured steps only (PROBE_STEP_BUDGET)";
+}
 
 function buildCharts() {
   const box = $("#curves .charts");
@@ -64,7 +78,7 @@ async function refreshCurves() {
   // the first answer is the whole window; later ones only the new steps (and a short overlap)
   const since = state.curvesMax == null ? `(SELECT MAX(step) - ${CURVE_WINDOW} FROM torch.steps)` : String(state.curvesMax - CURVE_OVERLAP);
   // the latest step always comes back: below what was seen means the job started over
-  const sql = "SELECT rank, step, loss, grad_norm, lr, duration, tokens_per_s, memory FROM torch.steps " +
+  const sql = "SELECT rank, step, loss, grad_norm, lr, duration, tokens_per_s, memory, measured, samples FROM torch.steps " +
               `WHERE step > ${since} OR step = (SELECT MAX(step) FROM torch.steps) ORDER BY step`;
   const res = await query(sql, 20000);
   const rows = rowsAsObjects(res);
@@ -131,6 +145,10 @@ function drawCurves() {
         legend.append(el("span", { class: "stopped", text: `no ${mtr.title} after step ${last[0]} (now ${newest})` }));
       }
     });
+    if (!carried && shown && mtr.why) {
+      const rows = ranks.flatMap(r => [...state.curves.get(r).values()]);
+      legend.append(el("span", { class: "why", text: mtr.why(rows) }));
+    }
     chart.dataset.lastStep = lastStep === null ? "" : String(lastStep);
   }
 }

@@ -41,11 +41,26 @@ function fmt(v) {
   return v.toPrecision(5).replace(/\.?0+$/, "");
 }
 
-function tick(v) {  // short axis labels
-  const a = Math.abs(v);
-  if (a === 0) return "0";
-  if (a >= 1e5 || a < 1e-2) return v.toExponential(1);
-  return String(Number(v.toPrecision(3)));
+function ticks(values) {
+  // short labels for one axis, in one format for all of them: exponents when its largest value is below 0.01 or
+  // 1e5 and up, else plain decimals with the fewest digits that keep neighbouring labels apart
+  const finite = values.filter(Number.isFinite);
+  const big = Math.max(0, ...finite.map(Math.abs));
+  if (big === 0) return values.map(() => "0");
+  if (big >= 1e5 || big < 1e-2) {
+    for (let d = 1; d <= 6; d++) {
+      const out = values.map(v => (v === 0 ? "0" : v.toExponential(d)));
+      if (new Set(out).size === out.length || d === 6) return out;
+    }
+  }
+  const gap = Math.min(...finite.slice(1).map((v, i) => Math.abs(v - finite[i])).filter(g => g > 0), big);
+  for (let d = 0; d <= 10; d++) {
+    const out = values.map(v => v.toFixed(d));
+    if (new Set(out).size === out.length && out.every((t, i) => Math.abs(Number(t) - values[i]) <= gap * 0.1)) {
+      return out.map(t => (Number(t) === 0 ? "0" : t));
+    }
+  }
+  return values.map(v => String(v));
 }
 
 function fmtBytes(v) {
@@ -107,12 +122,13 @@ function lineChart(box, series, opts) {
   ymax += pad;
   const X = x => m.l + (x - xmin) / (xmax - xmin) * (W - m.l - m.r);
   const Y = v => m.t + (1 - (v - ymin) / (ymax - ymin)) * (H - m.t - m.b);
-  for (let i = 0; i <= 3; i++) {
-    const v = ymin + (ymax - ymin) * i / 3, y = Y(v);
+  const levels = [0, 1, 2, 3].map(i => ymin + (ymax - ymin) * i / 3);
+  const labels = opts.bytes && !log ? levels.map(fmtBytes) : ticks(levels.map(v => (log ? Math.pow(10, v) : v)));
+  levels.forEach((v, i) => {
+    const y = Y(v);
     root.append(svg("line", { x1: m.l, x2: W - m.r, y1: y, y2: y, class: "grid" }));
-    const label = log ? tick(Math.pow(10, v)) : (opts.bytes ? fmtBytes(v) : tick(v));
-    root.append(svg("text", { x: m.l - 4, y: y + 3, "text-anchor": "end" }, label));
-  }
+    root.append(svg("text", { x: m.l - 4, y: y + 3, "text-anchor": "end", class: "tick" }, labels[i]));
+  });
   root.append(svg("line", { x1: m.l, x2: m.l, y1: m.t, y2: H - m.b, class: "axis" }));
   [[xmin, "start"], [Math.round((xmin + xmax) / 2), "middle"], [xmax, "end"]].forEach(([x, anchor]) => {
     root.append(svg("text", { x: X(x), y: H - 4, "text-anchor": anchor }, String(x)));
