@@ -127,6 +127,15 @@ def test_a_rank_local_change_then_a_rank_whose_data_runs_out():
         assert {e["rule"] for e in found[0]["evidence"]["explains"]} == {"hung"}, found[0]["evidence"]
 
 
+def test_ranks_fed_the_same_batches():
+    # given: from step 40 every rank reads the same batch (no DistributedSampler, the same seed on every rank)
+    with ddp_job("--error", "same_data", "--batches", "100000", world=2, target=SCRIPT, extra_env=QUIET) as job:
+        at = onset(job, r"onset rank=\d+ step=(?P<step>\d+) time=(?P<time>[\d.]+)")
+        # then: the job, not a rank, is named, from losses that agree to the bit at every step since
+        found = named(job, ["same_data"], at)["same_data"]
+        assert found["evidence"]["first"] >= at[0] and found["evidence"]["steps"] >= 20, found
+
+
 def test_the_healthy_twin_a_plain_ddp_job_gets_nothing_and_its_replicas_agree():
     # given: the same script with every error fixed: plain DDP, no collective of its own in the loop (the epoch,
     # and its barrier, never ends), past the onset
@@ -140,6 +149,8 @@ def test_the_healthy_twin_a_plain_ddp_job_gets_nothing_and_its_replicas_agree():
         "unused",
         "--error",
         "rank_local",
+        "--error",
+        "same_data",
         "--error",
         "uneven",
         "--batches",
@@ -214,7 +225,7 @@ def test_collective_mismatch_names_the_odd_rank_of_three_and_waits_for_the_jobs_
                 "pending_s DOUBLE, pending_site VARCHAR, last_enqueued BIGINT",
                 groups,
             ),
-            "ranks.latest": ("rank INTEGER, step BIGINT", [(r, 40) for r in range(3)]),
+            "ranks.latest": ("rank INTEGER, step BIGINT, p99 DOUBLE", [(r, 40, 0.01) for r in range(3)]),
         }
 
     # given: ranks 0 and 2 in an all_reduce, rank 1 in a barrier, at the same seq, for 6 s (600x the 10 ms steps)

@@ -133,6 +133,45 @@ WHERE d.state = 'dead'
 )
 
 rule(
+    "ranks_same_data",
+    family="distributed",
+    severity="warning",
+    scope="job",
+    description=(
+        "Every rank of a DistributedDataParallel job (torch.ddp on each) computed a bit-identical loss at each of "
+        "the last 20 or more steps they all have (of the last 100): the replicas hold the same weights, so identical "
+        "losses mean identical batches; the job trains N copies of one shard (a DataLoader without a "
+        "DistributedSampler, or the same seed and shuffling on every rank)."
+    ),
+    sql="""
+WITH dp AS (SELECT count(DISTINCT rank) AS n FROM torch.ddp),
+job AS (SELECT count(DISTINCT rank) AS n FROM torch.steps),
+last AS (SELECT min(top) AS hi FROM (SELECT rank, max(step) AS top FROM torch.steps GROUP BY rank)),
+per_step AS (
+  SELECT step, count(*) AS n, count(DISTINCT loss) AS losses, arg_min(loss, rank) AS loss
+  FROM torch.steps, last WHERE isfinite(loss) AND step BETWEEN last.hi - 99 AND last.hi GROUP BY step)
+SELECT job.n AS ranks, count(*) AS steps, min(p.step) AS first, max(p.step) AS step, arg_max(p.loss, p.step) AS loss
+FROM per_step AS p, job, dp
+WHERE p.n = job.n AND job.n >= 2 AND dp.n = job.n
+GROUP BY job.n
+HAVING count(*) >= 20 AND bool_and(p.losses = 1)""",
+    message=(
+        "the {ranks} DDP ranks computed bit-identical losses at every one of steps {first}-{step} ({steps} steps "
+        "they all have; the last {loss:.6g}): the replicas hold the same weights, so they are fed the same batches "
+        "and the job trains {ranks} copies of one shard. Give each rank its own part of the data "
+        "(DataLoader(..., sampler=DistributedSampler(dataset)) and sampler.set_epoch(epoch) every epoch, or a "
+        "seed that includes the rank)."
+    ),
+    next=[
+        (
+            'probe --ranks all query "SELECT step, rank, loss FROM torch.steps WHERE step > {step} - 5 ORDER BY '
+            'step, rank"'
+        ),
+        'probe --ranks all query "SELECT rank, name, loader_type, dataset_type, batch_size FROM torch.dataloaders"',
+    ],
+)
+
+rule(
     "loss_dispersion",
     family="distributed",
     severity="warning",

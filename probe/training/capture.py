@@ -62,7 +62,7 @@ _SHAPE = frozenset(
         "FlattenBackward0",
     )
 )
-_LOSS_LOOK_EVERY = 1000  # noted backward calls between two looks at the loss's graph (the first one looks)
+_LOSS_LOOK_EVERY = 1000  # backward calls between two looks at the loss's graph (also: each measured step's first)
 
 
 def _made_by(node, depth: int = 3) -> str | None:
@@ -216,7 +216,7 @@ class Capture:
             self._note_graph(t)
         looks = self._loss_looks
         self._loss_looks = looks + 1
-        if not looks % _LOSS_LOOK_EVERY:
+        if not looks % _LOSS_LOOK_EVERY or (self.wanted and self.backwards == 1):  # and a measured step's first
             try:
                 self.loss_kind = loss_logits(t)
             except Exception as exc:

@@ -198,7 +198,12 @@ class StepTracker(StepLife):
                     capture = self.capture
                     if capture.closure_step:  # Lightning: a closure at every step
                         capture.on_step_end()
-                    loss = capture.take() if capture.losses else None  # every step (CPU scalars read when noted)
+                    loss = None
+                    if capture.losses:  # every step (CPU scalars read when noted)
+                        try:
+                            loss = capture.take()
+                        except Exception as exc:  # the step's row is still written, without its loss
+                            record_error("torch steps: loss", exc)
                     fwd = self._fwd_ns
                     if fwd:
                         self._fwd_ns = 0
@@ -426,7 +431,11 @@ class StepTracker(StepLife):
         """Add what was backpropagated since the last boundary to the loss of the row it wrote: with several
         optimizers, the loss of one that steps after the lead in the iteration the lead's step ended. A CPU
         value is added at once, a device value once its copy has landed (never by waiting for the device)."""
-        late = self.capture.take()
+        try:
+            late = self.capture.take()
+        except Exception as exc:  # the row keeps the loss it has
+            record_error("torch steps: loss", exc)
+            return
         row = self.ring.count - 1
         if late is None or row < 0:
             return

@@ -23,6 +23,12 @@ DDP_ERRORS = {
         "warning",
         ["2 of 8 parameter tensors differ", "first head.* (2 tensors)"],
     ),
+    "same_data": (
+        "ranks_same_data",
+        None,
+        "warning",
+        ["the 2 DDP ranks computed bit-identical losses", "DistributedSampler"],
+    ),
     "uneven": (
         "collective_mismatch",
         1,

@@ -28,6 +28,9 @@ The errors (``DDP_ERRORS``, with the doctor rule that must name each, are in tes
   after every forward for nothing. https://github.com/facebookresearch/swav/issues/63
   (DDP's own warning: "find_unused_parameters=True was specified in DDP constructor, but did not find any
   unused parameters in the forward pass").
+* ``same_data``: no DistributedSampler: every rank reads the whole dataset in the same order (the same seed on
+  every rank), so each step's batch is the same on all ranks and the job trains copies of one shard.
+  https://github.com/Shark-NLP/DiffuSeq/issues/37, https://github.com/PatrickHua/SimSiam/issues/16
 * ``uneven``: the ranks' shards hold different numbers of batches: the rank with fewer finishes its epoch and
   waits at the end-of-epoch barrier while the other waits in DDP's all-reduce of a batch it alone has: the
   job hangs. https://github.com/pytorch/pytorch/issues/33148,
@@ -47,7 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-ERRORS = ("no_wrapper", "rank_local", "buffers", "unused", "uneven")
+ERRORS = ("no_wrapper", "rank_local", "buffers", "unused", "same_data", "uneven")
 
 p = argparse.ArgumentParser()
 p.add_argument("--error", action="append", default=[], choices=ERRORS)
@@ -65,13 +68,17 @@ CLASSES, DIM = 4, 16
 centers = torch.randn(CLASSES, DIM) * 2
 
 
-def shard(n_batches: int, seed: int, n: int = 32) -> list:
+def shard(n_batches: int, seed: int, n: int = 32, offset: float | None = None) -> list:
     gen = torch.Generator().manual_seed(seed)
     out = []
+    shift = rank * 0.5 if offset is None else offset  # each rank's shard its own
     for _ in range(n_batches):
         y = torch.randint(0, CLASSES, (n,), generator=gen)
-        out.append((centers[y] + torch.randn(n, DIM, generator=gen) + rank * 0.5, y))  # each rank's shard its own
+        out.append((centers[y] + torch.randn(n, DIM, generator=gen) + shift, y))
     return out
+
+
+common = shard(64, seed=7, offset=0.0) if "same_data" in errors else None  # the whole dataset, the same on every rank
 
 
 class Net(nn.Module):
@@ -103,6 +110,8 @@ while True:
             print(f"onset rank={rank} step={step} time={time.time():.3f}", flush=True)
             if "rank_local" in args.error and (rank == 0 or args.fixed):  # fixed: every rank loads it
                 model.module.head.load_state_dict(head_ckpt)
+        if common is not None and step >= args.onset:  # no DistributedSampler: every rank reads the same batch
+            x, y = common[step % len(common)]
         bypass = "no_wrapper" in errors and step >= args.onset and step % 2 == 1
         out = model.module(x) if bypass else model(x)  # bypass: as the RL trainers of minimind #853 did
         loss = F.cross_entropy(out, y)

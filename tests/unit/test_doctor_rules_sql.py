@@ -338,3 +338,34 @@ def test_mostly_frozen_leaves_out_a_frozen_network_no_optimizer_holds():
         [("m", "4.weight", 256, False, False, "Linear"), ("m", "4.bias", 8, True, True, "Linear")] + inside
     )
     assert "1 of 2 parameter tensors of m" in said and ": 4.weight; what trains: 4.bias." in said, said
+
+
+def _same_data(losses: dict, ddp_ranks=(0, 1)) -> list:
+    """ranks_same_data over ``{rank: [loss of step 1, 2, ...]}``, with torch.ddp rows for ``ddp_ranks``."""
+    return rule_rows(
+        "ranks_same_data",
+        {
+            "torch.steps": (
+                "rank INTEGER, step BIGINT, loss DOUBLE",
+                [(r, s, v) for r, vals in losses.items() for s, v in enumerate(vals, start=1)],
+            ),
+            "torch.ddp": ("rank INTEGER, model VARCHAR", [(r, "model") for r in ddp_ranks]),
+        },
+        messages=True,
+    )
+
+
+def test_ranks_same_data_needs_every_step_of_the_window_identical_on_every_ddp_rank():
+    own = [1.0 + 0.01 * s for s in range(150)]
+    other = [v + 1e-7 for v in own]  # one ulp-scale apart: the ranks' own batches
+    # the same losses to the bit on both ranks at every one of the last 100 steps: named
+    (said,) = _same_data({0: own, 1: list(own)})
+    assert said.startswith("the 2 DDP ranks computed bit-identical losses at every one of steps 51-150 (100 steps"), (
+        said
+    )
+    # the same from step 101 only: the window still holds steps where they differed
+    assert _same_data({0: own, 1: other[:100] + own[100:]}) == []
+    # ranks with their own data, or too few steps, or not data-parallel (tensor parallel ranks share the batch)
+    assert _same_data({0: own, 1: other}) == []
+    assert _same_data({0: own[:10], 1: own[:10]}) == []
+    assert _same_data({0: own, 1: list(own)}, ddp_ranks=()) == []
