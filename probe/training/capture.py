@@ -43,24 +43,9 @@ _NLL = ("NllLossBackward0", "NllLoss2DBackward0")  # cross_entropy is log_softma
 _BCE_LOGITS = "BinaryCrossEntropyWithLogitsBackward0"
 # nodes that only move or retype values: skipped when naming what made a loss term's input
 _SHAPE = frozenset(
-    (
-        "ViewBackward0",
-        "UnsafeViewBackward0",
-        "ReshapeAliasBackward0",
-        "TransposeBackward0",
-        "TBackward0",
-        "PermuteBackward0",
-        "SqueezeBackward0",
-        "SqueezeBackward1",
-        "UnsqueezeBackward0",
-        "CloneBackward0",
-        "ToCopyBackward0",
-        "ContiguousBackward0",
-        "ExpandBackward0",
-        "SliceBackward0",
-        "SelectBackward0",
-        "FlattenBackward0",
-    )
+    "ViewBackward0 UnsafeViewBackward0 ReshapeAliasBackward0 TransposeBackward0 TBackward0 PermuteBackward0 "
+    "SqueezeBackward0 SqueezeBackward1 UnsqueezeBackward0 CloneBackward0 ToCopyBackward0 ContiguousBackward0 "
+    "ExpandBackward0 SliceBackward0 SelectBackward0 FlattenBackward0".split()
 )
 _LOSS_LOOK_EVERY = 1000  # backward calls between two looks at the loss's graph (also: each measured step's first)
 
