@@ -135,6 +135,33 @@ rule(
 )
 
 rule(
+    "params_without_grads",
+    family="parameters",
+    severity="warning",
+    description=(
+        "Trainable parameter tensors (requires_grad) that the lead optimizer holds got no gradient at its step on the "
+        "last two measured steps, while its other tensors did (torch.checks grads_reach): the graph from them to the "
+        "loss is cut (a .detach(), a NumPy or .item() round trip, torch.no_grad() in forward) or their module is "
+        "never called; names them by module, apart from tensors frozen on purpose."
+    ),
+    sql=_failing("grads_reach"),
+    message=(
+        "{value:.0f} trainable parameter tensor(s) the optimizer holds got no gradient at its step on the last "
+        "{failed} measured steps (since step {since}), while the others did: {subject} ({detail}): nothing connects "
+        "them to the loss (a .detach(), a NumPy or .item() round trip, or torch.no_grad() in forward cuts the graph; "
+        "or the forward never calls them); they never train. If they are unused on purpose, freeze them "
+        "(requires_grad=False) or leave them out of the optimizer."
+    ),
+    next=[
+        (
+            'probe {target} query "SELECT step, invariant, ok, subject, detail FROM torch.checks WHERE invariant = '
+            "'grads_reach' ORDER BY step DESC LIMIT 10\""
+        ),
+        'probe {target} query "SELECT name, requires_grad, in_optimizer, grad_norm FROM torch.parameters"',
+    ],
+)
+
+rule(
     "frozen_params_updated",
     family="parameters",
     severity="warning",

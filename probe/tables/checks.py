@@ -18,7 +18,8 @@ from .registry import Column, table
         Column(
             "invariant",
             "VARCHAR",
-            "grads_present (the lead optimizer's step found gradients), grads_cleared (a tensor's gradient was None or "
+            "grads_present (the lead optimizer's step found gradients), grads_reach (every trainable tensor it holds "
+            "got one, when any did), grads_cleared (a tensor's gradient was None or "
             "zero at some backward since the last measured step), accumulation (with more backward passes than "
             "optimizer steps, the gradient was not cleared before every one), backward_once (no loss graph "
             "backpropagated twice in the step), params_move (sampled trainable tensors with a gradient and a learning "
@@ -31,13 +32,15 @@ from .registry import Column, table
             "subject",
             "VARCHAR",
             "What the check is about, by name: the parameter watched (grads_cleared, grads_present, accumulation), the "
-            "tensors that broke it grouped by module prefix (params_move, frozen_still), the scheduler class "
-            "(schedule), the repeated graph's node (backward_once), or the modules found in eval mode (train_mode).",
+            "tensors that broke it grouped by module prefix (params_move, frozen_still, grads_reach), the scheduler "
+            "class (schedule), the repeated graph's node (backward_once), or the modules found in eval mode "
+            "(train_mode).",
         ),
         Column(
             "value",
             "DOUBLE",
-            "grads_cleared: backward passes seen; grads_present: trainable tensors of the optimizer when none held a "
+            "grads_cleared: backward passes seen; grads_reach: tensors without a gradient; grads_present: trainable "
+            "tensors of the optimizer when none held a "
             "gradient (NULL when ok); accumulation: backward passes per optimizer step; backward_once: backward calls "
             "in the step; params_move, frozen_still: tensors that broke it; schedule: scheduler steps per optimizer "
             "step; train_mode: modules in eval mode.",

@@ -7,6 +7,10 @@ What is checked, each at about the cost of a few attribute reads per measured st
 * ``grads_present``: the lead optimizer's step found a gradient on its trainable tensors (the first one
   with a ``.grad`` ends the search). None at all: ``zero_grad()`` ran between ``backward()`` and
   ``step()``, or the step had no backward.
+* ``grads_reach``: when some of the lead optimizer's trainable tensors hold a gradient at its step, all of them
+  do (the first 4,096, by the trained model's names). A tensor that never gets one is cut off from the loss: a
+  ``.detach()``, a NumPy or ``.item()`` round trip or ``torch.no_grad()`` in forward, or a module the forward
+  never calls. Frozen tensors (requires_grad=False) are not asked.
 * ``grads_cleared``: in the two optimizer steps after a measured boundary, at one of the backward passes, the
   gradient of one small trainable tensor of the lead optimizer was None or zero before autograd added to it.
   One tensor hook, armed at a measured boundary and taken out at the next, looks at ``param.grad`` when its
@@ -38,7 +42,7 @@ import time
 import weakref
 
 from . import finder
-from .updates import Updates
+from .updates import Updates, grouped
 from ..config import setting
 from ..util.errorlog import record_error
 from ..util.ring import Ring
@@ -51,6 +55,7 @@ _NAMES_SHOWN = 5
 _RETRY = 8  # steps between looks for the trained model while none is known
 _PENDING_MAX = 4  # device reads one grads_cleared window keeps at most
 _WINDOW_STEPS = 2  # optimizer steps whose backward passes one grads_cleared window looks at
+_REACH_MAX = 4096  # trainable tensors grads_reach looks at, at most
 
 
 def _trainable(optimizer):
@@ -171,6 +176,7 @@ class Invariants:
                 self._refresh(optimizer)
             now = time.time()
             self._grads_present(step, now, optimizer)
+            self._grads_reach(step, now, optimizer)
             self._grads_cleared(step, now, optimizer)
             self._train_mode(step, now)
             if capture is not None:
@@ -236,6 +242,26 @@ class Invariants:
                 float(n),
                 f"none of the {n} trainable tensors held a gradient at the step",
             )
+
+    def _grads_reach(self, step, now, optimizer) -> None:
+        names, every, missing = self._names, [], []
+        for p in itertools.islice(_trainable(optimizer), _REACH_MAX):
+            name = names.get(id(p))
+            if name is not None:
+                every.append(name)
+                if p.grad is None:
+                    missing.append(name)
+        if not every or len(missing) == len(every):
+            return  # no gradient at all: grads_present's finding, not this one's
+        self._record(
+            step,
+            now,
+            "grads_reach",
+            not missing,
+            grouped(missing, every) if missing else None,
+            float(len(missing)),
+            f"{len(missing)} of the {len(every)} trainable tensors held no gradient at the step" if missing else None,
+        )
 
     def _grads_cleared(self, step, now, optimizer) -> None:
         watch = self._watch

@@ -57,6 +57,9 @@ The errors (tests/faults/corpus.py gives the doctor rule that must name each, an
 * ``llama_scratch_5``: the model's forward ends in ``F.softmax`` and its output goes to ``F.cross_entropy``,
   which applies log_softmax itself: the outputs are squashed twice and the loss cannot fall far.
   https://github.com/bkitano/llama-from-scratch/issues/5
+* ``agcn_4``: one branch's output is detached (``.detach()``) before it joins the rest, so the layers behind it
+  (here the convolutional features) get no gradient and never train, while the classifier does.
+  https://github.com/queenie88/A-GCN/issues/4
 * ``prediff_32``: with gradient accumulation, ``zero_grad()`` runs at every micro-batch, outside the
   ``if`` that steps the optimizer: each step follows only its last micro-batch. https://github.com/gaozhihan/PreDiff/issues/32
 """
@@ -93,6 +96,7 @@ ERRORS = (
     "farm_46",
     "prediff_32",
     "llama_scratch_5",
+    "agcn_4",
 )
 
 p = argparse.ArgumentParser()
@@ -137,9 +141,13 @@ class Net(nn.Module):
         )
         self.head = nn.Linear(CLASSES, CLASSES)  # HVPNeT's extra layer on top (a CRF's transitions there)
         self.adapter = None  # adapters_260: added later
+        self.cut = False  # agcn_4: the features' output detached
 
     def forward(self, x):
-        h = self.classifier(self.features(x).flatten(1))
+        f = self.features(x)
+        if self.cut:
+            f = f.detach()  # as A-GCN's adjacency matrix was: nothing behind it gets a gradient
+        h = self.classifier(f.flatten(1))
         if self.adapter is not None:
             h = h + self.adapter(h)
         return self.head(h)
@@ -204,6 +212,8 @@ class Phase:
             self.sched = torch.optim.lr_scheduler.OneCycleLR(self.optimizer, max_lr=0.05, total_steps=EPOCH * 1000)
         elif e == "m2_71":
             self.sched = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0 / math.sqrt(max(s, 1)))
+        elif e == "agcn_4" and not fixed:
+            m.cut = True
 
     def step(self) -> None:
         """One optimizer step of the phase's loop."""

@@ -19,6 +19,7 @@ RULES = {
     "backward_twice": "backward_once",
     "accumulation_erased": "accumulation",
     "grads_not_cleared": "grads_cleared",
+    "params_without_grads": "grads_reach",
 }
 
 
@@ -39,3 +40,27 @@ def test_two_failing_checks_at_the_latest_steps_are_a_finding_since_the_first(ru
 def test_one_failing_check_or_a_check_that_stopped_is_none(rule, invariant):
     assert rule_rows(rule, _checks(invariant, [20], ok_steps=[19])) == []
     assert rule_rows(rule, _checks(invariant, [5, 6])) == []  # the rank's checks went on to step 20 without it
+
+
+def test_grads_reach_names_the_tensors_a_detach_cut_off_and_asks_nothing_of_frozen_ones():
+    torch = pytest.importorskip("torch")
+    from probe.training.invariants import Invariants
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict(
+        {"enc": torch.nn.Linear(4, 4), "head": torch.nn.Linear(4, 2), "frozen": torch.nn.Linear(4, 4)}
+    )
+    model["frozen"].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    checks = Invariants(torch)
+    checks._names = {id(p): name for name, p in model.named_parameters()}
+    x = torch.randn(3, 4)
+    for step, cut in ((1, False), (2, True)):
+        opt.zero_grad(set_to_none=True)
+        h = model["enc"](model["frozen"](x))
+        model["head"](h.detach() if cut else h).sum().backward()
+        checks._grads_reach(step, 0.0, opt)
+    rows = checks.snapshot()
+    assert list(rows["ok"]) == [True, False]
+    assert rows["subject"][1] == "enc.* (2 tensors)" and rows["value"][1] == 2.0, rows["subject"][1]
+    assert rows["detail"][1] == "2 of the 4 trainable tensors held no gradient at the step"
