@@ -266,6 +266,8 @@ def test_a_drip_fed_answer_ends_at_the_timeout(fake, cli):
     # then the timeout bounds the whole request, not each read: one sentence, exit 3
     assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
     assert "did not answer within 2 s" in _last_line(r), r.stderr
+    # and an endpoint named by its address, with no pid known here, gets no command to paste with a literal PID
+    assert "try `probe PID backtrace`" not in r.stderr and "on its host, `probe PID backtrace`" in r.stderr, r.stderr
 
 
 def _profile_steps(chunks, declared: int, path: str = "/nonexistent/profile.json"):

@@ -236,9 +236,14 @@ class Client:
                 f"connection refused by {where}; the probe is not listening there (check the port, or `probe list`)."
             ) from None
         except socket.timeout:
+            pid = t.local_pid
             raise EndpointError(
                 f"{t.label} did not answer within {timeout:g} s; it may be hung with the GIL held "
-                f"(try `probe {t.pid or 'PID'} backtrace`, which falls back to py-spy, or raise --timeout)."
+                + (
+                    f"(try `probe {pid} backtrace`, which falls back to py-spy, or raise --timeout)."
+                    if pid
+                    else "(on its host, `probe PID backtrace` falls back to py-spy; or raise --timeout)."
+                )
             ) from None
         except _BadResponse:
             raise EndpointError(f"{t.label} did not answer like a probe (not HTTP); check the endpoint.") from None
