@@ -19,7 +19,7 @@ _LAZY = {
     "start": "agent.lifecycle",
     "stop": "agent.lifecycle",
     "is_running": "agent.lifecycle",
-    "info": "agent.state",
+    "info": "_core.state",
     "step": "training.hooks",
     "watch": "training.hooks",
     "span": "training.spans",

@@ -22,6 +22,7 @@ import sys
 
 from .config import setting
 from ._errors import EndpointError
+from .util.procfs import pid_alive
 
 __all__ = [
     "runtime_dir",
@@ -32,7 +33,6 @@ __all__ = [
     "write_entry",
     "read_entries",
     "remove_entry",
-    "pid_alive",
     "process_is",
     "reused_pid",
     "shared_registry",
@@ -355,19 +355,6 @@ def _valid_entry(entry) -> bool:
     if entry.get("proc_start") is not None and type(entry["proc_start"]) is not int:
         return False
     return entry.get("started_at") is None or isinstance(entry["started_at"], (int, float))
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs here; a zombie (exited, not yet reaped by its parent) does not."""
-    from .util.procfs import proc_state
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return proc_state(pid) != "Z"
 
 
 def process_is(pid: int, started: int | None) -> bool:

@@ -6,7 +6,8 @@ import os
 import re
 
 from probe._errors import EndpointError
-from probe._runtime import pid_alive, read_entries, reused_pid
+from probe._runtime import read_entries, reused_pid
+from probe.util.procfs import pid_alive
 
 __all__ = ["Target", "resolve", "from_entry", "targets_for_ranks", "parse_rank_spec", "pick_job"]
 

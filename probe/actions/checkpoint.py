@@ -33,7 +33,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .._errors import ActionError
-from ..agent import state as agent_state
+from .._core import state as agent_state
 from ..training.counters import framework_counters, restore_counters
 from ..training.finder import grad_scalers, models, optimizers, scheduler_for, schedulers
 from ..training.frameworks import objects_of

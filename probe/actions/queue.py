@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..training import safepoint
-from ..agent.audit import audit
+from .._core.audit import audit
 from .._errors import ActionError, ProbeError
 from ..util.errorlog import record_error
 from ..training.safepoint import StepEvent, on_step, remove

@@ -23,7 +23,7 @@ from ..actions.maintenance import cleanup, debug
 from ..actions import profiler
 from ..actions.queue import refuse, submit
 from ..util import validate as _validate
-from . import state
+from .._core import state
 from .routing import Request, check_tier, route
 
 __all__ = []

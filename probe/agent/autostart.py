@@ -51,7 +51,7 @@ def _kind(argv: list[str]) -> tuple[str, bool]:
 def _wanted() -> bool:
     from ..config import setting
     from .._identity import process_argv
-    from .._runtime import pid_alive
+    from ..util.procfs import pid_alive
 
     mode = setting("PROBE")
     if not mode:

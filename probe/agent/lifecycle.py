@@ -38,9 +38,10 @@ from . import action_routes  # noqa: F401  (registers the action and eval routes
 from . import profile  # noqa: F401  (registers GET /profile, the stack sampler)
 from . import routes  # noqa: F401  (registers the read routes)
 from . import snapshot  # noqa: F401  (the query path, loaded at start: never in a training step later)
-from . import sigterm, state, watchdog
+from . import sigterm, watchdog
+from .._core import state
 from .listeners import TCPServer, UnixServer, serve_in_thread
-from .state import info
+from .._core.state import info
 
 __all__ = ["start", "stop", "is_running", "info"]
 

@@ -19,7 +19,8 @@ import sys
 import threading
 import time
 
-from . import pacing, state
+from . import pacing
+from .._core import state
 from ..config import setting
 from ..util import validate as v
 from .._errors import QueryError

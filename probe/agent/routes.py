@@ -9,7 +9,8 @@ import threading
 import time
 from itertools import islice
 
-from . import pacing, state
+from . import pacing
+from .._core import state
 from .routing import Binary, Request, route
 from .server import requests_served
 from .._errors import QueryError

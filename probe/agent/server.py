@@ -31,7 +31,7 @@ from urllib.parse import parse_qs, urlparse
 from .._errors import AuthError, ProbeError
 from ..util.errorlog import record_error
 from ..util.validate import BadRequest, json_body
-from .audit import audit
+from .._core.audit import audit
 from .routing import ROUTES, Binary, Request, check_tier
 
 __all__ = ["send_buffers", "requests_served"]

@@ -26,7 +26,7 @@ from ..config import setting
 from .._runtime import runtime_dir
 from ..training import safepoint
 from ..util.errorlog import record_error
-from . import state
+from .._core import state
 
 __all__ = ["install", "uninstall", "status", "dump_path", "REARM_S", "LATE_S"]
 

@@ -153,7 +153,7 @@ def explain(meta: dict) -> dict | None:
 def dump_only(pid: int) -> dict | None:
     """The meta of a process that died of a fatal signal before its first snapshot: its faulthandler
     dump alone (no tables), or None."""
-    from .._runtime import pid_alive
+    from ..util.procfs import pid_alive
 
     path = os.path.join(runtime_dir(create=False), f"fatal-{pid}.txt")
     try:

@@ -312,7 +312,7 @@ def write(
     try:
         import numpy as np
 
-        from ..agent import state
+        from .._core import state
 
         with _write_lock:
             pid = os.getpid()

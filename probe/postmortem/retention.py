@@ -157,7 +157,7 @@ def _remove(path: str) -> None:
 def prune(base: str, keep: int, prefix: str = "", fatal_dir: str | None = None) -> None:
     """Keep at most ``keep`` records in ``base`` (folders named ``<prefix><pid>``) by the module's policy;
     with ``fatal_dir`` (this host's runtime directory), bound its ``fatal-<pid>.txt`` files with them."""
-    from .._runtime import pid_alive
+    from ..util.procfs import pid_alive
 
     me = os.getpid()
     entries, recorded = [], {}

@@ -6,7 +6,7 @@ import os
 import sys
 import threading
 
-from ..agent import state
+from .._core import state
 from .._identity import process_argv, rank_identity
 from ..util.procfs import rss_bytes
 from ..util.redact import redact

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from ..agent import state as agent_state
+from .._core import state as agent_state
 from ..util.errorlog import record_error
 from ..util.usercode import user_frame
 from . import counters, finder

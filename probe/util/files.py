@@ -182,7 +182,7 @@ def write_file(
 def sweep_temps(path: str) -> int:
     """Remove the temporary files that a killed writer of ``path`` left (``.NAME.<hex>.<pid>.tmp``, its pid gone,
     a regular file of this user); how many."""
-    from .._runtime import pid_alive
+    from .procfs import pid_alive
 
     directory, name = os.path.split(os.path.abspath(path))
     pattern = _temp_pattern(name)

@@ -5,7 +5,17 @@ from __future__ import annotations
 import os
 import threading
 
-__all__ = ["rss_bytes", "RssReader", "RunDelayReader", "CpuWait", "proc_state", "proc_start", "start_time", "native_id"]
+__all__ = [
+    "rss_bytes",
+    "RssReader",
+    "RunDelayReader",
+    "CpuWait",
+    "proc_state",
+    "proc_start",
+    "start_time",
+    "native_id",
+    "pid_alive",
+]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -125,3 +135,14 @@ def native_id(thread) -> int | None:
         if not os.path.exists(f"/proc/self/task/{native}"):
             return os.getpid()
     return native
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs here; a zombie (exited, not yet reaped by its parent) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return proc_state(pid) != "Z"
