@@ -43,6 +43,7 @@ __all__ = [
     "stop_groups",
     "ptrace_refused",
     "use_fork_server",
+    "Recorder",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -462,6 +463,43 @@ def run_probe(*args, env: dict, timeout: float = 180.0, input: str | None = None
     if done is None:
         done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout, input=input)
     return done
+
+
+class Recorder:
+    """A TCP listener on loopback (``port``, 0: any free one) standing where a probe should be: it records each
+    connection's request head (what the client sent up to its blank line, or until it closed) in ``got`` and
+    answers ``reply``, or closes without a word."""
+
+    def __init__(self, port: int = 0, reply: bytes | None = None):
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", port))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.reply = reply
+        self.got: list[bytes] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                data = b""
+                try:
+                    while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
+                        data += chunk
+                    self.got.append(data)
+                    if self.reply is not None:
+                        conn.sendall(self.reply)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -164,12 +164,13 @@ def _heavy_body(timeout: float) -> bytes:
     return json.dumps({"tables": tables, "timeout": timeout}).encode()
 
 
-def _snapshot(path: str, body: bytes) -> tuple[int, bytes]:
+def _exchange(path: str, head: str, body: bytes = b"") -> tuple[int, bytes]:
+    """One raw HTTP request on the unix socket ``path``: (status, body of the answer)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(60)
     s.connect(path)
     try:
-        s.sendall(f"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        s.sendall(head.encode() + body)
         data = b""
         while True:
             chunk = s.recv(1 << 20)
@@ -179,6 +180,10 @@ def _snapshot(path: str, body: bytes) -> tuple[int, bytes]:
     finally:
         s.close()
     return int(data.split(b" ", 2)[1]), data.partition(b"\r\n\r\n")[2]
+
+
+def _snapshot(path: str, body: bytes) -> tuple[int, bytes]:
+    return _exchange(path, f"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n", body)
 
 
 def test_expensive_snapshots_are_charged_their_whole_cost(spawn, probe_env):
@@ -265,20 +270,8 @@ def test_token_holders_flooding_over_tcp_never_lock_the_owner_out(spawn, cli, pr
 
 
 def _get(path: str, route: str) -> tuple[int, dict]:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(60)
-    s.connect(path)
-    try:
-        s.sendall(f"GET {route} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-        data = b""
-        while True:
-            chunk = s.recv(1 << 20)
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        s.close()
-    return int(data.split(b" ", 2)[1]), json.loads(data.partition(b"\r\n\r\n")[2] or b"{}")
+    status, body = _exchange(path, f"GET {route} HTTP/1.1\r\nHost: x\r\n\r\n")
+    return status, json.loads(body or b"{}")
 
 
 def test_backtraces_and_profiles_are_paced_like_snapshots(spawn, probe_env):

@@ -13,12 +13,12 @@ import shutil
 import socket
 import stat
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
 
 from conftest import TARGETS
+from harness import Recorder
 
 
 @pytest.fixture
@@ -31,22 +31,7 @@ def dirs():
 
 def test_ranks_found_through_the_shared_registry_over_tcp(spawn, cli, dirs):
     # given: two ranks on two "nodes" writing to one shared registry
-    procs = {}
-    for rank, node in ((0, "a"), (1, "b")):
-        procs[rank] = spawn(
-            TARGETS / "idle.py",
-            env={
-                "PROBE_RUNTIME_DIR": dirs[node],
-                "PROBE_REGISTRY": dirs["shared"],
-                "PROBE_HOST": "127.0.0.1",
-                "RANK": str(rank),
-                "WORLD_SIZE": "2",
-                "LOCAL_RANK": "0",
-            },
-        )
-    for node in ("a", "b"):
-        for sock in Path(dirs[node]).glob("*.sock"):
-            sock.unlink()  # from the CLI's point of view these ranks are on other hosts
+    procs = _two_ranks(spawn, dirs)
     token_file = Path(dirs["shared"]) / "token"
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
     entries = sorted(Path(dirs["shared"]).glob("*.json"))
@@ -143,7 +128,7 @@ def _two_ranks(spawn, dirs) -> dict:
         )
     for node in ("a", "b"):
         for sock in Path(dirs[node]).glob("*.sock"):
-            sock.unlink()
+            sock.unlink()  # from the CLI's point of view these ranks are on other hosts
     return procs
 
 
@@ -184,37 +169,12 @@ def test_one_ranks_key_opens_no_other_rank(spawn, cli, dirs):
     assert _ask(port1, own)[0] == 200 and _ask(port1, own)[0] == 401  # a replayed request is refused
 
 
-class _Stranger:
+def _stranger(port: int, claim: dict) -> Recorder:
     """A plain socket server on a freed port: records every request and answers it with a forged proof that it is
     the rank the registry names (it read the registry; it does not hold the key)."""
-
-    def __init__(self, port: int, claim: dict):
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", port))
-        self.sock.listen(16)
-        self.got: list[bytes] = []
-        body = json.dumps({"error": "x", "kind": "auth", "exit_code": 4, "challenge": {**claim, "nonce": "n" * 24}})
-        self.reply = b"HTTP/1.1 401 Unauthorized\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
-        self.reply += body.encode()
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                conn.settimeout(5)
-                data = b""
-                try:
-                    while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
-                        data += chunk
-                    self.got.append(data)
-                    conn.sendall(self.reply)
-                except OSError:
-                    pass
+    body = json.dumps({"error": "x", "kind": "auth", "exit_code": 4, "challenge": {**claim, "nonce": "n" * 24}})
+    head = b"HTTP/1.1 401 Unauthorized\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+    return Recorder(port, head + body.encode())
 
 
 def test_a_dead_ranks_freed_port_gets_nothing_secret_and_is_named_unproven(spawn, cli, dirs):
@@ -229,14 +189,14 @@ def test_a_dead_ranks_freed_port_gets_nothing_secret_and_is_named_unproven(spawn
     dead = dict(entries[1], host="localhost", tcp_host="0.0.0.0")  # "another node" that resolves here
     paths[1].write_text(json.dumps(dead))
     claim = {"rank": 1, "host": "localhost", "port": dead["tcp_port"], "pid": dead["pid"], "proof": "0" * 64}
-    stranger = _Stranger(dead["tcp_port"], claim)
+    stranger = _stranger(dead["tcp_port"], claim)
     env = {"PROBE_RUNTIME_DIR": dirs["cli"], "PROBE_REGISTRY": dirs["shared"]}
     try:
         # when the owner lists the processes and asks every rank's status
         listed = cli("list", "--json", env=env)
         status = cli("--ranks", "all", "--format", "json", "status", env=env)
     finally:
-        stranger.sock.close()
+        stranger.close()
 
     # then the stranger was asked to prove itself and got nothing secret: a nonce, no token, no key, no MAC
     assert len(stranger.got) >= 2, (stranger.got, status.stderr)

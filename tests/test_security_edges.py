@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PROBE_BIN as PROBE_BIN_PATH, TARGETS, poll, requires_torch
-from harness import clean_env
+from harness import Recorder, clean_env
 
 PLAIN = TARGETS / "plain_loop.py"
 ACTIONS = TARGETS / "actions_train.py"
@@ -268,39 +268,11 @@ def test_a_registry_open_to_others_or_holding_a_symlink_is_refused_even_when_it_
         assert _steps_on(p, _last_step(p))
 
 
-class _Listener:
-    """A TCP listener that records every request it gets (the planter's fake rank)."""
-
-    def __init__(self):
-        import socket
-        import threading
-
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        self.got: list[bytes] = []
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            conn.settimeout(2)
-            try:
-                self.got.append(conn.recv(65536))
-            except OSError:
-                pass
-            conn.close()
-
-
 @needs_root
 def test_the_cli_never_sends_its_token_to_a_planted_entry_nor_lists_it(cli, tmp_path, open_tmp):
     # given a registry another user can write (theirs, or ours with their entry in it) naming their listener
     uid = _other_uid()
-    listener = _Listener()
+    listener = Recorder()  # the planter's fake rank
     fake = {
         "pid": 4242,
         "rank": 0,
