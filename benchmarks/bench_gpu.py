@@ -2,7 +2,7 @@
 
 For each size (``tests/targets/_gpt.py``, AdamW, bf16 autocast, a loop that never reads the device), one process
 starts the probe at its defaults (``import probe.auto``: server, hooks, memory reader), warms up, then alternates
-blocks of steps between the arms of ``bench_budget.Alternation``: ``on`` (the hooks running), ``off`` (paused) and
+blocks of steps between the arms of ``alternation.Alternation``: ``on`` (the hooks running), ``off`` (paused) and
 ``off2`` (paused again: the A/A arm, this run's noise). A block lasts about a second and a half; its first step is
 dropped. Per size it prints the ratio of median step times on/off and off2/off (wall clock: a loop that never syncs
 runs as fast as the device drains its queue, so the wall step time is the device's step time), the training
@@ -124,7 +124,7 @@ def calibrate(name: str):
 def run_one(name: str, rounds: int) -> None:
     import probe.auto  # noqa: F401  (the probe at its defaults: server, hooks, memory reader)
     import torch
-    from bench_budget import Alternation
+    from alternation import Alternation
 
     from probe.training import hooks
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_budget's alternation
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # alternation.py
 
 
 def launch_bound():
@@ -63,12 +63,12 @@ def interleaved(make, block: int, rounds: int) -> dict:
     """Step times in three arms on one model: hooks running ("on"), paused ("off") and paused
     again ("off2", the A/A control that shows this machine's noise in the same run).
 
-    The alternation is bench_budget's (blocks rotating through the arms, the first step
+    The alternation is alternation.py's (blocks rotating through the arms, the first step
     of each block dropped); the probe is armed once, so the "on" steps are a long run's
     steady state. Then, with the hooks running, the time spent inside the probe's own
     hooks is measured directly ("direct", seconds per step).
     """
-    from bench_budget import Alternation
+    from alternation import Alternation
     from probe.training import hooks
 
     model, data = make()
