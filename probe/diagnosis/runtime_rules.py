@@ -95,7 +95,7 @@ rule(
     description=(
         "The median step time of the last 50 steps is twice (and 10 ms) above the job's own earlier median, the time "
         "the training thread waited for a CPU (torch.steps.cpu_wait: the host's load, not the job's) taken out of "
-        "both."
+        "both (of neither when one of them holds no measured step)."
     ),
     sql="""
 WITH s AS (
@@ -105,12 +105,17 @@ WITH s AS (
 m AS (
   SELECT rank, max(step) AS step, median(duration) FILTER (WHERE age <= 50) AS now_s,
          median(duration) FILTER (WHERE age > 50 AND nth > 10) AS before_s,
-         coalesce(median(cpu_wait) FILTER (WHERE age <= 50), 0) AS now_wait,
-         coalesce(median(cpu_wait) FILTER (WHERE age > 50 AND nth > 10), 0) AS before_wait,
+         median(cpu_wait) FILTER (WHERE age <= 50) AS now_w,
+         median(cpu_wait) FILTER (WHERE age > 50 AND nth > 10) AS before_w,
          count(*) FILTER (WHERE age > 50 AND nth > 10) AS n_before
   FROM s GROUP BY rank),
+-- the wait is taken out of both windows or of neither: a window no measured step fell in has an unknown wait,
+-- not a zero one (taken out of the earlier window only, it would make an unchanged step time look slower)
+w AS (
+  SELECT *, CASE WHEN now_w IS NULL OR before_w IS NULL THEN 0 ELSE now_w END AS now_wait,
+         CASE WHEN now_w IS NULL OR before_w IS NULL THEN 0 ELSE before_w END AS before_wait FROM m),
 j AS (
-  SELECT *, greatest(now_s - now_wait, 0) AS now_own, greatest(before_s - before_wait, 1e-6) AS before_own FROM m)
+  SELECT *, greatest(now_s - now_wait, 0) AS now_own, greatest(before_s - before_wait, 1e-6) AS before_own FROM w)
 SELECT rank, step, now_s * 1000 AS now_ms, before_s * 1000 AS before_ms, now_s / before_s AS ratio,
        (now_wait - before_wait) * 1000 AS wait_ms FROM j
 WHERE n_before >= 20 AND now_own > 2 * before_own AND now_own - before_own > 0.01""",

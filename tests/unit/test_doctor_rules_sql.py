@@ -369,3 +369,19 @@ def test_ranks_same_data_needs_every_step_of_the_window_identical_on_every_ddp_r
     assert _same_data({0: own, 1: other}) == []
     assert _same_data({0: own[:10], 1: own[:10]}) == []
     assert _same_data({0: own, 1: list(own)}, ddp_ranks=()) == []
+
+
+def test_throughput_regression_takes_an_unknown_cpu_wait_out_of_neither_window():
+    def said(recent_wait):
+        # 100 steps at 20 ms with 12 ms of CPU wait measured, then 50 at 27 ms: 1.35x slower, not 2x
+        rows = [(None, s, 0.020, 0.012) for s in range(1, 101)]
+        rows += [(None, s, 0.027, recent_wait) for s in range(101, 151)]
+        return rule_rows(
+            "throughput_regression",
+            {"torch.steps": ("rank INTEGER, step BIGINT, duration DOUBLE, cpu_wait DOUBLE", rows)},
+        )
+
+    # no measured step among the last 50: their wait is unknown, so neither window's is taken out
+    assert said(None) == []
+    # both measured: the job's own time went from 8 ms to 27 ms, more than twice
+    assert [round(r["ratio"], 2) for r in said(0.0)] == [1.35]
