@@ -1,0 +1,147 @@
+"""`probe guard` and PROBE_GUARD against real training processes: a poisoned batch, a spike, a rollback, two DDP
+ranks, and taking the guard out."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+
+from conftest import TARGETS, requires_torch
+
+pytestmark = requires_torch
+TRAIN = TARGETS / "guard_train.py"
+
+
+def _digests(proc, kind: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(2) for line in proc.lines if (m := re.match(rf"iter (\d+) {kind} (\w+)", line))}
+
+
+def _triggers(cli, pid) -> list[dict]:
+    r = cli(pid, "--format", "json", "guard")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)[0]["caught"]
+
+
+def test_a_poisoned_batch_is_skipped_and_its_evidence_replays_the_nan_offline(spawn, cli, tmp_path):
+    # given: a job armed from the start, fed one batch with an inf in it
+    evidence = tmp_path / "evidence"
+    p = spawn(
+        [TRAIN, "--poison-at", "12", "--steps", "20"],
+        env={"PROBE_GUARD": f"nonfinite,keep=2,skip,evidence={evidence}"},
+    )
+    # then: it trains on with finite weights, and the poisoned step did not change them
+    assert "finite=True" in p.wait_for("finished")
+    pre, post = _digests(p, "pre"), _digests(p, "post")
+    assert pre[12] == post[12] and pre[13] != post[13]
+    caught = _triggers(cli, p.pid)
+    assert len(caught) == 1 and caught[0]["taken"] == "skipped the update", caught
+    assert "non-finite" in caught[0]["reason"]
+    shown = cli(p.pid, "guard")
+    assert "armed --on nonfinite --keep 2 --skip" in shown.stdout and "caught 1" in shown.stdout, shown.stdout
+    # and: its evidence holds that batch and replays the NaN offline, on a model built as the job's
+    import torch
+
+    import probe
+
+    ev = probe.load_evidence(str(evidence))
+    assert ev.path == caught[0]["evidence"]
+    assert [b["step"] for b in ev.batches] == [ev.step - 1, ev.step]  # --keep 2: the step before it, then it
+    ((args, kwargs),) = ev.batch
+    assert torch.isinf(args[0]).any() and not torch.isinf(ev.batches[0]["calls"][0][0][0]).any()
+    assert not torch.isfinite(torch.tensor(ev.grad_norm)) and ev.lr == [0.01] and "0.weight" in ev.grad_norms
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    replay = ev.replay(model)
+    assert replay.first_nonfinite == "0" and not replay.finite
+    assert not torch.isfinite(replay.outputs[0]).all()
+
+
+def test_a_spike_from_one_huge_loss_batch_is_skipped(spawn, cli, tmp_path):
+    flag = tmp_path / "spike"
+    p = spawn([TRAIN, "--spike-file", flag])
+    r = cli(p.pid, "guard", "--on", "spike=20", "--skip")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"guard armed at step \d+: --on spike=20 --keep 1 --skip on optimizer", r.stdout), r.stdout
+    assert "holds up to" in r.stdout
+    start = len(p.lines)
+    p.wait_match(r"iter \d+ post", start=start, count=12)  # a history for the median
+    flag.write_text("")
+    i = int(p.wait_for("spiked at").split()[-1])
+    p.wait_for(f"iter {i + 2} post")
+    assert _digests(p, "pre")[i] == _digests(p, "post")[i]  # the update was not applied
+    assert _digests(p, "pre")[i + 1] != _digests(p, "post")[i + 1]  # and training went on
+    (caught,) = _triggers(cli, p.pid)
+    assert caught["taken"] == "skipped the update" and "gradient norm" in caught["reason"], caught
+    assert caught["grad_norm"] > 20 * caught["median"]
+
+
+def test_rollback_restores_the_state_before_the_step_bit_for_bit(spawn, cli):
+    # given: the weights go bad between two steps (an inf written into them)
+    p = spawn([TRAIN, "--break-at", "10", "--steps", "16"], env={"PROBE_GUARD": "nonfinite,keep=1,rollback"})
+    assert "finite=True" in p.wait_for("finished")
+    (caught,) = _triggers(cli, p.pid)
+    assert caught["taken"] == "skipped the update; rolled back to the state before step 9", caught
+    # then: the next step starts from the weights and momentum before step 9's update, bit for bit
+    assert _digests(p, "start")[11] == _digests(p, "pre")[9]
+
+
+def test_guard_off_removes_every_hook(spawn, cli):
+    p = spawn([TRAIN])
+    code = (
+        "print(type(optimizer.__dict__.get('step')).__name__, getattr(optimizer.step, '__qualname__', ''), "
+        "type(scheduler.__dict__.get('step')).__name__, "
+        "[h.__qualname__ for h in model._forward_pre_hooks.values() if 'Guard' in h.__qualname__])"
+    )
+    before = cli(p.pid, "eval", "--at-step", code).stdout
+    assert cli(p.pid, "guard", "--keep", "1", "--skip").returncode == 0
+    armed = cli(p.pid, "eval", "--at-step", code).stdout
+    off = cli(p.pid, "guard", "--off")
+    assert off.returncode == 0 and "hooks left 0" in off.stdout, off.stdout
+    after = cli(p.pid, "eval", "--at-step", code).stdout
+    assert after == before != armed, (before, armed, after)
+    assert "not armed" in cli(p.pid, "guard").stdout
+    p.wait_for("iter 3 post")
+
+
+def test_a_refusal_is_one_sentence_and_nothing_is_armed(spawn, cli):
+    p = spawn([TRAIN])
+    r = cli(p.pid, "guard", "--on", "spike=0.5")
+    assert r.returncode != 0 and "give a ratio above 1" in r.stderr and "Traceback" not in r.stderr
+    r = cli(p.pid, "guard", "--rollback", "--keep", "0")
+    assert r.returncode != 0 and "give --keep 1 or more" in r.stderr
+    assert "not armed" in cli(p.pid, "guard").stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ddp_ranks_skip_the_same_step(spawn, cli):
+    # given: rank 0 alone is fed a poisoned batch; DDP all-reduces its NaN gradients into every rank's
+    port = str(_free_port())
+    ranks = [
+        spawn(
+            [TRAIN, "--poison-at", "8", "--steps", "14", "--fault-rank", "0"],
+            env={
+                "PROBE_GUARD": "nonfinite,skip",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "RANK": str(r),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": str(r),
+                "OMP_NUM_THREADS": "1",
+            },
+            ready=None,
+        )
+        for r in range(2)
+    ]
+    finished = [p.wait_for("finished", timeout=120) for p in ranks]
+    # then: both skipped the same step, and their replicas are still the same, finite weights
+    assert all("finite=True" in line for line in finished)
+    assert finished[0].split()[-1] == finished[1].split()[-1]
+    caught = [_triggers(cli, p.pid) for p in ranks]
+    assert [[c["step"] for c in cs] for cs in caught] == [[caught[0][0]["step"]]] * 2, caught
+    assert all(cs[0]["taken"] == "skipped the update" for cs in caught)
+    assert all(_digests(p, "pre")[8] == _digests(p, "post")[8] for p in ranks)
