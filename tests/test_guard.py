@@ -7,6 +7,8 @@ import json
 import re
 import socket
 
+import pytest
+
 from conftest import TARGETS, requires_torch
 
 pytestmark = requires_torch
@@ -145,3 +147,20 @@ def test_two_ddp_ranks_skip_the_same_step(spawn, cli):
     assert [[c["step"] for c in cs] for cs in caught] == [[caught[0][0]["step"]]] * 2, caught
     assert all(cs[0]["taken"] == "skipped the update" for cs in caught)
     assert all(_digests(p, "pre")[8] == _digests(p, "post")[8] for p in ranks)
+
+
+@pytest.mark.parametrize("script", ["hf_trainer.py", "lightning_train.py"])
+def test_a_framework_job_with_the_guard_armed_trains_as_without_it(spawn, cli, tmp_path, script):
+    pytest.importorskip("transformers" if script.startswith("hf") else "lightning")
+    args = [TARGETS / script, "--out", tmp_path, "--step-sleep", "0.01"]
+    env = {"PROBE": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    plain = spawn(args, env=env, timeout=120)
+    guarded = spawn(args, env={**env, "PROBE_GUARD": "nonfinite,spike=50,loss=50,keep=1,skip"}, timeout=120)
+    losses = []
+    for p in (plain, guarded):
+        p.wait_match(r"step 12 loss", timeout=120)
+        losses.append([m.group(1) for line in p.lines if (m := re.match(r"^(?:hf |pl )?step \d+ loss (\S+)", line))])
+    assert losses[0][:12] == losses[1][:12]
+    shown = cli(guarded.pid, "--format", "json", "guard")
+    (doc,) = json.loads(shown.stdout)
+    assert doc["armed"] == "--on nonfinite,spike=50,loss=50 --keep 1 --skip" and doc["caught"] == [], doc
