@@ -41,6 +41,8 @@ def test_a_poisoned_batch_is_skipped_and_its_evidence_replays_the_nan_offline(sp
     assert "non-finite" in caught[0]["reason"]
     shown = cli(p.pid, "guard")
     assert "armed --on nonfinite --keep 2 --skip" in shown.stdout and "caught 1" in shown.stdout, shown.stdout
+    doctor = cli(p.pid, "doctor")
+    assert "nan/guard_caught" in doctor.stdout and caught[0]["evidence"] in doctor.stdout, doctor.stdout
     # and: its evidence holds that batch and replays the NaN offline, on a model built as the job's
     import torch
 
@@ -102,7 +104,7 @@ def test_guard_off_removes_every_hook(spawn, cli):
     after = cli(p.pid, "eval", "--at-step", code).stdout
     assert after == before != armed, (before, armed, after)
     assert "not armed" in cli(p.pid, "guard").stdout
-    p.wait_for("iter 3 post")
+    assert "guard_caught" not in cli(p.pid, "doctor").stdout  # armed, it caught nothing
 
 
 def test_a_refusal_is_one_sentence_and_nothing_is_armed(spawn, cli):
