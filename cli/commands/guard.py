@@ -27,8 +27,8 @@ class Guard(_Action):
             "--keep",
             type=int,
             metavar="N",
-            help="Keep the last N steps' batches and the weights and optimizer state before each step on the host "
-            "(default 1; 0 keeps neither). The memory this costs is checked before arming.",
+            help="Keep the last N steps' batches (the model's inputs, copied to the host) for the evidence "
+            "(default 1). The memory this costs is checked before arming.",
         )
         p.add_argument(
             "--skip",
@@ -38,7 +38,8 @@ class Guard(_Action):
         p.add_argument(
             "--rollback",
             action="store_true",
-            help="On a trigger with weights no longer finite, restore the state kept before the previous step.",
+            help="Copy the weights and optimizer state to the host before each step; on a trigger with weights no "
+            "longer finite, restore the copy from before the previous step and skip this one.",
         )
         p.add_argument(
             "--evidence",

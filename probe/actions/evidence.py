@@ -270,26 +270,28 @@ def _available() -> int | None:
     return None
 
 
-def keep_cost(torch, optimizers, model, keep: int, batch_cap: int) -> dict:
-    """The host memory ``--keep`` holds (the copy of the weights, optimizer state and buffers, and the batches up
-    to ``batch_cap`` bytes); ActionError when it would take more than half the memory available now."""
-    if not keep:
-        return {"state_bytes": 0, "batch_bytes_max": 0, "available": _available()}
-    state = sum(
-        bytes_of(torch, list(g["params"])) + sum(bytes_of(torch, opt.state[p]) for p in g["params"] if p in opt.state)
-        for opt in optimizers
-        for g in opt.param_groups
-    )
-    if model is not None:
-        state += bytes_of(torch, list(model.buffers()))
+def keep_cost(torch, optimizers, model, keep: int, rollback: bool, batch_cap: int) -> dict:
+    """The host memory the guard holds: the last ``keep`` steps' batches, up to ``batch_cap`` bytes, and with
+    ``rollback`` the copy of the weights, optimizer state and buffers; ActionError when that would take more than
+    half the memory available now. Read on the server thread: the optimizer's state is looked up, never iterated."""
+    state = 0
+    if rollback:
+        for opt in optimizers:
+            for g in list(opt.param_groups):
+                for p in list(g["params"]):
+                    state += bytes_of(torch, p) + bytes_of(torch, dict(opt.state.get(p) or {}))
+        if model is not None:
+            state += bytes_of(torch, list(model.buffers()))
+    batches = batch_cap if keep else 0
     avail = _available()
-    if avail is not None and state + batch_cap > avail // 2:
+    if avail is not None and state + batches > avail // 2:
         raise ActionError(
-            f"--keep {keep} would hold up to {(state + batch_cap) / 2**20:.0f} MiB on the host (the weights and "
-            f"optimizer state, {state / 2**20:.0f} MiB, and the batches, at most {batch_cap / 2**20:.0f} MiB), more "
-            f"than half the {avail / 2**20:.0f} MiB available; arm it with --keep 0 (evidence without the copies)."
+            f"the guard would hold up to {(state + batches) / 2**20:.0f} MiB on the host (the copy of the weights and "
+            f"optimizer state for --rollback, {state / 2**20:.0f} MiB, and the batches of --keep {keep}, at most "
+            f"{batches / 2**20:.0f} MiB), more than half the {avail / 2**20:.0f} MiB available; arm it without "
+            "--rollback, or with --keep 0."
         )
-    return {"state_bytes": state, "batch_bytes_max": batch_cap, "available": avail}
+    return {"state_bytes": state, "batch_bytes_max": batches, "available": avail}
 
 
 # -- the values a decision reads ------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Armed at a step boundary, it puts a wrapper in front of ``step`` of every optimizer found and of the schedulers
 that drive them (instance attributes, taken out by ``--off``) and, with ``--keep N``, a forward pre-hook on the
-model that keeps the last N steps' inputs. Disarmed, none of these exist: the step path costs nothing.
+model that keeps the last N steps' inputs; with ``--rollback`` it copies the weights and optimizer state to the host
+before each applied step. Disarmed, none of these exist: the step path costs nothing.
 
 At each optimizer step, before the update, the wrapper reads the gradient norm (one number from the device: a
 sync, as GradScaler's skip check is) and the step's loss, and checks the triggers: ``nonfinite`` (a non-finite
@@ -98,8 +99,6 @@ def parse_spec(on: str | None = None, keep=1, skip=False, rollback=False, eviden
         spec.nonfinite = True
     if isinstance(spec.keep, bool) or not isinstance(spec.keep, int) or not 0 <= spec.keep <= 64:
         raise ActionError("--keep takes a whole number of steps from 0 to 64.")
-    if spec.rollback and spec.keep < 1:
-        raise ActionError("--rollback restores the state kept before the step; give --keep 1 or more.")
     if spec.evidence is not None and (not isinstance(spec.evidence, str) or "\0" in spec.evidence):
         raise ActionError("--evidence takes a directory path.")
     return spec
@@ -168,7 +167,7 @@ def estimate(spec: Spec, targets=None) -> dict:
 
     opts, model, _ = targets or _targets()
     _check_ranks(spec, [p for f in opts for g in f.obj.param_groups for p in g["params"]])
-    return keep_cost(torch, [f.obj for f in opts], model, spec.keep, BATCH_BYTES)
+    return keep_cost(torch, [f.obj for f in opts], model, spec.keep, spec.rollback, BATCH_BYTES)
 
 
 def _check_ranks(spec: Spec, params) -> None:
@@ -374,7 +373,7 @@ class Guard:
             if loss is not None and math.isfinite(loss):
                 self.losses.append(loss)
             self.skipped.discard(id(opt))
-            if spec.keep:
+            if spec.rollback:
                 self._keep_state(opt, step, params)
             return False
         return self._caught(opt, tk, step, "; ".join(reasons), params, grads, norm, med, loss)
