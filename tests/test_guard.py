@@ -4,6 +4,7 @@ ranks, and taking the guard out."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 
@@ -107,13 +108,16 @@ def test_guard_off_removes_every_hook(spawn, cli):
     assert "guard_caught" not in cli(p.pid, "doctor").stdout  # armed, it caught nothing
 
 
-def test_a_refusal_is_one_sentence_and_nothing_is_armed(spawn, cli):
+def test_a_refusal_is_one_sentence_audited_and_nothing_is_armed(spawn, cli, probe_env):
     p = spawn([TRAIN])
     r = cli(p.pid, "guard", "--on", "spike=0.5")
     assert r.returncode != 0 and "give a ratio above 1" in r.stderr and "Traceback" not in r.stderr
     r = cli(p.pid, "guard", "--on", "nonfinite,sometimes")
     assert r.returncode != 0 and "unknown trigger 'sometimes'" in r.stderr
     assert "not armed" in cli(p.pid, "guard").stdout
+    with open(os.path.join(probe_env["PROBE_RUNTIME_DIR"], "audit.jsonl")) as f:
+        audited = [json.loads(line) for line in f]
+    assert [(a["command"], a["outcome"]) for a in audited if a["pid"] == p.pid] == [("guard", "refused")] * 2
 
 
 def _free_port() -> int:
