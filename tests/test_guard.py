@@ -170,3 +170,4 @@ def test_a_framework_job_with_the_guard_armed_trains_as_without_it(spawn, cli, t
     shown = cli(guarded.pid, "--format", "json", "guard")
     (doc,) = json.loads(shown.stdout)
     assert doc["armed"] == "--on nonfinite,spike=50,loss=50 --keep 1 --skip" and doc["caught"] == [], doc
+    assert doc["checked"] >= 10, doc  # its wrapper saw the framework's optimizer steps

@@ -91,7 +91,9 @@ class Guard(_Action):
         for t, d in docs:
             prefix = "" if len(docs) == 1 else f"[{t.label}] "
             session.print(
-                f"{prefix}guard: {'armed ' + d['armed'] if d['armed'] else 'not armed'}; caught {d['events']}."
+                f"{prefix}guard: {'armed ' + d['armed'] if d['armed'] else 'not armed'}"
+                + (f"; checked {d['checked']} step(s)" if d["armed"] else "")
+                + f"; caught {d['events']}."
             )
             for e in d["caught"]:
                 where = f"; evidence {e['evidence']}" if e.get("evidence") else ""

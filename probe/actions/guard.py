@@ -216,14 +216,11 @@ def disarm(step) -> dict:
 
 
 def state() -> dict:
+    """What ``probe guard`` shows: what is armed, how many steps it checked, its last 20 catches of ``events``."""
     g = current()
     caught = [e for e in events() if e["event"] == "trigger"]
-    return {
-        "armed": g.spec.describe() if g is not None else None,
-        "spec": vars(g.spec) if g is not None else None,
-        "caught": caught[-20:],
-        "events": len(caught),
-    }
+    armed = {"armed": g.spec.describe(), "spec": vars(g.spec), "checked": g.checked} if g is not None else {}
+    return {"armed": None, "spec": None, "checked": 0, **armed, "caught": caught[-20:], "events": len(caught)}
 
 
 _MISSING = object()
@@ -248,6 +245,7 @@ class Guard:
         self.call_bytes = 0
         self.snapshots: dict = {}  # id(optimizer) -> (step, [(param, copy)], {param: state copy}, [(buffer, copy)])
         self.caught = 0
+        self.checked = 0  # optimizer steps seen
         self.skipped: set = set()  # ids of optimizers whose step was skipped: their scheduler's next step is too
         self.wrapped: list = []
         self.closed = False
@@ -348,6 +346,7 @@ class Guard:
     def _check(self, opt, closure_result) -> bool:
         """Whether the step is caught and not to be taken (after writing its evidence and acting on it)."""
         spec = self.spec
+        self.checked += 1
         tk = hooks.tracker()
         step = tk.step + 1 if tk is not None else None
         params = [p for g in opt.param_groups for p in g["params"]]
