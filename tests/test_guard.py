@@ -40,6 +40,7 @@ def test_a_poisoned_batch_is_skipped_and_its_evidence_replays_the_nan_offline(sp
     caught = _triggers(cli, p.pid)
     assert len(caught) == 1 and caught[0]["taken"] == "skipped the update", caught
     assert "non-finite" in caught[0]["reason"]
+    assert caught[0]["first_nonfinite"] == "0"  # the first Linear, found in the job by running the batch again
     shown = cli(p.pid, "guard")
     assert "armed --on nonfinite --keep 2 --skip" in shown.stdout and "caught 1" in shown.stdout, shown.stdout
     doctor = cli(p.pid, "doctor")
@@ -57,7 +58,7 @@ def test_a_poisoned_batch_is_skipped_and_its_evidence_replays_the_nan_offline(sp
     assert not torch.isfinite(torch.tensor(ev.grad_norm)) and ev.lr == [0.01] and "0.weight" in ev.grad_norms
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     replay = ev.replay(model)
-    assert replay.first_nonfinite == "0" and not replay.finite
+    assert replay.first_nonfinite == ev.first_nonfinite == "0" and not replay.finite
     assert not torch.isfinite(replay.outputs[0]).all()
 
 

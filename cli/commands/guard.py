@@ -97,6 +97,8 @@ class Guard(_Action):
             )
             for e in d["caught"]:
                 where = f"; evidence {e['evidence']}" if e.get("evidence") else ""
+                if e.get("first_nonfinite") is not None:
+                    where = f"; first non-finite output: {e['first_nonfinite'] or 'the model'}" + where
                 session.print(f"{prefix}  step {e['step']}: {e['reason']}: {e['taken']}{where}")
         return 0
 

@@ -39,6 +39,8 @@ __all__ = [
     "copy_state",
     "restore_state",
     "keep_cost",
+    "run_forward",
+    "first_nonfinite",
     "grad_norm",
     "step_loss",
     "finite",
@@ -115,23 +117,47 @@ class Evidence:
             raise ProbeError(
                 f"{self.path} holds no batch (the guard was armed with --keep 0); arm it with --keep 1 or more."
             )
-        first: list = []
-        names = {m: n for n, m in model.named_modules()}
+        return Replay(*run_forward(torch, model, self.batch))
 
-        def hook(module, args, output):
-            if not first and not _finite(torch, output):
-                first.append(names.get(module, type(module).__name__))
 
-        handles = [m.register_forward_hook(hook) for m in model.modules()]
-        outputs = []
-        try:
-            with torch.no_grad():
-                for args, kwargs in self.batch:
-                    outputs.append(model(*args, **kwargs))
-        finally:
-            for h in handles:
-                h.remove()
-        return Replay(first[0] if first else None, outputs)
+def run_forward(torch, model, calls) -> tuple:
+    """``(first module whose output is not finite, outputs)``: ``calls`` run on ``model`` under ``torch.no_grad``
+    with a forward hook on every module (``""`` names the model itself; None: every output was finite)."""
+    first: list = []
+    names = {m: n for n, m in model.named_modules()}
+
+    def hook(module, args, output):
+        if not first and not _finite(torch, output):
+            first.append(names.get(module, type(module).__name__))
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()]
+    outputs = []
+    try:
+        with torch.no_grad():
+            for args, kwargs in calls:
+                outputs.append(model(*args, **kwargs))
+    finally:
+        for h in handles:
+            h.remove()
+    return (first[0] if first else None), outputs
+
+
+def first_nonfinite(torch, model, calls) -> str | None:
+    """In the training process, at a caught step: the step's forward calls run again on the model as it is (on the
+    device its parameters are on), its buffers (batch-norm statistics) and the random generators put back after,
+    so that training goes on as if it had not run. Not on several ranks, where a forward may issue a collective."""
+    model = getattr(model, "module", model)  # DDP's own forward would synchronise buffers across ranks
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    kept = [(b, b.detach().clone()) for b in model.buffers()]
+    moved = [host_copy(torch, call, device=device)[0] for call in calls]
+    cuda = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            return run_forward(torch, model, moved)[0]
+    finally:
+        with torch.no_grad():
+            for b, copy in kept:
+                b.copy_(copy)
 
 
 def _finite(torch, value) -> bool:
@@ -184,21 +210,21 @@ def bytes_of(torch, obj) -> int:
     return 0
 
 
-def host_copy(torch, obj, depth: int = 0):
-    """``(copy, bytes)``: tensors detached and copied to the host, lists, tuples and dicts (a BatchEncoding as a
-    plain dict) copied through, numbers, strings and None kept, anything else as its type's name."""
+def host_copy(torch, obj, depth: int = 0, device="cpu"):
+    """``(copy, bytes)``: tensors detached and copied to the host (or ``device``), lists, tuples and dicts (a
+    BatchEncoding as a plain dict) copied through, numbers, strings and None kept, anything else as its type's name."""
     if isinstance(obj, torch.Tensor):
-        t = local(obj).detach().to("cpu", copy=True)
+        t = local(obj).detach().to(device, copy=True)
         return t, t.numel() * t.element_size()
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj, 0
     if depth < 8 and isinstance(obj, (list, tuple)):
-        items = [host_copy(torch, v, depth + 1) for v in obj]
+        items = [host_copy(torch, v, depth + 1, device) for v in obj]
         return type(obj)(v for v, _ in items) if type(obj) in (list, tuple) else [v for v, _ in items], sum(
             n for _, n in items
         )
     if depth < 8 and isinstance(obj, dict):
-        items = {str(k): host_copy(torch, v, depth + 1) for k, v in obj.items()}
+        items = {str(k): host_copy(torch, v, depth + 1, device) for k, v in obj.items()}
         return {k: v for k, (v, _) in items.items()}, sum(n for _, n in items.values())
     return f"<{type(obj).__name__}>", 0
 
@@ -233,8 +259,9 @@ def restore_state(torch, optimizer, kept: tuple) -> None:
             optimizer.state.pop(p, None)
 
 
-def bundle(torch, *, step, rank, reason, batches, model, model_name, optimizer, loss, norm, median) -> dict:
-    """The evidence of a caught step, before its update: see the module's docstring."""
+def bundle(torch, optimizer, model, batches, **facts) -> dict:
+    """The evidence of a caught step, before its update (see the module's docstring): ``facts`` (its step, rank,
+    reason, loss, grad_norm, median, first_nonfinite, model_name) and what is read here."""
     names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
     grad_norms = {}
     for i, group in enumerate(optimizer.param_groups):
@@ -242,18 +269,13 @@ def bundle(torch, *, step, rank, reason, batches, model, model_name, optimizer, 
             if p.grad is not None:
                 grad_norms[names.get(id(p), f"group{i}.param{j}")] = float(local(p.grad).float().norm())
     return {
-        "step": step,
-        "rank": rank,
-        "reason": reason,
+        **facts,
+        "loss": math.nan if facts.get("loss") is None else float(facts["loss"]),
         "batches": [{"step": b["step"], "calls": b["calls"]} for b in batches],
         "model": host_copy(torch, model.state_dict())[0] if model is not None else None,
-        "model_name": model_name,
         "model_class": type(model).__name__ if model is not None else None,
         "optimizer": host_copy(torch, optimizer.state_dict())[0],
         "optimizer_class": type(optimizer).__name__,
-        "loss": math.nan if loss is None else float(loss),
-        "grad_norm": float(norm),
-        "median": median,
         "lr": [float(g["lr"]) for g in optimizer.param_groups if isinstance(g.get("lr"), (int, float))],
         "grad_norms": grad_norms,
     }

@@ -40,6 +40,7 @@ from .evidence import (
     bundle,
     copy_state,
     finite,
+    first_nonfinite,
     grad_norm,
     host_copy,
     keep_cost,
@@ -380,25 +381,17 @@ class Guard:
     def _caught(self, opt, tk, step, reason, params, grads, norm, med, loss) -> bool:
         spec = self.spec
         self.caught += 1
-        path = None
-        if spec.evidence:
-            try:
-                b = bundle(
-                    self.torch,
-                    step=step,
-                    rank=tk.rank if tk is not None else None,
-                    reason=reason,
-                    batches=list(self.batches),
-                    model=self.model,
-                    model_name=self.model_name,
-                    optimizer=opt,
-                    loss=loss,
-                    norm=norm,
-                    median=med,
-                )
-                path = write_evidence(spec.evidence, b)
-            except Exception as exc:
-                record_error("guard: writing evidence", exc)
+        first = path = None
+        try:
+            kept = self.batches[-1]["calls"] if self.batches and self.batches[-1]["step"] == step else None
+            if kept and "non-finite" in reason and not _several():
+                first = first_nonfinite(self.torch, self.model, kept)
+            if spec.evidence:
+                facts = dict(step=step, rank=getattr(tk, "rank", None), reason=reason, loss=loss, grad_norm=norm)
+                facts.update(median=med, first_nonfinite=first, model_name=self.model_name)
+                path = write_evidence(spec.evidence, bundle(self.torch, opt, self.model, self.batches, **facts))
+        except Exception as exc:
+            record_error("guard: the evidence", exc)
         taken = []
         bad = spec.rollback and not finite(self.torch, params)
         snap = self.snapshots.get(id(opt))
@@ -425,6 +418,7 @@ class Guard:
             loss=loss,
             grad_norm=norm,
             median=med,
+            first_nonfinite=first,
             evidence=path,
             optimizer=type(opt).__name__,
         )

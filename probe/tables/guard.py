@@ -5,7 +5,20 @@ from __future__ import annotations
 from ..actions.guard import events
 from .registry import Column, table
 
-_COLUMNS = ("event", "step", "time", "armed", "reason", "taken", "loss", "grad_norm", "median", "evidence", "optimizer")
+_COLUMNS = (
+    "event",
+    "step",
+    "time",
+    "armed",
+    "reason",
+    "taken",
+    "loss",
+    "grad_norm",
+    "median",
+    "first_nonfinite",
+    "evidence",
+    "optimizer",
+)
 
 
 @table(
@@ -26,6 +39,12 @@ _COLUMNS = ("event", "step", "time", "armed", "reason", "taken", "loss", "grad_n
         Column("loss", "DOUBLE", "The caught step's loss (NULL on several ranks, where it is not read)."),
         Column("grad_norm", "DOUBLE", "The caught step's total gradient norm, before the update."),
         Column("median", "DOUBLE", "The median gradient norm of the applied steps before it (the spike's base)."),
+        Column(
+            "first_nonfinite",
+            "VARCHAR",
+            "On a non-finite catch in a single process, the first module whose output was not finite when the step's "
+            "kept batch ran again through the model ('' for the model itself); NULL otherwise.",
+        ),
         Column("evidence", "VARCHAR", "The evidence bundle written for it (probe.load_evidence); NULL if none."),
         Column("optimizer", "VARCHAR", "The class of the optimizer whose step was caught."),
     ],
