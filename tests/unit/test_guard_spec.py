@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from probe._errors import ActionError
+from probe import ActionError
 from probe.actions.evidence import host_copy, median
 from probe.actions.guard import parse_spec
 
