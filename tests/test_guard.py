@@ -7,10 +7,12 @@ import json
 import os
 import re
 import socket
+import urllib.request
 
 import pytest
 
-from conftest import TARGETS, requires_torch
+from conftest import PROBE_BIN, TARGETS, requires_torch
+from harness import start, stop_groups
 
 pytestmark = requires_torch
 TRAIN = TARGETS / "guard_train.py"
@@ -172,3 +174,29 @@ def test_a_framework_job_with_the_guard_armed_trains_as_without_it(spawn, cli, t
     (doc,) = json.loads(shown.stdout)
     assert doc["armed"] == "--on nonfinite,spike=50,loss=50 --keep 1 --skip" and doc["caught"] == [], doc
     assert doc["checked"] >= 10, doc  # its wrapper saw the framework's optimizer steps
+
+
+def test_the_page_arms_and_takes_out_the_guard_with_allow_actions(spawn, cli, probe_env):
+    p = spawn([TRAIN])
+    page = start([PROBE_BIN, p.pid, "ui", "--port", "0", "--allow-actions"], probe_env, ready="Ctrl-C stops it")
+    try:
+        url = next(m.group(0) for line in page.lines if (m := re.search(r"http://127\.0\.0\.1:\d+/\S+/", line)))
+        with urllib.request.urlopen(url + "api/config", timeout=10) as resp:
+            csrf = json.loads(resp.read())["csrf"]
+
+        def act(params: dict) -> dict:
+            body = json.dumps({"name": "guard", "params": params, "confirmed": True}).encode()
+            req = urllib.request.Request(url + "api/action", data=body, method="POST", headers={"X-Probe-CSRF": csrf})
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                return json.loads(resp.read())
+
+        # the page's button sends the triggers with skip, as a flag
+        armed = act({"on": "nonfinite,spike=50", "skip": True})
+        assert armed["exit_code"] == 0 and "guard armed at step" in armed["output"], armed
+        assert "armed --on nonfinite,spike=50 --keep 1 --skip" in cli(p.pid, "guard").stdout
+        off = act({"off": True})
+        assert off["exit_code"] == 0 and "hooks left 0" in off["output"], off
+        audited = cli(p.pid, "query", "SELECT command, state FROM probe.actions WHERE command = 'guard'", "-f", "json")
+        assert [r["state"] for r in json.loads(audited.stdout)] == ["done", "done"]
+    finally:
+        stop_groups([page.popen], grace=5)
