@@ -1,5 +1,5 @@
 """`probe guard` and PROBE_GUARD against real training processes: a poisoned batch, a spike, a rollback, two DDP
-ranks, and taking the guard out."""
+ranks, FSDP2's refusal, HF Trainer and Lightning jobs, the page, refusals, and taking the guard out."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 
 from conftest import PROBE_BIN, TARGETS, requires_torch
 from harness import start, stop_groups
+from test_ranks_collectives import ddp_job
 
 pytestmark = requires_torch
 TRAIN = TARGETS / "guard_train.py"
@@ -200,3 +201,14 @@ def test_the_page_arms_and_takes_out_the_guard_with_allow_actions(spawn, cli, pr
         assert [r["state"] for r in json.loads(audited.stdout)] == ["done", "done"]
     finally:
         stop_groups([page.popen], grace=5)
+
+
+def test_skip_is_refused_under_fsdp2_and_the_guard_only_records_there():
+    with ddp_job("--steps", "3000", "--step-sleep", "0.01", world=2, target=str(TARGETS / "fsdp2_train.py")) as job:
+        r = job.cli("--ranks", "all", "--yes", "guard", "--skip")
+        assert r.returncode != 0 and "Traceback" not in r.stderr
+        assert r.stderr.count("the parameters are sharded (FSDP2/DTensor)") == 2, r.stderr
+        # without --skip/--rollback it records on each rank: no decision that could differ between them
+        r = job.cli("--ranks", "all", "--yes", "guard", "--on", "nonfinite,spike=50")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.count("guard armed at step") == 2, r.stdout
