@@ -116,12 +116,14 @@ def test_a_refusal_is_one_sentence_audited_and_nothing_is_armed(spawn, cli, prob
     p = spawn([TRAIN])
     r = cli(p.pid, "guard", "--on", "spike=0.5")
     assert r.returncode != 0 and "give a ratio above 1" in r.stderr and "Traceback" not in r.stderr
+    r = cli(p.pid, "guard", "--off", "--skip")
+    assert r.returncode != 0 and "--off takes the guard out; give it alone." in r.stderr
     r = cli(p.pid, "guard", "--on", "nonfinite,sometimes")
     assert r.returncode != 0 and "unknown trigger 'sometimes'" in r.stderr
     assert "not armed" in cli(p.pid, "guard").stdout
     with open(os.path.join(probe_env["PROBE_RUNTIME_DIR"], "audit.jsonl")) as f:
         audited = [json.loads(line) for line in f]
-    assert [(a["command"], a["outcome"]) for a in audited if a["pid"] == p.pid] == [("guard", "refused")] * 2
+    assert [(a["command"], a["outcome"]) for a in audited if a["pid"] == p.pid] == [("guard", "refused")] * 3
 
 
 def _free_port() -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from . import command
 from ._action import _Action, _bytes
@@ -52,15 +53,13 @@ class Guard(_Action):
         return True
 
     def body(self, session, args, target):
-        if args.off:
-            return {"off": True}
         b = {"skip": args.skip, "rollback": args.rollback}
+        if args.off:  # alone; anything given with it goes along, for the process to refuse in one sentence
+            b = {"off": True, **{k: v for k, v in b.items() if v}}
         for k in ("on", "keep", "evidence"):
             if getattr(args, k) is not None:
                 b[k] = getattr(args, k)
         if args.evidence and target.socket:  # relative to where the user runs probe, for a local process
-            import os
-
             b["evidence"] = os.path.abspath(os.path.expanduser(args.evidence))
         return b
 
