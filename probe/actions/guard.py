@@ -244,7 +244,7 @@ class Guard:
         self.batches: deque = deque()  # {"step", "calls", "bytes"}, oldest first
         self.calls: list = []  # the step in progress's forward inputs
         self.call_bytes = 0
-        self.snapshots: dict = {}  # id(optimizer) -> (step, [(param, copy)], {param: state copy}, [(buffer, copy)])
+        self.snapshots: dict = {}  # id(optimizer) -> (step, copy_state()) before its last applied step (--rollback)
         self.caught = 0
         self.checked = 0  # optimizer steps seen
         self.skipped: set = set()  # ids of optimizers whose step was skipped: their scheduler's next step is too
@@ -296,7 +296,8 @@ class Guard:
         self.snapshots.clear()
 
     def hooked(self) -> int:
-        """How many wrappers and hooks are in place."""
+        """How many of its wrappers and its hook are in place (a wrapper something else wrapped again after it is
+        not counted: it stays in that chain, passing through once closed)."""
         return sum(1 for obj, _, bound in self.wrapped if obj.__dict__.get("step") is bound) + (self.handle is not None)
 
     # -- the step ------------------------------------------------------------------------------------------------
@@ -376,9 +377,9 @@ class Guard:
             if spec.rollback:
                 self._keep_state(opt, step, params)
             return False
-        return self._caught(opt, tk, step, "; ".join(reasons), params, grads, norm, med, loss)
+        return self._caught(opt, tk, step, "; ".join(reasons), params, norm, med, loss)
 
-    def _caught(self, opt, tk, step, reason, params, grads, norm, med, loss) -> bool:
+    def _caught(self, opt, tk, step, reason, params, norm, med, loss) -> bool:
         spec = self.spec
         self.caught += 1
         first = path = None

@@ -27,7 +27,12 @@ _COLUMNS = (
     "caught, with what it did and where its evidence is.",
     columns=[
         Column("event", "VARCHAR", "armed, disarmed or trigger."),
-        Column("step", "BIGINT", "The step: the boundary it was armed or taken out at, or the step it caught."),
+        Column(
+            "step",
+            "BIGINT",
+            "The boundary it was armed or taken out at, or the step it caught (the number that step would have had: "
+            "a skipped step is not counted, so the next applied step takes it).",
+        ),
         Column("time", "TIMESTAMP", "When it happened."),
         Column("armed", "VARCHAR", "What was armed, as `probe guard` flags (--on ... --keep N --skip ...)."),
         Column("reason", "VARCHAR", "What triggered (a trigger's row): non-finite gradients or loss, a spike."),
