@@ -203,6 +203,13 @@ _declare(
     _SECONDS,
 )
 _declare(
+    "PROBE_GUARD",
+    None,
+    "Arm the guard from the start (at the first step boundary), as `probe guard` would: comma-separated triggers "
+    "(nonfinite, spike=N, loss=N) and keep=N, skip, rollback, evidence=DIR, e.g. "
+    "'nonfinite,spike=50,keep=1,skip,evidence=/tmp/guard' (docs/guard.md).",
+)
+_declare(
     "PROBE_QUERY_TIMEOUT",
     "10",
     "Seconds a query may run (snapshot, then DuckDB in the client) before it is stopped; clients pass --timeout.",

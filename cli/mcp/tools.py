@@ -27,7 +27,7 @@ __all__ = ["ToolSpec", "ToolResult", "READ_TOOLS", "ACTION_TOOLS", "NEVER", "too
 AGENT = "mcp"  # the marker every request of an MCP tool carries (audit.jsonl, probe.actions' client column)
 
 READ_TOOLS = ("list", "status", "query", "tables", "describe", "backtrace", "trace", "doctor", "profile")
-ACTION_TOOLS = ("lr", "checkpoint", "cleanup", "profile-steps")
+ACTION_TOOLS = ("lr", "checkpoint", "cleanup", "profile-steps", "guard")
 NEVER = ("eval", "debug", "inject", "repl", "mcp")  # code execution, attaching, and interactive front ends
 
 # Options that concern a terminal, not an agent (output is always JSON), or that an agent must not use.

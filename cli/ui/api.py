@@ -142,7 +142,12 @@ def findings_doc(session) -> dict:
 
 
 # What the page may start with --allow-actions: command name -> the options it may pass.
-ACTIONS = {"cleanup": (), "checkpoint": ("path",), "lr": ("scale", "set")}
+ACTIONS = {
+    "cleanup": (),
+    "checkpoint": ("path",),
+    "lr": ("scale", "set"),
+    "guard": ("on", "skip", "rollback", "off"),
+}
 
 
 def action_doc(session, name: str, params: dict) -> dict:
@@ -160,7 +165,9 @@ def action_doc(session, name: str, params: dict) -> dict:
             continue
         if key == "path":
             argv.insert(1, str(value))
-        else:
+        elif value is True:  # a flag (guard --skip)
+            argv.append(f"--{key}")
+        elif value is not False:
             argv += [f"--{key}", str(value)]
     a = session.args
     if a.endpoint:

@@ -20,7 +20,7 @@ from ..actions.checkpoint import check_target, expand_path, save
 from ..actions.evaluate import run_code
 from ..actions.lr import change_lr, check_rate, reset_lr
 from ..actions.maintenance import cleanup, debug
-from ..actions import profiler
+from ..actions import guard, profiler
 from ..actions.queue import refuse, submit
 from ..util import validate as _validate
 from .._core import state
@@ -182,6 +182,40 @@ def lr_route(req: Request) -> dict:
 def cleanup_route(req: Request) -> dict:
     zero = _flag(req, "zero_grad")
     return _submit(req, "cleanup", {"zero_grad": zero}, lambda ctx: cleanup(ctx, zero))
+
+
+@route("POST", "/actions/guard", tier="action")
+def guard_route(req: Request) -> dict:
+    """Arm the guard (``on``, ``keep``, ``skip``, ``rollback``, ``evidence``) or take it out (``off``), at the next
+    step boundary; what it will hold in memory is checked before anything is queued."""
+    fields = ("on", "keep", "skip", "rollback", "evidence", "off")
+    args = {k: req.param(k) for k in fields if req.param(k) is not None}
+    try:
+        if _flag(req, "now"):
+            raise ActionError("the guard is armed and taken out at a step boundary; --now does not apply.")
+        if _flag(req, "off"):
+            if set(args) - {"off"}:
+                raise ActionError("--off takes the guard out; give it alone.")
+            return _submit(req, "guard", args, lambda ctx: guard.disarm(ctx.step))
+        on, evidence = req.param("on"), req.param("evidence")
+        if on is not None and not isinstance(on, str) or evidence is not None and not isinstance(evidence, str):
+            raise ActionError("on and evidence are text: the triggers, and a directory.")
+        if evidence is not None:
+            _validate.file_path(evidence, "the evidence directory")
+        spec = guard.parse_spec(
+            on, _number(req, "keep", int, 1, maximum=64), _flag(req, "skip"), _flag(req, "rollback"), evidence
+        )
+        guard.estimate(spec)  # the memory it would hold, and whether ranks could disagree: refused here
+    except _validate.BadRequest as exc:
+        refuse(req.client, "guard", args, exc.message)
+    except ProbeError as exc:
+        refuse(req.client, "guard", args, exc.message)
+    return _submit(req, "guard", args, lambda ctx: guard.arm(spec, ctx.step))
+
+
+@route("GET", "/guard")
+def guard_state_route(req: Request) -> dict:
+    return {"guard": guard.state()}
 
 
 @route("POST", "/actions/profile-steps", tier="action")

@@ -30,6 +30,7 @@ from .._runtime import (
     use_private_dir,
     write_entry,
 )
+from ..actions import guard
 from ..postmortem import hooks as postmortem
 from ..tables import registry as tables
 from ..util.procfs import proc_start
@@ -133,6 +134,7 @@ def start(
         _running.update(servers=servers, threads=threads)
         collectives.enable()  # torch.collectives: the flight recorder must be on before the first process group
         hooks.arm()  # torch's step and module hooks: now, or when torch gets imported
+        guard.arm_from_setting()  # PROBE_GUARD: the guard, armed at the first step boundary
         watchdog.install()  # PROBE_HANG_TIMEOUT: all-thread stacks on disk when steps stop
         postmortem.install()  # a record in the runtime dir when the process dies, and periodic snapshots
         sigterm.install(stop)  # the record on SIGTERM, and death as prompt as without the probe

@@ -409,3 +409,25 @@ SELECT rank, step, now_loss, before_loss FROM m WHERE abs(now_loss - before_loss
     ),
     next=['probe {target} query "SELECT optimizer, param_group, lr, initial_lr FROM torch.optimizer"'],
 )
+
+rule(
+    "guard_caught",
+    family="nan",
+    severity="warning",
+    description=(
+        "The guard (`probe guard`, PROBE_GUARD) caught a step (torch.guard): a non-finite loss or gradient, or a "
+        "spike; says how many, what the last one was, what the guard did, and where its evidence bundle is."
+    ),
+    sql="""
+SELECT rank, count(*) AS n, max(step) AS step, arg_max(reason, step) AS reason, arg_max(taken, step) AS taken,
+       coalesce('; its evidence is ' || arg_max(evidence, step) || ' (probe.load_evidence(path).replay(model) '
+                || 'replays it)', '; no evidence was written (arm the guard with --evidence DIR)') AS where_evidence
+FROM torch.guard WHERE event = 'trigger'
+GROUP BY rank""",
+    message="the guard caught {n} step(s); the last, step {step}: {reason}; it {taken}{where_evidence}.",
+    next=[
+        "probe {target} guard",
+        'probe {target} query "SELECT step, loss, grad_norm, lr FROM torch.steps WHERE step BETWEEN {step} - 5 AND '
+        '{step} + 5 ORDER BY step"',
+    ],
+)

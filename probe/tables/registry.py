@@ -51,6 +51,7 @@ BUILTIN = (
     "collectives",
     "data",
     "diagnosis",
+    "guard",
     "loss",
     "meta",
     "optim",

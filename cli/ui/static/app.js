@@ -407,6 +407,7 @@ function buildActionButtons() {
   if ("cleanup" in acts) add("cleanup", "cleanup");
   if ("checkpoint" in acts) add("checkpoint…", "checkpoint", () => { const p = window.prompt("Checkpoint path (on the training host):"); return p ? { path: p } : null; });
   if ("lr" in acts) add("scale lr…", "lr", () => { const s = window.prompt("Multiply the learning rate by:", "0.5"); return s ? { scale: s } : null; });
+  if ("guard" in acts) add("guard…", "guard", () => { const s = window.prompt("Arm the guard, skipping a caught step's update; triggers (nonfinite, spike=N, loss=N), or off:", "nonfinite,spike=50"); return s ? (s.trim() === "off" ? { off: true } : { on: s, skip: true }) : null; });
 }
 
 // ---------------------------------------------------------------- refresh loop
