@@ -78,7 +78,7 @@ def settings_md() -> str:
 
 
 def rules_md() -> str:
-    from probe.diagnosis.rules import all_rules
+    from probe.cli.doctor import all_rules
 
     lines = [
         "## Doctor rules",
