@@ -93,3 +93,20 @@ def test_an_unknown_command_is_one_sentence_and_a_failure(idle, shared_env):
     r, _ = _run(shared_env, idle.pid, "backtrce")
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.startswith("probe: unknown command 'backtrce'; commands: ") and "backtrace" in r.stderr, r.stderr
+
+
+def test_the_mcp_tools_describe_the_tables_without_importing_them():
+    """The MCP server's tool descriptions and its table catalog come from a generated file, not from importing
+    every table module (and with them the training side's code) into the client."""
+    script = (
+        "import json, sys\n"
+        "from probe.cli.mcp.tools import builtin_tables, tool_specs\n"
+        "specs = tool_specs()\n"
+        "print(json.dumps([len(builtin_tables()), [s.description for s in specs if s.name == 'query'],"
+        " sorted(m for m in sys.modules if m.startswith(('probe.tables', 'probe.training')))]))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    tables, (query,), imported = json.loads(r.stdout)
+    assert tables >= 20 and "torch.steps:" in query, query
+    assert imported == [], imported

@@ -303,14 +303,17 @@ def findings_table(session, targets) -> tuple:
 def rules_table(session, targets) -> tuple:
     """``diagnosis.rules`` for ``targets``: the rules probe ships (declared here, ``rank`` NULL) and each
     process's own (which it serves itself), as ``findings_table`` returns them."""
-    from probe.tables.diagnosis import rules as rows_of
-    from probe.tables.registry import get_table
+    from probe.tables.diagnosis import rules as rows_of  # the table's own generator makes the built-ins' rows
 
     from ..query_runner import fetch_schema
 
-    all_rules()  # the built-ins, into this client's registry, whose rows the table's own generator makes
-    columns = [(c.name, c.type) for c in get_table("diagnosis.rules").columns] + [("rank", "INTEGER")]
-    builtin = [dict(zip([c for c, _ in columns], row), rank=None) for row in rows_of(None)]
-    names = {d["name"] for d in builtin}
-    own = [d for d in _own_rules(session, targets, fetch_schema(session, targets)) if d["name"] not in names]
+    schema = fetch_schema(session, targets)
+    columns = list(schema["diagnosis.rules"].items())
+    if "rank" not in schema["diagnosis.rules"]:
+        columns.append(("rank", "INTEGER"))
+    all_rules()  # the built-ins, into this client's registry
+    names = [c for c, _ in columns if c != "rank"]
+    builtin = [dict(zip(names, row), rank=None) for row in rows_of(None)]
+    known = {d["name"] for d in builtin}
+    own = [d for d in _own_rules(session, targets, schema) if d["name"] not in known]
     return columns, {c: [d.get(c) for d in builtin + own] for c, _ in columns}
