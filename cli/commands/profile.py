@@ -93,7 +93,7 @@ class Profile(Command):
         from ..plumbing.fanout import check_partial, fan_out
         from probe.util.files import check_target, write_file
 
-        from ..ui.flame import to_collapsed, to_speedscope, to_svg
+        from ..stacks import to_collapsed, to_speedscope, to_svg
 
         if not 0 < args.seconds <= MAX_SECONDS:
             raise ProbeError(f"--seconds must be above 0 and at most {MAX_SECONDS:g}, got {args.seconds:g}.")
