@@ -179,9 +179,8 @@ def _plans(rules: list, schema: dict, answering: int, lacking: str, write: bool 
     from probe.sql.ranks import view_params
 
     params = view_params(strict=True)
-    cache = PlanCache(
-        schema, params, store="file" if write else "read"
-    )  # the same rules over the same tables plan the same: once
+    # the same rules over the same tables plan the same: once
+    cache = PlanCache(schema, params, store="file" if write else "read")
     plans, skipped = [], []
     for r in rules:
         if r.scope == "job" and answering < 2:
