@@ -318,7 +318,7 @@ def stats_cost(rounds: int) -> None:
 def stats_rules() -> None:
     import numpy as np
 
-    from probe.diagnosis.rules import get_rule
+    from probe.cli.doctor import get_rule
     from probe.tables.registry import all_tables
     from probe.sql.engine import execute
 

@@ -44,9 +44,11 @@ def _remember(target, doc: dict) -> dict:
 
 def forget_schemas() -> None:
     """Drop every cached schema and plan (the next query of each endpoint asks for its tables again)."""
+    from probe.sql.plan_cache import forget
+
     with _schemas_lock:
         _schemas.clear()
-        _plans.clear()
+    forget()
 
 
 def fetch_schema(session, targets) -> dict:
@@ -82,30 +84,6 @@ def _schema(session, targets, fresh: bool = False) -> tuple[dict, tuple | None]:
     return fetch_schema(session, targets), None
 
 
-_plans: dict = {}  # (sql, parameters, endpoint, schema identity) -> (Plan, snapshot requests); see _plan
-
-
-def _plan(sql: str, schema: dict, values: dict, cached: tuple | None):
-    """The plan of ``sql`` and what each rank must snapshot for it; kept for a cached schema, so a client
-    repeating a query (the web page's panels, a watch loop) parses and rewrites it once."""
-    from probe.sql.federate import plan
-    from probe.sql.pushdown import snapshot_requests
-
-    key = (sql, tuple(sorted(values.items())), cached) if cached is not None else None
-    with _schemas_lock:
-        found = _plans.get(key) if key is not None else None
-    if found is not None:
-        return found
-    p = plan(sql, schema, values)
-    found = (p, snapshot_requests(p.parts, schema))
-    if key is not None:
-        with _schemas_lock:
-            if len(_plans) > 256:
-                _plans.clear()
-            _plans[key] = found
-    return found
-
-
 def federated_query(
     session,
     sql: str,
@@ -132,6 +110,7 @@ def federated_query(
     printed nor raised.
     """
     from probe.config import setting
+    from probe.sql.plan_cache import PlanCache
     from probe.sql.ranks import view_params
 
     single = targets is not None and len(targets) == 1
@@ -144,8 +123,12 @@ def federated_query(
     schema, cached = _schema(session, targets)
     while True:
         try:
-            p, requests = _plan(sql, schema, values, cached)
-            # the plan may be cached: the tables the client computes itself are taken out of copies
+            # a client repeating a query (the web page's panels, a watch loop) parses and rewrites it once
+            cache = PlanCache(schema, values, store="memory")
+            p = cache.plan(sql)
+            requests = cache.requests(sql, p)
+            cache.save()
+            # the plan is kept: the tables the client computes itself are taken out of copies
             parts = dict(p.parts)
             computed = _client_tables(session, targets, parts)
             requests = {name: r for name, r in requests.items() if name not in computed}

@@ -1,17 +1,33 @@
-"""Stacks: one process's backtrace (its server, py-spy when it cannot answer, native frames merged), and across ranks.
+"""Stacks: one process's backtrace (its server, py-spy when it cannot answer, native frames merged), across
+ranks, and sampled stacks written as files.
 
 ``backtrace_doc`` is the one way the CLI reads a target's stacks (``backtrace``, the UI,
 ``query --native``); ``backtrace_table`` turns such a doc into ``python.backtrace``'s
 columns; the rest summarises stacks across ranks: the main thread's top frame, and
 identical stacks merged into groups.
+
+Native frames (``merge_native``): the probe's server sees only Python frames (with locals, thread names and
+daemon flags); py-spy ``--native`` sees C/C++ frames too, interleaved with the Python ones. The two are read a
+moment apart, so a running thread may have moved: the merge walks each thread's Python frames from the
+outermost in and takes the probe's frame (richer) while the two agree on function and file; from the first
+disagreement inwards it keeps py-spy's frames, which are consistent with its native ones. Threads only one
+side saw are kept as that side reported them.
+
+Sampled stacks as files (``to_collapsed``, ``to_speedscope``, ``to_svg``: ``probe PID profile -o FILE``):
+collapsed text, speedscope JSON, or a self-contained SVG flamegraph, from ``[["root;child;leaf", count], ...]``
+(root first), as ``GET /profile`` answers and as ``py-spy record --format raw`` writes them. The page draws
+the same data in JavaScript.
 """
 
 from __future__ import annotations
 
+import html
+import json
 import os
 import time
 
 from probe._errors import ProbeError
+from probe.util.collapsed import stack_text
 from probe.util.usercode import is_user_file
 
 __all__ = [
@@ -23,6 +39,11 @@ __all__ = [
     "stack_key",
     "group_stacks",
     "group_text",
+    "merge_native",
+    "to_collapsed",
+    "to_speedscope",
+    "to_svg",
+    "FORMATS",
 ]
 
 
@@ -187,8 +208,6 @@ def _native_merged(session, target, args) -> dict | None:
         return None  # the py-spy fallback below says why
     from probe.injector import pyspy_backtrace
 
-    from .native_frames import merge_native
-
     started = time.perf_counter()
     spy = pyspy_backtrace(target.local_pid, native=True, thread=args.thread, timeout=max(session.timeout, 5.0))
     doc = merge_native(ours, spy)
@@ -236,3 +255,160 @@ def backtrace_table(doc: dict) -> tuple[list, dict]:
             ):
                 data[col].append(value)
     return list(BACKTRACE_COLUMNS), data
+
+
+# -- native frames merged with the probe's ----------------------------------------------------------------------
+
+
+def _same(ours: dict, spy: dict) -> bool:
+    return ours.get("func") == spy.get("func") and os.path.basename(str(ours.get("file"))) == os.path.basename(
+        str(spy.get("file"))
+    )
+
+
+def _merge_thread(ours: dict, spy: dict) -> tuple[dict, int, int]:
+    """The merged thread, how many Python frames came from the probe, and how many Python frames in all."""
+    spy_frames = spy.get("frames") or []
+    python_at = [i for i, f in enumerate(spy_frames) if not f.get("native")]
+    our_frames = ours.get("frames") or []
+    taken: dict[int, dict] = {}
+    for i, j in zip(reversed(python_at), range(len(our_frames) - 1, -1, -1)):
+        if not _same(our_frames[j], spy_frames[i]):
+            break
+        taken[i] = our_frames[j]
+    frames = []
+    for depth, f in enumerate(spy_frames):
+        f = dict(taken.get(depth) or f)
+        f["depth"] = depth
+        f["native"] = bool(spy_frames[depth].get("native"))
+        frames.append(f)
+    merged = {**spy, **{k: v for k, v in ours.items() if k != "frames" and v is not None}, "frames": frames}
+    return merged, len(taken), len(python_at)
+
+
+def merge_native(ours: dict, spy: dict) -> dict:
+    """The probe's backtrace with py-spy's native frames merged into each thread."""
+    by_native = {t.get("native_id"): t for t in spy.get("threads") or [] if t.get("native_id") is not None}
+    threads, agreed, total = [], 0, 0
+    seen = set()
+    for t in ours.get("threads") or []:
+        other = by_native.get(t.get("native_id"))
+        if other is None:
+            threads.append(t)
+            continue
+        seen.add(t.get("native_id"))
+        merged, a, n = _merge_thread(t, other)
+        threads.append(merged)
+        agreed, total = agreed + a, total + n
+    threads += [t for nid, t in by_native.items() if nid not in seen]
+    doc = {**ours, "source": "probe+py-spy", "threads": threads}
+    doc["native_merge"] = {"python_frames": total, "from_probe": agreed}
+    return doc
+
+
+# -- sampled stacks as files --------------------------------------------------------------------------------
+
+
+FORMATS = ("collapsed", "speedscope", "svg")
+
+
+def to_collapsed(stacks: list) -> str:
+    """One ``stack count`` line per stack.
+
+    >>> to_collapsed([["a;b", 2]])
+    'a;b 2\\n'
+    """
+    return "".join(f"{stack_text(s)} {int(n)}\n" for s, n in stacks)
+
+
+def to_speedscope(stacks: list, name: str) -> str:
+    """A speedscope 'sampled' profile: one sample per distinct stack, weighted by its count."""
+    frames: dict[str, int] = {}
+    samples, weights = [], []
+    for stack, n in stacks:
+        samples.append([frames.setdefault(f, len(frames)) for f in stack.split(";")])
+        weights.append(n)
+    total = sum(weights)
+    return json.dumps(
+        {
+            "$schema": "https://www.speedscope.app/file-format-schema.json",
+            "name": name,
+            "exporter": "probe",
+            "shared": {"frames": [{"name": f} for f in frames]},
+            "profiles": [
+                {
+                    "type": "sampled",
+                    "name": name,
+                    "unit": "none",
+                    "startValue": 0,
+                    "endValue": total,
+                    "samples": samples,
+                    "weights": weights,
+                }
+            ],
+        }
+    )
+
+
+def _tree(stacks: list) -> dict:
+    root = {"name": "all", "value": 0, "children": {}}
+    for stack, n in stacks:
+        node = root
+        root["value"] += n
+        for f in stack.split(";"):
+            node = node["children"].setdefault(f, {"name": f, "value": 0, "children": {}})
+            node["value"] += n
+    return root
+
+
+def _color(name: str) -> str:
+    h = 0
+    for ch in name:
+        h = (h * 31 + ord(ch)) & 0xFFFF
+    if name.startswith("thread ") or name.startswith("rank "):
+        return "rgb(190,190,200)"
+    return f"rgb({205 + h % 50},{90 + (h >> 4) % 110},{40 + (h >> 8) % 40})"
+
+
+def to_svg(stacks: list, title: str, width: int = 1200, row: int = 17) -> str:
+    """A static flamegraph (root at the bottom), each box titled with its samples and share."""
+    root = _tree(stacks)
+    total = root["value"] or 1
+    boxes = []
+    depth_max = 0
+
+    def walk(node, x, depth):
+        nonlocal depth_max
+        depth_max = max(depth_max, depth)
+        boxes.append((node, x, depth))
+        for child in sorted(node["children"].values(), key=lambda c: c["name"]):
+            walk(child, x, depth + 1)
+            x += child["value"]
+
+    walk(root, 0, 0)
+    height = (depth_max + 1) * row + 40
+    scale = (width - 20) / total
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'font-family="monospace" font-size="11">',
+        f'<text x="10" y="18" font-size="14">{html.escape(title)}</text>',
+    ]
+    for node, x, depth in boxes:
+        w = node["value"] * scale
+        if w < 0.5:
+            continue
+        y = height - (depth + 1) * row
+        share = 100.0 * node["value"] / total
+        label = html.escape(node["name"])
+        out.append(
+            f"<g><title>{label} ({node['value']} samples, {share:.1f}%)</title>"
+            f'<rect x="{10 + x * scale:.1f}" y="{y}" width="{w:.1f}" height="{row - 1}" '
+            f'fill="{_color(node["name"])}" rx="2"/>'
+        )
+        chars = int(w / 7)
+        if chars >= 3:
+            text = node["name"] if len(node["name"]) <= chars else node["name"][: chars - 2] + ".."
+            out.append(f'<text x="{12 + x * scale:.1f}" y="{y + row - 5}">{html.escape(text)}</text>')
+        out.append("</g>")
+    out.append("</svg>")
+    return "\n".join(out) + "\n"

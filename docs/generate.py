@@ -1,10 +1,12 @@
 """Generate docs/reference.md from the registries: commands, settings, doctor rules, tables.
 
     python docs/generate.py            # print the reference
-    python docs/generate.py --write    # rewrite docs/reference.md
-    python docs/generate.py --check    # exit 1 with one sentence when docs/reference.md is stale
+    python docs/generate.py --write    # rewrite docs/reference.md and cli/mcp/tables.json
+    python docs/generate.py --check    # exit 1 with one sentence when either is stale
 
-``--output PATH`` names another file for ``--write``/``--check``. Every command, setting,
+``--output PATH`` names another file for ``--write``/``--check`` (the reference only).
+``cli/mcp/tables.json`` is the built-in tables' catalog that the MCP server hands to agents: the client
+reads it instead of importing every table module (and with them the training side's code). Every command, setting,
 rule, table and column is declared once in the package; this script only reads those
 declarations, and a test runs ``--check``, so none of them can exist undocumented.
 It is a development tool: it is not part of the installed package.
@@ -13,10 +15,12 @@ It is a development tool: it is not part of the installed package.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "reference.md"
+CATALOG = Path(__file__).resolve().parents[1] / "cli" / "mcp" / "tables.json"
 COMMAND = "python docs/generate.py --write"
 
 HEADER = f"""# Reference
@@ -78,7 +82,7 @@ def settings_md() -> str:
 
 
 def rules_md() -> str:
-    from probe.diagnosis.rules import all_rules
+    from probe.cli.doctor import all_rules
 
     lines = [
         "## Doctor rules",
@@ -122,6 +126,46 @@ def reference() -> str:
     return "\n\n".join([HEADER, commands_md(), settings_md(), rules_md(), tables_md()]) + "\n"
 
 
+def catalog() -> str:
+    """The whole of cli/mcp/tables.json: every built-in table, its columns and examples."""
+    from probe.tables.registry import all_tables
+
+    tables = [
+        {
+            "name": t.name,
+            "description": t.description,
+            "kind": t.kind,
+            "columns": [{"name": c.name, "type": c.type, "description": c.description} for c in t.columns],
+            "examples": list(t.examples),
+        }
+        for t in all_tables()
+    ]
+    return json.dumps(tables, indent=1) + "\n"
+
+
+def _write_or_check(path: Path, text: str, check: bool, default: Path) -> int:
+    try:
+        current = path.read_text() if path.exists() else None
+    except OSError as exc:
+        print(f"cannot read {path}: {exc.strerror}.", file=sys.stderr)
+        return 1
+    if current == text:
+        print(f"{path} is up to date.")
+        return 0
+    if check:
+        what = "missing" if current is None else "stale"
+        fix = COMMAND + (f" --output {path}" if path != default else "")
+        print(f"{path} is {what}: run `{fix}`.", file=sys.stderr)
+        return 1
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        print(f"cannot write {path}: {exc.strerror}.", file=sys.stderr)
+        return 1
+    print(f"{path} updated.")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python docs/generate.py", description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group()
@@ -135,29 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.write or args.check):
         sys.stdout.write(text)
         return 0
-    try:
-        current = args.output.read_text() if args.output.exists() else None
-    except OSError as exc:
-        print(f"cannot read {args.output}: {exc.strerror}.", file=sys.stderr)
-        return 1
-    if args.check:
-        if current == text:
-            print(f"{args.output} is up to date.")
-            return 0
-        what = "missing" if current is None else "stale"
-        fix = COMMAND + (f" --output {args.output}" if args.output != DEFAULT_OUTPUT else "")
-        print(f"{args.output} is {what}: run `{fix}`.", file=sys.stderr)
-        return 1
-    if current == text:
-        print(f"{args.output} is up to date.")
-        return 0
-    try:
-        args.output.write_text(text)
-    except OSError as exc:
-        print(f"cannot write {args.output}: {exc.strerror}.", file=sys.stderr)
-        return 1
-    print(f"{args.output} updated.")
-    return 0
+    files = [(args.output, text, DEFAULT_OUTPUT)]
+    if args.output == DEFAULT_OUTPUT:
+        files.append((CATALOG, catalog(), CATALOG))
+    return max(_write_or_check(path, content, args.check, default) for path, content, default in files)
 
 
 if __name__ == "__main__":

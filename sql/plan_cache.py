@@ -1,16 +1,19 @@
-"""Plans made before, kept in the runtime directory, so that the next ``probe doctor`` does not guard, qualify
-and split its ~40 rules again: sqlglot takes 20-200 ms a rule, more than a second of the CLI's CPU in all,
-which a host whose cores the training job keeps busy turns into several seconds of wall time.
+"""Plans made before, so that the same query over the same tables is guarded, qualified and split once: sqlglot
+takes 20-200 ms a query, and ``probe doctor`` runs ~40 rules, more than a second of the CLI's CPU in all, which
+a host whose cores the training job keeps busy turns into several seconds of wall time.
 
 A plan is a pure function of the SQL, the schema the ranks report, the client views' parameters and this
 package's code, so its key is a hash of all four (the code by the size and mtime of every module here: an
-edited guard or view invalidates every entry). The file is read only when it is a private file of this user
-(``read_private``: never a symlink, never writable by others) and replaced atomically; a file that cannot be
-read or parsed is an empty cache, never an error. It keeps the ``_KEEP`` most recent plans.
+edited guard or view invalidates every entry). Where the plans are kept is the ``store``:
 
-A front end that promises to write no files (the MCP read tier) keeps its plans in this process's memory
-instead (``write=False``): it still reads the file the CLI wrote, and creates nothing, not even the runtime
-directory.
+- ``"file"``: a file in the runtime directory, for the CLI's doctor, whose next run is another process. The
+  file is read only when it is a private file of this user (``read_private``: never a symlink, never writable
+  by others) and replaced atomically; a file that cannot be read or parsed is an empty cache, never an error.
+- ``"read"``: that file is read, new plans are kept in this process's memory only, and nothing is created, not
+  even the runtime directory (a front end that promises to write no files: the MCP read tier).
+- ``"memory"``: this process's memory only (a client repeating a query: the web page's panels, a watch loop).
+
+Each store keeps the ``_KEEP`` most recent plans.
 """
 
 from __future__ import annotations
@@ -19,19 +22,25 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 from .federate import Plan
 
-__all__ = ["PlanCache"]
+__all__ = ["PlanCache", "forget"]
 
 _FILE = "doctor-plans.json"
 _KEEP = 400
 _LIMIT = 8 << 20  # bytes read at most
-_MEMORY: dict = {}  # the plans of this process, for caches that write no file
+_MEMORY: dict = {}  # the plans of this process, for the stores that write no file
+_MEMORY_LOCK = threading.Lock()  # a client's threads (the web page's panels) plan at once
+_STORES = ("file", "read", "memory")
+_STAMP: list = []  # the code stamp, taken once: this process's modules do not change under it
 
 
 def _code_stamp() -> str:
+    if _STAMP:
+        return _STAMP[0]
     here = Path(__file__).resolve().parent
     parts = []
     for p in sorted(here.glob("*.py")):
@@ -40,24 +49,36 @@ def _code_stamp() -> str:
             parts.append(f"{p.name}:{st.st_size}:{st.st_mtime_ns}")
         except OSError:
             continue
-    return ";".join(parts)
+    _STAMP.append(";".join(parts))
+    return _STAMP[0]
 
 
 class PlanCache:
-    """``get(sql)`` / ``put(sql, plan)`` for one schema and one set of view parameters; ``save()`` writes it back."""
+    """``plan(sql)`` (or ``get``/``put``) for one schema and one set of view parameters; ``save()`` keeps the new
+    plans in the ``store``."""
 
-    def __init__(self, schema: dict, params: dict, directory: str | None = None, *, write: bool = True):
+    def __init__(self, schema: dict, params: dict, directory: str | None = None, *, store: str = "file"):
+        if store not in _STORES:
+            raise ValueError(f"store must be one of {', '.join(_STORES)}, not {store!r}")
         base = json.dumps([_code_stamp(), schema, params], sort_keys=True, default=str)
         self._base = hashlib.sha256(base.encode()).hexdigest()
         self._path = None
         self._plans: dict = {}
         self._dirty = False
-        self._write = write
+        self._store = store
+        self._schema, self._params = schema, params
+        if store != "memory":
+            self._read(directory)
+        if store != "file":
+            with _MEMORY_LOCK:
+                self._plans.update(_MEMORY)
+
+    def _read(self, directory: str | None) -> None:
         try:
             if directory is None:
                 from probe._runtime import runtime_dir
 
-                directory = runtime_dir(create=write)
+                directory = runtime_dir(create=self._store == "file")
             self._path = os.path.join(directory, _FILE)
             from probe._runtime import read_private
 
@@ -66,10 +87,8 @@ class PlanCache:
                 self._plans = data
         except (OSError, ValueError, TypeError):  # none yet, not ours, or unreadable: start empty
             pass
-        except Exception:  # no runtime directory here: the cache is off, never the doctor
+        except Exception:  # no runtime directory here: the file is off, never the query
             self._path = None
-        if not write:
-            self._plans.update(_MEMORY)
 
     def _key(self, sql: str) -> str:
         return hashlib.sha256(f"{self._base}\n{sql}".encode()).hexdigest()
@@ -83,6 +102,29 @@ class PlanCache:
         except (KeyError, TypeError, ValueError):
             return None
 
+    def plan(self, sql: str) -> Plan:
+        """The plan of ``sql``: the one kept, else a new one (kept; raises what ``federate.plan`` raises)."""
+        found = self.get(sql)
+        if found is None:
+            from .federate import plan
+
+            found = plan(sql, self._schema, self._params)
+            self.put(sql, found)
+        return found
+
+    def requests(self, sql: str, plan: Plan) -> dict:
+        """What every rank must snapshot for ``plan`` (of ``sql``): ``pushdown.snapshot_requests``, kept with it."""
+        entry = self._plans.get(self._key(sql))
+        if isinstance(entry, dict) and isinstance(entry.get("requests"), dict):
+            return entry["requests"]
+        from .pushdown import snapshot_requests
+
+        found = snapshot_requests(plan.parts, self._schema)
+        if isinstance(entry, dict):
+            entry["requests"] = found
+            self._dirty = True
+        return found
+
     def put(self, sql: str, plan: Plan) -> None:
         key = self._key(sql)
         self._plans.pop(key, None)  # most recent last
@@ -93,9 +135,11 @@ class PlanCache:
         if not self._dirty:
             return
         keep = dict(list(self._plans.items())[-_KEEP:])
-        if not self._write:
-            _MEMORY.clear()
-            _MEMORY.update(keep)
+        if self._store != "file":
+            with _MEMORY_LOCK:
+                _MEMORY.update(keep)
+                for key in list(_MEMORY)[: max(0, len(_MEMORY) - _KEEP)]:
+                    del _MEMORY[key]
             self._dirty = False
             return
         if self._path is None:
@@ -112,3 +156,9 @@ class PlanCache:
         except OSError:
             pass
         self._dirty = False
+
+
+def forget() -> None:
+    """Drop the plans this process keeps in memory."""
+    with _MEMORY_LOCK:
+        _MEMORY.clear()

@@ -93,8 +93,8 @@ def rule_rows(name: str, tables: dict, *, messages: bool = False) -> list:
     """
     import duckdb
 
-    from probe.cli.diagnose import fill_message
-    from probe.diagnosis.rules import get_rule
+    from probe.cli.doctor import fill_message
+    from probe.cli.doctor import get_rule
 
     rule = get_rule(name)
     con = duckdb.connect()

@@ -352,7 +352,7 @@ _cli_server = _ForkServer(
         "sqlglot.optimizer.qualify",
         "probe.cli",
         "probe.cli.query_runner",
-        "probe.cli.diagnose",
+        "probe.cli.doctor",
         "probe.cli.commands.query",
         "probe.cli.commands.doctor",
     ),

@@ -75,15 +75,19 @@ def test_an_alias_and_a_command_name_run_the_same_command(idle, shared_env):
     assert threads[0] == threads[1] and "data-worker" in threads[0]
 
 
-def test_every_command_lives_in_the_module_named_after_it():
-    """``find`` imports only ``commands/<name>.py`` for command ``name``: that holds only if each command is
-    declared there."""
-    from probe.cli.commands import command_modules, load_all
+def test_every_command_lives_in_the_module_find_imports_for_it():
+    """``find`` imports only ``commands/<name>.py`` for command ``name``, or the module ``SHARED`` names for it:
+    that holds only if each command is declared there."""
+    from probe.cli.commands import SHARED, command_modules, load_all
 
-    for name, cls in load_all().items():
+    home = {name: module for module, names in SHARED.items() for name in names}
+    commands = load_all()
+    for name, cls in commands.items():
         if name == cls.name:
-            assert cls.__module__ == f"probe.cli.commands.{name.replace('-', '_')}", (name, cls.__module__)
-    declared = {cls.__module__.rpartition(".")[2] for cls in load_all().values()}
+            module = home.get(name, name.replace("-", "_"))
+            assert cls.__module__ == f"probe.cli.commands.{module}", (name, cls.__module__)
+    assert set(home) <= {cls.name for cls in commands.values()}, "SHARED names a command that does not exist"
+    declared = {cls.__module__.rpartition(".")[2] for cls in commands.values()}
     assert declared == set(command_modules()), (
         "a command module that declares no command (shared code goes in a _module)"
     )
@@ -93,3 +97,20 @@ def test_an_unknown_command_is_one_sentence_and_a_failure(idle, shared_env):
     r, _ = _run(shared_env, idle.pid, "backtrce")
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.startswith("probe: unknown command 'backtrce'; commands: ") and "backtrace" in r.stderr, r.stderr
+
+
+def test_the_mcp_tools_describe_the_tables_without_importing_them():
+    """The MCP server's tool descriptions and its table catalog come from a generated file, not from importing
+    every table module (and with them the training side's code) into the client."""
+    script = (
+        "import json, sys\n"
+        "from probe.cli.mcp.tools import builtin_tables, tool_specs\n"
+        "specs = tool_specs()\n"
+        "print(json.dumps([len(builtin_tables()), [s.description for s in specs if s.name == 'query'],"
+        " sorted(m for m in sys.modules if m.startswith(('probe.tables', 'probe.training')))]))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    tables, (query,), imported = json.loads(r.stdout)
+    assert tables >= 20 and "torch.steps:" in query, query
+    assert imported == [], imported

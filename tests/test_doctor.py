@@ -325,7 +325,33 @@ def test_user_rule_declared_in_the_script_runs_too(spawn, cli):
     doc = doctor(cli, job.pid)
     mine = [f for f in doc["findings"] if f["rule"] == "too_many_threads"]
     assert mine and "threads" in mine[0]["message"], doc
-    assert cli(job.pid, "query", "SELECT name FROM diagnosis.rules WHERE name = 'too_many_threads'").returncode == 0
+    # diagnosis.rules lists the script's own rule beside the ones probe ships (which the client holds)
+    r = cli(job.pid, "query", "SELECT name, rank FROM diagnosis.rules", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    names = {row["name"] for row in json.loads(r.stdout)}
+    assert {"too_many_threads", "lr_zero", "hung"} <= names, names
+
+
+@requires_torch
+def test_the_training_process_loads_no_builtin_rule_and_no_record_reader(spawn, cli):
+    """The rules probe ships and the post-mortem reading are the client's: a doctor run and a query leave them
+    out of the training process, which keeps only the rule registry for its script's own rules."""
+    # given: a job that trains, answered a query and a doctor run
+    job = spawn([TARGETS / "actions_train.py"], ready="ready", timeout=120)
+    assert _step(cli, job.pid) >= 1
+    doc = doctor(cli, job.pid)
+    assert doc["rules_run"] >= 10, doc
+    # when: it lists its own modules
+    r = cli(job.pid, "eval", "import sys\nprint(' '.join(sorted(m for m in sys.modules if m.startswith('probe'))))")
+    assert r.returncode == 0, r.stderr
+    loaded = set(r.stdout.split())
+    # then: it runs probe (its agent and tables), but no module of the client, no built-in rule, no record reader
+    assert {"probe.auto", "probe.diagnosis.rules", "probe.tables.diagnosis"} <= loaded, loaded
+    assert not {m for m in loaded if m == "probe.cli" or m.startswith("probe.cli.")}, loaded
+    assert {m for m in loaded if m.startswith("probe.diagnosis")} == {"probe.diagnosis", "probe.diagnosis.rules"}, (
+        loaded
+    )
+    assert not {m for m in loaded if m.startswith("probe.postmortem.") and m.endswith(("reader", "listing"))}, loaded
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,14 @@
-"""The doctor's plan cache (sql/plan_cache.py): a plan comes back as it was made, only for the same SQL, schema
-and view parameters, and a cache file that is not a private file of this user is never read."""
+"""The plan cache (sql/plan_cache.py) of the doctor and the query path: a plan comes back as it was made, only for
+the same SQL, schema and view parameters; a cache file that is not a private file of this user is never read; the
+in-memory store writes nothing."""
 
 from __future__ import annotations
 
 import os
 
 from probe.sql.federate import plan
-from probe.sql.plan_cache import PlanCache
+from probe.sql.plan_cache import PlanCache, forget
+from probe.sql.pushdown import snapshot_requests
 
 SCHEMA = {"torch.steps": {"step": "BIGINT", "loss": "DOUBLE", "rank": "INTEGER"}}
 SQL = "SELECT rank, max(step) AS step FROM torch.steps WHERE loss > 1 GROUP BY rank"
@@ -40,3 +42,19 @@ def test_a_cache_file_others_may_write_is_never_read(tmp_path):
     os.chmod(path, 0o600)
     path.write_text("{not json")
     assert PlanCache(SCHEMA, {}, str(tmp_path)).get(SQL) is None
+
+
+def test_the_memory_store_keeps_plans_and_requests_for_this_process_only(tmp_path):
+    forget()
+    # given: a query planned once in memory, with what every rank must snapshot for it
+    first = PlanCache(SCHEMA, {}, str(tmp_path), store="memory")
+    made = first.plan(SQL)
+    asked = first.requests(SQL, made)
+    first.save()
+    # then: the next cache of this process has both, as they were, and no file was written
+    again = PlanCache(SCHEMA, {}, str(tmp_path), store="memory")
+    assert again.get(SQL) == made and again.requests(SQL, made) == asked == snapshot_requests(made.parts, SCHEMA)
+    assert list(tmp_path.iterdir()) == []
+    # and: forgotten, they are gone
+    forget()
+    assert PlanCache(SCHEMA, {}, str(tmp_path), store="memory").get(SQL) is None

@@ -47,4 +47,5 @@ def test_wheel_contains_the_assets(tmp_path):
     wheel = next(tmp_path.glob("probe-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"probe/cli/ui/static/{a}" for a in ASSETS} <= names, sorted(n for n in names if "/ui/" in n)
-    assert "probe/cli/ui/server.py" in names and "probe/cli/commands/ui.py" in names
+    assert "probe/cli/ui/server.py" in names and "probe/cli/commands/serve.py" in names
+    assert "probe/cli/mcp/tables.json" in names  # the MCP server's table catalog ships with it

@@ -2,15 +2,16 @@
 help and arguments come from the registration, and ``probe --help`` is generated from
 it.
 
-Each command lives in the module named after it (``profile-steps`` in
-``profile_steps.py``), so ``find`` imports only the module of the command being run
-(start-up is part of the interface: ``probe PID backtrace`` must not pay for every
-other command's imports). ``load_all`` imports every module of this package, for the
-full help, the docs, the REPL, the page and the MCP server. Modules whose name starts
-with ``_`` hold what several commands share and declare no command.
+A command lives in the module named after it, or, when it is one of a few small commands of
+one shape, in the module of its kind that ``SHARED`` names (the guarded actions in ``actions``,
+the SQL commands in ``query``, the recordings in ``profile``, the servers in ``serve``): one
+file then holds what they share and every use of it. So ``find`` imports only the module of the
+command being run (start-up is part of the interface: ``probe PID backtrace`` must not pay for
+every other command's imports). ``load_all`` imports every module of this package, for the
+full help, the docs, the REPL, the page and the MCP server.
 
-(Once imported, the submodules ``list`` and ``eval`` are attributes of this package and
-shadow those builtins here: this module does not call them.)
+(Once imported, the submodule ``list`` is an attribute of this package and shadows that
+builtin here: this module does not call it.)
 """
 
 from __future__ import annotations
@@ -18,9 +19,18 @@ from __future__ import annotations
 import importlib
 import os
 
-__all__ = ["Command", "command", "COMMANDS", "find", "load_all", "command_modules", "format_flag"]
+__all__ = ["Command", "command", "COMMANDS", "SHARED", "find", "load_all", "command_modules", "format_flag"]
 
 COMMANDS: dict[str, type] = {}
+
+# the modules that declare several commands, and those commands (tests/unit checks that it is complete)
+SHARED = {
+    "actions": ("eval", "checkpoint", "cleanup", "debug", "cancel"),
+    "query": ("query", "tables", "describe", "repl"),
+    "profile": ("profile", "profile-steps", "trace"),
+    "serve": ("ui", "mcp"),
+}
+_HOME = {name: module for module, names in SHARED.items() for name in names}
 
 
 class Command:
@@ -66,7 +76,7 @@ def command_modules() -> list[str]:
 
 
 def _module_of(name: str) -> str:
-    return name.replace("-", "_")
+    return _HOME.get(name, name.replace("-", "_"))
 
 
 def find(name: str) -> type | None:

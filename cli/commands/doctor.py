@@ -26,7 +26,7 @@ class Doctor(Command):
         )
 
     def run(self, session, args):
-        from ..diagnose import diagnose
+        from ..doctor import diagnose
 
         dx = diagnose(session)
         if session.format == "json":

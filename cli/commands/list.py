@@ -137,7 +137,7 @@ def _print_rows(session, args, rows: list, shown: dict, empty: str) -> int:
 
 def _list_dead(session, args) -> int:
     """``probe list --dead``: the post-mortem records of processes that are gone."""
-    from probe.postmortem.listing import dead_records
+    from ..plumbing.postmortem import dead_records
 
     rows = [
         {

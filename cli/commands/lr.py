@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import command
-from ._action import _Action
+from .actions import _Action
 
 
 @command(

@@ -1,8 +1,13 @@
-"""``probe query``: one read-only SQL query on the live tables (one rank or several), DuckDB here in the client."""
+"""The SQL commands: ``query`` (one read-only SQL query on the live tables, one rank or several, DuckDB here in
+the client), ``tables`` (the tables of a probed process or of several ranks, with their descriptions),
+``describe`` (one table's columns, with types and descriptions, and its examples) and ``repl`` (an interactive
+SQL session). They share this module: each is a thin shell over the query path and the table listing.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from probe._errors import ProbeError
@@ -68,3 +73,106 @@ def _native_backtrace(session, target) -> tuple:
         )
     doc = backtrace_doc(session, target, argparse.Namespace(native=True, subprocesses=False, thread=None, locals=False))
     return backtrace_table(doc)
+
+
+@command("tables", "List the tables of a probed process with their descriptions.")
+class Tables(Command):
+    def run(self, session, args):
+        if session.multi:
+            return _tables_ranks(session)
+        doc = session.client().get("/tables")
+        if session.format == "json":
+            session.print(json.dumps(doc["tables"], indent=2))
+            return 0
+        from probe.sql.engine import Result
+
+        from ..render import render_result
+
+        rows = [[t["name"], t["kind"], len(t["columns"]), t["description"]] for t in doc["tables"]]
+        session.print(
+            render_result(
+                Result(["name", "kind", "columns", "description"], ["VARCHAR", "VARCHAR", "INTEGER", "VARCHAR"], rows),
+                session.format,
+            )
+        )
+        return 0
+
+
+def _tables_ranks(session) -> int:
+    """``probe --ranks SPEC tables``: every table once, with the ranks that have it; silent ranks as rows."""
+    from ..plumbing.fanout import check_partial, fan_out, format_ranks
+
+    from probe.sql.engine import Result
+
+    from ..render import render_result
+
+    answers = fan_out(session.targets(), lambda t: session.client(t).get("/tables"))
+    seen: dict = {}
+    for a in answers:
+        for t in a.value["tables"] if a.ok else ():
+            seen.setdefault(t["name"], (t, []))[1].append(a.rank)
+    answered = [a.rank for a in answers if a.ok]
+    rows = [
+        [name, t["kind"], len(t["columns"]), "all" if ranks == answered else format_ranks(ranks), t["description"]]
+        for name, (t, ranks) in sorted(seen.items())
+    ]
+    rows += [[None, "error", None, a.target.label, a.error] for a in answers if not a.ok]
+    if session.format == "json":
+        session.print(
+            json.dumps([dict(zip(["name", "kind", "columns", "ranks", "description"], r)) for r in rows], indent=2)
+        )
+    else:
+        session.print(
+            render_result(
+                Result(
+                    ["name", "kind", "columns", "ranks", "description"],
+                    ["VARCHAR", "VARCHAR", "INTEGER", "VARCHAR", "VARCHAR"],
+                    rows,
+                ),
+                session.format,
+            )
+        )
+    check_partial(answers, "table listing")  # cli.main reports it and exits 7 (partial) or 3 (none answered)
+    return 0
+
+
+@command("describe", "Show the columns of one table, with types and descriptions.")
+class Describe(Command):
+    @staticmethod
+    def add_arguments(p):
+        p.add_argument("table", help="Table name, e.g. python.backtrace.")
+
+    def run(self, session, args):
+        doc = session.client().get("/tables")
+        by_name = {t["name"]: t for t in doc["tables"]}
+        t = by_name.get(args.table.lower())
+        if t is None:
+            raise ProbeError(f"unknown table {args.table}; known tables: {', '.join(sorted(by_name))}.")
+        if session.format == "json":
+            session.print(json.dumps(t, indent=2))
+            return 0
+        from probe.sql.engine import Result
+
+        from ..render import render_result
+
+        session.print(f"{t['name']}: {t['description']}")
+        rows = [[c["name"], c["type"], c["description"]] for c in t["columns"]]
+        session.print(render_result(Result(["column", "type", "description"], ["VARCHAR"] * 3, rows), session.format))
+        if t.get("examples"):
+            session.print("Examples:\n" + "\n".join(f"  {e}" for e in t["examples"]))
+        return 0
+
+
+@command(
+    "repl",
+    "Interactive SQL session with live-schema completion and backslash commands (\\? lists them); `probe ENDPOINT` "
+    "alone opens it.",
+)
+class Repl(Command):
+    def run(self, session, args):
+        from ..repl.loop import Repl as ReplLoop
+        from ..repl.session import ReplSession
+
+        repl_session = ReplSession(args)
+        repl_session.connect()
+        return ReplLoop(repl_session).run()

@@ -16,7 +16,7 @@ from mcp.server.stdio import stdio_server
 
 from probe import __version__
 
-from .tools import ACTION_TOOLS, NEVER, ToolSpec, call_tool, tool_specs
+from .tools import ACTION_TOOLS, NEVER, ToolSpec, builtin_tables, call_tool, tool_specs
 
 __all__ = ["build_server", "serve_stdio", "tool_specs", "unavailable_reason", "as_data", "structured_data", "DATA_NOTE"]
 
@@ -28,24 +28,6 @@ INSTRUCTIONS = (
     "`list`), rank, or ranks to pick processes. Everything you do is recorded in the job's audit log as coming "
     "from an agent."
 )
-
-
-def _tables_doc() -> str:
-    from probe.tables.registry import all_tables
-
-    return json.dumps(
-        [
-            {
-                "name": t.name,
-                "description": t.description,
-                "kind": t.kind,
-                "columns": [{"name": c.name, "type": c.type, "description": c.description} for c in t.columns],
-                "examples": list(t.examples),
-            }
-            for t in all_tables()
-        ],
-        indent=1,
-    )
 
 
 def unavailable_reason(name: str) -> str:
@@ -159,7 +141,9 @@ def build_server(allow_actions: bool = False, timeout: float | None = None, outp
             raise ValueError(f"no resource {params.uri}; the one resource is probe://tables.")
         return types.ReadResourceResult(
             contents=[
-                types.TextResourceContents(uri="probe://tables", mime_type="application/json", text=_tables_doc())
+                types.TextResourceContents(
+                    uri="probe://tables", mime_type="application/json", text=json.dumps(builtin_tables(), indent=1)
+                )
             ]
         )
 

@@ -19,10 +19,21 @@ import os
 import re
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from probe._errors import ProbeError
 
-__all__ = ["ToolSpec", "ToolResult", "READ_TOOLS", "ACTION_TOOLS", "NEVER", "tool_specs", "call_tool", "AGENT"]
+__all__ = [
+    "ToolSpec",
+    "ToolResult",
+    "READ_TOOLS",
+    "ACTION_TOOLS",
+    "NEVER",
+    "tool_specs",
+    "call_tool",
+    "builtin_tables",
+    "AGENT",
+]
 
 AGENT = "mcp"  # the marker every request of an MCP tool carries (audit.jsonl, probe.actions' client column)
 
@@ -82,11 +93,15 @@ def _command_parser(cls) -> argparse.ArgumentParser:
     return p
 
 
+def builtin_tables() -> list[dict]:
+    """The built-in tables' catalog (``tables.json`` beside this module, generated from the table registry by
+    ``python docs/generate.py --write``): read here instead of importing every table module into the client."""
+    return json.loads((Path(__file__).resolve().parent / "tables.json").read_text())
+
+
 def _query_context() -> str:
     """The built-in tables and their descriptions, for the query tool's description."""
-    from probe.tables.registry import all_tables
-
-    lines = [f"- {t.name}: {t.description}" for t in all_tables()]
+    lines = [f"- {t['name']}: {t['description']}" for t in builtin_tables()]
     return (
         "\n\nRead-only: one SELECT (DuckDB dialect) over these tables; `describe` gives their columns, "
         "`tables` what a given process has (user tables included):\n" + "\n".join(lines)

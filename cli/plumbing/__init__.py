@@ -5,5 +5,6 @@
 pid, host:port, socket path or rank into a Target; ``client`` speaks HTTP to a probed
 process; ``fanout`` is the one thread pool that asks several ranks at once; ``actions``
 sends a guarded action and waits for it (several ranks at one common step); ``postmortem``
-answers for a process that died, from its record.
+finds the records of processes that died and answers for one from its record, which ``records``
+reads back as tables.
 """

@@ -71,7 +71,7 @@ def _record_entries(job: str | None, live: list[dict]) -> list[dict]:
     """
     if not job:
         return []
-    from probe.postmortem.listing import job_records
+    from .postmortem import job_records
 
     held = {int(e["rank"]) for e in live if e.get("rank") is not None}
     started = [float(e["started_at"]) for e in live if e.get("started_at")]
@@ -170,7 +170,7 @@ def resolve(endpoint: str, token: str | None = None, *, agent: str | None = None
         if reused:  # never read another process (py-spy, the injector) as the job's
             raise EndpointError(reused)
         if not pid_alive(pid):
-            from probe.postmortem.listing import find
+            from .postmortem import find
 
             rec = find(pid)
             if rec is not None:
@@ -276,7 +276,7 @@ def targets_for_ranks(
         entries = pick_job(entries, job)
         entries += _record_entries(next((e.get("job") for e in entries if e.get("job")), None), entries)
     else:  # every rank is gone: the job's post-mortem records answer for it
-        from probe.postmortem.listing import list_records
+        from .postmortem import list_records
 
         dead = [m for m in list_records() if m.get("rank") is not None and m.get("job")]
         jobs = sorted({str(m["job"]) for m in dead})

@@ -75,12 +75,13 @@ class Session:
     def computed_table(self, name: str, targets):
         """A table this client computes itself (kind ``client``) for ``targets``, as ``([(column, type)],
         {column: values})``; None for a table the ranks answer. ``diagnosis.findings`` is the doctor's
-        findings, made by the same code as ``probe doctor``."""
-        if name != "diagnosis.findings":
+        findings, made by the same code as ``probe doctor``; ``diagnosis.rules`` adds the rules probe ships,
+        which live in this client, to the ones each process serves (its script's own)."""
+        if name not in ("diagnosis.findings", "diagnosis.rules"):
             return None
-        from ..diagnose import findings_table
+        from ..doctor import findings_table, rules_table
 
-        return findings_table(self, targets)
+        return (findings_table if name == "diagnosis.findings" else rules_table)(self, targets)
 
     def client(self, target=None):
         """The client of ``target``: HTTP to its server, or its post-mortem record when it is gone."""

@@ -1,3 +1,3 @@
-"""The interactive SQL REPL: ``loop`` (prompt and dispatch), ``session`` (switchable
-target, background schema refresh), ``executor`` (statements, cancel), ``completer``
-(live-schema completion) and ``special`` (backslash commands, a registry)."""
+"""The interactive SQL REPL: ``loop`` (prompt and dispatch, and the backslash commands' registry),
+``session`` (switchable target, background schema refresh, statements run and cancelled) and
+``completer`` (live-schema completion)."""

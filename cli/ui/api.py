@@ -136,7 +136,7 @@ def profile_doc(session, seconds: float, native: bool = False) -> dict:
 
 def findings_doc(session) -> dict:
     """The doctor's findings (``probe doctor --format json``), most severe first."""
-    from ..diagnose import diagnose
+    from ..doctor import diagnose
 
     return diagnose(session).to_dict()
 

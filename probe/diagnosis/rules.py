@@ -1,5 +1,9 @@
 """The rule registry: one declaration per rule, the single source for the doctor and its docs.
 
+In a training process it holds the script's own rules (``probe.rule``), which the ``diagnosis.rules`` table
+serves; the rules probe ships are declared the same way in the client (``probe.cli.doctor``), which loads them
+into its own registry and never into the training process.
+
 A rule is data::
 
     rule("lr_zero", family="optimizer", severity="warning",
@@ -21,16 +25,10 @@ read the ``ranks.*`` views and run only across several ranks.
 
 from __future__ import annotations
 
-import importlib
 import threading
 from dataclasses import dataclass
 
-__all__ = ["Rule", "rule", "all_rules", "get_rule", "load_builtins", "BUILTIN", "SEVERITIES", "FAMILIES"]
-
-# the modules of probe.diagnosis that declare the built-in rules, in the order docs/doctor.md and the
-# README list them: one process's training, its memory/speed/input/activations, the invariant checks
-# of torch.checks, and across ranks (dead ranks); all_rules()/get_rule() import them on first use
-BUILTIN = ("process_rules", "param_rules", "runtime_rules", "invariant_rules", "job_rules", "ddp_rules")
+__all__ = ["Rule", "rule", "all_rules", "get_rule", "SEVERITIES", "FAMILIES"]
 
 SEVERITIES = ("critical", "warning", "info")  # most severe first
 FAMILIES = (
@@ -138,24 +136,11 @@ def rule(
     return r
 
 
-_LOADED: list[bool] = []
-
-
-def load_builtins() -> None:
-    """Import the built-in rules' modules (once; each declares its rules with ``rule(...)``)."""
-    if _LOADED:
-        return
-    for mod in BUILTIN:
-        importlib.import_module(f"{__package__}.{mod}")
-    _LOADED.append(True)
-
-
 def all_rules() -> list[Rule]:
-    load_builtins()
+    """The rules declared in this process, most severe first."""
     with _LOCK:
         return sorted(_REGISTRY.values(), key=lambda r: (SEVERITIES.index(r.severity), r.family, r.name))
 
 
 def get_rule(name: str) -> Rule | None:
-    load_builtins()
     return _REGISTRY.get(name)

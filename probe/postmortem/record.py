@@ -11,7 +11,7 @@ read without probe:
   ``PROBE_POSTMORTEM_ROWS`` rows of each; a column that holds NULLs also has a bool
   array ``<table>/<column>.valid`` (false where NULL), and ``meta.json``'s ``schema``
   gives every column's declared SQL type, so a reader restores types and NULLs
-  (``probe.postmortem.reader`` does, for the CLI's queries on a dead pid).
+  (``probe.cli.plumbing.records`` does, for the CLI's queries on a dead pid).
 
 ``python.backtrace`` in a record is built from the same stacks as ``meta.json``'s
 ``stacks``: the thread that died of an exception shows the exception's traceback

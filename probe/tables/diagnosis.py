@@ -1,4 +1,7 @@
-"""diagnosis.rules: the doctor's rules known to this process; diagnosis.findings: what they find.
+"""diagnosis.rules: the doctor's rules; diagnosis.findings: what they find.
+
+A process serves only its script's own rules in ``diagnosis.rules``; the client adds the rules probe ships,
+which live in the client (``probe.cli.doctor``) and are never loaded here.
 
 ``diagnosis.findings`` is declared here (so it is listed, described and completed like any
 table) but computed by the client: the doctor runs in the probe CLI over the other tables
@@ -15,7 +18,7 @@ from .registry import Column, table
 
 @table(
     "diagnosis.rules",
-    "The doctor's rules declared in this process (built-in and the training script's own, via probe.rule).",
+    "The doctor's rules: the ones probe ships and the training script's own (declared with probe.rule).",
     columns=[
         Column("name", "VARCHAR", "Rule name."),
         Column(

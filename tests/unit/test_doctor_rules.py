@@ -84,7 +84,7 @@ def test_a_rule_of_an_unknown_family_is_refused_in_one_sentence():
 
 
 def test_every_rule_is_documented_with_an_example():
-    from probe.diagnosis.rules import all_rules
+    from probe.cli.doctor import all_rules
 
     doc = (ROOT / "docs" / "doctor.md").read_text()
     for r in all_rules():
@@ -93,7 +93,7 @@ def test_every_rule_is_documented_with_an_example():
 
 def test_a_message_field_that_does_not_fit_its_format_costs_that_field_only():
     """A NULL or text value where a rule's template says ``{x:.2f}`` prints '?' or the text, never a traceback."""
-    from probe.cli import diagnose  # (its docstring examples run in tests/unit/test_doctests.py)
+    from probe.cli import doctor as diagnose  # (its docstring examples run in tests/unit/test_doctests.py)
 
     # given a template with numeric specs and a row whose values are NULL, text and numbers
     msg = diagnose.fill_message("{a:.2f} then {b:.1%} on {c} ({d:>4d})", {"a": None, "b": "n/a", "c": 3, "d": 7})
@@ -122,8 +122,8 @@ def _memory_rows(rows: list) -> list:
 
 
 def test_allocator_fragmentation_needs_retries_and_a_large_unused_reservation():
-    from probe.cli.diagnose import fill_message as _fill
-    from probe.diagnosis.rules import get_rule
+    from probe.cli.doctor import fill_message as _fill
+    from probe.cli.doctor import get_rule
 
     # fragmented: 30 of 70 GiB reserved hold no tensor, and 12 allocations had to flush the cache and retry
     (f,) = _memory_rows([("cuda:0", 40, 70, 12, 0, 80), ("cpu", None, None, None, None, None)])
@@ -211,8 +211,8 @@ def test_input_bound_judges_every_step_so_paired_workers_cannot_hide_the_slow_ha
 
 
 def test_input_bound_names_loaders_without_workers_and_where_the_main_thread_loads():
-    from probe.cli.diagnose import fill_message as _fill
-    from probe.diagnosis.rules import get_rule
+    from probe.cli.doctor import fill_message as _fill
+    from probe.cli.doctor import get_rule
 
     data = "/venv/site-packages/torch/utils/data"
     loading = [

@@ -80,8 +80,8 @@ def test_loss_nonfinite_names_an_lr_jump_as_the_cause_even_when_the_gradients_it
 
 
 def _loss_nonfinite_rows(rows: list) -> list:
-    from probe.cli.diagnose import next_commands
-    from probe.diagnosis.rules import get_rule
+    from probe.cli.doctor import next_commands
+    from probe.cli.doctor import get_rule
 
     found = rule_rows(
         "loss_nonfinite",
@@ -157,7 +157,7 @@ def _rule_over_steps(name: str, losses: list) -> list:
 def test_loss_plateau_is_info_on_a_flat_loss_and_quiet_on_a_falling_one():
     import math
 
-    from probe.diagnosis.rules import get_rule
+    from probe.cli.doctor import get_rule
 
     assert get_rule("loss_plateau").severity == "info"  # a converged run plateaus too
     flat = [2.0 + 0.001 * math.sin(s) for s in range(300)]

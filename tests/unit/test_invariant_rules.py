@@ -1,4 +1,4 @@
-"""The invariant rules' SQL (probe/diagnosis/invariant_rules.py) on hand-made torch.checks rows: a finding needs
+"""The invariant rules' SQL (cli/doctor/invariants.py) on hand-made torch.checks rows: a finding needs
 the last two checks of an invariant failing and that invariant still checked (its last row among the rank's
 latest checked steps); a check that stopped (the model it was about is gone) leaves no finding behind."""
 

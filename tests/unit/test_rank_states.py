@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import duckdb
 
-from probe.cli.diagnose import fill_message
-from probe.diagnosis.rules import get_rule
+from probe.cli.doctor import fill_message
+from probe.cli.doctor import get_rule
 from probe.sql.ranks import VIEW_COLUMNS, view_sql
 
 _GROUPS = (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from probe.cli.repl.completer import Schema, SqlCompleter, suggest, tables_in_scope
-from probe.cli.repl.executor import is_complete, split_statements
+from probe.cli.repl.session import is_complete, split_statements
 
 SCHEMA = Schema(
     {

@@ -5,7 +5,7 @@ from here instead of from a server: ``tables_doc`` is its ``GET /tables``, ``sna
 its ``POST /snapshot`` (the same decoded form as ``probe.util.wire.decode``, so the
 query runs through the one path: DuckDB in the CLI over per-rank snapshots), and
 ``backtrace_doc`` its ``GET /backtrace``. Needs numpy only, like the wire format. Listing the
-records and saying how each process ended is ``listing``'s.
+records and saying how each process ended is ``postmortem``'s.
 
 What a reader restores: the declared SQL types (``meta.json``'s ``schema``) and NULLs
 (``<column>.valid`` arrays; integer and timestamp columns stored as NaN in older
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import zipfile
 
-from .record import load_tables
+from probe.postmortem.record import load_tables
 
 __all__ = ["Record", "parse_fatal_dump"]
 
@@ -341,7 +341,7 @@ class Record:
                 }
             )
         if thread not in (None, "") and not threads:
-            from .._errors import QueryError
+            from probe._errors import QueryError
 
             names = ", ".join(sorted({str(t.get("name")) for t in self.stacks()}))
             raise QueryError(
@@ -385,6 +385,3 @@ class Record:
             "summary": m.get("summary"),
             "died_at": m.get("time"),
         }
-
-
-# -- listing: the records of this host and of other hosts, and how each process ended -------------------

@@ -5,7 +5,7 @@ within a step or two of its onset, with what it is about by name (docs/doctor.md
 
 from __future__ import annotations
 
-from .rules import rule
+from probe.diagnosis.rules import rule
 
 __all__: list = []
 

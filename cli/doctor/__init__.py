@@ -1,98 +1,64 @@
 """Run the doctor's rules against one process or the ranks of a job; return findings.
 
-The rules are data (``probe.diagnosis``): this module asks which processes answer, reads
-what it can from outside for those that do not (the kernel's process state, the hang
-watchdog's dump, py-spy's stack), then runs every rule whose tables exist through the
-same query path as ``probe query`` (one rank is federation with one rank), and turns
-each row into a finding with its message and next commands. Nothing here adds work to
-the training processes beyond the queries themselves: the rules read data already kept.
+The rules are data, declared with ``probe.diagnosis.rules.rule``: the ones probe ships live in this
+package's modules (``BUILTIN``), loaded into this client's registry on first use and never into a training
+process, which serves only its script's own rules (the ``diagnosis.rules`` table). This module asks which
+processes answer, reads what it can from outside for those that do not (the kernel's process state, the hang
+watchdog's dump, py-spy's stack), then runs every rule whose tables exist through the same query path as
+``probe query`` (one rank is federation with one rank), and turns each row into a finding (``findings``).
+Nothing here adds work to the training processes beyond the queries themselves: the rules read data already kept.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
-import string
 import time
-from dataclasses import dataclass, field
 
 from probe.config import setting
 from probe._errors import ProbeError
-from probe.diagnosis.rules import SEVERITIES, Rule, all_rules
+from probe.diagnosis import rules as registry
+from probe.diagnosis.rules import SEVERITIES, Rule
 from probe.util.procfs import proc_state
 
-from .plumbing.fanout import fan_out
-from .plumbing.postmortem import is_postmortem
+from ..plumbing.fanout import fan_out
+from ..plumbing.postmortem import is_postmortem
+from .findings import Diagnosis, Finding, fill_message, fold, next_commands
 
-__all__ = ["Finding", "Diagnosis", "diagnose", "fold", "findings_table", "fill_message", "next_commands"]
+__all__ = [
+    "Finding",
+    "Diagnosis",
+    "diagnose",
+    "fold",
+    "findings_table",
+    "fill_message",
+    "next_commands",
+    "rules_table",
+    "all_rules",
+    "get_rule",
+    "BUILTIN",
+]
 
-
-@dataclass
-class Finding:
-    rule: str
-    family: str
-    severity: str
-    message: str
-    rank: int | None = None
-    step: int | None = None
-    target: str | None = None
-    evidence: dict = field(default_factory=dict)
-    next: list = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return {
-            "rule": self.rule,
-            "family": self.family,
-            "severity": self.severity,
-            "rank": self.rank,
-            "step": self.step,
-            "target": self.target,
-            "message": self.message,
-            "evidence": self.evidence,
-            "next": self.next,
-        }
-
-    def to_row(self) -> dict:
-        """The finding as a row of ``diagnosis.findings`` (evidence and next as JSON text)."""
-        return dict(self.to_dict(), evidence=json.dumps(self.evidence, default=str), next=json.dumps(self.next))
+# the modules of this package that declare the built-in rules: one process's training (hangs, NaNs, the loss),
+# what trains (parameters, gradients, replicas), memory/speed/input/activations, the invariant checks of
+# torch.checks, and across ranks
+BUILTIN = ("process", "params", "runtime", "invariants", "ranks")
+_LOADED: list[bool] = []
 
 
-@dataclass
-class Diagnosis:
-    findings: list
-    processes: int
-    answering: int
-    rules_run: int
-    rules_skipped: list
-    elapsed: float
-    lacking: str = "the process does not have"  # who lacks a table a skipped rule reads (see skipped_lines)
+def all_rules() -> list[Rule]:
+    """Every rule this client knows: the built-ins (imported once) and any declared here, most severe first."""
+    if not _LOADED:
+        for mod in BUILTIN:
+            importlib.import_module(f"{__name__}.{mod}")  # each declares its rules with ``rule(...)``
+        _LOADED.append(True)
+    return registry.all_rules()
 
-    @property
-    def worst(self) -> str | None:
-        return min((f.severity for f in self.findings), key=SEVERITIES.index, default=None)
 
-    def skipped_lines(self) -> list:
-        """The rules that could not run, one line each, except those that read a table the process (or its
-        post-mortem record) lacks: one line for all of them, naming the tables."""
-        tables = list(dict.fromkeys(s["table"] for s in self.rules_skipped if s.get("table")))
-        lines = [f"{s['rule']}: {s['why']}" for s in self.rules_skipped if not s.get("table")]
-        if tables:
-            n = sum(1 for s in self.rules_skipped if s.get("table"))
-            lines.append(
-                f"{n} rule{'s' if n != 1 else ''} read tables {self.lacking}: {', '.join(sorted(tables))} "
-                "(--format json names each rule)."
-            )
-        return lines
-
-    def to_dict(self) -> dict:
-        return {
-            "findings": [f.to_dict() for f in self.findings],
-            "processes": self.processes,
-            "answering": self.answering,
-            "rules_run": self.rules_run,
-            "rules_skipped": self.rules_skipped,
-            "elapsed_s": round(self.elapsed, 3),
-        }
+def get_rule(name: str) -> Rule | None:
+    all_rules()
+    return registry.get_rule(name)
 
 
 def _clean(value):
@@ -101,49 +67,6 @@ def _clean(value):
     if isinstance(value, (int, float, str, bool)) or value is None:
         return value
     return str(value)
-
-
-def next_commands(templates, row: dict) -> list:
-    """The rule's next commands for ``row``; one that names a ``next_*`` column whose value is NULL or
-    empty is left out (a rule's SQL says which commands fit what it found).
-
-    >>> next_commands(["probe {target} backtrace", "probe {target} {next_lr}"], {"target": "42", "next_lr": None})
-    ['probe 42 backtrace']
-    """
-    out = []
-    for t in templates:
-        names = [name for _, name, _, _ in string.Formatter().parse(t) if name]
-        if any(n.startswith("next_") and row.get(n) in (None, "") for n in names):
-            continue
-        out.append(fill_message(t, row))
-    return out
-
-
-def fill_message(template: str, row: dict) -> str:
-    """The rule's template with the row's values; a missing, NULL or ill-fitting value prints as '?'.
-
-    Each field is formatted on its own, so one value that does not fit its format spec
-    (a NULL where ``{ratio:.2f}`` expects a number) costs that field, never the finding.
-
-    >>> fill_message("{a:.2f} of {b} ({c:.0%})", {"a": 1.234, "b": None})
-    '1.23 of ? (?)'
-    """
-    out = []
-    for literal, name, spec, conv in string.Formatter().parse(template):
-        out.append(literal)
-        if name is None:
-            continue
-        value = row.get(name)
-        if value is None:
-            out.append("?")
-            continue
-        try:
-            if conv:
-                value = {"r": repr, "s": str, "a": ascii}[conv](value)
-            out.append(format(value, spec))
-        except (ValueError, TypeError, KeyError):
-            out.append(str(value))
-    return "".join(out)
 
 
 def _where(session, rank) -> str:
@@ -179,7 +102,7 @@ def _outside(target, error: str) -> Finding:
         try:
             from probe.injector import pyspy_backtrace
 
-            from .stacks import main_thread, user_frame
+            from ..stacks import main_thread, user_frame
 
             doc = pyspy_backtrace(pid, timeout=5.0)
             frames = (main_thread(doc) or {}).get("frames") or []
@@ -214,41 +137,50 @@ def _outside(target, error: str) -> Finding:
     )
 
 
-def _user_rules(con, builtin_names: set) -> list:
-    """Rules the training script declared itself (listed in its diagnosis.rules table)."""
-    from .query_runner import run_outer
+def _own_rules(session, targets, schema: dict) -> list:
+    """The rules the training scripts declared themselves (their ``diagnosis.rules`` tables), one dict per rule
+    and rank, the JSON columns as text; none where a process lists no such table."""
+    from probe.sql.federate import per_rank_query
 
-    res = run_outer(
-        con,
-        "SELECT DISTINCT name, family, severity, description, sql, message, next, scope, params, explains "
-        "FROM diagnosis.rules",
-        1000,
+    from ..query_runner import open_database, run_outer
+
+    if "diagnosis.rules" not in schema:
+        return []
+    columns = [c for c in schema["diagnosis.rules"] if c != "rank"]
+    con, _ = open_database(
+        session, targets, schema, {"diagnosis.rules": per_rank_query("diagnosis.rules", columns, None)}
     )
-    out = []
-    for row in res.rows:
-        d = dict(zip(res.columns, row))
-        if d["name"] in builtin_names:
-            continue
-        try:
-            d["next"] = json.loads(d["next"] or "[]")
-            d["params"] = json.loads(d["params"] or "{}")
-            d["explains"] = json.loads(d["explains"] or "[]")
-            out.append(Rule.from_dict(d))
-        except (ValueError, TypeError, KeyError):
-            continue
-    return out
+    try:
+        res = run_outer(con, "SELECT DISTINCT * FROM diagnosis.rules", 1000)
+    finally:
+        con.close()
+    return [dict(zip(res.columns, row)) for row in res.rows]
+
+
+def _as_rule(d: dict) -> Rule | None:
+    try:
+        return Rule.from_dict(
+            dict(
+                d,
+                next=json.loads(d["next"] or "[]"),
+                params=json.loads(d["params"] or "{}"),
+                explains=json.loads(d["explains"] or "[]"),
+            )
+        )
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 def _plans(rules: list, schema: dict, answering: int, lacking: str, write: bool = True):
     """``[(rule, plan)]`` for the rules that can run here, and ``[{rule, why}]`` for the rest (with ``table``
     when the rule reads a table that ``lacking`` names the owner of); the plans are cached in the runtime
     directory, or in memory only when ``write`` is false."""
-    from probe.sql.federate import plan
     from probe.sql.plan_cache import PlanCache
     from probe.sql.ranks import view_params
 
     params = view_params(strict=True)
-    cache = PlanCache(schema, params, write=write)  # the same rules over the same tables plan the same: once
+    # the same rules over the same tables plan the same: once
+    cache = PlanCache(schema, params, store="file" if write else "read")
     plans, skipped = [], []
     for r in rules:
         if r.scope == "job" and answering < 2:
@@ -257,10 +189,7 @@ def _plans(rules: list, schema: dict, answering: int, lacking: str, write: bool 
         try:
             if r.params:
                 sql = sql.format(**{k: setting(name, strict=True) for k, name in r.params})
-            p = cache.get(sql)
-            if p is None:
-                p = plan(sql, schema, params)
-                cache.put(sql, p)
+            p = cache.plan(sql)
             if "diagnosis.findings" in p.parts:
                 skipped.append({"rule": r.name, "why": "it reads diagnosis.findings, which the doctor itself makes"})
                 continue
@@ -284,7 +213,7 @@ def diagnose(session, targets=None) -> Diagnosis:
     from probe.sql.federate import per_rank_query
     from probe.sql.ranks import FEDERATED_VIEWS
 
-    from .query_runner import fetch_schema, materialize_views, open_database, run_outer
+    from ..query_runner import fetch_schema, materialize_views, open_database, run_outer
 
     started = time.perf_counter()
     targets = session.targets() if targets is None else targets
@@ -302,21 +231,9 @@ def diagnose(session, targets=None) -> Diagnosis:
     if answering:
         schema = fetch_schema(session, answering)
         rules = all_rules()
-        if "diagnosis.rules" in schema:  # the script's own rules first: they may read other tables
-            con, _ = open_database(
-                session,
-                answering[:1],
-                schema,
-                {
-                    "diagnosis.rules": per_rank_query(
-                        "diagnosis.rules", [c for c in schema["diagnosis.rules"] if c != "rank"], None
-                    )
-                },
-            )
-            try:
-                rules += _user_rules(con, {r.name for r in rules})
-            finally:
-                con.close()
+        builtin = {r.name for r in rules}  # a script's rule of the same name does not replace probe's
+        own = {d["name"]: _as_rule(d) for d in _own_rules(session, answering[:1], schema) if d["name"] not in builtin}
+        rules += [r for r in own.values() if r is not None]
         plans, skipped = _plans(rules, schema, len(answering), lacking, write=session.writes_files)
         needed = {name for _, p in plans for name in p.parts}
         parts = {
@@ -374,42 +291,28 @@ def diagnose(session, targets=None) -> Diagnosis:
     return Diagnosis(findings, len(targets), len(answering), run, skipped, time.perf_counter() - started, lacking)
 
 
-def fold(findings: list, explains: dict) -> list:
-    """Fold the findings a rule explains into that rule's finding: a job whose ranks all wait in mismatched
-    collectives is one finding, not one more per rank that no step completes on. The folded ones are named at
-    the end of its message and kept whole in its evidence (``explains``).
-
-    >>> cause = Finding("collective_mismatch", "distributed", "critical", "rank 1 left the path.")
-    >>> hung = [Finding("hung", "hang", "critical", "no step for 70 s.", rank=r) for r in (0, 1, 2)]
-    >>> other = Finding("loss_spike", "divergence", "warning", "a spike.", rank=0)
-    >>> [f.rule for f in fold([cause, *hung, other], {"collective_mismatch": ("hung",)})]
-    ['collective_mismatch', 'loss_spike']
-    >>> cause.message
-    'rank 1 left the path. It explains: hung on ranks 0, 1, 2.'
-    """
-    causes = [f for f in findings if explains.get(f.rule)]
-    if not causes:
-        return findings
-    folded: set = set()
-    for cause in causes:
-        effects = [f for f in findings if f.rule in explains[cause.rule] and f is not cause and id(f) not in folded]
-        if not effects:
-            continue
-        folded.update(id(f) for f in effects)
-        said = []
-        for rule in dict.fromkeys(f.rule for f in effects):
-            ranks = sorted({f.rank for f in effects if f.rule == rule and f.rank is not None})
-            said.append(
-                rule + (f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else "")
-            )
-        cause.message += f" It explains: {'; '.join(said)}."
-        cause.evidence = dict(cause.evidence, explains=[f.to_dict() for f in effects])
-    return [f for f in findings if id(f) not in folded]
-
-
 def findings_table(session, targets) -> tuple:
     """``diagnosis.findings`` for ``targets``: ``([(column, type)], {column: values})``, by the doctor's own code."""
     from probe.tables.diagnosis import FINDING_COLUMNS
 
     rows = [f.to_row() for f in diagnose(session, targets).findings]
     return [(c.name, c.type) for c in FINDING_COLUMNS], {c.name: [r[c.name] for r in rows] for c in FINDING_COLUMNS}
+
+
+def rules_table(session, targets) -> tuple:
+    """``diagnosis.rules`` for ``targets``: the rules probe ships (declared here, ``rank`` NULL) and each
+    process's own (which it serves itself), as ``findings_table`` returns them."""
+    from probe.tables.diagnosis import rules as rows_of  # the table's own generator makes the built-ins' rows
+
+    from ..query_runner import fetch_schema
+
+    schema = fetch_schema(session, targets)
+    columns = list(schema["diagnosis.rules"].items())
+    if "rank" not in schema["diagnosis.rules"]:
+        columns.append(("rank", "INTEGER"))
+    all_rules()  # the built-ins, into this client's registry
+    names = [c for c, _ in columns if c != "rank"]
+    builtin = [dict(zip(names, row), rank=None) for row in rows_of(None)]
+    known = {d["name"] for d in builtin}
+    own = [d for d in _own_rules(session, targets, schema) if d["name"] not in known]
+    return columns, {c: [d.get(c) for d in builtin + own] for c, _ in columns}

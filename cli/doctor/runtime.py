@@ -8,7 +8,7 @@ needs enough steps to compare against and a margin in absolute terms as well as 
 
 from __future__ import annotations
 
-from .rules import rule
+from probe.diagnosis.rules import rule
 
 __all__: list = []
 

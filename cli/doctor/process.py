@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from probe.sql.ranks import STALL_MIN_S, STALL_PACE
 
-from .naming import named
-from .rules import rule
+from .params import named
+from probe.diagnosis.rules import rule
 
 __all__: list = []
 

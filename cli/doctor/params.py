@@ -1,16 +1,64 @@
 """The doctor's rules about what trains: frozen parameters, gradients the optimizer never applies, a rate or a
-gradient of zero, and layers whose gradients differ by orders of magnitude (docs/doctor.md lists them).
+gradient of zero, layers whose gradients differ by orders of magnitude, and data-parallel replicas whose
+weights differ at the same step (``torch.weight_sums``, compared across ranks in the client: probe issues no
+collective). docs/doctor.md lists them.
 
 Thresholds are chosen so that a healthy run gets no finding above ``info``; findings name the tensors by
-module prefix (``naming``).
+module prefix (``named``: pure SQL over torch.parameters; each tensor's dotted name gives every
+module path above it, and a path is a group when all of its tensors are hit and its parent's are not).
 """
 
 from __future__ import annotations
 
-from .naming import human, named
-from .rules import rule
+from probe.diagnosis.rules import rule
+from probe.sql.ranks import ranks_phrase
 
-__all__: list = []
+__all__ = ["named", "human"]
+
+_NAMES_SHOWN = 6  # groups a message lists before "and N more"
+
+
+def human(x: str) -> str:
+    """SQL for a count in a few characters: 20480 -> 20.5k."""
+    return (
+        f"CASE WHEN {x} >= 1e9 THEN printf('%.3gG', {x} / 1e9) WHEN {x} >= 1e6 THEN printf('%.3gM', {x} / 1e6) "
+        f"WHEN {x} >= 1e4 THEN printf('%.3gk', {x} / 1e3) ELSE CAST({x} AS VARCHAR) END"
+    )
+
+
+def named(alias: str, hit: str, among: str = "TRUE") -> str:
+    """CTEs ending in ``{alias}(rank, model, names, groups)``: the torch.parameters rows where ``hit`` holds
+    (of those where ``among`` does), named by module prefix, largest first; ``names`` is 'all of its tensors'
+    when all of the model's are hit."""
+    return f"""
+{alias}_t AS (SELECT rank, model, numel, coalesce({hit}, FALSE) AS hit, string_split(name, '.') AS parts
+              FROM torch.parameters WHERE {among}),
+{alias}_k AS (SELECT rank, model, numel, hit, len(parts) AS depth, parts, unnest(generate_series(1, len(parts))) AS k
+              FROM {alias}_t),
+{alias}_g AS (SELECT rank, model, array_to_string(list_slice(parts, 1, k), '.') AS prefix,
+                     any_value(array_to_string(list_slice(parts, 1, k - 1), '.')) AS parent,
+                     bool_and(hit) AS pure, count(*) AS tensors, sum(numel) AS elements,
+                         any_value(array_to_string(parts, '.')) AS one
+              FROM {alias}_k GROUP BY rank, model, prefix),
+{alias}_m AS (SELECT g.rank, g.model, g.prefix, g.elements,
+                     CASE WHEN g.tensors = 1 THEN g.one
+                          ELSE g.prefix || '.* (' || g.tensors || ' tensors, ' || {human("g.elements")}
+                              || ' elements)' END AS label
+              FROM {alias}_g AS g
+              LEFT JOIN {alias}_g AS up ON up.rank IS NOT DISTINCT FROM g.rank
+                  AND up.model = g.model AND up.prefix = g.parent
+              WHERE g.pure AND (up.pure IS NULL OR NOT up.pure)),
+{alias}_l AS (SELECT rank, model, list(label ORDER BY elements DESC, prefix) AS labels
+    FROM {alias}_m GROUP BY rank, model),
+{alias}_all AS (SELECT rank, model, bool_and(hit) AS every FROM {alias}_t GROUP BY rank, model),
+{alias} AS (SELECT l.rank, l.model, len(l.labels) AS groups,
+                   CASE WHEN a.every THEN 'all of its tensors'
+                        ELSE array_to_string(list_slice(l.labels, 1, {_NAMES_SHOWN}), ', ') ||
+                             CASE WHEN len(l.labels) > {_NAMES_SHOWN} THEN ' and '
+                                 || (len(l.labels) - {_NAMES_SHOWN}) || ' more'
+                                  ELSE '' END END AS names
+            FROM {alias}_l AS l JOIN {alias}_all AS a ON a.rank IS NOT DISTINCT FROM l.rank AND a.model = l.model)"""
+
 
 # Normalization layers: a model where only these train was frozen by a name filter that missed them (or the
 # other way round), the classic "for name, p in model.named_parameters(): if 'bn' not in name" mistake.
@@ -209,5 +257,93 @@ WHERE t.step >= 50 AND s.first_rms > 0 AND s.last_rms > 0
             "torch.parameters WHERE requires_grad AND name LIKE '{stack}%' ORDER BY name\""
         ),
         'probe {target} query "SELECT step, loss, grad_norm FROM torch.steps ORDER BY step DESC LIMIT 20"',
+    ],
+)
+
+
+_TOLERANCE = 1e-7  # relative: float64 sums of the same float32 values agree to ~1e-16; one unsynced step moves ~1e-4
+_REPLICA_NAMES_SHOWN = 5
+
+rule(
+    "weights_diverged",
+    family="distributed",
+    severity="warning",
+    scope="job",
+    description=(
+        "The DDP replicas hold different weights: at the last step every rank took a checksum of "
+        "(torch.weight_sums), some parameter tensors' checksums differ across ranks; names the first tensors that "
+        "differ, by module, and since which step."
+    ),
+    sql=f"""
+WITH s AS (SELECT rank, step, model, position, name, numel, checksum FROM torch.weight_sums),
+ranks_n AS (SELECT model, count(DISTINCT rank) AS n FROM s GROUP BY model),
+common AS (SELECT s.model, s.step FROM s JOIN ranks_n USING (model) GROUP BY s.model, s.step, ranks_n.n
+           HAVING count(DISTINCT s.rank) = ranks_n.n AND ranks_n.n >= 2),
+cmp AS (SELECT s.model, s.step, s.position, any_value(s.name) AS name,
+               max(s.checksum) - min(s.checksum) > {_TOLERANCE} * greatest(max(abs(s.checksum)), 1e-30) AS differs
+        FROM s JOIN common USING (model, step) GROUP BY s.model, s.step, s.position),
+last AS (SELECT model, max(step) AS step FROM common GROUP BY model),
+agreed AS (SELECT model, max(step) AS step FROM (SELECT model, step FROM cmp GROUP BY model, step
+    HAVING NOT bool_or(differs))
+           GROUP BY model),
+bad AS (SELECT c.* FROM cmp AS c JOIN last USING (model, step) WHERE c.differs),
+-- the module of each differing tensor (its name less the last part), in the model's order
+mods AS (SELECT model, CASE WHEN contains(name, '.') THEN regexp_replace(name, '\\.[^.]*$', '') ELSE name END AS module,
+                min(position) AS first, count(*) AS tensors, any_value(name) AS one FROM bad GROUP BY ALL),
+odd AS (  -- with three ranks or more, the ranks whose checksum is not the most common one
+  SELECT s.model, string_agg(DISTINCT CAST(s.rank AS VARCHAR), ',' ORDER BY CAST(s.rank AS VARCHAR)) AS ranks
+  FROM s JOIN bad USING (model, step, position)
+  JOIN (SELECT s2.model, s2.position, mode(s2.checksum) AS usual, count(*) - max(cnt) AS off
+        FROM s AS s2 JOIN bad USING (model, step, position)
+        JOIN (SELECT model, step, position, checksum, count(*) AS cnt FROM s GROUP BY ALL) AS k
+          ON k.model = s2.model AND k.step = s2.step AND k.position = s2.position AND k.checksum = s2.checksum
+        GROUP BY s2.model, s2.position) AS u ON u.model = s.model AND u.position = s.position
+  WHERE s.checksum <> u.usual AND u.off < (SELECT n FROM ranks_n WHERE ranks_n.model = s.model) / 2.0
+  GROUP BY s.model),
+found AS (
+SELECT b.model, min(l.step) AS step, count(*) AS differ,
+       (SELECT count(DISTINCT position) FROM s WHERE s.model = b.model AND s.step = min(l.step)) AS tensors,
+       arg_min(b.name, b.position) AS first_tensor,
+       coalesce((SELECT min(c.step) FROM cmp AS c WHERE c.model = b.model AND c.differs
+                   AND c.step > coalesce((SELECT a.step FROM agreed AS a
+                       WHERE a.model = b.model), -1)), min(l.step)) AS since,
+       coalesce(printf('step %d', (SELECT a.step FROM agreed AS a
+           WHERE a.model = b.model)), 'no step compared') AS agreed_at,
+       (SELECT a.step FROM agreed AS a WHERE a.model = b.model) AS agreed_step,
+       (SELECT array_to_string(list_slice(list(CASE WHEN m.tensors = 1 THEN m.one ELSE m.module || '.* ('
+           || m.tensors || ' tensors)' END
+                                               ORDER BY m.first), 1, {_REPLICA_NAMES_SHOWN}), ', ')
+               || CASE WHEN count(*) > {_REPLICA_NAMES_SHOWN} THEN ' and ' || (count(*) - {_REPLICA_NAMES_SHOWN})
+                   || ' more modules' ELSE '' END
+          FROM mods AS m WHERE m.model = b.model) AS modules,
+       (SELECT n FROM ranks_n WHERE ranks_n.model = b.model) AS ranks,
+       coalesce({
+        ranks_phrase(
+            "(SELECT o.ranks FROM odd AS o WHERE o.model = b.model)",
+            " differs from the others",
+            " differ from the others",
+        )
+    },
+                'the ranks disagree') AS who
+FROM bad AS b JOIN last AS l USING (model)
+GROUP BY b.model)
+SELECT * EXCLUDE (agreed_step),
+       coalesce(printf('they agreed last at step %d and differ since step %d', agreed_step, since),
+                printf('they differ at every step compared, from step %d on', since)) AS history
+FROM found""",
+    message=(
+        "the DDP replicas of {model} hold different weights: at step {step}, {differ} of {tensors} parameter tensors "
+        "differ across the {ranks} ranks ({who}), first {modules}; {history}. DDP keeps every rank's weights "
+        "identical only when every step's gradients are averaged: a forward through model.module (not the DDP "
+        "wrapper) averages nothing, a parameter changed or a checkpoint loaded on one rank after wrapping is never "
+        "sent to the others, and a collective issued on some ranks only pairs each later all-reduce with another "
+        "step's gradients (gloo need not hang on it)."
+    ),
+    next=[
+        (
+            'probe --ranks all query "SELECT step, rank, name, checksum FROM torch.weight_sums WHERE step = {step} '
+            'ORDER BY position, rank"'
+        ),
+        "probe --ranks all backtrace --group",
     ],
 )
