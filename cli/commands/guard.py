@@ -6,7 +6,7 @@ import json
 import os
 
 from . import command
-from ._action import _Action, _bytes
+from .actions import _Action, _bytes
 
 
 @command(

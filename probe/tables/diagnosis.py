@@ -5,7 +5,7 @@ which live in the client (``probe.cli.doctor``) and are never loaded here.
 
 ``diagnosis.findings`` is declared here (so it is listed, described and completed like any
 table) but computed by the client: the doctor runs in the probe CLI over the other tables
-(``probe.cli.diagnose``), never in the training process, whose own snapshot of it is empty.
+(``probe.cli.doctor``), never in the training process, whose own snapshot of it is empty.
 """
 
 from __future__ import annotations
@@ -97,4 +97,4 @@ FINDING_COLUMNS = [
     kind="client",
 )
 def findings(ctx):
-    return []  # the doctor runs in the client (probe.cli.diagnose), never in the training process
+    return []  # the doctor runs in the client (probe.cli.doctor), never in the training process
