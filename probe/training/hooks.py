@@ -17,7 +17,7 @@ import threading
 from .._core import state as agent_state
 from ..util.errorlog import record_error
 from ..util.usercode import user_frame
-from . import counters, finder
+from . import finder
 from .steps import StepTracker
 from .trace import Tracer
 
@@ -98,7 +98,7 @@ def _install(torch) -> None:
             handle = topt.register_optimizer_step_post_hook(_post_hook)
             _state.update(installed=True, handle=handle, pre_handle=topt.register_optimizer_step_pre_hook(_pre_hook))
             agent_state.add_status_provider(status)
-            agent_state.add_status_provider(counters.status)  # a Trainer's own step beside probe's
+            agent_state.add_status_provider(finder.framework_status)  # a Trainer's own step beside probe's
             tr.prepare(1)  # step 1 is sampled: trace it from the first module call
         except Exception as exc:
             record_error("installing torch hooks", exc)

@@ -1,37 +1,24 @@
 """Step bookkeeping: one ``torch.steps`` row per training step, and the step boundary.
 
-What counts as a step:
+What counts as a step: the *lead* optimizer's ``step()`` ends one (the optimizer given to
+``probe.watch(optimizer=...)``, else the first seen stepping); once a second optimizer steps, every optimizer step
+goes to ``steprows.cycle_step``, and a recognised iteration ends after its last optimizer step; gradient
+accumulation needs nothing (a step is N micro-batches, and ``micro_batches``, samples and tokens add up over
+them); once ``probe.step()`` is called, the explicit calls own the count.
 
-* The *lead* optimizer's ``step()`` ends a training step. The lead is the optimizer
-  given to ``probe.watch(optimizer=...)``, else the first optimizer seen stepping.
-* Once a second optimizer steps (a GAN's generator, a separate embedding optimizer), every
-  optimizer step goes to ``cycle``: when the iteration's sequence of optimizer steps is
-  recognised, the step ends after its last optimizer step instead (see ``cycle``).
-* Gradient accumulation needs nothing: the optimizer steps once per N micro-batches,
-  so a step is N micro-batches; ``micro_batches``, samples and tokens add up over them.
-* Once ``probe.step()`` is called, the explicit calls own the count and optimizer steps
-  no longer end steps (no double counting).
+The core signals are recorded on every step: step count, step time, lr, the loss (``capture``: a CPU scalar read
+at once, a device one copied without blocking and read when ready), the time before the step's first forward call
+(``data_wait``) and the safe-point queue; memory is read by ``steprows.MemoryClock``'s thread. The optional values
+(the grad norm, input counts, the frame-variable loss fallback) and the occasional work (discovery scans, module
+trace scheduling) run on the steps the ``PROBE_STEP_BUDGET`` bucket allows, and the row's ``measured`` flag says
+which. Measured steps are jittered (a coin at each allowed step), so a job's own period cannot line up with them.
+Each boundary's own cost is kept (``probe_us``). A step that is not measured, traced or waited on takes the quick
+path (``on_optimizer_step``): the exact values and nothing else, because on a fast loop that path is most steps.
+Values derived from others (``started_at``, the rates, ``rank``) are computed when a query asks.
 
-The boundary's cost is paced (``budget``). The core signals are recorded on every step: step count,
-step time, lr, the loss (the backpropagated scalar ``capture`` noted: a CPU scalar read at once, a device
-one copied without blocking and read when ready), the time before the step's first forward call
-(``data_wait``) and the safe-point queue; memory is read every 100 ms by ``memclock``'s thread. The
-optional values (the grad norm, input counts, the frame-variable loss fallback) and the
-occasional work (discovery scans, module-trace scheduling) run on the steps the ``PROBE_STEP_BUDGET``
-bucket allows, and the row's ``measured`` flag says which. Which steps are measured is jittered (a coin
-at each allowed step), so a job's own period (two DataLoader workers: fast and slow steps in turn)
-cannot line up with them. Each boundary's own cost is timed and kept (``probe_us``). A step that is
-not measured, traced or waited on by an action takes a quick path (in ``on_optimizer_step``): the
-exact values and nothing else, in a handful of operations, because on a fast loop that path is most
-steps and every operation in it is paid per step. Values derived from others (``started_at``, the
-rates, ``rank``) are computed when a query asks, not at the boundary.
-
-The hot path never synchronises with a device: a device loss and the gradient norm
-(a foreach norm launched on the device) are kept as pinned host copies with an event and
-read a few steps later or when a query asks, once they are ready. Until then, or when there
-is no such value (a grad norm on a step the budget did not measure), the ring holds None
-(SQL NULL: for a device loss, "not ready yet"); a loss that is NaN or infinite is kept as it
-is, so ``isnan(loss)`` finds the step it went bad.
+The hot path never synchronises with a device: a device loss and the gradient norm are kept as pinned host copies
+with an event (``steprows.Pending``) and read a few steps later or when a query asks; until then the ring holds
+None (SQL NULL). A NaN or infinite loss is kept as it is, so ``isnan(loss)`` finds the step it went bad.
 """
 
 from __future__ import annotations
@@ -42,23 +29,19 @@ import sys
 import time
 import weakref
 
-from . import cycle as _cycle, finder, invariants, memclock, replicas, safepoint
+from . import finder, invariants, replicas, safepoint
 from .frameworks import unwrap_optimizer
 from .inputs import InputCounter
 from .tracepace import TracePacing
 from ..util.budget import Budget
 from .capture import Capture
-from .pending import Pending, landed
-from .stepcolumns import RING_COLUMNS
-from .steplife import StepLife
+from .steprows import RING_COLUMNS, MemoryClock, OptimizerCycle, Pending, cycle_step, landed
 from ..config import setting
 from .._identity import rank_identity
 from ..util.errorlog import record_error
 from ..util.procfs import CpuWait
 from ..util.ring import Ring
 from ..util.usercode import user_frame
-
-__all__ = ["StepTracker"]
 
 _perf_ns = time.perf_counter_ns
 _subscribers = safepoint.subscribers  # the list itself (never rebound): one global read on the quick path
@@ -82,35 +65,24 @@ def norm_budget() -> Budget:
     return Budget(setting("PROBE_GRAD_NORM"), burst_s=_NORM_BURST_S, charge_cap=math.inf)
 
 
-class StepTracker(StepLife):
+class StepTracker:
     """The step count and the step boundary of this process's training loop (one, made by ``hooks``).
 
-    Read and set by other modules (``hooks``, ``cycle``, the lr action, the torch tables):
+    Read and set by others: ``step`` (steps completed), ``explicit`` (``probe.step()`` owns the count), ``ring``
+    (the ``torch.steps`` rows, ``steprows.RING_COLUMNS``) and ``pending`` (its device values not read yet),
+    ``capture`` (loss and grad norm), ``inputs`` (micro-batches, samples, tokens), ``memory``, ``tracer``,
+    ``budget`` and ``norm_budget`` (PROBE_STEP_BUDGET, PROBE_GRAD_NORM), ``trace_pacing``, ``lead`` (weakref to
+    the lead optimizer), ``cycle`` (``steprows.OptimizerCycle`` once a second optimizer steps), ``step_lr`` and
+    ``used_lr`` (the lr an override made this step use, set before the boundary), ``wall_offset`` (time.time()
+    minus perf_counter()) and ``rank``.
 
-    * ``step``: steps completed; ``explicit``: ``probe.step()`` owns the count (set by ``hooks``);
-    * ``ring``: the ``torch.steps`` rows (``stepcolumns``: RING_COLUMNS; its ``snapshot`` is what a query sees);
-      ``pending``: device values of its rows not read yet (``pending.Pending``);
-    * ``capture`` (the loss and grad norm, ``capture.Capture``), ``inputs`` (micro-batches, samples,
-      tokens: ``inputs.InputCounter``), ``memory`` (``memclock.MemoryClock``), ``tracer`` (``trace.Tracer``),
-      ``budget`` and ``norm_budget`` (``util.budget.Budget``: PROBE_STEP_BUDGET, PROBE_GRAD_NORM),
-      ``trace_pacing`` (``tracepace.TracePacing``: which steps are traced);
-    * ``lead``: weakref to the lead optimizer; ``cycle``: ``cycle.OptimizerCycle`` once a second one steps;
-    * ``step_lr``: the lr an override made this step use, and ``used_lr``: ``(optimizer, lr)`` for the
-      cycle's rows, both set by the lr overrides (``probe.actions.lroverride``) before the boundary;
-    * ``full_next()``: the next boundary takes the full path;
-    * ``wall_offset``: time.time() minus perf_counter(); ``rank``: this process's (None if not distributed).
-
-    Its own: the budget's settling (``_spent``: ns of the last full boundary's work; ``_quick_ns``: the
-    quick boundaries' cost since; ``_settled_ns`` and ``_settled_step``: when, and at which step, it was settled;
-    ``_check_at``: the quick path runs until this perf_counter_ns, before which the budget cannot allow
-    a measured step; ``_quick_rate``: their charged cost per ns of step time; ``_norm_earned_ns``: the
-    norm's budget earns the time between measured steps; ``_coin``: the measured steps' jitter), the
-    clock (``_last_ns``: perf_counter_ns of the last boundary, None when it restarts; ``_started_ns``;
-    ``_fwd_ns``: this step's first forward call, 0 before it), ``_frame_code`` and ``_frame_depth`` (the
-    loop's frame, checked before walking), ``_hard_trace_at`` (``trace_pacing.hard_at``), ``_full_at`` (the
-    first step the quick path leaves to the full boundary: a replica checksum or a trace the user asked for is
-    due), ``_scan_due`` (the next scan), ``cpu_wait`` (``util.procfs.CpuWait``), ``_lead_name``, and ``_append`` (the
-    ring's ``append``, held for the quick path)."""
+    Its own: the budget's settling (``_spent``: ns of the last full boundary's work; ``_quick_ns``: the quick
+    boundaries' cost since; ``_settled_ns``/``_settled_step``: when it was settled; ``_check_at``: the quick path
+    runs until this perf_counter_ns; ``_quick_rate``: their charged cost per ns of step time; ``_coin``: the
+    measured steps' jitter), the clock (``_last_ns``: the last boundary, None when it restarts; ``_fwd_ns``: this
+    step's first forward call), the loop's frame (``_frame_code``, ``_frame_depth``), ``_full_at`` (the first step
+    the quick path leaves to the full boundary: a replica checksum or a trace the user asked for is due),
+    ``_scan_due`` (the next discovery scan) and ``_append`` (the ring's ``append``, held for the quick path)."""
 
     def __init__(self, torch, tracer):
         # The quick path's attributes first: stored in the order first set, they share a cache line or two
@@ -147,7 +119,7 @@ class StepTracker(StepLife):
         self.inputs = InputCounter(torch, self._first_forward)
         self._coin = random.Random().random  # not the job's generator: its random stream is untouched
         self._scan_due = 1
-        self.memory = memclock.MemoryClock(torch, lambda: self.step)
+        self.memory = MemoryClock(torch, lambda: self.step)
         self.cpu_wait = CpuWait()
         self._frame_code, self._frame_depth = None, 0
         self._quick_next = False  # what the boundary in progress found for the next ones (``_check_at``)
@@ -161,6 +133,49 @@ class StepTracker(StepLife):
     def full_next(self) -> None:
         """The next boundary takes the full path (a cycle's optimizer steps, a resume)."""
         self._check_at = 0
+
+    def last_end_wall(self) -> float | None:
+        """Wall-clock time of the last boundary (None before the first)."""
+        return None if self._last_ns is None else self._last_ns * 1e-9 + self.wall_offset
+
+    # -- status -------------------------------------------------------------------------------------
+    def status(self) -> dict:
+        if self.step == 0:
+            return {"state": "idle"}
+        import numpy as np
+
+        recent = self.ring.snapshot()
+        # the last 20 steps' median; step 1's row times its work from the first module call only, not a whole step
+        # (its data wait, and whatever the loop does after the optimizer, are not in it), so it is left out
+        whole = np.asarray(recent["duration"][-20:])[np.asarray(recent["step"][-20:]) > 1]
+        return {
+            "step": self.step,
+            "last_step_at": self.last_end_wall(),
+            "step_time": float(np.median(whole)) if len(whole) else None,
+            "state": "training",
+        }
+
+    def close(self) -> None:
+        self.capture.unwrap()
+        self.inputs.close()
+        self.memory.stop()
+        checks = invariants.checks()
+        if checks is not None:  # its gradient hook too: a paused probe runs nothing on the loop's steps
+            checks.close()
+
+    def reopen(self) -> None:
+        """Undo ``close``: the loss and clip wrappers and the root model's hook go back; the next step's clock
+        restarts."""
+        self.capture.wrap()
+        self.watch_roots()
+        self._last_ns = None
+        self._settled_ns = None  # the paused time earns nothing
+        self.full_next()
+        self._started_ns = now = time.perf_counter_ns()
+        # nor does it count towards the budget's floor (a measured step at least once a second of probed training):
+        # counted, a benchmark pausing two blocks in three would measure a step at every resume past a second,
+        # three times as often per probed step as a job that never pauses
+        self.budget.last_allowed_ns = now
 
     # -- the lead optimizer --------------------------------------------------------------------
     def set_lead(self, optimizer) -> None:
@@ -241,11 +256,11 @@ class StepTracker(StepLife):
                 if finder.optimizer_found(optimizer) is None:
                     finder.add(optimizer, None, "step hook", "optimizer")
                 if self.cycle is None:  # the lead has stepped unless probe.watch named it beforehand
-                    self.cycle = _cycle.OptimizerCycle(lead() if self.step else optimizer, self.step > 0)
+                    self.cycle = OptimizerCycle(lead() if self.step else optimizer, self.step > 0)
         if self.explicit:
             return
         if self.cycle is not None:
-            _cycle.on_step(self, optimizer, t0)
+            cycle_step(self, optimizer, t0)
             return
         self.boundary(optimizer, self.loop_frame(), t0=t0)
 
