@@ -32,7 +32,7 @@ import weakref
 from . import finder, invariants, replicas, safepoint
 from .frameworks import unwrap_optimizer
 from .inputs import InputCounter
-from .tracepace import TracePacing
+from .trace import TracePacing
 from ..util.budget import Budget
 from .capture import Capture
 from .steprows import RING_COLUMNS, MemoryClock, OptimizerCycle, Pending, cycle_step, landed
