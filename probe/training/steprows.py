@@ -1,7 +1,7 @@
 """What a ``torch.steps`` row holds beyond the boundary's own values, and the rows of several optimizers.
 
-* The columns: what the boundary writes per step (``RING_COLUMNS``) and what a query sees (``STEP_COLUMNS``,
-  the rest derived when asked, ``snapshot``).
+* The columns (``STEP_COLUMNS``): what the boundary writes per step (``RING_COLUMNS``), and those derived when a
+  query asks (``snapshot``).
 * ``Pending``: device values copied off the device without blocking (a pinned host copy and an event,
   ``Capture.hold``), read into their rows once the copy has landed, never by waiting for the device.
 * ``MemoryClock``: every step's memory reading, at no cost to the training thread. A daemon thread reads the
@@ -37,86 +37,50 @@ from ..util.ring import Ring
 
 
 # -- the columns -------------------------------------------------------------------------------------
-# What the boundary writes per step (the ring's columns)...
-RING_COLUMNS = {
-    "step": "i8",
-    "ended_at": "f8",
-    "duration": "f8",
-    "loss": "f8",
-    "grad_norm": "f8",
-    "lr": "f8",
-    "traced": "b1",
-    "measured": "b1",
-    "samples": "f8",
-    "tokens": "f8",
-    "micro_batches": "i8",
-    "optimizer": "O",
-    "cpu_wait": "f8",
-    "probe_us": "f8",
-    "data_wait": "f8",
-}
-# ...and what a query sees (``snapshot``): the rest is derived when asked.
+# torch.steps' columns, each once: the ring's dtype of those the boundary writes (in the order it appends them), or
+# None for those derived from them when a query asks (``snapshot``) rather than at every boundary.
 STEP_COLUMNS = {
     "step": "i8",
-    "started_at": "f8",
     "ended_at": "f8",
     "duration": "f8",
     "loss": "f8",
     "grad_norm": "f8",
     "lr": "f8",
-    "samples_per_s": "f8",
-    "tokens_per_s": "f8",
-    "peak_allocated": "f8",
-    "rank": "f8",
     "traced": "b1",
+    "measured": "b1",
     "samples": "f8",
     "tokens": "f8",
     "micro_batches": "i8",
     "optimizer": "O",
-    "measured": "b1",
-    "probe_us": "f8",
     "cpu_wait": "f8",
-    "memory": "f8",
+    "probe_us": "f8",
     "data_wait": "f8",
+    "started_at": None,
+    "samples_per_s": None,
+    "tokens_per_s": None,
+    "peak_allocated": None,
+    "memory": None,
+    "rank": None,
 }
+RING_COLUMNS = {name: dtype for name, dtype in STEP_COLUMNS.items() if dtype is not None}
 
 
 def snapshot(tracker) -> dict:
-    """The ``torch.steps`` columns (STEP_COLUMNS) of ``tracker`` (a ``StepTracker``), oldest step first: the
-    ring's, plus those derived from them now rather than at every boundary."""
+    """The ``torch.steps`` columns of ``tracker`` (a ``StepTracker``), oldest step first: the ring's, and those
+    derived from them."""
     import numpy as np
 
-    tracker.resolve()
+    tracker.pending.resolve()
     cols = tracker.ring.snapshot()
-    rows = cols["step"] - 1  # one ring row per step, in order
-    duration = cols["duration"]
+    ended, duration = cols["ended_at"], cols["duration"]
     with np.errstate(divide="ignore", invalid="ignore"):
         per_s = np.ma.masked_where(duration <= 0, 1.0 / duration)  # NULL, not NaN, for a step of no length
-    n = len(rows)
-    memory, peak = tracker.memory.at(cols["ended_at"])
-    return {
-        "step": cols["step"],
-        "started_at": cols["ended_at"] - duration,
-        "ended_at": cols["ended_at"],
-        "duration": duration,
-        "loss": cols["loss"],
-        "grad_norm": cols["grad_norm"],
-        "lr": cols["lr"],
-        "samples_per_s": cols["samples"] * per_s,
-        "tokens_per_s": cols["tokens"] * per_s,
-        "peak_allocated": peak,
-        "memory": memory,
-        "data_wait": cols["data_wait"],
-        "rank": np.full(n, np.nan if tracker.rank is None else float(tracker.rank)),
-        "traced": cols["traced"],
-        "samples": cols["samples"],
-        "tokens": cols["tokens"],
-        "micro_batches": cols["micro_batches"],
-        "optimizer": cols["optimizer"],
-        "measured": cols["measured"],
-        "probe_us": cols["probe_us"],
-        "cpu_wait": cols["cpu_wait"],
-    }
+    cols["memory"], cols["peak_allocated"] = tracker.memory.at(ended)
+    cols["started_at"] = ended - duration
+    cols["samples_per_s"] = cols["samples"] * per_s
+    cols["tokens_per_s"] = cols["tokens"] * per_s
+    cols["rank"] = np.full(len(ended), np.nan if tracker.rank is None else float(tracker.rank))
+    return cols
 
 
 # -- device values read once they have landed --------------------------------------------------------
