@@ -44,7 +44,7 @@ import math
 from .._errors import ActionError
 from ..training.finder import optimizers, scheduler_for
 from .lrgroup import Rescaled, dtype_floor, dtype_limit, invertible, ratio, rescalable, rescale, value, write
-from .lroverride import Group, Override, lock, next_rates, overrides
+from .lroverride import Group, Override, drop, hold, lock, next_rates, overrides
 from .queue import Context
 
 __all__ = ["change_lr", "check_rate", "reset_lr"]
@@ -228,7 +228,8 @@ def change_lr(
             if ov is not None and ov.ref() is not opt:
                 ov = None  # a dead optimizer's id reused
             if ov is None:
-                ov = overrides[id(opt)] = Override(opt, f.name)
+                ov = Override(opt, f.name)
+                hold(opt, ov)
             for i in groups:
                 loop = value(opt.param_groups[i]["lr"])
                 g = ov.groups.get(i)
@@ -361,7 +362,7 @@ def reset_lr(ctx: Context, *, group: int | None, optimizer_index: int | None) ->
                         }
                     )
             if not ov.groups and not ov.rescaled and not ov.pending:
-                overrides.pop(id(f.obj), None)
+                drop(id(f.obj))
     if not removed:
         raise ActionError("there is no lr override to remove" + (" for that optimizer/group" if opts else "") + ".")
     return {"step": ctx.step, "removed": removed}

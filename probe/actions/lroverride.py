@@ -1,28 +1,38 @@
-"""The lr overrides each optimizer holds: applied around each of its steps by probe's step hooks, shown in
-torch.optimizer (``describe``), installed and removed by the lr action (``lr``, which says how they hold).
+"""The lr overrides each optimizer holds: applied around each of its steps through the step boundary's
+``before_step`` registration (``_around_step``, registered while an override exists), shown in torch.optimizer
+(``describe``), installed and removed by the lr action (``lr``, which says how they hold).
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import threading
 import weakref
 
 from .._errors import ActionError
-from ..training import hooks
+from ..training.boundary import boundary
 from ..util.errorlog import record_error
 from . import lrcheck
 from .lrgroup import Rescaled, value, write
 
-__all__ = ["Group", "Override", "lock", "overrides", "around_step", "describe", "next_rates"]
+__all__ = ["Group", "Override", "lock", "overrides", "hold", "drop", "describe", "next_rates"]
 
 lock = threading.Lock()  # guards overrides: the action adds and removes, the step post-hook removes a finished one
-overrides: dict[int, "Override"] = {}  # id(optimizer) -> its override; empty: the step hooks skip lr
+overrides: dict[int, "Override"] = {}  # id(optimizer) -> its override (``hold``, ``drop``)
 
 
-def _tracker():
-    return hooks.tracker()
+def hold(opt, ov: "Override") -> None:
+    """Keep ``ov`` for ``opt`` (under ``lock``): its steps go through ``_around_step`` from now on."""
+    overrides[id(opt)] = ov
+    boundary.before_step(_around_step)
+
+
+def drop(key: int) -> None:
+    """Forget the override of the optimizer whose id is ``key`` (under ``lock``); the last one takes the
+    boundary registration with it, so steps pay nothing for the lr action once no override is left."""
+    overrides.pop(key, None)
+    if not overrides:
+        boundary.remove(_around_step)
 
 
 class Group:
@@ -113,7 +123,7 @@ class Override:
             lrcheck.check_once(item, pgs, step)
             lrcheck.check_rescaled(self.rescaled, item, pgs, step)
 
-    def after(self, opt) -> None:
+    def after(self, opt) -> float | None:
         step = _step() + 1
         pgs = opt.param_groups
         for i, g in list(self.groups.items()):
@@ -127,36 +137,32 @@ class Override:
             if value(pgs[i]["lr"]) == g.written:  # nobody changed it during the step: put the loop's back
                 write(pgs[i], g.loop)
             g.written = None
-        tk = _tracker()
-        g0 = self.groups.get(0)
-        if tk is not None and g0 is not None and g0.used is not None:
-            if tk.lead_optimizer() is opt:
-                tk.step_lr = g0.used
-            if tk.cycle is not None:
-                tk.used_lr = (opt, g0.used)  # for torch.optimizer_steps when several optimizers step
         pending, self.pending = self.pending, []
         for item in pending:
             lrcheck.settle(self.groups, item, step)
         if not self.groups and not self.rescaled and not self.pending:
             with lock:
                 if overrides.get(id(opt)) is self:
-                    del overrides[id(opt)]
+                    drop(id(opt))
+        g0 = self.groups.get(0)
+        return g0.used if g0 is not None else None  # the rate group 0 used: torch.steps.lr
 
 
-def around_step(opt, before: bool) -> None:
-    """probe's global optimizer step hooks: apply ``opt``'s overrides before its step, put the loop's
-    rates back after it (before the step boundary reads them)."""
+def _around_step(opt):
+    """Before ``opt``'s step (the boundary's ``before_step``): apply its override; returns what puts the loop's
+    rates back right after the step (before the step's row reads them)."""
     ov = overrides.get(id(opt))
-    if ov is not None and ov.ref() is opt:
-        try:
-            (ov.before if before else ov.after)(opt)
-        except Exception as exc:
-            record_error(f"lr override: {'before' if before else 'after'} the optimizer step", exc)
+    if ov is None or ov.ref() is not opt:
+        return None
+    try:
+        ov.before(opt)
+    except Exception as exc:
+        record_error("lr override: before the optimizer step", exc)
+    return ov.after
 
 
 def _step() -> int:
-    tk = _tracker()
-    return tk.step if tk is not None else 0
+    return boundary.last_step or 0
 
 
 def describe(opt) -> dict:
@@ -203,6 +209,3 @@ def next_rates(opt, groups: list) -> list:
         g = ov.groups.get(i) if ov is not None else None
         rates.append(g.target(loop) if g is not None else loop)
     return rates
-
-
-hooks.lr_overrides = sys.modules[__name__]  # probe's step hooks apply the overrides from here on

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from ..training import finder, frameworks, hooks, safepoint
+from ..training import finder, frameworks, hooks
+from ..training.boundary import boundary
 from ..util.errorlog import record_error
 from .registry import Column, table
 
@@ -328,10 +329,10 @@ def parameters(ctx):
                         record_error(f"torch.parameters: {name}", exc)
         return out
 
-    if safepoint.last_step is None:
+    if boundary.last_step is None:
         return rows(True)  # no training loop has stepped: nothing runs backward beside us
     try:
-        return safepoint.run_at_next_step(lambda: rows(True), PARAMETER_WAIT)
+        return boundary.run_at_next_step(lambda: rows(True), PARAMETER_WAIT)
     except TimeoutError:
         return rows(False)
 

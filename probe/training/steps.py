@@ -29,7 +29,8 @@ import sys
 import time
 import weakref
 
-from . import finder, invariants, replicas, safepoint
+from . import finder, invariants, replicas
+from .boundary import boundary as _boundary
 from .frameworks import unwrap_optimizer
 from .inputs import InputCounter
 from .trace import TracePacing
@@ -44,15 +45,15 @@ from ..util.ring import Ring
 from ..util.usercode import user_frame
 
 _perf_ns = time.perf_counter_ns
-_subscribers = safepoint.subscribers  # the list itself (never rebound): one global read on the quick path
+_after = _boundary.after  # the list itself (never rebound): one global read on the quick path
+_passed = _boundary.passed
 
 _LAG = 2  # steps after which a pending value is read on the training thread
 _RESOLVE_EVERY = 8  # pending device values read at the boundary once this many are waiting
 _NORM_BURST_S = 30.0  # seconds of step time whose norm share may be spent at once (and waited for)
 _MAX_GAP_S = 1.0  # a step is measured at least this often, whatever the budget
-# What the budget charges per ns of the probe's own timing (probe_us): torch's hook dispatch, the
-# wrappers and the caches refilled after a boundary cost the step about as much again
-# (benchmarks/bench_budget.py: the step-time difference on/off is ~2x the boundary's own timing).
+# What the budget charges per ns of the probe's own timing (probe_us): torch's hook dispatch, the wrappers and the
+# caches refilled after a boundary cost the step about as much again as the boundary's own work.
 _CHARGE = 2.0
 _FORCED = 3  # steps 1-3 are always measured (start-up divergence shows there)
 
@@ -74,15 +75,7 @@ class StepTracker:
     ``budget`` and ``norm_budget`` (PROBE_STEP_BUDGET, PROBE_GRAD_NORM), ``trace_pacing``, ``lead`` (weakref to
     the lead optimizer), ``cycle`` (``steprows.OptimizerCycle`` once a second optimizer steps), ``step_lr`` and
     ``used_lr`` (the lr an override made this step use, set before the boundary), ``wall_offset`` (time.time()
-    minus perf_counter()) and ``rank``.
-
-    Its own: the budget's settling (``_spent``: ns of the last full boundary's work; ``_quick_ns``: the quick
-    boundaries' cost since; ``_settled_ns``/``_settled_step``: when it was settled; ``_check_at``: the quick path
-    runs until this perf_counter_ns; ``_quick_rate``: their charged cost per ns of step time; ``_coin``: the
-    measured steps' jitter), the clock (``_last_ns``: the last boundary, None when it restarts; ``_fwd_ns``: this
-    step's first forward call), the loop's frame (``_frame_code``, ``_frame_depth``), ``_full_at`` (the first step
-    the quick path leaves to the full boundary: a replica checksum or a trace the user asked for is due),
-    ``_scan_due`` (the next discovery scan) and ``_append`` (the ring's ``append``, held for the quick path)."""
+    minus perf_counter()) and ``rank``. The quick path's state is described in ``on_optimizer_step``."""
 
     def __init__(self, torch, tracer):
         # The quick path's attributes first: stored in the order first set, they share a cache line or two
@@ -91,9 +84,9 @@ class StepTracker:
         self.step = 0
         self._lead_id = None  # id() of the lead optimizer while it lives (its weakref's callback clears it)
         self.step_lr = None
-        self._last_ns: int | None = None
-        self._fwd_ns = 0
-        self._quick_ns = 0
+        self._last_ns: int | None = None  # the last boundary (perf_counter_ns); None when the clock restarts
+        self._fwd_ns = 0  # when this step's first forward call began
+        self._quick_ns = 0  # the quick boundaries' cost since the budget was settled
         self.wall_offset = time.time() - time.perf_counter()
         self._lead_name = None
         self.lead = None
@@ -112,12 +105,13 @@ class StepTracker:
         self.norm_budget = norm_budget()
         self._norm_earned_ns = time.perf_counter_ns()
         self.trace_pacing = TracePacing(tracer)
-        self._hard_trace_at = math.inf
         self.explicit = False
         self._started_ns = time.perf_counter_ns()
         self.pending = Pending(self.ring, "torch steps")
         self.inputs = InputCounter(torch, self._first_forward)
-        self._coin = random.Random().random  # not the job's generator: its random stream is untouched
+        self._coin = (
+            random.Random().random
+        )  # the measured steps' jitter; not the job's generator: its random stream is untouched
         self._scan_due = 1
         self.memory = MemoryClock(torch, lambda: self.step)
         self.cpu_wait = CpuWait()
@@ -130,30 +124,16 @@ class StepTracker:
     def _steps_taken(self) -> int:
         return self.step
 
+    def lr_used(self, optimizer, lr: float) -> None:
+        """An lr override made ``optimizer``'s step just taken use ``lr`` (``param_groups`` shows the loop's)."""
+        if self.lead_optimizer() is optimizer:
+            self.step_lr = lr
+        if self.cycle is not None:
+            self.used_lr = (optimizer, lr)  # for torch.optimizer_steps when several optimizers step
+
     def full_next(self) -> None:
         """The next boundary takes the full path (a cycle's optimizer steps, a resume)."""
         self._check_at = 0
-
-    def last_end_wall(self) -> float | None:
-        """Wall-clock time of the last boundary (None before the first)."""
-        return None if self._last_ns is None else self._last_ns * 1e-9 + self.wall_offset
-
-    # -- status -------------------------------------------------------------------------------------
-    def status(self) -> dict:
-        if self.step == 0:
-            return {"state": "idle"}
-        import numpy as np
-
-        recent = self.ring.snapshot()
-        # the last 20 steps' median; step 1's row times its work from the first module call only, not a whole step
-        # (its data wait, and whatever the loop does after the optimizer, are not in it), so it is left out
-        whole = np.asarray(recent["duration"][-20:])[np.asarray(recent["step"][-20:]) > 1]
-        return {
-            "step": self.step,
-            "last_step_at": self.last_end_wall(),
-            "step_time": float(np.median(whole)) if len(whole) else None,
-            "state": "training",
-        }
 
     def close(self) -> None:
         self.capture.unwrap()
@@ -172,9 +152,8 @@ class StepTracker:
         self._settled_ns = None  # the paused time earns nothing
         self.full_next()
         self._started_ns = now = time.perf_counter_ns()
-        # nor does it count towards the budget's floor (a measured step at least once a second of probed training):
-        # counted, a benchmark pausing two blocks in three would measure a step at every resume past a second,
-        # three times as often per probed step as a job that never pauses
+        # nor towards the budget's floor (a measured step at least once a second of probed training): else a job
+        # that pauses often would measure a step at every resume
         self.budget.last_allowed_ns = now
 
     # -- the lead optimizer --------------------------------------------------------------------
@@ -194,57 +173,62 @@ class StepTracker:
         return self.lead() if self.lead is not None else None
 
     def on_optimizer_step(self, optimizer) -> None:
-        """torch's global optimizer step post-hook lands here.
+        """torch's optimizer step post-hook lands here: the one place that decides which way a step ends.
 
-        Most steps of a fast loop are not measured, traced or waited on by an action: those take
-        the quick path, inline here, which records the exact values (count, times, lr, its own
-        cost) and nothing else. Every operation in it is paid per step with the caches cold from
-        the optimizer's work, so it is kept to a handful; anything unusual falls through to
-        ``boundary``."""
+        The quick path, inline below, records the exact values (count, times, lr, loss, its own cost) and nothing
+        else; on a fast loop it is most steps, and every operation in it is paid per step. It runs when all hold:
+
+        * ``_check_at``: the last full boundary found that the next steps need nothing else (``_plan_next``: not
+          measured, traced or explicit, no trace hooks or device timings outstanding) and the budget cannot
+          allow a measured step before this time;
+        * ``_full_at``: no replica checksum and no trace the user asked for (PROBE_TRACE) is due at this step;
+        * the lead optimizer stepped, its lr is a float, no lr override set this step's (``step_lr``), and no
+          ``after_step`` callback waits at the boundary.
+
+        Otherwise: once a second optimizer steps, every optimizer step goes to ``steprows.cycle_step``; once
+        ``probe.step()`` owns the count, an optimizer step ends nothing; else the full ``boundary``."""
         t0 = _perf_ns()
-        if t0 < self._check_at:  # 0 unless the last full boundary found the next ones may be quick
-            step = self.step + 1
-            if step < self._full_at and id(optimizer) == self._lead_id:
-                lr = optimizer.param_groups[0]["lr"]
-                if type(lr) is float and self.step_lr is None and not _subscribers:
-                    self.step = step
-                    last = self._last_ns
-                    self._last_ns = t0
-                    capture = self.capture
-                    if capture.closure_step:  # Lightning: a closure at every step
-                        capture.on_step_end()
-                    loss = None
-                    if capture.losses:  # every step (CPU scalars read when noted)
-                        try:
-                            loss = capture.take()
-                        except Exception as exc:  # the step's row is still written, without its loss
-                            record_error("torch steps: loss", exc)
-                    fwd = self._fwd_ns
-                    if fwd:
-                        self._fwd_ns = 0
-                    safepoint.last_step = step
-                    cost = _perf_ns() - t0
-                    self._quick_ns += cost
-                    self._append(
-                        step,
-                        t0 * 1e-9 + self.wall_offset,
-                        (t0 - last) * 1e-9,
-                        loss if type(loss) is float else None,
-                        None,
-                        lr,
-                        False,
-                        False,
-                        None,
-                        None,
-                        0,
-                        self._lead_name,
-                        None,
-                        cost * 1e-3,
-                        (fwd - last) * 1e-9 if fwd > last else None,
-                    )
-                    if type(loss) is tuple:  # a device loss: read when its copy has landed
-                        self._keep_pending(self.ring.count - 1, loss, None, None)
-                    return
+        if t0 < self._check_at and self.step + 1 < self._full_at and id(optimizer) == self._lead_id:
+            lr = optimizer.param_groups[0]["lr"]
+            if type(lr) is float and self.step_lr is None and not _after:
+                self.step = step = self.step + 1
+                last = self._last_ns
+                self._last_ns = t0
+                capture = self.capture
+                if capture.closure_step:  # Lightning: a closure at every step
+                    capture.on_step_end()
+                loss = None
+                if capture.losses:  # every step (CPU scalars read when noted)
+                    try:
+                        loss = capture.take()
+                    except Exception as exc:  # the step's row is still written, without its loss
+                        record_error("torch steps: loss", exc)
+                fwd = self._fwd_ns
+                if fwd:
+                    self._fwd_ns = 0
+                _passed(step, None, None, True)
+                cost = _perf_ns() - t0
+                self._quick_ns += cost
+                self._append(
+                    step,
+                    t0 * 1e-9 + self.wall_offset,
+                    (t0 - last) * 1e-9,
+                    loss if type(loss) is float else None,
+                    None,
+                    lr,
+                    False,
+                    False,
+                    None,
+                    None,
+                    0,
+                    self._lead_name,
+                    None,
+                    cost * 1e-3,
+                    (fwd - last) * 1e-9 if fwd > last else None,
+                )
+                if type(loss) is tuple:  # a device loss: read when its copy has landed
+                    self._keep_pending(self.ring.count - 1, loss, None, None)
+                return
         capture = self.capture
         if capture.closure_step:
             capture.on_step_end()
@@ -267,11 +251,9 @@ class StepTracker:
     def loop_frame(self):
         """The training loop's frame: the first one outside torch and probe above the step hook.
 
-        The loop calls ``optimizer.step()`` from the same code at the same depth every
-        step, so the last answer is checked with one ``sys._getframe`` before walking. Only
-        the code object is kept: a frame kept past the boundary would keep the step's locals
-        (the loss, the logits) alive through the next step when the step is a function.
-        """
+        The loop calls ``optimizer.step()`` from the same code at the same depth every step, so the last answer is
+        checked with one ``sys._getframe`` before walking. Only the code object is kept: a frame kept past the
+        boundary would keep the step's locals (the loss, the logits) alive through the next step."""
         depth = self._frame_depth
         if depth:
             try:
@@ -295,11 +277,6 @@ class StepTracker:
         if not self._fwd_ns:
             self._fwd_ns = _perf_ns()
 
-    # -- lazily read values ---------------------------------------------------------------------
-    def resolve(self) -> None:
-        """Read the pending loss, grad-norm and lr values that have landed."""
-        self.pending.resolve()
-
     # -- the boundary -----------------------------------------------------------------------------
     def _measure(self, optimizer, now_ns: int):
         """The optional grad norm of a measured step (its budget earns the time since the last one)."""
@@ -309,15 +286,9 @@ class StepTracker:
         return self.capture.measured_norm(optimizer, budget, now_ns, self.step <= _FORCED and budget.share > 0)
 
     def boundary(self, optimizer, frame, *, loss=None, samples=None, tokens=None, t0: int | None = None) -> None:
-        """Close step ``self.step + 1``: the optional values if measured, the tracer's and the
-        subscribers' turn, then one ring row (with the boundary's own cost, subscribers excluded).
-
-        This runs between two steps on the training thread, with the step's work just
-        evicted from the CPU caches, so it touches as little as it can: one tuple into the
-        ring's tail, no device syncs, and the optional values only on the steps the
-        budget measures. ``t0`` (perf_counter_ns) is when the probe's hook was entered:
-        the step's end, and the start of the probe's own cost.
-        """
+        """The full boundary: close step ``self.step + 1`` with the optional values if measured, the tracer's and
+        the ``after_step`` callbacks' turn, then one ring row (with its own cost, the callbacks' excluded). No
+        device syncs. ``t0`` (perf_counter_ns): when the probe's hook was entered, the step's end."""
         if t0 is None:
             t0 = _perf_ns()
         self.step = step = self.step + 1
@@ -369,22 +340,20 @@ class StepTracker:
             )  # torch.checks: cheap invariants of training
         if step >= self._replicas.next_step:  # torch.weight_sums: DDP replicas' checksums, the same steps on every rank
             self._replicas.at_boundary(step, duration_ns * 1e-9)
-        asked = self._prepare_next(step, t0, traced, step + 1 <= _FORCED or allowed)
-        if safepoint.subscribers:
+        asked = self._plan_next(step, t0, traced, step + 1 <= _FORCED or allowed)
+        if _after:
             t1 = _perf_ns()
-            safepoint.fire(safepoint.StepEvent(step, frame, optimizer))
-            t0 += _perf_ns() - t1  # the subscribers' work (queued actions) is not the probe's overhead
+            _passed(step, frame, optimizer)
+            t0 += _perf_ns() - t1  # the callbacks' work (queued actions) is not the probe's overhead
         else:
-            safepoint.last_step = step
-            if safepoint.heartbeats:  # the probe's own (the hang watchdog): its cost is the probe's
-                safepoint.beat(step)
+            _passed(step)  # the heartbeats are the probe's own (the hang watchdog): their cost is the probe's
         cost = _perf_ns() - t0
         self._spent = cost - asked if step > _FORCED else 0  # start-up (first scans, imports, traces) is not paced
         # the quick path may run until the budget could allow a measured step (once it has paid for this boundary,
         # which the next full one charges), and short of the next step due for a replica checksum or a trace the
         # user asked for
         self._check_at = self.budget.due_ns(t0, self._quick_rate, _CHARGE * self._spent) if self._quick_next else 0
-        self._full_at = min(self._replicas.due, self._hard_trace_at)
+        self._full_at = min(self._replicas.due, self.trace_pacing.hard_at)
         ring = self.ring
         row = ring.count
         ring.append(
@@ -424,10 +393,11 @@ class StepTracker:
         self._spent = self._quick_ns = 0
         return allowed
 
-    def _prepare_next(self, step: int, t0: int, traced: bool, measure: bool) -> int:
-        """Set up the next step, measured or not (``measure``, from the budget): its backward calls
-        and inputs noted or not, and the tracer's turn. Returns the ns of a trace the user asked for
-        (PROBE_TRACE set): shown in probe_us, not paced."""
+    def _plan_next(self, step: int, t0: int, traced: bool, measure: bool) -> int:
+        """Set up the next step, measured or not (``measure``, from the budget): its backward calls and inputs
+        noted or not, the tracer's turn, and whether the steps after it may take the quick path (``_quick_next``:
+        none measured, explicit or traced). Returns the ns of a trace the user asked for (PROBE_TRACE set):
+        shown in probe_us, not paced."""
         if measure is not self.capture.wanted:
             self.capture.note(measure)
         inputs = self.inputs
@@ -436,7 +406,6 @@ class StepTracker:
         tracer = self.tracer
         pacing = self.trace_pacing
         asked = pacing.turn(step, traced, measure, self.wall_offset) if pacing.wants_turn(step, traced, measure) else 0
-        self._hard_trace_at = pacing.hard_at
         self._quick_next = not (
             measure or self.explicit or tracer.handles or tracer.pending_events or tracer.active_step is not None
         )
