@@ -109,9 +109,8 @@ class StepTracker:
         self._started_ns = time.perf_counter_ns()
         self.pending = Pending(self.ring, "torch steps")
         self.inputs = InputCounter(torch, self._first_forward)
-        self._coin = (
-            random.Random().random
-        )  # the measured steps' jitter; not the job's generator: its random stream is untouched
+        # the measured steps' jitter, from a generator of its own: the job's random stream is untouched
+        self._coin = random.Random().random
         self._scan_due = 1
         self.memory = MemoryClock(torch, lambda: self.step)
         self.cpu_wait = CpuWait()
