@@ -69,7 +69,7 @@ class Alternation:
 
     def __init__(self, block: int, rounds: int, edges: Edges | None = None):
         from probe.training import hooks
-        from probe.training.stepcolumns import snapshot
+        from probe.training.steprows import snapshot
 
         self.hooks = hooks
         self.snapshot = snapshot

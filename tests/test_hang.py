@@ -110,11 +110,11 @@ def test_watchdog_stays_quiet_while_steps_complete(spawn, cli, probe_env):
     stop = Path(probe_env["PROBE_RUNTIME_DIR"]) / "stop"
     script = (
         "import os, time\nt = time.monotonic()\nimport probe.auto\n"
-        "from probe.training.safepoint import StepEvent, fire\n"
+        "from probe.training.boundary import boundary\n"
         "print('ready', os.getpid(), flush=True)\ngap, i = 0.0, 0\n"
         f"while not os.path.exists({str(stop)!r}):\n"
         "    now = time.monotonic(); gap = max(gap, now - t); t = now\n"
-        "    fire(StepEvent(i)); i += 1\n"
+        "    boundary.passed(i); i += 1\n"
         "    if i == 60: print('stepped 60', flush=True)\n"
         "    time.sleep(0.05)\n"  # ok-sleep: target code
         "print(f'done gap={gap:.3f}', flush=True)\ntime.sleep(60)\n"  # ok-sleep: target code

@@ -34,10 +34,8 @@ from typing import TYPE_CHECKING
 
 from .._errors import ActionError
 from .._core import state as agent_state
-from ..training.counters import framework_counters, restore_counters
-from ..training.finder import grad_scalers, models, optimizers, scheduler_for, schedulers
-from ..training.frameworks import objects_of
-from ..training.shards import is_sharded, placement
+from ..training.finder import framework_counters, grad_scalers, models, optimizers, scheduler_for, schedulers
+from ..training.frameworks import is_sharded, objects_of, placement, restore_counters
 from ..util import files
 from ..util.printable import printable
 

@@ -34,20 +34,40 @@ and ``rewrites`` (steps at which the loop changed its rate and the override was 
 top). ``--once`` writes ``param_groups`` without holding it; it is still checked at the
 next step, and fails if the loop rewrote the rate before that step ran. ``--reset`` removes
 overrides. Overrides live in this process only: a checkpoint stores the loop's rates. The overrides
-themselves, and what the step hooks do with them, are in ``lroverride``; this module is the action.
+themselves, how they apply around each step and the rates they work on are in ``lroverride``; this module is the
+action: one request (``LrRequest``) checked before it is queued (``check_rate``) and applied at the boundary
+(``change_lr``, ``reset_lr``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from .._errors import ActionError
 from ..training.finder import optimizers, scheduler_for
-from .lrgroup import Rescaled, dtype_floor, dtype_limit, invertible, ratio, rescalable, rescale, value, write
-from .lroverride import Group, Override, lock, next_rates, overrides
+from .lroverride import Group, Override, Rescaled, drop, hold, invertible, lock, next_rates, overrides, ratio
+from .lroverride import rescalable, rescale, value, write
 from .queue import Context
 
-__all__ = ["change_lr", "check_rate", "reset_lr"]
+__all__ = ["LrRequest", "change_lr", "check_rate", "reset_lr"]
+
+_HEADROOM = 0.01  # of the dtype's largest value: room for weight decay, momentum and bias-correction factors
+
+
+@dataclass(frozen=True)
+class LrRequest:
+    """One ``lr`` request as the route parsed it: ``set_to`` or ``scale`` (exactly one, unless ``reset``), which
+    ``group`` and ``optimizer`` (an index in torch.optimizer's order or its name; None: all), and the flags."""
+
+    set_to: float | None = None
+    scale: float | None = None
+    group: int | None = None
+    optimizer: int | str | None = None
+    once: bool = False
+    force: bool = False
+    allow_zero: bool = False
+    reset: bool = False
 
 
 def _pick(which: int | str | None, group: int | None) -> list:
@@ -88,16 +108,7 @@ def _pick(which: int | str | None, group: int | None) -> list:
 MAX_JUMP = 10.0  # a new rate past this many times the largest rate in use needs --force
 
 
-def check_rate(
-    *,
-    set_to: float | None,
-    scale: float | None,
-    group: int | None,
-    optimizer_index: int | None,
-    once: bool = False,
-    force: bool = False,
-    allow_zero: bool = False,
-) -> None:
+def check_rate(req: LrRequest) -> None:
     """Refuse, with one sentence, a rate no step could use or that cannot train.
 
     Called before the action is queued (every tier: CLI, page, MCP, TCP go through the same
@@ -110,7 +121,8 @@ def check_rate(
     rate the optimizer uses now, its loop would use without probe's override, or its scheduler started
     from (``initial_lr``) (``force``).
     """
-    for f in _pick(optimizer_index, group):
+    set_to, scale, group = req.set_to, req.scale, req.group
+    for f in _pick(req.optimizer, group):
         opt = f.obj
         pgs = list(opt.param_groups)
         rates = next_rates(opt, pgs)
@@ -132,7 +144,7 @@ def check_rate(
                     "end the training process at its next step; give a rate that can train."
                 )
             zero = set_to <= 0 if set_to is not None else scale <= 0 or rates[i] <= 0  # asked for, not underflowed
-            if zero and not allow_zero:
+            if zero and not req.allow_zero:
                 raise ActionError(
                     f"a learning rate of 0 for {where} stops training (its weights no longer change); "
                     "give --allow-zero if that is what you want."
@@ -146,7 +158,7 @@ def check_rate(
                     + f", so the update would take it as 0 or lose its precision; give a rate of at least {floor:g}."
                 )
             jump = ratio(new, largest) if largest > 0 else None
-            if not force and largest > 0 and (jump is None or jump > MAX_JUMP):
+            if not req.force and largest > 0 and (jump is None or jump > MAX_JUMP):
                 raise ActionError(
                     f"a learning rate of {new:g} for {where} is "
                     + (f"{jump:.3g}x" if jump is not None else "many times")
@@ -178,29 +190,12 @@ def _reference(opt, pgs: list, rates: list) -> float:
     return largest
 
 
-def change_lr(
-    ctx: Context,
-    *,
-    set_to: float | None,
-    scale: float | None,
-    group: int | None,
-    optimizer_index: int | None,
-    once: bool = False,
-    force: bool = False,
-    allow_zero: bool = False,
-) -> dict:
+def change_lr(ctx: Context, req: LrRequest) -> dict:
     """Install (or compose) the override, or write once; the action settles at the next step."""
-    opts = _pick(optimizer_index, group)
+    set_to, scale, group, once = req.set_to, req.scale, req.group, req.once
+    opts = _pick(req.optimizer, group)
     if set_to is not None or scale is not None:  # the rates may have moved since the request was checked
-        check_rate(
-            set_to=set_to,
-            scale=scale,
-            group=group,
-            optimizer_index=optimizer_index,
-            once=once,
-            force=force,
-            allow_zero=allow_zero,
-        )
+        check_rate(req)
     for f in opts:
         for i in range(len(f.obj.param_groups)) if group is None else [group]:
             if hasattr(f.obj.param_groups[i]["lr"], "fill_") and getattr(f.obj.param_groups[i]["lr"], "is_cuda", False):
@@ -228,7 +223,8 @@ def change_lr(
             if ov is not None and ov.ref() is not opt:
                 ov = None  # a dead optimizer's id reused
             if ov is None:
-                ov = overrides[id(opt)] = Override(opt, f.name)
+                ov = Override(opt, f.name)
+                hold(opt, ov)
             for i in groups:
                 loop = value(opt.param_groups[i]["lr"])
                 g = ov.groups.get(i)
@@ -321,9 +317,10 @@ def _settle_once(settle, result: dict, count: int):
     return done
 
 
-def reset_lr(ctx: Context, *, group: int | None, optimizer_index: int | None) -> dict:
+def reset_lr(ctx: Context, req: LrRequest) -> dict:
     """Remove overrides; the loop's own rate (already in param_groups between steps) applies from the next step."""
-    opts = _pick(optimizer_index, group) if optimizer_index is not None or group is not None else optimizers()
+    group = req.group
+    opts = _pick(req.optimizer, group) if req.optimizer is not None or group is not None else optimizers()
     removed = []
     for f in opts:
         with lock:
@@ -361,7 +358,55 @@ def reset_lr(ctx: Context, *, group: int | None, optimizer_index: int | None) ->
                         }
                     )
             if not ov.groups and not ov.rescaled and not ov.pending:
-                overrides.pop(id(f.obj), None)
+                drop(id(f.obj))
     if not removed:
         raise ActionError("there is no lr override to remove" + (" for that optimizer/group" if opts else "") + ".")
     return {"step": ctx.step, "removed": removed}
+
+
+# -- what a group's dtype can take ----------------------------------------------------------------
+def dtype_limit(group: dict) -> tuple[float, str] | None:
+    """The largest rate a step of ``group`` can use without overflowing its parameters' dtype, and that dtype.
+
+    An optimizer multiplies the rate into a value of the parameters' dtype (``-lr`` for SGD,
+    ``lr / (1 - beta1**t)`` for Adam), and torch raises when that value does not fit: the
+    training loop then dies at ``optimizer.step()``.
+    """
+    import torch
+
+    dtypes = _float_dtypes(group)
+    if not dtypes:
+        return None
+    dtype = min(dtypes, key=lambda d: torch.finfo(d).max)
+    betas = group.get("betas")
+    factor = 1.0
+    if isinstance(betas, (tuple, list)) and betas and 0 <= float(betas[0]) < 1:
+        factor = 1.0 - float(betas[0])  # Adam's first step divides the rate by 1 - beta1
+    return torch.finfo(dtype).max * factor * _HEADROOM, _name(dtype)
+
+
+def dtype_floor(group: dict) -> tuple[float, str, str]:
+    """The smallest rate a step of ``group`` can use without it being 0 or losing its precision: the smallest
+    normal number (``torch.finfo(dtype).tiny``) of the dtype the update is computed in, that dtype, and the
+    parameters' own dtype.
+
+    A rate is a Python float until the optimizer multiplies it into the update, where it becomes a
+    number of the parameters' dtype, or float32 for narrower ones (torch's optimizers compute float16
+    and bfloat16 parameters' updates in float32): 5e-324 is 0 in float32. Without floating parameters,
+    float32's.
+    """
+    import torch
+
+    dtypes = _float_dtypes(group)
+    own = max(dtypes, key=lambda d: torch.finfo(d).tiny) if dtypes else torch.float32
+    wide = {d if torch.finfo(d).bits >= 32 else torch.float32 for d in dtypes} or {torch.float32}
+    compute = max(wide, key=lambda d: torch.finfo(d).tiny)
+    return torch.finfo(compute).tiny, _name(compute), _name(own)
+
+
+def _float_dtypes(group: dict) -> set:
+    return {p.dtype for p in group.get("params", ()) if getattr(p, "is_floating_point", lambda: False)()}
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")

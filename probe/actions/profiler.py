@@ -21,8 +21,7 @@ import time
 
 from .._errors import ActionError
 from .._runtime import runtime_dir
-from ..training import safepoint
-from ..training.safepoint import StepEvent
+from ..training.boundary import StepEvent, boundary
 from ..util.errorlog import record_error
 from .queue import Context
 
@@ -88,7 +87,7 @@ def start(ctx: Context, steps: int, with_stack: bool = False, record_shapes: boo
             mark=mark,
             pid=os.getpid(),
         )
-        safepoint.on_step(_at_step)
+        boundary.after_step(_at_step)
     return {
         "state": "running",
         "from_step": ctx.step + 1,
@@ -113,7 +112,7 @@ def _at_step(event: StepEvent) -> None:
         if event.step < _profile["until_step"]:
             _profile["mark"] = _mark(sys.modules["torch"], event.step + 1)
             return
-        safepoint.remove(_at_step)
+        boundary.remove(_at_step)
         prof = _profile.pop("prof")
         path = _profile["path"]
         try:

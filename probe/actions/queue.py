@@ -28,11 +28,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..training import safepoint
+from ..training.boundary import StepEvent, boundary
 from .._core.audit import audit
 from .._errors import ActionError, ProbeError
 from ..util.errorlog import record_error
-from ..training.safepoint import StepEvent, on_step, remove
 
 __all__ = [
     "Action",
@@ -122,7 +121,7 @@ class Action:
             "result": self.result,
             "error": self.error,
             "queued_for": (self.started_at or time.time()) - self.requested_at,
-            "last_step": safepoint.last_step,
+            "last_step": boundary.last_step,
             "missed_step": self.missed,
         }
 
@@ -135,7 +134,7 @@ _pending: list[Action] = []  # while non-empty, _at_step is subscribed to the st
 
 def last_step() -> int | None:
     """The step of the last safe point this process passed, or None before the first one."""
-    return safepoint.last_step
+    return boundary.last_step
 
 
 def actions() -> list[Action]:
@@ -175,12 +174,12 @@ def submit(
     action = Action(next(_ids), command, dict(args), dict(client), fn, now=now, at_step=at_step, timeout=timeout)
     with _lock:
         _history.append(action)
-        passed = not now and at_step is not None and (safepoint.last_step or 0) >= at_step
+        passed = not now and at_step is not None and (boundary.last_step or 0) >= at_step
         if passed:
-            _miss(action, safepoint.last_step)
+            _miss(action, boundary.last_step)
         elif not now:
             _pending.append(action)
-            on_step(_at_step)  # subscribed only while something waits: an idle boundary costs nothing
+            boundary.after_step(_at_step)  # subscribed only while something waits: an idle boundary costs nothing
     if passed:  # never queued: its one audit line says it failed, and why
         _audit_end(action)
         return action
@@ -188,7 +187,7 @@ def submit(
     if now:
         t = threading.Thread(
             target=_run,
-            args=(action, Context(step=safepoint.last_step, now=True, action_id=action.id)),
+            args=(action, Context(step=boundary.last_step, now=True, action_id=action.id)),
             name=f"probe-action-{action.id}",
             daemon=True,
         )
@@ -228,7 +227,7 @@ def expire() -> None:
                 a.error = (
                     f"no step boundary was reached within {a.timeout:g} s"
                     + (
-                        f" (waiting for step {a.at_step}, last step {safepoint.last_step})"
+                        f" (waiting for step {a.at_step}, last step {boundary.last_step})"
                         if a.at_step is not None
                         else ""
                     )
@@ -396,7 +395,7 @@ def _at_step(event: StepEvent) -> None:
             a.state = "running"
             due.append(a)
         if not _pending:
-            remove(_at_step)  # under the lock, so a submit cannot slip in between the test and the removal
+            boundary.remove(_at_step)  # under the lock, so a submit cannot slip in between the test and the removal
     expire()
     for a in missed:
         _audit_end(a)

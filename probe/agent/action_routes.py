@@ -18,7 +18,7 @@ from .._errors import ActionError, ProbeError
 from ..actions import queue
 from ..actions.checkpoint import check_target, expand_path, save
 from ..actions.evaluate import run_code
-from ..actions.lr import change_lr, check_rate, reset_lr
+from ..actions.lr import LrRequest, change_lr, check_rate, reset_lr
 from ..actions.maintenance import cleanup, debug
 from ..actions import guard, profiler
 from ..actions.queue import refuse, submit
@@ -138,44 +138,28 @@ def lr_route(req: Request) -> dict:
         for k in ("set", "scale", "group", "optimizer", "once", "reset", "force", "allow_zero")
         if req.param(k) is not None
     }
-    once, force, allow_zero = _flag(req, "once"), _flag(req, "force"), _flag(req, "allow_zero")
     try:
         # finite and not negative (NaN or inf would ruin the run for good): checked here, before any queueing
-        set_to, scale = _number(req, "set", minimum=0.0), _number(req, "scale", minimum=0.0)
-        group, opt_index = _number(req, "group", int), _optimizer(req)
-        if _flag(req, "reset"):
-            if set_to is not None or scale is not None:
-                raise ActionError("--reset removes the override; give it without --set or --scale.")
-            return _submit(req, "lr", args, lambda ctx: reset_lr(ctx, group=group, optimizer_index=opt_index))
-        if (set_to is None) == (scale is None):
-            raise ActionError("give exactly one of --set LR, --scale FACTOR or --reset.")
-        # what the parameters' dtype can take, 0, and a jump past 10x: refused here, so nothing is queued
-        check_rate(
-            set_to=set_to,
-            scale=scale,
-            group=group,
-            optimizer_index=opt_index,
-            once=once,
-            force=force,
-            allow_zero=allow_zero,
+        lr = LrRequest(
+            set_to=_number(req, "set", minimum=0.0),
+            scale=_number(req, "scale", minimum=0.0),
+            group=_number(req, "group", int),
+            optimizer=_optimizer(req),
+            once=_flag(req, "once"),
+            force=_flag(req, "force"),
+            allow_zero=_flag(req, "allow_zero"),
+            reset=_flag(req, "reset"),
         )
+        if lr.reset:
+            if lr.set_to is not None or lr.scale is not None:
+                raise ActionError("--reset removes the override; give it without --set or --scale.")
+            return _submit(req, "lr", args, lambda ctx: reset_lr(ctx, lr))
+        if (lr.set_to is None) == (lr.scale is None):
+            raise ActionError("give exactly one of --set LR, --scale FACTOR or --reset.")
+        check_rate(lr)  # what the parameters' dtype can take, 0, and a jump past 10x: refused here, nothing queued
     except ProbeError as exc:
         refuse(req.client, "lr", args, exc.message)
-    return _submit(
-        req,
-        "lr",
-        args,
-        lambda ctx: change_lr(
-            ctx,
-            set_to=set_to,
-            scale=scale,
-            group=group,
-            optimizer_index=opt_index,
-            once=once,
-            force=force,
-            allow_zero=allow_zero,
-        ),
-    )
+    return _submit(req, "lr", args, lambda ctx: change_lr(ctx, lr))
 
 
 @route("POST", "/actions/cleanup", tier="action")

@@ -6,7 +6,7 @@ stuck inside a C call with the GIL held (an NCCL collective, a CUDA sync, a
 deadlocked extension), where no Python thread, the probe server's included, can run.
 
 The timer is armed when the probe starts and re-armed as steps complete, from a
-``probe.training.safepoint`` heartbeat: at least once a second while steps come, not at every
+``probe.training.boundary`` heartbeat: at least once a second while steps come, not at every
 step (re-arming stops faulthandler's timer thread and starts a new one: tens of microseconds,
 and a full step boundary, at every step of a fast loop). So that a heartbeat's lag can never make
 it fire early, it is re-armed at most every ``REARM_S`` and for ``S + LATE_S`` seconds: it fires
@@ -24,7 +24,7 @@ import time
 
 from ..config import setting
 from .._runtime import runtime_dir
-from ..training import safepoint
+from ..training.boundary import boundary
 from ..util.errorlog import record_error
 from .._core import state
 
@@ -73,7 +73,7 @@ def install() -> bool:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             _state.update(pid=os.getpid(), timeout=seconds, path=path, file=os.fdopen(fd, "a"))
             _arm()
-        safepoint.on_heartbeat(_on_heartbeat)
+        boundary.heartbeat(_on_heartbeat)
         state.add_status_provider(status)
         return True
     except Exception as exc:
@@ -86,7 +86,7 @@ def uninstall() -> None:
     with _lock:
         if not _state:
             return
-        safepoint.remove_heartbeat(_on_heartbeat)
+        boundary.remove(_on_heartbeat)
         if _state.get("pid") == os.getpid():
             faulthandler.cancel_dump_traceback_later()
         try:

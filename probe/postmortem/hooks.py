@@ -68,9 +68,9 @@ def _sys_exit(status=None, /):
     """
     try:
         if threading.current_thread() is threading.main_thread():
-            from ..training import safepoint
+            from ..training.boundary import boundary
 
-            _state["exit"] = (status, safepoint.last_step)
+            _state["exit"] = (status, boundary.last_step)
     except Exception:
         pass
     _prev_exit(status)
@@ -78,10 +78,10 @@ def _sys_exit(status=None, /):
 
 def _exit_status() -> tuple:
     """``(code, detail)`` of the main thread's last ``sys.exit`` when it ended the process, else ``(None, None)``."""
-    from ..training import safepoint
+    from ..training.boundary import boundary
 
     found = _state.get("exit")
-    if not found or found[1] != safepoint.last_step:
+    if not found or found[1] != boundary.last_step:
         return None, None
     status = found[0]
     if status is None or isinstance(status, int):
@@ -131,12 +131,12 @@ def _prune() -> None:
 
 
 def _snapshots(every: float) -> None:
-    from ..training import safepoint
+    from ..training.boundary import boundary
 
     _prune()  # here, off the training thread
     last = None
     while not _stop.wait(every):
-        step = safepoint.last_step
+        step = boundary.last_step
         if step is None or step == last:
             continue  # nothing new: an idle process costs nothing
         last = step

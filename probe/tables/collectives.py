@@ -96,7 +96,7 @@ def collectives(ctx):
 def _step_of(times: list) -> list:
     """The training step in progress at each time: the first step (torch.steps) that ended after it."""
     from ..training import hooks
-    from ..training.stepcolumns import snapshot
+    from ..training.steprows import snapshot
 
     tk = hooks.tracker()
     if tk is None or not times:

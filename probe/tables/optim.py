@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from ..training import finder, hooks, safepoint, shards
+from ..training import finder, frameworks, hooks
+from ..training.boundary import boundary
 from ..util.errorlog import record_error
 from .registry import Column, table
 
@@ -22,7 +23,7 @@ def _tensor_bytes(value) -> int:
     """Bytes this rank holds of ``value`` (a DTensor's local shard under FSDP2)."""
     torch = sys.modules["torch"]
     if isinstance(value, torch.Tensor):
-        value = shards.local(value)
+        value = frameworks.local(value)
         return value.numel() * value.element_size()
     return 0
 
@@ -163,7 +164,7 @@ def optimizer(ctx):
                     "beta2": _num(betas[1]),
                     "eps": _num(group.get("eps")),
                     "params": len(params),
-                    "elements": sum(shards.local(p).numel() for p in params),
+                    "elements": sum(frameworks.local(p).numel() for p in params),
                     "state_bytes": sum(_tensor_bytes(v) for st in states for v in list(st.values())),
                     "step_count": _step_count(states),
                     "scheduler": type(sched).__name__ if sched is not None else None,
@@ -328,10 +329,10 @@ def parameters(ctx):
                         record_error(f"torch.parameters: {name}", exc)
         return out
 
-    if safepoint.last_step is None:
+    if boundary.last_step is None:
         return rows(True)  # no training loop has stepped: nothing runs backward beside us
     try:
-        return safepoint.run_at_next_step(lambda: rows(True), PARAMETER_WAIT)
+        return boundary.run_at_next_step(lambda: rows(True), PARAMETER_WAIT)
     except TimeoutError:
         return rows(False)
 
@@ -342,7 +343,7 @@ PARAMETER_WAIT = 5.0
 def _param_row(torch, model_name, name, p, in_opt, stats: bool = True) -> dict:
     """One parameter's row; a sharded one (FSDP2) is read on its local shard: a reduction of the DTensor
     itself would be a collective issued on this rank alone."""
-    data = shards.local(p.detach())
+    data = frameworks.local(p.detach())
     row = {
         "model": model_name,
         "name": name,
@@ -350,7 +351,7 @@ def _param_row(torch, model_name, name, p, in_opt, stats: bool = True) -> dict:
         "dtype": str(p.dtype).replace("torch.", ""),
         "device": str(data.device),
         "numel": p.numel(),
-        "placement": shards.placement(p),
+        "placement": frameworks.placement(p),
         "local_numel": data.numel(),
         "requires_grad": p.requires_grad,
         "in_optimizer": in_opt,
@@ -361,7 +362,7 @@ def _param_row(torch, model_name, name, p, in_opt, stats: bool = True) -> dict:
     stats = [torch.isnan(data).sum(), torch.isinf(data).sum()] if floating else []
     g = p.grad
     if g is not None and not g.is_sparse:
-        g = shards.local(g.detach())
+        g = frameworks.local(g.detach())
         stats += [torch.linalg.vector_norm(g.float()), torch.isnan(g).sum(), torch.isinf(g).sum()]
     values = torch.stack([s.float() for s in stats]).tolist() if stats else []  # one device sync per tensor
     row.update(nan_count=int(values[0]) if floating else 0, inf_count=int(values[1]) if floating else 0)

@@ -1,9 +1,9 @@
-"""torch.syncs: the host-device syncs seen on traced steps, by call site (probe.training.syncs)."""
+"""torch.syncs: the host-device syncs seen on traced steps, by call site (probe.training.traceout)."""
 
 from __future__ import annotations
 
 from ..training import hooks
-from ..training.syncs import SYNC_COLUMNS
+from ..training.traceout import SYNC_COLUMNS
 from .registry import Column, table
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from ..training import hooks
-from ..training.stepcolumns import STEP_COLUMNS, snapshot
+from ..training.steprows import STEP_COLUMNS, snapshot
 from ..training.trace import TRACE_COLUMNS
 from ..util.procfs import rss_bytes
 from .registry import Column, table

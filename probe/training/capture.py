@@ -35,7 +35,7 @@ from ..config import setting
 from ..util.errorlog import record_error
 from ..util.frames import release
 from ..util.objects import is_a
-from .shards import is_sharded, local
+from .frameworks import is_sharded, local
 
 __all__ = ["Capture", "loss_logits"]
 

@@ -1,39 +1,19 @@
-"""The one object finder: models, optimizers, schedulers, grad scalers and DataLoaders of the training loop.
+"""The one object finder: models, optimizers, schedulers, grad scalers, DataLoaders and framework objects.
 
-Every part of the probe that needs a training object (the torch tables, the step
-tracker, the tracer, the lr, checkpoint and eval actions) asks here, and gets
-``Found`` records: ``(name, obj, wrapper, source)``.
+Every part of the probe that needs a training object asks here and gets ``Found`` records
+``(name, obj, wrapper, source)``. Objects are found, in order of precedence of their names: named by
+``probe.watch(...)``; reported by the optimizer step hook; ``__main__``'s globals (read whenever an answer is
+asked for); the framework objects on the training thread's stack, looked for at the step boundary (steps 1, 2,
+4, 8, ...): a Lightning or transformers ``Trainer`` or an accelerate ``Accelerator`` (a local or ``self`` of any
+frame, or a ``LightningModule``'s trainer) and the objects each holds (``frameworks.framework_items``); the
+locals of the training loop's frames and the attributes of ``self``-like objects there. DataLoaders and their
+iterators are found the same way, with no look of their own.
 
-Objects are found, in order of precedence of their names:
-
-* ``probe.watch(...)`` names them explicitly;
-* the optimizer step hook reports each optimizer that steps;
-* ``__main__``'s globals (``model``, ``optimizer``, ...), read whenever an answer is asked for;
-* the framework objects on the training thread's stack, looked for at the step boundary
-  (steps 1, 2, 4, 8, ...): a Lightning ``Trainer`` (``lightning_module``, ``optimizers``,
-  ``lr_scheduler_configs``), a transformers ``Trainer`` (``model``, ``optimizer``,
-  ``lr_scheduler``) and an accelerate ``Accelerator`` (its prepared models, optimizers and
-  schedulers), found as a local (or ``self``) of any frame, or as a ``LightningModule``'s trainer;
-* the locals of the training loop's frames and the attributes of ``self``-like objects there.
-
-DataLoaders (``torch.utils.data.DataLoader`` and its subclasses, and the iterators ``iter(loader)``
-returns) are found the same way, with no look of their own: as globals, loop locals and attributes
-there, and as the frameworks' loaders (Lightning's ``train_dataloader``, the transformers Trainer's
-``callback_handler.train_dataloader``, accelerate's prepared ``_dataloaders``).
-
-Recognising a framework's types, unwrapping its wrappers and reading the objects it holds is
-``frameworks``'s (the adapters); here are the registry and the scan. Framework wrappers are
-unwrapped to the object that owns the state: an optimizer wrapper
-(accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``, DeepSpeed's ZeRO
-optimizers) whose ``param_groups`` is its inner optimizer's list is replaced by that inner
-optimizer, and ``Found.wrapper`` names the wrapper's class; accelerate's
-``AcceleratedScheduler`` is replaced by the scheduler it drives. So each real param group
-is seen once.
-
-References are weak, so an object the training script drops is dropped here too. Nothing
-here imports torch or a framework: types are recognised by their module and class name,
-and only once their module is imported. A failure while looking is recorded in
-``probe.errors``; what was found before it stays found.
+A framework's wrapper is unwrapped to the object that owns the state (an optimizer wrapper whose
+``param_groups`` is its inner optimizer's list, accelerate's ``AcceleratedScheduler``), and ``Found.wrapper``
+names the wrapper's class, so each real param group is seen once. References are weak: an object the script
+drops is dropped here too. Nothing here imports torch or a framework (types are recognised by module and class
+name); a failure while looking is recorded in ``probe.errors`` and what was found before it stays found.
 """
 
 from __future__ import annotations
@@ -56,24 +36,6 @@ from .frameworks import (
     unwrap_optimizer,
     unwrap_scheduler,
 )
-
-__all__ = [
-    "Found",
-    "known",
-    "models",
-    "optimizers",
-    "schedulers",
-    "grad_scalers",
-    "frameworks",
-    "dataloaders",
-    "scheduler_for",
-    "optimizer_found",
-    "add",
-    "scan",
-    "named",
-    "main_globals",
-    "module_path",
-]
 
 KINDS = ("model", "optimizer", "scheduler", "scaler", "framework", "dataloader")
 _PRECEDENCE = {"watch": 0, "__main__": 1, "framework": 2, "frame": 3, "step hook": 4}  # for names
@@ -436,3 +398,44 @@ def named() -> dict:
             out.setdefault(f.name, f.obj)
         out.setdefault("accelerator" if f.wrapper == "accelerate" else "trainer", f.obj)
     return out
+
+
+# -- the frameworks' step counters ----------------------------------------------------------------
+def framework_counters(in_step: bool = False, refresh: bool = True) -> dict:
+    """The step counters of the framework objects found: ``{name: {"global_step": n, ...}}`` for a
+    Trainer, ``{name: {"step": n}}`` for an Accelerator that is not a transformers Trainer's own.
+
+    ``in_step``: read inside an optimizer step (probe's safe point), where both Trainers have
+    not yet counted the step that is finishing; it is counted here, so the numbers match the
+    weights, which already have it. An Accelerator's ``step`` counts micro-batches when
+    ``accumulate`` is entered, before the optimizer step: it is taken as it is.
+    """
+    out = {}
+    extra = 1 if in_step else 0
+    found = frameworks(refresh)
+    # transformers' Trainer drives its Accelerator's counters itself (it never uses accelerator.step)
+    held = {id(getattr(f.obj, "accelerator", None)) for f in found if f.wrapper == "transformers"}
+    for f in found:
+        try:
+            if f.wrapper == "lightning":
+                out[f.name] = {"global_step": int(f.obj.global_step) + extra, "current_epoch": int(f.obj.current_epoch)}
+            elif f.wrapper == "transformers":
+                st = f.obj.state
+                out[f.name] = {"global_step": int(st.global_step) + extra, "epoch": float(st.epoch or 0.0)}
+            elif f.wrapper == "accelerate" and id(f.obj) not in held and isinstance(getattr(f.obj, "step", None), int):
+                out[f.name] = {"step": int(f.obj.step)}
+        except Exception as exc:
+            record_error(f"reading {f.name}'s step counters", exc)
+    return out
+
+
+def framework_status() -> dict:
+    """The framework's own step beside probe's (a status provider): ``framework_step`` and where it comes
+    from (``framework_counter``, e.g. ``trainer.global_step``), from the first Trainer or Accelerator
+    found; nothing without one. probe counts the optimizer steps it saw, from 1 when it started: after
+    ``probe inject`` into a run at step 5000 the two differ, and the framework's is the run's."""
+    for name, counters in framework_counters(refresh=False).items():
+        for key in ("global_step", "step"):
+            if key in counters:
+                return {"framework_step": counters[key], "framework_counter": f"{name}.{key}"}
+    return {}

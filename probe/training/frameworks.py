@@ -1,12 +1,18 @@
-"""The framework adapters: recognising training objects' types without importing their packages, and
-what a framework object holds by the framework's own API.
+"""The framework adapters: recognising training objects' types without importing their packages, what a
+framework object holds by the framework's own API, its step counters, and sharded tensors.
 
-A Lightning ``Trainer``, a transformers ``Trainer`` and an accelerate ``Accelerator`` are
-recognised by module and class name (``framework_of``), so nothing here imports torch or a
-framework; ``framework_items`` lists the model, optimizers, schedulers and loaders each holds;
-``unwrap_optimizer`` and ``unwrap_scheduler`` reach through a framework's wrapper to the object
-that owns the state. The object finder (``finder``) keeps what these find; the checkpoint action
-reads a framework's objects with ``objects_of``.
+A Lightning ``Trainer``, a transformers ``Trainer`` and an accelerate ``Accelerator`` are recognised by module
+and class name (``framework_of``), so nothing here imports torch or a framework; ``framework_items`` lists the
+model, optimizers, schedulers and loaders each holds; ``unwrap_optimizer`` and ``unwrap_scheduler`` reach
+through a framework's wrapper to the object that owns the state. The object finder (``finder``) keeps what
+these find; the checkpoint action reads a framework's objects with ``objects_of`` and sets its step counters
+back with ``restore_counters``.
+
+Under FSDP2 (``fully_shard``) parameters, gradients and optimizer state are DTensors. Any reduction of a
+DTensor (``.sum()``, a norm, ``.item()``) redistributes it: a collective issued on this rank alone, which the
+other ranks never match, and the job hangs. The probe never issues one: it reads the local shard
+(``_local_tensor``, what ``DTensor.to_local()`` returns without communicating), and says its figures are this
+rank's (``is_sharded``, ``local``, ``placement``).
 """
 
 from __future__ import annotations
@@ -15,18 +21,6 @@ import sys
 from typing import Any
 
 from ..util.objects import instance_dict, is_a
-
-__all__ = [
-    "framework_of",
-    "is_lightning_module",
-    "scheduler_types",
-    "scaler_types",
-    "unwrap_optimizer",
-    "unwrap_scheduler",
-    "framework_items",
-    "objects_of",
-    "framework_name",
-]
 
 _FRAMEWORK_TYPES = {
     ("lightning.pytorch.trainer.trainer", "Trainer"): "lightning",
@@ -186,3 +180,70 @@ def framework_name(value, name: str) -> str:
         return name
     kind = framework_of(value)
     return "accelerator" if kind == "accelerate" else "trainer" if kind else name
+
+
+# -- sharded tensors ------------------------------------------------------------------------------
+
+
+def is_sharded(t) -> bool:
+    """Whether ``t`` is a DTensor (checked by its attributes: torch.distributed need not be imported)."""
+    return getattr(t, "_local_tensor", None) is not None and hasattr(t, "placements")
+
+
+def local(t):
+    """The tensor this rank holds of ``t`` (itself when ``t`` is an ordinary tensor); never communicates."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if inner is not None and hasattr(t, "placements") else t
+
+
+def placement(t) -> str | None:
+    """``Shard(dim=0)``-like text of a DTensor's placements (one per mesh dimension), None for an ordinary tensor."""
+    if not is_sharded(t):
+        return None
+    try:
+        return ",".join(str(p) for p in t.placements)
+    except Exception:
+        return "DTensor"
+
+
+# -- step counters --------------------------------------------------------------------------------
+def _shift_progress(progress, completed: int) -> None:
+    """Move a Lightning ``_Progress`` (its total and current trackers) so that ``current.completed`` is
+    ``completed``, every field by the same amount: an epoch in progress stays in progress."""
+    delta = completed - int(progress.current.completed)
+    for tracker in (progress.total, progress.current):
+        for field in ("ready", "started", "processed", "completed"):
+            if hasattr(tracker, field):
+                setattr(tracker, field, int(getattr(tracker, field)) + delta)
+
+
+def restore_counters(framework, counters: dict) -> dict:
+    """Set a framework object's step counters to ``counters`` (as ``framework_counters`` wrote them);
+    return what was set.
+
+    Lightning gets ``global_step`` and ``current_epoch`` back; a transformers Trainer its
+    ``global_step`` only (it recomputes ``state.epoch`` at every step from its own loop's epoch
+    counter, a local variable of its training loop, so a value set from outside would not last);
+    an accelerate ``Accelerator`` its ``step`` (the gradient-accumulation counter that
+    ``accelerator.accumulate`` advances, restored as accelerate's own ``load_state`` does).
+    """
+    kind = framework_of(framework)
+    done = {}
+    if kind == "lightning" and "global_step" in counters:
+        loop = framework.fit_loop.epoch_loop
+        progress = loop.automatic_optimization.optim_progress.optimizer.step.total
+        progress.ready = progress.completed = int(counters["global_step"])
+        loop._batches_that_stepped = int(counters["global_step"])
+        done["global_step"] = int(framework.global_step)
+        if "current_epoch" in counters:
+            _shift_progress(framework.fit_loop.epoch_progress, int(counters["current_epoch"]))
+            done["current_epoch"] = int(framework.current_epoch)
+    elif kind == "transformers" and "global_step" in counters:
+        framework.state.global_step = int(counters["global_step"])
+        if hasattr(framework, "_globalstep_last_logged"):  # as the Trainer's own resume does: else it logs nothing
+            framework._globalstep_last_logged = framework.state.global_step  # until the step count passes the old one
+        done["global_step"] = framework.state.global_step
+    elif kind == "accelerate" and "step" in counters:
+        framework.step = int(counters["step"])
+        done["step"] = framework.step
+    return done

@@ -3,8 +3,9 @@
 ``arm()`` is called when the probe starts. It never imports torch: if torch is already
 imported the hooks go in at once, else a ``sys.meta_path`` finder waits for ``import
 torch`` to finish and installs them then (PROBE=1 starts the probe before the training
-script imports torch). The hooks: torch's global optimizer step post-hook (the step
-boundary) and, on sampled steps only, the tracer's global module forward hooks.
+script imports torch). The hooks: torch's global optimizer step pre-hook (the ``before_step``
+callbacks of ``boundary``) and post-hook (the step tracker, which passes the step boundary) and,
+on sampled steps only, the tracer's global module forward hooks.
 
 ``probe.step()`` and ``probe.watch()`` are for loops torch's hooks cannot see.
 """
@@ -17,7 +18,8 @@ import threading
 from .._core import state as agent_state
 from ..util.errorlog import record_error
 from ..util.usercode import user_frame
-from . import counters, finder
+from . import finder
+from .boundary import boundary
 from .steps import StepTracker
 from .trace import Tracer
 
@@ -25,7 +27,6 @@ __all__ = ["arm", "disarm", "pause", "resume", "tracker", "tracer", "step", "wat
 
 _lock = threading.RLock()
 _state: dict = {}
-lr_overrides = None  # probe.actions.lroverride puts itself here when imported: its overrides apply around each step
 
 
 class _TorchWatcher:
@@ -98,15 +99,16 @@ def _install(torch) -> None:
             handle = topt.register_optimizer_step_post_hook(_post_hook)
             _state.update(installed=True, handle=handle, pre_handle=topt.register_optimizer_step_pre_hook(_pre_hook))
             agent_state.add_status_provider(status)
-            agent_state.add_status_provider(counters.status)  # a Trainer's own step beside probe's
+            agent_state.add_status_provider(finder.framework_status)  # a Trainer's own step beside probe's
             tr.prepare(1)  # step 1 is sampled: trace it from the first module call
         except Exception as exc:
             record_error("installing torch hooks", exc)
 
 
 def _pre_hook(optimizer, args, kwargs):
-    """torch's global optimizer step pre-hook: whether the step evaluates a closure (for the loss). Runs on
-    every step: a step given no closure, after one that closed normally, has nothing to note."""
+    """torch's global optimizer step pre-hook: whether the step evaluates a closure (for the loss), and the
+    ``before_step`` callbacks. Runs on every step: a step given no closure, after one that closed normally, has
+    nothing to note."""
     tk = _state.get("tracker")
     if tk is not None:  # only a closure's first backward counts (accelerate passes closure=None by position)
         closure = args[1] if len(args) > 1 else kwargs.get("closure") if kwargs else None  # args[0]: the optimizer
@@ -115,20 +117,20 @@ def _pre_hook(optimizer, args, kwargs):
                 tk.capture.on_step_start(closure)  # the boundary ends it (Lightning: every step has one)
             except Exception as exc:
                 record_error("torch optimizer step pre-hook", exc)
-    lr = lr_overrides
-    if lr is not None and lr.overrides:
-        lr.around_step(optimizer, True)
+    if boundary.before:
+        boundary.optimizer_starts(optimizer)
     return None
 
 
 def _post_hook(optimizer, args, kwargs):
-    """torch's global optimizer step post-hook: the step boundary."""
-    lr = lr_overrides
-    if lr is not None and lr.overrides:
-        lr.around_step(optimizer, False)  # the loop's own lr back in param_groups before the boundary reads it
+    """torch's global optimizer step post-hook: what ran before the step is undone (an lr override puts the
+    loop's rate back before the boundary reads it), then the step tracker's boundary."""
+    used = boundary.optimizer_ended(optimizer) if boundary.undo else None
     tk = _state.get("tracker")
     if tk is not None:
         try:
+            if used is not None:
+                tk.lr_used(optimizer, used)
             tk.on_optimizer_step(optimizer)
         except Exception as exc:
             record_error("torch optimizer step hook", exc)
@@ -190,8 +192,23 @@ def tracer():
 
 
 def status() -> dict:
+    """The step counter's part of ``probe status`` (a status provider)."""
     tk = _state.get("tracker")
-    return tk.status() if tk is not None else {"state": "idle"}
+    if tk is None or tk.step == 0:
+        return {"state": "idle"}
+    import numpy as np
+
+    recent = tk.ring.snapshot()
+    # the last 20 steps' median; step 1's row times its work from the first module call only, not a whole step
+    # (its data wait, and whatever the loop does after the optimizer, are not in it), so it is left out
+    whole = np.asarray(recent["duration"][-20:])[np.asarray(recent["step"][-20:]) > 1]
+    last = tk._last_ns
+    return {
+        "step": tk.step,
+        "last_step_at": None if last is None else last * 1e-9 + tk.wall_offset,
+        "step_time": float(np.median(whole)) if len(whole) else None,
+        "state": "training",
+    }
 
 
 def _ready_tracker():

@@ -22,7 +22,7 @@ import time
 from ..config import setting
 from .._identity import rank_identity
 from ..util.errorlog import record_error
-from . import safepoint
+from .boundary import boundary
 
 __all__ = ["span", "SPAN_COLUMNS", "ring"]
 
@@ -114,7 +114,7 @@ class span:
 
     def _record(self, t0: float, t1: float, depth: int, parent: str | None) -> None:
         r = _state.get("ring") or _make_ring()
-        last = safepoint.last_step
+        last = boundary.last_step
         t = threading.current_thread()
         r.append(
             self.name,

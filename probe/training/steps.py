@@ -1,37 +1,24 @@
 """Step bookkeeping: one ``torch.steps`` row per training step, and the step boundary.
 
-What counts as a step:
+What counts as a step: the *lead* optimizer's ``step()`` ends one (the optimizer given to
+``probe.watch(optimizer=...)``, else the first seen stepping); once a second optimizer steps, every optimizer step
+goes to ``steprows.cycle_step``, and a recognised iteration ends after its last optimizer step; gradient
+accumulation needs nothing (a step is N micro-batches, and ``micro_batches``, samples and tokens add up over
+them); once ``probe.step()`` is called, the explicit calls own the count.
 
-* The *lead* optimizer's ``step()`` ends a training step. The lead is the optimizer
-  given to ``probe.watch(optimizer=...)``, else the first optimizer seen stepping.
-* Once a second optimizer steps (a GAN's generator, a separate embedding optimizer), every
-  optimizer step goes to ``cycle``: when the iteration's sequence of optimizer steps is
-  recognised, the step ends after its last optimizer step instead (see ``cycle``).
-* Gradient accumulation needs nothing: the optimizer steps once per N micro-batches,
-  so a step is N micro-batches; ``micro_batches``, samples and tokens add up over them.
-* Once ``probe.step()`` is called, the explicit calls own the count and optimizer steps
-  no longer end steps (no double counting).
+The core signals are recorded on every step: step count, step time, lr, the loss (``capture``: a CPU scalar read
+at once, a device one copied without blocking and read when ready), the time before the step's first forward call
+(``data_wait``) and the safe-point queue; memory is read by ``steprows.MemoryClock``'s thread. The optional values
+(the grad norm, input counts, the frame-variable loss fallback) and the occasional work (discovery scans, module
+trace scheduling) run on the steps the ``PROBE_STEP_BUDGET`` bucket allows, and the row's ``measured`` flag says
+which. Measured steps are jittered (a coin at each allowed step), so a job's own period cannot line up with them.
+Each boundary's own cost is kept (``probe_us``). A step that is not measured, traced or waited on takes the quick
+path (``on_optimizer_step``): the exact values and nothing else, because on a fast loop that path is most steps.
+Values derived from others (``started_at``, the rates, ``rank``) are computed when a query asks.
 
-The boundary's cost is paced (``budget``). The core signals are recorded on every step: step count,
-step time, lr, the loss (the backpropagated scalar ``capture`` noted: a CPU scalar read at once, a device
-one copied without blocking and read when ready), the time before the step's first forward call
-(``data_wait``) and the safe-point queue; memory is read every 100 ms by ``memclock``'s thread. The
-optional values (the grad norm, input counts, the frame-variable loss fallback) and the
-occasional work (discovery scans, module-trace scheduling) run on the steps the ``PROBE_STEP_BUDGET``
-bucket allows, and the row's ``measured`` flag says which. Which steps are measured is jittered (a coin
-at each allowed step), so a job's own period (two DataLoader workers: fast and slow steps in turn)
-cannot line up with them. Each boundary's own cost is timed and kept (``probe_us``). A step that is
-not measured, traced or waited on by an action takes a quick path (in ``on_optimizer_step``): the
-exact values and nothing else, in a handful of operations, because on a fast loop that path is most
-steps and every operation in it is paid per step. Values derived from others (``started_at``, the
-rates, ``rank``) are computed when a query asks, not at the boundary.
-
-The hot path never synchronises with a device: a device loss and the gradient norm
-(a foreach norm launched on the device) are kept as pinned host copies with an event and
-read a few steps later or when a query asks, once they are ready. Until then, or when there
-is no such value (a grad norm on a step the budget did not measure), the ring holds None
-(SQL NULL: for a device loss, "not ready yet"); a loss that is NaN or infinite is kept as it
-is, so ``isnan(loss)`` finds the step it went bad.
+The hot path never synchronises with a device: a device loss and the gradient norm are kept as pinned host copies
+with an event (``steprows.Pending``) and read a few steps later or when a query asks; until then the ring holds
+None (SQL NULL). A NaN or infinite loss is kept as it is, so ``isnan(loss)`` finds the step it went bad.
 """
 
 from __future__ import annotations
@@ -42,15 +29,14 @@ import sys
 import time
 import weakref
 
-from . import cycle as _cycle, finder, invariants, memclock, replicas, safepoint
+from . import finder, invariants, replicas
+from .boundary import boundary as _boundary
 from .frameworks import unwrap_optimizer
 from .inputs import InputCounter
-from .tracepace import TracePacing
+from .trace import TracePacing
 from ..util.budget import Budget
 from .capture import Capture
-from .pending import Pending, landed
-from .stepcolumns import RING_COLUMNS
-from .steplife import StepLife
+from .steprows import RING_COLUMNS, MemoryClock, OptimizerCycle, Pending, cycle_step, landed
 from ..config import setting
 from .._identity import rank_identity
 from ..util.errorlog import record_error
@@ -58,18 +44,16 @@ from ..util.procfs import CpuWait
 from ..util.ring import Ring
 from ..util.usercode import user_frame
 
-__all__ = ["StepTracker"]
-
 _perf_ns = time.perf_counter_ns
-_subscribers = safepoint.subscribers  # the list itself (never rebound): one global read on the quick path
+_after = _boundary.after  # the list itself (never rebound): one global read on the quick path
+_passed = _boundary.passed
 
 _LAG = 2  # steps after which a pending value is read on the training thread
 _RESOLVE_EVERY = 8  # pending device values read at the boundary once this many are waiting
 _NORM_BURST_S = 30.0  # seconds of step time whose norm share may be spent at once (and waited for)
 _MAX_GAP_S = 1.0  # a step is measured at least this often, whatever the budget
-# What the budget charges per ns of the probe's own timing (probe_us): torch's hook dispatch, the
-# wrappers and the caches refilled after a boundary cost the step about as much again
-# (benchmarks/bench_budget.py: the step-time difference on/off is ~2x the boundary's own timing).
+# What the budget charges per ns of the probe's own timing (probe_us): torch's hook dispatch, the wrappers and the
+# caches refilled after a boundary cost the step about as much again as the boundary's own work.
 _CHARGE = 2.0
 _FORCED = 3  # steps 1-3 are always measured (start-up divergence shows there)
 
@@ -82,35 +66,16 @@ def norm_budget() -> Budget:
     return Budget(setting("PROBE_GRAD_NORM"), burst_s=_NORM_BURST_S, charge_cap=math.inf)
 
 
-class StepTracker(StepLife):
+class StepTracker:
     """The step count and the step boundary of this process's training loop (one, made by ``hooks``).
 
-    Read and set by other modules (``hooks``, ``cycle``, the lr action, the torch tables):
-
-    * ``step``: steps completed; ``explicit``: ``probe.step()`` owns the count (set by ``hooks``);
-    * ``ring``: the ``torch.steps`` rows (``stepcolumns``: RING_COLUMNS; its ``snapshot`` is what a query sees);
-      ``pending``: device values of its rows not read yet (``pending.Pending``);
-    * ``capture`` (the loss and grad norm, ``capture.Capture``), ``inputs`` (micro-batches, samples,
-      tokens: ``inputs.InputCounter``), ``memory`` (``memclock.MemoryClock``), ``tracer`` (``trace.Tracer``),
-      ``budget`` and ``norm_budget`` (``util.budget.Budget``: PROBE_STEP_BUDGET, PROBE_GRAD_NORM),
-      ``trace_pacing`` (``tracepace.TracePacing``: which steps are traced);
-    * ``lead``: weakref to the lead optimizer; ``cycle``: ``cycle.OptimizerCycle`` once a second one steps;
-    * ``step_lr``: the lr an override made this step use, and ``used_lr``: ``(optimizer, lr)`` for the
-      cycle's rows, both set by the lr overrides (``probe.actions.lroverride``) before the boundary;
-    * ``full_next()``: the next boundary takes the full path;
-    * ``wall_offset``: time.time() minus perf_counter(); ``rank``: this process's (None if not distributed).
-
-    Its own: the budget's settling (``_spent``: ns of the last full boundary's work; ``_quick_ns``: the
-    quick boundaries' cost since; ``_settled_ns`` and ``_settled_step``: when, and at which step, it was settled;
-    ``_check_at``: the quick path runs until this perf_counter_ns, before which the budget cannot allow
-    a measured step; ``_quick_rate``: their charged cost per ns of step time; ``_norm_earned_ns``: the
-    norm's budget earns the time between measured steps; ``_coin``: the measured steps' jitter), the
-    clock (``_last_ns``: perf_counter_ns of the last boundary, None when it restarts; ``_started_ns``;
-    ``_fwd_ns``: this step's first forward call, 0 before it), ``_frame_code`` and ``_frame_depth`` (the
-    loop's frame, checked before walking), ``_hard_trace_at`` (``trace_pacing.hard_at``), ``_full_at`` (the
-    first step the quick path leaves to the full boundary: a replica checksum or a trace the user asked for is
-    due), ``_scan_due`` (the next scan), ``cpu_wait`` (``util.procfs.CpuWait``), ``_lead_name``, and ``_append`` (the
-    ring's ``append``, held for the quick path)."""
+    Read and set by others: ``step`` (steps completed), ``explicit`` (``probe.step()`` owns the count), ``ring``
+    (the ``torch.steps`` rows, ``steprows.RING_COLUMNS``) and ``pending`` (its device values not read yet),
+    ``capture`` (loss and grad norm), ``inputs`` (micro-batches, samples, tokens), ``memory``, ``tracer``,
+    ``budget`` and ``norm_budget`` (PROBE_STEP_BUDGET, PROBE_GRAD_NORM), ``trace_pacing``, ``lead`` (weakref to
+    the lead optimizer), ``cycle`` (``steprows.OptimizerCycle`` once a second optimizer steps), ``step_lr`` and
+    ``used_lr`` (the lr an override made this step use, set before the boundary), ``wall_offset`` (time.time()
+    minus perf_counter()) and ``rank``. The quick path's state is described in ``on_optimizer_step``."""
 
     def __init__(self, torch, tracer):
         # The quick path's attributes first: stored in the order first set, they share a cache line or two
@@ -119,9 +84,9 @@ class StepTracker(StepLife):
         self.step = 0
         self._lead_id = None  # id() of the lead optimizer while it lives (its weakref's callback clears it)
         self.step_lr = None
-        self._last_ns: int | None = None
-        self._fwd_ns = 0
-        self._quick_ns = 0
+        self._last_ns: int | None = None  # the last boundary (perf_counter_ns); None when the clock restarts
+        self._fwd_ns = 0  # when this step's first forward call began
+        self._quick_ns = 0  # the quick boundaries' cost since the budget was settled
         self.wall_offset = time.time() - time.perf_counter()
         self._lead_name = None
         self.lead = None
@@ -140,14 +105,14 @@ class StepTracker(StepLife):
         self.norm_budget = norm_budget()
         self._norm_earned_ns = time.perf_counter_ns()
         self.trace_pacing = TracePacing(tracer)
-        self._hard_trace_at = math.inf
         self.explicit = False
         self._started_ns = time.perf_counter_ns()
         self.pending = Pending(self.ring, "torch steps")
         self.inputs = InputCounter(torch, self._first_forward)
-        self._coin = random.Random().random  # not the job's generator: its random stream is untouched
+        # the measured steps' jitter, from a generator of its own: the job's random stream is untouched
+        self._coin = random.Random().random
         self._scan_due = 1
-        self.memory = memclock.MemoryClock(torch, lambda: self.step)
+        self.memory = MemoryClock(torch, lambda: self.step)
         self.cpu_wait = CpuWait()
         self._frame_code, self._frame_depth = None, 0
         self._quick_next = False  # what the boundary in progress found for the next ones (``_check_at``)
@@ -158,9 +123,37 @@ class StepTracker(StepLife):
     def _steps_taken(self) -> int:
         return self.step
 
+    def lr_used(self, optimizer, lr: float) -> None:
+        """An lr override made ``optimizer``'s step just taken use ``lr`` (``param_groups`` shows the loop's)."""
+        if self.lead_optimizer() is optimizer:
+            self.step_lr = lr
+        if self.cycle is not None:
+            self.used_lr = (optimizer, lr)  # for torch.optimizer_steps when several optimizers step
+
     def full_next(self) -> None:
         """The next boundary takes the full path (a cycle's optimizer steps, a resume)."""
         self._check_at = 0
+
+    def close(self) -> None:
+        self.capture.unwrap()
+        self.inputs.close()
+        self.memory.stop()
+        checks = invariants.checks()
+        if checks is not None:  # its gradient hook too: a paused probe runs nothing on the loop's steps
+            checks.close()
+
+    def reopen(self) -> None:
+        """Undo ``close``: the loss and clip wrappers and the root model's hook go back; the next step's clock
+        restarts."""
+        self.capture.wrap()
+        self.watch_roots()
+        self._last_ns = None
+        self._settled_ns = None  # the paused time earns nothing
+        self.full_next()
+        self._started_ns = now = time.perf_counter_ns()
+        # nor towards the budget's floor (a measured step at least once a second of probed training): else a job
+        # that pauses often would measure a step at every resume
+        self.budget.last_allowed_ns = now
 
     # -- the lead optimizer --------------------------------------------------------------------
     def set_lead(self, optimizer) -> None:
@@ -179,57 +172,62 @@ class StepTracker(StepLife):
         return self.lead() if self.lead is not None else None
 
     def on_optimizer_step(self, optimizer) -> None:
-        """torch's global optimizer step post-hook lands here.
+        """torch's optimizer step post-hook lands here: the one place that decides which way a step ends.
 
-        Most steps of a fast loop are not measured, traced or waited on by an action: those take
-        the quick path, inline here, which records the exact values (count, times, lr, its own
-        cost) and nothing else. Every operation in it is paid per step with the caches cold from
-        the optimizer's work, so it is kept to a handful; anything unusual falls through to
-        ``boundary``."""
+        The quick path, inline below, records the exact values (count, times, lr, loss, its own cost) and nothing
+        else; on a fast loop it is most steps, and every operation in it is paid per step. It runs when all hold:
+
+        * ``_check_at``: the last full boundary found that the next steps need nothing else (``_plan_next``: not
+          measured, traced or explicit, no trace hooks or device timings outstanding) and the budget cannot
+          allow a measured step before this time;
+        * ``_full_at``: no replica checksum and no trace the user asked for (PROBE_TRACE) is due at this step;
+        * the lead optimizer stepped, its lr is a float, no lr override set this step's (``step_lr``), and no
+          ``after_step`` callback waits at the boundary.
+
+        Otherwise: once a second optimizer steps, every optimizer step goes to ``steprows.cycle_step``; once
+        ``probe.step()`` owns the count, an optimizer step ends nothing; else the full ``boundary``."""
         t0 = _perf_ns()
-        if t0 < self._check_at:  # 0 unless the last full boundary found the next ones may be quick
-            step = self.step + 1
-            if step < self._full_at and id(optimizer) == self._lead_id:
-                lr = optimizer.param_groups[0]["lr"]
-                if type(lr) is float and self.step_lr is None and not _subscribers:
-                    self.step = step
-                    last = self._last_ns
-                    self._last_ns = t0
-                    capture = self.capture
-                    if capture.closure_step:  # Lightning: a closure at every step
-                        capture.on_step_end()
-                    loss = None
-                    if capture.losses:  # every step (CPU scalars read when noted)
-                        try:
-                            loss = capture.take()
-                        except Exception as exc:  # the step's row is still written, without its loss
-                            record_error("torch steps: loss", exc)
-                    fwd = self._fwd_ns
-                    if fwd:
-                        self._fwd_ns = 0
-                    safepoint.last_step = step
-                    cost = _perf_ns() - t0
-                    self._quick_ns += cost
-                    self._append(
-                        step,
-                        t0 * 1e-9 + self.wall_offset,
-                        (t0 - last) * 1e-9,
-                        loss if type(loss) is float else None,
-                        None,
-                        lr,
-                        False,
-                        False,
-                        None,
-                        None,
-                        0,
-                        self._lead_name,
-                        None,
-                        cost * 1e-3,
-                        (fwd - last) * 1e-9 if fwd > last else None,
-                    )
-                    if type(loss) is tuple:  # a device loss: read when its copy has landed
-                        self._keep_pending(self.ring.count - 1, loss, None, None)
-                    return
+        if t0 < self._check_at and self.step + 1 < self._full_at and id(optimizer) == self._lead_id:
+            lr = optimizer.param_groups[0]["lr"]
+            if type(lr) is float and self.step_lr is None and not _after:
+                self.step = step = self.step + 1
+                last = self._last_ns
+                self._last_ns = t0
+                capture = self.capture
+                if capture.closure_step:  # Lightning: a closure at every step
+                    capture.on_step_end()
+                loss = None
+                if capture.losses:  # every step (CPU scalars read when noted)
+                    try:
+                        loss = capture.take()
+                    except Exception as exc:  # the step's row is still written, without its loss
+                        record_error("torch steps: loss", exc)
+                fwd = self._fwd_ns
+                if fwd:
+                    self._fwd_ns = 0
+                _passed(step, None, None, True)
+                cost = _perf_ns() - t0
+                self._quick_ns += cost
+                self._append(
+                    step,
+                    t0 * 1e-9 + self.wall_offset,
+                    (t0 - last) * 1e-9,
+                    loss if type(loss) is float else None,
+                    None,
+                    lr,
+                    False,
+                    False,
+                    None,
+                    None,
+                    0,
+                    self._lead_name,
+                    None,
+                    cost * 1e-3,
+                    (fwd - last) * 1e-9 if fwd > last else None,
+                )
+                if type(loss) is tuple:  # a device loss: read when its copy has landed
+                    self._keep_pending(self.ring.count - 1, loss, None, None)
+                return
         capture = self.capture
         if capture.closure_step:
             capture.on_step_end()
@@ -241,22 +239,20 @@ class StepTracker(StepLife):
                 if finder.optimizer_found(optimizer) is None:
                     finder.add(optimizer, None, "step hook", "optimizer")
                 if self.cycle is None:  # the lead has stepped unless probe.watch named it beforehand
-                    self.cycle = _cycle.OptimizerCycle(lead() if self.step else optimizer, self.step > 0)
+                    self.cycle = OptimizerCycle(lead() if self.step else optimizer, self.step > 0)
         if self.explicit:
             return
         if self.cycle is not None:
-            _cycle.on_step(self, optimizer, t0)
+            cycle_step(self, optimizer, t0)
             return
         self.boundary(optimizer, self.loop_frame(), t0=t0)
 
     def loop_frame(self):
         """The training loop's frame: the first one outside torch and probe above the step hook.
 
-        The loop calls ``optimizer.step()`` from the same code at the same depth every
-        step, so the last answer is checked with one ``sys._getframe`` before walking. Only
-        the code object is kept: a frame kept past the boundary would keep the step's locals
-        (the loss, the logits) alive through the next step when the step is a function.
-        """
+        The loop calls ``optimizer.step()`` from the same code at the same depth every step, so the last answer is
+        checked with one ``sys._getframe`` before walking. Only the code object is kept: a frame kept past the
+        boundary would keep the step's locals (the loss, the logits) alive through the next step."""
         depth = self._frame_depth
         if depth:
             try:
@@ -280,11 +276,6 @@ class StepTracker(StepLife):
         if not self._fwd_ns:
             self._fwd_ns = _perf_ns()
 
-    # -- lazily read values ---------------------------------------------------------------------
-    def resolve(self) -> None:
-        """Read the pending loss, grad-norm and lr values that have landed."""
-        self.pending.resolve()
-
     # -- the boundary -----------------------------------------------------------------------------
     def _measure(self, optimizer, now_ns: int):
         """The optional grad norm of a measured step (its budget earns the time since the last one)."""
@@ -294,15 +285,9 @@ class StepTracker(StepLife):
         return self.capture.measured_norm(optimizer, budget, now_ns, self.step <= _FORCED and budget.share > 0)
 
     def boundary(self, optimizer, frame, *, loss=None, samples=None, tokens=None, t0: int | None = None) -> None:
-        """Close step ``self.step + 1``: the optional values if measured, the tracer's and the
-        subscribers' turn, then one ring row (with the boundary's own cost, subscribers excluded).
-
-        This runs between two steps on the training thread, with the step's work just
-        evicted from the CPU caches, so it touches as little as it can: one tuple into the
-        ring's tail, no device syncs, and the optional values only on the steps the
-        budget measures. ``t0`` (perf_counter_ns) is when the probe's hook was entered:
-        the step's end, and the start of the probe's own cost.
-        """
+        """The full boundary: close step ``self.step + 1`` with the optional values if measured, the tracer's and
+        the ``after_step`` callbacks' turn, then one ring row (with its own cost, the callbacks' excluded). No
+        device syncs. ``t0`` (perf_counter_ns): when the probe's hook was entered, the step's end."""
         if t0 is None:
             t0 = _perf_ns()
         self.step = step = self.step + 1
@@ -354,22 +339,20 @@ class StepTracker(StepLife):
             )  # torch.checks: cheap invariants of training
         if step >= self._replicas.next_step:  # torch.weight_sums: DDP replicas' checksums, the same steps on every rank
             self._replicas.at_boundary(step, duration_ns * 1e-9)
-        asked = self._prepare_next(step, t0, traced, step + 1 <= _FORCED or allowed)
-        if safepoint.subscribers:
+        asked = self._plan_next(step, t0, traced, step + 1 <= _FORCED or allowed)
+        if _after:
             t1 = _perf_ns()
-            safepoint.fire(safepoint.StepEvent(step, frame, optimizer))
-            t0 += _perf_ns() - t1  # the subscribers' work (queued actions) is not the probe's overhead
+            _passed(step, frame, optimizer)
+            t0 += _perf_ns() - t1  # the callbacks' work (queued actions) is not the probe's overhead
         else:
-            safepoint.last_step = step
-            if safepoint.heartbeats:  # the probe's own (the hang watchdog): its cost is the probe's
-                safepoint.beat(step)
+            _passed(step)  # the heartbeats are the probe's own (the hang watchdog): their cost is the probe's
         cost = _perf_ns() - t0
         self._spent = cost - asked if step > _FORCED else 0  # start-up (first scans, imports, traces) is not paced
         # the quick path may run until the budget could allow a measured step (once it has paid for this boundary,
         # which the next full one charges), and short of the next step due for a replica checksum or a trace the
         # user asked for
         self._check_at = self.budget.due_ns(t0, self._quick_rate, _CHARGE * self._spent) if self._quick_next else 0
-        self._full_at = min(self._replicas.due, self._hard_trace_at)
+        self._full_at = min(self._replicas.due, self.trace_pacing.hard_at)
         ring = self.ring
         row = ring.count
         ring.append(
@@ -409,10 +392,11 @@ class StepTracker(StepLife):
         self._spent = self._quick_ns = 0
         return allowed
 
-    def _prepare_next(self, step: int, t0: int, traced: bool, measure: bool) -> int:
-        """Set up the next step, measured or not (``measure``, from the budget): its backward calls
-        and inputs noted or not, and the tracer's turn. Returns the ns of a trace the user asked for
-        (PROBE_TRACE set): shown in probe_us, not paced."""
+    def _plan_next(self, step: int, t0: int, traced: bool, measure: bool) -> int:
+        """Set up the next step, measured or not (``measure``, from the budget): its backward calls and inputs
+        noted or not, the tracer's turn, and whether the steps after it may take the quick path (``_quick_next``:
+        none measured, explicit or traced). Returns the ns of a trace the user asked for (PROBE_TRACE set):
+        shown in probe_us, not paced."""
         if measure is not self.capture.wanted:
             self.capture.note(measure)
         inputs = self.inputs
@@ -421,7 +405,6 @@ class StepTracker(StepLife):
         tracer = self.tracer
         pacing = self.trace_pacing
         asked = pacing.turn(step, traced, measure, self.wall_offset) if pacing.wants_turn(step, traced, measure) else 0
-        self._hard_trace_at = pacing.hard_at
         self._quick_next = not (
             measure or self.explicit or tracer.handles or tracer.pending_events or tracer.active_step is not None
         )

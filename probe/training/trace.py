@@ -25,25 +25,27 @@ is such a recomputation: its row has stage ``recompute`` (not ``forward``, so th
 totals count each call once), it is kept on a stack of its own (a non-reentrant recomputation
 stops early, past the post hooks of the calls it interrupts, and those must not deepen
 anything), and its depth is the depth the same module had in the step's forward.
+
+When tracing runs (``TracePacing``): unset, PROBE_TRACE lets the probe pace it: the tracer samples a next step
+(``Tracer.next_sampled``), and that step is traced only once the step budget measures one at or after it, with the
+hooks' cost charged to the budget (what a traced step took over the running mean of untraced ones). Set, it is
+kept to the step: ``hard_at`` is the step before the next traced one, which the step tracker's quick path checks.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
 
-from .outstats import STATS_COLUMNS, Batch, recorder
-from .syncs import SyncWatch
-from .tracecalls import call_hooks
-from .traceflush import ModuleNames, columns, landed_durations, landed_stats, step_records
+from .tracecalls import STATS_COLUMNS, Batch, call_hooks, recorder
+from .traceout import ModuleNames, SyncWatch, columns, landed_durations, landed_stats, step_records
 from ..config import setting
 from .._identity import rank_identity
 from ..util.errorlog import record_error
 from ..util.procfs import RssReader
 from ..util.ring import Ring
-
-__all__ = ["Tracer", "DEFAULT_EVERY", "TRACE_COLUMNS"]
 
 DEFAULT_EVERY = 100
 TRACE_COLUMNS = {
@@ -87,7 +89,7 @@ def _quiet_compile_warning() -> None:
 class Tracer:
     """The module tracer of this process (one, made by ``hooks``): hooks on its sampled steps, and their rows.
 
-    The hooks (``tracecalls.call_hooks``) keep the open calls on ``stack`` (``rstack``: those recomputed
+    The hooks (``call_hooks``) keep the open calls on ``stack`` (``rstack``: those recomputed
     during backward), append to ``rows``, ``recomputed`` and ``out_stats``, read memory through ``read_mem``
     at most every ``MEM_PERIOD`` into ``mem`` (time of the reading, value), CUDA events from ``new_event``,
     and hand each root's output to ``watch_backward``.
@@ -121,8 +123,8 @@ class Tracer:
         self.recomputed: list = []  # (module, t0, t1, mem[, ev0, ev1]) per recomputed call
         self._lock = threading.Lock()
         self.stats_on = setting("PROBE_TRACE_STATS") if stats is None else stats
-        self.out_stats: list = []  # the output statistics of each forward row (outstats), in step with rows
-        self.pending_stats: list = []  # outstats.Batch awaiting their device copies
+        self.out_stats: list = []  # the output statistics of each forward row (``recorder``), in step with rows
+        self.pending_stats: list = []  # ``Batch``es awaiting their device copies
         self._stats_new_step = None  # the installed recorder's per-step reset
         self.syncs = SyncWatch(torch, self.rank)
         self.syncs_on = setting("PROBE_TRACE_SYNCS")
@@ -341,3 +343,63 @@ class Tracer:
         self._remove()
         self.syncs.stop(None)
         self.active_step = None
+
+
+# -- when tracing runs -------------------------------------------------------------------------------
+class TracePacing:
+    """The schedule of module tracing: ``due`` (the next sampled step), ``paced`` (PROBE_TRACE unset),
+    ``hard_at`` (with PROBE_TRACE set: the step before the next traced one, else never) and
+    ``typical_ns`` (a running mean of untraced step durations: what tracing a step adds)."""
+
+    def __init__(self, tracer):
+        self.tracer = tracer
+        self.paced = setting("PROBE_TRACE") is None
+        self.due = tracer.next_sampled(0)
+        self.hard_at = math.inf
+        self.typical_ns = 0.0
+
+    def wants_turn(self, step: int, traced: bool, measure: bool) -> bool:
+        """Whether the boundary closing ``step`` has tracer work: a traced step to finish, hooks or device
+        events outstanding, or the next step due for a trace (paced: only if it is measured)."""
+        tracer = self.tracer
+        return bool(
+            traced or tracer.handles or tracer.pending_events or (step + 1 >= self.due and (measure or not self.paced))
+        )
+
+    def turn(self, step: int, traced: bool, measure: bool, wall_offset: float) -> int:
+        """The tracer's turn at the boundary: finish a traced step, read its device timings, and prepare
+        the next step (traced or not). Returns the ns of a trace the user asked for (PROBE_TRACE set):
+        shown in probe_us, not paced."""
+        tracer = self.tracer
+        asked = 0
+        nxt = step + 1
+        try:
+            if traced:
+                t1 = time.perf_counter_ns()
+                tracer.finish(step, wall_offset)
+                if not self.paced:
+                    asked = time.perf_counter_ns() - t1
+            if tracer.pending_events:
+                tracer.resolve()
+            if nxt >= self.due and (measure or not self.paced):
+                self.due = tracer.next_sampled(nxt)
+                if not self.paced:
+                    self.hard_at = self.due - 1
+                tracer.prepare(nxt, True)
+            elif tracer.handles or tracer.active_step is not None:
+                tracer.prepare(nxt, False)
+        except Exception as exc:
+            record_error("torch trace: step boundary", exc)
+        return asked
+
+    def charge(self, budget, duration_ns: float, traced: bool) -> None:
+        """On a measured step: charge what a traced step's hooks added to ``budget``, or learn an untraced
+        step's duration."""
+        typical = self.typical_ns
+        if traced:
+            if typical > 0 and duration_ns > typical:
+                budget.spend(duration_ns - typical)
+        elif typical > 0:
+            self.typical_ns += (duration_ns - typical) * 0.125
+        else:
+            self.typical_ns = duration_ns

@@ -7,7 +7,7 @@ SequentialLR); ``--step-sleep`` slows steps down;
 ``--stall-file F`` pauses between steps while F exists (prints ``stalled`` once per pause); with ``--stall-for S``
 the pause is one sleep of S seconds instead (the main thread sleeps throughout, as a stalled job's does).
 Steps end at the probe's step boundary: torch's optimizer-step hook when this probe has it,
-else an explicit safepoint fire. Prints ``ready`` after the first step, then ``step N lr X``.
+else an explicit boundary.passed. Prints ``ready`` after the first step, then ``step N lr X``.
 """
 
 import argparse
@@ -19,7 +19,7 @@ import torch
 
 import probe.auto  # noqa: F401
 import probe
-from probe.training import safepoint as _safepoint
+from probe.training.boundary import boundary as step_boundary
 
 
 def make_scheduler(name, optimizer):
@@ -50,7 +50,7 @@ def make_scheduler(name, optimizer):
 def boundary(i):
     """Only needed while this probe has no automatic optimizer-step hook."""
     if not hasattr(probe, "step"):
-        _safepoint.fire(_safepoint.StepEvent(step=i, frame=sys._getframe(1)))
+        step_boundary.passed(i, sys._getframe(1))
 
 
 def main():

@@ -7,7 +7,7 @@ import sys
 import time
 
 import probe.auto  # noqa: F401
-from probe.training.safepoint import StepEvent, fire
+from probe.training.boundary import boundary
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "gil"
 libc = ctypes.PyDLL(None)
@@ -21,6 +21,6 @@ def stuck_after_steps():
 
 
 for step in range(3):
-    fire(StepEvent(step))
+    boundary.passed(step)
 print(f"ready {os.getpid()} steps=3", flush=True)
 stuck_after_steps()

@@ -13,14 +13,14 @@ from probe import EndpointError
 @pytest.fixture
 def queue(monkeypatch, tmp_path):
     from probe.actions import queue
-    from probe.training import safepoint
+    from probe.training.boundary import boundary
 
     monkeypatch.setenv("PROBE_RUNTIME_DIR", str(tmp_path))  # the audit log
-    monkeypatch.setattr(safepoint, "last_step", 40)
+    monkeypatch.setattr(boundary, "last_step", 40)
     yield queue
     with queue._lock:
         queue._pending.clear()
-    safepoint.remove(queue._at_step)
+    boundary.remove(queue._at_step)
 
 
 def submit(queue, at_step, ran):
@@ -32,39 +32,39 @@ def submit(queue, at_step, ran):
 def test_a_step_already_passed_fails_at_once_as_missed_and_never_runs(queue, tmp_path):
     import json
 
-    from probe.training.safepoint import StepEvent, fire
+    from probe.training.boundary import boundary
 
     ran = []
     a = submit(queue, 40, ran)
     assert (a.state, a.missed) == ("failed", True)
     assert "step 40, which this process had passed (last step 40)" in a.error and a.to_dict()["missed_step"]
-    fire(StepEvent(41))
+    boundary.passed(41)
     assert ran == []
     audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
     assert [(r["id"], r["outcome"]) for r in audit] == [(a.id, "failed")]  # never queued: one line, the failure
 
 
 def test_it_waits_for_its_step_and_runs_there(queue):
-    from probe.training.safepoint import StepEvent, fire
+    from probe.training.boundary import boundary
 
     ran = []
     a = submit(queue, 42, ran)
-    fire(StepEvent(41))
+    boundary.passed(41)
     assert (a.state, ran) == ("queued", [])
-    fire(StepEvent(42))
+    boundary.passed(42)
     assert (a.state, a.step, ran, a.missed) == ("done", 42, [42], False)
 
 
-def test_a_step_that_went_by_unseen_is_missed_not_run_late(queue):
-    from probe.training import safepoint
-    from probe.training.safepoint import StepEvent, fire
+def test_a_step_that_went_by_unseen_is_missed_not_run_late(queue, monkeypatch):
+    from probe.training.boundary import boundary
 
     ran = []
     a = submit(queue, 41, ran)
-    safepoint.last_step = 41  # the step tracker's quick path passed step 41 before the subscription was seen
-    fire(StepEvent(42))
+    # the step tracker's quick path passed step 41 before the subscription was seen
+    monkeypatch.setattr(boundary, "last_step", 41)
+    boundary.passed(42)
     assert (a.state, a.missed, ran) == ("failed", True, [])
-    assert queue._at_step not in safepoint.subscribers  # nothing left waiting
+    assert queue._at_step not in boundary.after  # nothing left waiting
 
 
 class Target:

@@ -27,7 +27,7 @@ def _numbers(opt, sched) -> list:
 
 
 def test_ratios_refuse_a_denormal_or_zero_divisor_and_an_unusable_quotient():
-    from probe.actions.lrgroup import invertible, ratio
+    from probe.actions.lroverride import invertible, ratio
 
     assert ratio(0.05, 0.025) == 2.0 and ratio(0.0, 3.0) == 0.0
     for a, b in [(0.05, 5e-324), (0.05, 0.0), (0.05, math.nan), (1.0, math.inf), (1e300, 1e-300), (1e-300, 1e100)]:
@@ -36,7 +36,7 @@ def test_ratios_refuse_a_denormal_or_zero_divisor_and_an_unusable_quotient():
 
 
 def test_a_factor_that_cannot_be_divided_out_again_changes_nothing():
-    from probe.actions.lrgroup import rescale
+    from probe.actions.lroverride import rescale
 
     opt, sched = _steplr()
     before = _numbers(opt, sched)
@@ -49,7 +49,7 @@ def test_a_factor_that_cannot_be_divided_out_again_changes_nothing():
 
 
 def test_a_tiny_rate_then_reset_gives_the_unchanged_schedule_back_finite():
-    from probe.actions.lrgroup import ratio, rescale
+    from probe.actions.lroverride import ratio, rescale
 
     opt, sched = _steplr()
     ref_opt, ref_sched = _steplr()
@@ -72,7 +72,7 @@ def test_a_tiny_rate_then_reset_gives_the_unchanged_schedule_back_finite():
 def test_the_smallest_rate_is_the_smallest_normal_of_the_dtype_the_update_is_computed_in(dtype, computed):
     import torch
 
-    from probe.actions.lrgroup import dtype_floor
+    from probe.actions.lr import dtype_floor
 
     group = {"params": [torch.nn.Parameter(torch.zeros(2, dtype=getattr(torch, dtype)))], "lr": 0.1}
     assert dtype_floor(group) == (torch.finfo(getattr(torch, computed)).tiny, computed, dtype)

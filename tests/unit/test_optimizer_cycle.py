@@ -14,7 +14,7 @@ class _Opt:
 
 
 def _closes(seq, opts) -> list:
-    from probe.training.cycle import OptimizerCycle
+    from probe.training.steprows import OptimizerCycle
 
     cycle = OptimizerCycle(opts[seq[0]], True)  # the lead's first step is where the tracker starts the cycle
     return [cycle.see(opts[k]) for k in seq[1:]]
@@ -34,7 +34,7 @@ def test_the_iteration_is_recognised_from_the_order_of_optimizer_steps():
     assert _closes("DGDGDGDD", opts)[-2:] == [False, None]
     assert _closes("DGDGDDDD", opts)[-1] is None
     # probe.watch named G before anything stepped: the iteration still starts with the first optimizer to step
-    from probe.training.cycle import OptimizerCycle
+    from probe.training.steprows import OptimizerCycle
 
     cycle = OptimizerCycle(d, False)
     assert [cycle.see(opts[k]) for k in "DGDGDG"] == [None, None, None, True, False, True]

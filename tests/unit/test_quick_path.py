@@ -82,7 +82,7 @@ def test_the_hang_watchdog_leaves_the_quick_path_in_place(tracker, monkeypatch, 
     import torch
 
     from probe.agent import watchdog
-    from probe.training import safepoint
+    from probe.training.boundary import boundary
 
     monkeypatch.setenv("PROBE_HANG_TIMEOUT", "60")
     monkeypatch.setenv("PROBE_RUNTIME_DIR", str(tmp_path))
@@ -104,7 +104,7 @@ def test_the_hang_watchdog_leaves_the_quick_path_in_place(tracker, monkeypatch, 
         # most boundaries were quick ones (nothing runs at every step), and the steps were heard (the full
         # boundaries' heartbeats)
         assert len(tracker.full) < STEPS // 4, f"{len(tracker.full)} of {STEPS} were full: {tracker.full[:20]}"
-        assert not safepoint.subscribers
+        assert not boundary.after
         assert watchdog._state["beat_at"] > beat_before
     finally:
         watchdog.uninstall()

@@ -250,3 +250,37 @@ def test_code_and_tests_say_what_and_why_not_which_issue_asked():
 def test_a_planted_history_mention_is_found(tmp_path):
     (tmp_path / "m.py").write_text('"""What it does."""\n# fixed in ' + "ROUND" + " 3\nx = 1\n")
     assert history_mentions([tmp_path]) == [f"{tmp_path / 'm.py'}:2"]
+
+
+# Module size: a file past MAX_MODULE_LINES is a sign to split it, a package of many small modules a sign to fold
+# them. Each room listed here is held to both; rooms not listed are not checked yet.
+MAX_MODULE_LINES = 450
+SIZED_MODULES = ("probe/training/*.py", "probe/actions/lr*.py")
+MAX_FILES = {"probe/training": 17}  # .py files, __init__.py included
+
+
+def long_modules(patterns, root: Path = ROOT, limit: int = MAX_MODULE_LINES) -> list[str]:
+    """``path (n lines)`` of each module matching ``patterns`` under ``root`` that is longer than ``limit``."""
+    out = []
+    for pattern in patterns:
+        for path in sorted(root.glob(pattern)):
+            n = len(path.read_text().splitlines())
+            if n > limit:
+                out.append(f"{path.relative_to(root)} ({n} lines)")
+    return out
+
+
+def test_no_module_of_the_sized_rooms_is_over_the_line_limit():
+    assert not long_modules(SIZED_MODULES), f"over {MAX_MODULE_LINES} lines: split by concern"
+
+
+def test_the_sized_rooms_keep_within_their_module_count():
+    counts = {room: len(list((ROOT / room).glob("*.py"))) for room in MAX_FILES}
+    assert all(counts[room] <= most for room, most in MAX_FILES.items()), counts
+
+
+def test_a_planted_long_module_is_found(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "short.py").write_text("x = 1\n" * 3)
+    (tmp_path / "pkg" / "long.py").write_text("x = 1\n" * 4)
+    assert long_modules(("pkg/*.py",), tmp_path, limit=3) == ["pkg/long.py (4 lines)"]

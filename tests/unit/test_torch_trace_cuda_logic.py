@@ -151,7 +151,7 @@ def test_a_device_loss_is_copied_without_a_sync_and_filled_in_when_its_event_com
     event and writes NULL; the row is filled in once the event has completed, never by waiting for it."""
     import torch
 
-    from probe.training.stepcolumns import snapshot
+    from probe.training.steprows import snapshot
     from probe.training.steps import StepTracker
     from probe.training.trace import Tracer
 

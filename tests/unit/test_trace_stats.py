@@ -101,7 +101,7 @@ def test_statistics_off_leaves_the_columns_null():
 def test_a_large_output_is_reduced_over_a_strided_view():
     import torch
 
-    from probe.training.outstats import MAX_ELEMENTS, Batch, recorder
+    from probe.training.tracecalls import MAX_ELEMENTS, Batch, recorder
 
     x = torch.relu(torch.randn(3, 1024, 2048))  # 6.3 Mi elements
     x[::2] = 0.0
@@ -130,7 +130,7 @@ def test_deferred_statistics_land_only_once_their_copy_has():
     import numpy as np
     import torch
 
-    from probe.training.outstats import Batch, recorder
+    from probe.training.tracecalls import Batch, recorder
     from probe.util.ring import Ring
     from probe.training.trace import TRACE_COLUMNS
 
@@ -166,7 +166,7 @@ def test_deferred_statistics_land_only_once_their_copy_has():
 def test_the_sync_watch_counts_call_sites_and_leaves_other_warnings_alone():
     import torch
 
-    from probe.training.syncs import SyncWatch
+    from probe.training.traceout import SyncWatch
 
     shown = []
     before = warnings.showwarning

@@ -9,7 +9,7 @@ import faulthandler
 
 def test_heartbeats_rearm_the_timer_at_most_every_rearm_s_and_late_enough(monkeypatch, tmp_path):
     from probe.agent import watchdog
-    from probe.training.safepoint import StepEvent, fire
+    from probe.training.boundary import boundary
 
     armed = []
     monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda timeout, **kw: armed.append(timeout))
@@ -22,7 +22,7 @@ def test_heartbeats_rearm_the_timer_at_most_every_rearm_s_and_late_enough(monkey
     try:
         for i in range(64):  # a second of steps, 1/64 s each (binary fractions: exact sums)
             clock[0] += 1 / 64
-            fire(StepEvent(i))
+            boundary.passed(i)
     finally:
         watchdog.uninstall()
     # armed at install, then once per REARM_S of steps; each time for the timeout plus the heartbeat's possible lag
