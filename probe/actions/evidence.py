@@ -24,7 +24,7 @@ import os
 import re
 
 from .._errors import ActionError, ProbeError
-from ..training.shards import local
+from ..training.frameworks import local
 from ..util import files
 
 __all__ = [

@@ -32,9 +32,10 @@ from dataclasses import dataclass
 
 from ..config import setting
 from .._errors import ActionError
-from ..training import finder, hooks, safepoint
+from ..training import finder, hooks
+from ..training.boundary import boundary
 from ..training.inputs import InputCounter
-from ..training.shards import is_sharded
+from ..training.frameworks import is_sharded
 from ..util.errorlog import record_error
 from .evidence import (
     bundle,
@@ -117,13 +118,13 @@ def arm_from_setting() -> None:
         return
 
     def first(event) -> None:
-        safepoint.remove(first)
+        boundary.remove(first)
         try:
             arm(spec, event.step)
         except ActionError as exc:
             print(f"probe: PROBE_GUARD: {exc.message}", file=sys.stderr, flush=True)
 
-    safepoint.on_step(first)
+    boundary.after_step(first)
 
 
 # -- what is armed, and what it caught ------------------------------------------------------------------------
