@@ -12,6 +12,7 @@ import types
 import pytest
 
 from conftest import TARGETS, poll, requires_torch
+from harness import query_json
 
 pytestmark = requires_torch
 TRAIN = TARGETS / "actions_train.py"
@@ -117,11 +118,7 @@ def test_group_errors_once_and_reset(spawn, cli):
 
 
 def _steps_after(cli, pid, step: int) -> list:
-    q = cli(
-        pid, "query", f"SELECT step, lr, loss FROM torch.steps WHERE step > {step} ORDER BY step", "--format", "json"
-    )
-    assert q.returncode == 0, q.stderr
-    return json.loads(q.stdout)
+    return query_json(cli, pid, f"SELECT step, lr, loss FROM torch.steps WHERE step > {step} ORDER BY step")
 
 
 def test_a_rate_the_parameters_dtype_cannot_hold_is_refused_and_never_reaches_the_schedule(spawn, cli):

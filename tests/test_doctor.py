@@ -13,6 +13,7 @@ import json
 import pytest
 
 from conftest import EXAMPLES, TARGETS, poll, requires_torch
+from harness import max_step
 from _doctor import doctor, find, poll_for
 
 # the rules a healthy job must leave quiet, each with a planted fault in fault_catalog.FAULTS
@@ -205,11 +206,6 @@ def test_process_stuck_in_c_with_the_gil_is_reported_from_outside(spawn, cli):
     assert doc["answering"] == 0
 
 
-def _step(cli, pid) -> int:
-    r = cli(pid, "query", "SELECT max(step) AS step FROM torch.steps", "--format", "json")
-    return json.loads(r.stdout)[0]["step"]
-
-
 def _waited_steps(cli, pid, since: int) -> int:
     sql = f"SELECT count(*) AS n FROM torch.steps WHERE step > {since} AND cpu_wait IS NOT NULL"
     return json.loads(cli(pid, "query", sql, "--format", "json").stdout)[0]["n"]
@@ -233,7 +229,7 @@ def test_a_job_sharing_its_cpu_is_starved_not_regressed(spawn, cli):
     )
     cpu = min(os.sched_getaffinity(0))
     os.sched_setaffinity(job.pid, {cpu})
-    start = _step(cli, job.pid)
+    start = max_step(cli, job.pid)
     # in a session of its own, as the job is: with autogroup scheduling each session is a group with an equal share of
     # the core, and a hog left in pytest's group (whose load is mostly on the other core) got well under half of it
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
@@ -345,7 +341,7 @@ def test_healthy_job_gets_nothing_above_info(healthy, shared_cli):
         loud = [f for f in doc["findings"] if f["severity"] != "info"]
         assert not loud, loud
         assert doc["rules_run"] >= 10, doc
-        seen.append(_step(shared_cli, healthy.pid))
+        seen.append(max_step(shared_cli, healthy.pid))
         # 40+ steps on: the job prints every 50th step (after its boundary), so wait for its line, not with queries
         healthy.wait_for(f"step {(seen[-1] + 40 + 49) // 50 * 50} ", 60)
     assert shared_cli(healthy.pid, "doctor").returncode == 0

@@ -7,14 +7,13 @@ to the doctor naming it (docs/doctor.md has the table)."""
 
 from __future__ import annotations
 
-import json
 import re
 import time
 
 import pytest
 
 from _doctor import above_info, doctor
-from harness import stop_groups
+from harness import max_step, stop_groups
 from conftest import ROOT, poll, requires_torch
 
 from faults.corpus import ERRORS, GROUPS
@@ -23,11 +22,6 @@ pytestmark = requires_torch
 SCRIPT = ROOT / "tests" / "faults" / "real_world.py"
 RULES = {e: (rule, words) for e, rule, words in ERRORS}
 _DETECT_S = 120  # a deadline, not an expectation: most are named within a few doctor runs
-
-
-def _step(cli, pid) -> int:
-    r = cli(pid, "query", "SELECT max(step) AS step FROM torch.steps", "--format", "json")
-    return json.loads(r.stdout)[0]["step"] or 0
 
 
 def _onset(job, error) -> tuple[int, float]:
@@ -82,7 +76,7 @@ def test_the_doctor_names_real_world_errors_and_not_their_healthy_twins(spawn, c
         if finding is None:
             missed.append((error, [(f["rule"], f["message"][:200]) for f in last]))
         else:
-            seconds, steps = time.time() - onset_time, _step(cli, job.pid) - onset_step
+            seconds, steps = time.time() - onset_time, max_step(cli, job.pid) - onset_step
             since = finding["evidence"].get("since")
             since = since if type(since) is int else None
             # what the twin must get past: the steps to the first failing check and two more measured ones (an
@@ -110,7 +104,7 @@ def test_the_doctor_names_real_world_errors_and_not_their_healthy_twins(spawn, c
     for error in group:
         onset_step, _ = _onset(twin, error)
         assert poll(
-            lambda onset_step=onset_step, error=error: _step(cli, twin.pid) >= onset_step + took[error] + 5,
+            lambda onset_step=onset_step, error=error: max_step(cli, twin.pid) >= onset_step + took[error] + 5,
             120,
             interval=0.5,
         )

@@ -4,23 +4,17 @@ input_bound from every step's data_wait, so that two DataLoader workers cannot h
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 
 from _doctor import doctor, poll_for
 from conftest import TARGETS, poll, requires_torch
+from harness import query_json
 
 pytestmark = requires_torch
 NANOGPT = TARGETS / "nanogpt_loop.py"
 ITER = re.compile(r"^iter (\d+): loss (\S+), lr (\S+)$")
-
-
-def query(cli, pid, sql):
-    r = cli(pid, "query", sql, "-f", "json")
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
 
 
 def printed(proc) -> dict[int, tuple[float, float]]:
@@ -40,7 +34,7 @@ def test_a_nanogpt_shaped_loop_has_the_loss_and_lr_it_prints_on_every_step(spawn
     assert poll(lambda: max(printed(proc), default=0) >= 400, timeout=180), proc.output()[-2000:]
     logged = printed(proc)
     last = max(logged) + 1  # probe counts steps from 1, the loop its iterations from 0
-    rows = query(
+    rows = query_json(
         cli, proc.pid, f"SELECT step, loss, lr, measured, memory FROM torch.steps WHERE step <= {last} ORDER BY step"
     )
     # then: one row per iteration, the loss on >= 99 % of them whatever was measured, a memory reading on each
@@ -53,7 +47,7 @@ def test_a_nanogpt_shaped_loop_has_the_loss_and_lr_it_prints_on_every_step(spawn
     for it, (loss, lr) in logged.items():
         assert by_step[it + 1]["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-5), it
         assert by_step[it + 1]["lr"] == pytest.approx(lr, rel=1e-9), it
-    assert query(cli, proc.pid, "SELECT source, message FROM probe.errors") == []
+    assert query_json(cli, proc.pid, "SELECT source, message FROM probe.errors") == []
     # a healthy loop: its every-step memory and data_wait raise neither memory_growth nor input_bound
     doc = doctor(cli, proc.pid)
     assert not [f for f in doc["findings"] if f["rule"] in ("memory_growth", "input_bound")], doc["findings"]
@@ -69,7 +63,7 @@ def test_a_leak_is_named_within_a_minute_while_the_budget_measures_few_steps(spa
     # when / then: the doctor names it within 60 s of the loop's start
     finding, findings = poll_for(cli, proc.pid, "memory_growth", timeout=60)
     assert finding["severity"] == "warning" and "memory in use grows" in finding["message"], finding
-    share = query(
+    share = query_json(
         cli,
         proc.pid,
         "SELECT avg(measured::INT) AS measured, count(memory) AS with_memory, count(*) AS n FROM torch.steps",
@@ -85,5 +79,7 @@ def test_two_dataloader_workers_cannot_hide_a_slow_input_pipeline(spawn, cli):
     # when / then: the doctor names the input pipeline, judged from every step's data_wait
     finding, _ = poll_for(cli, proc.pid, "input_bound", timeout=90)
     assert "outside forward/backward" in finding["message"] and "the input pipeline" in finding["message"], finding
-    rows = query(cli, proc.pid, "SELECT count(data_wait) AS waited, count(*) AS n FROM torch.steps WHERE step > 2")[0]
+    rows = query_json(
+        cli, proc.pid, "SELECT count(data_wait) AS waited, count(*) AS n FROM torch.steps WHERE step > 2"
+    )[0]
     assert rows["waited"] >= 0.99 * rows["n"], rows

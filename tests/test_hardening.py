@@ -15,45 +15,7 @@ import time
 import pytest
 
 from conftest import PROBE_BIN, TARGETS, poll, requires_torch
-from harness import start
-
-
-def _socket_of(pid: int, env: dict) -> str:
-    with open(f"{env['PROBE_RUNTIME_DIR']}/{pid}.json") as f:
-        return json.load(f)["socket"]
-
-
-def _entry(pid: int, env: dict) -> dict:
-    with open(f"{env['PROBE_RUNTIME_DIR']}/{pid}.json") as f:
-        return json.load(f)
-
-
-def _raw(path_or_addr, payload: bytes, timeout: float = 10.0) -> bytes:
-    """Send bytes on a fresh connection and read the answer to the end."""
-    if isinstance(path_or_addr, str):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    else:
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.settimeout(timeout)
-    s.connect(path_or_addr)
-    try:
-        s.sendall(payload)
-        chunks = []
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        s.close()
-
-
-def _post(path: str, route: str, body: bytes, extra: str = "") -> tuple[int, dict]:
-    head = f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode()
-    data = _raw(path, head + body)
-    status = int(data.split(b" ", 2)[1])
-    return status, json.loads(data.partition(b"\r\n\r\n")[2] or b"{}")
+from harness import exchange, post, registry_entry, start
 
 
 def _eval(cli, pid, code: str) -> str:
@@ -80,7 +42,7 @@ def test_the_training_process_never_imports_duckdb(spawn, cli):
 
 def test_bad_values_and_bodies_get_one_sentence_and_a_4xx(spawn, cli, probe_env):
     target = spawn(TARGETS / "idle.py", env={"PROBE_SNAPSHOT_BYTES": "300"})
-    sock = _socket_of(target.pid, probe_env)
+    sock = registry_entry(target.pid, probe_env)["socket"]
     cases = [
         (b"not json", "not valid JSON"),
         (b"[1, 2]", "must be a JSON object"),
@@ -96,15 +58,15 @@ def test_bad_values_and_bodies_get_one_sentence_and_a_4xx(spawn, cli, probe_env)
         (b"\xff\xfe", "not valid JSON"),
     ]
     for body, fragment in cases:
-        status, doc = _post(sock, "/snapshot", body)
+        status, doc = post(sock, "/snapshot", body)
         assert 400 <= status < 500, (body[:40], status, doc)
         assert fragment in doc["error"] and doc["error"].endswith("."), doc
     # a negative or absurd Content-Length, and a body over the limit, are refused before reading
     for length in ("-5", "abc", "99999999999"):
-        data = _raw(sock, f"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode())
+        data = exchange(sock, f"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode())
         assert data.startswith(b"HTTP/1.1 4"), data[:80]
     # HTTP/0.9 is answered (and closed), not left hanging
-    data = _raw(sock, b"GET /health\r\n", timeout=5.0)
+    data = exchange(sock, b"GET /health\r\n", timeout=5.0)
     assert b"HTTP/1.1 400" in data and b"HTTP/1.1" in data, data[:120]
     # the CLI's own checks: negative row cap, 5000 nested parentheses, a snapshot over the byte cap
     r = cli(target.pid, "query", "SELECT 1", "--max-rows", "-1")
@@ -124,7 +86,7 @@ def test_connections_are_bounded_and_the_owner_is_always_answered(spawn, cli, pr
         TARGETS / "idle.py",
         env={"PROBE_PORT": "0", "PROBE_TOKEN": "tok-en", "PROBE_MAX_CONNECTIONS": "4", "PROBE_READ_TIMEOUT": "1"},
     )
-    entry = _entry(target.pid, probe_env)
+    entry = registry_entry(target.pid, probe_env)
     port = entry["tcp_port"]
     # when 60 TCP clients open connections and never finish their headers
     held = []
@@ -166,7 +128,7 @@ def test_connections_are_bounded_and_the_owner_is_always_answered(spawn, cli, pr
 def test_a_token_goes_only_to_the_address_it_was_issued_for(spawn, cli, probe_env):
     # given a local job on 127.0.0.1:PORT and a stranger listening on 127.0.0.2 with the same port
     target = spawn(TARGETS / "idle.py", env={"PROBE_PORT": "0"})
-    entry = _entry(target.pid, probe_env)
+    entry = registry_entry(target.pid, probe_env)
     port = entry["tcp_port"]
     stranger = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -267,7 +229,7 @@ def test_sigterm_removes_the_socket_and_registry_entry(spawn, probe_env):
     import signal
 
     target = spawn(TARGETS / "idle.py")
-    entry = _entry(target.pid, probe_env)
+    entry = registry_entry(target.pid, probe_env)
     assert os.path.exists(entry["socket"])
     os.kill(target.pid, signal.SIGTERM)
     target.popen.wait(30)
@@ -369,12 +331,12 @@ def test_snapshots_wait_in_line_and_say_so(spawn, probe_env):
 
     # given one snapshot slot, and python.threads holding it for its 50 ms sampling window
     target = spawn(TARGETS / "idle.py", env={"PROBE_MAX_SNAPSHOTS": "1"})
-    sock = _socket_of(target.pid, probe_env)
+    sock = registry_entry(target.pid, probe_env)["socket"]
     body = json.dumps({"tables": {"python.threads": {"columns": ["name", "executing"]}}, "timeout": 0.01}).encode()
     head = f"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
     # when ten clients ask at once, each willing to wait 10 ms in line
     with ThreadPoolExecutor(10) as pool:
-        answers = list(pool.map(lambda _: _raw(sock, head + body), range(10)))
+        answers = list(pool.map(lambda _: exchange(sock, head + body), range(10)))
     statuses = [int(a.split(b" ", 2)[1]) for a in answers]
     # then the ones that could not get the slot in time got a 503 with one sentence; the rest their snapshot
     busy = [json.loads(a.partition(b"\r\n\r\n")[2]) for a, s in zip(answers, statuses) if s == 503]
@@ -385,11 +347,11 @@ def test_snapshots_wait_in_line_and_say_so(spawn, probe_env):
 def test_snapshots_are_paced_to_their_share_of_the_process(spawn, probe_env):
     # given a process whose snapshots may take a millionth of its time (a microsecond a second)
     target = spawn(TARGETS / "idle.py", env={"PROBE_SERVE_SHARE": "0.000001"})
-    sock = _socket_of(target.pid, probe_env)
+    sock = registry_entry(target.pid, probe_env)["socket"]
 
     def ask(timeout):
         body = json.dumps({"tables": {"python.backtrace": {"columns": ["func", "depth"]}}, "timeout": timeout}).encode()
-        answer = _raw(
+        answer = exchange(
             sock, f"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
         )
         return int(answer.split(b" ", 2)[1]), answer.partition(b"\r\n\r\n")[2]

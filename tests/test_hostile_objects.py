@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from conftest import TARGETS, poll, requires_torch
+from harness import last_step
 
 pytestmark = requires_torch
 
@@ -15,14 +16,10 @@ def _peak_rss_mb(pid: int) -> float:
         return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) / 1024
 
 
-def _last_step(proc) -> int:
-    return max((int(m) for m in re.findall(r"^step (\d+)", proc.output(), re.M)), default=0)
-
-
 def test_finding_objects_never_reads_a_class_property(spawn, cli, tmp_path):
     # given a loop whose __main__ global has a __class__ property that says when it is read
     target = spawn(TARGETS / "hostile_objects.py")
-    assert poll(lambda: _last_step(target) >= 20, 60), target.output()[-2000:]  # boundaries scanned at 1, 2, 4, 8, 16
+    assert poll(lambda: last_step(target) >= 20, 60), target.output()[-2000:]  # boundaries scanned at 1, 2, 4, 8, 16
     # when the probe finds the loop's objects for a checkpoint, the torch tables, the status and an eval
     r = cli(target.pid, "checkpoint", str(tmp_path / "ck.pt"))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -60,5 +57,5 @@ def test_locals_are_described_without_building_huge_reprs_or_waiting_on_one(spaw
     assert again.returncode == 0 and "blocking = <" in again.stdout, again.stdout + again.stderr
     q = cli(target.pid, "query", "SELECT count(*) AS n FROM python.threads", "-f", "csv")
     assert q.returncode == 0, q.stderr
-    step = _last_step(target)
-    assert poll(lambda: _last_step(target) > step, 60), "training stopped"
+    step = last_step(target)
+    assert poll(lambda: last_step(target) > step, 60), "training stopped"

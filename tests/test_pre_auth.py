@@ -7,29 +7,19 @@ checking that it kept stepping.
 from __future__ import annotations
 
 import json
-import re
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from conftest import TARGETS, poll, requires_torch
+from harness import exchange, last_step, registry_entry
 
 pytestmark = requires_torch
 
 
-def _entry(pid: int, env: dict) -> dict:
-    with open(f"{env['PROBE_RUNTIME_DIR']}/{pid}.json") as f:
-        return json.load(f)
-
-
-def _last_step(proc) -> int:
-    steps = [int(m.group(1)) for m in map(re.compile(r"^step (\d+)").match, proc.output().splitlines()) if m]
-    return max(steps, default=-1)
-
-
 def _still_stepping(proc) -> None:
-    before = _last_step(proc)
-    assert poll(lambda: _last_step(proc) > before + 3, 60), f"training stopped at step {before}"
+    before = last_step(proc)
+    assert poll(lambda: last_step(proc) > before + 3, 60), f"training stopped at step {before}"
     assert proc.popen.poll() is None and "Traceback" not in proc.output(), proc.output()[-2000:]
 
 
@@ -48,7 +38,7 @@ def _train(spawn, **env):
 def test_trickling_tcp_clients_are_cut_off_and_never_lock_the_owner_out(spawn, cli, probe_env):
     # given a training process on TCP too, each request head allowed 2 s in all
     target = _train(spawn, PROBE_READ_TIMEOUT="2")
-    port = _entry(target.pid, probe_env)["tcp_port"]
+    port = registry_entry(target.pid, probe_env)["tcp_port"]
     # when 32 TCP clients (every connection slot) each send a header byte twice a second, forever
     held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(32)]
     cut = [False] * len(held)
@@ -100,7 +90,7 @@ N_ATTACKS = 96
 def test_large_headers_without_the_token_cost_the_process_no_memory(spawn, cli, probe_env):
     # given a training process on TCP
     target = _train(spawn)
-    port = _entry(target.pid, probe_env)["tcp_port"]
+    port = registry_entry(target.pid, probe_env)["tcp_port"]
     assert cli(target.pid, "query", "SELECT 1", "-f", "csv").returncode == 0  # warm: the CLI's first query's memory
     before = _rss_kb(target.pid)
     head = b"POST /snapshot HTTP/1.1\r\nHost: x\r\n" + (b"X-Pad: " + b"a" * 60_000 + b"\r\n") * 99
@@ -164,33 +154,17 @@ def _heavy_body(timeout: float) -> bytes:
     return json.dumps({"tables": tables, "timeout": timeout}).encode()
 
 
-def _exchange(path: str, head: str, body: bytes = b"") -> tuple[int, bytes]:
-    """One raw HTTP request on the unix socket ``path``: (status, body of the answer)."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(60)
-    s.connect(path)
-    try:
-        s.sendall(head.encode() + body)
-        data = b""
-        while True:
-            chunk = s.recv(1 << 20)
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        s.close()
-    return int(data.split(b" ", 2)[1]), data.partition(b"\r\n\r\n")[2]
-
-
 def _snapshot(path: str, body: bytes) -> tuple[int, bytes]:
-    return _exchange(path, f"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n", body)
+    """One raw POST /snapshot on the unix socket ``path``: (status, body of the answer)."""
+    data = exchange(path, f"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    return int(data.split(b" ", 2)[1]), data.partition(b"\r\n\r\n")[2]
 
 
 def test_expensive_snapshots_are_charged_their_whole_cost(spawn, probe_env):
     # given a training process whose snapshots may take a tenth of a percent of its time (the share is spent in a few
     # heavy snapshots: at half a percent, a fast host served dozens first, over a minute of the suite)
     target = _train(spawn, PROBE_SERVE_SHARE="0.001")
-    sock = _entry(target.pid, probe_env)["socket"]
+    sock = registry_entry(target.pid, probe_env)["socket"]
     # when a client sends snapshots with heavy filter trees over every table, each willing to wait 2 s
     statuses, refusal = [], None
     for _ in range(60):
@@ -234,7 +208,7 @@ def _tcp_snapshot(port: int, body: bytes, token: str = "the-right-token-1234") -
 def test_token_holders_flooding_over_tcp_never_lock_the_owner_out(spawn, cli, probe_env):
     # given a training process on TCP too, whose readers may take half a percent of its time
     target = _train(spawn, PROBE_SERVE_SHARE="0.005")
-    port = _entry(target.pid, probe_env)["tcp_port"]
+    port = registry_entry(target.pid, probe_env)["tcp_port"]
     body = json.dumps({"tables": {"python.backtrace": {"columns": ["func", "depth"]}}, "timeout": 2}).encode()
     statuses: list = []
     stop = threading.Event()
@@ -270,14 +244,14 @@ def test_token_holders_flooding_over_tcp_never_lock_the_owner_out(spawn, cli, pr
 
 
 def _get(path: str, route: str) -> tuple[int, dict]:
-    status, body = _exchange(path, f"GET {route} HTTP/1.1\r\nHost: x\r\n\r\n")
-    return status, json.loads(body or b"{}")
+    data = exchange(path, f"GET {route} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    return int(data.split(b" ", 2)[1]), json.loads(data.partition(b"\r\n\r\n")[2] or b"{}")
 
 
 def test_backtraces_and_profiles_are_paced_like_snapshots(spawn, probe_env):
     # given a process whose readers may take a millionth of its time (a microsecond a second)
     target = spawn(TARGETS / "many_threads.py", env={"PROBE_SERVE_SHARE": "0.000001"})
-    sock = _entry(target.pid, probe_env)["socket"]
+    sock = registry_entry(target.pid, probe_env)["socket"]
     # when one backtrace comes, it is answered (the share starts with its burst)
     status, doc = _get(sock, "/backtrace?wait=0.05")
     assert status == 200 and doc["threads"], doc

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PROBE_BIN as PROBE_BIN_PATH, TARGETS, poll, requires_torch
-from harness import Recorder, clean_env
+from harness import Recorder, clean_env, last_step, post
 
 PLAIN = TARGETS / "plain_loop.py"
 ACTIONS = TARGETS / "actions_train.py"
@@ -68,13 +68,8 @@ def test_a_static_python_without_version_in_its_name_is_recognised_from_its_symb
 # -- item 2: a learning rate no step could use (or that cannot train) is refused before anything is queued --
 
 
-def _last_step(proc) -> int:
-    steps = [int(line.split()[1]) for line in proc.lines if line.startswith("step ")]
-    return steps[-1] if steps else 0
-
-
 def _steps_on(proc, after: int) -> bool:
-    return bool(poll(lambda: proc.popen.poll() is None and _last_step(proc) > after + 2, timeout=60))
+    return bool(poll(lambda: proc.popen.poll() is None and last_step(proc) > after + 2, timeout=60))
 
 
 def _lr_actions(cli, pid) -> list:
@@ -140,7 +135,7 @@ def test_a_rate_that_would_kill_or_stall_the_job_is_refused_and_nothing_is_queue
     assert _lr_actions(shared_cli, p.pid) == []
     refused = [a for a in _audit(shared_env)[audited:] if a.get("command") == "lr"]
     assert refused and all(a.get("outcome") == "refused" and a.get("pid") in (p.pid, None) for a in refused), refused
-    assert _steps_on(p, _last_step(p)), p.output()[-2000:]
+    assert _steps_on(p, last_step(p)), p.output()[-2000:]
 
 
 @requires_torch
@@ -150,7 +145,7 @@ def test_asked_for_a_zero_or_a_big_jump_is_applied_and_the_job_steps_on(spawn, c
     assert r.returncode == 0 and "0.05 -> 2" in r.stdout, r.stdout + r.stderr
     r = cli(p.pid, "--yes", "lr", "--set", "0", "--allow-zero")
     assert r.returncode == 0 and "2 -> 0" in r.stdout, r.stdout + r.stderr
-    assert poll(lambda: any(line.startswith("step ") for line in p.lines)) and _steps_on(p, _last_step(p))
+    assert poll(lambda: any(line.startswith("step ") for line in p.lines)) and _steps_on(p, last_step(p))
 
 
 @requires_torch
@@ -159,7 +154,6 @@ def test_the_http_route_refuses_the_same_rates(spawn, cli, probe_env):
     p = spawn([ACTIONS, "--sched", "none", "--optim", "Adam", "--step-sleep", "0.05"])
     with open(f"{probe_env['PROBE_RUNTIME_DIR']}/{p.pid}.json") as f:
         sock = json.load(f)["socket"]
-    from test_hardening import _post
 
     for body, words in (
         ({"set": 1e39, "force": True}, "would overflow"),
@@ -168,10 +162,10 @@ def test_the_http_route_refuses_the_same_rates(spawn, cli, probe_env):
         ({"set": 1.0}, "--force"),
         ({"set": "NaN"}, "finite"),
     ):
-        status, doc = _post(sock, "/actions/lr", json.dumps(body).encode())
+        status, doc = post(sock, "/actions/lr", json.dumps(body).encode())
         assert 400 <= status < 500 and words in json.dumps(doc), (body, status, doc)
     assert _lr_actions(cli, p.pid) == []
-    assert _steps_on(p, _last_step(p))
+    assert _steps_on(p, last_step(p))
 
 
 # -- item 3: a shared registry is used only when no one else could have written it --------------------------
@@ -245,7 +239,7 @@ def test_a_registry_another_user_prepared_is_refused_and_the_job_trains_on(spawn
     assert any(
         "shared registry" in e["source"] and "belongs to another user" in e["message"] for e in _errors(cli, p.pid)
     )
-    assert _steps_on(p, _last_step(p))
+    assert _steps_on(p, last_step(p))
 
 
 @requires_torch
@@ -265,7 +259,7 @@ def test_a_registry_open_to_others_or_holding_a_symlink_is_refused_even_when_it_
         assert len(said) == 1 and words in said[0], p.output()
         assert not (tmp_path / "somewhere-the-planter-reads").exists()
         assert not [n for n in os.listdir(reg) if n.endswith(".json") and not os.path.islink(reg / n)]
-        assert _steps_on(p, _last_step(p))
+        assert _steps_on(p, last_step(p))
 
 
 @needs_root
@@ -389,10 +383,9 @@ def test_a_checkpoint_path_that_is_not_text_gets_a_sentence_and_an_audit_line(sp
     p = spawn([ACTIONS, "--sched", "none", "--step-sleep", "0.05"])
     with open(f"{probe_env['PROBE_RUNTIME_DIR']}/{p.pid}.json") as f:
         sock = json.load(f)["socket"]
-    from test_hardening import _post
 
     # a lone surrogate sent as JSON (what a client can send over any tier)
-    status, doc = _post(sock, "/actions/checkpoint", json.dumps({"path": str(tmp_path / "a\ud800.pt")}).encode())
+    status, doc = post(sock, "/actions/checkpoint", json.dumps({"path": str(tmp_path / "a\ud800.pt")}).encode())
     assert 400 <= status < 500 and "not UTF-8 text at position" in doc.get("error", ""), (status, doc)
     # a byte the shell passes undecoded (the CLI sees it as \udcff)
     r = subprocess.run(
@@ -407,7 +400,7 @@ def test_a_checkpoint_path_that_is_not_text_gets_a_sentence_and_an_audit_line(sp
     assert os.listdir(tmp_path) == []
     refused = [a for a in _audit(probe_env) if a.get("command") == "checkpoint"]
     assert len(refused) == 2 and all(a["outcome"] == "refused" for a in refused), refused
-    assert _steps_on(p, _last_step(p))
+    assert _steps_on(p, last_step(p))
 
 
 @needs_root

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import TARGETS, poll, requires_torch
+from harness import query_json
 
 pytestmark = requires_torch
 SPANS = TARGETS / "spans_train.py"
@@ -24,22 +25,16 @@ def ranks(shared_spawn):
     ]
 
 
-def _query(cli, pid, sql):
-    r = cli(pid, "--format", "json", "query", sql)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
-
-
 def wait_for_steps(cli, pid, n):
     assert poll(
-        lambda: (_query(cli, pid, "SELECT MAX(step) AS s FROM torch.steps")[0]["s"] or 0) >= n, 60, interval=0.1
+        lambda: (query_json(cli, pid, "SELECT MAX(step) AS s FROM torch.steps")[0]["s"] or 0) >= n, 60, interval=0.1
     ), f"fewer than {n} steps within 60 s"
 
 
 def test_spans_record_nesting_threads_and_decorated_functions(ranks, shared_cli):
     pid = ranks[0].pid
     wait_for_steps(shared_cli, pid, 4)
-    rows = _query(
+    rows = query_json(
         shared_cli,
         pid,
         "SELECT name, step, depth, parent, thread, duration FROM python.spans "
@@ -133,7 +128,9 @@ def test_trace_of_two_ranks_is_valid_trace_event_json(ranks, shared_cli, tmp_pat
     steps = [e for e in slices if e["cat"] == "step" and e["pid"] == 0]
     assert len(steps) == 3
     # durations are in microseconds: compare one with the table's seconds
-    row = _query(shared_cli, ranks[0].pid, f"SELECT duration FROM torch.steps WHERE step = {steps[-1]['args']['step']}")
+    row = query_json(
+        shared_cli, ranks[0].pid, f"SELECT duration FROM torch.steps WHERE step = {steps[-1]['args']['step']}"
+    )
     assert steps[-1]["dur"] == pytest.approx(row[0]["duration"] * 1e6, rel=1e-6)
     # user spans nest inside their step's slice in time, and the module trace lies inside the trace window
     step_span = [e for e in slices if e["cat"] == "span" and e["name"] == "step" and e["pid"] == 0][-1]

@@ -4,23 +4,17 @@ times and actions stay exact, and ``measured`` tells a value not measured from a
 
 from __future__ import annotations
 
-import json
 import re
 from datetime import datetime
 
 import pytest
 
 from conftest import TARGETS, poll, requires_torch
+from harness import query_json
 
 pytestmark = requires_torch
 LOOP = TARGETS / "budget_loop.py"
 FAST, SLOW = 300, 30  # steps of the measured run of each job
-
-
-def query(cli, pid, sql):
-    r = cli(pid, "query", sql, "-f", "json")
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
 
 
 def at(ts) -> datetime:
@@ -44,7 +38,7 @@ def slow(shared_spawn):
 
 
 def test_tiny_budget_keeps_count_and_times_exact_and_flags_unmeasured_steps(tiny, shared_cli):
-    rows = query(
+    rows = query_json(
         shared_cli,
         tiny.pid,
         "SELECT step, started_at, ended_at, duration, loss, grad_norm, peak_allocated, memory, "
@@ -78,7 +72,7 @@ def test_a_starved_budget_still_measures_a_step_every_second(tiny, shared_cli):
     # given: the tiny budget's job stepping every 5 ms after its measured run (the fixed part alone exceeds
     # the budget, so the quick path runs until the one-second floor comes round)
     def three_measured() -> list:
-        rows = query(
+        rows = query_json(
             shared_cli, tiny.pid, f"SELECT step, ended_at, measured FROM torch.steps WHERE step > {FAST} ORDER BY step"
         )
         return rows if sum(r["measured"] for r in rows[1:]) >= 3 else []
@@ -107,7 +101,7 @@ def test_lr_action_takes_effect_at_the_next_step_under_sampling(tiny, shared_cli
 
     # then: every step from the next one on used it, measured or not
     def twenty_steps() -> list:  # the loop steps every 5 ms
-        rows = query(
+        rows = query_json(
             shared_cli, tiny.pid, f"SELECT step, lr, measured FROM torch.steps WHERE step >= {first} ORDER BY step"
         )
         return rows if len(rows) >= 20 and any(not x["measured"] for x in rows) else []
@@ -115,7 +109,7 @@ def test_lr_action_takes_effect_at_the_next_step_under_sampling(tiny, shared_cli
     rows = poll(twenty_steps, 60)
     assert len(rows) >= 20 and any(not x["measured"] for x in rows)
     assert all(x["lr"] == pytest.approx(0.0123) for x in rows)
-    before = query(shared_cli, tiny.pid, f"SELECT lr FROM torch.steps WHERE step = {first - 1}")
+    before = query_json(shared_cli, tiny.pid, f"SELECT lr FROM torch.steps WHERE step = {first - 1}")
     assert before[0]["lr"] == pytest.approx(0.05)
 
 
@@ -160,7 +154,7 @@ def test_default_budget_measures_slow_steps_while_its_own_accounting_has_credit(
     the budget's own accounting (each row's probe_us and duration) rather than assuming how fast the machine
     is: each step is measured exactly when the replayed budget had credit for it."""
     slow.wait_for("ready", timeout=90)
-    rows = query(
+    rows = query_json(
         shared_cli,
         slow.pid,
         f"SELECT step, ended_at, loss, measured, traced, probe_us, duration FROM torch.steps "

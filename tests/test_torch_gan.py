@@ -11,6 +11,7 @@ import signal
 import pytest
 
 from conftest import TARGETS, poll, requires_torch
+from harness import query_json
 
 pytestmark = requires_torch
 GAN = TARGETS / "gan_loop.py"
@@ -27,21 +28,15 @@ def _iters(p) -> dict[int, tuple[float, ...]]:
     return out
 
 
-def _query(cli, pid, sql):
-    r = cli(pid, "query", sql, "--format", "json")
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
-
-
 def test_a_step_holds_one_iteration_of_both_optimizers(spawn, cli):
     # a budget that measures few steps: each optimizer's loss is on every step all the same
     p = spawn([GAN, "--step-sleep", "0.005"], env={"PROBE": "1", "PROBE_STEP_BUDGET": "0.0001"})
     p.wait_for("iter 30 ")
     # given: the optimizers, named as the finder knows them
-    opts = _query(cli, p.pid, "SELECT name, is_lead FROM torch.optimizer ORDER BY name")
+    opts = query_json(cli, p.pid, "SELECT name, is_lead FROM torch.optimizer ORDER BY name")
     assert [(o["name"], o["is_lead"]) for o in opts] == [("opt_d", True), ("opt_g", False)]
     # when: each optimizer's rows of the iterations the loop printed
-    rows = _query(
+    rows = query_json(
         cli,
         p.pid,
         "SELECT step, position, optimizer, loss, lr FROM torch.optimizer_steps "
@@ -64,7 +59,7 @@ def test_a_step_holds_one_iteration_of_both_optimizers(spawn, cli):
         offsets.add(s - it)
     assert len(offsets) == 1, offsets
     # torch.steps: the step's loss is what the iteration backpropagated (D's and G's, summed)
-    steps = {r["step"]: r for r in _query(cli, p.pid, "SELECT step, loss FROM torch.steps WHERE step <= 25")}
+    steps = {r["step"]: r for r in query_json(cli, p.pid, "SELECT step, loss FROM torch.steps WHERE step <= 25")}
     for s, v in both.items():
         if steps[s]["loss"] is not None:
             assert steps[s]["loss"] == pytest.approx(v["opt_d"]["loss"] + v["opt_g"]["loss"], rel=1e-5)
@@ -80,7 +75,7 @@ def test_each_step_holds_the_losses_of_its_own_iteration_from_the_first(spawn, c
     p.wait_for("iter 30 ")
     iters = _iters(p)
     # when: torch.steps' loss of the first 25 steps
-    steps = _query(cli, p.pid, "SELECT step, loss FROM torch.steps WHERE step <= 25 ORDER BY step")
+    steps = query_json(cli, p.pid, "SELECT step, loss FROM torch.steps WHERE step <= 25 ORDER BY step")
     # then: step N holds what iteration N backpropagated, D's and G's, from step 1 on (none a step late, none lost)
     assert [r["step"] for r in steps] == list(range(1, 26)), steps
     for r in steps:
@@ -130,9 +125,9 @@ def test_watching_the_last_optimizer_gives_the_same_iteration(spawn, cli):
     # given: the generator's optimizer named by probe.watch before anything stepped (the discriminator steps first)
     p = spawn([GAN, "--step-sleep", "0.005", "--watch-g"], env={"PROBE": "1"})
     p.wait_for("iter 12 ")
-    rows = _query(cli, p.pid, "SELECT DISTINCT optimizer, position FROM torch.optimizer_steps ORDER BY position")
+    rows = query_json(cli, p.pid, "SELECT DISTINCT optimizer, position FROM torch.optimizer_steps ORDER BY position")
     assert [(r["optimizer"], r["position"]) for r in rows] == [("opt_d", 0), ("opt_g", 1)]
-    lead = _query(cli, p.pid, "SELECT name FROM torch.optimizer WHERE is_lead")
+    lead = query_json(cli, p.pid, "SELECT name FROM torch.optimizer WHERE is_lead")
     assert lead == [{"name": "opt_g"}]
     for _ in range(2):
         r = cli(p.pid, "eval", "--at-step", 'stepped["d"] - stepped["g"]')
@@ -149,12 +144,14 @@ def test_a_stopped_gan_keeps_each_optimizers_steps_in_its_record(spawn, cli):
     # then: the dead pid still answers with each optimizer's rows, their losses those the loop printed
     listed = poll(lambda: [r for r in json.loads(cli("list", "--dead", "--json").stdout) if r["pid"] == p.pid], 60)
     assert listed and listed[0]["cause"] == "terminated", listed
-    rows = _query(
+    rows = query_json(
         cli, p.pid, "SELECT optimizer, count(*) AS n, count(loss) AS losses FROM torch.optimizer_steps GROUP BY ALL"
     )
     by_opt = {r["optimizer"]: r for r in rows}
     assert set(by_opt) == {"opt_d", "opt_g"}, rows
     assert all(r["n"] >= 20 and r["losses"] == r["n"] for r in rows), rows
     printed = {round(v[0], 5) for v in _iters(p).values()}
-    kept = _query(cli, p.pid, "SELECT loss FROM torch.optimizer_steps WHERE optimizer = 'opt_d' AND loss IS NOT NULL")
+    kept = query_json(
+        cli, p.pid, "SELECT loss FROM torch.optimizer_steps WHERE optimizer = 'opt_d' AND loss IS NOT NULL"
+    )
     assert len({round(r["loss"], 5) for r in kept} & printed) >= 20, (kept[:5], sorted(printed)[:5])

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import EXAMPLES, TARGETS, poll, requires_torch
+from harness import query_json
 from _doctor import doctor, poll_for
 
 
@@ -45,12 +46,6 @@ def _loop(spawn, *flags, env=None, ready="ready", timeout=240):
     )
 
 
-def _rows(cli, target, sql: str) -> list:
-    r = cli(target, "--format", "json", "query", sql)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return json.loads(r.stdout)
-
-
 def _report(job, path: Path, timeout: float = 300) -> dict:
     job.wait_for("done", timeout)
     return json.loads(path.read_text())
@@ -70,7 +65,7 @@ def test_probe_adds_no_host_device_sync_while_its_tables_are_read(spawn, cli, tm
             "SELECT module, stage, duration, allocated, out_mean FROM python.torch_trace ORDER BY step DESC LIMIT 50",
             "SELECT name, grad_norm, nan_count FROM torch.parameters",
         ):
-            _rows(cli, job.pid, sql)
+            query_json(cli, job.pid, sql)
         doctor(cli, job.pid)
         reads += 1
     r = _report(job, rep)
@@ -78,7 +73,7 @@ def test_probe_adds_no_host_device_sync_while_its_tables_are_read(spawn, cli, tm
     assert r["last"] >= 200 and reads >= 2, (r["last"], reads)
     ours = [s for s in r["syncs"] if any(PROBE_DIR in f for f in s["stack"])]
     assert not ours, json.dumps(ours[:3], indent=1)
-    steps = _rows(cli, job.pid, "SELECT count(*) AS n, count(loss) AS losses FROM torch.steps")[0]
+    steps = query_json(cli, job.pid, "SELECT count(*) AS n, count(loss) AS losses FROM torch.steps")[0]
     assert steps["n"] == r["last"] and steps["losses"] == r["last"], steps
 
 
@@ -89,10 +84,12 @@ def test_loss_on_every_step_equals_the_loops_own_and_durations_match_its_cuda_ev
     r = _report(job, rep)
 
     def all_losses():
-        rows = _rows(cli, job.pid, "SELECT step, loss, duration FROM torch.steps ORDER BY step")
+        rows = query_json(cli, job.pid, "SELECT step, loss, duration FROM torch.steps ORDER BY step")
         return rows if len(rows) == 600 and all(x["loss"] is not None for x in rows) else None
 
-    rows = poll(all_losses, 30) or _rows(cli, job.pid, "SELECT step, loss, duration FROM torch.steps ORDER BY step")
+    rows = poll(all_losses, 30) or query_json(
+        cli, job.pid, "SELECT step, loss, duration FROM torch.steps ORDER BY step"
+    )
     assert [x["step"] for x in rows] == list(range(1, 601))
     for x, own in zip(rows, r["loss"]):
         assert x["loss"] is not None and abs(x["loss"] - own) <= 1e-5 * max(1.0, abs(own)), (x, own)
@@ -107,7 +104,7 @@ def test_memory_tables_match_the_allocator_a_leak_is_named_and_cleanup_returns_t
     leaky = _loop(spawn, "--leak-mb", 4, "--layers", 4, "--width", 256)
     healthy = _loop(spawn, "--layers", 4, "--width", 256)
     # the allocator's own figures, read by the job, beside the table's (reserved is steady between steps)
-    mem = _rows(cli, healthy.pid, "SELECT * FROM torch.memory WHERE device = 'cuda:0'")[0]
+    mem = query_json(cli, healthy.pid, "SELECT * FROM torch.memory WHERE device = 'cuda:0'")[0]
     own = cli(healthy.pid, "eval", "(torch.cuda.memory_allocated(), torch.cuda.memory_reserved())")
     allocated, reserved = json.loads(own.stdout.strip().replace("(", "[").replace(")", "]"))
     assert mem["reserved"] == reserved and 0 < mem["allocated"] <= mem["reserved"] <= mem["total"], (mem, own.stdout)
@@ -134,7 +131,7 @@ def test_a_cuda_out_of_memory_error_leaves_a_record_with_the_memory_figures(spaw
     dead = poll(row, 60)
     assert dead and dead[0]["cause"] == "exception", dead
     assert "OutOfMemoryError" in json.dumps(dead[0]) or "out of memory" in json.dumps(dead[0]).lower(), dead
-    mem = _rows(cli, job.pid, "SELECT * FROM torch.memory WHERE device = 'cuda:0'")
+    mem = query_json(cli, job.pid, "SELECT * FROM torch.memory WHERE device = 'cuda:0'")
     assert mem and mem[0]["allocated"] > 0 and mem[0]["ooms"] >= 1, mem
 
 
@@ -146,7 +143,7 @@ def test_emergency_checkpoint_with_device_rng_resumes_at_the_same_loss(spawn, cl
     step = json.loads(r.stdout)[0]["action"]["step"]
 
     def next_loss():
-        rows = _rows(cli, job.pid, f"SELECT loss FROM torch.steps WHERE step = {step + 1}")
+        rows = query_json(cli, job.pid, f"SELECT loss FROM torch.steps WHERE step = {step + 1}")
         return rows and rows[0]["loss"] is not None and rows[0]["loss"]
 
     expected = poll(next_loss, 30)
@@ -167,8 +164,10 @@ def test_torch_compile_with_inductor_recompiles_nothing_more_when_probed(spawn, 
             timeout=400,
         )
         while probed and not any("done" in line for line in job.lines):
-            _rows(cli, job.pid, "SELECT module, stage, duration FROM python.torch_trace ORDER BY step DESC LIMIT 20")
-            _rows(cli, job.pid, "SELECT step, loss, grad_norm FROM torch.steps ORDER BY step DESC LIMIT 5")
+            query_json(
+                cli, job.pid, "SELECT module, stage, duration FROM python.torch_trace ORDER BY step DESC LIMIT 20"
+            )
+            query_json(cli, job.pid, "SELECT step, loss, grad_norm FROM torch.steps ORDER BY step DESC LIMIT 5")
         return _report(job, rep)
 
     plain, probed = run(False), run(True)
@@ -189,7 +188,7 @@ def test_profile_steps_holds_cuda_kernels_and_the_trace_device_durations(spawn, 
     assert cli(job.pid, "trace", "--steps", "5", "-o", t).returncode == 0
     timed = [e for e in json.loads(t.read_text())["traceEvents"] if e.get("ph") == "X" and e.get("dur", 0) > 0]
     assert timed, "module calls with their device durations"
-    rows = _rows(cli, job.pid, "SELECT count(*) AS n, count(duration) AS timed FROM python.torch_trace")[0]
+    rows = query_json(cli, job.pid, "SELECT count(*) AS n, count(duration) AS timed FROM python.torch_trace")[0]
     assert rows["n"] > 0 and rows["timed"] > 0, rows
 
 
@@ -220,7 +219,7 @@ def test_mixed_precision_losses_norms_and_a_scaler_that_skips(spawn, cli, tmp_pa
     # under fp16, the scaler's scale is pushed to 2**40 before step 150: the gradients overflow and it skips updates
     job = _loop(spawn, "--amp", amp, "--steps", 400, "--overflow-at", 150, "--report", rep, "--linger")
     r = _report(job, rep)
-    rows = _rows(cli, job.pid, "SELECT step, loss, grad_norm FROM torch.steps ORDER BY step")
+    rows = query_json(cli, job.pid, "SELECT step, loss, grad_norm FROM torch.steps ORDER BY step")
     skipped = set(r["skipped"])
     if amp == "fp16":
         assert 150 in skipped, sorted(skipped)
@@ -244,7 +243,7 @@ def test_cuda_trace_durations_and_memory(spawn, cli):
     proc.wait_for("step 20 ")
 
     def traced() -> list:  # durations appear once the CUDA events have completed
-        rows = _rows(
+        rows = query_json(
             cli, proc.pid, "SELECT step, module, stage, duration, allocated FROM python.torch_trace WHERE step <= 10"
         )
         return rows if rows and all(x["duration"] is not None for x in rows) else []
@@ -252,9 +251,9 @@ def test_cuda_trace_durations_and_memory(spawn, cli):
     rows = poll(traced, 30)
     assert rows and all(x["duration"] is not None and x["duration"] > 0 for x in rows)
     assert all(x["allocated"] > 0 for x in rows)  # CUDA allocated bytes, not RSS
-    steps = _rows(cli, proc.pid, "SELECT step, loss, peak_allocated FROM torch.steps WHERE step <= 10")
+    steps = query_json(cli, proc.pid, "SELECT step, loss, peak_allocated FROM torch.steps WHERE step <= 10")
     assert all(math.isfinite(s["loss"]) and s["peak_allocated"] > 0 for s in steps)
-    mem = _rows(cli, proc.pid, "SELECT * FROM torch.memory WHERE device = 'cuda:0'")
+    mem = query_json(cli, proc.pid, "SELECT * FROM torch.memory WHERE device = 'cuda:0'")
     assert mem and mem[0]["allocated"] > 0 and mem[0]["total"] > 0
 
 
@@ -270,7 +269,7 @@ def test_cuda_sync_watch_names_the_item_call_and_the_probe_adds_none(spawn, cli)
     # then: torch's sync debug mode named the line, and nothing of the probe's own synchronised
     finding = poll_for(cli, job.pid, "host_syncs", timeout=90)[0]
     assert "faults.py" in finding["message"] and "loss.item()" in finding["message"]
-    assert _rows(cli, job.pid, "SELECT origin, via, count FROM torch.syncs WHERE origin = 'probe'") == []
+    assert query_json(cli, job.pid, "SELECT origin, via, count FROM torch.syncs WHERE origin = 'probe'") == []
 
 
 @cuda_only
@@ -283,4 +282,4 @@ def test_cuda_output_statistics_land_without_a_sync(spawn, cli):
     )
     finding = poll_for(cli, job.pid, "dead_activations", timeout=90)[0]
     assert "module 3 (ReLU" in finding["message"]
-    assert _rows(cli, job.pid, "SELECT count(*) AS n FROM torch.syncs")[0]["n"] == 0
+    assert query_json(cli, job.pid, "SELECT count(*) AS n FROM torch.syncs")[0]["n"] == 0

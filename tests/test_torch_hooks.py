@@ -9,15 +9,10 @@ import re
 import pytest
 
 from conftest import TARGETS, requires_torch, run_target
+from harness import query_json
 
 pytestmark = requires_torch
 LOOPS = TARGETS / "torch_loops.py"
-
-
-def query(cli, pid, sql):
-    r = cli(pid, "query", sql, "-f", "json")
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
 
 
 def losses_of(lines) -> list[str]:
@@ -51,8 +46,8 @@ def test_inplace_relu_two_optimizers_accumulation_trains_unchanged(spawn, cli, r
     proc = spawn([LOOPS, "--kind", "inplace", "--steps", "12"], env={"PROBE_TRACE": "all", "PROBE_STEP_BUDGET": "off"})
     # then: the same losses as without the probe, and no error inside the probe
     assert losses_of(proc.lines) == reference
-    assert query(cli, proc.pid, "SELECT source, message FROM probe.errors") == []
-    steps = query(
+    assert query_json(cli, proc.pid, "SELECT source, message FROM probe.errors") == []
+    steps = query_json(
         cli, proc.pid, "SELECT step, loss, lr, samples, micro_batches, optimizer, traced FROM torch.steps ORDER BY step"
     )
     # the first optimizer to step (Adam, the head's) leads: one row per loop iteration, not per optimizer
@@ -64,7 +59,7 @@ def test_inplace_relu_two_optimizers_accumulation_trains_unchanged(spawn, cli, r
     assert [r["loss"] for r in steps] == pytest.approx(
         step_losses, rel=1e-6
     )  # the sum of the backpropagated (loss / 2)
-    opts = query(
+    opts = query_json(
         cli,
         proc.pid,
         "SELECT optimizer, momentum, is_lead, step_count, state_bytes, elements "
@@ -74,7 +69,9 @@ def test_inplace_relu_two_optimizers_accumulation_trains_unchanged(spawn, cli, r
     adam, sgd = opts
     assert adam["state_bytes"] == adam["elements"] * 8 + 2 * 4 and adam["step_count"] == 12
     assert sgd["momentum"] == pytest.approx(0.9) and sgd["state_bytes"] == sgd["elements"] * 4  # momentum buffers
-    trace = query(cli, proc.pid, "SELECT DISTINCT model, module, depth FROM python.torch_trace WHERE stage = 'forward'")
+    trace = query_json(
+        cli, proc.pid, "SELECT DISTINCT model, module, depth FROM python.torch_trace WHERE stage = 'forward'"
+    )
     assert {("encoder", "1", 1), ("head", "0", 1), ("encoder", "encoder", 0)} <= {
         (r["model"], r["module"], r["depth"]) for r in trace
     }
@@ -89,11 +86,11 @@ def test_a_compiled_module_trains_unchanged_without_graph_breaks(spawn, cli, ref
     assert "graph_breaks 0" in proc.lines
     # the probe's warning filter is added once: the loop's own once-per-location warning stays once
     assert sum("UserWarning: the loop's own warning" in line for line in proc.lines) == 1
-    assert query(cli, proc.pid, "SELECT source, message FROM probe.errors") == []
-    steps = query(cli, proc.pid, "SELECT step, loss FROM torch.steps ORDER BY step")
+    assert query_json(cli, proc.pid, "SELECT source, message FROM probe.errors") == []
+    steps = query_json(cli, proc.pid, "SELECT step, loss FROM torch.steps ORDER BY step")
     assert [r["step"] for r in steps] == list(range(1, 13))
     # the compiled encoder is one traced call (its inlined layers are not visible); the head's layers are
-    rows = query(
+    rows = query_json(
         cli, proc.pid, "SELECT DISTINCT step, module, module_type FROM python.torch_trace WHERE stage = 'forward'"
     )
     assert {r["step"] for r in rows} == ({1, 2, 3, 5, 10} if trace == "5" else set(range(1, 13)))
@@ -105,7 +102,9 @@ def test_a_compiled_module_trains_unchanged_without_graph_breaks(spawn, cli, ref
         (r["module"], r["module_type"]) for r in rows
     }
     assert not any("_orig_mod" in r["module"] for r in rows)
-    params = query(cli, proc.pid, "SELECT model, name FROM torch.parameters WHERE model = 'encoder_fwd' ORDER BY name")
+    params = query_json(
+        cli, proc.pid, "SELECT model, name FROM torch.parameters WHERE model = 'encoder_fwd' ORDER BY name"
+    )
     assert [p["name"] for p in params] == ["0.bias", "0.weight", "2.bias", "2.weight"]
 
 
@@ -115,33 +114,33 @@ def test_sampled_steps_remove_every_hook_between_samples(spawn, cli):
     # the loop saw torch's global forward hooks only inside sampled steps
     assert {s for s, n in hooks_by_step(proc.lines).items() if n} == sampled
     assert all(n in (0, 1) for n in hooks_by_step(proc.lines).values())
-    traced = query(cli, proc.pid, "SELECT DISTINCT step FROM python.torch_trace ORDER BY step")
+    traced = query_json(cli, proc.pid, "SELECT DISTINCT step FROM python.torch_trace ORDER BY step")
     assert [r["step"] for r in traced] == sorted(sampled)
-    flags = query(cli, proc.pid, "SELECT step FROM torch.steps WHERE traced ORDER BY step")
+    flags = query_json(cli, proc.pid, "SELECT step FROM torch.steps WHERE traced ORDER BY step")
     assert [r["step"] for r in flags] == sorted(sampled)
 
 
 def test_trace_off_installs_no_module_hook(spawn, cli):
     proc = spawn([LOOPS, "--kind", "inplace", "--steps", "6"], env={"PROBE_TRACE": "off"})
     assert set(hooks_by_step(proc.lines).values()) == {0}
-    assert query(cli, proc.pid, "SELECT COUNT(*) AS n FROM python.torch_trace") == [{"n": 0}]
-    assert query(cli, proc.pid, "SELECT COUNT(*) AS n FROM torch.steps") == [{"n": 6}]
+    assert query_json(cli, proc.pid, "SELECT COUNT(*) AS n FROM python.torch_trace") == [{"n": 0}]
+    assert query_json(cli, proc.pid, "SELECT COUNT(*) AS n FROM torch.steps") == [{"n": 6}]
 
 
 def test_a_broken_hook_is_recorded_and_training_goes_on(spawn, cli, reference):
     proc = spawn([LOOPS, "--kind", "broken", "--steps", "12"])
     assert losses_of(proc.lines) == reference
-    errors = query(cli, proc.pid, "SELECT source, message FROM probe.errors")
+    errors = query_json(cli, proc.pid, "SELECT source, message FROM probe.errors")
     assert errors and all("injected failure" in e["message"] for e in errors)
     assert {e["source"] for e in errors} == {"torch steps: loss", "torch steps: grad norm"}
-    steps = query(cli, proc.pid, "SELECT step, loss, grad_norm, lr FROM torch.steps ORDER BY step")
+    steps = query_json(cli, proc.pid, "SELECT step, loss, grad_norm, lr FROM torch.steps ORDER BY step")
     assert [r["step"] for r in steps] == list(range(1, 13))
     assert all(r["loss"] is None and r["grad_norm"] is None and r["lr"] == pytest.approx(0.01) for r in steps)
 
 
 def test_explicit_probe_step_without_an_optimizer(spawn, cli, probe_env):
     proc = spawn([LOOPS, "--kind", "explicit", "--steps", "8"])
-    steps = query(cli, proc.pid, "SELECT step, loss, samples, samples_per_s, lr FROM torch.steps ORDER BY step")
+    steps = query_json(cli, proc.pid, "SELECT step, loss, samples, samples_per_s, lr FROM torch.steps ORDER BY step")
     assert [r["step"] for r in steps] == list(range(1, 9))
     assert [f"{r['loss']:.6f}" for r in steps] == losses_of(proc.lines)
     assert all(r["samples"] == 32 and r["samples_per_s"] > 0 and r["lr"] is None for r in steps)
@@ -176,7 +175,7 @@ def test_backward_rows_cut_the_pass_without_overlap(spawn, cli):
     reaching that root's output to reaching the next one's, so the rows never overlap (the head's row
     used to repeat the encoder's backward, and a loss module's row the whole pass)."""
     proc = spawn([LOOPS, "--kind", "inplace", "--steps", "4"], env={"PROBE_TRACE": "all"})
-    rows = query(
+    rows = query_json(
         cli,
         proc.pid,
         "SELECT step, module, time, duration FROM python.torch_trace WHERE stage = 'backward' ORDER BY time",

@@ -5,12 +5,12 @@ checkpointing (its recomputed forwards are marked, never counted as forward) and
 from __future__ import annotations
 
 import ast
-import json
 import re
 
 import pytest
 
 from conftest import TARGETS, requires_torch
+from harness import query_json
 
 pytestmark = requires_torch
 CHECKPOINTED = TARGETS / "checkpointed.py"
@@ -30,19 +30,15 @@ ORDER BY total_time DESC
 LIMIT 10"""
 
 
-def _query(cli, pid, sql):
-    r = cli(pid, "query", sql, "--format", "json")
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
-
-
 @pytest.mark.parametrize("reentrant", [False, True], ids=["use_reentrant=False", "use_reentrant=True"])
 def test_recomputed_forwards_are_marked_and_kept_out_of_forward(spawn, cli, reentrant):
     # given: three checkpointed blocks, every step traced
     args = [CHECKPOINTED, "--step-sleep", "0.005"] + (["--reentrant"] if reentrant else [])
     p = spawn(args, env={"PROBE": "1", "PROBE_TRACE": "all"})
     p.wait_for("step 8 ")
-    rows = _query(cli, p.pid, "SELECT step, module, stage, depth FROM python.torch_trace WHERE step BETWEEN 2 AND 6")
+    rows = query_json(
+        cli, p.pid, "SELECT step, module, stage, depth FROM python.torch_trace WHERE step BETWEEN 2 AND 6"
+    )
     # then: each module's forward is one row a step, at its own depth (root 0, blocks.N 1, their layers 2)
     forward = [r for r in rows if r["stage"] == "forward"]
     per_step = {}
@@ -62,15 +58,15 @@ def test_recomputed_forwards_are_marked_and_kept_out_of_forward(spawn, cli, reen
     assert all(r["depth"] == want[r["module"]] for r in again), again
     assert max(r["depth"] for r in rows) == 2
     # seed 003's query runs verbatim, and counts each module's forward once a step
-    seed = _query(cli, p.pid, SLOWEST)
+    seed = query_json(cli, p.pid, SLOWEST)
     assert seed and all(r["count"] == 5 for r in seed if r["stage"] == "forward"), seed
-    assert _query(cli, p.pid, "SELECT source, message FROM probe.errors") == []
+    assert query_json(cli, p.pid, "SELECT source, message FROM probe.errors") == []
 
 
 def test_without_checkpointing_nothing_is_recompute(spawn, cli):
     p = spawn([CHECKPOINTED, "--no-checkpoint", "--step-sleep", "0.005"], env={"PROBE": "1", "PROBE_TRACE": "all"})
     p.wait_for("step 5 ")
-    stages = _query(
+    stages = query_json(
         cli, p.pid, "SELECT stage, COUNT(*) AS n, MAX(depth) AS depth FROM python.torch_trace GROUP BY stage"
     )
     assert {r["stage"] for r in stages} == {"forward", "backward"} and max(r["depth"] for r in stages) == 2
@@ -100,11 +96,11 @@ def test_queries_and_traced_steps_cause_no_recompilation(spawn, cli, tmp_path):
         "SELECT module, stage, depth FROM python.torch_trace "
         "WHERE step > (SELECT MAX(step) - 3 FROM python.torch_trace)",
     ):
-        _query(cli, p.pid, sql)
+        query_json(cli, p.pid, sql)
     assert cli(p.pid, "doctor").returncode in (0, 1)
     assert cli(p.pid, "trace", "-o", str(tmp_path / "t.json")).returncode == 0
     p.wait_for(f"step {start + 12} ", timeout=120)  # four more traced steps, hooks in and out again
-    traced = _query(cli, p.pid, f"SELECT COUNT(DISTINCT step) AS n FROM python.torch_trace WHERE step > {start}")
+    traced = query_json(cli, p.pid, f"SELECT COUNT(DISTINCT step) AS n FROM python.torch_trace WHERE step > {start}")
     assert traced[0]["n"] >= 3
     # then: dynamo compiled nothing more
     after = _dynamo(cli, p.pid)

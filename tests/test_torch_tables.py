@@ -4,13 +4,13 @@ the real example (examples/train_gpt.py) and a planted fault (tests/targets/faul
 
 from __future__ import annotations
 
-import json
 import math
 import re
 
 import pytest
 
 from conftest import EXAMPLES, TARGETS, requires_torch
+from harness import query_json
 
 pytestmark = requires_torch
 
@@ -23,12 +23,6 @@ SEED_MEMORY = (
     "SELECT step, MAX(allocated) as peak_memory, MAX(allocated) - MIN(allocated) as memory_range "
     "FROM python.torch_trace WHERE step > (SELECT MAX(step) - 20 FROM python.torch_trace) GROUP BY step ORDER BY step"
 )
-
-
-def query(cli, pid, sql):
-    r = cli(pid, "query", sql, "-f", "json")
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
 
 
 def scheduled_lr(step: int, base: float = 3e-3, warmup: int = 20) -> float:
@@ -52,7 +46,7 @@ def test_train_gpt_tables(spawn, cli):
     }
 
     # then: torch.steps has one row per step, plausible and matching what the loop printed
-    steps = query(cli, proc.pid, "SELECT * FROM torch.steps ORDER BY step")
+    steps = query_json(cli, proc.pid, "SELECT * FROM torch.steps ORDER BY step")
     nums = [r["step"] for r in steps]
     assert nums == list(range(1, len(nums) + 1)) and len(nums) >= 40
     assert all(r["duration"] > 0 for r in steps)
@@ -72,7 +66,7 @@ def test_train_gpt_tables(spawn, cli):
     assert {r["step"] for r in steps if r["traced"]} == {n for n in nums if n <= 3 or n % 10 == 0}
 
     # then: module traces exist for the sampled steps only, with real module paths
-    trace = query(
+    trace = query_json(
         cli,
         proc.pid,
         f"SELECT step, module, stage, duration, depth, allocated, seq FROM python.torch_trace WHERE step <= {nums[-1]}",
@@ -87,29 +81,29 @@ def test_train_gpt_tables(spawn, cli):
     assert sorted(r["seq"] for r in per_step) == list(range(len(per_step)))
     assert min(per_step, key=lambda r: r["seq"])["module"] == "model"
 
-    slow = query(cli, proc.pid, SEED_SLOW)
+    slow = query_json(cli, proc.pid, SEED_SLOW)
     assert 0 < len(slow) <= 10 and slow[0]["total_time"] >= slow[-1]["total_time"]
     assert slow[0]["module"] == "model"  # the root encloses everything else
-    mem = query(cli, proc.pid, SEED_MEMORY)
+    mem = query_json(cli, proc.pid, SEED_MEMORY)
     assert mem and all(r["peak_memory"] > 10_000_000 and r["memory_range"] >= 0 for r in mem)
 
     # then: the optimizer table shows AdamW's state: exp_avg + exp_avg_sq (fp32) and a step scalar per parameter
-    (opt,) = query(cli, proc.pid, "SELECT * FROM torch.optimizer")
+    (opt,) = query_json(cli, proc.pid, "SELECT * FROM torch.optimizer")
     assert opt["optimizer"] == "AdamW" and opt["scheduler"] == "LambdaLR" and opt["is_lead"]
     assert opt["state_bytes"] == opt["elements"] * 4 * 2 + opt["params"] * 4
     assert opt["initial_lr"] == pytest.approx(3e-3) and opt["weight_decay"] == pytest.approx(0.01)
     assert (opt["beta1"], opt["beta2"]) == (0.9, 0.999) and opt["step_count"] >= 40
 
-    params = query(cli, proc.pid, "SELECT * FROM torch.parameters")
+    params = query_json(cli, proc.pid, "SELECT * FROM torch.parameters")
     assert sum(p["numel"] for p in params) == opt["elements"] and len(params) == opt["params"]
     assert all(p["in_optimizer"] and p["nan_count"] == 0 and p["model"] == "model" for p in params)
     assert {"head.weight", "blocks.0.attn.in_proj_weight"} <= {p["name"] for p in params}
 
-    (cpu,) = query(cli, proc.pid, "SELECT * FROM torch.memory")
+    (cpu,) = query_json(cli, proc.pid, "SELECT * FROM torch.memory")
     assert cpu["device"] == "cpu" and cpu["rss"] > 10_000_000
 
     # then: the loader, a global, once: the loop's ``data = iter(train_loader)`` is the same loader's iterator
-    (loader,) = query(cli, proc.pid, "SELECT * FROM torch.dataloaders")
+    (loader,) = query_json(cli, proc.pid, "SELECT * FROM torch.dataloaders")
     assert {k: loader[k] for k in ("name", "loader_type", "dataset_type", "batch_size", "num_workers", "source")} == {
         "name": "train_loader",
         "loader_type": "DataLoader",
@@ -119,9 +113,9 @@ def test_train_gpt_tables(spawn, cli):
         "source": "__main__",
     }
 
-    (info,) = query(cli, proc.pid, "SELECT step, state, last_step_at FROM process.info")
+    (info,) = query_json(cli, proc.pid, "SELECT step, state, last_step_at FROM process.info")
     assert info["state"] == "training" and info["step"] >= 40
-    errors = query(cli, proc.pid, "SELECT source, message FROM probe.errors")
+    errors = query_json(cli, proc.pid, "SELECT source, message FROM probe.errors")
     assert errors == []
 
 
@@ -134,7 +128,7 @@ def test_the_demos_step_health_query_shows_measured_grad_norms(spawn, cli):
     spec.loader.exec_module(demo)
     proc = spawn([EXAMPLES / "train_gpt.py", "--print-every", "100"], ready="step 100 ", timeout=180)
     # when: the demo's step-health query runs, as the demo runs it at step 100
-    rows = query(cli, proc.pid, demo.STEP_HEALTH)
+    rows = query_json(cli, proc.pid, demo.STEP_HEALTH)
     # then: it shows steps with a measured norm, latest first
     assert rows and all(r["grad_norm"] is not None and r["grad_norm"] > 0 for r in rows), rows
     assert [r["step"] for r in rows] == sorted((r["step"] for r in rows), reverse=True), rows
@@ -149,7 +143,7 @@ def test_dataloaders_table_describes_a_loader_kept_as_its_iterator(spawn, cli):
         timeout=120,
     )
     # when
-    rows = query(cli, proc.pid, "SELECT * FROM torch.dataloaders")
+    rows = query_json(cli, proc.pid, "SELECT * FROM torch.dataloaders")
     # then: one row, described from the iterator's own copy of the loader's settings
     assert rows == [
         {
@@ -167,4 +161,4 @@ def test_dataloaders_table_describes_a_loader_kept_as_its_iterator(spawn, cli):
             "source": "__main__",
         }
     ]
-    assert query(cli, proc.pid, "SELECT source, message FROM probe.errors") == []
+    assert query_json(cli, proc.pid, "SELECT source, message FROM probe.errors") == []
