@@ -98,6 +98,7 @@ def shared_cli(shared_env):
 
 
 requires_torch = pytest.mark.skipif(not has_torch(), reason="torch is not installed")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second local user (setuid)")
 
 
 UNIT = Path(__file__).resolve().parent / "unit"

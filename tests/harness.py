@@ -50,6 +50,9 @@ __all__ = [
     "query_json",
     "last_step",
     "max_step",
+    "steps_on",
+    "audit_records",
+    "other_uid",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -551,6 +554,30 @@ def max_step(cli, target) -> int:
 def last_step(proc: Proc) -> int:
     """The last ``step N`` line a target printed (-1 before its first)."""
     return max((int(m) for m in re.findall(r"^step (\d+)", proc.output(), re.M)), default=-1)
+
+
+def steps_on(proc: Proc, after: int | None = None, timeout: float = 60.0) -> bool:
+    """Whether a target that prints ``step N`` lines, still running, prints three steps past ``after`` (default:
+    its last step now) within ``timeout`` seconds."""
+    after = last_step(proc) if after is None else after
+    return bool(poll(lambda: proc.popen.poll() is None and last_step(proc) > after + 2, timeout))
+
+
+def audit_records(env: dict) -> list[dict]:
+    """The audit log's records in ``env``'s runtime dir ([] before the first action wrote one)."""
+    try:
+        with open(os.path.join(env["PROBE_RUNTIME_DIR"], "audit.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def other_uid() -> int:
+    """A uid no account uses: another local user (root can become any uid without an account)."""
+    import pwd
+
+    used = {p.pw_uid for p in pwd.getpwall()}
+    return next(u for u in range(47000, 60000) if u not in used)
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -1,5 +1,5 @@
 """`probe doctor` on NaNs, hangs, a process stuck in C, a starved host and healthy jobs (nothing above info);
-the catalog of planted faults runs in tests/test_doctor_faults_model.py and _runtime.py.
+the catalog of planted faults runs in tests/doctor/test_doctor_faults_model.py and _runtime.py.
 
 The jobs are tests/targets/faults.py started with PROBE=1 (no probe code in the script),
 and a process stuck in C with the GIL held. The doctor is polled with a deadline until
@@ -23,7 +23,8 @@ HEALTHY_QUIET = ("grads_by_layer", "grad_norm_zero", "loss_spike", "loss_divergi
 @requires_torch
 def test_a_nan_loss_is_nan_in_sql_at_its_step_and_the_doctor_says_nothing_preceded_it(spawn, cli):
     # given: NaN inputs from step 40 on, and every 7th step's loss unknown to probe (no `loss`, explicit gradients)
-    # (every step measured: the values of exact steps are checked here; tests/test_torch_budget.py covers sampling)
+    # (every step measured: the values of exact steps are checked here; tests/training/test_torch_budget.py covers
+    # sampling)
     job = spawn(
         [
             TARGETS / "faults.py",

@@ -185,7 +185,7 @@ def test_records_are_bounded(spawn, cli):
 def test_a_killed_rank_is_dead_in_status_and_the_doctor_names_it():
     # given: a 3-rank DDP job whose survivors stay alive when a peer dies (each rank its own process:
     # torchrun would tear the others down), with a fast periodic snapshot
-    from test_ranks_collectives import ddp_job, states, until_status
+    from _ranks import ddp_job, states, until_status
 
     with ddp_job("--survive", direct=True, extra_env={"PROBE_POSTMORTEM_EVERY": "0.3"}) as job:
         rt = job.env["PROBE_RUNTIME_DIR"]

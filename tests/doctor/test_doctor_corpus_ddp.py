@@ -15,7 +15,7 @@ import time
 
 from conftest import ROOT, poll, requires_torch
 from faults.corpus_ddp import DDP_ERRORS
-from test_ranks_collectives import ddp_job
+from _ranks import ddp_job
 
 pytestmark = requires_torch
 SCRIPT = str(ROOT / "tests" / "faults" / "real_world_ddp.py")

@@ -21,7 +21,7 @@ import json
 from types import SimpleNamespace
 
 from conftest import TARGETS, poll, requires_torch
-from test_ranks_collectives import PARTIAL, ddp_job
+from _ranks import PARTIAL, ddp_job
 
 pytestmark = requires_torch
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from conftest import EXAMPLES, TARGETS, requires_torch, run_target
+from harness import other_uid
 
 pytestmark = requires_torch
 GPT = EXAMPLES / "train_gpt.py"
@@ -92,13 +93,6 @@ LOAD = (
 )
 
 
-def _other_uid() -> int:
-    import pwd
-
-    used = {p.pw_uid for p in pwd.getpwall()}
-    return next(u for u in range(47000, 60000) if u not in used)
-
-
 def test_names_planted_where_the_checkpoint_is_written_are_never_written_through_nor_adopted(spawn, cli, tmp_path):
     # given a folder like /tmp (sticky, world-writable) where another user planted, at every name a writer could
     # predict (the writer's pid in it, or a fixed suffix), a link to a file of the job's user or a file of their own
@@ -115,7 +109,7 @@ def test_names_planted_where_the_checkpoint_is_written_are_never_written_through
         (shared / name).write_bytes(b"their weights")
         (shared / name).chmod(0o666)
         if os.geteuid() == 0:
-            os.chown(shared / name, _other_uid(), _other_uid())
+            os.chown(shared / name, other_uid(), other_uid())
         planted[name] = (shared / name).stat().st_ino
     # when the job writes a checkpoint under each name
     for name in ("a.pt", "b.pt"):
@@ -154,7 +148,7 @@ def test_a_directory_others_could_swap_files_in_and_odd_paths_get_one_sentence(s
     if os.geteuid() == 0:
         theirs = tmp_path / "theirs"
         theirs.mkdir()
-        os.chown(theirs, _other_uid(), _other_uid())
+        os.chown(theirs, other_uid(), other_uid())
         cases.append((theirs / "c.pt", "belongs to another user"))
     for path, fragment in cases:
         r = cli(p.pid, "--yes", "checkpoint", path)
@@ -176,7 +170,7 @@ def test_load_checkpoint_refuses_files_of_another_user_and_a_directory_in_one_se
     (tmp_path / "c.pt.sha256").write_text(f"{hashlib.sha256(good.read_bytes()).hexdigest()}  c.pt\n")
     cases = [(good, "loaded"), (tmp_path, "is a directory"), (tmp_path / "a\nb.pt", "no checkpoint at")]
     if os.geteuid() == 0:  # another user's copies of both, beside ours (a shared folder)
-        uid = _other_uid()
+        uid = other_uid()
         for name in ("theirs.pt", "sums.pt"):
             (tmp_path / name).write_bytes(good.read_bytes())
             (tmp_path / f"{name}.sha256").write_text(f"{hashlib.sha256(good.read_bytes()).hexdigest()}  {name}\n")

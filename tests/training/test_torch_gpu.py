@@ -194,7 +194,7 @@ def test_profile_steps_holds_cuda_kernels_and_the_trace_device_durations(spawn, 
 
 @cuda_only
 def test_nccl_world_of_one_fsdp2_trains_checkpoints_and_shows_its_collectives(tmp_path):
-    from test_ranks_collectives import ddp_job
+    from _ranks import ddp_job
 
     ckpt = str(tmp_path / "ck-{rank}.pt")
     target = str(TARGETS / "fsdp2_train.py")

@@ -1,7 +1,7 @@
 """The rank the others wait for, in plain DDP (no explicit collective in the loop), from torch's
 flight recorder: a rank stalled in its data read, a stopped rank, a killed rank. Every job is real:
 gloo on CPU, 3 ranks started by torchrun (or, where torchrun would tear the job down, directly with
-the rendezvous variables), by tests/test_ranks_collectives.py's ``ddp_job`` (a file of its own so that
+the rendezvous variables), by tests/ranks/test_ranks_collectives.py's ``ddp_job`` (a file of its own so that
 two xdist workers share the multi-rank jobs).
 
 For each condition, `status` must come to name the rank (PROBE_HUNG_AFTER=2; polled with a deadline, not
@@ -14,7 +14,7 @@ import signal
 import time
 
 from conftest import poll, requires_torch
-from test_ranks_collectives import PARTIAL, culprits, ddp_job, states, until_status, view
+from _ranks import PARTIAL, culprits, ddp_job, states, until_status, view
 
 pytestmark = requires_torch
 

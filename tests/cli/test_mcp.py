@@ -14,6 +14,7 @@ import urllib.request
 import pytest
 
 from conftest import PROBE_BIN, TARGETS, poll, requires_torch
+from harness import audit_records
 
 mcp = pytest.importorskip("mcp")
 anyio = pytest.importorskip("anyio")
@@ -130,9 +131,7 @@ def test_actions_need_allow_actions_and_are_audited_as_the_agent(train, shared_e
     assert done.structured_content["result"][0]["action"]["state"] == "done"
     assert ev.is_error and "never" in text(ev)
     assert '"agent": "mcp"' in text(rows) or '\\"agent\\": \\"mcp\\"' in text(rows)
-    with open(os.path.join(shared_env["PROBE_RUNTIME_DIR"], "audit.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    mine = [r for r in records if r["command"] == "cleanup" and r["pid"] == train.pid]
+    mine = [r for r in audit_records(shared_env) if r["command"] == "cleanup" and r["pid"] == train.pid]
     assert mine and all(r["client"].get("agent") == "mcp" for r in mine)
     assert {r["outcome"] for r in mine} >= {"queued", "done"}
 
@@ -249,13 +248,9 @@ def test_http_serves_the_read_only_tools_on_loopback_behind_a_token(train, share
 def test_http_actions_are_audited_as_the_agent_and_need_the_token(train, shared_spawn, shared_env):
     pid = str(train.pid)
     proc, url, token = start_http(shared_spawn, "--allow-actions")
-    audit = os.path.join(shared_env["PROBE_RUNTIME_DIR"], "audit.jsonl")
 
     def cleanups():
-        if not os.path.exists(audit):
-            return []
-        with open(audit) as f:
-            return [r for r in map(json.loads, f) if r["command"] == "cleanup" and r["pid"] == train.pid]
+        return [r for r in audit_records(shared_env) if r["command"] == "cleanup" and r["pid"] == train.pid]
 
     before = len(cleanups())
     # a session opened with the token, then a tool call on it without the token: 401, and nothing runs

@@ -34,7 +34,7 @@ def scheduled_lr(step: int, base: float = 3e-3, warmup: int = 20) -> float:
 def test_train_gpt_tables(spawn, cli):
     # given: the example, tracing every 10th step, run until step 40 is printed; every step measured
     # (the step budget leaves loss and grad norm NULL on the steps it skips, and a loaded test host
-    # makes it skip some: tests/test_torch_budget.py covers that; here the values themselves are checked)
+    # makes it skip some: tests/training/test_torch_budget.py covers that; here the values themselves are checked)
     proc = spawn(
         [EXAMPLES / "train_gpt.py", "--print-every", "10"], env={"PROBE_TRACE": "10", "PROBE_STEP_BUDGET": "off"}
     )

@@ -1,21 +1,20 @@
-"""No query, request or action can hurt the training process or let anyone in.
+"""Requests no client of ours sends cannot hurt the training process or let anyone in: bad values and bodies, too many
+connections, a token sent to another address, snapshots asked faster than their share of the process allows; and
+the process never imports the SQL engine a query could reach.
 
-Each test reproduces one class of the red-team findings against a real target process
-and the real CLI (or a raw socket, for what the CLI would never send).
-"""
+Each test drives a real target process with the real CLI, or with a raw socket for what the CLI would never send."""
 
 from __future__ import annotations
 
 import json
 import socket
-import subprocess
 import threading
 import time
 
 import pytest
 
-from conftest import PROBE_BIN, TARGETS, poll, requires_torch
-from harness import exchange, post, registry_entry, start
+from conftest import TARGETS
+from harness import exchange, post, registry_entry
 
 
 def _eval(cli, pid, code: str) -> str:
@@ -162,168 +161,6 @@ def test_a_token_goes_only_to_the_address_it_was_issued_for(spawn, cli, probe_en
         assert ok.returncode == 0, ok.stderr
     finally:
         stranger.close()
-
-
-@requires_torch
-def test_lr_refuses_nan_and_inf(spawn, cli):
-    target = spawn(TARGETS / "actions_train.py")
-    for value in ("nan", "inf", "-inf", "1e400"):
-        r = cli(target.pid, "--yes", "lr", f"--set={value}")
-        assert r.returncode != 0 and "finite" in (r.stdout + r.stderr), (value, r.stdout, r.stderr)
-        assert "Traceback" not in r.stderr
-    r = cli(target.pid, "--yes", "lr", "--scale=nan")
-    assert r.returncode != 0 and "finite" in (r.stdout + r.stderr)
-    # the run is untouched: the LR is still a finite number
-    lr = json.loads(cli(target.pid, "query", "SELECT lr FROM torch.optimizer", "-f", "json").stdout)
-    assert lr and all(row["lr"] is not None and row["lr"] == row["lr"] for row in lr), lr
-
-
-def test_debug_needs_the_eval_tier(spawn, cli):
-    target = spawn(TARGETS / "idle.py", env={"PROBE_ALLOW_EVAL": "0"})
-    r = cli(target.pid, "debug", "--port", "0")
-    assert r.returncode == 4 and "PROBE_ALLOW_EVAL=0" in r.stderr, r.stdout + r.stderr
-
-
-@requires_torch
-def test_checkpoint_refuses_special_files_and_links_and_sweeps_only_its_dead_temps(spawn, cli, tmp_path):
-    import os
-
-    target = spawn(TARGETS / "actions_train.py")
-    victim = tmp_path / "victim.txt"
-    victim.write_text("keep me")
-    (tmp_path / "link.pt").symlink_to(victim)
-    for path, fragment in (("/dev/null", "not a regular file"), (str(tmp_path / "link.pt"), "symbolic link")):
-        r = cli(target.pid, "--yes", "checkpoint", path, "--force")
-        assert r.returncode != 0 and fragment in (r.stdout + r.stderr), r.stdout + r.stderr
-    assert os.path.isfile(victim) and victim.read_text() == "keep me"
-    assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
-    # temp files left by a writer that was killed (its pid is gone) are swept by the next checkpoint there; a file
-    # only named like one (another user's, a link, a live writer's, a name the writer never uses) stays
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    stale = [
-        tmp_path / f".ck.pt.0123456789abcdef.{dead.pid}.tmp",
-        tmp_path / f".ck.pt.sha256.fedcba9876543210.{dead.pid}.tmp",
-    ]
-    kept = [
-        tmp_path / f".ck.pt.tmp-{dead.pid}",
-        tmp_path / f".ck.pt.0123456789abcdef.{target.pid}.tmp",
-        tmp_path / f".ck.pt.0123456789abcdeX.{dead.pid}.tmp",
-    ]
-    for path in stale + kept:
-        path.write_bytes(b"half a checkpoint")
-    kept.append(tmp_path / f".ck.pt.aaaaaaaaaaaaaaaa.{dead.pid}.tmp")
-    kept[-1].symlink_to(victim)
-    if os.geteuid() == 0:
-        kept.append(tmp_path / f".ck.pt.bbbbbbbbbbbbbbbb.{dead.pid}.tmp")
-        kept[-1].write_bytes(b"theirs")
-        os.chown(kept[-1], 47123, 47123)
-    r = cli(target.pid, "--yes", "checkpoint", str(tmp_path / "ck.pt"))
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert not any(p.exists() for p in stale) and (tmp_path / "ck.pt").is_file()
-    assert all(os.path.lexists(p) for p in kept) and victim.read_text() == "keep me"
-
-
-def test_sigterm_removes_the_socket_and_registry_entry(spawn, probe_env):
-    import os
-    import signal
-
-    target = spawn(TARGETS / "idle.py")
-    entry = registry_entry(target.pid, probe_env)
-    assert os.path.exists(entry["socket"])
-    os.kill(target.pid, signal.SIGTERM)
-    target.popen.wait(30)
-    assert target.popen.returncode == -signal.SIGTERM  # it still dies of SIGTERM, as without the probe
-    assert not os.path.exists(entry["socket"])
-    assert not os.path.exists(f"{probe_env['PROBE_RUNTIME_DIR']}/{target.pid}.json")
-
-
-@pytest.mark.parametrize("kind", ["symlink", "open_to_all", "not_a_dir"])
-def test_a_prepared_runtime_dir_never_breaks_the_training_script(spawn, cli, tmp_path, kind):
-    import os
-    import stat
-
-    # given a runtime directory prepared by someone else: a symlink to a directory of ours,
-    # a directory anyone can write to, or a plain file in its place
-    owned = tmp_path / "victims-own-dir"
-    owned.mkdir(mode=0o755)
-    os.chmod(owned, 0o755)
-    rt = tmp_path / "rt"
-    if kind == "symlink":
-        rt.symlink_to(owned)
-    elif kind == "open_to_all":
-        rt.mkdir()
-        os.chmod(rt, 0o777)
-    else:
-        rt.write_text("")
-    before = os.lstat(owned).st_mode
-    # when the training script starts with the probe
-    target = spawn(TARGETS / "idle.py", env={"PROBE_RUNTIME_DIR": str(rt)})
-    # then it runs, says once why it used a private directory, and changed nothing it found
-    warning = target.wait_for("uses the private directory")
-    assert os.lstat(owned).st_mode == before and stat.S_IMODE(before) == 0o755
-    if kind == "open_to_all":
-        assert stat.S_IMODE(os.lstat(rt).st_mode) == 0o777 and not os.listdir(rt)
-    private = warning.split("private directory ", 1)[1].split(" ")[0]
-    assert stat.S_IMODE(os.lstat(private).st_mode) == 0o700
-    r = cli(target.pid, "query", "SELECT 1 AS ok", "-f", "csv", env={"PROBE_RUNTIME_DIR": private})
-    assert r.returncode == 0 and r.stdout.split() == ["ok", "1"], r.stderr
-    assert target.popen.poll() is None
-
-
-def _action_id(cli, pid, code_fragment: str) -> int:
-    def running() -> list:
-        rows = json.loads(
-            cli(pid, "query", "SELECT id, state, args FROM probe.actions WHERE command = 'eval'", "-f", "json").stdout
-        )
-        return [row["id"] for row in rows if row["state"] == "running" and code_fragment in row["args"]]
-
-    ids = poll(running, 30, interval=0.05)
-    assert ids, "the eval never showed up as running"
-    return ids[0]
-
-
-def test_evals_are_answered_and_can_be_cancelled(spawn, cli, probe_env):
-    import signal
-
-    target = spawn(TARGETS / "idle.py")
-    # KeyboardInterrupt raised by the code is an answer, not a silent connection and a traceback
-    r = cli(target.pid, "eval", "raise KeyboardInterrupt")
-    assert r.returncode != 0 and "KeyboardInterrupt" in r.stdout + r.stderr, r.stdout + r.stderr
-    # an eval that never returns is cancelled by id ...
-    looping = subprocess.Popen(
-        [PROBE_BIN, str(target.pid), "eval", "n = 0\nwhile True: n += 1  # first"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=probe_env,
-    )
-    action = _action_id(cli, target.pid, "# first")
-    r = cli(target.pid, "cancel", action)
-    assert r.returncode == 0, r.stderr
-    out, err = looping.communicate(timeout=30)
-    assert looping.returncode != 0 and "cancelled" in out + err, out + err
-    # ... or by Ctrl-C in the CLI that started it
-    # (once the CLI holds the id: it says so itself, "action N running for 5 s", from inside its wait loop)
-    looping = start(
-        [PROBE_BIN, target.pid, "eval", "n = 0\nwhile True: n += 1  # second"],
-        probe_env,
-        ready=" running for ",
-        timeout=60,
-    )
-    second = _action_id(cli, target.pid, "# second")
-    looping.popen.send_signal(signal.SIGINT)
-    looping.popen.wait(30)
-    looping.wait_line(lambda line: "interrupted" in line, "'interrupted'", timeout=30)
-    assert looping.popen.returncode == 130, looping.output()
-    states = dict(
-        (row["id"], row["state"])
-        for row in json.loads(cli(target.pid, "query", "SELECT id, state FROM probe.actions", "-f", "json").stdout)
-    )
-    assert states[action] == "cancelled" and states[second] == "cancelled", states
-    # and the process is healthy, with no traceback on its stderr
-    assert cli(target.pid, "query", "SELECT 1 AS ok", "-f", "csv").returncode == 0
-    assert "Traceback" not in target.output(), target.output()
 
 
 def test_snapshots_wait_in_line_and_say_so(spawn, probe_env):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from conftest import TARGETS, poll, requires_torch
-from test_ranks_collectives import ddp_job
+from _ranks import ddp_job
 
 pytestmark = requires_torch
 

@@ -10,15 +10,10 @@ import socket
 import pytest
 
 from conftest import TARGETS, requires_torch
+from harness import audit_records
 
 pytestmark = requires_torch
 TRAIN = TARGETS / "actions_train.py"
-
-
-def audit_records(env) -> list[dict]:
-    path = os.path.join(env["PROBE_RUNTIME_DIR"], "audit.jsonl")
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def actions_rows(cli, pid) -> list[dict]:
