@@ -6,7 +6,8 @@ paths stay under the 108-byte limit). ``spawn`` starts a target script and waits
 for its ready line with a deadline (no fixed sleeps); ``cli`` runs the installed
 ``probe`` console script against it. ``shared_env``, ``shared_spawn`` and
 ``shared_cli`` are the same for a whole test file: a target that the file's tests
-only read is started once.
+only read is started once. ``agent`` starts a probed process without torch for the tests
+of the server alone (routes, limits, auth, hostile clients): no training loop to pay for.
 
 tests/unit holds the tests that start no process and run in seconds (``pytest tests/unit``); a test
 there that starts one fails at once, naming what it started (it belongs beside the integration tests).
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from harness import EXAMPLES, PROBE_BIN, ROOT, TARGETS, Proc, Spawner, clean_env, poll, run_probe, run_target  # noqa: F401  (re-exported)
-from harness import use_fork_server
+from harness import registry_entry, use_fork_server
 
 # The processes the tests start take Ctrl-C (SIGINT) and SIGQUIT as they would from a terminal, also when the run
 # was started in the background by a shell without job control, which starts it with both ignored (an ignored
@@ -76,6 +77,20 @@ def shared_spawn(shared_env):
     spawner = Spawner(shared_env)
     yield spawner
     spawner.close()
+
+
+@pytest.fixture
+def agent(spawn):
+    """Start a probed process without torch (tests/targets/agent.py: ``probe.start()``, then a loop printing
+    ``step N``) for the tests of the server alone: ``agent(PROBE_PORT="0", ...)`` starts one with those settings
+    and returns its Proc, with its registry entry as ``entry`` (socket, tcp_port, ...). Stopped after the test."""
+
+    def start(**settings: str):
+        proc = spawn(TARGETS / "agent.py", env=settings)
+        proc.entry = registry_entry(proc.pid, spawn.env)
+        return proc
+
+    return start
 
 
 def _cli_runner(base_env: dict):

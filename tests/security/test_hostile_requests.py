@@ -13,8 +13,7 @@ import time
 
 import pytest
 
-from conftest import TARGETS
-from harness import exchange, post, registry_entry
+from harness import exchange, post
 
 
 def _eval(cli, pid, code: str) -> str:
@@ -23,9 +22,9 @@ def _eval(cli, pid, code: str) -> str:
     return r.stdout
 
 
-def test_the_training_process_never_imports_duckdb(spawn, cli):
+def test_the_training_process_never_imports_duckdb(agent, cli):
     # given a probed process that answered several queries, a join and an aggregate among them
-    target = spawn(TARGETS / "idle.py")
+    target = agent()
     for sql in (
         "SELECT count(*) FROM python.threads",
         "SELECT t.name, count(*) FROM python.threads t "
@@ -39,9 +38,9 @@ def test_the_training_process_never_imports_duckdb(spawn, cli):
     assert "[]" in out, out
 
 
-def test_bad_values_and_bodies_get_one_sentence_and_a_4xx(spawn, cli, probe_env):
-    target = spawn(TARGETS / "idle.py", env={"PROBE_SNAPSHOT_BYTES": "300"})
-    sock = registry_entry(target.pid, probe_env)["socket"]
+def test_bad_values_and_bodies_get_one_sentence_and_a_4xx(agent, cli):
+    target = agent(PROBE_SNAPSHOT_BYTES="300")
+    sock = target.entry["socket"]
     cases = [
         (b"not json", "not valid JSON"),
         (b"[1, 2]", "must be a JSON object"),
@@ -79,13 +78,10 @@ def test_bad_values_and_bodies_get_one_sentence_and_a_4xx(spawn, cli, probe_env)
     assert "Traceback" not in target.output(), target.output()
 
 
-def test_connections_are_bounded_and_the_owner_is_always_answered(spawn, cli, probe_env):
+def test_connections_are_bounded_and_the_owner_is_always_answered(agent, cli):
     # given a process listening on TCP too, with small connection limits
-    target = spawn(
-        TARGETS / "idle.py",
-        env={"PROBE_PORT": "0", "PROBE_TOKEN": "tok-en", "PROBE_MAX_CONNECTIONS": "4", "PROBE_READ_TIMEOUT": "1"},
-    )
-    entry = registry_entry(target.pid, probe_env)
+    target = agent(PROBE_PORT="0", PROBE_TOKEN="tok-en", PROBE_MAX_CONNECTIONS="4", PROBE_READ_TIMEOUT="1")
+    entry = target.entry
     port = entry["tcp_port"]
     # when 60 TCP clients open connections and never finish their headers
     held = []
@@ -124,10 +120,10 @@ def test_connections_are_bounded_and_the_owner_is_always_answered(spawn, cli, pr
     assert cli(target.pid, "query", "SELECT 1 AS ok", "-f", "csv").returncode == 0
 
 
-def test_a_token_goes_only_to_the_address_it_was_issued_for(spawn, cli, probe_env):
+def test_a_token_goes_only_to_the_address_it_was_issued_for(agent, cli):
     # given a local job on 127.0.0.1:PORT and a stranger listening on 127.0.0.2 with the same port
-    target = spawn(TARGETS / "idle.py", env={"PROBE_PORT": "0"})
-    entry = registry_entry(target.pid, probe_env)
+    target = agent(PROBE_PORT="0")
+    entry = target.entry
     port = entry["tcp_port"]
     stranger = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -163,12 +159,12 @@ def test_a_token_goes_only_to_the_address_it_was_issued_for(spawn, cli, probe_en
         stranger.close()
 
 
-def test_snapshots_wait_in_line_and_say_so(spawn, probe_env):
+def test_snapshots_wait_in_line_and_say_so(agent):
     from concurrent.futures import ThreadPoolExecutor
 
     # given one snapshot slot, and python.threads holding it for its 50 ms sampling window
-    target = spawn(TARGETS / "idle.py", env={"PROBE_MAX_SNAPSHOTS": "1"})
-    sock = registry_entry(target.pid, probe_env)["socket"]
+    target = agent(PROBE_MAX_SNAPSHOTS="1")
+    sock = target.entry["socket"]
     body = json.dumps({"tables": {"python.threads": {"columns": ["name", "executing"]}}, "timeout": 0.01}).encode()
     head = f"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
     # when ten clients ask at once, each willing to wait 10 ms in line
@@ -181,10 +177,10 @@ def test_snapshots_wait_in_line_and_say_so(spawn, probe_env):
     assert all("PROBE_MAX_SNAPSHOTS" in b["error"] and b["error"].endswith(".") for b in busy), busy
 
 
-def test_snapshots_are_paced_to_their_share_of_the_process(spawn, probe_env):
+def test_snapshots_are_paced_to_their_share_of_the_process(agent):
     # given a process whose snapshots may take a millionth of its time (a microsecond a second)
-    target = spawn(TARGETS / "idle.py", env={"PROBE_SERVE_SHARE": "0.000001"})
-    sock = registry_entry(target.pid, probe_env)["socket"]
+    target = agent(PROBE_SERVE_SHARE="0.000001")
+    sock = target.entry["socket"]
 
     def ask(timeout):
         body = json.dumps({"tables": {"python.backtrace": {"columns": ["func", "depth"]}}, "timeout": timeout}).encode()

@@ -1,7 +1,8 @@
 """What a client without the token, or with expensive snapshots, can take from the training process.
 
-Each test drives a real training loop (tests/targets/actions_train.py, which prints ``step N``) and ends by
-checking that it kept stepping.
+Each test drives a probed process that prints ``step N`` and ends by checking that it kept stepping: the
+``agent`` fixture's (no torch) where only the server is at stake, a real training loop
+(tests/targets/actions_train.py) where the snapshots must have rows to cost something.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from conftest import TARGETS, poll, requires_torch
 from harness import exchange, last_step, registry_entry, steps_on
 
-pytestmark = requires_torch
-
 
 def _still_stepping(proc) -> None:
     assert steps_on(proc), f"training stopped at step {last_step(proc)}:\n" + proc.output()[-2000:]
@@ -27,17 +26,20 @@ def _rss_kb(pid: int) -> int:
         return int(next(line for line in f if line.startswith("VmRSS:")).split()[1])
 
 
+TOKEN = "the-right-token-1234"
+
+
 def _train(spawn, **env):
     return spawn(
         [TARGETS / "actions_train.py", "--sched", "none", "--step-sleep", "0.01"],
-        env={"PROBE_PORT": "0", "PROBE_TOKEN": "the-right-token-1234", **env},
+        env={"PROBE_PORT": "0", "PROBE_TOKEN": TOKEN, **env},
     )
 
 
-def test_trickling_tcp_clients_are_cut_off_and_never_lock_the_owner_out(spawn, cli, probe_env):
-    # given a training process on TCP too, each request head allowed 2 s in all
-    target = _train(spawn, PROBE_READ_TIMEOUT="2")
-    port = registry_entry(target.pid, probe_env)["tcp_port"]
+def test_trickling_tcp_clients_are_cut_off_and_never_lock_the_owner_out(agent, cli):
+    # given a probed process on TCP too, each request head allowed 2 s in all
+    target = agent(PROBE_PORT="0", PROBE_TOKEN=TOKEN, PROBE_READ_TIMEOUT="2")
+    port = target.entry["tcp_port"]
     # when 32 TCP clients (every connection slot) each send a header byte twice a second, forever
     held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(32)]
     cut = [False] * len(held)
@@ -73,7 +75,7 @@ def test_trickling_tcp_clients_are_cut_off_and_never_lock_the_owner_out(spawn, c
         # and every trickling client is cut off, however steadily it sends (the head has one deadline)
         assert poll(lambda: all(cut), 60), f"{cut.count(False)} trickling clients still hold a connection"
         # and a client with the token is served again
-        ok = cli(f"127.0.0.1:{port}", "--token", "the-right-token-1234", "query", "SELECT 1 AS one", "-f", "csv")
+        ok = cli(f"127.0.0.1:{port}", "--token", TOKEN, "query", "SELECT 1 AS one", "-f", "csv")
         assert ok.returncode == 0, ok.stderr
     finally:
         stop.set()
@@ -86,10 +88,10 @@ def test_trickling_tcp_clients_are_cut_off_and_never_lock_the_owner_out(spawn, c
 N_ATTACKS = 96
 
 
-def test_large_headers_without_the_token_cost_the_process_no_memory(spawn, cli, probe_env):
-    # given a training process on TCP
-    target = _train(spawn)
-    port = registry_entry(target.pid, probe_env)["tcp_port"]
+def test_large_headers_without_the_token_cost_the_process_no_memory(agent, cli):
+    # given a probed process on TCP
+    target = agent(PROBE_PORT="0", PROBE_TOKEN=TOKEN)
+    port = target.entry["tcp_port"]
     assert cli(target.pid, "query", "SELECT 1", "-f", "csv").returncode == 0  # warm: the CLI's first query's memory
     before = _rss_kb(target.pid)
     head = b"POST /snapshot HTTP/1.1\r\nHost: x\r\n" + (b"X-Pad: " + b"a" * 60_000 + b"\r\n") * 99
@@ -128,7 +130,7 @@ def test_large_headers_without_the_token_cost_the_process_no_memory(spawn, cli, 
     print(f"RSS grew by {grown_mb:.1f} MB")
     assert grown_mb < 24, f"the training process grew by {grown_mb:.0f} MB"
     # and the right token still works, over TCP, with ordinary headers
-    ok = cli(f"127.0.0.1:{port}", "--token", "the-right-token-1234", "query", "SELECT 1 AS one", "-f", "csv")
+    ok = cli(f"127.0.0.1:{port}", "--token", TOKEN, "query", "SELECT 1 AS one", "-f", "csv")
     assert ok.returncode == 0, ok.stderr
     _still_stepping(target)
 
@@ -159,6 +161,7 @@ def _snapshot(path: str, body: bytes) -> tuple[int, bytes]:
     return int(data.split(b" ", 2)[1]), data.partition(b"\r\n\r\n")[2]
 
 
+@requires_torch
 def test_expensive_snapshots_are_charged_their_whole_cost(spawn, probe_env):
     # given a training process whose snapshots may take a tenth of a percent of its time (the share is spent in a few
     # heavy snapshots: at half a percent, a fast host served dozens first, over a minute of the suite)
@@ -179,7 +182,7 @@ def test_expensive_snapshots_are_charged_their_whole_cost(spawn, probe_env):
     _still_stepping(target)
 
 
-def _tcp_snapshot(port: int, body: bytes, token: str = "the-right-token-1234") -> int:
+def _tcp_snapshot(port: int, body: bytes, token: str = TOKEN) -> int:
     """The HTTP status of one snapshot asked over TCP with the token (0: the connection failed)."""
     try:
         s = socket.create_connection(("127.0.0.1", port), timeout=30)
@@ -204,10 +207,10 @@ def _tcp_snapshot(port: int, body: bytes, token: str = "the-right-token-1234") -
         s.close()
 
 
-def test_token_holders_flooding_over_tcp_never_lock_the_owner_out(spawn, cli, probe_env):
-    # given a training process on TCP too, whose readers may take half a percent of its time
-    target = _train(spawn, PROBE_SERVE_SHARE="0.005")
-    port = registry_entry(target.pid, probe_env)["tcp_port"]
+def test_token_holders_flooding_over_tcp_never_lock_the_owner_out(agent, cli):
+    # given a probed process on TCP too, whose readers may take half a percent of its time
+    target = agent(PROBE_PORT="0", PROBE_TOKEN=TOKEN, PROBE_SERVE_SHARE="0.005")
+    port = target.entry["tcp_port"]
     body = json.dumps({"tables": {"python.backtrace": {"columns": ["func", "depth"]}}, "timeout": 2}).encode()
     statuses: list = []
     stop = threading.Event()
