@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import EXAMPLES, PROBE_BIN, TARGETS, poll, requires_torch
-from harness import start, stop_groups
+from harness import run_probe, start, stop_groups
 
 CHROMIUM = os.environ.get("PROBE_TEST_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(os.environ.get("PROBE_UI_ARTIFACTS", "/tmp/probe-ui-artifacts"))
@@ -102,9 +102,7 @@ def open_page(browser, url):
 
 
 def cli_json(env, *args):
-    r = subprocess.run(
-        [PROBE_BIN, *map(str, args), "--format", "json"], capture_output=True, text=True, env=env, timeout=60
-    )
+    r = run_probe(*args, "--format", "json", env=env, timeout=60)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -207,13 +205,7 @@ def test_findings_panel_shows_the_doctor(page, shared_env, train):
         "() => document.querySelector('#findings-meta').textContent.includes('rules over')", timeout=30000
     )
     assert page.inner_text("#findings .err") == ""
-    r = subprocess.run(
-        [PROBE_BIN, str(train.pid), "doctor", "--format", "json"],
-        capture_output=True,
-        text=True,
-        env=shared_env,
-        timeout=60,
-    )
+    r = run_probe(train.pid, "doctor", "--format", "json", env=shared_env, timeout=60)
     doc = json.loads(r.stdout)
     assert f"{doc['rules_run']} rules over 1 of 1 process" in page.inner_text("#findings-meta")
     shown = page.eval_on_selector_all("#findings .finding", "fs => fs.map(f => f.dataset.rule)")

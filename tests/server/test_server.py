@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROBE_BIN, TARGETS
+from conftest import TARGETS
+from harness import run_probe
 
 SEED_BACKTRACE = "SELECT func, file, lineno, depth\nFROM python.backtrace\nORDER BY depth\nLIMIT 10"
 
@@ -242,30 +243,13 @@ def test_tcp_requires_the_token(tcp_target, cli, probe_env):
     port = _tcp_port(cli, tcp_target.pid)
     env = {k: v for k, v in probe_env.items()}
     env["PROBE_RUNTIME_DIR"] = "/tmp/probe-test-empty-registry"  # the CLI must not find the token locally
-    missing = subprocess.run(
-        [PROBE_BIN, f"127.0.0.1:{port}", "query", "SELECT 1"], capture_output=True, text=True, env=env
-    )
+    missing = run_probe(f"127.0.0.1:{port}", "query", "SELECT 1", env=env)
     assert missing.returncode == 4 and "token" in missing.stderr
-    wrong = subprocess.run(
-        [PROBE_BIN, "--token", "nope", f"127.0.0.1:{port}", "query", "SELECT 1"],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    wrong = run_probe("--token", "nope", f"127.0.0.1:{port}", "query", "SELECT 1", env=env)
     assert wrong.returncode == 4 and "wrong token" in wrong.stderr
-    right = subprocess.run(
-        [PROBE_BIN, "--token", "s3cret-token", f"127.0.0.1:{port}", "query", "SELECT 7 AS x", "-f", "csv"],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    right = run_probe("--token", "s3cret-token", f"127.0.0.1:{port}", "query", "SELECT 7 AS x", "-f", "csv", env=env)
     assert right.stdout.splitlines() == ["x", "7"], right.stderr
-    via_env = subprocess.run(
-        [PROBE_BIN, "-t", f"127.0.0.1:{port}", "backtrace"],
-        capture_output=True,
-        text=True,
-        env=dict(env, PROBE_TOKEN="s3cret-token"),
-    )
+    via_env = run_probe("-t", f"127.0.0.1:{port}", "backtrace", env=dict(env, PROBE_TOKEN="s3cret-token"))
     assert via_env.returncode == 0 and "MainThread" in via_env.stdout
 
 
@@ -322,19 +306,13 @@ def test_twenty_concurrent_clients(idle, shared_env):
     results = [None] * 20
 
     def run(i):
-        results[i] = subprocess.run(
-            [
-                PROBE_BIN,
-                str(idle.pid),
-                "query",
-                f"SELECT {i} AS i, COUNT(*) AS frames FROM python.backtrace",
-                "-f",
-                "json",
-            ],
-            capture_output=True,
-            text=True,
+        results[i] = run_probe(
+            idle.pid,
+            "query",
+            f"SELECT {i} AS i, COUNT(*) AS frames FROM python.backtrace",
+            "-f",
+            "json",
             env=shared_env,
-            timeout=120,
         )
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(20)]

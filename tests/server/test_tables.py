@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from contextlib import contextmanager
 
 import pytest
 
-from conftest import EXAMPLES, PROBE_BIN, ROOT, requires_torch
+from conftest import EXAMPLES, ROOT, requires_torch
 from harness import clean_env, run_probe, start, stop_groups
 from probe.tables.registry import all_tables
 
@@ -52,9 +51,7 @@ def training_flat_out():
 @pytest.mark.parametrize("table, sql", EXAMPLES_SQL, ids=[f"{t}:{i}" for i, (t, _) in enumerate(EXAMPLES_SQL)])
 def test_every_table_example_runs(training, table, sql):
     pid, env = training
-    r = subprocess.run(
-        [PROBE_BIN, str(pid), "query", sql, "-f", "json"], capture_output=True, text=True, env=env, timeout=60
-    )
+    r = run_probe(pid, "query", sql, "-f", "json", env=env, timeout=60)
     assert r.returncode == 0, f"{table}: {sql}\n{r.stderr}"
     assert isinstance(json.loads(r.stdout), list)
 
@@ -79,9 +76,7 @@ def _readme_playbook_queries():
 @pytest.mark.parametrize("sql", _readme_playbook_queries())
 def test_readme_playbook_queries_run(training, sql):
     pid, env = training
-    r = subprocess.run(
-        [PROBE_BIN, str(pid), "query", sql, "-f", "json"], capture_output=True, text=True, env=env, timeout=60
-    )
+    r = run_probe(pid, "query", sql, "-f", "json", env=env, timeout=60)
     assert r.returncode == 0, f"{sql}\n{r.stderr}"
 
 

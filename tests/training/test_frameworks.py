@@ -13,13 +13,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import pytest
 
-from conftest import PROBE_BIN, TARGETS, has_torch, run_target
-from harness import clean_env, poll, start, stop_groups
+from conftest import TARGETS, has_torch, run_target
+from harness import clean_env, poll, run_probe, start, stop_groups
 
 
 def _has(module: str) -> bool:
@@ -80,13 +79,7 @@ class Loop:
         )
 
     def cli(self, *args, timeout: float = 60.0):
-        return subprocess.run(
-            [PROBE_BIN, str(self.pid), *map(str, args)],
-            capture_output=True,
-            text=True,
-            env={k: v for k, v in self.env.items() if k != "PROBE"},
-            timeout=timeout,
-        )
+        return run_probe(self.pid, *args, env={k: v for k, v in self.env.items() if k != "PROBE"}, timeout=timeout)
 
     def query(self, sql: str) -> list[dict]:
         r = self.cli("query", sql, "--format", "json")
