@@ -3,7 +3,7 @@
 `probe ui --open` never puts the token on a command line; every request must name this server
 (Host: DNS rebinding) and come from its origin; POSTs need the page's CSRF header; idle
 connections cannot make a thread each. Real `probe ui` processes, raw HTTP (the browser tests
-in test_ui.py drive the page itself).
+in tests/cli/test_ui.py drive the page itself).
 """
 
 from __future__ import annotations
