@@ -75,6 +75,20 @@ def test_an_alias_and_a_command_name_run_the_same_command(idle, shared_env):
     assert threads[0] == threads[1] and "data-worker" in threads[0]
 
 
+def test_every_command_lives_in_the_module_named_after_it():
+    """``find`` imports only ``commands/<name>.py`` for command ``name``: that holds only if each command is
+    declared there."""
+    from probe.cli.commands import command_modules, load_all
+
+    for name, cls in load_all().items():
+        if name == cls.name:
+            assert cls.__module__ == f"probe.cli.commands.{name.replace('-', '_')}", (name, cls.__module__)
+    declared = {cls.__module__.rpartition(".")[2] for cls in load_all().values()}
+    assert declared == set(command_modules()), (
+        "a command module that declares no command (shared code goes in a _module)"
+    )
+
+
 def test_an_unknown_command_is_one_sentence_and_a_failure(idle, shared_env):
     r, _ = _run(shared_env, idle.pid, "backtrce")
     assert r.returncode != 0 and "Traceback" not in r.stderr

@@ -1,7 +1,6 @@
 """The package's structure: an import graph without cycles (top-level and in-function imports both), private
 modules used only inside their package, import boundaries between rooms, every package declared in pyproject, a
-pinned public API, each command in the module named after it, and code that says what and why rather than which
-issue asked for it.
+pinned public API, and code that says what and why rather than which issue asked for it.
 
 Every ``import`` and ``from ... import`` in every module of the installed package
 (``probe``, ``probe.sql``, ``probe.cli``, ``probe.injector``: the folders named by
@@ -329,17 +328,3 @@ def test_rooms_respect_their_import_boundaries():
                     for b in banned:
                         if folder != "probe" or b != "torch":
                             assert not (n == b or n.startswith(b + ".")), f"{path.relative_to(ROOT)} imports {n}"
-
-
-def test_every_command_lives_in_the_module_named_after_it():
-    """``find`` imports only ``commands/<name>.py`` for command ``name``: that holds only if each command is
-    declared there."""
-    from probe.cli.commands import command_modules, load_all
-
-    for name, cls in load_all().items():
-        if name == cls.name:
-            assert cls.__module__ == f"probe.cli.commands.{name.replace('-', '_')}", (name, cls.__module__)
-    declared = {cls.__module__.rpartition(".")[2] for cls in load_all().values()}
-    assert declared == set(command_modules()), (
-        "a command module that declares no command (shared code goes in a _module)"
-    )
