@@ -228,31 +228,6 @@ def test_a_planted_private_import_is_found(tmp_path):
     assert found == {("probe.other.use", "probe.pkg._impl"), ("test_x.py", "probe.pkg._impl")}
 
 
-_HISTORY = re.compile(r"\b(issue|round) [0-9]+", re.IGNORECASE)
-
-
-def history_mentions(roots) -> list[str]:
-    """``path:line`` of each mention of an issue number or a round in the Python files under ``roots``."""
-    out = []
-    for root in roots:
-        for path in sorted(Path(root).rglob("*.py")):
-            for n, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
-                if _HISTORY.search(line):
-                    out.append(f"{path}:{n}")
-    return out
-
-
-def test_code_and_tests_say_what_and_why_not_which_issue_asked():
-    # comments, docstrings and test names carry no history: which issue or round asked for a change is git's
-    found = history_mentions(ROOT / d for d in ("probe", "sql", "cli", "injector", "tests"))
-    assert not found, found
-
-
-def test_a_planted_history_mention_is_found(tmp_path):
-    (tmp_path / "m.py").write_text('"""What it does."""\n# fixed in ' + "ROUND" + " 3\nx = 1\n")
-    assert history_mentions([tmp_path]) == [f"{tmp_path / 'm.py'}:2"]
-
-
 def test_pyproject_lists_every_package():
     import tomllib
 
@@ -328,3 +303,28 @@ def test_rooms_respect_their_import_boundaries():
                     for b in banned:
                         if folder != "probe" or b != "torch":
                             assert not (n == b or n.startswith(b + ".")), f"{path.relative_to(ROOT)} imports {n}"
+
+
+_HISTORY = re.compile(r"\b(issue|round) [0-9]+", re.IGNORECASE)
+
+
+def history_mentions(roots) -> list[str]:
+    """``path:line`` of each mention of an issue number or a round in the Python files under ``roots``."""
+    out = []
+    for root in roots:
+        for path in sorted(Path(root).rglob("*.py")):
+            for n, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+                if _HISTORY.search(line):
+                    out.append(f"{path}:{n}")
+    return out
+
+
+def test_code_and_tests_say_what_and_why_not_which_issue_asked():
+    # comments, docstrings and test names carry no history: which issue or round asked for a change is git's
+    found = history_mentions(ROOT / d for d in ("probe", "sql", "cli", "injector", "tests"))
+    assert not found, found
+
+
+def test_a_planted_history_mention_is_found(tmp_path):
+    (tmp_path / "m.py").write_text('"""What it does."""\n# fixed in ' + "ROUND" + " 3\nx = 1\n")
+    assert history_mentions([tmp_path]) == [f"{tmp_path / 'm.py'}:2"]
