@@ -6,7 +6,8 @@ paths stay under the 108-byte limit). ``spawn`` starts a target script and waits
 for its ready line with a deadline (no fixed sleeps); ``cli`` runs the installed
 ``probe`` console script against it. ``shared_env``, ``shared_spawn`` and
 ``shared_cli`` are the same for a whole test file: a target that the file's tests
-only read is started once.
+only read is started once. ``agent`` starts a probed process without torch for the tests
+of the server alone (routes, limits, auth, hostile clients): no training loop to pay for.
 
 tests/unit holds the tests that start no process and run in seconds (``pytest tests/unit``); a test
 there that starts one fails at once, naming what it started (it belongs beside the integration tests).
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from harness import EXAMPLES, PROBE_BIN, ROOT, TARGETS, Proc, Spawner, clean_env, poll, run_probe, run_target  # noqa: F401  (re-exported)
-from harness import use_fork_server
+from harness import registry_entry, use_fork_server
 
 # The processes the tests start take Ctrl-C (SIGINT) and SIGQUIT as they would from a terminal, also when the run
 # was started in the background by a shell without job control, which starts it with both ignored (an ignored
@@ -78,6 +79,20 @@ def shared_spawn(shared_env):
     spawner.close()
 
 
+@pytest.fixture
+def agent(spawn):
+    """Start a probed process without torch (tests/targets/agent.py: ``probe.start()``, then a loop printing
+    ``step N``) for the tests of the server alone: ``agent(PROBE_PORT="0", ...)`` starts one with those settings
+    and returns its Proc, with its registry entry as ``entry`` (socket, tcp_port, ...). Stopped after the test."""
+
+    def start(**settings: str):
+        proc = spawn(TARGETS / "agent.py", env=settings)
+        proc.entry = registry_entry(proc.pid, spawn.env)
+        return proc
+
+    return start
+
+
 def _cli_runner(base_env: dict):
     def _cli(*args, env=None, timeout: float = 180.0, input: str | None = None):
         return run_probe(*args, env={**base_env, **(env or {})}, timeout=timeout, input=input)
@@ -98,6 +113,7 @@ def shared_cli(shared_env):
 
 
 requires_torch = pytest.mark.skipif(not has_torch(), reason="torch is not installed")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second local user (setuid)")
 
 
 UNIT = Path(__file__).resolve().parent / "unit"
@@ -119,51 +135,3 @@ def _unit_tests_start_no_process(request, monkeypatch):
     for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
         if hasattr(os, name):
             monkeypatch.setattr(os, name, refused(f"os.{name}"))
-
-
-# The order the xdist workers take test files in (run-tests: --dist loadfile --no-loadscope-reorder): the longest
-# first, so the short files fill the end of the run instead of a long one starting last and running alone
-# (xdist's own order, the most tests first, put the few-but-long multi-rank files last). Seconds a file took
-# in a `./run-tests --durations=0` run on a quiet 2-core host (setup, call and teardown summed; targets and
-# commands forked); only the order matters, and a file not listed runs after these in collection order.
-LONGEST_FIRST = {
-    "test_doctor_corpus.py": 138,
-    "test_doctor.py": 114,
-    "test_doctor_corpus_ddp.py": 79,
-    "test_fsdp2.py": 73,
-    "test_frameworks.py": 65,
-    "test_postmortem.py": 57,
-    "test_doctor_ranks.py": 51,
-    "test_ranks_collectives.py": 42,
-    "test_mcp_read_tier.py": 40,
-    "test_doctor_faults_model.py": 39,
-    "test_torch_hooks.py": 39,
-    "test_doctor_faults_runtime.py": 39,
-    "test_security_edges.py": 36,
-    "test_actions_lr.py": 36,
-    "test_ui.py": 34,
-    "test_ranks_culprits.py": 31,
-    "test_tables.py": 31,
-    "test_torch_setups.py": 30,
-    "test_hang.py": 30,
-    "test_every_step.py": 28,
-    "test_server.py": 26,
-    "test_repl.py": 22,
-    "test_ranks.py": 19,
-    "test_timeline.py": 19,
-    "test_hostile_endpoint.py": 18,
-    "test_hardening.py": 17,
-    "test_invariants.py": 15,
-    "test_ui_hardening.py": 12,
-    "test_pre_auth.py": 12,
-    "test_actions_checkpoint.py": 11,
-    "test_mcp.py": 10,
-    "test_ui_profile.py": 10,
-    "test_attach.py": 10,
-    "test_torch_tables.py": 9,
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    """Longest files first (see LONGEST_FIRST); the tests within a file keep their order."""
-    items.sort(key=lambda item: -LONGEST_FIRST.get(Path(str(item.path)).name, 0))

@@ -44,6 +44,15 @@ __all__ = [
     "ptrace_refused",
     "use_fork_server",
     "Recorder",
+    "registry_entry",
+    "exchange",
+    "post",
+    "query_json",
+    "last_step",
+    "max_step",
+    "steps_on",
+    "audit_records",
+    "other_uid",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -500,6 +509,75 @@ class Recorder:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def registry_entry(pid: int, env: dict) -> dict:
+    """The registry entry process ``pid`` wrote in ``env``'s runtime dir."""
+    with open(f"{env['PROBE_RUNTIME_DIR']}/{pid}.json") as f:
+        return json.load(f)
+
+
+def exchange(path_or_addr, payload: bytes, timeout: float = 60.0) -> bytes:
+    """Send ``payload`` on a fresh connection (a unix socket path, or a ``(host, port)`` address) and read the
+    answer to its end: what a client the CLI would never be sends."""
+    family = socket.AF_UNIX if isinstance(path_or_addr, str) else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path_or_addr)
+        s.sendall(payload)
+        chunks = []
+        while chunk := s.recv(1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def post(path_or_addr, route: str, body: bytes, extra: str = "") -> tuple[int, dict]:
+    """One raw ``POST route`` (``extra``: more header lines, each ending in CRLF): (status, JSON body)."""
+    head = f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode()
+    data = exchange(path_or_addr, head + body)
+    return int(data.split(b" ", 2)[1]), json.loads(data.partition(b"\r\n\r\n")[2] or b"{}")
+
+
+def query_json(cli, target, sql: str, *args: str) -> list[dict]:
+    """The rows of ``probe TARGET --format json query [ARGS] SQL`` run by ``cli`` (the conftest's fixture),
+    which must succeed."""
+    r = cli(str(target), "--format", "json", "query", *args, sql)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout)
+
+
+def max_step(cli, target) -> int:
+    """The last step ``target`` recorded in torch.steps (0 before its first)."""
+    return query_json(cli, target, "SELECT max(step) AS step FROM torch.steps")[0]["step"] or 0
+
+
+def last_step(proc: Proc) -> int:
+    """The last ``step N`` line a target printed (-1 before its first)."""
+    return max((int(m) for m in re.findall(r"^step (\d+)", proc.output(), re.M)), default=-1)
+
+
+def steps_on(proc: Proc, after: int | None = None, timeout: float = 60.0) -> bool:
+    """Whether a target that prints ``step N`` lines, still running, prints three steps past ``after`` (default:
+    its last step now) within ``timeout`` seconds."""
+    after = last_step(proc) if after is None else after
+    return bool(poll(lambda: proc.popen.poll() is None and last_step(proc) > after + 2, timeout))
+
+
+def audit_records(env: dict) -> list[dict]:
+    """The audit log's records in ``env``'s runtime dir ([] before the first action wrote one)."""
+    try:
+        with open(os.path.join(env["PROBE_RUNTIME_DIR"], "audit.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def other_uid() -> int:
+    """A uid no account uses: another local user (root can become any uid without an account)."""
+    import pwd
+
+    used = {p.pw_uid for p in pwd.getpwall()}
+    return next(u for u in range(47000, 60000) if u not in used)
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -53,7 +53,7 @@ w AS (SELECT g.rank, g.pg, g.pending_seq, g.pending_op, g.pending_s
       FROM torch.process_groups AS g JOIN ranks.status AS x ON x.rank = g.rank
       WHERE g.pending > 0 AND x.state = 'waiting'),
 c AS (SELECT o.rank, o.pg, min(w.pending_seq) AS seq, any_value(w.pending_op) AS op, max(w.pending_s) AS waited_s,
-             string_agg(DISTINCT CAST(w.rank AS VARCHAR), ',') AS waiters
+             array_to_string(list_sort(list(DISTINCT w.rank)), ',') AS waiters
       FROM torch.process_groups AS o JOIN w ON w.pg = o.pg AND w.rank <> o.rank
       WHERE coalesce(o.last_enqueued, -1) < w.pending_seq AND o.rank IN (SELECT rank FROM s)
       GROUP BY o.rank, o.pg)

@@ -1,7 +1,7 @@
 """The corpus of real-world errors (tests/faults/real_world.py, each cited there): for each, the doctor rule that
 must name it and words its message must hold (the names the user needs), in the groups that run as phases of one
 process (errors named by different rules, or by words that tell them apart, that do not interact). Read by
-tests/test_doctor_corpus.py."""
+tests/doctor/test_doctor_corpus.py."""
 
 # error, the rule that must name it, words of its message
 ERRORS = [

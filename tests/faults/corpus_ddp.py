@@ -1,6 +1,6 @@
 """The distributed corpus (tests/faults/real_world_ddp.py): for each error, the doctor rule that must name it
 across ranks (``probe --ranks all doctor``), the rank it names (None: the job), its least severity, and words
-its message must hold. Read by tests/test_doctor_corpus_ddp.py."""
+its message must hold. Read by tests/doctor/test_doctor_corpus_ddp.py."""
 
 DDP_ERRORS = {
     # error: (rule, rank, severity, words of its message)

@@ -1,7 +1,7 @@
 """The planted faults of faults.py: for each, the doctor rule that must name it and how to plant it.
 
-Read by tests/test_doctor_faults_model.py and _runtime.py (which assert on them) and benchmarks/bench_doctor.py --faults
-(which times the doctor on each); one table, so the two cannot drift apart.
+Read by tests/doctor/test_doctor_faults_model.py and _runtime.py (which assert on them) and
+benchmarks/bench_doctor.py --faults (which times the doctor on each); one table, so the two cannot drift apart.
 """
 
 FAULTS = [

@@ -1,5 +1,5 @@
 """The doctor's rules over hand-made rows, its rule registry and its message templates: no process is
-started (the rules as real jobs trip them are in tests/test_doctor.py and the planted-fault tests)."""
+started (the rules as real jobs trip them are in tests/doctor/test_doctor.py and the planted-fault tests)."""
 
 from __future__ import annotations
 

@@ -7,17 +7,12 @@ import re
 
 import pytest
 
+from harness import other_uid
+
 from probe import ProbeError
 from probe.util import files
 
 DEAD_PID = 4194305  # above the largest pid_max Linux allows: no process has it
-
-
-def _other_uid() -> int:
-    import pwd
-
-    used = {p.pw_uid for p in pwd.getpwall()}
-    return next(u for u in range(47000, 60000) if u not in used)
 
 
 @pytest.fixture
@@ -71,7 +66,7 @@ def test_a_directory_other_users_could_swap_files_in_is_refused(tmp_path):
     if os.geteuid() == 0:
         theirs = tmp_path / "theirs"
         theirs.mkdir()
-        os.chown(theirs, _other_uid(), _other_uid())
+        os.chown(theirs, other_uid(), other_uid())
         with pytest.raises(ProbeError, match="belongs to another user"):
             files.write_file(str(theirs / "out.json"), lambda f: f.write(b"x"))
 
@@ -91,7 +86,7 @@ def test_the_sweep_removes_only_this_users_temporaries_of_writers_that_died(shar
     if os.geteuid() == 0:
         kept.append(shared / f".c.pt.bbbbbbbbbbbbbbbb.{DEAD_PID}.tmp")
         kept[-1].write_bytes(b"theirs")
-        os.chown(kept[-1], _other_uid(), _other_uid())
+        os.chown(kept[-1], other_uid(), other_uid())
     assert files.sweep_temps(str(shared / "c.pt")) == 1
     assert not ours.exists() and all(os.path.lexists(p) for p in kept)
 
@@ -102,7 +97,7 @@ def test_a_file_of_another_user_is_neither_replaced_nor_read_back(tmp_path):
     path.write_bytes(b"weights")
     with files.open_own(str(path)) as f:
         assert f.read() == b"weights"
-    os.chown(path, _other_uid(), _other_uid())
+    os.chown(path, other_uid(), other_uid())
     with pytest.raises(ProbeError, match=r"belongs to another user \(uid \d+\)"):
         files.open_own(str(path))
     with pytest.raises(ProbeError, match=r"belongs to another user \(uid \d+\); probe does not replace it"):

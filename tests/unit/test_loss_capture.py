@@ -1,7 +1,7 @@
 """Every step's loss as the backward wrapper notes it, on CPU, without a process: a CPU scalar is read
 once, when its backward is called, and nothing of it is kept (no tensor, no graph) until the boundary; other
 scalars are kept detached for the boundary's non-blocking copy. The same loops as real jobs are
-tests/test_every_step.py and tests/test_frameworks.py."""
+tests/training/test_every_step.py and tests/training/test_frameworks.py."""
 
 from __future__ import annotations
 

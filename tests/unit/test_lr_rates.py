@@ -1,6 +1,6 @@
 """The arithmetic of learning rates that the lr action applies: ratios that never divide by a denormal or
 zero, scheduler numbers scaled only by a factor that can be divided out again, and the smallest rate each
-parameter dtype's update can take. The action on real jobs is tests/test_actions_lr.py."""
+parameter dtype's update can take. The action on real jobs is tests/actions/test_actions_lr.py."""
 
 from __future__ import annotations
 

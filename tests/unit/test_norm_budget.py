@@ -1,5 +1,5 @@
 """The gradient-norm budget's arithmetic, over simulated time (the budget's doctests are in
-tests/unit/test_doctests.py; a real job's budget is tests/test_torch_budget.py)."""
+tests/unit/test_doctests.py; a real job's budget is tests/training/test_torch_budget.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The optimizer cycle: which optimizer's step ends an iteration of a loop that steps several (a GAN's
 discriminator and generator, a WGAN's critic steps), from the order the steps come in. The same loops as real
-jobs are tests/test_torch_gan.py."""
+jobs are tests/training/test_torch_gan.py."""
 
 from __future__ import annotations
 

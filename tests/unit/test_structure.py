@@ -1,5 +1,6 @@
 """The package's structure: an import graph without cycles (top-level and in-function imports both), private
-modules used only inside their package, and code that says what and why rather than which issue asked for it.
+modules used only inside their package, import boundaries between rooms, every package declared in pyproject, a
+pinned public API, and code that says what and why rather than which issue asked for it.
 
 Every ``import`` and ``from ... import`` in every module of the installed package
 (``probe``, ``probe.sql``, ``probe.cli``, ``probe.injector``: the folders named by
@@ -225,6 +226,83 @@ def test_a_planted_private_import_is_found(tmp_path):
     found = private_imports(modules({"probe": "probe"}, tmp_path), {"test_x.py": tmp_path / "test_x.py"})
     # then
     assert found == {("probe.other.use", "probe.pkg._impl"), ("test_x.py", "probe.pkg._impl")}
+
+
+def test_pyproject_lists_every_package():
+    import tomllib
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = cfg["package-dir"]
+    declared = set(cfg["packages"])
+    found = set()
+    for name, folder in dirs.items():
+        base = ROOT / folder
+        for init in base.rglob("__init__.py"):
+            rel = init.parent.relative_to(base)
+            found.add(".".join([name, *rel.parts]) if rel.parts else name)
+    assert found <= declared, f"packages missing from pyproject.toml: {sorted(found - declared)}"
+
+
+def test_public_api_is_pinned():
+    import probe
+
+    # changing the public API is a decision: update this list on purpose, never by accident
+    assert sorted(probe.__all__) == sorted(
+        [
+            "__version__",
+            "start",
+            "stop",
+            "is_running",
+            "info",
+            "step",
+            "watch",
+            "span",
+            "load_checkpoint",
+            "table",
+            "Column",
+            "rule",
+            "ProbeError",
+            "QueryError",
+            "EndpointError",
+            "AuthError",
+            "ActionError",
+            "AttachError",
+        ]
+    )
+    for name in probe.__all__:
+        assert hasattr(probe, name), name
+
+
+def test_every_command_module_imports():
+    import importlib
+
+    from probe.cli.commands import command_modules
+
+    assert command_modules()
+    for mod in command_modules():
+        importlib.import_module(f"probe.cli.commands.{mod}")
+
+
+def test_rooms_respect_their_import_boundaries():
+    """probe/ never imports probe.cli; sql/, cli/ and injector/ never import torch at module level."""
+    import ast
+
+    rules = {"probe": ("probe.cli",), "sql": ("torch", "probe.cli"), "cli": ("torch",), "injector": ("torch",)}
+    for folder, banned in rules.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.name == "__main__.py" and folder == "probe":
+                continue  # `python -m probe` is the CLI's entry point by definition
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    names = [node.module]
+                for n in names:
+                    for b in banned:
+                        if folder != "probe" or b != "torch":
+                            assert not (n == b or n.startswith(b + ".")), f"{path.relative_to(ROOT)} imports {n}"
 
 
 _HISTORY = re.compile(r"\b(issue|round) [0-9]+", re.IGNORECASE)

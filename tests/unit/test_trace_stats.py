@@ -3,7 +3,7 @@
 In-process: the tracer and the watch are driven as the step boundary drives them. The
 CUDA-only parts run here with stand-ins (no GPU on most test machines): the deferred read
 of the statistics behind an event, and torch's sync warning, raised in the exact form
-torch raises it. tests/test_doctor_faults_runtime.py drives the rules over a real job.
+torch raises it. tests/doctor/test_doctor_faults_runtime.py drives the rules over a real job.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The hang watchdog is re-armed from step heartbeats, not at every step: re-arming it at every boundary would make
 each boundary a full one and restart faulthandler's timer thread at every step.
-tests/unit/test_quick_path.py runs it beside real optimizer steps; tests/test_hang.py fires it in real processes."""
+tests/unit/test_quick_path.py runs it beside real optimizer steps; tests/process/test_hang.py fires it in real
+processes."""
 
 from __future__ import annotations
 
