@@ -258,6 +258,7 @@ def test_public_api_is_pinned():
             "watch",
             "span",
             "load_checkpoint",
+            "load_evidence",
             "table",
             "Column",
             "rule",
