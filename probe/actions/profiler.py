@@ -21,7 +21,7 @@ import time
 
 from .._errors import ActionError
 from .._runtime import runtime_dir
-from ..training.boundary import StepEvent, boundary
+from .._core.boundary import StepEvent, boundary
 from ..util.errorlog import record_error
 from .queue import Context
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..training import spans
+from .._core import spans
 from .registry import Column, table
 
 

@@ -19,7 +19,7 @@ from .._core import state as agent_state
 from ..util.errorlog import record_error
 from ..util.usercode import user_frame
 from . import finder
-from .boundary import boundary
+from .._core.boundary import boundary
 from .steps import StepTracker
 from .trace import Tracer
 

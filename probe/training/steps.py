@@ -30,7 +30,7 @@ import time
 import weakref
 
 from . import finder, invariants, replicas
-from .boundary import boundary as _boundary
+from .._core.boundary import boundary as _boundary
 from .frameworks import unwrap_optimizer
 from .inputs import InputCounter
 from .trace import TracePacing

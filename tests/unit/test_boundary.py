@@ -13,7 +13,7 @@ from conftest import requires_torch
 
 @pytest.fixture
 def boundary():
-    from probe.training.boundary import Boundary
+    from probe.training import Boundary
 
     return Boundary()  # a fresh one: the process's own is left as it was
 
@@ -108,7 +108,7 @@ def test_the_rate_a_before_step_undo_names_is_the_one_torch_steps_shows(monkeypa
     import torch
 
     from probe.training import hooks
-    from probe.training.boundary import boundary
+    from probe.training import boundary
     from probe.training.steps import StepTracker
     from probe.training.trace import Tracer
 

@@ -82,7 +82,7 @@ def test_the_hang_watchdog_leaves_the_quick_path_in_place(tracker, monkeypatch, 
     import torch
 
     from probe.agent import watchdog
-    from probe.training.boundary import boundary
+    from probe.training import boundary
 
     monkeypatch.setenv("PROBE_HANG_TIMEOUT", "60")
     monkeypatch.setenv("PROBE_RUNTIME_DIR", str(tmp_path))
