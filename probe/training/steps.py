@@ -32,7 +32,6 @@ import weakref
 from . import finder, invariants, replicas
 from .._core.boundary import boundary as _boundary
 from .frameworks import unwrap_optimizer
-from .inputs import InputCounter
 from .trace import TracePacing
 from ..util.budget import Budget
 from .capture import Capture
@@ -77,7 +76,7 @@ class StepTracker:
     ``used_lr`` (the lr an override made this step use, set before the boundary), ``wall_offset`` (time.time()
     minus perf_counter()) and ``rank``. The quick path's state is described in ``on_optimizer_step``."""
 
-    def __init__(self, torch, tracer):
+    def __init__(self, torch, tracer, inputs):
         # The quick path's attributes first: stored in the order first set, they share a cache line or two
         self._check_at = 0
         self._full_at = math.inf
@@ -108,7 +107,8 @@ class StepTracker:
         self.explicit = False
         self._started_ns = time.perf_counter_ns()
         self.pending = Pending(self.ring, "torch steps")
-        self.inputs = InputCounter(torch, self._first_forward)
+        self.inputs = inputs  # hooks.InputCounter
+        inputs.first_forward = self._first_forward
         # the measured steps' jitter, from a generator of its own: the job's random stream is untouched
         self._coin = random.Random().random
         self._scan_due = 1

@@ -109,12 +109,13 @@ def test_the_rate_a_before_step_undo_names_is_the_one_torch_steps_shows(monkeypa
 
     from probe.training import hooks
     from probe.training import boundary
+    from probe.training.hooks import InputCounter
     from probe.training.steps import StepTracker
     from probe.training.trace import Tracer
 
     assert not hooks._state.get("installed"), "a probe is armed in the test process"
     tracer = Tracer(torch)
-    tk = StepTracker(torch, tracer)
+    tk = StepTracker(torch, tracer, InputCounter(torch))
     monkeypatch.setitem(hooks._state, "tracker", tk)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
