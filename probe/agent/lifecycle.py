@@ -34,7 +34,7 @@ from ..actions import guard
 from ..postmortem import hooks as postmortem
 from ..tables import registry as tables
 from ..util.procfs import proc_start
-from ..training import collectives, hooks
+from ..training import frameworks, hooks
 from . import action_routes  # noqa: F401  (registers the action and eval routes)
 from . import profile  # noqa: F401  (registers GET /profile, the stack sampler)
 from . import routes  # noqa: F401  (registers the read routes)
@@ -132,7 +132,7 @@ def start(
         write_entry(entry)
         state.set_entry(entry)
         _running.update(servers=servers, threads=threads)
-        collectives.enable()  # torch.collectives: the flight recorder must be on before the first process group
+        frameworks.enable()  # torch.collectives: the flight recorder must be on before the first process group
         hooks.arm()  # torch's step and module hooks: now, or when torch gets imported
         guard.arm_from_setting()  # PROBE_GUARD: the guard, armed at the first step boundary
         watchdog.install()  # PROBE_HANG_TIMEOUT: all-thread stacks on disk when steps stop

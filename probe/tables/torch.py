@@ -164,7 +164,7 @@ def _comm_split(ctx, cols):
     """compute and comm_wait of each step from the creation times of the recorded collectives."""
     import numpy as np
 
-    from ..training.collectives import step_split
+    from ..training.frameworks import step_split
     from .collectives import recorder
 
     n = len(cols["step"])

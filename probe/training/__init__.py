@@ -5,10 +5,11 @@
 * ``steps``: the step tracker (quick or full boundary, the budget); ``steprows``: what a ``torch.steps`` row
   holds, device values read once landed, the memory clock, several optimizers per step;
 * ``capture``: the loss and the gradient norm;
-* ``finder`` and ``frameworks``: the one object finder and the framework adapters (and FSDP2's shards);
+* ``finder`` and ``frameworks``: the one object finder; the framework adapters, FSDP2's shards and c10d's flight
+  recorder;
 * ``trace``, ``tracecalls``, ``traceout``: module tracing on sampled steps, and ``torch.syncs``;
 * ``invariants`` and ``updates``: the checks of ``torch.checks``;
-* ``replicas`` and ``collectives``: DDP weight checksums and the c10d flight recorder.
+* ``replicas``: DDP weight checksums and each DDP model's configuration.
 
 The step boundary they all pass (``boundary``, with ``Boundary`` and ``StepEvent``) lives in ``probe._core`` so
 that every room can register with it; it is exported here for loops and tests that pass it by hand.

@@ -1,28 +1,10 @@
-"""DDP replicas: a checksum of each rank's weights at the same steps, and how each DistributedDataParallel
-model is configured, for the doctor's rules that compare ranks (``weights_diverged``) or read a rank's own
-DDP setup (``ddp_buffers_not_broadcast``, ``ddp_unused_search``).
+"""DDP replicas (docs/ranks.md): a checksum of each rank's weights at the same steps, and each DDP model's
+configuration, for the doctor's rules that compare ranks or read a rank's own DDP setup.
 
-DDP keeps one replica of the model per rank and relies on every rank applying the same averaged gradients:
-the weights of all ranks stay identical (bitwise, on CPU and with deterministic kernels) from the broadcast
-at construction on. When they drift apart, training goes on and nothing fails: the model was called
-without its wrapper on some steps (its gradients were never averaged), a rank changed a parameter on its
-own (a checkpoint loaded on rank 0 after wrapping), or a rank skipped a step.
-
-The checksum: for each parameter tensor of a DDP-wrapped model, a fixed sample of at most ``_SAMPLE``
-elements (evenly strided, the same positions on every rank) summed with fixed weights, in float64, on the
-parameter's device. One ``torch.cat`` per device and one ``index_add_`` make all the sums; on a GPU they are
-copied to the host without blocking and read at a later boundary once their event has completed (no device
-sync). No collective is issued: each rank records its own sums in ``torch.weight_sums`` and the doctor
-compares ranks in the client. Beside them goes the number of collectives DDP's process group has issued on
-the rank by then (its sequence number, a counter read): ranks that differ there at the same step ran
-different collectives in between, and every later one pairs with another on the other ranks
-(``collectives_out_of_step``).
-
-The same steps on every rank: a checksum is taken at the step boundary (after the optimizer step) of every
-step that is a multiple of ``every``, a power of two from ``_EVERY_MIN`` up, doubled while one checksum
-costs more than ``_SHARE`` of the steps it covers. Ranks whose ``every`` differ still meet at the multiples
-of the larger. Steps are probe's count of optimizer steps, which agree across ranks when probe starts with
-the job (``PROBE=1``, ``import probe.auto``); a probe injected into a running job counts from then on.
+The checksum (``torch.weight_sums``): for each parameter tensor of a DDP-wrapped model, a fixed sample of at most
+``_SAMPLE`` elements summed with fixed weights in float64 on its device, read once landed (no sync, no
+collective), with the number of collectives the group has issued by then; taken at each multiple of ``every`` (a
+power of two, doubled while a checksum costs over ``_SHARE`` of the steps it covers), so ranks meet.
 
 Nothing here raises into the training loop: errors go to ``probe.errors``.
 """
@@ -95,7 +77,7 @@ class Replicas:
         self.every = _EVERY_MIN
         self._refresh_at = 1
         self._models: list[_Model] = []
-        self._pending: list = []  # (step, time, model, positions, names, numels, issued, host tensor, event)
+        self._pending: list = []  # (step, time, model, (positions, names, numels), issued, host tensor, event)
 
     @property
     def next_step(self) -> float:
@@ -171,7 +153,12 @@ class Replicas:
             seg = torch.repeat_interleave(torch.arange(len(entries)), torch.tensor(ks))
             gen = torch.Generator().manual_seed(len(entries))  # fixed weights, the same on every rank
             w = 1.0 + torch.rand(int(sum(ks)), generator=gen, dtype=torch.float64)
-            m.plans[device] = (entries, seg.to(device), w.to(device))
+            meta = (
+                [i for i, _, _ in entries],
+                [m.names[i] for i, _, _ in entries],
+                [m.numels[i] for i, _, _ in entries],
+            )
+            m.plans[device] = (entries, seg.to(device), w.to(device), meta)
         return m
 
     def _configure(self, m: _Model, ddp, world: int) -> None:
@@ -206,7 +193,7 @@ class Replicas:
         now = time.time()
         issued = _issued(m.ddp(), m.config.get("world_size", 0))
         with torch.no_grad():
-            for device, (entries, seg, w) in m.plans.items():
+            for device, (entries, seg, w, meta) in m.plans.items():
                 parts = []
                 for i, k, stride in entries:
                     p = m.params[i]()
@@ -216,9 +203,6 @@ class Replicas:
                     parts.append(flat[stride // 2 :: stride][:k] if stride > 1 else flat)
                 vals = torch.cat(parts).to(torch.float64)
                 sums = torch.zeros(len(entries), dtype=torch.float64, device=device).index_add_(0, seg, vals * w)
-                names = [m.names[i] for i, _, _ in entries]
-                numels = [m.numels[i] for i, _, _ in entries]
-                positions = [i for i, _, _ in entries]
                 if sums.is_cuda:
                     if len(self._pending) >= _PENDING_MAX:
                         continue
@@ -226,21 +210,19 @@ class Replicas:
                     host.copy_(sums, non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record()
-                    self._pending.append((step, now, m.label, positions, names, numels, issued, host, ev))
+                    self._pending.append((step, now, m.label, meta, issued, host, ev))
                 else:
-                    self._store(step, now, m.label, positions, names, numels, issued, sums.tolist())
+                    self._store(step, now, m.label, meta, issued, sums.tolist())
 
-    def _store(self, step, now, label, positions, names, numels, issued, values) -> None:
-        append = self.sums.append
-        for pos, name, n, v in zip(positions, names, numels, values):
-            append(step, now, label, pos, name, n, v, issued)
+    def _store(self, step, now, label, meta, issued, values) -> None:
+        for pos, name, n, v in zip(*meta, values):
+            self.sums.append(step, now, label, pos, name, n, v, issued)
 
     def _resolve(self) -> None:
         keep = []
         for item in self._pending:
-            step, now, label, positions, names, numels, issued, host, ev = item
-            if ev.query():
-                self._store(step, now, label, positions, names, numels, issued, host.tolist())
+            if item[-1].query():
+                self._store(*item[:5], item[5].tolist())
             else:
                 keep.append(item)
         self._pending = keep
@@ -255,31 +237,18 @@ class Replicas:
         return self.sums.snapshot()
 
     def snapshot_ddp(self) -> dict:
-        rows = [(m.label, m.config, m.unused_seen, len(m.names)) for m in list(self._models)]
         cols: dict = {name: [] for name in DDP_COLUMNS}
-        for label, cfg, seen, tensors in rows:
-            cols["model"].append(label)
-            for key in (
-                "world_size",
-                "broadcast_buffers",
-                "find_unused_parameters",
-                "static_graph",
-                "iteration",
-                "unused_parameter_size",
-                "norm_modules",
-            ):
-                cols[key].append(cfg.get(key))
-            cols["unused_seen"].append(seen)
-            cols["every"].append(self.every)
-            cols["tensors"].append(tensors)
+        for m in list(self._models):
+            row = dict(m.config, model=m.label, unused_seen=m.unused_seen, every=self.every, tensors=len(m.names))
+            for key, col in cols.items():
+                col.append(row.get(key))
         return cols
 
 
 def _issued(ddp, world: int) -> int | None:
-    """How many collectives DDP's process group has issued on this rank (its sequence number): the same on every
-    rank at the same step while they run the same collectives. None where the group cannot say, and for a group
-    smaller than the job (data parallel inside pipeline or tensor parallel): the ranks of other groups run other
-    collectives, and the doctor compares every rank's count."""
+    """How many collectives DDP's process group has issued on this rank (its sequence number), the same on every
+    rank while they run the same collectives; None where the group cannot say or is smaller than the job (the
+    ranks of other groups run other collectives, and the doctor compares every rank's count)."""
     try:
         group = ddp.process_group
         if group.size() != world:
