@@ -1,9 +1,9 @@
 """torch.weight_sums and torch.ddp: each rank's checksums of its DDP replica's weights at the same steps, and how
-its DistributedDataParallel models are set up (``probe.training.replicas``)."""
+its DistributedDataParallel models are set up (``probe.training.weights``)."""
 
 from __future__ import annotations
 
-from ..training.replicas import DDP_COLUMNS, SUM_COLUMNS, replicas as _replicas
+from ..training.weights import DDP_COLUMNS, SUM_COLUMNS, replicas as _replicas
 from .registry import Column, table
 
 

@@ -8,8 +8,8 @@
 * ``finder`` and ``frameworks``: the one object finder; the framework adapters, FSDP2's shards and c10d's flight
   recorder;
 * ``trace``, ``tracecalls``, ``traceout``: module tracing on sampled steps, and ``torch.syncs``;
-* ``invariants`` and ``updates``: the checks of ``torch.checks``;
-* ``replicas``: DDP weight checksums and each DDP model's configuration.
+* ``invariants``: the checks of ``torch.checks``; ``weights``: what the steps do to the weights (whether they
+  move as they should, DDP replicas' checksums and configuration).
 
 The step boundary they all pass (``boundary``, with ``Boundary`` and ``StepEvent``) lives in ``probe._core`` so
 that every room can register with it; it is exported here for loops and tests that pass it by hand.

@@ -29,7 +29,7 @@ import sys
 import time
 import weakref
 
-from . import finder, invariants, replicas
+from . import finder, invariants, weights
 from .._core.boundary import boundary as _boundary
 from .frameworks import unwrap_optimizer
 from .trace import TracePacing
@@ -99,7 +99,7 @@ class StepTracker:
         self._settled_ns: int | None = None
         self._quick_rate = 0.0
         self.rank = rank_identity()["rank"]
-        self._replicas = replicas.replicas(torch)  # DDP weight checksums (their due steps take the full boundary)
+        self._replicas = weights.replicas(torch)  # DDP weight checksums (their due steps take the full boundary)
         self.budget = Budget(setting("PROBE_STEP_BUDGET"), max_gap_s=_MAX_GAP_S)
         self.norm_budget = norm_budget()
         self._norm_earned_ns = time.perf_counter_ns()

@@ -1,12 +1,15 @@
-"""DDP replicas (docs/ranks.md): a checksum of each rank's weights at the same steps, and each DDP model's
-configuration, for the doctor's rules that compare ranks or read a rank's own DDP setup.
+"""What the optimizer steps do to the weights, watched on a fixed sample of their elements on their device and
+read once the host copy has landed (no device sync, no collective). Nothing here raises into the training loop.
 
-The checksum (``torch.weight_sums``): for each parameter tensor of a DDP-wrapped model, a fixed sample of at most
-``_SAMPLE`` elements summed with fixed weights in float64 on its device, read once landed (no sync, no
-collective), with the number of collectives the group has issued by then; taken at each multiple of ``every`` (a
-power of two, doubled while a checksum costs over ``_SHARE`` of the steps it covers), so ranks meet.
-
-Nothing here raises into the training loop: errors go to ``probe.errors``.
+* ``Updates`` (``torch.checks``, called by ``invariants`` on measured steps): ``params_move``, a sample of the
+  trainable tensors an optimizer holds whose plain update (lr x grad) is well above the float's resolution
+  changed since the last measured step (else the optimizer never steps or skips the update); ``frozen_still``,
+  a sample of the frozen tensors an optimizer holds did not change (momentum or weight decay on a stale zero
+  gradient moves them).
+* ``Replicas`` (``torch.weight_sums``, ``torch.ddp``; docs/ranks.md): a checksum of each DDP replica's weights,
+  the sample summed with fixed weights in float64, with the number of collectives the group has issued by then,
+  taken at each multiple of ``every`` (a power of two, doubled while a checksum costs over ``_SHARE`` of the
+  steps it covers) so that ranks meet; and each DDP model's configuration.
 """
 
 from __future__ import annotations
@@ -19,18 +22,12 @@ from . import finder
 from ..util.errorlog import record_error
 from ..util.ring import Ring
 
-__all__ = ["Replicas", "SUM_COLUMNS", "DDP_COLUMNS", "replicas"]
+__all__ = ["Replicas", "SUM_COLUMNS", "DDP_COLUMNS", "replicas", "Updates", "grouped"]
 
-SUM_COLUMNS = {
-    "step": "i8",
-    "time": "f8",
-    "model": "O",
-    "position": "i8",
-    "name": "O",
-    "numel": "i8",
-    "checksum": "f8",
-    "collectives": "f8",  # a count, NULL (None) where the process group cannot say
-}
+# collectives: a count, NULL (None) where the process group cannot say
+SUM_COLUMNS = dict(
+    step="i8", time="f8", model="O", position="i8", name="O", numel="i8", checksum="f8", collectives="f8"
+)
 DDP_COLUMNS = {
     "model": "O",
     "world_size": "i8",
@@ -206,11 +203,7 @@ class Replicas:
                 if sums.is_cuda:
                     if len(self._pending) >= _PENDING_MAX:
                         continue
-                    host = torch.empty(sums.shape, dtype=torch.float64, pin_memory=True)
-                    host.copy_(sums, non_blocking=True)
-                    ev = torch.cuda.Event()
-                    ev.record()
-                    self._pending.append((step, now, m.label, meta, issued, host, ev))
+                    self._pending.append((step, now, m.label, meta, issued, *_copy_off(torch, sums)))
                 else:
                     self._store(step, now, m.label, meta, issued, sums.tolist())
 
@@ -258,6 +251,15 @@ def _issued(ddp, world: int) -> int | None:
         return None
 
 
+def _copy_off(torch, t) -> tuple:
+    """``(pinned host copy, event)`` of a device tensor, copied without blocking: read once ``event.query()``."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    return host, ev
+
+
 _instance: list = []
 
 
@@ -266,3 +268,180 @@ def replicas(torch=None) -> Replicas | None:
     if not _instance and torch is not None:
         _instance.append(Replicas(torch))
     return _instance[0] if _instance else None
+
+
+# -- what the steps changed (torch.checks) ----------------------------------------------------------------------------
+_WATCHED = 12  # tensors of each kind (trainable, frozen) Updates watches
+_ELEMENTS = 16  # elements read of each
+_NAMES_SHOWN = 5
+_RESOLUTION = 1e-5  # an update smaller than this fraction of the value may round away (float32's is ~1e-7)
+
+
+def grouped(hit: list, every: list) -> str:
+    """``hit`` (dotted tensor names) under the largest module prefixes of ``every`` that hold only hit ones.
+
+    >>> grouped(["enc.0.weight", "enc.0.bias", "enc.1.weight"],
+    ...         ["enc.0.weight", "enc.0.bias", "enc.1.weight", "head.weight"])
+    'enc.* (3 tensors)'
+    >>> grouped(["enc.0.weight", "head.weight"], ["enc.0.weight", "enc.0.bias", "head.weight"])
+    'enc.0.weight, head.weight'
+    """
+    hit_set = set(hit)
+    count: dict = {}
+    pure: dict = {}
+    for name in every:
+        parts = name.split(".")
+        for k in range(1, len(parts)):
+            prefix = ".".join(parts[:k])
+            count[prefix] = count.get(prefix, 0) + 1
+            pure[prefix] = pure.get(prefix, True) and name in hit_set
+    labels, seen = [], set()
+    for name in hit:
+        parts = name.split(".")
+        label = name
+        for k in range(1, len(parts)):  # the largest pure prefix holding more than this one tensor
+            prefix = ".".join(parts[:k])
+            if pure.get(prefix) and count[prefix] > 1:
+                label = f"{prefix}.* ({count[prefix]} tensors)"
+                break
+        if label not in seen:
+            seen.add(label)
+            labels.append(label)
+    shown = ", ".join(labels[:_NAMES_SHOWN])
+    return shown + (f" and {len(labels) - _NAMES_SHOWN} more" if len(labels) > _NAMES_SHOWN else "")
+
+
+class _Watched:
+    __slots__ = ("name", "param", "opt", "group", "idx", "prev", "pending")
+
+    def __init__(self, name, param, opt, group, idx):
+        self.name, self.param, self.opt, self.group, self.idx = name, weakref.ref(param), weakref.ref(opt), group, idx
+        self.prev = None  # the sampled elements at the last measured step
+        self.pending = None
+
+
+def _spread(items: list, n: int) -> list:
+    if len(items) <= n:
+        return items
+    return [items[round(i * (len(items) - 1) / (n - 1))] for i in range(n)]
+
+
+class Updates:
+    def __init__(self, torch):
+        self.torch = torch
+        self._trainable: list = []
+        self._frozen: list = []
+        self._every: list = []
+        self._pending = None  # (host flags, event, step) of a device verdict not read yet
+
+    # -- targets -------------------------------------------------------------------------------------------------
+    def refresh(self, model, optimizer) -> None:
+        """Pick the tensors to watch in ``model`` (those an optimizer found holds) and the scheduler of
+        ``optimizer``."""
+        torch = self.torch
+        held: dict = {}
+        for f in finder.optimizers():
+            inner, _ = finder.unwrap_optimizer(f.obj)
+            for gi, group in enumerate(inner.param_groups):
+                for p in group["params"]:
+                    held[id(p)] = (inner, gi)
+        named = [(finder.module_path(n), p) for n, p in model.named_parameters()]
+        self._every = [n for n, _ in named]
+        old = {w.name: w for w in self._trainable + self._frozen}
+        trainable, frozen = [], []
+        for name, p in named:
+            if id(p) not in held or not p.is_floating_point() or p.numel() == 0 or type(p.data) is not torch.Tensor:
+                continue  # a DTensor or another subclass: reading it could be a collective
+            (trainable if p.requires_grad else frozen).append((name, p))
+        out = []
+        for kind in (_spread(trainable, _WATCHED), _spread(frozen, _WATCHED)):
+            watched = []
+            for name, p in kind:
+                w = old.get(name)
+                if w is not None and w.param() is p:
+                    watched.append(w)
+                    continue
+                n = p.numel()
+                idx = torch.linspace(0, n - 1, min(_ELEMENTS, n), device=p.device).long()
+                opt, gi = held[id(p)]
+                watched.append(_Watched(name, p, opt, gi, idx))
+            out.append(watched)
+        self._trainable, self._frozen = out
+
+    # -- the checks ------------------------------------------------------------------------------------------------
+    def check(self, step: int, now: float, record) -> None:
+        try:
+            self._motion(step, now, record)
+        except Exception as exc:
+            record_error("torch checks: parameters move", exc)
+
+    def _lr(self, w) -> float | None:
+        opt = w.opt()
+        lr = opt.param_groups[w.group].get("lr") if opt is not None else None
+        return None if lr is None or getattr(lr, "is_cuda", False) else float(lr)
+
+    def _motion(self, step, now, record) -> None:
+        torch = self.torch
+        if self._pending is not None:  # a device verdict from the last measured step
+            host, ev, items, at = self._pending
+            if not ev.query():
+                return
+            self._pending = None
+            self._verdict(at, now, record, items, host.tolist())
+        flags, items = [], []
+        for w in self._trainable + self._frozen:
+            p = w.param()
+            if p is None:
+                continue
+            v = p.detach().reshape(-1).index_select(0, w.idx)
+            frozen = not p.requires_grad
+            if frozen:
+                if w.prev is not None:
+                    flags.append(torch.stack([(v != w.prev).any(), torch.ones((), dtype=torch.bool, device=v.device)]))
+                    items.append((w, True))
+                w.prev = v
+                continue
+            g = p.grad
+            lr = self._lr(w)
+            if g is None or g.is_sparse or type(g) is not torch.Tensor or not lr:
+                w.prev = v
+                continue
+            # elements whose update lr * grad is well above the float's resolution at their value (a conv bias under
+            # batch norm has a gradient of ~1e-9: its SGD update rounds away, and that is no bug)
+            nz = g.detach().reshape(-1).index_select(0, w.idx).abs() * lr > v.abs() * _RESOLUTION
+            if w.prev is not None:
+                flags.append(torch.stack([((v != w.prev) & nz).any(), nz.any()]))
+                items.append((w, False))
+            w.prev = v
+        if not items:
+            return
+        dev = next((f.device for f in flags if f.is_cuda), None)
+        stacked = torch.stack([f.to(dev) for f in flags]) if dev is not None else torch.stack(flags)
+        if stacked.is_cuda:
+            self._pending = (*_copy_off(torch, stacked), items, step)
+            return
+        self._verdict(step, now, record, items, stacked.tolist())
+
+    def _verdict(self, step, now, record, items, flags) -> None:
+        still, moved, watched_t, watched_f = [], [], 0, 0
+        for (w, frozen), (changed, graded) in zip(items, flags):
+            if frozen:
+                watched_f += 1
+                if changed:
+                    moved.append(w.name)
+            elif graded:
+                watched_t += 1
+                if not changed:
+                    still.append(w.name)
+        for check, watched, hit, what in (
+            ("params_move", watched_t, still, "with a non-zero gradient and learning rate did not change at the step"),
+            (
+                "frozen_still",
+                watched_f,
+                moved,
+                "with requires_grad=False that an optimizer holds changed since the last measured step",
+            ),
+        ):
+            if watched:
+                detail = f"{len(hit)} of {watched} sampled tensors {what}" if hit else None
+                record(step, now, check, not hit, grouped(hit, self._every) if hit else None, float(len(hit)), detail)
