@@ -1,9 +1,9 @@
-"""torch.syncs: the host-device syncs seen on traced steps, by call site (probe.training.traceout)."""
+"""torch.syncs: the host-device syncs seen on traced steps, by call site (probe.training.trace)."""
 
 from __future__ import annotations
 
 from ..training import hooks
-from ..training.traceout import SYNC_COLUMNS
+from ..training.trace import SYNC_COLUMNS
 from .registry import Column, table
 
 

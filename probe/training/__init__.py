@@ -7,7 +7,8 @@
 * ``capture``: the loss and the gradient norm;
 * ``finder`` and ``frameworks``: the one object finder; the framework adapters, FSDP2's shards and c10d's flight
   recorder;
-* ``trace``, ``tracecalls``, ``traceout``: module tracing on sampled steps, and ``torch.syncs``;
+* ``trace``: module tracing on sampled steps and ``torch.syncs``; ``tracecalls``: what a traced step's hooks
+  record and the rows it writes;
 * ``invariants``: the checks of ``torch.checks``; ``weights``: what the steps do to the weights (whether they
   move as they should, DDP replicas' checksums and configuration).
 

@@ -36,6 +36,7 @@ from ..util.errorlog import record_error
 from ..util.frames import release
 from ..util.objects import is_a
 from .frameworks import is_sharded, local
+from .steprows import copy_off
 
 __all__ = ["Capture", "loss_logits"]
 
@@ -147,11 +148,7 @@ class Capture:
                 return None
             value = value.detach()
             try:
-                host = torch.empty((), dtype=value.dtype, device="cpu", pin_memory=True)
-                host.copy_(value.reshape(()), non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record()
-                return (host, ev)
+                return copy_off(torch, value.reshape(()))
             except Exception as exc:
                 record_error("torch steps: copying a device scalar", exc)
                 return None

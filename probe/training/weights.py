@@ -21,6 +21,7 @@ import weakref
 from . import finder
 from ..util.errorlog import record_error
 from ..util.ring import Ring
+from .steprows import copy_off
 
 __all__ = ["Replicas", "SUM_COLUMNS", "DDP_COLUMNS", "replicas", "Updates", "grouped"]
 
@@ -203,7 +204,7 @@ class Replicas:
                 if sums.is_cuda:
                     if len(self._pending) >= _PENDING_MAX:
                         continue
-                    self._pending.append((step, now, m.label, meta, issued, *_copy_off(torch, sums)))
+                    self._pending.append((step, now, m.label, meta, issued, *copy_off(torch, sums)))
                 else:
                     self._store(step, now, m.label, meta, issued, sums.tolist())
 
@@ -249,15 +250,6 @@ def _issued(ddp, world: int) -> int | None:
         return int(group._get_sequence_number_for_group())
     except Exception:  # no model (rebuilt), a group without sequence numbers, an older torch
         return None
-
-
-def _copy_off(torch, t) -> tuple:
-    """``(pinned host copy, event)`` of a device tensor, copied without blocking: read once ``event.query()``."""
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    ev = torch.cuda.Event()
-    ev.record()
-    return host, ev
 
 
 _instance: list = []
@@ -418,7 +410,7 @@ class Updates:
         dev = next((f.device for f in flags if f.is_cuda), None)
         stacked = torch.stack([f.to(dev) for f in flags]) if dev is not None else torch.stack(flags)
         if stacked.is_cuda:
-            self._pending = (*_copy_off(torch, stacked), items, step)
+            self._pending = (*copy_off(torch, stacked), items, step)
             return
         self._verdict(step, now, record, items, stacked.tolist())
 
