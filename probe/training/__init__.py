@@ -1,6 +1,6 @@
 """Everything that touches the training loop.
 
-* ``hooks``: torch's optimizer step hooks, ``probe.step()`` and ``probe.watch()``; ``inputs``: micro-batches,
+* ``hooks``: torch's optimizer step hooks, ``probe.step()`` and ``probe.watch()``; ``InputCounter``: micro-batches,
   samples and tokens counted at the primary model;
 * ``steps``: the step tracker (quick or full boundary, the budget); ``steprows``: what a ``torch.steps`` row
   holds, device values read once landed, the memory clock, several optimizers per step;
