@@ -393,7 +393,9 @@ def _text(v) -> str | None:
 
 def group_rows(doc: dict | None) -> list[dict]:
     """One row per process group: its ranks and its last enqueued, started and completed sequence ids."""
-    status = (doc or {}).get("pg_status") or {}
+    if not doc:
+        return []
+    status = doc.get("pg_status") or {}
     config = doc.get("pg_config") or {}
     descs = {}
     for e in doc.get("entries") or []:
