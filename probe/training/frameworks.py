@@ -392,7 +392,11 @@ def _text(v) -> str | None:
 
 
 def group_rows(doc: dict | None) -> list[dict]:
-    """One row per process group: its ranks and its last enqueued, started and completed sequence ids."""
+    """One row per process group: its ranks and its last enqueued, started and completed sequence ids.
+
+    >>> group_rows(None), entry_rows(None)  # no recorder (no process group): no rows
+    ([], [])
+    """
     if not doc:
         return []
     status = doc.get("pg_status") or {}
