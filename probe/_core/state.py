@@ -33,7 +33,9 @@ def set_entry(entry: dict) -> None:
 
 
 def clear() -> None:
+    """Forget the entry and every status provider (the probe stopped; a new start adds its own)."""
     _entry.clear()
+    _status_providers.clear()
 
 
 def add_status_provider(fn: Callable[[], dict]) -> None:
