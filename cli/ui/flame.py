@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 import json
 
-from probe.util.collapsed import stack_text
+from probe.util.printable import stack_text
 
 __all__ = ["to_collapsed", "to_speedscope", "to_svg", "FORMATS"]
 

@@ -24,7 +24,7 @@ from ..actions import profiler
 from ..actions.queue import refuse, submit
 from ..util import validate as _validate
 from .._core import state
-from .routing import Request, check_tier, route
+from .server import Request, check_tier, route
 
 __all__ = []
 

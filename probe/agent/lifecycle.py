@@ -61,7 +61,6 @@ from ..util.procfs import proc_start
 from ..training import collectives, hooks
 from . import action_routes  # noqa: F401  (registers the action and eval routes)
 from . import routes  # noqa: F401  (registers the read routes and GET /profile)
-from . import snapshot  # noqa: F401  (the query path, loaded at start: never in a training step later)
 from .._core import state
 from .._core.state import info
 from .listeners import TCPServer, UnixServer
