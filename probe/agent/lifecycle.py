@@ -4,27 +4,10 @@
 registry entry, serves on daemon threads, and installs the torch hooks (through
 ``probe.training``), the hang watchdog, the post-mortem hooks and the SIGTERM handler. Each
 step pushes its own undo; ``stop()`` runs them in reverse, so it removes exactly what this
-start put in, and so does interpreter exit (records, sockets and entry only: the process is going).
+start put in, and so does interpreter exit (records, sockets and entry only: the process is going). On
+SIGTERM the session's ``SigtermGuard`` (``watchdog``) writes the record and stops it the same way.
 Starting twice is harmless. A forked child (a DataLoader worker) does not inherit a running
 probe: threads do not survive fork, so the child drops the session.
-
-SIGTERM: write the post-mortem record and remove this process's entry, then die of SIGTERM as
-promptly as without the probe. A Python-level signal handler runs only when the main thread
-comes back to the interpreter; a rank waiting in C (a gloo ``all_reduce`` on a peer that never
-comes, ``Future.wait``) never does, so a handler alone would keep the process alive until the
-launcher's SIGKILL. Two paths, whichever comes first does the work once:
-
-- the Python handler, on the main thread, when it is running Python (the stacks are where
-  the signal found it);
-- a watcher thread woken through ``signal.set_wakeup_fd`` (CPython's C-level handler writes
-  the signal number to that pipe at once, on any thread, without the GIL), which writes the
-  record from its own thread and then puts back the default action at the C level
-  (``signal(SIGTERM, SIG_DFL)`` through libc) and raises SIGTERM again.
-
-The record's writing is bounded (``postmortem.terminated``): the process is gone within about a
-second whatever the record does. Left alone: a handler the program installed itself, a wakeup
-fd someone else set (asyncio: then only the Python path), and a C call that holds the GIL while
-it blocks (no Python thread can run then; torch's collectives and waits release it).
 """
 
 from __future__ import annotations
@@ -33,7 +16,6 @@ import atexit
 import ipaddress
 import os
 import secrets
-import signal
 import socket
 import sys
 import threading
@@ -54,6 +36,7 @@ from .._runtime import (
     write_entry,
 )
 from ..actions import queue
+from ..actions.maintenance import stop_profile
 from ..postmortem import hooks as postmortem
 from ..tables import registry as tables
 from ..util.errorlog import record_error
@@ -64,7 +47,7 @@ from . import routes  # noqa: F401  (registers the read routes and GET /profile)
 from .._core import state
 from .._core.state import info
 from .listeners import TCPServer, UnixServer
-from .watchdog import Watchdog
+from .watchdog import SigtermGuard, Watchdog
 
 __all__ = ["Session", "start", "stop", "is_running", "info"]
 
@@ -109,7 +92,7 @@ class Session:
     def __init__(self):
         self._undo: list[tuple[Callable[[], None], bool]] = []  # (undo, whether it runs when the process exits)
         self.watchdog: Watchdog | None = None
-        self.sigterm: _Sigterm | None = None
+        self.sigterm: SigtermGuard | None = None
 
     def _did(self, undo: Callable[[], None], at_exit: bool = False) -> None:
         self._undo.append((undo, at_exit))
@@ -191,13 +174,14 @@ class Session:
         hooks.arm()
         self._did(hooks.disarm)
         self._did(queue.drop_pending)  # an action still waiting for a step boundary never runs
+        self._did(stop_profile)  # nor does a profile of the next steps
         self.watchdog = Watchdog.start()  # PROBE_HANG_TIMEOUT: all-thread stacks on disk when steps stop
         if self.watchdog is not None:
             state.add_status_provider(self.watchdog.status)
             self._did(self.watchdog.stop, at_exit=True)
         postmortem.install()  # a record in the runtime dir when the process dies, and periodic snapshots
         self._did(postmortem.uninstall, at_exit=True)
-        self.sigterm = _Sigterm.install()  # the record on SIGTERM, and death as prompt as without the probe
+        self.sigterm = SigtermGuard.install(stop)  # the record on SIGTERM, and death as prompt as without the probe
         if self.sigterm is not None:
             self._did(self.sigterm.uninstall)
 
@@ -284,134 +268,6 @@ def _shutdown(server, thread: threading.Thread) -> None:
     t.join(2)
     if thread is not threading.current_thread():
         thread.join(2)
-
-
-class _Sigterm:
-    """The SIGTERM handler and its watcher thread (see the module's docstring)."""
-
-    def __init__(self):
-        self.once = threading.Lock()  # taken by whichever path handles the signal first
-        self.rfd = self.wfd = self.thread = None
-
-    @classmethod
-    def install(cls) -> _Sigterm | None:
-        """Install the handler and the watcher (main thread, SIGTERM still at its default action); never raises."""
-        if threading.current_thread() is not threading.main_thread():
-            return None
-        try:
-            if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-                return None
-            self = cls()
-            signal.signal(signal.SIGTERM, self.on_term)
-            rfd, wfd = os.pipe()
-            os.set_blocking(wfd, False)  # set_wakeup_fd requires it; the reader blocks
-            try:
-                old = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
-            except (ValueError, OSError) as exc:
-                os.close(rfd), os.close(wfd)
-                record_error("SIGTERM: wakeup fd", exc)
-                return self
-            if old != -1:  # someone else's (asyncio): give it back, keep the Python path only
-                signal.set_wakeup_fd(old)
-                os.close(rfd), os.close(wfd)
-                return self
-            self.rfd, self.wfd = rfd, wfd
-            self.thread = threading.Thread(target=self._watch, name="probe-sigterm", daemon=True)
-            self.thread.start()
-            return self
-        except (ValueError, OSError) as exc:
-            record_error("SIGTERM handler", exc)
-            return None
-
-    def uninstall(self) -> None:
-        """Put SIGTERM's default action and the wakeup fd back (where they are still ours) and end the watcher."""
-        if signal.getsignal(signal.SIGTERM) == self.on_term and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if self.wfd is None:
-            return
-        try:
-            if signal.set_wakeup_fd(-1) != self.wfd:
-                signal.set_wakeup_fd(-1)  # never ours to take back: someone set theirs since (one can only swap)
-        except ValueError:
-            pass  # not the main thread: the fd stays set until the process ends, the watcher still stops
-        try:
-            os.write(self.wfd, b"\0")  # no signal is numbered 0: it tells the watcher to end
-        except OSError:
-            pass
-        self.thread.join(2)
-        self._close_fds()
-
-    def _close_fds(self) -> None:
-        for fd in (self.rfd, self.wfd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.rfd = self.wfd = None
-
-    def on_term(self, signum, frame) -> None:
-        if self._handle(frame):
-            _die()
-        # else the watcher is writing the record and ends the process
-
-    def _handle(self, frame) -> bool:
-        """Record and clean up, once per process; False when the other path already does."""
-        if not self.once.acquire(blocking=False):
-            return False
-        try:
-            postmortem.terminated(signal.SIGTERM, frame)  # never raises; bounded wait
-            stop(exiting=True)  # close the sockets, remove the registry entry: no thread joins on the way out
-        except Exception as exc:
-            record_error("SIGTERM: record and clean-up", exc)
-        return True
-
-    def _watch(self) -> None:
-        """The watcher thread: block on the wakeup pipe (no polling), act on a SIGTERM byte."""
-        while True:
-            try:
-                data = os.read(self.rfd, 64)
-            except InterruptedError:
-                continue
-            except (OSError, TypeError):
-                return  # closed: the probe stopped
-            if not data or 0 in data:
-                return
-            if int(signal.SIGTERM) not in data:
-                continue  # another signal with a Python handler (SIGINT): the main thread deals with it
-            if signal.getsignal(signal.SIGTERM) != self.on_term:
-                continue  # the program installed its own handler since (graceful preemption): its call, not ours
-            main = sys._current_frames().get(threading.main_thread().ident)
-            try:
-                if self._handle(main):
-                    _die()
-            except Exception as exc:
-                record_error("SIGTERM: dying from the watcher thread", exc)
-                os._exit(128 + int(signal.SIGTERM))  # never outlive a SIGTERM because the probe failed
-            return
-
-    def after_fork_in_child(self) -> None:
-        """A forked child (a DataLoader worker) must not write its signals into the parent's pipe."""
-        if self.wfd is None:
-            return
-        try:
-            signal.set_wakeup_fd(-1)
-        except (ValueError, OSError):
-            pass  # forked from a thread other than the main one: the parent's watcher may see the child's SIGTERM
-        self._close_fds()
-
-
-def _die() -> None:
-    """Put SIGTERM's default action back and raise it: the process ends as the signal would have ended it."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    else:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.signal.restype = ctypes.c_void_p
-        libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
-        libc.signal(int(signal.SIGTERM), None)  # SIG_DFL is the null handler
-    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _fork_hook(name: str) -> Callable[[], None]:
