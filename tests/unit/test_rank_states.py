@@ -8,7 +8,8 @@ import duckdb
 
 from probe.cli.diagnose import fill_message
 from probe.diagnosis.rules import get_rule
-from probe.sql.ranks import VIEW_COLUMNS, view_sql
+from probe.sql.rank_columns import VIEW_COLUMNS
+from probe.sql.ranks import view_sql
 
 _GROUPS = (
     "rank INTEGER, pg VARCHAR, pg_desc VARCHAR, last_enqueued BIGINT, last_completed BIGINT, pending INTEGER, "
