@@ -285,21 +285,12 @@ def sample_stacks(seconds: float, hz: float = DEFAULT_HZ, exclude: frozenset = f
     }
 
 
-def _number(req: Request, name: str, default: float, low: float, high: float) -> float:
-    value = req.param(name, default)
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise QueryError(f"{name} must be a number, got {value!r}.") from None
-    if not low < value <= high:
-        raise QueryError(f"{name} must be above {low:g} and at most {high:g}, got {value:g}.")
-    return value
-
-
 @route("GET", "/profile")
 def profile(req: Request) -> dict:
-    seconds = _number(req, "seconds", 5.0, 0.0, MAX_SECONDS)
-    hz = _number(req, "hz", DEFAULT_HZ, 0.0, MAX_HZ)
+    seconds = v.number(
+        req.param("seconds"), "seconds", default=5.0, minimum=0.0, maximum=MAX_SECONDS, exclusive_minimum=True
+    )
+    hz = v.number(req.param("hz"), "hz", default=DEFAULT_HZ, minimum=0.0, maximum=MAX_HZ, exclusive_minimum=True)
     wait = v.seconds(req.param("wait"), "wait", default=setting("PROBE_QUERY_TIMEOUT"))  # for the share, at most
     own = lane(req.client.get("transport"))
     if not own.profiling.acquire(blocking=False):
