@@ -46,7 +46,7 @@ from . import action_routes  # noqa: F401  (registers the action and eval routes
 from . import routes  # noqa: F401  (registers the read routes and GET /profile)
 from .._core import state
 from .._core.state import info
-from .listeners import TCPServer, UnixServer
+from .listeners import TCPServer, UnixServer, serve_in_thread
 from .watchdog import SigtermGuard, Watchdog
 
 __all__ = ["Session", "start", "stop", "is_running", "info"]
@@ -186,9 +186,7 @@ class Session:
             self._did(self.sigterm.uninstall)
 
     def _serve(self, server, name: str) -> None:
-        # serve_forever sleeps in select with a long timeout (no idle wake-ups): stop() wakes it
-        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 3600}, name=name, daemon=True)
-        thread.start()
+        thread = serve_in_thread(server, name)
         self._did(lambda: _close(server), at_exit=True)
         self._did(lambda: _shutdown(server, thread))
 

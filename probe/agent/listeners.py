@@ -122,6 +122,8 @@ class TCPServer(_Base, socketserver.TCPServer):
 
 
 def serve_in_thread(server, name: str) -> threading.Thread:
+    """Serve on a daemon thread; ``serve_forever`` sleeps in select with a long timeout (no idle wake-ups), so
+    stopping it must wake it (``lifecycle``)."""
     t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 3600}, name=name, daemon=True)
     t.start()
     return t
