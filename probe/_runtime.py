@@ -273,11 +273,10 @@ def job_token() -> str:
         os.unlink(tmp)
     try:
         token = read_private(path, 4096).decode().strip()
+        if not token:
+            raise ValueError("it is empty")
     except (OSError, ValueError) as exc:
         _refuse_registry(shared, f"the shared registry's token file {path} cannot be trusted ({exc})")
-        return secrets.token_urlsafe(24)
-    if not token:
-        _refuse_registry(shared, f"the shared registry's token file {path} is empty")
         return secrets.token_urlsafe(24)
     return token
 
