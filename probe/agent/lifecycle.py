@@ -16,7 +16,6 @@ import atexit
 import ipaddress
 import os
 import secrets
-import socket
 import sys
 import threading
 import time
@@ -46,7 +45,7 @@ from . import action_routes  # noqa: F401  (registers the action and eval routes
 from . import routes  # noqa: F401  (registers the read routes and GET /profile)
 from .._core import state
 from .._core.state import info
-from .listeners import TCPServer, UnixServer, serve_in_thread
+from .listeners import TCPServer, UnixServer, close, serve_in_thread, stop_serving
 from .watchdog import SigtermGuard, Watchdog
 
 __all__ = ["Session", "start", "stop", "is_running", "info"]
@@ -187,8 +186,8 @@ class Session:
 
     def _serve(self, server, name: str) -> None:
         thread = serve_in_thread(server, name)
-        self._did(lambda: _close(server), at_exit=True)
-        self._did(lambda: _shutdown(server, thread))
+        self._did(lambda: close(server), at_exit=True)
+        self._did(lambda: stop_serving(server, thread))
 
     def stop(self, *, exiting: bool = False) -> None:
         """Run every undo, last first (at interpreter exit only those marked for it); each one that fails is
@@ -242,30 +241,6 @@ def _at_exit() -> None:
         stop(exiting=True)
     except Exception:
         pass  # nothing may raise at the user's interpreter exit
-
-
-def _close(server) -> None:
-    """Close the listening socket; a unix socket's file goes with it."""
-    try:
-        server.server_close()
-        if isinstance(server.server_address, str):
-            os.unlink(server.server_address)
-    except OSError:
-        pass
-
-
-def _shutdown(server, thread: threading.Thread) -> None:
-    """End ``serve_forever``, which sleeps in select with a long timeout (no idle wake-ups): ask for the shutdown,
-    wake the select by shutting the listening socket down (its accept then fails and is ignored), wait for it."""
-    t = threading.Thread(target=server.shutdown, name="probe-server-shutdown", daemon=True)
-    t.start()
-    try:
-        server.socket.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    t.join(2)
-    if thread is not threading.current_thread():
-        thread.join(2)
 
 
 def _fork_hook(name: str) -> Callable[[], None]:
