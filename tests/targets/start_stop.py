@@ -95,17 +95,17 @@ train(2)  # torch's own lazy state (optimizer state, autograd threads) exists be
 for round_ in (1, 2):
     before = what_is_installed()
     entry = probe.start()
-    started = what_is_installed()
     train(5)
     action = queue.submit("wait", lambda ctx: {}, args={}, client={}, at_step=10**9, timeout=600)
+    running = what_is_installed()
     steps = hooks.tracker().step
     probe.stop()
     print(
         json.dumps(
             {
                 "round": round_,
-                "served": os.path.basename(entry["socket"]) in started["entry and socket"],
-                "hooked": started["optimizer global hooks"] != before["optimizer global hooks"],
+                "served": os.path.basename(entry["socket"]) in running["entry and socket"],
+                "installed": sorted(k for k in before if before[k] != running[k]),
                 "steps": steps,
                 "action": action.state,
                 "left": left_behind(before),
