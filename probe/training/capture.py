@@ -33,7 +33,7 @@ import weakref
 
 from ..config import setting
 from ..util.errorlog import record_error
-from ..util.frames import release
+from ..util.usercode import release
 from ..util.objects import is_a
 from .frameworks import is_sharded, local
 
