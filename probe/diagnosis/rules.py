@@ -30,7 +30,7 @@ __all__ = ["Rule", "rule", "all_rules", "get_rule", "load_builtins", "BUILTIN", 
 # the modules of probe.diagnosis that declare the built-in rules, in the order docs/doctor.md and the
 # README list them: one process's training, its memory/speed/input/activations, the invariant checks
 # of torch.checks, and across ranks (dead ranks); all_rules()/get_rule() import them on first use
-BUILTIN = ("process_rules", "param_rules", "runtime_rules", "invariant_rules", "job_rules", "ddp_rules")
+BUILTIN = ("process_rules", "param_rules", "runtime_rules", "invariant_rules", "signal_rules", "job_rules", "ddp_rules")
 
 SEVERITIES = ("critical", "warning", "info")  # most severe first
 FAMILIES = (

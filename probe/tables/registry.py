@@ -57,6 +57,7 @@ BUILTIN = (
     "process",
     "python",
     "replicas",
+    "signals",
     "spans",
     "syncs",
     "torch",

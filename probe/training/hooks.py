@@ -17,7 +17,7 @@ import threading
 from .._core import state as agent_state
 from ..util.errorlog import record_error
 from ..util.usercode import user_frame
-from . import counters, finder
+from . import counters, finder, signals
 from .steps import StepTracker
 from .trace import Tracer
 
@@ -118,6 +118,9 @@ def _pre_hook(optimizer, args, kwargs):
     lr = lr_overrides
     if lr is not None and lr.overrides:
         lr.around_step(optimizer, True)
+    sig = signals.armed  # torch.updates: the update of the step after a measured one
+    if sig is not None:
+        sig.before_step(optimizer)
     return None
 
 

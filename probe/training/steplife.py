@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from . import invariants
+from . import invariants, signals
 
 __all__ = ["StepLife"]
 
@@ -41,6 +41,9 @@ class StepLife:
         checks = invariants.checks()
         if checks is not None:  # its gradient hook too: a paused probe runs nothing on the loop's steps
             checks.close()
+        sig = signals.signals()  # and the update's step hooks
+        if sig is not None:
+            sig.close()
 
     def reopen(self) -> None:
         """Undo ``close``: the loss and clip wrappers and the root model's hook go back; the next step's clock

@@ -42,7 +42,7 @@ import sys
 import time
 import weakref
 
-from . import cycle as _cycle, finder, invariants, memclock, replicas, safepoint
+from . import cycle as _cycle, finder, invariants, memclock, replicas, safepoint, signals
 from .frameworks import unwrap_optimizer
 from .inputs import InputCounter
 from .tracepace import TracePacing
@@ -352,6 +352,7 @@ class StepTracker(StepLife):
             invariants.checks(self.torch).at_boundary(
                 step, optimizer, self.capture, self._steps_taken
             )  # torch.checks: cheap invariants of training
+            signals.signals(self.torch).at_boundary(step, optimizer)  # torch.batches, torch.updates, torch.scaler
         if step >= self._replicas.next_step:  # torch.weight_sums: DDP replicas' checksums, the same steps on every rank
             self._replicas.at_boundary(step, duration_ns * 1e-9)
         asked = self._prepare_next(step, t0, traced, step + 1 <= _FORCED or allowed)

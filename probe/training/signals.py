@@ -1,0 +1,390 @@
+"""What a measured step's data, update and loss scaling were, for ``torch.batches``, ``torch.updates`` and
+``torch.scaler`` (the doctor's ``same_batch``, ``single_class_batches``, ``update_too_small``, ``update_too_large`` and
+``clip_before_unscale`` read them):
+
+* the batch: a fingerprint of the primary model's first training input of the step (a hash of at most
+  ``_SAMPLE`` evenly strided elements) and of the targets the loss's classification term saved (its autograd
+  graph's ``NllLossBackward0``), and the label counts of those targets (how many classes a batch holds, the most
+  frequent and its share). A job fed the same batch every step shows one fingerprint; a loader sorted by class
+  without shuffling shows batches of one class each.
+* the update: per weight tensor (two or more dimensions, trainable, held by the lead optimizer; ``_TENSORS`` at
+  most, spread over the model), the size of the change one optimizer step made relative to the weights,
+  ‖Δw‖/‖w‖ over ``_UPDATE_SAMPLE`` strided elements of the step after a measured one: the probe's optimizer step
+  pre-hook (``hooks``) reads the sample before that step and again before the next (after it), while ``armed``
+  says so; between, it tests one module attribute. No hook of the optimizer's own is added (adding or removing
+  one while torch runs its hooks breaks the step).
+* the loss scaling: a GradScaler's scale at the measured boundary, and whether ``clip_grad_norm_`` ran on
+  gradients that scaler had not unscaled yet (their norm is the scale times too large, and so is the clipping):
+  the clip's norm is then divided by the scale, so ``torch.steps.grad_norm`` is the gradients' own.
+
+Everything runs on measured steps only (the counting hook of ``inputs``, the measured backward of ``capture``,
+the clip wrapper that is in on measured steps, the boundary's measured branch), and nothing synchronises with a
+device: a device sample is copied to pinned memory without blocking and read at a later boundary once its event
+has completed. Nothing raises into the training loop: errors go to ``probe.errors``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import weakref
+
+from ..config import setting
+from ..util.errorlog import record_error
+from ..util.ring import Ring
+from . import finder
+
+__all__ = ["Signals", "signals", "armed", "BATCH_COLUMNS", "UPDATE_COLUMNS", "SCALER_COLUMNS"]
+
+BATCH_COLUMNS = {
+    "step": "i8",
+    "time": "f8",
+    "input_hash": "O",
+    "target_hash": "O",
+    "samples": "f8",
+    "labels": "f8",
+    "top_label": "f8",
+    "top_share": "f8",
+}
+UPDATE_COLUMNS = {"step": "i8", "time": "f8", "parameter": "O", "ratio": "f8", "lr": "f8"}
+SCALER_COLUMNS = {"step": "i8", "time": "f8", "scale": "f8", "clip_scaled": "b1", "clip_norm": "f8"}
+
+_SAMPLE = 256  # elements of an input or target tensor hashed
+_LABELS = 4096  # target elements whose labels are counted
+_NLL = ("NllLossBackward0", "NllLoss2DBackward0")
+_TENSORS = 32  # weight tensors whose update is measured
+_UPDATE_SAMPLE = 1024  # elements of each
+_REFRESH_MAX = 500  # steps between refreshes of the watched tensors at most
+_PENDING_MAX = 8  # device reads waiting at most
+
+
+def _strided(flat, n: int):
+    """At most ``n`` evenly strided elements of the 1-d ``flat`` (a view, no copy of the whole)."""
+    size = flat.numel()
+    return flat if size <= n else flat[:: -(-size // n)]
+
+
+def fingerprint(sample) -> str:
+    """A hash of a host tensor's dtype, shape and values: the same data gives the same string on every rank.
+
+    >>> import torch
+    >>> fingerprint(torch.arange(6)) == fingerprint(torch.arange(6)) != fingerprint(torch.arange(1, 7))
+    True
+    """
+    h = hashlib.blake2b(digest_size=8)
+    h.update(str(sample.dtype).encode())
+    h.update(sample.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def label_counts(labels, ignore_index: int | None = None) -> tuple:
+    """``(labels, the most frequent, its share)`` of a host tensor of class indices (``ignore_index`` and
+    negative ones left out), or ``(None, None, None)`` when none is left.
+
+    >>> import torch
+    >>> label_counts(torch.tensor([3, 3, 3, 1, -100]), -100)
+    (2, 3, 0.75)
+    """
+    flat = labels.reshape(-1)
+    keep = flat >= 0
+    if ignore_index is not None:
+        keep &= flat != ignore_index
+    flat = flat[keep]
+    if not flat.numel():
+        return None, None, None
+    values, counts = flat.unique(return_counts=True)
+    top = int(counts.argmax())
+    return int(values.numel()), int(values[top]), float(counts[top]) / flat.numel()
+
+
+def _targets(loss, limit: int = 64):
+    """The class-index targets (and ignore_index) the classification term behind ``loss`` saved, or None."""
+    fn = getattr(loss, "grad_fn", None)
+    seen, queue = set(), [fn] if fn is not None else []
+    while queue and len(seen) < limit:
+        node = queue.pop(0)
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.name() in _NLL:
+            return getattr(node, "_saved_target", None), getattr(node, "_saved_ignore_index", None)
+        queue.extend(nf[0] for nf in node.next_functions)
+    return None
+
+
+class _Watched:
+    __slots__ = ("name", "param", "idx", "before")
+
+    def __init__(self, name, param, idx):
+        self.name, self.param, self.idx, self.before = name, weakref.ref(param), idx, None
+
+
+class Signals:
+    def __init__(self, torch):
+        self.torch = torch
+        capacity = setting("PROBE_STEPS_CAPACITY")
+        self.batches = Ring(BATCH_COLUMNS, capacity)
+        self.updates = Ring(UPDATE_COLUMNS, capacity)
+        self.scaler = Ring(SCALER_COLUMNS, capacity)
+        self._input = None  # this step's input sample (a host tensor, or a (pinned copy, event) pair)
+        self._target = None  # (sample, label sample, ignore_index) of this step's loss
+        self._clip = None  # (scale, clipped norm) when this step clipped gradients still scaled
+        self._pending: list = []  # (step, kind, payload, event) of device samples not read yet
+        self._opt = None  # weakref to the lead optimizer the tensors were picked for
+        self._watched: list = []
+        self._refresh_at = 1
+        self._phase = 0  # the update measured next: 1 before its step, 2 after it (its sample taken), 0 none
+        self._update_step = 0  # the step whose update is measured
+        self._lr = None  # the lead optimizer's rate at that step
+
+    # -- what the step saw (measured steps only) ----------------------------------------------------------------
+    def on_input(self, x) -> None:
+        """The primary model's training input (the counting hook of ``inputs``): the step's first is kept."""
+        if self._input is not None:
+            return
+        try:
+            x = x.detach()
+            if not x.is_contiguous() and x.dim():  # a few whole samples, not a copy of the batch
+                x = x[:: max(1, x.shape[0] // 8)]
+            self._input = self._host(_strided(x.reshape(-1), _SAMPLE))
+        except Exception as exc:
+            record_error("torch batches: input", exc)
+
+    def on_loss(self, loss) -> None:
+        """The step's first backpropagated loss (``capture``, measured steps): the targets its term saved."""
+        if self._target is not None:
+            return
+        try:
+            found = _targets(loss)
+            if found is None or found[0] is None:
+                return
+            t, ignore = found
+            if t.is_floating_point() or not t.numel():
+                return  # class probabilities, not indices
+            flat = t.detach().reshape(-1)
+            self._target = (self._host(_strided(flat, _SAMPLE)), self._host(_strided(flat, _LABELS)), ignore)
+        except Exception as exc:
+            record_error("torch batches: targets", exc)
+
+    def on_clip(self, total):
+        """``clip_grad_norm_``'s norm on a measured step: when a GradScaler holds the lead optimizer's gradients
+        still scaled, the norm unscaled (kept for ``torch.scaler``); else ``total`` as it is."""
+        try:
+            opt = self._opt() if self._opt is not None else None
+            if opt is None:
+                return total
+            for f in finder.known("scaler"):
+                s = f.obj
+                scale = getattr(s, "_scale", None)
+                if scale is None or not s.is_enabled():
+                    continue  # never used (scale() makes it), or off
+                # no entry yet: neither unscale_ nor step has seen this optimizer since the last update()
+                state = getattr(s, "_per_optimizer_states", {}).get(id(opt)) or {}
+                stage = getattr(state.get("stage"), "name", "READY")
+                if stage != "READY":
+                    return total  # unscaled already (unscale_ was called): the norm is the gradients' own
+                unscaled = total / scale
+                self._clip = (scale, unscaled)
+                return unscaled
+        except Exception as exc:
+            record_error("torch scaler: clip", exc)
+        return total
+
+    def _host(self, t):
+        """``t`` on the host: itself, or a pinned copy made without blocking and its event."""
+        if not t.is_cuda:
+            return t.clone()
+        torch = self.torch
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return host, ev
+
+    # -- the boundary ------------------------------------------------------------------------------------------
+    def at_boundary(self, step: int, optimizer) -> None:
+        """A measured step's boundary: its batch and scaler rows (device samples once they have landed), and the
+        next optimizer step's update measured."""
+        now = time.time()
+        try:
+            self._read_pending()
+            inp, tgt, clip = self._input, self._target, self._clip
+            self._input = self._target = self._clip = None
+            if inp is not None or tgt is not None:
+                self._later(step, now, "batch", (inp, tgt))
+            if optimizer is not None:
+                if self._opt is None or self._opt() is not optimizer or step >= self._refresh_at:
+                    self._refresh_at = step + min(step, _REFRESH_MAX)
+                    self._refresh(optimizer)
+                self._scaler_row(step, now, clip)
+                self._arm(step + 1)
+        except Exception as exc:
+            record_error("torch signals", exc)
+
+    def _later(self, step, now, kind, payload) -> None:
+        if len(self._pending) < _PENDING_MAX:
+            self._pending.append((step, now, kind, payload))
+        self._read_pending()
+
+    def _read_pending(self) -> None:
+        """Rows whose device samples have landed (all of a CPU job's at once), in order."""
+        while self._pending:
+            step, now, kind, payload = self._pending[0]
+            if not _landed(payload):
+                return
+            self._pending.pop(0)
+            try:
+                if kind == "batch":
+                    self._batch_row(step, now, *payload)
+                elif kind == "scaler":
+                    self._scaler_values(step, now, *payload)
+                else:
+                    self._update_rows(step, now, *payload)
+            except Exception as exc:
+                record_error(f"torch signals: {kind}", exc)
+
+    def _batch_row(self, step, now, inp, tgt) -> None:
+        inp_hash = fingerprint(_value(inp)) if inp is not None else None
+        tgt_hash = samples = labels = top = share = None
+        if tgt is not None:
+            sample, many, ignore = tgt
+            tgt_hash = fingerprint(_value(sample))
+            many = _value(many)
+            labels, top, share = label_counts(many, ignore)
+            samples = float(many.numel())
+        self.batches.append(step, now, inp_hash, tgt_hash, samples, labels, top, share)
+
+    def _scaler_row(self, step, now, clip) -> None:
+        scalers = [f.obj for f in finder.known("scaler")]
+        s = next((s for s in scalers if getattr(s, "_scale", None) is not None and s.is_enabled()), None)
+        if s is None:
+            return
+        norm = clip[1] if clip is not None else None
+        if not isinstance(norm, self.torch.Tensor):
+            norm = None if norm is None else self.torch.tensor(float(norm))
+        values = s._scale.reshape(1) if norm is None else self.torch.stack([s._scale.reshape(()), norm.reshape(())])
+        self._later(step, now, "scaler", (self._host(values.float()), clip is not None))
+
+    def _scaler_values(self, step, now, values, clipped) -> None:
+        v = _value(values).tolist()
+        self.scaler.append(step, now, v[0], clipped, v[1] if len(v) > 1 else None)
+
+    # -- the update of one optimizer step -----------------------------------------------------------------------
+    def _refresh(self, optimizer) -> None:
+        """The weight tensors whose update is measured: trainable, two or more dimensions, held by ``optimizer``,
+        named by the model that holds them."""
+        torch = self.torch
+        self._opt = weakref.ref(optimizer)
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        names: dict = {}
+        for f in finder.models():
+            for n, p in f.obj.named_parameters():
+                if id(p) in held:
+                    names.setdefault(id(p), finder.module_path(n))
+        chosen = [
+            p
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if p.requires_grad and p.dim() >= 2 and p.is_floating_point() and type(p.data) is torch.Tensor
+        ]
+        if len(chosen) > _TENSORS:
+            chosen = [chosen[round(i * (len(chosen) - 1) / (_TENSORS - 1))] for i in range(_TENSORS)]
+        old = {id(w.param()): w for w in self._watched if w.param() is not None}
+        watched = []
+        for p in chosen:
+            w = old.get(id(p))
+            if w is None:
+                n = p.numel()
+                idx = torch.linspace(0, n - 1, min(_UPDATE_SAMPLE, n), device=p.device).long()
+                w = _Watched(names.get(id(p), f"tensor {len(watched)}"), p, idx)
+            watched.append(w)
+        self._watched = watched
+
+    def _arm(self, step: int) -> None:
+        """Measure the update of the lead optimizer's next step (``before_step`` does, from the step pre-hook)."""
+        global armed
+        if self._phase or not self._watched:
+            return
+        self._phase, self._update_step = 1, step
+        armed = self
+
+    def before_step(self, optimizer) -> None:
+        """The probe's optimizer step pre-hook while ``armed``: the sample before the measured step (phase 1), then
+        before the next step of the same optimizer, that is after the measured one (phase 2)."""
+        global armed
+        opt = self._opt() if self._opt is not None else None
+        if optimizer is not opt:
+            if opt is None:
+                armed, self._phase = None, 0
+            return  # another optimizer's step (a GAN's second one)
+        try:
+            with self.torch.no_grad():
+                if self._phase == 1:
+                    for w in self._watched:
+                        p = w.param()
+                        w.before = None if p is None else p.detach().reshape(-1).index_select(0, w.idx)
+                    lr = optimizer.param_groups[0].get("lr")
+                    self._lr = float(lr) if type(lr) in (float, int) else None
+                    self._phase = 2
+                    return
+                armed, self._phase = None, 0
+                self._measure_update()
+        except Exception as exc:
+            armed, self._phase = None, 0
+            record_error("torch updates", exc)
+
+    def _measure_update(self) -> None:
+        torch = self.torch
+        names, ratios = [], []
+        for w in self._watched:
+            p, before = w.param(), w.before
+            w.before = None
+            if p is None or before is None:
+                continue
+            after = p.detach().reshape(-1).index_select(0, w.idx).float()
+            before = before.float()
+            ratios.append((after - before).norm() / before.norm().clamp_min(1e-30))
+            names.append(w.name)
+        if not ratios:
+            return
+        dev = ratios[0].device
+        stacked = torch.stack([r.to(dev) for r in ratios])
+        self._later(self._update_step, time.time(), "update", (self._host(stacked), names, self._lr))
+
+    def _update_rows(self, step, now, ratios, names, lr) -> None:
+        for name, r in zip(names, _value(ratios).tolist()):
+            self.updates.append(step, now, name, r, lr)
+
+    def close(self) -> None:
+        """Forget the update being measured (the probe pauses)."""
+        global armed
+        armed, self._phase = None, 0
+
+    def snapshot(self, which: str) -> dict:
+        """The rows of ``which`` (batches, updates, scaler); device samples are read on the training thread."""
+        return getattr(self, which).snapshot()
+
+
+def _value(held):
+    """The host tensor of ``_host``'s result."""
+    return held[0] if type(held) is tuple else held
+
+
+def _landed(payload) -> bool:
+    """Whether every device copy in ``payload`` (nested tuples and lists) has completed."""
+    if type(payload) is tuple and len(payload) == 2 and hasattr(payload[1], "query"):
+        return bool(payload[1].query())
+    if type(payload) in (tuple, list):
+        return all(_landed(p) for p in payload)
+    return True
+
+
+_instance: list = []
+armed: Signals | None = None  # the Signals measuring an update: the step pre-hook calls its before_step
+
+
+def signals(torch=None) -> Signals | None:
+    """The process's Signals (made on the first call that passes torch), or None before that."""
+    if not _instance and torch is not None:
+        _instance.append(Signals(torch))
+    return _instance[0] if _instance else None
