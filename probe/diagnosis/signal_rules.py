@@ -16,12 +16,22 @@ __all__: list = []
 _BATCHES = 10  # measured steps in a row with one batch fingerprint, or single-class batches
 _SPAN = 10  # steps those measured steps must span at least
 _UPDATES = 5  # measured updates in a row whose size is judged
-_SMALL = 1e-5  # an update below this fraction of the weights hardly moves them (~1e-3 is healthy)
+_SMALL = 1e-4  # an update below this fraction of the weights hardly moves them (~1e-3 is healthy)
 _LARGE = 0.1  # one above it rewrites a tenth of them in one step
 _UPDATES_NEXT = (
     'probe {target} query "SELECT step, parameter, ratio, lr FROM torch.updates ORDER BY step DESC, ratio LIMIT 10"'
 )
 _AFTER = 50  # steps before updates are judged (a warm-up's first rates, a zero-initialised layer's first steps)
+
+
+def _current(alias: str) -> str:
+    """SQL: ``alias.step`` (a run's last step) is at or after the rank's third last measured step: what the
+    signal says is still so (a table whose rows stopped, as when the scaler or the model it was about is gone,
+    leaves its last rows behind: they are no finding)."""
+    return f"""{alias}.step >= (SELECT min(m.step) FROM (SELECT step FROM torch.steps AS k
+                                    WHERE k.measured AND k.rank IS NOT DISTINCT FROM {alias}.rank
+                                    ORDER BY step DESC LIMIT 3) AS m)"""
+
 
 rule(
     "same_batch",
@@ -47,7 +57,7 @@ FROM r JOIN b ON b.rank IS NOT DISTINCT FROM r.rank AND b.key = r.key
 LEFT JOIN o ON o.rank IS NOT DISTINCT FROM r.rank
 WHERE b.step > coalesce(o.other, -1)
 GROUP BY r.rank, r.step, r.key
-HAVING r.step - min(b.step) >= {_SPAN}""",
+HAVING r.step - min(b.step) >= {_SPAN} AND {_current("r")}""",
     message=(
         "the model was fed the same batch at every one of the last {steps} measured steps (since step {since}, up to "
         "step {step}; input fingerprint {fingerprint}): it sees one batch again and again and can only memorize it. "
@@ -89,7 +99,7 @@ FROM r JOIN b ON b.rank IS NOT DISTINCT FROM r.rank
 LEFT JOIN o ON o.rank IS NOT DISTINCT FROM r.rank
 WHERE b.step > coalesce(o.other, -1)
 GROUP BY r.rank, r.step, r.classes, r.label
-HAVING r.step - min(b.step) >= {_SPAN}""",
+HAVING r.step - min(b.step) >= {_SPAN} AND {_current("r")}""",
     message=(
         "the targets of each of the last {steps} measured batches hold a single label (since step {since}): {what}."
     ),
@@ -103,9 +113,11 @@ HAVING r.step - min(b.step) >= {_SPAN}""",
 )
 
 
-def _update_size(cond: str) -> str:
+def _update_size(cond: str, also: str = "TRUE") -> str:
     """SQL: per rank, over the last _UPDATES measured updates (after step _AFTER, spanning 20 steps), the weight
-    tensors whose median update/weight ratio meets ``cond`` (on ``ratio``), when more than half of them do."""
+    tensors whose median update/weight ratio meets ``cond`` (on ``ratio``), when more than half of them do and
+    ``also`` holds (on ``span.lr``, ``top.lr_max``, and ``l.now_loss``, ``l.before_loss``: the median loss of the
+    last 50 steps and of the 50 before)."""
     return f"""
 WITH u AS (SELECT rank, step, parameter, ratio, lr FROM torch.updates WHERE ratio IS NOT NULL AND NOT isnan(ratio)),
 s AS (SELECT rank, step, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
@@ -118,15 +130,25 @@ hit AS (SELECT rank, count(*) AS tensors, count(*) FILTER (WHERE {cond}) AS n, m
         FROM p GROUP BY rank),
 span AS (SELECT rank, min(step) AS since, max(step) AS step, count(DISTINCT step) AS steps, arg_max(lr, step) AS lr
          FROM w GROUP BY rank),
-top AS (SELECT rank, max(lr) AS lr_max FROM torch.steps GROUP BY rank)
+-- the highest rate of the steps from 50 before the window on: a schedule's tail falls faster than that
+top AS (SELECT t.rank, max(t.lr) AS lr_max FROM torch.steps AS t JOIN span ON span.rank IS NOT DISTINCT FROM t.rank
+        WHERE t.step >= span.since - 50 GROUP BY t.rank),
+l AS (SELECT rank, median(loss) FILTER (WHERE age <= 50) AS now_loss,
+             median(loss) FILTER (WHERE age > 50) AS before_loss
+      FROM (SELECT rank, loss, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age FROM torch.steps
+            WHERE loss IS NOT NULL AND isfinite(loss))
+      WHERE age <= 100 GROUP BY rank)
 SELECT span.rank, span.step, span.since, span.steps, span.lr, top.lr_max, hit.tensors, hit.n, hit.med,
+       l.now_loss, l.before_loss,
        CASE WHEN len(string_split(hit.names, ', ')) > 5
             THEN array_to_string(list_slice(string_split(hit.names, ', '), 1, 5), ', ') || ' and '
                  || (len(string_split(hit.names, ', ')) - 5) || ' more'
             ELSE hit.names END AS names
 FROM span JOIN hit ON hit.rank IS NOT DISTINCT FROM span.rank
 LEFT JOIN top ON top.rank IS NOT DISTINCT FROM span.rank
-WHERE span.steps = {_UPDATES} AND span.since > {_AFTER} AND span.step - span.since >= 20 AND 2 * hit.n > hit.tensors"""
+LEFT JOIN l ON l.rank IS NOT DISTINCT FROM span.rank
+WHERE span.steps = {_UPDATES} AND span.since > {_AFTER} AND span.step - span.since >= 20 AND 2 * hit.n > hit.tensors
+  AND {also} AND {_current("span")}"""
 
 
 rule(
@@ -136,15 +158,23 @@ rule(
     description=(
         f"Over the last {_UPDATES} measured optimizer steps (after step {_AFTER}), more than half the weight tensors "
         f"measured (torch.updates) changed by less than {_SMALL:g} of their size a step (‖Δw‖/‖w‖, ~1e-3 is "
-        "healthy) while the learning rate is at least half the highest the job used: the steps hardly move the "
-        "weights (gradients clipped far below their norm, or clipped while GradScaler still scales them, or a rate "
-        "far too small)."
+        "healthy), the learning rate at least half the highest of the steps from 50 before them on (a schedule's "
+        "tail falls faster) and the median loss of the last 50 steps not 2% below that of the 50 before: the steps "
+        "hardly move the weights (gradients clipped far below their norm, or clipped while GradScaler still scales "
+        "them, or a rate far too small)."
     ),
-    sql=_update_size(f"ratio < {_SMALL}") + " AND span.lr > 0 AND (top.lr_max IS NULL OR span.lr >= 0.5 * top.lr_max)",
+    # a rate at its recent top (a schedule's tail falls faster), and a loss that is not falling: a small rate
+    # chosen on purpose (a fine-tune at 1e-6) still moves the loss
+    sql=_update_size(
+        f"ratio < {_SMALL}",
+        "span.lr > 0 AND (top.lr_max IS NULL OR span.lr >= 0.5 * top.lr_max) AND "
+        "coalesce(l.now_loss >= l.before_loss - 0.02 * abs(l.before_loss), TRUE)",
+    ),
     message=(
         "the optimizer steps hardly move the weights: on the last {steps} measured steps (steps {since}-{step}) "
-        "{n} of {tensors} weight tensors changed by less than 1e-5 of their size a step (median {med:.2g}; about "
-        "1e-3 is healthy): {names}. At learning rate {lr:.3g}, the gradients that reach the optimizer are far too "
+        "{n} of {tensors} weight tensors changed by less than 1e-4 of their size a step (median {med:.2g}; about "
+        "1e-3 is healthy): {names}; the loss is not falling (median {before_loss:.4g}, then {now_loss:.4g}). "
+        "At learning rate {lr:.3g}, the gradients that reach the optimizer are far too "
         "small: clip_grad_norm_ with a max_norm far below the gradients' norm (or before scaler.unscale_), or a rate "
         "far too small for this model."
     ),
@@ -188,7 +218,7 @@ rule(
         "(torch.scaler clip_scaled): it measured their norm multiplied by the scale and clipped them that much too "
         "hard."
     ),
-    sql="""
+    sql=f"""
 WITH c AS (SELECT rank, step, scale, clip_scaled, clip_norm,
                   row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age FROM torch.scaler),
 r AS (SELECT rank, max(step) AS step, arg_max(scale, step) AS scale, arg_max(clip_norm, step) AS clip_norm
@@ -196,7 +226,8 @@ r AS (SELECT rank, max(step) AS step, arg_max(scale, step) AS scale, arg_max(cli
 o AS (SELECT rank, max(step) AS other FROM c WHERE NOT clip_scaled GROUP BY rank)
 SELECT r.rank, r.step, r.scale, r.clip_norm, r.clip_norm * r.scale AS seen,
        (SELECT min(c.step) FROM c WHERE c.rank IS NOT DISTINCT FROM r.rank AND c.step > coalesce(o.other, -1)) AS since
-FROM r LEFT JOIN o ON o.rank IS NOT DISTINCT FROM r.rank""",
+FROM r LEFT JOIN o ON o.rank IS NOT DISTINCT FROM r.rank
+WHERE {_current("r")}""",
     message=(
         "the gradients are clipped (clip_grad_norm_) while GradScaler still holds them multiplied by its scale "
         "({scale:.0f}), "

@@ -14,8 +14,17 @@ UPDATES = "rank INTEGER, step BIGINT, time DOUBLE, parameter VARCHAR, ratio DOUB
 SCALER = "rank INTEGER, step BIGINT, time DOUBLE, scale DOUBLE, clip_scaled BOOLEAN, clip_norm DOUBLE"
 
 
-def _batches(rows, messages=False):
-    return rule_rows("same_batch", {"torch.batches": (BATCHES, rows)}, messages=messages)
+def _steps(last: int, lr: float = 0.1, loss: str = "1.0") -> str:
+    """torch.steps up to ``last``, every step measured, at rate ``lr`` and loss ``loss`` (SQL over ``range``)."""
+    return (
+        f"SELECT NULL::INTEGER AS rank, range AS step, TRUE AS measured, {lr} AS lr, {loss} AS loss "
+        f"FROM range(1, {last + 1})"
+    )
+
+
+def _batches(rows, last=None):
+    last = last or max(r[1] for r in rows)
+    return rule_rows("same_batch", {"torch.batches": (BATCHES, rows), "torch.steps": _steps(last)})
 
 
 def test_same_batch_names_one_fingerprint_at_every_recent_measured_step_since_it_began():
@@ -28,12 +37,14 @@ def test_same_batch_names_one_fingerprint_at_every_recent_measured_step_since_it
     assert not _batches(rows[:40])
     assert not _batches(rows[:40] + [(None, 41, 0.0, "in40", "t40", 32.0, 10.0, 1.0, 0.2)])
     assert not _batches(rows[:30] + [(None, s, 0.0, "x", "y", 32.0, 10.0, 1.0, 0.2) for s in range(31, 40)])
+    # rows that stopped (the model they were about is gone) are no finding
+    assert not _batches(rows, last=90)
     # the same inputs with new targets each step are not one batch
     assert not _batches([(None, s, 0.0, "fixed", f"t{s}", 32.0, 10.0, 1.0, 0.2) for s in range(1, 41)])
 
 
 def _labels(rows):
-    return rule_rows("single_class_batches", {"torch.batches": (BATCHES, rows)})
+    return rule_rows("single_class_batches", {"torch.batches": (BATCHES, rows), "torch.steps": _steps(rows[-1][1])})
 
 
 def test_single_class_batches_tells_constant_labels_from_batches_sorted_by_class():
@@ -51,15 +62,9 @@ def test_single_class_batches_tells_constant_labels_from_batches_sorted_by_class
     assert not _labels(mixed + [(None, s, 0.0, "i", "t", 4.0, 1.0, 0.0, 1.0) for s in range(31, 51)])
 
 
-def _updates(rule, ratios: dict, steps=range(60, 110, 10), lr=0.1, lr_max=0.1):
+def _updates(rule, ratios: dict, steps=range(60, 110, 10), lr=0.1, lr_max=0.1, loss="1.0"):
     rows = [(None, s, 0.0, name, r, lr) for s in steps for name, r in ratios.items()]
-    return rule_rows(
-        rule,
-        {
-            "torch.updates": (UPDATES, rows),
-            "torch.steps": f"SELECT NULL::INTEGER AS rank, range AS step, {lr_max} AS lr FROM range(1, 110)",
-        },
-    )
+    return rule_rows(rule, {"torch.updates": (UPDATES, rows), "torch.steps": _steps(max(steps), lr_max, loss)})
 
 
 def test_update_size_names_the_tensors_far_below_or_above_a_healthy_ratio():
@@ -78,10 +83,15 @@ def test_update_size_names_the_tensors_far_below_or_above_a_healthy_ratio():
     assert not _updates("update_too_small", tiny, steps=range(10, 60, 10))
     assert not _updates("update_too_small", tiny, lr=0.01, lr_max=0.1)
     assert not _updates("update_too_small", tiny, steps=range(60, 100, 10))
+    # nor while the loss falls (a small rate chosen on purpose still moves it)
+    assert not _updates("update_too_small", tiny, loss="10.0 - range * 0.05")
+    assert _updates("update_too_small", tiny, loss="1.0 + 0.01 * (range % 3)")
 
 
-def _scaler(rows):
-    return rule_rows("clip_before_unscale", {"torch.scaler": (SCALER, rows)})
+def _scaler(rows, last=None):
+    return rule_rows(
+        "clip_before_unscale", {"torch.scaler": (SCALER, rows), "torch.steps": _steps(last or rows[-1][1])}
+    )
 
 
 def test_clip_before_unscale_needs_the_last_two_measured_steps_clipped_scaled():
@@ -89,5 +99,7 @@ def test_clip_before_unscale_needs_the_last_two_measured_steps_clipped_scaled():
     (f,) = _scaler(unscaled + [(None, s, 0.0, 65536.0, True, 0.5) for s in range(21, 25)])
     assert (f["since"], f["step"], f["scale"], f["seen"]) == (21, 24, 65536.0, 32768.0), f
     assert not _scaler(unscaled)
+    # the scaler gone (its rows stopped): no finding
+    assert not _scaler(unscaled + [(None, s, 0.0, 65536.0, True, 0.5) for s in range(21, 25)], last=40)
     assert not _scaler(unscaled + [(None, 21, 0.0, 65536.0, True, 0.5)])
     assert not _scaler([(None, 1, 0.0, 65536.0, True, 0.5), (None, 2, 0.0, 65536.0, False, None)])
