@@ -113,10 +113,16 @@ def _targets(loss, limit: int = 64):
 
 
 class _Watched:
-    __slots__ = ("name", "param", "idx", "before")
+    __slots__ = ("name", "param", "stride", "before")
 
-    def __init__(self, name, param, idx):
-        self.name, self.param, self.idx, self.before = name, weakref.ref(param), idx, None
+    def __init__(self, name, param):
+        self.name, self.param, self.before = name, weakref.ref(param), None
+        self.stride = -(-param.numel() // _UPDATE_SAMPLE)
+
+    def sample(self):
+        """A strided view of the tensor's elements (no copy for a contiguous tensor), or None when it is gone."""
+        p = self.param()
+        return None if p is None else p.detach().reshape(-1)[:: self.stride]
 
 
 class Signals:
@@ -294,9 +300,7 @@ class Signals:
         for p in chosen:
             w = old.get(id(p))
             if w is None:
-                n = p.numel()
-                idx = torch.linspace(0, n - 1, min(_UPDATE_SAMPLE, n), device=p.device).long()
-                w = _Watched(names.get(id(p), f"tensor {len(watched)}"), p, idx)
+                w = _Watched(names.get(id(p), f"tensor {len(watched)}"), p)
             watched.append(w)
         self._watched = watched
 
@@ -320,9 +324,13 @@ class Signals:
         try:
             with self.torch.no_grad():
                 if self._phase == 1:
+                    views = [(w, w.sample()) for w in self._watched]
+                    views = [(w, v) for w, v in views if v is not None]
+                    copies = self.torch._foreach_mul([v for _, v in views], 1.0)  # one call copies them all
                     for w in self._watched:
-                        p = w.param()
-                        w.before = None if p is None else p.detach().reshape(-1).index_select(0, w.idx)
+                        w.before = None
+                    for (w, _), c in zip(views, copies):
+                        w.before = c
                     lr = optimizer.param_groups[0].get("lr")
                     self._lr = float(lr) if type(lr) in (float, int) else None
                     self._phase = 2
@@ -335,21 +343,21 @@ class Signals:
 
     def _measure_update(self) -> None:
         torch = self.torch
-        names, ratios = [], []
+        names, before, after = [], [], []
         for w in self._watched:
-            p, before = w.param(), w.before
+            b, now = w.before, w.sample()
             w.before = None
-            if p is None or before is None:
+            if now is None or b is None:
                 continue
-            after = p.detach().reshape(-1).index_select(0, w.idx).float()
-            before = before.float()
-            ratios.append((after - before).norm() / before.norm().clamp_min(1e-30))
             names.append(w.name)
-        if not ratios:
+            before.append(b.float())
+            after.append(now.float())
+        if not names:
             return
-        dev = ratios[0].device
-        stacked = torch.stack([r.to(dev) for r in ratios])
-        self._later(self._update_step, time.time(), "update", (self._host(stacked), names, self._lr))
+        # a few foreach kernels for all the tensors rather than a handful each
+        moved = torch.stack(torch._foreach_norm(torch._foreach_sub(after, before)))
+        size = torch.stack(torch._foreach_norm(before)).clamp_min(1e-30)
+        self._later(self._update_step, time.time(), "update", (self._host(moved / size), names, self._lr))
 
     def _update_rows(self, step, now, ratios, names, lr) -> None:
         for name, r in zip(names, _value(ratios).tolist()):
