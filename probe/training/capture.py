@@ -444,6 +444,10 @@ class Capture:
             @functools.wraps(scale)
             def scale_(self_, outputs):
                 out = scale(self_, outputs)
+                if capture.wanted:  # torch.scaler: the scaler of a measured step's loss
+                    sig = signals.signals()
+                    if sig is not None:
+                        sig.on_scale(self_)
                 if out is not outputs and isinstance(outputs, Tensor):
                     try:
                         capture._scaled = (weakref.ref(out), outputs.detach())

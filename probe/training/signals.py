@@ -135,6 +135,7 @@ class Signals:
         self._input = None  # this step's input sample (a host tensor, or a (pinned copy, event) pair)
         self._target = None  # (sample, label sample, ignore_index) of this step's loss
         self._clip = None  # (scale, clipped norm) when this step clipped gradients still scaled
+        self._scaler = None  # weakref to the GradScaler that scaled a measured step's loss
         self._pending: list = []  # (step, kind, payload, event) of device samples not read yet
         self._opt = None  # weakref to the lead optimizer the tensors were picked for
         self._watched: list = []
@@ -172,6 +173,20 @@ class Signals:
         except Exception as exc:
             record_error("torch batches: targets", exc)
 
+    def on_scale(self, scaler) -> None:
+        """GradScaler.scale on a measured step (``capture``'s wrapper): the scaler this loop uses."""
+        if self._scaler is None or self._scaler() is not scaler:
+            try:
+                self._scaler = weakref.ref(scaler)
+            except TypeError:
+                pass
+
+    def _scalers(self) -> list:
+        """The GradScalers to read: the one a measured step's loss went through, then those the finder knows."""
+        seen = self._scaler() if self._scaler is not None else None
+        found = [f.obj for f in finder.known("scaler") if f.obj is not seen]
+        return [seen, *found] if seen is not None else found
+
     def on_clip(self, total):
         """``clip_grad_norm_``'s norm on a measured step: when a GradScaler holds the lead optimizer's gradients
         still scaled, the norm unscaled (kept for ``torch.scaler``); else ``total`` as it is."""
@@ -179,8 +194,7 @@ class Signals:
             opt = self._opt() if self._opt is not None else None
             if opt is None:
                 return total
-            for f in finder.known("scaler"):
-                s = f.obj
+            for s in self._scalers():
                 scale = getattr(s, "_scale", None)
                 if scale is None or not s.is_enabled():
                     continue  # never used (scale() makes it), or off
@@ -261,8 +275,7 @@ class Signals:
         self.batches.append(step, now, inp_hash, tgt_hash, samples, labels, top, share)
 
     def _scaler_row(self, step, now, clip) -> None:
-        scalers = [f.obj for f in finder.known("scaler")]
-        s = next((s for s in scalers if getattr(s, "_scale", None) is not None and s.is_enabled()), None)
+        s = next((s for s in self._scalers() if getattr(s, "_scale", None) is not None and s.is_enabled()), None)
         if s is None:
             return
         norm = clip[1] if clip is not None else None
