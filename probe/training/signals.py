@@ -147,8 +147,8 @@ class Signals:
     # -- what the step saw (measured steps only) ----------------------------------------------------------------
     def on_input(self, x) -> None:
         """The primary model's training input (the counting hook of ``inputs``): the step's first is kept."""
-        if self._input is not None:
-            return
+        if self._input is not None or type(x) is not self.torch.Tensor:
+            return  # the step's first only; a subclass (a DTensor) could make its reshape a collective
         try:
             x = x.detach()
             if not x.is_contiguous() and x.dim():  # a few whole samples, not a copy of the batch
@@ -166,10 +166,12 @@ class Signals:
             if found is None or found[0] is None:
                 return
             t, ignore = found
-            if t.is_floating_point() or not t.numel():
-                return  # class probabilities, not indices
+            if type(t) is not self.torch.Tensor or t.is_floating_point() or not t.numel():
+                return  # class probabilities, not indices (or a subclass)
             flat = t.detach().reshape(-1)
-            self._target = (self._host(_strided(flat, _SAMPLE)), self._host(_strided(flat, _LABELS)), ignore)
+            sample, many = self._host(_strided(flat, _SAMPLE)), self._host(_strided(flat, _LABELS))
+            if sample is not None and many is not None:
+                self._target = (sample, many, ignore)
         except Exception as exc:
             record_error("torch batches: targets", exc)
 
@@ -192,7 +194,7 @@ class Signals:
         still scaled, the norm unscaled (kept for ``torch.scaler``); else ``total`` as it is."""
         try:
             opt = self._opt() if self._opt is not None else None
-            if opt is None:
+            if opt is None or type(total) is not self.torch.Tensor:
                 return total
             for s in self._scalers():
                 scale = getattr(s, "_scale", None)
@@ -211,9 +213,12 @@ class Signals:
         return total
 
     def _host(self, t):
-        """``t`` on the host: itself, or a pinned copy made without blocking and its event."""
-        if not t.is_cuda:
+        """``t`` on the host: a copy, or from CUDA a pinned copy made without blocking and its event; None on
+        another device (reading it there could wait for it)."""
+        if t.device.type == "cpu":
             return t.clone()
+        if not t.is_cuda:
+            return None
         torch = self.torch
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
@@ -282,7 +287,9 @@ class Signals:
         if not isinstance(norm, self.torch.Tensor):
             norm = None if norm is None else self.torch.tensor(float(norm))
         values = s._scale.reshape(1) if norm is None else self.torch.stack([s._scale.reshape(()), norm.reshape(())])
-        self._later(step, now, "scaler", (self._host(values.float()), clip is not None))
+        held = self._host(values.float())
+        if held is not None:
+            self._later(step, now, "scaler", (held, clip is not None))
 
     def _scaler_values(self, step, now, values, clipped) -> None:
         v = _value(values).tolist()
@@ -370,7 +377,9 @@ class Signals:
         # a few foreach kernels for all the tensors rather than a handful each
         moved = torch.stack(torch._foreach_norm(torch._foreach_sub(after, before)))
         size = torch.stack(torch._foreach_norm(before)).clamp_min(1e-30)
-        self._later(self._update_step, time.time(), "update", (self._host(moved / size), names, self._lr))
+        held = self._host(moved / size)
+        if held is not None:
+            self._later(self._update_step, time.time(), "update", (held, names, self._lr))
 
     def _update_rows(self, step, now, ratios, names, lr) -> None:
         for name, r in zip(names, _value(ratios).tolist()):

@@ -41,7 +41,7 @@ class StepLife:
         checks = invariants.checks()
         if checks is not None:  # its gradient hook too: a paused probe runs nothing on the loop's steps
             checks.close()
-        sig = signals.signals()  # and the update's step hooks
+        sig = signals.signals()  # and the update being measured (the step pre-hook's)
         if sig is not None:
             sig.close()
 
