@@ -130,9 +130,8 @@ hit AS (SELECT rank, count(*) AS tensors, count(*) FILTER (WHERE {cond}) AS n, m
         FROM p GROUP BY rank),
 span AS (SELECT rank, min(step) AS since, max(step) AS step, count(DISTINCT step) AS steps, arg_max(lr, step) AS lr
          FROM w GROUP BY rank),
--- the highest rate of the steps from 50 before the window on: a schedule's tail falls faster than that
-top AS (SELECT t.rank, max(t.lr) AS lr_max FROM torch.steps AS t JOIN span ON span.rank IS NOT DISTINCT FROM t.rank
-        WHERE t.step >= span.since - 50 GROUP BY t.rank),
+-- the highest rate of the steps kept: a schedule that decayed it is not named (the rate is the job's choice)
+top AS (SELECT rank, max(lr) AS lr_max FROM torch.steps GROUP BY rank),
 l AS (SELECT rank, median(loss) FILTER (WHERE age <= 50) AS now_loss,
              median(loss) FILTER (WHERE age > 50) AS before_loss
       FROM (SELECT rank, loss, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age FROM torch.steps
@@ -158,13 +157,13 @@ rule(
     description=(
         f"Over the last {_UPDATES} measured optimizer steps (after step {_AFTER}), more than half the weight tensors "
         f"measured (torch.updates) changed by less than {_SMALL:g} of their size a step (‖Δw‖/‖w‖, ~1e-3 is "
-        "healthy), the learning rate at least half the highest of the steps from 50 before them on (a schedule's "
-        "tail falls faster) and the median loss of the last 50 steps not 2% below that of the 50 before: the steps "
-        "hardly move the weights (gradients clipped far below their norm, or clipped while GradScaler still scales "
-        "them, or a rate far too small)."
+        "healthy), the learning rate at least half the highest of the steps torch.steps keeps (a schedule that "
+        "decayed it is not named) and the median loss of the last 50 steps not 2% below that of the 50 before: the "
+        "steps hardly move the weights (gradients clipped far below their norm, or clipped while GradScaler still "
+        "scales them, or a rate far too small)."
     ),
-    # a rate at its recent top (a schedule's tail falls faster), and a loss that is not falling: a small rate
-    # chosen on purpose (a fine-tune at 1e-6) still moves the loss
+    # a rate near the job's top (not a schedule's tail), and a loss that is not falling: a small rate chosen on
+    # purpose (a fine-tune at 1e-6) still moves the loss
     sql=_update_size(
         f"ratio < {_SMALL}",
         "span.lr > 0 AND (top.lr_max IS NULL OR span.lr >= 0.5 * top.lr_max) AND "

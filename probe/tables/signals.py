@@ -63,6 +63,12 @@ def batches_table(ctx):
         _TIME,
         Column("parameter", "VARCHAR", "The tensor, by the model's name for it."),
         Column("ratio", "DOUBLE", "‖w after − w before‖ / ‖w before‖ over the sampled elements."),
+        Column(
+            "grad_ratio",
+            "DOUBLE",
+            "‖g‖ / ‖w before‖ over the same elements, g the gradient the step applied (after any clipping); NULL when "
+            "the tensor had none. The update over it is the step's effective rate.",
+        ),
         Column("lr", "DOUBLE", "The learning rate of the optimizer's first param group at that step."),
     ],
     examples=[

@@ -46,7 +46,7 @@ BATCH_COLUMNS = {
     "top_label": "f8",
     "top_share": "f8",
 }
-UPDATE_COLUMNS = {"step": "i8", "time": "f8", "parameter": "O", "ratio": "f8", "lr": "f8"}
+UPDATE_COLUMNS = {"step": "i8", "time": "f8", "parameter": "O", "ratio": "f8", "grad_ratio": "f8", "lr": "f8"}
 SCALER_COLUMNS = {"step": "i8", "time": "f8", "scale": "f8", "clip_scaled": "b1", "clip_norm": "f8"}
 
 _SAMPLE = 256  # elements of an input or target tensor hashed
@@ -113,16 +113,24 @@ def _targets(loss, limit: int = 64):
 
 
 class _Watched:
-    __slots__ = ("name", "param", "stride", "before")
+    __slots__ = ("name", "param", "stride", "before", "grad")
 
     def __init__(self, name, param):
-        self.name, self.param, self.before = name, weakref.ref(param), None
+        self.name, self.param, self.before, self.grad = name, weakref.ref(param), None, None
         self.stride = -(-param.numel() // _UPDATE_SAMPLE)
 
     def sample(self):
         """A strided view of the tensor's elements (no copy for a contiguous tensor), or None when it is gone."""
         p = self.param()
         return None if p is None else p.detach().reshape(-1)[:: self.stride]
+
+    def grad_sample(self):
+        """The same elements of its gradient (as the optimizer is about to use it), or None."""
+        p = self.param()
+        g = None if p is None else p.grad
+        if g is None or g.is_sparse or type(g) is not type(p.data) or g.shape != p.shape:
+            return None
+        return g.detach().reshape(-1)[:: self.stride]
 
 
 class Signals:
@@ -348,9 +356,14 @@ class Signals:
                     views = [(w, v) for w, v in views if v is not None]
                     copies = self.torch._foreach_mul([v for _, v in views], 1.0)  # one call copies them all
                     for w in self._watched:
-                        w.before = None
+                        w.before = w.grad = None
                     for (w, _), c in zip(views, copies):
                         w.before = c
+                    grads = [(w, w.grad_sample()) for w, _ in views]
+                    grads = [(w, g) for w, g in grads if g is not None]
+                    norms = self.torch._foreach_norm([g.float() for _, g in grads]) if grads else []
+                    for (w, _), n in zip(grads, norms):
+                        w.grad = n  # the gradient the step is about to apply, at the sampled elements
                     lr = optimizer.param_groups[0].get("lr")
                     self._lr = float(lr) if type(lr) in (float, int) else None
                     self._phase = 2
@@ -363,27 +376,30 @@ class Signals:
 
     def _measure_update(self) -> None:
         torch = self.torch
-        names, before, after = [], [], []
+        names, before, after, grads = [], [], [], []
         for w in self._watched:
-            b, now = w.before, w.sample()
-            w.before = None
+            b, now, g = w.before, w.sample(), w.grad
+            w.before = w.grad = None
             if now is None or b is None:
                 continue
             names.append(w.name)
             before.append(b.float())
             after.append(now.float())
+            grads.append(g if g is not None else b.new_tensor(float("nan"), dtype=torch.float32))
         if not names:
             return
         # a few foreach kernels for all the tensors rather than a handful each
         moved = torch.stack(torch._foreach_norm(torch._foreach_sub(after, before)))
         size = torch.stack(torch._foreach_norm(before)).clamp_min(1e-30)
-        held = self._host(moved / size)
+        pulled = torch.stack([g.to(size.device) for g in grads])
+        held = self._host(torch.stack([moved / size, pulled / size]))
         if held is not None:
             self._later(self._update_step, time.time(), "update", (held, names, self._lr))
 
     def _update_rows(self, step, now, ratios, names, lr) -> None:
-        for name, r in zip(names, _value(ratios).tolist()):
-            self.updates.append(step, now, name, r, lr)
+        moved, pulled = _value(ratios).tolist()
+        for name, r, g in zip(names, moved, pulled):
+            self.updates.append(step, now, name, r, g if g == g else None, lr)
 
     def close(self) -> None:
         """Forget the update being measured (the probe pauses)."""

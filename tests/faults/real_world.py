@@ -80,8 +80,8 @@ The errors (tests/faults/corpus.py gives the doctor rule that must name each, an
 * ``lightning_9599``: native AMP clips the gradients right after backward and unscales them only before the
   optimizer step: the clipping sees them 65,536 times too large and the loss converges very slowly (SGD here).
   https://github.com/Lightning-AI/pytorch-lightning/issues/9599
-* ``lomo_50``: a rate far too small for an SGD-style update (LOMO fuses SGD into backward; 5e-5 there): the loss
-  does not go down. https://github.com/OpenLMLab/LOMO/issues/50
+* ``lomo_50``: a rate far too small for an SGD-style update (LOMO fuses SGD into backward; 5e-5 there), from the
+  phase's start (its onset marks the step it is judged from): the loss does not go down. https://github.com/OpenLMLab/LOMO/issues/50
 * ``megatron_579``: a gradient norm far above the clipping threshold (around 2,500 against 1.0 there) clipped at
   every step: like a rate thousands of times smaller (SGD here, where the clipped norm sets the step).
   https://github.com/alibaba/Pai-Megatron-Patch/issues/579
@@ -199,6 +199,8 @@ class Phase:
         self.sched = None
         opt_cls = torch.optim.Adam if error == "wekws_72" else torch.optim.SGD
         kw = {"lr": 1e-3} if error == "wekws_72" else {"lr": 0.02, "momentum": 0.9}
+        if error == "lomo_50" and not fixed:
+            kw["lr"] = 5e-5  # the rate the run was given
         if error == "unet_468":
             opt_cls, kw = torch.optim.RMSprop, {"lr": 1e-3, "momentum": 0.9}
         self.scaler = torch.amp.GradScaler("cpu") if error in AMP else None
@@ -264,9 +266,6 @@ class Phase:
             self.batches = None
         elif e == "gpjax_96" and not fixed:
             self.cached = batch()
-        elif e == "lomo_50" and not fixed:
-            for g in self.optimizer.param_groups:
-                g["lr"] = 5e-5
 
     def draw(self):
         """The step's batch, as the phase's loop gets it."""

@@ -10,7 +10,7 @@ BATCHES = (
     "rank INTEGER, step BIGINT, time DOUBLE, input_hash VARCHAR, target_hash VARCHAR, samples DOUBLE, labels DOUBLE, "
     "top_label DOUBLE, top_share DOUBLE"
 )
-UPDATES = "rank INTEGER, step BIGINT, time DOUBLE, parameter VARCHAR, ratio DOUBLE, lr DOUBLE"
+UPDATES = "rank INTEGER, step BIGINT, time DOUBLE, parameter VARCHAR, ratio DOUBLE, grad_ratio DOUBLE, lr DOUBLE"
 SCALER = "rank INTEGER, step BIGINT, time DOUBLE, scale DOUBLE, clip_scaled BOOLEAN, clip_norm DOUBLE"
 
 
@@ -63,7 +63,7 @@ def test_single_class_batches_tells_constant_labels_from_batches_sorted_by_class
 
 
 def _updates(rule, ratios: dict, steps=range(60, 110, 10), lr=0.1, lr_max=0.1, loss="1.0"):
-    rows = [(None, s, 0.0, name, r, lr) for s in steps for name, r in ratios.items()]
+    rows = [(None, s, 0.0, name, r, 0.01, lr) for s in steps for name, r in ratios.items()]
     return rule_rows(rule, {"torch.updates": (UPDATES, rows), "torch.steps": _steps(max(steps), lr_max, loss)})
 
 

@@ -49,15 +49,17 @@ def test_the_update_of_the_step_after_a_measured_one_is_its_size_against_the_wei
     x, y = torch.randn(32, 6), torch.randint(0, 3, (32,))
     sig.at_boundary(1, opt)  # a measured step: the next step's update is measured
     weights = [model[0].weight.detach().clone(), model[2].weight.detach().clone()]
-    sig.before_step(opt)  # the probe's step pre-hook, before step 2
     opt.zero_grad()
     _loss(torch, model, x, y).backward()
+    sig.before_step(opt)  # the probe's step pre-hook, in step 2's optimizer.step()
     opt.step()
     sig.before_step(opt)  # and before step 3: after step 2
     rows = sig.snapshot("updates")
     assert list(rows["step"]) == [2, 2] and list(rows["parameter"]) == ["0.weight", "2.weight"]
-    for w, ratio, p in zip(weights, rows["ratio"], (model[0].weight, model[2].weight)):
+    for w, ratio, pulled, p in zip(weights, rows["ratio"], rows["grad_ratio"], (model[0].weight, model[2].weight)):
         assert ratio == pytest.approx(float((p.detach() - w).norm() / w.norm()), rel=1e-5)
+        assert pulled == pytest.approx(float(p.grad.norm() / w.norm()), rel=1e-5)  # SGD: the update is lr x this
+        assert ratio == pytest.approx(0.1 * pulled, rel=1e-4)
     assert list(rows["lr"]) == [0.1, 0.1]
     # disarmed after it: further steps cost the pre-hook nothing and add no rows
     from probe.training import signals
