@@ -18,6 +18,9 @@ _SPAN = 10  # steps those measured steps must span at least
 _UPDATES = 5  # measured updates in a row whose size is judged
 _SMALL = 1e-4  # an update below this fraction of the weights hardly moves them (~1e-3 is healthy)
 _LARGE = 0.1  # one above it rewrites a tenth of them in one step
+# an update below this fraction of the gradient before clipping (both against the weights): the step applies far
+# less than the loss asks for (a converged model's gradients are small too, but its step applies them in full)
+_EFFECTIVE = 0.01
 _UPDATES_NEXT = (
     'probe {target} query "SELECT step, parameter, ratio, lr FROM torch.updates ORDER BY step DESC, ratio LIMIT 10"'
 )
@@ -119,11 +122,12 @@ def _update_size(cond: str, also: str = "TRUE") -> str:
     ``also`` holds (on ``span.lr``, ``top.lr_max``, and ``l.now_loss``, ``l.before_loss``: the median loss of the
     last 50 steps and of the 50 before)."""
     return f"""
-WITH u AS (SELECT rank, step, parameter, ratio, lr FROM torch.updates WHERE ratio IS NOT NULL AND NOT isnan(ratio)),
+WITH u AS (SELECT rank, step, parameter, ratio, grad_ratio, lr FROM torch.updates
+           WHERE ratio IS NOT NULL AND NOT isnan(ratio)),
 s AS (SELECT rank, step, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
       FROM (SELECT DISTINCT rank, step FROM u)),
 w AS (SELECT u.* FROM u JOIN s ON s.rank IS NOT DISTINCT FROM u.rank AND s.step = u.step WHERE s.age <= {_UPDATES}),
-p AS (SELECT rank, parameter, median(ratio) AS ratio FROM w GROUP BY rank, parameter),
+p AS (SELECT rank, parameter, median(ratio) AS ratio, median(grad_ratio) AS grad_ratio FROM w GROUP BY rank, parameter),
 hit AS (SELECT rank, count(*) AS tensors, count(*) FILTER (WHERE {cond}) AS n, median(ratio) AS med,
                string_agg(parameter || ' ' || printf('%.2g', ratio), ', ' ORDER BY ratio)
                    FILTER (WHERE {cond}) AS names
@@ -157,15 +161,17 @@ rule(
     description=(
         f"Over the last {_UPDATES} measured optimizer steps (after step {_AFTER}), more than half the weight tensors "
         f"measured (torch.updates) changed by less than {_SMALL:g} of their size a step (‖Δw‖/‖w‖, ~1e-3 is "
-        "healthy), the learning rate at least half the highest of the steps torch.steps keeps (a schedule that "
-        "decayed it is not named) and the median loss of the last 50 steps not 2% below that of the 50 before: the "
+        f"healthy) and by less than {_EFFECTIVE:g} of their gradient before clipping (grad_ratio: a converged model's "
+        "small gradients are applied in full), the learning rate at least half the highest of the steps torch.steps "
+        "keeps (a schedule that decayed it is not named) and the median loss of the last 50 steps not 2% below that "
+        "of the 50 before: the "
         "steps hardly move the weights (gradients clipped far below their norm, or clipped while GradScaler still "
         "scales them, or a rate far too small)."
     ),
     # a rate near the job's top (not a schedule's tail), and a loss that is not falling: a small rate chosen on
     # purpose (a fine-tune at 1e-6) still moves the loss
     sql=_update_size(
-        f"ratio < {_SMALL}",
+        f"ratio < {_SMALL} AND coalesce(ratio < {_EFFECTIVE} * grad_ratio, TRUE)",
         "span.lr > 0 AND (top.lr_max IS NULL OR span.lr >= 0.5 * top.lr_max) AND "
         "coalesce(l.now_loss >= l.before_loss - 0.02 * abs(l.before_loss), TRUE)",
     ),

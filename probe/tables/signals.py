@@ -66,8 +66,9 @@ def batches_table(ctx):
         Column(
             "grad_ratio",
             "DOUBLE",
-            "‖g‖ / ‖w before‖ over the same elements, g the gradient the step applied (after any clipping); NULL when "
-            "the tensor had none. The update over it is the step's effective rate.",
+            "‖g‖ / ‖w before‖ over the same elements, g the gradient before clipping (the gradient the step applied, "
+            "over clip_grad_norm_'s coefficient at the last measured step when the loop clips); NULL when the tensor "
+            "had none. The update over it is the step's effective rate.",
         ),
         Column("lr", "DOUBLE", "The learning rate of the optimizer's first param group at that step."),
     ],

@@ -412,7 +412,8 @@ class Capture:
             total = original(*args, **kwargs)
             if capture.wanted:  # a measured step's: an unmeasured one's would go stale
                 sig = signals.signals()  # unscaled when a GradScaler had not unscaled the gradients (torch.scaler)
-                capture.clip_norm = total if sig is None else sig.on_clip(total)
+                max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
+                capture.clip_norm = total if sig is None else sig.on_clip(total, max_norm)
             return total
 
         clip_grad_norm_._probe_original = original

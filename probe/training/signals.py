@@ -144,6 +144,8 @@ class Signals:
         self._target = None  # (sample, label sample, ignore_index) of this step's loss
         self._clip = None  # (scale, clipped norm) when this step clipped gradients still scaled
         self._scaler = None  # weakref to the GradScaler that scaled a measured step's loss
+        self._coef = None  # the last measured step's clipping coefficient (a tensor), for the update measured next
+        self._update_coef = None
         self._pending: list = []  # (step, kind, payload, event) of device samples not read yet
         self._opt = None  # weakref to the lead optimizer the tensors were picked for
         self._watched: list = []
@@ -197,13 +199,16 @@ class Signals:
         found = [f.obj for f in finder.known("scaler") if f.obj is not seen]
         return [seen, *found] if seen is not None else found
 
-    def on_clip(self, total):
+    def on_clip(self, total, max_norm=None):
         """``clip_grad_norm_``'s norm on a measured step: when a GradScaler holds the lead optimizer's gradients
-        still scaled, the norm unscaled (kept for ``torch.scaler``); else ``total`` as it is."""
+        still scaled, the norm unscaled (kept for ``torch.scaler``); else ``total`` as it is. Its clipping
+        coefficient (``max_norm`` over the norm, 1 at most) is kept for the next measured update."""
         try:
             opt = self._opt() if self._opt is not None else None
             if opt is None or type(total) is not self.torch.Tensor:
                 return total
+            if type(max_norm) in (float, int) and max_norm > 0:
+                self._coef = (max_norm / (total.detach().float() + 1e-6)).clamp(max=1.0)
             for s in self._scalers():
                 scale = getattr(s, "_scale", None)
                 if scale is None or not s.is_enabled():
@@ -338,6 +343,7 @@ class Signals:
         if self._phase or not self._watched:
             return
         self._phase, self._update_step = 1, step
+        self._update_coef, self._coef = self._coef, None  # the loop clips the next step as it clipped this one
         armed = self
 
     def before_step(self, optimizer) -> None:
@@ -392,6 +398,9 @@ class Signals:
         moved = torch.stack(torch._foreach_norm(torch._foreach_sub(after, before)))
         size = torch.stack(torch._foreach_norm(before)).clamp_min(1e-30)
         pulled = torch.stack([g.to(size.device) for g in grads])
+        coef = self._update_coef
+        if coef is not None:  # the gradient before clipping: what the loss asked for
+            pulled = pulled / coef.to(size.device)
         held = self._host(torch.stack([moved / size, pulled / size]))
         if held is not None:
             self._later(self._update_step, time.time(), "update", (held, names, self._lr))

@@ -83,6 +83,9 @@ def test_update_size_names_the_tensors_far_below_or_above_a_healthy_ratio():
     assert not _updates("update_too_small", tiny, steps=range(10, 60, 10))
     assert not _updates("update_too_small", tiny, lr=0.01, lr_max=0.1)
     assert not _updates("update_too_small", tiny, steps=range(60, 100, 10))
+    # nor for a converged model: its gradients are small, and its step applies them in full
+    rows = [(None, s, 0.0, n, 1e-6, 1e-5, 0.1) for s in range(60, 110, 10) for n in ("a.weight", "b.weight")]
+    assert not rule_rows("update_too_small", {"torch.updates": (UPDATES, rows), "torch.steps": _steps(100)})
     # nor while the loss falls (a small rate chosen on purpose still moves it)
     assert not _updates("update_too_small", tiny, loss="10.0 - range * 0.05")
     assert _updates("update_too_small", tiny, loss="1.0 + 0.01 * (range % 3)")
