@@ -202,7 +202,7 @@ class Phase:
         if error == "lomo_50" and not fixed:
             kw["lr"] = 5e-5  # the rate the run was given
         if error == "unet_468":
-            opt_cls, kw = torch.optim.RMSprop, {"lr": 1e-3, "momentum": 0.9}
+            opt_cls, kw = torch.optim.RMSprop, {"lr": 1e-5, "momentum": 0.9}  # its train.py's rate
         self.scaler = torch.amp.GradScaler("cpu") if error in AMP else None
         self.loader = self.batches = None  # iterfcn_7, normface_4: a DataLoader and the iterator the loop keeps
         if error == "iterfcn_7":
