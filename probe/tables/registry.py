@@ -56,6 +56,7 @@ BUILTIN = (
     "optim",
     "process",
     "python",
+    "signals",
     "torch",
 )
 
