@@ -1,28 +1,16 @@
-"""Values captured from the training loop for ``torch.steps``: the loss and the gradient norm.
+"""Values captured from the training loop for ``torch.steps``: the loss and the gradient norm (docs/torch.md).
 
-The loss of a step is what the loop backpropagated since the previous step: every
-scalar tensor ``torch.autograd.backward`` (so ``Tensor.backward``, accelerate's
-``accelerator.backward``, Lightning's and the HF Trainer's backward) was called on,
-summed; ``scaler.scale(loss)`` counts as ``loss`` (GradScaler's scale is looked
-through), ``(loss / accum).backward()`` over ``accum`` micro-batches sums to their
-mean, and inside ``optimizer.step(closure)`` only the closure's first evaluation
-counts (the value ``step`` returns; LBFGS evaluates it again). A loop that never
-calls backward on a scalar (``torch.autograd.grad``) falls back to a scalar tensor
-named ``loss`` (PROBE_LOSS_NAMES) in the training loop's frames; ``probe.step(loss=)``
-overrides both.
+The loss of a step is what the loop backpropagated since the previous step: every scalar tensor
+``torch.autograd.backward`` was called on (``Tensor.backward``, accelerate's, Lightning's and the HF Trainer's
+backward), summed; ``scaler.scale(loss)`` counts as ``loss``, and inside ``optimizer.step(closure)`` only the
+closure's first evaluation counts. A loop that never backpropagates a scalar falls back to a scalar named ``loss``
+(PROBE_LOSS_NAMES) in its frames, on measured steps; ``probe.step(loss=)`` overrides both. It is noted on every
+step without a device sync: a CPU scalar is read at once, another one kept detached and taken at the boundary as
+a float or a pinned copy with its event (``hold``), read once landed.
 
-The gradient norm is ``clip_grad_norm_``'s result when the loop clips (kept at no cost),
-else a foreach norm of the lead optimizer's gradients launched on the device. Under FSDP2
-(DTensor gradients) both are this rank's: the norm of its local shards, never a collective.
-
-The loss is a core signal, noted on every step, and its cost is paid on every step: the
-backward wrapper reads a CPU scalar as a float when backward is called on it (one ``item()``:
-there is no device to wait for, and nothing of the tensor or its graph is kept), and keeps any
-other scalar detached (the graph is not kept alive); the step boundary takes the step's sum
-(``take``): a float, or for a device scalar a pinned host copy and an event (``hold``), read
-later by ``pending.read`` once the event has completed. Nothing here synchronises with a device. The
-frame-variable fallback walks frames and runs on measured steps only; ``wanted`` (whether the
-budget measures the step in progress) still gates ``clip_grad_norm_``'s norm.
+The gradient norm is ``clip_grad_norm_``'s result when the loop clips (kept at no cost; its wrapper is in on
+measured steps only), else a foreach norm of the lead optimizer's gradients on their device. Under FSDP2 (DTensor
+gradients) both are this rank's: the norm of its local shards, never a collective.
 """
 
 from __future__ import annotations
@@ -33,8 +21,9 @@ import weakref
 
 from ..config import setting
 from ..util.errorlog import record_error
-from ..util.frames import release
+from ..util.usercode import release
 from ..util.objects import is_a
+from . import signals
 from .frameworks import is_sharded, local
 from .steprows import copy_off
 
@@ -190,17 +179,21 @@ class Capture:
             if self._closure_taken:
                 return
             self._closure_taken = True
+        graph = t  # the graph is read through GradScaler's multiply; the value is the loss's own
         scaled = self._scaled
         if scaled is not None and scaled[0]() is t:
             t = scaled[1]
             self._scaled = None
         if self.wanted:
-            self._note_graph(t)
+            self._note_graph(graph)
+            sig = signals.signals()  # torch.batches: the targets of the step's loss
+            if sig is not None:
+                sig.on_loss(graph)
         looks = self._loss_looks
         self._loss_looks = looks + 1
         if not looks % _LOSS_LOOK_EVERY or (self.wanted and self.backwards == 1):  # and a measured step's first
             try:
-                self.loss_kind = loss_logits(t)
+                self.loss_kind = loss_logits(graph)
             except Exception as exc:
                 record_error("torch steps: the loss's logits", exc)
         if type(t) is Tensor and t.is_cpu:
@@ -403,7 +396,9 @@ class Capture:
         def clip_grad_norm_(*args, **kwargs):
             total = original(*args, **kwargs)
             if capture.wanted:  # a measured step's: an unmeasured one's would go stale
-                capture.clip_norm = total
+                sig = signals.signals()  # unscaled when a GradScaler had not unscaled the gradients (torch.scaler)
+                max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
+                capture.clip_norm = total if sig is None else sig.on_clip(total, max_norm)
             return total
 
         clip_grad_norm_._probe_original = original
@@ -435,6 +430,10 @@ class Capture:
             @functools.wraps(scale)
             def scale_(self_, outputs):
                 out = scale(self_, outputs)
+                if capture.wanted:  # torch.scaler: the scaler of a measured step's loss
+                    sig = signals.signals()
+                    if sig is not None:
+                        sig.on_scale(self_)
                 if out is not outputs and isinstance(outputs, Tensor):
                     try:
                         capture._scaled = (weakref.ref(out), outputs.detach())

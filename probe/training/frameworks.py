@@ -138,8 +138,7 @@ def framework_items(obj, name: str):
 
 
 def _lightning_train_loaders(trainer):
-    """The fit loop's loaders as the user returned them, without asking the LightningModule for new ones
-    (``Trainer.train_dataloader`` reads the fit loop's combined loader; None before fit starts)."""
+    """The fit loop's loaders as the user returned them (None before fit starts), not asking for new ones."""
     fit_loop = getattr(trainer, "fit_loop", None)
     combined = getattr(fit_loop, "_combined_loader", None) if fit_loop is not None else None
     return getattr(combined, "iterables", None) if combined is not None else None
@@ -244,21 +243,25 @@ def restore_counters(framework, counters: dict) -> dict:
 _ENV = "TORCH_FR_BUFFER_SIZE"
 
 
-def enable() -> None:
-    """Turn the recorder on (PROBE_COLLECTIVES entries) unless the user set its buffer size."""
-    if (
-        _ENV in os.environ
-        or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
-        or (size := setting("PROBE_COLLECTIVES")) <= 0
-    ):
-        return
+def enable() -> bool:
+    """Turn the recorder on (PROBE_COLLECTIVES entries) unless the user set its buffer size; whether it did."""
+    size = setting("PROBE_COLLECTIVES")
+    if _ENV in os.environ or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or size <= 0:
+        return False
     if not _group_exists():  # torch reads the variable when the first group is made: later is too late
         os.environ[_ENV] = str(size)
-        return
+        return True
     msg = "the process group existed before the probe started; import probe.auto before init_process_group"
     record_error(
         "torch.collectives", RuntimeError(f"the flight recorder is off: {msg}, run with PROBE=1, or set {_ENV}")
     )
+    return False
+
+
+def disable() -> None:
+    """Undo ``enable`` while no process group has read the setting yet (a group made since keeps its recorder)."""
+    if not _group_exists():
+        os.environ.pop(_ENV, None)
 
 
 def _group_exists() -> bool:
@@ -290,10 +293,8 @@ def split_op(profiling_name: str | None) -> tuple[str | None, str | None]:
     >>> split_op("barrier")
     (None, 'barrier')
     """
-    if not profiling_name:
-        return None, None
-    backend, sep, op = profiling_name.partition(":")
-    return (backend, op) if sep else (None, backend)
+    backend, sep, op = (profiling_name or "").partition(":")
+    return (backend, op) if sep else (None, backend or None)
 
 
 def _ns(v) -> float | None:

@@ -8,7 +8,7 @@ them); once ``probe.step()`` is called, the explicit calls own the count.
 
 The core signals are recorded on every step: step count, step time, lr, the loss (``capture``: a CPU scalar read
 at once, a device one copied without blocking and read when ready), the time before the step's first forward call
-(``data_wait``) and the safe-point queue; memory is read by ``steprows.MemoryClock``'s thread. The optional values
+(``data_wait``); memory is read by ``steprows.MemoryClock``'s thread. The optional values
 (the grad norm, input counts, the frame-variable loss fallback) and the occasional work (discovery scans, module
 trace scheduling) run on the steps the ``PROBE_STEP_BUDGET`` bucket allows, and the row's ``measured`` flag says
 which. Measured steps are jittered (a coin at each allowed step), so a job's own period cannot line up with them.
@@ -16,9 +16,8 @@ Each boundary's own cost is kept (``probe_us``). A step that is not measured, tr
 path (``on_optimizer_step``): the exact values and nothing else, because on a fast loop that path is most steps.
 Values derived from others (``started_at``, the rates, ``rank``) are computed when a query asks.
 
-The hot path never synchronises with a device: a device loss and the gradient norm are kept as pinned host copies
-with an event (``steprows.Pending``) and read a few steps later or when a query asks; until then the ring holds
-None (SQL NULL). A NaN or infinite loss is kept as it is, so ``isnan(loss)`` finds the step it went bad.
+The hot path never synchronises with a device: device values are read once landed (``steprows.Pending``), the
+ring holding None (SQL NULL) until then. A NaN or infinite loss is kept, so ``isnan(loss)`` finds where it went bad.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import sys
 import time
 import weakref
 
-from . import finder, invariants, weights
+from . import finder, invariants, signals, weights
 from .._core.boundary import boundary as _boundary
 from .frameworks import unwrap_optimizer
 from .trace import TracePacing
@@ -141,6 +140,9 @@ class StepTracker:
         checks = invariants.checks()
         if checks is not None:  # its gradient hook too: a paused probe runs nothing on the loop's steps
             checks.close()
+        sig = signals.signals()  # and the update being measured (its step-boundary registration)
+        if sig is not None:
+            sig.close()
 
     def reopen(self) -> None:
         """Undo ``close``: the loss and clip wrappers and the root model's hook go back; the next step's clock
@@ -337,6 +339,7 @@ class StepTracker:
             invariants.checks(self.torch).at_boundary(
                 step, optimizer, self.capture, self._steps_taken
             )  # torch.checks: cheap invariants of training
+            signals.signals(self.torch).at_boundary(step, optimizer)  # torch.batches, torch.updates, torch.scaler
         if step >= self._replicas.next_step:  # torch.weight_sums: DDP replicas' checksums, the same steps on every rank
             self._replicas.at_boundary(step, duration_ns * 1e-9)
         asked = self._plan_next(step, t0, traced, step + 1 <= _FORCED or allowed)
