@@ -1,5 +1,5 @@
 """The doctor on distributed errors from public reports (tests/faults/real_world_ddp.py cites each): 2 ranks
-on gloo started by `python -m torch.distributed.run`, several errors per job where they do not interact,
+on gloo (tests/_ranks.py's ``ddp_job``), several errors per job where they do not interact,
 `probe --ranks all doctor` names each with the rule tests/faults/corpus_ddp.py gives, and the healthy twin (the
 same script with --fixed: a plain DDP job with no collective of its own in the loop) gets nothing, not even
 info, while its ranks' weight checksums agree exactly at the same steps. Each error prints the steps and

@@ -35,6 +35,7 @@ def test_fsdp2_trains_at_defaults_while_probed_and_probe_issues_no_collective(tm
         world=2,
         target=TARGET,
         extra_env={"PROBE_HUNG_AFTER": "30"},
+        torchrun=True,
     ) as job:
         # when: a checkpoint of the sharded model, and queries and doctor calls that keep coming while the
         # job trains (each reads every rank)
