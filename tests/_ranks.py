@@ -143,7 +143,8 @@ def until_status(job, since: float, predicate, *extra):
         last.update(r=r, rows=rows)
         return (r, rows) if rows and predicate(rows) else None
 
-    found = poll(look, max(0.0, since + WITHIN - time.monotonic()))
+    # every second: each `--ranks all status` asks every rank, CPU the job's ranks share
+    found = poll(look, max(0.0, since + WITHIN - time.monotonic()), interval=1.0)
     assert found, (
         f"status did not name the rank within {WITHIN} s: {last.get('rows')}\n"
         f"{last.get('r').stderr if last.get('r') else ''}\njob output:\n" + "\n".join(job.lines[-20:])

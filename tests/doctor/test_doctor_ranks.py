@@ -53,7 +53,8 @@ def until(job, hung_after: str, wanted, timeout: float = 120.0) -> list:
         last[:] = doctor(job, hung_after)
         return wanted(last)
 
-    assert poll(look, timeout), (
+    # every 2 s: each `--ranks all doctor` costs every rank a doctor run, CPU the job's ranks share
+    assert poll(look, timeout, interval=2.0), (
         "the doctor never said it:\n" + json.dumps(last, indent=1) + "\njob output:\n" + "\n".join(job.lines[-20:])
     )
     return last
