@@ -17,10 +17,12 @@ from conftest import EXAMPLES, TARGETS, poll, requires_torch
 
 pytestmark = requires_torch
 
+# paced (10 ms a step): the checks come with measured steps, which the budget takes at about the same pace whether
+# the loop sleeps or not, and a loop stepping flat out takes a core for as long as the test waits for them
 JOBS = {
-    "hf_accum": ([TARGETS / "hf_trainer.py", "--accum", "2"], "transformers"),
+    "hf_accum": ([TARGETS / "hf_trainer.py", "--accum", "2", "--step-sleep", "0.01"], "transformers"),
     "lightning": ([TARGETS / "lightning_train.py", "--step-sleep", "0.01"], "lightning"),
-    "gpt": ([EXAMPLES / "train_gpt.py", "--print-every", "50"], None),
+    "gpt": ([EXAMPLES / "train_gpt.py", "--print-every", "50", "--step-sleep", "0.01"], None),
 }
 
 
