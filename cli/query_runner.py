@@ -346,7 +346,7 @@ def _union_view(ws, name: str, relation: str | None, schema: dict, failed, j: in
     answered) with a ``rank`` column, plus a row for each silent rank where the view keeps one."""
     from probe.sql.engine import Result
     from probe.sql.federate import union_columns
-    from probe.sql.ranks import VIEW_COLUMNS
+    from probe.sql.rank_columns import VIEW_COLUMNS
 
     declared = [c for c, _, _ in VIEW_COLUMNS[name]] if name in VIEW_COLUMNS else list(schema[name])
     types = {c: t for c, t, _ in VIEW_COLUMNS[name]} if name in VIEW_COLUMNS else dict(schema[name])

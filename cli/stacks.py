@@ -27,7 +27,7 @@ import os
 import time
 
 from probe._errors import ProbeError
-from probe.util.collapsed import stack_text
+from probe.util.printable import stack_text
 from probe.util.usercode import is_user_file
 
 __all__ = [

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 from probe._errors import AttachError
-from probe.util.collapsed import stack_text
+from probe.util.printable import stack_text
 
 from ._process import EXIT_CODES, explain_ptrace_failure, inspect_process, ptrace_problem
 

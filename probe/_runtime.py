@@ -84,18 +84,24 @@ def runtime_dir(create: bool = True) -> str:
         return _private["path"]
     path = default_runtime_dir()
     if create:
-        try:
-            os.mkdir(path, 0o700)  # created by us: mode 0700 whatever the umask adds, never chmodded later
-        except FileExistsError:
-            pass
-        except FileNotFoundError:
-            os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-            try:
-                os.mkdir(path, 0o700)
-            except FileExistsError:
-                pass
+        _make_private_dir(path)
         check_private_dir(path)
     return path
+
+
+def _make_private_dir(path: str) -> None:
+    """Create ``path`` (and missing parents) mode 0700 whatever the umask adds, never chmodded later; one that
+    exists is left as it is, for ``check_private_dir`` to judge."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
 
 
 def use_private_dir(reason: str) -> str:
@@ -134,11 +140,7 @@ def sweep_stale(path: str) -> int:
             continue
         if name.endswith(".sock") and os.path.exists(os.path.join(path, f"{pid}.json")):
             continue  # read_entries(clean=True) removes the pair together
-        try:
-            os.unlink(os.path.join(path, name))
-            removed += 1
-        except OSError:
-            pass
+        removed += _unlink(os.path.join(path, name))
     return removed
 
 
@@ -201,15 +203,9 @@ def shared_registry(create: bool = True) -> str | None:
         return path
     fix = "point PROBE_REGISTRY at a directory of your own that only you can enter (mode 0700)"
     try:
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-        except FileNotFoundError:
-            if not create:
-                return None
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            os.mkdir(path, 0o700)
+        if not create and not os.path.exists(os.path.dirname(path)):
+            return None
+        _make_private_dir(path)
         check_private_dir(path, "the shared registry", fix)
     except EndpointError as exc:
         _refuse_registry(path, exc.message)
@@ -277,11 +273,10 @@ def job_token() -> str:
         os.unlink(tmp)
     try:
         token = read_private(path, 4096).decode().strip()
+        if not token:
+            raise ValueError("it is empty")
     except (OSError, ValueError) as exc:
         _refuse_registry(shared, f"the shared registry's token file {path} cannot be trusted ({exc})")
-        return secrets.token_urlsafe(24)
-    if not token:
-        _refuse_registry(shared, f"the shared registry's token file {path} is empty")
         return secrets.token_urlsafe(24)
     return token
 
@@ -296,6 +291,17 @@ def registry_listen(host: str | None, token: str | None) -> tuple[str, str, str]
     return "0", bind, token or job_token()
 
 
+def _unlink(path: str | None) -> bool:
+    """Remove ``path`` if there is one; whether it was removed (a file already gone is no error here)."""
+    if not path:
+        return False
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
+
+
 def _atomic_write(path: str, data: dict) -> None:
     fd, tmp = _private_temp(path)
     try:
@@ -303,10 +309,7 @@ def _atomic_write(path: str, data: dict) -> None:
             json.dump(data, f)
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _unlink(tmp)
         raise
 
 
@@ -334,12 +337,9 @@ def remove_entry(pid: int, host: str | None = None) -> None:
         return
     for i, d in enumerate(dirs):
         name = f"{pid}.json" if i == 0 else f"{host}-{pid}.json"
-        for path in (os.path.join(d, name), os.path.join(d, f"{pid}.sock") if i == 0 else None):
-            if path:
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+        _unlink(os.path.join(d, name))
+        if i == 0:
+            _unlink(os.path.join(d, f"{pid}.sock"))
 
 
 def _valid_entry(entry) -> bool:
@@ -413,12 +413,8 @@ def read_entries(clean: bool = False) -> list[dict]:
                 continue
             if entry.get("host", here) == here and not process_is(int(entry["pid"]), entry.get("proc_start")):
                 if clean:
-                    for stale in (path, entry.get("socket")):
-                        try:
-                            if stale:
-                                os.unlink(stale)
-                        except OSError:
-                            pass
+                    _unlink(path)
+                    _unlink(entry.get("socket"))
                 continue
             key = (entry.get("host"), entry["pid"])
             if key not in entries or not entry.get("shared"):

@@ -29,7 +29,8 @@ from sqlglot.optimizer.qualify import qualify
 from probe._errors import QueryError
 
 from .guard import guard, unreadable
-from .ranks import CLIENT_VIEWS, FEDERATED_VIEWS, VIEW_COLUMNS, view_sql
+from .rank_columns import VIEW_COLUMNS
+from .ranks import CLIENT_VIEWS, FEDERATED_VIEWS, view_sql
 
 __all__ = ["Plan", "plan", "qualify_query", "table_scans", "table_name", "per_rank_query", "union_columns"]
 

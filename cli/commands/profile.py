@@ -15,7 +15,7 @@ from probe.util.printable import printable
 from . import Command, command
 
 
-MAX_SECONDS = 60.0  # the agent's own bound (probe.agent.profile.MAX_SECONDS); the CLI does not import the agent
+MAX_SECONDS = 60.0  # the agent's own bound (probe.agent.routes.MAX_SECONDS); the CLI does not import the agent
 
 
 def fetch_profile(session, target, seconds: float, native: bool = False, hz: float = 100.0) -> dict:

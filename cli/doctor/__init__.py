@@ -42,8 +42,8 @@ __all__ = [
 
 # the modules of this package that declare the built-in rules: one process's training (hangs, NaNs, the loss),
 # what trains (parameters, gradients, replicas), memory/speed/input/activations, the invariant checks of
-# torch.checks, and across ranks
-BUILTIN = ("process", "params", "runtime", "invariants", "ranks")
+# torch.checks, the batch, update and loss-scaling signals, and across ranks
+BUILTIN = ("process", "params", "runtime", "invariants", "signals", "ranks")
 _LOADED: list[bool] = []
 
 

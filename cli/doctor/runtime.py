@@ -163,8 +163,11 @@ rule(
         "Over the last 50 steps (every step: torch.steps.data_wait, the time before each step's first forward call; "
         "on traced steps without it, the time outside the root models' forward and backward), more than 70% of the "
         "step time (and 20 ms a step) goes outside the model: waiting for data or host-side work (time waiting for "
-        "other ranks, torch.steps.comm_wait, or for a CPU, torch.steps.cpu_wait, does not count: on the steps the "
-        "budget did not measure, the CPU wait is the last 50 measured steps' share of step time); summed over the "
+        "other ranks, torch.steps.comm_wait, does not count; the time waiting for a CPU, torch.steps.cpu_wait, is "
+        "taken out of the model's part and the rest in proportion, since a starved main thread waits while it loads "
+        "too, and the 20 ms are of the rest: on the steps the budget did not measure, the CPU wait is the last 50 "
+        "measured steps' share of step time; when that wait is over a quarter of the step, the message says both); "
+        "summed over the "
         "steps, so batches that arrive in pairs from two workers (a fast step, then a slow one) count in full; names "
         "the DataLoaders with num_workers=0 (torch.dataloaders) and, when the main thread is in one now, the "
         "DataLoader's __next__/fetch or Dataset's __getitem__ it is in (python.backtrace)."
@@ -177,17 +180,21 @@ w AS (  -- the share of step time the training thread waited for a CPU, over tho
   SELECT rank, least(sum(cpu_wait) / nullif(sum(duration), 0), 1) AS share FROM waited GROUP BY rank),
 j AS (  -- each step's time in the model: all but its data_wait, else (traced steps) its root modules' time; a
         -- step's CPU wait is its own where it was read, else the recent steps' share of it (a loaded host)
-  SELECT s.rank, s.step,
-         s.duration - coalesce(s.comm_wait, 0) - coalesce(s.cpu_wait, s.duration * coalesce(w.share, 0)) AS duration,
+  SELECT s.rank, s.step, s.duration - coalesce(s.comm_wait, 0) AS duration,
+         least(coalesce(s.cpu_wait, s.duration * coalesce(w.share, 0)), s.duration) AS wait_s,
          coalesce(s.duration - s.data_wait, f.model_s) AS model_s
   FROM torch.steps AS s
   LEFT JOIN f ON f.rank IS NOT DISTINCT FROM s.rank AND f.step = s.step
   LEFT JOIN w ON w.rank IS NOT DISTINCT FROM s.rank
   WHERE s.duration IS NOT NULL AND coalesce(s.duration - s.data_wait, f.model_s) IS NOT NULL),
 m AS (
-  SELECT rank, max(step) AS step, count(*) AS steps, avg(duration) AS step_s, avg(least(model_s, duration)) AS model_s
+  SELECT rank, max(step) AS step, count(*) AS steps, avg(duration) AS step_s, avg(least(model_s, duration)) AS model_s,
+         avg(wait_s) AS wait_s
   FROM (SELECT *, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age FROM j) WHERE age <= 50
   GROUP BY rank),
+-- the time outside the model once the CPU wait is taken out in proportion: the main thread that loads a batch
+-- waits for a CPU as the model's part does
+o AS (SELECT *, (step_s - model_s) * (1 - least(wait_s / nullif(step_s, 0), 1)) AS own_outside_s FROM m),
 -- the evidence: loaders that load on the main thread, and whether the main thread is loading now
 d AS (
   SELECT rank, count(*) AS n, string_agg(name || ' (' || coalesce(dataset_type, 'a dataset') || ', batch_size '
@@ -200,19 +207,25 @@ b AS (  -- the innermost frame of the main thread in a Dataset's __getitem__ or 
                      OR (file LIKE '%/torch/utils/data/%' AND func IN ('__next__', '_next_data', 'fetch')))
   GROUP BY rank)
 SELECT m.rank, m.step, m.steps, m.step_s * 1000 AS step_ms, m.model_s * 1000 AS model_ms,
-       100 * (1 - m.model_s / m.step_s) AS outside_pct,
+       100 * (1 - m.model_s / m.step_s) AS outside_pct, m.own_outside_s * 1000 AS own_outside_ms,
+       CASE WHEN m.wait_s > 0.25 * m.step_s AND m.wait_s > 0.005
+            THEN '; the host is starved too: the training thread waited ' || round(m.wait_s * 1000, 1)
+                 || ' ms a step for a CPU (' || round(100 * m.wait_s / m.step_s)::BIGINT
+                 || '% of the step), which slows the loading as much as the model (fewer processes than cores, or a '
+                 || 'lighter input pipeline)'
+            ELSE '' END AS starved,
        coalesce('; ' || CASE WHEN d.n = 1 THEN 'DataLoader ' ELSE 'DataLoaders ' END || d.names
                 || CASE WHEN d.n = 1 THEN ' has' ELSE ' have' END
                 || ' num_workers=0: the training thread loads every batch itself '
                    '(give it workers, num_workers=4 or more)', '') AS loaders,
        coalesce('; the main thread is in ' || b.frame || ' now', '') AS loading
-FROM m
+FROM o AS m
 LEFT JOIN d ON d.rank IS NOT DISTINCT FROM m.rank
 LEFT JOIN b ON b.rank IS NOT DISTINCT FROM m.rank
-WHERE m.steps >= 3 AND m.model_s < 0.3 * m.step_s AND m.step_s - m.model_s > 0.02""",
+WHERE m.steps >= 3 AND m.model_s < 0.3 * m.step_s AND m.own_outside_s > 0.02""",
     message=(
         "{outside_pct:.0f}% of step time is spent outside forward/backward ({step_ms:.1f} ms a step, {model_ms:.1f} "
-        "ms in the model): the input pipeline or host-side work is the bottleneck{loaders}{loading}."
+        "ms in the model): the input pipeline or host-side work is the bottleneck{loaders}{loading}{starved}."
     ),
     next=[
         "probe {target} backtrace",

@@ -55,7 +55,7 @@ def _redact_locals(doc: dict) -> None:
     for thread in doc["threads"]:
         for frame in (thread.get("frames") or []) if isinstance(thread, dict) else []:
             if isinstance(frame, dict) and isinstance(frame.get("locals"), dict):
-                from probe.util.redact import (
+                from probe.util.printable import (
                     redact,
                 )  # only with --locals: its patterns cost a plain backtrace's start-up
 

@@ -12,14 +12,10 @@ from typing import Callable
 
 from ..util.errorlog import record_error
 
-__all__ = ["is_running", "info", "set_entry", "clear", "add_status_provider", "status"]
+__all__ = ["info", "set_entry", "clear", "add_status_provider", "status"]
 
 _entry: dict = {}
 _status_providers: list[Callable[[], dict]] = []
-
-
-def is_running() -> bool:
-    return bool(_entry)
 
 
 def info() -> dict:
@@ -33,7 +29,9 @@ def set_entry(entry: dict) -> None:
 
 
 def clear() -> None:
+    """Forget the entry and every status provider (the probe stopped; a new start adds its own)."""
     _entry.clear()
+    _status_providers.clear()
 
 
 def add_status_provider(fn: Callable[[], dict]) -> None:

@@ -24,7 +24,7 @@ import traceback
 from .queue import Context
 from .._errors import ActionError
 from ..training.finder import main_globals, named
-from ..util.frames import release
+from ..util.usercode import release
 
 __all__ = ["run_code", "namespace"]
 

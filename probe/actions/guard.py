@@ -124,12 +124,23 @@ def arm_from_setting() -> None:
         except ActionError as exc:
             print(f"probe: PROBE_GUARD: {exc.message}", file=sys.stderr, flush=True)
 
+    _from_setting[:] = [first]
     boundary.after_step(first)
+
+
+def stand_down() -> None:
+    """What the probe's stop undoes: a PROBE_GUARD not yet armed, and an armed guard's wrappers and hook."""
+    for first in _from_setting:
+        boundary.remove(first)
+    _from_setting.clear()
+    if current() is not None:
+        disarm(boundary.last_step)
 
 
 # -- what is armed, and what it caught ------------------------------------------------------------------------
 _lock = threading.RLock()
 _guard: list = []  # the armed Guard, if any
+_from_setting: list = []  # PROBE_GUARD's first-boundary callback, until it ran
 _events: deque = deque(maxlen=1000)  # torch.guard's rows
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "last_step",
     "refuse",
     "cancel",
+    "drop_pending",
     "TERMINAL",
     "ActionCancelled",
 ]
@@ -104,6 +105,7 @@ class Action:
     cancel_requested: bool = field(default=False, repr=False)  # a cancel that came before that thread started
     settle_by: float | None = None  # a deferred action not settled by then fails
     missed: bool = False  # failed because its ``at_step`` had passed: never ran, safe to ask again
+    timer: Any = field(default=None, repr=False)  # the threading.Timer that expires it when queued with a timeout
 
     def to_dict(self) -> dict:
         return {
@@ -194,11 +196,29 @@ def submit(
         action.state = "running"
         t.start()
     elif timeout is not None:
-        t = threading.Timer(timeout, expire)
-        t.daemon = True
-        t.name = "probe-action-timeout"
-        t.start()
+        action.timer = threading.Timer(timeout, expire)
+        action.timer.daemon = True
+        action.timer.name = "probe-action-timeout"
+        action.timer.start()
     return action
+
+
+def drop_pending() -> None:
+    """Cancel every action still waiting for a step boundary and stop their timers (the probe stopped): none of
+    them runs later, and the boundary has no subscriber of ours left."""
+    with _lock:
+        dropped = list(_pending)
+        _pending.clear()
+        boundary.remove(_at_step)
+        for a in dropped:
+            a.state, a.finished_at, a.error = "cancelled", time.time(), "the probe stopped before a step boundary came."
+        for a in _history:
+            if a.timer is not None:
+                a.timer.cancel()
+                a.timer = None
+        _lock.notify_all()
+    for a in dropped:
+        _audit_end(a)
 
 
 def wait(action: Action, seconds: float) -> Action:

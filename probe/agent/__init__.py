@@ -1,3 +1,3 @@
-"""The agent inside the training process: start/stop (``lifecycle``), the HTTP server and
-its routes, the registry entry (``state``), audit log, hang watchdog, autostart and the
-inject bootstrap."""
+"""The agent inside the training process: one ``Session`` that start/stop make and undo (``lifecycle``), the
+HTTP server and its routes (``server``, ``routes``, ``action_routes``), snapshots and their pacing
+(``snapshot``), the listeners, the hang watchdog, autostart and the inject bootstrap."""

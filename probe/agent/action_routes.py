@@ -18,13 +18,20 @@ from .._errors import ActionError, ProbeError
 from ..actions import queue
 from ..actions.checkpoint import check_target, expand_path, save
 from ..actions.evaluate import run_code
+from ..actions import guard
 from ..actions.lr import LrRequest, change_lr, check_rate, reset_lr
-from ..actions.maintenance import cleanup, debug
-from ..actions import guard, profiler
+from ..actions.maintenance import (
+    PROFILE_MAX_STEPS,
+    cleanup,
+    current_profile,
+    debug,
+    read_profile_chunk,
+    start_profile,
+)
 from ..actions.queue import refuse, submit
 from ..util import validate as _validate
 from .._core import state
-from .routing import Request, check_tier, route
+from .server import Request, check_tier, route
 
 __all__ = []
 
@@ -207,13 +214,13 @@ def profile_steps_route(req: Request) -> dict:
     args = {k: req.param(k) for k in ("steps", "with_stack", "record_shapes") if req.param(k) is not None}
     try:
         steps = _number(req, "steps", int)
-        if steps is None or not 1 <= steps <= profiler.MAX_STEPS:
-            raise ActionError(f"steps must be a whole number from 1 to {profiler.MAX_STEPS}.")
+        if steps is None or not 1 <= steps <= PROFILE_MAX_STEPS:
+            raise ActionError(f"steps must be a whole number from 1 to {PROFILE_MAX_STEPS}.")
         if _flag(req, "now"):
             raise ActionError("profile-steps starts at a step boundary; --now does not apply.")
     except ProbeError as exc:
         refuse(req.client, "profile-steps", args, exc.message)
-    running = profiler.current()
+    running = current_profile()
     if running.get("state") == "running":
         refuse(
             req.client,
@@ -223,15 +230,15 @@ def profile_steps_route(req: Request) -> dict:
             f"{running['from_step']}-{running['until_step']}); wait for it to finish.",
         )
     stack, shapes = _flag(req, "with_stack"), _flag(req, "record_shapes")
-    return _submit(req, "profile-steps", args, lambda ctx: profiler.start(ctx, steps, stack, shapes))
+    return _submit(req, "profile-steps", args, lambda ctx: start_profile(ctx, steps, stack, shapes))
 
 
 @route("GET", "/profile-steps")
 def profile_steps_state_route(req: Request) -> dict:
     offset = _number(req, "offset", int)
     if offset is not None:
-        return profiler.read_chunk(str(req.param("file")), offset)
-    return {"profile": profiler.current()}
+        return read_profile_chunk(str(req.param("file")), offset)
+    return {"profile": current_profile()}
 
 
 @route("POST", "/actions/debug", tier="eval")  # debugpy has no authentication: it is code execution

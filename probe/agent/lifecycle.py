@@ -1,9 +1,13 @@
-"""Start and stop the probe inside this process.
+"""Start and stop the probe inside this process: one ``Session`` owns all it installs.
 
-``start()`` binds the unix socket (and TCP when asked), writes the registry entry,
-and serves on daemon threads; it is idempotent. ``stop()`` undoes all of it, and so
-does interpreter exit. A forked child (a DataLoader worker) does not inherit a
-running probe: threads do not survive fork, so the child's state is reset.
+``start()`` makes the session: it binds the unix socket (and TCP when asked), writes the
+registry entry, serves on daemon threads, and installs the torch hooks (through
+``probe.training``), the hang watchdog, the post-mortem hooks and the SIGTERM handler. Each
+step pushes its own undo; ``stop()`` runs them in reverse, so it removes exactly what this
+start put in, and so does interpreter exit (records, sockets and entry only: the process is going). On
+SIGTERM the session's ``SigtermGuard`` (``watchdog``) writes the record and stops it the same way.
+Starting twice is harmless. A forked child (a DataLoader worker) does not inherit a running
+probe: threads do not survive fork, so the child drops the session.
 """
 
 from __future__ import annotations
@@ -12,10 +16,10 @@ import atexit
 import ipaddress
 import os
 import secrets
-import socket
 import sys
 import threading
 import time
+from typing import Callable
 
 from .. import __version__
 from ..config import setting
@@ -30,57 +34,90 @@ from .._runtime import (
     use_private_dir,
     write_entry,
 )
-from ..actions import guard
+from ..actions import guard, queue
+from ..actions.maintenance import stop_profile
 from ..postmortem import hooks as postmortem
 from ..tables import registry as tables
+from ..util.errorlog import record_error
 from ..util.procfs import proc_start
 from ..training import collectives, hooks
 from . import action_routes  # noqa: F401  (registers the action and eval routes)
-from . import profile  # noqa: F401  (registers GET /profile, the stack sampler)
-from . import routes  # noqa: F401  (registers the read routes)
-from . import snapshot  # noqa: F401  (the query path, loaded at start: never in a training step later)
-from . import sigterm, watchdog
+from . import routes  # noqa: F401  (registers the read routes and GET /profile)
 from .._core import state
-from .listeners import TCPServer, UnixServer, serve_in_thread
 from .._core.state import info
+from .listeners import TCPServer, UnixServer, close, serve_in_thread, stop_serving
+from .watchdog import SigtermGuard, Watchdog
 
-__all__ = ["start", "stop", "is_running", "info"]
+__all__ = ["Session", "start", "stop", "is_running", "info"]
 
 _lock = threading.RLock()
-_running: dict = {}  # servers and threads of the running probe; the entry itself lives in state
+_session: Session | None = None  # the running one
 
 
 def is_running() -> bool:
-    return bool(_running)
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
+    return _session is not None
 
 
 def start(
     *, port: int | None = None, host: str | None = None, token: str | None = None, runtime: str | None = None
 ) -> dict:
     """Start the probe server in this process; return its registry entry. Starting twice is harmless."""
+    global _session
     with _lock:
-        if _running:
-            return info()
+        if _session is None:
+            session = Session()
+            session.start(port=port, host=host, token=token, runtime=runtime)
+            _session = session
+        return info()
+
+
+def stop(*, exiting: bool = False) -> None:
+    """Stop serving and undo what ``start`` did: hooks, threads, handlers, the registry entry and socket.
+
+    ``exiting`` (interpreter exit, SIGTERM): only close the listening sockets and remove the entry and the
+    hooks that write records; the serving threads are daemons that end with the interpreter, and Python 3.12+
+    refuses to start the thread a graceful shutdown needs at that point.
+    """
+    global _session
+    with _lock:
+        session, _session = _session, None
+        if session is not None:
+            session.stop(exiting=exiting)
+
+
+class Session:
+    """One running probe: what ``start`` installed, each with its undo, undone in reverse by ``stop``."""
+
+    def __init__(self):
+        self._undo: list[tuple[Callable[[], None], bool]] = []  # (undo, whether it runs when the process exits)
+        self.watchdog: Watchdog | None = None
+        self.sigterm: SigtermGuard | None = None
+
+    def _did(self, undo: Callable[[], None], at_exit: bool = False) -> None:
+        self._undo.append((undo, at_exit))
+
+    def start(self, *, port=None, host=None, token=None, runtime=None) -> None:
+        try:
+            self._start(port, host, token, runtime)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, port, host, token, runtime) -> None:
         if runtime:
+            previous = os.environ.get("PROBE_RUNTIME_DIR")
             os.environ["PROBE_RUNTIME_DIR"] = runtime
+            self._did(lambda: _restore_env("PROBE_RUNTIME_DIR", previous))
         try:
             rdir = runtime_dir()
         except (ProbeError, OSError) as exc:  # someone else's, a symlink, unwritable: never fatal, never repaired
             rdir = use_private_dir(getattr(exc, "message", None) or f"the runtime directory is unusable ({exc})")
         sweep_stale(rdir)
         sock_path = os.path.join(rdir, f"{os.getpid()}.sock")
-        servers = [UnixServer(sock_path)]
-        threads = [serve_in_thread(servers[0], "probe-server")]
+        self._serve(UnixServer(sock_path), "probe-server")
 
         port_setting = port if port is not None else setting("PROBE_PORT")
-        tcp_port = tcp_host = None
+        tcp = tcp_host = None
         token = token or setting("PROBE_TOKEN")
         # other nodes find this rank in the shared registry: only one this user alone can write (else refused, said
         # once)
@@ -92,17 +129,14 @@ def start(
             try:
                 tcp = TCPServer(tcp_host, int(port_setting), token, rank_identity()["rank"])
             except (OSError, ValueError) as exc:
-                servers[0].server_close()
                 raise ProbeError(
                     f"probe could not listen on {tcp_host}:{port_setting} ({exc}); choose another PROBE_PORT or use 0 "
                     "for a free port."
                 ) from None
-            tcp_port = tcp.server_address[1]
-            servers.append(tcp)
-            threads.append(serve_in_thread(tcp, "probe-server-tcp"))
+            self._serve(tcp, "probe-server-tcp")
             if not _loopback(tcp_host):
                 print(
-                    f"[probe] WARNING: listening on {tcp_host}:{tcp_port}, reachable from other hosts; "
+                    f"[probe] WARNING: listening on {tcp_host}:{tcp.server_address[1]}, reachable from other hosts; "
                     "every request needs the token.",
                     file=sys.stderr,
                     flush=True,
@@ -115,7 +149,7 @@ def start(
             "job": job_identity(),
             "socket": sock_path,
             "tcp_host": tcp_host,
-            "tcp_port": tcp_port,
+            "tcp_port": tcp.server_address[1] if tcp else None,
             "argv": process_argv(),
             "cwd": os.getcwd(),
             "python": sys.version.split()[0],
@@ -126,86 +160,113 @@ def start(
             "proc_start": proc_start(),  # the kernel's start time: a later process given the same pid is not this one
             "uid": os.getuid(),
         }
-        if tcp_port is not None:
+        if tcp is not None:
             entry["key"] = tcp.key  # this rank's key only: it opens no other rank of the job (probe.util.handshake)
         tables.load_builtins()  # now: a query, or the record written as the interpreter exits, imports nothing
         write_entry(entry)
         state.set_entry(entry)
-        _running.update(servers=servers, threads=threads)
-        collectives.enable()  # torch.collectives: the flight recorder must be on before the first process group
-        hooks.arm()  # torch's step and module hooks: now, or when torch gets imported
+        self._did(lambda: (state.clear(), remove_entry(entry["pid"], entry.get("host"))), at_exit=True)
+        # the training loop, through probe.training: the flight recorder on before the first process group (the
+        # torch.collectives table), torch's step and module hooks now or when torch gets imported
+        if collectives.enable():
+            self._did(collectives.disable)
+        hooks.arm()
+        self._did(hooks.disarm)
+        self._did(queue.drop_pending)  # an action still waiting for a step boundary never runs
+        self._did(stop_profile)  # nor does a profile of the next steps
         guard.arm_from_setting()  # PROBE_GUARD: the guard, armed at the first step boundary
-        watchdog.install()  # PROBE_HANG_TIMEOUT: all-thread stacks on disk when steps stop
+        self._did(guard.stand_down)  # and any guard armed since, its wrappers and hook taken out
+        self.watchdog = Watchdog.start()  # PROBE_HANG_TIMEOUT: all-thread stacks on disk when steps stop
+        if self.watchdog is not None:
+            state.add_status_provider(self.watchdog.status)
+            self._did(self.watchdog.stop, at_exit=True)
         postmortem.install()  # a record in the runtime dir when the process dies, and periodic snapshots
-        sigterm.install(stop)  # the record on SIGTERM, and death as prompt as without the probe
-        return info()
+        self._did(postmortem.uninstall, at_exit=True)
+        self.sigterm = SigtermGuard.install(stop)  # the record on SIGTERM, and death as prompt as without the probe
+        if self.sigterm is not None:
+            self._did(self.sigterm.uninstall)
 
+    def _serve(self, server, name: str) -> None:
+        thread = serve_in_thread(server, name)
+        self._did(lambda: close(server), at_exit=True)
+        self._did(lambda: stop_serving(server, thread))
 
-def stop(*, exiting: bool = False) -> None:
-    """Stop serving and remove this process's registry entry and socket.
+    def stop(self, *, exiting: bool = False) -> None:
+        """Run every undo, last first (at interpreter exit only those marked for it); each one that fails is
+        recorded and the others still run."""
+        while self._undo:
+            undo, at_exit = self._undo.pop()
+            if exiting and not at_exit:
+                continue
+            try:
+                undo()
+            except Exception as exc:
+                record_error("stopping the probe", exc)
 
-    ``exiting`` (interpreter exit): only close the listening sockets; the serving threads are
-    daemons that end with the interpreter, and Python 3.12+ refuses to start the thread a
-    graceful shutdown needs at that point.
-    """
-    with _lock:
-        if not _running:
-            return
-        servers = _running.get("servers", [])
-        entry = state.info()
-        _running.clear()
+    # a forked child (a DataLoader worker) keeps nothing of the parent's session: its threads did not survive
+    def before_fork(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.before_fork()
+
+    def after_fork_in_parent(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.after_fork_in_parent()
+
+    def after_fork_in_child(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.after_fork_in_child()
+        if self.sigterm is not None:
+            self.sigterm.after_fork_in_child()
         state.clear()
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _loopback(host: str) -> bool:
     try:
-        watchdog.uninstall()  # no hang dumps for a process we stopped probing
-        postmortem.uninstall()
-        for srv in servers:
-            if exiting:
-                try:
-                    srv.server_close()
-                except OSError:
-                    pass
-            else:
-                _shutdown(srv)
-    finally:
-        remove_entry(entry.get("pid", os.getpid()), entry.get("host"))
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _at_exit() -> None:
+    """Interpreter exit with a session: the post-mortem ``exit`` record, then the sockets and the entry."""
+    if _session is None:
+        return
     try:
+        postmortem.at_exit()
         stop(exiting=True)
     except Exception:
         pass  # nothing may raise at the user's interpreter exit
 
 
-def _shutdown(srv) -> None:
-    """serve_forever sleeps in select with a long timeout (no idle wake-ups); wake it to stop."""
-    t = threading.Thread(target=srv.shutdown, daemon=True)
-    t.start()
-    try:
-        addr = srv.server_address
-        if isinstance(addr, str):
-            s = socket.socket(socket.AF_UNIX)
-        else:
-            s = socket.socket(srv.address_family)
-            if addr[0] in ("0.0.0.0", "::"):
-                addr = ("127.0.0.1" if srv.address_family == socket.AF_INET else "::1", addr[1])
-        s.settimeout(1)
-        s.connect(addr)
-        s.close()
-    except OSError:
-        pass
-    t.join(2)
-    try:
-        srv.server_close()
-    except OSError:
-        pass
+def _fork_hook(name: str) -> Callable[[], None]:
+    def run() -> None:
+        session = _session
+        if session is not None:
+            getattr(session, name)()
+
+    return run
 
 
-def _after_fork_in_child() -> None:
-    _running.clear()
-    state.clear()
+def _drop_in_child() -> None:
+    global _session
+    session, _session = _session, None
+    if session is not None:
+        session.after_fork_in_child()
 
 
+# one registration each for the life of the interpreter (at-fork hooks cannot be removed, and an atexit entry
+# taken out leaves its slot): without a session they do nothing
 atexit.register(_at_exit)
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(
+        before=_fork_hook("before_fork"),
+        after_in_parent=_fork_hook("after_fork_in_parent"),
+        after_in_child=_drop_in_child,
+    )

@@ -19,7 +19,7 @@ from ..util.errorlog import record_error
 from ..util.slots import BoundedThreads
 from .server import _WRONG_TOKEN, _Handler
 
-__all__ = ["UnixServer", "TCPServer", "serve_in_thread"]
+__all__ = ["UnixServer", "TCPServer", "serve_in_thread", "stop_serving", "close"]
 
 
 _BUSY = (
@@ -122,6 +122,31 @@ class TCPServer(_Base, socketserver.TCPServer):
 
 
 def serve_in_thread(server, name: str) -> threading.Thread:
+    """Serve on a daemon thread until ``stop_serving``."""
     t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 3600}, name=name, daemon=True)
     t.start()
     return t
+
+
+def close(server) -> None:
+    """Close the listening socket; a unix socket's file goes with it."""
+    try:
+        server.server_close()
+        if isinstance(server.server_address, str):
+            os.unlink(server.server_address)
+    except OSError:
+        pass
+
+
+def stop_serving(server, thread: threading.Thread) -> None:
+    """End ``serve_forever``, which sleeps in select with a long timeout (no idle wake-ups): ask for the shutdown,
+    wake the select by shutting the listening socket down (its accept then fails and is ignored), wait for it."""
+    t = threading.Thread(target=server.shutdown, name="probe-server-shutdown", daemon=True)
+    t.start()
+    try:
+        server.socket.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    t.join(2)
+    if thread is not threading.current_thread():
+        thread.join(2)

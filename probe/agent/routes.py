@@ -1,18 +1,30 @@
-"""HTTP routes of the read tier: health, snapshot (the server side of a query), backtrace, tables.
+"""HTTP routes of the read tier: health, snapshot (the server side of a query), backtrace, tables, and ``GET
+/profile``.
 
 Other rooms add their own routes (actions, eval) with ``@route`` the same way.
+
+``GET /profile`` samples every thread's Python stack for a few seconds (a flamegraph's data) on the
+request's server thread: it reads ``sys._current_frames()`` about ``hz`` times a second for ``seconds``
+(both bounded), keys each stack by its code objects (no strings built while sampling) and only turns the
+distinct stacks into text at the end. Between samples it sleeps, so the training thread keeps the GIL. A
+profile is charged to its listener's share (``snapshot.Lane``, ``PROBE_SERVE_SHARE``) as it samples: it
+starts when the share has credit, and while the share is spent it pauses (fewer samples, ``paced_s`` says
+how long). One profile runs at a time per listener; a second request is refused with a sentence saying so.
+The answer is collapsed stacks, root first: ``thread MainThread;main (train.py:90);...`` with a sample count
+each, the format flamegraph tools read.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from itertools import islice
 
-from . import pacing
 from .._core import state
-from .routing import Binary, Request, route
-from .server import requests_served
+from .server import Binary, Request, requests_served, route
+from .snapshot import lane, served, take
 from .._errors import QueryError
 from ..config import setting
 from ..tables.python import frame_row, thread_roots
@@ -20,9 +32,10 @@ from ..tables.registry import all_tables, version
 from ..util import validate as v
 from ..util.objects import bounded_repr
 from ..util.procfs import native_id
-from ..util.redact import redact
+from ..util.printable import redact, frame_text
 
-__all__ = ["snapshot", "schema_identity", "MAX_THREADS", "MAX_DEPTH"]
+
+__all__ = ["snapshot", "schema_identity", "MAX_THREADS", "MAX_DEPTH", "sample_stacks", "MAX_SECONDS", "MAX_HZ"]
 
 
 @route("GET", "/health")
@@ -36,8 +49,6 @@ def snapshot(req: Request) -> Binary:
 
     The query itself (SQL, DuckDB) runs in the client: nothing here parses SQL.
     """
-    from .snapshot import take
-
     entry = state.info()
     meta = {"pid": entry.get("pid"), "rank": entry.get("rank"), "host": entry.get("host"), **schema_identity(entry)}
     return Binary(take(req.body, meta, req.client.get("transport")), "application/x-probe-columns")
@@ -94,7 +105,7 @@ _SLICE = 16  # threads walked between two releases of the GIL (the training thre
 
 @route("GET", "/backtrace")
 def backtrace(req: Request) -> dict:
-    """Every thread's stack, innermost frame first; served and charged on the client's lane (``pacing``).
+    """Every thread's stack, innermost frame first; served and charged on the client's lane (``snapshot.served``).
 
     Bounded by the thread count: at most ``MAX_THREADS`` threads with ``MAX_DEPTH`` frames each, the
     others counted by their innermost frame in ``left_out``; locals are bounded reprs
@@ -104,7 +115,7 @@ def backtrace(req: Request) -> dict:
     with_locals = str(req.param("locals", "")).lower() in ("1", "true", "yes")
     timeout = v.seconds(req.param("wait"), "wait", default=setting("PROBE_QUERY_TIMEOUT"))  # in line, at most
     entry = state.info()
-    with pacing.served(req.client.get("transport"), timeout, "backtrace"):
+    with served(req.client.get("transport"), timeout, "backtrace"):
         doc = {"source": "probe", "pid": entry.get("pid"), "rank": entry.get("rank")}
         doc.update(_stacks(want, with_locals))
     if want is not None and not doc["threads"]:
@@ -180,3 +191,115 @@ def _left_out(rest: list) -> dict:
             for (code, lineno), n in top
         ],
     }
+
+
+MAX_SECONDS = 60.0
+MAX_HZ = 250.0
+DEFAULT_HZ = 100.0
+MAX_STACKS = 20000  # distinct stacks kept; further new ones are counted as dropped
+MAX_DEPTH = 256
+_CHARGE_EVERY = 10  # samples between two charges to the lane
+
+
+def _label(code) -> str:
+    """``func (file.py:first line)``: one box per function, whichever line it is on."""
+    name = getattr(code, "co_qualname", None) or code.co_name
+    return frame_text(f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})")
+
+
+def sample_stacks(seconds: float, hz: float = DEFAULT_HZ, exclude: frozenset = frozenset(), lane=None) -> dict:
+    """Sample all threads but ``exclude`` for ``seconds`` at ``hz``; return collapsed stacks with counts.
+
+    With ``lane`` (``Lane``), the thread's CPU time is charged to it every few samples, and
+    sampling pauses while its share is spent."""
+    counts: dict[tuple, int] = {}
+    charged = 0  # CPU time of this thread charged to the lane so far
+    paced = 0.0
+    dropped = 0
+    names: dict[int, str] = {}
+    interval = 1.0 / hz
+    start = time.monotonic()
+    deadline = start + seconds
+    next_at = start
+    samples = 0
+    while True:
+        now = time.monotonic()
+        if now >= deadline:
+            break
+        if samples % 50 == 0:  # threads come and go; their names are cheap to refresh now and then
+            names.update({t.ident: t.name for t in threading.enumerate() if t.ident is not None})
+        frames = sys._current_frames()
+        for ident, frame in frames.items():
+            if ident in exclude:
+                continue
+            codes = []
+            while frame is not None and len(codes) < MAX_DEPTH:
+                codes.append(frame.f_code)
+                frame = frame.f_back
+            key = (ident, tuple(codes))
+            if key in counts:
+                counts[key] += 1
+            elif len(counts) < MAX_STACKS:
+                counts[key] = 1
+            else:
+                dropped += 1
+        del frames, frame
+        samples += 1
+        if lane is not None and samples % _CHARGE_EVERY == 0:
+            spent = time.thread_time_ns()
+            lane.charge(spent - charged)
+            charged = spent
+            pause = min(lane.wait_s(), deadline - time.monotonic())
+            if pause > 0:
+                time.sleep(pause)  # ok-sleep: the share is spent; the training thread has the GIL meanwhile
+                paced += pause
+                next_at = time.monotonic()
+                continue
+        next_at += interval
+        pause = next_at - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)  # ok-sleep: the sampling interval; the GIL is free meanwhile
+        else:
+            next_at = time.monotonic()  # fell behind (a busy GIL): sample again at once, never in a burst
+    elapsed = time.monotonic() - start
+    if lane is not None:
+        lane.charge(time.thread_time_ns() - charged)
+    labels: dict = {}
+    stacks: dict[str, int] = {}
+    for (ident, codes), n in counts.items():
+        parts = [frame_text(f"thread {names.get(ident, ident)}")]
+        for code in reversed(codes):
+            text = labels.get(code)
+            if text is None:
+                text = labels[code] = _label(code)
+            parts.append(text)
+        key = ";".join(parts)
+        stacks[key] = stacks.get(key, 0) + n
+    return {
+        "samples": samples,
+        "seconds": round(elapsed, 3),
+        "hz": hz,
+        "dropped": dropped,
+        "paced_s": round(paced, 3),
+        "stacks": sorted(([k, v] for k, v in stacks.items()), key=lambda kv: -kv[1]),
+    }
+
+
+@route("GET", "/profile")
+def profile(req: Request) -> dict:
+    seconds = v.number(
+        req.param("seconds"), "seconds", default=5.0, minimum=0.0, maximum=MAX_SECONDS, exclusive_minimum=True
+    )
+    hz = v.number(req.param("hz"), "hz", default=DEFAULT_HZ, minimum=0.0, maximum=MAX_HZ, exclusive_minimum=True)
+    wait = v.seconds(req.param("wait"), "wait", default=setting("PROBE_QUERY_TIMEOUT"))  # for the share, at most
+    own = lane(req.client.get("transport"))
+    if not own.profiling.acquire(blocking=False):
+        raise QueryError("a profile is already running in this process; wait for it to finish and ask again.")
+    try:
+        own.paced(wait, "profile")
+        doc = sample_stacks(seconds, hz, exclude=frozenset({threading.get_ident()}), lane=own)
+    finally:
+        own.profiling.release()
+    entry = state.info()
+    doc.update(source="probe", pid=entry.get("pid"), rank=entry.get("rank"))
+    return doc

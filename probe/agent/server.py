@@ -1,11 +1,17 @@
-"""The in-process HTTP/1.1 server's request handling (the listeners, a unix socket by default and TCP when
-asked, are ``listeners``).
+"""The in-process HTTP/1.1 server's request handling and its routes (the listeners, a unix socket by default and
+TCP when asked, are ``listeners``).
+
+``@route(method, path, tier)`` registers a handler: it takes a :class:`Request` (its query
+parameters and JSON body, and who the client is) and returns a JSON-able dict, or a
+:class:`Binary` answer (buffers sent as they are). Each route has a tier, read < action < eval,
+checked (``check_tier``) before the handler runs: actions need the unix socket (same user) or the
+token; eval also needs PROBE_ALLOW_EVAL over TCP, and is off everywhere with PROBE_ALLOW_EVAL=0.
+Route modules (``routes``, ``action_routes``) register themselves when imported.
 
 Requests are served on short-lived daemon threads; a handler holds the GIL only for
-the snapshots it takes (queries run in the client). Routes are registered with
-``routing.route`` and carry a tier (read < action < eval) that is checked before the
-handler runs. Nothing a client does, a disconnect included, raises into the
-training thread: handler errors are answered as JSON and kept in ``probe.errors``.
+the snapshots it takes (queries run in the client). Nothing a client does, a disconnect
+included, raises into the training thread: handler errors are answered as JSON and kept in
+``probe.errors``.
 
 Limits (each server, unix socket and TCP, has its own, so TCP clients can never use up
 the owner's socket): at most ``PROBE_MAX_CONNECTIONS`` connections are served at once
@@ -13,8 +19,7 @@ the owner's socket): at most ``PROBE_MAX_CONNECTIONS`` connections are served at
 ``PROBE_READ_TIMEOUT`` seconds in all to send its request line and headers (a byte now and
 then does not keep a connection) and then that long per read of its body; the head is at
 most ``MAX_HEAD`` bytes; over TCP the ``Authorization`` header (``probe.util.handshake``) is checked as soon as
-its line arrives,
-and a head with no ``Authorization`` in its first ``MAX_HEAD_BEFORE_AUTH`` bytes is refused
+its line arrives, and a head with no ``Authorization`` in its first ``MAX_HEAD_BEFORE_AUTH`` bytes is refused
 there, so a client without the key can hold at most that much of the process's memory;
 bodies are JSON objects of at most ``MAX_BODY`` bytes and ``MAX_JSON_DEPTH`` levels.
 """
@@ -27,14 +32,83 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlparse
+from dataclasses import dataclass, field
+from typing import Callable
 
 from .._errors import AuthError, ProbeError
 from ..util.errorlog import record_error
 from ..util.validate import BadRequest, json_body
 from .._core.audit import audit
-from .routing import ROUTES, Binary, Request, check_tier
+from ..config import setting
 
-__all__ = ["send_buffers", "requests_served"]
+
+__all__ = ["send_buffers", "requests_served", "Request", "Binary", "Route", "route", "ROUTES", "TIERS", "check_tier"]
+
+
+TIERS = ("read", "action", "eval")
+
+
+@dataclass
+class Binary:
+    """A non-JSON answer: buffers sent one after the other (no concatenated copy)."""
+
+    parts: list
+    content_type: str = "application/octet-stream"
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    params: dict
+    body: dict
+    client: dict = field(default_factory=dict)
+
+    def param(self, name: str, default=None):
+        if name in self.body:
+            return self.body[name]
+        values = self.params.get(name)
+        return values[-1] if values else default
+
+
+@dataclass(frozen=True)
+class Route:
+    fn: Callable[[Request], dict]
+    tier: str
+
+
+ROUTES: dict[tuple[str, str], Route] = {}
+
+
+def route(method: str, path: str, tier: str = "read"):
+    """Register ``fn(request) -> dict`` as the handler of ``method path``."""
+    if tier not in TIERS:
+        raise ValueError(f"tier must be one of {TIERS}")
+
+    def register(fn):
+        ROUTES[(method.upper(), path)] = Route(fn, tier)
+        return fn
+
+    return register
+
+
+def check_tier(client: dict, tier: str) -> None:
+    """Refuse with one sentence naming the setting that would allow it."""
+    if tier == "read":
+        return
+    allow_eval = setting("PROBE_ALLOW_EVAL")
+    if tier == "eval":
+        if allow_eval is False:
+            raise AuthError(
+                "eval is disabled in this process (PROBE_ALLOW_EVAL=0); restart it without that setting to allow eval."
+            )
+        if client.get("transport") == "tcp" and allow_eval is not True:
+            raise AuthError(
+                "eval over TCP is off; start the training process with PROBE_ALLOW_EVAL=1 to allow it (the token is "
+                "still required), or use the local unix socket."
+            )
+    # actions: the unix socket is same-user only, and TCP clients have already shown the token.
+
 
 MAX_BODY = 1024 * 1024
 MAX_HEAD = 16 * 1024  # request line and headers: our clients send a few hundred bytes

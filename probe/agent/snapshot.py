@@ -1,4 +1,5 @@
-"""Snapshots of the tables a client's query needs: only its columns, cheap filters applied.
+"""Snapshots of the tables a client's query needs (only its columns, cheap filters applied), and what the read
+routes may take from the training process (per listener, slots and a share of wall time).
 
 This is all the query work the training process does. A client (the CLI, the REPL)
 guards and plans its SQL, then asks for::
@@ -13,24 +14,38 @@ narrows what is sent, and conservatively: a row is dropped only when the filter
 surely rejects it (the client runs the full query again over what it receives), so
 a value it cannot compare cheaply is kept. No SQL is parsed here.
 
-Limits (``pacing``): each listener's snapshots take its slots (``PROBE_MAX_SNAPSHOTS`` at once) and
-are charged to its share of wall time (``PROBE_SERVE_SHARE``), whole cost included; a snapshot
-larger than ``PROBE_SNAPSHOT_BYTES`` is refused before it is sent.
+A snapshot larger than ``PROBE_SNAPSHOT_BYTES`` is refused before it is sent.
+
+Snapshots, backtraces and profiles are served on the server's threads, which compete with the
+training thread for the GIL. Each listener (the owner's unix socket, and TCP when asked) has
+its own ``Lane``: at most ``PROBE_MAX_SNAPSHOTS`` snapshots or backtraces at once (the rest
+wait in line, up to their timeout), and ``PROBE_SERVE_SHARE`` of wall time, averaged over
+``PACE_WINDOW_S`` seconds: each request is charged the CPU time of its thread in full
+(parsing, generating every table, walking stacks, encoding), however large, and the next one
+waits until that debt is earned back (an occasional request never waits; a client whose
+requests cost a lot waits long, and so do twenty clients asking back to back; one whose timeout
+ends first is refused after half of it, so that asking again at once buys nothing). A profile is
+charged as it samples and slows down when its lane is in debt. Two lanes, two budgets: TCP
+clients holding the token can spend TCP's share and slots, never the owner's, so the process
+gives its readers at most twice the share.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
+from contextlib import contextmanager
 
 from ..config import setting
-from .._errors import QueryError
+from .._errors import QueryError, ProbeError
 from ..tables.registry import Context, get_table, to_columns
 from ..util import validate as v
 from ..util.errorlog import record_error
-from . import pacing
+from ..util.budget import Budget
 
-__all__ = ["take", "apply_filter", "parse_request"]
+
+__all__ = ["take", "apply_filter", "parse_request", "BusyError", "Lane", "lane", "served"]
 
 _OPS = ("=", "!=", "<", "<=", ">", ">=", "in", "null", "notnull")
 MAX_FILTER_NODES = 256
@@ -218,16 +233,16 @@ def _filter_columns(node: dict) -> set:
 
 def take(body: dict, meta: dict, transport: str = "unix") -> list:
     """The encoded snapshot the request asks for (buffers for ``probe.util.wire``), served on ``transport``'s
-    lane (``pacing``: its share of wall time and its slots, charged the request's whole cost)."""
+    lane (``served``: its share of wall time and its slots, charged the request's whole cost)."""
     from ..util.wire import encode
 
     try:
         wanted, timeout = parse_request(body)
     except BaseException:
-        pacing.lane(transport).charge(time.thread_time_ns())  # a refused request costs its parsing too
+        lane(transport).charge(time.thread_time_ns())  # a refused request costs its parsing too
         raise
     max_bytes = setting("PROBE_SNAPSHOT_BYTES")
-    with pacing.served(transport, timeout, "snapshot"):
+    with served(transport, timeout, "snapshot"):
         ctx = Context(exclude_threads=frozenset({threading.get_ident()}))
         t0 = time.perf_counter()
         tables = {}
@@ -242,3 +257,106 @@ def take(body: dict, meta: dict, transport: str = "unix") -> list:
                 f"the snapshot of {exc} is larger than PROBE_SNAPSHOT_BYTES ({max_bytes // 1048576} MiB); "
                 "select fewer columns or add a WHERE on its columns (LIMIT is applied after the snapshot)."
             ) from None
+
+
+PACE_WINDOW_S = 10.0  # PROBE_SERVE_SHARE is kept over this window (its share of it is the credit a lane starts with)
+
+
+class BusyError(ProbeError):
+    """A request could not be served within its timeout: its lane's share or slots were spent (HTTP 503)."""
+
+    kind = "busy"
+    exit_code = 3
+
+
+class Lane:
+    """One listener's slots and pace, made at first use (the settings are read then)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.lock = threading.Lock()
+        self.profiling = threading.Lock()  # one profile at a time per lane
+        self._slots: threading.BoundedSemaphore | None = None
+        self._pace: Budget | None = None  # under ``lock``
+        self._pace_at = 0  # when it last earned (time.monotonic_ns())
+
+    def _bucket(self) -> Budget:
+        """The pace's bucket, brought up to now (under ``lock``)."""
+        now = time.monotonic_ns()
+        if self._pace is None:
+            # every cost charged in full (no cap on one charge nor on the debt): a client chooses what its
+            # request costs (heavy filter trees over every table, a backtrace of every thread), so a cap
+            # would be its discount
+            self._pace = Budget(
+                setting("PROBE_SERVE_SHARE"), burst_s=PACE_WINDOW_S, charge_cap=math.inf, debt_cap=math.inf
+            )
+        else:
+            self._pace.earn(now - self._pace_at)
+        self._pace_at = now
+        return self._pace
+
+    def wait_s(self) -> float:
+        """Seconds until the lane's share has credit again (0 when it has)."""
+        with self.lock:
+            return self._bucket().wait_ns() / 1e9
+
+    def paced(self, timeout: float, what: str = "request") -> None:
+        """Wait until the lane's share has credit again; BusyError when that would take over ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            wait = self.wait_s()
+            if wait <= 0:
+                return
+            if time.monotonic() + wait > deadline:
+                # wait half the timeout before refusing (a client's own timeout ends with the other half): a client
+                # that asks again at once after each refusal then costs the process one request per half timeout
+                time.sleep(max(0.0, min(deadline - time.monotonic(), timeout / 2)))  # ok-sleep: waits in line
+                raise BusyError(
+                    f"the probe is pacing its readers: their {what}s may take {self._pace.share * 100:g} % of the "
+                    f"training process's time (PROBE_SERVE_SHARE) and this one could not start within {timeout:g} s; "
+                    "retry, ask less often, or raise PROBE_SERVE_SHARE in the training process."
+                )
+            time.sleep(min(wait, 0.25))  # ok-sleep: waiting for the share to refill
+
+    def charge(self, cpu_ns: float) -> None:
+        with self.lock:
+            self._bucket().spend(cpu_ns)
+
+    @contextmanager
+    def slot(self, timeout: float):
+        """One of the lane's ``PROBE_MAX_SNAPSHOTS`` slots, waited for up to ``timeout``; BusyError after."""
+        with self.lock:
+            if self._slots is None:
+                self._slots = threading.BoundedSemaphore(setting("PROBE_MAX_SNAPSHOTS"))
+            slots = self._slots
+        if not slots.acquire(timeout=timeout):
+            raise BusyError(
+                f"the probe is busy: {setting('PROBE_MAX_SNAPSHOTS')} snapshots were running and this one waited "
+                f"{timeout:g} s in line; retry, or raise PROBE_MAX_SNAPSHOTS in the training process."
+            )
+        try:
+            yield
+        finally:
+            slots.release()
+
+
+_LANES = {"unix": Lane("unix"), "tcp": Lane("tcp")}
+
+
+def lane(transport: str | None) -> Lane:
+    """The lane of a listener: the owner's unix socket, or TCP (anything that is not the unix socket)."""
+    return _LANES["unix" if transport == "unix" else "tcp"]
+
+
+@contextmanager
+def served(transport: str | None, timeout: float, what: str = "request"):
+    """Serve one request on ``transport``'s lane: wait for its share and a slot (BusyError past ``timeout``),
+    then charge the request's whole cost, answered or refused. The server runs one thread per request,
+    so its thread's CPU time is what it cost (reading and parsing the body included)."""
+    ln = lane(transport)
+    try:
+        ln.paced(timeout, what)
+        with ln.slot(timeout):
+            yield ln
+    finally:
+        ln.charge(time.thread_time_ns())

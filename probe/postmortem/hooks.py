@@ -3,8 +3,8 @@
 ``install()`` (called when the probe starts) chains ``sys.excepthook`` and
 ``threading.excepthook`` (the previous hooks still run: the user sees the traceback as
 always), points faulthandler's fatal-signal dump at ``fatal-<pid>.txt`` in the runtime
-directory when the user has not enabled faulthandler already, writes an ``exit`` record at
-normal interpreter exit (with the code of ``sys.exit(N)``, see ``_sys_exit``), and starts
+directory when the user has not enabled faulthandler already, wraps ``sys.exit`` (for the
+code of ``sys.exit(N)`` in the ``exit`` record that ``at_exit`` writes), and starts
 the periodic snapshot thread. ``terminated()`` is the SIGTERM handler's first act (the
 agent's lifecycle calls it before it stops the probe). Every one of these is best effort:
 a failure is recorded in probe.errors and the process goes on (or dies of its own error).
@@ -17,7 +17,6 @@ with SIGKILL still leaves its last minute.
 
 from __future__ import annotations
 
-import atexit
 import faulthandler
 import os
 import signal
@@ -30,7 +29,7 @@ from ..util.errorlog import record_error
 from . import record
 from .retention import prune
 
-__all__ = ["install", "uninstall", "fatal_path", "terminated"]
+__all__ = ["install", "uninstall", "at_exit", "fatal_path", "terminated"]
 
 _state: dict = {}
 _stop = threading.Event()
@@ -62,7 +61,7 @@ def _sys_exit(status=None, /):
     """``sys.exit`` that remembers its status for the exit record, then exits as before.
 
     Only the main thread's call counts (elsewhere sys.exit ends one thread, not the
-    process); ``_at_exit`` trusts it only when no step completed since (a caught
+    process); ``at_exit`` trusts it only when no step completed since (a caught
     SystemExit in a loop that goes on). ``raise SystemExit(N)`` is not seen: its record
     says "exited normally".
     """
@@ -89,7 +88,8 @@ def _exit_status() -> tuple:
     return 1, repr(status)[:200]  # Python prints it and exits with 1
 
 
-def _at_exit():
+def at_exit() -> None:
+    """The exit record, at normal interpreter exit (the session's exit hook calls it first)."""
     if _state.get("pid") == os.getpid() and not _state.get("died"):
         _stop.set()
         code, detail = _exit_status()
@@ -161,7 +161,6 @@ def install() -> None:
             fd = os.open(fatal_path(os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             _state["fatal_file"] = os.fdopen(fd, "w")
             faulthandler.enable(file=_state["fatal_file"], all_threads=True)
-        atexit.register(_at_exit)
         if sys.exit is not _sys_exit and threading.current_thread() is threading.main_thread():
             global _prev_exit
             _prev_exit = sys.exit
@@ -180,11 +179,13 @@ def install() -> None:
 def uninstall() -> None:
     """Put the previous hooks back and stop the snapshot thread (probe.stop())."""
     _stop.set()
+    thread = _state.get("thread")
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(2)  # it ends at once unless a snapshot is being written
     if sys.excepthook is _excepthook:
         sys.excepthook = _state.get("sys_hook") or sys.__excepthook__
     if threading.excepthook is _thread_hook:
         threading.excepthook = _state.get("thread_hook") or threading.__excepthook__
-    atexit.unregister(_at_exit)
     if sys.exit is _sys_exit:
         sys.exit = _prev_exit
     f = _state.pop("fatal_file", None)

@@ -12,11 +12,7 @@ import sys
 from ..training import finder, frameworks, hooks
 from ..training.boundary import boundary
 from ..util.errorlog import record_error
-from .registry import Column, table
-
-
-def _empty(columns: dict) -> dict:
-    return {name: [] for name in columns}
+from .registry import Column, no_rows, table
 
 
 def _tensor_bytes(value) -> int:
@@ -228,7 +224,7 @@ def optimizer_steps(ctx):
     tk = hooks.tracker()
     cycle = tk.cycle if tk is not None else None
     if cycle is None:
-        return _empty(out)
+        return no_rows(out)
     cols = cycle.snapshot()
     names = {id(f.obj): f.name for f in finder.optimizers()}
     ids = cols["optimizer_id"].tolist()

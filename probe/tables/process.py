@@ -9,7 +9,7 @@ import threading
 from .._core import state
 from .._identity import process_argv, rank_identity
 from ..util.procfs import rss_bytes
-from ..util.redact import redact
+from ..util.printable import redact
 from .python import thread_state
 from .registry import Column, table
 

@@ -33,6 +33,7 @@ from ..util.wire import TYPES, WireError, check_table
 __all__ = [
     "Column",
     "Table",
+    "no_rows",
     "Context",
     "table",
     "get_table",
@@ -46,20 +47,16 @@ __all__ = [
 
 # the modules of probe.tables that declare the built-in tables (the only place they are named)
 BUILTIN = (
-    "actions",
     "checks",
     "collectives",
     "data",
     "diagnosis",
     "guard",
-    "loss",
     "meta",
     "optim",
     "process",
     "python",
-    "replicas",
-    "spans",
-    "syncs",
+    "signals",
     "torch",
 )
 
@@ -184,6 +181,11 @@ def all_tables() -> list[Table]:
     load_builtins()
     with _LOCK:
         return sorted(_REGISTRY.values(), key=lambda t: t.name)
+
+
+def no_rows(columns) -> dict:
+    """A ring table's answer before its ring exists: each of ``columns`` (names) with no values."""
+    return {name: [] for name in columns}
 
 
 def to_columns(tbl: Table, data: Any) -> dict:

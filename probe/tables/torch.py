@@ -1,8 +1,10 @@
-"""torch tables of the steps: ``torch.steps``, module traces (``python.torch_trace``) and memory.
+"""torch tables of the steps: ``torch.steps``, module traces (``python.torch_trace``), memory, the loss
+(``torch.loss``) and the host-device syncs of traced steps (``torch.syncs``).
 
-The ring tables are filled by the hooks in ``probe.training.hooks``; ``torch.memory`` is read at
-query time. None of them imports torch: without torch they are empty. What the optimizers hold
-(``torch.optimizer``, ``torch.optimizer_steps``, ``torch.parameters``) is in ``optim``.
+The ring tables are filled by the hooks in ``probe.training.hooks``; ``torch.memory`` and ``torch.loss`` are
+read at query time. None of them imports torch: without torch they are empty. What the optimizers hold
+(``torch.optimizer``, ``torch.optimizer_steps``, ``torch.parameters``) is in ``optim``; the checks of training
+and of DDP replicas in ``checks``.
 """
 
 from __future__ import annotations
@@ -13,11 +15,8 @@ from ..training import hooks
 from ..training.steprows import STEP_COLUMNS, snapshot
 from ..training.trace import TRACE_COLUMNS
 from ..util.procfs import rss_bytes
-from .registry import Column, table
-
-
-def _empty(columns: dict) -> dict:
-    return {name: [] for name in columns}
+from .registry import Column, no_rows, table
+from ..training.traceout import SYNC_COLUMNS
 
 
 _STEP_EXTRA = ("compute", "comm_wait")
@@ -154,7 +153,7 @@ _STEP_EXTRA = ("compute", "comm_wait")
 def steps(ctx):
     tk = hooks.tracker()
     if tk is None:
-        return _empty(list(STEP_COLUMNS) + list(_STEP_EXTRA))
+        return no_rows(list(STEP_COLUMNS) + list(_STEP_EXTRA))
     cols = snapshot(tk)
     cols["compute"], cols["comm_wait"] = _comm_split(ctx, cols)
     return cols
@@ -269,7 +268,7 @@ def _comm_split(ctx, cols):
 def torch_trace(ctx):
     tr = hooks.tracer()
     if tr is None:
-        return _empty(TRACE_COLUMNS)
+        return no_rows(TRACE_COLUMNS)
     tr.resolve()
     return tr.ring.snapshot()
 
@@ -316,3 +315,88 @@ def memory(ctx):
         row.update({col: stats.get(key) for col, key in _MEMORY_KEYS})
         rows.append(row)
     return rows
+
+
+@table(
+    "torch.loss",
+    "The loss the training loop backpropagates, as its autograd graph shows it: for a classification loss "
+    "(cross-entropy, NLL, binary cross-entropy with logits) the class count of its logits and what made them. One "
+    "row once a measured step's loss has been seen, none before (or for a loop that never calls backward on a "
+    "scalar).",
+    columns=[
+        Column(
+            "function",
+            "VARCHAR",
+            "The autograd node of the loss's classification term, e.g. NllLossBackward0 (cross_entropy is log_softmax "
+            "+ nll_loss) or BinaryCrossEntropyWithLogitsBackward0; NULL for another kind of loss.",
+        ),
+        Column(
+            "classes",
+            "BIGINT",
+            "Number of classes: the class dimension of the log-probabilities the loss saved (dim 1 of [N, C], the "
+            "vocabulary of a language model's flattened logits); NULL when the loss is not a classification loss.",
+        ),
+        Column("logits_shape", "VARCHAR", "Shape of those log-probabilities, e.g. [512, 50257]."),
+        Column(
+            "made_by",
+            "VARCHAR",
+            "The operations that made the classification term's input, nearest first, as autograd names them (up "
+            "to 3; reshapes and views skipped): LogSoftmaxBackward0 <- AddmmBackward0 is cross_entropy on a linear "
+            "layer's logits, LogSoftmaxBackward0 <- SoftmaxBackward0 is cross_entropy given probabilities.",
+        ),
+    ],
+    examples=["SELECT function, classes, logits_shape, made_by FROM torch.loss"],
+)
+def loss(ctx):
+    tk = hooks.tracker()
+    if tk is None or tk.capture._loss_looks == 0:
+        return []
+    kind = tk.capture.loss_kind
+    if kind is None:
+        return [{"function": None, "classes": None, "logits_shape": None, "made_by": None}]
+    name, classes, shape, made = kind
+    return [{"function": name, "classes": classes, "logits_shape": shape, "made_by": made}]
+
+
+@table(
+    "torch.syncs",
+    "Host-device syncs on traced steps of a CUDA job, one row per call site and step, from torch's sync debug mode "
+    "(turned on for traced steps only, PROBE_TRACE_SYNCS).",
+    columns=[
+        Column("step", "BIGINT", "The traced step the syncs happened in."),
+        Column("time", "TIMESTAMP", "When the site first synced in that step."),
+        Column("rank", "INTEGER", "Global rank, NULL outside a distributed job."),
+        Column(
+            "file",
+            "VARCHAR",
+            "File of the call site: the first frame of the user's code on the stack (outside torch, probe and training "
+            "frameworks).",
+        ),
+        Column("line", "INTEGER", "Line of the call site."),
+        Column("function", "VARCHAR", "Function the call site is in."),
+        Column("code", "VARCHAR", "Source text of the call site's line, e.g. total += loss.item()."),
+        Column("count", "BIGINT", "Syncs at this site during the step."),
+        Column(
+            "origin",
+            "VARCHAR",
+            "user: the synchronising call is on that line itself; library: inside torch or a framework called from it "
+            "(see via); probe: inside the probe.",
+        ),
+        Column(
+            "via",
+            "VARCHAR",
+            "file:line of the innermost Python frame, where torch raised its warning (the same as the site for origin "
+            "user).",
+        ),
+    ],
+    examples=[
+        "SELECT file, line, code, origin, SUM(count) AS syncs, COUNT(DISTINCT step) AS steps FROM torch.syncs GROUP BY "
+        "ALL ORDER BY syncs DESC",
+    ],
+    kind="ring",
+)
+def syncs_table(ctx):
+    tr = hooks.tracer()
+    if tr is None:
+        return no_rows(SYNC_COLUMNS)
+    return tr.syncs.ring.snapshot()

@@ -33,8 +33,9 @@ import weakref
 
 from ..config import setting
 from ..util.errorlog import record_error
-from ..util.frames import release
+from ..util.usercode import release
 from ..util.objects import is_a
+from . import signals
 from .frameworks import is_sharded, local
 
 __all__ = ["Capture", "loss_logits"]
@@ -193,17 +194,21 @@ class Capture:
             if self._closure_taken:
                 return
             self._closure_taken = True
+        graph = t  # the graph is read through GradScaler's multiply; the value is the loss's own
         scaled = self._scaled
         if scaled is not None and scaled[0]() is t:
             t = scaled[1]
             self._scaled = None
         if self.wanted:
-            self._note_graph(t)
+            self._note_graph(graph)
+            sig = signals.signals()  # torch.batches: the targets of the step's loss
+            if sig is not None:
+                sig.on_loss(graph)
         looks = self._loss_looks
         self._loss_looks = looks + 1
         if not looks % _LOSS_LOOK_EVERY or (self.wanted and self.backwards == 1):  # and a measured step's first
             try:
-                self.loss_kind = loss_logits(t)
+                self.loss_kind = loss_logits(graph)
             except Exception as exc:
                 record_error("torch steps: the loss's logits", exc)
         if type(t) is Tensor and t.is_cpu:
@@ -406,7 +411,9 @@ class Capture:
         def clip_grad_norm_(*args, **kwargs):
             total = original(*args, **kwargs)
             if capture.wanted:  # a measured step's: an unmeasured one's would go stale
-                capture.clip_norm = total
+                sig = signals.signals()  # unscaled when a GradScaler had not unscaled the gradients (torch.scaler)
+                max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
+                capture.clip_norm = total if sig is None else sig.on_clip(total, max_norm)
             return total
 
         clip_grad_norm_._probe_original = original
@@ -438,6 +445,10 @@ class Capture:
             @functools.wraps(scale)
             def scale_(self_, outputs):
                 out = scale(self_, outputs)
+                if capture.wanted:  # torch.scaler: the scaler of a measured step's loss
+                    sig = signals.signals()
+                    if sig is not None:
+                        sig.on_scale(self_)
                 if out is not outputs and isinstance(outputs, Tensor):
                     try:
                         capture._scaled = (weakref.ref(out), outputs.detach())

@@ -22,18 +22,18 @@ import sys
 from ..config import setting
 from ..util.errorlog import record_error
 
-__all__ = ["enable", "dump", "entry_rows", "group_rows", "split_op", "step_split"]
+__all__ = ["enable", "disable", "dump", "entry_rows", "group_rows", "split_op", "step_split"]
 
 _ENV = "TORCH_FR_BUFFER_SIZE"
 
 
-def enable() -> None:
-    """Turn the recorder on (PROBE_COLLECTIVES entries) unless the user set its buffer size."""
+def enable() -> bool:
+    """Turn the recorder on (PROBE_COLLECTIVES entries) unless the user set its buffer size; whether it did."""
     if _ENV in os.environ or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"):
-        return
+        return False
     size = setting("PROBE_COLLECTIVES")
     if size <= 0:
-        return
+        return False
     if _group_exists():  # torch reads the variable when the first group is made: too late now
         record_error(
             "torch.collectives",
@@ -42,8 +42,15 @@ def enable() -> None:
                 f"before init_process_group, run with PROBE=1, or set {_ENV} yourself"
             ),
         )
-        return
+        return False
     os.environ[_ENV] = str(size)
+    return True
+
+
+def disable() -> None:
+    """Undo ``enable`` while no process group has read the setting yet (a group made since keeps its recorder)."""
+    if not _group_exists():
+        os.environ.pop(_ENV, None)
 
 
 def _group_exists() -> bool:

@@ -352,7 +352,7 @@ def scan(frame=None, max_frames: int = 4) -> None:
     torch = _torch()
     if torch is None:
         return
-    from ..util.frames import release
+    from ..util.usercode import release
 
     seen: set = set()
     near, n = set(), 0

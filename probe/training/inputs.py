@@ -20,7 +20,7 @@ import weakref
 
 from ..util.errorlog import record_error
 from ..util.objects import is_a
-from . import finder
+from . import finder, signals
 
 __all__ = ["InputCounter"]
 
@@ -56,6 +56,9 @@ class InputCounter:
                 self.samples += shape[0]
                 if len(shape) >= 2 and x.dtype in self._token_dtypes:
                     self.tokens += x.numel()
+                sig = signals.signals()  # torch.batches: the step's input fingerprint
+                if sig is not None:
+                    sig.on_input(x)
         return None
 
     def take(self, samples=None, tokens=None) -> tuple:

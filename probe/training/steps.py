@@ -29,7 +29,7 @@ import sys
 import time
 import weakref
 
-from . import finder, invariants, replicas
+from . import finder, invariants, replicas, signals
 from .boundary import boundary as _boundary
 from .frameworks import unwrap_optimizer
 from .inputs import InputCounter
@@ -141,6 +141,9 @@ class StepTracker:
         checks = invariants.checks()
         if checks is not None:  # its gradient hook too: a paused probe runs nothing on the loop's steps
             checks.close()
+        sig = signals.signals()  # and the update being measured (its step-boundary registration)
+        if sig is not None:
+            sig.close()
 
     def reopen(self) -> None:
         """Undo ``close``: the loss and clip wrappers and the root model's hook go back; the next step's clock
@@ -337,6 +340,7 @@ class StepTracker:
             invariants.checks(self.torch).at_boundary(
                 step, optimizer, self.capture, self._steps_taken
             )  # torch.checks: cheap invariants of training
+            signals.signals(self.torch).at_boundary(step, optimizer)  # torch.batches, torch.updates, torch.scaler
         if step >= self._replicas.next_step:  # torch.weight_sums: DDP replicas' checksums, the same steps on every rank
             self._replicas.at_boundary(step, duration_ns * 1e-9)
         asked = self._plan_next(step, t0, traced, step + 1 <= _FORCED or allowed)

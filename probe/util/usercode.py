@@ -1,4 +1,5 @@
-"""The one definition of "user code": which frames are the user's, for the agent and the CLI alike.
+"""The one definition of "user code" (which frames are the user's, for the agent and the CLI alike), and reading a
+frame's locals without keeping them alive.
 
 A file is the user's unless it belongs to
 
@@ -17,6 +18,17 @@ cannot look into (a backtrace, py-spy's stacks): an installed package is recogni
 framework modules it has imported count as well, so that an editable install (probe's own
 worktree, a framework checked out with ``pip install -e``) is recognised too.
 
+Reading a frame's locals without keeping them alive (``release``): on Python 3.11 and 3.12,
+``frame.f_locals`` of a function frame is a snapshot dict cached on the frame: whatever it references
+stays alive until the next time someone reads ``f_locals``. Read once per step from the training loop's
+frame, it kept the previous step's ``logits``/``batch`` alive through the next step's backward pass,
+which raises peak memory by those tensors (large on GPUs). Python 3.13 (PEP 667) returns a write-through
+proxy instead, and nothing needs releasing. ``release`` empties that snapshot after a read, only on the
+thread that owns the frame and only when that thread has no trace or profile function: the only
+write-back of the snapshot into the frame (``PyFrame_LocalsToFast``) runs in the trace/profile
+trampoline, which first refreshes the snapshot from the frame, so an emptied snapshot can never wipe a
+variable.
+
 >>> is_user_file("/opt/venv/lib/python3.12/site-packages/torch/optim/optimizer.py")
 False
 >>> is_user_file("/opt/venv/lib/python3.12/site-packages/torchvision/models/resnet.py")
@@ -33,7 +45,8 @@ import os
 import re
 import sys
 
-__all__ = ["FRAMEWORK_PACKAGES", "LIBRARY_PACKAGES", "is_user_file", "is_user_code", "user_frame"]
+
+__all__ = ["FRAMEWORK_PACKAGES", "LIBRARY_PACKAGES", "is_user_file", "is_user_code", "user_frame", "release"]
 
 # packages whose frames are the framework's, not the user's loop
 FRAMEWORK_PACKAGES = (
@@ -99,3 +112,30 @@ def user_frame(frame) -> tuple:
     while frame is not None and not is_user_code(frame.f_code):
         frame, hops = frame.f_back, hops + 1
     return frame, hops
+
+
+_SNAPSHOTS = sys.version_info < (3, 13)
+
+
+def _on_this_thread(frame) -> bool:
+    f = sys._getframe(1)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
+
+
+def release(frame, loc: dict, *, own: bool = False) -> None:
+    """Drop the references held by ``frame``'s cached locals snapshot ``loc`` (3.11/3.12).
+
+    ``own=True`` says the caller knows ``frame`` is on the current thread's stack (the
+    step boundary, which found it by walking that stack), which skips the check.
+    """
+    if not _SNAPSHOTS or type(loc) is not dict or loc is frame.f_globals:
+        return
+    if sys.gettrace() is not None or sys.getprofile() is not None:
+        return  # a debugger or profiler owns the snapshot's write-back: leave it alone
+    if not own and not _on_this_thread(frame):
+        return  # another thread's frame: its tracer state is not ours to judge
+    loc.clear()

@@ -39,13 +39,26 @@ ERRORS = [
         "loss_input_not_logits",
         ["cross_entropy (CrossEntropyLoss) is given probabilities from a softmax", "SoftmaxBackward0"],
     ),
+    ("iterfcn_7", "same_batch", ["the same batch at every one of the last", "next(iter(loader))"]),
+    ("gpjax_96", "same_batch", ["the same batch at every one of the last"]),
+    ("normface_4", "single_class_batches", ["each batch holds one class", "not shuffled"]),
+    ("transferlearning_182", "single_class_batches", ["every target is class 0: the labels are constant"]),
+    ("halo_13", "single_class_batches", ["every target is class 0: the labels are constant"]),
+    ("unet_468", "clip_before_unscale", ["still holds them multiplied by its scale (65536)", "scaler.unscale_"]),
+    ("lightning_9599", "clip_before_unscale", ["clips them 65536x too hard", "Call scaler.unscale_(optimizer)"]),
+    ("lomo_50", "update_too_small", ["hardly move the weights", "At learning rate 5e-05"]),
+    ("megatron_579", "update_too_small", ["hardly move the weights", "clip_grad_norm_ with a max_norm"]),
 ]
 
 # one process each (and one for the healthy twins of each): a group's errors are named by different rules, or
 # by messages that tell them apart, and none leaves a state the next phase's rules read (prediff_32's 4
-# micro-batches a step come first: after faster phases its slower steps would read as a throughput regression)
+# micro-batches a step come first: after faster phases its slower steps would read as a throughput regression;
+# constant labels come last: the loss they fall to would make the next phase's loss read as diverging; lomo_50's
+# rate, far below the other phases', comes first: a rate below half the job's highest is a schedule's doing)
 GROUPS = [
     ["so_60335387", "forum_84911", "hvpnet_5", "ivadomed_57", "pytorch_13494", "fcn_57"],
     ["prediff_32", "wekws_72", "adapters_260", "forum_153740", "pytorch_65417", "torchmoji_21", "agcn_4"],
     ["nni_4521", "m2_71", "farm_46", "pytorch_54765", "llama_scratch_5"],
+    ["lomo_50", "iterfcn_7", "unet_468", "transferlearning_182"],
+    ["gpjax_96", "normface_4", "lightning_9599", "megatron_579", "halo_13"],
 ]

@@ -62,6 +62,29 @@ The errors (tests/faults/corpus.py gives the doctor rule that must name each, an
   https://github.com/queenie88/A-GCN/issues/4
 * ``prediff_32``: with gradient accumulation, ``zero_grad()`` runs at every micro-batch, outside the
   ``if`` that steps the optimizer: each step follows only its last micro-batch. https://github.com/gaozhihan/PreDiff/issues/32
+* ``iterfcn_7``: ``next(iter(train_loader))`` inside the loop builds a new iterator every step, and without
+  shuffling its first batch is the same every time: the model trains on one batch (there, one subject).
+  https://github.com/leohsuofnthu/Pytorch-IterativeFCN/issues/7
+* ``gpjax_96``: the training batch is drawn once and the step reuses it at every iteration (there, a dataset
+  iterator evaluated once inside a compiled loop): the loss curve is smooth and the fit poor.
+  https://github.com/thomaspinder/GPJax/issues/96 (fixed by https://github.com/thomaspinder/GPJax/pull/99)
+* ``normface_4``: the training data is ordered by class and not shuffled, so every batch holds one label and each
+  step pulls the features toward one class. https://github.com/happynear/NormFace/issues/4
+* ``transferlearning_182``: an ImageFolder whose images all sit under one folder: every label the loader yields is
+  0. https://github.com/jindongwang/transferlearning/issues/182
+* ``halo_13``: the dataset builder added the labels after converting the codes, so every label of the built
+  dataset is 0. https://github.com/btheodorou99/HALO_Inpatient/issues/13
+* ``unet_468``: with autocast and a GradScaler, ``clip_grad_norm_`` runs on the still-scaled gradients (no
+  ``scaler.unscale_(optimizer)`` before it; RMSprop as there). https://github.com/milesial/Pytorch-UNet/issues/468
+  (fixed by https://github.com/milesial/Pytorch-UNet/pull/470)
+* ``lightning_9599``: native AMP clips the gradients right after backward and unscales them only before the
+  optimizer step: the clipping sees them 65,536 times too large and the loss converges very slowly (SGD here).
+  https://github.com/Lightning-AI/pytorch-lightning/issues/9599
+* ``lomo_50``: a rate far too small for an SGD-style update (LOMO fuses SGD into backward; 5e-5 there), from the
+  phase's start (its onset marks the step it is judged from): the loss does not go down. https://github.com/OpenLMLab/LOMO/issues/50
+* ``megatron_579``: a gradient norm far above the clipping threshold (around 2,500 against 1.0 there) clipped at
+  every step: like a rate thousands of times smaller (SGD here, where the clipped norm sets the step).
+  https://github.com/alibaba/Pai-Megatron-Patch/issues/579
 """
 
 from __future__ import annotations
@@ -77,6 +100,7 @@ from collections import OrderedDict
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 ERRORS = (
     "so_60335387",
@@ -97,7 +121,17 @@ ERRORS = (
     "prediff_32",
     "llama_scratch_5",
     "agcn_4",
+    "iterfcn_7",
+    "gpjax_96",
+    "normface_4",
+    "transferlearning_182",
+    "halo_13",
+    "unet_468",
+    "lightning_9599",
+    "lomo_50",
+    "megatron_579",
 )
+AMP = ("unet_468", "lightning_9599")  # autocast (bfloat16 on CPU) and a GradScaler
 
 p = argparse.ArgumentParser()
 p.add_argument("--errors", required=True, help="comma-separated, run one phase each in this order")
@@ -165,6 +199,19 @@ class Phase:
         self.sched = None
         opt_cls = torch.optim.Adam if error == "wekws_72" else torch.optim.SGD
         kw = {"lr": 1e-3} if error == "wekws_72" else {"lr": 0.02, "momentum": 0.9}
+        if error == "lomo_50" and not fixed:
+            kw["lr"] = 5e-5  # the rate the run was given
+        if error == "unet_468":
+            opt_cls, kw = torch.optim.RMSprop, {"lr": 1e-5, "momentum": 0.9}  # its train.py's rate
+        self.scaler = torch.amp.GradScaler("cpu") if error in AMP else None
+        self.loader = self.batches = None  # iterfcn_7, normface_4: a DataLoader and the iterator the loop keeps
+        if error == "iterfcn_7":
+            self.loader = DataLoader(TensorDataset(*batch(640)), batch_size=32, shuffle=False)
+        elif error == "normface_4":  # 64 samples of each class, in class order
+            y = torch.arange(CLASSES).repeat_interleave(64)
+            ordered = TensorDataset(templates[y] + 0.5 * torch.randn(len(y), 1, 12, 12), y)
+            self.loader = DataLoader(ordered, batch_size=32, shuffle=True)
+        self.cached = None  # gpjax_96: the one batch drawn
         if error == "forum_153740":
             kw["weight_decay"] = 5e-4
         self.optimizer = opt_cls(self.model.parameters(), **kw)
@@ -214,6 +261,43 @@ class Phase:
             self.sched = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0 / math.sqrt(max(s, 1)))
         elif e == "agcn_4" and not fixed:
             m.cut = True
+        elif e == "normface_4" and not fixed:
+            self.loader = DataLoader(self.loader.dataset, batch_size=32, shuffle=False)
+            self.batches = None
+        elif e == "gpjax_96" and not fixed:
+            self.cached = batch()
+
+    def draw(self):
+        """The step's batch, as the phase's loop gets it."""
+        e, bug = self.error, self.bug
+        if self.loader is not None:
+            if bug and e == "iterfcn_7":
+                return next(iter(self.loader))  # a new iterator every step: its first batch
+            if self.batches is not None:
+                b = next(self.batches, None)
+                if b is not None:
+                    return b
+            self.batches = iter(self.loader)  # the next epoch
+            return next(self.batches)
+        if self.cached is not None:
+            return self.cached
+        x, y = batch()
+        if bug and e in ("transferlearning_182", "halo_13"):
+            y = torch.zeros_like(y)  # every image under one folder / labels added after the conversion
+        return x, y
+
+    def amp_step(self, x, y) -> None:
+        """One step under autocast and a GradScaler, clipping as the phase's loop does."""
+        m, opt, scaler = self.model, self.optimizer, self.scaler
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(m(x), y)
+        scaler.scale(loss).backward()
+        if not self.bug:
+            scaler.unscale_(opt)  # the fix: unscale before clipping
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
 
     def step(self) -> None:
         """One optimizer step of the phase's loop."""
@@ -236,7 +320,10 @@ class Phase:
             if not bug:
                 opt.zero_grad()
             return
-        x, y = batch()
+        x, y = self.draw()
+        if self.scaler is not None:
+            self.amp_step(x, y)
+            return
         if not (bug and e in ("so_60335387", "wekws_72")):
             opt.zero_grad(set_to_none=e != "forum_153740")
         out = m(x)
@@ -248,6 +335,8 @@ class Phase:
         if bug and e == "pytorch_13494":
             loss.backward(retain_graph=True)
         loss.backward()
+        if e == "megatron_579":  # a norm far above the threshold is clipped at every step (the fix: a threshold it
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-4 if bug else 10.0)  # rarely reaches)
         opt.step()
         s = self.sched
         if s is None:

@@ -27,8 +27,8 @@ CODE = """
 import os, sys
 sys.path.insert(0, {root!r})
 import probe.auto  # noqa: F401
-from probe._core import state
-assert state.is_running()
+import probe
+assert probe.is_running()
 print("running", "pid", os.getpid(), sorted(os.listdir(os.environ["PROBE_RUNTIME_DIR"])))
 """
 

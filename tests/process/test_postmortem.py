@@ -379,7 +379,7 @@ def test_sigterm_is_recorded_with_the_stacks_at_that_moment(spawn, cli, probe_en
     bt = cli(str(job.pid), "backtrace")
     assert bt.returncode == 0 and "post-mortem record" in bt.stdout, bt.stdout + bt.stderr
     main = bt.stdout.split('"MainThread" (main)', 1)[1].split("\nThread ", 1)[0]
-    assert "dies.py" in main and "on_term" not in main and "lifecycle.py" not in main, bt.stdout
+    assert "dies.py" in main and "on_term" not in main and "agent/watchdog.py" not in main, bt.stdout
     assert "probe-postmortem-term" not in bt.stdout, bt.stdout  # the writer leaves itself out
     # a deliberate stop is no rank_died finding while nobody waits for it
     d = cli(str(job.pid), "--format", "json", "doctor")

@@ -243,3 +243,42 @@ def test_input_bound_names_loaders_without_workers_and_where_the_main_thread_loa
     ), f
     # quiet: a loader with no workers and the main thread in it, when the model takes most of the step
     assert not _input_bound([("train_loader", "Shards", 32, 0)], loading, step_ms=50.0, model_ms=40.0)
+
+
+def _starved(step_ms: float, data_ms: float, wait_ms: float) -> list:
+    """input_bound over 60 steps of ``step_ms``, ``data_ms`` of them before the first forward call, ``wait_ms``
+    of them waiting for a CPU (measured on every step)."""
+    return rule_rows(
+        "input_bound",
+        {
+            "torch.steps": (
+                f"SELECT NULL::INTEGER AS rank, range AS step, {step_ms / 1000} AS duration, "
+                f"NULL::DOUBLE AS comm_wait, {wait_ms / 1000} AS cpu_wait, {data_ms / 1000} AS data_wait "
+                "FROM range(1, 61)"
+            ),
+            "python.torch_trace": "SELECT NULL::INTEGER AS rank, 1 AS step, 0 AS depth, 0.001 AS duration",
+            "torch.dataloaders": (
+                "rank INTEGER, name VARCHAR, dataset_type VARCHAR, batch_size BIGINT, num_workers INTEGER",
+                [],
+            ),
+            "python.backtrace": (
+                "rank INTEGER, is_main BOOLEAN, depth INTEGER, func VARCHAR, file VARCHAR, lineno INTEGER",
+                [],
+            ),
+        },
+        messages=True,
+    )
+
+
+def test_input_bound_on_a_starved_host_says_both():
+    # given: 197 ms steps, 180 ms of them before the forward call, 79% of the step waiting for a CPU: the wait falls
+    # on the loading as on the model, so taking it out of the loading alone left the model most of the step
+    (said,) = _starved(197.0, 180.0, 156.0)
+    # then: input bound, and starved too
+    assert said.startswith("91% of step time is spent outside forward/backward (197.0 ms a step, 17.0 ms"), said
+    assert "the host is starved too: the training thread waited 156.0 ms a step for a CPU (79% of the step)" in said
+    # and: a healthy job on a loaded host, its time outside the model mostly waiting for a CPU, is not input bound
+    assert not _starved(30.0, 22.0, 18.0)
+    # nor is an input-bound job on a quiet host said to be starved
+    (said,) = _starved(60.0, 55.0, 1.0)
+    assert "starved" not in said, said

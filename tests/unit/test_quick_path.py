@@ -81,17 +81,18 @@ def test_closure_steps_take_the_quick_path_with_the_closures_loss(tracker):
 def test_the_hang_watchdog_leaves_the_quick_path_in_place(tracker, monkeypatch, tmp_path):
     import torch
 
-    from probe.agent import watchdog
+    from probe.agent.watchdog import Watchdog
     from probe.training.boundary import boundary
 
     monkeypatch.setenv("PROBE_HANG_TIMEOUT", "60")
     monkeypatch.setenv("PROBE_RUNTIME_DIR", str(tmp_path))
-    assert watchdog.install()
+    dog = Watchdog.start()
+    assert dog is not None
     try:
         model, x = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         tracker.hook(opt)
-        beat_before = watchdog._state.get("beat_at")
+        beat_before = dog.beat_at
         seen = []
         for _ in range(STEPS):
             loss = model(x).square().mean()
@@ -100,14 +101,14 @@ def test_the_hang_watchdog_leaves_the_quick_path_in_place(tracker, monkeypatch, 
             opt.step()
             seen.append(loss.item())
         assert tracker.step == STEPS and _losses(tracker) == pytest.approx(seen, rel=1e-6)
-        assert watchdog.status()["hang_timeout"] == 60
+        assert dog.status()["hang_timeout"] == 60
         # most boundaries were quick ones (nothing runs at every step), and the steps were heard (the full
         # boundaries' heartbeats)
         assert len(tracker.full) < STEPS // 4, f"{len(tracker.full)} of {STEPS} were full: {tracker.full[:20]}"
         assert not boundary.after
-        assert watchdog._state["beat_at"] > beat_before
+        assert dog.beat_at > beat_before
     finally:
-        watchdog.uninstall()
+        dog.stop()
 
 
 def test_the_budget_is_not_asked_again_before_it_can_pay_for_the_asking(tracker, monkeypatch):

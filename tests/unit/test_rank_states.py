@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import duckdb
 
-from probe.cli.doctor import fill_message
-from probe.cli.doctor import get_rule
-from probe.sql.ranks import VIEW_COLUMNS, view_sql
+from probe.cli.doctor import fill_message, get_rule
+from probe.sql.rank_columns import VIEW_COLUMNS
+from probe.sql.ranks import view_sql
 
 _GROUPS = (
     "rank INTEGER, pg VARCHAR, pg_desc VARCHAR, last_enqueued BIGINT, last_completed BIGINT, pending INTEGER, "

@@ -19,13 +19,14 @@ def test_heartbeats_rearm_the_timer_at_most_every_rearm_s_and_late_enough(monkey
     monkeypatch.setattr(watchdog, "_clock", lambda: clock[0])
     monkeypatch.setenv("PROBE_HANG_TIMEOUT", "60")
     monkeypatch.setenv("PROBE_RUNTIME_DIR", str(tmp_path))
-    assert watchdog.install()
+    dog = watchdog.Watchdog.start()
+    assert dog is not None
     try:
         for i in range(64):  # a second of steps, 1/64 s each (binary fractions: exact sums)
             clock[0] += 1 / 64
             boundary.passed(i)
     finally:
-        watchdog.uninstall()
+        dog.stop()
     # armed at install, then once per REARM_S of steps; each time for the timeout plus the heartbeat's possible lag
     assert len(armed) == 1 + int(1.0 / watchdog.REARM_S)
     assert set(armed) == {60 + watchdog.LATE_S}

@@ -1,0 +1,108 @@
+"""The rules over what measured steps' data, update and loss scaling were (probe/diagnosis/signal_rules.py) on
+hand-made torch.batches, torch.updates and torch.scaler rows: each needs a run of measured steps in a row at the
+rank's latest, and says since which step the run goes."""
+
+from __future__ import annotations
+
+from _doctor import rule_rows
+
+BATCHES = (
+    "rank INTEGER, step BIGINT, time DOUBLE, input_hash VARCHAR, target_hash VARCHAR, samples DOUBLE, labels DOUBLE, "
+    "top_label DOUBLE, top_share DOUBLE"
+)
+UPDATES = "rank INTEGER, step BIGINT, time DOUBLE, parameter VARCHAR, ratio DOUBLE, grad_ratio DOUBLE, lr DOUBLE"
+SCALER = "rank INTEGER, step BIGINT, time DOUBLE, scale DOUBLE, clip_scaled BOOLEAN, clip_norm DOUBLE"
+
+
+def _steps(last: int, lr: float = 0.1, loss: str = "1.0") -> str:
+    """torch.steps up to ``last``, every step measured, at rate ``lr`` and loss ``loss`` (SQL over ``range``)."""
+    return (
+        f"SELECT NULL::INTEGER AS rank, range AS step, TRUE AS measured, {lr} AS lr, {loss} AS loss "
+        f"FROM range(1, {last + 1})"
+    )
+
+
+def _batches(rows, last=None):
+    last = last or max(r[1] for r in rows)
+    return rule_rows("same_batch", {"torch.batches": (BATCHES, rows), "torch.steps": _steps(last)})
+
+
+def test_same_batch_names_one_fingerprint_at_every_recent_measured_step_since_it_began():
+    # given: distinct batches up to step 40, then the same one at every other step from 42 to 80
+    rows = [(None, s, 0.0, f"in{s}", f"t{s}", 32.0, 10.0, 1.0, 0.2) for s in range(1, 41)]
+    rows += [(None, s, 0.0, "fixed", "labels", 32.0, 10.0, 1.0, 0.2) for s in range(42, 81, 2)]
+    (f,) = _batches(rows)
+    assert (f["step"], f["since"], f["steps"], f["fingerprint"]) == (80, 42, 20, "fixed")
+    # quiet: fresh batches; one batch repeated twice; a run of 10 measured steps over fewer than 10 steps
+    assert not _batches(rows[:40])
+    assert not _batches(rows[:40] + [(None, 41, 0.0, "in40", "t40", 32.0, 10.0, 1.0, 0.2)])
+    assert not _batches(rows[:30] + [(None, s, 0.0, "x", "y", 32.0, 10.0, 1.0, 0.2) for s in range(31, 40)])
+    # rows that stopped (the model they were about is gone) are no finding
+    assert not _batches(rows, last=90)
+    # the same inputs with new targets each step are not one batch
+    assert not _batches([(None, s, 0.0, "fixed", f"t{s}", 32.0, 10.0, 1.0, 0.2) for s in range(1, 41)])
+
+
+def _labels(rows):
+    return rule_rows("single_class_batches", {"torch.batches": (BATCHES, rows), "torch.steps": _steps(rows[-1][1])})
+
+
+def test_single_class_batches_tells_constant_labels_from_batches_sorted_by_class():
+    mixed = [(None, s, 0.0, f"i{s}", f"t{s}", 32.0, 10.0, 3.0, 0.2) for s in range(1, 31)]
+    # constant: every batch all class 0
+    (f,) = _labels(mixed + [(None, s, 0.0, f"i{s}", f"t{s}", 32.0, 1.0, 0.0, 1.0) for s in range(31, 51)])
+    assert (f["since"], f["steps"], f["classes"], f["label"]) == (31, 20, 1, 0)
+    assert f["what"].startswith("every target is class 0: the labels are constant"), f
+    # sorted: each batch one class, the class moving on every few batches
+    (f,) = _labels(mixed + [(None, s, 0.0, f"i{s}", f"t{s}", 32.0, 1.0, float(s // 4), 1.0) for s in range(31, 51)])
+    assert f["classes"] > 1 and "ordered by class and not shuffled" in f["what"], f
+    # quiet: mixed batches; a few single-class batches among them; tiny batches (fewer than 8 targets)
+    assert not _labels(mixed)
+    assert not _labels(mixed + [(None, s, 0.0, "i", "t", 32.0, 1.0, 0.0, 1.0) for s in range(31, 36)])
+    assert not _labels(mixed + [(None, s, 0.0, "i", "t", 4.0, 1.0, 0.0, 1.0) for s in range(31, 51)])
+
+
+def _updates(rule, ratios: dict, steps=range(60, 110, 10), lr=0.1, lr_max=0.1, loss="1.0"):
+    rows = [(None, s, 0.0, name, r, 0.01, lr) for s in steps for name, r in ratios.items()]
+    return rule_rows(rule, {"torch.updates": (UPDATES, rows), "torch.steps": _steps(max(steps), lr_max, loss)})
+
+
+def test_update_size_names_the_tensors_far_below_or_above_a_healthy_ratio():
+    tiny = {"features.0.weight": 1e-7, "features.3.weight": 2e-7, "classifier.weight": 3e-3}
+    (f,) = _updates("update_too_small", tiny)
+    assert (f["since"], f["step"], f["n"], f["tensors"]) == (60, 100, 2, 3), f
+    assert f["names"] == "features.0.weight 1e-07, features.3.weight 2e-07", f
+    assert not _updates("update_too_large", tiny)
+    (f,) = _updates("update_too_large", {"a.weight": 0.5, "b.weight": 0.3, "c.weight": 1e-3})
+    assert f["names"] == "b.weight 0.3, a.weight 0.5", f
+    # quiet: healthy ratios; one tensor in three tiny (a layer barely used); before step 50 (a warm-up's first
+    # rates); a rate decayed to under half its top (a schedule's end); fewer than 5 measured updates
+    healthy = {"a.weight": 1e-3, "b.weight": 3e-4, "c.weight": 2e-3}
+    assert not _updates("update_too_small", healthy) and not _updates("update_too_large", healthy)
+    assert not _updates("update_too_small", {"a.weight": 1e-7, "b.weight": 1e-3, "c.weight": 1e-3})
+    assert not _updates("update_too_small", tiny, steps=range(10, 60, 10))
+    assert not _updates("update_too_small", tiny, lr=0.01, lr_max=0.1)
+    assert not _updates("update_too_small", tiny, steps=range(60, 100, 10))
+    # nor for a converged model: its gradients are small, and its step applies them in full
+    rows = [(None, s, 0.0, n, 1e-6, 1e-5, 0.1) for s in range(60, 110, 10) for n in ("a.weight", "b.weight")]
+    assert not rule_rows("update_too_small", {"torch.updates": (UPDATES, rows), "torch.steps": _steps(100)})
+    # nor while the loss falls (a small rate chosen on purpose still moves it)
+    assert not _updates("update_too_small", tiny, loss="10.0 - range * 0.05")
+    assert _updates("update_too_small", tiny, loss="1.0 + 0.01 * (range % 3)")
+
+
+def _scaler(rows, last=None):
+    return rule_rows(
+        "clip_before_unscale", {"torch.scaler": (SCALER, rows), "torch.steps": _steps(last or rows[-1][1])}
+    )
+
+
+def test_clip_before_unscale_needs_the_last_two_measured_steps_clipped_scaled():
+    unscaled = [(None, s, 0.0, 65536.0, False, None) for s in range(1, 21)]
+    (f,) = _scaler(unscaled + [(None, s, 0.0, 65536.0, True, 0.5) for s in range(21, 25)])
+    assert (f["since"], f["step"], f["scale"], f["seen"]) == (21, 24, 65536.0, 32768.0), f
+    assert not _scaler(unscaled)
+    # the scaler gone (its rows stopped): no finding
+    assert not _scaler(unscaled + [(None, s, 0.0, 65536.0, True, 0.5) for s in range(21, 25)], last=40)
+    assert not _scaler(unscaled + [(None, 21, 0.0, 65536.0, True, 0.5)])
+    assert not _scaler([(None, 1, 0.0, 65536.0, True, 0.5), (None, 2, 0.0, 65536.0, False, None)])
