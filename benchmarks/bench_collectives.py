@@ -48,7 +48,7 @@ def worker(steps: int) -> None:
     dump_ms = rows = None
     per_step = 0.0
     if rank == 0 and int(os.environ.get("TORCH_FR_BUFFER_SIZE") or 0) > 0:
-        from probe.training import collectives as recorder_io
+        from probe.training import frameworks as recorder_io
 
         costs = []
         for frames in (False, True, True):  # the first dump with frames also resolves them once: not kept

@@ -22,7 +22,7 @@ _LAZY = {
     "info": "_core.state",
     "step": "training.hooks",
     "watch": "training.hooks",
-    "span": "training.spans",
+    "span": "_core.spans",
     "load_checkpoint": "actions.checkpoint",
     "load_evidence": "actions.evidence",
     "table": "tables.registry",

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from ..config import setting
 from .._errors import ActionError
 from ..training import finder, hooks
-from ..training.boundary import boundary
-from ..training.inputs import InputCounter
+from .._core.boundary import boundary
+from ..training.hooks import InputCounter
 from ..training.frameworks import is_sharded
 from ..util.errorlog import record_error
 from .evidence import (

@@ -21,7 +21,7 @@ import threading
 import weakref
 
 from .._errors import ActionError
-from ..training.boundary import boundary
+from .._core.boundary import boundary
 from ..training.finder import scheduler_for
 from ..util.errorlog import record_error
 

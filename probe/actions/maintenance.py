@@ -25,7 +25,7 @@ from .queue import Context
 from .._errors import ActionError
 from .._runtime import runtime_dir
 from ..training.finder import optimizers
-from ..training.boundary import StepEvent, boundary
+from .._core.boundary import StepEvent, boundary
 from ..util.errorlog import record_error
 from ..util.procfs import rss_bytes
 

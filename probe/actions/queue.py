@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..training.boundary import StepEvent, boundary
+from .._core.boundary import StepEvent, boundary
 from .._core.audit import audit
 from .._errors import ActionError, ProbeError
 from ..util.errorlog import record_error

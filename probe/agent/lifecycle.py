@@ -40,7 +40,7 @@ from ..postmortem import hooks as postmortem
 from ..tables import registry as tables
 from ..util.errorlog import record_error
 from ..util.procfs import proc_start
-from ..training import collectives, hooks
+from ..training import frameworks, hooks
 from . import action_routes  # noqa: F401  (registers the action and eval routes)
 from . import routes  # noqa: F401  (registers the read routes and GET /profile)
 from .._core import state
@@ -168,8 +168,8 @@ class Session:
         self._did(lambda: (state.clear(), remove_entry(entry["pid"], entry.get("host"))), at_exit=True)
         # the training loop, through probe.training: the flight recorder on before the first process group (the
         # torch.collectives table), torch's step and module hooks now or when torch gets imported
-        if collectives.enable():
-            self._did(collectives.disable)
+        if frameworks.enable():
+            self._did(frameworks.disable)
         hooks.arm()
         self._did(hooks.disarm)
         self._did(queue.drop_pending)  # an action still waiting for a step boundary never runs

@@ -8,7 +8,7 @@ stuck inside a C call with the GIL held (an NCCL collective, a CUDA sync, a
 deadlocked extension), where no Python thread, the probe server's included, can run.
 
 The timer is armed when the probe starts and re-armed as steps complete, from a
-``probe.training.boundary`` heartbeat: at least once a second while steps come, not at every
+``probe._core.boundary`` heartbeat: at least once a second while steps come, not at every
 step (re-arming stops faulthandler's timer thread and starts a new one: tens of microseconds,
 and a full step boundary, at every step of a fast loop). So that a heartbeat's lag can never make
 it fire early, it is re-armed at most every ``REARM_S`` and for ``S + LATE_S`` seconds: it fires
@@ -49,8 +49,8 @@ import time
 
 from ..config import setting
 from .._runtime import runtime_dir
+from .._core.boundary import boundary
 from ..postmortem import hooks as postmortem
-from ..training.boundary import boundary
 from ..util.errorlog import record_error
 
 __all__ = ["Watchdog", "SigtermGuard", "REARM_S", "LATE_S"]

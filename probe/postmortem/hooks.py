@@ -67,7 +67,7 @@ def _sys_exit(status=None, /):
     """
     try:
         if threading.current_thread() is threading.main_thread():
-            from ..training.boundary import boundary
+            from .._core.boundary import boundary
 
             _state["exit"] = (status, boundary.last_step)
     except Exception:
@@ -77,7 +77,7 @@ def _sys_exit(status=None, /):
 
 def _exit_status() -> tuple:
     """``(code, detail)`` of the main thread's last ``sys.exit`` when it ended the process, else ``(None, None)``."""
-    from ..training.boundary import boundary
+    from .._core.boundary import boundary
 
     found = _state.get("exit")
     if not found or found[1] != boundary.last_step:
@@ -131,7 +131,7 @@ def _prune() -> None:
 
 
 def _snapshots(every: float) -> None:
-    from ..training.boundary import boundary
+    from .._core.boundary import boundary
 
     _prune()  # here, off the training thread
     last = None

@@ -1,14 +1,14 @@
 """What is checked about training: the invariant checks (``torch.checks``, ``probe.training.invariants``, one row
 per check per measured step), each rank's checksums of its DDP replica's weights at the same steps
 (``torch.weight_sums``) and how its DistributedDataParallel models are set up (``torch.ddp``,
-``probe.training.replicas``).
+``probe.training.weights``).
 """
 
 from __future__ import annotations
 
 from ..training.invariants import CHECK_COLUMNS, checks as _checks
 from .registry import Column, no_rows, table
-from ..training.replicas import DDP_COLUMNS, SUM_COLUMNS, replicas as _replicas
+from ..training.weights import DDP_COLUMNS, SUM_COLUMNS, replicas as _replicas
 
 
 @table(

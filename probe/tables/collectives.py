@@ -1,12 +1,12 @@
 """torch.collectives and torch.process_groups: torch's c10d flight recorder as tables.
 
-Both are read at query time from the recorder (``probe.training.collectives``); without
+Both are read at query time from the recorder (``probe.training.frameworks``); without
 torch.distributed, a process group, or the recorder on, they are empty.
 """
 
 from __future__ import annotations
 
-from ..training import collectives as recorder_io
+from ..training import frameworks as recorder_io
 from .registry import Column, table
 
 

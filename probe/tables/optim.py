@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from ..training import finder, frameworks, hooks
-from ..training.boundary import boundary
+from .._core.boundary import boundary
 from ..util.errorlog import record_error
 from .registry import Column, no_rows, table
 

@@ -12,7 +12,7 @@ import time
 
 from ..util.procfs import native_id
 from .registry import Column, no_rows, table
-from ..training import spans
+from .._core import spans
 
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

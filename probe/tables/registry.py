@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from ..util.wire import TYPES, WireError, check_table
+from ..util.wire import Column, WireError, check_table
 
 __all__ = [
     "Column",
@@ -62,21 +62,6 @@ BUILTIN = (
 
 KINDS = ("snapshot", "ring", "client")
 _NAME = re.compile(r"^[a-z_][a-z0-9_]*\.[a-z_][a-z0-9_]*$")
-
-
-@dataclass(frozen=True)
-class Column:
-    """A typed, described column. TIMESTAMP columns are produced as epoch seconds (float)."""
-
-    name: str
-    type: str
-    description: str
-
-    def __post_init__(self):
-        if self.type not in TYPES:
-            raise ValueError(f"column {self.name}: type must be one of {', '.join(TYPES)}, not {self.type!r}")
-        if not self.description.endswith("."):
-            raise ValueError(f"column {self.name}: its description must be a sentence ending in a period")
 
 
 @dataclass(frozen=True)

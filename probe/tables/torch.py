@@ -16,7 +16,7 @@ from ..training.steprows import STEP_COLUMNS, snapshot
 from ..training.trace import TRACE_COLUMNS
 from ..util.procfs import rss_bytes
 from .registry import Column, no_rows, table
-from ..training.traceout import SYNC_COLUMNS
+from ..training.trace import SYNC_COLUMNS
 
 
 _STEP_EXTRA = ("compute", "comm_wait")
@@ -163,7 +163,7 @@ def _comm_split(ctx, cols):
     """compute and comm_wait of each step from the creation times of the recorded collectives."""
     import numpy as np
 
-    from ..training.collectives import step_split
+    from ..training.frameworks import step_split
     from .collectives import recorder
 
     n = len(cols["step"])

@@ -1,28 +1,16 @@
-"""Values captured from the training loop for ``torch.steps``: the loss and the gradient norm.
+"""Values captured from the training loop for ``torch.steps``: the loss and the gradient norm (docs/torch.md).
 
-The loss of a step is what the loop backpropagated since the previous step: every
-scalar tensor ``torch.autograd.backward`` (so ``Tensor.backward``, accelerate's
-``accelerator.backward``, Lightning's and the HF Trainer's backward) was called on,
-summed; ``scaler.scale(loss)`` counts as ``loss`` (GradScaler's scale is looked
-through), ``(loss / accum).backward()`` over ``accum`` micro-batches sums to their
-mean, and inside ``optimizer.step(closure)`` only the closure's first evaluation
-counts (the value ``step`` returns; LBFGS evaluates it again). A loop that never
-calls backward on a scalar (``torch.autograd.grad``) falls back to a scalar tensor
-named ``loss`` (PROBE_LOSS_NAMES) in the training loop's frames; ``probe.step(loss=)``
-overrides both.
+The loss of a step is what the loop backpropagated since the previous step: every scalar tensor
+``torch.autograd.backward`` was called on (``Tensor.backward``, accelerate's, Lightning's and the HF Trainer's
+backward), summed; ``scaler.scale(loss)`` counts as ``loss``, and inside ``optimizer.step(closure)`` only the
+closure's first evaluation counts. A loop that never backpropagates a scalar falls back to a scalar named ``loss``
+(PROBE_LOSS_NAMES) in its frames, on measured steps; ``probe.step(loss=)`` overrides both. It is noted on every
+step without a device sync: a CPU scalar is read at once, another one kept detached and taken at the boundary as
+a float or a pinned copy with its event (``hold``), read once landed.
 
-The gradient norm is ``clip_grad_norm_``'s result when the loop clips (kept at no cost),
-else a foreach norm of the lead optimizer's gradients launched on the device. Under FSDP2
-(DTensor gradients) both are this rank's: the norm of its local shards, never a collective.
-
-The loss is a core signal, noted on every step, and its cost is paid on every step: the
-backward wrapper reads a CPU scalar as a float when backward is called on it (one ``item()``:
-there is no device to wait for, and nothing of the tensor or its graph is kept), and keeps any
-other scalar detached (the graph is not kept alive); the step boundary takes the step's sum
-(``take``): a float, or for a device scalar a pinned host copy and an event (``hold``), read
-later by ``pending.read`` once the event has completed. Nothing here synchronises with a device. The
-frame-variable fallback walks frames and runs on measured steps only; ``wanted`` (whether the
-budget measures the step in progress) still gates ``clip_grad_norm_``'s norm.
+The gradient norm is ``clip_grad_norm_``'s result when the loop clips (kept at no cost; its wrapper is in on
+measured steps only), else a foreach norm of the lead optimizer's gradients on their device. Under FSDP2 (DTensor
+gradients) both are this rank's: the norm of its local shards, never a collective.
 """
 
 from __future__ import annotations
@@ -37,6 +25,7 @@ from ..util.usercode import release
 from ..util.objects import is_a
 from . import signals
 from .frameworks import is_sharded, local
+from .steprows import copy_off
 
 __all__ = ["Capture", "loss_logits"]
 
@@ -148,11 +137,7 @@ class Capture:
                 return None
             value = value.detach()
             try:
-                host = torch.empty((), dtype=value.dtype, device="cpu", pin_memory=True)
-                host.copy_(value.reshape(()), non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record()
-                return (host, ev)
+                return copy_off(torch, value.reshape(()))
             except Exception as exc:
                 record_error("torch steps: copying a device scalar", exc)
                 return None

@@ -1,25 +1,29 @@
-"""The framework adapters: recognising training objects' types without importing their packages, what a
-framework object holds by the framework's own API, its step counters, and sharded tensors.
+"""What the job is built on: framework adapters, sharded tensors and torch's c10d flight recorder.
 
-A Lightning ``Trainer``, a transformers ``Trainer`` and an accelerate ``Accelerator`` are recognised by module
-and class name (``framework_of``), so nothing here imports torch or a framework; ``framework_items`` lists the
-model, optimizers, schedulers and loaders each holds; ``unwrap_optimizer`` and ``unwrap_scheduler`` reach
-through a framework's wrapper to the object that owns the state. The object finder (``finder``) keeps what
-these find; the checkpoint action reads a framework's objects with ``objects_of`` and sets its step counters
-back with ``restore_counters``.
+A Lightning ``Trainer``, a transformers ``Trainer`` and an accelerate ``Accelerator`` are recognised by module and
+class name (``framework_of``: nothing here imports torch or a framework); ``framework_items`` lists what each
+holds, ``unwrap_optimizer`` and ``unwrap_scheduler`` reach through a wrapper to the object that owns the state,
+``objects_of`` and ``restore_counters`` serve the checkpoint action.
 
-Under FSDP2 (``fully_shard``) parameters, gradients and optimizer state are DTensors. Any reduction of a
-DTensor (``.sum()``, a norm, ``.item()``) redistributes it: a collective issued on this rank alone, which the
-other ranks never match, and the job hangs. The probe never issues one: it reads the local shard
-(``_local_tensor``, what ``DTensor.to_local()`` returns without communicating), and says its figures are this
-rank's (``is_sharded``, ``local``, ``placement``).
+Under FSDP2 parameters, gradients and optimizer state are DTensors, and any reduction of one is a collective
+issued on this rank alone (the job hangs). The probe reads the local shard instead (``_local_tensor``, no
+communication) and says its figures are this rank's (``is_sharded``, ``local``, ``placement``).
+
+The flight recorder (torch's ring of the collectives each process group issued) records only when
+``TORCH_FR_BUFFER_SIZE`` is set before the first process group is made: ``enable()`` (at start) sets it to
+PROBE_COLLECTIVES entries unless the user did; it is read (one ``dump``) on the server thread at query time only.
 """
 
 from __future__ import annotations
 
+import bisect
+import os
+import pickle
 import sys
 from typing import Any
 
+from ..config import setting
+from ..util.errorlog import record_error
 from ..util.objects import instance_dict, is_a
 
 _FRAMEWORK_TYPES = {
@@ -60,14 +64,8 @@ def scheduler_types(torch) -> tuple:
 
 def scaler_types(torch) -> tuple:
     """torch's GradScaler classes (torch.amp's and torch.cuda.amp's) present in this torch."""
-    return tuple(
-        t
-        for t in (
-            getattr(getattr(torch, "amp", None), "GradScaler", None),
-            getattr(getattr(torch.cuda, "amp", None), "GradScaler", None),
-        )
-        if isinstance(t, type)
-    )
+    found = (getattr(getattr(mod, "amp", None), "GradScaler", None) for mod in (torch, torch.cuda))
+    return tuple(t for t in found if isinstance(t, type))
 
 
 def unwrap_optimizer(opt) -> tuple[Any, str | None]:
@@ -140,8 +138,7 @@ def framework_items(obj, name: str):
 
 
 def _lightning_train_loaders(trainer):
-    """The fit loop's loaders as the user returned them, without asking the LightningModule for new ones
-    (``Trainer.train_dataloader`` reads the fit loop's combined loader; None before fit starts)."""
+    """The fit loop's loaders as the user returned them (None before fit starts), not asking for new ones."""
     fit_loop = getattr(trainer, "fit_loop", None)
     combined = getattr(fit_loop, "_combined_loader", None) if fit_loop is not None else None
     return getattr(combined, "iterables", None) if combined is not None else None
@@ -183,8 +180,6 @@ def framework_name(value, name: str) -> str:
 
 
 # -- sharded tensors ------------------------------------------------------------------------------
-
-
 def is_sharded(t) -> bool:
     """Whether ``t`` is a DTensor (checked by its attributes: torch.distributed need not be imported)."""
     return getattr(t, "_local_tensor", None) is not None and hasattr(t, "placements")
@@ -218,15 +213,10 @@ def _shift_progress(progress, completed: int) -> None:
 
 
 def restore_counters(framework, counters: dict) -> dict:
-    """Set a framework object's step counters to ``counters`` (as ``framework_counters`` wrote them);
-    return what was set.
-
-    Lightning gets ``global_step`` and ``current_epoch`` back; a transformers Trainer its
-    ``global_step`` only (it recomputes ``state.epoch`` at every step from its own loop's epoch
-    counter, a local variable of its training loop, so a value set from outside would not last);
-    an accelerate ``Accelerator`` its ``step`` (the gradient-accumulation counter that
-    ``accelerator.accumulate`` advances, restored as accelerate's own ``load_state`` does).
-    """
+    """Set a framework object's step counters to ``counters`` (as ``framework_counters`` wrote them); return what
+    was set. Lightning gets ``global_step`` and ``current_epoch`` back; a transformers Trainer its ``global_step``
+    only (it recomputes ``state.epoch`` from a local of its loop); an ``Accelerator`` its ``step`` (the
+    gradient-accumulation counter, restored as accelerate's own ``load_state`` does)."""
     kind = framework_of(framework)
     done = {}
     if kind == "lightning" and "global_step" in counters:
@@ -247,3 +237,214 @@ def restore_counters(framework, counters: dict) -> dict:
         framework.step = int(counters["step"])
         done["step"] = framework.step
     return done
+
+
+# -- the c10d flight recorder ------------------------------------------------------------------------------------
+_ENV = "TORCH_FR_BUFFER_SIZE"
+
+
+def enable() -> bool:
+    """Turn the recorder on (PROBE_COLLECTIVES entries) unless the user set its buffer size; whether it did."""
+    size = setting("PROBE_COLLECTIVES")
+    if _ENV in os.environ or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or size <= 0:
+        return False
+    if not _group_exists():  # torch reads the variable when the first group is made: later is too late
+        os.environ[_ENV] = str(size)
+        return True
+    msg = "the process group existed before the probe started; import probe.auto before init_process_group"
+    record_error(
+        "torch.collectives", RuntimeError(f"the flight recorder is off: {msg}, run with PROBE=1, or set {_ENV}")
+    )
+    return False
+
+
+def disable() -> None:
+    """Undo ``enable`` while no process group has read the setting yet (a group made since keeps its recorder)."""
+    if not _group_exists():
+        os.environ.pop(_ENV, None)
+
+
+def _group_exists() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+    except Exception:
+        return False
+
+
+def dump(frames: bool = True, collectives: bool = True, only_active: bool = False) -> dict | None:
+    """The recorder's content as a dict, or None without torch.distributed or a process group."""
+    fn = getattr(sys.modules.get("torch._C._distributed_c10d"), "_dump_fr_trace", None)
+    if fn is None or not _group_exists():
+        return None
+    try:
+        raw = fn(includeCollectives=collectives, includeStackTraces=frames, onlyActive=only_active)
+        return pickle.loads(raw)
+    except Exception as exc:
+        record_error("torch.collectives: reading the flight recorder", exc)
+        return None
+
+
+def split_op(profiling_name: str | None) -> tuple[str | None, str | None]:
+    """``("gloo", "all_reduce")`` from the recorder's ``gloo:all_reduce``.
+
+    >>> split_op("nccl:all_gather_into_tensor_coalesced")
+    ('nccl', 'all_gather_into_tensor_coalesced')
+    >>> split_op("barrier")
+    (None, 'barrier')
+    """
+    backend, sep, op = (profiling_name or "").partition(":")
+    return (backend, op) if sep else (None, backend or None)
+
+
+def _ns(v) -> float | None:
+    return v / 1e9 if v else None
+
+
+_PROBE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # probe/ (this file is in probe/training)
+
+
+def _torch_dir() -> str | None:
+    torch = sys.modules.get("torch")
+    return os.path.dirname(os.path.abspath(torch.__file__)) if torch is not None else None
+
+
+def _frame_text(f: dict) -> str:
+    return f"{f.get('name')} ({os.path.basename(str(f.get('filename')))}:{f.get('line')})"
+
+
+# probe's wrappers that a user's call passes through on its way to torch (its backward, GradScaler.scale,
+# clip_grad_norm_, a probe.span): a collective below them is the user's
+_PASS_THROUGH = {
+    ("capture.py", "backward"),
+    ("capture.py", "scale_"),
+    ("capture.py", "clip_grad_norm_"),
+    ("spans.py", "wrapper"),
+    ("spans.py", "async_wrapper"),
+}
+
+
+def call_site(frames: list, tdir: str | None = None) -> str | None:
+    """The innermost issuing frame outside torch, ``func (file:line)``; ``probe: func (file:line)`` when it
+    is the probe's own work (a table, an action, an eval), never credited to the user's frame below it.
+
+    >>> call_site([{"name": "all_reduce", "filename": "/t/torch/c10d.py", "line": 9},
+    ...            {"name": "main", "filename": "/u/train.py", "line": 25}], "/t/torch")
+    'main (train.py:25)'
+    """
+    if tdir is None:
+        tdir = _torch_dir()
+    for f in frames:
+        name = str(f.get("filename", ""))
+        if tdir and name.startswith(tdir + os.sep):
+            continue
+        if _PROBE_DIR and name.startswith(_PROBE_DIR + os.sep):
+            if (os.path.basename(name), f.get("name")) in _PASS_THROUGH:
+                continue
+            return "probe: " + _frame_text(f)
+        return _frame_text(f)
+    return None
+
+
+def entry_rows(doc: dict | None) -> list[dict]:
+    """One row per recorded collective, oldest first (the torch.collectives columns)."""
+    tdir = _torch_dir()
+    rows = []
+    for e in (doc or {}).get("entries") or []:
+        backend, op = split_op(e.get("profiling_name"))
+        pg = e.get("process_group") or ("", "")
+        started, completed = _ns(e.get("time_discovered_started_ns")), _ns(e.get("time_discovered_completed_ns"))
+        duration = e.get("duration_ms")
+        duration = duration / 1000.0 if duration is not None else completed - started if started and completed else None
+        frames = e.get("frames") or []
+        state = e.get("state")
+        rows.append(
+            {
+                "pg": str(pg[0]),
+                "pg_desc": str(pg[1]) if len(pg) > 1 else None,
+                "record_id": e.get("record_id"),
+                "seq": None if e.get("is_p2p") else e.get("collective_seq_id"),
+                "p2p_seq": e.get("p2p_seq_id") if e.get("is_p2p") else None,
+                "op_id": e.get("op_id"),
+                "is_p2p": bool(e.get("is_p2p")),
+                "backend": backend,
+                "op": op,
+                "input_sizes": _text(e.get("input_sizes")),
+                "input_dtypes": _text(e.get("input_dtypes")),
+                "output_sizes": _text(e.get("output_sizes")),
+                "output_dtypes": _text(e.get("output_dtypes")),
+                "state": "completed" if e.get("retired") and state != "completed" else state,
+                "retired": bool(e.get("retired")),
+                "created_at": _ns(e.get("time_created_ns")),
+                "started_at": started,
+                "completed_at": completed,
+                "duration": duration,
+                "timeout_s": (e.get("timeout_ms") or 0) / 1000.0 or None,
+                "thread": e.get("thread_name"),
+                "call_site": call_site(frames, tdir),
+                "frames": "; ".join(_frame_text(f) for f in frames) if frames else None,
+            }
+        )
+    return rows
+
+
+def _text(v) -> str | None:
+    return None if v is None else str(v).replace("'", "")
+
+
+def group_rows(doc: dict | None) -> list[dict]:
+    """One row per process group: its ranks and its last enqueued, started and completed sequence ids.
+
+    >>> group_rows(None), entry_rows(None)  # no recorder (no process group): no rows
+    ([], [])
+    """
+    if not doc:
+        return []
+    status = doc.get("pg_status") or {}
+    config = doc.get("pg_config") or {}
+    descs = {}
+    for e in doc.get("entries") or []:
+        pg = e.get("process_group") or ()
+        if len(pg) > 1:
+            descs[str(pg[0])] = str(pg[1])
+    rows = []
+    for pg_id, st in status.items():
+        cfg = config.get(str(pg_id)) or {}
+        if not cfg and len(config) == 1 and len(status) == 1:  # torch names the default group '' in pg_config
+            cfg = next(iter(config.values())) or {}
+        rows.append(
+            {
+                "pg": str(pg_id),
+                "pg_desc": cfg.get("desc") or descs.get(str(pg_id)),
+                "ranks": str(cfg.get("ranks")) if cfg.get("ranks") is not None else None,
+                "last_enqueued": _int(st.get("last_enqueued_collective")),
+                "last_started": _int(st.get("last_started_collective")),
+                "last_completed": _int(st.get("last_completed_collective")),
+            }
+        )
+    return rows
+
+
+def _int(v) -> int | None:
+    try:
+        v = int(v)
+    except (TypeError, ValueError):
+        return None
+    return v if v >= 0 else None
+
+
+def step_split(started, ended, created) -> tuple:
+    """Per step: (compute, comm_wait) seconds, split at its last collective's creation (``created``: sorted epoch
+    seconds). In a synchronous step this rank's own work issues every collective: after the last one it waits for
+    the others (and steps its optimizer). Steps without a recorded collective get NaN.
+
+    >>> step_split([0.0, 1.0], [1.0, 2.5], [0.2, 0.7, 1.4, 2.0])
+    ([0.7, 1.0], [0.30000000000000004, 0.5])
+    """
+    compute, wait = [], []
+    for s, e in zip(started, ended):
+        i = bisect.bisect_left(created, e) - 1
+        last = created[i] if i >= 0 and created[i] >= s else float("nan")
+        compute.append(last - s)
+        wait.append(e - last)
+    return compute, wait

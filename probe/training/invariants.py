@@ -1,38 +1,23 @@
-"""Invariant checks of training: relations that hold in every correct run, checked on measured steps and
-recorded in ``torch.checks`` for the doctor's rules (``grads_not_cleared``, ``step_without_grads``,
-``eval_mode_in_training``) to read.
+"""Invariant checks of training: relations that hold in every correct run, checked on measured steps (each at
+about the cost of a few attribute reads) and recorded in ``torch.checks``, one row per check and measured step,
+for the doctor's rules to read. Nothing here raises into the training loop: errors go to ``probe.errors``.
 
-What is checked, each at about the cost of a few attribute reads per measured step:
-
-* ``grads_present``: the lead optimizer's step found a gradient on its trainable tensors (the first one
-  with a ``.grad`` ends the search). None at all: ``zero_grad()`` ran between ``backward()`` and
-  ``step()``, or the step had no backward.
-* ``grads_reach``: when some of the lead optimizer's trainable tensors hold a gradient at its step, all of them
-  do (the first 4,096, by the trained model's names). A tensor that never gets one is cut off from the loss: a
-  ``.detach()``, a NumPy or ``.item()`` round trip or ``torch.no_grad()`` in forward, or a module the forward
-  never calls. Frozen tensors (requires_grad=False) are not asked.
-* ``grads_cleared``: in the two optimizer steps after a measured boundary, at one of the backward passes, the
-  gradient of one small trainable tensor of the lead optimizer was None or zero before autograd added to it.
-  One tensor hook, armed at a measured boundary and taken out at the next, looks at ``param.grad`` when its
-  gradient arrives, for the backward passes of those two steps only (``_WINDOW_STEPS``: after them it returns
-  at once, so the steps between measured ones pay a call and no tensor operation); a gradient that is never
-  cleared accumulates across optimizer steps (a missing ``zero_grad()``).
-  It fires on every backward of the window (a GAN's generator backward also reaches the discriminator's
-  tensors; the discriminator's own ``zero_grad()`` clears them before its backward). On CUDA it never
-  synchronises: whether the gradient was zero is copied without blocking and read at the next boundary.
-* ``accumulation``: with several backward passes per optimizer step (gradient accumulation), the watched
-  gradient was found cleared at fewer of them than there were passes: a ``zero_grad()`` at every micro-batch
-  keeps only the last micro-batch's gradient. Recorded only when a window had more backward passes than
-  optimizer steps, with one optimizer found (a GAN's second optimizer clears its own tensors in between).
-* ``backward_once``: no loss graph was backpropagated twice in one step (``backward(retain_graph=True)``
-  called again on the same loss, or a backward in a helper and again in the loop): its gradients count twice.
-* ``params_move``, ``frozen_still``, ``schedule``: what the step changed (``probe.training.updates``).
-* ``train_mode``: the dropout and normalization modules of the model being trained are in training mode
-  at the step (``.training``; the list is cached and refreshed as discovery scans are). Modules whose own
-  parameters are all frozen are left out: a frozen batch norm kept in eval mode on purpose is common.
-
-Each check is one row per measured step (ok or not), with what it is about by name (``subject``).
-Nothing here raises into the training loop: errors go to ``probe.errors``.
+* ``grads_present``: the lead optimizer's step found a gradient on its trainable tensors (none: ``zero_grad()``
+  ran between ``backward()`` and ``step()``, or the step had no backward).
+* ``grads_reach``: when some of its trainable tensors hold a gradient, all of them do (the first 4,096); one
+  that never gets one is cut off from the loss (a ``.detach()``, a NumPy round trip, a module never called).
+* ``grads_cleared``: in the two optimizer steps after a measured boundary (``_WINDOW_STEPS``), the gradient of
+  one small trainable tensor was None or zero before autograd added to it. One tensor hook, armed at a measured
+  boundary and taken out at the next, looks at ``param.grad`` when its gradient arrives (after the window it
+  returns at once); on CUDA its verdict is copied without blocking and read at the next boundary.
+* ``accumulation``: with several backward passes per optimizer step, the watched gradient was found cleared at
+  fewer of them than there were passes (a ``zero_grad()`` at every micro-batch); one optimizer found only.
+* ``backward_once``: no loss graph was backpropagated twice in one step (its gradients would count twice).
+* ``params_move``, ``frozen_still``: what the step changed (``weights.Updates``); ``schedule``: the lead
+  optimizer's LR scheduler keeps its declared pace (not stepped more often than its optimizer; one that counts
+  optimizer steps stepped about once per optimizer step; a CosineAnnealingLR not stepped past its T_max).
+* ``train_mode``: the dropout and batch norm modules of the trained model are in training mode at the step
+  (modules whose own parameters are all frozen are left out: frozen in eval mode on purpose is common).
 """
 
 from __future__ import annotations
@@ -42,7 +27,7 @@ import time
 import weakref
 
 from . import finder
-from .updates import Updates, grouped
+from .weights import Updates, grouped
 from ..config import setting
 from ..util.errorlog import record_error
 from ..util.ring import Ring
@@ -56,6 +41,9 @@ _RETRY = 8  # steps between looks for the trained model while none is known
 _PENDING_MAX = 4  # device reads one grads_cleared window keeps at most
 _WINDOW_STEPS = 2  # optimizer steps whose backward passes one grads_cleared window looks at
 _REACH_MAX = 4096  # trainable tensors grads_reach looks at, at most
+_PER_STEP = ("OneCycleLR", "CyclicLR")  # schedulers whose schedule counts optimizer steps
+_LOOK_EVERY = 8  # steps between looks for a scheduler while none is known
+_PACE_STEPS = 30  # optimizer steps before a scheduler's pace is judged
 
 
 def _trainable(optimizer):
@@ -140,6 +128,83 @@ class _GradWatch:
             pass
 
 
+class _Pace:
+    """The ``schedule`` check: the lead optimizer's LR scheduler keeps its declared pace."""
+
+    def __init__(self):
+        self._opt = None  # weakref to the lead optimizer
+        self._sched = None  # weakref to its scheduler
+        self._sched_base = None  # (step, last_epoch) when it was first seen
+        self._look_at = 0  # the step of the next look for a scheduler while none is known
+
+    def refresh(self, optimizer) -> None:
+        if self._opt is None or self._opt() is not optimizer:
+            self._opt = weakref.ref(optimizer)
+            self._sched = self._sched_base = None
+        self._find_scheduler()
+
+    def _find_scheduler(self, step: int | None = None):
+        """The scheduler of the optimizer the targets were picked for: among those found so far, and every
+        ``_LOOK_EVERY`` steps (``step`` given) after a look at __main__'s globals and the frameworks' objects."""
+        opt = self._opt() if self._opt is not None else None
+        if opt is None:
+            return None
+        inner, _ = finder.unwrap_optimizer(opt)
+        look = step is not None and step >= self._look_at
+        if look:
+            self._look_at = step + _LOOK_EVERY
+        for f in finder.schedulers() if look else finder.known("scheduler"):
+            o = getattr(f.obj, "optimizer", None)
+            if o is not None and finder.unwrap_optimizer(o)[0] is inner:
+                if self._sched is None or self._sched() is not f.obj:  # the same one keeps its count
+                    self._sched = weakref.ref(f.obj)
+                    self._sched_base = None
+                return f.obj
+        return None
+
+    def check(self, step, now, record) -> None:
+        sched = self._sched() if self._sched is not None else None
+        if sched is None:
+            sched = self._find_scheduler(step)  # one made after the optimizer (a stage's own)
+            if sched is None:
+                return
+        last = getattr(sched, "last_epoch", None)
+        if type(last) is not int:
+            return
+        if self._sched_base is None:
+            self._sched_base = (step, last)
+            return
+        s0, l0 = self._sched_base
+        steps, stepped = step - s0, last - l0
+        kind = type(sched).__name__
+        times = f"{stepped} times in {steps} optimizer steps"
+        problem = None
+        if stepped > steps + 1 and steps >= 10:
+            problem = (
+                f"{kind} stepped {times}: more often than its optimizer (per batch and per epoch, or twice a step?)"
+            )
+        elif steps >= _PACE_STEPS and stepped * 4 < steps and self._per_step(sched):
+            total = getattr(sched, "total_steps", None)
+            horizon = f"total_steps={total}" if total is not None else "its schedule is in optimizer steps"
+            problem = (
+                f"{kind} counts optimizer steps ({horizon}) but stepped {times}: it is stepped once an epoch, so its "
+                "schedule hardly moves (warm-up never ends)"
+            )
+        elif kind == "CosineAnnealingLR" and last > getattr(sched, "T_max", last) and stepped * 2 > steps:
+            problem = (
+                f"CosineAnnealingLR is at step {last}, past its T_max={sched.T_max}, where its rate climbs back up "
+                f"(stepped {times}: stepped per batch while T_max counts epochs?)"
+            )
+        record(step, now, "schedule", problem is None, kind, float(stepped) / steps if steps else None, problem)
+
+    @staticmethod
+    def _per_step(sched) -> bool:
+        if type(sched).__name__ in _PER_STEP:
+            return True
+        fns = getattr(sched, "lr_lambdas", None) or []  # transformers' schedules: partials of *_with_warmup_lr_lambda
+        return any("warmup" in getattr(getattr(fn, "func", fn), "__name__", "") for fn in fns)
+
+
 class Invariants:
     def __init__(self, torch):
         self.torch = torch
@@ -155,6 +220,7 @@ class Invariants:
         self._opt = None  # weakref to the optimizer the targets were picked for
         self._single = True  # one optimizer found (the accumulation check needs it)
         self.updates = Updates(torch)
+        self.pace = _Pace()
 
     # -- the one call from the step boundary ---------------------------------------------------------------
     def at_boundary(self, step: int, optimizer, capture=None, clock=None) -> None:
@@ -184,6 +250,10 @@ class Invariants:
             model = self._model() if self._model is not None else None
             if model is not None:
                 self.updates.check(step, now, self._record)
+                try:
+                    self.pace.check(step, now, self._record)
+                except Exception as exc:
+                    record_error("torch checks: scheduler pace", exc)
         except Exception as exc:
             record_error("torch checks", exc)
 
@@ -209,6 +279,7 @@ class Invariants:
             self._model = weakref.ref(model)
             self._modes = [(finder.module_path(n), m) for n, m in model.named_modules() if self._mode_matters(m)]
             self.updates.refresh(model, optimizer)
+            self.pace.refresh(optimizer)
             return
 
     def _mode_matters(self, m) -> bool:

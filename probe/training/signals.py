@@ -17,10 +17,10 @@
   gradients that scaler had not unscaled yet (their norm is the scale times too large, and so is the clipping):
   the clip's norm is then divided by the scale, so ``torch.steps.grad_norm`` is the gradients' own.
 
-Everything runs on measured steps only (the counting hook of ``inputs``, the measured backward of ``capture``,
-the clip wrapper that is in on measured steps, the boundary's measured branch), and nothing synchronises with a
-device: a device sample is copied to pinned memory without blocking and read at a later boundary once its event
-has completed. Nothing raises into the training loop: errors go to ``probe.errors``.
+Everything runs on measured steps only (``hooks.InputCounter``'s counting hook, the measured backward of
+``capture``, the clip wrapper in on measured steps, the boundary's measured branch), and nothing synchronises with a
+device: a device sample is copied off without blocking (``steprows.copy_off``) and read at a later boundary once
+its event has completed. Nothing raises into the training loop: errors go to ``probe.errors``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from ..config import setting
 from ..util.errorlog import record_error
 from ..util.ring import Ring
 from . import finder
-from .boundary import boundary
+from .steprows import copy_off
+from .._core.boundary import boundary
 
 __all__ = ["Signals", "signals", "BATCH_COLUMNS", "UPDATE_COLUMNS", "SCALER_COLUMNS"]
 
@@ -231,14 +232,7 @@ class Signals:
         another device (reading it there could wait for it)."""
         if t.device.type == "cpu":
             return t.clone()
-        if not t.is_cuda:
-            return None
-        torch = self.torch
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        return host, ev
+        return copy_off(self.torch, t) if t.is_cuda else None
 
     # -- the boundary ------------------------------------------------------------------------------------------
     def at_boundary(self, step: int, optimizer) -> None:

@@ -99,6 +99,18 @@ class _OnHost(float):
         return float(self)
 
 
+def copy_off(torch, t) -> tuple:
+    """``(pinned host copy, event)`` of device tensor ``t`` (of a host one: itself), copied without blocking: read the
+    copy once the event has completed."""
+    host = t
+    if t.is_cuda:
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        host.copy_(t, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    return host, ev
+
+
 def landed(value: float) -> tuple:
     """A holder whose value has landed already: a host value that must wait in line behind device values."""
     return (_OnHost(value), None)

@@ -8,7 +8,7 @@ them); once ``probe.step()`` is called, the explicit calls own the count.
 
 The core signals are recorded on every step: step count, step time, lr, the loss (``capture``: a CPU scalar read
 at once, a device one copied without blocking and read when ready), the time before the step's first forward call
-(``data_wait``) and the safe-point queue; memory is read by ``steprows.MemoryClock``'s thread. The optional values
+(``data_wait``); memory is read by ``steprows.MemoryClock``'s thread. The optional values
 (the grad norm, input counts, the frame-variable loss fallback) and the occasional work (discovery scans, module
 trace scheduling) run on the steps the ``PROBE_STEP_BUDGET`` bucket allows, and the row's ``measured`` flag says
 which. Measured steps are jittered (a coin at each allowed step), so a job's own period cannot line up with them.
@@ -16,9 +16,8 @@ Each boundary's own cost is kept (``probe_us``). A step that is not measured, tr
 path (``on_optimizer_step``): the exact values and nothing else, because on a fast loop that path is most steps.
 Values derived from others (``started_at``, the rates, ``rank``) are computed when a query asks.
 
-The hot path never synchronises with a device: a device loss and the gradient norm are kept as pinned host copies
-with an event (``steprows.Pending``) and read a few steps later or when a query asks; until then the ring holds
-None (SQL NULL). A NaN or infinite loss is kept as it is, so ``isnan(loss)`` finds the step it went bad.
+The hot path never synchronises with a device: device values are read once landed (``steprows.Pending``), the
+ring holding None (SQL NULL) until then. A NaN or infinite loss is kept, so ``isnan(loss)`` finds where it went bad.
 """
 
 from __future__ import annotations
@@ -29,10 +28,9 @@ import sys
 import time
 import weakref
 
-from . import finder, invariants, replicas, signals
-from .boundary import boundary as _boundary
+from . import finder, invariants, signals, weights
+from .._core.boundary import boundary as _boundary
 from .frameworks import unwrap_optimizer
-from .inputs import InputCounter
 from .trace import TracePacing
 from ..util.budget import Budget
 from .capture import Capture
@@ -77,7 +75,7 @@ class StepTracker:
     ``used_lr`` (the lr an override made this step use, set before the boundary), ``wall_offset`` (time.time()
     minus perf_counter()) and ``rank``. The quick path's state is described in ``on_optimizer_step``."""
 
-    def __init__(self, torch, tracer):
+    def __init__(self, torch, tracer, inputs):
         # The quick path's attributes first: stored in the order first set, they share a cache line or two
         self._check_at = 0
         self._full_at = math.inf
@@ -100,7 +98,7 @@ class StepTracker:
         self._settled_ns: int | None = None
         self._quick_rate = 0.0
         self.rank = rank_identity()["rank"]
-        self._replicas = replicas.replicas(torch)  # DDP weight checksums (their due steps take the full boundary)
+        self._replicas = weights.replicas(torch)  # DDP weight checksums (their due steps take the full boundary)
         self.budget = Budget(setting("PROBE_STEP_BUDGET"), max_gap_s=_MAX_GAP_S)
         self.norm_budget = norm_budget()
         self._norm_earned_ns = time.perf_counter_ns()
@@ -108,7 +106,8 @@ class StepTracker:
         self.explicit = False
         self._started_ns = time.perf_counter_ns()
         self.pending = Pending(self.ring, "torch steps")
-        self.inputs = InputCounter(torch, self._first_forward)
+        self.inputs = inputs  # hooks.InputCounter
+        inputs.first_forward = self._first_forward
         # the measured steps' jitter, from a generator of its own: the job's random stream is untouched
         self._coin = random.Random().random
         self._scan_due = 1

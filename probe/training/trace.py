@@ -1,85 +1,55 @@
-"""Module tracing for sampled steps: one ``python.torch_trace`` row per module call.
+"""Module tracing for sampled steps (``python.torch_trace``, one row per module call) and the host-device syncs
+of those steps (``torch.syncs``); docs/torch.md describes both.
 
-Tracing uses torch's global forward pre/post hooks, installed at the boundary before
-a sampled step and removed at the boundary after it, so unsampled steps run torch's
-hook-free fast path. The hot path only appends a tuple to a list; names, sequence
-numbers and the ring write happen once per traced step, vectorised with numpy.
+torch's global forward pre/post hooks go in at the boundary before a sampled step and out at the boundary after
+it, so other steps run torch's hook-free path; the hooks (``tracecalls``) append a tuple per call, and names,
+sequence numbers and the ring write wait for the boundary. Steps 1-3 are traced, then one step in
+``PROBE_TRACE`` (default ``DEFAULT_EVERY``): set, it is kept to the step (``hard_at``, which the quick path
+checks); unset, ``TracePacing`` traces a sampled step once the step budget measures one at or after it, the
+hooks' cost charged to the budget. CUDA durations come from event pairs read once completed, never by a sync.
+Backward is cut per root model (its row runs from autograd reaching its output to reaching the next root's), and
+a module call made during a backward pass is an activation checkpoint's recomputation (stage ``recompute``, on a
+stack of its own, at the depth the module had in the forward).
 
-Sampling is deterministic by step number (the same steps on every rank): steps 1-3
-(the first steps show start-up costs) and every N-th step after, N from
-``PROBE_TRACE`` (default ``DEFAULT_EVERY``); ``all`` traces every step, ``off`` none.
-
-Durations: perf_counter on CPU; on CUDA a pair of CUDA events per call, resolved
-when the events have completed (a later boundary or query), never synchronising.
-``allocated`` is the CUDA allocator's current bytes on GPU runs, else the process
-RSS; it is read at most every ``tracecalls.MEM_PERIOD`` seconds (the last reading is
-reused).
-Backward is traced per root model (a module called at top level, a loss module
-included), as a cut of the backward pass: a root's row runs from the moment autograd
-reaches its output to the moment it reaches the next root's output, or to the end of the
-pass. The backward rows of a pass therefore add up to the pass and never overlap.
-
-Activation checkpointing (``torch.utils.checkpoint``, reentrant or not) runs a checkpointed
-part's forward again during backward. A module call made while autograd runs a backward pass
-is such a recomputation: its row has stage ``recompute`` (not ``forward``, so the forward
-totals count each call once), it is kept on a stack of its own (a non-reentrant recomputation
-stops early, past the post hooks of the calls it interrupts, and those must not deepen
-anything), and its depth is the depth the same module had in the step's forward.
-
-When tracing runs (``TracePacing``): unset, PROBE_TRACE lets the probe pace it: the tracer samples a next step
-(``Tracer.next_sampled``), and that step is traced only once the step budget measures one at or after it, with the
-hooks' cost charged to the budget (what a traced step took over the running mean of untraced ones). Set, it is
-kept to the step: ``hard_at`` is the step before the next traced one, which the step tracker's quick path checks.
+``SyncWatch``: on traced CUDA steps torch's sync debug mode is set to "warn", and probe's ``showwarning`` counts
+each "synchronizing CUDA operation" warning by the user's call site instead of printing it (other warnings go to
+the previous one; a job that set its own mode is left alone).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import random
+import re
+import sys
 import threading
 import time
+import warnings
 
-from .tracecalls import STATS_COLUMNS, Batch, call_hooks, recorder
-from .traceout import ModuleNames, SyncWatch, columns, landed_durations, landed_stats, step_records
+from . import tracecalls as calls
 from ..config import setting
 from .._identity import rank_identity
 from ..util.errorlog import record_error
 from ..util.procfs import RssReader
 from ..util.ring import Ring
+from ..util.usercode import user_frame
 
 DEFAULT_EVERY = 100
-TRACE_COLUMNS = {
-    "step": "i8",
-    "seq": "i8",
-    "module": "O",
-    "stage": "O",
-    "duration": "f8",
-    "allocated": "f8",
-    "max_allocated": "f8",
-    "time": "f8",
-    "rank": "f8",
-    "depth": "i8",
-    "model": "O",
-    "module_type": "O",
-    **STATS_COLUMNS,
-}
+TRACE_COLUMNS = dict(step="i8", seq="i8", module="O", stage="O", duration="f8", allocated="f8", max_allocated="f8")
+TRACE_COLUMNS.update(time="f8", rank="f8", depth="i8", model="O", module_type="O", **calls.STATS_COLUMNS)
 
 
 _quieted = False
 
 
 def _quiet_compile_warning() -> None:
-    """Silence torch's per-call warning that global hooks also fire for a compiled module's wrapper.
-
-    The probe's sampled-step hooks are what trigger it, not the user's code, and the
-    trace accounts for the wrapper (the compiled module is one traced call). Added once:
-    every change to the filters resets Python's "shown once" memory of other warnings.
-    """
+    """Silence torch's per-call warning that global hooks also fire for a compiled module's wrapper (the probe's
+    hooks trigger it, and the trace counts the wrapper as one call). Added once: every change to the filters
+    resets Python's "shown once" memory of other warnings."""
     global _quieted
     if _quieted:
         return
-    import warnings
-
     warnings.filterwarnings(
         "ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks", category=UserWarning
     )
@@ -87,22 +57,16 @@ def _quiet_compile_warning() -> None:
 
 
 class Tracer:
-    """The module tracer of this process (one, made by ``hooks``): hooks on its sampled steps, and their rows.
-
-    The hooks (``call_hooks``) keep the open calls on ``stack`` (``rstack``: those recomputed
-    during backward), append to ``rows``, ``recomputed`` and ``out_stats``, read memory through ``read_mem``
-    at most every ``MEM_PERIOD`` into ``mem`` (time of the reading, value), CUDA events from ``new_event``,
-    and hand each root's output to ``watch_backward``.
-    """
+    """The module tracer of this process (one, made by ``hooks``): hooks on its sampled steps, and their rows. The
+    hooks (``tracecalls.call_hooks``) use ``stack``, ``rstack``, ``rows``, ``recomputed``, ``out_stats``,
+    ``read_mem`` and ``mem``, ``new_event`` and ``watch_backward``."""
 
     def __init__(self, torch, every: int | None = None, capacity: int | None = None, stats: bool | None = None):
         self.torch = torch
         if every is None:
             every = setting("PROBE_TRACE")
         self.every = DEFAULT_EVERY if every is None else every
-        self.jittered = (
-            every is None
-        )  # the default sampling is jittered; an explicit PROBE_TRACE=N is kept to every Nth step
+        self.jittered = every is None  # the default sampling is jittered; PROBE_TRACE=N is kept to every Nth step
         self.ring = Ring(TRACE_COLUMNS, int(capacity or setting("PROBE_TRACE_CAPACITY")))
         self.rank = rank_identity()["rank"]
         self.cuda = bool(torch.cuda.is_available() and torch.cuda.is_initialized()) if hasattr(torch, "cuda") else False
@@ -113,7 +77,7 @@ class Tracer:
         self._open_backward = None  # (root, t0, ev0): the backward row being timed in the current pass
         self._pass_queued = False  # the end-of-pass callback is queued
         self.pending_events: list = []  # (ring row, ev0, ev1) awaiting completion (CUDA)
-        self.names = ModuleNames()
+        self.names = calls.ModuleNames()
         self._rss = RssReader()
         self.mem = [0.0, float("nan")]  # time of last reading, value
         self._event_pool: list = []
@@ -137,10 +101,9 @@ class Tracer:
         return self.every == 1 or step <= 3 or step % self.every == 0
 
     def next_sampled(self, after: int) -> int | float:
-        """The next sampled step after ``after`` (infinity when tracing is off): by default one step at
-        random in each period of ``every`` steps after the first three, so that the traced steps cannot
-        line up with a period of the job's own (two DataLoader workers: fast and slow steps in turn);
-        with an explicit PROBE_TRACE=N, every Nth step as asked."""
+        """The next sampled step after ``after`` (infinity when tracing is off): by default one at random in each
+        period of ``every`` steps (traced steps never line up with a period of the job's own); PROBE_TRACE=N: every
+        Nth step."""
         every = self.every
         if every <= 0 or self._failed:
             return float("inf")
@@ -149,8 +112,7 @@ class Tracer:
         return (after // every + 1) * every + (self._jitter(every) if self.jittered else 0)
 
     def prepare(self, step: int, want: bool | None = None) -> None:
-        """Called at the boundary before ``step``: install hooks if it is to be traced (``want``, by
-        default whether it is sampled), else make sure none are."""
+        """At the boundary before ``step``: hooks in if it is traced (``want``, by default if sampled), else out."""
         if want is None:
             want = self.sampled(step)
         self.stack.clear()
@@ -170,20 +132,18 @@ class Tracer:
 
     # -- hooks ---------------------------------------------------------------------------------
     def read_mem(self) -> float:
-        if self.cuda:
-            return float(self.torch.cuda.memory_allocated())
-        return self._rss()
+        return float(self.torch.cuda.memory_allocated()) if self.cuda else self._rss()
 
     def _install(self) -> None:
         """Install the global forward pre/post hook pair for one sampled step (``call_hooks``: what they record)."""
         stat = None
         if self.stats_on:
             try:
-                stat = recorder(self.torch, self.cuda)
+                stat = calls.recorder(self.torch, self.cuda)
                 self._stats_new_step = stat.new_step
             except Exception as exc:
                 record_error("torch trace: output statistics", exc)
-        pre, post = call_hooks(self, stat)
+        pre, post = calls.call_hooks(self, stat)
         mm = self.torch.nn.modules.module
         _quiet_compile_warning()
         try:
@@ -201,17 +161,18 @@ class Tracer:
         self.handles = []
 
     def new_event(self):
+        """A timing CUDA event (from the pool of those read already), recorded now on the current stream."""
         pool = self._event_pool
-        return pool.pop() if pool else self.torch.cuda.Event(enable_timing=True)
+        ev = pool.pop() if pool else self.torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
 
     def watch_backward(self, root, output) -> None:
         """Time the backward pass of a root model: autograd reaching its output, to the pass's end."""
         try:
             t = output
-            if isinstance(t, (tuple, list)):
-                t = next((x for x in t if getattr(x, "grad_fn", None) is not None), None)
-            elif isinstance(t, dict):
-                t = next((x for x in t.values() if getattr(x, "grad_fn", None) is not None), None)
+            if isinstance(t, (tuple, list, dict)):
+                t = next((x for x in (t.values() if isinstance(t, dict) else t) if getattr(x, "grad_fn", None)), None)
             fn = getattr(t, "grad_fn", None)
             if fn is None:
                 return
@@ -220,19 +181,11 @@ class Tracer:
             record_error("torch trace: backward hook", exc)
 
     def _backward_reached(self, root) -> None:
-        """Autograd reached ``root``'s output: the backward row open so far (the previous root's) ends here.
-
-        The backward pass is cut where autograd reaches each root's output, in the order it does:
-        a root's row runs from there to where the next root's output is reached, or to the end
-        of the pass. So the rows of one pass add up to the pass, and nothing is counted twice
-        (a loss module called at top level gets the loss's own backward, not the whole pass).
-        """
+        """Autograd reached ``root``'s output: the backward row open so far (the previous root's) ends here, so the
+        rows of one pass add up to the pass (a loss module called at top level gets the loss's own backward)."""
         try:
             now = time.perf_counter()
-            ev = None
-            if self.cuda:
-                ev = self.new_event()
-                ev.record()
+            ev = self.new_event() if self.cuda else None
             self._close_backward(now)
             self._open_backward = (root, now, ev)
             if not self._pass_queued:
@@ -247,10 +200,7 @@ class Tracer:
         if opened is None:
             return
         root, t0, ev0 = opened
-        ev1 = None
-        if self.cuda:
-            ev1 = self.new_event()
-            ev1.record()
+        ev1 = self.new_event() if self.cuda else None
         self.backward.append((root, t0, now, self.read_mem(), ev0, ev1))
 
     def _backward_finished(self) -> None:
@@ -283,9 +233,9 @@ class Tracer:
         self.syncs.stop(step)
         if not rows and not back and not again:
             return
-        records = step_records(rows, out, back, again, self.names.name_of)
+        records = calls.step_records(rows, out, back, again, self.names.name_of)
         n = len(records)
-        cols = columns(records, step, wall_offset, self.rank, self.cuda)
+        cols = calls.columns(records, step, wall_offset, self.rank, self.cuda)
         cols.update(self._stats_columns(records))
         if self.cuda:
             base = self.ring.count + max(0, n - self.ring.capacity)
@@ -297,23 +247,21 @@ class Tracer:
 
     def _stats_columns(self, records) -> dict:
         """The output-statistics columns of a step's records (sorted as written): CPU values now, CUDA ones later."""
+        import numpy as np
+
         n = len(records)
         keep = max(0, n - self.ring.capacity)
         base = self.ring.count + keep
         try:
-            batch = Batch(self.torch, range(base, base + n - keep), [r[10] for r in records[keep:]])
+            batch = calls.Batch(self.torch, range(base, base + n - keep), [r[10] for r in records[keep:]])
             cols = batch.columns()
         except Exception as exc:
             record_error("torch trace: output statistics", exc)
-            import numpy as np
-
             return {
                 name: np.ma.masked_all(n) if dt == "f8" else np.full(n, None, dtype=object)
-                for name, dt in STATS_COLUMNS.items()
+                for name, dt in calls.STATS_COLUMNS.items()
             }
         if keep:
-            import numpy as np
-
             cols = {
                 k: np.ma.concatenate((np.ma.masked_all(keep), v))
                 if v.dtype.kind == "f"
@@ -328,16 +276,10 @@ class Tracer:
     def resolve(self) -> None:
         """Fill in CUDA durations and output statistics whose copies have completed; never waits."""
         with self._lock:
-            self._resolve()
-            self._resolve_stats()
-
-    def _resolve_stats(self) -> None:
-        if self.pending_stats:
-            self.pending_stats = landed_stats(self.ring, self.pending_stats)
-
-    def _resolve(self) -> None:
-        if self.pending_events:
-            self.pending_events = landed_durations(self.ring, self.pending_events, self._event_pool)
+            if self.pending_events:
+                self.pending_events = calls.landed_durations(self.ring, self.pending_events, self._event_pool)
+            if self.pending_stats:
+                self.pending_stats = calls.landed_stats(self.ring, self.pending_stats)
 
     def close(self) -> None:
         self._remove()
@@ -347,9 +289,8 @@ class Tracer:
 
 # -- when tracing runs -------------------------------------------------------------------------------
 class TracePacing:
-    """The schedule of module tracing: ``due`` (the next sampled step), ``paced`` (PROBE_TRACE unset),
-    ``hard_at`` (with PROBE_TRACE set: the step before the next traced one, else never) and
-    ``typical_ns`` (a running mean of untraced step durations: what tracing a step adds)."""
+    """When tracing runs: ``due`` (the next sampled step), ``paced`` (PROBE_TRACE unset), ``hard_at`` (PROBE_TRACE
+    set: the step before the next traced one) and ``typical_ns`` (the running mean of untraced steps' durations)."""
 
     def __init__(self, tracer):
         self.tracer = tracer
@@ -359,17 +300,15 @@ class TracePacing:
         self.typical_ns = 0.0
 
     def wants_turn(self, step: int, traced: bool, measure: bool) -> bool:
-        """Whether the boundary closing ``step`` has tracer work: a traced step to finish, hooks or device
-        events outstanding, or the next step due for a trace (paced: only if it is measured)."""
+        """Whether the boundary closing ``step`` has tracer work (a traced step, hooks, device events, a trace due)."""
         tracer = self.tracer
         return bool(
             traced or tracer.handles or tracer.pending_events or (step + 1 >= self.due and (measure or not self.paced))
         )
 
     def turn(self, step: int, traced: bool, measure: bool, wall_offset: float) -> int:
-        """The tracer's turn at the boundary: finish a traced step, read its device timings, and prepare
-        the next step (traced or not). Returns the ns of a trace the user asked for (PROBE_TRACE set):
-        shown in probe_us, not paced."""
+        """The tracer's turn at the boundary: finish a traced step, read its device timings, prepare the next step.
+        Returns the ns of a trace the user asked for (PROBE_TRACE set): shown in probe_us, not paced."""
         tracer = self.tracer
         asked = 0
         nxt = step + 1
@@ -393,8 +332,7 @@ class TracePacing:
         return asked
 
     def charge(self, budget, duration_ns: float, traced: bool) -> None:
-        """On a measured step: charge what a traced step's hooks added to ``budget``, or learn an untraced
-        step's duration."""
+        """On a measured step: charge what a traced step's hooks added to ``budget``, or learn an untraced one's."""
         typical = self.typical_ns
         if traced:
             if typical > 0 and duration_ns > typical:
@@ -403,3 +341,109 @@ class TracePacing:
             self.typical_ns += (duration_ns - typical) * 0.125
         else:
             self.typical_ns = duration_ns
+
+
+# -- host-device syncs -------------------------------------------------------------------------------
+SYNC_MESSAGE = "called a synchronizing CUDA operation"
+SYNC_COLUMNS = dict(step="i8", time="f8", rank="f8", file="O", line="i8", function="O", code="O", count="i8")
+SYNC_COLUMNS.update(origin="O", via="O")
+_PROBE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PATTERN = re.escape(SYNC_MESSAGE)
+
+
+def _always_show_syncs() -> None:
+    """Put the filter in front of the others, unless it is already there (a ``catch_warnings`` exit drops it)."""
+    for f in warnings.filters:
+        if f[0] == "always" and f[2] is UserWarning and getattr(f[1], "pattern", None) == _PATTERN:
+            return
+    warnings.filterwarnings("always", message=_PATTERN, category=UserWarning)
+
+
+class SyncWatch:
+    def __init__(self, torch, rank, capacity: int = 10000):
+        self.torch = torch
+        self.rank = rank
+        self.ring = Ring(SYNC_COLUMNS, capacity)
+        self.active = False
+        self.sites: dict = {}  # (file, line, function, origin, via) -> [count, first seen (epoch)]
+        self._thread = None
+        self._previous = None  # the showwarning ours delegates to
+        self._hook = self._showwarning  # one bound method, so it can be recognised
+        self._mode_set = False
+
+    def start(self, cuda: bool) -> None:
+        """Turn the watch on (at the boundary before a traced step, on the training thread)."""
+        if self.active:
+            return
+        try:
+            if cuda and self.torch.cuda.get_sync_debug_mode() != 0:
+                return  # the job asked for its own sync checks: its warnings, its business
+            _always_show_syncs()
+            self._thread = threading.get_ident()
+            if warnings.showwarning is not self._hook:
+                self._previous = warnings.showwarning
+                warnings.showwarning = self._hook
+            self.active = True
+            if cuda:
+                self.torch.cuda.set_sync_debug_mode(1)
+                self._mode_set = True
+        except Exception as exc:
+            record_error("torch syncs: start", exc)
+
+    def stop(self, step: int | None) -> None:
+        """Turn the watch off and write the sites seen since ``start`` as rows of ``step`` (None: drop them)."""
+        if not self.active:
+            return
+        self.active = False
+        try:
+            if self._mode_set:
+                self._mode_set = False
+                self.torch.cuda.set_sync_debug_mode(0)
+            if warnings.showwarning is self._hook and self._previous is not None:
+                warnings.showwarning, self._previous = self._previous, None
+            sites, self.sites = self.sites, {}
+            if step is not None:
+                self.add_rows(step, sites)
+        except Exception as exc:
+            record_error("torch syncs: stop", exc)
+
+    def add_rows(self, step: int, sites: dict) -> None:
+        import linecache
+
+        rank = float("nan") if self.rank is None else float(self.rank)
+        for (file, line, function, origin, via), (count, first) in sites.items():
+            code = linecache.getline(file, line).strip() or None
+            self.ring.append(step, first, rank, file, line, function, code, count, origin, via)
+
+    def _showwarning(self, message, category, filename, lineno, file=None, line=None):
+        if not self.active or not str(message).startswith(SYNC_MESSAGE):
+            previous = self._previous or warnings._showwarning_orig
+            return previous(message, category, filename, lineno, file, line)
+        if threading.get_ident() != self._thread:
+            return None  # another thread (a query reading a tensor): synced only because the mode is on
+        try:
+            self.seen(sys._getframe(1), filename, lineno)
+        except Exception as exc:
+            record_error("torch syncs: recording a sync", exc)
+        return None
+
+    def seen(self, frame, filename: str, lineno: int) -> None:
+        """Count one sync raised in ``frame`` (or an outer frame: the ``warnings`` module's own are skipped)."""
+        while frame is not None and frame.f_globals.get("__name__") == "warnings":
+            frame = frame.f_back
+        inner = frame
+        user = user_frame(frame)[0] or inner
+        if user is None:
+            return
+        if inner is user:
+            origin = "user"
+        elif os.path.abspath(inner.f_code.co_filename).startswith(_PROBE_DIR):
+            origin = "probe"
+        else:
+            origin = "library"
+        key = (user.f_code.co_filename, user.f_lineno, user.f_code.co_name, origin, f"{filename}:{lineno}")
+        hit = self.sites.get(key)
+        if hit is None:
+            self.sites[key] = [1, time.time()]
+        else:
+            hit[0] += 1

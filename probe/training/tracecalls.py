@@ -1,22 +1,11 @@
-"""What a traced step's hooks record of each module call: its times, memory and depth, and its output's statistics (the
-``out_*`` columns of ``python.torch_trace``).
+"""What a traced step records of each module call, and the rows it writes at the boundary after it (docs/torch.md).
 
-The forward pre/post hook pair (``call_hooks``) notes each call in a few operations; names, sequence numbers and the
-ring write wait for the boundary (``traceout``).
-
-The forward post hook hands each module's output to the function ``recorder`` builds. For the output's first tensor
-(itself, else the first tensor of a tuple, list or dict), when it is a plain floating tensor on the CPU or a CUDA
-device, it launches a few reductions on the tensor's own device and keeps the 0-d results: ``m = x.mean(0)`` (the
-mean over the batch dimension at each position) and the mean and variance of ``m``; the L2 norm of ``x - m``; the
-counts of non-zero and of non-finite elements (``count_nonzero(x - x)``: NaN exactly where ``x`` is NaN or
-infinite). The host derives ``batch_std`` (the RMS over positions of the std across the batch), the mean and the
-population std (within-position variance plus the variance of ``m``): deviations from ``m`` rather than E[x^2] -
-E[x]^2, so no cancellation. Each reduction is one memory-bound pass in the output's own dtype. Nothing is read back
-in the forward: at the boundary ``Batch`` stacks each device's scalars (read at once on the CPU; on CUDA copied into
-pinned memory behind an event and written when it has completed). Small outputs (up to ``SMALL`` elements,
-``COPY_BUDGET`` in all per step) are copied in the hook and reduced at the boundary in one batch per shape. An
-output over ``MAX_ELEMENTS`` elements is reduced over a strided view, never a copy; ``out_elements`` says how many
-elements the figures cover.
+``call_hooks``: the forward pre/post hook pair, a few operations per call. The post hook hands the output to
+``recorder``'s function, which launches a few reductions of its first floating tensor on that tensor's device
+(``_reduce``: deviations from the batch mean, so no cancellation) and reads nothing back; small outputs are
+copied and reduced at the boundary in one batch per shape, large ones over a strided view. At the boundary
+``step_records`` names and orders the calls, ``columns`` lays them out for the ring, ``Batch`` brings the
+statistics to the host, and device values are written once landed (``landed_*``).
 """
 
 from __future__ import annotations
@@ -24,8 +13,10 @@ from __future__ import annotations
 import time
 import weakref
 
+from . import finder
 from ..util.errorlog import record_error
 from ..util.objects import is_a
+from .steprows import copy_off
 
 
 # -- the hooks ----------------------------------------------------------------------
@@ -34,19 +25,12 @@ MAX_STATS_CALLS = 20000  # module calls of one traced step that get output stati
 
 
 def call_hooks(tracer, stat) -> tuple:
-    """The global forward pre/post hook pair that records each module call of ``tracer``'s sampled step
-    (``stat``: a call's output statistics, from ``recorder``; None: none).
-
-    Every module call of the step runs these two functions, so they do the least
-    that keeps a call's record: a perf_counter reading each side, a stack push and
-    pop, one tuple appended; names, sequence numbers and the ring write wait for the
-    boundary. Two variants (CPU, CUDA) keep a device test out of the hot path. While
-    dynamo traces a compiled module the hooks do nothing (``is_dynamo_compiling`` is
-    False in eager code and constant-folded to True by dynamo), so a ``fullgraph``
-    compile sees no side effect to break on. No ``always_call``: a post hook that a
-    raising module skips leaves its entry on the stack, and the next post hook pops
-    past it.
-    """
+    """The global forward pre/post hook pair that records each module call of ``tracer``'s sampled step (``stat``:
+    a call's output statistics, from ``recorder``; None: none). They do the least that keeps a call's record (a
+    perf_counter reading each side, a stack push and pop, one tuple); two variants (CPU, CUDA) keep a device test
+    out of them. While dynamo traces a compiled module they do nothing (``is_dynamo_compiling`` is constant-folded
+    to True there), so a ``fullgraph`` compile sees no side effect. No ``always_call``: a post hook that a raising
+    module skips leaves its entry on the stack, and the next post hook pops past it."""
     torch = tracer.torch
     stack = tracer.stack
     push, pop = stack.append, stack.pop
@@ -91,12 +75,8 @@ def call_hooks(tracer, stat) -> tuple:
                 return
 
     def pre(module, args):
-        if compiling():
-            return
-        if graph_task() != -1:
-            rstack.append((module, perf()))
-            return
-        push((module, perf()))
+        if not compiling():
+            (push if graph_task() == -1 else rstack.append)((module, perf()))
 
     def post(module, args, output):
         if compiling():
@@ -125,27 +105,19 @@ def call_hooks(tracer, stat) -> tuple:
             stats(output)
 
     def pre_cuda(module, args):
-        if compiling():
-            return
-        ev = new_event()
-        ev.record()
-        if graph_task() != -1:
-            rstack.append((module, perf(), ev))
-            return
-        push((module, perf(), ev))
+        if not compiling():
+            ev = new_event()
+            (push if graph_task() == -1 else rstack.append)((module, perf(), ev))
 
     def post_cuda(module, args, output):
         if compiling():
             return
         if graph_task() != -1:
-            ev1 = new_event()
-            ev1.record()
-            recompute_post(module, ev1)
+            recompute_post(module, new_event())
             return
         if not stack:
             return
         ev1 = new_event()
-        ev1.record()
         t1 = perf()
         m, t0, ev0 = pop()
         while m is not module and stack:
@@ -166,31 +138,18 @@ def call_hooks(tracer, stat) -> tuple:
 
 
 # -- output statistics -------------------------------------------------------------------------------
-STATS_COLUMNS = {
-    "out_mean": "f8",
-    "out_std": "f8",
-    "out_batch_std": "f8",
-    "out_zero_frac": "f8",
-    "out_nonfinite": "f8",
-    "out_elements": "f8",
-    "out_shape": "O",
-}
+_STATS = ("out_std", "out_mean", "out_batch_std", "out_zero_frac", "out_nonfinite")  # what _fill writes
+STATS_COLUMNS = dict(out_mean="f8", out_std="f8", out_batch_std="f8", out_zero_frac="f8", out_nonfinite="f8")
+STATS_COLUMNS.update(out_elements="f8", out_shape="O")
 MAX_ELEMENTS = 1 << 22
 SMALL = 1 << 12  # outputs up to this many elements are copied in the hook and reduced in bulk at the boundary
 COPY_BUDGET = 1 << 22  # elements copied that way per traced step; past it, small outputs are reduced in the hook too
 
 
 def _first_tensor(output, tensor_type):
-    if is_a(output, (tuple, list)):  # by type: a module's output is the job's object
-        values = output
-    elif is_a(output, dict):
-        values = output.values()
-    else:
-        return None
-    for v in values:
-        if is_a(v, tensor_type):
-            return v
-    return None
+    """The first tensor of a tuple, list or dict output (checked by type: the output is the job's object)."""
+    values = output.values() if is_a(output, dict) else output if is_a(output, (tuple, list)) else ()
+    return next((v for v in values if is_a(v, tensor_type)), None)
 
 
 def _strided(x, n: int):
@@ -210,7 +169,6 @@ def _strided(x, n: int):
 def recorder(torch, cuda: bool):
     """The function the forward post hook calls on a module's output: a tuple of device scalars, or None."""
     tensor_types = (torch.Tensor, torch.nn.Parameter)
-    tensor = torch.Tensor
     dtypes = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
     capturing = getattr(torch.cuda, "is_current_stream_capturing", None) if cuda else None
     last = [None, -1, None]  # weak reference to the last tensor reduced, its version counter, its statistics
@@ -229,19 +187,13 @@ def recorder(torch, cuda: bool):
     def reduce(output):
         x = output
         if type(x) not in tensor_types:
-            x = _first_tensor(x, tensor)
+            x = _first_tensor(x, torch.Tensor)
             if x is None or type(x) not in tensor_types:  # a subclass (DTensor...) may reduce across ranks: skip
                 return None
         if x.dtype not in dtypes:  # float8 and complex have no mean
             return None
-        if x.is_cuda:
-            if capturing is None or capturing():  # inside a CUDA graph capture: launch nothing
-                return None
-        elif not x.is_cpu:
-            return None
-        n = x.numel()
-        if not n:
-            return None
+        if (x.is_cuda and (capturing is None or capturing())) or not (x.is_cuda or x.is_cpu) or not (n := x.numel()):
+            return None  # inside a CUDA graph capture (launch nothing), another device, or empty
         shape = x.shape
         x = x.detach()
         if n > MAX_ELEMENTS:
@@ -262,16 +214,12 @@ def recorder(torch, cuda: bool):
 
 
 def _reduce(x, dim: int):
-    """(spread around the batch means, mean, variance of the batch means, non-zeros, non-finite) along ``dim``.
-
-    ``dim`` is the batch dimension: 0 for one output, 1 for a stack of same-shaped outputs
-    (each result then has one value per output).
-    """
+    """(spread around the batch means, mean, variance of the batch means, non-zeros, non-finite) along ``dim``,
+    the batch dimension: 0 for one output, 1 for a stack of same-shaped outputs (one value per output)."""
     import torch
 
     m = x.mean(dim, keepdim=True)
-    flat = m.flatten(dim)
-    var, mean = torch.var_mean(flat, dim=dim, correction=0)
+    var, mean = torch.var_mean(m.flatten(dim), dim=dim, correction=0)
     return (
         torch.linalg.vector_norm((x - m).flatten(dim), dim=dim),
         mean,
@@ -282,10 +230,10 @@ def _reduce(x, dim: int):
 
 
 class Batch:
-    """The statistics of one traced step, on their way from the device to the ring."""
+    """The statistics of one traced step on their way from the device to the ring: ``rows``, ring row numbers;
+    ``entries``, the recorder's tuples (or None), one per row."""
 
     def __init__(self, torch, rows, entries):
-        """``rows``: ring row numbers; ``entries``: the recorder's tuples (or None), one per row."""
         import numpy as np
 
         self.torch = torch
@@ -318,27 +266,17 @@ class Batch:
             counts = torch.cat([r[k] for k in (3, 4) for _, r in got])
             ev = None
             if self.deferred(device):
-                floats, counts = self._host(floats), self._host(counts)
-                ev = torch.cuda.Event()
-                ev.record()
+                floats, _ = copy_off(torch, floats)
+                counts, ev = copy_off(torch, counts)
             self.parts.append((np.asarray(idx), floats, counts, ev))
 
     @staticmethod
     def deferred(device) -> bool:
-        """Whether the values on ``device`` are read later, once their copy has landed (CUDA), or now."""
+        """Whether the values on ``device`` are read later, once their copies have landed (CUDA), or now."""
         return device.type == "cuda"
 
-    def _host(self, t):
-        """A pinned host copy of device tensor ``t``, enqueued without waiting for it."""
-        if not t.is_cuda:
-            return t
-        host = self.torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        return host
-
     def columns(self) -> dict:
-        """The stats columns with what is known now (CPU values); masked (SQL NULL) where not computed,
-        and CUDA values stay masked until ``write``."""
+        """The stats columns with the CPU values; masked (NULL) where not computed, CUDA ones until ``write``."""
         import numpy as np
 
         n = len(self.rows)
@@ -373,10 +311,7 @@ class Batch:
                 keep.append(part)
                 continue
             n = len(self.rows)
-            cols = {
-                name: np.ma.masked_all(n)
-                for name in ("out_std", "out_mean", "out_batch_std", "out_zero_frac", "out_nonfinite")
-            }
+            cols = {name: np.ma.masked_all(n) for name in _STATS}
             self._fill(cols, part)
             idx = part[0]
             rows = self.rows[idx]
@@ -391,3 +326,125 @@ class Batch:
     def stale(self, count: int, capacity: int) -> bool:
         """Every row of the batch has left the ring."""
         return not len(self.rows) or count - int(self.rows.max()) > capacity
+
+
+# -- a traced step's rows ----------------------------------------------------------------------------
+class ModuleNames:
+    """``name_of(module)``: ``(dotted path, model name)`` of a module of a found model, else (its class name, '');
+    kept by id with a weakref check, so a module that is gone is never named."""
+
+    def __init__(self):
+        self._names: dict = {}
+
+    def name_of(self, module) -> tuple[str, str]:
+        key = id(module)
+        hit = self._names.get(key)
+        if hit is not None and hit[0]() is module:
+            return hit[1], hit[2]
+        for root_name, root, _, _ in finder.known("model"):
+            if root is module:
+                self._names[key] = (weakref.ref(module), root_name, root_name)
+                return root_name, root_name
+            for name, sub in root.named_modules():
+                try:
+                    self._names[id(sub)] = (weakref.ref(sub), finder.module_path(name) or root_name, root_name)
+                except TypeError:
+                    pass
+            hit = self._names.get(key)
+            if hit is not None and hit[0]() is module:
+                return hit[1], hit[2]
+        name = type(module).__name__
+        try:
+            self._names[key] = (weakref.ref(module), name, "")
+        except TypeError:
+            pass
+        return name, ""
+
+
+def step_records(rows, out, back, again, name_of) -> list:
+    """One traced step's calls in time order, ``(t0, module, model, cls, stage, t1, mem, depth, ev0, ev1, stats)``:
+    forward ``rows`` (statistics ``out``), backward cuts ``back``, recomputations ``again`` (at their forward depth)."""
+    records = []
+    for r, st in zip(rows, out):  # (module, t0, t1, mem, depth) on CPU, plus (ev0, ev1) on CUDA
+        m = r[0]
+        name, model = name_of(m)
+        evs = r[5:] if len(r) > 5 else (None, None)
+        records.append((r[1], name, model, type(m).__name__, "forward", r[2], r[3], r[4], *evs, st))
+    for m, t0, t1, memv, ev0, ev1 in back:
+        name, model = name_of(m)
+        records.append((t0, name, model, type(m).__name__, "backward", t1, memv, 0, ev0, ev1, None))
+    if again:
+        depth_of = {}
+        for r in rows:
+            depth_of.setdefault(id(r[0]), r[4])
+        for r in again:  # (module, t0, t1, mem) on CPU, plus (ev0, ev1) on CUDA
+            m = r[0]
+            name, model = name_of(m)
+            evs = r[4:] if len(r) > 4 else (None, None)
+            depth = depth_of.get(id(m), name.count(".") + 1 if model else 0)
+            records.append((r[1], name, model, type(m).__name__, "recompute", r[2], r[3], depth, *evs, None))
+    records.sort(key=lambda r: r[0])
+    return records
+
+
+def columns(records: list, step: int, wall_offset: float, rank, cuda: bool = False) -> dict:
+    """The ring's columns of ``records`` but the statistics; CUDA durations are NULL until ``landed_durations``."""
+    import numpy as np
+
+    n = len(records)
+    t0 = np.fromiter((r[0] for r in records), "f8", n)
+    t1 = np.fromiter((r[5] for r in records), "f8", n)
+    memv = np.fromiter((r[6] for r in records), "f8", n)
+    peak = np.fmax.accumulate(memv) if n else memv
+    cols = {
+        "step": np.full(n, step, "i8"),
+        "seq": np.arange(n, dtype="i8"),
+        "module": np.array([r[1] for r in records], dtype=object),
+        "stage": np.array([r[4] for r in records], dtype=object),
+        "duration": np.ma.masked_all(n) if cuda else t1 - t0,
+        "allocated": memv,
+        "max_allocated": peak,
+        "time": t0 + wall_offset,
+        "rank": np.full(n, np.nan if rank is None else rank, "f8"),
+        "depth": np.fromiter((r[7] for r in records), "i8", n),
+        "model": np.array([r[2] for r in records], dtype=object),
+        "module_type": np.array([r[3] for r in records], dtype=object),
+    }
+    return cols
+
+
+def landed_durations(ring, pending: list, pool: list) -> list:
+    """Write the CUDA durations of ``pending`` (row, start and end event) that completed into ``ring``; return the
+    others. Events done with go back to ``pool``."""
+    keep = []
+    dur, known = ring.arrays["duration"], ring.valid["duration"]
+    for row, ev0, ev1 in pending:
+        if ring.count - row > ring.capacity:
+            pool.extend((ev0, ev1))
+            continue
+        try:
+            done = ev1.query()
+        except Exception as exc:
+            record_error("torch trace: cuda event", exc)
+            continue
+        if done:
+            dur[row % ring.capacity] = ev0.elapsed_time(ev1) / 1000.0
+            known[row % ring.capacity] = True
+            pool.extend((ev0, ev1))
+        else:
+            keep.append((row, ev0, ev1))
+    return keep
+
+
+def landed_stats(ring, pending: list) -> list:
+    """Write the statistics of ``pending`` Batches that landed into ``ring``; return the others (stale ones dropped)."""
+    keep = []
+    for batch in pending:
+        try:
+            if batch.stale(ring.count, ring.capacity) or batch.write(ring):
+                continue
+        except Exception as exc:
+            record_error("torch trace: output statistics", exc)
+            continue
+        keep.append(batch)
+    return keep

@@ -31,8 +31,19 @@ import json
 import math
 import re
 import struct
+from dataclasses import dataclass
 
-__all__ = ["MAGIC", "TYPES", "encode", "decode", "column_arrays", "object_column", "check_table", "WireError"]
+__all__ = [
+    "MAGIC",
+    "TYPES",
+    "Column",
+    "encode",
+    "decode",
+    "column_arrays",
+    "object_column",
+    "check_table",
+    "WireError",
+]
 
 MAGIC = b"PRBC"
 _FIXED = {"f8": "<f8", "i8": "<i8", "b1": "|b1"}
@@ -42,6 +53,23 @@ _KINDS = ("f8", "i8", "b1", "str", "dict")
 TYPES = ("BIGINT", "INTEGER", "DOUBLE", "VARCHAR", "BOOLEAN", "TIMESTAMP")
 _TABLE = re.compile(r"^[a-z_][a-z0-9_]{0,63}\.[a-z_][a-z0-9_]{0,63}$")
 _COLUMN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+
+@dataclass(frozen=True)
+class Column:
+    """A typed, described column of a table: a type of ``TYPES`` (a TIMESTAMP is produced as epoch seconds, a
+    float) and a description that is a sentence. Here, below the registry, so that the training side can declare the
+    columns its rings hold."""
+
+    name: str
+    type: str
+    description: str
+
+    def __post_init__(self):
+        if self.type not in TYPES:
+            raise ValueError(f"column {self.name}: type must be one of {', '.join(TYPES)}, not {self.type!r}")
+        if not self.description.endswith("."):
+            raise ValueError(f"column {self.name}: its description must be a sentence ending in a period")
 
 
 class WireError(ValueError):

@@ -110,7 +110,7 @@ def test_watchdog_stays_quiet_while_steps_complete(spawn, cli, probe_env):
     stop = Path(probe_env["PROBE_RUNTIME_DIR"]) / "stop"
     script = (
         "import os, time\nt = time.monotonic()\nimport probe.auto\n"
-        "from probe.training.boundary import boundary\n"
+        "from probe.training import boundary\n"
         "print('ready', os.getpid(), flush=True)\ngap, i = 0.0, 0\n"
         f"while not os.path.exists({str(stop)!r}):\n"
         "    now = time.monotonic(); gap = max(gap, now - t); t = now\n"

@@ -19,7 +19,7 @@ import torch
 
 import probe.auto  # noqa: F401
 import probe
-from probe.training.boundary import boundary as step_boundary
+from probe.training import boundary as step_boundary
 
 
 def make_scheduler(name, optimizer):

@@ -7,7 +7,7 @@ import sys
 import time
 
 import probe.auto  # noqa: F401
-from probe.training.boundary import boundary
+from probe.training import boundary
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "gil"
 libc = ctypes.PyDLL(None)

@@ -21,7 +21,7 @@ import probe
 from probe.actions import queue
 from probe.agent import lifecycle  # noqa: F401  (its one atexit and at-fork registration is made at import)
 from probe.training import hooks
-from probe.training.boundary import boundary
+from probe.training import boundary
 
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)

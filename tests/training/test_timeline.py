@@ -57,7 +57,7 @@ def test_span_is_a_no_op_without_a_probe():
         "def f(x): return x + 1\n"
         "with probe.span('data') as s:\n"
         "    y = f(1)\n"
-        "from probe.training import spans\n"
+        "from probe._core import spans\n"
         "print(y, spans.ring(), 'probe.agent.lifecycle' in sys.modules, repr(s))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

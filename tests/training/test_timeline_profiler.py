@@ -27,7 +27,7 @@ def test_profile_steps_writes_a_chrome_trace_and_removes_the_profiler(spawn, cli
     r = cli(
         train.pid,
         "eval",
-        "import torch; from probe.training.boundary import boundary; "
+        "import torch; from probe.training import boundary; "
         "print(torch.autograd.profiler._is_profiler_enabled, "
         "any('profiler' in getattr(f, '__module__', '') for f in boundary.after))",
     )

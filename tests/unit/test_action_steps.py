@@ -13,7 +13,7 @@ from probe import EndpointError
 @pytest.fixture
 def queue(monkeypatch, tmp_path):
     from probe.actions import queue
-    from probe.training.boundary import boundary
+    from probe.training import boundary
 
     monkeypatch.setenv("PROBE_RUNTIME_DIR", str(tmp_path))  # the audit log
     monkeypatch.setattr(boundary, "last_step", 40)
@@ -32,7 +32,7 @@ def submit(queue, at_step, ran):
 def test_a_step_already_passed_fails_at_once_as_missed_and_never_runs(queue, tmp_path):
     import json
 
-    from probe.training.boundary import boundary
+    from probe.training import boundary
 
     ran = []
     a = submit(queue, 40, ran)
@@ -45,7 +45,7 @@ def test_a_step_already_passed_fails_at_once_as_missed_and_never_runs(queue, tmp
 
 
 def test_it_waits_for_its_step_and_runs_there(queue):
-    from probe.training.boundary import boundary
+    from probe.training import boundary
 
     ran = []
     a = submit(queue, 42, ran)
@@ -56,7 +56,7 @@ def test_it_waits_for_its_step_and_runs_there(queue):
 
 
 def test_a_step_that_went_by_unseen_is_missed_not_run_late(queue, monkeypatch):
-    from probe.training.boundary import boundary
+    from probe.training import boundary
 
     ran = []
     a = submit(queue, 41, ran)

@@ -13,7 +13,7 @@ from conftest import requires_torch
 
 @pytest.fixture
 def boundary():
-    from probe.training.boundary import Boundary
+    from probe.training import Boundary
 
     return Boundary()  # a fresh one: the process's own is left as it was
 
@@ -108,13 +108,14 @@ def test_the_rate_a_before_step_undo_names_is_the_one_torch_steps_shows(monkeypa
     import torch
 
     from probe.training import hooks
-    from probe.training.boundary import boundary
+    from probe.training import boundary
+    from probe.training.hooks import InputCounter
     from probe.training.steps import StepTracker
     from probe.training.trace import Tracer
 
     assert not hooks._state.get("installed"), "a probe is armed in the test process"
     tracer = Tracer(torch)
-    tk = StepTracker(torch, tracer)
+    tk = StepTracker(torch, tracer, InputCounter(torch))
     monkeypatch.setitem(hooks._state, "tracker", tk)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

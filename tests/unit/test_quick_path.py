@@ -20,6 +20,7 @@ def tracker(monkeypatch):
     import torch
 
     from probe.training import hooks
+    from probe.training.hooks import InputCounter
     from probe.training.steps import StepTracker
     from probe.training.trace import Tracer
 
@@ -27,7 +28,7 @@ def tracker(monkeypatch):
     assert not hooks._state.get("installed"), "a probe is armed in the test process"
     monkeypatch.setenv("PROBE_STEP_BUDGET", "0.0001")  # few measured steps: the rest may take the quick path
     tracer = Tracer(torch)
-    tk = StepTracker(torch, tracer)
+    tk = StepTracker(torch, tracer, InputCounter(torch))
     monkeypatch.setitem(hooks._state, "tracker", tk)
     tk.full = []
     boundary = tk.boundary
@@ -82,7 +83,7 @@ def test_the_hang_watchdog_leaves_the_quick_path_in_place(tracker, monkeypatch, 
     import torch
 
     from probe.agent.watchdog import Watchdog
-    from probe.training.boundary import boundary
+    from probe.training import boundary
 
     monkeypatch.setenv("PROBE_HANG_TIMEOUT", "60")
     monkeypatch.setenv("PROBE_RUNTIME_DIR", str(tmp_path))
@@ -121,10 +122,11 @@ def test_the_budget_is_not_asked_again_before_it_can_pay_for_the_asking(tracker,
     import torch
 
     monkeypatch.setenv("PROBE_STEP_BUDGET", "0.01")
+    from probe.training.hooks import InputCounter
     from probe.training.steps import StepTracker
     from probe.training.trace import Tracer
 
-    tk = StepTracker(torch, Tracer(torch))  # the fixture's was built at a budget of 0.0001
+    tk = StepTracker(torch, Tracer(torch), InputCounter(torch))  # the fixture's was built at a budget of 0.0001
     full = []
     boundary = tk.boundary
     tk.boundary = lambda *a, **kw: (full.append(tk.step + 1), boundary(*a, **kw))

@@ -62,7 +62,7 @@ def test_the_update_of_the_step_after_a_measured_one_is_its_size_against_the_wei
         assert ratio == pytest.approx(0.1 * pulled, rel=1e-4)
     assert list(rows["lr"]) == [0.1, 0.1]
     # disarmed after it: further steps cost the step boundary nothing and add no rows
-    from probe.training.boundary import boundary
+    from probe.training import boundary
 
     assert not sig.armed and sig.before_step not in boundary.before
 

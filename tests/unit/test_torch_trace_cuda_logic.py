@@ -152,13 +152,14 @@ def test_a_device_loss_is_copied_without_a_sync_and_filled_in_when_its_event_com
     import torch
 
     from probe.training.steprows import snapshot
+    from probe.training.hooks import InputCounter
     from probe.training.steps import StepTracker
     from probe.training.trace import Tracer
 
     FakeEvent.done = False
     fake = TorchWithPinnedStandIn(torch)
     tr = Tracer(fake, every=0, capacity=100)
-    tk = StepTracker(fake, tr)
+    tk = StepTracker(fake, tr, InputCounter(fake))
     try:
         model = torch.nn.Linear(2, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)

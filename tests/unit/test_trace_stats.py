@@ -166,7 +166,7 @@ def test_deferred_statistics_land_only_once_their_copy_has():
 def test_the_sync_watch_counts_call_sites_and_leaves_other_warnings_alone():
     import torch
 
-    from probe.training.traceout import SyncWatch
+    from probe.training.trace import SyncWatch
 
     shown = []
     before = warnings.showwarning

@@ -10,7 +10,7 @@ import faulthandler
 
 def test_heartbeats_rearm_the_timer_at_most_every_rearm_s_and_late_enough(monkeypatch, tmp_path):
     from probe.agent import watchdog
-    from probe.training.boundary import boundary
+    from probe.training import boundary
 
     armed = []
     monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda timeout, **kw: armed.append(timeout))

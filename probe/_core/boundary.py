@@ -4,7 +4,7 @@ Whatever ends a step (torch's optimizer step post-hook through the step tracker,
 that calls ``boundary.passed`` itself) goes through the one ``boundary`` object. Code that needs the training
 thread registers with it; each registration is idempotent and undone by ``boundary.remove(fn)``::
 
-    from probe.training.boundary import boundary
+    from probe._core.boundary import boundary
 
     boundary.before_step(fn)   # fn(optimizer) on the training thread before every optimizer step; what it
                                # returns, when callable, is called with the optimizer right after that step
