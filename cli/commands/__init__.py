@@ -29,6 +29,7 @@ SHARED = {
     "query": ("query", "tables", "describe", "repl"),
     "profile": ("profile", "profile-steps", "trace"),
     "serve": ("ui", "mcp"),
+    "training": ("lr", "guard"),
 }
 _HOME = {name: module for module, names in SHARED.items() for name in names}
 
