@@ -394,16 +394,23 @@ rule(
     "loss_plateau",
     family="plateau",
     severity="info",
-    description="The 50-step mean loss moved by less than 1% over the last 100 steps.",
+    description=(
+        "The 50-step mean loss moved by less than 1% over the last 100 steps, and it is not near its floor (it "
+        "has not fallen to under 2% of the first 50 kept steps' mean: that is convergence, not a plateau)."
+    ),
     sql="""
 WITH recent AS (
-  SELECT rank, step, loss, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+  SELECT rank, step, loss, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age,
+         row_number() OVER (PARTITION BY rank ORDER BY step) AS nth
   FROM torch.steps WHERE isfinite(loss)),
 m AS (
   SELECT rank, max(step) AS step, avg(loss) FILTER (WHERE age <= 50) AS now_loss,
-         avg(loss) FILTER (WHERE age BETWEEN 51 AND 100) AS before_loss
+         avg(loss) FILTER (WHERE age BETWEEN 51 AND 100) AS before_loss,
+         avg(loss) FILTER (WHERE nth <= 50) AS first_loss
   FROM recent GROUP BY rank HAVING count(*) >= 100)
-SELECT rank, step, now_loss, before_loss FROM m WHERE abs(now_loss - before_loss) < 0.01 * abs(before_loss)""",
+SELECT rank, step, now_loss, before_loss FROM m
+WHERE abs(now_loss - before_loss) < 0.01 * abs(before_loss)
+  AND NOT (first_loss > 0 AND now_loss >= 0 AND now_loss < 0.02 * first_loss)""",
     message=(
         "the loss has plateaued at {now_loss:.4g} (50-step mean {before_loss:.4g} before): fine if it has converged."
     ),

@@ -165,6 +165,11 @@ def test_loss_plateau_is_info_on_a_flat_loss_and_quiet_on_a_falling_one():
     assert said.startswith("the loss has plateaued at 2 ("), said
     assert not _rule_over_steps("loss_plateau", [2.0 * math.exp(-s / 100) for s in range(300)])
     assert not _rule_over_steps("loss_plateau", flat[:99])  # not enough steps to say
+    # a loss that fell from 2.3 to a floor near zero has converged: flat there is not a plateau to report
+    converged = (
+        [2.3] * 50 + [2.3 * math.exp(-s / 20) for s in range(200)] + [2.5e-4 + 1e-7 * math.sin(s) for s in range(150)]
+    )
+    assert not _rule_over_steps("loss_plateau", converged)
 
 
 def test_loss_spike_is_an_outlier_the_loss_came_back_from_not_the_onset_of_a_divergence():
