@@ -1,6 +1,6 @@
-"""Multi-rank jobs for the tests: ``ddp_job`` starts a real probed DDP job (gloo on CPU, by torchrun or with the
-rendezvous variables), and ``status``, ``view``, ``until_status``, ``states`` and ``culprits`` read it through the
-real `probe --ranks all` command."""
+"""Multi-rank jobs for the tests: ``ddp_job`` starts a real probed DDP job (gloo on CPU, each rank started with
+the rendezvous variables, or by torchrun), and ``status``, ``view``, ``until_status``, ``states`` and ``culprits``
+read it through the real `probe --ranks all` command."""
 
 from __future__ import annotations
 
@@ -54,9 +54,14 @@ def _free_port() -> int:
 
 
 @contextmanager
-def ddp_job(*args, world=3, direct=False, rt=None, extra_env=None, target=TARGET, wait=True):
+def ddp_job(*args, world=3, torchrun=False, rt=None, extra_env=None, target=TARGET, wait=True):
     """A probed job of ``world`` ranks running ``target`` (tests/targets/ddp_plain.py) with ``args`` (and
-    ``extra_env``), its ranks ready (``wait=False``: just started; ``job.ready(world)`` says when they are)."""
+    ``extra_env``), its ranks ready (``wait=False``: just started; ``job.ready(world)`` says when they are).
+
+    Each rank is its own process with the rendezvous variables (RANK, WORLD_SIZE, MASTER_ADDR:MASTER_PORT), forked
+    from the harness's fork server where it can be, and a dead rank does not take the others down with it;
+    ``torchrun=True`` starts the job as users do, with ``python -m torch.distributed.run`` (its launcher and every
+    rank a fresh interpreter that imports torch: seconds of CPU more a job)."""
     own_rt = rt is None
     rt = rt or tempfile.mkdtemp(prefix="prc-", dir="/tmp")
     env = {
@@ -66,7 +71,7 @@ def ddp_job(*args, world=3, direct=False, rt=None, extra_env=None, target=TARGET
     }
     env.update(extra_env or {})
     job_env = dict(env, PROBE="1")
-    if direct:  # each rank its own process: a dead rank does not take the others down with it
+    if not torchrun:
         port = _free_port()
         cmds = [
             (
@@ -138,7 +143,8 @@ def until_status(job, since: float, predicate, *extra):
         last.update(r=r, rows=rows)
         return (r, rows) if rows and predicate(rows) else None
 
-    found = poll(look, max(0.0, since + WITHIN - time.monotonic()))
+    # every second: each `--ranks all status` asks every rank, CPU the job's ranks share
+    found = poll(look, max(0.0, since + WITHIN - time.monotonic()), interval=1.0)
     assert found, (
         f"status did not name the rank within {WITHIN} s: {last.get('rows')}\n"
         f"{last.get('r').stderr if last.get('r') else ''}\njob output:\n" + "\n".join(job.lines[-20:])

@@ -1,5 +1,5 @@
 """The doctor on distributed errors from public reports (tests/faults/real_world_ddp.py cites each): 2 ranks
-on gloo started by `python -m torch.distributed.run`, several errors per job where they do not interact,
+on gloo (tests/_ranks.py's ``ddp_job``), several errors per job where they do not interact,
 `probe --ranks all doctor` names each with the rule tests/faults/corpus_ddp.py gives, and the healthy twin (the
 same script with --fixed: a plain DDP job with no collective of its own in the loop) gets nothing, not even
 info, while its ranks' weight checksums agree exactly at the same steps. Each error prints the steps and
@@ -63,7 +63,8 @@ def named(job, errors: list, since: tuple[int, float], timeout: float = 120.0) -
                 first[error] = ([f for f in last if f["rule"] == DDP_ERRORS[error][0]][0], n, now - since[1])
         return len(first) == len(errors)
 
-    assert poll(look, timeout), (
+    # a doctor run a second at most: each one is a doctor run on every rank, CPU the ranks share
+    assert poll(look, timeout, interval=1.0), (
         f"named only {sorted(first)} of {errors}:\n" + json.dumps(last, indent=1) + "\n" + "\n".join(job.lines[-20:])
     )
     out = {}
@@ -180,7 +181,7 @@ def test_the_healthy_twin_a_plain_ddp_job_gets_nothing_and_its_replicas_agree():
         extra_env=QUIET,
     ) as job:
         at = onset(job, r"onset rank=\d+ step=(?P<step>\d+) time=(?P<time>[\d.]+)")
-        assert poll(lambda: steps(job) >= at[0] + 200, 120), "\n".join(job.lines[-20:])
+        assert poll(lambda: steps(job) >= at[0] + 200, 120, interval=1.0), "\n".join(job.lines[-20:])
         # then: not even an info finding
         assert doctor(job) == []
         # and: both ranks took checksums at the same steps, before and after the onset, and every one agrees

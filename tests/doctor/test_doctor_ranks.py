@@ -1,5 +1,5 @@
 """`probe --ranks all doctor` on plain DDP (no explicit collective in the loop, gloo on CPU, 3 ranks
-started with `python -m torch.distributed.run`): one job whose rank 1 is the odd one out.
+started with the rendezvous variables): one job whose rank 1 is the odd one out.
 
 Rank 1 reads a corrupt shard (targets unrelated to its inputs) and waits 0.15 s more in its data
 read every step: the doctor must name it as the straggler and as the rank whose loss is far from
@@ -53,7 +53,8 @@ def until(job, hung_after: str, wanted, timeout: float = 120.0) -> list:
         last[:] = doctor(job, hung_after)
         return wanted(last)
 
-    assert poll(look, timeout), (
+    # every 2 s: each `--ranks all doctor` costs every rank a doctor run, CPU the job's ranks share
+    assert poll(look, timeout, interval=2.0), (
         "the doctor never said it:\n" + json.dumps(last, indent=1) + "\njob output:\n" + "\n".join(job.lines[-20:])
     )
     return last

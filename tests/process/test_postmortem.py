@@ -187,7 +187,7 @@ def test_a_killed_rank_is_dead_in_status_and_the_doctor_names_it():
     # torchrun would tear the others down), with a fast periodic snapshot
     from _ranks import ddp_job, states, until_status
 
-    with ddp_job("--survive", direct=True, extra_env={"PROBE_POSTMORTEM_EVERY": "0.3"}) as job:
+    with ddp_job("--survive", extra_env={"PROBE_POSTMORTEM_EVERY": "0.3"}) as job:
         rt = job.env["PROBE_RUNTIME_DIR"]
         assert poll(lambda: os.path.isdir(os.path.join(rt, "postmortem", str(job.pids[1]))), 60), (
             "no snapshot of rank 1"

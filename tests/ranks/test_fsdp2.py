@@ -1,5 +1,5 @@
 """FSDP2 (``fully_shard``) on gloo, 2 ranks under ``python -m torch.distributed.run``, PROBE=1 at its
-defaults and no probe code: the job trains its 2000 steps while queries and ``--ranks all doctor``
+defaults and no probe code: the job trains its 1000 steps while queries and ``--ranks all doctor``
 run, and the flight recorder shows only the job's own collectives (the probe never issues one: a
 collective on one rank that the other never matches hangs the job). Gradient norms are per rank
 (the local shards), torch.parameters reads the local shards, torch.optimizer counts this rank's."""
@@ -14,7 +14,7 @@ from _ranks import ddp_job
 pytestmark = requires_torch
 
 TARGET = str(TARGETS / "fsdp2_train.py")
-STEPS = 2000
+STEPS = 1000
 
 
 def rows(job, sql, *extra):
@@ -25,7 +25,8 @@ def rows(job, sql, *extra):
 
 def test_fsdp2_trains_at_defaults_while_probed_and_probe_issues_no_collective(tmp_path):
     ckpt = str(tmp_path / "ck-{rank}.pt")
-    # 10 ms of sleep a step: the 2000 steps last 20 s or more on any machine, longer than a round of queries
+    # 10 ms of sleep a step: the 1000 steps last 10 s or more on any machine, longer than a round of queries (two
+    # queries and a doctor run on both ranks: a few seconds)
     with ddp_job(
         "--steps",
         str(STEPS),
@@ -35,6 +36,7 @@ def test_fsdp2_trains_at_defaults_while_probed_and_probe_issues_no_collective(tm
         world=2,
         target=TARGET,
         extra_env={"PROBE_HUNG_AFTER": "30"},
+        torchrun=True,
     ) as job:
         # when: a checkpoint of the sharded model, and queries and doctor calls that keep coming while the
         # job trains (each reads every rank)
@@ -76,7 +78,7 @@ def test_fsdp2_trains_at_defaults_while_probed_and_probe_issues_no_collective(tm
             return finished
 
         # then: both ranks finish every step (no hang), with the probe busy the whole time
-        assert poll(busy, 600), "\n".join(job.lines[-20:])
+        assert poll(busy, 600, interval=1.0), "\n".join(job.lines[-20:])
         assert rounds >= 1, "the job finished before a round of queries did"
         # and the flight recorder holds the job's collectives only: forward and backward of the
         # training loop, the same ones on both ranks

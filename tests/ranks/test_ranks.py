@@ -161,7 +161,7 @@ def test_stopped_rank_is_hung_and_others_wait(ddp):
             ok = states[1]["state"] == "hung" and all(states[k]["state"] == "waiting" for k in (0, 2, 3))
             return (r, states) if ok else None
 
-        found = poll(look, 30)
+        found = poll(look, 30, interval=0.5)  # each `--ranks all status` asks all four ranks
         # then: the frozen rank is hung, the others wait inside the collective
         assert found, "status never showed rank 1 hung and the others waiting"
         r, states = found

@@ -1,8 +1,8 @@
 """Ranks in plain DDP (no explicit collective in the loop), from torch's flight recorder: a slow rank,
 a collective mismatch, and two jobs on one host (the rank the others wait for, stalled, stopped or
 killed, is tests/ranks/test_ranks_culprits.py; both start their jobs with tests/_ranks.py's ``ddp_job``). Every job is
-real: gloo on CPU, 3 ranks started by torchrun (or, where torchrun would tear the job down, directly with the
-rendezvous variables).
+real: gloo on CPU, 3 ranks started with the rendezvous variables; of the two jobs on one host, one is started by
+torchrun, as users start them (its launcher is no rank of either job), each known by its own kind of job id.
 
 For each condition, `status` must come to name the rank (PROBE_HUNG_AFTER=2; polled with a deadline, not
 timed), and ranks.collectives, ranks.hung and ranks.stragglers must say the same."""
@@ -97,7 +97,7 @@ def test_two_jobs_on_one_host_are_never_mixed():
     rt = tempfile.mkdtemp(prefix="prj-", dir="/tmp")
     try:
         with (
-            ddp_job(world=2, rt=rt, wait=False) as first,
+            ddp_job(world=2, rt=rt, wait=False, torchrun=True) as first,
             ddp_job("--slow-rank", "1", "--slow-compute", "0.15", world=2, rt=rt, wait=False) as second,
         ):
             # (both jobs start at once: one start-up's wait, not two)

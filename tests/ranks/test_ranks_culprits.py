@@ -1,7 +1,6 @@
 """The rank the others wait for, in plain DDP (no explicit collective in the loop), from torch's
 flight recorder: a rank stalled in its data read, a stopped rank, a killed rank. Every job is real:
-gloo on CPU, 3 ranks started by torchrun (or, where torchrun would tear the job down, directly with
-the rendezvous variables), by tests/ranks/test_ranks_collectives.py's ``ddp_job`` (a file of its own so that
+gloo on CPU, 3 ranks started with the rendezvous variables by tests/_ranks.py's ``ddp_job`` (a file of its own so that
 two xdist workers share the multi-rank jobs).
 
 For each condition, `status` must come to name the rank (PROBE_HUNG_AFTER=2; polled with a deadline, not
@@ -57,7 +56,7 @@ def test_stopped_rank_is_hung_and_the_others_wait():
 
 
 def test_killed_rank_is_the_culprit_the_survivors_wait_for():
-    with ddp_job("--survive", direct=True) as job:
+    with ddp_job("--survive") as job:
         os.kill(job.pids[1], signal.SIGKILL)
         since = time.monotonic()
         r, rows = until_status(job, since, lambda rows: states(rows) == {0: "waiting", 1: "unreachable", 2: "waiting"})

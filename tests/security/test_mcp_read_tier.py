@@ -28,8 +28,9 @@ SECRET = "hf_" + "Zq8" * 10  # what tests/targets/hostile_names.py holds in its 
 DATA = re.compile(r"^----- begin data (\w+) -----\n(.*)\n----- end data \1 -----$", re.S)
 
 
-def call(env, tool: str, arguments: dict, *extra):
-    """One tool call on a fresh `probe mcp` (stdio); the CallToolResult."""
+def calls(env, requests: list, *extra) -> list:
+    """Tool calls ``(tool, arguments)``, one after the other, on one fresh `probe mcp` (stdio), as an agent's
+    session makes them; their CallToolResults."""
     params = StdioServerParameters(command=PROBE_BIN, args=["mcp", *extra], env=dict(env))
 
     async def main():
@@ -37,9 +38,15 @@ def call(env, tool: str, arguments: dict, *extra):
             async with stdio_client(params, errlog=devnull) as (read, write):
                 async with ClientSession(read, write) as s:
                     await s.initialize()
-                    return await s.call_tool(tool, arguments)
+                    return [await s.call_tool(tool, arguments) for tool, arguments in requests]
 
     return anyio.run(main)
+
+
+def call(env, tool: str, arguments: dict, *extra):
+    """One tool call on a fresh `probe mcp`; the CallToolResult."""
+    (result,) = calls(env, [(tool, arguments)], *extra)
+    return result
 
 
 def data(result) -> str:
@@ -103,8 +110,8 @@ def test_the_agent_reaches_only_endpoints_the_registry_lists(hostile, probe_env,
     sock.settimeout(0.5)
     try:
         # when the agent points a tool at either
-        for endpoint in (f"127.0.0.1:{stranger.port}", str(tmp_path / "other.sock")):
-            r = call(env, "status", {"endpoint": endpoint})
+        strangers = (f"127.0.0.1:{stranger.port}", str(tmp_path / "other.sock"))
+        for r in calls(env, [("status", {"endpoint": endpoint}) for endpoint in strangers]):
             # then the call is refused before anything is sent: neither listener is a probed process's endpoint
             assert r.is_error and "is not the endpoint of a probed process in the registry" in data(r), data(r)
         assert stranger.got == b"", bytes(stranger.got)
@@ -116,8 +123,9 @@ def test_the_agent_reaches_only_endpoints_the_registry_lists(hostile, probe_env,
     # while the endpoints the registry lists answer, the TCP one with its own token
     with open(f"{probe_env['PROBE_RUNTIME_DIR']}/{hostile.pid}.json") as f:
         entry = json.load(f)
-    for endpoint in (f"127.0.0.1:{entry['tcp_port']}", entry["socket"], str(hostile.pid)):
-        ok = call(env, "query", {"endpoint": endpoint, "sql": "SELECT count(*) AS n FROM python.threads"})
+    listed = (f"127.0.0.1:{entry['tcp_port']}", entry["socket"], str(hostile.pid))
+    sql = "SELECT count(*) AS n FROM python.threads"
+    for ok in calls(env, [("query", {"endpoint": endpoint, "sql": sql}) for endpoint in listed]):
         assert not ok.is_error, data(ok)
 
 
@@ -125,17 +133,23 @@ def test_the_read_tier_writes_no_files(hostile, probe_env, tmp_path):
     pid = str(hostile.pid)
     victim = tmp_path / "victim.sh"
     victim.write_text("echo untouched\n")
-    # given a server started without --output-dir: trace and profile take no output at all
-    r = call(probe_env, "trace", {"endpoint": pid, "output": str(victim)})
-    assert r.is_error and "writes no files" in data(r), data(r)
-    r = call(probe_env, "profile", {"endpoint": pid, "seconds": 1, "output": str(victim)})
-    assert r.is_error and "writes no files" in data(r), data(r)
+    # given a server started without --output-dir: trace and profile take no output at all, and return their
+    # timeline and collapsed stacks instead
+    traced, profiled, timeline, stacks = calls(
+        probe_env,
+        [
+            ("trace", {"endpoint": pid, "output": str(victim)}),
+            ("profile", {"endpoint": pid, "seconds": 1, "output": str(victim)}),
+            ("trace", {"endpoint": pid, "steps": 2}),
+            ("profile", {"endpoint": pid, "seconds": 1}),
+        ],
+    )
+    for r in (traced, profiled):
+        assert r.is_error and "writes no files" in data(r), data(r)
     assert victim.read_text() == "echo untouched\n"
-    # trace returns its timeline instead
-    r = call(probe_env, "trace", {"endpoint": pid, "steps": 2})
-    assert not r.is_error and "traceEvents" in data(r), data(r)
-    # and profile returns its collapsed stacks, where a thread name cannot start a line of its own
-    r = call(probe_env, "profile", {"endpoint": pid, "seconds": 1})
+    assert not timeline.is_error and "traceEvents" in data(timeline), data(timeline)
+    # the collapsed stacks: a thread name cannot start a line of its own
+    r = stacks
     assert not r.is_error, data(r)
     lines = data(r).splitlines()
     assert lines and all(re.match(r"^\S.* \d+$", line) for line in lines), lines
@@ -145,13 +159,13 @@ def test_the_read_tier_writes_no_files(hostile, probe_env, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "taken.txt").write_text("mine\n")
-    extra = ("--output-dir", str(out))
-    r = call(probe_env, "profile", {"endpoint": pid, "seconds": 1, "output": "stacks.txt"}, *extra)
+    names = ("stacks.txt", "taken.txt", "../victim.sh", str(victim), ".bashrc")
+    requests = [("profile", {"endpoint": pid, "seconds": 1, "output": name}) for name in names]
+    r, *refused = calls(probe_env, requests, "--output-dir", str(out))
     assert not r.is_error, data(r)
     kept = (out / "stacks.txt").read_text()
     assert kept and all(re.match(r"^\S.* \d+$", line) for line in kept.splitlines())
-    for name in ("taken.txt", "../victim.sh", str(victim), ".bashrc"):
-        r = call(probe_env, "profile", {"endpoint": pid, "seconds": 1, "output": name}, *extra)
+    for name, r in zip(names[1:], refused):
         assert r.is_error, (name, data(r))
     assert (out / "taken.txt").read_text() == "mine\n" and victim.read_text() == "echo untouched\n"
     assert sorted(os.listdir(out)) == ["stacks.txt", "taken.txt"]
@@ -190,12 +204,11 @@ def test_every_tool_result_is_marked_as_data(hostile, probe_env):
 
 def test_the_doctor_over_mcp_writes_no_plan_cache(hostile, probe_env, cli):
     rt = probe_env["PROBE_RUNTIME_DIR"]
-    # when the agent asks the doctor, twice (the second call plans from this server's memory)
-    for _ in range(2):
-        r = call(probe_env, "doctor", {"endpoint": str(hostile.pid)})
+    # when the agent asks the doctor, twice in one session (the second call plans from this server's memory)
+    for r in calls(probe_env, [("doctor", {"endpoint": str(hostile.pid)})] * 2):
         assert not r.is_error, data(r)
-        # then no file of plans appears in the runtime directory
-        assert "doctor-plans.json" not in os.listdir(rt)
+    # then no file of plans appears in the runtime directory
+    assert "doctor-plans.json" not in os.listdir(rt)
     # while the person's own `probe doctor` keeps one there, for the next run
     assert cli(str(hostile.pid), "doctor").returncode in (0, 1)
     assert "doctor-plans.json" in os.listdir(rt)

@@ -199,7 +199,16 @@ def test_nccl_world_of_one_fsdp2_trains_checkpoints_and_shows_its_collectives(tm
     ckpt = str(tmp_path / "ck-{rank}.pt")
     target = str(TARGETS / "fsdp2_train.py")
     with ddp_job(
-        "--backend", "nccl", "--steps", "3000", "--step-sleep", "0.005", "--linger", world=1, target=target
+        "--backend",
+        "nccl",
+        "--steps",
+        "3000",
+        "--step-sleep",
+        "0.005",
+        "--linger",
+        world=1,
+        target=target,
+        torchrun=True,
     ) as job:
         c = job.cli("--ranks", "all", "--yes", "checkpoint", ckpt)
         assert c.returncode == 0, c.stdout + c.stderr
