@@ -18,6 +18,9 @@ _ODD_PICKED = "string_agg(DISTINCT CAST(p.rank AS VARCHAR), ',' ORDER BY CAST(p.
 
 __all__: list = []
 
+# the last steps that every rank measured (few: each rank picks its own), each with one input fingerprint on all
+_SAME_INPUTS = 3
+
 rule(
     "hung_rank",
     family="distributed",
@@ -146,34 +149,58 @@ rule(
     severity="warning",
     scope="job",
     description=(
-        "Every rank of a DistributedDataParallel job (torch.ddp on each) computed a bit-identical loss at each of "
-        "the last 20 or more steps they all have (of the last 100): the replicas hold the same weights, so identical "
-        "losses mean identical batches; the job trains N copies of one shard (a DataLoader without a "
-        "DistributedSampler, or the same seed and shuffling on every rank)."
+        "Every rank of a DistributedDataParallel job (torch.ddp on each) was fed the same data, from either of two "
+        f"signs: at each of the last {_SAME_INPUTS} steps that every rank measured, the primary model's input had one "
+        "fingerprint on every rank (torch.batches; batches that change from step to step, a constant input is "
+        "same_batch's), or, over the last 100 steps they all have, the ranks computed a bit-identical loss at each "
+        "of 20 or more (the replicas hold the same weights, so identical losses mean identical batches). The "
+        "fingerprints name it when the losses differ (dropout or augmentation seeded per rank). The job trains N "
+        "copies of one shard (a DataLoader without a DistributedSampler, or the same seed and shuffling on every "
+        "rank)."
     ),
-    sql="""
+    sql=f"""
 WITH dp AS (SELECT count(DISTINCT rank) AS n FROM torch.ddp),
 job AS (SELECT count(DISTINCT rank) AS n FROM torch.steps),
 last AS (SELECT min(top) AS hi FROM (SELECT rank, max(step) AS top FROM torch.steps GROUP BY rank)),
-per_step AS (
-  SELECT step, count(*) AS n, count(DISTINCT loss) AS losses, arg_min(loss, rank) AS loss
-  FROM torch.steps, last WHERE isfinite(loss) AND step BETWEEN last.hi - 99 AND last.hi GROUP BY step)
-SELECT job.n AS ranks, count(*) AS steps, min(p.step) AS first, max(p.step) AS step, arg_max(p.loss, p.step) AS loss
-FROM per_step AS p, job, dp
-WHERE p.n = job.n AND job.n >= 2 AND dp.n = job.n
-GROUP BY job.n
-HAVING count(*) >= 20 AND bool_and(p.losses = 1)""",
+by_input AS (
+  SELECT step, count(DISTINCT rank) AS n, count(DISTINCT input_hash) AS kinds, min(input_hash) AS value,
+         row_number() OVER (ORDER BY step DESC) AS age
+  FROM torch.batches WHERE input_hash IS NOT NULL GROUP BY step HAVING count(DISTINCT rank) = (SELECT n FROM job)),
+by_loss AS (
+  SELECT step, count(*) AS n, count(DISTINCT loss) AS kinds, arg_min(loss, rank) AS loss
+  FROM torch.steps, last WHERE isfinite(loss) AND step BETWEEN last.hi - 99 AND last.hi GROUP BY step),
+inputs AS (  -- batches that change from step to step (one input throughout is same_batch's)
+  SELECT count(*) AS steps, min(step) AS first, max(step) AS step,
+         printf('were fed the same input on every rank (one fingerprint in torch.batches; %d batches in all) at '
+                'each of the last %d steps that they all measured (%s)', count(DISTINCT value), count(*),
+                string_agg(CAST(step AS VARCHAR), ', ' ORDER BY step)) AS what
+  FROM by_input WHERE age <= {_SAME_INPUTS}
+  HAVING count(*) = {_SAME_INPUTS} AND bool_and(kinds = 1) AND count(DISTINCT value) >= 2),
+losses AS (
+  SELECT count(*) AS steps, min(p.step) AS first, max(p.step) AS step,
+         printf('computed bit-identical losses at every one of steps %d-%d (%d steps they all have; the last %s): '
+                'the replicas hold the same weights, so they are fed the same batches', min(p.step), max(p.step),
+                count(*), printf('%.6g', arg_max(p.loss, p.step))) AS what
+  FROM by_loss AS p, job WHERE p.n = job.n
+  HAVING count(*) >= 20 AND bool_and(p.kinds = 1)),
+found AS (SELECT 'inputs' AS basis, * FROM inputs
+          UNION ALL SELECT 'losses', * FROM losses WHERE NOT EXISTS (SELECT 1 FROM inputs))
+SELECT job.n AS ranks, found.*
+FROM found, job, dp
+WHERE job.n >= 2 AND dp.n = job.n""",
     message=(
-        "the {ranks} DDP ranks computed bit-identical losses at every one of steps {first}-{step} ({steps} steps "
-        "they all have; the last {loss:.6g}): the replicas hold the same weights, so they are fed the same batches "
-        "and the job trains {ranks} copies of one shard. Give each rank its own part of the data "
-        "(DataLoader(..., sampler=DistributedSampler(dataset)) and sampler.set_epoch(epoch) every epoch, or a "
-        "seed that includes the rank)."
+        "the {ranks} DDP ranks {what}: the job trains {ranks} copies of one shard. Give each rank its own part of "
+        "the data (DataLoader(..., sampler=DistributedSampler(dataset)) and sampler.set_epoch(epoch) every epoch, "
+        "or a seed that includes the rank)."
     ),
     next=[
         (
             'probe --ranks all query "SELECT step, rank, loss FROM torch.steps WHERE step > {step} - 5 ORDER BY '
             'step, rank"'
+        ),
+        (
+            'probe --ranks all query "SELECT step, rank, input_hash FROM torch.batches WHERE step > {step} - 20 '
+            'ORDER BY step, rank"'
         ),
         'probe --ranks all query "SELECT rank, name, loader_type, dataset_type, batch_size FROM torch.dataloaders"',
     ],

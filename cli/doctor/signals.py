@@ -24,6 +24,7 @@ _EFFECTIVE = 0.01
 _UPDATES_NEXT = (
     'probe {target} query "SELECT step, parameter, ratio, lr FROM torch.updates ORDER BY step DESC, ratio LIMIT 10"'
 )
+_SCALES = 5  # measured steps over which a loss scale keeps falling
 _AFTER = 50  # steps before updates are judged (a warm-up's first rates, a zero-initialised layer's first steps)
 
 
@@ -248,4 +249,46 @@ WHERE {_current("r")}""",
         "probe {target} backtrace",
     ],
     explains=["update_too_small"],
+)
+
+rule(
+    "loss_scale_collapsed",
+    family="optimizer",
+    severity="critical",
+    description=(
+        f"A GradScaler's scale fell over the last {_SCALES} measured steps (torch.scaler) to below 1: the scaler "
+        "halves it at each step whose scaled gradients hold an inf or NaN, and skips that step's optimizer step, so "
+        "a scale that keeps falling means most steps are skipped (the gradients overflow whatever the scale: an "
+        "inf or NaN from the forward pass or the loss). torch.steps counts the steps applied only."
+    ),
+    sql=f"""
+WITH c AS (SELECT rank, step, scale, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+           FROM torch.scaler WHERE scale IS NOT NULL),
+r AS (SELECT rank, max(step) AS step, min(step) AS since, arg_min(scale, step) AS first_scale,
+             arg_max(scale, step) AS scale
+      FROM c WHERE age <= {_SCALES} GROUP BY rank HAVING count(*) = {_SCALES})
+SELECT rank, step, since, first_scale, scale, step - since AS applied,
+       CASE WHEN scale > 0 THEN CAST(round(log2(first_scale / scale)) AS BIGINT) END AS halvings,
+       CASE WHEN scale > 0
+            THEN printf('%d halvings over %d optimizer steps applied: %d or more steps were skipped',
+                        CAST(round(log2(first_scale / scale)) AS BIGINT), step - since,
+                        CAST(round(log2(first_scale / scale)) AS BIGINT))
+            ELSE 'down to 0, where every step is skipped' END AS skipped
+FROM r
+WHERE scale < 1 AND scale < first_scale AND {_current("r")}""",
+    message=(
+        "the loss scale has collapsed: the GradScaler's scale fell from {first_scale:.3g} at step {since} to "
+        "{scale:.3g} at step {step} ({skipped}). The scaler halves it and skips the optimizer step whenever the "
+        "scaled gradients hold an inf or NaN, so most steps do not train the model. The gradients overflow whatever "
+        "the scale: an inf or NaN comes from the forward pass or the loss (float16 activations past 65504, as from "
+        "unnormalized inputs or large logits; a log or a division of 0). Find where, then normalize the inputs, or "
+        "compute that part in float32 or bfloat16."
+    ),
+    next=[
+        'probe {target} query "SELECT step, scale FROM torch.scaler ORDER BY step DESC LIMIT 10"',
+        'probe {target} query "SELECT step, loss, grad_norm, duration FROM torch.steps ORDER BY step DESC LIMIT 10"',
+    ],
+    # the skipped steps' losses are inf or NaN while the weights stay finite; their backward passes look like
+    # micro-batches of the next applied step; the steps applied at a scale near 0 get gradients of 0
+    explains=["loss_nonfinite", "accumulation_erased", "grad_norm_zero"],
 )

@@ -13,6 +13,7 @@ import json
 import re
 import time
 
+import pytest
 from conftest import ROOT, poll, requires_torch
 from faults.corpus_ddp import DDP_ERRORS
 from _ranks import ddp_job
@@ -128,13 +129,30 @@ def test_a_rank_local_change_then_a_rank_whose_data_runs_out():
         assert {e["rule"] for e in found[0]["evidence"]["explains"]} == {"hung"}, found[0]["evidence"]
 
 
-def test_ranks_fed_the_same_batches():
-    # given: from step 40 every rank reads the same batch (no DistributedSampler, the same seed on every rank)
-    with ddp_job("--error", "same_data", "--batches", "100000", world=2, target=SCRIPT, extra_env=QUIET) as job:
+@pytest.mark.parametrize("error", ["same_data", "same_data_dropout"])
+def test_ranks_fed_the_same_batches(error):
+    # given: from step 40 every rank reads the same batch (no DistributedSampler); same_data_dropout: with dropout
+    # seeded per rank, so the ranks' losses differ
+    with ddp_job("--error", error, "--batches", "100000", world=2, target=SCRIPT, extra_env=QUIET) as job:
         at = onset(job, r"onset rank=\d+ step=(?P<step>\d+) time=(?P<time>[\d.]+)")
-        # then: the job, not a rank, is named, from losses that agree to the bit at every step since
-        found = named(job, ["same_data"], at)["same_data"]
-        assert found["evidence"]["first"] >= at[0] and found["evidence"]["steps"] >= 20, found
+        # then: the job, not a rank, is named, from steps since the onset only
+        found = named(job, [error], at)[error]
+        assert found["evidence"]["first"] >= at[0], found
+        if error == "same_data_dropout":  # from the inputs: the losses differ
+            assert found["evidence"]["basis"] == "inputs", found
+            # and: the ranks' losses differed at every step since the onset that both have
+            r = job.cli(
+                "--ranks",
+                "all",
+                "--format",
+                "json",
+                "query",
+                "SELECT count(*) AS steps, count(*) FILTER (WHERE losses = 2) AS differ FROM (SELECT step, "
+                f"count(DISTINCT loss) AS losses FROM torch.steps WHERE step >= {at[0]} GROUP BY step "
+                "HAVING count(*) = 2)",
+            )
+            (row,) = json.loads(r.stdout)
+            assert row["steps"] > 0 and row["differ"] == row["steps"], row
 
 
 def test_the_healthy_twin_a_plain_ddp_job_gets_nothing_and_its_replicas_agree():
@@ -152,6 +170,8 @@ def test_the_healthy_twin_a_plain_ddp_job_gets_nothing_and_its_replicas_agree():
         "rank_local",
         "--error",
         "same_data",
+        "--error",
+        "same_data_dropout",
         "--error",
         "uneven",
         "--batches",

@@ -23,11 +23,12 @@ DDP_ERRORS = {
         "warning",
         ["2 of 8 parameter tensors differ", "first head.* (2 tensors)"],
     ),
-    "same_data": (
+    "same_data": ("ranks_same_data", None, "warning", ["the 2 DDP ranks", "copies of one shard", "DistributedSampler"]),
+    "same_data_dropout": (
         "ranks_same_data",
         None,
         "warning",
-        ["the 2 DDP ranks computed bit-identical losses", "DistributedSampler"],
+        ["the 2 DDP ranks were fed the same input on every rank", "DistributedSampler"],
     ),
     "uneven": (
         "collective_mismatch",

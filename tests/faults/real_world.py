@@ -80,6 +80,11 @@ The errors (tests/faults/corpus.py gives the doctor rule that must name each, an
 * ``lightning_9599``: native AMP clips the gradients right after backward and unscales them only before the
   optimizer step: the clipping sees them 65,536 times too large and the loss converges very slowly (SGD here).
   https://github.com/Lightning-AI/pytorch-lightning/issues/9599
+* ``deepspeed_697``: float16 mixed precision whose forward overflows on most batches (here three of four arrive
+  unnormalized, values float16 cannot hold after the first convolution): GradScaler skips each of those steps and
+  halves its scale, which falls toward 0 while the loop runs on and the model does not learn ("Overflow detected.
+  Skipping step. Attempted loss scale: 1"). https://github.com/deepspeedai/DeepSpeed/issues/697,
+  https://github.com/ymcui/Chinese-LLaMA-Alpaca/issues/534 ("Current loss scale already at minimum")
 * ``lomo_50``: a rate far too small for an SGD-style update (LOMO fuses SGD into backward; 5e-5 there), from the
   phase's start (its onset marks the step it is judged from): the loss does not go down. https://github.com/OpenLMLab/LOMO/issues/50
 * ``megatron_579``: a gradient norm far above the clipping threshold (around 2,500 against 1.0 there) clipped at
@@ -130,8 +135,9 @@ ERRORS = (
     "lightning_9599",
     "lomo_50",
     "megatron_579",
+    "deepspeed_697",
 )
-AMP = ("unet_468", "lightning_9599")  # autocast (bfloat16 on CPU) and a GradScaler
+AMP = ("unet_468", "lightning_9599", "deepspeed_697")  # autocast (bfloat16 on CPU; deepspeed_697 float16), a GradScaler
 
 p = argparse.ArgumentParser()
 p.add_argument("--errors", required=True, help="comma-separated, run one phase each in this order")
@@ -282,6 +288,8 @@ class Phase:
         if self.cached is not None:
             return self.cached
         x, y = batch()
+        if bug and e == "deepspeed_697" and self.local % 4:
+            x = x * 1e5  # unnormalized: past float16's 65504 after the first convolution
         if bug and e in ("transferlearning_182", "halo_13"):
             y = torch.zeros_like(y)  # every image under one folder / labels added after the conversion
         return x, y
@@ -290,10 +298,10 @@ class Phase:
         """One step under autocast and a GradScaler, clipping as the phase's loop does."""
         m, opt, scaler = self.model, self.optimizer, self.scaler
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.float16 if self.error == "deepspeed_697" else torch.bfloat16):
             loss = F.cross_entropy(m(x), y)
         scaler.scale(loss).backward()
-        if not self.bug:
+        if not (self.bug and self.error in ("unet_468", "lightning_9599")):
             scaler.unscale_(opt)  # the fix: unscale before clipping
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
         scaler.step(opt)

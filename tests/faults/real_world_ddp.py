@@ -31,6 +31,12 @@ The errors (``DDP_ERRORS``, with the doctor rule that must name each, are in tes
 * ``same_data``: no DistributedSampler: every rank reads the whole dataset in the same order (the same seed on
   every rank), so each step's batch is the same on all ranks and the job trains copies of one shard.
   https://github.com/Shark-NLP/DiffuSeq/issues/37, https://github.com/PatrickHua/SimSiam/issues/16
+* ``same_data_dropout``: the same, in a job that seeds each rank with its rank (``seed + rank``, so that dropout
+  and augmentation differ between ranks) and trains with dropout: the batches are the same on every rank but the
+  losses are not, so only the inputs show it.
+  https://github.com/binbinao/physicsnemo-from-zero-to-one/issues/143 (a DataLoader without a DistributedSampler
+  under DDP: every rank sees the same data); the per-rank seed as https://github.com/facebookresearch/detr/issues/297
+  and https://github.com/karpathy/nanoGPT/issues/22 explain it.
 * ``uneven``: the ranks' shards hold different numbers of batches: the rank with fewer finishes its epoch and
   waits at the end-of-epoch barrier while the other waits in DDP's all-reduce of a batch it alone has: the
   job hangs. https://github.com/pytorch/pytorch/issues/33148,
@@ -50,7 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-ERRORS = ("no_wrapper", "rank_local", "buffers", "unused", "same_data", "uneven")
+ERRORS = ("no_wrapper", "rank_local", "buffers", "unused", "same_data", "same_data_dropout", "uneven")
 
 p = argparse.ArgumentParser()
 p.add_argument("--error", action="append", default=[], choices=ERRORS)
@@ -78,7 +84,8 @@ def shard(n_batches: int, seed: int, n: int = 32, offset: float | None = None) -
     return out
 
 
-common = shard(64, seed=7, offset=0.0) if "same_data" in errors else None  # the whole dataset, the same on every rank
+same = errors & {"same_data", "same_data_dropout"}
+common = shard(64, seed=7, offset=0.0) if same else None  # the whole dataset, the same on every rank
 
 
 class Net(nn.Module):
@@ -87,15 +94,18 @@ class Net(nn.Module):
         self.encoder = nn.Sequential(
             OrderedDict(fc1=nn.Linear(DIM, 32), bn=nn.BatchNorm1d(32), relu=nn.ReLU(), fc2=nn.Linear(32, 32))
         )
+        self.drop = nn.Dropout(0.2) if "same_data_dropout" in args.error else nn.Identity()  # and in its twin
         self.head = nn.Linear(32, CLASSES)
 
     def forward(self, x):
-        return self.head(F.relu(self.encoder(x)))
+        return self.head(self.drop(F.relu(self.encoder(x))))
 
 
 model = DDP(
     Net(), broadcast_buffers="buffers" not in args.error or args.fixed, find_unused_parameters="unused" in errors
 )
+if "same_data_dropout" in args.error:  # each rank its own dropout masks (DDP has made the weights the same)
+    torch.manual_seed(100 + rank)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 head_ckpt = {k: v.clone() * 0.5 for k, v in model.module.head.state_dict().items()}  # "a checkpoint" of the head
 

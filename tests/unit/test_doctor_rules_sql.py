@@ -345,8 +345,9 @@ def test_mostly_frozen_leaves_out_a_frozen_network_no_optimizer_holds():
     assert "1 of 2 parameter tensors of m" in said and ": 4.weight; what trains: 4.bias." in said, said
 
 
-def _same_data(losses: dict, ddp_ranks=(0, 1)) -> list:
-    """ranks_same_data over ``{rank: [loss of step 1, 2, ...]}``, with torch.ddp rows for ``ddp_ranks``."""
+def _same_data(losses: dict, ddp_ranks=(0, 1), inputs: dict | None = None, messages: bool = True) -> list:
+    """ranks_same_data over ``{rank: [loss of step 1, 2, ...]}`` and ``inputs`` (``{rank: {step: input_hash}}``,
+    the measured steps' torch.batches), with torch.ddp rows for ``ddp_ranks``."""
     return rule_rows(
         "ranks_same_data",
         {
@@ -354,9 +355,13 @@ def _same_data(losses: dict, ddp_ranks=(0, 1)) -> list:
                 "rank INTEGER, step BIGINT, loss DOUBLE",
                 [(r, s, v) for r, vals in losses.items() for s, v in enumerate(vals, start=1)],
             ),
+            "torch.batches": (
+                "rank INTEGER, step BIGINT, input_hash VARCHAR",
+                [(r, s, h) for r, hashes in (inputs or {}).items() for s, h in hashes.items()],
+            ),
             "torch.ddp": ("rank INTEGER, model VARCHAR", [(r, "model") for r in ddp_ranks]),
         },
-        messages=True,
+        messages=messages,
     )
 
 
@@ -374,6 +379,34 @@ def test_ranks_same_data_needs_every_step_of_the_window_identical_on_every_ddp_r
     assert _same_data({0: own, 1: other}) == []
     assert _same_data({0: own[:10], 1: own[:10]}) == []
     assert _same_data({0: own, 1: list(own)}, ddp_ranks=()) == []
+
+
+def test_ranks_same_data_names_one_input_fingerprint_on_every_rank_when_the_losses_differ():
+    own = [1.0 + 0.01 * s for s in range(150)]
+    other = [v + 1e-3 for v in own]  # dropout seeded per rank: the losses differ at every step
+    # rank 0 measured every other step, rank 1 every third: steps 6, 12, ... both measured
+    measured = {0: range(2, 151, 2), 1: range(3, 151, 3)}
+
+    def fed(same_from: int, batch=lambda s: f"b{s}") -> dict:
+        return {r: {s: batch(s) if s >= same_from else f"r{r}s{s}" for s in steps} for r, steps in measured.items()}
+
+    # one fingerprint on both ranks at each of the last 3 steps both measured: named by it
+    (found,) = _same_data({0: own, 1: other}, inputs=fed(100), messages=False)
+    assert (found["basis"], found["first"], found["step"], found["steps"]) == ("inputs", 138, 150, 3), found
+    (said,) = _same_data({0: own, 1: other}, inputs=fed(100))
+    assert said.startswith(
+        "the 2 DDP ranks were fed the same input on every rank (one fingerprint in torch.batches; 3 batches in all) "
+        "at each of the last 3 steps that they all measured (138, 144, 150): the job trains 2 copies of one shard."
+    ), said
+    # quiet: fingerprints that differ at one of those steps; too few steps both measured; not data-parallel; one
+    # constant input on every rank (same_batch's, not a question of ranks)
+    assert _same_data({0: own, 1: other}, inputs=fed(140)) == []
+    few = {r: {s: f"b{s}" for s in steps if s > 140} for r, steps in measured.items()}
+    assert _same_data({0: own, 1: other}, inputs=few) == []
+    assert _same_data({0: own, 1: other}, inputs=fed(100), ddp_ranks=()) == []
+    assert _same_data({0: own, 1: other}, inputs=fed(100, batch=lambda s: "constant")) == []
+    # both signs: one finding, from the fingerprints
+    assert [f["basis"] for f in _same_data({0: own, 1: list(own)}, inputs=fed(0), messages=False)] == ["inputs"]
 
 
 def test_throughput_regression_takes_an_unknown_cpu_wait_out_of_neither_window():

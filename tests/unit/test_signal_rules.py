@@ -106,3 +106,34 @@ def test_clip_before_unscale_needs_the_last_two_measured_steps_clipped_scaled():
     assert not _scaler(unscaled + [(None, s, 0.0, 65536.0, True, 0.5) for s in range(21, 25)], last=40)
     assert not _scaler(unscaled + [(None, 21, 0.0, 65536.0, True, 0.5)])
     assert not _scaler([(None, 1, 0.0, 65536.0, True, 0.5), (None, 2, 0.0, 65536.0, False, None)])
+
+
+def _collapsed(rows, last=None):
+    return rule_rows(
+        "loss_scale_collapsed", {"torch.scaler": (SCALER, rows), "torch.steps": _steps(last or rows[-1][1])}
+    )
+
+
+def test_loss_scale_collapsed_needs_a_scale_below_one_still_falling():
+    steady = [(None, s, 0.0, 65536.0, False, None) for s in range(1, 21)]
+    # three of every four steps overflow: the scale halves three times per step applied
+    falling = [(None, s, 0.0, 2.0 ** (16 - 3 * (s - 20)), False, None) for s in range(21, 31)]
+    (f,) = _collapsed(steady + falling)
+    assert (f["since"], f["step"], f["applied"], f["halvings"]) == (26, 30, 4, 12), f
+    (said,) = rule_rows(
+        "loss_scale_collapsed",
+        {"torch.scaler": (SCALER, steady + falling), "torch.steps": _steps(30)},
+        messages=True,
+    )
+    assert said.startswith(
+        "the loss scale has collapsed: the GradScaler's scale fell from 0.25 at step 26 to 6.1e-05 at step 30 "
+        "(12 halvings over 4 optimizer steps applied: 12 or more steps were skipped)."
+    ), said
+    # down to 0: every step skipped from then on
+    (f,) = _collapsed(steady + falling + [(None, 31, 0.0, 0.0, False, None)])
+    assert f["halvings"] is None and f["skipped"] == "down to 0, where every step is skipped", f
+    # quiet: a healthy scale; a scale that fell but stays above 1 or settled below it; rows that stopped
+    assert not _collapsed(steady)
+    assert not _collapsed(steady + falling[:3])  # 8192 to 256: still a working scale
+    assert not _collapsed(steady + falling + [(None, s, 0.0, falling[-1][3], False, None) for s in range(31, 36)])
+    assert not _collapsed(steady + falling, last=50)
