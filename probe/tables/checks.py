@@ -1,14 +1,17 @@
-"""What is checked about training: the invariant checks (``torch.checks``, ``probe.training.invariants``, one row
-per check per measured step), each rank's checksums of its DDP replica's weights at the same steps
-(``torch.weight_sums``) and how its DistributedDataParallel models are set up (``torch.ddp``,
-``probe.training.weights``).
-"""
+"""What is checked about training, and what the doctor and the guard read of it: the invariant checks
+(``torch.checks``, ``probe.training.invariants``, one row per check per measured step), each rank's checksums of its
+DDP replica's weights at the same steps (``torch.weight_sums``) and how its DistributedDataParallel models are set up
+(``torch.ddp``, ``probe.training.weights``), a measured step's batch, update and loss scaling (``torch.batches``,
+``torch.updates``, ``torch.scaler``, ``probe.training.signals``), and what the guard was armed with and caught
+(``torch.guard``, ``probe.actions.guard``)."""
 
 from __future__ import annotations
 
+from ..actions.guard import events
 from ..training.invariants import CHECK_COLUMNS, checks as _checks
-from .registry import Column, no_rows, table
+from ..training.signals import BATCH_COLUMNS, SCALER_COLUMNS, UPDATE_COLUMNS, signals as _signals
 from ..training.weights import DDP_COLUMNS, SUM_COLUMNS, replicas as _replicas
+from .registry import Column, no_rows, table
 
 
 @table(
@@ -153,3 +156,166 @@ def ddp(ctx):
     if r is None:
         return no_rows(DDP_COLUMNS)
     return r.snapshot_ddp()
+
+
+_TIME = Column("time", "TIMESTAMP", "When it was read.")
+
+
+def _rows(which: str, columns: dict) -> dict:
+    sig = _signals()
+    if sig is None:
+        return no_rows(columns)
+    return sig.snapshot(which)
+
+
+@table(
+    "torch.batches",
+    "The batch of each measured step: a fingerprint of the primary model's first training input and of the class "
+    "targets the loss saw, and how the labels of those targets are spread. Identical fingerprints step after step "
+    "mean the job is fed the same batch; a batch of one class is a loader sorted by class, or broken labels.",
+    columns=[
+        Column("step", "BIGINT", "The measured step whose batch it is."),
+        _TIME,
+        Column(
+            "input_hash",
+            "VARCHAR",
+            "A hash of the dtype and 256 evenly strided elements of the primary model's first training input of the "
+            "step (its first tensor argument); the same on every rank for the same data. NULL when no input was seen.",
+        ),
+        Column(
+            "target_hash",
+            "VARCHAR",
+            "The same for the class-index targets of the loss's classification term (cross_entropy, nll_loss), read "
+            "from its autograd graph; NULL for another kind of loss.",
+        ),
+        Column("samples", "DOUBLE", "Target elements whose labels were counted (4,096 evenly strided at most)."),
+        Column("labels", "DOUBLE", "Distinct labels among them (ignore_index and negative ones left out)."),
+        Column("top_label", "DOUBLE", "The most frequent label."),
+        Column("top_share", "DOUBLE", "Its share of the counted targets: 1 when the batch holds one class."),
+    ],
+    examples=[
+        "SELECT step, input_hash, target_hash, labels, top_label, top_share FROM torch.batches ORDER BY step DESC "
+        "LIMIT 10",
+        "SELECT count(DISTINCT input_hash) AS distinct_batches, count(*) AS steps FROM torch.batches",
+    ],
+    kind="ring",
+)
+def batches_table(ctx):
+    return _rows("batches", BATCH_COLUMNS)
+
+
+@table(
+    "torch.updates",
+    "The update one optimizer step applied, per weight tensor (two or more dimensions, trainable, held by the lead "
+    "optimizer; 32 at most, spread over the model): its size relative to the weights, measured on the step after "
+    "each measured one over 1,024 strided elements. About 1e-3 is healthy; far smaller means the step hardly moves "
+    "the weights (a tiny rate, over-clipping), far larger that it rewrites them.",
+    columns=[
+        Column("step", "BIGINT", "The optimizer step whose update it is."),
+        _TIME,
+        Column("parameter", "VARCHAR", "The tensor, by the model's name for it."),
+        Column("ratio", "DOUBLE", "‖w after − w before‖ / ‖w before‖ over the sampled elements."),
+        Column(
+            "grad_ratio",
+            "DOUBLE",
+            "‖g‖ / ‖w before‖ over the same elements, g the gradient before clipping (the gradient the step applied, "
+            "over clip_grad_norm_'s coefficient at the last measured step when the loop clips); NULL when the tensor "
+            "had none. The update over it is the step's effective rate.",
+        ),
+        Column("lr", "DOUBLE", "The learning rate of the optimizer's first param group at that step."),
+    ],
+    examples=[
+        "SELECT step, parameter, ratio FROM torch.updates ORDER BY step DESC, ratio LIMIT 10",
+        "SELECT parameter, median(ratio) AS ratio FROM torch.updates GROUP BY parameter ORDER BY ratio",
+    ],
+    kind="ring",
+)
+def updates_table(ctx):
+    return _rows("updates", UPDATE_COLUMNS)
+
+
+@table(
+    "torch.scaler",
+    "Mixed precision's loss scaling at each measured step: the GradScaler's scale (it halves at every step whose "
+    "gradients overflowed, which the scaler then skips) and whether clip_grad_norm_ ran on gradients the scaler had "
+    "not unscaled yet. No rows without an enabled GradScaler.",
+    columns=[
+        Column("step", "BIGINT", "The measured step."),
+        _TIME,
+        Column("scale", "DOUBLE", "The scaler's scale, read at the optimizer step (before the scaler's update)."),
+        Column(
+            "clip_scaled",
+            "BOOLEAN",
+            "clip_grad_norm_ ran on the gradients before scaler.unscale_(optimizer): it measured and clipped them "
+            "multiplied by the scale.",
+        ),
+        Column(
+            "clip_norm",
+            "DOUBLE",
+            "When clip_scaled, the norm it computed divided by the scale: the gradients' own (torch.steps.grad_norm "
+            "shows this one).",
+        ),
+    ],
+    examples=["SELECT step, scale, clip_scaled, clip_norm FROM torch.scaler ORDER BY step DESC LIMIT 10"],
+    kind="ring",
+)
+def scaler_table(ctx):
+    return _rows("scaler", SCALER_COLUMNS)
+
+
+_GUARD_COLUMNS = (
+    "event",
+    "step",
+    "time",
+    "armed",
+    "reason",
+    "taken",
+    "loss",
+    "grad_norm",
+    "median",
+    "first_nonfinite",
+    "evidence",
+    "optimizer",
+)
+
+
+@table(
+    "torch.guard",
+    "The guard's events in this process, oldest first: each time it was armed or taken out, and every step it "
+    "caught, with what it did and where its evidence is.",
+    columns=[
+        Column("event", "VARCHAR", "armed, disarmed or trigger."),
+        Column(
+            "step",
+            "BIGINT",
+            "The boundary it was armed or taken out at, or the step it caught (the number that step would have had: "
+            "a skipped step is not counted, so the next applied step takes it).",
+        ),
+        Column("time", "TIMESTAMP", "When it happened."),
+        Column("armed", "VARCHAR", "What was armed, as `probe guard` flags (--on ... --keep N --skip ...)."),
+        Column("reason", "VARCHAR", "What triggered (a trigger's row): non-finite gradients or loss, a spike."),
+        Column(
+            "taken",
+            "VARCHAR",
+            "What the guard did: skipped the update, rolled back to the state before step S, or let the step go.",
+        ),
+        Column("loss", "DOUBLE", "The caught step's loss (NULL on several ranks, where it is not read)."),
+        Column("grad_norm", "DOUBLE", "The caught step's total gradient norm, before the update."),
+        Column("median", "DOUBLE", "The median gradient norm of the applied steps before it (the spike's base)."),
+        Column(
+            "first_nonfinite",
+            "VARCHAR",
+            "On a non-finite catch in a single process, the first module whose output was not finite when the step's "
+            "kept batch ran again through the model ('' for the model itself); NULL otherwise.",
+        ),
+        Column("evidence", "VARCHAR", "The evidence bundle written for it (probe.load_evidence); NULL if none."),
+        Column("optimizer", "VARCHAR", "The class of the optimizer whose step was caught."),
+    ],
+    examples=[
+        "SELECT step, reason, taken, evidence FROM torch.guard WHERE event = 'trigger' ORDER BY step",
+        "SELECT event, step, armed FROM torch.guard WHERE event <> 'trigger'",
+    ],
+    kind="ring",
+)
+def guard_table(ctx):
+    return [tuple(e.get(c) for c in _GUARD_COLUMNS) for e in events()]

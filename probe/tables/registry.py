@@ -51,12 +51,10 @@ BUILTIN = (
     "collectives",
     "data",
     "diagnosis",
-    "guard",
     "meta",
     "optim",
     "process",
     "python",
-    "signals",
     "torch",
 )
 
