@@ -1,23 +1,16 @@
-"""The guard: a safety net armed on a live job (``probe PID guard``, ``PROBE_GUARD``).
+"""The guard: a safety net armed on a live job (``probe PID guard``, ``PROBE_GUARD``; docs/guard.md).
 
-Armed at a step boundary, it puts a wrapper in front of ``step`` of every optimizer found and of the schedulers
-that drive them (instance attributes, taken out by ``--off``) and, with ``--keep N``, a forward pre-hook on the
-model that keeps the last N steps' inputs; with ``--rollback`` it copies the weights and optimizer state to the host
-before each applied step. Disarmed, none of these exist: the step path costs nothing.
-
-At each optimizer step, before the update, the wrapper reads the gradient norm (one number from the device: a
-sync, as GradScaler's skip check is) and the step's loss, and checks the triggers: ``nonfinite`` (a non-finite
-gradient norm, or in a single process a non-finite loss), ``spike=N`` (a gradient norm above N times the median
-of the last ``WINDOW`` applied steps'), ``loss=N`` (the same for the loss). On a trigger it writes an evidence
-bundle (``evidence``) when a directory was named; then with ``--rollback`` and weights no longer finite it
-restores the copy kept before the previous applied step (bit-identical) and skips this one; with ``--skip`` it
-skips the update (gradients set to None, neither the optimizer's nor its scheduler's step taken, as GradScaler
-does for an inf step). Otherwise the step goes on.
+Armed at a step boundary, it wraps ``step`` of every optimizer found and of the schedulers that drive them
+(instance attributes) and, with ``--keep N``, puts a forward pre-hook on the model that keeps the last N steps'
+inputs; ``--rollback`` copies the weights and optimizer state to the host before each applied step. Disarmed, none
+of these exist: the step path costs nothing. Before each update the wrapper reads the gradient norm (one number
+from the device, as GradScaler's skip check does) and the step's loss, checks the triggers, writes the evidence
+(``evidence``), and skips the update or restores the kept copy.
 
 On several ranks every decision must be the same everywhere, or the replicas drift apart: it is taken from the
-gradients after backward (DDP all-reduced them: every rank holds the same ones) and from the weights, never from
-the rank's own loss and never by a collective of probe's; a loss trigger with ``--skip``/``--rollback`` is
-refused there, and so are ``--skip``/``--rollback`` under sharded gradients (FSDP2), which have no common view.
+gradients after backward (DDP all-reduced them) and from the weights, never from the rank's own loss and never by a
+collective of probe's; so a loss trigger with ``--skip``/``--rollback`` is refused there, and so are
+``--skip``/``--rollback`` under sharded gradients (FSDP2), which have no common view.
 """
 
 from __future__ import annotations
