@@ -87,7 +87,7 @@ The errors (tests/faults/corpus.py gives the doctor rule that must name each, an
   https://github.com/ymcui/Chinese-LLaMA-Alpaca/issues/534 ("Current loss scale already at minimum")
 * ``lomo_50``: a rate far too small for an SGD-style update (LOMO fuses SGD into backward; 5e-5 there), from the
   phase's start (its onset marks the step it is judged from): the loss does not go down. https://github.com/OpenLMLab/LOMO/issues/50
-* ``megatron_579``: a gradient norm far above the clipping threshold (around 2,500 against 1.0 there) clipped at
+* ``megatron_579``: a gradient norm far above the clipping threshold (some 2,500 against 1.0 there) clipped at
   every step: like a rate thousands of times smaller (SGD here, where the clipped norm sets the step).
   https://github.com/alibaba/Pai-Megatron-Patch/issues/579
 """
