@@ -1,16 +1,11 @@
 """Values captured from the training loop for ``torch.steps``: the loss and the gradient norm (docs/torch.md).
 
-The loss of a step is what the loop backpropagated since the previous step: every scalar tensor
-``torch.autograd.backward`` was called on (``Tensor.backward``, accelerate's, Lightning's and the HF Trainer's
-backward), summed; ``scaler.scale(loss)`` counts as ``loss``, and inside ``optimizer.step(closure)`` only the
-closure's first evaluation counts. A loop that never backpropagates a scalar falls back to a scalar named ``loss``
-(PROBE_LOSS_NAMES) in its frames, on measured steps; ``probe.step(loss=)`` overrides both. It is noted on every
-step without a device sync: a CPU scalar is read at once, another one kept detached and taken at the boundary as
-a float or a pinned copy with its event (``hold``), read once landed.
-
-The gradient norm is ``clip_grad_norm_``'s result when the loop clips (kept at no cost; its wrapper is in on
-measured steps only), else a foreach norm of the lead optimizer's gradients on their device. Under FSDP2 (DTensor
-gradients) both are this rank's: the norm of its local shards, never a collective.
+The loss of a step is what the loop backpropagated since the previous step (``torch.autograd.backward``'s scalars,
+summed; ``scaler.scale(loss)`` counts as ``loss``; a closure's first evaluation only; a step GradScaler skips has
+none), noted on every step without a device sync (``hold``). Else a scalar named ``loss`` (PROBE_LOSS_NAMES) in the
+loop's frames on measured steps; ``probe.step(loss=)`` overrides both. The gradient norm is ``clip_grad_norm_``'s
+result when the loop clips (its wrapper is in on measured steps only), else a foreach norm of the lead optimizer's
+gradients on their device; under FSDP2 both are this rank's local shards', never a collective.
 """
 
 from __future__ import annotations
@@ -102,6 +97,7 @@ class Capture:
         self.losses: list = []  # this step's backpropagated scalars (floats, or detached tensors), summed at its end
         self.closure_step = False  # inside optimizer.step(closure): only the closure's first backward counts
         self._scaled = None  # (weakref to GradScaler.scale's output, the loss it scaled)
+        self.ends_step = None  # the tracker's: whether an optimizer step now ends the step (and takes its loss)
         self.wanted = True  # whether the step in progress is measured (its optional values read)
         self._loss_looks = 0
         self.torch = torch
@@ -148,8 +144,7 @@ class Capture:
 
     # -- the loss ----------------------------------------------------------------------------------
     def on_step_start(self, closure) -> None:
-        """The optimizer step pre-hook, on a step given a closure (or after one that raised): note whether this
-        step evaluates one."""
+        """The step pre-hook, on a step given a closure (or after one that raised): whether it evaluates one."""
         self.closure_step = closure is not None
         self._closure_taken = False
 
@@ -158,10 +153,9 @@ class Capture:
 
     def saw_backward(self, tensors, grad_tensors) -> None:
         """A ``torch.autograd.backward`` call (the wrapper's, before the backward runs): note its scalar as part of
-        the step's loss. Runs on every backward call of the loop, so the common case (``loss.backward()`` on a
-        plain tensor) is checked first and read in one operation: a CPU scalar as a float at once (no device to
-        wait for, nothing kept), any other one detached (the graph is not kept alive) for ``hold`` at the
-        boundary. A tensor subclass (a DTensor: its ``item`` would be a collective) is always detached."""
+        the step's loss. Runs on every backward call, so the common case (``loss.backward()`` on a plain tensor) is
+        checked first: a CPU scalar read as a float at once, any other one detached (the graph is not kept alive)
+        for ``hold`` at the boundary; a tensor subclass (a DTensor: its ``item`` would be a collective) detached."""
         t = tensors
         Tensor = self.Tensor
         if type(t) is not Tensor:
@@ -265,8 +259,7 @@ class Capture:
         return t + sum(floats) if floats else t
 
     def take(self):
-        """This step's backpropagated loss, taken for the row: a float (CPU scalars, read when noted), a holder
-        (a device scalar, read later) or None (nothing backpropagated a scalar). Runs on every step."""
+        """This step's backpropagated loss for its row: a float, a holder (``hold``) or None. Runs on every step."""
         losses = self.losses
         if not losses:
             return None
@@ -318,10 +311,8 @@ class Capture:
 
     def grad_norm(self, optimizer):
         """The total L2 norm of ``optimizer``'s gradients, as a tensor on their device (None: none to measure).
-
-        Sharded gradients (FSDP2's DTensors) count by their local shards: the norm of what this rank
-        holds, computed without a collective (``sharded`` says so); the model's norm is the square root
-        of the sum over ranks of their squares, which a client can combine."""
+        Sharded gradients (FSDP2's DTensors) count by their local shards, without a collective (``sharded`` says
+        so): the model's norm is the root of the sum over ranks of their squares, which a client can combine."""
         if optimizer is None or id(optimizer) in self._norm_failed:
             return None
         torch = self.torch
@@ -378,9 +369,10 @@ class Capture:
         if original is not None:
             autograd.backward = original
         scaler = getattr(getattr(self.torch, "amp", None), "GradScaler", None)
-        original = getattr(getattr(scaler, "scale", None), "_probe_original", None)
-        if original is not None:
-            scaler.scale = original
+        for name in ("scale", "step"):
+            original = getattr(getattr(scaler, name, None), "_probe_original", None)
+            if original is not None:
+                setattr(scaler, name, original)
         self.forget()
 
     def _wrap_clip(self) -> None:
@@ -443,3 +435,16 @@ class Capture:
 
             scale_._probe_original = scale
             scaler.scale = scale_
+        step = getattr(scaler, "step", None)
+        if step is not None and getattr(step, "_probe_original", None) is None:
+
+            @functools.wraps(step)
+            def step_(self_, optimizer, *args, **kwargs):
+                had = bool(capture.losses)
+                out = step(self_, optimizer, *args, **kwargs)
+                if had and capture.losses and capture.ends_step is not None and capture.ends_step():
+                    capture.losses.clear()  # skipped (inf or NaN gradients): no optimizer step, so no step's loss
+                return out
+
+            step_._probe_original = step
+            scaler.step = step_

@@ -91,6 +91,7 @@ class StepTracker:
         self.ring = Ring(RING_COLUMNS, setting("PROBE_STEPS_CAPACITY"))
         self._append = self.ring.append
         self.capture = Capture(torch)
+        self.capture.ends_step = lambda: not self.explicit and self.cycle is None
         self.torch = torch
         self.tracer = tracer
         self._spent = 0  # the budget is settled at full boundaries only: the quick ones add their cost meanwhile
@@ -118,9 +119,6 @@ class StepTracker:
         self.cycle = None
         self.used_lr = None
         self.capture.wrap()
-
-    def _steps_taken(self) -> int:
-        return self.step
 
     def lr_used(self, optimizer, lr: float) -> None:
         """An lr override made ``optimizer``'s step just taken use ``lr`` (``param_groups`` shows the loop's)."""
@@ -337,7 +335,7 @@ class StepTracker:
         if measured:
             self._occasional(step, frame, duration_ns, traced)
             invariants.checks(self.torch).at_boundary(
-                step, optimizer, self.capture, self._steps_taken
+                step, optimizer, self.capture, lambda: self.step
             )  # torch.checks: cheap invariants of training
             signals.signals(self.torch).at_boundary(step, optimizer)  # torch.batches, torch.updates, torch.scaler
         if step >= self._replicas.next_step:  # torch.weight_sums: DDP replicas' checksums, the same steps on every rank

@@ -190,3 +190,35 @@ def test_a_late_device_loss_is_added_once_the_value_it_adds_to_has_landed():
     base.done = True
     pending.resolve()
     assert ring.get("loss", 0) == 1.75 and not pending.waits(0, "loss")
+
+
+def test_a_step_the_grad_scaler_skips_lends_its_loss_to_no_other_step():
+    """GradScaler skips a step whose gradients are not finite: no optimizer step, so no step boundary. Its loss is
+    no step's: the next step's row holds that step's own loss, not the sum of both."""
+    import torch
+
+    from probe.training import hooks
+
+    hooks.arm()
+    tk = hooks.tracker()
+    try:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu")
+        poison = [False]
+        model[0].weight.register_hook(lambda g: g * float("inf") if poison[0] else g)
+        x, y = torch.randn(8, 4), torch.randn(8, 1)
+        losses = []
+        for bad in (False, True, False):
+            poison[0] = bad
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            losses.append(loss.item())
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        rows = tk.ring.snapshot()
+        assert len(rows["loss"]) == 2  # the skipped step is not a step
+        assert [float(v) for v in rows["loss"]] == pytest.approx([losses[0], losses[2]])
+    finally:
+        hooks.disarm()
