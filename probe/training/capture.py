@@ -24,7 +24,6 @@ from .steprows import copy_off
 
 __all__ = ["Capture", "loss_logits"]
 
-_NLL = ("NllLossBackward0", "NllLoss2DBackward0")  # cross_entropy is log_softmax + nll_loss
 _BCE_LOGITS = "BinaryCrossEntropyWithLogitsBackward0"
 # nodes that only move or retype values: skipped when naming what made a loss term's input
 _SHAPE = frozenset(
@@ -69,25 +68,16 @@ def loss_logits(loss, limit: int = 64):
     >>> loss_logits(torch.nn.functional.cross_entropy((x * 2).softmax(1), torch.zeros(6, dtype=torch.long)))[3]
     'LogSoftmaxBackward0 <- SoftmaxBackward0 <- MulBackward0'
     """
-    fn = getattr(loss, "grad_fn", None)
-    seen, queue = set(), [fn] if fn is not None else []
-    while queue and len(seen) < limit:
-        node = queue.pop(0)
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        name = node.name()
-        if name in _NLL or name == _BCE_LOGITS:
-            x = getattr(node, "_saved_self", None)
-            if x is None or not x.dim():
-                return None
-            made = _made_by(node.next_functions[0][0]) if node.next_functions else None
-            shape = list(x.shape)
-            if name == _BCE_LOGITS:
-                return name, None, str(shape), made
-            return name, int(shape[1] if x.dim() >= 2 else shape[0]), str(shape), made
-        queue.extend(nf[0] for nf in node.next_functions)
-    return None
+    node = signals.loss_term(loss, (*signals.NLL, _BCE_LOGITS), limit)
+    x = getattr(node, "_saved_self", None) if node is not None else None
+    if x is None or not x.dim():
+        return None
+    name = node.name()
+    made = _made_by(node.next_functions[0][0]) if node.next_functions else None
+    shape = list(x.shape)
+    if name == _BCE_LOGITS:
+        return name, None, str(shape), made
+    return name, int(shape[1] if x.dim() >= 2 else shape[0]), str(shape), made
 
 
 class Capture:

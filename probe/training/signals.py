@@ -1,12 +1,10 @@
 """What a measured step's data, update and loss scaling were, for ``torch.batches``, ``torch.updates`` and
-``torch.scaler`` (the doctor's ``same_batch``, ``single_class_batches``, ``update_too_small``, ``update_too_large`` and
-``clip_before_unscale`` read them):
+``torch.scaler`` (the doctor's signal rules read them):
 
 * the batch: a fingerprint of the primary model's first training input of the step (a hash of at most
   ``_SAMPLE`` evenly strided elements) and of the targets the loss's classification term saved (its autograd
   graph's ``NllLossBackward0``), and the label counts of those targets (how many classes a batch holds, the most
-  frequent and its share). A job fed the same batch every step shows one fingerprint; a loader sorted by class
-  without shuffling shows batches of one class each.
+  frequent and its share).
 * the update: per weight tensor (two or more dimensions, trainable, held by the lead optimizer; ``_TENSORS`` at
   most, spread over the model), the size of the change one optimizer step made relative to the weights,
   ‖Δw‖/‖w‖ over ``_UPDATE_SAMPLE`` strided elements of the step after a measured one: a ``before_step``
@@ -36,7 +34,7 @@ from . import finder
 from .steprows import copy_off
 from .._core.boundary import boundary
 
-__all__ = ["Signals", "signals", "BATCH_COLUMNS", "UPDATE_COLUMNS", "SCALER_COLUMNS"]
+__all__ = ["Signals", "signals", "loss_term", "NLL", "BATCH_COLUMNS", "UPDATE_COLUMNS", "SCALER_COLUMNS"]
 
 BATCH_COLUMNS = {
     "step": "i8",
@@ -53,7 +51,7 @@ SCALER_COLUMNS = {"step": "i8", "time": "f8", "scale": "f8", "clip_scaled": "b1"
 
 _SAMPLE = 256  # elements of an input or target tensor hashed
 _LABELS = 4096  # target elements whose labels are counted
-_NLL = ("NllLossBackward0", "NllLoss2DBackward0")
+NLL = ("NllLossBackward0", "NllLoss2DBackward0")  # cross_entropy is log_softmax + nll_loss
 _TENSORS = 32  # weight tensors whose update is measured
 _UPDATE_SAMPLE = 1024  # elements of each
 _REFRESH_MAX = 500  # steps between refreshes of the watched tensors at most
@@ -99,8 +97,8 @@ def label_counts(labels, ignore_index: int | None = None) -> tuple:
     return int(values.numel()), int(values[top]), float(counts[top]) / flat.numel()
 
 
-def _targets(loss, limit: int = 64):
-    """The class-index targets (and ignore_index) the classification term behind ``loss`` saved, or None."""
+def loss_term(loss, names, limit: int = 64):
+    """The first node of ``loss``'s graph (breadth first, ``limit`` at most) named in ``names``: its loss term."""
     fn = getattr(loss, "grad_fn", None)
     seen, queue = set(), [fn] if fn is not None else []
     while queue and len(seen) < limit:
@@ -108,10 +106,16 @@ def _targets(loss, limit: int = 64):
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        if node.name() in _NLL:
-            return getattr(node, "_saved_target", None), getattr(node, "_saved_ignore_index", None)
+        if node.name() in names:
+            return node
         queue.extend(nf[0] for nf in node.next_functions)
     return None
+
+
+def _targets(loss):
+    """The class-index targets (and ignore_index) the classification term behind ``loss`` saved, or None."""
+    node = loss_term(loss, NLL)
+    return None if node is None else (getattr(node, "_saved_target", None), getattr(node, "_saved_ignore_index", None))
 
 
 class _Watched:
