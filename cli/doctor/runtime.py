@@ -96,7 +96,9 @@ rule(
         "The median step time of the last 50 steps is twice (and 10 ms) above the job's own earlier median, the time "
         "the training thread waited for a CPU (torch.steps.cpu_wait: the host's load, not the job's) taken out of "
         "both (of neither when the earlier one holds no measured step); said only once a measured step among the "
-        "last 50 tells that wait, so that a busier host is not read as a slower job."
+        "last 50 tells that wait, and only when the step time itself rose by a quarter (a difference of two medians of "
+        "the wait is noisy on a loaded host: an unchanged step time is no regression), so that a busier host is not read "
+        "as a slower job."
     ),
     sql="""
 WITH s AS (
@@ -119,7 +121,8 @@ j AS (
   SELECT *, greatest(now_s - now_wait, 0) AS now_own, greatest(before_s - before_wait, 1e-6) AS before_own FROM w)
 SELECT rank, step, now_s * 1000 AS now_ms, before_s * 1000 AS before_ms, now_s / before_s AS ratio,
        (now_wait - before_wait) * 1000 AS wait_ms FROM j
-WHERE n_before >= 20 AND now_w IS NOT NULL AND now_own > 2 * before_own AND now_own - before_own > 0.01""",
+WHERE n_before >= 20 AND now_w IS NOT NULL AND now_own > 2 * before_own AND now_own - before_own > 0.01
+  AND now_s >= 1.25 * before_s""",
     message="steps got {ratio:.1f}x slower: median {now_ms:.1f} ms over the last 50 steps against "
     "{before_ms:.1f} ms before "
     "(waiting for a CPU accounts for {wait_ms:.1f} ms of it).",

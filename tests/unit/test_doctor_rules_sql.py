@@ -423,3 +423,16 @@ def test_throughput_regression_takes_an_unknown_cpu_wait_out_of_neither_window()
     assert said(None) == []
     # both measured: the job's own time went from 8 ms to 27 ms, more than twice
     assert [round(r["ratio"], 2) for r in said(0.0)] == [1.35]
+
+
+def test_throughput_regression_needs_the_step_time_itself_to_rise():
+    # the same 20 ms steps before and after; the measured CPU wait fell from 12 ms to 2 ms (medians of a few
+    # measured steps on a loaded host): the own-time estimate doubles, the job did not get slower
+    rows = [(None, s, 0.020, 0.012) for s in range(1, 101)] + [(None, s, 0.020, 0.002) for s in range(101, 151)]
+    assert (
+        rule_rows(
+            "throughput_regression",
+            {"torch.steps": ("rank INTEGER, step BIGINT, duration DOUBLE, cpu_wait DOUBLE", rows)},
+        )
+        == []
+    )
