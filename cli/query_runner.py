@@ -126,7 +126,7 @@ def federated_query(
             # a client repeating a query (the web page's panels, a watch loop) parses and rewrites it once
             cache = PlanCache(schema, values, store="memory")
             p = cache.plan(sql)
-            requests = cache.requests(sql, p)
+            requests = cache.requests(p.parts)
             cache.save()
             # the plan is kept: the tables the client computes itself are taken out of copies
             parts = dict(p.parts)
@@ -211,6 +211,7 @@ def open_database(
     on_workspace: Callable | None = None,
     local_tables: dict | None = None,
     requests: dict | None = None,
+    materialize: bool = False,
 ):
     """A private DuckDB workspace here with one view per part (``{table: per-rank SQL}``) over every
     target's snapshots, a ``rank`` column added, and ``ranks.errors`` for the silent ones.
@@ -219,7 +220,8 @@ def open_database(
     its parts then run here over its own snapshots (``requests``: those columns when the caller
     already knows them). Returns ``(workspace, failed)``;
     ``failed`` maps a key to ``(target, reason)``. With ``single``, the one target's error
-    is raised as is (with its own exit code) instead. ``local_tables``: see ``federated_query``.
+    is raised as is (with its own exit code) instead. ``local_tables``: see ``federated_query``. With
+    ``materialize``, every part is computed once into a table (many queries over one snapshot: the doctor).
     """
     from probe.sql.engine import Result, Workspace, register_result
     from probe.sql.pushdown import slot_query, snapshot_requests
@@ -261,7 +263,7 @@ def open_database(
                 relation = f"__p{j}"
                 query, computed = slot_query(part, ws.tables.get(0, {}))
                 # a part that aggregates (ranks.latest) is computed once; a plain projection stays a view
-                ws.run(f'CREATE {"TABLE" if computed else "VIEW"} "{relation}" AS {query}')
+                ws.run(f'CREATE {"TABLE" if computed or materialize else "VIEW"} "{relation}" AS {query}')
             _union_view(
                 ws, name, relation, schema, failed.values() if name == "ranks.latest" else (), j, register_result
             )

@@ -112,17 +112,19 @@ class PlanCache:
             self.put(sql, found)
         return found
 
-    def requests(self, sql: str, plan: Plan) -> dict:
-        """What every rank must snapshot for ``plan`` (of ``sql``): ``pushdown.snapshot_requests``, kept with it."""
-        entry = self._plans.get(self._key(sql))
+    def requests(self, parts: dict) -> dict:
+        """What every rank must snapshot for ``parts`` (a plan's per-rank SQL, or the doctor's parts of all its rules):
+        ``pushdown.snapshot_requests``, kept like a plan."""
+        key = self._key("\0requests\n" + json.dumps(parts, sort_keys=True))
+        entry = self._plans.get(key)
         if isinstance(entry, dict) and isinstance(entry.get("requests"), dict):
             return entry["requests"]
         from .pushdown import snapshot_requests
 
-        found = snapshot_requests(plan.parts, self._schema)
-        if isinstance(entry, dict):
-            entry["requests"] = found
-            self._dirty = True
+        found = snapshot_requests(parts, self._schema)
+        self._plans.pop(key, None)
+        self._plans[key] = {"requests": found}
+        self._dirty = True
         return found
 
     def put(self, sql: str, plan: Plan) -> None:

@@ -137,24 +137,25 @@ def _outside(target, error: str) -> Finding:
     )
 
 
-def _own_rules(session, targets, schema: dict) -> list:
-    """The rules the training scripts declared themselves (their ``diagnosis.rules`` tables), one dict per rule
-    and rank, the JSON columns as text; none where a process lists no such table."""
-    from probe.sql.federate import per_rank_query
-
-    from ..query_runner import open_database, run_outer
-
+def _own_rules(session, target, schema: dict) -> list:
+    """The rules the training script declared itself (its ``diagnosis.rules`` table), one dict per rule with its
+    ``rank``, the JSON columns as text; none where the process lists no such table. Read from its snapshot as is: a
+    few rows that need no DuckDB workspace of their own."""
     if "diagnosis.rules" not in schema:
         return []
     columns = [c for c in schema["diagnosis.rules"] if c != "rank"]
-    con, _ = open_database(
-        session, targets, schema, {"diagnosis.rules": per_rank_query("diagnosis.rules", columns, None)}
-    )
-    try:
-        res = run_outer(con, "SELECT DISTINCT * FROM diagnosis.rules", 1000)
-    finally:
-        con.close()
-    return [dict(zip(res.columns, row)) for row in res.rows]
+    answer = session.client(target).snapshot({"diagnosis.rules": {"columns": columns, "filter": None}}, session.timeout)
+    rank = target.rank if target.rank is not None else answer.get("meta", {}).get("rank")
+    table = answer["tables"].get("diagnosis.rules") or {"rows": 0, "columns": {}}
+    values = {}
+    for name, col in table["columns"].items():
+        data = col["data"].tolist()
+        valid = col["valid"]
+        values[name] = data if valid is None else [v if ok else None for v, ok in zip(data, valid.tolist())]
+    rows = [
+        {**{c: values[c][i] if c in values else None for c in columns}, "rank": rank} for i in range(int(table["rows"]))
+    ]
+    return [dict(t) for t in dict.fromkeys(tuple(r.items()) for r in rows)]  # distinct, in their order
 
 
 def _as_rule(d: dict) -> Rule | None:
@@ -172,9 +173,9 @@ def _as_rule(d: dict) -> Rule | None:
 
 
 def _plans(rules: list, schema: dict, answering: int, lacking: str, write: bool = True):
-    """``[(rule, plan)]`` for the rules that can run here, and ``[{rule, why}]`` for the rest (with ``table``
-    when the rule reads a table that ``lacking`` names the owner of); the plans are cached in the runtime
-    directory, or in memory only when ``write`` is false."""
+    """``[(rule, plan)]`` for the rules that can run here, ``[{rule, why}]`` for the rest (with ``table``
+    when the rule reads a table that ``lacking`` names the owner of), and the cache of those plans (in the runtime
+    directory, or in memory only when ``write`` is false: the caller saves it)."""
     from probe.sql.plan_cache import PlanCache
     from probe.sql.ranks import view_params
 
@@ -200,8 +201,7 @@ def _plans(rules: list, schema: dict, answering: int, lacking: str, write: bool 
                 skipped.append({"rule": r.name, "why": f"it reads {table}, which {lacking}", "table": table})
             else:
                 skipped.append({"rule": r.name, "why": exc.message})
-    cache.save()
-    return plans, skipped
+    return plans, skipped, cache
 
 
 def diagnose(session, targets=None) -> Diagnosis:
@@ -232,9 +232,9 @@ def diagnose(session, targets=None) -> Diagnosis:
         schema = fetch_schema(session, answering)
         rules = all_rules()
         builtin = {r.name for r in rules}  # a script's rule of the same name does not replace probe's
-        own = {d["name"]: _as_rule(d) for d in _own_rules(session, answering[:1], schema) if d["name"] not in builtin}
+        own = {d["name"]: _as_rule(d) for d in _own_rules(session, answering[0], schema) if d["name"] not in builtin}
         rules += [r for r in own.values() if r is not None]
-        plans, skipped = _plans(rules, schema, len(answering), lacking, write=session.writes_files)
+        plans, skipped, cache = _plans(rules, schema, len(answering), lacking, write=session.writes_files)
         needed = {name for _, p in plans for name in p.parts}
         parts = {
             name: " ".join(FEDERATED_VIEWS[name].split())
@@ -242,7 +242,10 @@ def diagnose(session, targets=None) -> Diagnosis:
             else per_rank_query(name, [c for c in schema[name] if c != "rank"], None)
             for name in needed
         }
-        con, _ = open_database(session, answering, schema, parts)
+        requests = cache.requests(parts)
+        cache.save()
+        # every rule reads the same snapshot: each part is computed once into a table, not once per rule reading it
+        con, _ = open_database(session, answering, schema, parts, requests=requests, materialize=True)
         made: dict = {}  # client views already created (the ranks.* views are the same for every rule)
         try:
             for r, p in plans:
@@ -314,5 +317,5 @@ def rules_table(session, targets) -> tuple:
     names = [c for c, _ in columns if c != "rank"]
     builtin = [dict(zip(names, row), rank=None) for row in rows_of(None)]
     known = {d["name"] for d in builtin}
-    own = [d for d in _own_rules(session, targets, schema) if d["name"] not in known]
+    own = [d for t in targets for d in _own_rules(session, t, schema) if d["name"] not in known]
     return columns, {c: [d.get(c) for d in builtin + own] for c, _ in columns}

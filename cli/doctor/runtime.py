@@ -96,9 +96,9 @@ rule(
         "The median step time of the last 50 steps is twice (and 10 ms) above the job's own earlier median, the time "
         "the training thread waited for a CPU (torch.steps.cpu_wait: the host's load, not the job's) taken out of "
         "both (of neither when the earlier one holds no measured step); said only once a measured step among the "
-        "last 50 tells that wait, and only when the step time itself rose by a quarter (a difference of two medians of "
-        "the wait is noisy on a loaded host: an unchanged step time is no regression), so that a busier host is not read "
-        "as a slower job."
+        "last 50 tells that wait, and only when the step time itself rose by a quarter (a difference of two medians "
+        "of the wait is noisy on a loaded host: an unchanged step time is no regression), so that a busier host is "
+        "not read as a slower job."
     ),
     sql="""
 WITH s AS (

@@ -4,6 +4,8 @@ in-memory store writes nothing."""
 
 from __future__ import annotations
 
+import pytest
+
 import os
 
 from probe.sql.federate import plan
@@ -44,16 +46,21 @@ def test_a_cache_file_others_may_write_is_never_read(tmp_path):
     assert PlanCache(SCHEMA, {}, str(tmp_path)).get(SQL) is None
 
 
-def test_the_memory_store_keeps_plans_and_requests_for_this_process_only(tmp_path):
+def test_the_memory_store_keeps_plans_and_requests_for_this_process_only(tmp_path, monkeypatch):
     forget()
     # given: a query planned once in memory, with what every rank must snapshot for it
     first = PlanCache(SCHEMA, {}, str(tmp_path), store="memory")
     made = first.plan(SQL)
-    asked = first.requests(SQL, made)
+    asked = first.requests(made.parts)
+    assert asked == snapshot_requests(made.parts, SCHEMA)
     first.save()
-    # then: the next cache of this process has both, as they were, and no file was written
+    # then: the next cache of this process has both, as they were (the requests without parsing again), and no
+    # file was written
+    import probe.sql.pushdown as pushdown
+
+    monkeypatch.setattr(pushdown, "snapshot_requests", lambda *a: pytest.fail("the requests were made again"))
     again = PlanCache(SCHEMA, {}, str(tmp_path), store="memory")
-    assert again.get(SQL) == made and again.requests(SQL, made) == asked == snapshot_requests(made.parts, SCHEMA)
+    assert again.get(SQL) == made and again.requests(made.parts) == asked
     assert list(tmp_path.iterdir()) == []
     # and: forgotten, they are gone
     forget()
