@@ -135,3 +135,22 @@ def _unit_tests_start_no_process(request, monkeypatch):
     for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
         if hasattr(os, name):
             monkeypatch.setattr(os, name, refused(f"os.{name}"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """The units pytest-xdist hands out (``--dist loadgroup``, see run-tests): a test file is one unit, so that its
+    module-scoped jobs are started once; each case of a test marked ``phases`` (a long run of one job through many
+    phases, sharing nothing with the file's other tests) is a unit of its own. Those cases go first, then the files
+    with the most tests: a long case dealt out last would end the run alone."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    unit_of, size = {}, {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        own = item.get_closest_marker("phases") is not None
+        unit = f"{path}::case{len(unit_of)}" if own else path  # no "]" in a group name: xdist splits at "@"
+        unit_of[item] = (own, unit)
+        size[unit] = size.get(unit, 0) + 1
+        item.add_marker(pytest.mark.xdist_group(unit))
+    items.sort(key=lambda item: (not unit_of[item][0], -size[unit_of[item][1]]))  # stable: file order within

@@ -59,6 +59,7 @@ def test_the_corpus_is_grouped_and_cited():
     assert len(RULES) >= 16
 
 
+@pytest.mark.phases
 @pytest.mark.parametrize("group", GROUPS, ids=[g[0] for g in GROUPS])
 def test_the_doctor_names_real_world_errors_and_not_their_healthy_twins(spawn, cli, tmp_path, group):
     nxt = tmp_path / "next"

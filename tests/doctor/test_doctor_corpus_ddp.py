@@ -81,6 +81,7 @@ def named(job, errors: list, since: tuple[int, float], timeout: float = 120.0) -
     return out
 
 
+@pytest.mark.phases
 def test_replicas_that_drift_apart_and_a_ddp_set_up_that_cannot_agree():
     # given: the model called without its DDP wrapper on odd steps from step 40, broadcast_buffers=False with
     # batch norm, find_unused_parameters=True with nothing unused (none of them acts on the others' signal)
@@ -106,6 +107,7 @@ def test_replicas_that_drift_apart_and_a_ddp_set_up_that_cannot_agree():
         )  # agreed before the onset
 
 
+@pytest.mark.phases
 def test_a_rank_local_change_then_a_rank_whose_data_runs_out():
     # given: rank 0 alone loads a checkpoint of the head at step 40, after wrapping; rank 1's shard has one
     # batch fewer than rank 0's, so at step 200 it reaches the end-of-epoch barrier while rank 0 waits in DDP's
@@ -129,6 +131,7 @@ def test_a_rank_local_change_then_a_rank_whose_data_runs_out():
         assert {e["rule"] for e in found[0]["evidence"]["explains"]} == {"hung"}, found[0]["evidence"]
 
 
+@pytest.mark.phases
 @pytest.mark.parametrize("error", ["same_data", "same_data_dropout"])
 def test_ranks_fed_the_same_batches(error):
     # given: from step 40 every rank reads the same batch (no DistributedSampler); same_data_dropout: with dropout
@@ -155,6 +158,7 @@ def test_ranks_fed_the_same_batches(error):
             assert row["steps"] > 0 and row["differ"] == row["steps"], row
 
 
+@pytest.mark.phases
 def test_the_healthy_twin_a_plain_ddp_job_gets_nothing_and_its_replicas_agree():
     # given: the same script with every error fixed: plain DDP, no collective of its own in the loop (the epoch,
     # and its barrier, never ends), past the onset
