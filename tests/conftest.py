@@ -96,11 +96,12 @@ def agent(spawn):
 
 
 @pytest.fixture
-def served(probe_env):
+def served(probe_env, tmp_path_factory):
     """probe's agent served from this pytest process on the test's runtime dir (``harness.serving``):
     ``served(PROBE_PORT="0", ...)`` starts it with those settings and returns its ``pid`` (this process's) and
     ``entry``, as ``agent`` does; the ``cli`` fixture reaches it by that pid. Stopped after the test, which fails
     if the stop left a thread, signal handler, atexit entry, hook, setting or file behind."""
+    tmp_path_factory.getbasetemp()  # pytest's first temporary directory adds an atexit entry: not the probe's
     with ExitStack() as stack:
         yield lambda **settings: stack.enter_context(serving(probe_env, **settings))
 
