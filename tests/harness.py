@@ -282,6 +282,12 @@ class _ForkServer:
             return False
         return True
 
+    def warm(self) -> None:
+        """Start the server now, when enabled: it takes this process's environment as it starts, so a test that
+        changes that environment for a while (``serving``) starts it first."""
+        if self.enabled:
+            self._start_server()
+
     def fits(self, args: list, env: dict) -> bool:
         """``[python, script, ...]`` that ``accepts`` takes, whose environment matches the server's where it is
         read at import time."""
@@ -619,8 +625,8 @@ class InProcess:
 
 def process_state(runtime_dir: str) -> dict:
     """What a start of the probe could change in this process, as comparable values: threads, signal handlers and
-    the wakeup fd, atexit entries, exception hooks, faulthandler, the ``PROBE*`` environment, and this process's
-    files in ``runtime_dir``."""
+    the wakeup fd, atexit entries, exception hooks, faulthandler, the ``PROBE*`` and ``TORCH*`` environment, and
+    this process's files in ``runtime_dir``."""
     import atexit
     import faulthandler
 
@@ -636,7 +642,7 @@ def process_state(runtime_dir: str) -> dict:
         "atexit entries": atexit._ncallbacks(),
         "exception hooks": [repr(sys.excepthook), repr(threading.excepthook)],
         "faulthandler": faulthandler.is_enabled(),
-        "environment": sorted((k, v) for k, v in os.environ.items() if k.startswith("PROBE")),
+        "environment": sorted((k, v) for k, v in os.environ.items() if k.startswith(("PROBE", "TORCH"))),
         "files": sorted(f for f in os.listdir(runtime_dir) if mine in f) if os.path.isdir(runtime_dir) else [],
     }
 
@@ -651,6 +657,7 @@ def serving(env: dict, **settings: str):
     from probe.agent import lifecycle  # noqa: F401  (its one atexit and at-fork registration is made at import)
 
     rdir = env["PROBE_RUNTIME_DIR"]
+    _cli_server.warm()  # before the agent sets TORCH_FR_BUFFER_SIZE here: else no command could be forked from it
     before = process_state(rdir)
     saved = {name: os.environ.get(name) for name in settings}
     os.environ.update(settings)
