@@ -84,8 +84,10 @@ def shared_spawn(shared_env):
 @pytest.fixture
 def agent(spawn):
     """Start a probed process without torch (tests/targets/agent.py: ``probe.start()``, then a loop printing
-    ``step N``) for the tests of the server alone: ``agent(PROBE_PORT="0", ...)`` starts one with those settings
-    and returns its Proc, with its registry entry as ``entry`` (socket, tcp_port, ...). Stopped after the test."""
+    ``step N``) for the tests about that process under its clients (what it imports, that hostile clients leave it
+    stepping; a route, limit or auth alone takes ``served``): ``agent(PROBE_PORT="0", ...)`` starts one with those
+    settings and returns its Proc, with its registry entry as ``entry`` (socket, tcp_port, ...). Stopped after the
+    test."""
 
     def start(**settings: str):
         proc = spawn(TARGETS / "agent.py", env=settings)
