@@ -6,8 +6,9 @@ paths stay under the 108-byte limit). ``spawn`` starts a target script and waits
 for its ready line with a deadline (no fixed sleeps); ``cli`` runs the installed
 ``probe`` console script against it. ``shared_env``, ``shared_spawn`` and
 ``shared_cli`` are the same for a whole test file: a target that the file's tests
-only read is started once. ``agent`` starts a probed process without torch for the tests
-of the server alone (routes, limits, auth, hostile clients): no training loop to pay for.
+only read is started once. ``served`` serves probe's agent from the test's own process for the tests of routes,
+limits and auth (no process to start); ``agent`` starts a probed process without torch where the test is about
+that process (what it imports, that hostile clients leave it stepping).
 
 tests/unit holds the tests that start no process and run in seconds (``pytest tests/unit``); a test
 there that starts one fails at once, naming what it started (it belongs beside the integration tests).
@@ -19,12 +20,13 @@ import os
 import shutil
 import signal
 import subprocess
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
 from harness import EXAMPLES, PROBE_BIN, ROOT, TARGETS, Proc, Spawner, clean_env, poll, run_probe, run_target  # noqa: F401  (re-exported)
-from harness import registry_entry, use_fork_server
+from harness import registry_entry, serving, use_fork_server
 
 # The processes the tests start take Ctrl-C (SIGINT) and SIGQUIT as they would from a terminal, also when the run
 # was started in the background by a shell without job control, which starts it with both ignored (an ignored
@@ -82,8 +84,10 @@ def shared_spawn(shared_env):
 @pytest.fixture
 def agent(spawn):
     """Start a probed process without torch (tests/targets/agent.py: ``probe.start()``, then a loop printing
-    ``step N``) for the tests of the server alone: ``agent(PROBE_PORT="0", ...)`` starts one with those settings
-    and returns its Proc, with its registry entry as ``entry`` (socket, tcp_port, ...). Stopped after the test."""
+    ``step N``) for the tests about that process under its clients (what it imports, that hostile clients leave it
+    stepping; a route, limit or auth alone takes ``served``): ``agent(PROBE_PORT="0", ...)`` starts one with those
+    settings and returns its Proc, with its registry entry as ``entry`` (socket, tcp_port, ...). Stopped after the
+    test."""
 
     def start(**settings: str):
         proc = spawn(TARGETS / "agent.py", env=settings)
@@ -91,6 +95,17 @@ def agent(spawn):
         return proc
 
     return start
+
+
+@pytest.fixture
+def served(probe_env, tmp_path_factory):
+    """probe's agent served from this pytest process on the test's runtime dir (``harness.serving``):
+    ``served(PROBE_PORT="0", ...)`` starts it with those settings and returns its ``pid`` (this process's) and
+    ``entry``, as ``agent`` does; the ``cli`` fixture reaches it by that pid. Stopped after the test, which fails
+    if the stop left a thread, signal handler, atexit entry, hook, setting or file behind."""
+    tmp_path_factory.getbasetemp()  # pytest's first temporary directory adds an atexit entry: not the probe's
+    with ExitStack() as stack:
+        yield lambda **settings: stack.enter_context(serving(probe_env, **settings))
 
 
 def _cli_runner(base_env: dict):

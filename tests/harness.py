@@ -1,7 +1,8 @@
 """The one harness for the processes tests and benchmarks drive: a clean environment, starting a
 target and waiting for its ready line, polling with a deadline, running the real ``probe`` command,
-and stopping process groups. No pytest here: ``tests/conftest.py`` wraps it in fixtures, and
-benchmarks import it directly::
+and stopping process groups; and, for the tests of routes, limits and auth, probe's agent served from the
+test's own process (``serving``), checked to leave nothing behind when it stops. No pytest here:
+``tests/conftest.py`` wraps it in fixtures, and benchmarks import it directly::
 
     sys.path.insert(0, str(ROOT / "tests")); from harness import Spawner, clean_env, poll
 
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 __all__ = [
@@ -53,6 +55,9 @@ __all__ = [
     "steps_on",
     "audit_records",
     "other_uid",
+    "InProcess",
+    "serving",
+    "process_state",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -276,6 +281,12 @@ class _ForkServer:
             print(self.failed, file=sys.stderr)
             return False
         return True
+
+    def warm(self) -> None:
+        """Start the server now, when enabled: it takes this process's environment as it starts, so a test that
+        changes that environment for a while (``serving``) starts it first."""
+        if self.enabled:
+            self._start_server()
 
     def fits(self, args: list, env: dict) -> bool:
         """``[python, script, ...]`` that ``accepts`` takes, whose environment matches the server's where it is
@@ -600,3 +611,72 @@ def stop_groups(popens: list, grace: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             _signal_group(p.pid, signal.SIGKILL)
             p.wait(5)
+
+
+# -- probe's agent in this process -----------------------------------------------------------------------
+class InProcess:
+    """probe's agent served from this process (``serving``): ``pid`` (this process's) and ``entry`` (its registry
+    entry: socket, tcp_port, key, ...), as a client finds them; the same two names a started target has."""
+
+    def __init__(self, entry: dict):
+        self.pid = os.getpid()
+        self.entry = entry
+
+
+def process_state(runtime_dir: str) -> dict:
+    """What a start of the probe could change in this process, as comparable values: threads, signal handlers and
+    the wakeup fd, atexit entries, exception hooks, faulthandler, the ``PROBE*`` and ``TORCH*`` environment, and
+    this process's files in ``runtime_dir``."""
+    import atexit
+    import faulthandler
+
+    fd = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(fd)
+    mine = f"{os.getpid()}."
+    return {
+        "threads": sorted(t.name for t in threading.enumerate()),
+        "signal handlers": {
+            s.name: repr(signal.getsignal(s)) for s in signal.valid_signals() if isinstance(s, signal.Signals)
+        },
+        "wakeup fd": fd,
+        "atexit entries": atexit._ncallbacks(),
+        "exception hooks": [repr(sys.excepthook), repr(threading.excepthook)],
+        "faulthandler": faulthandler.is_enabled(),
+        "environment": sorted((k, v) for k, v in os.environ.items() if k.startswith(("PROBE", "TORCH"))),
+        "files": sorted(f for f in os.listdir(runtime_dir) if mine in f) if os.path.isdir(runtime_dir) else [],
+    }
+
+
+@contextmanager
+def serving(env: dict, **settings: str):
+    """probe's agent (``probe.start()``: its server threads and session) started in this process on ``env``'s
+    runtime dir, with ``settings`` (``PROBE_PORT="0"``, ...) in this process's environment while it serves; yields
+    an ``InProcess``. On exit it is stopped and the settings taken out again, and an AssertionError names what
+    the stop left behind (threads get a few seconds to end)."""
+    import probe
+    from probe.agent import lifecycle  # noqa: F401  (its one atexit and at-fork registration is made at import)
+
+    rdir = env["PROBE_RUNTIME_DIR"]
+    _cli_server.warm()  # before the agent sets TORCH_FR_BUFFER_SIZE here: else no command could be forked from it
+    before = process_state(rdir)
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        probe.start(runtime=rdir)
+        yield InProcess(registry_entry(os.getpid(), env))
+    finally:
+        probe.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    left: dict = {}
+
+    def clean() -> bool:
+        after = process_state(rdir)
+        left.clear()
+        left.update({k: [before[k], after[k]] for k in before if before[k] != after[k]})
+        return not left
+
+    assert poll(clean, timeout=10, interval=0.05), f"stopping the probe left behind: {left}"

@@ -45,6 +45,7 @@ from . import action_routes  # noqa: F401  (registers the action and eval routes
 from . import routes  # noqa: F401  (registers the read routes and GET /profile)
 from .._core import state
 from .._core.state import info
+from .snapshot import reset_lanes
 from .listeners import TCPServer, UnixServer, close, serve_in_thread, stop_serving
 from .watchdog import SigtermGuard, Watchdog
 
@@ -114,6 +115,7 @@ class Session:
             rdir = use_private_dir(getattr(exc, "message", None) or f"the runtime directory is unusable ({exc})")
         sweep_stale(rdir)
         sock_path = os.path.join(rdir, f"{os.getpid()}.sock")
+        self._did(reset_lanes)  # the readers' pace and slots, made from this start's settings at first use
         self._serve(UnixServer(sock_path), "probe-server")
 
         port_setting = port if port is not None else setting("PROBE_PORT")

@@ -45,7 +45,7 @@ from ..util.errorlog import record_error
 from ..util.budget import Budget
 
 
-__all__ = ["take", "apply_filter", "parse_request", "BusyError", "Lane", "lane", "served"]
+__all__ = ["take", "apply_filter", "parse_request", "BusyError", "Lane", "lane", "reset_lanes", "served"]
 
 _OPS = ("=", "!=", "<", "<=", ">", ">=", "in", "null", "notnull")
 MAX_FILTER_NODES = 256
@@ -341,6 +341,13 @@ class Lane:
 
 
 _LANES = {"unix": Lane("unix"), "tcp": Lane("tcp")}
+
+
+def reset_lanes() -> None:
+    """New lanes, made at their first use (the probe stopped): the next start's readers are paced and queued by
+    its settings, not by those of the last start nor by what its readers spent."""
+    for name in _LANES:
+        _LANES[name] = Lane(name)
 
 
 def lane(transport: str | None) -> Lane:

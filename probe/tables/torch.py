@@ -12,14 +12,11 @@ from __future__ import annotations
 import sys
 
 from ..training import hooks
-from ..training.steprows import STEP_COLUMNS, snapshot
+from ..training.steprows import COLUMNS, snapshot
 from ..training.trace import TRACE_COLUMNS
 from ..util.procfs import rss_bytes
 from .registry import Column, no_rows, table
 from ..training.trace import SYNC_COLUMNS
-
-
-_STEP_EXTRA = ("compute", "comm_wait")
 
 
 @table(
@@ -28,116 +25,7 @@ _STEP_EXTRA = ("compute", "comm_wait")
     "the iteration's last optimizer step; or a probe.step() call): the core signals (loss, lr, duration, data_wait, "
     "memory) on every step however short (their few microseconds are kept even where they exceed PROBE_STEP_BUDGET, on "
     "steps under ~0.3 ms), the optional ones (grad_norm, samples, tokens, cpu_wait) on the steps measured marks.",
-    columns=[
-        Column("step", "BIGINT", "Step number, counted from 1 since the probe started."),
-        Column("started_at", "TIMESTAMP", "When the step started (the end of the previous step)."),
-        Column("ended_at", "TIMESTAMP", "When the step ended (its optimizer step returned)."),
-        Column(
-            "duration",
-            "DOUBLE",
-            "Wall-clock seconds from the previous step boundary to this one, data loading included. Step 1 runs "
-            "from its first module call instead: its data loading is not in it, and the step-time medians "
-            "(`ranks.latest`, `probe status`) leave it out.",
-        ),
-        Column(
-            "loss",
-            "DOUBLE",
-            "The step's loss, on every step: the sum of the scalars the loop backpropagated in it (a CPU loss is "
-            "read when backward is called on it, nothing of it kept; a device loss is kept detached, copied without "
-            "blocking and filled in once the copy has landed: NULL means not ready yet), else on measured steps the "
-            "loop's loss variable (PROBE_LOSS_NAMES) for loops that never backpropagate a scalar; NULL when none was "
-            "found.",
-        ),
-        Column(
-            "grad_norm",
-            "DOUBLE",
-            "Total gradient L2 norm, read lazily: clip_grad_norm_'s result (before clipping) when the loop clips, else "
-            "the lead optimizer's gradients at its step, computed on enough steps to cost at most PROBE_GRAD_NORM "
-            "(default 0.1 %) of the step time (NULL on the others); NULL on a step that was not measured. Per rank "
-            "under FSDP2/DTensor: the norm of this rank's shards, computed without a collective (the model's norm is "
-            "SQRT(SUM(grad_norm * grad_norm)) over the ranks at one step, see docs/torch.md).",
-        ),
-        Column("lr", "DOUBLE", "Learning rate of the lead optimizer's first param group used by this step."),
-        Column(
-            "samples_per_s",
-            "DOUBLE",
-            "Samples per second: batch dimension of the root model's training inputs (or probe.step(samples=)) over "
-            "duration.",
-        ),
-        Column(
-            "tokens_per_s",
-            "DOUBLE",
-            "Tokens per second: elements of integer inputs of rank 2 or more (or probe.step(tokens=)) over duration.",
-        ),
-        Column(
-            "peak_allocated",
-            "BIGINT",
-            "Peak memory so far in bytes: the CUDA allocator's max_memory_allocated on GPU runs, else the process's "
-            "peak RSS; from the reading nearest the step's end (see memory).",
-        ),
-        Column(
-            "memory",
-            "BIGINT",
-            "Memory in use in bytes near the step's end, on every step: the CUDA allocator's memory_allocated on GPU "
-            "runs, else the process's resident set size; read every 0.1 s by a thread of the probe's own (not the "
-            "training thread) and joined to the step nearest in time, so steps shorter than 0.1 s share a reading; "
-            "NULL with no reading within 1 s.",
-        ),
-        Column(
-            "data_wait",
-            "DOUBLE",
-            "Seconds from the previous step's end to this step's first forward call of the primary model, on every "
-            "step: loading the batch (plus zero_grad and moving it to the device); NULL before the primary model is "
-            "found or when it had no forward call.",
-        ),
-        Column("rank", "INTEGER", "Global rank, NULL outside a distributed job."),
-        Column("traced", "BOOLEAN", "Whether module tracing (python.torch_trace) was on during this step."),
-        Column(
-            "samples", "DOUBLE", "Samples processed in this step; NULL when unknown or not measured (see measured)."
-        ),
-        Column("tokens", "DOUBLE", "Tokens processed in this step; NULL when unknown or not measured (see measured)."),
-        Column(
-            "micro_batches",
-            "BIGINT",
-            "Training forward passes of the root model in this step (more than 1 under gradient accumulation); 0 when "
-            "not measured.",
-        ),
-        Column("optimizer", "VARCHAR", "Class of the lead optimizer."),
-        Column(
-            "measured",
-            "BOOLEAN",
-            "Whether the probe measured this step's optional values (grad_norm, samples, tokens, micro_batches, "
-            "cpu_wait, module traces): false on the steps it skipped to stay within PROBE_STEP_BUDGET, where those are "
-            "NULL (micro_batches 0) because they were not measured. Which steps are measured is jittered so that it "
-            "cannot follow a job's own period. step, durations, loss, lr, data_wait, memory, optimizer and traced are "
-            "recorded on every step.",
-        ),
-        Column(
-            "probe_us",
-            "DOUBLE",
-            "Microseconds the probe's own work took at this step's boundary (queued actions excluded): what "
-            "PROBE_STEP_BUDGET paces (the row is written when the boundary ends).",
-        ),
-        Column(
-            "cpu_wait",
-            "DOUBLE",
-            "Seconds per step the training thread was ready to run but waited for a CPU (the kernel's run-queue delay: "
-            "other processes, data loader workers, a neighbour's job), averaged since the previous measured step; on "
-            "measured steps only (Linux), else NULL. A step time that grows with it is the host's, not the job's.",
-        ),
-        Column(
-            "compute",
-            "DOUBLE",
-            "Seconds of the step this rank spent on its own work (data, forward, backward) before it issued the step's "
-            "last collective, from torch.collectives; NULL without a recorded collective in the step.",
-        ),
-        Column(
-            "comm_wait",
-            "DOUBLE",
-            "Seconds from the step's last collective to its end: waiting for the other ranks (and the optimizer step); "
-            "NULL without a recorded collective.",
-        ),
-    ],
+    columns=COLUMNS,
     examples=[
         "SELECT step, duration, loss, grad_norm, lr, tokens_per_s FROM torch.steps ORDER BY step DESC LIMIT 10",
         "SELECT COUNT(*) AS steps, AVG(probe_us) AS probe_us, 1e-6 * SUM(probe_us) / SUM(duration) AS probe_share, "
@@ -153,7 +41,7 @@ _STEP_EXTRA = ("compute", "comm_wait")
 def steps(ctx):
     tk = hooks.tracker()
     if tk is None:
-        return no_rows(list(STEP_COLUMNS) + list(_STEP_EXTRA))
+        return no_rows(c.name for c in COLUMNS)
     cols = snapshot(tk)
     cols["compute"], cols["comm_wait"] = _comm_split(ctx, cols)
     return cols

@@ -20,7 +20,7 @@ from ..util.usercode import release
 from ..util.objects import is_a
 from . import signals
 from .frameworks import is_sharded, local
-from .steprows import copy_off
+from ..util.ring import copy_off
 
 __all__ = ["Capture", "loss_logits"]
 

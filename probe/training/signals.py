@@ -17,7 +17,7 @@
 
 Everything runs on measured steps only (``hooks.InputCounter``'s counting hook, the measured backward of
 ``capture``, the clip wrapper in on measured steps, the boundary's measured branch), and nothing synchronises with a
-device: a device sample is copied off without blocking (``steprows.copy_off``) and read at a later boundary once
+device: a device sample is copied off without blocking (``util.ring.copy_off``) and read at a later boundary once
 its event has completed. Nothing raises into the training loop: errors go to ``probe.errors``.
 """
 
@@ -31,7 +31,7 @@ from ..config import setting
 from ..util.errorlog import record_error
 from ..util.ring import Ring
 from . import finder
-from .steprows import copy_off
+from ..util.ring import copy_off
 from .._core.boundary import boundary
 
 __all__ = ["Signals", "signals", "loss_term", "NLL", "BATCH_COLUMNS", "UPDATE_COLUMNS", "SCALER_COLUMNS"]

@@ -1,9 +1,7 @@
 """What a ``torch.steps`` row holds beyond the boundary's own values, and the rows of several optimizers.
 
-* The columns (``STEP_COLUMNS``): what the boundary writes per step (``RING_COLUMNS``), and those derived when a
-  query asks (``snapshot``).
-* ``Pending``: device values copied off the device without blocking (a pinned host copy and an event,
-  ``Capture.hold``), read into their rows once the copy has landed, never by waiting for the device.
+* The columns (``COLUMNS``, the table's declaration): what the boundary writes per step (``RING_COLUMNS``, their
+  dtypes from the declared SQL types), and those derived when a query asks (``snapshot``).
 * ``MemoryClock``: every step's memory reading, at no cost to the training thread. A daemon thread reads the
   process's memory every ``PERIOD`` seconds while steps come (once a second while none do): on a CUDA run the
   caching allocator's ``memory_allocated`` and ``max_memory_allocated`` of the training thread's device (host-side
@@ -33,36 +31,128 @@ import weakref
 from ..config import setting
 from ..util.errorlog import record_error
 from ..util.procfs import RssReader
-from ..util.ring import Ring
+from ..util.ring import Pending, Ring
+from ..util.wire import Column
 
 
 # -- the columns -------------------------------------------------------------------------------------
-# torch.steps' columns, each once: the ring's dtype of those the boundary writes (in the order it appends them), or
-# None for those derived from them when a query asks (``snapshot``) rather than at every boundary.
-STEP_COLUMNS = {
-    "step": "i8",
-    "ended_at": "f8",
-    "duration": "f8",
-    "loss": "f8",
-    "grad_norm": "f8",
-    "lr": "f8",
-    "traced": "b1",
-    "measured": "b1",
-    "samples": "f8",
-    "tokens": "f8",
-    "micro_batches": "i8",
-    "optimizer": "O",
-    "cpu_wait": "f8",
-    "probe_us": "f8",
-    "data_wait": "f8",
-    "started_at": None,
-    "samples_per_s": None,
-    "tokens_per_s": None,
-    "peak_allocated": None,
-    "memory": None,
-    "rank": None,
-}
-RING_COLUMNS = {name: dtype for name, dtype in STEP_COLUMNS.items() if dtype is not None}
+# torch.steps' columns, in the table's order: the one declaration of their names, SQL types and descriptions
+# (``probe.tables.torch`` registers the table with it, the ring's dtypes come from it).
+COLUMNS = (
+    Column("step", "BIGINT", "Step number, counted from 1 since the probe started."),
+    Column("started_at", "TIMESTAMP", "When the step started (the end of the previous step)."),
+    Column("ended_at", "TIMESTAMP", "When the step ended (its optimizer step returned)."),
+    Column(
+        "duration",
+        "DOUBLE",
+        "Wall-clock seconds from the previous step boundary to this one, data loading included. Step 1 runs "
+        "from its first module call instead: its data loading is not in it, and the step-time medians "
+        "(`ranks.latest`, `probe status`) leave it out.",
+    ),
+    Column(
+        "loss",
+        "DOUBLE",
+        "The step's loss, on every step: the sum of the scalars the loop backpropagated in it (a CPU loss is "
+        "read when backward is called on it, nothing of it kept; a device loss is kept detached, copied without "
+        "blocking and filled in once the copy has landed: NULL means not ready yet), else on measured steps the "
+        "loop's loss variable (PROBE_LOSS_NAMES) for loops that never backpropagate a scalar; NULL when none was "
+        "found.",
+    ),
+    Column(
+        "grad_norm",
+        "DOUBLE",
+        "Total gradient L2 norm, read lazily: clip_grad_norm_'s result (before clipping) when the loop clips, else "
+        "the lead optimizer's gradients at its step, computed on enough steps to cost at most PROBE_GRAD_NORM "
+        "(default 0.1 %) of the step time (NULL on the others); NULL on a step that was not measured. Per rank "
+        "under FSDP2/DTensor: the norm of this rank's shards, computed without a collective (the model's norm is "
+        "SQRT(SUM(grad_norm * grad_norm)) over the ranks at one step, see docs/torch.md).",
+    ),
+    Column("lr", "DOUBLE", "Learning rate of the lead optimizer's first param group used by this step."),
+    Column(
+        "samples_per_s",
+        "DOUBLE",
+        "Samples per second: batch dimension of the root model's training inputs (or probe.step(samples=)) over "
+        "duration.",
+    ),
+    Column(
+        "tokens_per_s",
+        "DOUBLE",
+        "Tokens per second: elements of integer inputs of rank 2 or more (or probe.step(tokens=)) over duration.",
+    ),
+    Column(
+        "peak_allocated",
+        "BIGINT",
+        "Peak memory so far in bytes: the CUDA allocator's max_memory_allocated on GPU runs, else the process's "
+        "peak RSS; from the reading nearest the step's end (see memory).",
+    ),
+    Column(
+        "memory",
+        "BIGINT",
+        "Memory in use in bytes near the step's end, on every step: the CUDA allocator's memory_allocated on GPU "
+        "runs, else the process's resident set size; read every 0.1 s by a thread of the probe's own (not the "
+        "training thread) and joined to the step nearest in time, so steps shorter than 0.1 s share a reading; "
+        "NULL with no reading within 1 s.",
+    ),
+    Column(
+        "data_wait",
+        "DOUBLE",
+        "Seconds from the previous step's end to this step's first forward call of the primary model, on every "
+        "step: loading the batch (plus zero_grad and moving it to the device); NULL before the primary model is "
+        "found or when it had no forward call.",
+    ),
+    Column("rank", "INTEGER", "Global rank, NULL outside a distributed job."),
+    Column("traced", "BOOLEAN", "Whether module tracing (python.torch_trace) was on during this step."),
+    Column("samples", "DOUBLE", "Samples processed in this step; NULL when unknown or not measured (see measured)."),
+    Column("tokens", "DOUBLE", "Tokens processed in this step; NULL when unknown or not measured (see measured)."),
+    Column(
+        "micro_batches",
+        "BIGINT",
+        "Training forward passes of the root model in this step (more than 1 under gradient accumulation); 0 when "
+        "not measured.",
+    ),
+    Column("optimizer", "VARCHAR", "Class of the lead optimizer."),
+    Column(
+        "measured",
+        "BOOLEAN",
+        "Whether the probe measured this step's optional values (grad_norm, samples, tokens, micro_batches, "
+        "cpu_wait, module traces): false on the steps it skipped to stay within PROBE_STEP_BUDGET, where those are "
+        "NULL (micro_batches 0) because they were not measured. Which steps are measured is jittered so that it "
+        "cannot follow a job's own period. step, durations, loss, lr, data_wait, memory, optimizer and traced are "
+        "recorded on every step.",
+    ),
+    Column(
+        "probe_us",
+        "DOUBLE",
+        "Microseconds the probe's own work took at this step's boundary (queued actions excluded): what "
+        "PROBE_STEP_BUDGET paces (the row is written when the boundary ends).",
+    ),
+    Column(
+        "cpu_wait",
+        "DOUBLE",
+        "Seconds per step the training thread was ready to run but waited for a CPU (the kernel's run-queue delay: "
+        "other processes, data loader workers, a neighbour's job), averaged since the previous measured step; on "
+        "measured steps only (Linux), else NULL. A step time that grows with it is the host's, not the job's.",
+    ),
+    Column(
+        "compute",
+        "DOUBLE",
+        "Seconds of the step this rank spent on its own work (data, forward, backward) before it issued the step's "
+        "last collective, from torch.collectives; NULL without a recorded collective in the step.",
+    ),
+    Column(
+        "comm_wait",
+        "DOUBLE",
+        "Seconds from the step's last collective to its end: waiting for the other ranks (and the optimizer step); "
+        "NULL without a recorded collective.",
+    ),
+)
+# Those the boundary writes at every step, in the order it appends them: the ring's columns. The others are derived
+# when a query asks (``snapshot``; compute and comm_wait by the table, from the recorded collectives).
+_WRITTEN = ("step", "ended_at", "duration", "loss", "grad_norm", "lr", "traced", "measured", "samples", "tokens")
+_WRITTEN += ("micro_batches", "optimizer", "cpu_wait", "probe_us", "data_wait")
+_DTYPES = {"BIGINT": "i8", "INTEGER": "i8", "DOUBLE": "f8", "TIMESTAMP": "f8", "BOOLEAN": "b1", "VARCHAR": "O"}
+_TYPES = {c.name: c.type for c in COLUMNS}
+RING_COLUMNS = {name: _DTYPES[_TYPES[name]] for name in _WRITTEN}
 
 
 def snapshot(tracker) -> dict:
@@ -81,93 +171,6 @@ def snapshot(tracker) -> dict:
     cols["tokens_per_s"] = cols["tokens"] * per_s
     cols["rank"] = np.full(len(ended), np.nan if tracker.rank is None else float(tracker.rank))
     return cols
-
-
-# -- device values read once they have landed --------------------------------------------------------
-def read(holder):
-    """The value behind a holder from ``Capture.hold``, or None while its device copy has not landed."""
-    host, ev = holder
-    if ev is not None and not ev.query():
-        return None
-    return float(host.item())
-
-
-class _OnHost(float):
-    """A value already on the host, in a holder's place (``landed``)."""
-
-    def item(self) -> float:
-        return float(self)
-
-
-def copy_off(torch, t) -> tuple:
-    """``(pinned host copy, event)`` of device tensor ``t`` (of a host one: itself), copied without blocking: read the
-    copy once the event has completed."""
-    host = t
-    if t.is_cuda:
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-        host.copy_(t, non_blocking=True)
-    ev = torch.cuda.Event()
-    ev.record()
-    return host, ev
-
-
-def landed(value: float) -> tuple:
-    """A holder whose value has landed already: a host value that must wait in line behind device values."""
-    return (_OnHost(value), None)
-
-
-class Pending:
-    """Holders of a ring's rows whose device values have not landed yet: kept at a boundary (``keep``),
-    read into their rows once ready (``resolve``: a few steps later on the training thread, or when a
-    query asks). A row the ring has since overwritten is dropped."""
-
-    __slots__ = ("ring", "what", "items", "_lock")
-
-    def __init__(self, ring, what: str):
-        self.ring, self.what = ring, what
-        self.items: list = []  # (ring row, column, holder)
-        self._lock = threading.Lock()
-
-    def keep(self, row: int, values, add: bool = False) -> int:
-        """Keep the holders among ``values`` (``(column, value)`` pairs) for ``row``; returns how many wait.
-        ``add``: each value is added to the cell once read (after the values kept for that cell before it)."""
-        with self._lock:
-            for col, v in values:
-                if type(v) is tuple:
-                    self.items.append((row, col, v, add))
-            return len(self.items)
-
-    def waits(self, row: int, col: str) -> bool:
-        """Whether a value of ``row``'s ``col`` has not landed yet."""
-        with self._lock:
-            return any(r == row and c == col for r, c, _, _ in self.items)
-
-    def resolve(self, up_to_row: int | None = None) -> None:
-        """Read the values that have landed (of rows up to ``up_to_row`` if given) into their rows."""
-        ring = self.ring
-        with self._lock:
-            keep = []
-            for item in self.items:
-                row, col, holder, add = item
-                if ring.count - row > ring.capacity:
-                    continue
-                if (up_to_row is not None and row > up_to_row) or (
-                    add and any(r == row and c == col for r, c, _, _ in keep)  # what it adds to has not landed
-                ):
-                    keep.append(item)
-                    continue
-                try:
-                    v = read(holder)
-                except Exception as exc:
-                    record_error(f"{self.what}: reading {col}", exc)
-                    continue
-                if v is None:
-                    keep.append(item)
-                    continue
-                if add:
-                    v += ring.get(col, row) or 0.0
-                ring.set(col, row, v)
-            self.items = keep
 
 
 # -- the memory clock --------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ Each boundary's own cost is kept (``probe_us``). A step that is not measured, tr
 path (``on_optimizer_step``): the exact values and nothing else, because on a fast loop that path is most steps.
 Values derived from others (``started_at``, the rates, ``rank``) are computed when a query asks.
 
-The hot path never synchronises with a device: device values are read once landed (``steprows.Pending``), the
+The hot path never synchronises with a device: device values are read once landed (``util.ring.Pending``), the
 ring holding None (SQL NULL) until then. A NaN or infinite loss is kept, so ``isnan(loss)`` finds where it went bad.
 """
 
@@ -34,12 +34,12 @@ from .frameworks import unwrap_optimizer
 from .trace import TracePacing
 from ..util.budget import Budget
 from .capture import Capture
-from .steprows import RING_COLUMNS, MemoryClock, OptimizerCycle, Pending, cycle_step, landed
+from .steprows import RING_COLUMNS, MemoryClock, OptimizerCycle, cycle_step
 from ..config import setting
 from .._identity import rank_identity
 from ..util.errorlog import record_error
 from ..util.procfs import CpuWait
-from ..util.ring import Ring
+from ..util.ring import Pending, Ring, landed
 from ..util.usercode import user_frame
 
 _perf_ns = time.perf_counter_ns

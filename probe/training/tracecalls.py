@@ -16,7 +16,7 @@ import weakref
 from . import finder
 from ..util.errorlog import record_error
 from ..util.objects import is_a
-from .steprows import copy_off
+from ..util.ring import copy_off
 
 
 # -- the hooks ----------------------------------------------------------------------

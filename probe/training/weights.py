@@ -21,7 +21,7 @@ import weakref
 from . import finder
 from ..util.errorlog import record_error
 from ..util.ring import Ring
-from .steprows import copy_off
+from ..util.ring import copy_off
 
 __all__ = ["Replicas", "SUM_COLUMNS", "DDP_COLUMNS", "replicas", "Updates", "grouped"]
 

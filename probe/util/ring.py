@@ -17,13 +17,20 @@ masked entry (a ``numpy.ma`` array given to ``extend``) is missing and reads as 
 while NaN and infinities are values (a loss gone NaN must stay NaN). Each float column
 keeps a validity mask beside it; ``snapshot`` returns a masked array for a float column
 that has missing rows in the live region, a plain array otherwise.
+
+A device value (a CUDA tensor) reaches its row without the writer waiting for the device: ``copy_off`` starts a
+non-blocking copy to pinned host memory and records an event (the pair is a *holder*; ``landed`` makes one of a
+value already on the host), ``Pending`` keeps the holders of a ring's rows and ``resolve`` reads those whose copy
+has landed (``read``) into their rows. Nothing here imports torch: the caller passes it.
 """
 
 from __future__ import annotations
 
 import threading
 
-__all__ = ["Ring", "FLUSH_ROWS"]
+from .errorlog import record_error
+
+__all__ = ["Ring", "FLUSH_ROWS", "Pending", "copy_off", "landed", "read"]
 
 FLUSH_ROWS = 1024  # numpy's per-call cost is paid per column per flush: batch generously
 
@@ -167,3 +174,90 @@ def _present(values: tuple, col):
     if len(nan):
         valid[nan] = [values[i] is not None for i in nan.tolist()]
     return valid
+
+
+# -- device values read into rows once they have landed --------------------------------------------
+def read(holder):
+    """The value behind a holder from ``Capture.hold``, or None while its device copy has not landed."""
+    host, ev = holder
+    if ev is not None and not ev.query():
+        return None
+    return float(host.item())
+
+
+class _OnHost(float):
+    """A value already on the host, in a holder's place (``landed``)."""
+
+    def item(self) -> float:
+        return float(self)
+
+
+def copy_off(torch, t) -> tuple:
+    """``(pinned host copy, event)`` of device tensor ``t`` (of a host one: itself), copied without blocking: read the
+    copy once the event has completed."""
+    host = t
+    if t.is_cuda:
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        host.copy_(t, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    return host, ev
+
+
+def landed(value: float) -> tuple:
+    """A holder whose value has landed already: a host value that must wait in line behind device values."""
+    return (_OnHost(value), None)
+
+
+class Pending:
+    """Holders of a ring's rows whose device values have not landed yet: kept at a boundary (``keep``),
+    read into their rows once ready (``resolve``: a few steps later on the training thread, or when a
+    query asks). A row the ring has since overwritten is dropped."""
+
+    __slots__ = ("ring", "what", "items", "_lock")
+
+    def __init__(self, ring, what: str):
+        self.ring, self.what = ring, what
+        self.items: list = []  # (ring row, column, holder)
+        self._lock = threading.Lock()
+
+    def keep(self, row: int, values, add: bool = False) -> int:
+        """Keep the holders among ``values`` (``(column, value)`` pairs) for ``row``; returns how many wait.
+        ``add``: each value is added to the cell once read (after the values kept for that cell before it)."""
+        with self._lock:
+            for col, v in values:
+                if type(v) is tuple:
+                    self.items.append((row, col, v, add))
+            return len(self.items)
+
+    def waits(self, row: int, col: str) -> bool:
+        """Whether a value of ``row``'s ``col`` has not landed yet."""
+        with self._lock:
+            return any(r == row and c == col for r, c, _, _ in self.items)
+
+    def resolve(self, up_to_row: int | None = None) -> None:
+        """Read the values that have landed (of rows up to ``up_to_row`` if given) into their rows."""
+        ring = self.ring
+        with self._lock:
+            keep = []
+            for item in self.items:
+                row, col, holder, add = item
+                if ring.count - row > ring.capacity:
+                    continue
+                if (up_to_row is not None and row > up_to_row) or (
+                    add and any(r == row and c == col for r, c, _, _ in keep)  # what it adds to has not landed
+                ):
+                    keep.append(item)
+                    continue
+                try:
+                    v = read(holder)
+                except Exception as exc:
+                    record_error(f"{self.what}: reading {col}", exc)
+                    continue
+                if v is None:
+                    keep.append(item)
+                    continue
+                if add:
+                    v += ring.get(col, row) or 0.0
+                ring.set(col, row, v)
+            self.items = keep

@@ -2,7 +2,9 @@
 connections, a token sent to another address, snapshots asked faster than their share of the process allows; and
 the process never imports the SQL engine a query could reach.
 
-Each test drives a real target process with the real CLI, or with a raw socket for what the CLI would never send."""
+Each test drives probe's agent with the real CLI, or with a raw socket for what the CLI would never send: served
+from the test's own process (``served``) where only its routes and limits are at stake, in a probed process of its
+own (``agent``) where the test is about what that process imports."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import time
 
 import pytest
 
-from harness import exchange, post
+from harness import exchange, post, serving
 
 
 def _eval(cli, pid, code: str) -> str:
@@ -38,8 +40,8 @@ def test_the_training_process_never_imports_duckdb(agent, cli):
     assert "[]" in out, out
 
 
-def test_bad_values_and_bodies_get_one_sentence_and_a_4xx(agent, cli):
-    target = agent(PROBE_SNAPSHOT_BYTES="300")
+def test_bad_values_and_bodies_get_one_sentence_and_a_4xx(served, cli, capfd):
+    target = served(PROBE_SNAPSHOT_BYTES="300")
     sock = target.entry["socket"]
     cases = [
         (b"not json", "not valid JSON"),
@@ -73,14 +75,15 @@ def test_bad_values_and_bodies_get_one_sentence_and_a_4xx(agent, cli):
     assert r.returncode == 2 and "nests too deeply" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = cli(target.pid, "query", "SELECT * FROM python.backtrace")
     assert r.returncode == 2 and "PROBE_SNAPSHOT_BYTES" in r.stderr, r.stderr
-    # and the training process printed no traceback and still answers
+    # and the serving process printed no traceback and still answers
     assert cli(target.pid, "query", "SELECT 1 AS ok", "-f", "csv").stdout.split() == ["ok", "1"]
-    assert "Traceback" not in target.output(), target.output()
+    printed = capfd.readouterr()
+    assert "Traceback" not in printed.out + printed.err, printed
 
 
-def test_connections_are_bounded_and_the_owner_is_always_answered(agent, cli):
-    # given a process listening on TCP too, with small connection limits
-    target = agent(PROBE_PORT="0", PROBE_TOKEN="tok-en", PROBE_MAX_CONNECTIONS="4", PROBE_READ_TIMEOUT="1")
+def test_connections_are_bounded_and_the_owner_is_always_answered(served, cli):
+    # given a probe listening on TCP too, with small connection limits
+    target = served(PROBE_PORT="0", PROBE_TOKEN="tok-en", PROBE_MAX_CONNECTIONS="4", PROBE_READ_TIMEOUT="1")
     entry = target.entry
     port = entry["tcp_port"]
     # when 60 TCP clients open connections and never finish their headers
@@ -120,9 +123,9 @@ def test_connections_are_bounded_and_the_owner_is_always_answered(agent, cli):
     assert cli(target.pid, "query", "SELECT 1 AS ok", "-f", "csv").returncode == 0
 
 
-def test_a_token_goes_only_to_the_address_it_was_issued_for(agent, cli):
+def test_a_token_goes_only_to_the_address_it_was_issued_for(served, cli):
     # given a local job on 127.0.0.1:PORT and a stranger listening on 127.0.0.2 with the same port
-    target = agent(PROBE_PORT="0")
+    target = served(PROBE_PORT="0")
     entry = target.entry
     port = entry["tcp_port"]
     stranger = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -156,14 +159,16 @@ def test_a_token_goes_only_to_the_address_it_was_issued_for(agent, cli):
         ok = cli(f"127.0.0.1:{port}", "query", "SELECT 1 AS one", "-f", "csv")
         assert ok.returncode == 0, ok.stderr
     finally:
+        stranger.shutdown(socket.SHUT_RDWR)  # wakes its accept: the stranger's thread ends with the test
         stranger.close()
+        t.join(30)
 
 
-def test_snapshots_wait_in_line_and_say_so(agent):
+def test_snapshots_wait_in_line_and_say_so(served):
     from concurrent.futures import ThreadPoolExecutor
 
     # given one snapshot slot, and python.threads holding it for its 50 ms sampling window
-    target = agent(PROBE_MAX_SNAPSHOTS="1")
+    target = served(PROBE_MAX_SNAPSHOTS="1")
     sock = target.entry["socket"]
     body = json.dumps({"tables": {"python.threads": {"columns": ["name", "executing"]}}, "timeout": 0.01}).encode()
     head = f"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
@@ -177,35 +182,52 @@ def test_snapshots_wait_in_line_and_say_so(agent):
     assert all("PROBE_MAX_SNAPSHOTS" in b["error"] and b["error"].endswith(".") for b in busy), busy
 
 
-def test_snapshots_are_paced_to_their_share_of_the_process(agent):
+def _ask_backtrace(sock: str, timeout: float) -> tuple[int, bytes]:
+    """One raw snapshot of python.backtrace on the unix socket ``sock``: (status, body of the answer)."""
+    body = json.dumps({"tables": {"python.backtrace": {"columns": ["func", "depth"]}}, "timeout": timeout}).encode()
+    answer = exchange(
+        sock, f"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+    )
+    return int(answer.split(b" ", 2)[1]), answer.partition(b"\r\n\r\n")[2]
+
+
+def _until_refused(sock: str, timeout: float) -> list:
+    """Ask right after each answered snapshot, up to 20 times, until one is refused: the answers."""
+    answers = []
+    for _ in range(20):
+        answers.append(_ask_backtrace(sock, timeout))
+        if answers[-1][0] != 200:
+            break
+    return answers
+
+
+def test_snapshots_are_paced_to_their_share_of_the_process(served, capfd):
     # given a process whose snapshots may take a millionth of its time (a microsecond a second)
-    target = agent(PROBE_SERVE_SHARE="0.000001")
-    sock = target.entry["socket"]
-
-    def ask(timeout):
-        body = json.dumps({"tables": {"python.backtrace": {"columns": ["func", "depth"]}}, "timeout": timeout}).encode()
-        answer = exchange(
-            sock, f"POST /snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
-        )
-        return int(answer.split(b" ", 2)[1]), answer.partition(b"\r\n\r\n")[2]
-
+    sock = served(PROBE_SERVE_SHARE="0.000001").entry["socket"]
     # when one query comes, it is answered at once (the bucket starts with its burst)
-    status, _ = ask(5)
+    status, _ = _ask_backtrace(sock, 5)
     assert status == 200
     # then the next one, which would have to wait longer than its timeout for the share to refill (the debt is
     # capped at one burst: up to a second), is refused within its timeout. The refill runs on wall time,
     # so a loaded host that delays the second query by most of a second lets it through (200, a correct
     # answer): ask again right after an answered one until the share is spent when one comes
-    answers = []
-    for _ in range(20):
-        answers.append(ask(0.05))
-        if answers[-1][0] == 503:
-            break
-        assert answers[-1][0] == 200, answers
+    answers = _until_refused(sock, 0.05)
     status, body = answers[-1]
-    assert status == 503, answers
+    assert status == 503 and all(s == 200 for s, _ in answers[:-1]), answers
     error = json.loads(body)["error"]
     assert (
         "PROBE_SERVE_SHARE" in error and "within 0.05 s" in error and error.endswith(".") and error.count(". ") == 0
     ), error
-    assert "Traceback" not in target.output(), target.output()
+    printed = capfd.readouterr()
+    assert "Traceback" not in printed.out + printed.err, printed
+
+
+def test_a_new_start_serves_by_its_own_limits_not_the_last_ones(probe_env):
+    # given a probe whose snapshots may take a millionth of the process's time and one at a time, share spent
+    with serving(probe_env, PROBE_SERVE_SHARE="0.000001", PROBE_MAX_SNAPSHOTS="1") as first:
+        assert _until_refused(first.entry["socket"], 0.05)[-1][0] == 503
+    # when the probe is stopped and started again with the default limits
+    with serving(probe_env) as second:
+        # then its readers are paced and queued by those: every snapshot asked back to back is answered
+        answers = [_ask_backtrace(second.entry["socket"], 0.05) for _ in range(5)]
+    assert [s for s, _ in answers] == [200] * 5, answers

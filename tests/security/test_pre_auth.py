@@ -2,7 +2,8 @@
 
 Each test drives a probed process that prints ``step N`` and ends by checking that it kept stepping: the
 ``agent`` fixture's (no torch) where only the server is at stake, a real training loop
-(tests/targets/actions_train.py) where the snapshots must have rows to cost something.
+(tests/targets/actions_train.py) where the snapshots must have rows to cost something; the pacing of backtraces
+and profiles, a route's limit alone, is checked against probe's agent served from the test's own process.
 """
 
 from __future__ import annotations
@@ -250,10 +251,9 @@ def _get(path: str, route: str) -> tuple[int, dict]:
     return int(data.split(b" ", 2)[1]), json.loads(data.partition(b"\r\n\r\n")[2] or b"{}")
 
 
-def test_backtraces_and_profiles_are_paced_like_snapshots(spawn, probe_env):
-    # given a process whose readers may take a millionth of its time (a microsecond a second)
-    target = spawn(TARGETS / "many_threads.py", env={"PROBE_SERVE_SHARE": "0.000001"})
-    sock = registry_entry(target.pid, probe_env)["socket"]
+def test_backtraces_and_profiles_are_paced_like_snapshots(served, capfd):
+    # given a probe whose readers may take a millionth of the process's time (a microsecond a second)
+    sock = served(PROBE_SERVE_SHARE="0.000001").entry["socket"]
     # when one backtrace comes, it is answered (the share starts with its burst)
     status, doc = _get(sock, "/backtrace?wait=0.05")
     assert status == 200 and doc["threads"], doc
@@ -270,7 +270,8 @@ def test_backtraces_and_profiles_are_paced_like_snapshots(spawn, probe_env):
     # and a profile, charged to the same share, waits its turn the same way
     status, doc = _get(sock, "/profile?seconds=0.2&wait=0.05")
     assert status == 503 and "PROBE_SERVE_SHARE" in doc["error"], (status, doc)
-    assert "Traceback" not in target.output(), target.output()
+    printed = capfd.readouterr()
+    assert "Traceback" not in printed.out + printed.err, printed
 
 
 def test_a_backtrace_of_many_threads_shows_a_bounded_number_and_counts_the_rest(spawn, cli):

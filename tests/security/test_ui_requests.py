@@ -3,7 +3,7 @@
 `probe ui --open` never puts the token on a command line; every request must name this server
 (Host: DNS rebinding) and come from its origin; POSTs need the page's CSRF header; idle
 connections cannot make a thread each. Real `probe ui` processes, raw HTTP (the browser tests
-in tests/cli/test_ui.py drive the page itself).
+in tests/cli/test_ui.py drive the page itself), reading probe's agent served from the test's own process.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import urllib.request
 
 import pytest
 
-from conftest import PROBE_BIN, TARGETS, poll
+from conftest import PROBE_BIN, poll
 from harness import start, stop_groups
 
 
@@ -38,8 +38,9 @@ class UI:
 
 
 @pytest.fixture
-def idle(spawn):
-    return spawn(TARGETS / "idle.py")
+def idle(served):
+    """The probed process the page reads: probe's agent served from the test's own process."""
+    return served()
 
 
 def _raw(port: int, head: str, body: bytes = b"") -> tuple[int, bytes]:

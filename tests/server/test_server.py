@@ -1,4 +1,5 @@
-"""The foundation end to end: a real target process, the real `probe` command."""
+"""The foundation end to end: a real target process, the real `probe` command; the TCP listener, its token and
+the registry entry's key against probe's agent served from the test's own process (``served``)."""
 
 from __future__ import annotations
 
@@ -228,9 +229,8 @@ def test_pid_without_probe(spawn, cli):
 
 
 @pytest.fixture
-def tcp_target(spawn):
-    proc = spawn(TARGETS / "idle.py", env={"PROBE_PORT": "0", "PROBE_TOKEN": "s3cret-token"})
-    return proc
+def tcp_target(served):
+    return served(PROBE_PORT="0", PROBE_TOKEN="s3cret-token")
 
 
 def _tcp_port(cli, pid):
@@ -269,8 +269,8 @@ def test_tcp_401_reveals_nothing(tcp_target, cli):
     assert b"PATH" not in body and b"python" not in body
 
 
-def test_the_rank_key_lives_in_a_private_registry_entry(spawn, cli, probe_env):
-    proc = spawn(TARGETS / "idle.py", env={"PROBE_PORT": "0"})
+def test_the_rank_key_lives_in_a_private_registry_entry(served, cli, probe_env):
+    proc = served(PROBE_PORT="0")
     entry = Path(probe_env["PROBE_RUNTIME_DIR"]) / f"{proc.pid}.json"
     assert oct(entry.stat().st_mode & 0o777) == "0o600"
     assert oct(Path(probe_env["PROBE_RUNTIME_DIR"]).stat().st_mode & 0o777) == "0o700"

@@ -1,4 +1,4 @@
-"""A probed process without torch, for the tests of the server alone (routes, limits, auth, hostile clients):
+"""A probed process without torch, for the tests about the process under its clients (hostile ones, imports):
 ``probe.start()`` with the settings of its environment, then a plain loop that prints ``step N`` every 20 ms, so
 that a test can tell the process kept running whatever its clients did. ``probe.stop()`` on SIGTERM."""
 

@@ -168,7 +168,7 @@ def test_the_optimizer_pre_hook_marks_a_step_given_a_closure_and_no_other():
 def test_a_late_device_loss_is_added_once_the_value_it_adds_to_has_landed():
     # given: a step's row whose device loss has not landed, and a loss backpropagated after its boundary (a second
     # optimizer's, in the iteration the lead's step ended) that has
-    from probe.training.steprows import Pending, landed
+    from probe.util.ring import Pending, landed
     from probe.util.ring import Ring
 
     class Event:  # torch.cuda.Event's query(), completed when the test says so
