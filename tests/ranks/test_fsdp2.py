@@ -1,5 +1,5 @@
 """FSDP2 (``fully_shard``) on gloo, 2 ranks under ``python -m torch.distributed.run``, PROBE=1 at its
-defaults and no probe code: the job trains its 300 steps while queries and ``--ranks all doctor``
+defaults and no probe code: the job trains its 1000 steps while queries and ``--ranks all doctor``
 run, and the flight recorder shows only the job's own collectives (the probe never issues one: a
 collective on one rank that the other never matches hangs the job). Gradient norms are per rank
 (the local shards), torch.parameters reads the local shards, torch.optimizer counts this rank's."""
@@ -14,7 +14,7 @@ from _ranks import ddp_job
 pytestmark = requires_torch
 
 TARGET = str(TARGETS / "fsdp2_train.py")
-STEPS = 300
+STEPS = 1000
 
 
 def rows(job, sql, *extra):
@@ -25,7 +25,7 @@ def rows(job, sql, *extra):
 
 def test_fsdp2_trains_at_defaults_while_probed_and_probe_issues_no_collective(tmp_path):
     ckpt = str(tmp_path / "ck-{rank}.pt")
-    # 35 ms of sleep a step: the 300 steps last 10 s or more on any machine, longer than a round of queries (two
+    # 10 ms of sleep a step: the 1000 steps last 10 s or more on any machine, longer than a round of queries (two
     # queries and a doctor run on both ranks: a few seconds)
     with ddp_job(
         "--steps",
