@@ -7,7 +7,7 @@
   frequent and its share).
 * the update: per weight tensor (two or more dimensions, trainable, held by the lead optimizer; ``_TENSORS`` at
   most, spread over the model), the size of the change one optimizer step made relative to the weights,
-  ‖Δw‖/‖w‖ over ``_UPDATE_SAMPLE`` strided elements of the step after a measured one: a ``before_step``
+  ‖Δw‖/‖w‖ (and ‖w‖) over ``_UPDATE_SAMPLE`` strided elements of the step after a measured one: a ``before_step``
   registration at the step boundary reads the sample before that step and again before the next (after it),
   then removes itself. No hook of the optimizer's own is added (adding or removing one while torch runs its
   hooks breaks the step).
@@ -46,7 +46,7 @@ BATCH_COLUMNS = {
     "top_label": "f8",
     "top_share": "f8",
 }
-UPDATE_COLUMNS = {"step": "i8", "time": "f8", "parameter": "O", "ratio": "f8", "grad_ratio": "f8", "lr": "f8"}
+UPDATE_COLUMNS = dict(step="i8", time="f8", parameter="O", ratio="f8", grad_ratio="f8", lr="f8", norm="f8")
 SCALER_COLUMNS = {"step": "i8", "time": "f8", "scale": "f8", "clip_scaled": "b1", "clip_norm": "f8"}
 
 _SAMPLE = 256  # elements of an input or target tensor hashed
@@ -408,14 +408,14 @@ class Signals:
         coef = self._update_coef
         if coef is not None:  # the gradient before clipping: what the loss asked for
             pulled = pulled / coef.to(size.device)
-        held = self._host(torch.stack([moved / size, pulled / size]))
+        held = self._host(torch.stack([moved / size, pulled / size, size]))
         if held is not None:
             self._later(self._update_step, time.time(), "update", (held, names, self._lr))
 
     def _update_rows(self, step, now, ratios, names, lr) -> None:
-        moved, pulled = _value(ratios).tolist()
-        for name, r, g in zip(names, moved, pulled):
-            self.updates.append(step, now, name, r, g if g == g else None, lr)
+        moved, pulled, size = _value(ratios).tolist()
+        for name, r, g, n in zip(names, moved, pulled, size):
+            self.updates.append(step, now, name, r, g if g == g else None, lr, n)
 
     def close(self) -> None:
         """Forget the update being measured (the probe pauses)."""

@@ -90,6 +90,11 @@ The errors (tests/faults/corpus.py gives the doctor rule that must name each, an
 * ``megatron_579``: a gradient norm far above the clipping threshold (some 2,500 against 1.0 there) clipped at
   every step: like a rate thousands of times smaller (SGD here, where the clipped norm sets the step).
   https://github.com/alibaba/Pai-Megatron-Patch/issues/579
+* ``opennmt_805``: ``-optim adam`` with the learning rate left at its default of 1, meant for SGD (Adam's is 1e-3),
+  from the phase's start: each of Adam's first steps moves every weight by about 1, the weights grow tens of times
+  over, and perplexity stays high. https://github.com/OpenNMT/OpenNMT-py/issues/805
+* ``langmodel_3``: a config file's learning rate of 1.0 given to Adam, from the phase's start: the loss does not go
+  down (the fix: Adam's default 1e-3). https://github.com/rajveermalviya/language-modeling/issues/3
 """
 
 from __future__ import annotations
@@ -136,6 +141,8 @@ ERRORS = (
     "lomo_50",
     "megatron_579",
     "deepspeed_697",
+    "opennmt_805",
+    "langmodel_3",
 )
 AMP = ("unet_468", "lightning_9599", "deepspeed_697")  # autocast (bfloat16 on CPU; deepspeed_697 float16), a GradScaler
 
@@ -207,6 +214,8 @@ class Phase:
         kw = {"lr": 1e-3} if error == "wekws_72" else {"lr": 0.02, "momentum": 0.9}
         if error == "lomo_50" and not fixed:
             kw["lr"] = 5e-5  # the rate the run was given
+        if error in ("opennmt_805", "langmodel_3"):  # Adam at the rate SGD was given
+            opt_cls, kw = torch.optim.Adam, {"lr": 1e-3 if fixed else 1.0}
         if error == "unet_468":
             opt_cls, kw = torch.optim.RMSprop, {"lr": 1e-5, "momentum": 0.9}  # its train.py's rate
         self.scaler = torch.amp.GradScaler("cpu") if error in AMP else None
