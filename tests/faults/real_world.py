@@ -95,6 +95,9 @@ The errors (tests/faults/corpus.py gives the doctor rule that must name each, an
   over, and perplexity stays high. https://github.com/OpenNMT/OpenNMT-py/issues/805
 * ``langmodel_3``: a config file's learning rate of 1.0 given to Adam, from the phase's start: the loss does not go
   down (the fix: Adam's default 1e-3). https://github.com/rajveermalviya/language-modeling/issues/3
+* ``kaggle_12``: the images are shuffled after the labels were taken from the raw table, so each image gets another
+  image's label: the labels do not track the inputs and the model cannot beat chance on its own training data.
+  https://github.com/Borda/kaggle_image-classify/pull/12
 """
 
 from __future__ import annotations
@@ -143,6 +146,7 @@ ERRORS = (
     "deepspeed_697",
     "opennmt_805",
     "langmodel_3",
+    "kaggle_12",
 )
 AMP = ("unet_468", "lightning_9599", "deepspeed_697")  # autocast (bfloat16 on CPU; deepspeed_697 float16), a GradScaler
 
@@ -299,6 +303,8 @@ class Phase:
         x, y = batch()
         if bug and e == "deepspeed_697" and self.local % 4:
             x = x * 1e5  # unnormalized: past float16's 65504 after the first convolution
+        if bug and e == "kaggle_12":
+            y = y[torch.randperm(len(y))]  # the labels of the raw order, the images shuffled
         if bug and e in ("transferlearning_182", "halo_13"):
             y = torch.zeros_like(y)  # every image under one folder / labels added after the conversion
         return x, y
