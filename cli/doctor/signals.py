@@ -26,6 +26,13 @@ _UPDATES_NEXT = (
 )
 _SCALES = 5  # measured steps over which a loss scale keeps falling
 _AFTER = 50  # steps before updates are judged (a warm-up's first rates, a zero-initialised layer's first steps)
+# weights that grew this many times over within _GROWN_IN steps, by more than _RATE a step on average: updates of
+# 1e-2 of the weights a step (the top of the healthy range) grow them by 1% a step at most, even when every step
+# pushes the same way; an update far too large grows them many times over within a few steps, then stays hidden (its
+# ratio falls as the weights it grew get large, or as the units it pushed past zero stop passing gradients)
+_GROWTH = 4
+_RATE = 0.02
+_GROWN_IN = 300
 
 
 def _current(alias: str) -> str:
@@ -117,20 +124,44 @@ HAVING r.step - min(b.step) >= {_SPAN} AND {_current("r")}""",
 )
 
 
-def _update_size(cond: str, also: str = "TRUE") -> str:
-    """SQL: per rank, over the last _UPDATES measured updates (after step _AFTER, spanning 20 steps), the weight
-    tensors whose median update/weight ratio meets ``cond`` (on ``ratio``), when more than half of them do and
-    ``also`` holds (on ``span.lr``, ``top.lr_max``, and ``l.now_loss``, ``l.before_loss``: the median loss of the
-    last 50 steps and of the 50 before)."""
+def _update_size(cond: str, also: str = "TRUE", label: str = "printf('%.2g', ratio)") -> str:
+    """SQL: per rank, over the last _UPDATES measured updates and those of the last 20 steps (after step _AFTER,
+    spanning 20 steps), the weight
+    tensors whose median update/weight ratio meets ``cond`` (on ``ratio``, ``grad_ratio`` and ``growth``: how many
+    times over the tensor's size now is its size before it grew _GROWTH times over at more than _RATE a step, within
+    _GROWN_IN steps after step _AFTER), named with ``label``, when more than half of them do and ``also`` holds (on
+    ``span.lr``,
+    ``top.lr_max``, and ``l.now_loss``, ``l.before_loss``: the median loss of the last 50 steps and of the 50
+    before)."""
     return f"""
-WITH u AS (SELECT rank, step, parameter, ratio, grad_ratio, lr FROM torch.updates
+WITH u AS (SELECT rank, step, parameter, ratio, grad_ratio, lr, norm FROM torch.updates
            WHERE ratio IS NOT NULL AND NOT isnan(ratio)),
-s AS (SELECT rank, step, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age
+-- against the smallest size of the steps before (the latest of equals), and against the measured step before
+g AS (SELECT rank, parameter, step, norm,
+             min(norm) OVER before AS low, arg_min(step, [norm, -step]) OVER before AS low_at,
+             lag(norm) OVER by_step AS prev, lag(step) OVER by_step AS prev_at
+      FROM u WHERE norm > 1e-20 AND isfinite(norm) AND step > {_AFTER}
+      WINDOW by_step AS (PARTITION BY rank, parameter ORDER BY step),
+             before AS (PARTITION BY rank, parameter ORDER BY step
+                        RANGE BETWEEN {_GROWN_IN} PRECEDING AND 1 PRECEDING)),
+j AS (SELECT rank, parameter, arg_max(norm, step) / min(
+          CASE WHEN norm > {_GROWTH} * low AND ln(norm / low) > (step - low_at) * ln(1 + {_RATE}) THEN low
+               WHEN norm > {_GROWTH} * prev AND step - prev_at <= {_GROWN_IN}
+                    AND ln(norm / prev) > (step - prev_at) * ln(1 + {_RATE}) THEN prev END) AS growth
+      FROM g GROUP BY rank, parameter),
+s AS (SELECT rank, step, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age,
+             max(step) OVER (PARTITION BY rank) AS last
       FROM (SELECT DISTINCT rank, step FROM u)),
-w AS (SELECT u.* FROM u JOIN s ON s.rank IS NOT DISTINCT FROM u.rank AND s.step = u.step WHERE s.age <= {_UPDATES}),
-p AS (SELECT rank, parameter, median(ratio) AS ratio, median(grad_ratio) AS grad_ratio FROM w GROUP BY rank, parameter),
+-- and every update of the last 20 steps: a burst of measured steps (a trace the doctor asked for) measures an
+-- update every other step
+w AS (SELECT u.* FROM u JOIN s ON s.rank IS NOT DISTINCT FROM u.rank AND s.step = u.step
+      WHERE s.age <= {_UPDATES} OR s.step >= s.last - 20),
+p AS (SELECT w.rank, w.parameter, median(w.ratio) AS ratio, median(w.grad_ratio) AS grad_ratio,
+             coalesce(any_value(j.growth), 1) AS growth
+      FROM w LEFT JOIN j ON j.rank IS NOT DISTINCT FROM w.rank AND j.parameter = w.parameter
+      GROUP BY w.rank, w.parameter),
 hit AS (SELECT rank, count(*) AS tensors, count(*) FILTER (WHERE {cond}) AS n, median(ratio) AS med,
-               string_agg(parameter || ' ' || printf('%.2g', ratio), ', ' ORDER BY ratio)
+               string_agg(parameter || ' ' || {label}, ', ' ORDER BY ratio)
                    FILTER (WHERE {cond}) AS names
         FROM p GROUP BY rank),
 span AS (SELECT rank, min(step) AS since, max(step) AS step, count(DISTINCT step) AS steps, arg_max(lr, step) AS lr
@@ -151,7 +182,7 @@ SELECT span.rank, span.step, span.since, span.steps, span.lr, top.lr_max, hit.te
 FROM span JOIN hit ON hit.rank IS NOT DISTINCT FROM span.rank
 LEFT JOIN top ON top.rank IS NOT DISTINCT FROM span.rank
 LEFT JOIN l ON l.rank IS NOT DISTINCT FROM span.rank
-WHERE span.steps = {_UPDATES} AND span.since > {_AFTER} AND span.step - span.since >= 20 AND 2 * hit.n > hit.tensors
+WHERE span.steps >= {_UPDATES} AND span.since > {_AFTER} AND span.step - span.since >= 20 AND 2 * hit.n > hit.tensors
   AND {also} AND {_current("span")}"""
 
 
@@ -160,7 +191,8 @@ rule(
     family="optimizer",
     severity="warning",
     description=(
-        f"Over the last {_UPDATES} measured optimizer steps (after step {_AFTER}), more than half the weight tensors "
+        f"Over the last {_UPDATES} measured optimizer steps and those of the last 20 steps (after step {_AFTER}), "
+        "more than half the weight tensors "
         f"measured (torch.updates) changed by less than {_SMALL:g} of their size a step (‖Δw‖/‖w‖, ~1e-3 is "
         f"healthy) and by less than {_EFFECTIVE:g} of their gradient before clipping (grad_ratio: a converged model's "
         "small gradients are applied in full), the learning rate at least half the highest of the steps torch.steps "
@@ -198,21 +230,31 @@ rule(
     family="optimizer",
     severity="warning",
     description=(
-        f"Over the last {_UPDATES} measured optimizer steps (after step {_AFTER}), more than half the weight tensors "
+        f"Over the last {_UPDATES} measured optimizer steps and those of the last 20 steps (after step {_AFTER}), "
+        "more than half the weight tensors "
         f"measured (torch.updates) changed by more than {_LARGE:g} of their size a step (‖Δw‖/‖w‖, ~1e-3 is "
-        "healthy): each step rewrites a large part of the weights, a learning rate far too large."
+        f"healthy), or are {_GROWTH} times as large (norm) as they were within {_GROWN_IN} steps before they grew "
+        f"that much at more than {_RATE:.0%} a step (updates of 1e-2 a step, the top of the healthy range, grow them "
+        "by 1% a step at most): the steps rewrite the weights, a learning rate far too large."
     ),
-    sql=_update_size(f"ratio > {_LARGE}"),
+    sql=_update_size(
+        f"ratio > {_LARGE} OR growth > {_GROWTH}",
+        label=f"CASE WHEN growth > {_GROWTH} THEN printf('grew %.3gx', growth) ELSE printf('%.2g', ratio) END",
+    ),
     message=(
-        "every optimizer step rewrites a large part of the weights: on the last {steps} measured steps (steps "
-        "{since}-{step}) {n} of {tensors} weight tensors changed by more than a tenth of their size a step (median "
-        "{med:.2g}; about 1e-3 is healthy): {names}. The learning rate ({lr:.3g}) is far too large for this model: "
-        "lower it, or warm it up."
+        "the optimizer steps rewrite the weights: on the last {steps} measured steps (steps {since}-{step}) {n} of "
+        "{tensors} weight tensors changed by more than a tenth of their size a step (about 1e-3 is healthy), or grew "
+        f"more than {_GROWTH}x at over {_RATE:.0%} a step and stayed that large (a step far too large blows them up, "
+        "then each step is small beside them): {names}. The learning rate ({lr:.3g}) is far too large for this "
+        "model (Adam's steps are about the rate itself in every element, whatever the gradient): lower it, or warm "
+        "it up."
     ),
     next=[
         _UPDATES_NEXT,
         "probe {target} lr --scale 0.1",
     ],
+    # the weights it blew up take steps small beside them, and the units they push past zero stay dead
+    explains=["update_too_small", "dead_activations"],
 )
 
 rule(

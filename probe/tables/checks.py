@@ -223,6 +223,12 @@ def batches_table(ctx):
             "had none. The update over it is the step's effective rate.",
         ),
         Column("lr", "DOUBLE", "The learning rate of the optimizer's first param group at that step."),
+        Column(
+            "norm",
+            "DOUBLE",
+            "‖w before‖ over the same elements: how large the weights are, so that weights an update grew many times "
+            "over in a few steps show.",
+        ),
     ],
     examples=[
         "SELECT step, parameter, ratio FROM torch.updates ORDER BY step DESC, ratio LIMIT 10",

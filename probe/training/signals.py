@@ -7,7 +7,7 @@
   frequent and its share).
 * the update: per weight tensor (two or more dimensions, trainable, held by the lead optimizer; ``_TENSORS`` at
   most, spread over the model), the size of the change one optimizer step made relative to the weights,
-  ‖Δw‖/‖w‖ over ``_UPDATE_SAMPLE`` strided elements of the step after a measured one: a ``before_step``
+  ‖Δw‖/‖w‖ (and ‖w‖) over ``_UPDATE_SAMPLE`` strided elements of the step after a measured one: a ``before_step``
   registration at the step boundary reads the sample before that step and again before the next (after it),
   then removes itself. No hook of the optimizer's own is added (adding or removing one while torch runs its
   hooks breaks the step).
@@ -46,7 +46,7 @@ BATCH_COLUMNS = {
     "top_label": "f8",
     "top_share": "f8",
 }
-UPDATE_COLUMNS = {"step": "i8", "time": "f8", "parameter": "O", "ratio": "f8", "grad_ratio": "f8", "lr": "f8"}
+UPDATE_COLUMNS = dict(step="i8", time="f8", parameter="O", ratio="f8", grad_ratio="f8", lr="f8", norm="f8")
 SCALER_COLUMNS = {"step": "i8", "time": "f8", "scale": "f8", "clip_scaled": "b1", "clip_norm": "f8"}
 
 _SAMPLE = 256  # elements of an input or target tensor hashed
@@ -150,15 +150,15 @@ class Signals:
         self._target = None  # (sample, label sample, ignore_index) of this step's loss
         self._clip = None  # (scale, clipped norm) when this step clipped gradients still scaled
         self._scaler = None  # weakref to the GradScaler that scaled a measured step's loss
-        self._coef = None  # the last measured step's clipping coefficient (a tensor), for the update measured next
-        self._update_coef = None
+        # clipping coefficients (tensors): the last measured step's, and the one of the update being measured
+        self._coef = self._update_coef = None
         self._pending: list = []  # (step, kind, payload, event) of device samples not read yet
         self._opt = None  # weakref to the lead optimizer the tensors were picked for
-        self._watched: list = []
+        self._watched: list = []  # _Watched tensors, picked again at step _refresh_at
         self._refresh_at = 1
         self._phase = 0  # the update measured next: 1 before its step, 2 after it (its sample taken), 0 none
-        self._update_step = 0  # the step whose update is measured
-        self._lr = None  # the lead optimizer's rate at that step
+        self._update_step, self._lr = 0, None  # the step whose update is measured, and the lead optimizer's rate
+        self._budget = None  # the step budget (util.budget.Budget) the update's measurement is charged to
 
     # -- what the step saw (measured steps only) ----------------------------------------------------------------
     def on_input(self, x) -> None:
@@ -239,9 +239,9 @@ class Signals:
         return copy_off(self.torch, t) if t.is_cuda else None
 
     # -- the boundary ------------------------------------------------------------------------------------------
-    def at_boundary(self, step: int, optimizer) -> None:
+    def at_boundary(self, step: int, optimizer, budget=None) -> None:
         """A measured step's boundary: its batch and scaler rows (device samples once they have landed), and the
-        next optimizer step's update measured."""
+        next optimizer step's update measured (its cost charged to ``budget``)."""
         now = time.time()
         try:
             self._read_pending()
@@ -250,6 +250,7 @@ class Signals:
             if inp is not None or tgt is not None:
                 self._later(step, now, "batch", (inp, tgt))
             if optimizer is not None:
+                self._budget = budget
                 if self._opt is None or self._opt() is not optimizer or step >= self._refresh_at:
                     self._refresh_at = step + min(step, _REFRESH_MAX)
                     self._refresh(optimizer)
@@ -258,7 +259,7 @@ class Signals:
         except Exception as exc:
             record_error("torch signals", exc)
 
-    def _later(self, step, now, kind, payload) -> None:
+    def _later(self, step, now, kind, payload) -> None:  # a row once its device samples have landed
         if len(self._pending) < _PENDING_MAX:
             self._pending.append((step, now, kind, payload))
         self._read_pending()
@@ -345,23 +346,20 @@ class Signals:
         self._update_coef, self._coef = self._coef, None  # the loop clips the next step as it clipped this one
         boundary.before_step(self.before_step)
 
-    @property
-    def armed(self) -> bool:
-        """Whether an update is being measured (``before_step`` is registered)."""
-        return self._phase != 0
-
     def _disarm(self) -> None:
         self._phase = 0
         boundary.remove(self.before_step)
 
     def before_step(self, optimizer) -> None:
-        """Before an optimizer step while ``armed``: the sample before the measured step (phase 1), then
-        before the next step of the same optimizer, that is after the measured one (phase 2)."""
+        """Before an optimizer step while an update is measured: the sample before the measured step (phase 1), then
+        before the next step of the same optimizer (after it; phase 2). Charged to the step budget: it runs outside
+        the boundary's timing."""
         opt = self._opt() if self._opt is not None else None
         if optimizer is not opt:
             if opt is None:
                 self._disarm()
             return  # another optimizer's step (a GAN's second one)
+        t0 = time.perf_counter_ns()
         try:
             with self.torch.no_grad():
                 if self._phase == 1:
@@ -386,6 +384,9 @@ class Signals:
         except Exception as exc:
             self._disarm()
             record_error("torch updates", exc)
+        finally:
+            if self._budget is not None:
+                self._budget.spend(time.perf_counter_ns() - t0)
 
     def _measure_update(self) -> None:
         torch = self.torch
@@ -408,14 +409,14 @@ class Signals:
         coef = self._update_coef
         if coef is not None:  # the gradient before clipping: what the loss asked for
             pulled = pulled / coef.to(size.device)
-        held = self._host(torch.stack([moved / size, pulled / size]))
+        held = self._host(torch.stack([moved / size, pulled / size, size]))
         if held is not None:
             self._later(self._update_step, time.time(), "update", (held, names, self._lr))
 
     def _update_rows(self, step, now, ratios, names, lr) -> None:
-        moved, pulled = _value(ratios).tolist()
-        for name, r, g in zip(names, moved, pulled):
-            self.updates.append(step, now, name, r, g if g == g else None, lr)
+        moved, pulled, size = _value(ratios).tolist()
+        for name, r, g, n in zip(names, moved, pulled, size):
+            self.updates.append(step, now, name, r, g if g == g else None, lr, n)
 
     def close(self) -> None:
         """Forget the update being measured (the probe pauses)."""
@@ -426,8 +427,7 @@ class Signals:
         return getattr(self, which).snapshot()
 
 
-def _value(held):
-    """The host tensor of ``_host``'s result."""
+def _value(held):  # the host tensor of _host's result
     return held[0] if type(held) is tuple else held
 
 

@@ -337,7 +337,7 @@ class StepTracker:
             invariants.checks(self.torch).at_boundary(
                 step, optimizer, self.capture, lambda: self.step
             )  # torch.checks: cheap invariants of training
-            signals.signals(self.torch).at_boundary(step, optimizer)  # torch.batches, torch.updates, torch.scaler
+            signals.signals(self.torch).at_boundary(step, optimizer, self.budget)  # torch.batches/updates/scaler
         if step >= self._replicas.next_step:  # torch.weight_sums: DDP replicas' checksums, the same steps on every rank
             self._replicas.at_boundary(step, duration_ns * 1e-9)
         asked = self._plan_next(step, t0, traced, step + 1 <= _FORCED or allowed)

@@ -49,6 +49,9 @@ ERRORS = [
     ("lomo_50", "update_too_small", ["hardly move the weights", "At learning rate 5e-05"]),
     ("megatron_579", "update_too_small", ["hardly move the weights", "clip_grad_norm_ with a max_norm"]),
     ("deepspeed_697", "loss_scale_collapsed", ["the loss scale has collapsed", "steps were skipped"]),
+    ("opennmt_805", "update_too_large", ["the optimizer steps rewrite the weights", "The learning rate (1)"]),
+    ("kaggle_12", "loss_at_chance", ["chance level for 10 classes"]),
+    ("langmodel_3", "update_too_large", ["features.conv2.weight grew", "The learning rate (1)"]),
 ]
 
 # one process each (and one for the healthy twins of each): a group's errors are named by different rules, or
@@ -56,11 +59,23 @@ ERRORS = [
 # micro-batches a step come first: after faster phases its slower steps would read as a throughput regression;
 # constant labels come last: the loss they fall to would make the next phase's loss read as diverging; lomo_50's
 # rate, far below the other phases', comes first: a rate below half the job's highest is a schedule's doing; a loss
-# scale that collapses comes last: its phase's steps are skipped and its losses are not finite)
+# scale that collapses comes last: its phase's steps are skipped and its losses are not finite; so does a rate far
+# too large, or comes before constant labels only: the weights it blows up would be the next phase's (and so_60335387
+# leaves its phase's weights blown up already, so no rate after it can grow them far); labels that do not track the
+# inputs come before constant ones: the loss they hold at chance is what the next phase's labels bring down)
 GROUPS = [
     ["so_60335387", "forum_84911", "hvpnet_5", "ivadomed_57", "pytorch_13494", "fcn_57"],
-    ["prediff_32", "wekws_72", "adapters_260", "forum_153740", "pytorch_65417", "torchmoji_21", "agcn_4"],
+    [
+        "prediff_32",
+        "wekws_72",
+        "adapters_260",
+        "forum_153740",
+        "pytorch_65417",
+        "torchmoji_21",
+        "agcn_4",
+        "langmodel_3",
+    ],
     ["nni_4521", "m2_71", "farm_46", "pytorch_54765", "llama_scratch_5", "deepspeed_697"],
-    ["lomo_50", "iterfcn_7", "unet_468", "transferlearning_182"],
-    ["gpjax_96", "normface_4", "lightning_9599", "megatron_579", "halo_13"],
+    ["lomo_50", "iterfcn_7", "unet_468", "kaggle_12", "transferlearning_182"],
+    ["gpjax_96", "normface_4", "lightning_9599", "megatron_579", "opennmt_805", "halo_13"],
 ]

@@ -90,6 +90,14 @@ The errors (tests/faults/corpus.py gives the doctor rule that must name each, an
 * ``megatron_579``: a gradient norm far above the clipping threshold (some 2,500 against 1.0 there) clipped at
   every step: like a rate thousands of times smaller (SGD here, where the clipped norm sets the step).
   https://github.com/alibaba/Pai-Megatron-Patch/issues/579
+* ``opennmt_805``: ``-optim adam`` with the learning rate left at its default of 1, meant for SGD (Adam's is 1e-3),
+  from the phase's start: each of Adam's first steps moves every weight by about 1, the weights grow tens of times
+  over, and perplexity stays high. https://github.com/OpenNMT/OpenNMT-py/issues/805
+* ``langmodel_3``: a config file's learning rate of 1.0 given to Adam, from the phase's start: the loss does not go
+  down (the fix: Adam's default 1e-3). https://github.com/rajveermalviya/language-modeling/issues/3
+* ``kaggle_12``: the images are shuffled after the labels were taken from the raw table, so each image gets another
+  image's label: the labels do not track the inputs and the model cannot beat chance on its own training data.
+  https://github.com/Borda/kaggle_image-classify/pull/12
 """
 
 from __future__ import annotations
@@ -136,6 +144,9 @@ ERRORS = (
     "lomo_50",
     "megatron_579",
     "deepspeed_697",
+    "opennmt_805",
+    "langmodel_3",
+    "kaggle_12",
 )
 AMP = ("unet_468", "lightning_9599", "deepspeed_697")  # autocast (bfloat16 on CPU; deepspeed_697 float16), a GradScaler
 
@@ -207,6 +218,8 @@ class Phase:
         kw = {"lr": 1e-3} if error == "wekws_72" else {"lr": 0.02, "momentum": 0.9}
         if error == "lomo_50" and not fixed:
             kw["lr"] = 5e-5  # the rate the run was given
+        if error in ("opennmt_805", "langmodel_3"):  # Adam at the rate SGD was given
+            opt_cls, kw = torch.optim.Adam, {"lr": 1e-3 if fixed else 1.0}
         if error == "unet_468":
             opt_cls, kw = torch.optim.RMSprop, {"lr": 1e-5, "momentum": 0.9}  # its train.py's rate
         self.scaler = torch.amp.GradScaler("cpu") if error in AMP else None
@@ -290,6 +303,8 @@ class Phase:
         x, y = batch()
         if bug and e == "deepspeed_697" and self.local % 4:
             x = x * 1e5  # unnormalized: past float16's 65504 after the first convolution
+        if bug and e == "kaggle_12":
+            y = y[torch.randperm(len(y))]  # the labels of the raw order, the images shuffled
         if bug and e in ("transferlearning_182", "halo_13"):
             y = torch.zeros_like(y)  # every image under one folder / labels added after the conversion
         return x, y

@@ -10,7 +10,9 @@ BATCHES = (
     "rank INTEGER, step BIGINT, time DOUBLE, input_hash VARCHAR, target_hash VARCHAR, samples DOUBLE, labels DOUBLE, "
     "top_label DOUBLE, top_share DOUBLE"
 )
-UPDATES = "rank INTEGER, step BIGINT, time DOUBLE, parameter VARCHAR, ratio DOUBLE, grad_ratio DOUBLE, lr DOUBLE"
+UPDATES = (
+    "rank INTEGER, step BIGINT, time DOUBLE, parameter VARCHAR, ratio DOUBLE, grad_ratio DOUBLE, lr DOUBLE, norm DOUBLE"
+)
 SCALER = "rank INTEGER, step BIGINT, time DOUBLE, scale DOUBLE, clip_scaled BOOLEAN, clip_norm DOUBLE"
 
 
@@ -63,7 +65,7 @@ def test_single_class_batches_tells_constant_labels_from_batches_sorted_by_class
 
 
 def _updates(rule, ratios: dict, steps=range(60, 110, 10), lr=0.1, lr_max=0.1, loss="1.0"):
-    rows = [(None, s, 0.0, name, r, 0.01, lr) for s in steps for name, r in ratios.items()]
+    rows = [(None, s, 0.0, name, r, 0.01, lr, 1.0) for s in steps for name, r in ratios.items()]
     return rule_rows(rule, {"torch.updates": (UPDATES, rows), "torch.steps": _steps(max(steps), lr_max, loss)})
 
 
@@ -83,12 +85,41 @@ def test_update_size_names_the_tensors_far_below_or_above_a_healthy_ratio():
     assert not _updates("update_too_small", tiny, steps=range(10, 60, 10))
     assert not _updates("update_too_small", tiny, lr=0.01, lr_max=0.1)
     assert not _updates("update_too_small", tiny, steps=range(60, 100, 10))
+    # a burst of measured steps (the doctor's own trace) measures an update every other step: the last 20 steps count
+    assert _updates("update_too_small", tiny, steps=[*range(60, 100, 10), *range(100, 112, 2)])
     # nor for a converged model: its gradients are small, and its step applies them in full
-    rows = [(None, s, 0.0, n, 1e-6, 1e-5, 0.1) for s in range(60, 110, 10) for n in ("a.weight", "b.weight")]
+    rows = [(None, s, 0.0, n, 1e-6, 1e-5, 0.1, 1.0) for s in range(60, 110, 10) for n in ("a.weight", "b.weight")]
     assert not rule_rows("update_too_small", {"torch.updates": (UPDATES, rows), "torch.steps": _steps(100)})
     # nor while the loss falls (a small rate chosen on purpose still moves it)
     assert not _updates("update_too_small", tiny, loss="10.0 - range * 0.05")
     assert _updates("update_too_small", tiny, loss="1.0 + 0.01 * (range % 3)")
+
+
+def _grown(norms: dict, steps=range(60, 420, 60)):
+    """update_too_large over measured updates at ``steps`` whose weights' norms are ``norms[name](step)``, each step
+    moving them by 1e-3 of their size."""
+    rows = [(None, s, 0.0, name, 1e-3, 0.01, 1.0, f(s)) for s in steps for name, f in norms.items()]
+    return rule_rows("update_too_large", {"torch.updates": (UPDATES, rows), "torch.steps": _steps(max(steps))})
+
+
+def test_update_too_large_names_weights_an_update_blew_up_and_that_stayed_large():
+    # Adam at a rate of 1: the weights grow 30-100x within the few steps after 150, then each step is small
+    blown = {"a.weight": lambda s: 1.0 if s < 150 else 100.0, "b.weight": lambda s: 0.5 if s < 150 else 15.0}
+    (f,) = _grown({**blown, "c.weight": lambda s: 1.0})
+    assert (f["n"], f["tensors"], f["lr"]) == (2, 3, 1.0), f
+    assert f["names"] == "a.weight grew 100x, b.weight grew 30x", f
+    # one Adam step at a rate of 1 on weights of 0.2: 5x at once
+    assert _grown({n: (lambda s: 1.0 if s < 150 else 5.0) for n in ("a.weight", "b.weight")})
+    # quiet: weights that grew as far over more than 300 steps, or 5x over 250 (updates at the top of the healthy
+    # range); that grew 3x only; whose size fell back (the rows before the growth alone); one tensor of three blown up
+    slow = {n: (lambda s: 1.0 if s < 150 else 100.0) for n in ("a.weight", "b.weight")}
+    assert not _grown(slow, steps=[120, 480, 540, 600, 660, 720])
+    assert not _grown(
+        {n: (lambda s: 1.0 if s < 150 else 5.0) for n in ("a.weight", "b.weight")}, [60, *range(310, 360, 10)]
+    )
+    assert not _grown({n: (lambda s: 1.0 if s < 150 else 3.0) for n in ("a.weight", "b.weight")})
+    assert not _grown({n: (lambda s: 100.0 if s in (180, 240) else 1.0) for n in ("a.weight", "b.weight")})
+    assert not _grown({"a.weight": blown["a.weight"], "b.weight": lambda s: 1.0, "c.weight": lambda s: 1.0})
 
 
 def _scaler(rows, last=None):

@@ -64,7 +64,26 @@ def test_the_update_of_the_step_after_a_measured_one_is_its_size_against_the_wei
     # disarmed after it: further steps cost the step boundary nothing and add no rows
     from probe.training import boundary
 
-    assert not sig.armed and sig.before_step not in boundary.before
+    assert sig.before_step not in boundary.before
+
+
+def test_the_update_is_measured_with_the_weights_size_and_charged_to_the_step_budget(setup):
+    # the measurement runs in the optimizer's pre-hook, outside the boundary the tracker times: it pays itself
+    from probe.util.budget import Budget
+
+    torch, model, opt, sig = setup
+    budget = Budget(0.01)
+    credit = budget.credit
+    sig.at_boundary(1, opt, budget)
+    before = model[0].weight.detach().clone()
+    opt.zero_grad()
+    _loss(torch, model, torch.randn(32, 6), torch.randint(0, 3, (32,))).backward()
+    sig.before_step(opt)
+    opt.step()
+    sig.before_step(opt)
+    assert budget.credit < credit
+    rows = sig.snapshot("updates")
+    assert rows["norm"][0] == pytest.approx(float(before.norm()), rel=1e-5)
 
 
 def test_a_clip_before_unscale_is_seen_and_its_norm_unscaled(setup):
