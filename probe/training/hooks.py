@@ -4,7 +4,7 @@
 imported the hooks go in at once, else a ``sys.meta_path`` finder waits for ``import
 torch`` to finish and installs them then (PROBE=1 starts the probe before the training
 script imports torch). The hooks: torch's global optimizer step pre-hook (the ``before_step``
-callbacks of ``boundary``) and post-hook (the step tracker, which passes the step boundary) and,
+callbacks of ``boundary``) and post-hook (the step tracker's ``on_optimizer_step``: the step boundary) and,
 on sampled steps only, the tracer's global module forward hooks.
 
 ``probe.step()`` and ``probe.watch()`` are for loops torch's hooks cannot see; ``InputCounter`` counts what goes
@@ -99,7 +99,7 @@ def _install(torch) -> None:
             tr = Tracer(torch)
             tk = StepTracker(torch, tr, InputCounter(torch))
             _state.update(tracker=tk, tracer=tr)
-            handle = topt.register_optimizer_step_post_hook(_post_hook)
+            handle = topt.register_optimizer_step_post_hook(tk.on_optimizer_step)  # no wrapper between: per step
             _state.update(installed=True, handle=handle, pre_handle=topt.register_optimizer_step_pre_hook(_pre_hook))
             agent_state.add_status_provider(status)
             agent_state.add_status_provider(finder.framework_status)  # a Trainer's own step beside probe's
@@ -123,20 +123,6 @@ def _pre_hook(optimizer, args, kwargs):
     if boundary.before:
         boundary.optimizer_starts(optimizer)
     return None
-
-
-def _post_hook(optimizer, args, kwargs):
-    """torch's global optimizer step post-hook: what ran before the step is undone (an lr override puts the
-    loop's rate back before the boundary reads it), then the step tracker's boundary."""
-    used = boundary.optimizer_ended(optimizer) if boundary.undo else None
-    tk = _state.get("tracker")
-    if tk is not None:
-        try:
-            if used is not None:
-                tk.lr_used(optimizer, used)
-            tk.on_optimizer_step(optimizer)
-        except Exception as exc:
-            record_error("torch optimizer step hook", exc)
 
 
 def pause() -> None:
@@ -164,7 +150,7 @@ def resume() -> None:
             return
         import torch.optim.optimizer as topt
 
-        _state["handle"] = topt.register_optimizer_step_post_hook(_post_hook)
+        _state["handle"] = topt.register_optimizer_step_post_hook(tk.on_optimizer_step)
         _state["pre_handle"] = topt.register_optimizer_step_pre_hook(_pre_hook)
         tk.reopen()
         tr.prepare(tk.step + 1)
@@ -371,6 +357,7 @@ class InputCounter:
         except Exception:
             self.counting = None
         handle, self._first = self._first, None
+        self.root = None  # ``watch`` hooks the model again (a resume)
         if handle is not None:
             try:
                 handle.remove()
