@@ -344,13 +344,14 @@ class StepTracker:
         if step >= self._replicas.next_step:  # torch.weight_sums: DDP replicas' checksums, the same steps on every rank
             self._replicas.at_boundary(step, duration_ns * 1e-9)
         asked = self._plan_next(step, t0, traced, step + 1 <= _FORCED or allowed)
+        callbacks = 0  # the callbacks' work (queued actions) is not the probe's overhead; t0 stays the step's end
         if _after:
             t1 = _perf_ns()
             _passed(step, frame, optimizer)
-            t0 += _perf_ns() - t1  # the callbacks' work (queued actions) is not the probe's overhead
+            callbacks = _perf_ns() - t1
         else:
             _passed(step)  # the heartbeats are the probe's own (the hang watchdog): their cost is the probe's
-        cost = _perf_ns() - t0
+        cost = _perf_ns() - t0 - callbacks
         self._spent = cost - asked if step > _FORCED else 0  # start-up (first scans, imports, traces) is not paced
         # the quick path may run until the budget could allow a measured step (once it has paid for this boundary,
         # which the next full one charges), and short of the next step due for a replica checksum or a trace the
