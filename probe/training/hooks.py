@@ -257,12 +257,12 @@ class InputCounter:
     """What goes into each training step, at the primary model's forward: micro-batches, samples and tokens.
 
     The primary model is the root model holding the lead optimizer's parameters (else the first model found).
-    Two forward pre-hooks sit on that one module, never a global hook: the counting hook on measured steps only
-    (each training forward call with a batch is a micro-batch, its first dimension the samples, an integer batch
-    of two or more dimensions token ids), and on every step the first-forward hook (``first_forward``: the step
-    tracker's ``data_wait`` clock, which sets it). Evaluation passes (no grad) are not micro-batches. ``take``
-    hands the step's counts to the boundary and starts the next step's. The step tracker holds one
-    (``StepTracker.inputs``), made here so that ``steps`` needs nothing of the hooks."""
+    Two watchers sit on that one module, never a global hook: the counting forward pre-hook on measured steps
+    only (each training forward call with a batch is a micro-batch, its first dimension the samples, an integer
+    batch of two or more dimensions token ids), and on every step the clock of its calls (``_clock``:
+    ``first_forward``, the step tracker's ``data_wait`` clock, which sets it). Evaluation passes (no grad) are not
+    micro-batches. ``take`` hands the step's counts to the boundary and starts the next step's. The step tracker
+    holds one (``StepTracker.inputs``), made here so that ``steps`` needs nothing of the hooks."""
 
     def __init__(self, torch):
         self.torch = torch
@@ -327,12 +327,32 @@ class InputCounter:
         self.close()
         try:
             self.root = weakref.ref(model)
-            self._first = model.register_forward_pre_hook(self.first_forward)
+            self._first = self._clock(model)
         except Exception as exc:
             record_error("torch steps: root model hook", exc)
             self.root = None
             return
         self.count(counting)
+
+    def _clock(self, model):
+        """Make every call of the root model note when it began (``first_forward``); returns what ``close`` undoes.
+
+        Through torch's own slot for a module's compiled call (``_compiled_call_impl``: unset unless
+        ``module.compile()`` set it, and left out when the module is pickled or copied) while it is free: a
+        forward pre-hook would put every call of the model on torch's slower path for hooked modules (a few µs
+        a step). Else (the slot taken, a module with its own ``__call__``) a forward pre-hook."""
+        module = self.torch.nn.Module
+        if type(model).__call__ is module.__call__ and vars(model).get("_compiled_call_impl", module) is module:
+            if getattr(model, "_compiled_call_impl", False) is None:
+                first, call, ref = self.first_forward, type(model)._call_impl, weakref.ref(model)  # no cycle
+
+                def clocked(*args, **kwargs):
+                    first(None, args)
+                    return call(ref(), *args, **kwargs)
+
+                model._compiled_call_impl = clocked
+                return clocked
+        return model.register_forward_pre_hook(self.first_forward)
 
     def count(self, on: bool) -> None:
         """Put the counting hook in (``on``) or take it out."""
@@ -351,15 +371,18 @@ class InputCounter:
                 self.root = None
 
     def close(self) -> None:
-        """Take both hooks out (the probe pauses, or the primary model changes)."""
+        """Take both watchers out (the probe pauses, or the primary model changes)."""
         try:
             self.count(False)
         except Exception:
             self.counting = None
         handle, self._first = self._first, None
+        model = self.root() if self.root is not None else None
         self.root = None  # ``watch`` hooks the model again (a resume)
-        if handle is not None:
-            try:
+        try:
+            if callable(getattr(handle, "remove", None)):
                 handle.remove()
-            except Exception:
-                pass
+            elif model is not None and vars(model).get("_compiled_call_impl") is handle:
+                del model._compiled_call_impl  # the class's None shows again (a compile since is left alone)
+        except Exception:
+            pass

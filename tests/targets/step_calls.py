@@ -4,11 +4,13 @@ Three Linear layers with in-place ReLUs, Adam, StepLR, cross-entropy, globals at
 ``--warmup`` steps it runs ``--steps`` steps with the probe's hooks running, as many paused, and as many after
 they resume, counting every call on the training thread in each step (``sys.setprofile``: Python functions and
 the builtins they call), and prints one JSON line: the median count per step of each arm, and of the steps after
-the resume, how many the probe measured and how many kept a loss and a data wait.
+the resume, how many the probe measured and how many kept a loss and a data wait, and whether the model copies.
 """
 
 import argparse
+import copy
 import json
+import pickle
 import statistics
 import sys
 
@@ -88,6 +90,7 @@ print(
             "measured": int(np.asarray(snap["measured"])[new].sum()),
             "with_loss": kept("loss"),
             "with_data_wait": kept("data_wait"),
+            "copies": len(pickle.dumps(copy.deepcopy(model))) > 0,  # the clock on the model is not copied
         }
     ),
     flush=True,

@@ -12,9 +12,9 @@ from conftest import TARGETS, requires_torch, run_target
 pytestmark = requires_torch
 
 # Calls the probe adds to an unmeasured step: the optimizer pre-hook (3), the backward wrapper with the loss's
-# read (4), the root model's first-forward hook with torch's slower module call path (7), the post-hook's quick
-# boundary with its row (10). One more is a call paid on every step of every probed job.
-ADDED_CALLS = 24
+# read (4), the root model's call clock (3), the post-hook's quick boundary with its row (10). One more is a
+# call paid on every step of every probed job.
+ADDED_CALLS = 20
 
 
 def test_an_unmeasured_step_adds_no_more_calls_than_the_quick_path_needs_and_keeps_its_core_signals(probe_env):
@@ -30,3 +30,5 @@ def test_an_unmeasured_step_adds_no_more_calls_than_the_quick_path_needs_and_kee
     assert counts["resumed"] == counts["on"], counts
     # and: every step after the resume still has its loss and its data wait (the root model is hooked again)
     assert counts["with_loss"] == counts["with_data_wait"] == 300, counts
+    # and: the model the probe clocks still copies and pickles
+    assert counts["copies"] is True, counts
