@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from time import perf_counter_ns as _perf_ns
 
 from .._core import state as agent_state
 from ..util.errorlog import record_error
@@ -259,14 +260,14 @@ class InputCounter:
     The primary model is the root model holding the lead optimizer's parameters (else the first model found).
     Two watchers sit on that one module, never a global hook: the counting forward pre-hook on measured steps
     only (each training forward call with a batch is a micro-batch, its first dimension the samples, an integer
-    batch of two or more dimensions token ids), and on every step the clock of its calls (``_clock``:
-    ``first_forward``, the step tracker's ``data_wait`` clock, which sets it). Evaluation passes (no grad) are not
-    micro-batches. ``take`` hands the step's counts to the boundary and starts the next step's. The step tracker
-    holds one (``StepTracker.inputs``), made here so that ``steps`` needs nothing of the hooks."""
+    batch of two or more dimensions token ids), and on every step the clock of its calls (``_clock``: ``began``,
+    when the step's first call began, which the step tracker reads for ``data_wait``). Evaluation passes (no
+    grad) are not micro-batches. ``take`` hands the step's counts to the boundary and starts the next step's. The
+    step tracker holds one (``StepTracker.inputs``), made here so that ``steps`` needs nothing of the hooks."""
 
     def __init__(self, torch):
         self.torch = torch
-        self.first_forward = None  # the every-step hook's callback: the step tracker's data_wait clock
+        self.began = 0  # perf_counter_ns when this step's first call of the model began (the tracker resets it)
         self.samples = 0.0
         self.tokens = 0.0
         self.micro_batches = 0
@@ -335,7 +336,7 @@ class InputCounter:
         self.count(counting)
 
     def _clock(self, model):
-        """Make every call of the root model note when it began (``first_forward``); returns what ``close`` undoes.
+        """Make the step's first call of the root model note when it began (``began``); returns what ``close`` undoes.
 
         Through torch's own slot for a module's compiled call (``_compiled_call_impl``: unset unless
         ``module.compile()`` set it, and left out when the module is pickled or copied) while it is free: a
@@ -344,15 +345,21 @@ class InputCounter:
         module = self.torch.nn.Module
         if type(model).__call__ is module.__call__ and vars(model).get("_compiled_call_impl", module) is module:
             if getattr(model, "_compiled_call_impl", False) is None:
-                first, call, ref = self.first_forward, type(model)._call_impl, weakref.ref(model)  # no cycle
+                call, ref, counter = type(model)._call_impl, weakref.ref(model), self  # no cycle through model
 
                 def clocked(*args, **kwargs):
-                    first(None, args)
+                    if not counter.began:
+                        counter.began = _perf_ns()
                     return call(ref(), *args, **kwargs)
 
                 model._compiled_call_impl = clocked
                 return clocked
-        return model.register_forward_pre_hook(self.first_forward)
+        return model.register_forward_pre_hook(self._began)
+
+    def _began(self, module, args) -> None:
+        """The forward pre-hook ``_clock`` falls back to."""
+        if not self.began:
+            self.began = _perf_ns()
 
     def count(self, on: bool) -> None:
         """Put the counting hook in (``on``) or take it out."""

@@ -80,7 +80,6 @@ class StepTracker:
         self._lead_id = None  # id() of the lead optimizer while it lives (its weakref's callback clears it)
         self.step_lr = None
         self._last_ns: int | None = None  # the last boundary (perf_counter_ns); None when the clock restarts
-        self._fwd_ns = 0  # when this step's first forward call began
         self._quick_ns = 0  # the quick boundaries' cost since the budget was settled
         self.wall_offset = time.time() - time.perf_counter()
         self._lead_name = None
@@ -105,7 +104,6 @@ class StepTracker:
         self._started_ns = time.perf_counter_ns()
         self.pending = Pending(self.ring, "torch steps")
         self.inputs = inputs  # hooks.InputCounter
-        inputs.first_forward = self._first_forward
         # the measured steps' jitter, from a generator of its own: the job's random stream is untouched
         self._coin = random.Random().random
         self._scan_due = 1
@@ -196,7 +194,8 @@ class StepTracker:
                             loss = capture.take()
                         except Exception as exc:  # the step's row is still written, without its loss
                             record_error("torch steps: loss", exc)
-                    fwd, self._fwd_ns = self._fwd_ns, 0
+                    inputs = self.inputs
+                    fwd, inputs.began = inputs.began, 0
                     _boundary.last_step = step  # nothing to run: no callback registered, heartbeats at full ones
                     cost = _perf_ns() - t0
                     self._quick_ns += cost
@@ -269,15 +268,10 @@ class StepTracker:
         self._frame_code = f.f_code if f is not None else None
         return f
 
-    # -- inputs: samples and tokens per step (``inputs``), and when the step's first forward began -------
+    # -- inputs: samples and tokens per step, and when the step's first forward began (``inputs``) -------
     def watch_roots(self) -> None:
         """Hook the primary model (``InputCounter``), counting the inputs if the next step is measured."""
         self.inputs.watch(self.lead_optimizer(), self.capture.wanted)
-
-    def _first_forward(self, module, args):
-        """Every step: when the primary model's first forward call of the step began (``data_wait``)."""
-        if not self._fwd_ns:
-            self._fwd_ns = _perf_ns()
 
     # -- the boundary -----------------------------------------------------------------------------
     def _measure(self, optimizer, now_ns: int):
@@ -302,7 +296,8 @@ class StepTracker:
             last = int(first * 1e9) if first is not None else self._started_ns
         self._last_ns = t0
         duration_ns = t0 - last if t0 > last else 0
-        fwd, self._fwd_ns = self._fwd_ns, 0
+        inputs = self.inputs
+        fwd, inputs.began = inputs.began, 0
         data_wait = (fwd - last) * 1e-9 if fwd > last else None
         capture = self.capture
         gap_from = self.budget.last_allowed_ns
