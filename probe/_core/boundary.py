@@ -105,9 +105,10 @@ class Boundary:
                 used = lr
         return used
 
-    def passed(self, step: int, frame=None, optimizer=None, quick: bool = False) -> None:
-        """Step ``step`` ended: the one place ``last_step`` is written. The ``after_step`` callbacks run (none
-        are registered on the step tracker's ``quick`` path), and the heartbeats, except on the quick path."""
+    def passed(self, step: int, frame=None, optimizer=None) -> None:
+        """Step ``step`` ended: ``last_step`` is written, the ``after_step`` callbacks and the heartbeats run. The
+        step tracker's quick path writes ``last_step`` alone: it runs only while no callback is registered, and
+        leaves the heartbeats to its full boundaries."""
         self.last_step = step
         if self.after:
             event = StepEvent(step, frame, optimizer)
@@ -116,7 +117,7 @@ class Boundary:
                     fn(event)
                 except Exception as exc:
                     record_error(f"step subscriber {_name(fn)}", exc)
-        if not quick and self.beats:
+        if self.beats:
             for fn in tuple(self.beats):
                 try:
                     fn(step)

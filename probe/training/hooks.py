@@ -4,7 +4,7 @@
 imported the hooks go in at once, else a ``sys.meta_path`` finder waits for ``import
 torch`` to finish and installs them then (PROBE=1 starts the probe before the training
 script imports torch). The hooks: torch's global optimizer step pre-hook (the ``before_step``
-callbacks of ``boundary``) and post-hook (the step tracker, which passes the step boundary) and,
+callbacks of ``boundary``) and post-hook (the step tracker's ``on_optimizer_step``: the step boundary) and,
 on sampled steps only, the tracer's global module forward hooks.
 
 ``probe.step()`` and ``probe.watch()`` are for loops torch's hooks cannot see; ``InputCounter`` counts what goes
@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from time import perf_counter_ns as _perf_ns
 
 from .._core import state as agent_state
 from ..util.errorlog import record_error
@@ -99,7 +100,7 @@ def _install(torch) -> None:
             tr = Tracer(torch)
             tk = StepTracker(torch, tr, InputCounter(torch))
             _state.update(tracker=tk, tracer=tr)
-            handle = topt.register_optimizer_step_post_hook(_post_hook)
+            handle = topt.register_optimizer_step_post_hook(tk.on_optimizer_step)  # no wrapper between: per step
             _state.update(installed=True, handle=handle, pre_handle=topt.register_optimizer_step_pre_hook(_pre_hook))
             agent_state.add_status_provider(status)
             agent_state.add_status_provider(finder.framework_status)  # a Trainer's own step beside probe's
@@ -123,20 +124,6 @@ def _pre_hook(optimizer, args, kwargs):
     if boundary.before:
         boundary.optimizer_starts(optimizer)
     return None
-
-
-def _post_hook(optimizer, args, kwargs):
-    """torch's global optimizer step post-hook: what ran before the step is undone (an lr override puts the
-    loop's rate back before the boundary reads it), then the step tracker's boundary."""
-    used = boundary.optimizer_ended(optimizer) if boundary.undo else None
-    tk = _state.get("tracker")
-    if tk is not None:
-        try:
-            if used is not None:
-                tk.lr_used(optimizer, used)
-            tk.on_optimizer_step(optimizer)
-        except Exception as exc:
-            record_error("torch optimizer step hook", exc)
 
 
 def pause() -> None:
@@ -164,7 +151,7 @@ def resume() -> None:
             return
         import torch.optim.optimizer as topt
 
-        _state["handle"] = topt.register_optimizer_step_post_hook(_post_hook)
+        _state["handle"] = topt.register_optimizer_step_post_hook(tk.on_optimizer_step)
         _state["pre_handle"] = topt.register_optimizer_step_pre_hook(_pre_hook)
         tk.reopen()
         tr.prepare(tk.step + 1)
@@ -271,16 +258,16 @@ class InputCounter:
     """What goes into each training step, at the primary model's forward: micro-batches, samples and tokens.
 
     The primary model is the root model holding the lead optimizer's parameters (else the first model found).
-    Two forward pre-hooks sit on that one module, never a global hook: the counting hook on measured steps only
-    (each training forward call with a batch is a micro-batch, its first dimension the samples, an integer batch
-    of two or more dimensions token ids), and on every step the first-forward hook (``first_forward``: the step
-    tracker's ``data_wait`` clock, which sets it). Evaluation passes (no grad) are not micro-batches. ``take``
-    hands the step's counts to the boundary and starts the next step's. The step tracker holds one
-    (``StepTracker.inputs``), made here so that ``steps`` needs nothing of the hooks."""
+    Two watchers sit on that one module, never a global hook: the counting forward pre-hook on measured steps
+    only (each training forward call with a batch is a micro-batch, its first dimension the samples, an integer
+    batch of two or more dimensions token ids), and on every step the clock of its calls (``_clock``: ``began``,
+    when the step's first call began, which the step tracker reads for ``data_wait``). Evaluation passes (no
+    grad) are not micro-batches. ``take`` hands the step's counts to the boundary and starts the next step's. The
+    step tracker holds one (``StepTracker.inputs``), made here so that ``steps`` needs nothing of the hooks."""
 
     def __init__(self, torch):
         self.torch = torch
-        self.first_forward = None  # the every-step hook's callback: the step tracker's data_wait clock
+        self.began = 0  # perf_counter_ns when this step's first call of the model began (the tracker resets it)
         self.samples = 0.0
         self.tokens = 0.0
         self.micro_batches = 0
@@ -341,12 +328,38 @@ class InputCounter:
         self.close()
         try:
             self.root = weakref.ref(model)
-            self._first = model.register_forward_pre_hook(self.first_forward)
+            self._first = self._clock(model)
         except Exception as exc:
             record_error("torch steps: root model hook", exc)
             self.root = None
             return
         self.count(counting)
+
+    def _clock(self, model):
+        """Make the step's first call of the root model note when it began (``began``); returns what ``close`` undoes.
+
+        Through torch's own slot for a module's compiled call (``_compiled_call_impl``: unset unless
+        ``module.compile()`` set it, and left out when the module is pickled or copied) while it is free: a
+        forward pre-hook would put every call of the model on torch's slower path for hooked modules (a few µs
+        a step). Else (the slot taken, a module with its own ``__call__``) a forward pre-hook."""
+        module = self.torch.nn.Module
+        if type(model).__call__ is module.__call__ and vars(model).get("_compiled_call_impl", module) is module:
+            if getattr(model, "_compiled_call_impl", False) is None:
+                call, ref, counter = type(model)._call_impl, weakref.ref(model), self  # no cycle through model
+
+                def clocked(*args, **kwargs):
+                    if not counter.began:
+                        counter.began = _perf_ns()
+                    return call(ref(), *args, **kwargs)
+
+                model._compiled_call_impl = clocked
+                return clocked
+        return model.register_forward_pre_hook(self._began)
+
+    def _began(self, module, args) -> None:
+        """The forward pre-hook ``_clock`` falls back to."""
+        if not self.began:
+            self.began = _perf_ns()
 
     def count(self, on: bool) -> None:
         """Put the counting hook in (``on``) or take it out."""
@@ -365,14 +378,18 @@ class InputCounter:
                 self.root = None
 
     def close(self) -> None:
-        """Take both hooks out (the probe pauses, or the primary model changes)."""
+        """Take both watchers out (the probe pauses, or the primary model changes)."""
         try:
             self.count(False)
         except Exception:
             self.counting = None
         handle, self._first = self._first, None
-        if handle is not None:
-            try:
+        model = self.root() if self.root is not None else None
+        self.root = None  # ``watch`` hooks the model again (a resume)
+        try:
+            if callable(getattr(handle, "remove", None)):
                 handle.remove()
-            except Exception:
-                pass
+            elif model is not None and vars(model).get("_compiled_call_impl") is handle:
+                del model._compiled_call_impl  # the class's None shows again (a compile since is left alone)
+        except Exception:
+            pass

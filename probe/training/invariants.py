@@ -8,8 +8,8 @@ for the doctor's rules to read. Nothing here raises into the training loop: erro
   that never gets one is cut off from the loss (a ``.detach()``, a NumPy round trip, a module never called).
 * ``grads_cleared``: in the two optimizer steps after a measured boundary (``_WINDOW_STEPS``), the gradient of
   one small trainable tensor was None or zero before autograd added to it. One tensor hook, armed at a measured
-  boundary and taken out at the next, looks at ``param.grad`` when its gradient arrives (after the window it
-  returns at once); on CUDA its verdict is copied without blocking and read at the next boundary.
+  boundary and taken out at the first boundary after the window, looks at ``param.grad`` when its gradient
+  arrives; on CUDA its verdict is copied without blocking and read at the next measured boundary.
 * ``accumulation``: with several backward passes per optimizer step, the watched gradient was found cleared at
   fewer of them than there were passes (a ``zero_grad()`` at every micro-batch); one optimizer found only.
 * ``backward_once``: no loss graph was backpropagated twice in one step (its gradients would count twice).
@@ -27,6 +27,7 @@ import time
 import weakref
 
 from . import finder
+from .._core.boundary import boundary
 from .weights import Updates, grouped
 from ..config import setting
 from ..util.errorlog import record_error
@@ -80,6 +81,7 @@ class _GradWatch:
                 now = clock()
                 if now - self.since >= _WINDOW_STEPS:  # the first backward after the window's steps
                     self.until = now
+                    boundary.after_step(self._unhook)  # else it would run at every backward until the next check
                     return None
             self.fired += 1
             p = self.param()
@@ -120,6 +122,11 @@ class _GradWatch:
             if bool(host.item()):
                 return True
         return False
+
+    def _unhook(self, event) -> None:
+        """The boundary after the window closed: the hook goes out (its counts stay for the verdict)."""
+        boundary.remove(self._unhook)
+        self.remove()
 
     def remove(self) -> None:
         try:

@@ -1,20 +1,16 @@
 """Step bookkeeping: one ``torch.steps`` row per training step, and the step boundary.
 
-What counts as a step: the *lead* optimizer's ``step()`` ends one (the optimizer given to
-``probe.watch(optimizer=...)``, else the first seen stepping); once a second optimizer steps, every optimizer step
-goes to ``steprows.cycle_step``, and a recognised iteration ends after its last optimizer step; gradient
-accumulation needs nothing (a step is N micro-batches, and ``micro_batches``, samples and tokens add up over
-them); once ``probe.step()`` is called, the explicit calls own the count.
+A step ends at the *lead* optimizer's ``step()`` (``probe.watch(optimizer=...)``'s, else the first seen
+stepping); with several optimizers ``steprows.cycle_step`` ends an iteration after its last one; gradient
+accumulation needs nothing (``micro_batches``, samples and tokens add up); ``probe.step()`` calls own the count.
 
 The core signals are recorded on every step: step count, step time, lr, the loss (``capture``: a CPU scalar read
 at once, a device one copied without blocking and read when ready), the time before the step's first forward call
-(``data_wait``); memory is read by ``steprows.MemoryClock``'s thread. The optional values
-(the grad norm, input counts, the frame-variable loss fallback) and the occasional work (discovery scans, module
-trace scheduling) run on the steps the ``PROBE_STEP_BUDGET`` bucket allows, and the row's ``measured`` flag says
-which. Measured steps are jittered (a coin at each allowed step), so a job's own period cannot line up with them.
-Each boundary's own cost is kept (``probe_us``). A step that is not measured, traced or waited on takes the quick
-path (``on_optimizer_step``): the exact values and nothing else, because on a fast loop that path is most steps.
-Values derived from others (``started_at``, the rates, ``rank``) are computed when a query asks.
+(``data_wait``); memory is read by ``steprows.MemoryClock``'s thread. The optional values (the grad norm, input
+counts, the frame-variable loss fallback) and the occasional work (discovery scans, module trace scheduling) run
+on the steps the ``PROBE_STEP_BUDGET`` bucket allows (the row's ``measured``), jittered by a coin so that a job's
+own period cannot line up with them. Each boundary's own cost is kept (``probe_us``). Other steps take the quick
+path (``on_optimizer_step``): the exact values only. ``started_at``, the rates and ``rank`` are derived at query.
 
 The hot path never synchronises with a device: device values are read once landed (``util.ring.Pending``), the
 ring holding None (SQL NULL) until then. A NaN or infinite loss is kept, so ``isnan(loss)`` finds where it went bad.
@@ -44,6 +40,7 @@ from ..util.usercode import user_frame
 
 _perf_ns = time.perf_counter_ns
 _after = _boundary.after  # the list itself (never rebound): one global read on the quick path
+_undo = _boundary.undo  # the dict itself (never rebound), likewise
 _passed = _boundary.passed
 
 _LAG = 2  # steps after which a pending value is read on the training thread
@@ -83,7 +80,6 @@ class StepTracker:
         self._lead_id = None  # id() of the lead optimizer while it lives (its weakref's callback clears it)
         self.step_lr = None
         self._last_ns: int | None = None  # the last boundary (perf_counter_ns); None when the clock restarts
-        self._fwd_ns = 0  # when this step's first forward call began
         self._quick_ns = 0  # the quick boundaries' cost since the budget was settled
         self.wall_offset = time.time() - time.perf_counter()
         self._lead_name = None
@@ -108,7 +104,6 @@ class StepTracker:
         self._started_ns = time.perf_counter_ns()
         self.pending = Pending(self.ring, "torch steps")
         self.inputs = inputs  # hooks.InputCounter
-        inputs.first_forward = self._first_forward
         # the measured steps' jitter, from a generator of its own: the job's random stream is untouched
         self._coin = random.Random().random
         self._scan_due = 1
@@ -171,63 +166,70 @@ class StepTracker:
     def lead_optimizer(self):
         return self.lead() if self.lead is not None else None
 
-    def on_optimizer_step(self, optimizer) -> None:
-        """torch's optimizer step post-hook lands here: the one place that decides which way a step ends.
+    def on_optimizer_step(self, optimizer, args=None, kwargs=None) -> None:
+        """torch's optimizer step post-hook, registered as it is: the one place that decides how a step ends.
 
-        The quick path, inline below, records the exact values (count, times, lr, loss, its own cost) and nothing
-        else; on a fast loop it is most steps, and every operation in it is paid per step. It runs when all hold:
+        The quick path, inline, records the exact values (count, times, lr, loss, its own cost), nothing else; on
+        a fast loop it is most steps, each operation paid per step. It runs while: ``_check_at`` (set by the last
+        full boundary's ``_plan_next``: nothing measured, traced or explicit is due, and the budget cannot allow a
+        measured step before then); ``_full_at`` (no replica checksum or asked-for trace due); the lead optimizer
+        stepped with a float lr and no override (``step_lr``); no ``after_step`` callback nor ``before_step`` undo.
 
-        * ``_check_at``: the last full boundary found that the next steps need nothing else (``_plan_next``: not
-          measured, traced or explicit, no trace hooks or device timings outstanding) and the budget cannot
-          allow a measured step before this time;
-        * ``_full_at``: no replica checksum and no trace the user asked for (PROBE_TRACE) is due at this step;
-        * the lead optimizer stepped, its lr is a float, no lr override set this step's (``step_lr``), and no
-          ``after_step`` callback waits at the boundary.
-
-        Otherwise: once a second optimizer steps, every optimizer step goes to ``steprows.cycle_step``; once
-        ``probe.step()`` owns the count, an optimizer step ends nothing; else the full ``boundary``."""
+        Otherwise the ``before_step`` undo runs (an lr override puts the loop's rate back, and says the rate the
+        step used), then ``_full``."""
         t0 = _perf_ns()
-        if t0 < self._check_at and self.step + 1 < self._full_at and id(optimizer) == self._lead_id:
-            lr = optimizer.param_groups[0]["lr"]
-            if type(lr) is float and self.step_lr is None and not _after:
-                self.step = step = self.step + 1
-                last = self._last_ns
-                self._last_ns = t0
-                capture = self.capture
-                if capture.closure_step:  # Lightning: a closure at every step
-                    capture.on_step_end()
-                loss = None
-                if capture.losses:  # every step (CPU scalars read when noted)
-                    try:
-                        loss = capture.take()
-                    except Exception as exc:  # the step's row is still written, without its loss
-                        record_error("torch steps: loss", exc)
-                fwd = self._fwd_ns
-                if fwd:
-                    self._fwd_ns = 0
-                _passed(step, None, None, True)
-                cost = _perf_ns() - t0
-                self._quick_ns += cost
-                self._append(
-                    step,
-                    t0 * 1e-9 + self.wall_offset,
-                    (t0 - last) * 1e-9,
-                    loss if type(loss) is float else None,
-                    None,
-                    lr,
-                    False,
-                    False,
-                    None,
-                    None,
-                    0,
-                    self._lead_name,
-                    None,
-                    cost * 1e-3,
-                    (fwd - last) * 1e-9 if fwd > last else None,
-                )
-                if type(loss) is tuple:  # a device loss: read when its copy has landed
-                    self._keep_pending(self.ring.count - 1, loss, None, None)
-                return
+        try:
+            if t0 < self._check_at and self.step + 1 < self._full_at and id(optimizer) == self._lead_id:
+                lr = optimizer.param_groups[0]["lr"]
+                if type(lr) is float and self.step_lr is None and not _after and not _undo:
+                    self.step = step = self.step + 1
+                    last = self._last_ns
+                    self._last_ns = t0
+                    capture = self.capture
+                    if capture.closure_step:  # Lightning: a closure at every step
+                        capture.on_step_end()
+                    loss = None
+                    if capture.losses:  # every step (CPU scalars read when noted)
+                        try:
+                            loss = capture.take()
+                        except Exception as exc:  # the step's row is still written, without its loss
+                            record_error("torch steps: loss", exc)
+                    inputs = self.inputs
+                    fwd, inputs.began = inputs.began, 0
+                    _boundary.last_step = step  # nothing to run: no callback registered, heartbeats at full ones
+                    cost = _perf_ns() - t0
+                    self._quick_ns += cost
+                    self._append(
+                        step,
+                        t0 * 1e-9 + self.wall_offset,
+                        (t0 - last) * 1e-9,
+                        loss if type(loss) is float else None,
+                        None,
+                        lr,
+                        False,
+                        False,
+                        None,
+                        None,
+                        0,
+                        self._lead_name,
+                        None,
+                        cost * 1e-3,
+                        (fwd - last) * 1e-9 if fwd > last else None,
+                    )
+                    if type(loss) is tuple:  # a device loss: read when its copy has landed
+                        self._keep_pending(self.ring.count - 1, loss, None, None)
+                    return
+            if _undo:
+                used = _boundary.optimizer_ended(optimizer)
+                if used is not None:
+                    self.lr_used(optimizer, used)
+            self._full(optimizer, t0)
+        except Exception as exc:
+            record_error("torch optimizer step hook", exc)
+
+    def _full(self, optimizer, t0: int) -> None:
+        """Once a second optimizer steps, every step goes to ``steprows.cycle_step``; once ``probe.step()`` owns
+        the count, an optimizer step ends nothing; else the full ``boundary``."""
         capture = self.capture
         if capture.closure_step:
             capture.on_step_end()
@@ -266,15 +268,10 @@ class StepTracker:
         self._frame_code = f.f_code if f is not None else None
         return f
 
-    # -- inputs: samples and tokens per step (``inputs``), and when the step's first forward began -------
+    # -- inputs: samples and tokens per step, and when the step's first forward began (``inputs``) -------
     def watch_roots(self) -> None:
         """Hook the primary model (``InputCounter``), counting the inputs if the next step is measured."""
         self.inputs.watch(self.lead_optimizer(), self.capture.wanted)
-
-    def _first_forward(self, module, args):
-        """Every step: when the primary model's first forward call of the step began (``data_wait``)."""
-        if not self._fwd_ns:
-            self._fwd_ns = _perf_ns()
 
     # -- the boundary -----------------------------------------------------------------------------
     def _measure(self, optimizer, now_ns: int):
@@ -299,7 +296,8 @@ class StepTracker:
             last = int(first * 1e9) if first is not None else self._started_ns
         self._last_ns = t0
         duration_ns = t0 - last if t0 > last else 0
-        fwd, self._fwd_ns = self._fwd_ns, 0
+        inputs = self.inputs
+        fwd, inputs.began = inputs.began, 0
         data_wait = (fwd - last) * 1e-9 if fwd > last else None
         capture = self.capture
         gap_from = self.budget.last_allowed_ns
@@ -341,13 +339,14 @@ class StepTracker:
         if step >= self._replicas.next_step:  # torch.weight_sums: DDP replicas' checksums, the same steps on every rank
             self._replicas.at_boundary(step, duration_ns * 1e-9)
         asked = self._plan_next(step, t0, traced, step + 1 <= _FORCED or allowed)
+        callbacks = 0  # the callbacks' work (queued actions) is not the probe's overhead; t0 stays the step's end
         if _after:
             t1 = _perf_ns()
             _passed(step, frame, optimizer)
-            t0 += _perf_ns() - t1  # the callbacks' work (queued actions) is not the probe's overhead
+            callbacks = _perf_ns() - t1
         else:
             _passed(step)  # the heartbeats are the probe's own (the hang watchdog): their cost is the probe's
-        cost = _perf_ns() - t0
+        cost = _perf_ns() - t0 - callbacks
         self._spent = cost - asked if step > _FORCED else 0  # start-up (first scans, imports, traces) is not paced
         # the quick path may run until the budget could allow a measured step (once it has paid for this boundary,
         # which the next full one charges), and short of the next step due for a replica checksum or a trace the
@@ -374,9 +373,7 @@ class StepTracker:
             data_wait,
         )
         self.memory.tick()
-        if (
-            type(loss_v) is tuple or measured or type(lr) is tuple
-        ):  # after the row is in: a query's resolve may fill it at once
+        if type(loss_v) is tuple or measured or type(lr) is tuple:  # after the row: a query may fill it at once
             self._keep_pending(row, loss_v, norm_v, lr)
 
     def _settle(self, t0: int, last: int) -> bool:

@@ -79,10 +79,16 @@ class Ring:
                 if self._dtypes[name].kind == "O":  # assigned element-wise: a tuple value stays one value
                     col = np.empty(n - skip, dtype=object)
                     col[:] = values
+                elif name in self.valid:
+                    missing = values.count(None)  # a C loop: a column wholly missing (or present) costs no look
+                    if missing == len(values):
+                        col = _NAN
+                        self.valid[name][idx] = False
+                    else:
+                        col = np.array(values, dtype=self._dtypes[name])  # None becomes NaN
+                        self.valid[name][idx] = _present(values, col) if missing else True
                 else:
-                    col = np.array(values, dtype=self._dtypes[name])  # None becomes NaN in float columns
-                    if name in self.valid:
-                        self.valid[name][idx] = _present(values, col)
+                    col = np.array(values, dtype=self._dtypes[name])
                 self.arrays[name][idx] = col
             self._stored += n
 

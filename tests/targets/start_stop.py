@@ -52,6 +52,7 @@ def what_is_installed() -> dict:
             for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
         ),
         "optimizer hooks": [len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)],
+        "module call slots": sorted(name for name, m in model.named_modules() if "_compiled_call_impl" in vars(m)),
         "backward": repr(torch.autograd.backward),
         "clip_grad_norm_": repr(torch.nn.utils.clip_grad_norm_),
         "GradScaler.scale": repr(torch.amp.GradScaler.scale),

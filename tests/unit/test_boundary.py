@@ -18,20 +18,20 @@ def boundary():
     return Boundary()  # a fresh one: the process's own is left as it was
 
 
-def test_after_step_runs_at_every_boundary_and_heartbeats_not_on_the_quick_path(boundary):
+def test_after_step_and_heartbeats_run_at_every_boundary_passed_until_removed(boundary):
     seen = []
     after, beat = (
         boundary.after_step(lambda e: seen.append(("after", e.step))),
         boundary.heartbeat(lambda step: seen.append(("beat", step))),
     )
     boundary.passed(1)
-    boundary.passed(2, quick=True)
-    assert seen == [("after", 1), ("beat", 1), ("after", 2)]
+    boundary.passed(2)
+    assert seen == [("after", 1), ("beat", 1), ("after", 2), ("beat", 2)]
     assert boundary.last_step == 2
     boundary.remove(after)
     boundary.remove(beat)
     boundary.passed(3)
-    assert len(seen) == 3 and boundary.last_step == 3
+    assert len(seen) == 4 and boundary.last_step == 3
 
 
 def test_a_registration_is_idempotent_and_removing_what_is_not_there_is_harmless(boundary):
@@ -120,7 +120,7 @@ def test_the_rate_a_before_step_undo_names_is_the_one_torch_steps_shows(monkeypa
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt.register_step_pre_hook(hooks._pre_hook)
-    opt.register_step_post_hook(hooks._post_hook)
+    opt.register_step_post_hook(tk.on_optimizer_step)
     used = []
 
     def hold(o):  # what the lr action does: the step runs at 0.05, the loop's 0.1 is back afterwards

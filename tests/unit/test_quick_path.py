@@ -36,7 +36,7 @@ def tracker(monkeypatch):
 
     def hook(opt):
         opt.register_step_pre_hook(hooks._pre_hook)
-        opt.register_step_post_hook(hooks._post_hook)
+        opt.register_step_post_hook(tk.on_optimizer_step)
 
     tk.hook = hook
     try:
