@@ -158,7 +158,7 @@ class Signals:
         self._refresh_at = 1
         self._phase = 0  # the update measured next: 1 before its step, 2 after it (its sample taken), 0 none
         self._update_step, self._lr = 0, None  # the step whose update is measured, and the lead optimizer's rate
-        self._budget = None  # the step budget (util.budget.Budget) the update's measurement is charged to
+        self.spent_ns = 0  # the update measurements' time since the tracker last took it into a step's probe_us
 
     # -- what the step saw (measured steps only) ----------------------------------------------------------------
     def on_input(self, x) -> None:
@@ -239,9 +239,9 @@ class Signals:
         return copy_off(self.torch, t) if t.is_cuda else None
 
     # -- the boundary ------------------------------------------------------------------------------------------
-    def at_boundary(self, step: int, optimizer, budget=None) -> None:
+    def at_boundary(self, step: int, optimizer) -> None:
         """A measured step's boundary: its batch and scaler rows (device samples once they have landed), and the
-        next optimizer step's update measured (its cost charged to ``budget``)."""
+        next optimizer step's update measured (its cost kept in ``spent_ns``)."""
         now = time.time()
         try:
             self._read_pending()
@@ -250,7 +250,6 @@ class Signals:
             if inp is not None or tgt is not None:
                 self._later(step, now, "batch", (inp, tgt))
             if optimizer is not None:
-                self._budget = budget
                 if self._opt is None or self._opt() is not optimizer or step >= self._refresh_at:
                     self._refresh_at = step + min(step, _REFRESH_MAX)
                     self._refresh(optimizer)
@@ -352,8 +351,8 @@ class Signals:
 
     def before_step(self, optimizer) -> None:
         """Before an optimizer step while an update is measured: the sample before the measured step (phase 1), then
-        before the next step of the same optimizer (after it; phase 2). Charged to the step budget: it runs outside
-        the boundary's timing."""
+        before the next step of the same optimizer (after it; phase 2). Outside the boundary's timing, so its time
+        goes to ``spent_ns``: the tracker adds it to a full boundary's probe_us, which the step budget is charged."""
         opt = self._opt() if self._opt is not None else None
         if optimizer is not opt:
             if opt is None:
@@ -385,8 +384,7 @@ class Signals:
             self._disarm()
             record_error("torch updates", exc)
         finally:
-            if self._budget is not None:
-                self._budget.spend(time.perf_counter_ns() - t0)
+            self.spent_ns += time.perf_counter_ns() - t0
 
     def _measure_update(self) -> None:
         torch = self.torch

@@ -335,7 +335,7 @@ class StepTracker:
             invariants.checks(self.torch).at_boundary(
                 step, optimizer, self.capture, lambda: self.step
             )  # torch.checks: cheap invariants of training
-            signals.signals(self.torch).at_boundary(step, optimizer, self.budget)  # torch.batches/updates/scaler
+            signals.signals(self.torch).at_boundary(step, optimizer)  # torch.batches/updates/scaler
         if step >= self._replicas.next_step:  # torch.weight_sums: DDP replicas' checksums, the same steps on every rank
             self._replicas.at_boundary(step, duration_ns * 1e-9)
         asked = self._plan_next(step, t0, traced, step + 1 <= _FORCED or allowed)
@@ -346,7 +346,11 @@ class StepTracker:
             callbacks = _perf_ns() - t1
         else:
             _passed(step)  # the heartbeats are the probe's own (the hang watchdog): their cost is the probe's
-        cost = _perf_ns() - t0 - callbacks
+        sig = signals.signals()  # an update measured in the optimizer's pre-hook since: the probe's work too
+        extra = sig.spent_ns if sig is not None else 0
+        if extra:
+            sig.spent_ns = 0
+        cost = _perf_ns() - t0 - callbacks + extra
         self._spent = cost - asked if step > _FORCED else 0  # start-up (first scans, imports, traces) is not paced
         # the quick path may run until the budget could allow a measured step (once it has paid for this boundary,
         # which the next full one charges), and short of the next step due for a replica checksum or a trace the
