@@ -15,6 +15,7 @@ __all__: list = []
 
 _BATCHES = 10  # measured steps in a row with one batch fingerprint, or single-class batches
 _SPAN = 10  # steps those measured steps must span at least
+_REPEATS = 3  # distinct batches seen again that show an epoch's order repeating (one batch again and again: same_batch)
 _UPDATES = 5  # measured updates in a row whose size is judged
 _SMALL = 1e-4  # an update below this fraction of the weights hardly moves them (~1e-3 is healthy)
 _LARGE = 0.1  # one above it rewrites a tenth of them in one step
@@ -78,6 +79,37 @@ HAVING r.step - min(b.step) >= {_SPAN} AND {_current("r")}""",
     next=[
         'probe {target} query "SELECT step, input_hash, target_hash FROM torch.batches ORDER BY step DESC LIMIT 10"',
         'probe {target} query "SELECT name, dataset_type, batch_size FROM torch.dataloaders"',
+    ],
+)
+
+rule(
+    "sampler_epoch_unset",
+    family="input",
+    severity="warning",
+    description=(
+        "A DataLoader's DistributedSampler shuffles, yet its epoch (torch.dataloaders.sampler_epoch) is still 0 while "
+        f"at least {_REPEATS} batches came back with the fingerprints they had before (torch.batches: the same samples "
+        "again, at measured steps apart): set_epoch is never called, so every epoch repeats the first one's order."
+    ),
+    sql=f"""
+WITH d AS (SELECT rank, name FROM torch.dataloaders
+           WHERE sampler = 'DistributedSampler' AND shuffle AND sampler_epoch = 0),
+k AS (  -- a batch seen again at a later measured step (its samples, in its order, came back), and how far apart
+  SELECT rank, input_hash, step, step - lag(step) OVER (PARTITION BY rank, input_hash ORDER BY step) AS gap
+  FROM torch.batches WHERE input_hash IS NOT NULL),
+r AS (SELECT rank, count(DISTINCT input_hash) AS repeated, min(gap) AS apart, max(step) AS step FROM k
+      WHERE gap IS NOT NULL GROUP BY rank HAVING count(DISTINCT input_hash) >= {_REPEATS})
+SELECT d.rank, r.step, d.name, r.repeated, r.apart FROM d JOIN r ON r.rank IS NOT DISTINCT FROM d.rank""",
+    message=(
+        "DataLoader {name} shuffles with a DistributedSampler whose epoch is still 0, and {repeated} batches came back "
+        "exactly as before (the same samples, at the closest {apart} steps apart; up to step {step}): "
+        "set_epoch(epoch) is never called, so every epoch visits the data in the first epoch's order. Call "
+        "sampler.set_epoch(epoch) at the start of each epoch, before iterating the loader."
+    ),
+    next=[
+        'probe {target} query "SELECT name, sampler, shuffle, sampler_epoch FROM torch.dataloaders"',
+        'probe {target} query "SELECT input_hash, count(*) AS seen, min(step), max(step) FROM torch.batches GROUP BY '
+        'ALL HAVING count(*) > 1"',
     ],
 )
 

@@ -58,6 +58,20 @@ from .registry import Column, table
         Column("persistent_workers", "BOOLEAN", "Whether the workers are kept between epochs."),
         Column("drop_last", "BOOLEAN", "Whether the last incomplete batch of an epoch is dropped."),
         Column(
+            "sampler", "VARCHAR", "Class of the sampler that orders the samples (DistributedSampler, RandomSampler)."
+        ),
+        Column(
+            "shuffle",
+            "BOOLEAN",
+            "Whether that sampler shuffles (RandomSampler, or a DistributedSampler's shuffle), NULL when unknown.",
+        ),
+        Column(
+            "sampler_epoch",
+            "BIGINT",
+            "The epoch a DistributedSampler was last given (set_epoch; its shuffle order is seeded by it): 0 at every "
+            "epoch when set_epoch is never called. NULL for samplers without one.",
+        ),
+        Column(
             "source", "VARCHAR", "Where the finder saw it: __main__ (a global), frame (the loop's locals) or framework."
         ),
     ],
@@ -95,6 +109,12 @@ def _row(found) -> dict:
         batch_size = obj.batch_size if obj.batch_size is not None else getattr(obj.batch_sampler, "batch_size", None)
         workers, pin, prefetch = obj.num_workers, obj.pin_memory, obj.prefetch_factor
         persistent, drop_last = obj.persistent_workers, obj.drop_last
+        sampler = vars(obj).get("batch_sampler") or vars(obj).get("sampler")
+    sampler = vars(sampler).get("sampler", sampler) if hasattr(sampler, "__dict__") else sampler  # a BatchSampler's
+    own = vars(sampler) if hasattr(sampler, "__dict__") else {}  # plain attributes only: no property runs here
+    shuffle = own.get("shuffle")
+    if shuffle is None and type(sampler).__name__ in ("RandomSampler", "SequentialSampler"):
+        shuffle = type(sampler).__name__ == "RandomSampler"
     return {
         "name": found.name,
         "loader_type": type(obj).__name__,
@@ -106,6 +126,9 @@ def _row(found) -> dict:
         "prefetch_factor": _int(prefetch) if workers else None,  # torch keeps its default 2 with no workers
         "persistent_workers": _bool(persistent),
         "drop_last": _bool(drop_last),
+        "sampler": type(sampler).__name__ if sampler is not None else None,
+        "shuffle": shuffle if type(shuffle) is bool else None,
+        "sampler_epoch": _int(own.get("epoch")) if "num_replicas" in own else None,
         "source": found.source,
     }
 

@@ -2,8 +2,7 @@
 
 A Lightning ``Trainer``, a transformers ``Trainer`` and an accelerate ``Accelerator`` are recognised by module and
 class name (``framework_of``: nothing here imports torch or a framework); ``framework_items`` lists what each
-holds, ``unwrap_optimizer`` and ``unwrap_scheduler`` reach through a wrapper to the object that owns the state,
-``objects_of`` and ``restore_counters`` serve the checkpoint action.
+holds, ``unwrap_optimizer``/``unwrap_scheduler`` reach the object that owns the state through a wrapper.
 
 Under FSDP2 parameters, gradients and optimizer state are DTensors, and any reduction of one is a collective
 issued on this rank alone (the job hangs). The probe reads the local shard instead (``_local_tensor``, no
@@ -314,8 +313,9 @@ def _frame_text(f: dict) -> str:
 
 
 # probe's wrappers that a user's call passes through on its way to torch (its backward, GradScaler.scale,
-# clip_grad_norm_, a probe.span): a collective below them is the user's
+# clip_grad_norm_, a probe.span, the root model's call clock): a collective below them is the user's
 _PASS_THROUGH = {
+    ("hooks.py", "clocked"),
     ("capture.py", "backward"),
     ("capture.py", "scale_"),
     ("capture.py", "clip_grad_norm_"),

@@ -51,6 +51,7 @@ ERRORS = [
     ("deepspeed_697", "loss_scale_collapsed", ["the loss scale has collapsed", "steps were skipped"]),
     ("opennmt_805", "update_too_large", ["the optimizer steps rewrite the weights", "The learning rate (1)"]),
     ("kaggle_12", "loss_at_chance", ["chance level for 10 classes"]),
+    ("dalle_230", "sampler_epoch_unset", ["DistributedSampler whose epoch is still 0", "set_epoch(epoch)"]),
     ("langmodel_3", "update_too_large", ["features.conv2.weight grew", "The learning rate (1)"]),
 ]
 
@@ -75,7 +76,7 @@ GROUPS = [
         "agcn_4",
         "langmodel_3",
     ],
-    ["nni_4521", "m2_71", "farm_46", "pytorch_54765", "llama_scratch_5", "deepspeed_697"],
+    ["nni_4521", "m2_71", "farm_46", "pytorch_54765", "llama_scratch_5", "dalle_230", "deepspeed_697"],
     ["lomo_50", "iterfcn_7", "unet_468", "kaggle_12", "transferlearning_182"],
     ["gpjax_96", "normface_4", "lightning_9599", "megatron_579", "opennmt_805", "halo_13"],
 ]

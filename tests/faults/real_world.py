@@ -95,6 +95,9 @@ The errors (tests/faults/corpus.py gives the doctor rule that must name each, an
   over, and perplexity stays high. https://github.com/OpenNMT/OpenNMT-py/issues/805
 * ``langmodel_3``: a config file's learning rate of 1.0 given to Adam, from the phase's start: the loss does not go
   down (the fix: Adam's default 1e-3). https://github.com/rajveermalviya/language-modeling/issues/3
+* ``dalle_230``: a DistributedSampler shuffles the training set, and ``set_epoch`` is never called: every epoch
+  visits the samples in the first epoch's order (here one rank, ``num_replicas=1``, and 10 batches an epoch).
+  https://github.com/lucidrains/DALLE-pytorch/pull/230, https://github.com/pytorch/pytorch/issues/31771
 * ``kaggle_12``: the images are shuffled after the labels were taken from the raw table, so each image gets another
   image's label: the labels do not track the inputs and the model cannot beat chance on its own training data.
   https://github.com/Borda/kaggle_image-classify/pull/12
@@ -113,7 +116,7 @@ from collections import OrderedDict
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 ERRORS = (
     "so_60335387",
@@ -147,6 +150,7 @@ ERRORS = (
     "opennmt_805",
     "langmodel_3",
     "kaggle_12",
+    "dalle_230",
 )
 AMP = ("unet_468", "lightning_9599", "deepspeed_697")  # autocast (bfloat16 on CPU; deepspeed_697 float16), a GradScaler
 
@@ -230,6 +234,10 @@ class Phase:
             y = torch.arange(CLASSES).repeat_interleave(64)
             ordered = TensorDataset(templates[y] + 0.5 * torch.randn(len(y), 1, 12, 12), y)
             self.loader = DataLoader(ordered, batch_size=32, shuffle=True)
+        elif error == "dalle_230":  # one rank of a distributed loader: its sampler shuffles by the epoch it is given
+            data = TensorDataset(*batch(320))
+            self.loader = DataLoader(data, batch_size=32, sampler=DistributedSampler(data, 1, 0, shuffle=True))
+        self.epoch = 0
         self.cached = None  # gpjax_96: the one batch drawn
         if error == "forum_153740":
             kw["weight_decay"] = 5e-4
@@ -296,6 +304,9 @@ class Phase:
                 b = next(self.batches, None)
                 if b is not None:
                     return b
+            if e == "dalle_230" and self.fixed:
+                self.epoch += 1
+                self.loader.sampler.set_epoch(self.epoch)  # the fix: each epoch in its own order
             self.batches = iter(self.loader)  # the next epoch
             return next(self.batches)
         if self.cached is not None:

@@ -168,3 +168,25 @@ def test_loss_scale_collapsed_needs_a_scale_below_one_still_falling():
     assert not _collapsed(steady + falling[:3])  # 8192 to 256: still a working scale
     assert not _collapsed(steady + falling + [(None, s, 0.0, falling[-1][3], False, None) for s in range(31, 36)])
     assert not _collapsed(steady + falling, last=50)
+
+
+LOADERS = "rank INTEGER, name VARCHAR, sampler VARCHAR, shuffle BOOLEAN, sampler_epoch BIGINT"
+
+
+def _epochs(loaders, rows):
+    return rule_rows("sampler_epoch_unset", {"torch.dataloaders": (LOADERS, loaders), "torch.batches": (BATCHES, rows)})
+
+
+def test_sampler_epoch_unset_needs_a_shuffling_distributed_sampler_at_epoch_0_and_batches_that_came_back():
+    # given: an epoch of 10 batches, measured at every third step: from step 11 on, each batch is one seen 10 before
+    rows = [(None, s, 0.0, f"b{s % 10}", f"t{s % 10}", 32.0, 10.0, 1.0, 0.2) for s in range(1, 60, 3)]
+    unset = [(None, "loader", "DistributedSampler", True, 0)]
+    (f,) = _epochs(unset, rows)
+    assert (f["name"], f["step"], f["repeated"], f["apart"]) == ("loader", 58, 10, 30), f
+    # quiet: set_epoch called (epoch 5); a sampler that does not shuffle; a RandomSampler (a new order every epoch:
+    # no batch comes back); the first epoch alone; one batch again and again (same_batch's)
+    assert not _epochs([(None, "loader", "DistributedSampler", True, 5)], rows)
+    assert not _epochs([(None, "loader", "DistributedSampler", False, 0)], rows)
+    assert not _epochs([(None, "loader", "RandomSampler", True, None)], rows)
+    assert not _epochs(unset, [r for r in rows if r[1] <= 10])
+    assert not _epochs(unset, [(None, s, 0.0, "one", "t", 32.0, 10.0, 1.0, 0.2) for s in range(1, 60)])
