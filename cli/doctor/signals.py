@@ -193,7 +193,7 @@ p AS (SELECT w.rank, w.parameter, median(w.ratio) AS ratio, median(w.grad_ratio)
       FROM w LEFT JOIN j ON j.rank IS NOT DISTINCT FROM w.rank AND j.parameter = w.parameter
       GROUP BY w.rank, w.parameter),
 hit AS (SELECT rank, count(*) AS tensors, count(*) FILTER (WHERE {cond}) AS n, median(ratio) AS med,
-               string_agg(parameter || ' ' || {label}, ', ' ORDER BY ratio)
+               string_agg(parameter || ' ' || {label}, ', ' ORDER BY ratio, growth DESC, parameter)
                    FILTER (WHERE {cond}) AS names
         FROM p GROUP BY rank),
 span AS (SELECT rank, min(step) AS since, max(step) AS step, count(DISTINCT step) AS steps, arg_max(lr, step) AS lr
