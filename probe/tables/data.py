@@ -109,7 +109,9 @@ def _row(found) -> dict:
         batch_size = obj.batch_size if obj.batch_size is not None else getattr(obj.batch_sampler, "batch_size", None)
         workers, pin, prefetch = obj.num_workers, obj.pin_memory, obj.prefetch_factor
         persistent, drop_last = obj.persistent_workers, obj.drop_last
-        sampler = vars(obj).get("batch_sampler") or vars(obj).get("sampler")
+        sampler = vars(obj).get("batch_sampler")  # never its truth value: len() would run the user's sampler
+        if sampler is None:
+            sampler = vars(obj).get("sampler")
     sampler = vars(sampler).get("sampler", sampler) if hasattr(sampler, "__dict__") else sampler  # a BatchSampler's
     own = vars(sampler) if hasattr(sampler, "__dict__") else {}  # plain attributes only: no property runs here
     shuffle = own.get("shuffle")

@@ -2,12 +2,17 @@
 names each with the rule the corpus gives (tests/faults/corpus.py) and the names the user needs, and the healthy
 twins (the same script with --fixed) get nothing above info. A group of errors runs as phases of one process (the
 test tells the target when to go on: a file per phase), then the group's twins run the same way, each phase as
-far past its onset as its error took to be named. Each phase prints the steps and seconds from the error's onset
-to the doctor naming it (docs/doctor.md has the table)."""
+far past its onset as its error took to be named. The input-bound errors of the starved group run on a core the
+job shares with a CPU hog. Each phase prints the steps and seconds from the error's onset to the doctor naming it
+(docs/doctor.md has the table)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -16,7 +21,7 @@ from _doctor import above_info, doctor
 from harness import max_step, stop_groups
 from conftest import ROOT, poll, requires_torch
 
-from faults.corpus import ERRORS, GROUPS
+from faults.corpus import ERRORS, GROUPS, STARVED
 
 pytestmark = requires_torch
 SCRIPT = ROOT / "tests" / "faults" / "real_world.py"
@@ -51,7 +56,7 @@ def _named(cli, pid, rule, words, onset_step):
 
 
 def test_the_corpus_is_grouped_and_cited():
-    grouped = [e for g in GROUPS for e in g]
+    grouped = [e for g in GROUPS + STARVED for e in g]
     assert sorted(grouped) == sorted(RULES), "every corpus error runs in exactly one group"
     text = SCRIPT.read_text()
     for error in RULES:
@@ -62,12 +67,43 @@ def test_the_corpus_is_grouped_and_cited():
 @pytest.mark.phases
 @pytest.mark.parametrize("group", GROUPS, ids=[g[0] for g in GROUPS])
 def test_the_doctor_names_real_world_errors_and_not_their_healthy_twins(spawn, cli, tmp_path, group):
+    _named_and_twins_quiet(spawn, cli, tmp_path, group)
+
+
+@pytest.mark.phases
+@pytest.mark.parametrize("group", STARVED, ids=[g[0] for g in STARVED])
+def test_input_bound_jobs_on_a_starved_core_are_named_input_bound_and_starved(spawn, cli, tmp_path, group):
+    """Each job, and its twin, shares one core with a CPU hog (both pinned there): an input-bound loop there is named
+    input bound and starved at once, and the twin (its samples prepared once) is not called input bound."""
+    cpu = min(os.sched_getaffinity(0))
+    with _hog(cpu):
+        _named_and_twins_quiet(spawn, cli, tmp_path, group, cpu=cpu)
+
+
+@contextlib.contextmanager
+def _hog(cpu: int):
+    # in a session of its own, as the job is: with autogroup scheduling each session has an equal share of the core
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        os.sched_setaffinity(hog.pid, {cpu})
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+def _named_and_twins_quiet(spawn, cli, tmp_path, group, cpu=None):
+    """The group's errors as phases of one job, each named; then the twins as phases of another, each as far past
+    its onset as its error took to be named, with nothing above info. ``cpu``: both jobs are pinned to that core, and
+    the twins are not input bound either (a rule about the host that ``above_info`` leaves out)."""
     nxt = tmp_path / "next"
     nxt.mkdir()
     # given: the group's errors, one phase each
     job = spawn(
         [SCRIPT, "--errors", ",".join(group), "--next-dir", nxt], env={"PROBE": "1"}, ready="ready", timeout=180
     )
+    if cpu is not None:
+        os.sched_setaffinity(job.pid, {cpu})
     took, missed = {}, []
     for error in group:
         rule, words = RULES[error]
@@ -102,6 +138,8 @@ def test_the_doctor_names_real_world_errors_and_not_their_healthy_twins(spawn, c
         ready="ready",
         timeout=180,
     )
+    if cpu is not None:
+        os.sched_setaffinity(twin.pid, {cpu})
     for error in group:
         onset_step, _ = _onset(twin, error)
         assert poll(
@@ -111,4 +149,6 @@ def test_the_doctor_names_real_world_errors_and_not_their_healthy_twins(spawn, c
         )
         findings = doctor(cli, twin.pid)["findings"]
         assert not above_info(findings), (error, findings)
+        if cpu is not None:  # the twin of an input-bound loop: no longer input bound
+            assert not [f for f in findings if f["rule"] == "input_bound"], (error, findings)
         (fixed / error).touch()

@@ -51,6 +51,8 @@ ERRORS = [
     ("deepspeed_697", "loss_scale_collapsed", ["the loss scale has collapsed", "steps were skipped"]),
     ("opennmt_805", "update_too_large", ["the optimizer steps rewrite the weights", "The learning rate (1)"]),
     ("kaggle_12", "loss_at_chance", ["chance level for 10 classes"]),
+    ("barc_9", "input_bound", ["outside forward/backward", "batch_size 32", "num_workers=0", "starved too"]),
+    ("dope_88", "input_bound", ["outside forward/backward", "batch_size 64", "num_workers=0", "starved too"]),
     ("dalle_230", "sampler_epoch_unset", ["DistributedSampler whose epoch is still 0", "set_epoch(epoch)"]),
     ("langmodel_3", "update_too_large", ["features.conv2.weight grew", "The learning rate (1)"]),
 ]
@@ -80,3 +82,7 @@ GROUPS = [
     ["lomo_50", "iterfcn_7", "unet_468", "kaggle_12", "transferlearning_182"],
     ["gpjax_96", "normface_4", "lightning_9599", "megatron_579", "opennmt_805", "halo_13"],
 ]
+
+# the errors of a job that shares its core with a CPU hog (tests/doctor/test_doctor_corpus.py pins both): a loop
+# that is input bound on a starved host, where the doctor must say both
+STARVED = [["barc_9", "dope_88"]]

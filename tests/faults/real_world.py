@@ -98,6 +98,13 @@ The errors (tests/faults/corpus.py gives the doctor rule that must name each, an
 * ``dalle_230``: a DistributedSampler shuffles the training set, and ``set_epoch`` is never called: every epoch
   visits the samples in the first epoch's order (here one rank, ``num_replicas=1``, and 10 batches an epoch).
   https://github.com/lucidrains/DALLE-pytorch/pull/230, https://github.com/pytorch/pytorch/issues/31771
+* ``barc_9``: every sample is prepared on the CPU when the loader reads it, with ``num_workers=0``: the training
+  thread decodes and augments each batch itself, and here it also shares its core with another process (the test
+  pins a CPU hog beside it): the job is input bound and starved at once. https://github.com/runa91/barc_release/issues/9
+  ("data preparation is done on cpu and takes a while"; the twin keeps the prepared samples in memory)
+* ``dope_88``: batches loaded on the training thread (``num_workers`` set to 0), on a shared core as ``barc_9``:
+  the GPU there waited on every batch. https://github.com/NVlabs/Deep_Object_Pose/issues/88 (the twin: the data
+  held in memory, as the thread's fix loaded it)
 * ``kaggle_12``: the images are shuffled after the labels were taken from the raw table, so each image gets another
   image's label: the labels do not track the inputs and the model cannot beat chance on its own training data.
   https://github.com/Borda/kaggle_image-classify/pull/12
@@ -151,6 +158,8 @@ ERRORS = (
     "langmodel_3",
     "kaggle_12",
     "dalle_230",
+    "barc_9",
+    "dope_88",
 )
 AMP = ("unet_468", "lightning_9599", "deepspeed_697")  # autocast (bfloat16 on CPU; deepspeed_697 float16), a GradScaler
 
@@ -175,6 +184,27 @@ templates = torch.randn(CLASSES, 1, 12, 12)
 def batch(n=32):
     y = torch.randint(0, CLASSES, (n,))
     return templates[y] + 0.5 * torch.randn(n, 1, 12, 12), y
+
+
+class Decoded(torch.utils.data.Dataset):
+    """barc_9, dope_88: samples prepared on the CPU when they are read (a decode and its augmentations: ``work``
+    iterations of Python a sample, about a millisecond for 20,000), or with ``cached`` prepared once and kept."""
+
+    def __init__(self, n: int, work: int, cached: bool):
+        self.x, self.y = batch(n)
+        self.work, self.cached = work, cached
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        x = self.x[i]
+        if not self.cached:
+            acc = 0
+            for k in range(self.work):  # the per-sample preparation, on the training thread (no workers)
+                acc += k * k % 7
+            x = x + 0.0 * acc
+        return x, self.y[i]
 
 
 class Net(nn.Module):
@@ -293,6 +323,9 @@ class Phase:
             self.batches = None
         elif e == "gpjax_96" and not fixed:
             self.cached = batch()
+        elif e in ("barc_9", "dope_88"):  # from the onset its batches come from a loader with no workers
+            size, work = (32, 20000) if e == "barc_9" else (64, 10000)
+            self.loader = DataLoader(Decoded(20 * size, work, cached=fixed), batch_size=size, shuffle=True)
 
     def draw(self):
         """The step's batch, as the phase's loop gets it."""

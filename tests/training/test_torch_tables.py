@@ -104,12 +104,15 @@ def test_train_gpt_tables(spawn, cli):
 
     # then: the loader, a global, once: the loop's ``data = iter(train_loader)`` is the same loader's iterator
     (loader,) = query_json(cli, proc.pid, "SELECT * FROM torch.dataloaders")
-    assert {k: loader[k] for k in ("name", "loader_type", "dataset_type", "batch_size", "num_workers", "source")} == {
+    keys = ("name", "loader_type", "dataset_type", "batch_size", "num_workers", "sampler", "shuffle", "source")
+    assert {k: loader[k] for k in keys} == {
         "name": "train_loader",
         "loader_type": "DataLoader",
         "dataset_type": "ArithmeticSequences",
         "batch_size": 16,
         "num_workers": 0,
+        "sampler": "_InfiniteConstantSampler",  # an IterableDataset's: it has no order of its own, nor a length
+        "shuffle": None,
         "source": "__main__",
     }
 
@@ -158,6 +161,9 @@ def test_dataloaders_table_describes_a_loader_kept_as_its_iterator(spawn, cli):
             "prefetch_factor": None,
             "persistent_workers": False,
             "drop_last": False,
+            "sampler": "SequentialSampler",
+            "shuffle": False,
+            "sampler_epoch": None,
             "source": "__main__",
         }
     ]
