@@ -135,6 +135,9 @@ STEP_BUDGET = {
 }
 # memory_growth reads the memory of the last 30 s and needs 3 s of them after step 100: a floor under each step's time
 # makes the 140 leaking steps before "planted" last 4 s or more however fast the machine is
+# and grad_norm_zero's norms are paced by a budget of their own (PROBE_GRAD_NORM, a share of step time that a
+# loaded host's slower norms use up): every measured step computes one
+GRAD_NORM = {"grad_zero": "all"}
 STEP_SLEEP = {"memory_growth": "0.03"}
 # a slowdown is judged against the earlier steps' median: enough fast steps first keep it visible for ~20 s, not ~5 s
 FAULT_STEP = {"slowdown": "150"}
@@ -150,4 +153,6 @@ def plant(fault: str) -> tuple[list, dict]:
         env["PROBE_TRACE"] = TRACE_EVERY[fault]
     if fault in STEP_BUDGET:
         env["PROBE_STEP_BUDGET"] = STEP_BUDGET[fault]
+    if fault in GRAD_NORM:
+        env["PROBE_GRAD_NORM"] = GRAD_NORM[fault]
     return args, env
