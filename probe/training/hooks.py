@@ -254,6 +254,10 @@ def watch(model=None, optimizer=None, scheduler=None, scaler=None) -> None:
 _TOKEN_DTYPES = ("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64")
 
 
+def _never() -> bool:
+    return False
+
+
 class InputCounter:
     """What goes into each training step, at the primary model's forward: micro-batches, samples and tokens.
 
@@ -275,11 +279,16 @@ class InputCounter:
         self.counting = None  # the counting hook's handle, present on measured steps only
         self._first = None  # the first-forward hook's handle
         self._token_dtypes = {getattr(torch, n) for n in _TOKEN_DTYPES if hasattr(torch, n)}
+        # True while dynamo traces a compiled function that calls the model: the watchers then do nothing, so
+        # that they add no graph break (an error under fullgraph=True) and no guard on their state (torch < 2.3:
+        # torch.compiler.is_compiling is missing, and they break the graph as any hook does)
+        compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+        self._compiling = compiling if callable(compiling) else _never
 
     def pre_hook(self, module, args, kwargs):
         """The counting hook: one training forward call of the primary model."""
         torch = self.torch
-        if not torch.is_grad_enabled():
+        if self._compiling() or not torch.is_grad_enabled():
             return None  # an evaluation pass is not a training micro-batch
         x = args[0] if args else next(iter(kwargs.values()), None) if kwargs else None
         if type(x) is dict:
@@ -346,9 +355,10 @@ class InputCounter:
         if type(model).__call__ is module.__call__ and vars(model).get("_compiled_call_impl", module) is module:
             if getattr(model, "_compiled_call_impl", False) is None:
                 call, ref, counter = type(model)._call_impl, weakref.ref(model), self  # no cycle through model
+                compiling = self._compiling
 
                 def clocked(*args, **kwargs):
-                    if not counter.began:
+                    if not compiling() and not counter.began:  # compiling first: no read of ``began`` traced
                         counter.began = _perf_ns()
                     return call(ref(), *args, **kwargs)
 
@@ -358,7 +368,7 @@ class InputCounter:
 
     def _began(self, module, args) -> None:
         """The forward pre-hook ``_clock`` falls back to."""
-        if not self.began:
+        if not self._compiling() and not self.began:
             self.began = _perf_ns()
 
     def count(self, on: bool) -> None:

@@ -78,6 +78,18 @@ def _dynamo(cli, pid) -> dict:
     return ast.literal_eval(r.stdout.strip())
 
 
+def test_a_fullgraph_compiled_step_that_calls_the_model_trains_probed(spawn, cli):
+    # given: the loss function that calls the root model compiled with fullgraph=True (a graph break is an error),
+    # at defaults (the first steps measured): the probe's watchers on the root model run inside it
+    p = spawn([COMPILED, "--fullgraph-step"], env={"PROBE": "1"}, timeout=240)
+    # then: it trains on, each step with its loss
+    p.wait_for("step 300 ", timeout=120)
+    rows = query_json(cli, p.pid, "SELECT count(*) AS n, count(loss) AS losses FROM torch.steps WHERE step <= 300")
+    assert rows == [{"n": 300, "losses": 300}], rows
+    assert query_json(cli, p.pid, "SELECT source, message FROM probe.errors") == []
+    assert not [line for line in p.lines if "Unsupported" in line or "Traceback" in line], p.lines[-20:]
+
+
 def test_queries_and_traced_steps_cause_no_recompilation(spawn, cli, tmp_path):
     # given: a compiled model, module tracing going on and off every 3 steps
     p = spawn([COMPILED, "--step-sleep", "0.01"], env={"PROBE": "1", "PROBE_TRACE": "3"}, timeout=240)
