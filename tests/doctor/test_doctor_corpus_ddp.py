@@ -16,7 +16,7 @@ import time
 import pytest
 from conftest import ROOT, poll, requires_torch
 from faults.corpus_ddp import DDP_ERRORS
-from _ranks import ddp_job
+from _ranks import ddp_job, view
 
 pytestmark = requires_torch
 SCRIPT = str(ROOT / "tests" / "faults" / "real_world_ddp.py")
@@ -144,17 +144,12 @@ def test_ranks_fed_the_same_batches(error):
         if error == "same_data_dropout":  # from the inputs: the losses differ
             assert found["evidence"]["basis"] == "inputs", found
             # and: the ranks' losses differed at every step since the onset that both have
-            r = job.cli(
-                "--ranks",
-                "all",
-                "--format",
-                "json",
-                "query",
+            (row,) = view(
+                job,
                 "SELECT count(*) AS steps, count(*) FILTER (WHERE losses = 2) AS differ FROM (SELECT step, "
                 f"count(DISTINCT loss) AS losses FROM torch.steps WHERE step >= {at[0]} GROUP BY step "
                 "HAVING count(*) = 2)",
             )
-            (row,) = json.loads(r.stdout)
             assert row["steps"] > 0 and row["differ"] == row["steps"], row
 
 
