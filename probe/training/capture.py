@@ -86,6 +86,7 @@ class Capture:
         self.Tensor = torch.Tensor
         self.losses: list = []  # this step's backpropagated scalars (floats, or detached tensors), summed at its end
         self.closure_step = False  # inside optimizer.step(closure): only the closure's first backward counts
+        self.closures = False  # whether the loop has passed a closure (the pre-hook then stays in)
         self._scaled = None  # (weakref to GradScaler.scale's output, the loss it scaled)
         self.ends_step = None  # the tracker's: whether an optimizer step now ends the step (and takes its loss)
         self.wanted = True  # whether the step in progress is measured (its optional values read)
@@ -137,15 +138,12 @@ class Capture:
         """The step pre-hook, on a step given a closure (or after one that raised): whether it evaluates one."""
         self.closure_step = closure is not None
         self._closure_taken = False
-
-    def on_step_end(self) -> None:
-        self.closure_step = False
+        self.closures |= self.closure_step
 
     def saw_backward(self, tensors, grad_tensors) -> None:
-        """A ``torch.autograd.backward`` call (the wrapper's, before the backward runs): note its scalar as part of
-        the step's loss. Runs on every backward call, so the common case (``loss.backward()`` on a plain tensor) is
-        checked first: a CPU scalar read as a float at once, any other one detached (the graph is not kept alive)
-        for ``hold`` at the boundary; a tensor subclass (a DTensor: its ``item`` would be a collective) detached."""
+        """A ``torch.autograd.backward`` call (the wrapper's, before the backward runs, but for an unmeasured step's
+        plain CPU scalar): its scalar is part of the step's loss, a CPU one read at once, any other detached (the
+        graph is not kept alive) for ``hold`` at the boundary; a DTensor's too (its ``item`` would be a collective)."""
         t = tensors
         Tensor = self.Tensor
         if type(t) is not Tensor:
@@ -391,13 +389,26 @@ class Capture:
         GradScaler's ``scale`` (so a scaled loss counts unscaled)."""
         autograd = self.torch.autograd
         original = autograd.backward
-        capture = self
+        capture, Tensor = self, self.torch.Tensor
         if getattr(original, "_probe_original", None) is None:
 
             @functools.wraps(original)
             def backward(tensors, grad_tensors=None, *args, **kwargs):
-                try:
-                    capture.saw_backward(tensors, grad_tensors)
+                try:  # ``saw_backward``'s common case inline: a plain CPU scalar, nothing else to note
+                    looks = capture._loss_looks
+                    if (
+                        type(tensors) is Tensor
+                        and grad_tensors is None
+                        and looks % _LOSS_LOOK_EVERY
+                        and not (capture.wanted or capture.closure_step or capture._scaled)
+                        and tensors.is_cpu
+                    ):
+                        capture._loss_looks = looks + 1
+                        capture.losses.append(tensors.item())
+                    else:
+                        capture.saw_backward(tensors, grad_tensors)
+                except RuntimeError:  # not a scalar (``item``): torch's backward, given no gradient, refuses it too
+                    pass
                 except Exception as exc:
                     record_error("torch steps: noting the loss", exc)
                 return original(tensors, grad_tensors, *args, **kwargs)
@@ -407,7 +418,6 @@ class Capture:
         scaler = getattr(getattr(self.torch, "amp", None), "GradScaler", None)
         scale = getattr(scaler, "scale", None)
         if scale is not None and getattr(scale, "_probe_original", None) is None:
-            Tensor = self.torch.Tensor
 
             @functools.wraps(scale)
             def scale_(self_, outputs):

@@ -3,9 +3,10 @@
 ``arm()`` is called when the probe starts. It never imports torch: if torch is already
 imported the hooks go in at once, else a ``sys.meta_path`` finder waits for ``import
 torch`` to finish and installs them then (PROBE=1 starts the probe before the training
-script imports torch). The hooks: torch's global optimizer step pre-hook (the ``before_step``
-callbacks of ``boundary``) and post-hook (the step tracker's ``on_optimizer_step``: the step boundary) and,
-on sampled steps only, the tracer's global module forward hooks.
+script imports torch). The hooks: torch's global optimizer step post-hook (the step tracker's
+``on_optimizer_step``: the step boundary), its pre-hook while a step needs one (the tracker's
+``hook_before``: closures, the ``before_step`` callbacks of ``boundary``) and, on sampled steps only, the
+tracer's global module forward hooks.
 
 ``probe.step()`` and ``probe.watch()`` are for loops torch's hooks cannot see; ``InputCounter`` counts what goes
 into each step at the primary model.
@@ -22,7 +23,6 @@ from .._core import state as agent_state
 from ..util.errorlog import record_error
 from ..util.objects import is_a
 from ..util.usercode import user_frame
-from .._core.boundary import boundary
 from . import finder, signals
 from .steps import StepTracker
 from .trace import Tracer
@@ -101,29 +101,13 @@ def _install(torch) -> None:
             tk = StepTracker(torch, tr, InputCounter(torch))
             _state.update(tracker=tk, tracer=tr)
             handle = topt.register_optimizer_step_post_hook(tk.on_optimizer_step)  # no wrapper between: per step
-            _state.update(installed=True, handle=handle, pre_handle=topt.register_optimizer_step_pre_hook(_pre_hook))
+            _state.update(installed=True, handle=handle)
+            tk.hook_before(True)  # the first steps are measured
             agent_state.add_status_provider(status)
             agent_state.add_status_provider(finder.framework_status)  # a Trainer's own step beside probe's
             tr.prepare(1)  # step 1 is sampled: trace it from the first module call
         except Exception as exc:
             record_error("installing torch hooks", exc)
-
-
-def _pre_hook(optimizer, args, kwargs):
-    """torch's global optimizer step pre-hook: whether the step evaluates a closure (for the loss), and the
-    ``before_step`` callbacks. Runs on every step: a step given no closure, after one that closed normally, has
-    nothing to note."""
-    tk = _state.get("tracker")
-    if tk is not None:  # only a closure's first backward counts (accelerate passes closure=None by position)
-        closure = args[1] if len(args) > 1 else kwargs.get("closure") if kwargs else None  # args[0]: the optimizer
-        if closure is not None or tk.capture.closure_step:
-            try:
-                tk.capture.on_step_start(closure)  # the boundary ends it (Lightning: every step has one)
-            except Exception as exc:
-                record_error("torch optimizer step pre-hook", exc)
-    if boundary.before:
-        boundary.optimizer_starts(optimizer)
-    return None
 
 
 def pause() -> None:
@@ -133,10 +117,9 @@ def pause() -> None:
     hooks' cost in a long run's steady state.
     """
     with _lock:
-        for key in ("handle", "pre_handle"):
-            handle = _state.pop(key, None)
-            if handle is not None:
-                handle.remove()
+        handle = _state.pop("handle", None)
+        if handle is not None:
+            handle.remove()
         tk, tr = _state.get("tracker"), _state.get("tracer")
         if tr is not None:
             tr.close()
@@ -152,7 +135,6 @@ def resume() -> None:
         import torch.optim.optimizer as topt
 
         _state["handle"] = topt.register_optimizer_step_post_hook(tk.on_optimizer_step)
-        _state["pre_handle"] = topt.register_optimizer_step_pre_hook(_pre_hook)
         tk.reopen()
         tr.prepare(tk.step + 1)
 
@@ -161,10 +143,9 @@ def disarm() -> None:
     """Remove every torch hook the probe installed (the rings keep their rows)."""
     with _lock:
         _remove_watcher()
-        for key in ("handle", "pre_handle"):
-            handle = _state.pop(key, None)
-            if handle is not None:
-                handle.remove()
+        handle = _state.pop("handle", None)
+        if handle is not None:
+            handle.remove()
         for key in ("tracer", "tracker"):
             obj = _state.get(key)
             if obj is not None:
@@ -280,9 +261,12 @@ class InputCounter:
         self._first = None  # the first-forward hook's handle
         self._token_dtypes = {getattr(torch, n) for n in _TOKEN_DTYPES if hasattr(torch, n)}
         # True while dynamo traces a compiled function that calls the model: the watchers then do nothing, so
-        # that they add no graph break (an error under fullgraph=True) and no guard on their state (torch < 2.3:
-        # torch.compiler.is_compiling is missing, and they break the graph as any hook does)
-        compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+        # that they add no graph break (an error under fullgraph=True) and no guard on their state. Dynamo
+        # answers is_dynamo_compiling True as a constant; run, it returns False, one call (is_compiling asks
+        # torch.jit.is_scripting first: two). Before torch 2.3 neither exists and they break the graph as any
+        # hook does.
+        compiler = getattr(torch, "compiler", None)
+        compiling = getattr(compiler, "is_dynamo_compiling", None) or getattr(compiler, "is_compiling", None)
         self._compiling = compiling if callable(compiling) else _never
 
     def pre_hook(self, module, args, kwargs):

@@ -16,7 +16,7 @@
   that follows another optimizer's step. The tracker then closes a training step after the iteration's last
   optimizer step, so a step holds every optimizer's work and actions never run between them; a step that breaks
   the cycle drops it. Without a recognised iteration, the lead's step ends a training step and what the others
-  backpropagate after it is that step's loss too (``StepTracker.add_late_loss``). Each optimizer step of a
+  backpropagate after it is that step's loss too (``add_late_loss``). Each optimizer step of a
   recognised iteration is a row of ``torch.optimizer_steps`` (``rows``): its position, the optimizer, the loss
   backpropagated since the previous optimizer step, the lr it used and (measured steps) its gradient norm.
 """
@@ -31,7 +31,7 @@ import weakref
 from ..config import setting
 from ..util.errorlog import record_error
 from ..util.procfs import RssReader
-from ..util.ring import Pending, Ring
+from ..util.ring import Pending, Ring, landed
 from ..util.wire import Column
 
 
@@ -147,9 +147,10 @@ COLUMNS = (
     ),
 )
 # Those the boundary writes at every step, in the order it appends them: the ring's columns. The others are derived
-# when a query asks (``snapshot``; compute and comm_wait by the table, from the recorded collectives).
-_WRITTEN = ("step", "ended_at", "duration", "loss", "grad_norm", "lr", "traced", "measured", "samples", "tokens")
-_WRITTEN += ("micro_batches", "optimizer", "cpu_wait", "probe_us", "data_wait")
+# when a query asks (``snapshot``; compute and comm_wait by the table, from the recorded collectives). An unmeasured
+# step's row ends after micro_batches: the rest are NULL (false) there.
+_WRITTEN = ("step", "ended_at", "duration", "loss", "lr", "probe_us", "data_wait", "optimizer", "micro_batches")
+_WRITTEN += ("grad_norm", "traced", "measured", "samples", "tokens", "cpu_wait")
 _DTYPES = {"BIGINT": "i8", "INTEGER": "i8", "DOUBLE": "f8", "TIMESTAMP": "f8", "BOOLEAN": "b1", "VARCHAR": "O"}
 _TYPES = {c.name: c.type for c in COLUMNS}
 RING_COLUMNS = {name: _DTYPES[_TYPES[name]] for name in _WRITTEN}
@@ -399,7 +400,7 @@ def cycle_step(tracker, optimizer, t0: int) -> None:
         elif lead is not None and cycle.anchor == id(lead):
             # the lead's step, which starts the iteration, ended the training step: what this optimizer
             # backpropagated since is that step's too (not the next one's)
-            tracker.add_late_loss()
+            add_late_loss(tracker)
             cycle.taken = 0
     elif was is None and optimizer is not lead:
         # recognised just now, in an iteration whose lead step already ended a step: that step stands for the
@@ -408,7 +409,7 @@ def cycle_step(tracker, optimizer, t0: int) -> None:
         tracker.used_lr = None
         if closes:
             cycle.taken = 0
-            tracker.add_late_loss()
+            add_late_loss(tracker)
     else:
         cycle.record(tracker, optimizer, t0, tracker.step + 1)
         tracker.used_lr = None
@@ -416,3 +417,22 @@ def cycle_step(tracker, optimizer, t0: int) -> None:
             cycle.taken = 0
             tracker.boundary(lead if lead is not None else optimizer, tracker.loop_frame(), t0=t0)
     tracker.full_next()  # every optimizer step comes here, the lead's included
+
+
+def add_late_loss(tracker) -> None:
+    """Add what was backpropagated since the last boundary to the loss of the row it wrote: with several
+    optimizers, the loss of one that steps after the lead in the iteration the lead's step ended. A CPU
+    value is added at once, a device value once its copy has landed (never by waiting for the device)."""
+    try:
+        late = tracker.capture.take()
+    except Exception as exc:  # the row keeps the loss it has
+        record_error("torch steps: loss", exc)
+        return
+    ring, pending = tracker.ring, tracker.pending
+    row = ring.count - 1
+    if late is None or row < 0:
+        return
+    if type(late) is tuple or pending.waits(row, "loss"):
+        pending.keep(row, (("loss", late if type(late) is tuple else landed(late)),), add=True)
+    else:
+        ring.set("loss", row, late + (ring.get("loss", row) or 0.0))

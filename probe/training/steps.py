@@ -35,13 +35,13 @@ from ..config import setting
 from .._identity import rank_identity
 from ..util.errorlog import record_error
 from ..util.procfs import CpuWait
-from ..util.ring import Pending, Ring, landed
+from ..util.ring import Pending, Ring
 from ..util.usercode import user_frame
 
 _perf_ns = time.perf_counter_ns
-_after = _boundary.after  # the list itself (never rebound): one global read on the quick path
-_undo = _boundary.undo  # the dict itself (never rebound), likewise
-_passed = _boundary.passed
+# the boundary's registrations, never rebound: one global read each on the quick path
+_after, _before, _undo, _passed = _boundary.after, _boundary.before, _boundary.undo, _boundary.passed
+_NO_CLOSURE = ((), (None,))  # an optimizer step's args after the optimizer, given no closure (accelerate: None)
 
 _LAG = 2  # steps after which a pending value is read on the training thread
 _RESOLVE_EVERY = 8  # pending device values read at the boundary once this many are waiting
@@ -51,6 +51,11 @@ _MAX_GAP_S = 1.0  # a step is measured at least this often, whatever the budget
 # caches refilled after a boundary cost the step about as much again as the boundary's own work.
 _CHARGE = 2.0
 _FORCED = 3  # steps 1-3 are always measured (start-up divergence shows there)
+
+
+def _closure(args, kwargs):
+    """The closure an optimizer step was given (``args[0]`` is the optimizer), or None."""
+    return args[1] if args[1:] else kwargs.get("closure") if kwargs else None
 
 
 def norm_budget() -> Budget:
@@ -83,9 +88,9 @@ class StepTracker:
         self._quick_ns = 0  # the quick boundaries' cost since the budget was settled
         self.wall_offset = time.time() - time.perf_counter()
         self._lead_name = None
+        self._before_hook = None  # torch's optimizer step pre-hook, while one is needed (``hook_before``)
         self.lead = None
         self.ring = Ring(RING_COLUMNS, setting("PROBE_STEPS_CAPACITY"))
-        self._append = self.ring.append
         self.capture = Capture(torch)
         self.capture.ends_step = lambda: not self.explicit and self.cycle is None
         self.torch = torch
@@ -127,6 +132,7 @@ class StepTracker:
         self._check_at = 0
 
     def close(self) -> None:
+        self.hook_before(False)
         self.capture.unwrap()
         self.inputs.close()
         self.memory.stop()
@@ -141,6 +147,7 @@ class StepTracker:
         """Undo ``close``: the loss and clip wrappers and the root model's hook go back; the next step's clock
         restarts."""
         self.capture.wrap()
+        self.hook_before(True)
         self.watch_roots()
         self._last_ns = None
         self._settled_ns = None  # the paused time earns nothing
@@ -166,14 +173,15 @@ class StepTracker:
     def lead_optimizer(self):
         return self.lead() if self.lead is not None else None
 
-    def on_optimizer_step(self, optimizer, args=None, kwargs=None) -> None:
+    def on_optimizer_step(self, optimizer, args=(), kwargs=None) -> None:
         """torch's optimizer step post-hook, registered as it is: the one place that decides how a step ends.
 
         The quick path, inline, records the exact values (count, times, lr, loss, its own cost), nothing else; on
         a fast loop it is most steps, each operation paid per step. It runs while: ``_check_at`` (set by the last
         full boundary's ``_plan_next``: nothing measured, traced or explicit is due, and the budget cannot allow a
-        measured step before then); ``_full_at`` (no replica checksum or asked-for trace due); the lead optimizer
-        stepped with a float lr and no override (``step_lr``); no ``after_step`` callback nor ``before_step`` undo.
+        measured step before then); ``_full_at`` (no replica checksum, asked-for trace or ring flush due); the lead
+        optimizer stepped with a float lr and no override (``step_lr``); no ``after_step`` callback nor ``before_step``
+        undo; no closure nor ``before_step`` callback that the pre-hook, out, did not see (``hook_before``).
 
         Otherwise the ``before_step`` undo runs (an lr override puts the loop's rate back, and says the rate the
         step used), then ``_full``."""
@@ -181,58 +189,66 @@ class StepTracker:
         try:
             if t0 < self._check_at and self.step + 1 < self._full_at and id(optimizer) == self._lead_id:
                 lr = optimizer.param_groups[0]["lr"]
-                if type(lr) is float and self.step_lr is None and not _after and not _undo:
+                capture = self.capture
+                if (
+                    type(lr) is float
+                    and self.step_lr is None
+                    and not _after
+                    and not _undo
+                    # the pre-hook, out, saw no closure nor ``before_step`` callback (no call for a step() given none)
+                    and (
+                        self._before_hook
+                        or not _before
+                        and (args[1:] in _NO_CLOSURE and not kwargs or not _closure(args, kwargs))
+                    )
+                ):
                     self.step = step = self.step + 1
                     last = self._last_ns
                     self._last_ns = t0
-                    capture = self.capture
-                    if capture.closure_step:  # Lightning: a closure at every step
-                        capture.on_step_end()
+                    capture.closure_step = False  # Lightning: a closure at every step
                     loss = None
-                    if capture.losses:  # every step (CPU scalars read when noted)
+                    losses = capture.losses
+                    if losses:  # every step (CPU scalars read when noted)
                         try:
-                            loss = capture.take()
+                            loss = losses[0]
+                            if type(loss) is float and not losses[1:]:  # one backward call's
+                                del losses[0]
+                            else:  # several (summed), or a tensor (held)
+                                loss = capture.take()
                         except Exception as exc:  # the step's row is still written, without its loss
+                            loss = None
                             record_error("torch steps: loss", exc)
                     inputs = self.inputs
                     fwd, inputs.began = inputs.began, 0
                     _boundary.last_step = step  # nothing to run: no callback registered, heartbeats at full ones
                     cost = _perf_ns() - t0
                     self._quick_ns += cost
-                    self._append(
-                        step,
-                        t0 * 1e-9 + self.wall_offset,
-                        (t0 - last) * 1e-9,
-                        loss if type(loss) is float else None,
-                        None,
-                        lr,
-                        False,
-                        False,
-                        None,
-                        None,
-                        0,
-                        self._lead_name,
-                        None,
-                        cost * 1e-3,
-                        (fwd - last) * 1e-9 if fwd > last else None,
-                    )
+                    ring = self.ring  # onto its tail, which the full boundary flushes (``_full_at``); the row ends
+                    wait = (fwd - last) * 1e-9 if fwd > last else None  # early: nothing measured (``_WRITTEN``)
+                    value = loss if type(loss) is float else None
+                    ended, took = t0 * 1e-9 + self.wall_offset, (t0 - last) * 1e-9
+                    ring.tail.append((step, ended, took, value, lr, cost * 1e-3, wait, self._lead_name, 0))
+                    ring.count += 1
                     if type(loss) is tuple:  # a device loss: read when its copy has landed
-                        self._keep_pending(self.ring.count - 1, loss, None, None)
+                        self._keep_pending(ring.count - 1, loss, None, None)
                     return
             if _undo:
                 used = _boundary.optimizer_ended(optimizer)
                 if used is not None:
                     self.lr_used(optimizer, used)
-            self._full(optimizer, t0)
+            self._full(optimizer, t0, args, kwargs)
         except Exception as exc:
             record_error("torch optimizer step hook", exc)
 
-    def _full(self, optimizer, t0: int) -> None:
+    def _full(self, optimizer, t0: int, args=(), kwargs=None) -> None:
         """Once a second optimizer steps, every step goes to ``steprows.cycle_step``; once ``probe.step()`` owns
-        the count, an optimizer step ends nothing; else the full ``boundary``."""
+        the count, an optimizer step ends nothing; else the full ``boundary``. Then the pre-hook goes in or out."""
         capture = self.capture
         if capture.closure_step:
-            capture.on_step_end()
+            capture.closure_step = False
+        elif _closure(args, kwargs) is not None:  # a closure step the pre-hook, out, did not see: every evaluation
+            capture.closures = True  # was noted, the first is the loss (a backward before such a step would be)
+            del capture.losses[1:]
         lead = self.lead
         if lead is None or lead() is not optimizer:
             if lead is None or lead() is None:
@@ -242,12 +258,33 @@ class StepTracker:
                     finder.add(optimizer, None, "step hook", "optimizer")
                 if self.cycle is None:  # the lead has stepped unless probe.watch named it beforehand
                     self.cycle = OptimizerCycle(lead() if self.step else optimizer, self.step > 0)
-        if self.explicit:
-            return
-        if self.cycle is not None:
+        if self.cycle is not None and not self.explicit:
             cycle_step(self, optimizer, t0)
-            return
-        self.boundary(optimizer, self.loop_frame(), t0=t0)
+        elif not self.explicit:
+            self.boundary(optimizer, self.loop_frame(), t0=t0)
+        self.hook_before(capture.wanted or capture.closures or bool(_before))
+
+    def before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        """torch's global optimizer step pre-hook, while ``hook_before`` has it in: whether the step evaluates a
+        closure (only its first backward is the loss; a step given none, after one that closed, has nothing to
+        note), and the ``before_step`` callbacks."""
+        closure = _closure(args, kwargs)
+        if closure is not None or self.capture.closure_step:
+            self.capture.on_step_start(closure)  # the boundary ends it (Lightning: every step has one)
+        if _before:
+            _boundary.optimizer_starts(optimizer)
+
+    def hook_before(self, on: bool) -> None:
+        """Put the pre-hook (``before_optimizer_step``) in or out. In while a step may need it: a measured one
+        (``torch.checks`` counts its backward calls, a closure's first only), a loop that passed a closure, a
+        ``before_step`` registration (one made off the training thread while it is out runs a step later). A
+        closure step it did not see is found by the post-hook (``_full``)."""
+        handle = self._before_hook
+        if on and handle is None:
+            optim = sys.modules["torch.optim.optimizer"]  # loaded with torch.optim, not its attribute
+            self._before_hook = optim.register_optimizer_step_pre_hook(self.before_optimizer_step)
+        elif not on and handle is not None:
+            self._before_hook = handle.remove()
 
     def loop_frame(self):
         """The training loop's frame: the first one outside torch and probe above the step hook.
@@ -274,13 +311,6 @@ class StepTracker:
         self.inputs.watch(self.lead_optimizer(), self.capture.wanted)
 
     # -- the boundary -----------------------------------------------------------------------------
-    def _measure(self, optimizer, now_ns: int):
-        """The optional grad norm of a measured step (its budget earns the time since the last one)."""
-        budget = self.norm_budget
-        budget.earn(now_ns - self._norm_earned_ns)
-        self._norm_earned_ns = now_ns
-        return self.capture.measured_norm(optimizer, budget, now_ns, self.step <= _FORCED and budget.share > 0)
-
     def boundary(self, optimizer, frame, *, loss=None, samples=None, tokens=None, t0: int | None = None) -> None:
         """The full boundary: close step ``self.step + 1`` with the optional values if measured, the tracer's and
         the ``after_step`` callbacks' turn, then one ring row (with its own cost, the callbacks' excluded). No
@@ -312,7 +342,10 @@ class StepTracker:
         measured = capture.wanted
         loss_v = capture.step_loss(frame, loss, measured)  # a NaN loss stays NaN
         if measured:
-            norm_v = self._measure(optimizer, t0)
+            budget = self.norm_budget  # the grad norm's: it earns the time since the last measured step
+            budget.earn(t0 - self._norm_earned_ns)
+            self._norm_earned_ns = t0
+            norm_v = capture.measured_norm(optimizer, budget, t0, step <= _FORCED and budget.share > 0)
             waited = self.cpu_wait.per_step(step)
         else:  # None: not measured (SQL NULL)
             norm_v = waited = None
@@ -332,9 +365,8 @@ class StepTracker:
         micro, s, t = self.inputs.take(samples, tokens)
         if measured:
             self._occasional(step, frame, duration_ns, traced)
-            invariants.checks(self.torch).at_boundary(
-                step, optimizer, self.capture, lambda: self.step
-            )  # torch.checks: cheap invariants of training
+            checks = invariants.checks(self.torch)  # torch.checks: cheap invariants of training
+            checks.at_boundary(step, optimizer, capture, lambda: self.step)
             signals.signals(self.torch).at_boundary(step, optimizer)  # torch.batches/updates/scaler
         if step >= self._replicas.next_step:  # torch.weight_sums: DDP replicas' checksums, the same steps on every rank
             self._replicas.at_boundary(step, duration_ns * 1e-9)
@@ -356,29 +388,15 @@ class StepTracker:
         # which the next full one charges), and short of the next step due for a replica checksum or a trace the
         # user asked for
         self._check_at = self.budget.due_ns(t0, self._quick_rate, _CHARGE * self._spent) if self._quick_next else 0
-        self._full_at = min(self._replicas.due, self.trace_pacing.hard_at)
         ring = self.ring
         row = ring.count
-        ring.append(
-            step,
-            t0 * 1e-9 + self.wall_offset,
-            duration_ns * 1e-9,
-            loss_v if type(loss_v) is float else None,
-            norm_v if type(norm_v) is float else None,
-            lr if type(lr) is float else None,
-            traced,
-            measured,
-            s,
-            t,
-            micro,
-            type(optimizer).__name__ if optimizer is not None else None,
-            waited,
-            cost * 1e-3,
-            data_wait,
-        )
+        name = type(optimizer).__name__ if optimizer is not None else None
+        loss_f, lr_f, norm_f = (v if type(v) is float else None for v in (loss_v, lr, norm_v))
+        ended, took, us = t0 * 1e-9 + self.wall_offset, duration_ns * 1e-9, cost * 1e-3
+        ring.append(step, ended, took, loss_f, lr_f, us, data_wait, name, micro, norm_f, traced, measured, s, t, waited)
+        self._full_at = min(self._replicas.due, self.trace_pacing.hard_at, step + ring.room())
         self.memory.tick()
-        if type(loss_v) is tuple or measured or type(lr) is tuple:  # after the row: a query may fill it at once
-            self._keep_pending(row, loss_v, norm_v, lr)
+        self._keep_pending(row, loss_v, norm_v, lr)  # after the row: a query may fill it at once
 
     def _settle(self, t0: int, last: int) -> bool:
         """Charge the budget for the boundaries since it was last settled (this full one's
@@ -411,23 +429,6 @@ class StepTracker:
             measure or self.explicit or tracer.handles or tracer.pending_events or tracer.active_step is not None
         )
         return asked
-
-    def add_late_loss(self) -> None:
-        """Add what was backpropagated since the last boundary to the loss of the row it wrote: with several
-        optimizers, the loss of one that steps after the lead in the iteration the lead's step ended. A CPU
-        value is added at once, a device value once its copy has landed (never by waiting for the device)."""
-        try:
-            late = self.capture.take()
-        except Exception as exc:  # the row keeps the loss it has
-            record_error("torch steps: loss", exc)
-            return
-        row = self.ring.count - 1
-        if late is None or row < 0:
-            return
-        if type(late) is tuple or self.pending.waits(row, "loss"):
-            self.pending.keep(row, (("loss", late if type(late) is tuple else landed(late)),), add=True)
-        else:
-            self.ring.set("loss", row, late + (self.ring.get("loss", row) or 0.0))
 
     def _keep_pending(self, row: int, loss_v, norm_v, lr) -> None:
         """Device values (holders) of this row, read a few steps later or when a query asks."""

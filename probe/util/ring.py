@@ -4,7 +4,10 @@ Writers on the training thread pay as little as possible: ``append`` adds one tu
 to a Python list (the *tail*), and every ``FLUSH_ROWS`` rows the tail is
 written into the preallocated numpy columns in one vectorised assignment per
 column. Sixteen numpy scalar stores per row cost more than the whole rest of a step
-boundary; one list append does not. ``extend`` writes many rows given as arrays.
+boundary; one list append does not. A writer that calls ``append`` at least every ``room()``
+rows may put rows on ``tail`` itself (counting them in ``count``), and a row may end early:
+its missing last cells are None (SQL NULL, false in a boolean column; an integer column
+cannot take one). ``extend`` writes many rows given as arrays.
 
 Readers (a query on the server thread) call ``snapshot()``, which first flushes the
 tail, then copies the live region of each column oldest first and hands the arrays
@@ -27,6 +30,7 @@ has landed (``read``) into their rows. Nothing here imports torch: the caller pa
 from __future__ import annotations
 
 import threading
+from itertools import zip_longest
 
 from .errorlog import record_error
 
@@ -50,23 +54,28 @@ class Ring:
         self.valid = {name: np.ones(self.capacity, dtype=bool) for name, dt in self._dtypes.items() if dt.kind == "f"}
         self.count = 0  # rows ever appended: the next row's number
         self._stored = 0  # rows written into the arrays
-        self._tail: list = []  # rows appended since, as tuples in column order
+        self.tail: list = []  # rows appended since, as tuples in column order (never rebound)
         self._lock = threading.Lock()
         self._flush_at = min(FLUSH_ROWS, self.capacity)
 
     def append(self, *values) -> None:
-        tail = self._tail
+        tail = self.tail
         tail.append(values)
         self.count += 1
         if len(tail) >= self._flush_at:
             self.flush()
+
+    def room(self) -> int:
+        """Rows the tail takes before ``append`` flushes it: a writer adding rows to ``tail`` itself calls
+        ``append`` by then."""
+        return self._flush_at - len(self.tail)
 
     def flush(self) -> None:
         """Write the tail into the columns."""
         import numpy as np
 
         with self._lock:
-            tail = self._tail
+            tail = self.tail
             n = len(tail)
             if not n:
                 return
@@ -75,7 +84,8 @@ class Ring:
             cap = self.capacity
             skip = max(0, n - cap)
             idx = (self._stored + skip + np.arange(n - skip)) % cap
-            for name, values in zip(self.names, zip(*rows[skip:])):
+            cells = zip_longest(*rows[skip:])  # a short row's last cells are None; so are columns no row reached
+            for name, values in zip_longest(self.names, cells, fillvalue=(None,) * (n - skip)):
                 if self._dtypes[name].kind == "O":  # assigned element-wise: a tuple value stays one value
                     col = np.empty(n - skip, dtype=object)
                     col[:] = values

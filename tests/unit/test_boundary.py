@@ -119,7 +119,6 @@ def test_the_rate_a_before_step_undo_names_is_the_one_torch_steps_shows(monkeypa
     monkeypatch.setitem(hooks._state, "tracker", tk)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt.register_step_pre_hook(hooks._pre_hook)
     opt.register_step_post_hook(tk.on_optimizer_step)
     used = []
 

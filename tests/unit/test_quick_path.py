@@ -34,8 +34,7 @@ def tracker(monkeypatch):
     boundary = tk.boundary
     tk.boundary = lambda *a, **kw: (tk.full.append(tk.step + 1), boundary(*a, **kw))
 
-    def hook(opt):
-        opt.register_step_pre_hook(hooks._pre_hook)
+    def hook(opt):  # the tracker puts its own pre-hook in while a step needs it (global: out at ``close``)
         opt.register_step_post_hook(tk.on_optimizer_step)
 
     tk.hook = hook
@@ -187,3 +186,66 @@ def test_a_paused_probe_leaves_no_gradient_hook_on_the_model(tracker):
     assert checks._watch is not None and any(p._backward_hooks for p in model.parameters())
     tracker.close()
     assert checks._watch is None and not any(p._backward_hooks for p in model.parameters())
+
+
+def test_a_loop_pays_no_pre_hook_until_it_passes_a_closure_and_then_each_step_keeps_its_first_evaluation(tracker):
+    import numpy as np
+    import torch
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    from probe.util.ring import FLUSH_ROWS
+
+    class Twice(torch.optim.Optimizer):  # plain SGD that evaluates a closure twice, as LBFGS evaluates it again
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.01})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            if closure is not None:
+                with torch.enable_grad():
+                    closure()
+                    closure()
+            for p in self.param_groups[0]["params"]:
+                p.add_(p.grad, alpha=-0.01)
+
+    model, x = _model()
+    opt = Twice(model.parameters())
+    tracker.hook(opt)
+    hooked, tails, first = [], [], []  # after each step: whether the pre-hook is in for the next, the ring's tail
+    opt.register_step_post_hook(
+        lambda o, a, k: (hooked.append(bool(_global_optimizer_pre_hooks)), tails.append(len(tracker.ring.tail)))
+    )
+    plain = FLUSH_ROWS + 100
+    while len(first) < plain or hooked[-1]:  # given: plain steps, more than the ring's tail holds
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        first.append(loss.item())
+    # then: the unmeasured ones ran no pre-hook, and the rows of the quick ones reached the ring's columns
+    assert sum(hooked) < len(first) // 4, f"the pre-hook was in at {sum(hooked)} of {len(first)} steps"
+    assert max(tails) <= FLUSH_ROWS
+    snap = tracker.ring.snapshot()
+    assert list(snap["step"]) == list(range(1, len(first) + 1))
+    quick = ~np.asarray(snap["measured"])
+    assert quick.sum() > plain // 2 and not np.asarray(snap["traced"])[quick].any()
+    assert (np.asarray(snap["micro_batches"])[quick] == 0).all() and np.ma.getmaskarray(snap["grad_norm"])[quick].all()
+    # when: the loop turns to closures, the first on a step with no pre-hook
+    evals = [0]
+
+    def closure():
+        evals[0] += 1
+        loss = model(x).square().mean() * evals[0]  # the second evaluation of a step differs from the first
+        opt.zero_grad()
+        loss.backward()
+        if evals[0] == 1:
+            first.append(loss.item())
+        return loss
+
+    before = len(hooked)
+    for _ in range(50):
+        evals[0] = 0
+        opt.step(closure)
+    # then: every step's loss is its closure's first evaluation, and the pre-hook stays in from then on
+    assert _losses(tracker) == pytest.approx(first, rel=1e-6)
+    assert all(hooked[before:])
