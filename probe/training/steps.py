@@ -41,7 +41,6 @@ from ..util.usercode import user_frame
 _perf_ns = time.perf_counter_ns
 # the boundary's registrations, never rebound: one global read each on the quick path
 _after, _before, _undo, _passed = _boundary.after, _boundary.before, _boundary.undo, _boundary.passed
-_NO_CLOSURE = ((), (None,))  # an optimizer step's args after the optimizer, given no closure (accelerate: None)
 
 _LAG = 2  # steps after which a pending value is read on the training thread
 _RESOLVE_EVERY = 8  # pending device values read at the boundary once this many are waiting
@@ -181,7 +180,7 @@ class StepTracker:
         full boundary's ``_plan_next``: nothing measured, traced or explicit is due, and the budget cannot allow a
         measured step before then); ``_full_at`` (no replica checksum, asked-for trace or ring flush due); the lead
         optimizer stepped with a float lr and no override (``step_lr``); no ``after_step`` callback nor ``before_step``
-        undo; no closure nor ``before_step`` callback that the pre-hook, out, did not see (``hook_before``).
+        undo; no ``before_step`` callback that the pre-hook, out, did not run (``hook_before``).
 
         Otherwise the ``before_step`` undo runs (an lr override puts the loop's rate back, and says the rate the
         step used), then ``_full``."""
@@ -195,12 +194,7 @@ class StepTracker:
                     and self.step_lr is None
                     and not _after
                     and not _undo
-                    # the pre-hook, out, saw no closure nor ``before_step`` callback (no call for a step() given none)
-                    and (
-                        self._before_hook
-                        or not _before
-                        and (args[1:] in _NO_CLOSURE and not kwargs or not _closure(args, kwargs))
-                    )
+                    and (self._before_hook or not _before)
                 ):
                     self.step = step = self.step + 1
                     last = self._last_ns
@@ -211,9 +205,10 @@ class StepTracker:
                     if losses:  # every step (CPU scalars read when noted)
                         try:
                             loss = losses[0]
-                            if type(loss) is float and not losses[1:]:  # one backward call's
-                                del losses[0]
-                            else:  # several (summed), or a tensor (held)
+                            if len(losses) == 1 and type(loss) is float:  # one backward call's
+                                losses.clear()
+                            else:  # several (summed; a closure's evaluations: the first), or a tensor (held)
+                                self._unseen_closure(args, kwargs)
                                 loss = capture.take()
                         except Exception as exc:  # the step's row is still written, without its loss
                             loss = None
@@ -243,12 +238,8 @@ class StepTracker:
     def _full(self, optimizer, t0: int, args=(), kwargs=None) -> None:
         """Once a second optimizer steps, every step goes to ``steprows.cycle_step``; once ``probe.step()`` owns
         the count, an optimizer step ends nothing; else the full ``boundary``. Then the pre-hook goes in or out."""
-        capture = self.capture
-        if capture.closure_step:
-            capture.closure_step = False
-        elif _closure(args, kwargs) is not None:  # a closure step the pre-hook, out, did not see: every evaluation
-            capture.closures = True  # was noted, the first is the loss (a backward before such a step would be)
-            del capture.losses[1:]
+        self._unseen_closure(args, kwargs)
+        self.capture.closure_step = False
         lead = self.lead
         if lead is None or lead() is not optimizer:
             if lead is None or lead() is None:
@@ -262,7 +253,16 @@ class StepTracker:
             cycle_step(self, optimizer, t0)
         elif not self.explicit:
             self.boundary(optimizer, self.loop_frame(), t0=t0)
-        self.hook_before(capture.wanted or capture.closures or bool(_before))
+        self.hook_before(self.capture.wanted or self.capture.closures or bool(_before))
+
+    def _unseen_closure(self, args, kwargs) -> None:
+        """A closure step the pre-hook, out, did not see noted every evaluation: the first is its loss (a backward
+        before such a step would be); the pre-hook goes in at the next boundary, a full one."""
+        capture = self.capture
+        if not capture.closure_step and _closure(args, kwargs) is not None:
+            capture.closures = True
+            del capture.losses[1:]
+            self.full_next()
 
     def before_optimizer_step(self, optimizer, args, kwargs) -> None:
         """torch's global optimizer step pre-hook, while ``hook_before`` has it in: whether the step evaluates a
@@ -277,8 +277,8 @@ class StepTracker:
     def hook_before(self, on: bool) -> None:
         """Put the pre-hook (``before_optimizer_step``) in or out. In while a step may need it: a measured one
         (``torch.checks`` counts its backward calls, a closure's first only), a loop that passed a closure, a
-        ``before_step`` registration (one made off the training thread while it is out runs a step later). A
-        closure step it did not see is found by the post-hook (``_full``)."""
+        ``before_step`` registration (one made outside a boundary while it is out runs a step later). A closure
+        evaluated twice in a step it did not see is found by the post-hook (``_unseen_closure``)."""
         handle = self._before_hook
         if on and handle is None:
             optim = sys.modules["torch.optim.optimizer"]  # loaded with torch.optim, not its attribute

@@ -11,12 +11,12 @@ from conftest import TARGETS, requires_torch, run_target
 
 pytestmark = requires_torch
 
-# Calls the probe adds to an unmeasured step: the post-hook's quick boundary with its row (5: the hook, two clock
-# reads, the lead optimizer's id, the row onto the ring's tail), the backward wrapper with the loss's read (3), the
-# root model's call clock (3: torch.compiler.is_dynamo_compiling, so that a compiled function calling the model
-# traces none of it); no optimizer pre-hook (a loop that passes no closure needs none). One more is a call paid on
-# every step of every probed job.
-ADDED_CALLS = 11
+# Calls the probe adds to an unmeasured step: the post-hook's quick boundary with its row (7: the hook, two clock
+# reads, the lead optimizer's id, the step's one loss taken off its list, the row onto the ring's tail), the backward
+# wrapper with the loss's read (3), the root model's call clock (3: torch.compiler.is_dynamo_compiling, so that a
+# compiled function calling the model traces none of it); no optimizer pre-hook (a loop whose closures, if any, are
+# evaluated once needs none). One more is a call paid on every step of every probed job.
+ADDED_CALLS = 13
 
 
 def test_an_unmeasured_step_adds_no_more_calls_than_the_quick_path_needs_and_keeps_its_core_signals(probe_env):
