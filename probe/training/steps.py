@@ -218,14 +218,14 @@ class StepTracker:
                     _boundary.last_step = step  # nothing to run: no callback registered, heartbeats at full ones
                     cost = _perf_ns() - t0
                     self._quick_ns += cost
-                    ring = self.ring  # onto its tail, which the full boundary flushes (``_full_at``); the row ends
-                    wait = (fwd - last) * 1e-9 if fwd > last else None  # early: nothing measured (``_WRITTEN``)
+                    # a row cut short (nothing measured: ``_WRITTEN``) onto the ring's tail, flushed at ``_full_at``
+                    wait = (fwd - last) * 1e-9 if fwd > last else None
                     value = loss if type(loss) is float else None
                     ended, took = t0 * 1e-9 + self.wall_offset, (t0 - last) * 1e-9
-                    ring.tail.append((step, ended, took, value, lr, cost * 1e-3, wait, self._lead_name, 0))
-                    ring.count += 1
+                    self.ring.tail.append((step, ended, took, value, lr, cost * 1e-3, wait, self._lead_name, 0))
+                    self.ring.count += 1
                     if type(loss) is tuple:  # a device loss: read when its copy has landed
-                        self._keep_pending(ring.count - 1, loss, None, None)
+                        self._keep_pending(self.ring.count - 1, loss, None, None)
                     return
             if _undo:
                 used = _boundary.optimizer_ended(optimizer)
