@@ -35,7 +35,7 @@ from urllib.parse import parse_qs, urlparse
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .._errors import AuthError, ProbeError
+from .._errors import AuthError, EndpointError, ProbeError
 from ..util.errorlog import record_error
 from ..util.validate import BadRequest, json_body
 from .._core.audit import audit
@@ -225,7 +225,7 @@ class _Handler(BaseHTTPRequestHandler):
             limit = MAX_HEAD if authorized else MAX_HEAD_BEFORE_AUTH
             if len(buf) > limit:
                 what = "request headers" if authorized else "request headers before the Authorization header"
-                raise _HeadRefused(431, {"error": f"the {what} pass {limit} bytes.", "kind": "request", "exit_code": 2})
+                raise _HeadRefused(431, BadRequest(f"the {what} pass {limit} bytes.").to_dict())
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("request head")
@@ -259,7 +259,7 @@ class _Handler(BaseHTTPRequestHandler):
             501: "unsupported method; probe answers GET and POST",
             505: "unsupported HTTP version; probe speaks HTTP/1.1",
         }.get(code, message or "bad request")
-        self._send(code, {"error": text + ".", "kind": "request", "exit_code": 2})
+        self._send(code, BadRequest(text + ".").to_dict())
 
     def _respond(self, status: int, parts: list, content_type: str) -> None:
         """Status line, headers and body in one gathered send (each socket call lets the training thread's GIL go)."""
@@ -299,12 +299,7 @@ class _Handler(BaseHTTPRequestHandler):
         entry = ROUTES.get((method, url.path))
         if entry is None:
             self._send(
-                404,
-                {
-                    "error": f"no such endpoint {url.path}; this probe may be older than your CLI.",
-                    "kind": "endpoint",
-                    "exit_code": 3,
-                },
+                404, EndpointError(f"no such endpoint {url.path}; this probe may be older than your CLI.").to_dict()
             )
             return
         try:
@@ -321,40 +316,17 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._send(200, payload)
         except ProbeError as exc:
-            status = (
-                403
-                if isinstance(exc, AuthError)
-                else 503
-                if exc.kind == "busy"
-                else 413
-                if exc.kind == "too_large"
-                else 400
-            )
+            status = 403 if isinstance(exc, AuthError) else {"busy": 503, "too_large": 413}.get(exc.kind, 400)
             self._send(status, exc.to_dict())
         except (BrokenPipeError, ConnectionResetError, socket.timeout):
             pass
         except RecursionError as exc:
             record_error(f"server {method} {url.path}", exc)
-            self._send(
-                400,
-                {
-                    "error": "the request nests too deeply to handle; send a simpler request.",
-                    "kind": "request",
-                    "exit_code": 2,
-                },
-            )
-        except (
-            BaseException
-        ) as exc:  # a bug of ours, or KeyboardInterrupt/SystemExit from eval'd code: answer, never propagate
+            self._send(400, BadRequest("the request nests too deeply to handle; send a simpler request.").to_dict())
+        except BaseException as exc:  # a bug of ours, or KeyboardInterrupt/SystemExit from eval'd code: answer it
             record_error(f"server {method} {url.path}", exc)
-            self._send(
-                500,
-                {
-                    "error": f"the probe failed internally ({type(exc).__name__}: {exc}); see probe.errors.",
-                    "kind": "error",
-                    "exit_code": 1,
-                },
-            )
+            failed = ProbeError(f"the probe failed internally ({type(exc).__name__}: {exc}); see probe.errors.")
+            self._send(500, failed.to_dict())
 
     def _read_body(self) -> dict:
         raw_length = self.headers.get("Content-Length")
