@@ -185,6 +185,10 @@ def gdb_cannot_call() -> str | None:
     return why
 
 
+# gdb without the user's gdbinit, auto-loaded scripts or debuginfod downloads: nothing a target's owner controls
+_GDB_BATCH = ("-nx", "--batch", "-iex", "set auto-load off", "-iex", "set debuginfod enabled off")
+
+
 def _run_canary(gdb: str) -> str | None:
     try:
         victim = subprocess.Popen(
@@ -194,19 +198,7 @@ def _run_canary(gdb: str) -> str | None:
         return None  # no sleep to try on: go ahead as before
     try:
         proc = subprocess.run(
-            [
-                gdb,
-                "-nx",
-                "--batch",
-                "-iex",
-                "set auto-load off",
-                "-iex",
-                "set debuginfod enabled off",
-                "-p",
-                str(victim.pid),
-                "-ex",
-                'printf "probe-canary=%d\\n", (int) getpid()',
-            ],
+            [gdb, *_GDB_BATCH, "-p", str(victim.pid), "-ex", 'printf "probe-canary=%d\\n", (int) getpid()'],
             capture_output=True,
             text=True,
             timeout=30,
@@ -262,12 +254,7 @@ def _gdb(info: ProcessInfo, payload: _Payload, timeout: float) -> None:
     _private_file(script, _gdb_script(payload.code_file).encode())
     argv = [
         _gdb_path(),
-        "-nx",
-        "--batch",
-        "-iex",
-        "set auto-load off",
-        "-iex",
-        "set debuginfod enabled off",
+        *_GDB_BATCH,
         "-iex",
         "set auto-solib-add off",
         "-p",
