@@ -1,35 +1,17 @@
-"""Post-mortem records: what a process leaves in its runtime directory when it dies.
+"""Post-mortem records: what a process leaves in its runtime directory when it dies (docs/postmortem.md
+describes the format for readers without probe).
 
-A record is a folder ``postmortem/<pid>/`` (mode 0700) holding two files anyone can
-read without probe:
+A record is a folder ``postmortem/<pid>/`` (mode 0700): ``meta.json`` (who, how it ended, every thread's
+stack, each column's declared SQL type) and ``tables.npz`` (the last ``PROBE_POSTMORTEM_ROWS`` rows of each
+table, one array per column, text as unicode arrays, never pickled; a ``<column>.valid`` mask where there are
+NULLs). ``python.backtrace`` in it is built from the same stacks as ``meta.json``'s: the thread that died of an
+exception shows that exception's traceback, and the snapshot thread leaves itself out. With
+``PROBE_REGISTRY`` set, the finished record is also copied to ``<registry>/postmortem/<host>-<pid>/``.
 
-* ``meta.json``: who (pid, rank, host, argv, job), how it ended (``cause``: exception,
-  thread_exception, exit, fatal_signal, snapshot), when, the exception and its
-  traceback, and every thread's stack at that moment;
-* ``tables.npz``: the tables, one array per column, named ``<table>/<column>``
-  (``numpy.load`` reads it; text is stored as unicode arrays, never pickled), the last
-  ``PROBE_POSTMORTEM_ROWS`` rows of each; a column that holds NULLs also has a bool
-  array ``<table>/<column>.valid`` (false where NULL), and ``meta.json``'s ``schema``
-  gives every column's declared SQL type, so a reader restores types and NULLs
-  (``probe.cli.plumbing.records`` does, for the CLI's queries on a dead pid).
-
-``python.backtrace`` in a record is built from the same stacks as ``meta.json``'s
-``stacks``: the thread that died of an exception shows the exception's traceback
-(where it was raised, innermost first), not the hook that wrote the record, and the
-snapshot thread leaves itself out.
-
-With ``PROBE_REGISTRY`` set, the finished record is also copied to
-``<registry>/postmortem/<host>-<pid>/`` so the CLI on another node sees it.
-
-Writes are atomic (a temporary folder renamed into place), the folder and its files are
-0700/0600, and at most ``PROBE_POSTMORTEM_KEEP`` records are kept (``retention``: clean
-exits go first, crashes and kills last). A process killed with SIGKILL cannot write at
-death, so the periodic snapshot (``hooks``) writes the same record with cause
-``snapshot``; a record whose process is gone and whose cause is still ``snapshot`` (or
-``thread_exception``) means it was killed without warning (the OOM killer, a scheduler's
-preemption, ``kill -9``). A record of a process that still runs (a worker thread died, the
-interpreter is exiting) is never shown as dead: ``retention.alive`` checks every cause.
-Listing the records and saying how each process ended is the reader's (``reader``).
+Writes are atomic (a temporary folder renamed into place), and at most ``PROBE_POSTMORTEM_KEEP`` records are
+kept (``retention``). SIGKILL leaves no chance to write, so the periodic snapshot (``hooks``) writes the same
+record with cause ``snapshot``; reading records back and saying how each process ended is the CLI's
+(``probe.cli.plumbing``).
 """
 
 from __future__ import annotations
