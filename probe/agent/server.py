@@ -8,20 +8,12 @@ checked (``check_tier``) before the handler runs: actions need the unix socket (
 token; eval also needs PROBE_ALLOW_EVAL over TCP, and is off everywhere with PROBE_ALLOW_EVAL=0.
 Route modules (``routes``, ``action_routes``) register themselves when imported.
 
-Requests are served on short-lived daemon threads; a handler holds the GIL only for
-the snapshots it takes (queries run in the client). Nothing a client does, a disconnect
-included, raises into the training thread: handler errors are answered as JSON and kept in
-``probe.errors``.
-
-Limits (each server, unix socket and TCP, has its own, so TCP clients can never use up
-the owner's socket): at most ``PROBE_MAX_CONNECTIONS`` connections are served at once
-(one more is answered 503 and closed at once, without a thread); a client has
-``PROBE_READ_TIMEOUT`` seconds in all to send its request line and headers (a byte now and
-then does not keep a connection) and then that long per read of its body; the head is at
-most ``MAX_HEAD`` bytes; over TCP the ``Authorization`` header (``probe.util.handshake``) is checked as soon as
-its line arrives, and a head with no ``Authorization`` in its first ``MAX_HEAD_BEFORE_AUTH`` bytes is refused
-there, so a client without the key can hold at most that much of the process's memory;
-bodies are JSON objects of at most ``MAX_BODY`` bytes and ``MAX_JSON_DEPTH`` levels.
+Nothing a client does, a disconnect included, raises into the training thread: handler errors are answered
+as JSON and kept in ``probe.errors``. Every request is bounded per listener (docs/security.md has the table):
+the head has one deadline for all its bytes (``PROBE_READ_TIMEOUT``) and at most ``MAX_HEAD`` bytes, and over
+TCP the ``Authorization`` header (``probe.util.handshake``) is checked as soon as its line arrives, within the
+first ``MAX_HEAD_BEFORE_AUTH`` bytes; bodies are JSON objects of at most ``MAX_BODY`` bytes and
+``MAX_JSON_DEPTH`` levels.
 """
 
 from __future__ import annotations
