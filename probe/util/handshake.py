@@ -45,6 +45,7 @@ __all__ = [
     "client_header",
     "NONCE_TTL",
     "MAX_NONCES",
+    "is_loopback",
 ]
 
 NONCE_TTL = 30.0  # seconds a server nonce may wait for its request
@@ -52,6 +53,16 @@ MAX_NONCES = 1024  # server nonces kept at once (the oldest go first)
 _ITERATIONS = 100_000
 _NONCE = re.compile(r"[A-Za-z0-9_-]{16,64}")
 _HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is this machine's loopback, reachable from no other host."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _mac(key: str, text: str) -> str:
