@@ -197,7 +197,7 @@ MAX_SECONDS = 60.0
 MAX_HZ = 250.0
 DEFAULT_HZ = 100.0
 MAX_STACKS = 20000  # distinct stacks kept; further new ones are counted as dropped
-MAX_DEPTH = 256
+MAX_SAMPLE_DEPTH = 256  # frames of one sampled stack (a backtrace shows MAX_DEPTH)
 _CHARGE_EVERY = 10  # samples between two charges to the lane
 
 
@@ -233,7 +233,7 @@ def sample_stacks(seconds: float, hz: float = DEFAULT_HZ, exclude: frozenset = f
             if ident in exclude:
                 continue
             codes = []
-            while frame is not None and len(codes) < MAX_DEPTH:
+            while frame is not None and len(codes) < MAX_SAMPLE_DEPTH:
                 codes.append(frame.f_code)
                 frame = frame.f_back
             key = (ident, tuple(codes))
