@@ -154,12 +154,7 @@ def _event(kind: str, step, spec: Spec, **fields) -> dict:
 
 def _targets():
     """The optimizers to guard, the primary model and its name: refused with a sentence when there is none."""
-    opts = finder.optimizers()
-    if not opts:
-        raise ActionError(
-            "no optimizer found in the training process; it is found once it has stepped, as a global of the "
-            "training script, or through a Lightning/HF Trainer or an Accelerator."
-        )
+    opts = finder.optimizers_to_act_on()
     tk = hooks.tracker()
     model = InputCounter.primary_model(tk.lead_optimizer() if tk is not None else opts[0].obj)
     name = next((f.name for f in finder.models() if f.obj is model), None)

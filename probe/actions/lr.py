@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 from .._errors import ActionError
-from ..training.finder import optimizers, scheduler_for
+from ..training.finder import optimizers, optimizers_to_act_on, scheduler_for
 from .lroverride import Group, Override, Rescaled, drop, hold, invertible, lock, next_rates, overrides, ratio
 from .lroverride import rescalable, rescale, value, write
 from .queue import Context
@@ -45,12 +45,7 @@ class LrRequest:
 def _pick(which: int | str | None, group: int | None) -> list:
     """The optimizers an action applies to: all found, or the one ``which`` names (its index in
     torch.optimizer's order, or its ``name`` there)."""
-    opts = optimizers()
-    if not opts:
-        raise ActionError(
-            "no optimizer found in the training process; it is found once it has stepped, as a global "
-            "of the training script, or through a Lightning/HF Trainer or an Accelerator."
-        )
+    opts = optimizers_to_act_on()
     names = ", ".join(f"{i} {f.name}" for i, f in enumerate(opts))
     if which is not None:
         if isinstance(which, str):
