@@ -109,25 +109,15 @@ class Action:
 
     def to_dict(self) -> dict:
         return {
-            "id": self.id,
-            "command": self.command,
-            "args": self.args,
-            "state": self.state,
-            "now": self.now,
-            "at_step": self.at_step,
-            "timeout": self.timeout,
-            "requested_at": self.requested_at,
-            "started_at": self.started_at,
-            "finished_at": self.finished_at,
-            "step": self.step,
-            "result": self.result,
-            "error": self.error,
+            **{name: getattr(self, name) for name in _SHOWN},
             "queued_for": (self.started_at or time.time()) - self.requested_at,
             "last_step": boundary.last_step,
             "missed_step": self.missed,
         }
 
 
+# what a client is shown of an action (the client itself, the function and the thread machinery are not)
+_SHOWN = "id command args state now at_step timeout requested_at started_at finished_at step result error".split()
 _ids = itertools.count(1)
 _lock = threading.Condition(threading.RLock())
 _history: deque[Action] = deque(maxlen=CAPACITY)
