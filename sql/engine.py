@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from probe._errors import QueryError, exception_text
 from probe.util.wire import WireError, check_table
@@ -35,15 +35,6 @@ class Result:
     elapsed: float = 0.0
     truncated: bool = False
     meta: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Result":
-        return cls(
-            d["columns"], d["types"], d["rows"], d.get("elapsed", 0.0), d.get("truncated", False), d.get("meta", {})
-        )
 
 
 def connect(memory_limit: str | None = None):
@@ -102,26 +93,23 @@ class Workspace:
         """Whether the set-up deadline passed (DuckDB was interrupted for it)."""
         return self._expired.is_set()
 
-    def _stopped(self) -> QueryError:
+    def stopped(self) -> QueryError:
+        """The one sentence for a workspace whose deadline passed."""
         return QueryError(
             f"the query ran past its {self._timeout:g} s timeout and was stopped; narrow it or raise --timeout."
         )
-
-    def stopped(self) -> QueryError:
-        """The one sentence for a workspace whose deadline passed."""
-        return self._stopped()
 
     def run(self, sql: str):
         """One set-up statement (a view, a table computed per rank) under the workspace's deadline."""
         import duckdb
 
         if self._expired.is_set():
-            raise self._stopped()
+            raise self.stopped()
         try:
             return self.con.execute(sql)
         except duckdb.Error:
             if self._expired.is_set():
-                raise self._stopped() from None
+                raise self.stopped() from None
             raise
 
     def close(self) -> None:
@@ -217,7 +205,7 @@ class Workspace:
         if self._timer is not None:  # set-up is over: from here each query has its own timeout
             self._timer.cancel()
             if self._expired.is_set():
-                raise self._stopped()
+                raise self.stopped()
         if not self._locked:  # several queries may run on one workspace (probe doctor's rules)
             self.con.execute("SET lock_configuration = true")
             self._locked = True

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import zipfile
 
-from probe.postmortem.record import load_tables
+from probe.postmortem.record import backtrace_columns, load_tables
 
 __all__ = ["Record", "parse_fatal_dump"]
 
@@ -246,10 +246,7 @@ class Record:
             elif name == "python.backtrace" and self.meta.get("fatal_dump"):
                 data = self._backtrace_columns()
                 n = len(data["depth"])
-                cols = {
-                    c: _column(data.get(c), None, typ, n) if c in data else _column(None, None, typ, n)
-                    for c, typ in ((c, declared.get(c, "VARCHAR")) for c in wanted)
-                }
+                cols = {c: _column(data.get(c), None, declared.get(c, "VARCHAR"), n) for c in wanted}
             tables[name] = {"rows": n, "columns": cols}
         m = self.meta
         return {
@@ -293,31 +290,14 @@ class Record:
         """python.backtrace from ``stacks()`` (after a fatal signal the snapshot's table is older than the crash)."""
         import numpy as np
 
-        keys = {k: "str" if t == "VARCHAR" else "b1" if t == "BOOLEAN" else "i8" for k, t in _BACKTRACE.items()}
-        rows = [
-            (
-                t.get("thread_id"),
-                t.get("name"),
-                bool(t.get("is_main")),
-                d,
-                f.get("func"),
-                f.get("file"),
-                f.get("lineno"),
-                f.get("line"),
-                False,
-            )
-            for t in self.stacks()
-            for d, f in enumerate(t.get("frames") or ())
-        ]
+        data = backtrace_columns(self.stacks())
         out = {}
-        for i, (k, kind) in enumerate(keys.items()):
-            values = [r[i] for r in rows]
-            if kind == "str":
-                data = np.empty(len(values), dtype=object)
-                data[:] = values
+        for k, typ in _BACKTRACE.items():
+            if typ == "VARCHAR":
+                out[k] = np.empty(len(data[k]), dtype=object)
+                out[k][:] = data[k]
             else:
-                data = np.array(values, dtype="<i8" if kind == "i8" else bool)
-            out[k] = data
+                out[k] = np.array(data[k], dtype=bool if typ == "BOOLEAN" else "<i8")
         return out
 
     def backtrace_doc(self, thread: str | None = None) -> dict:

@@ -32,7 +32,15 @@ from ..util.errorlog import record_error
 from ..util.procfs import proc_start
 from .retention import prune
 
-__all__ = ["write", "records_dir", "shared_records_dir", "load_tables", "MAX_TABLES_BYTES", "TABLES"]
+__all__ = [
+    "write",
+    "records_dir",
+    "shared_records_dir",
+    "load_tables",
+    "backtrace_columns",
+    "MAX_TABLES_BYTES",
+    "TABLES",
+]
 
 # The tables a record keeps: the rings (the last minutes of the run), who/what the process was, and where its
 # collectives stood (the flight recorder), so a dead rank still lines up with the live ones in ranks.*.
@@ -92,7 +100,6 @@ def _stacks(exc: BaseException | None, skip_self: bool, frame=None) -> list:
             if ident == me:
                 while frames and frames[0]["file"].startswith(_OWN_FILES):
                     frames.pop(0)
-        t = names.get(ident)
         out.append(
             {
                 "thread_id": ident,
@@ -106,28 +113,15 @@ def _stacks(exc: BaseException | None, skip_self: bool, frame=None) -> list:
     return out
 
 
-def _backtrace_data(stacks: list) -> dict:
+def backtrace_columns(stacks: list) -> dict:
     """python.backtrace's columns from ``stacks`` (so the table and meta.json's stacks agree)."""
     keys = ("thread_id", "thread_name", "is_main", "depth", "func", "file", "lineno", "line", "is_native")
-    data: dict = {k: [] for k in keys}
-    for t in stacks:
-        for depth, f in enumerate(t["frames"]):
-            for k, v in zip(
-                keys,
-                (
-                    t["thread_id"],
-                    t["name"],
-                    t["is_main"],
-                    depth,
-                    f["func"],
-                    f["file"],
-                    f["lineno"],
-                    f.get("line"),
-                    False,
-                ),
-            ):
-                data[k].append(v)
-    return data
+    rows = [
+        (t["thread_id"], t["name"], t["is_main"], depth, f["func"], f["file"], f["lineno"], f.get("line"), False)
+        for t in stacks
+        for depth, f in enumerate(t["frames"])
+    ]
+    return {k: [row[i] for row in rows] for i, k in enumerate(keys)}
 
 
 def _columns(name: str, rows: int, data: dict | None = None) -> dict | None:
@@ -239,15 +233,19 @@ def _share(final: str, host: str, pid: int) -> None:
 
         tmp = tempfile.mkdtemp(prefix=f".tmp-{host}-{pid}-", dir=base)  # 0700, a name no one can prepare
         shutil.copytree(final, tmp, dirs_exist_ok=True)
-        dest = os.path.join(base, f"{host}-{pid}")
-        old = dest + f".old-{threading.get_ident()}"
-        if os.path.isdir(dest):
-            os.rename(dest, old)
-        os.rename(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
+        _replace_dir(tmp, os.path.join(base, f"{host}-{pid}"))
         prune(base, setting("PROBE_POSTMORTEM_KEEP"), prefix=f"{host}-")
     except Exception as err:
         record_error("post-mortem record (shared registry)", err)
+
+
+def _replace_dir(tmp: str, dest: str) -> None:
+    """Put the folder ``tmp`` in place of ``dest`` (a reader sees the old record or the new one, never half)."""
+    old = dest + f".old-{threading.get_ident()}"
+    if os.path.isdir(dest):
+        os.rename(dest, old)
+    os.rename(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _schema() -> dict:
@@ -309,7 +307,7 @@ def write(
             arrays, written = {}, []
             for name in tables:
                 try:
-                    found = _columns(name, rows, _backtrace_data(stacks) if name == "python.backtrace" else None)
+                    found = _columns(name, rows, backtrace_columns(stacks) if name == "python.backtrace" else None)
                 except Exception as err:  # one table failing must not lose the others
                     record_error(f"post-mortem table {name}", err)
                     continue
@@ -355,11 +353,7 @@ def write(
             with os.fdopen(fd, "w") as f:
                 json.dump(meta, f, default=str)
             final = os.path.join(base, str(pid))
-            old = final + f".old-{threading.get_ident()}"
-            if os.path.isdir(final):
-                os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+            _replace_dir(tmp, final)
             if cause in _FINAL:
                 _process["ended"] = pid
             prune(base, setting("PROBE_POSTMORTEM_KEEP"), fatal_dir=runtime_dir(create=False))

@@ -78,10 +78,6 @@ class Budget:
         self.charge_cap = charge_cap
         self.floor = -debt_cap * self.cap if math.isfinite(self.cap) else -math.inf
 
-    @property
-    def unlimited(self) -> bool:
-        return self.share == math.inf
-
     def earn(self, duration_ns: float) -> None:
         """A step of ``duration_ns`` nanoseconds ended: its share becomes credit."""
         c = self.credit + self.share * duration_ns
