@@ -29,6 +29,7 @@ from importlib import resources
 from urllib.parse import parse_qs, urlparse
 
 from probe._errors import ProbeError
+from probe.util.handshake import host_names
 from probe.util.slots import BoundedThreads
 
 from . import api
@@ -79,7 +80,7 @@ class UIServer(BoundedThreads, ThreadingHTTPServer):
         self.bound_threads(MAX_CONNECTIONS)
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         super().__init__((host, port), _Handler)
-        self.hosts = _host_names(host, self.server_address[0], self.port)
+        self.hosts = frozenset(host_names(host, self.server_address[0], self.port))
 
     def busy_reply(self) -> bytes:
         """What a connection past MAX_CONNECTIONS is sent (``BoundedThreads``) before it is closed."""
@@ -139,21 +140,6 @@ class UIServer(BoundedThreads, ThreadingHTTPServer):
         t = threading.Thread(target=self.serve_forever, name="probe-ui", daemon=True)
         t.start()
         return t
-
-
-def _host_names(host: str, bound: str, port: int) -> frozenset:
-    """The ``Host`` header values a request to this server may carry: loopback names, and the address it was
-    bound to (this host's names for a wildcard), each with the port (and without it on port 80).
-
-    >>> sorted(_host_names("127.0.0.1", "127.0.0.1", 8000))
-    ['127.0.0.1:8000', '[::1]:8000', 'localhost:8000']
-    """
-    names = {"127.0.0.1", "localhost", "[::1]"}
-    if bound in ("0.0.0.0", "::"):
-        names.update({socket.gethostname(), socket.getfqdn()})
-    else:
-        names.update({f"[{h}]" if ":" in h else h for h in (host, bound)})
-    return frozenset({f"{n}:{port}" for n in names} | (names if port == 80 else set()))
 
 
 class _Handler(BaseHTTPRequestHandler):
