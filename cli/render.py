@@ -20,7 +20,15 @@ TYPE_CHECKING = False  # (typing itself costs ~3 ms of start-up)
 if TYPE_CHECKING:  # the renderer is on the start-up path of every command: import only what runs
     from probe.sql.engine import Result
 
-__all__ = ["render_result", "render_backtrace", "frame_line", "escape_controls", "terminal_text", "FORMATS"]
+__all__ = [
+    "render_result",
+    "render_rows",
+    "render_backtrace",
+    "frame_line",
+    "escape_controls",
+    "terminal_text",
+    "FORMATS",
+]
 
 FORMATS = ("table", "json", "csv")
 
@@ -121,6 +129,13 @@ def render_result(result: "Result", fmt: str = "table", *, expanded: bool = Fals
     if timing:
         notes.append(f"{len(result.rows)} rows in {result.elapsed * 1000:.1f} ms")
     return text + ("\n(" + "; ".join(notes) + ")" if notes else "")
+
+
+def render_rows(columns: list, types: list, rows: list, fmt: str = "table") -> str:
+    """Rows the CLI made itself (a listing, not a query's answer), rendered as a query's result is."""
+    from probe.sql.engine import Result
+
+    return render_result(Result(columns, types, rows), fmt)
 
 
 def frame_line(f: dict, show_line: bool = True) -> str:
