@@ -31,7 +31,7 @@ from ..util.printable import printable
 if TYPE_CHECKING:
     from .queue import Context
 
-__all__ = ["save", "load_checkpoint", "expand_path", "sha256"]
+__all__ = ["save", "load_checkpoint", "expand_path"]
 
 FORMAT = "probe-checkpoint/1"
 _resume = {"step": 0}
@@ -139,11 +139,6 @@ def build_state(ctx: "Context") -> dict:
         },
     }
     return state
-
-
-def sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return _digest(f)
 
 
 def _digest(f) -> str:
