@@ -34,6 +34,7 @@ __all__ = [
     "Column",
     "Table",
     "no_rows",
+    "ring_rows",
     "Context",
     "table",
     "get_table",
@@ -169,6 +170,11 @@ def all_tables() -> list[Table]:
 def no_rows(columns) -> dict:
     """A ring table's answer before its ring exists: each of ``columns`` (names) with no values."""
     return {name: [] for name in columns}
+
+
+def ring_rows(owner, columns, read: Callable[[Any], Any]) -> Any:
+    """A ring table's answer: ``read(owner)``, or no rows (``no_rows``) while its owner does not exist yet."""
+    return no_rows(columns) if owner is None else read(owner)
 
 
 def to_columns(tbl: Table, data: Any) -> dict:
