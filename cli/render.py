@@ -1,12 +1,9 @@
 """Rendering of results: box-drawn tables, JSON, CSV, and backtraces (no DuckDB: the CLI starts fast).
 
-Every string a process or an endpoint chose (thread, function and file names, table cells, argv, exception
-messages, a server's error text) reaches a terminal with its control characters escaped: C0 and C1 controls,
-DEL and the bidirectional overrides would otherwise let the process write the user's clipboard (OSC 52), move
-the cursor over lines or reorder what is shown. ``escape_controls`` escapes one value (newlines and tabs
-too: they break a table's layout); ``terminal_text`` is the net every human-readable line goes through
-(``Session.print``/``note`` and the CLI's error line), which keeps the newlines and tabs of the layout. JSON
-stays exact: ``json.dumps`` escapes controls itself.
+Every string a process or an endpoint chose reaches a terminal escaped (``probe.util.printable`` says why):
+``escape_controls`` escapes one value (newlines and tabs too: they break a table's layout); ``terminal_text``
+is the net every human-readable line goes through (``Session.print``/``note`` and the CLI's error line), which
+keeps the newlines and tabs of the layout. JSON stays exact: ``json.dumps`` escapes controls itself.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """HTTP routes of the read tier: health, snapshot (the server side of a query), backtrace, tables, and ``GET
-/profile``.
+/profile``. Other rooms add their own routes (actions, eval) with ``@route`` the same way.
 
-Other rooms add their own routes (actions, eval) with ``@route`` the same way.
-
-``GET /profile`` samples every thread's Python stack for a few seconds (a flamegraph's data) on the
-request's server thread: it reads ``sys._current_frames()`` about ``hz`` times a second for ``seconds``
-(both bounded), keys each stack by its code objects (no strings built while sampling) and only turns the
-distinct stacks into text at the end. Between samples it sleeps, so the training thread keeps the GIL. A
-profile is charged to its listener's share (``snapshot.Lane``, ``PROBE_SERVE_SHARE``) as it samples: it
-starts when the share has credit, and while the share is spent it pauses (fewer samples, ``paced_s`` says
-how long). One profile runs at a time per listener; a second request is refused with a sentence saying so.
-The answer is collapsed stacks, root first: ``thread MainThread;main (train.py:90);...`` with a sample count
-each, the format flamegraph tools read.
+``GET /profile`` samples every thread's Python stack for a few seconds (a flamegraph's data) on the request's
+server thread (``sample_stacks``): stacks are keyed by their code objects while sampling and turned into text
+once at the end, and the thread sleeps between samples, so the training thread keeps the GIL. A profile is
+charged to its listener's share (``snapshot.Lane``) as it samples and pauses while the share is spent; one runs
+at a time per listener. The answer is collapsed stacks, root first, with a sample count each.
 """
 
 from __future__ import annotations
