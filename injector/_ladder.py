@@ -17,6 +17,7 @@ The bootstrap reports through a status file, which ``inject`` waits for.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -85,10 +86,8 @@ class _Payload:
 
     def discard(self) -> None:
         for path in (self.settings, self.code_file, self.status):
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(path)
-            except OSError:
-                pass
 
 
 def _remote_exec_unavailable(info: ProcessInfo) -> str | None:

@@ -13,6 +13,7 @@ ranks on other nodes can be found. Who a process is (rank, job, argv) is ``_iden
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -98,10 +99,8 @@ def _make_private_dir(path: str) -> None:
         pass
     except FileNotFoundError:
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-        try:
+        with contextlib.suppress(FileExistsError):
             os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
 
 
 def use_private_dir(reason: str) -> str:

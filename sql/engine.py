@@ -13,6 +13,7 @@ cap, and ``interrupt`` stops it from another thread (the REPL's Ctrl-C).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -83,10 +84,8 @@ class Workspace:
 
     def _expire(self) -> None:
         self._expired.set()
-        try:
+        with contextlib.suppress(Exception):
             self.con.interrupt()
-        except Exception:
-            pass
 
     @property
     def expired(self) -> bool:
@@ -117,10 +116,8 @@ class Workspace:
             self._timer.cancel()
         if self._abandoned:
             return
-        try:
+        with contextlib.suppress(Exception):
             self.con.close()
-        except Exception:
-            pass
 
     def __enter__(self):
         return self
@@ -193,10 +190,8 @@ class Workspace:
         """Stop the running query (or the next one) from another thread."""
         with self._lock:
             self._cancelled = True
-        try:
+        with contextlib.suppress(Exception):
             self.con.interrupt()
-        except Exception:
-            pass
 
     def execute(self, sql: str, *, max_rows: int = 10000, timeout: float = 10.0) -> Result:
         """Run ``sql`` (already guarded) and return at most ``max_rows`` rows; the configuration is locked first."""
@@ -223,10 +218,8 @@ class Workspace:
 
         def on_timeout():
             timed_out.set()
-            try:
+            with contextlib.suppress(Exception):
                 self.con.interrupt()
-            except Exception:
-                pass
 
         if self._cancelled:
             raise QueryError("the query was cancelled.")

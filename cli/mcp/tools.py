@@ -13,6 +13,7 @@ them; :mod:`.server` wraps the results in MCP types.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -294,10 +295,8 @@ def call_tool(
     text = out.getvalue().strip()
     notes = err.getvalue().strip()
     data = None
-    try:
+    with contextlib.suppress(ValueError):
         data = json.loads(text) if text else None
-    except ValueError:
-        pass
     if notes:
         text = f"{text}\n{notes}" if text else notes
     return ToolResult(text or "(no output)", is_error=code != 0, data=data)

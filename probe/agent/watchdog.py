@@ -20,6 +20,7 @@ installs them, removes them and tells them about forks.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -78,10 +79,8 @@ class Watchdog:
         """Disarm the timer and close the dump file (the file itself stays for the user)."""
         boundary.remove(self._on_heartbeat)
         faulthandler.cancel_dump_traceback_later()
-        try:
+        with contextlib.suppress(OSError):
             self.file.close()
-        except OSError:
-            pass
 
     def status(self) -> dict:
         """``state="hung"`` and ``hung_since`` (the last heartbeat: within a second of the last step, or the arming)
@@ -167,10 +166,8 @@ class SigtermGuard:
 
     def _close_fds(self) -> None:
         for fd in (self.rfd, self.wfd):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self.rfd = self.wfd = None
 
     def on_term(self, signum, frame) -> None:

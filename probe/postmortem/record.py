@@ -16,6 +16,7 @@ record with cause ``snapshot``; reading records back and saying how each process
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -166,10 +167,8 @@ def shared_records_dir(create: bool = True) -> str | None:
         return None
     path = os.path.join(base, "postmortem")
     if create:
-        try:
+        with contextlib.suppress(FileExistsError):
             os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
     try:
         check_private_dir(path, "the shared registry's post-mortem folder", "remove it")
     except (OSError, ProbeError):

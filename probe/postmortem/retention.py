@@ -12,6 +12,7 @@ docs/postmortem.md gives (clean exits of gone processes first, records of runnin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -143,10 +144,8 @@ def _remove(path: str) -> None:
     if os.path.isdir(path):
         shutil.rmtree(path, ignore_errors=True)
     else:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
 
 
 def prune(base: str, keep: int, prefix: str = "", fatal_dir: str | None = None) -> None:

@@ -19,6 +19,7 @@ go through ``printable``: a newline or an escape sequence in a path never reache
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -172,10 +173,8 @@ def write_file(
         raise error(f"cannot write {shown} ({exc.strerror or exc}); {fix}.") from None
     finally:
         if tmp is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dfd)
-            except OSError:
-                pass
         os.close(dfd)
 
 
