@@ -239,10 +239,7 @@ def open_database(
         answer["local"] = {name: read(target) for name, read in local.items()}
         return answer
 
-    if single:
-        answers = [Answer(targets[0], ask(targets[0]))]
-    else:
-        answers = fan_out(targets, ask)
+    answers = [Answer(targets[0], ask(targets[0]))] if single else fan_out(targets, ask)
     failed = {id(a.target): (a.target, a.error) for a in answers if not a.ok}
     answered = [a for a in answers if a.ok]
     ws = Workspace(

@@ -144,9 +144,7 @@ def tool_specs(allow_actions: bool = False, output_dir: str | None = None) -> li
                 continue
             props[key] = _schema_of(action)
             options.append((key, action))
-            if not action.option_strings and action.nargs not in ("?", "*"):
-                required.append(key)
-            elif action.required:
+            if (not action.option_strings and action.nargs not in ("?", "*")) or action.required:
                 required.append(key)
         if name not in _NO_TARGET:
             props.update(_TARGET)

@@ -260,9 +260,8 @@ def _clause(tokens) -> tuple[str | None, str | None]:
             if depth == 0:
                 continue  # inside a call or sub-query: keep looking outward
             depth -= 1
-        elif depth == 0 and (name in _TABLE_CLAUSES or name in _COLUMN_CLAUSES or name in ("LIMIT", "ALIAS")):
-            if name in _TABLE_CLAUSES or name in _COLUMN_STARTS or name == "LIMIT":
-                return name, last
+        elif depth == 0 and (name in _TABLE_CLAUSES or name in _COLUMN_STARTS or name == "LIMIT"):
+            return name, last
     return None, last
 
 
