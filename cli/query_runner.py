@@ -343,6 +343,7 @@ def _silent_rows(columns: list, failed) -> tuple[list, list]:
 def _union_view(ws, name: str, relation: str | None, schema: dict, failed, j: int, register_result) -> None:
     """View ``name``: ``relation`` (every answering rank's rows of one part, ``__rank`` first; None when no rank
     answered) with a ``rank`` column, plus a row for each silent rank where the view keeps one."""
+    from probe.sql.columns import quote as q
     from probe.sql.engine import Result
     from probe.sql.federate import union_columns
     from probe.sql.rank_columns import VIEW_COLUMNS
@@ -354,9 +355,6 @@ def _union_view(ws, name: str, relation: str | None, schema: dict, failed, j: in
     else:
         fetched = [c for c in declared if c != "rank"]
     order = union_columns(fetched, declared)
-
-    def q(c):
-        return '"' + c.replace('"', '""') + '"'
 
     cols = ", ".join(f'CAST("__rank" AS INTEGER) AS {q("rank")}' if c == "rank" else q(c) for c in order)
     parts = [f"SELECT {cols} FROM {q(relation)}"] if relation is not None else []

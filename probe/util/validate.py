@@ -207,5 +207,5 @@ def json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
 
 
 def _show(value) -> str:
-    text = repr(value) if not isinstance(value, str) else repr(value)
+    text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
