@@ -134,20 +134,15 @@ class Record:
     def entry(self) -> dict:
         """A registry-like entry for the CLI's Target (``postmortem``: the record's folder)."""
         m = self.meta
-        return {
-            "pid": self.pid,
-            "rank": self.rank,
-            "world_size": m.get("world_size"),
-            "job": m.get("job"),
-            "host": m.get("host"),
-            "argv": m.get("argv"),
-            "started_at": m.get("started_at"),
-            "postmortem": m.get("path"),
-            "cause": m.get("cause"),
-            "summary": m.get("summary"),
-            "last_step": m.get("last_step"),
-            "died_at": m.get("time"),
-        }
+        kept = {k: m.get(k) for k in ("world_size", "job", "host", "argv", "started_at", "cause", "summary")}
+        return dict(
+            kept,
+            pid=self.pid,
+            rank=self.rank,
+            postmortem=m.get("path"),
+            last_step=m.get("last_step"),
+            died_at=m.get("time"),
+        )
 
     def describe(self) -> str:
         """A clause naming the process and how it ended, e.g. ``pid 41 died (exception: RuntimeError: ...)``."""
