@@ -20,8 +20,6 @@ from probe.util.procfs import proc_state
 from .plumbing.fanout import Answer, fan_out
 from .plumbing.postmortem import is_postmortem, refine_refusal
 
-__all__ = ["federated_query", "fetch_schema", "forget_schemas", "open_database", "add_views", "run_outer"]
-
 
 _schemas: dict = {}  # endpoint -> ((started_at, schema_version), {table: {column: type}}), for this client's life
 _schemas_lock = threading.Lock()

@@ -11,21 +11,12 @@ from __future__ import annotations
 import io
 import json
 
-from probe.util.printable import escape_controls, terminal_text
+from probe.util.printable import escape_controls
 
 TYPE_CHECKING = False  # (typing itself costs ~3 ms of start-up)
 if TYPE_CHECKING:  # the renderer is on the start-up path of every command: import only what runs
     from probe.sql.engine import Result
 
-__all__ = [
-    "render_result",
-    "render_rows",
-    "render_backtrace",
-    "frame_line",
-    "escape_controls",
-    "terminal_text",
-    "FORMATS",
-]
 
 FORMATS = ("table", "json", "csv")
 

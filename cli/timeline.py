@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 from probe._errors import ProbeError
 
-__all__ = ["RankRows", "rank_rows", "build_trace"]
 
 TRACKS = {"steps": 1, "forward": 2, "backward": 3, "recompute": 4}  # recompute: activation checkpointing
 _SPAN_TID0 = 10

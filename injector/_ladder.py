@@ -32,7 +32,6 @@ from probe._runtime import read_entries, runtime_dir, sweep_stale
 
 from ._process import EXIT_CODES, ProcessInfo, cli_version, explain_ptrace_failure, inspect_process, ptrace_problem
 
-__all__ = ["inject", "BOOT_CODE", "RUNGS"]
 
 RUNGS = ("remote_exec", "gdb")
 

@@ -25,24 +25,6 @@ from .config import setting
 from ._errors import EndpointError
 from .util.procfs import pid_alive
 
-__all__ = [
-    "runtime_dir",
-    "default_runtime_dir",
-    "check_private_dir",
-    "use_private_dir",
-    "sweep_stale",
-    "write_entry",
-    "read_entries",
-    "remove_entry",
-    "process_is",
-    "reused_pid",
-    "shared_registry",
-    "job_token",
-    "registry_listen",
-    "offline_status",
-    "read_private",
-]
-
 
 _private: dict = {}  # "path": the private directory a process fell back to when the usual one was unsafe
 

@@ -23,7 +23,6 @@ from probe.util.wire import WireError, check_table
 
 from .columns import SLOT, concat_snapshots, is_simple_type, quote, raw_columns, typed_select
 
-__all__ = ["Result", "Workspace", "execute", "connect", "register_result"]
 
 GRACE_S = 2.0  # after the timeout interrupts DuckDB, how long it may take to notice before the query is abandoned
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from probe.diagnosis.rules import rule
 
-__all__: list = []
 
 _IN_A_ROW = 2  # failing checks in a row that make a finding (one could be a step caught mid-change)
 _CURRENT = 3  # checked steps (the rank's latest) among which an invariant's last check must be

@@ -30,7 +30,6 @@ from probe.util.handshake import LOOPBACK_NAMES, host_names, is_loopback
 
 from .server import build_server
 
-__all__ = ["parse_address", "http_token", "serve_http", "PATH"]
 
 PATH = "/mcp"
 _TOKEN_OK = re.compile(r"^[A-Za-z0-9._~+/=-]{16,}$")  # RFC 6750's token68 characters, and not guessable by length

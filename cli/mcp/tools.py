@@ -24,17 +24,6 @@ from pathlib import Path
 
 from probe._errors import ProbeError
 
-__all__ = [
-    "ToolSpec",
-    "ToolResult",
-    "READ_TOOLS",
-    "ACTION_TOOLS",
-    "NEVER",
-    "tool_specs",
-    "call_tool",
-    "builtin_tables",
-    "AGENT",
-]
 
 AGENT = "mcp"  # the marker every request of an MCP tool carries (audit.jsonl, probe.actions' client column)
 

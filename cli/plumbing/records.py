@@ -20,7 +20,6 @@ import zipfile
 
 from probe.postmortem.record import backtrace_columns, load_tables
 
-__all__ = ["Record", "parse_fatal_dump"]
 
 _NUMERIC = ("BIGINT", "INTEGER", "SMALLINT", "TINYINT", "UBIGINT", "UINTEGER", "HUGEINT")
 _BACKTRACE = {

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 from prompt_toolkit.completion import Completer, Completion
 
-__all__ = ["Schema", "SqlCompleter", "suggest", "duckdb_function_names", "sql_keywords"]
 
 # Clause keywords after which column names make sense.
 _COLUMN_CLAUSES = {

@@ -26,8 +26,6 @@ from probe._errors import EndpointError, ProbeError
 from ..plumbing.session import Session
 from .completer import Schema, SqlCompleter, duckdb_function_names
 
-__all__ = ["ReplSession", "Background", "Cancelled", "Executor", "split_statements", "is_complete", "describe_error"]
-
 
 class ReplSession(Session):
     """A CLI session whose target the user switches: one endpoint, one rank, or all ranks."""

@@ -34,7 +34,6 @@ from probe.util.slots import BoundedThreads
 
 from . import api
 
-__all__ = ["UIServer", "BadRequest"]
 
 _TYPES = {
     ".html": "text/html; charset=utf-8",

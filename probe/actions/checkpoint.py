@@ -31,7 +31,6 @@ from ..util.printable import printable
 if TYPE_CHECKING:
     from .queue import Context
 
-__all__ = ["save", "load_checkpoint", "expand_path"]
 
 FORMAT = "probe-checkpoint/1"
 _resume = {"step": 0}

@@ -18,25 +18,6 @@ from .._errors import ActionError, ProbeError
 from ..training.frameworks import local
 from ..util import files
 
-__all__ = [
-    "Evidence",
-    "Replay",
-    "load_evidence",
-    "write_evidence",
-    "bundle_name",
-    "bundle",
-    "bytes_of",
-    "host_copy",
-    "copy_state",
-    "restore_state",
-    "keep_cost",
-    "run_forward",
-    "first_nonfinite",
-    "grad_norm",
-    "step_loss",
-    "finite",
-    "median",
-]
 
 _NAME = re.compile(r"^guard-step(\d+)-rank(\d+)\.pt$")
 

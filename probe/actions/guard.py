@@ -44,7 +44,6 @@ from .evidence import (
     write_evidence,
 )
 
-__all__ = ["Spec", "parse_spec", "arm", "disarm", "current", "events", "estimate", "arm_from_setting", "WINDOW"]
 
 WINDOW = 50  # applied steps whose median a spike is measured against (the doctor's gradient-norm spike score)
 MIN_HISTORY = 10  # steps seen before a spike can trigger

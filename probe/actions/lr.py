@@ -22,7 +22,6 @@ from .lroverride import Group, Override, Rescaled, drop, hold, invertible, lock,
 from .lroverride import rescalable, rescale, value, write
 from .queue import Context
 
-__all__ = ["LrRequest", "change_lr", "check_rate", "reset_lr"]
 
 _HEADROOM = 0.01  # of the dtype's largest value: room for weight decay, momentum and bias-correction factors
 

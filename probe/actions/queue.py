@@ -33,20 +33,6 @@ from .._core.audit import audit
 from .._errors import ActionError, ProbeError
 from ..util.errorlog import record_error
 
-__all__ = [
-    "Action",
-    "Context",
-    "submit",
-    "get",
-    "wait",
-    "actions",
-    "last_step",
-    "refuse",
-    "cancel",
-    "drop_pending",
-    "TERMINAL",
-    "ActionCancelled",
-]
 
 CAPACITY = 1000
 TERMINAL = ("done", "failed", "timed_out", "cancelled")

@@ -33,7 +33,6 @@ from ..util import validate as _validate
 from .._core import state
 from .server import Request, check_tier, route
 
-__all__ = []
 
 MAX_WAIT = 30.0
 

@@ -49,7 +49,6 @@ from .snapshot import reset_lanes
 from .listeners import TCPServer, UnixServer, close, serve_in_thread, stop_serving
 from .watchdog import SigtermGuard, Watchdog
 
-__all__ = ["Session", "start", "stop", "is_running", "info"]
 
 _lock = threading.RLock()
 _session: Session | None = None  # the running one

@@ -20,8 +20,6 @@ from ..util.errorlog import record_error
 from ..util.slots import BoundedThreads
 from .server import _WRONG_TOKEN, _Handler
 
-__all__ = ["UnixServer", "TCPServer", "serve_in_thread", "stop_serving", "close"]
-
 
 _BUSY = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"

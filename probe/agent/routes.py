@@ -29,9 +29,6 @@ from ..util.procfs import native_id
 from ..util.printable import redact, frame_text
 
 
-__all__ = ["snapshot", "schema_identity", "MAX_THREADS", "MAX_DEPTH", "sample_stacks", "MAX_SECONDS", "MAX_HZ"]
-
-
 @route("GET", "/health")
 def health(req: Request) -> dict:
     return dict(state.status(), requests=requests_served())

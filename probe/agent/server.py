@@ -34,9 +34,6 @@ from .._core.audit import audit
 from ..config import setting
 
 
-__all__ = ["send_buffers", "requests_served", "Request", "Binary", "Route", "route", "ROUTES", "TIERS", "check_tier"]
-
-
 TIERS = ("read", "action", "eval")
 
 

@@ -33,8 +33,6 @@ from ..util.errorlog import record_error
 from ..util.budget import Budget
 
 
-__all__ = ["take", "apply_filter", "parse_request", "BusyError", "Lane", "lane", "reset_lanes", "served"]
-
 _OPS = ("=", "!=", "<", "<=", ">", ">=", "in", "null", "notnull")
 MAX_FILTER_NODES = 256
 MAX_IN_VALUES = 1000

@@ -34,7 +34,6 @@ from .._core.boundary import boundary
 from ..postmortem import hooks as postmortem
 from ..util.errorlog import record_error
 
-__all__ = ["Watchdog", "SigtermGuard", "REARM_S", "LATE_S"]
 
 REARM_S = 0.25  # heartbeats closer than this to the last re-arm leave the timer as it is
 # how late, after S seconds without a step, the timer may fire: a heartbeat comes at most a second (and one step)

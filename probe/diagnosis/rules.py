@@ -16,7 +16,6 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, fields
 
-__all__ = ["Rule", "rule", "all_rules", "get_rule", "SEVERITIES", "FAMILIES"]
 
 SEVERITIES = ("critical", "warning", "info")  # most severe first
 FAMILIES = (

@@ -29,7 +29,6 @@ from ..util.errorlog import record_error
 from . import record
 from .retention import prune
 
-__all__ = ["install", "uninstall", "at_exit", "fatal_path", "terminated"]
 
 _state: dict = {}
 _stop = threading.Event()

@@ -33,15 +33,6 @@ from ..util.errorlog import record_error
 from ..util.procfs import proc_start
 from .retention import prune
 
-__all__ = [
-    "write",
-    "records_dir",
-    "shared_records_dir",
-    "load_tables",
-    "backtrace_columns",
-    "MAX_TABLES_BYTES",
-    "TABLES",
-]
 
 # The tables a record keeps: the rings (the last minutes of the run), who/what the process was, and where its
 # collectives stood (the flight recorder), so a dead rank still lines up with the live ones in ranks.*.

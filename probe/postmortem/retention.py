@@ -18,8 +18,6 @@ import os
 import shutil
 import time
 
-__all__ = ["read_meta", "valid_meta", "alive", "is_clean_exit", "prune"]
-
 
 MAX_META_BYTES = 16 << 20  # a record's meta.json (stacks, schema, exception): far more than a real one holds
 

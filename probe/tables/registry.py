@@ -30,21 +30,6 @@ from typing import Any, Callable, Iterable
 
 from ..util.wire import Column, WireError, check_table
 
-__all__ = [
-    "Column",
-    "Table",
-    "no_rows",
-    "ring_rows",
-    "Context",
-    "table",
-    "get_table",
-    "all_tables",
-    "unregister",
-    "to_columns",
-    "version",
-    "load_builtins",
-    "BUILTIN",
-]
 
 # the modules of probe.tables that declare the built-in tables (the only place they are named)
 BUILTIN = (

@@ -18,7 +18,6 @@ from ..config import setting
 from ..util.errorlog import record_error
 from ..util.ring import Ring
 
-__all__ = ["Invariants", "CHECK_COLUMNS", "checks"]
 
 CHECK_COLUMNS = {"step": "i8", "time": "f8", "invariant": "O", "ok": "b1", "subject": "O", "value": "f8", "detail": "O"}
 _REFRESH_MAX = 500  # steps between refreshes of the cached targets at most (they double from step 1 until then)

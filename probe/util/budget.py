@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["Budget", "BURST_S"]
 
 BURST_S = 1.0  # seconds of step time whose share may be spent at once (and the starting credit)
 

@@ -29,7 +29,6 @@ from typing import IO, Callable, TypeVar
 from .._errors import ProbeError
 from .printable import printable
 
-__all__ = ["check_directory", "check_target", "write_file", "sweep_temps", "open_own", "temp_prefix"]
 
 T = TypeVar("T")
 

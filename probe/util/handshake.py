@@ -33,23 +33,6 @@ import threading
 import time
 from collections import OrderedDict
 
-__all__ = [
-    "rank_key",
-    "identity_of",
-    "new_nonce",
-    "proof",
-    "request_mac",
-    "challenge_answer",
-    "Nonces",
-    "Verdict",
-    "check_header",
-    "client_header",
-    "NONCE_TTL",
-    "MAX_NONCES",
-    "is_loopback",
-    "host_names",
-    "LOOPBACK_NAMES",
-]
 
 NONCE_TTL = 30.0  # seconds a server nonce may wait for its request
 MAX_NONCES = 1024  # server nonces kept at once (the oldest go first)

@@ -5,17 +5,6 @@ from __future__ import annotations
 import os
 import threading
 
-__all__ = [
-    "rss_bytes",
-    "RssReader",
-    "RunDelayReader",
-    "CpuWait",
-    "proc_state",
-    "proc_start",
-    "start_time",
-    "native_id",
-    "pid_alive",
-]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 

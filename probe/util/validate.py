@@ -14,17 +14,6 @@ import math
 from .._errors import ProbeError
 from .printable import printable
 
-__all__ = [
-    "BadRequest",
-    "number",
-    "seconds",
-    "count",
-    "text",
-    "file_path",
-    "json_body",
-    "MAX_SECONDS",
-    "MAX_JSON_DEPTH",
-]
 
 MAX_SECONDS = 7 * 24 * 3600.0  # a week: anything longer is a typo, and timers overflow past ~1e9 s
 MAX_JSON_DEPTH = 32
