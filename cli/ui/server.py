@@ -1,18 +1,10 @@
 """The page's HTTP server: static files and a small JSON API, behind a token in the path.
 
-Every URL starts with ``/<token>/``; anything else is answered 403. The token is random
-per run (``secrets.token_urlsafe``) and compared in constant time, so another user on the
-host who finds the loopback port still cannot read the page. Relative links inside the
-page carry the token without any script doing it. Responses forbid caching and, through
-a Content-Security-Policy, any request to another origin: the page works offline and
-cannot leak to a CDN.
-
-Every request must also name this server in its ``Host`` header (a DNS-rebinding page names
-its own domain) and, when a browser sends an ``Origin``, come from this server's origin; every
-POST carries the page's CSRF value (``X-Probe-CSRF``, from ``api/config``), which a page of
-another origin cannot read. At most ``MAX_CONNECTIONS`` connections are served at once (one
-thread each; more are answered 503 and closed without a thread), and a connection that sends
-nothing for ``IDLE_TIMEOUT`` seconds is closed.
+The checks every request passes are listed in docs/security.md ("The page checks who is asking")
+and docs/ui.md: a random token as the first path segment, compared in constant time (relative
+links inside the page carry it without any script doing it); ``Host`` and ``Origin`` naming this
+server; the CSRF header on every POST; no caching and no other origin (Content-Security-Policy);
+at most ``MAX_CONNECTIONS`` connections, one thread each, and ``IDLE_TIMEOUT`` for a silent one.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
-"""Guarded actions: an id, a state, and a run at the step boundary.
+"""Guarded actions: an id, a state, and a run at the step boundary (docs/actions.md: when each runs).
 
-Mutating commands (checkpoint, lr, cleanup, eval with ``--at-step``) are queued and
-run by the training thread at the next safe point (after ``optimizer.step()``), so
-they never see a half-applied update. Each action moves through
-``queued -> running -> done | failed | timed_out | cancelled``. A queued action that has not
-started by its deadline becomes ``timed_out`` under the same lock the training
-thread takes to start it, so a timed-out action can never run late. One given a step
-(``at_step``, the same on every rank asked) runs at that step's safe point or not at all: if
-the step has passed it fails with ``missed`` set, and can be asked again. ``now=True``
-runs the action at once on a thread of its own (``probe-action-ID``), for a hung
-process; the request that submitted it waits for it like for a queued one, so the
-client always learns the id and can cancel it (``cancel``): a queued action is
-dropped, a running ``now`` action gets an exception raised in its thread at its next
-Python instruction. An action running on the training thread is never interrupted.
+A queued action that has not started by its deadline becomes ``timed_out`` under the same lock
+the training thread takes to start it, so a timed-out action can never run late. One given a
+step (``at_step``) runs at that step's safe point or not at all: if the step has passed it fails
+with ``missed`` set. A ``now`` action runs on a thread of its own (``probe-action-ID``); the
+request waits for it as for a queued one, so the client always learns the id. ``cancel`` drops
+a queued action and raises an exception in a ``now`` action's thread at its next Python
+instruction; an action running on the training thread is never interrupted.
 
 Every submission, refusal and outcome is written to the audit log; the last
 ``CAPACITY`` actions are kept for the ``probe.actions`` table.

@@ -9,10 +9,9 @@ call with the GIL held. It is re-armed from a ``probe._core.boundary`` heartbeat
 lag never makes it fire early. Nothing polls: the dump is noticed, by one ``fstat``, when someone asks
 for the status.
 
-The SIGTERM guard writes the record and removes this process's entry, then dies of SIGTERM. A Python
-handler runs only when the main thread is back in Python, which a rank waiting in C never is; so a
-watcher thread woken through ``signal.set_wakeup_fd`` does the same from its own thread, then puts back
-the default action at the C level and raises SIGTERM again: whichever comes first does the work once.
+The SIGTERM guard writes the record and removes this process's entry, then dies of SIGTERM; why a
+watcher thread woken through ``signal.set_wakeup_fd`` does it besides the Python handler is docs/postmortem.md's
+"SIGTERM".
 
 One ``Watchdog`` and one ``SigtermGuard`` belong to the running session (``probe.agent.lifecycle``), which
 installs them, removes them and tells them about forks.

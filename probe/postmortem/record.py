@@ -1,12 +1,10 @@
-"""Post-mortem records: what a process leaves in its runtime directory when it dies (docs/postmortem.md
-describes the format for readers without probe).
+"""Post-mortem records: what a process leaves in its runtime directory when it dies.
 
-A record is a folder ``postmortem/<pid>/`` (mode 0700): ``meta.json`` (who, how it ended, every thread's
-stack, each column's declared SQL type) and ``tables.npz`` (the last ``PROBE_POSTMORTEM_ROWS`` rows of each
-table, one array per column, text as unicode arrays, never pickled; a ``<column>.valid`` mask where there are
-NULLs). ``python.backtrace`` in it is built from the same stacks as ``meta.json``'s: the thread that died of an
-exception shows that exception's traceback, and the snapshot thread leaves itself out. With
-``PROBE_REGISTRY`` set, the finished record is also copied to ``<registry>/postmortem/<host>-<pid>/``.
+docs/postmortem.md ("The record") gives the format, for readers without probe: a folder
+``postmortem/<pid>/`` with ``meta.json`` and ``tables.npz``, never pickled, copied to the
+registry too with ``PROBE_REGISTRY``. ``python.backtrace`` in it is built from the same stacks
+as ``meta.json``'s: the thread that died of an exception shows that exception's traceback, and
+the snapshot thread leaves itself out.
 
 Writes are atomic (a temporary folder renamed into place), and at most ``PROBE_POSTMORTEM_KEEP`` records are
 kept (``retention``). SIGKILL leaves no chance to write, so the periodic snapshot (``hooks``) writes the same
