@@ -23,6 +23,7 @@ from urllib.parse import parse_qs, urlparse
 from probe._errors import ProbeError
 from probe.util.handshake import host_names
 from probe.util.slots import BoundedThreads
+from probe.util.validate import BadRequest, request_body
 
 from . import api
 
@@ -38,7 +39,6 @@ _CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
-MAX_BODY = 1 << 20
 MAX_CONNECTIONS = 32  # a browser opens about six; 3000 idle sockets must not become 3000 threads
 IDLE_TIMEOUT = 15.0  # seconds a connection may stay silent (keep-alive included)
 CSRF_HEADER = "X-Probe-CSRF"
@@ -211,17 +211,11 @@ class _Handler(BaseHTTPRequestHandler):
                 self._json(403, {"error": f"this request lacks the page's {CSRF_HEADER} header; reload the page."})
                 return
             try:
-                length = int(self.headers.get("Content-Length") or 0)
-                if not 0 <= length <= MAX_BODY:
-                    raise ValueError
-                body = json.loads(self.rfile.read(length) or b"{}")
-                if not isinstance(body, dict):
-                    raise ValueError
-            except (ValueError, RecursionError):  # not JSON, not an object, or nested past what Python reads
+                params.update(request_body(self.headers.get("Content-Length"), self.rfile))
+            except BadRequest:  # not JSON, not an object, too deep or too long
                 self.close_connection = True  # (a body left unread must not be taken for the next request)
                 self._json(400, {"error": "the request body must be a JSON object under 1 MiB."})
                 return
-            params.update(body)
         handler = _API.get((method, rest))
         if handler is None:
             self._json(404, {"error": f"no such API {method} /{rest}."})
@@ -229,7 +223,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self._json(200, handler(self.server, params))
         except BadRequest as exc:  # a parameter the page would never send: one sentence, 400
-            self._json(400, {"error": str(exc)})
+            self._json(400, {"error": exc.message})
         except ProbeError as exc:  # the probe's own refusals are answers, shown in the panel (not HTTP errors)
             self._json(200, {"error": exc.message, "kind": exc.kind})
         except Exception as exc:  # a bug of ours: show it on the page and in the terminal, keep serving
@@ -245,10 +239,6 @@ class _Handler(BaseHTTPRequestHandler):
         self._route("POST")
 
 
-class BadRequest(ValueError):
-    """A request parameter of the wrong type or out of range: answered 400 with this sentence."""
-
-
 MAX_ROWS = 1_000_000
 
 
@@ -258,7 +248,7 @@ def _number(p: dict, name: str, default, kind, low, high):
     >>> _number({"max_rows": "abc"}, "max_rows", 2000, int, 1, MAX_ROWS)
     Traceback (most recent call last):
     ...
-    probe.cli.ui.server.BadRequest: max_rows must be a whole number from 1 to 1,000,000, not 'abc'.
+    probe.util.validate.BadRequest: max_rows must be a whole number from 1 to 1,000,000, not 'abc'.
     """
     value = p.get(name)
     if value is None:

@@ -13,7 +13,7 @@ as JSON and kept in ``probe.errors``. Every request is bounded per listener (doc
 the head has one deadline for all its bytes (``PROBE_READ_TIMEOUT``) and at most ``MAX_HEAD`` bytes, and over
 TCP the ``Authorization`` header (``probe.util.handshake``) is checked as soon as its line arrives, within the
 first ``MAX_HEAD_BEFORE_AUTH`` bytes; bodies are JSON objects of at most ``MAX_BODY`` bytes and
-``MAX_JSON_DEPTH`` levels.
+``MAX_JSON_DEPTH`` levels (``probe.util.validate``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Callable
 
 from .._errors import AuthError, EndpointError, ProbeError
 from ..util.errorlog import record_error
-from ..util.validate import BadRequest, json_body
+from ..util.validate import BadRequest, request_body
 from .._core.audit import audit
 from ..config import setting
 
@@ -99,7 +99,6 @@ def check_tier(client: dict, tier: str) -> None:
     # actions: the unix socket is same-user only, and TCP clients have already shown the token.
 
 
-MAX_BODY = 1024 * 1024
 MAX_HEAD = 16 * 1024  # request line and headers: our clients send a few hundred bytes
 MAX_HEAD_BEFORE_AUTH = 4 * 1024  # over TCP, what a client may send before its Authorization line
 
@@ -297,7 +296,7 @@ class _Handler(BaseHTTPRequestHandler):
             except AuthError as exc:
                 _audit_refusal(self, method, client, exc)
                 raise
-            body = self._read_body()
+            body = request_body(self.headers.get("Content-Length"), self.rfile)
             req = Request(method, url.path, parse_qs(url.query), body, client)
             payload = entry.fn(req)
             if isinstance(payload, Binary):
@@ -316,27 +315,6 @@ class _Handler(BaseHTTPRequestHandler):
             record_error(f"server {method} {url.path}", exc)
             failed = ProbeError(f"the probe failed internally ({type(exc).__name__}: {exc}); see probe.errors.")
             self._send(500, failed.to_dict())
-
-    def _read_body(self) -> dict:
-        raw_length = self.headers.get("Content-Length")
-        if raw_length in (None, ""):
-            return {}
-        try:
-            length = int(raw_length)
-        except ValueError:
-            length = -1
-        if length < 0:
-            raise BadRequest(f"Content-Length must be a whole number of bytes, not {raw_length[:20]!r}.")
-        if length > MAX_BODY:
-            exc = BadRequest(f"the request body is {length} bytes; the limit is {MAX_BODY} bytes.")
-            exc.kind = "too_large"
-            raise exc
-        if not length:
-            return {}
-        raw = self.rfile.read(length)
-        if len(raw) < length:
-            raise BadRequest("the request body ended before its Content-Length; resend the request.")
-        return json_body(raw)
 
     def do_GET(self):
         self._handle("GET")
