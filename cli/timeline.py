@@ -1,12 +1,8 @@
 """Chrome trace-event JSON from probe's tables: the timeline Perfetto and chrome://tracing open.
 
-One process track per rank (``pid`` is the rank; the OS pid when the job has no
-ranks), and within it one thread track per stage: ``steps`` (step boundaries),
-``forward`` and ``backward`` (the sampled module trace, nested by call), one track per
-Python thread that recorded user spans (``spans: MainThread``), and one per process
-group for collectives. Every slice is a complete event (``ph: X``) with ``ts`` and
-``dur`` in microseconds from the earliest event of the file; collectives whose end the
-backend does not report are instant events (``ph: i``).
+docs/timeline.md lists the tracks (one process per rank, one thread track per stage, span
+thread and process group) and where each comes from. Every slice is a complete event
+(``ph: X``); collectives whose end the backend does not report are instant events (``ph: i``).
 
 ``rank_rows`` asks one process for those rows (its last steps, module trace, spans and
 collectives, through the query runner); ``build_trace`` is a pure function of the rows, so
