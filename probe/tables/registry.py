@@ -1,13 +1,6 @@
 """The table registry: one declaration per table, the single source for everything.
 
-A table is declared once, with its generator::
-
-    @table("python.threads", "Python threads of this process.",
-           columns=[Column("thread_id", "BIGINT", "threading ident.")],
-           examples=["SELECT thread_id FROM python.threads"])
-    def threads(ctx):
-        return [(t.ident,) for t in threading.enumerate()]
-
+A table is declared once, with its generator (docs/architecture.md, "Adding things", shows one).
 The declaration drives query execution, completion, ``probe.tables`` and
 ``probe.columns``, docs/reference.md and the test suite (every example runs).
 Built-in tables register exactly the way a user's own table would: ``BUILTIN`` names their
