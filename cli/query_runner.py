@@ -20,8 +20,6 @@ from probe.util.procfs import proc_state
 from .plumbing.fanout import Answer, fan_out
 from .plumbing.postmortem import is_postmortem, refine_refusal
 
-__all__ = ["federated_query", "fetch_schema", "forget_schemas", "open_database", "add_views", "run_outer"]
-
 
 _schemas: dict = {}  # endpoint -> ((started_at, schema_version), {table: {column: type}}), for this client's life
 _schemas_lock = threading.Lock()
@@ -239,10 +237,7 @@ def open_database(
         answer["local"] = {name: read(target) for name, read in local.items()}
         return answer
 
-    if single:
-        answers = [Answer(targets[0], ask(targets[0]))]
-    else:
-        answers = fan_out(targets, ask)
+    answers = [Answer(targets[0], ask(targets[0]))] if single else fan_out(targets, ask)
     failed = {id(a.target): (a.target, a.error) for a in answers if not a.ok}
     answered = [a for a in answers if a.ok]
     ws = Workspace(
@@ -346,6 +341,7 @@ def _silent_rows(columns: list, failed) -> tuple[list, list]:
 def _union_view(ws, name: str, relation: str | None, schema: dict, failed, j: int, register_result) -> None:
     """View ``name``: ``relation`` (every answering rank's rows of one part, ``__rank`` first; None when no rank
     answered) with a ``rank`` column, plus a row for each silent rank where the view keeps one."""
+    from probe.sql.columns import quote as q
     from probe.sql.engine import Result
     from probe.sql.federate import union_columns
     from probe.sql.rank_columns import VIEW_COLUMNS
@@ -357,9 +353,6 @@ def _union_view(ws, name: str, relation: str | None, schema: dict, failed, j: in
     else:
         fetched = [c for c in declared if c != "rank"]
     order = union_columns(fetched, declared)
-
-    def q(c):
-        return '"' + c.replace('"', '""') + '"'
 
     cols = ", ".join(f'CAST("__rank" AS INTEGER) AS {q("rank")}' if c == "rank" else q(c) for c in order)
     parts = [f"SELECT {cols} FROM {q(relation)}"] if relation is not None else []

@@ -1,12 +1,9 @@
 """Rendering of results: box-drawn tables, JSON, CSV, and backtraces (no DuckDB: the CLI starts fast).
 
-Every string a process or an endpoint chose (thread, function and file names, table cells, argv, exception
-messages, a server's error text) reaches a terminal with its control characters escaped: C0 and C1 controls,
-DEL and the bidirectional overrides would otherwise let the process write the user's clipboard (OSC 52), move
-the cursor over lines or reorder what is shown. ``escape_controls`` escapes one value (newlines and tabs
-too: they break a table's layout); ``terminal_text`` is the net every human-readable line goes through
-(``Session.print``/``note`` and the CLI's error line), which keeps the newlines and tabs of the layout. JSON
-stays exact: ``json.dumps`` escapes controls itself.
+Every string a process or an endpoint chose reaches a terminal escaped (``probe.util.printable`` says why):
+``escape_controls`` escapes one value (newlines and tabs too: they break a table's layout); ``terminal_text``
+is the net every human-readable line goes through (``Session.print``/``note`` and the CLI's error line), which
+keeps the newlines and tabs of the layout. JSON stays exact: ``json.dumps`` escapes controls itself.
 """
 
 from __future__ import annotations
@@ -14,13 +11,12 @@ from __future__ import annotations
 import io
 import json
 
-from probe.util.printable import escape_controls, terminal_text
+from probe.util.printable import escape_controls
 
 TYPE_CHECKING = False  # (typing itself costs ~3 ms of start-up)
 if TYPE_CHECKING:  # the renderer is on the start-up path of every command: import only what runs
     from probe.sql.engine import Result
 
-__all__ = ["render_result", "render_backtrace", "frame_line", "escape_controls", "terminal_text", "FORMATS"]
 
 FORMATS = ("table", "json", "csv")
 
@@ -121,6 +117,13 @@ def render_result(result: "Result", fmt: str = "table", *, expanded: bool = Fals
     if timing:
         notes.append(f"{len(result.rows)} rows in {result.elapsed * 1000:.1f} ms")
     return text + ("\n(" + "; ".join(notes) + ")" if notes else "")
+
+
+def render_rows(columns: list, types: list, rows: list, fmt: str = "table") -> str:
+    """Rows the CLI made itself (a listing, not a query's answer), rendered as a query's result is."""
+    from probe.sql.engine import Result
+
+    return render_result(Result(columns, types, rows), fmt)
 
 
 def frame_line(f: dict, show_line: bool = True) -> str:

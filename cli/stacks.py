@@ -30,22 +30,6 @@ from probe._errors import ProbeError
 from probe.util.printable import stack_text
 from probe.util.usercode import is_user_file
 
-__all__ = [
-    "backtrace_doc",
-    "backtrace_table",
-    "main_thread",
-    "top_frame",
-    "user_frame",
-    "stack_key",
-    "group_stacks",
-    "group_text",
-    "merge_native",
-    "to_collapsed",
-    "to_speedscope",
-    "to_svg",
-    "FORMATS",
-]
-
 
 def main_thread(doc: dict, thread: str | None = None) -> dict | None:
     """The main thread of a backtrace doc (or the first thread when ``thread`` picked one)."""

@@ -1,12 +1,8 @@
 """Chrome trace-event JSON from probe's tables: the timeline Perfetto and chrome://tracing open.
 
-One process track per rank (``pid`` is the rank; the OS pid when the job has no
-ranks), and within it one thread track per stage: ``steps`` (step boundaries),
-``forward`` and ``backward`` (the sampled module trace, nested by call), one track per
-Python thread that recorded user spans (``spans: MainThread``), and one per process
-group for collectives. Every slice is a complete event (``ph: X``) with ``ts`` and
-``dur`` in microseconds from the earliest event of the file; collectives whose end the
-backend does not report are instant events (``ph: i``).
+docs/timeline.md lists the tracks (one process per rank, one thread track per stage, span
+thread and process group) and where each comes from. Every slice is a complete event
+(``ph: X``); collectives whose end the backend does not report are instant events (``ph: i``).
 
 ``rank_rows`` asks one process for those rows (its last steps, module trace, spans and
 collectives, through the query runner); ``build_trace`` is a pure function of the rows, so
@@ -20,7 +16,6 @@ from dataclasses import dataclass, field
 
 from probe._errors import ProbeError
 
-__all__ = ["RankRows", "rank_rows", "build_trace"]
 
 TRACKS = {"steps": 1, "forward": 2, "backward": 3, "recompute": 4}  # recompute: activation checkpointing
 _SPAN_TID0 = 10
@@ -115,71 +110,49 @@ def build_trace(ranks: list[RankRows], meta: dict | None = None) -> dict:
                 )
             return tids[name]
 
+        def add(name: str, cat: str, track: tuple, row: dict, args: dict, pid: int = pid, tid=tid) -> None:
+            """A complete slice on ``track`` (its name and number) from ``row``'s start and duration; none while
+            either is unknown (a CUDA duration not resolved yet)."""
+            start, dur = _num(row["start"]), _num(row["duration"])
+            if start is None or dur is None:
+                return
+            events.append(
+                {
+                    "ph": "X",
+                    "name": name,
+                    "cat": cat,
+                    "pid": pid,
+                    "tid": tid(*track),
+                    "ts": us(start),
+                    "dur": round(dur * 1e6, 3),
+                    "args": _args(args),
+                }
+            )
+
         for s in rr.steps:
-            start, dur = _num(s["start"]), _num(s["duration"])
-            if start is None or dur is None:
-                continue
-            events.append(
-                {
-                    "ph": "X",
-                    "name": f"step {s['step']}",
-                    "cat": "step",
-                    "pid": pid,
-                    "tid": tid("steps", TRACKS["steps"]),
-                    "ts": us(start),
-                    "dur": round(dur * 1e6, 3),
-                    "args": _args({"step": s["step"], "loss": _num(s.get("loss")), "lr": _num(s.get("lr"))}),
-                }
-            )
+            args = {"step": s["step"], "loss": _num(s.get("loss")), "lr": _num(s.get("lr"))}
+            add(f"step {s['step']}", "step", ("steps", TRACKS["steps"]), s, args)
         for m in rr.modules:
-            start, dur = _num(m["start"]), _num(m["duration"])
-            if start is None or dur is None:
-                continue  # a CUDA duration not resolved yet
             stage = m["stage"] if m["stage"] in TRACKS else "forward"
-            events.append(
-                {
-                    "ph": "X",
-                    "name": m["module"],
-                    "cat": f"module,{stage}",
-                    "pid": pid,
-                    "tid": tid(stage, TRACKS[stage]),
-                    "ts": us(start),
-                    "dur": round(dur * 1e6, 3),
-                    "args": _args(
-                        {
-                            "step": m["step"],
-                            "depth": m.get("depth"),
-                            "type": m.get("module_type"),
-                            "model": m.get("model") or None,
-                        }
-                    ),
-                }
-            )
+            args = {
+                "step": m["step"],
+                "depth": m.get("depth"),
+                "type": m.get("module_type"),
+                "model": m.get("model") or None,
+            }
+            add(m["module"], f"module,{stage}", (stage, TRACKS[stage]), m, args)
         threads = sorted(
             {(str(s.get("thread") or "?"), s.get("thread_id") or 0) for s in rr.spans},
             key=lambda t: (t[0] != "MainThread", t[0], t[1]),
         )
+        span_tracks = {}
         for i, (name, ident) in enumerate(threads):
-            tid(
-                f"spans: {name}" + (f" ({ident})" if sum(1 for n, _ in threads if n == name) > 1 else ""),
-                _SPAN_TID0 + i,
-            )
-        span_tid = {key: _SPAN_TID0 + i for i, key in enumerate(threads)}
+            label = f"spans: {name}" + (f" ({ident})" if sum(1 for n, _ in threads if n == name) > 1 else "")
+            span_tracks[(name, ident)] = (label, tid(label, _SPAN_TID0 + i))
         for s in rr.spans:
-            start, dur = _num(s["start"]), _num(s["duration"])
-            if start is None or dur is None:
-                continue
-            events.append(
-                {
-                    "ph": "X",
-                    "name": s["name"],
-                    "cat": "span",
-                    "pid": pid,
-                    "tid": span_tid[(str(s.get("thread") or "?"), s.get("thread_id") or 0)],
-                    "ts": us(start),
-                    "dur": round(dur * 1e6, 3),
-                    "args": _args({"step": s.get("step"), "depth": s.get("depth"), "parent": s.get("parent")}),
-                }
+            track = span_tracks[(str(s.get("thread") or "?"), s.get("thread_id") or 0)]
+            add(
+                s["name"], "span", track, s, {"step": s.get("step"), "depth": s.get("depth"), "parent": s.get("parent")}
             )
         groups = sorted({str(c.get("pg") or "0") for c in rr.collectives})
         for c in rr.collectives:
@@ -214,24 +187,28 @@ def build_trace(ranks: list[RankRows], meta: dict | None = None) -> dict:
     }
 
 
-def _run_sql(session, target, sql: str):
-    """One read-only query on one process; the one place this module asks for rows (a Result).
+def _rows(session, target, sql: str) -> list[dict]:
+    """One read-only query on one process, its rows as dicts; the one place this module asks for rows.
 
     Federation with one process: its snapshots, DuckDB here in the client.
     """
     from .query_runner import federated_query
 
-    return federated_query(session, sql, targets=[target])
-
-
-def _rows(result) -> list[dict]:
+    result = federated_query(session, sql, targets=[target])
     return [dict(zip(result.columns, r)) for r in result.rows]
+
+
+_STEPS = "SELECT step, epoch(started_at) AS start, duration, loss, lr FROM torch.steps WHERE step {} ORDER BY step"
+_MODULES = (
+    "SELECT step, epoch(time) AS start, duration, module, stage, depth, module_type, model "
+    "FROM python.torch_trace WHERE step {} ORDER BY time"
+)
 
 
 def rank_rows(session, target, steps: int) -> tuple[RankRows, list[str]]:
     """The last ``steps`` steps of one process, with their module trace, spans and collectives."""
     tables = {t["name"] for t in session.client(target).get("/tables")["tables"]}
-    last = _run_sql(session, target, "SELECT MAX(step) AS s FROM torch.steps").rows[0][0]
+    last = _rows(session, target, "SELECT MAX(step) AS s FROM torch.steps")[0]["s"]
     rank = target.rank if target.rank is not None else target.entry.get("rank")
     label = (
         " · ".join(
@@ -246,31 +223,13 @@ def rank_rows(session, target, steps: int) -> tuple[RankRows, list[str]]:
         window = "> 0"
     else:  # the last `steps` completed steps, fixed now: training goes on while we ask
         window = f"BETWEEN {int(last) - steps + 1} AND {int(last)}"
-        rr.steps = _rows(
-            _run_sql(
-                session,
-                target,
-                "SELECT step, epoch(started_at) AS start, duration, loss, lr FROM torch.steps "
-                f"WHERE step {window} ORDER BY step",
-            )
-        )
-    mod_sql = (
-        "SELECT step, epoch(time) AS start, duration, module, stage, depth, module_type, model "
-        "FROM python.torch_trace WHERE step {} ORDER BY time"
-    )
-    rr.modules = _rows(_run_sql(session, target, mod_sql.format(window)))
+        rr.steps = _rows(session, target, _STEPS.format(window))
+    rr.modules = _rows(session, target, _MODULES.format(window))
     if not rr.modules and last is not None:
-        latest = _run_sql(session, target, "SELECT MAX(step) FROM python.torch_trace").rows[0][0]
+        latest = _rows(session, target, "SELECT MAX(step) AS s FROM python.torch_trace")[0]["s"]
         if latest is not None:
-            rr.modules = _rows(_run_sql(session, target, mod_sql.format(f"= {int(latest)}")))
-            rr.steps += _rows(
-                _run_sql(
-                    session,
-                    target,
-                    "SELECT step, epoch(started_at) AS start, duration, loss, lr FROM torch.steps WHERE step = "
-                    f"{int(latest)}",
-                )
-            )
+            rr.modules = _rows(session, target, _MODULES.format(f"= {int(latest)}"))
+            rr.steps += _rows(session, target, _STEPS.format(f"= {int(latest)}"))
             notes.append(
                 f"{target.label}: none of the last {steps} steps was traced (PROBE_TRACE samples steps); "
                 f"included step {int(latest)}, the latest traced one"
@@ -279,24 +238,19 @@ def rank_rows(session, target, steps: int) -> tuple[RankRows, list[str]]:
             notes.append(f"{target.label}: no module trace recorded (PROBE_TRACE=off?)")
     if "python.spans" in tables:
         rr.spans = _rows(
-            _run_sql(
-                session,
-                target,
-                "SELECT name, step, epoch(time) AS start, duration, depth, parent, thread, thread_id "
-                "FROM python.spans "
-                f"WHERE step {window} ORDER BY time",
-            )
+            session,
+            target,
+            "SELECT name, step, epoch(time) AS start, duration, depth, parent, thread, thread_id FROM python.spans "
+            f"WHERE step {window} ORDER BY time",
         )
     if "torch.collectives" in tables:
         try:
             rr.collectives = _rows(
-                _run_sql(
-                    session,
-                    target,
-                    "SELECT pg_desc AS pg, op, seq, state, epoch(COALESCE(started_at, created_at)) AS start, "
-                    'epoch(completed_at) AS "end", step, input_sizes AS sizes FROM torch.collectives '
-                    f"WHERE step {window} ORDER BY created_at",
-                )
+                session,
+                target,
+                "SELECT pg_desc AS pg, op, seq, state, epoch(COALESCE(started_at, created_at)) AS start, "
+                'epoch(completed_at) AS "end", step, input_sizes AS sizes FROM torch.collectives '
+                f"WHERE step {window} ORDER BY created_at",
             )
         except ProbeError as exc:  # a recorder table of another shape: the timeline goes on without it
             notes.append(f"{target.label}: collectives left out ({exc.message.rstrip('.')})")

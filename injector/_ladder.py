@@ -17,6 +17,7 @@ The bootstrap reports through a status file, which ``inject`` waits for.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -31,7 +32,6 @@ from probe._runtime import read_entries, runtime_dir, sweep_stale
 
 from ._process import EXIT_CODES, ProcessInfo, cli_version, explain_ptrace_failure, inspect_process, ptrace_problem
 
-__all__ = ["inject", "BOOT_CODE", "RUNGS"]
 
 RUNGS = ("remote_exec", "gdb")
 
@@ -85,10 +85,8 @@ class _Payload:
 
     def discard(self) -> None:
         for path in (self.settings, self.code_file, self.status):
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(path)
-            except OSError:
-                pass
 
 
 def _remote_exec_unavailable(info: ProcessInfo) -> str | None:
@@ -185,6 +183,10 @@ def gdb_cannot_call() -> str | None:
     return why
 
 
+# gdb without the user's gdbinit, auto-loaded scripts or debuginfod downloads: nothing a target's owner controls
+_GDB_BATCH = ("-nx", "--batch", "-iex", "set auto-load off", "-iex", "set debuginfod enabled off")
+
+
 def _run_canary(gdb: str) -> str | None:
     try:
         victim = subprocess.Popen(
@@ -194,19 +196,7 @@ def _run_canary(gdb: str) -> str | None:
         return None  # no sleep to try on: go ahead as before
     try:
         proc = subprocess.run(
-            [
-                gdb,
-                "-nx",
-                "--batch",
-                "-iex",
-                "set auto-load off",
-                "-iex",
-                "set debuginfod enabled off",
-                "-p",
-                str(victim.pid),
-                "-ex",
-                'printf "probe-canary=%d\\n", (int) getpid()',
-            ],
+            [gdb, *_GDB_BATCH, "-p", str(victim.pid), "-ex", 'printf "probe-canary=%d\\n", (int) getpid()'],
             capture_output=True,
             text=True,
             timeout=30,
@@ -262,12 +252,7 @@ def _gdb(info: ProcessInfo, payload: _Payload, timeout: float) -> None:
     _private_file(script, _gdb_script(payload.code_file).encode())
     argv = [
         _gdb_path(),
-        "-nx",
-        "--batch",
-        "-iex",
-        "set auto-load off",
-        "-iex",
-        "set debuginfod enabled off",
+        *_GDB_BATCH,
         "-iex",
         "set auto-solib-add off",
         "-p",

@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from probe._errors import AttachError
 
 
-__all__ = ["ProcessInfo", "inspect_process", "ptrace_problem", "EXIT_CODES", "py_version_hex"]
-
 EXIT_CODES = {
     "no_such_pid": 10,
     "not_python": 11,

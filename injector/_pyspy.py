@@ -19,8 +19,6 @@ from probe.util.printable import stack_text
 
 from ._process import EXIT_CODES, explain_ptrace_failure, inspect_process, ptrace_problem
 
-__all__ = ["pyspy_backtrace", "pyspy_path", "pyspy_record"]
-
 
 def pyspy_path() -> str | None:
     """The py-spy executable next to this interpreter, else on PATH."""

@@ -17,17 +17,6 @@ Every message is one plain sentence that says what was wrong and how to fix it.
 
 from __future__ import annotations
 
-__all__ = [
-    "ProbeError",
-    "QueryError",
-    "EndpointError",
-    "AuthError",
-    "ActionError",
-    "AttachError",
-    "PartialError",
-    "exception_text",
-]
-
 
 class ProbeError(Exception):
     """Base class: a message for the user and the exit code the CLI returns."""

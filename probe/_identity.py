@@ -11,8 +11,6 @@ import os
 import socket
 import sys
 
-__all__ = ["rank_identity", "job_identity", "process_argv"]
-
 
 def _int_env(*names: str) -> int | None:
     for name in names:

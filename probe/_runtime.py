@@ -13,6 +13,7 @@ ranks on other nodes can be found. Who a process is (rank, job, argv) is ``_iden
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,24 +24,6 @@ import sys
 from .config import setting
 from ._errors import EndpointError
 from .util.procfs import pid_alive
-
-__all__ = [
-    "runtime_dir",
-    "default_runtime_dir",
-    "check_private_dir",
-    "use_private_dir",
-    "sweep_stale",
-    "write_entry",
-    "read_entries",
-    "remove_entry",
-    "process_is",
-    "reused_pid",
-    "shared_registry",
-    "job_token",
-    "registry_listen",
-    "offline_status",
-    "read_private",
-]
 
 
 _private: dict = {}  # "path": the private directory a process fell back to when the usual one was unsafe
@@ -98,10 +81,8 @@ def _make_private_dir(path: str) -> None:
         pass
     except FileNotFoundError:
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-        try:
+        with contextlib.suppress(FileExistsError):
             os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
 
 
 def use_private_dir(reason: str) -> str:

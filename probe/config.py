@@ -17,8 +17,6 @@ from typing import Any, Callable
 
 from ._errors import ProbeError
 
-__all__ = ["Setting", "SETTINGS", "setting"]
-
 
 class Setting:
     """A declared environment setting (a plain class: the CLI imports this at start-up)."""

@@ -9,7 +9,6 @@ import re
 
 from probe.util.wire import column_arrays
 
-__all__ = ["SLOT", "typed_select", "concat_snapshots", "raw_columns", "quote", "is_simple_type"]
 
 SLOT = "__slot"  # the column saying which rank's snapshot a row of a combined table came from
 

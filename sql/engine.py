@@ -13,16 +13,16 @@ cap, and ``interrupt`` stops it from another thread (the REPL's Ctrl-C).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from probe._errors import QueryError, exception_text
 from probe.util.wire import WireError, check_table
 
 from .columns import SLOT, concat_snapshots, is_simple_type, quote, raw_columns, typed_select
 
-__all__ = ["Result", "Workspace", "execute", "connect", "register_result"]
 
 GRACE_S = 2.0  # after the timeout interrupts DuckDB, how long it may take to notice before the query is abandoned
 
@@ -35,15 +35,6 @@ class Result:
     elapsed: float = 0.0
     truncated: bool = False
     meta: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Result":
-        return cls(
-            d["columns"], d["types"], d["rows"], d.get("elapsed", 0.0), d.get("truncated", False), d.get("meta", {})
-        )
 
 
 def connect(memory_limit: str | None = None):
@@ -92,36 +83,31 @@ class Workspace:
 
     def _expire(self) -> None:
         self._expired.set()
-        try:
+        with contextlib.suppress(Exception):
             self.con.interrupt()
-        except Exception:
-            pass
 
     @property
     def expired(self) -> bool:
         """Whether the set-up deadline passed (DuckDB was interrupted for it)."""
         return self._expired.is_set()
 
-    def _stopped(self) -> QueryError:
+    def stopped(self) -> QueryError:
+        """The one sentence for a workspace whose deadline passed."""
         return QueryError(
             f"the query ran past its {self._timeout:g} s timeout and was stopped; narrow it or raise --timeout."
         )
-
-    def stopped(self) -> QueryError:
-        """The one sentence for a workspace whose deadline passed."""
-        return self._stopped()
 
     def run(self, sql: str):
         """One set-up statement (a view, a table computed per rank) under the workspace's deadline."""
         import duckdb
 
         if self._expired.is_set():
-            raise self._stopped()
+            raise self.stopped()
         try:
             return self.con.execute(sql)
         except duckdb.Error:
             if self._expired.is_set():
-                raise self._stopped() from None
+                raise self.stopped() from None
             raise
 
     def close(self) -> None:
@@ -129,10 +115,8 @@ class Workspace:
             self._timer.cancel()
         if self._abandoned:
             return
-        try:
+        with contextlib.suppress(Exception):
             self.con.close()
-        except Exception:
-            pass
 
     def __enter__(self):
         return self
@@ -205,10 +189,8 @@ class Workspace:
         """Stop the running query (or the next one) from another thread."""
         with self._lock:
             self._cancelled = True
-        try:
+        with contextlib.suppress(Exception):
             self.con.interrupt()
-        except Exception:
-            pass
 
     def execute(self, sql: str, *, max_rows: int = 10000, timeout: float = 10.0) -> Result:
         """Run ``sql`` (already guarded) and return at most ``max_rows`` rows; the configuration is locked first."""
@@ -217,7 +199,7 @@ class Workspace:
         if self._timer is not None:  # set-up is over: from here each query has its own timeout
             self._timer.cancel()
             if self._expired.is_set():
-                raise self._stopped()
+                raise self.stopped()
         if not self._locked:  # several queries may run on one workspace (probe doctor's rules)
             self.con.execute("SET lock_configuration = true")
             self._locked = True
@@ -235,10 +217,8 @@ class Workspace:
 
         def on_timeout():
             timed_out.set()
-            try:
+            with contextlib.suppress(Exception):
                 self.con.interrupt()
-            except Exception:
-                pass
 
         if self._cancelled:
             raise QueryError("the query was cancelled.")

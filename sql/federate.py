@@ -32,7 +32,6 @@ from .guard import guard, unreadable
 from .rank_columns import VIEW_COLUMNS
 from .ranks import CLIENT_VIEWS, FEDERATED_VIEWS, view_sql
 
-__all__ = ["Plan", "plan", "qualify_query", "table_scans", "table_name", "per_rank_query", "union_columns"]
 
 RANK = "rank"
 

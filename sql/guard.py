@@ -38,16 +38,6 @@ from sqlglot.errors import ParseError, TokenError
 from probe._errors import QueryError, exception_text
 
 
-__all__ = [
-    "Guarded",
-    "guard",
-    "unreadable",
-    "READ_ONLY_ROOTS",
-    "MAX_SQL_CHARS",
-    "ALLOWED_FUNCTIONS",
-    "ALLOWED_TABLE_FUNCTIONS",
-]
-
 logging.getLogger("sqlglot").setLevel(logging.ERROR)
 
 READ_ONLY_ROOTS = (exp.Query,)

@@ -27,7 +27,6 @@ from pathlib import Path
 
 from .federate import Plan
 
-__all__ = ["PlanCache", "forget"]
 
 _FILE = "doctor-plans.json"
 _KEEP = 400

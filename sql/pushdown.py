@@ -18,8 +18,6 @@ from sqlglot import exp
 
 from .federate import qualify_query, table_name, table_scans
 
-__all__ = ["filter_tree", "rename_tables", "rename_tables_sql", "slot_query", "snapshot_requests"]
-
 
 _COMPARISONS = {exp.EQ: "=", exp.NEQ: "!=", exp.GT: ">", exp.GTE: ">=", exp.LT: "<", exp.LTE: "<="}
 _FLIPPED = {">": "<", ">=": "<=", "<": ">", "<=": ">=", "=": "=", "!=": "!="}

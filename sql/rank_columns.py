@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from .ranks import STALL_MIN_S, STALL_PACE
 
-__all__ = ["VIEW_COLUMNS"]
 
 VIEW_COLUMNS = {
     "ranks.latest": [

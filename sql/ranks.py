@@ -21,9 +21,6 @@ from __future__ import annotations
 
 from probe.config import setting
 
-__all__ = ["FEDERATED_VIEWS", "CLIENT_VIEWS", "PARAM_SETTINGS", "STATES", "view_params", "view_sql"]
-
-STATES = ("training", "slow", "waiting", "stalled", "hung", "idle", "unreachable", "dead")
 
 PARAM_SETTINGS = {
     "straggler_factor": "PROBE_STRAGGLER_FACTOR",

@@ -44,8 +44,6 @@ _NOW_RISK = {
 class _Action(Command):
     """Shared flow: build the body, confirm, submit to every target, wait, render."""
 
-    queued_by_default = True
-
     @staticmethod
     def add_common(
         p,

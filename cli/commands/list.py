@@ -124,14 +124,9 @@ def _print_rows(session, args, rows: list, shown: dict, empty: str) -> int:
     if not rows:
         session.note(empty)
         return 0
-    from probe.sql.engine import Result
+    from ..render import render_rows
 
-    from ..render import render_result
-
-    cols = list(shown)
-    session.print(
-        render_result(Result(cols, list(shown.values()), [[r[c] for c in cols] for r in rows]), session.format)
-    )
+    session.print(render_rows(list(shown), list(shown.values()), [[r[c] for c in shown] for r in rows], session.format))
     return 0
 
 

@@ -84,27 +84,18 @@ class Tables(Command):
         if session.format == "json":
             session.print(json.dumps(doc["tables"], indent=2))
             return 0
-        from probe.sql.engine import Result
-
-        from ..render import render_result
+        from ..render import render_rows
 
         rows = [[t["name"], t["kind"], len(t["columns"]), t["description"]] for t in doc["tables"]]
-        session.print(
-            render_result(
-                Result(["name", "kind", "columns", "description"], ["VARCHAR", "VARCHAR", "INTEGER", "VARCHAR"], rows),
-                session.format,
-            )
-        )
+        types = ["VARCHAR", "VARCHAR", "INTEGER", "VARCHAR"]
+        session.print(render_rows(["name", "kind", "columns", "description"], types, rows, session.format))
         return 0
 
 
 def _tables_ranks(session) -> int:
     """``probe --ranks SPEC tables``: every table once, with the ranks that have it; silent ranks as rows."""
     from ..plumbing.fanout import check_partial, fan_out, format_ranks
-
-    from probe.sql.engine import Result
-
-    from ..render import render_result
+    from ..render import render_rows
 
     answers = fan_out(session.targets(), lambda t: session.client(t).get("/tables"))
     seen: dict = {}
@@ -117,21 +108,8 @@ def _tables_ranks(session) -> int:
         for name, (t, ranks) in sorted(seen.items())
     ]
     rows += [[None, "error", None, a.target.label, a.error] for a in answers if not a.ok]
-    if session.format == "json":
-        session.print(
-            json.dumps([dict(zip(["name", "kind", "columns", "ranks", "description"], r)) for r in rows], indent=2)
-        )
-    else:
-        session.print(
-            render_result(
-                Result(
-                    ["name", "kind", "columns", "ranks", "description"],
-                    ["VARCHAR", "VARCHAR", "INTEGER", "VARCHAR", "VARCHAR"],
-                    rows,
-                ),
-                session.format,
-            )
-        )
+    types = ["VARCHAR", "VARCHAR", "INTEGER", "VARCHAR", "VARCHAR"]
+    session.print(render_rows(["name", "kind", "columns", "ranks", "description"], types, rows, session.format))
     check_partial(answers, "table listing")  # cli.main reports it and exits 7 (partial) or 3 (none answered)
     return 0
 
@@ -151,13 +129,11 @@ class Describe(Command):
         if session.format == "json":
             session.print(json.dumps(t, indent=2))
             return 0
-        from probe.sql.engine import Result
-
-        from ..render import render_result
+        from ..render import render_rows
 
         session.print(f"{t['name']}: {t['description']}")
         rows = [[c["name"], c["type"], c["description"]] for c in t["columns"]]
-        session.print(render_result(Result(["column", "type", "description"], ["VARCHAR"] * 3, rows), session.format))
+        session.print(render_rows(["column", "type", "description"], ["VARCHAR"] * 3, rows, session.format))
         if t.get("examples"):
             session.print("Examples:\n" + "\n".join(f"  {e}" for e in t["examples"]))
         return 0

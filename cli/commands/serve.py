@@ -5,21 +5,14 @@ loopback). They share this module: each starts, in this client, a server for ano
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 import sys
 
 from probe._errors import ProbeError
+from probe.util.handshake import is_loopback
 
 from . import Command, command
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 @command(
@@ -61,7 +54,7 @@ class Ui(Command):
 
         from ..ui.server import UIServer
 
-        if not _is_loopback(args.host) and not args.expose:
+        if not is_loopback(args.host) and not args.expose:
             raise ProbeError(
                 f"--host {args.host} is not a loopback address; add --expose to serve the page there "
                 "(anyone who can reach it and has the token reads the job), or use the ssh -L line instead."
@@ -85,7 +78,7 @@ class Ui(Command):
             ) from None
         url = server.url(args.host)
         session.print(f"probe ui: serving {url}")
-        if not _is_loopback(args.host):
+        if not is_loopback(args.host):
             session.note(
                 f"probe ui: WARNING: listening on {args.host}, not loopback: anyone who can reach "
                 f"port {server.port} and has the URL above can read this job's stacks and tables."

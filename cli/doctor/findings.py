@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 
 from probe.diagnosis.rules import SEVERITIES
 
-__all__ = ["Finding", "Diagnosis", "fill_message", "next_commands", "fold"]
-
 
 @dataclass
 class Finding:

@@ -7,10 +7,17 @@ from __future__ import annotations
 
 from probe.diagnosis.rules import rule
 
-__all__: list = []
 
 _IN_A_ROW = 2  # failing checks in a row that make a finding (one could be a step caught mid-change)
 _CURRENT = 3  # checked steps (the rank's latest) among which an invariant's last check must be
+
+
+def _check_rows(check: str) -> str:
+    """The next command that shows ``check``'s last rows."""
+    return (
+        f'probe {{target}} query "SELECT step, invariant, ok, subject, detail FROM torch.checks WHERE invariant = '
+        f"'{check}' ORDER BY step DESC LIMIT 10\""
+    )
 
 
 def _failing(check: str) -> str:
@@ -52,10 +59,7 @@ rule(
         "follows their running sum; call optimizer.zero_grad() once per step, before backward() or after step()."
     ),
     next=[
-        (
-            'probe {target} query "SELECT step, invariant, ok, subject, detail FROM torch.checks WHERE invariant = '
-            "'grads_cleared' ORDER BY step DESC LIMIT 10\""
-        ),
+        _check_rows("grads_cleared"),
         "probe {target} backtrace",
     ],
 )
@@ -76,10 +80,7 @@ rule(
         "the step has no backward; nothing trains. Clear the gradients before backward() or after step()."
     ),
     next=[
-        (
-            'probe {target} query "SELECT step, invariant, ok, subject, detail FROM torch.checks WHERE invariant = '
-            "'grads_present' ORDER BY step DESC LIMIT 10\""
-        ),
+        _check_rows("grads_present"),
         'probe {target} query "SELECT step, loss, grad_norm, lr FROM torch.steps ORDER BY step DESC LIMIT 10"',
     ],
 )
@@ -99,10 +100,7 @@ rule(
         "does nothing and batch norm normalizes with running statistics it no longer updates."
     ),
     next=[
-        (
-            'probe {target} query "SELECT step, invariant, ok, subject, detail FROM torch.checks WHERE invariant = '
-            "'train_mode' ORDER BY step DESC LIMIT 10\""
-        ),
+        _check_rows("train_mode"),
         (
             'probe {target} query "SELECT model, name, module_type, requires_grad FROM torch.parameters WHERE '
             "module_type LIKE '%Norm%'\""
@@ -126,10 +124,7 @@ rule(
         "never steps (a second optimizer whose step() is missing?) or skips its update."
     ),
     next=[
-        (
-            'probe {target} query "SELECT step, invariant, ok, subject, detail FROM torch.checks WHERE invariant = '
-            "'params_move' ORDER BY step DESC LIMIT 10\""
-        ),
+        _check_rows("params_move"),
         'probe {target} query "SELECT optimizer, param_group, params, lr, step_count FROM torch.optimizer"',
     ],
 )
@@ -153,10 +148,7 @@ rule(
         "(requires_grad=False) or leave them out of the optimizer."
     ),
     next=[
-        (
-            'probe {target} query "SELECT step, invariant, ok, subject, detail FROM torch.checks WHERE invariant = '
-            "'grads_reach' ORDER BY step DESC LIMIT 10\""
-        ),
+        _check_rows("grads_reach"),
         'probe {target} query "SELECT name, requires_grad, in_optimizer, grad_norm FROM torch.parameters"',
     ],
 )
@@ -178,10 +170,7 @@ rule(
         "(zero_grad(set_to_none=True)), or build the optimizer over the trainable tensors only."
     ),
     next=[
-        (
-            'probe {target} query "SELECT step, invariant, ok, subject, detail FROM torch.checks WHERE invariant = '
-            "'frozen_still' ORDER BY step DESC LIMIT 10\""
-        ),
+        _check_rows("frozen_still"),
         (
             'probe {target} query "SELECT name, requires_grad, in_optimizer FROM torch.parameters WHERE NOT '
             'requires_grad AND in_optimizer"'

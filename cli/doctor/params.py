@@ -13,7 +13,6 @@ from __future__ import annotations
 from probe.diagnosis.rules import rule
 from probe.sql.ranks import ranks_phrase
 
-__all__ = ["named", "human"]
 
 _NAMES_SHOWN = 6  # groups a message lists before "and N more"
 

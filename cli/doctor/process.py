@@ -12,7 +12,6 @@ from probe.sql.ranks import STALL_MIN_S, STALL_PACE
 from .params import named
 from probe.diagnosis.rules import rule
 
-__all__: list = []
 
 rule(
     "hung",

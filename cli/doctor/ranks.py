@@ -16,8 +16,6 @@ _ODD_NOW = "string_agg(CAST(now.rank AS VARCHAR), ',' ORDER BY now.rank) FILTER 
 _ODD_PICKED = "string_agg(DISTINCT CAST(p.rank AS VARCHAR), ',' ORDER BY CAST(p.rank AS VARCHAR)) FILTER (WHERE p.odd)"
 
 
-__all__: list = []
-
 # the last steps that every rank measured (few: each rank picks its own), each with one input fingerprint on all
 _SAME_INPUTS = 3
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from probe.diagnosis.rules import rule
 
-__all__: list = []
 
 # The last 50 steps per rank that read the training thread's CPU wait (torch.steps.cpu_wait, on measured steps):
 # cpu_starved's evidence, and input_bound's estimate of the wait on the steps that did not read it.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from probe.diagnosis.rules import rule
 
-__all__: list = []
 
 _BATCHES = 10  # measured steps in a row with one batch fingerprint, or single-class batches
 _SPAN = 10  # steps those measured steps must span at least

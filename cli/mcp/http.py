@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import ipaddress
 import re
 import secrets
 import signal
@@ -27,13 +26,12 @@ from mcp.server.auth.settings import AuthSettings
 from mcp.server.transport_security import TransportSecuritySettings
 
 from probe._errors import ProbeError
+from probe.util.handshake import LOOPBACK_NAMES, host_names, is_loopback
 
 from .server import build_server
 
-__all__ = ["parse_address", "http_token", "serve_http", "PATH"]
 
 PATH = "/mcp"
-_LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 _TOKEN_OK = re.compile(r"^[A-Za-z0-9._~+/=-]{16,}$")  # RFC 6750's token68 characters, and not guessable by length
 
 
@@ -82,13 +80,6 @@ class _Token:
         return None
 
 
-def _is_wildcard(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        return False
-
-
 def _listen(host: str, port: int, expose: bool) -> socket.socket:
     """A listening socket; an address that is not loopback (as resolved, not as spelled) needs ``expose``."""
     try:
@@ -99,7 +90,7 @@ def _listen(host: str, port: int, expose: bool) -> socket.socket:
         raise ProbeError(
             f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --http address."
         ) from None
-    if not expose and not ipaddress.ip_address(addr[0].split("%")[0]).is_loopback:
+    if not expose and not is_loopback(addr[0].split("%")[0]):
         raise ProbeError(
             f"--http {host}:{port}: {host} is not a loopback address; add --expose to serve MCP there "
             "(anyone who can reach it and has the token can use the tools), or keep 127.0.0.1 and tunnel with ssh -L."
@@ -118,20 +109,9 @@ def _listen(host: str, port: int, expose: bool) -> socket.socket:
     return sock
 
 
-def _names(host: str, bound: str) -> list[str]:
-    """The Host-header names (without port) this server answers to: loopback, and the exposed address."""
-    names = list(_LOOPBACK_NAMES)
-    for h in [socket.gethostname(), socket.getfqdn()] if _is_wildcard(bound) else [host, bound]:
-        h = f"[{h}]" if ":" in h else h
-        if h not in names:
-            names.append(h)
-    return names
-
-
-def _security(names: list[str], port: int):
-    """DNS-rebinding protection (the SDK's): a request naming another Host, or a web page of another origin, is
-    refused."""
-    hosts = [f"{n}:{port}" for n in names] + (names if port == 80 else [])
+def _security(hosts: list[str]):
+    """DNS-rebinding protection (the SDK's): a request naming another Host (``host_names``), or a web page of
+    another origin, is refused."""
     return TransportSecuritySettings(
         enable_dns_rebinding_protection=True, allowed_hosts=hosts, allowed_origins=[f"http://{h}" for h in hosts]
     )
@@ -166,15 +146,15 @@ def serve_http(
     """Listen on ``host:port``, call ``announce(url, loopback)`` once bound, serve until SIGINT or SIGTERM."""
     sock = _listen(host, port, expose)
     bound, port = sock.getsockname()[:2]
-    names = _names(host, bound)
+    names = host_names(host, bound)
     url_host = (
-        names[len(_LOOPBACK_NAMES)] if len(names) > len(_LOOPBACK_NAMES) else (f"[{bound}]" if ":" in bound else bound)
+        names[len(LOOPBACK_NAMES)] if len(names) > len(LOOPBACK_NAMES) else (f"[{bound}]" if ":" in bound else bound)
     )
     url = f"http://{url_host}:{port}{PATH}"
     app = build_server(allow_actions, timeout, output_dir).streamable_http_app(
         streamable_http_path=PATH,
         host=host,
-        transport_security=_security(names, port),
+        transport_security=_security(host_names(host, bound, port)),
         # Resource-server settings with no OAuth server: the SDK then only checks bearer tokens with the
         # verifier (issuer_url is required by the model but unused without an authorization server).
         auth=AuthSettings(issuer_url=url, resource_server_url=None),
@@ -189,7 +169,7 @@ def serve_http(
     # make both end here as KeyboardInterrupt (also before uvicorn installs its own handlers).
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        announce(url, ipaddress.ip_address(bound.split("%")[0]).is_loopback)
+        announce(url, is_loopback(bound.split("%")[0]))
         server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass

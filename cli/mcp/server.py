@@ -18,7 +18,6 @@ from probe import __version__
 
 from .tools import ACTION_TOOLS, NEVER, ToolSpec, builtin_tables, call_tool, tool_specs
 
-__all__ = ["build_server", "serve_stdio", "tool_specs", "unavailable_reason", "as_data", "structured_data", "DATA_NOTE"]
 
 INSTRUCTIONS = (
     "probe attaches to running PyTorch training jobs. Start with `list` (probed processes: pid, rank, step), "

@@ -13,6 +13,7 @@ them; :mod:`.server` wraps the results in MCP types.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -23,17 +24,6 @@ from pathlib import Path
 
 from probe._errors import ProbeError
 
-__all__ = [
-    "ToolSpec",
-    "ToolResult",
-    "READ_TOOLS",
-    "ACTION_TOOLS",
-    "NEVER",
-    "tool_specs",
-    "call_tool",
-    "builtin_tables",
-    "AGENT",
-]
 
 AGENT = "mcp"  # the marker every request of an MCP tool carries (audit.jsonl, probe.actions' client column)
 
@@ -143,9 +133,7 @@ def tool_specs(allow_actions: bool = False, output_dir: str | None = None) -> li
                 continue
             props[key] = _schema_of(action)
             options.append((key, action))
-            if not action.option_strings and action.nargs not in ("?", "*"):
-                required.append(key)
-            elif action.required:
+            if (not action.option_strings and action.nargs not in ("?", "*")) or action.required:
                 required.append(key)
         if name not in _NO_TARGET:
             props.update(_TARGET)
@@ -294,10 +282,8 @@ def call_tool(
     text = out.getvalue().strip()
     notes = err.getvalue().strip()
     data = None
-    try:
+    with contextlib.suppress(ValueError):
         data = json.loads(text) if text else None
-    except ValueError:
-        pass
     if notes:
         text = f"{text}\n{notes}" if text else notes
     return ToolResult(text or "(no output)", is_error=code != 0, data=data)

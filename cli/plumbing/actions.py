@@ -14,7 +14,6 @@ import time
 
 from probe._errors import ProbeError
 
-__all__ = ["common_step", "drive", "drive_many", "send", "cancel", "wait_for", "POLL"]
 
 STEP_MARGIN = 2  # the fewest steps ahead a common step is chosen
 LEAD_S = 0.5  # ... and the least time ahead (see common_step)

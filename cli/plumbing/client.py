@@ -16,7 +16,6 @@ from probe._errors import AuthError, EndpointError, error_from_dict
 
 from .endpoint import Target
 
-__all__ = ["Client", "AGENT_HEADER", "check_answer"]
 
 AGENT_HEADER = "X-Probe-Agent"  # names the program acting for the user; recorded in the audit log and probe.actions
 

@@ -9,8 +9,6 @@ from probe._errors import EndpointError
 from probe._runtime import read_entries, reused_pid
 from probe.util.procfs import pid_alive
 
-__all__ = ["Target", "resolve", "from_entry", "targets_for_ranks", "parse_rank_spec", "pick_job"]
-
 
 class Target:
     """One probed process to talk to (a plain class: dataclasses cost start-up time)."""

@@ -15,7 +15,6 @@ from typing import Any, Callable
 from probe._errors import EndpointError, PartialError, ProbeError
 from probe.util.procfs import proc_state
 
-__all__ = ["Answer", "parallel", "fan_out", "check_partial", "format_ranks", "rank_error", "MAX_WORKERS"]
 
 MAX_WORKERS = 64
 

@@ -15,7 +15,6 @@ from probe._errors import ProbeError
 from ..commands import COMMANDS, find, load_all
 from .session import Session
 
-__all__ = ["main"]
 
 _VALUE_OPTIONS = {"-t", "--target", "--rank", "--ranks", "--job", "--timeout", "--token", "--format"}
 
@@ -163,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         session = Session(args)
         return int(cls().run(session, args) or 0)
     except ProbeError as exc:
-        from ..render import terminal_text  # an endpoint's error text or a process's exception: escaped
+        from probe.util.printable import terminal_text  # an endpoint's error text or a process's exception: escaped
 
         print(f"probe: {terminal_text(exc.message)}", file=sys.stderr)
         if getattr(exc, "abandoned", False):  # a DuckDB query that ignored its interrupt still runs: do not wait for it

@@ -27,18 +27,6 @@ from probe.postmortem.retention import alive, read_meta
 
 from .records import Record
 
-__all__ = [
-    "RecordClient",
-    "is_postmortem",
-    "refine_refusal",
-    "find",
-    "job_records",
-    "list_records",
-    "explain",
-    "dump_only",
-    "dead_records",
-]
-
 
 def is_postmortem(target) -> bool:
     """Whether ``target`` is a dead process answered by its post-mortem record."""

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import zipfile
 
-from probe.postmortem.record import load_tables
+from probe.postmortem.record import backtrace_columns, load_tables
 
-__all__ = ["Record", "parse_fatal_dump"]
 
 _NUMERIC = ("BIGINT", "INTEGER", "SMALLINT", "TINYINT", "UBIGINT", "UINTEGER", "HUGEINT")
 _BACKTRACE = {
@@ -134,20 +133,15 @@ class Record:
     def entry(self) -> dict:
         """A registry-like entry for the CLI's Target (``postmortem``: the record's folder)."""
         m = self.meta
-        return {
-            "pid": self.pid,
-            "rank": self.rank,
-            "world_size": m.get("world_size"),
-            "job": m.get("job"),
-            "host": m.get("host"),
-            "argv": m.get("argv"),
-            "started_at": m.get("started_at"),
-            "postmortem": m.get("path"),
-            "cause": m.get("cause"),
-            "summary": m.get("summary"),
-            "last_step": m.get("last_step"),
-            "died_at": m.get("time"),
-        }
+        kept = {k: m.get(k) for k in ("world_size", "job", "host", "argv", "started_at", "cause", "summary")}
+        return dict(
+            kept,
+            pid=self.pid,
+            rank=self.rank,
+            postmortem=m.get("path"),
+            last_step=m.get("last_step"),
+            died_at=m.get("time"),
+        )
 
     def describe(self) -> str:
         """A clause naming the process and how it ended, e.g. ``pid 41 died (exception: RuntimeError: ...)``."""
@@ -246,10 +240,7 @@ class Record:
             elif name == "python.backtrace" and self.meta.get("fatal_dump"):
                 data = self._backtrace_columns()
                 n = len(data["depth"])
-                cols = {
-                    c: _column(data.get(c), None, typ, n) if c in data else _column(None, None, typ, n)
-                    for c, typ in ((c, declared.get(c, "VARCHAR")) for c in wanted)
-                }
+                cols = {c: _column(data.get(c), None, declared.get(c, "VARCHAR"), n) for c in wanted}
             tables[name] = {"rows": n, "columns": cols}
         m = self.meta
         return {
@@ -293,31 +284,14 @@ class Record:
         """python.backtrace from ``stacks()`` (after a fatal signal the snapshot's table is older than the crash)."""
         import numpy as np
 
-        keys = {k: "str" if t == "VARCHAR" else "b1" if t == "BOOLEAN" else "i8" for k, t in _BACKTRACE.items()}
-        rows = [
-            (
-                t.get("thread_id"),
-                t.get("name"),
-                bool(t.get("is_main")),
-                d,
-                f.get("func"),
-                f.get("file"),
-                f.get("lineno"),
-                f.get("line"),
-                False,
-            )
-            for t in self.stacks()
-            for d, f in enumerate(t.get("frames") or ())
-        ]
+        data = backtrace_columns(self.stacks())
         out = {}
-        for i, (k, kind) in enumerate(keys.items()):
-            values = [r[i] for r in rows]
-            if kind == "str":
-                data = np.empty(len(values), dtype=object)
-                data[:] = values
+        for k, typ in _BACKTRACE.items():
+            if typ == "VARCHAR":
+                out[k] = np.empty(len(data[k]), dtype=object)
+                out[k][:] = data[k]
             else:
-                data = np.array(values, dtype="<i8" if kind == "i8" else bool)
-            out[k] = data
+                out[k] = np.array(data[k], dtype=bool if typ == "BOOLEAN" else "<i8")
         return out
 
     def backtrace_doc(self, thread: str | None = None) -> dict:

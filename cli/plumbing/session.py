@@ -11,8 +11,6 @@ import sys
 from probe.config import setting
 from probe._errors import ProbeError
 
-__all__ = ["Session"]
-
 
 class Session:
     """What a command runs with: parsed options, resolved targets, output."""
@@ -29,12 +27,12 @@ class Session:
 
     def print(self, text: str = "") -> None:
         """``text`` on standard output; control characters a process or endpoint put in it are escaped."""
-        from ..render import terminal_text
+        from probe.util.printable import terminal_text
 
         print(terminal_text(text), file=self.stdout, flush=True)
 
     def note(self, text: str) -> None:
-        from ..render import terminal_text
+        from probe.util.printable import terminal_text
 
         print(terminal_text(text), file=self.stderr, flush=True)
 

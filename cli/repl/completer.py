@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 from prompt_toolkit.completion import Completer, Completion
 
-__all__ = ["Schema", "SqlCompleter", "suggest", "duckdb_function_names", "sql_keywords"]
 
 # Clause keywords after which column names make sense.
 _COLUMN_CLAUSES = {
@@ -44,6 +43,8 @@ _COLUMN_CLAUSES = {
     "ILIKE",
 }
 _TABLE_CLAUSES = {"FROM", "JOIN", "DESCRIBE"}
+# Clauses whose words are columns and functions of the tables in scope.
+_COLUMN_STARTS = ("SELECT", "WHERE", "ON", "GROUP_BY", "ORDER_BY", "HAVING", "QUALIFY")
 # Tokens that end a table reference in FROM (a following word is then not an alias).
 _FROM_ENDERS = {
     "WHERE",
@@ -258,18 +259,8 @@ def _clause(tokens) -> tuple[str | None, str | None]:
             if depth == 0:
                 continue  # inside a call or sub-query: keep looking outward
             depth -= 1
-        elif depth == 0 and (name in _TABLE_CLAUSES or name in _COLUMN_CLAUSES or name in ("LIMIT", "ALIAS")):
-            if name in _TABLE_CLAUSES or name in (
-                "SELECT",
-                "WHERE",
-                "ON",
-                "GROUP_BY",
-                "ORDER_BY",
-                "HAVING",
-                "LIMIT",
-                "QUALIFY",
-            ):
-                return name, last
+        elif depth == 0 and (name in _TABLE_CLAUSES or name in _COLUMN_STARTS or name == "LIMIT"):
+            return name, last
     return None, last
 
 
@@ -317,7 +308,7 @@ def suggest(
     if clause is None and not tokens:
         return _match(["SELECT", "WITH", "DESCRIBE", "SHOW TABLES", "SUMMARIZE"], word, "keyword")
     out: list[tuple[str, str, int]] = []
-    if clause in ("SELECT", "WHERE", "ON", "GROUP_BY", "ORDER_BY", "HAVING", "QUALIFY"):
+    if clause in _COLUMN_STARTS:
         scope = tables_in_scope(text[start:end], schema)
         seen = set()
         for full in dict.fromkeys(scope.values()):

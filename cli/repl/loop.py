@@ -25,8 +25,6 @@ from probe._errors import EndpointError, ProbeError, QueryError, exception_text
 
 from .session import Background, Cancelled, Executor, ReplSession, describe_error, is_complete, split_statements
 
-__all__ = ["Repl", "history_path", "Special", "SPECIALS", "special_command", "help_text", "dispatch", "Quit"]
-
 
 class Quit(Exception):
     """Leave the REPL."""

@@ -6,11 +6,9 @@ get the rank the user switched to with ``\\rank N``. ``Background`` refreshes th
 schema (for completion) and the target's ``GET /health`` (for the toolbar) on a
 daemon thread, so the prompt never waits on the network.
 
-``Executor`` runs one statement at a time, cancellable with Ctrl-C: a query runs on a worker thread
-(snapshots from the target, then DuckDB here in the REPL) while the main thread waits; Ctrl-C there
-interrupts this process's own DuckDB (or abandons the snapshot request), and the session goes on. The
-target never runs the query, so there is nothing to cancel there. ``split_statements`` cuts the input at
-the semicolons sqlglot's tokenizer sees (a ';' inside a string does not count).
+``Executor`` runs one statement at a time on a worker thread while the main thread waits, so Ctrl-C
+cancels it as docs/repl.md says. ``split_statements`` cuts the input at the semicolons sqlglot's
+tokenizer sees (a ';' inside a string does not count).
 """
 
 from __future__ import annotations
@@ -25,8 +23,6 @@ from probe._errors import EndpointError, ProbeError
 
 from ..plumbing.session import Session
 from .completer import Schema, SqlCompleter, duckdb_function_names
-
-__all__ = ["ReplSession", "Background", "Cancelled", "Executor", "split_statements", "is_complete", "describe_error"]
 
 
 class ReplSession(Session):

@@ -13,18 +13,6 @@ import math
 
 from probe._errors import PartialError, ProbeError
 
-__all__ = [
-    "run_sql",
-    "query_doc",
-    "tables_doc",
-    "job_doc",
-    "stacks_doc",
-    "profile_doc",
-    "findings_doc",
-    "action_doc",
-    "ACTIONS",
-]
-
 
 def run_sql(session, sql: str, max_rows: int | None = None):
     """One read-only query on the session's process(es); returns a ``Result``.

@@ -1,18 +1,10 @@
 """The page's HTTP server: static files and a small JSON API, behind a token in the path.
 
-Every URL starts with ``/<token>/``; anything else is answered 403. The token is random
-per run (``secrets.token_urlsafe``) and compared in constant time, so another user on the
-host who finds the loopback port still cannot read the page. Relative links inside the
-page carry the token without any script doing it. Responses forbid caching and, through
-a Content-Security-Policy, any request to another origin: the page works offline and
-cannot leak to a CDN.
-
-Every request must also name this server in its ``Host`` header (a DNS-rebinding page names
-its own domain) and, when a browser sends an ``Origin``, come from this server's origin; every
-POST carries the page's CSRF value (``X-Probe-CSRF``, from ``api/config``), which a page of
-another origin cannot read. At most ``MAX_CONNECTIONS`` connections are served at once (one
-thread each; more are answered 503 and closed without a thread), and a connection that sends
-nothing for ``IDLE_TIMEOUT`` seconds is closed.
+The checks every request passes are listed in docs/security.md ("The page checks who is asking")
+and docs/ui.md: a random token as the first path segment, compared in constant time (relative
+links inside the page carry it without any script doing it); ``Host`` and ``Origin`` naming this
+server; the CSRF header on every POST; no caching and no other origin (Content-Security-Policy);
+at most ``MAX_CONNECTIONS`` connections, one thread each, and ``IDLE_TIMEOUT`` for a silent one.
 """
 
 from __future__ import annotations
@@ -29,11 +21,12 @@ from importlib import resources
 from urllib.parse import parse_qs, urlparse
 
 from probe._errors import ProbeError
+from probe.util.handshake import host_names
 from probe.util.slots import BoundedThreads
+from probe.util.validate import BadRequest, request_body
 
 from . import api
 
-__all__ = ["UIServer", "BadRequest"]
 
 _TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -46,7 +39,6 @@ _CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
-MAX_BODY = 1 << 20
 MAX_CONNECTIONS = 32  # a browser opens about six; 3000 idle sockets must not become 3000 threads
 IDLE_TIMEOUT = 15.0  # seconds a connection may stay silent (keep-alive included)
 CSRF_HEADER = "X-Probe-CSRF"
@@ -79,7 +71,7 @@ class UIServer(BoundedThreads, ThreadingHTTPServer):
         self.bound_threads(MAX_CONNECTIONS)
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         super().__init__((host, port), _Handler)
-        self.hosts = _host_names(host, self.server_address[0], self.port)
+        self.hosts = frozenset(host_names(host, self.server_address[0], self.port))
 
     def busy_reply(self) -> bytes:
         """What a connection past MAX_CONNECTIONS is sent (``BoundedThreads``) before it is closed."""
@@ -139,21 +131,6 @@ class UIServer(BoundedThreads, ThreadingHTTPServer):
         t = threading.Thread(target=self.serve_forever, name="probe-ui", daemon=True)
         t.start()
         return t
-
-
-def _host_names(host: str, bound: str, port: int) -> frozenset:
-    """The ``Host`` header values a request to this server may carry: loopback names, and the address it was
-    bound to (this host's names for a wildcard), each with the port (and without it on port 80).
-
-    >>> sorted(_host_names("127.0.0.1", "127.0.0.1", 8000))
-    ['127.0.0.1:8000', '[::1]:8000', 'localhost:8000']
-    """
-    names = {"127.0.0.1", "localhost", "[::1]"}
-    if bound in ("0.0.0.0", "::"):
-        names.update({socket.gethostname(), socket.getfqdn()})
-    else:
-        names.update({f"[{h}]" if ":" in h else h for h in (host, bound)})
-    return frozenset({f"{n}:{port}" for n in names} | (names if port == 80 else set()))
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -234,17 +211,11 @@ class _Handler(BaseHTTPRequestHandler):
                 self._json(403, {"error": f"this request lacks the page's {CSRF_HEADER} header; reload the page."})
                 return
             try:
-                length = int(self.headers.get("Content-Length") or 0)
-                if not 0 <= length <= MAX_BODY:
-                    raise ValueError
-                body = json.loads(self.rfile.read(length) or b"{}")
-                if not isinstance(body, dict):
-                    raise ValueError
-            except (ValueError, RecursionError):  # not JSON, not an object, or nested past what Python reads
+                params.update(request_body(self.headers.get("Content-Length"), self.rfile))
+            except BadRequest:  # not JSON, not an object, too deep or too long
                 self.close_connection = True  # (a body left unread must not be taken for the next request)
                 self._json(400, {"error": "the request body must be a JSON object under 1 MiB."})
                 return
-            params.update(body)
         handler = _API.get((method, rest))
         if handler is None:
             self._json(404, {"error": f"no such API {method} /{rest}."})
@@ -252,7 +223,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self._json(200, handler(self.server, params))
         except BadRequest as exc:  # a parameter the page would never send: one sentence, 400
-            self._json(400, {"error": str(exc)})
+            self._json(400, {"error": exc.message})
         except ProbeError as exc:  # the probe's own refusals are answers, shown in the panel (not HTTP errors)
             self._json(200, {"error": exc.message, "kind": exc.kind})
         except Exception as exc:  # a bug of ours: show it on the page and in the terminal, keep serving
@@ -268,10 +239,6 @@ class _Handler(BaseHTTPRequestHandler):
         self._route("POST")
 
 
-class BadRequest(ValueError):
-    """A request parameter of the wrong type or out of range: answered 400 with this sentence."""
-
-
 MAX_ROWS = 1_000_000
 
 
@@ -281,7 +248,7 @@ def _number(p: dict, name: str, default, kind, low, high):
     >>> _number({"max_rows": "abc"}, "max_rows", 2000, int, 1, MAX_ROWS)
     Traceback (most recent call last):
     ...
-    probe.cli.ui.server.BadRequest: max_rows must be a whole number from 1 to 1,000,000, not 'abc'.
+    probe.util.validate.BadRequest: max_rows must be a whole number from 1 to 1,000,000, not 'abc'.
     """
     value = p.get(name)
     if value is None:

@@ -16,7 +16,6 @@ import time
 from ..util.errorlog import record_error
 from .._runtime import runtime_dir
 
-__all__ = ["audit", "audit_path"]
 
 _lock = threading.Lock()
 

@@ -28,8 +28,6 @@ from typing import Any, Callable
 
 from ..util.errorlog import record_error
 
-__all__ = ["Boundary", "StepEvent", "boundary"]
-
 
 class StepEvent:
     """One step boundary as ``after_step`` callbacks see it: the step, the training loop's frame (for its locals

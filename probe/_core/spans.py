@@ -24,7 +24,6 @@ from .._identity import rank_identity
 from ..util.errorlog import record_error
 from .boundary import boundary
 
-__all__ = ["span", "SPAN_COLUMNS", "ring"]
 
 SPAN_COLUMNS = {
     "name": "O",

@@ -12,7 +12,6 @@ from typing import Callable
 
 from ..util.errorlog import record_error
 
-__all__ = ["info", "set_entry", "clear", "add_status_provider", "status"]
 
 _entry: dict = {}
 _status_providers: list[Callable[[], dict]] = []

@@ -1,25 +1,14 @@
 """Emergency checkpoints: written by the training thread at a safe point, atomically.
 
-The file is a plain ``torch.save`` dict, loadable with ``torch.load`` (weights_only
-safe): ``model``, ``optimizer``, ``scheduler``, ``scaler`` state dicts, ``step``,
-``rng`` (python, numpy, torch CPU, CUDA), ``frameworks`` (the step counters of a
-Lightning or transformers Trainer by name, the step finishing at the safe point counted, and an
-accelerate Accelerator's ``step``) and ``probe`` metadata;
-``schedulers`` holds every scheduler by name when there are several. With several
-models or optimizers in the process, ``models``/``optimizers`` hold all of them by
-name and ``model``/``optimizer`` the first. It is written to a temporary file in
-the same directory under a name no one can predict, fsynced and renamed (never over
-an existing file without ``force``), and a ``PATH.sha256`` file holds its checksum;
-a directory where other users could replace them is refused (``probe.util.files``).
+The file is a plain ``torch.save`` dict, loadable with ``torch.load`` (weights_only safe); docs/actions.md
+lists what it holds. It is written through ``probe.util.files`` (a temporary file under a name no one can
+predict, fsynced and renamed, never over an existing file without ``force``) with its checksum in
+``PATH.sha256``. A sharded model (FSDP2's ``fully_shard``, DTensors) is saved as it is held: this rank's
+shards, written without a collective, loaded on the same rank of a job sharded the same way.
 
-A sharded model (FSDP2's ``fully_shard``, DTensors) is saved as it is held: the file holds this
-rank's shards (``sharded`` says how), written without a collective; it is loaded on the same rank
-of a job sharded the same way (same world size, after ``fully_shard``), each rank its own file.
-
-``load_checkpoint`` restores it. A checkpoint taken at the safe point sees the
-optimizer step done but not the loop's ``scheduler.step()`` that follows; the
-checkpoint records that, and loading steps the scheduler once so the resumed run
-continues exactly where the uninterrupted one would.
+``load_checkpoint`` restores it. A checkpoint taken at the safe point sees the optimizer step done but not
+the loop's ``scheduler.step()`` that follows; the checkpoint records that, and loading steps the scheduler
+once so the resumed run continues exactly where the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -42,7 +31,6 @@ from ..util.printable import printable
 if TYPE_CHECKING:
     from .queue import Context
 
-__all__ = ["save", "load_checkpoint", "expand_path", "sha256"]
 
 FORMAT = "probe-checkpoint/1"
 _resume = {"step": 0}
@@ -150,11 +138,6 @@ def build_state(ctx: "Context") -> dict:
         },
     }
     return state
-
-
-def sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return _digest(f)
 
 
 def _digest(f) -> str:

@@ -26,7 +26,6 @@ from .._errors import ActionError
 from ..training.finder import main_globals, named
 from ..util.usercode import release
 
-__all__ = ["run_code", "namespace"]
 
 MAX_OUTPUT = 1_000_000
 MAX_REPR = 20_000

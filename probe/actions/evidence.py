@@ -2,19 +2,10 @@
 evidence bundle of a caught step, and ``probe.load_evidence`` to replay it.
 
 A bundle is one ``torch.save`` file, ``DIR/guard-step<STEP>-rank<RANK>.pt``, written with probe's safe writer
-(``probe.util.files.write_file``) into the directory the user named. It holds:
-
-- ``step``, ``rank``, ``reason`` (what triggered), ``taken`` (skipped, rolled back, or let through);
-- ``batches``: the last kept steps' inputs to the model, oldest first, each ``{"step", "calls"}`` with one
-  ``(args, kwargs)`` per training forward call of the model (detached CPU copies); the offending step's last;
-- ``model``: the model's ``state_dict`` before the step (CPU copies), ``model_name``, ``model_class``;
-- ``optimizer``: the optimizer's ``state_dict`` before the step, ``optimizer_class``;
-- ``loss`` (NaN when unknown), ``grad_norm``, ``median`` (the recent median norm), ``lr`` per param group and
-  ``grad_norms``: each parameter's gradient norm, by name.
-
-``load_evidence(path)`` takes a bundle file, or a directory (its newest bundle), and returns an ``Evidence``;
-``Evidence.replay(model)`` loads the weights into ``model`` and runs the offending step's forward calls with
-forward hooks, naming the first module whose output is not finite.
+(``probe.util.files.write_file``) into the directory the user named; docs/guard.md ("Evidence") lists what it
+holds. ``load_evidence(path)`` takes a bundle file, or a directory (its newest bundle), and returns an
+``Evidence``; ``Evidence.replay(model)`` loads the weights into ``model`` and runs the offending step's forward
+calls with forward hooks, naming the first module whose output is not finite.
 """
 
 from __future__ import annotations
@@ -27,25 +18,6 @@ from .._errors import ActionError, ProbeError
 from ..training.frameworks import local
 from ..util import files
 
-__all__ = [
-    "Evidence",
-    "Replay",
-    "load_evidence",
-    "write_evidence",
-    "bundle_name",
-    "bundle",
-    "bytes_of",
-    "host_copy",
-    "copy_state",
-    "restore_state",
-    "keep_cost",
-    "run_forward",
-    "first_nonfinite",
-    "grad_norm",
-    "step_loss",
-    "finite",
-    "median",
-]
 
 _NAME = re.compile(r"^guard-step(\d+)-rank(\d+)\.pt$")
 

@@ -44,7 +44,6 @@ from .evidence import (
     write_evidence,
 )
 
-__all__ = ["Spec", "parse_spec", "arm", "disarm", "current", "events", "estimate", "arm_from_setting", "WINDOW"]
 
 WINDOW = 50  # applied steps whose median a spike is measured against (the doctor's gradient-norm spike score)
 MIN_HISTORY = 10  # steps seen before a spike can trigger
@@ -154,12 +153,7 @@ def _event(kind: str, step, spec: Spec, **fields) -> dict:
 
 def _targets():
     """The optimizers to guard, the primary model and its name: refused with a sentence when there is none."""
-    opts = finder.optimizers()
-    if not opts:
-        raise ActionError(
-            "no optimizer found in the training process; it is found once it has stepped, as a global of the "
-            "training script, or through a Lightning/HF Trainer or an Accelerator."
-        )
+    opts = finder.optimizers_to_act_on()
     tk = hooks.tracker()
     model = InputCounter.primary_model(tk.lead_optimizer() if tk is not None else opts[0].obj)
     name = next((f.name for f in finder.models() if f.obj is model), None)

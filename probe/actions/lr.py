@@ -1,41 +1,13 @@
-"""Change the learning rate so that the change holds, whatever sets the rate, or say why it did not.
+"""Change the learning rate so that the change holds, whatever sets the rate, or say why it did not
+(docs/actions.md tells the user's side).
 
-A training loop's rate is rewritten all the time: by a scheduler's ``step()`` (which
-recomputes it from base values, or from the group's current rate), by a framework
-(Lightning steps its LambdaLR every step, the HF Trainer its own), or by hand-written
-code assigning ``group["lr"] = lr`` at every iteration. Writing ``param_groups`` once
-is undone by any of them. So a change is an *override* held by the optimizer itself:
-
-* probe's global optimizer step pre-hook reads the rate the loop wants for the coming step (whatever
-  is in ``param_groups`` then) and sets the group's rate to that rate × the scale
-  (``--scale``) or to the value (``--set``) for the duration of the step;
-* its global step post-hook puts the loop's own rate back, so schedulers and hand-written code keep
-  computing from their own numbers (a chainable scheduler such as StepLR never compounds
-  the override).
-
-When a torch LR scheduler drives the group (it has ``base_lrs``: LambdaLR, which the HF Trainer
-and most Lightning modules use, StepLR, CosineAnnealingLR, OneCycleLR, ...), the change goes
-into what the scheduler computes from instead: its ``base_lrs`` (and ``max_lrs``, its last rate,
-the group's ``lr``, ``initial_lr``, ``max_lr``, ``min_lr``), scaled by the factor (``--set``:
-the factor that takes the current rate to the value). The scheduler then produces the new rate
-itself, so ``param_groups``, ``get_last_lr()`` and the loop's own logs (Lightning's
-LearningRateMonitor, the HF Trainer's ``learning_rate``) show the rate in effect. The check at
-the next step says whether the rate used was the scheduler's; ``--reset`` divides the factor out.
-
-Otherwise (a loop that writes the rate itself, nanoGPT's ``g["lr"] = lr``), the hold above: between
-steps ``param_groups`` therefore shows the loop's rate, and so do the loop's own logs (the reply
-says so); ``torch.optimizer`` shows
-both (``lr`` is what the next step uses, ``loop_lr`` the loop's own, ``lr_override`` the
-override) and ``torch.steps.lr`` is what each step used. The action stays ``running`` until
-the next step of the optimizer has run with the new rate, and is ``done`` only then: its
-result says which step used which rate and whether the loop had rewritten its rate by
-then (the override was re-applied). Afterwards the result keeps counting: ``held_steps``
-and ``rewrites`` (steps at which the loop changed its rate and the override was applied on
-top). ``--once`` writes ``param_groups`` without holding it; it is still checked at the
-next step, and fails if the loop rewrote the rate before that step ran. ``--reset`` removes
-overrides. Overrides live in this process only: a checkpoint stores the loop's rates. The overrides
-themselves, how they apply around each step and the rates they work on are in ``lroverride``; this module is the
-action: one request (``LrRequest``) checked before it is queued (``check_rate``) and applied at the boundary
+A loop's rate is rewritten all the time (a scheduler's ``step()``, a framework, ``group["lr"] = lr`` in the
+loop), so writing ``param_groups`` once is undone. Where a torch LR scheduler drives the group, the change
+goes into what it computes from (its ``base_lrs`` and kin, scaled by a factor that ``--reset`` divides out);
+otherwise it is an override the optimizer's step hooks apply around each step and take back after it, so the
+loop keeps computing from its own numbers. The action settles at the next step of the optimizer, checked there.
+The overrides, how they apply around each step and the rates they work on are in ``lroverride``; this module is
+the action: one request (``LrRequest``) checked before it is queued (``check_rate``) and applied at the boundary
 (``change_lr``, ``reset_lr``).
 """
 
@@ -45,12 +17,11 @@ import math
 from dataclasses import dataclass
 
 from .._errors import ActionError
-from ..training.finder import optimizers, scheduler_for
+from ..training.finder import optimizers, optimizers_to_act_on, scheduler_for
 from .lroverride import Group, Override, Rescaled, drop, hold, invertible, lock, next_rates, overrides, ratio
 from .lroverride import rescalable, rescale, value, write
 from .queue import Context
 
-__all__ = ["LrRequest", "change_lr", "check_rate", "reset_lr"]
 
 _HEADROOM = 0.01  # of the dtype's largest value: room for weight decay, momentum and bias-correction factors
 
@@ -73,12 +44,7 @@ class LrRequest:
 def _pick(which: int | str | None, group: int | None) -> list:
     """The optimizers an action applies to: all found, or the one ``which`` names (its index in
     torch.optimizer's order, or its ``name`` there)."""
-    opts = optimizers()
-    if not opts:
-        raise ActionError(
-            "no optimizer found in the training process; it is found once it has stepped, as a global "
-            "of the training script, or through a Lightning/HF Trainer or an Accelerator."
-        )
+    opts = optimizers_to_act_on()
     names = ", ".join(f"{i} {f.name}" for i, f in enumerate(opts))
     if which is not None:
         if isinstance(which, str):
@@ -333,35 +299,29 @@ def reset_lr(ctx: Context, req: LrRequest) -> dict:
                 if sched is not None:
                     rescale(sched, f.obj.param_groups[i], i, r.factor, undo=True)
                     held = ctx.step - r.since if ctx.step is not None and r.since is not None else None
-                    removed.append(
-                        {
-                            "optimizer": f.name,
-                            "group": i,
-                            "override": r.text(),
-                            "held_steps": held,
-                            "rewrites": 0,
-                            "loop_lr": value(f.obj.param_groups[i]["lr"]),
-                        }
-                    )
+                    removed.append(_removed(f, i, r.text(), held, 0))
             for i in [group] if group is not None else list(ov.groups):
                 g = ov.groups.pop(i, None)
                 if g is not None:
                     g.hand_over(f"removed by action {ctx.action_id} at step {ctx.step}")
-                    removed.append(
-                        {
-                            "optimizer": f.name,
-                            "group": i,
-                            "override": g.text(),
-                            "held_steps": g.held,
-                            "rewrites": g.rewrites,
-                            "loop_lr": value(f.obj.param_groups[i]["lr"]),
-                        }
-                    )
+                    removed.append(_removed(f, i, g.text(), g.held, g.rewrites))
             if not ov.groups and not ov.rescaled and not ov.pending:
                 drop(id(f.obj))
     if not removed:
         raise ActionError("there is no lr override to remove" + (" for that optimizer/group" if opts else "") + ".")
     return {"step": ctx.step, "removed": removed}
+
+
+def _removed(found, group: int, override: str, held_steps, rewrites: int) -> dict:
+    """What ``reset_lr`` reports of one override it removed (the loop's rate is what applies from now on)."""
+    return {
+        "optimizer": found.name,
+        "group": group,
+        "override": override,
+        "held_steps": held_steps,
+        "rewrites": rewrites,
+        "loop_lr": value(found.obj.param_groups[group]["lr"]),
+    }
 
 
 # -- what a group's dtype can take ----------------------------------------------------------------

@@ -29,17 +29,6 @@ from .._core.boundary import StepEvent, boundary
 from ..util.errorlog import record_error
 from ..util.procfs import rss_bytes
 
-__all__ = [
-    "cleanup",
-    "debug",
-    "start_profile",
-    "stop_profile",
-    "current_profile",
-    "read_profile_chunk",
-    "PROFILE_MAX_STEPS",
-    "PROFILE_CHUNK",
-]
-
 
 def _cuda_in_use():
     torch = sys.modules.get("torch")

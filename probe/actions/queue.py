@@ -1,18 +1,12 @@
-"""Guarded actions: an id, a state, and a run at the step boundary.
+"""Guarded actions: an id, a state, and a run at the step boundary (docs/actions.md: when each runs).
 
-Mutating commands (checkpoint, lr, cleanup, eval with ``--at-step``) are queued and
-run by the training thread at the next safe point (after ``optimizer.step()``), so
-they never see a half-applied update. Each action moves through
-``queued -> running -> done | failed | timed_out | cancelled``. A queued action that has not
-started by its deadline becomes ``timed_out`` under the same lock the training
-thread takes to start it, so a timed-out action can never run late. One given a step
-(``at_step``, the same on every rank asked) runs at that step's safe point or not at all: if
-the step has passed it fails with ``missed`` set, and can be asked again. ``now=True``
-runs the action at once on a thread of its own (``probe-action-ID``), for a hung
-process; the request that submitted it waits for it like for a queued one, so the
-client always learns the id and can cancel it (``cancel``): a queued action is
-dropped, a running ``now`` action gets an exception raised in its thread at its next
-Python instruction. An action running on the training thread is never interrupted.
+A queued action that has not started by its deadline becomes ``timed_out`` under the same lock
+the training thread takes to start it, so a timed-out action can never run late. One given a
+step (``at_step``) runs at that step's safe point or not at all: if the step has passed it fails
+with ``missed`` set. A ``now`` action runs on a thread of its own (``probe-action-ID``); the
+request waits for it as for a queued one, so the client always learns the id. ``cancel`` drops
+a queued action and raises an exception in a ``now`` action's thread at its next Python
+instruction; an action running on the training thread is never interrupted.
 
 Every submission, refusal and outcome is written to the audit log; the last
 ``CAPACITY`` actions are kept for the ``probe.actions`` table.
@@ -33,20 +27,6 @@ from .._core.audit import audit
 from .._errors import ActionError, ProbeError
 from ..util.errorlog import record_error
 
-__all__ = [
-    "Action",
-    "Context",
-    "submit",
-    "get",
-    "wait",
-    "actions",
-    "last_step",
-    "refuse",
-    "cancel",
-    "drop_pending",
-    "TERMINAL",
-    "ActionCancelled",
-]
 
 CAPACITY = 1000
 TERMINAL = ("done", "failed", "timed_out", "cancelled")
@@ -109,25 +89,15 @@ class Action:
 
     def to_dict(self) -> dict:
         return {
-            "id": self.id,
-            "command": self.command,
-            "args": self.args,
-            "state": self.state,
-            "now": self.now,
-            "at_step": self.at_step,
-            "timeout": self.timeout,
-            "requested_at": self.requested_at,
-            "started_at": self.started_at,
-            "finished_at": self.finished_at,
-            "step": self.step,
-            "result": self.result,
-            "error": self.error,
+            **{name: getattr(self, name) for name in _SHOWN},
             "queued_for": (self.started_at or time.time()) - self.requested_at,
             "last_step": boundary.last_step,
             "missed_step": self.missed,
         }
 
 
+# what a client is shown of an action (the client itself, the function and the thread machinery are not)
+_SHOWN = "id command args state now at_step timeout requested_at started_at finished_at step result error".split()
 _ids = itertools.count(1)
 _lock = threading.Condition(threading.RLock())
 _history: deque[Action] = deque(maxlen=CAPACITY)

@@ -33,7 +33,6 @@ from ..util import validate as _validate
 from .._core import state
 from .server import Request, check_tier, route
 
-__all__ = []
 
 MAX_WAIT = 30.0
 
@@ -197,9 +196,7 @@ def guard_route(req: Request) -> dict:
             on, _number(req, "keep", int, 1, maximum=64), _flag(req, "skip"), _flag(req, "rollback"), evidence
         )
         guard.estimate(spec)  # the memory it would hold, and whether ranks could disagree: refused here
-    except _validate.BadRequest as exc:
-        refuse(req.client, "guard", args, exc.message)
-    except ProbeError as exc:
+    except ProbeError as exc:  # validate's BadRequest included
         refuse(req.client, "guard", args, exc.message)
     return _submit(req, "guard", args, lambda ctx: guard.arm(spec, ctx.step))
 

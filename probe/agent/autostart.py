@@ -1,19 +1,9 @@
 """Imported by ``probe-autostart.pth`` at every interpreter start-up.
 
-It returns at once unless ``PROBE`` is set. Which processes of a launch tree start
-a probe (see docs/attach.md, "Which processes PROBE starts in"):
-
-- ``PROBE=1`` (``workers``): every Python process except launchers (torchrun,
-  torch.distributed.run/launch), the ``probe`` CLI, pip, multiprocessing helpers
-  (spawned DataLoader workers, the resource tracker), and processes started by an
-  already probed process (``PROBE_PARENT`` names it: compile workers, data or
-  evaluation subprocesses);
-- ``PROBE=all``: the same, but subprocesses of probed processes are probed too;
-- ``PROBE_ONLY=PATTERNS``: only processes whose script name or ``-m`` module matches
-  one of the shell patterns, wherever they are in the tree.
-
-A process that starts a probe this way exports ``PROBE_PARENT`` (its pid) to its
-children. It never raises: a .pth error must not break the user's interpreter.
+It returns at once unless ``PROBE`` is set; which processes of a launch tree then start a probe (``PROBE=1``,
+``PROBE=all``, ``PROBE_ONLY``) is docs/attach.md's table, "Which processes PROBE starts in". A process that
+starts a probe this way exports ``PROBE_PARENT`` (its pid) to its children. It never raises: a .pth error must
+not break the user's interpreter.
 """
 
 import os

@@ -53,6 +53,11 @@ def _write_status(path: str | None, doc: dict) -> None:
     os.replace(tmp, path)
 
 
+def _failed(path: str | None, **why) -> None:
+    """The status of a start that failed: why, and which interpreter it was (the CLI names it in its advice)."""
+    _write_status(path, {"ok": False, **why, "python": sys.version.split()[0], "executable": sys.executable})
+
+
 def _make_importable(settings: dict) -> str:
     """Where ``probe`` comes from: the target's own environment, else the CLI's installation."""
     if "probe" in sys.modules or importlib.util.find_spec("probe") is not None:
@@ -79,16 +84,7 @@ def main(settings_path: str) -> None:
         origin = _make_importable(settings)
         missing = [m for m in REQUIRED if m not in sys.modules and importlib.util.find_spec(m) is None]
         if missing:
-            _write_status(
-                status,
-                {
-                    "ok": False,
-                    "reason": "missing_dependencies",
-                    "missing": missing,
-                    "python": sys.version.split()[0],
-                    "executable": sys.executable,
-                },
-            )
+            _failed(status, reason="missing_dependencies", missing=missing)
             return
         for key, value in (settings.get("env") or {}).items():
             if key.startswith("PROBE_") and isinstance(value, str):
@@ -103,16 +99,7 @@ def main(settings_path: str) -> None:
         )
     except BaseException as exc:  # never into the target
         try:
-            _write_status(
-                status,
-                {
-                    "ok": False,
-                    "reason": "error",
-                    "error": f"{type(exc).__name__}: {exc}",
-                    "python": sys.version.split()[0],
-                    "executable": sys.executable,
-                },
-            )
+            _failed(status, reason="error", error=f"{type(exc).__name__}: {exc}")
         except BaseException:
             pass
 

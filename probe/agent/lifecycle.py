@@ -13,7 +13,6 @@ probe: threads do not survive fork, so the child drops the session.
 from __future__ import annotations
 
 import atexit
-import ipaddress
 import os
 import secrets
 import sys
@@ -39,6 +38,7 @@ from ..actions.maintenance import stop_profile
 from ..postmortem import hooks as postmortem
 from ..tables import registry as tables
 from ..util.errorlog import record_error
+from ..util.handshake import is_loopback
 from ..util.procfs import proc_start
 from ..training import frameworks, hooks
 from . import action_routes  # noqa: F401  (registers the action and eval routes)
@@ -49,7 +49,6 @@ from .snapshot import reset_lanes
 from .listeners import TCPServer, UnixServer, close, serve_in_thread, stop_serving
 from .watchdog import SigtermGuard, Watchdog
 
-__all__ = ["Session", "start", "stop", "is_running", "info"]
 
 _lock = threading.RLock()
 _session: Session | None = None  # the running one
@@ -136,7 +135,7 @@ class Session:
                     "for a free port."
                 ) from None
             self._serve(tcp, "probe-server-tcp")
-            if not _loopback(tcp_host):
+            if not is_loopback(tcp_host):
                 print(
                     f"[probe] WARNING: listening on {tcp_host}:{tcp.server_address[1]}, reachable from other hosts; "
                     "every request needs the token.",
@@ -227,13 +226,6 @@ def _restore_env(name: str, value: str | None) -> None:
         os.environ.pop(name, None)
     else:
         os.environ[name] = value
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _at_exit() -> None:

@@ -5,6 +5,7 @@ asked, TCP behind a per-rank key (``probe.util.handshake``); each with its own c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -18,8 +19,6 @@ from ..util import handshake
 from ..util.errorlog import record_error
 from ..util.slots import BoundedThreads
 from .server import _WRONG_TOKEN, _Handler
-
-__all__ = ["UnixServer", "TCPServer", "serve_in_thread", "stop_serving", "close"]
 
 
 _BUSY = (
@@ -63,10 +62,8 @@ class UnixServer(_Base, socketserver.UnixStreamServer):
     transport = "unix"
 
     def __init__(self, path: str):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
         self._limits()
         old = os.umask(0o177)
         try:
@@ -143,10 +140,8 @@ def stop_serving(server, thread: threading.Thread) -> None:
     wake the select by shutting the listening socket down (its accept then fails and is ignored), wait for it."""
     t = threading.Thread(target=server.shutdown, name="probe-server-shutdown", daemon=True)
     t.start()
-    try:
+    with contextlib.suppress(OSError):
         server.socket.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
     t.join(2)
     if thread is not threading.current_thread():
         thread.join(2)

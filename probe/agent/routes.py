@@ -1,17 +1,11 @@
 """HTTP routes of the read tier: health, snapshot (the server side of a query), backtrace, tables, and ``GET
-/profile``.
+/profile``. Other rooms add their own routes (actions, eval) with ``@route`` the same way.
 
-Other rooms add their own routes (actions, eval) with ``@route`` the same way.
-
-``GET /profile`` samples every thread's Python stack for a few seconds (a flamegraph's data) on the
-request's server thread: it reads ``sys._current_frames()`` about ``hz`` times a second for ``seconds``
-(both bounded), keys each stack by its code objects (no strings built while sampling) and only turns the
-distinct stacks into text at the end. Between samples it sleeps, so the training thread keeps the GIL. A
-profile is charged to its listener's share (``snapshot.Lane``, ``PROBE_SERVE_SHARE``) as it samples: it
-starts when the share has credit, and while the share is spent it pauses (fewer samples, ``paced_s`` says
-how long). One profile runs at a time per listener; a second request is refused with a sentence saying so.
-The answer is collapsed stacks, root first: ``thread MainThread;main (train.py:90);...`` with a sample count
-each, the format flamegraph tools read.
+``GET /profile`` samples every thread's Python stack for a few seconds (a flamegraph's data) on the request's
+server thread (``sample_stacks``): stacks are keyed by their code objects while sampling and turned into text
+once at the end, and the thread sleeps between samples, so the training thread keeps the GIL. A profile is
+charged to its listener's share (``snapshot.Lane``) as it samples and pauses while the share is spent; one runs
+at a time per listener. The answer is collapsed stacks, root first, with a sample count each.
 """
 
 from __future__ import annotations
@@ -33,9 +27,6 @@ from ..util import validate as v
 from ..util.objects import bounded_repr
 from ..util.procfs import native_id
 from ..util.printable import redact, frame_text
-
-
-__all__ = ["snapshot", "schema_identity", "MAX_THREADS", "MAX_DEPTH", "sample_stacks", "MAX_SECONDS", "MAX_HZ"]
 
 
 @route("GET", "/health")
@@ -197,7 +188,7 @@ MAX_SECONDS = 60.0
 MAX_HZ = 250.0
 DEFAULT_HZ = 100.0
 MAX_STACKS = 20000  # distinct stacks kept; further new ones are counted as dropped
-MAX_DEPTH = 256
+MAX_SAMPLE_DEPTH = 256  # frames of one sampled stack (a backtrace shows MAX_DEPTH)
 _CHARGE_EVERY = 10  # samples between two charges to the lane
 
 
@@ -233,7 +224,7 @@ def sample_stacks(seconds: float, hz: float = DEFAULT_HZ, exclude: frozenset = f
             if ident in exclude:
                 continue
             codes = []
-            while frame is not None and len(codes) < MAX_DEPTH:
+            while frame is not None and len(codes) < MAX_SAMPLE_DEPTH:
                 codes.append(frame.f_code)
                 frame = frame.f_back
             key = (ident, tuple(codes))

@@ -8,20 +8,12 @@ checked (``check_tier``) before the handler runs: actions need the unix socket (
 token; eval also needs PROBE_ALLOW_EVAL over TCP, and is off everywhere with PROBE_ALLOW_EVAL=0.
 Route modules (``routes``, ``action_routes``) register themselves when imported.
 
-Requests are served on short-lived daemon threads; a handler holds the GIL only for
-the snapshots it takes (queries run in the client). Nothing a client does, a disconnect
-included, raises into the training thread: handler errors are answered as JSON and kept in
-``probe.errors``.
-
-Limits (each server, unix socket and TCP, has its own, so TCP clients can never use up
-the owner's socket): at most ``PROBE_MAX_CONNECTIONS`` connections are served at once
-(one more is answered 503 and closed at once, without a thread); a client has
-``PROBE_READ_TIMEOUT`` seconds in all to send its request line and headers (a byte now and
-then does not keep a connection) and then that long per read of its body; the head is at
-most ``MAX_HEAD`` bytes; over TCP the ``Authorization`` header (``probe.util.handshake``) is checked as soon as
-its line arrives, and a head with no ``Authorization`` in its first ``MAX_HEAD_BEFORE_AUTH`` bytes is refused
-there, so a client without the key can hold at most that much of the process's memory;
-bodies are JSON objects of at most ``MAX_BODY`` bytes and ``MAX_JSON_DEPTH`` levels.
+Nothing a client does, a disconnect included, raises into the training thread: handler errors are answered
+as JSON and kept in ``probe.errors``. Every request is bounded per listener (docs/security.md has the table):
+the head has one deadline for all its bytes (``PROBE_READ_TIMEOUT``) and at most ``MAX_HEAD`` bytes, and over
+TCP the ``Authorization`` header (``probe.util.handshake``) is checked as soon as its line arrives, within the
+first ``MAX_HEAD_BEFORE_AUTH`` bytes; bodies are JSON objects of at most ``MAX_BODY`` bytes and
+``MAX_JSON_DEPTH`` levels (``probe.util.validate``).
 """
 
 from __future__ import annotations
@@ -35,14 +27,11 @@ from urllib.parse import parse_qs, urlparse
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .._errors import AuthError, ProbeError
+from .._errors import AuthError, EndpointError, ProbeError
 from ..util.errorlog import record_error
-from ..util.validate import BadRequest, json_body
+from ..util.validate import BadRequest, request_body
 from .._core.audit import audit
 from ..config import setting
-
-
-__all__ = ["send_buffers", "requests_served", "Request", "Binary", "Route", "route", "ROUTES", "TIERS", "check_tier"]
 
 
 TIERS = ("read", "action", "eval")
@@ -110,7 +99,6 @@ def check_tier(client: dict, tier: str) -> None:
     # actions: the unix socket is same-user only, and TCP clients have already shown the token.
 
 
-MAX_BODY = 1024 * 1024
 MAX_HEAD = 16 * 1024  # request line and headers: our clients send a few hundred bytes
 MAX_HEAD_BEFORE_AUTH = 4 * 1024  # over TCP, what a client may send before its Authorization line
 
@@ -225,7 +213,7 @@ class _Handler(BaseHTTPRequestHandler):
             limit = MAX_HEAD if authorized else MAX_HEAD_BEFORE_AUTH
             if len(buf) > limit:
                 what = "request headers" if authorized else "request headers before the Authorization header"
-                raise _HeadRefused(431, {"error": f"the {what} pass {limit} bytes.", "kind": "request", "exit_code": 2})
+                raise _HeadRefused(431, BadRequest(f"the {what} pass {limit} bytes.").to_dict())
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("request head")
@@ -259,7 +247,7 @@ class _Handler(BaseHTTPRequestHandler):
             501: "unsupported method; probe answers GET and POST",
             505: "unsupported HTTP version; probe speaks HTTP/1.1",
         }.get(code, message or "bad request")
-        self._send(code, {"error": text + ".", "kind": "request", "exit_code": 2})
+        self._send(code, BadRequest(text + ".").to_dict())
 
     def _respond(self, status: int, parts: list, content_type: str) -> None:
         """Status line, headers and body in one gathered send (each socket call lets the training thread's GIL go)."""
@@ -299,12 +287,7 @@ class _Handler(BaseHTTPRequestHandler):
         entry = ROUTES.get((method, url.path))
         if entry is None:
             self._send(
-                404,
-                {
-                    "error": f"no such endpoint {url.path}; this probe may be older than your CLI.",
-                    "kind": "endpoint",
-                    "exit_code": 3,
-                },
+                404, EndpointError(f"no such endpoint {url.path}; this probe may be older than your CLI.").to_dict()
             )
             return
         try:
@@ -313,7 +296,7 @@ class _Handler(BaseHTTPRequestHandler):
             except AuthError as exc:
                 _audit_refusal(self, method, client, exc)
                 raise
-            body = self._read_body()
+            body = request_body(self.headers.get("Content-Length"), self.rfile)
             req = Request(method, url.path, parse_qs(url.query), body, client)
             payload = entry.fn(req)
             if isinstance(payload, Binary):
@@ -321,61 +304,17 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._send(200, payload)
         except ProbeError as exc:
-            status = (
-                403
-                if isinstance(exc, AuthError)
-                else 503
-                if exc.kind == "busy"
-                else 413
-                if exc.kind == "too_large"
-                else 400
-            )
+            status = 403 if isinstance(exc, AuthError) else {"busy": 503, "too_large": 413}.get(exc.kind, 400)
             self._send(status, exc.to_dict())
         except (BrokenPipeError, ConnectionResetError, socket.timeout):
             pass
         except RecursionError as exc:
             record_error(f"server {method} {url.path}", exc)
-            self._send(
-                400,
-                {
-                    "error": "the request nests too deeply to handle; send a simpler request.",
-                    "kind": "request",
-                    "exit_code": 2,
-                },
-            )
-        except (
-            BaseException
-        ) as exc:  # a bug of ours, or KeyboardInterrupt/SystemExit from eval'd code: answer, never propagate
+            self._send(400, BadRequest("the request nests too deeply to handle; send a simpler request.").to_dict())
+        except BaseException as exc:  # a bug of ours, or KeyboardInterrupt/SystemExit from eval'd code: answer it
             record_error(f"server {method} {url.path}", exc)
-            self._send(
-                500,
-                {
-                    "error": f"the probe failed internally ({type(exc).__name__}: {exc}); see probe.errors.",
-                    "kind": "error",
-                    "exit_code": 1,
-                },
-            )
-
-    def _read_body(self) -> dict:
-        raw_length = self.headers.get("Content-Length")
-        if raw_length in (None, ""):
-            return {}
-        try:
-            length = int(raw_length)
-        except ValueError:
-            length = -1
-        if length < 0:
-            raise BadRequest(f"Content-Length must be a whole number of bytes, not {raw_length[:20]!r}.")
-        if length > MAX_BODY:
-            exc = BadRequest(f"the request body is {length} bytes; the limit is {MAX_BODY} bytes.")
-            exc.kind = "too_large"
-            raise exc
-        if not length:
-            return {}
-        raw = self.rfile.read(length)
-        if len(raw) < length:
-            raise BadRequest("the request body ended before its Content-Length; resend the request.")
-        return json_body(raw)
+            failed = ProbeError(f"the probe failed internally ({type(exc).__name__}: {exc}); see probe.errors.")
+            self._send(500, failed.to_dict())
 
     def do_GET(self):
         self._handle("GET")

@@ -1,33 +1,21 @@
 """Snapshots of the tables a client's query needs (only its columns, cheap filters applied), and what the read
 routes may take from the training process (per listener, slots and a share of wall time).
 
-This is all the query work the training process does. A client (the CLI, the REPL)
-guards and plans its SQL, then asks for::
+This is all the query work the training process does. A client guards and plans its SQL, then asks for::
 
     {"tables": {"torch.steps": {"columns": ["step", "loss"],
                                 "filter": {"op": ">", "col": "step", "value": 100}}}}
 
-and gets the columns in the binary form of ``probe.util.wire``; DuckDB runs in the
-client. A filter is a tree of ``{"and": [...]}``, ``{"or": [...]}`` and comparisons
-``{"op": "=|!=|<|<=|>|>=|in|null|notnull", "col": c, "value": v}``. It only ever
-narrows what is sent, and conservatively: a row is dropped only when the filter
-surely rejects it (the client runs the full query again over what it receives), so
-a value it cannot compare cheaply is kept. No SQL is parsed here.
+and gets the columns in the binary form of ``probe.util.wire``; DuckDB runs in the client. A filter is a
+tree of ``{"and": [...]}``, ``{"or": [...]}`` and comparisons ``{"op": "=|!=|<|<=|>|>=|in|null|notnull",
+"col": c, "value": v}``. It only narrows what is sent, conservatively: a row is dropped only when the filter
+surely rejects it (the client runs the full query again), so a value it cannot compare cheaply is kept. No
+SQL is parsed here. A snapshot larger than ``PROBE_SNAPSHOT_BYTES`` is refused before it is sent.
 
-A snapshot larger than ``PROBE_SNAPSHOT_BYTES`` is refused before it is sent.
-
-Snapshots, backtraces and profiles are served on the server's threads, which compete with the
-training thread for the GIL. Each listener (the owner's unix socket, and TCP when asked) has
-its own ``Lane``: at most ``PROBE_MAX_SNAPSHOTS`` snapshots or backtraces at once (the rest
-wait in line, up to their timeout), and ``PROBE_SERVE_SHARE`` of wall time, averaged over
-``PACE_WINDOW_S`` seconds: each request is charged the CPU time of its thread in full
-(parsing, generating every table, walking stacks, encoding), however large, and the next one
-waits until that debt is earned back (an occasional request never waits; a client whose
-requests cost a lot waits long, and so do twenty clients asking back to back; one whose timeout
-ends first is refused after half of it, so that asking again at once buys nothing). A profile is
-charged as it samples and slows down when its lane is in debt. Two lanes, two budgets: TCP
-clients holding the token can spend TCP's share and slots, never the owner's, so the process
-gives its readers at most twice the share.
+Snapshots, backtraces and profiles compete with the training thread for the GIL, so each listener has its
+own ``Lane``: at most ``PROBE_MAX_SNAPSHOTS`` at once, and ``PROBE_SERVE_SHARE`` of wall time over
+``PACE_WINDOW_S``, each request charged its thread's CPU time in full and the next waiting until that is
+earned back (docs/security.md lists the limits). TCP clients spend TCP's lane, never the owner's.
 """
 
 from __future__ import annotations
@@ -44,8 +32,6 @@ from ..util import validate as v
 from ..util.errorlog import record_error
 from ..util.budget import Budget
 
-
-__all__ = ["take", "apply_filter", "parse_request", "BusyError", "Lane", "lane", "reset_lanes", "served"]
 
 _OPS = ("=", "!=", "<", "<=", ">", ">=", "in", "null", "notnull")
 MAX_FILTER_NODES = 256

@@ -1,45 +1,25 @@
 """How a stuck or terminated process is still seen: the hang watchdog (all-thread stacks on disk when no step
 completes for PROBE_HANG_TIMEOUT seconds) and the SIGTERM guard (a post-mortem record, then death as prompt as
-without the probe).
+without the probe). docs/postmortem.md tells what each covers and what it does not.
 
 The hang watchdog uses ``faulthandler.dump_traceback_later``, whose timer is a C thread that writes
-the stacks without taking the GIL, so it works even when the training thread is
-stuck inside a C call with the GIL held (an NCCL collective, a CUDA sync, a
-deadlocked extension), where no Python thread, the probe server's included, can run.
+the stacks without taking the GIL, so it works even when the training thread is stuck inside a C
+call with the GIL held. It is re-armed from a ``probe._core.boundary`` heartbeat, at most every
+``REARM_S`` (re-arming restarts faulthandler's thread) and for ``S + LATE_S`` seconds, so a heartbeat's
+lag never makes it fire early. Nothing polls: the dump is noticed, by one ``fstat``, when someone asks
+for the status.
 
-The timer is armed when the probe starts and re-armed as steps complete, from a
-``probe._core.boundary`` heartbeat: at least once a second while steps come, not at every
-step (re-arming stops faulthandler's timer thread and starts a new one: tens of microseconds,
-and a full step boundary, at every step of a fast loop). So that a heartbeat's lag can never make
-it fire early, it is re-armed at most every ``REARM_S`` and for ``S + LATE_S`` seconds: it fires
-when ``S`` to ``S + LATE_S`` seconds pass without a step. Nothing polls: the dump is noticed when
-someone asks for the status (``probe list``, ``/health``, ``process.info``), by one ``fstat`` of
-the dump file, which grows only when faulthandler writes to it.
+The SIGTERM guard writes the record and removes this process's entry, then dies of SIGTERM; why a
+watcher thread woken through ``signal.set_wakeup_fd`` does it besides the Python handler is docs/postmortem.md's
+"SIGTERM".
 
 One ``Watchdog`` and one ``SigtermGuard`` belong to the running session (``probe.agent.lifecycle``), which
 installs them, removes them and tells them about forks.
-
-The SIGTERM guard: write the post-mortem record and remove this process's entry, then die of SIGTERM as
-promptly as without the probe. A Python-level signal handler runs only when the main thread
-comes back to the interpreter; a rank waiting in C (a gloo ``all_reduce`` on a peer that never
-comes, ``Future.wait``) never does, so a handler alone would keep the process alive until the
-launcher's SIGKILL. Two paths, whichever comes first does the work once:
-
-- the Python handler, on the main thread, when it is running Python (the stacks are where
-  the signal found it);
-- a watcher thread woken through ``signal.set_wakeup_fd`` (CPython's C-level handler writes
-  the signal number to that pipe at once, on any thread, without the GIL), which writes the
-  record from its own thread and then puts back the default action at the C level
-  (``signal(SIGTERM, SIG_DFL)`` through libc) and raises SIGTERM again.
-
-The record's writing is bounded (``postmortem.terminated``): the process is gone within about a
-second whatever the record does. Left alone: a handler the program installed itself, a wakeup
-fd someone else set (asyncio: then only the Python path), and a C call that holds the GIL while
-it blocks (no Python thread can run then; torch's collectives and waits release it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -53,7 +33,6 @@ from .._core.boundary import boundary
 from ..postmortem import hooks as postmortem
 from ..util.errorlog import record_error
 
-__all__ = ["Watchdog", "SigtermGuard", "REARM_S", "LATE_S"]
 
 REARM_S = 0.25  # heartbeats closer than this to the last re-arm leave the timer as it is
 # how late, after S seconds without a step, the timer may fire: a heartbeat comes at most a second (and one step)
@@ -98,10 +77,8 @@ class Watchdog:
         """Disarm the timer and close the dump file (the file itself stays for the user)."""
         boundary.remove(self._on_heartbeat)
         faulthandler.cancel_dump_traceback_later()
-        try:
+        with contextlib.suppress(OSError):
             self.file.close()
-        except OSError:
-            pass
 
     def status(self) -> dict:
         """``state="hung"`` and ``hung_since`` (the last heartbeat: within a second of the last step, or the arming)
@@ -187,10 +164,8 @@ class SigtermGuard:
 
     def _close_fds(self) -> None:
         for fd in (self.rfd, self.wfd):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self.rfd = self.wfd = None
 
     def on_term(self, signum, frame) -> None:

@@ -4,31 +4,18 @@ In a training process it holds the script's own rules (``probe.rule``), which th
 serves; the rules probe ships are declared the same way in the client (``probe.cli.doctor``), which loads them
 into its own registry and never into the training process.
 
-A rule is data::
-
-    rule("lr_zero", family="optimizer", severity="warning",
-         description="An optimizer param group has learning rate 0: its parameters never move.",
-         sql="SELECT optimizer, param_group, lr FROM torch.optimizer WHERE lr = 0",
-         message="{optimizer} param group {param_group} has lr 0.",
-         next=["probe {target} lr --set 1e-4 --group {param_group}"])
-
-Every row the SQL returns is one finding. ``message`` and each ``next`` entry are
-``str.format`` templates over the row's columns plus ``target`` (what to type after
-``probe`` to reach that process). A ``rank`` or ``step`` column, when the SQL returns
-one, says where the finding is. A ``next`` entry that names a ``next_*`` column is left
-out when that column is NULL or empty: the SQL chooses the commands that fit what it found
-(no ``lr --scale`` when the weights are already NaN). ``{name}`` placeholders in the SQL itself are filled
-from ``params`` (e.g. a threshold from a setting) before it runs. Scope ``process`` rules
-run on each process's own tables (with a ``rank`` column across ranks); ``job`` rules
-read the ``ranks.*`` views and run only across several ranks.
+A rule is data (docs/doctor.md, "Your own rules", shows one): every row its SQL returns is one finding, and
+``message`` and each ``next`` entry are ``str.format`` templates over the row's columns plus ``target``.
+``{name}`` placeholders in the SQL itself are filled from ``params`` (e.g. a threshold from a setting) before
+it runs. Scope ``process`` rules run on each process's own tables (with a ``rank`` column across ranks);
+``job`` rules read the ``ranks.*`` views and run only across several ranks.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-__all__ = ["Rule", "rule", "all_rules", "get_rule", "SEVERITIES", "FAMILIES"]
 
 SEVERITIES = ("critical", "warning", "info")  # most severe first
 FAMILIES = (
@@ -66,28 +53,13 @@ class Rule:
     explains: tuple[str, ...] = ()  # rules whose findings are this one's consequences: folded into it when both fire
 
     def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "family": self.family,
-            "severity": self.severity,
-            "description": self.description,
-            "sql": self.sql,
-            "message": self.message,
-            "next": list(self.next),
-            "scope": self.scope,
-            "params": dict(self.params),
-            "explains": list(self.explains),
-        }
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        return dict(d, next=list(self.next), params=dict(self.params), explains=list(self.explains))
 
     @classmethod
     def from_dict(cls, d: dict) -> "Rule":
         return cls(
-            d["name"],
-            d["family"],
-            d["severity"],
-            d["description"],
-            d["sql"],
-            d["message"],
+            *(d[f.name] for f in fields(cls)[:6]),  # name to message: required
             tuple(d.get("next") or ()),
             d.get("scope") or "process",
             tuple((d.get("params") or {}).items()),

@@ -9,10 +9,8 @@ the periodic snapshot thread. ``terminated()`` is the SIGTERM handler's first ac
 agent's lifecycle calls it before it stops the probe). Every one of these is best effort:
 a failure is recorded in probe.errors and the process goes on (or dies of its own error).
 
-The periodic snapshot: a daemon thread that waits on an event (no polling) and every
-``PROBE_POSTMORTEM_EVERY`` seconds, once a step has completed since its last write,
-rewrites the record with cause ``snapshot``, off the training thread, so a process killed
-with SIGKILL still leaves its last minute.
+The periodic snapshot (docs/postmortem.md) rewrites the record with cause ``snapshot`` off the
+training thread, so a process killed with SIGKILL still leaves its last minute.
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ from ..util.errorlog import record_error
 from . import record
 from .retention import prune
 
-__all__ = ["install", "uninstall", "at_exit", "fatal_path", "terminated"]
 
 _state: dict = {}
 _stop = threading.Event()

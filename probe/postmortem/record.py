@@ -1,39 +1,20 @@
 """Post-mortem records: what a process leaves in its runtime directory when it dies.
 
-A record is a folder ``postmortem/<pid>/`` (mode 0700) holding two files anyone can
-read without probe:
+docs/postmortem.md ("The record") gives the format, for readers without probe: a folder
+``postmortem/<pid>/`` with ``meta.json`` and ``tables.npz``, never pickled, copied to the
+registry too with ``PROBE_REGISTRY``. ``python.backtrace`` in it is built from the same stacks
+as ``meta.json``'s: the thread that died of an exception shows that exception's traceback, and
+the snapshot thread leaves itself out.
 
-* ``meta.json``: who (pid, rank, host, argv, job), how it ended (``cause``: exception,
-  thread_exception, exit, fatal_signal, snapshot), when, the exception and its
-  traceback, and every thread's stack at that moment;
-* ``tables.npz``: the tables, one array per column, named ``<table>/<column>``
-  (``numpy.load`` reads it; text is stored as unicode arrays, never pickled), the last
-  ``PROBE_POSTMORTEM_ROWS`` rows of each; a column that holds NULLs also has a bool
-  array ``<table>/<column>.valid`` (false where NULL), and ``meta.json``'s ``schema``
-  gives every column's declared SQL type, so a reader restores types and NULLs
-  (``probe.cli.plumbing.records`` does, for the CLI's queries on a dead pid).
-
-``python.backtrace`` in a record is built from the same stacks as ``meta.json``'s
-``stacks``: the thread that died of an exception shows the exception's traceback
-(where it was raised, innermost first), not the hook that wrote the record, and the
-snapshot thread leaves itself out.
-
-With ``PROBE_REGISTRY`` set, the finished record is also copied to
-``<registry>/postmortem/<host>-<pid>/`` so the CLI on another node sees it.
-
-Writes are atomic (a temporary folder renamed into place), the folder and its files are
-0700/0600, and at most ``PROBE_POSTMORTEM_KEEP`` records are kept (``retention``: clean
-exits go first, crashes and kills last). A process killed with SIGKILL cannot write at
-death, so the periodic snapshot (``hooks``) writes the same record with cause
-``snapshot``; a record whose process is gone and whose cause is still ``snapshot`` (or
-``thread_exception``) means it was killed without warning (the OOM killer, a scheduler's
-preemption, ``kill -9``). A record of a process that still runs (a worker thread died, the
-interpreter is exiting) is never shown as dead: ``retention.alive`` checks every cause.
-Listing the records and saying how each process ended is the reader's (``reader``).
+Writes are atomic (a temporary folder renamed into place), and at most ``PROBE_POSTMORTEM_KEEP`` records are
+kept (``retention``). SIGKILL leaves no chance to write, so the periodic snapshot (``hooks``) writes the same
+record with cause ``snapshot``; reading records back and saying how each process ended is the CLI's
+(``probe.cli.plumbing``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -50,7 +31,6 @@ from ..util.errorlog import record_error
 from ..util.procfs import proc_start
 from .retention import prune
 
-__all__ = ["write", "records_dir", "shared_records_dir", "load_tables", "MAX_TABLES_BYTES", "TABLES"]
 
 # The tables a record keeps: the rings (the last minutes of the run), who/what the process was, and where its
 # collectives stood (the flight recorder), so a dead rank still lines up with the live ones in ranks.*.
@@ -110,7 +90,6 @@ def _stacks(exc: BaseException | None, skip_self: bool, frame=None) -> list:
             if ident == me:
                 while frames and frames[0]["file"].startswith(_OWN_FILES):
                     frames.pop(0)
-        t = names.get(ident)
         out.append(
             {
                 "thread_id": ident,
@@ -124,28 +103,15 @@ def _stacks(exc: BaseException | None, skip_self: bool, frame=None) -> list:
     return out
 
 
-def _backtrace_data(stacks: list) -> dict:
+def backtrace_columns(stacks: list) -> dict:
     """python.backtrace's columns from ``stacks`` (so the table and meta.json's stacks agree)."""
     keys = ("thread_id", "thread_name", "is_main", "depth", "func", "file", "lineno", "line", "is_native")
-    data: dict = {k: [] for k in keys}
-    for t in stacks:
-        for depth, f in enumerate(t["frames"]):
-            for k, v in zip(
-                keys,
-                (
-                    t["thread_id"],
-                    t["name"],
-                    t["is_main"],
-                    depth,
-                    f["func"],
-                    f["file"],
-                    f["lineno"],
-                    f.get("line"),
-                    False,
-                ),
-            ):
-                data[k].append(v)
-    return data
+    rows = [
+        (t["thread_id"], t["name"], t["is_main"], depth, f["func"], f["file"], f["lineno"], f.get("line"), False)
+        for t in stacks
+        for depth, f in enumerate(t["frames"])
+    ]
+    return {k: [row[i] for row in rows] for i, k in enumerate(keys)}
 
 
 def _columns(name: str, rows: int, data: dict | None = None) -> dict | None:
@@ -190,10 +156,8 @@ def shared_records_dir(create: bool = True) -> str | None:
         return None
     path = os.path.join(base, "postmortem")
     if create:
-        try:
+        with contextlib.suppress(FileExistsError):
             os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
     try:
         check_private_dir(path, "the shared registry's post-mortem folder", "remove it")
     except (OSError, ProbeError):
@@ -257,15 +221,19 @@ def _share(final: str, host: str, pid: int) -> None:
 
         tmp = tempfile.mkdtemp(prefix=f".tmp-{host}-{pid}-", dir=base)  # 0700, a name no one can prepare
         shutil.copytree(final, tmp, dirs_exist_ok=True)
-        dest = os.path.join(base, f"{host}-{pid}")
-        old = dest + f".old-{threading.get_ident()}"
-        if os.path.isdir(dest):
-            os.rename(dest, old)
-        os.rename(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
+        _replace_dir(tmp, os.path.join(base, f"{host}-{pid}"))
         prune(base, setting("PROBE_POSTMORTEM_KEEP"), prefix=f"{host}-")
     except Exception as err:
         record_error("post-mortem record (shared registry)", err)
+
+
+def _replace_dir(tmp: str, dest: str) -> None:
+    """Put the folder ``tmp`` in place of ``dest`` (a reader sees the old record or the new one, never half)."""
+    old = dest + f".old-{threading.get_ident()}"
+    if os.path.isdir(dest):
+        os.rename(dest, old)
+    os.rename(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _schema() -> dict:
@@ -327,7 +295,7 @@ def write(
             arrays, written = {}, []
             for name in tables:
                 try:
-                    found = _columns(name, rows, _backtrace_data(stacks) if name == "python.backtrace" else None)
+                    found = _columns(name, rows, backtrace_columns(stacks) if name == "python.backtrace" else None)
                 except Exception as err:  # one table failing must not lose the others
                     record_error(f"post-mortem table {name}", err)
                     continue
@@ -373,11 +341,7 @@ def write(
             with os.fdopen(fd, "w") as f:
                 json.dump(meta, f, default=str)
             final = os.path.join(base, str(pid))
-            old = final + f".old-{threading.get_ident()}"
-            if os.path.isdir(final):
-                os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+            _replace_dir(tmp, final)
             if cause in _FINAL:
                 _process["ended"] = pid
             prune(base, setting("PROBE_POSTMORTEM_KEEP"), fatal_dir=runtime_dir(create=False))

@@ -1,28 +1,22 @@
 """Which records stay: whether a record's process still runs, and the keep policy.
 
-A record answers for a process only once that process is gone, whatever its cause: a
-worker thread's death or an ``exit`` record written while the interpreter shuts down
-leaves a process that still runs. A pid can be reused, so a record keeps its process's
-start time (``proc_start``: clock ticks since boot, /proc's ``starttime``) and a live
-pid counts as the record's process only when its start time matches.
+A record answers for a process only once that process is gone, whatever its cause (a worker thread's death or
+an ``exit`` record written while the interpreter shuts down leaves a process that still runs). A pid can be
+reused, so a record keeps its process's start time (``proc_start``) and a live pid counts as the record's
+process only when its start time matches.
 
-``prune`` keeps at most ``PROBE_POSTMORTEM_KEEP`` records in a folder, evicting in this
-order: clean exits of gone processes (cause ``exit``, exit code 0 or unknown, no thread
-died), oldest first; then the other records of gone processes (crashes, kills, signals,
-``sys.exit(N)``), oldest first; records of processes that still run last. faulthandler's
-``fatal-<pid>.txt`` files go with them: an empty one of a gone pid is removed (SIGKILL
-or ``os._exit`` left it), a non-empty one goes with its pid's record, and one without a
-record (a crash before the first snapshot) counts as a record of its own.
+``prune`` keeps at most ``PROBE_POSTMORTEM_KEEP`` records in a folder, in the order of eviction that
+docs/postmortem.md gives (clean exits of gone processes first, records of running ones last); faulthandler's
+``fatal-<pid>.txt`` files go with their pid's record, and one without a record counts as a record of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
-
-__all__ = ["read_meta", "valid_meta", "alive", "is_clean_exit", "prune"]
 
 
 MAX_META_BYTES = 16 << 20  # a record's meta.json (stacks, schema, exception): far more than a real one holds
@@ -148,10 +142,8 @@ def _remove(path: str) -> None:
     if os.path.isdir(path):
         shutil.rmtree(path, ignore_errors=True)
     else:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
 
 
 def prune(base: str, keep: int, prefix: str = "", fatal_dir: str | None = None) -> None:

@@ -11,7 +11,7 @@ from ..actions.guard import events
 from ..training.invariants import CHECK_COLUMNS, checks as _checks
 from ..training.signals import BATCH_COLUMNS, SCALER_COLUMNS, UPDATE_COLUMNS, signals as _signals
 from ..training.weights import DDP_COLUMNS, SUM_COLUMNS, replicas as _replicas
-from .registry import Column, no_rows, table
+from .registry import Column, ring_rows, table
 
 
 @table(
@@ -62,10 +62,7 @@ from .registry import Column, no_rows, table
     kind="ring",
 )
 def checks_table(ctx):
-    inv = _checks()
-    if inv is None:
-        return no_rows(CHECK_COLUMNS)
-    return inv.snapshot()
+    return ring_rows(_checks(), CHECK_COLUMNS, lambda inv: inv.snapshot())
 
 
 @table(
@@ -104,10 +101,7 @@ def checks_table(ctx):
     kind="ring",
 )
 def weight_sums(ctx):
-    r = _replicas()
-    if r is None:
-        return no_rows(SUM_COLUMNS)
-    return r.snapshot_sums()
+    return ring_rows(_replicas(), SUM_COLUMNS, lambda r: r.snapshot_sums())
 
 
 @table(
@@ -152,20 +146,14 @@ def weight_sums(ctx):
     examples=["SELECT model, broadcast_buffers, find_unused_parameters, norm_modules FROM torch.ddp"],
 )
 def ddp(ctx):
-    r = _replicas()
-    if r is None:
-        return no_rows(DDP_COLUMNS)
-    return r.snapshot_ddp()
+    return ring_rows(_replicas(), DDP_COLUMNS, lambda r: r.snapshot_ddp())
 
 
 _TIME = Column("time", "TIMESTAMP", "When it was read.")
 
 
 def _rows(which: str, columns: dict) -> dict:
-    sig = _signals()
-    if sig is None:
-        return no_rows(columns)
-    return sig.snapshot(which)
+    return ring_rows(_signals(), columns, lambda sig: sig.snapshot(which))
 
 
 @table(

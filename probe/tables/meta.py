@@ -112,21 +112,4 @@ def _json(value) -> str | None:
     kind="ring",
 )
 def actions_table(ctx):
-    return [
-        (
-            a.id,
-            a.command,
-            a.state,
-            _json(a.args),
-            _json(a.client),
-            a.now,
-            a.at_step,
-            a.requested_at,
-            a.started_at,
-            a.finished_at,
-            a.step,
-            _json(a.result),
-            a.error,
-        )
-        for a in actions()
-    ]
+    return [dict(vars(a), args=_json(a.args), client=_json(a.client), result=_json(a.result)) for a in actions()]

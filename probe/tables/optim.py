@@ -227,17 +227,8 @@ def optimizer_steps(ctx):
         return no_rows(out)
     cols = cycle.snapshot()
     names = {id(f.obj): f.name for f in finder.optimizers()}
-    ids = cols["optimizer_id"].tolist()
-    return {
-        "step": cols["step"],
-        "position": cols["position"],
-        "optimizer": [names.get(i) or c for i, c in zip(ids, cols["optimizer"].tolist())],
-        "optimizer_class": cols["optimizer"],
-        "ended_at": cols["ended_at"],
-        "loss": cols["loss"],
-        "lr": cols["lr"],
-        "grad_norm": cols["grad_norm"],
-    }
+    named = [names.get(i) or c for i, c in zip(cols["optimizer_id"].tolist(), cols["optimizer"].tolist())]
+    return dict(cols, optimizer=named, optimizer_class=cols["optimizer"])  # the ring's class column, named
 
 
 def _num(v):

@@ -17,7 +17,6 @@ from .registry import Column, table
 def _info_row(ctx) -> dict:
     entry = state.info()
     started = entry.get("started_at")
-    ident = rank_identity()
     row = {
         "pid": os.getpid(),
         "ppid": os.getppid(),
@@ -25,11 +24,7 @@ def _info_row(ctx) -> dict:
         "cwd": os.getcwd(),
         "python": sys.version.split()[0],
         "torch": getattr(sys.modules.get("torch"), "__version__", None),
-        "host": ident["host"],
-        "rank": ident["rank"],
-        "local_rank": ident["local_rank"],
-        "world_size": ident["world_size"],
-        "node_rank": ident["node_rank"],
+        **rank_identity(),  # host, rank, local_rank, world_size, node_rank
         "job": entry.get("job"),
         "rss_bytes": rss_bytes(),
         "threads": len(sys._current_frames()),

@@ -11,15 +11,11 @@ import threading
 import time
 
 from ..util.procfs import native_id
-from .registry import Column, no_rows, table
+from .registry import Column, ring_rows, table
 from .._core import spans
 
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _threads_by_ident() -> dict:
-    return {t.ident: t for t in threading.enumerate()}
 
 
 _SLICE = 16  # threads walked between two releases of the GIL (the training thread takes it meanwhile)
@@ -27,7 +23,7 @@ _SLICE = 16  # threads walked between two releases of the GIL (the training thre
 
 def thread_roots(exclude: frozenset = frozenset()) -> list:
     """(thread_ident, thread, is_main, innermost frame) of every thread but ``exclude``."""
-    threads = _threads_by_ident()
+    threads = {t.ident: t for t in threading.enumerate()}
     main_ident = threading.main_thread().ident
     return [
         (ident, threads.get(ident), ident == main_ident, frame)
@@ -311,7 +307,4 @@ def _liveness(ident, executing, after, wakeups, now: float) -> tuple:
     kind="ring",
 )
 def spans_table(ctx):
-    r = spans.ring()
-    if r is None:
-        return no_rows(spans.SPAN_COLUMNS)
-    return r.snapshot()
+    return ring_rows(spans.ring(), spans.SPAN_COLUMNS, lambda r: r.snapshot())

@@ -1,13 +1,6 @@
 """The table registry: one declaration per table, the single source for everything.
 
-A table is declared once, with its generator::
-
-    @table("python.threads", "Python threads of this process.",
-           columns=[Column("thread_id", "BIGINT", "threading ident.")],
-           examples=["SELECT thread_id FROM python.threads"])
-    def threads(ctx):
-        return [(t.ident,) for t in threading.enumerate()]
-
+A table is declared once, with its generator (docs/architecture.md, "Adding things", shows one).
 The declaration drives query execution, completion, ``probe.tables`` and
 ``probe.columns``, docs/reference.md and the test suite (every example runs).
 Built-in tables register exactly the way a user's own table would: ``BUILTIN`` names their
@@ -30,20 +23,6 @@ from typing import Any, Callable, Iterable
 
 from ..util.wire import Column, WireError, check_table
 
-__all__ = [
-    "Column",
-    "Table",
-    "no_rows",
-    "Context",
-    "table",
-    "get_table",
-    "all_tables",
-    "unregister",
-    "to_columns",
-    "version",
-    "load_builtins",
-    "BUILTIN",
-]
 
 # the modules of probe.tables that declare the built-in tables (the only place they are named)
 BUILTIN = (
@@ -169,6 +148,11 @@ def all_tables() -> list[Table]:
 def no_rows(columns) -> dict:
     """A ring table's answer before its ring exists: each of ``columns`` (names) with no values."""
     return {name: [] for name in columns}
+
+
+def ring_rows(owner, columns, read: Callable[[Any], Any]) -> Any:
+    """A ring table's answer: ``read(owner)``, or no rows (``no_rows``) while its owner does not exist yet."""
+    return no_rows(columns) if owner is None else read(owner)
 
 
 def to_columns(tbl: Table, data: Any) -> dict:

@@ -15,7 +15,7 @@ from ..training import hooks
 from ..training.steprows import COLUMNS, snapshot
 from ..training.trace import TRACE_COLUMNS
 from ..util.procfs import rss_bytes
-from .registry import Column, no_rows, table
+from .registry import Column, no_rows, ring_rows, table
 from ..training.trace import SYNC_COLUMNS
 
 
@@ -284,7 +284,4 @@ def loss(ctx):
     kind="ring",
 )
 def syncs_table(ctx):
-    tr = hooks.tracer()
-    if tr is None:
-        return no_rows(SYNC_COLUMNS)
-    return tr.syncs.ring.snapshot()
+    return ring_rows(hooks.tracer(), SYNC_COLUMNS, lambda tr: tr.syncs.ring.snapshot())

@@ -24,6 +24,7 @@ import weakref
 from itertools import islice
 from typing import Any, NamedTuple
 
+from .._errors import ActionError
 from ..util.errorlog import record_error
 from ..util.objects import instance_dict, is_a
 from .frameworks import (
@@ -55,13 +56,8 @@ class _Entry:
     __slots__ = ("ref", "name", "wrapper", "source", "framework")
 
     def __init__(self, obj, name, wrapper, source, framework=None):
-        self.ref, self.name, self.wrapper, self.source, self.framework = (
-            weakref.ref(obj),
-            name,
-            wrapper,
-            source,
-            framework,
-        )
+        self.ref, self.name, self.wrapper = weakref.ref(obj), name, wrapper
+        self.source, self.framework = source, framework
 
 
 _lock = threading.RLock()
@@ -226,6 +222,17 @@ def models() -> list[Found]:
 
 def optimizers() -> list[Found]:
     return _refreshed("optimizer")
+
+
+def optimizers_to_act_on() -> list[Found]:
+    """The optimizers found, for an action that needs one: ActionError with a sentence when there is none."""
+    found = optimizers()
+    if not found:
+        raise ActionError(
+            "no optimizer found in the training process; it is found once it has stepped, as a global of the "
+            "training script, or through a Lightning/HF Trainer or an Accelerator."
+        )
+    return found
 
 
 def schedulers() -> list[Found]:

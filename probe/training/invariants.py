@@ -1,23 +1,8 @@
 """Invariant checks of training: relations that hold in every correct run, checked on measured steps (each at
 about the cost of a few attribute reads) and recorded in ``torch.checks``, one row per check and measured step,
-for the doctor's rules to read. Nothing here raises into the training loop: errors go to ``probe.errors``.
-
-* ``grads_present``: the lead optimizer's step found a gradient on its trainable tensors (none: ``zero_grad()``
-  ran between ``backward()`` and ``step()``, or the step had no backward).
-* ``grads_reach``: when some of its trainable tensors hold a gradient, all of them do (the first 4,096); one
-  that never gets one is cut off from the loss (a ``.detach()``, a NumPy round trip, a module never called).
-* ``grads_cleared``: in the two optimizer steps after a measured boundary (``_WINDOW_STEPS``), the gradient of
-  one small trainable tensor was None or zero before autograd added to it. One tensor hook, armed at a measured
-  boundary and taken out at the first boundary after the window, looks at ``param.grad`` when its gradient
-  arrives; on CUDA its verdict is copied without blocking and read at the next measured boundary.
-* ``accumulation``: with several backward passes per optimizer step, the watched gradient was found cleared at
-  fewer of them than there were passes (a ``zero_grad()`` at every micro-batch); one optimizer found only.
-* ``backward_once``: no loss graph was backpropagated twice in one step (its gradients would count twice).
-* ``params_move``, ``frozen_still``: what the step changed (``weights.Updates``); ``schedule``: the lead
-  optimizer's LR scheduler keeps its declared pace (not stepped more often than its optimizer; one that counts
-  optimizer steps stepped about once per optimizer step; a CosineAnnealingLR not stepped past its T_max).
-* ``train_mode``: the dropout and batch norm modules of the trained model are in training mode at the step
-  (modules whose own parameters are all frozen are left out: frozen in eval mode on purpose is common).
+for the doctor's rules to read; docs/doctor.md says what each check (``grads_present``, ``grads_reach``,
+``grads_cleared``, ``accumulation``, ``backward_once``, ``params_move``, ``frozen_still``, ``schedule``,
+``train_mode``) finds and why. Nothing here raises into the training loop: errors go to ``probe.errors``.
 """
 
 from __future__ import annotations
@@ -33,7 +18,6 @@ from ..config import setting
 from ..util.errorlog import record_error
 from ..util.ring import Ring
 
-__all__ = ["Invariants", "CHECK_COLUMNS", "checks"]
 
 CHECK_COLUMNS = {"step": "i8", "time": "f8", "invariant": "O", "ok": "b1", "subject": "O", "value": "f8", "detail": "O"}
 _REFRESH_MAX = 500  # steps between refreshes of the cached targets at most (they double from step 1 until then)

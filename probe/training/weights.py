@@ -23,7 +23,6 @@ from ..util.errorlog import record_error
 from ..util.ring import Ring
 from ..util.ring import copy_off
 
-__all__ = ["Replicas", "SUM_COLUMNS", "DDP_COLUMNS", "replicas", "Updates", "grouped"]
 
 # collectives: a count, NULL (None) where the process group cannot say
 SUM_COLUMNS = dict(

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["Budget", "BURST_S"]
 
 BURST_S = 1.0  # seconds of step time whose share may be spent at once (and the starting credit)
 
@@ -77,10 +76,6 @@ class Budget:
         self.last_allowed_ns = 0
         self.charge_cap = charge_cap
         self.floor = -debt_cap * self.cap if math.isfinite(self.cap) else -math.inf
-
-    @property
-    def unlimited(self) -> bool:
-        return self.share == math.inf
 
     def earn(self, duration_ns: float) -> None:
         """A step of ``duration_ns`` nanoseconds ended: its share becomes credit."""

@@ -11,7 +11,6 @@ import threading
 import time
 import traceback
 
-__all__ = ["record_error", "error_rows", "error_count"]
 
 _CAPACITY = 1000
 _rows: list[tuple] = []

@@ -19,6 +19,7 @@ go through ``printable``: a newline or an escape sequence in a path never reache
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -28,7 +29,6 @@ from typing import IO, Callable, TypeVar
 from .._errors import ProbeError
 from .printable import printable
 
-__all__ = ["check_directory", "check_target", "write_file", "sweep_temps", "open_own", "temp_prefix"]
 
 T = TypeVar("T")
 
@@ -172,10 +172,8 @@ def write_file(
         raise error(f"cannot write {shown} ({exc.strerror or exc}); {fix}.") from None
     finally:
         if tmp is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dfd)
-            except OSError:
-                pass
         os.close(dfd)
 
 

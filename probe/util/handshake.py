@@ -28,30 +28,46 @@ import hashlib
 import hmac
 import re
 import secrets
+import socket
 import threading
 import time
 from collections import OrderedDict
 
-__all__ = [
-    "rank_key",
-    "identity_of",
-    "new_nonce",
-    "proof",
-    "request_mac",
-    "challenge_answer",
-    "Nonces",
-    "Verdict",
-    "check_header",
-    "client_header",
-    "NONCE_TTL",
-    "MAX_NONCES",
-]
 
 NONCE_TTL = 30.0  # seconds a server nonce may wait for its request
 MAX_NONCES = 1024  # server nonces kept at once (the oldest go first)
 _ITERATIONS = 100_000
 _NONCE = re.compile(r"[A-Za-z0-9_-]{16,64}")
 _HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is this machine's loopback, reachable from no other host."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+
+
+def host_names(host: str, bound: str, port: int | None = None) -> list[str]:
+    """The ``Host`` header values a front end's server (``probe ui``, ``probe mcp --http``) answers to, against DNS
+    rebinding: the loopback names, then the address it was asked for and bound to (this host's names for a
+    wildcard), IPv6 ones in brackets; with ``port``, each with it (and without it on port 80).
+
+    >>> sorted(host_names("127.0.0.1", "127.0.0.1", 8000))
+    ['127.0.0.1:8000', '[::1]:8000', 'localhost:8000']
+    """
+    names = list(LOOPBACK_NAMES)
+    for h in (socket.gethostname(), socket.getfqdn()) if bound in ("0.0.0.0", "::") else (host, bound):
+        h = f"[{h}]" if ":" in h else h
+        if h not in names:
+            names.append(h)
+    return names if port is None else [f"{n}:{port}" for n in names] + (names if port == 80 else [])
 
 
 def _mac(key: str, text: str) -> str:

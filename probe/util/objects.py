@@ -31,7 +31,6 @@ import types
 from collections import OrderedDict, defaultdict, deque
 from itertools import islice
 
-__all__ = ["is_a", "instance_dict", "type_name", "bounded_repr", "MAX_STRING", "MAX_ITEMS", "MAX_LEVEL"]
 
 MAX_STRING = 80  # characters (or bytes) of a string shown before it is cut
 MAX_ITEMS = 6  # items of a container shown

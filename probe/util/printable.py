@@ -24,18 +24,6 @@ import os
 import re
 
 
-__all__ = [
-    "escape_controls",
-    "terminal_text",
-    "printable",
-    "frame_text",
-    "stack_text",
-    "SECRET_NAME",
-    "REDACTED",
-    "redact",
-    "looks_secret",
-]
-
 _UNSAFE = "\u202a-\u202e\u2066-\u2069\u2028\u2029\ud800-\udfff"  # reorder a line, break it, or cannot be encoded
 _CONTROLS = re.compile(f"[\x00-\x1f\x7f-\x9f{_UNSAFE}]")
 _CONTROLS_BUT_LAYOUT = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f{_UNSAFE}]")  # keeps \n and \t

@@ -5,17 +5,6 @@ from __future__ import annotations
 import os
 import threading
 
-__all__ = [
-    "rss_bytes",
-    "RssReader",
-    "RunDelayReader",
-    "CpuWait",
-    "proc_state",
-    "proc_start",
-    "start_time",
-    "native_id",
-    "pid_alive",
-]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -131,9 +120,9 @@ def native_id(thread) -> int | None:
     parent's id on ``threading.main_thread()``, another process's thread: the main thread's id is then this
     process's id, as on Linux the thread that forked is the child's first thread."""
     native = getattr(thread, "native_id", None)
-    if native is not None and native != os.getpid() and thread is threading.main_thread():
-        if not os.path.exists(f"/proc/self/task/{native}"):
-            return os.getpid()
+    inherited = native is not None and native != os.getpid() and thread is threading.main_thread()
+    if inherited and not os.path.exists(f"/proc/self/task/{native}"):
+        return os.getpid()
     return native
 
 

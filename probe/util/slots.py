@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["BoundedThreads"]
-
 
 class BoundedThreads:
     """Put before ``socketserver.ThreadingMixIn`` (or a class built on it) in the bases; call ``bound_threads(n)``

@@ -46,8 +46,6 @@ import re
 import sys
 
 
-__all__ = ["FRAMEWORK_PACKAGES", "LIBRARY_PACKAGES", "is_user_file", "is_user_code", "user_frame", "release"]
-
 # packages whose frames are the framework's, not the user's loop
 FRAMEWORK_PACKAGES = (
     "lightning",

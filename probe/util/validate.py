@@ -14,20 +14,10 @@ import math
 from .._errors import ProbeError
 from .printable import printable
 
-__all__ = [
-    "BadRequest",
-    "number",
-    "seconds",
-    "count",
-    "text",
-    "file_path",
-    "json_body",
-    "MAX_SECONDS",
-    "MAX_JSON_DEPTH",
-]
 
 MAX_SECONDS = 7 * 24 * 3600.0  # a week: anything longer is a typo, and timers overflow past ~1e9 s
 MAX_JSON_DEPTH = 32
+MAX_BODY = 1 << 20  # bytes of one request body, for the agent's routes and the page's API alike
 
 
 class BadRequest(ProbeError):
@@ -206,6 +196,28 @@ def json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
     return body
 
 
+def request_body(raw_length: str | None, rfile, max_bytes: int = MAX_BODY) -> dict:
+    """The JSON object of an HTTP request whose ``Content-Length`` header is ``raw_length``, read from ``rfile``."""
+    if raw_length in (None, ""):
+        return {}
+    try:
+        length = int(raw_length)
+    except ValueError:
+        length = -1
+    if length < 0:
+        raise BadRequest(f"Content-Length must be a whole number of bytes, not {raw_length[:20]!r}.")
+    if length > max_bytes:
+        exc = BadRequest(f"the request body is {length} bytes; the limit is {max_bytes} bytes.")
+        exc.kind = "too_large"
+        raise exc
+    if not length:
+        return {}
+    raw = rfile.read(length)
+    if len(raw) < length:
+        raise BadRequest("the request body ended before its Content-Length; resend the request.")
+    return json_body(raw)
+
+
 def _show(value) -> str:
-    text = repr(value) if not isinstance(value, str) else repr(value)
+    text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."

@@ -33,17 +33,6 @@ import re
 import struct
 from dataclasses import dataclass
 
-__all__ = [
-    "MAGIC",
-    "TYPES",
-    "Column",
-    "encode",
-    "decode",
-    "column_arrays",
-    "object_column",
-    "check_table",
-    "WireError",
-]
 
 MAGIC = b"PRBC"
 _FIXED = {"f8": "<f8", "i8": "<i8", "b1": "|b1"}
