@@ -183,10 +183,12 @@ j AS (SELECT rank, parameter, arg_max(norm, step) / min(
 s AS (SELECT rank, step, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age,
              max(step) OVER (PARTITION BY rank) AS last
       FROM (SELECT DISTINCT rank, step FROM u)),
--- and every update of the last 20 steps: a burst of measured steps (a trace the doctor asked for) measures an
--- update every other step
+-- and every update of the last 20 steps, from the last one 20 or more steps back (a burst of measured steps, a
+-- trace the doctor asked for, measures an update every other step; at any cadence the span reaches 20 steps)
+f AS (SELECT rank, max(step) AS first FROM s WHERE step <= last - 20 GROUP BY rank),
 w AS (SELECT u.* FROM u JOIN s ON s.rank IS NOT DISTINCT FROM u.rank AND s.step = u.step
-      WHERE s.age <= {_UPDATES} OR s.step >= s.last - 20),
+      LEFT JOIN f ON f.rank IS NOT DISTINCT FROM s.rank
+      WHERE s.age <= {_UPDATES} OR s.step >= coalesce(f.first, s.last - 20)),
 p AS (SELECT w.rank, w.parameter, median(w.ratio) AS ratio, median(w.grad_ratio) AS grad_ratio,
              coalesce(any_value(j.growth), 1) AS growth
       FROM w LEFT JOIN j ON j.rank IS NOT DISTINCT FROM w.rank AND j.parameter = w.parameter

@@ -87,6 +87,10 @@ def test_update_size_names_the_tensors_far_below_or_above_a_healthy_ratio():
     assert not _updates("update_too_small", tiny, steps=range(60, 100, 10))
     # a burst of measured steps (the doctor's own trace) measures an update every other step: the last 20 steps count
     assert _updates("update_too_small", tiny, steps=[*range(60, 100, 10), *range(100, 112, 2)])
+    # and at any cadence: every third step (the last 20 steps then hold no update exactly 20 steps back, the one
+    # before them starts the span)
+    assert _updates("update_too_small", tiny, steps=[*range(60, 100, 10), *range(100, 130, 3)])
+    assert _updates("update_too_large", {"a.weight": 0.5, "b.weight": 0.3}, steps=range(60, 200, 3))
     # nor for a converged model: its gradients are small, and its step applies them in full
     rows = [(None, s, 0.0, n, 1e-6, 1e-5, 0.1, 1.0) for s in range(60, 110, 10) for n in ("a.weight", "b.weight")]
     assert not rule_rows("update_too_small", {"torch.updates": (UPDATES, rows), "torch.steps": _steps(100)})
