@@ -4,9 +4,9 @@ planted-fault test body (tests/test_doctor_faults_*.py split the catalog so xdis
 from __future__ import annotations
 
 import json
-import os
 
 from conftest import TARGETS, poll
+from harness import share_doctor_plans
 from targets.fault_catalog import NOT_ALSO, plant
 
 FOUND_EXIT = 8
@@ -31,42 +31,13 @@ def above_info(findings) -> list:
     ]
 
 
-_PLANS = "doctor-plans.json"  # the doctor's plan cache in the runtime dir (sql/plan_cache.py)
-_KEEP = 400  # as many plans as that cache keeps
-_plans: dict = {}  # the plans this test worker's doctor runs kept, the most recent last
-
-
-def _share_plans(runtime_dir: str, *, give: bool) -> None:
-    """``give``: a runtime dir without a plan cache gets the plans this worker's doctor runs made before; else the
-    plans its doctor run kept are taken in. A plan is a pure function of the rule's SQL, the schema, the settings and
-    probe's SQL code (the cache's key), so a test's first doctor run reads the plans a user's second run would: the
-    planning of every rule (~0.7 s of CPU a run) is made once per schema, not once per test."""
-    path = os.path.join(runtime_dir, _PLANS)
-    try:
-        if give:
-            if _plans and not os.path.exists(path):
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "w") as f:
-                    json.dump(_plans, f)
-            return
-        with open(path) as f:
-            kept = json.load(f)
-    except (OSError, ValueError):  # no runtime dir (a test that removed it), or no plans kept: nothing to share
-        return
-    for key, plan in kept.items():
-        _plans.pop(key, None)
-        _plans[key] = plan
-    for key in list(_plans)[: max(0, len(_plans) - _KEEP)]:
-        del _plans[key]
-
-
 def doctor(cli, target, *extra, env=None):
     runtime_dir = {**getattr(cli, "env", {}), **(env or {})}.get("PROBE_RUNTIME_DIR")
     if runtime_dir:
-        _share_plans(runtime_dir, give=True)
+        share_doctor_plans(runtime_dir, give=True)
     r = cli(str(target), "doctor", "-f", "json", *extra, env=env, timeout=180)  # a deadline: see conftest._cli_runner
     if runtime_dir:
-        _share_plans(runtime_dir, give=False)
+        share_doctor_plans(runtime_dir, give=False)
     assert r.returncode in (0, FOUND_EXIT), r.stderr
     assert "Traceback" not in r.stderr
     doc = json.loads(r.stdout)
