@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from conftest import TARGETS, poll
+from harness import share_doctor_plans
 from targets.fault_catalog import NOT_ALSO, plant
 
 FOUND_EXIT = 8
@@ -31,7 +32,12 @@ def above_info(findings) -> list:
 
 
 def doctor(cli, target, *extra, env=None):
+    runtime_dir = {**getattr(cli, "env", {}), **(env or {})}.get("PROBE_RUNTIME_DIR")
+    if runtime_dir:
+        share_doctor_plans(runtime_dir, give=True)
     r = cli(str(target), "doctor", "-f", "json", *extra, env=env, timeout=180)  # a deadline: see conftest._cli_runner
+    if runtime_dir:
+        share_doctor_plans(runtime_dir, give=False)
     assert r.returncode in (0, FOUND_EXIT), r.stderr
     assert "Traceback" not in r.stderr
     doc = json.loads(r.stdout)

@@ -15,7 +15,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 
-from harness import TARGETS, clean_env, poll, run_probe, start, stop_groups
+from harness import TARGETS, clean_env, poll, run_probe, share_doctor_plans, start, stop_groups
 
 PARTIAL = 7
 HUNG_AFTER = "2"
@@ -44,7 +44,14 @@ class Job:
         return any(text in line for line in list(self.lines))
 
     def cli(self, *args, env=None, timeout=60):
-        return run_probe(*args, env=dict(self.env, **(env or {})), timeout=timeout)
+        env = dict(self.env, **(env or {}))
+        doctor = "doctor" in args
+        if doctor:
+            share_doctor_plans(env["PROBE_RUNTIME_DIR"], give=True)
+        r = run_probe(*args, env=env, timeout=timeout)
+        if doctor:
+            share_doctor_plans(env["PROBE_RUNTIME_DIR"], give=False)
+        return r
 
 
 def _free_port() -> int:

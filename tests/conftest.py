@@ -112,6 +112,7 @@ def _cli_runner(base_env: dict):
     def _cli(*args, env=None, timeout: float = 180.0, input: str | None = None):
         return run_probe(*args, env={**base_env, **(env or {})}, timeout=timeout, input=input)
 
+    _cli.env = base_env  # its runtime dir, for helpers that prepare it (tests/_doctor.py)
     return _cli
 
 

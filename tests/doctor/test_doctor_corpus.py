@@ -19,7 +19,7 @@ import pytest
 
 from _doctor import above_info, doctor
 from harness import max_step, stop_groups
-from conftest import ROOT, poll, requires_torch
+from conftest import ROOT, requires_torch
 
 from faults.corpus import ERRORS, GROUPS, STARVED
 
@@ -132,8 +132,9 @@ def _named_and_twins_quiet(spawn, cli, tmp_path, group, cpu=None):
     # and: the healthy twins, each as far past its onset as its error took to be named, get nothing above info
     fixed = tmp_path / "next-fixed"
     fixed.mkdir()
+    reach = ",".join(str(took[error] + 5) for error in group)
     twin = spawn(
-        [SCRIPT, "--errors", ",".join(group), "--fixed", "--next-dir", fixed],
+        [SCRIPT, "--errors", ",".join(group), "--fixed", "--next-dir", fixed, "--reach", reach],
         env={"PROBE": "1"},
         ready="ready",
         timeout=180,
@@ -141,12 +142,8 @@ def _named_and_twins_quiet(spawn, cli, tmp_path, group, cpu=None):
     if cpu is not None:
         os.sched_setaffinity(twin.pid, {cpu})
     for error in group:
-        onset_step, _ = _onset(twin, error)
-        assert poll(
-            lambda onset_step=onset_step, error=error: max_step(cli, twin.pid) >= onset_step + took[error] + 5,
-            120,
-            interval=0.5,
-        )
+        _onset(twin, error)
+        twin.wait_for(f"reached error={error} ", 120)  # the twin's own step count, as torch.steps counts
         findings = doctor(cli, twin.pid)["findings"]
         assert not above_info(findings), (error, findings)
         if cpu is not None:  # the twin of an input-bound loop: no longer input bound

@@ -1,7 +1,7 @@
 """Silent training errors from public reports, rewritten small for CPU with synthetic data, each beside its
 healthy twin (the same script with ``--fixed``).
 
-    python real_world.py --errors NAME[,NAME...] [--fixed] [--next-dir DIR]
+    python real_world.py --errors NAME[,NAME...] [--fixed] [--next-dir DIR] [--reach N[,N...]]
 
 A small image classifier (two conv blocks with batch norm, a classifier with dropout, an extra head) on
 generated 12x12 images of 10 classes. It never imports probe: run it with PROBE=1, as a user would.
@@ -12,7 +12,8 @@ from the phase before (so the loss goes on where it was), builds its own optimiz
 process started, as torch.steps counts them), and from then on trains with the error (or, with ``--fixed``,
 without it) until the file ``DIR/NAME`` appears (the test has seen what it waited for); then it prints
 ``phase-end error=NAME`` and goes on to the next. After the last phase it trains on until killed. It prints
-``ready`` after a few steps.
+``ready`` after a few steps. With ``--reach``, a phase prints ``reached error=NAME step=S`` once it has trained that
+many steps past its onset (one count a phase, in the order of ``--errors``): a test waits for that line, not polls.
 
 The errors (tests/faults/corpus.py gives the doctor rule that must name each, and docs/doctor.md the table):
 
@@ -169,8 +170,12 @@ p.add_argument("--fixed", action="store_true", help="the healthy twin: the same 
 p.add_argument("--onset", type=int, default=20, help="optimizer steps of each phase before its error acts")
 p.add_argument("--next-dir", default=None, help="a phase ends when DIR/NAME exists (without: never)")
 p.add_argument("--step-sleep", type=float, default=0.01)
+p.add_argument("--reach", default=None, help="comma-separated step counts past each phase's onset to announce")
 args = p.parse_args()
 errors = args.errors.split(",")
+reach = [int(n) for n in args.reach.split(",")] if args.reach else [None] * len(errors)
+if len(reach) != len(errors):
+    p.error(f"--reach gives {len(reach)} counts for {len(errors)} errors")
 for e in errors:
     if e not in ERRORS:
         p.error(f"unknown error {e!r}; known: {', '.join(ERRORS)}")
@@ -442,6 +447,8 @@ for i, error in enumerate(errors):
         time.sleep(args.step_sleep)  # ok-sleep: keeps the loop from starving the test on 2 cores
         if steps == 5:
             print(f"ready pid={os.getpid()}", flush=True)
+        if reach[i] is not None and phase.local == args.onset + reach[i]:
+            print(f"reached error={error} step={steps}", flush=True)
         if done is not None and phase.local > args.onset and os.path.exists(done) and i < len(errors) - 1:
             break
     state = {k: v for k, v in phase.model.state_dict().items() if not k.startswith("adapter.")}

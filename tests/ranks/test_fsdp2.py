@@ -1,6 +1,6 @@
 """FSDP2 (``fully_shard``) on gloo, 2 ranks under ``python -m torch.distributed.run``, PROBE=1 at its
-defaults and no probe code: the job trains its 1000 steps while queries and ``--ranks all doctor``
-run, and the flight recorder shows only the job's own collectives (the probe never issues one: a
+defaults and no probe code: the job trains while queries and ``--ranks all doctor`` run (until the test lets it
+finish), and the flight recorder shows only the job's own collectives (the probe never issues one: a
 collective on one rank that the other never matches hangs the job). Gradient norms are per rank
 (the local shards), torch.parameters reads the local shards, torch.optimizer counts this rank's."""
 
@@ -14,7 +14,7 @@ from _ranks import ddp_job
 pytestmark = requires_torch
 
 TARGET = str(TARGETS / "fsdp2_train.py")
-STEPS = 1000
+STEPS = 200  # the least each rank trains: a history for torch.steps and the doctor
 
 
 def rows(job, sql, *extra):
@@ -25,11 +25,14 @@ def rows(job, sql, *extra):
 
 def test_fsdp2_trains_at_defaults_while_probed_and_probe_issues_no_collective(tmp_path):
     ckpt = str(tmp_path / "ck-{rank}.pt")
-    # 10 ms of sleep a step: the 1000 steps last 10 s or more on any machine, longer than a round of queries (two
-    # queries and a doctor run on both ranks: a few seconds)
+    stop = tmp_path / "stop"
+    # the job trains on past its STEPS until the test, done with its round of queries, makes the file ``stop``; 10 ms
+    # of sleep a step keep its two ranks from taking both cores from the queries
     with ddp_job(
         "--steps",
         str(STEPS),
+        "--until",
+        str(stop),
         "--step-sleep",
         "0.01",
         "--linger",
@@ -38,48 +41,38 @@ def test_fsdp2_trains_at_defaults_while_probed_and_probe_issues_no_collective(tm
         extra_env={"PROBE_HUNG_AFTER": "30"},
         torchrun=True,
     ) as job:
-        # when: a checkpoint of the sharded model, and queries and doctor calls that keep coming while the
-        # job trains (each reads every rank)
+        # when: a checkpoint of the sharded model, then queries and a doctor call while the job trains (each reads
+        # every rank)
         c = job.cli("--ranks", "all", "--yes", "checkpoint", ckpt)
         assert c.returncode == 0, c.stdout + c.stderr
         for r in (0, 1):
             assert f"the file holds rank {r}'s shards of 2" in c.stdout and "probe.load_checkpoint(" in c.stdout, (
                 c.stdout
             )
-        rounds = 0
-
-        def busy():
-            nonlocal rounds
-            steps = rows(
-                job, "SELECT rank, MAX(step) AS step, COUNT(grad_norm) AS norms FROM torch.steps GROUP BY rank"
-            )
-            assert len(steps) == 2, steps
-            params = rows(
-                job, "SELECT rank, name, numel, local_numel, placement, grad_norm, nan_count FROM torch.parameters"
-            )
-            assert {p["rank"] for p in params} == {0, 1} and all(p["placement"] for p in params), params
-            # values are read at a step boundary: NULL only once a rank has stopped stepping (its last step done)
-            unread = sorted({p["rank"] for p in params if p["nan_count"] is None})
-            assert all(p["nan_count"] == 0 or p["nan_count"] is None for p in params), params
-            assert all(job.saw(f"done rank={r} ") for r in unread), (
-                f"rank(s) {unread} had no step boundary within 5 s while training",
-                rows(job, "SELECT rank, MAX(step) AS step, MAX(ended_at) AS at FROM torch.steps GROUP BY rank"),
-                job.lines[-6:],
-                [p for p in params if p["rank"] in unread][:2],
-            )
-            d = job.cli("--ranks", "all", "--format", "json", "doctor")
-            doc = json.loads(d.stdout)
-            assert doc["answering"] == 2, d.stdout + d.stderr
-            found = doc["findings"]
-            assert not [f for f in found if f["rule"] in ("hung_rank", "desync", "not_answering")], found
-            finished = job.saw(f"done rank=0 steps={STEPS}") and job.saw(f"done rank=1 steps={STEPS}")
-            if not finished:
-                rounds += 1  # a whole round of queries and doctor calls while both ranks were still training
-            return finished
-
-        # then: both ranks finish every step (no hang), with the probe busy the whole time
-        assert poll(busy, 600, interval=1.0), "\n".join(job.lines[-20:])
-        assert rounds >= 1, "the job finished before a round of queries did"
+        steps = rows(job, "SELECT rank, MAX(step) AS step, COUNT(grad_norm) AS norms FROM torch.steps GROUP BY rank")
+        assert len(steps) == 2, steps
+        params = rows(
+            job, "SELECT rank, name, numel, local_numel, placement, grad_norm, nan_count FROM torch.parameters"
+        )
+        assert {p["rank"] for p in params} == {0, 1} and all(p["placement"] for p in params), params
+        # values are read at a step boundary: every rank is still stepping, so none is NULL
+        assert all(p["nan_count"] == 0 for p in params), (
+            "a rank had no step boundary within 5 s while training",
+            rows(job, "SELECT rank, MAX(step) AS step, MAX(ended_at) AS at FROM torch.steps GROUP BY rank"),
+            job.lines[-6:],
+            params[:4],
+        )
+        d = job.cli("--ranks", "all", "--format", "json", "doctor")
+        doc = json.loads(d.stdout)
+        assert doc["answering"] == 2, d.stdout + d.stderr
+        found = doc["findings"]
+        assert not [f for f in found if f["rule"] in ("hung_rank", "desync", "not_answering")], found
+        assert not job.saw("done rank="), "the job finished before the test let it"
+        # then: both ranks go on to their last step together (no hang), with the probe busy up to then
+        stop.touch()
+        assert poll(lambda: job.saw("done rank=0 ") and job.saw("done rank=1 "), 600), "\n".join(job.lines[-20:])
+        done = sorted(line for line in job.lines if line.startswith("done rank="))
+        assert done[0].split()[-1] == done[1].split()[-1], done
         # and the flight recorder holds the job's collectives only: forward and backward of the
         # training loop, the same ones on both ranks
         coll = rows(job, "SELECT rank, op, call_site, COUNT(*) AS n FROM torch.collectives GROUP BY ALL")

@@ -4,7 +4,8 @@ Run under torchrun with PROBE=1 and no probe code:
 ``PROBE=1 python -m torch.distributed.run --nproc-per-node 2 fsdp2_train.py --steps 2000``.
 Each rank prints ``ready rank=R pid=P world=W`` after its first step, ``progress rank=R step=S``
 every 500 steps and ``done rank=R steps=S`` at the end, then waits (``--linger``) so the test can
-still read its tables, or exits.
+still read its tables, or exits. With ``--until FILE`` the job trains on past ``--steps`` until FILE exists: the
+ranks agree on it every 50 steps (an all_reduce of the job's own), so all stop at the same step.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ p.add_argument(
     "--step-sleep", type=float, default=0.0, help="Seconds to sleep each step: a floor under the job's length."
 )
 p.add_argument("--backend", default="gloo", help="gloo (CPU) or nccl (CUDA, one GPU per rank).")
+p.add_argument("--until", default=None, help="After --steps, train on until this file exists.")
 p.add_argument("--linger", action="store_true", help="After the last step, wait (in Python) until killed.")
 p.add_argument(
     "--resume", default=None, help="Load probe.load_checkpoint(PATH) first, {rank} expanded; print what it held."
@@ -60,7 +62,17 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-for step in range(1, args.steps + 1):
+step = 0
+while True:
+    if step >= args.steps:
+        if args.until is None:
+            break
+        if step % 50 == 0:  # every rank stops at the same step: they agree on the file at the same steps
+            seen = torch.tensor([float(os.path.exists(args.until))], device=dev)
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+            if seen.item():
+                break
+    step += 1
     x = torch.randn(8, 16, generator=gen, device=dev)
     y = torch.randint(0, 4, (8,), generator=gen, device=dev)
     loss = nn.functional.cross_entropy(model(x), y)
@@ -73,7 +85,7 @@ for step in range(1, args.steps + 1):
         say(f"ready rank={rank} pid={os.getpid()} world={world}")
     if step % 500 == 0:
         say(f"progress rank={rank} step={step}")
-say(f"done rank={rank} steps={args.steps}")
+say(f"done rank={rank} steps={step}")
 while args.linger:
     time.sleep(0.2)  # ok-sleep: idle in Python after training, for the tables to be read
 dist.destroy_process_group()
