@@ -18,7 +18,7 @@ import time
 import pytest
 
 from _doctor import above_info, doctor
-from harness import max_step, stop_groups
+from harness import max_step, query_json, stop_groups
 from conftest import ROOT, requires_torch
 
 from faults.corpus import ERRORS, GROUPS, STARVED
@@ -110,8 +110,16 @@ def _named_and_twins_quiet(spawn, cli, tmp_path, group, cpu=None):
         onset_step, onset_time = _onset(job, error)
         # when / then: the doctor names it, with the names the user needs
         finding, last = _named(cli, job.pid, rule, words, onset_step)
-        if finding is None:
-            missed.append((error, [(f["rule"], f["message"][:200]) for f in last]))
+        if finding is None:  # what the next look at a miss needs: the findings, and the measured rows since the onset
+            after = f"step >= {onset_step}"
+            seen = query_json(
+                cli,
+                job.pid,
+                f"SELECT (SELECT count(*) FROM torch.steps WHERE measured AND {after}) AS measured, parameter, "
+                "count(*) AS updates, list(step ORDER BY step)[-8:] AS last_steps, min(norm) AS low, "
+                f"max(norm) AS high, max(ratio) AS top FROM torch.updates WHERE {after} - 300 GROUP BY parameter",
+            )
+            missed.append((error, [(f["rule"], f["message"][:200]) for f in last], seen))
         else:
             seconds, steps = time.time() - onset_time, max_step(cli, job.pid) - onset_step
             since = finding["evidence"].get("since")
