@@ -180,13 +180,18 @@ j AS (SELECT rank, parameter, arg_max(norm, step) / min(
                WHEN norm > {_GROWTH} * prev AND step - prev_at <= {_GROWN_IN}
                     AND ln(norm / prev) > (step - prev_at) * ln(1 + {_RATE}) THEN prev END) AS growth
       FROM g GROUP BY rank, parameter),
+-- the updates judged: those taken at a rate within 2x of the latest one (a rate far from it, a schedule's tail or
+-- another stage's optimizer, is judged with its own updates)
+c AS (SELECT u.* FROM u JOIN (SELECT rank, arg_max(lr, step) AS lr FROM u GROUP BY rank) AS k
+      ON k.rank IS NOT DISTINCT FROM u.rank
+      WHERE u.lr IS NULL OR k.lr IS NULL OR u.lr BETWEEN 0.5 * k.lr AND 2 * k.lr),
 s AS (SELECT rank, step, row_number() OVER (PARTITION BY rank ORDER BY step DESC) AS age,
              max(step) OVER (PARTITION BY rank) AS last
-      FROM (SELECT DISTINCT rank, step FROM u)),
+      FROM (SELECT DISTINCT rank, step FROM c)),
 -- and every update of the last 20 steps, from the last one 20 or more steps back (a burst of measured steps, a
 -- trace the doctor asked for, measures an update every other step; at any cadence the span reaches 20 steps)
 f AS (SELECT rank, max(step) AS first FROM s WHERE step <= last - 20 GROUP BY rank),
-w AS (SELECT u.* FROM u JOIN s ON s.rank IS NOT DISTINCT FROM u.rank AND s.step = u.step
+w AS (SELECT c.* FROM c JOIN s ON s.rank IS NOT DISTINCT FROM c.rank AND s.step = c.step
       LEFT JOIN f ON f.rank IS NOT DISTINCT FROM s.rank
       WHERE s.age <= {_UPDATES} OR s.step >= coalesce(f.first, s.last - 20)),
 p AS (SELECT w.rank, w.parameter, median(w.ratio) AS ratio, median(w.grad_ratio) AS grad_ratio,
@@ -224,7 +229,8 @@ rule(
     family="optimizer",
     severity="warning",
     description=(
-        f"Over the last {_UPDATES} measured optimizer steps and those of the last 20 steps (after step {_AFTER}), "
+        f"Over the last {_UPDATES} measured optimizer steps and those of the last 20 steps (after step {_AFTER}; "
+        "those at a rate within 2x of the latest), "
         "more than half the weight tensors "
         f"measured (torch.updates) changed by less than {_SMALL:g} of their size a step (‖Δw‖/‖w‖, ~1e-3 is "
         f"healthy) and by less than {_EFFECTIVE:g} of their gradient before clipping (grad_ratio: a converged model's "
@@ -263,7 +269,8 @@ rule(
     family="optimizer",
     severity="warning",
     description=(
-        f"Over the last {_UPDATES} measured optimizer steps and those of the last 20 steps (after step {_AFTER}), "
+        f"Over the last {_UPDATES} measured optimizer steps and those of the last 20 steps (after step {_AFTER}; "
+        "those at a rate within 2x of the latest), "
         "more than half the weight tensors "
         f"measured (torch.updates) changed by more than {_LARGE:g} of their size a step (‖Δw‖/‖w‖, ~1e-3 is "
         f"healthy), or are {_GROWTH} times as large (norm) as they were within {_GROWN_IN} steps before they grew "

@@ -91,6 +91,11 @@ def test_update_size_names_the_tensors_far_below_or_above_a_healthy_ratio():
     # before them starts the span)
     assert _updates("update_too_small", tiny, steps=[*range(60, 100, 10), *range(100, 130, 3)])
     assert _updates("update_too_large", {"a.weight": 0.5, "b.weight": 0.3}, steps=range(60, 200, 3))
+    # nor for the updates a rate far from the latest took (a schedule decayed to its tail, then a new optimizer or
+    # stage at its own rate): each rate's updates are judged with it
+    rows = [(None, s, 0.0, n, 1e-7, 0.01, 1e-3, 1.0) for s in range(60, 160, 10) for n in ("a.weight", "b.weight")]
+    rows += [(None, s, 0.0, n, 1e-3, 0.01, 0.1, 1.0) for s in (160, 170) for n in ("a.weight", "b.weight")]
+    assert not rule_rows("update_too_small", {"torch.updates": (UPDATES, rows), "torch.steps": _steps(170, 0.1)})
     # nor for a converged model: its gradients are small, and its step applies them in full
     rows = [(None, s, 0.0, n, 1e-6, 1e-5, 0.1, 1.0) for s in range(60, 110, 10) for n in ("a.weight", "b.weight")]
     assert not rule_rows("update_too_small", {"torch.updates": (UPDATES, rows), "torch.steps": _steps(100)})
