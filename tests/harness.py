@@ -98,8 +98,6 @@ def clean_env(runtime_dir: str | None = None, *, prefix: str = "pr-", **extra: s
     return env
 
 
-_DOCTOR_PLANS = "doctor-plans.json"  # the doctor's plan cache in the runtime dir (sql/plan_cache.py)
-_DOCTOR_PLANS_KEPT = 400  # as many plans as that cache keeps
 _doctor_plans: dict = {}  # the plans this test worker's doctor runs kept, the most recent last
 
 
@@ -108,7 +106,9 @@ def share_doctor_plans(runtime_dir: str, *, give: bool) -> None:
     plans its doctor run kept are taken in. A plan is a pure function of the rule's SQL, the schema, the settings and
     probe's SQL code (the cache's key), so a test's first doctor run reads the plans a user's second run would: the
     planning of every rule (~0.7 s of CPU a run) is made once per schema, not once per test."""
-    path = os.path.join(runtime_dir, _DOCTOR_PLANS)
+    from probe.sql.plan_cache import _FILE, _KEEP  # the doctor's plan cache in the runtime dir, and its size
+
+    path = os.path.join(runtime_dir, _FILE)
     try:
         if give:
             if _doctor_plans and not os.path.exists(path):
@@ -123,7 +123,7 @@ def share_doctor_plans(runtime_dir: str, *, give: bool) -> None:
     for key, plan in kept.items():
         _doctor_plans.pop(key, None)
         _doctor_plans[key] = plan
-    for key in list(_doctor_plans)[: max(0, len(_doctor_plans) - _DOCTOR_PLANS_KEPT)]:
+    for key in list(_doctor_plans)[: max(0, len(_doctor_plans) - _KEEP)]:
         del _doctor_plans[key]
 
 
